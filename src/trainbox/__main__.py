@@ -1,0 +1,3 @@
+from trainbox.cli import main
+
+raise SystemExit(main())

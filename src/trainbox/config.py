@@ -1,0 +1,301 @@
+"""RunConfig: the one typed config tree (pydantic v2, extra="forbid").
+
+Flow: recipe name or file (YAML/JSON) -> dict -> dotted `key=value` overrides -> RunConfig -> builders.
+Every section owns the settings of one component; a wrong key or type fails here, before any work,
+with a message that names the exact dotted key and the closest valid keys.
+"""
+from __future__ import annotations
+
+import difflib
+import json
+from importlib import resources
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from trainbox.errors import ConfigError
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class RunSection(Section):
+    name: str | None = Field(None, description="run name; defaults to the recipe name")
+    dir: str = Field("runs", description="folder that holds run directories")
+    seed: int = 1337
+    resume: str = Field("auto", description="auto (continue from latest), never, or a checkpoint path")
+    init_from: str | None = Field(None, description="checkpoint or HF folder to load weights from (new run)")
+
+
+class DataSection(Section):
+    path: str = Field("embedded:shakespeare", description="embedded corpus, token-file prefix, or text/JSONL input")
+    val_path: str | None = Field(None, description="validation token files (default: the _val split of path)")
+    tokenizer: str = Field("gpt2", description="gpt2, embedded:shakespeare-bpe, a tokenizer.json or folder")
+    seq_len: int = Field(1024, ge=8)
+    format: Literal["auto", "shard", "megatron", "flat"] = "auto"
+    text_key: list[str] = Field(default_factory=lambda: ["text"])
+    chat_template: str | None = Field(None, description="built-in template name (chatml) for chat JSONL")
+    packing: bool = True
+    cache_dir: str | None = Field(None, description="where tokenized data is cached (default ~/.cache/trainbox)")
+    num_workers: int = Field(1, ge=0, description="tokenizer worker processes for raw-text inputs")
+
+
+class MoESection(Section):
+    num_experts: int = Field(8, ge=1)
+    top_k: int = Field(2, ge=1)
+    capacity_factor: float = Field(0.0, ge=0, description="0 = dropless")
+    lb_loss_weight: float = Field(0.01, ge=0)
+    z_loss_weight: float = Field(0.0, ge=0)
+    jitter_eps: float = Field(0.0, ge=0)
+    every: int = Field(1, ge=1, description="every k-th block's MLP is an MoE FFN")
+
+    @model_validator(mode="after")
+    def _top_k_le_experts(self) -> "MoESection":
+        if self.top_k > self.num_experts:
+            raise ValueError(f"model.moe.top_k={self.top_k} exceeds model.moe.num_experts={self.num_experts}")
+        return self
+
+
+class ModelSection(Section):
+    family: Literal["gpt", "moe", "speedrun", "t5", "hf"] = "gpt"
+    n_layer: int = Field(12, ge=1)
+    n_head: int = Field(12, ge=1)
+    n_embd: int = Field(768, ge=8)
+    head_dim: int | None = Field(None, description="speedrun: width of one head (default n_embd // n_head)")
+    vocab_size: int | None = Field(None, description="default: the tokenizer's, padded to a multiple of 64")
+    block_size: int | None = Field(None, description="positions the model supports (default data.seq_len)")
+    dropout: float = Field(0.0, ge=0, lt=1)
+    bias: bool = True
+    tie_embeddings: bool = True
+    moe: MoESection = Field(default_factory=MoESection)
+    logit_softcap: float = Field(15.0, ge=0, description="speedrun: tanh soft-cap of the logits (0 = off)")
+    window: int = Field(1792, ge=1, description="speedrun: final attention window (tokens)")
+    window_warmup_steps: int = Field(0, ge=0, description="speedrun: steps over which the window grows")
+    path: str | None = Field(None, description="hf: hub id or local folder of a Hugging Face causal LM")
+
+    @model_validator(mode="after")
+    def _heads_divide_width(self) -> "ModelSection":
+        if self.family in ("gpt", "moe") and self.n_embd % self.n_head:
+            raise ValueError(f"model.n_embd={self.n_embd} is not divisible by model.n_head={self.n_head}")
+        return self
+
+
+class OptimSection(Section):
+    name: Literal["adamw", "muon"] = "adamw"
+    lr: float = Field(6e-4, gt=0)
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    weight_decay: float = Field(0.1, ge=0)
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = Field(1e-8, gt=0)
+    grad_clip: float = Field(1.0, ge=0, description="0 = no clipping")
+    schedule: Literal["cosine", "linear", "constant", "wsd"] = "cosine"
+    warmup_steps: int = Field(0, ge=0)
+    cooldown_frac: float = Field(0.2, ge=0, le=1, description="wsd: fraction of steps in the final decay")
+    muon_lr: float = Field(0.02, gt=0)
+    muon_momentum: float = Field(0.95, ge=0, lt=1)
+    muon_momentum_warmup_steps: int = Field(300, ge=0)
+    muon_zeropower: str = Field("newton_schulz5", description="newton_schulz5, polar_express or svd")
+    muon_ns_steps: int = Field(5, ge=1)
+    embed_lr: float | None = Field(None, description="muon: AdamW lr of embeddings (default lr)")
+    head_lr: float | None = Field(None, description="muon: AdamW lr of the output head (default lr)")
+
+
+class TrainSection(Section):
+    global_batch_size: int = Field(512, ge=1, description="sequences per optimizer step, all ranks together")
+    micro_batch_size: int = Field(16, ge=1, description="sequences per forward pass on one rank")
+    epochs: float | None = Field(None, gt=0)
+    max_steps: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1)
+    eval_every: int = Field(250, ge=0, description="0 = only at the end")
+    eval_tokens: int = Field(1_048_576, ge=1, description="tokens of the fixed validation slice")
+    checkpoint_every: int = Field(1000, ge=0, description="0 = only at epoch ends and the end")
+    keep_last: int = Field(3, ge=1)
+    compile: bool = False
+    dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
+    device: str = Field("auto", description="auto, cpu, cuda, cuda:N")
+    pg_timeout_s: int = Field(1800, ge=10, description="process-group timeout (covers rank-0 saves and evals)")
+    sample_tokens: int = Field(200, ge=0, description="tokens generated at the end of the run (0 = none)")
+    sample_prompt: str = "\n"
+    threads: int | None = Field(None, ge=1, description="CPU threads (default: all cores)")
+    peak_tflops: float | None = Field(None, gt=0, description="per-device peak for MFU (default: from the GPU name)")
+
+
+class MonitorSection(Section):
+    enabled: bool = True
+    host: str = "127.0.0.1"
+    port: int = Field(8080, ge=0, le=65535, description="0 = pick a free port")
+    token: str | None = None
+    log_every: int = Field(10, ge=1)
+    stall_seconds: float | None = Field(None, gt=0, description="default: derived from the step time")
+    tensorboard: bool = False
+    wandb: bool = False
+    wandb_project: str = "trainbox"
+    progress: Literal["auto", "bar", "lines"] = "auto"
+
+
+class LoraSection(Section):
+    r: int = Field(16, ge=1)
+    alpha: float = 32.0
+    dropout: float = Field(0.05, ge=0, lt=1)
+    target_modules: list[str] | str = "all-linear"
+    gradient_checkpointing: bool = True
+
+
+class QuantSection(Section):
+    load_in_4bit: bool = False
+    load_in_8bit: bool = False
+
+    @model_validator(mode="after")
+    def _one_mode(self) -> "QuantSection":
+        if self.load_in_4bit and self.load_in_8bit:
+            raise ValueError("quant.load_in_4bit and quant.load_in_8bit are exclusive: choose one")
+        return self
+
+
+class RunConfig(Section):
+    """The whole run. `trainbox config schema` prints this as JSON schema."""
+
+    recipe: str | None = Field(None, description="recipe this config came from")
+    run: RunSection = Field(default_factory=RunSection)
+    data: DataSection = Field(default_factory=DataSection)
+    model: ModelSection = Field(default_factory=ModelSection)
+    optim: OptimSection = Field(default_factory=OptimSection)
+    train: TrainSection = Field(default_factory=TrainSection)
+    monitor: MonitorSection = Field(default_factory=MonitorSection)
+    lora: LoraSection = Field(default_factory=LoraSection)
+    quant: QuantSection = Field(default_factory=QuantSection)
+
+    @property
+    def run_name(self) -> str:
+        return self.run.name or self.recipe or "run"
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.run.dir) / self.run_name
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def recipe_names() -> list[str]:
+    return sorted(p.name[:-5] for p in resources.files("trainbox.recipes").iterdir() if p.name.endswith(".yaml"))
+
+
+def _read_file(path: Path) -> dict:
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
+    try:
+        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except (json.JSONDecodeError, yaml.YAMLError) as e:
+        raise ConfigError(f"{path} is not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} must hold a mapping of config sections, not {type(data).__name__}")
+    return data
+
+
+def load_source(source: str | None) -> dict:
+    """A recipe name (`tiny`), or a path to a YAML/JSON file. Returns the raw dict."""
+    source = source or "tiny"
+    path = Path(source)
+    if path.suffix in (".yaml", ".yml", ".json") or path.exists():
+        if not path.is_file():
+            raise ConfigError(f"config file {source} does not exist",
+                              hint=f"recipes: {', '.join(recipe_names())}")
+        data = _read_file(path)
+        if path.suffix == ".json" and _looks_like_training_arguments(data):
+            from trainbox.hfargs import map_training_arguments
+            data = map_training_arguments(data)
+        data.setdefault("recipe", path.stem)
+        return data
+    if source not in recipe_names():
+        close = difflib.get_close_matches(source, recipe_names(), n=3)
+        raise ConfigError(f"unknown recipe '{source}'" + (f"; did you mean {', '.join(close)}?" if close else ""),
+                          hint=f"recipes: {', '.join(recipe_names())}; or pass a path to a .yaml/.json file")
+    data = yaml.safe_load(resources.files("trainbox.recipes").joinpath(f"{source}.yaml").read_text()) or {}
+    data["recipe"] = source
+    return data
+
+
+def _looks_like_training_arguments(data: dict) -> bool:
+    return bool(data) and not (set(data) & set(RunConfig.model_fields)) and (
+        "model_name" in data or "per_device_train_batch_size" in data)
+
+
+def parse_value(text: str) -> Any:
+    """`key=value` values are YAML scalars/lists: 3 -> int, 1e-3 -> float, true -> bool, [a,b] -> list."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override '{item}' is not of the form key=value",
+                              hint="e.g. trainbox train tiny train.max_steps=50 model.n_layer=2")
+        key, value = item.split("=", 1)
+        parts = key.strip().split(".")
+        node = data
+        for i, part in enumerate(parts[:-1]):
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                raise ConfigError(f"override '{key}': '{'.'.join(parts[:i + 1])}' is a value, not a section")
+            node = child
+        node[parts[-1]] = parse_value(value)
+    return data
+
+
+def _fields_at(loc: tuple) -> list[str]:
+    model: Any = RunConfig
+    for part in loc:
+        field = getattr(model, "model_fields", {}).get(part)
+        if field is None:
+            return []
+        model = field.annotation
+    return list(getattr(model, "model_fields", {}))
+
+
+def _format_error(err: ValidationError) -> str:
+    messages = []
+    for e in err.errors():
+        loc = tuple(str(p) for p in e["loc"])
+        key = ".".join(loc) or "config"
+        if e["type"] == "extra_forbidden":
+            valid = _fields_at(loc[:-1])
+            close = difflib.get_close_matches(loc[-1], valid, n=3, cutoff=0.5)
+            where = ".".join(loc[:-1])
+            msg = f"unknown config key '{key}'"
+            if close:
+                msg += f"; did you mean {', '.join((where + '.' if where else '') + c for c in close)}?"
+            else:
+                msg += f"; valid keys{' in ' + where if where else ''}: {', '.join(valid)}"
+        else:
+            got = e.get("input")
+            got_s = "" if isinstance(got, dict) else f" (got {got!r})"
+            msg = f"{key}: {e['msg']}{got_s}"
+        messages.append(msg)
+    return "; ".join(messages)
+
+
+def build_config(data: dict) -> RunConfig:
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_format_error(e), hint="trainbox config schema lists every key") from None
+
+
+def load_config(source: str | None = None, overrides: list[str] | tuple = ()) -> RunConfig:
+    """Recipe name or file, plus dotted overrides -> validated RunConfig."""
+    return build_config(apply_overrides(load_source(source), list(overrides)))
+
+
+def dump_yaml(cfg: RunConfig) -> str:
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

@@ -1,0 +1,123 @@
+"""Deterministic, resumable, world-size-independent batches (DESIGN.md section 4).
+
+A sample is a packed window of `seq_len + 1` tokens over one token file; an epoch is one pass over all
+samples in a seeded permutation. The global batch at step `s` is a pure function of (seed, s):
+
+    epoch, pos = divmod(s, steps_per_epoch)
+    ids        = permutation(seed, epoch)[pos * G : (pos + 1) * G]
+
+Rank r of W takes ids[r * G/W : (r+1) * G/W] and cuts it into `accum = G / (micro * W)` micro-batches,
+so micro-batch k of rank r is always global slice (r * accum + k): the partition of a global batch
+into micro-batches does not depend on W, and a resume on another number of GPUs continues the same
+sequence of global batches. The loader's whole state is the step number.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from trainbox.errors import ConfigError, DataError
+
+
+class TokenDataset:
+    """Packed windows over one or more token arrays (memory-mapped). Windows never cross files."""
+
+    def __init__(self, arrays: list[np.ndarray], seq_len: int, name: str = "data",
+                 masks: list[np.ndarray] | None = None):
+        self.arrays, self.masks, self.seq_len, self.name = arrays, masks, seq_len, name
+        per_file = [max(0, (len(a) - 1) // seq_len) for a in arrays]
+        self.offsets = np.concatenate([[0], np.cumsum(per_file)]).astype(np.int64)
+        self.num_tokens = int(sum(len(a) for a in arrays))
+
+    @property
+    def num_samples(self) -> int:
+        return int(self.offsets[-1])
+
+    def window(self, i: int) -> tuple[np.ndarray, np.ndarray | None]:
+        f = int(np.searchsorted(self.offsets, i, side="right") - 1)
+        start = (i - int(self.offsets[f])) * self.seq_len
+        toks = self.arrays[f][start:start + self.seq_len + 1]
+        mask = self.masks[f][start:start + self.seq_len + 1] if self.masks is not None else None
+        return toks, mask
+
+    def batch(self, indices) -> dict[str, torch.Tensor]:
+        """Inputs x, targets y (int64, shape B x T); `loss_mask` where the data carries one."""
+        toks, masks = zip(*(self.window(int(i)) for i in indices))
+        arr = torch.from_numpy(np.stack(toks).astype(np.int64))
+        out = {"x": arr[:, :-1], "y": arr[:, 1:]}
+        if self.masks is not None:
+            out["loss_mask"] = torch.from_numpy(np.stack(masks)[:, 1:].astype(np.bool_))
+        return out
+
+
+@dataclass
+class BatchPlan:
+    """Which samples every rank sees at every step."""
+
+    dataset: TokenDataset
+    global_batch: int
+    micro_batch: int
+    world: int = 1
+    rank: int = 0
+    seed: int = 0
+
+    def __post_init__(self):
+        per_rank, rem = divmod(self.global_batch, self.world)
+        if rem or per_rank % self.micro_batch:
+            raise ConfigError(
+                f"train.global_batch_size={self.global_batch} must be a multiple of "
+                f"train.micro_batch_size x processes = {self.micro_batch} x {self.world}",
+                hint=f"e.g. train.global_batch_size={self.micro_batch * self.world * max(1, round(self.global_batch / (self.micro_batch * self.world)))}")
+        self.accum = per_rank // self.micro_batch
+        self._perm_epoch, self._perm = -1, None
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return self.dataset.num_samples // self.global_batch
+
+    def check_nonempty(self) -> None:
+        if self.steps_per_epoch == 0:
+            raise DataError(zero_steps_message(self.dataset.name, self.dataset.num_samples,
+                                               self.dataset.seq_len, self.global_batch))
+
+    def permutation(self, epoch: int) -> np.ndarray:
+        if epoch != self._perm_epoch:
+            rng = np.random.default_rng([self.seed, epoch])
+            self._perm, self._perm_epoch = rng.permutation(self.dataset.num_samples), epoch
+        return self._perm
+
+    def global_indices(self, step: int) -> np.ndarray:
+        epoch, pos = divmod(step, self.steps_per_epoch)
+        return self.permutation(epoch)[pos * self.global_batch:(pos + 1) * self.global_batch]
+
+    def micro_batches(self, step: int) -> list[dict[str, torch.Tensor]]:
+        ids = self.global_indices(step)
+        per_rank = self.global_batch // self.world
+        mine = ids[self.rank * per_rank:(self.rank + 1) * per_rank]
+        return [self.dataset.batch(mine[k * self.micro_batch:(k + 1) * self.micro_batch]) for k in range(self.accum)]
+
+
+def zero_steps_message(name: str, samples: int, seq_len: int, global_batch: int) -> str:
+    return (f"{name}: {samples} samples of {seq_len} tokens is fewer than one global batch of {global_batch} "
+            f"sequences, so an epoch has 0 steps. Add more data, or lower train.global_batch_size "
+            f"(at most {samples}) or data.seq_len")
+
+
+def open_token_files(paths: list[Path]) -> list[np.ndarray]:
+    from trainbox.data.formats import is_shard, read_flat, read_shard
+
+    return [read_shard(p) if is_shard(p) else read_flat(p) for p in paths]
+
+
+def eval_batches(dataset: TokenDataset, eval_tokens: int, micro_batch: int, world: int = 1, rank: int = 0):
+    """The fixed validation slice: the first eval_tokens // seq_len samples, split among ranks."""
+    n = min(dataset.num_samples, max(1, eval_tokens // dataset.seq_len))
+    if n == 0:
+        raise DataError(f"{dataset.name}: validation data holds no complete sample of {dataset.seq_len + 1} tokens",
+                        hint="add validation data or lower data.seq_len")
+    ids = np.arange(n)[rank::world]
+    for k in range(0, len(ids), micro_batch):
+        yield dataset.batch(ids[k:k + micro_batch])

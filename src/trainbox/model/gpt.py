@@ -1,0 +1,135 @@
+"""Dense GPT-2 family (`model.family: gpt`).
+
+Architecture (GPT-2, Radford et al. 2019): learned absolute positions, pre-LayerNorm blocks, causal
+self-attention through PyTorch SDPA (FlashAttention on GPU), GELU(tanh) MLP of width 4d, final
+LayerNorm, output head tied to the token embedding. Parameter names and shapes map 1:1 to Hugging
+Face's GPT2LMHeadModel (Conv1D weights are (in, out)), except that the vocabulary may be padded
+(50,257 -> 50,304) for faster matmuls; `export.py` and `checkpoint.load_weights` slice and pad.
+
+    trainbox train gpt2-125m data.path=PREFIX        # 124M GPT-2 on shard files
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from trainbox.model.layers import Conv1D, KVCache, cached_attention, gelu_tanh, init_normal_, scaled_residual_init_
+
+
+@dataclass
+class Output:
+    loss: torch.Tensor | None = None          # mean cross-entropy over (unmasked) target tokens
+    logits: torch.Tensor | None = None
+    aux_loss: torch.Tensor | None = None      # extra training loss (MoE balance); added by the loop
+    stats: dict = field(default_factory=dict)  # detached scalars/tensors for logging
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, loss_mask: torch.Tensor | None,
+                  reduction: str = "mean") -> torch.Tensor:
+    """Token cross-entropy in fp32; masked-out targets (loss_mask False) contribute nothing."""
+    if loss_mask is not None:
+        targets = targets.masked_fill(~loss_mask, -100)
+    loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1),
+                           ignore_index=-100, reduction=reduction)
+    return loss.view(targets.shape) if reduction == "none" else loss
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, n_embd: int, n_head: int, bias: bool, dropout: float):
+        super().__init__()
+        self.n_head, self.dropout = n_head, dropout
+        self.c_attn = Conv1D(n_embd, 3 * n_embd, bias)
+        self.c_proj = Conv1D(n_embd, n_embd, bias)
+        self.resid_dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None, pos: int = 0) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        # (B, T, C) -> (B, H, T, D)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        y = cached_attention(q, k, v, cache, pos)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.resid_dropout(self.c_proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, n_embd: int, bias: bool, dropout: float):
+        super().__init__()
+        self.c_fc = Conv1D(n_embd, 4 * n_embd, bias)
+        self.c_proj = Conv1D(4 * n_embd, n_embd, bias)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.c_proj(gelu_tanh(self.c_fc(x))))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg, mlp: nn.Module | None = None):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.n_embd, eps=1e-5, bias=cfg.bias)
+        self.attn = CausalSelfAttention(cfg.n_embd, cfg.n_head, cfg.bias, cfg.dropout)
+        self.ln_2 = nn.LayerNorm(cfg.n_embd, eps=1e-5, bias=cfg.bias)
+        self.mlp = mlp if mlp is not None else MLP(cfg.n_embd, cfg.bias, cfg.dropout)
+
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None, pos: int = 0) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), cache, pos)
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    """GPT-2. `cfg` is a ModelSection; `vocab_size` and `block_size` are already resolved."""
+
+    family = "gpt"
+
+    def __init__(self, cfg, vocab_size: int, block_size: int, make_mlp=None):
+        super().__init__()
+        self.cfg, self.vocab_size, self.block_size = cfg, vocab_size, block_size
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(vocab_size, cfg.n_embd),
+            wpe=nn.Embedding(block_size, cfg.n_embd),
+            drop=nn.Dropout(cfg.dropout),
+            h=nn.ModuleList([Block(cfg, make_mlp(i) if make_mlp else None) for i in range(cfg.n_layer)]),
+            ln_f=nn.LayerNorm(cfg.n_embd, eps=1e-5, bias=cfg.bias),
+        ))
+        self.lm_head = nn.Linear(cfg.n_embd, vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.transformer.wte.weight
+        init_normal_(self)
+        scaled_residual_init_(self, "c_proj.weight", cfg.n_layer)
+
+    def hidden(self, idx: torch.Tensor, caches: list[KVCache] | None = None, pos: int = 0) -> torch.Tensor:
+        T = idx.size(1)
+        if pos + T > self.block_size:
+            raise ValueError(f"sequence of {pos + T} tokens exceeds the model's block_size {self.block_size}")
+        positions = torch.arange(pos, pos + T, device=idx.device)
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(positions))
+        for i, block in enumerate(self.transformer.h):
+            x = block(x, caches[i] if caches else None, pos)
+        return self.transformer.ln_f(x)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, loss_mask: torch.Tensor | None = None,
+                caches: list[KVCache] | None = None, pos: int = 0, reduction: str = "mean") -> Output:
+        x = self.hidden(idx, caches, pos)
+        if targets is None:  # inference: only the last position's logits are needed
+            return Output(logits=self.lm_head(x[:, -1:, :]))
+        logits = self.lm_head(x)
+        return Output(loss=cross_entropy(logits, targets, loss_mask, reduction), logits=None)
+
+    def make_caches(self, batch: int, max_len: int, dtype, device) -> list[KVCache]:
+        hd = self.cfg.n_embd // self.cfg.n_head
+        return [KVCache(batch, self.cfg.n_head, max_len, hd, dtype, device) for _ in range(self.cfg.n_layer)]
+
+    def num_params(self, exclude_positions: bool = True) -> int:
+        n = sum(p.numel() for p in self.parameters())
+        return n - self.transformer.wpe.weight.numel() if exclude_positions else n
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token: 6N for the matmuls plus 12 * L * d * T for attention (nanoGPT, PaLM)."""
+        return 6 * self.num_params() + 12 * self.cfg.n_layer * self.cfg.n_embd * seq_len
+
+
+def build(cfg, vocab_size: int, block_size: int) -> GPT:
+    return GPT(cfg, vocab_size, block_size)

@@ -1,0 +1,89 @@
+"""Shared blocks. Model families compose these; none of them knows about training.
+
+Conv1D keeps Hugging Face GPT-2's weight layout (in_features, out_features) so that our state dict maps
+1:1, names and shapes, to GPT2LMHeadModel. KVCache is the one key/value cache used by generation.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class Conv1D(nn.Module):
+    """y = x @ W + b with W of shape (nx, nf): GPT-2's layout (a Linear with a transposed weight)."""
+
+    def __init__(self, nx: int, nf: int, bias: bool = True):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(nx, nf))
+        self.bias = nn.Parameter(torch.zeros(nf)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x @ self.weight
+        return y + self.bias if self.bias is not None else y
+
+
+class RMSNorm(nn.Module):
+    """RMS norm; `weight=False` gives the parameter-free version (modded-nanogpt)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, weight: bool = True):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim)) if weight else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.size(-1),), self.weight, self.eps)
+
+
+class KVCache(nn.Module):
+    """Pre-allocated keys/values for one attention layer: (B, H, T_max, D)."""
+
+    def __init__(self, batch: int, heads: int, max_len: int, head_dim: int, dtype, device):
+        super().__init__()
+        shape = (batch, heads, max_len, head_dim)
+        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+
+    def update(self, pos: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        t = k.size(2)
+        self.k[:, :, pos:pos + t] = k
+        self.v[:, :, pos:pos + t] = v
+        return self.k[:, :, :pos + t], self.v[:, :, :pos + t]
+
+
+def cached_attention(q, k, v, cache: KVCache | None, pos: int) -> torch.Tensor:
+    """Causal SDPA over (B, H, T, D) tensors, appending k/v to the cache when one is given.
+
+    With a cache, the T new queries sit at positions pos..pos+T-1 and see every cached key up to their
+    own position, so prefill (T > 1) and one-token decode (T = 1) are the same code.
+    """
+    if cache is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    k, v = cache.update(pos, k, v)
+    t, s = q.size(2), k.size(2)
+    if t == 1:
+        return F.scaled_dot_product_attention(q, k, v)
+    mask = torch.ones(t, s, dtype=torch.bool, device=q.device).tril(diagonal=s - t)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """GPT-2's gelu ("gelu_new" in Hugging Face): the tanh approximation."""
+    return F.gelu(x, approximate="tanh")
+
+
+def init_normal_(module: nn.Module, std: float = 0.02) -> None:
+    for p_name, p in module.named_parameters():
+        if p.dim() >= 2:
+            nn.init.normal_(p, mean=0.0, std=std)
+        elif p_name.endswith("bias"):
+            nn.init.zeros_(p)
+
+
+def scaled_residual_init_(model: nn.Module, suffix: str, n_layer: int, std: float = 0.02) -> None:
+    """GPT-2: residual output projections start with std / sqrt(2 * n_layer)."""
+    for name, p in model.named_parameters():
+        if name.endswith(suffix):
+            nn.init.normal_(p, mean=0.0, std=std / math.sqrt(2 * n_layer))

@@ -1,0 +1,39 @@
+"""Family name -> builder: the one list of model families.
+
+Each builder takes (ModelSection, vocab_size, block_size) and returns an nn.Module whose forward is
+`forward(idx, targets=None, loss_mask=None, caches=None, pos=0, reduction="mean") -> Output` and which
+has `make_caches`, `num_params` and `flops_per_token`.
+"""
+from __future__ import annotations
+
+import importlib
+
+import torch.nn as nn
+
+from trainbox.errors import ConfigError
+
+FAMILIES = {
+    "gpt": "trainbox.model.gpt",
+    "moe": "trainbox.model.moe",
+    "speedrun": "trainbox.model.speedrun",
+    "t5": "trainbox.model.t5",
+    "hf": "trainbox.model.hf",
+}
+
+
+def pad_vocab(n: int, multiple: int = 64) -> int:
+    """Round the vocabulary up for faster matmuls (GPT-2: 50,257 -> 50,304)."""
+    return -(-n // multiple) * multiple
+
+
+def build_model(cfg, vocab_size: int, block_size: int) -> nn.Module:
+    module = FAMILIES.get(cfg.family)
+    if module is None:
+        raise ConfigError(f"model.family={cfg.family!r} is not one of {', '.join(FAMILIES)}")
+    try:
+        builder = importlib.import_module(module).build
+    except ModuleNotFoundError as e:
+        if e.name == module:
+            raise ConfigError(f"model.family={cfg.family!r} is not available in this version of trainbox") from None
+        raise
+    return builder(cfg, vocab_size, block_size)

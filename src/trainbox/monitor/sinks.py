@@ -1,0 +1,92 @@
+"""Metric sinks: metrics.jsonl always; TensorBoard and W&B optional. The loop calls one `Sinks` object
+and never branches on which sinks are on.
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from trainbox.errors import MissingDependency
+
+
+class JsonlSink:
+    """One JSON object per line, flushed per event so a crash loses at most the line being written."""
+
+    def __init__(self, path: Path):
+        self.f = open(path, "a", buffering=1)
+
+    def log(self, event: dict) -> None:
+        self.f.write(json.dumps(event, default=float) + "\n")
+
+    def close(self) -> None:
+        self.f.close()
+
+
+class TensorBoardSink:
+    def __init__(self, logdir: Path):
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            raise MissingDependency("tensorboard", "tracking", "monitor.tensorboard") from None
+        self.w = SummaryWriter(str(logdir))
+
+    def log(self, event: dict) -> None:
+        step = event.get("step", 0)
+        kind = event.get("event", "train")
+        for k, v in event.items():
+            if isinstance(v, (int, float)) and k not in ("step", "time"):
+                self.w.add_scalar(f"{kind}/{k}", v, step)
+
+    def close(self) -> None:
+        self.w.close()
+
+
+class WandbSink:
+    """W&B (works offline with WANDB_MODE=offline). `run_id` makes a resumed run continue the same W&B run."""
+
+    def __init__(self, project: str, name: str, run_id: str | None, config: dict, run_dir: Path):
+        try:
+            import wandb
+        except ImportError:
+            raise MissingDependency("wandb", "tracking", "monitor.wandb") from None
+        self.wandb = wandb
+        self.run = wandb.init(project=project, name=name, id=run_id, resume="allow", config=config, dir=str(run_dir))
+        self.run_id = self.run.id
+
+    def log(self, event: dict) -> None:
+        kind = event.get("event", "train")
+        self.run.log({f"{kind}/{k}": v for k, v in event.items() if isinstance(v, (int, float)) and k != "step"},
+                     step=event.get("step"))
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class Sinks:
+    def __init__(self, sinks: list):
+        self.sinks = sinks
+
+    def log(self, event: str, **fields) -> None:
+        record = {"event": event, "time": round(time.time(), 3), **fields}
+        for s in self.sinks:
+            s.log(record)
+
+    def close(self) -> None:
+        for s in self.sinks:
+            s.close()
+
+    @property
+    def wandb_id(self) -> str | None:
+        return next((s.run_id for s in self.sinks if isinstance(s, WandbSink)), None)
+
+
+def build_sinks(monitor_cfg, run_dir: Path, run_name: str, config: dict, wandb_id: str | None, enabled: bool) -> Sinks:
+    if not enabled:  # non-zero ranks write nothing
+        return Sinks([])
+    sinks: list = [JsonlSink(run_dir / "metrics.jsonl")]
+    if monitor_cfg.tensorboard:
+        sinks.append(TensorBoardSink(run_dir / "tensorboard"))
+    if monitor_cfg.wandb:
+        sinks.append(WandbSink(monitor_cfg.wandb_project, run_name, wandb_id, config, run_dir))
+    return Sinks(sinks)

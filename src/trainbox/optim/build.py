@@ -1,0 +1,68 @@
+"""Optimizers and learning-rate schedules.
+
+AdamW (`optim.name: adamw`): two groups, weight decay on matrices (dim >= 2), none on biases, norms and
+scalars, as in GPT-2 / nanoGPT. Muon (`optim.name: muon`) is built in `optim/muon.py`: hidden 2-D
+matrices go to Muon, embeddings, head, norms and scalars to AdamW.
+
+Every optimizer is returned in a list, so the loop steps and schedules them all the same way; each
+param group keeps its base lr in `initial_lr` and the schedule multiplies it.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+
+from trainbox.config import OptimSection
+
+
+def adamw_groups(params: list[tuple[str, nn.Parameter]], weight_decay: float, lr: float) -> list[dict]:
+    decay = [p for _, p in params if p.dim() >= 2]
+    no_decay = [p for _, p in params if p.dim() < 2]
+    groups = [dict(params=decay, weight_decay=weight_decay, lr=lr), dict(params=no_decay, weight_decay=0.0, lr=lr)]
+    return [g for g in groups if g["params"]]
+
+
+def make_adamw(groups: list[dict], cfg: OptimSection, device: torch.device) -> torch.optim.AdamW:
+    # fused AdamW is one kernel per step on CUDA; on CPU the default foreach path is exact and fast enough
+    fused = device.type == "cuda"
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=fused)
+
+
+def build_optimizers(model: nn.Module, cfg: OptimSection, device: torch.device) -> list[torch.optim.Optimizer]:
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if cfg.name == "muon":
+        from trainbox.optim.muon import build_muon_optimizers
+        optimizers = build_muon_optimizers(model, params, cfg, device)
+    else:
+        optimizers = [make_adamw(adamw_groups(params, cfg.weight_decay, cfg.lr), cfg, device)]
+    for opt in optimizers:
+        for group in opt.param_groups:
+            group["initial_lr"] = group["lr"]
+    return optimizers
+
+
+def lr_multiplier(step: int, total: int, cfg: OptimSection) -> float:
+    """Multiplier of the base lr at `step` (0-based) of `total` steps."""
+    if cfg.warmup_steps and step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    if cfg.schedule == "constant":
+        return 1.0
+    lo = cfg.min_lr_ratio
+    if cfg.schedule == "wsd":  # warmup-stable-decay: flat, then linear decay over the last cooldown_frac
+        start = total * (1 - cfg.cooldown_frac)
+        if step < start:
+            return 1.0
+        return lo + (1 - lo) * max(0.0, (total - step) / max(1.0, total - start))
+    progress = min(1.0, (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps))
+    if cfg.schedule == "linear":
+        return lo + (1 - lo) * (1 - progress)
+    return lo + (1 - lo) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def set_lr(optimizers: list[torch.optim.Optimizer], mult: float) -> float:
+    for opt in optimizers:
+        for group in opt.param_groups:
+            group["lr"] = group["initial_lr"] * mult
+    return optimizers[0].param_groups[0]["lr"]

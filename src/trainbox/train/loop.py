@@ -1,0 +1,446 @@
+"""THE training loop, for every model family (pretraining and fine-tuning).
+
+    forward (loss + aux losses) -> backward with gradient accumulation -> clip -> step -> schedule
+    -> log -> eval -> checkpoint,      stopping cleanly on SIGTERM / SIGINT / SIGUSR1 or a NaN.
+
+The global batch is a pure function of (seed, step) (see data/loader.py), so the maths of a step is
+the same on 1 or N processes, and the loader's whole state is the step number. bf16 autocast on GPU,
+fp32 on CPU; `train.compile` wraps the model in torch.compile.
+"""
+from __future__ import annotations
+
+import math
+import signal
+import threading
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from trainbox import checkpoint
+from trainbox.config import RunConfig, dump_yaml
+from trainbox.data.loader import BatchPlan
+from trainbox.errors import CheckpointError, ConfigError, RunFinished, TrainingFailed
+from trainbox.monitor.console import ProgressBar, log
+from trainbox.monitor.sinks import build_sinks
+from trainbox.monitor.state import RunState
+from trainbox.train.distributed import Dist
+from trainbox.train.evaluate import autocast_context, evaluate
+
+# bf16 dense peak TFLOP/s per device, for MFU (override: train.peak_tflops)
+PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "GH200": 989.0, "A100": 312.0, "A800": 312.0,
+               "MI300X": 1307.0, "MI325X": 1307.0, "MI250X": 383.0, "L40S": 362.0, "A10G": 125.0, "4090": 165.0}
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+
+
+def resolve_device(cfg: RunConfig, dist: Dist) -> tuple[torch.device, torch.dtype]:
+    want = cfg.train.device
+    if want == "auto":
+        want = "cuda" if torch.cuda.is_available() else "cpu"
+    if want.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise ConfigError(f"train.device={cfg.train.device} but no CUDA GPU is visible",
+                              hint="use train.device=cpu, or check `trainbox doctor`")
+        device = torch.device("cuda", dist.local_rank if want == "cuda" else int(want.split(":")[1]))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device(want)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}.get(cfg.train.dtype)
+    if dtype is None:  # auto
+        dtype = torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
+    if dtype != torch.float32 and device.type == "cpu":
+        raise ConfigError(f"train.dtype={cfg.train.dtype} needs a GPU; on CPU training runs in fp32",
+                          hint="use train.dtype=auto or train.dtype=fp32")
+    return device, dtype
+
+
+def peak_flops(cfg: RunConfig, device: torch.device) -> float | None:
+    if cfg.train.peak_tflops:
+        return cfg.train.peak_tflops * 1e12
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v * 1e12 for k, v in PEAK_TFLOPS.items() if k in name), None)
+
+
+def plan_length(cfg: RunConfig, plan: BatchPlan) -> int:
+    """Total optimizer steps from train.max_steps, train.max_tokens or train.epochs (default 1 epoch)."""
+    t = cfg.train
+    tokens_per_step = t.global_batch_size * cfg.data.seq_len
+    if t.max_steps is not None:
+        return t.max_steps
+    if t.max_tokens is not None:
+        return max(1, t.max_tokens // tokens_per_step)
+    return max(1, int(math.ceil((t.epochs or 1.0) * plan.steps_per_epoch)))
+
+
+class StopFlag:
+    """Set by SIGTERM/SIGINT/SIGUSR1; the loop agrees across ranks at the next step boundary."""
+
+    def __init__(self):
+        self.signum: int | None = None
+        self._old = {}
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for s in STOP_SIGNALS:
+            self._old[s] = signal.signal(s, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        if self.signum is not None and signum == signal.SIGINT:  # a second Ctrl-C stops at once
+            raise KeyboardInterrupt
+        self.signum = signum
+        log.info(f"received {signal.Signals(signum).name}: saving a checkpoint at the next step boundary")
+
+    def restore(self) -> None:
+        for s, h in self._old.items():
+            signal.signal(s, h)
+
+
+@dataclass
+class Meter:
+    """Throughput and ETA counted over this process's steps only (a resume starts a new meter)."""
+
+    tokens_per_step: int
+    first_step: int
+    t0: float = field(default_factory=time.time)
+    t_ready: float | None = None   # end of the first step (compilation excluded from rates)
+    step_ready: int = 0
+    last_t: float = 0.0
+    last_step: int = 0
+
+    def step_done(self, step: int) -> None:
+        if self.t_ready is None:
+            self.t_ready, self.step_ready = time.time(), step
+            self.last_t, self.last_step = self.t_ready, step
+
+    def window(self, step: int) -> tuple[float | None, float | None]:
+        """-> (tokens/s over the window since the last call, seconds per step since ready)."""
+        now = time.time()
+        tok_s = None
+        if step > self.last_step and self.t_ready is not None:
+            tok_s = (step - self.last_step) * self.tokens_per_step / max(now - self.last_t, 1e-9)
+            self.last_t, self.last_step = now, step
+        per_step = (now - self.t_ready) / (step - self.step_ready) if self.t_ready and step > self.step_ready else None
+        return tok_s, per_step
+
+
+def _first_nonfinite(losses: list[torch.Tensor], first_step: int) -> int | None:
+    vals = torch.stack(losses)
+    bad = (~torch.isfinite(vals)).nonzero()
+    return first_step + int(bad[0]) if len(bad) else None
+
+
+class Trainer:
+    """Builds everything from a RunConfig, then `run()` trains. `dist` comes from cli.py (torchrun env)."""
+
+    def __init__(self, cfg: RunConfig, dist: Dist | None = None, argv: list[str] | None = None,
+                 progress: ProgressBar | None = None):
+        self.cfg, self.dist, self.argv = cfg, dist or Dist(), argv or []
+        self.run_dir = cfg.run_dir
+        self.ckpt_root = self.run_dir / "checkpoints"
+        self.progress = progress or ProgressBar(enabled=False)
+        self.stop = StopFlag()
+        self.device, self.dtype = resolve_device(cfg, self.dist)
+        self.autocast = lambda: autocast_context(self.device, self.dtype)
+
+    # ------------------------------------------------------------------ setup
+    def setup(self) -> None:
+        from trainbox import runs
+        from trainbox.data.sources import open_datasets
+        from trainbox.data.tokenizer import get_tokenizer
+        from trainbox.model.registry import build_model, pad_vocab
+
+        cfg, d = self.cfg, self.dist
+        d.init(self.device, cfg.train.pg_timeout_s)
+        if cfg.train.threads and self.device.type == "cpu":
+            torch.set_num_threads(cfg.train.threads)
+        self.resume_from = self._find_resume()
+        self.tokenizer = get_tokenizer(cfg.data.tokenizer)
+        vocab = cfg.model.vocab_size or pad_vocab(self.tokenizer.vocab_size)
+        self.train_data, self.val_data = open_datasets(cfg.data, self.tokenizer, vocab)
+        self.plan = BatchPlan(self.train_data, cfg.train.global_batch_size, cfg.train.micro_batch_size,
+                              d.world, d.rank, cfg.run.seed)
+        self.plan.check_nonempty()
+        self.total = plan_length(cfg, self.plan)
+        self.start_step, trainer_state = 0, {}
+        if self.resume_from is not None:
+            trainer_state = checkpoint.load_trainer(self.resume_from)
+            self.start_step = trainer_state["step"]
+            if self.start_step >= self.total:
+                raise RunFinished(f"run {self.run_dir} already finished at step {self.start_step} of {self.total}",
+                                  hint=f"start a new run with run.name=NEW_NAME (or raise train.max_steps to continue)")
+        torch.manual_seed(cfg.run.seed)  # identical initial weights on every rank
+        model = build_model(cfg.model, vocab, cfg.model.block_size or cfg.data.seq_len).to(self.device)
+        if cfg.run.init_from and self.resume_from is None:
+            checkpoint.load_weights(checkpoint.resolve(cfg.run.init_from), model)
+        self.model = model
+        from trainbox.optim.build import build_optimizers
+        self.optimizers = build_optimizers(model, cfg.optim, self.device)
+        if self.resume_from is not None:
+            checkpoint.load_weights(self.resume_from, model)
+            checkpoint.load_optimizers(self.resume_from, self.optimizers)
+            rng = checkpoint.load_rng(self.resume_from, d.rank)
+            if rng is not None and trainer_state.get("world") == d.world:
+                checkpoint.set_rng_state(rng)
+            else:
+                torch.manual_seed(cfg.run.seed + 1000 * d.rank + self.start_step)
+        else:
+            torch.manual_seed(cfg.run.seed + 1000 * d.rank)  # dropout differs per rank, init did not
+        self.tokens_seen = trainer_state.get("tokens_seen", 0)
+        self.ddp = None
+        if d.enabled:
+            self.ddp = nn.parallel.DistributedDataParallel(
+                model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+        fwd = self.ddp or model
+        self.forward = torch.compile(fwd) if cfg.train.compile else fwd
+        self.token_bytes = torch.tensor(self.tokenizer.token_bytes() + [0] * (vocab - self.tokenizer.vocab_size),
+                                        dtype=torch.long, device=self.device)
+        self.state = RunState(cfg.run_name, self.run_dir, self.total)
+        self._setup_run_files(trainer_state, runs)
+
+    def _find_resume(self) -> Path | None:
+        r = self.cfg.run.resume
+        if r == "never":
+            return None
+        if r == "auto":
+            return checkpoint.latest(self.ckpt_root)
+        return checkpoint.resolve(r)
+
+    def _setup_run_files(self, trainer_state: dict, runs) -> None:
+        cfg, d = self.cfg, self.dist
+        self.server = None
+        if d.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "config.yaml").write_text(dump_yaml(cfg))
+            runs.write_env(self.run_dir, self.argv, self.device, d.world)
+            gpu = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None
+            self.state.update(step=self.start_step, tokens_seen=self.tokens_seen, gpu_name=gpu,
+                              gpu_count=d.world if gpu else 0, cuda_available=torch.cuda.is_available(),
+                              resumed_from=str(self.resume_from) if self.resume_from else None,
+                              restarts=trainer_state.get("restarts", -1) + 1 if trainer_state else 0,
+                              epoch=self.start_step // self.plan.steps_per_epoch)
+            if cfg.monitor.enabled:
+                from trainbox.monitor.server import start_server
+                self.server = start_server(self.state, cfg.monitor)
+                self.state.update(url=self.server.url)
+            self.state.write_status(self.run_dir / "status.json")
+        self.sinks = build_sinks(cfg.monitor, self.run_dir, cfg.run_name, cfg.model_dump(mode="json"),
+                                 trainer_state.get("wandb_id"), d.is_main)
+        self.flops_per_token = self.model.flops_per_token(cfg.data.seq_len)
+        self.peak = peak_flops(cfg, self.device)
+        n = sum(p.numel() for p in self.model.parameters())
+        log.info(f"run {cfg.run_name}: {cfg.model.family} model, {n / 1e6:.2f}M parameters, device {self.device} "
+                 f"({str(self.dtype).replace('torch.', '')}), {d.world} process(es)")
+        log.info(f"data: {self.train_data.num_tokens:,} train tokens, {self.train_data.num_samples:,} samples of "
+                 f"{cfg.data.seq_len}; global batch {cfg.train.global_batch_size} = {cfg.train.micro_batch_size} "
+                 f"x {self.plan.accum} accum x {d.world}; {self.plan.steps_per_epoch} steps/epoch, {self.total} steps")
+        if self.resume_from is not None:
+            log.info(f"resuming from {self.resume_from} at step {self.start_step}")
+        self.sinks.log("start", step=self.start_step, total_steps=self.total, resumed_from=str(self.resume_from or ""),
+                       world=d.world, params=n)
+
+    # ------------------------------------------------------------------ the loop
+    def run(self) -> dict:
+        """Train to the end (or a stop signal). Returns a summary; raises TrainingFailed on a fault."""
+        self.setup()
+        self.stop.install()
+        try:
+            return self._run()
+        except BaseException as e:
+            if self.dist.is_main:
+                phase = "preempted" if isinstance(e, KeyboardInterrupt) else "failed"
+                self.state.update(phase=phase, error=str(e)[:500])
+                self.state.write_status(self.run_dir / "status.json")
+                self.sinks.log("error", step=self.state.snapshot()["step"], error=str(e)[:500])
+            raise
+        finally:
+            self.stop.restore()
+            self.sinks.close()
+            self.progress.close()
+            if self.server is not None:
+                self.server.stop()
+
+    def _run(self) -> dict:
+        cfg, d = self.cfg, self.dist
+        every = cfg.monitor.log_every
+        meter = Meter(cfg.train.global_batch_size * cfg.data.seq_len, self.start_step)
+        window: list[torch.Tensor] = []
+        window_start = self.start_step
+        self._phase("compiling" if cfg.train.compile else "training")
+        step, stopped, last_eval = self.start_step, False, None
+        while step < self.total:
+            if d.any(self.stop.signum is not None, self.device):
+                stopped = True
+                break
+            loss, grad_norm, lr = self._train_step(step)
+            step += 1
+            self.tokens_seen += cfg.train.global_batch_size * cfg.data.seq_len
+            window.append(loss)
+            meter.step_done(step)
+            if step == self.start_step + 1 and cfg.train.compile:
+                self._phase("training")
+            if step % every == 0 or step == self.total:
+                self._log_window(window, window_start, step, grad_norm, lr, meter)
+                window, window_start = [], step
+            end_of_epoch = step % self.plan.steps_per_epoch == 0
+            if self.val_data is not None and cfg.train.eval_every and step % cfg.train.eval_every == 0:
+                last_eval = self._evaluate(step)
+            if step == self.total or end_of_epoch or (cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0):
+                if window:
+                    self._log_window(window, window_start, step, grad_norm, lr, meter)
+                    window, window_start = [], step
+                self._save(step)
+        if stopped:
+            if window:
+                self._log_window(window, window_start, step, None, None, meter)
+            if self.state.snapshot()["last_checkpoint"] != f"step_{step:08d}":
+                self._save(step)
+            self._phase("preempted")
+            log.info(f"stopped at step {step} on {signal.Signals(self.stop.signum).name}; "
+                     f"run `trainbox train` again with the same arguments to continue")
+            return {"step": step, "total": self.total, "stopped": True, "sample": None, "run_dir": str(self.run_dir)}
+        if self.val_data is not None and (last_eval is None or last_eval["step"] != step):
+            last_eval = self._evaluate(step)
+        sample = self._final_sample()
+        self._phase("finished")
+        return {"step": step, "total": self.total, "stopped": False, "sample": sample,
+                "run_dir": str(self.run_dir), **(last_eval or {})}
+
+    def _train_step(self, step: int):
+        cfg = self.cfg
+        from trainbox.optim.build import lr_multiplier, set_lr
+        lr = set_lr(self.optimizers, lr_multiplier(step, self.total, cfg.optim))
+        if hasattr(self.model, "set_step"):  # schedules inside the model (speedrun window warm-up)
+            self.model.set_step(step)
+        batches = self.plan.micro_batches(step)
+        accum = len(batches)
+        loss_sum = torch.zeros((), device=self.device)
+        for k, b in enumerate(batches):
+            x = b["x"].to(self.device, non_blocking=True)
+            y = b["y"].to(self.device, non_blocking=True)
+            mask = b["loss_mask"].to(self.device, non_blocking=True) if "loss_mask" in b else None
+            sync = self.ddp.no_sync() if self.ddp is not None and k < accum - 1 else nullcontext()
+            with sync:
+                with self.autocast():
+                    out = self.forward(x, y, loss_mask=mask)
+                    total = out.loss if out.aux_loss is None else out.loss + out.aux_loss
+                (total / accum).backward()
+            loss_sum += out.loss.detach() / accum
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.optim.grad_clip) if cfg.optim.grad_clip > 0 else None
+        for opt in self.optimizers:
+            opt.step()
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=True)
+        self.last_stats = out.stats
+        return loss_sum, grad_norm, lr
+
+    # ------------------------------------------------------------------ logging, eval, checkpoints
+    def _phase(self, phase: str) -> None:
+        if self.dist.is_main:
+            self.state.update(phase=phase)
+            self.state.write_status(self.run_dir / "status.json")
+
+    def _log_window(self, window, first_step, step, grad_norm, lr, meter: Meter) -> None:
+        losses = torch.stack(window).float()
+        self.dist.all_reduce_sum(losses)
+        losses = (losses / self.dist.world).tolist()  # one host sync per logged window
+        bad = next((i for i, v in enumerate(losses) if not math.isfinite(v)), None)
+        if bad is not None:
+            raise TrainingFailed(f"loss is {losses[bad]} at step {first_step + bad + 1}; stopping. The last good "
+                                 f"checkpoint is {checkpoint.latest(self.ckpt_root) or 'none'}",
+                                 hint="lower optim.lr, raise optim.warmup_steps or check the data; then resume")
+        tok_s, per_step = meter.window(step)
+        eta = per_step * (self.total - step) if per_step else None
+        mfu = tok_s * self.flops_per_token / (self.peak * self.dist.world) if tok_s and self.peak else None
+        gn = float(grad_norm) if grad_norm is not None else None
+        if not self.dist.is_main:
+            return
+        for i, v in enumerate(losses):
+            self.sinks.log("train", step=first_step + i + 1, loss=v, **({"lr": lr, "grad_norm": gn, "tokens_per_s": tok_s,
+                           "mfu": mfu, "tokens": self.tokens_seen} if i == len(losses) - 1 else {}),
+                           **(self._stats() if i == len(losses) - 1 else {}))
+        mem = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
+        self.state.update(step=step, loss=losses[-1], lr=lr, grad_norm=gn, tokens_per_s=tok_s, mfu=mfu, eta_s=eta,
+                          epoch=(step - 1) // self.plan.steps_per_epoch, tokens_seen=self.tokens_seen,
+                          step_time_s=per_step, gpu_memory_allocated=mem,
+                          steps_this_process=step - meter.first_step,
+                          tokens_this_process=(step - meter.first_step) * meter.tokens_per_step)
+        self.state.add_point({"step": step, "loss": losses[-1], "lr": lr, "tokens_per_s": tok_s, "tokens": self.tokens_seen})
+        self.state.write_status(self.run_dir / "status.json")
+        from trainbox.monitor.console import fmt_duration
+        extra = f" mfu {100 * mfu:.1f}%" if mfu else ""
+        log.info(f"step {step}/{self.total} loss {losses[-1]:.4f} lr {lr:.3g}"
+                 f"{f' gnorm {gn:.3f}' if gn is not None else ''} tok/s {tok_s or 0:,.0f}{extra} eta {fmt_duration(eta)}",
+                 extra={"progress": True})
+        self.progress.update(step, self.total, losses[-1], tok_s, eta, force=step == self.total)
+
+    def _stats(self) -> dict:
+        stats = getattr(self, "last_stats", None) or {}
+        return {k: (v.tolist() if isinstance(v, torch.Tensor) else v) for k, v in stats.items()}
+
+    def _evaluate(self, step: int) -> dict:
+        self._phase("evaluating")
+        res = evaluate(self.forward if not self.cfg.train.compile else self.model, self.val_data,
+                       self.cfg.train.eval_tokens, self.cfg.train.micro_batch_size, self.token_bytes,
+                       self.device, self.autocast, self.dist)
+        res["step"] = step
+        if self.dist.is_main:
+            self.sinks.log("eval", **res, tokens=self.tokens_seen)
+            self.state.update(val_loss=res["val_loss"], val_bpb=res["val_bpb"])
+            self.state.add_point({"step": step, "val_loss": res["val_loss"], "tokens": self.tokens_seen})
+            log.info(f"eval step {step}: val loss {res['val_loss']:.4f} nats/token, {res['val_bpb']:.4f} bits/byte")
+        self._phase("training")
+        return res
+
+    def _save(self, step: int) -> None:
+        self._phase("checkpointing")
+        rngs = self.dist.gather_objects(checkpoint.rng_state())
+        if self.dist.is_main:
+            trainer = {"step": step, "total_steps": self.total, "epoch": step / self.plan.steps_per_epoch,
+                       "loader": {"step": step, "seed": self.cfg.run.seed}, "tokens_seen": self.tokens_seen,
+                       "world": self.dist.world, "finished": step >= self.total,
+                       "restarts": self.state.snapshot()["restarts"], "wandb_id": self.sinks.wandb_id,
+                       "config": self.cfg.model_dump(mode="json"), "versions": _versions()}
+            t0 = time.time()
+            path = checkpoint.save(self.ckpt_root, step, self._weights(), self.optimizers, trainer, rngs,
+                                   self.cfg.train.keep_last, protect=self.resume_from)
+            snap = self.state.snapshot()
+            self.state.update(last_checkpoint=path.name, checkpoints_saved=snap["checkpoints_saved"] + 1)
+            self.sinks.log("checkpoint", step=step, path=str(path), seconds=round(time.time() - t0, 3))
+            log.info(f"checkpoint {path} ({time.time() - t0:.1f}s)")
+        self.dist.barrier()
+        self._phase("training")
+
+    def _weights(self) -> dict:
+        return checkpoint.model_state(self.model, trainable_only=getattr(self.model, "adapter_only", False))
+
+    def _final_sample(self) -> str | None:
+        n = self.cfg.train.sample_tokens
+        if not n or not self.dist.is_main or not hasattr(self.model, "make_caches"):
+            return None
+        from trainbox.generate import sample
+        text = sample(self.model, self.tokenizer, self.cfg.train.sample_prompt, max_tokens=n, temperature=0.8,
+                      top_k=50, seed=self.cfg.run.seed, device=self.device)
+        (self.run_dir / "samples.txt").open("a").write(f"--- step {self.total}\n{self.cfg.train.sample_prompt}{text}\n")
+        self.model.train()
+        return text
+
+
+def _versions() -> dict:
+    import platform
+
+    import trainbox
+    return {"trainbox": getattr(trainbox, "__version__", "0"), "torch": torch.__version__,
+            "python": platform.python_version(), "cuda": torch.version.cuda, "hip": getattr(torch.version, "hip", None)}
+
+
+def train(cfg: RunConfig, dist: Dist | None = None, argv: list[str] | None = None,
+          progress: ProgressBar | None = None) -> dict:
+    """Train one run described by `cfg` (the entry point used by cli.py and tests)."""
+    return Trainer(cfg, dist, argv, progress).run()
