@@ -1,0 +1,47 @@
+"""Shared test helpers: tiny configs (2 layers, width 32) and a CLI runner in a temp directory."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+REPO = Path(__file__).resolve().parents[1]
+
+# A model and batch small enough that a step takes milliseconds on a 2-core CPU.
+TINY = [
+    "data.tokenizer=embedded:shakespeare-bpe", "data.seq_len=32",
+    "model.n_layer=2", "model.n_head=2", "model.n_embd=32",
+    "train.global_batch_size=8", "train.micro_batch_size=4",
+    "train.eval_tokens=2048", "train.sample_tokens=8",
+    "monitor.port=0", "monitor.log_every=1", "optim.warmup_steps=2",
+]
+
+
+@pytest.fixture(scope="session")
+def data_cache(tmp_path_factory) -> Path:
+    """One tokenized copy of the embedded corpus for the whole test session."""
+    return tmp_path_factory.mktemp("cache")
+
+
+@pytest.fixture
+def tiny(tmp_path, data_cache) -> list[str]:
+    """Overrides for a tiny run whose run directory lives in tmp_path."""
+    return [*TINY, f"run.dir={tmp_path / 'runs'}", f"data.cache_dir={data_cache}"]
+
+
+def run_cli(*args: str, cwd: Path | None = None, env: dict | None = None, timeout: float = 300,
+            check: bool = True) -> subprocess.CompletedProcess:
+    """Run `python -m trainbox ARGS` as a user would; returns the completed process."""
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    proc = subprocess.run([sys.executable, "-m", "trainbox", *args], cwd=cwd, env=full_env,
+                          capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"trainbox {' '.join(args)} exited {proc.returncode}\n"
+                             f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}")
+    return proc
