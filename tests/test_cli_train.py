@@ -1,0 +1,69 @@
+"""End to end through the CLI, as a user runs it: train, files, resume, finished run, generate."""
+from __future__ import annotations
+
+import json
+
+import yaml
+
+from conftest import run_cli
+
+
+def _events(run_dir, kind="train"):
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [e for e in map(json.loads, lines) if e["event"] == kind]
+
+
+def test_train_writes_run_dir_then_resumes_and_generates(tmp_path, tiny):
+    args = [*tiny, "train.max_steps=6", "train.eval_every=3", "train.checkpoint_every=3", "train.keep_last=1"]
+    out = run_cli("train", "tiny", *args, cwd=tmp_path)
+    run_dir = tmp_path / "runs" / "tiny"
+    assert "bits/byte" in out.stdout and "--- sample ---" in out.stdout
+
+    # the run directory is exactly DESIGN.md section 3
+    cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert cfg["train"]["max_steps"] == 6 and cfg["model"]["n_embd"] == 32 and cfg["recipe"] == "tiny"
+    env = json.loads((run_dir / "env.json").read_text())
+    assert env["torch"] and env["python"] and "train" in env["command"]
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["phase"] == "finished" and status["step"] == 6 and status["total_steps"] == 6
+    assert [e["step"] for e in _events(run_dir)] == [1, 2, 3, 4, 5, 6]
+    assert [e["step"] for e in _events(run_dir, "eval")] == [3, 6]
+    assert all(e["val_bpb"] > 0 and e["val_loss"] > 0 for e in _events(run_dir, "eval"))
+    assert (run_dir / "train.log").read_text().count("step ") >= 6
+    ckpts = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    assert ckpts == ["latest", "step_00000006"], ckpts  # keep_last=1 pruned step 3
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_00000006"
+    step_dir = run_dir / "checkpoints" / "step_00000006"
+    assert {p.name for p in step_dir.iterdir()} == {"COMPLETE", "model.safetensors", "optimizer.pt", "rng.pt", "trainer.json"}
+    trainer = json.loads((step_dir / "trainer.json").read_text())
+    assert trainer["step"] == 6 and trainer["loader"]["step"] == 6 and trainer["finished"]
+
+    # the same command again: the run is finished, and the user is told how to start a new one
+    again = run_cli("train", "tiny", *args, cwd=tmp_path)
+    assert "already finished" in again.stderr and "run.name=" in again.stderr
+
+    # more steps: resumes from latest and continues the step count
+    run_cli("train", "tiny", *args, "train.max_steps=9", cwd=tmp_path)
+    assert [e["step"] for e in _events(run_dir)] == [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    assert "resuming from" in (run_dir / "train.log").read_text()
+    starts = _events(run_dir, "start")
+    assert [s["step"] for s in starts] == [0, 6] and starts[1]["resumed_from"].endswith("step_00000006")
+
+    # generation: same seed -> same text; a checkpoint folder works in place of the run directory
+    gen = ["--prompt", "ROMEO:", "--max-tokens", "30", "--temperature", "0.8", "--top-k", "50", "--seed", "1"]
+    a = run_cli("generate", str(run_dir), *gen).stdout
+    b = run_cli("generate", str(run_dir / "checkpoints" / "step_00000009"), *gen).stdout
+    c = run_cli("generate", str(run_dir), *gen[:-1], "2").stdout
+    assert a == b and a.startswith("ROMEO:") and len(a) > len("ROMEO:") + 10
+    assert a != c
+
+
+def test_generate_errors_on_missing_checkpoint(tmp_path):
+    proc = run_cli("generate", str(tmp_path / "nope"), check=False)
+    assert proc.returncode == 1
+    assert "no complete checkpoint" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_nproc_flag_help_lists_examples():
+    out = run_cli("train", "--help").stdout
+    assert "examples:" in out and "trainbox train gpt2-125m" in out
