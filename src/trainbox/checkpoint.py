@@ -170,6 +170,14 @@ def load_weights(ckpt: Path, model: nn.Module, strict: bool = True) -> None:
             if alias in state and own[alias].data_ptr() == own[k].data_ptr():
                 state[k] = state[alias]
                 break
+    own_shapes = {k: tuple(v.shape) for k, v in own.items()}
+    wrong = [f"{k} {tuple(v.shape)} vs {own_shapes[k]}" for k, v in state.items()
+             if k in own_shapes and tuple(v.shape) != own_shapes[k]]
+    if wrong:
+        raise CheckpointError(f"checkpoint {ckpt} holds a differently shaped model ({len(wrong)} tensors differ, "
+                              f"e.g. {wrong[0]}): the config's model section changed since it was saved",
+                              hint="start a new run with run.name=NEW_NAME (or run.resume=never), "
+                                   "or restore the model settings of that run's config.yaml")
     result = model.load_state_dict(state, strict=False)
     if strict and (result.missing_keys or result.unexpected_keys):
         raise CheckpointError(f"checkpoint {ckpt} does not match the model: missing {result.missing_keys[:5]}, "
