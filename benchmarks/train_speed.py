@@ -1,0 +1,107 @@
+"""Training speed of any recipe, as one JSON line (speed goals live here, never in tests).
+
+    python benchmarks/train_speed.py gpt2-125m --data /tmp/corpus/modded/pyc --steps 30 [key=value ...]
+    python benchmarks/train_speed.py gpt2-125m --data ... --nanogpt /path/to/nanoGPT --nanogpt-data DIR
+
+Runs the real loop (trainbox.train.loop.Trainer) with monitor.log_every=1, so every step ends in one
+host sync and the metrics.jsonl timestamps of consecutive steps are step times. Prints: GPU, torch,
+commit, recipe, tokens per step, median step ms after warm-up, tokens/s, MFU, compile (first-step)
+seconds, peak memory. With --nanogpt it also runs nanoGPT's train.py (code present locally, never
+committed) on the same token stream and prints its line, parsed from nanoGPT's own log.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def run_ours(recipe: str, data: str, steps: int, warmup: int, overrides: list[str]) -> dict:
+    import torch
+
+    from trainbox.config import load_config
+    from trainbox.runs import _git_commit
+    from trainbox.train.loop import Trainer
+
+    tmp = tempfile.mkdtemp(prefix="speed-")
+    cfg = load_config(recipe, [f"data.path={data}", f"train.max_steps={steps}", "monitor.log_every=1",
+                               "train.eval_every=0", "train.checkpoint_every=0", "train.sample_tokens=0",
+                               f"run.dir={tmp}", "monitor.port=0", *overrides])
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.time()
+    trainer = Trainer(cfg)
+    trainer.run()
+    events = [json.loads(line) for line in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
+    train = [e for e in events if e["event"] == "train"]
+    start = next(e for e in events if e["event"] == "start")
+    times = [b["time"] - a["time"] for a, b in zip(train, train[1:])][warmup:]
+    step_s = statistics.median(times)
+    tokens = cfg.train.global_batch_size * cfg.data.seq_len
+    peak = trainer.peak
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return {
+        "who": "trainbox", "recipe": recipe, "gpu": gpu, "torch": torch.__version__, "commit": _git_commit(),
+        "overrides": overrides, "tokens_per_step": tokens, "steps": steps, "median_step_ms": round(step_s * 1e3, 2),
+        "tokens_per_s": round(tokens / step_s), "mfu": round(trainer.flops_per_token * tokens / step_s / peak, 4) if peak else None,
+        "flops_per_token": trainer.flops_per_token,
+        "first_step_s": round(train[0]["time"] - start["time"], 1), "wall_s": round(time.time() - t0, 1),
+        "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if torch.cuda.is_available() else None,
+        "final_loss": train[-1]["loss"],
+    }
+
+
+def run_nanogpt(repo: str, data_dir: str, steps: int, warmup: int, extra: list[str]) -> dict:
+    """nanoGPT's train.py on DATA_DIR/{train,val}.bin (GPT-2 124M defaults), parsed from its log."""
+    data_root = Path(tempfile.mkdtemp(prefix="nanogpt-data-"))
+    (data_root / "bench").symlink_to(Path(data_dir).resolve())
+    args = [sys.executable, "train.py", "--dataset=bench", f"--max_iters={steps}", "--eval_interval=100000",
+            "--log_interval=1", "--eval_iters=1", "--always_save_checkpoint=False", f"--out_dir={data_root / 'out'}",
+            *extra]
+    env = {**os.environ}
+    # nanoGPT reads data/<dataset>/ relative to its own folder: point it at ours through a symlink
+    link = Path(repo) / "data" / "bench"
+    if link.is_symlink() or link.exists():
+        link.unlink()
+    link.symlink_to(Path(data_dir).resolve())
+    t0 = time.time()
+    proc = subprocess.run(args, cwd=repo, env=env, capture_output=True, text=True)
+    out = proc.stdout + proc.stderr
+    iters = [(int(m.group(1)), float(m.group(2)), float(m.group(3)), float(m.group(4)))
+             for m in re.finditer(r"iter (\d+): loss ([\d.]+), time ([\d.]+)ms, mfu (-?[\d.]+)%", out)]
+    if not iters:
+        return {"who": "nanogpt", "error": out[-2000:]}
+    times = [t for _, _, t, _ in iters][warmup:]
+    return {"who": "nanogpt", "median_step_ms": statistics.median(times), "final_loss": iters[-1][1],
+            "mfu_reported": iters[-1][3], "first_step_ms": iters[0][2], "wall_s": round(time.time() - t0, 1)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("recipe")
+    ap.add_argument("overrides", nargs="*")
+    ap.add_argument("--data", required=True, help="token-file prefix for data.path")
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--warmup", type=int, default=5, help="steps left out of the median")
+    ap.add_argument("--nanogpt", help="path to a nanoGPT checkout (baseline)")
+    ap.add_argument("--nanogpt-data", help="folder with nanoGPT's train.bin / val.bin")
+    ap.add_argument("--nanogpt-args", nargs="*", default=[])
+    args = ap.parse_args()
+    result = run_ours(args.recipe, args.data, args.steps, args.warmup, args.overrides)
+    print(json.dumps(result), flush=True)
+    if args.nanogpt:
+        base = run_nanogpt(args.nanogpt, args.nanogpt_data, args.steps, args.warmup, args.nanogpt_args)
+        print(json.dumps(base), flush=True)
+        if "median_step_ms" in base:
+            print(json.dumps({"speedup_vs_nanogpt": round(base["median_step_ms"] / result["median_step_ms"], 3)}))
+
+
+if __name__ == "__main__":
+    main()
