@@ -158,6 +158,8 @@ def test_cli_train_logs_moe_stats_and_generates(tiny, tmp_path):
     assert last["mfu"] == pytest.approx(last["tokens_per_s"] * _flops(run) / 1e12, rel=1e-6)
     out = run_cli("generate", str(run), "--prompt", "ROMEO:", "--max-tokens", "8", "--seed", "1")
     assert out.stdout.startswith("ROMEO:") and len(out.stdout) > len("ROMEO:")
+    refused = run_cli("export", str(run), "--format", "hf", "--out", str(tmp_path / "hf"), check=False)
+    assert refused.returncode == 2 and "model.family=moe" in refused.stderr and not (tmp_path / "hf").exists()
 
 
 def _flops(run) -> float:
