@@ -47,9 +47,12 @@ _warned: set[str] = set()
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, use_kernel: bool = True) -> torch.Tensor:
     """Rows x[offsets[e-1]:offsets[e]] times w[e], for x (M, in), w (E, in, out), offsets (E,) int32 cumsum."""
     aligned = x.size(-1) % 8 == 0 and w.size(-1) % 8 == 0  # the kernels need 16-byte aligned rows
-    if use_kernel and _GROUPED_MM is not None and aligned:
+    # torch.compile's shape function for grouped_mm accepts bf16 only (eager also runs fp32, on CPU too)
+    traceable = x.dtype == torch.bfloat16 or not torch.compiler.is_compiling()
+    if use_kernel and _GROUPED_MM is not None and aligned and traceable:
         return _GROUPED_MM(x.contiguous(), w.contiguous(), offs=offsets)
-    reason = "this torch has no grouped_mm" if _GROUPED_MM is None else "widths are not multiples of 8"
+    reason = ("this torch has no grouped_mm" if _GROUPED_MM is None else
+              "widths are not multiples of 8" if not aligned else "compiled grouped_mm needs bf16 (train.dtype=bf16)")
     if use_kernel and reason not in _warned:
         _warned.add(reason)
         log.warning(f"MoE experts run as a loop over experts ({reason}); slower than one grouped matmul")
