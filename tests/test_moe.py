@@ -174,3 +174,19 @@ def test_layer_traces_as_one_graph_in_bf16():
         got = compiled(x)
     assert got.dtype == want.dtype and torch.equal(got, want)
     assert m.aux["tokens_per_expert"].sum() == 2 * 24
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_grouped_kernel_matches_loop_on_cuda_bf16():
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_models_check.py"
+    spec = importlib.util.spec_from_file_location("gpu_models_check", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_models_check"] = mod
+    spec.loader.exec_module(mod)
+    result = mod.grouped_vs_loop()
+    assert result["ok"], result
