@@ -42,18 +42,34 @@ log = logging.getLogger("trainbox")  # the library logger (model/ never imports 
 
 _GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 _warned: set[str] = set()
+_broken: set[tuple[str, torch.dtype]] = set()  # (device type, dtype) where the kernel raised in eager mode
+
+
+def _no_kernel_reason(x: torch.Tensor, w: torch.Tensor) -> str | None:
+    """Why the grouped kernel cannot run on these operands (None: it can)."""
+    if _GROUPED_MM is None:
+        return "this torch has no grouped_mm"
+    if x.size(-1) % 8 or w.size(-1) % 8:
+        return "widths are not multiples of 8 (the kernels need 16-byte aligned rows)"
+    if torch.compiler.is_compiling() and x.dtype != torch.bfloat16:
+        return "compiled grouped_mm needs bf16 (train.dtype=bf16)"  # its shape function accepts bf16 only
+    if (x.device.type, x.dtype) in _broken:
+        return f"grouped_mm failed on {x.device.type} {x.dtype}"
+    return None
 
 
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, use_kernel: bool = True) -> torch.Tensor:
     """Rows x[offsets[e-1]:offsets[e]] times w[e], for x (M, in), w (E, in, out), offsets (E,) int32 cumsum."""
-    aligned = x.size(-1) % 8 == 0 and w.size(-1) % 8 == 0  # the kernels need 16-byte aligned rows
-    # torch.compile's shape function for grouped_mm accepts bf16 only (eager also runs fp32, on CPU too)
-    traceable = x.dtype == torch.bfloat16 or not torch.compiler.is_compiling()
-    if use_kernel and _GROUPED_MM is not None and aligned and traceable:
-        return _GROUPED_MM(x.contiguous(), w.contiguous(), offs=offsets)
-    reason = ("this torch has no grouped_mm" if _GROUPED_MM is None else
-              "widths are not multiples of 8" if not aligned else "compiled grouped_mm needs bf16 (train.dtype=bf16)")
-    if use_kernel and reason not in _warned:
+    reason = _no_kernel_reason(x, w) if use_kernel else None
+    if use_kernel and reason is None:
+        if torch.compiler.is_compiling():
+            return _GROUPED_MM(x.contiguous(), w.contiguous(), offs=offsets)
+        try:  # some builds lack a device/dtype kernel: fall back, with one warning
+            return _GROUPED_MM(x.contiguous(), w.contiguous(), offs=offsets)
+        except (RuntimeError, NotImplementedError) as e:
+            _broken.add((x.device.type, x.dtype))
+            reason = f"grouped_mm failed on {x.device.type} {x.dtype}: {str(e).splitlines()[0][:200]}"
+    if reason is not None and reason not in _warned:
         _warned.add(reason)
         log.warning(f"MoE experts run as a loop over experts ({reason}); slower than one grouped matmul")
     bounds = [0, *offsets.tolist()]  # the fallback needs the group sizes on the host
