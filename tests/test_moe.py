@@ -95,6 +95,15 @@ def test_dropped_tokens_pass_through_the_residual_unchanged():
     assert m(torch.randn(2, 12, 32)).abs().sum() > 0 and float(m.aux["dropped"]) == 0.0
 
 
+def test_jitter_perturbs_routing_in_training_only():
+    m = _layer(cf=0.0)
+    m.moe = MoESection(num_experts=4, top_k=2, jitter_eps=0.5)
+    x = torch.randn(2, 12, 32)
+    assert not torch.equal(m(x), m(x))  # fresh multiplicative noise on the router input each call
+    m.eval()
+    torch.testing.assert_close(m(x), reference_moe(m, x)[0], atol=1e-5, rtol=1e-5)
+
+
 def test_balance_loss_is_one_at_perfect_balance_and_grows_with_imbalance():
     m = _layer(cf=0.0, k=1, E=4)
     with torch.no_grad():
@@ -124,8 +133,8 @@ def test_model_aux_loss_stats_and_every():
     out = model(x, y)
     layers = [m for _, m in model.moe_layers]
     balance = sum(float(m.aux["balance"].detach()) for m in layers) / 2
-    z = sum(float(m.aux["z"]) for m in layers) / 2
-    assert float(out.aux_loss) == pytest.approx(0.05 * balance + 0.001 * z, rel=1e-5)
+    z = sum(float(m.aux["z"].detach()) for m in layers) / 2
+    assert float(out.aux_loss.detach()) == pytest.approx(0.05 * balance + 0.001 * z, rel=1e-5)
     assert out.stats["moe.2.tokens_per_expert"].sum() == 2 * 32  # top-2 of 32 tokens
     assert set(out.stats) >= {"moe.0.balance_loss", "moe.0.dropped_frac", "moe_balance_loss"}
 
