@@ -27,6 +27,12 @@ EPILOGS = {
           trainbox generate runs/tiny --prompt "ROMEO:" --max-tokens 100 --temperature 0.8 --top-k 50 --seed 1
           trainbox generate runs/tiny/checkpoints/step_00000300 --prompt "To be" --top-p 0.9
         """,
+    "export": """
+        examples:
+          trainbox export runs/gpt2-125m --format hf --out hf/gpt2-125m   # newest checkpoint of the run
+          trainbox export runs/tiny/checkpoints/step_00000400 --format hf --out hf/tiny --force
+          # then: GPT2LMHeadModel.from_pretrained("hf/gpt2-125m"), AutoTokenizer.from_pretrained(...)
+        """,
     "config": """
         examples:
           trainbox config show tiny train.max_steps=50     # the resolved config as YAML
@@ -108,6 +114,17 @@ def cmd_generate(args) -> int:
     return 0
 
 
+# ----------------------------------------------------------------------------- export
+
+
+def cmd_export(args) -> int:
+    from trainbox.export import export_hf
+
+    out = export_hf(args.path, args.out, force=args.force)
+    print(f"wrote {out} (Hugging Face GPT2LMHeadModel: config.json, model.safetensors, tokenizer)")
+    return 0
+
+
 # ----------------------------------------------------------------------------- config
 
 
@@ -176,6 +193,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--device", default=None)
     g.set_defaults(func=cmd_generate)
+
+    x = verb("export", "write a run or checkpoint in Hugging Face format")
+    x.add_argument("path", help="run directory or checkpoint folder")
+    x.add_argument("--format", choices=["hf"], default="hf", help="hf: a GPT2LMHeadModel folder (safetensors)")
+    x.add_argument("--out", required=True, help="output folder")
+    x.add_argument("--force", action="store_true", help="replace --out if it exists")
+    x.set_defaults(func=cmd_export)
 
     c = verb("config", "show, validate or describe the config")
     c.add_argument("action", choices=["show", "schema", "validate"])

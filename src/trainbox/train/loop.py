@@ -177,7 +177,8 @@ class Trainer:
         torch.manual_seed(cfg.run.seed)  # identical initial weights on every rank
         model = build_model(cfg.model, vocab, cfg.model.block_size or cfg.data.seq_len).to(self.device)
         if cfg.run.init_from and self.resume_from is None:
-            checkpoint.load_weights(checkpoint.resolve(cfg.run.init_from), model)
+            from trainbox.export import load_init_weights  # our checkpoint or a Hugging Face GPT-2 folder
+            load_init_weights(cfg.run.init_from, model, cfg.model)
         self.model = model
         from trainbox.optim.build import build_optimizers
         self.optimizers = build_optimizers(model, cfg.optim, self.device)

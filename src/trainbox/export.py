@@ -1,0 +1,234 @@
+"""Hugging Face GPT-2 folders <-> our dense GPT (`model.family: gpt`), both directions.
+
+    trainbox export runs/gpt2 --format hf --out hf/gpt2      # load with GPT2LMHeadModel.from_pretrained
+    trainbox train gpt2-125m run.init_from=hf/gpt2           # start a new run from a GPT-2 folder
+
+Our parameter names and shapes are GPT2LMHeadModel's (Conv1D weights are (in, out)), so conversion is
+a rename-free copy plus three adjustments: the vocabulary rows are padded on import (50,257 -> 50,304;
+pad rows start at zero and are never targets) and sliced back to the tokenizer's on export; position
+rows are sliced when our block_size is shorter than the folder's n_positions; a model trained with
+`model.bias=false` is exported with zero biases, which is the same function. Export writes config.json,
+generation_config.json, model.safetensors and the tokenizer (vocab.json + merges.txt + tokenizer.json
+for gpt2, the tokenizer.json otherwise) into a temporary folder that is renamed into place when complete.
+Needs only model, checkpoint and tokenizer code; transformers itself is not required to write or read.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+from safetensors.torch import load_file, save_file
+
+from trainbox import checkpoint
+from trainbox.errors import CheckpointError, ConfigError
+
+SKIP_SUFFIXES = (".attn.bias", ".attn.masked_bias")  # causal-mask buffers of older transformers versions
+
+
+def is_hf_folder(path: str | Path) -> bool:
+    p = Path(path)
+    return (p / "config.json").is_file() and not (p / "COMPLETE").is_file()
+
+
+def load_init_weights(path: str | Path, model: nn.Module, cfg) -> None:
+    """`run.init_from`: a Hugging Face GPT-2 folder or one of our run directories / checkpoints."""
+    if is_hf_folder(path):
+        load_hf_gpt2(path, model, cfg)
+    else:
+        checkpoint.load_weights(checkpoint.resolve(path), model)
+
+
+# ----------------------------------------------------------------------------- HF -> ours
+
+
+def check_hf_config(hf: dict, cfg, vocab_size: int, block_size: int, where: str) -> None:
+    """Raise ConfigError naming the first `model.*` key that disagrees with the folder's config.json."""
+    if hf.get("model_type") != "gpt2":
+        raise ConfigError(f"run.init_from={where} holds a '{hf.get('model_type')}' model; only GPT-2 folders "
+                          f"load into model.family=gpt", hint="for other causal LMs use model.family=hf model.path=...")
+    if cfg.family != "gpt":
+        raise ConfigError(f"run.init_from={where} is a GPT-2 folder but model.family={cfg.family}",
+                          hint="use model.family=gpt")
+    pairs = [("n_layer", cfg.n_layer, hf.get("n_layer")), ("n_head", cfg.n_head, hf.get("n_head")),
+             ("n_embd", cfg.n_embd, hf.get("n_embd"))]
+    for key, ours, theirs in pairs:
+        if ours != theirs:
+            raise ConfigError(f"model.{key}={ours} but {where}/config.json has {key}={theirs}",
+                              hint=f"set model.{key}={theirs}")
+    checks = [
+        (hf.get("n_inner") in (None, 4 * cfg.n_embd), f"n_inner={hf.get('n_inner')} (ours is 4 * n_embd)", None),
+        (hf.get("activation_function", "gelu_new") in ("gelu_new", "gelu_pytorch_tanh"),
+         f"activation_function={hf.get('activation_function')} (ours is gelu_new, the tanh GELU)", None),
+        (abs(hf.get("layer_norm_epsilon", 1e-5) - 1e-5) < 1e-12,
+         f"layer_norm_epsilon={hf.get('layer_norm_epsilon')} (ours is 1e-5)", None),
+        (not hf.get("scale_attn_by_inverse_layer_idx", False) and hf.get("scale_attn_weights", True),
+         "non-standard attention scaling (scale_attn_by_inverse_layer_idx / scale_attn_weights)", None),
+        (cfg.bias, "biases in every layer", "set model.bias=true"),
+        (hf.get("tie_word_embeddings", True) == cfg.tie_embeddings,
+         f"tie_word_embeddings={hf.get('tie_word_embeddings', True)}",
+         f"set model.tie_embeddings={str(hf.get('tie_word_embeddings', True)).lower()}"),
+        (block_size <= hf.get("n_positions", 1024),
+         f"n_positions={hf.get('n_positions')}, fewer than our block_size {block_size}",
+         f"set model.block_size (or data.seq_len) <= {hf.get('n_positions')}"),
+        (vocab_size >= hf["vocab_size"], f"vocab_size={hf['vocab_size']}, more than our {vocab_size}",
+         f"use the folder's tokenizer (data.tokenizer=gpt2 for GPT-2) or set model.vocab_size>={hf['vocab_size']}"),
+    ]
+    for ok, what, hint in checks:
+        if not ok:
+            raise ConfigError(f"run.init_from={where}: the GPT-2 config has {what}, which our model section "
+                              f"does not match", hint=hint or "this folder is not a standard GPT-2")
+
+
+def read_hf_weights(folder: Path) -> dict[str, torch.Tensor]:
+    """model.safetensors, sharded safetensors (with their index) or pytorch_model.bin, keys normalised."""
+    if (folder / "model.safetensors").is_file():
+        state = load_file(str(folder / "model.safetensors"))
+    elif (folder / "model.safetensors.index.json").is_file():
+        index = json.loads((folder / "model.safetensors.index.json").read_text())
+        state = {}
+        for shard in sorted(set(index["weight_map"].values())):
+            state.update(load_file(str(folder / shard)))
+    elif (folder / "pytorch_model.bin").is_file():
+        state = torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True)
+    else:
+        raise CheckpointError(f"{folder} has a config.json but no model.safetensors or pytorch_model.bin",
+                              hint="save the model with model.save_pretrained(folder)")
+    out = {}
+    for k, v in state.items():
+        if k.endswith(SKIP_SUFFIXES):
+            continue
+        # GPT2Model (no LM head) checkpoints, such as OpenAI's original upload, lack the "transformer." prefix
+        out[k if k.startswith(("transformer.", "lm_head.")) else f"transformer.{k}"] = v
+    return out
+
+
+def load_hf_gpt2(folder: str | Path, model: nn.Module, cfg) -> None:
+    """Copy a GPT2LMHeadModel folder's weights into our GPT, padding vocab rows and slicing positions."""
+    folder = Path(folder)
+    hf = json.loads((folder / "config.json").read_text())
+    check_hf_config(hf, cfg, model.vocab_size, model.block_size, str(folder))
+    state = read_hf_weights(folder)
+    own = model.state_dict()
+    for name in ("transformer.wte.weight", "lm_head.weight"):
+        if name in state and state[name].shape[0] < own[name].shape[0]:
+            pad = state[name].new_zeros(own[name].shape[0] - state[name].shape[0], state[name].shape[1])
+            state[name] = torch.cat([state[name], pad])
+    state["transformer.wpe.weight"] = state["transformer.wpe.weight"][:model.block_size]
+    if cfg.tie_embeddings:
+        state["lm_head.weight"] = state["transformer.wte.weight"]
+    wrong = [f"{k} {tuple(state[k].shape)} vs ours {tuple(v.shape)}" for k, v in own.items()
+             if k in state and state[k].shape != v.shape]
+    missing = [k for k in own if k not in state]
+    unexpected = [k for k in state if k not in own]
+    if wrong or missing or unexpected:
+        raise CheckpointError(f"{folder} does not map onto our GPT: shapes {wrong[:3]}, missing {missing[:3]}, "
+                              f"unexpected {unexpected[:3]}", hint="the folder must hold a GPT2LMHeadModel")
+    with torch.no_grad():
+        for k, v in own.items():
+            v.copy_(state[k])
+
+
+# ----------------------------------------------------------------------------- ours -> HF
+
+
+def export_hf(run: str | Path, out: str | Path, force: bool = False) -> Path:
+    """Write a run's (or checkpoint's) weights as a Hugging Face GPT2LMHeadModel folder; returns it."""
+    from trainbox.config import build_config
+    from trainbox.data.tokenizer import get_tokenizer
+    from trainbox.model.registry import build_model, pad_vocab
+
+    ckpt = checkpoint.resolve(run)
+    cfg = build_config(checkpoint.load_trainer(ckpt)["config"])
+    if cfg.model.family != "gpt":
+        raise ConfigError(f"{ckpt} is a model.family={cfg.model.family} run; --format hf exports the dense GPT "
+                          f"family (GPT2LMHeadModel)", hint="export a model.family=gpt run")
+    out = Path(out)
+    if out.exists() and any(out.iterdir()) and not force:
+        raise ConfigError(f"--out {out} exists and is not empty", hint="choose another folder or pass --force")
+    tokenizer = get_tokenizer(cfg.data.tokenizer)
+    block = cfg.model.block_size or cfg.data.seq_len
+    model = build_model(cfg.model, cfg.model.vocab_size or pad_vocab(tokenizer.vocab_size), block)
+    checkpoint.load_weights(ckpt, model)
+    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        save_file(hf_state(model, tokenizer.vocab_size), str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        _write_json(tmp / "config.json", hf_config(cfg.model, tokenizer, block))
+        _write_json(tmp / "generation_config.json", {"bos_token_id": tokenizer.eot_id, "eos_token_id": tokenizer.eot_id})
+        write_tokenizer(tokenizer, cfg.data.tokenizer, tmp, block)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def hf_state(model: nn.Module, vocab: int) -> dict[str, torch.Tensor]:
+    """Our state dict under HF names: vocab rows sliced, absent biases as zeros, the tied head left out."""
+    own = {k: v.detach().float().cpu() for k, v in model.state_dict().items()}
+    out = {}
+    for k, v in own.items():
+        if k == "lm_head.weight" and model.cfg.tie_embeddings:
+            continue  # HF re-ties lm_head to wte on load
+        out[k] = (v[:vocab] if k in ("transformer.wte.weight", "lm_head.weight") else v).contiguous()
+    if not model.cfg.bias:
+        for k, v in own.items():
+            if k.endswith(("ln_1.weight", "ln_2.weight", "ln_f.weight")):
+                out[k[:-len("weight")] + "bias"] = torch.zeros_like(v)
+            elif k.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight")):
+                out[k[:-len("weight")] + "bias"] = torch.zeros(v.shape[1])
+    return out
+
+
+def hf_config(cfg, tokenizer, block: int) -> dict:
+    return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": tokenizer.vocab_size,
+            "n_positions": block, "n_embd": cfg.n_embd, "n_layer": cfg.n_layer, "n_head": cfg.n_head,
+            "n_inner": None, "activation_function": "gelu_new", "layer_norm_epsilon": 1e-5,
+            "resid_pdrop": cfg.dropout, "embd_pdrop": cfg.dropout, "attn_pdrop": cfg.dropout,
+            "initializer_range": 0.02, "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
+            "reorder_and_upcast_attn": False, "tie_word_embeddings": cfg.tie_embeddings, "use_cache": True,
+            "bos_token_id": tokenizer.eot_id, "eos_token_id": tokenizer.eot_id, "dtype": "float32"}
+
+
+def write_tokenizer(tokenizer, spec: str, folder: Path, block: int) -> None:
+    """gpt2: vocab.json + merges.txt (the original files) and an equivalent tokenizer.json; else its tokenizer.json."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    from trainbox.data.tokenizer import EOT_TEXT, asset_path
+    eot = EOT_TEXT
+    if spec == "gpt2":
+        shutil.copyfile(asset_path("encoder.json"), folder / "vocab.json")
+        shutil.copyfile(asset_path("vocab.bpe"), folder / "merges.txt")
+        tok = Tokenizer(models.BPE.from_file(str(folder / "vocab.json"), str(folder / "merges.txt")))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        tok.add_special_tokens([AddedToken(EOT_TEXT, special=True)])
+        tok.save(str(folder / "tokenizer.json"))
+        klass = "GPT2Tokenizer"
+    else:
+        shutil.copyfile(_tokenizer_file(spec), folder / "tokenizer.json")
+        eot = tokenizer.tok.id_to_token(tokenizer.eot_id)
+        klass = "PreTrainedTokenizerFast"
+    _write_json(folder / "tokenizer_config.json", {"tokenizer_class": klass, "bos_token": eot, "eos_token": eot,
+                                                   "unk_token": eot, "model_max_length": block,
+                                                   "add_prefix_space": False})
+    _write_json(folder / "special_tokens_map.json", {"bos_token": eot, "eos_token": eot, "unk_token": eot})
+
+
+def _tokenizer_file(spec: str) -> Path:
+    from trainbox.data.tokenizer import asset_path
+    if spec.startswith("embedded:"):
+        return asset_path(f"{spec.split(':', 1)[1]}.json")
+    p = Path(spec)
+    return p / "tokenizer.json" if p.is_dir() else p
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    path.write_text(json.dumps(obj, indent=2) + "\n")

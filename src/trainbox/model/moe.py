@@ -1,0 +1,200 @@
+"""Mixture-of-Experts GPT (`model.family: moe`): GPT-2 whose MLPs become routed expert FFNs.
+
+Architecture choices (Switch Transformer, GShard, MegaBlocks, Megatron-Core), all set in `model.moe`:
+- the dense GPT-2 of `gpt.py` (attention, norms, embeddings, KV cache) with block i's MLP replaced
+  by an MoE FFN when i % every == 0 (Megatron's `moe_layer_freq`); other blocks keep the dense MLP;
+- router: a bias-free linear map to `num_experts` logits, run in fp32; during training the router
+  input is multiplied by uniform(1 - jitter_eps, 1 + jitter_eps) noise (Switch);
+- top-k of the softmax probabilities; with k > 1 the k gates are renormalised to sum to 1 (Mixtral,
+  Megatron's default), with k = 1 the gate is the raw probability, so the router still learns (Switch);
+- experts: GPT-2 MLPs (d -> 4d, GELU(tanh), 4d -> d) stored stacked, (E, in, out), Conv1D layout;
+- capacity: 0 = dropless. Otherwise each expert takes at most int(capacity_factor * top_k * T / E) of
+  the micro-batch's T tokens, in GShard's priority order (every token's first choice before any
+  second choice, earlier tokens first); a dropped assignment contributes nothing, so a token whose
+  every assignment is dropped passes through the residual unchanged. Capacity applies in training
+  only; evaluation and generation are dropless (a one-token decode step would otherwise drop all);
+- losses: load balancing (E / (T * k)) * sum_i count_i * mean_prob_i per layer (MegaBlocks/Switch,
+  1.0 at perfect balance) and the router z-loss mean(logsumexp(logits)^2) (ST-MoE), each averaged
+  over MoE layers, weighted by lb_loss_weight / z_loss_weight and returned as `Output.aux_loss`.
+
+Dispatch is vectorised: assignments are sorted by expert (a stable sort keeps the priority order), the
+experts run as two grouped matmuls over the sorted rows (`torch.nn.functional.grouped_mm` /
+`torch._grouped_mm`; a loop over experts only where neither exists or the widths are not 16-byte
+aligned), and the weighted results are gathered back to token order. Shapes never depend on the
+routing, so the layer compiles to one graph without host syncs. Dropped assignments are still computed
+with gate 0: grouped matmuls cost T * k rows whatever the balance, fewer than a capacity-padded
+E * C buffer whenever capacity_factor >= 1.
+
+    trainbox train moe-gpt2-125m data.path=PREFIX model.moe.num_experts=64
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from trainbox.model.gpt import GPT, Output, cross_entropy
+from trainbox.model.layers import KVCache, gelu_tanh
+
+log = logging.getLogger("trainbox")  # the library logger (model/ never imports monitor/)
+
+_GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+_warned: set[str] = set()
+_broken: set[tuple[str, torch.dtype]] = set()  # (device type, dtype) where the kernel raised in eager mode
+
+
+def _no_kernel_reason(x: torch.Tensor, w: torch.Tensor) -> str | None:
+    """Why the grouped kernel cannot run on these operands (None: it can)."""
+    if _GROUPED_MM is None:
+        return "this torch has no grouped_mm"
+    if x.size(-1) % 8 or w.size(-1) % 8:
+        return "widths are not multiples of 8 (the kernels need 16-byte aligned rows)"
+    if torch.compiler.is_compiling() and x.dtype != torch.bfloat16:
+        return "compiled grouped_mm needs bf16 (train.dtype=bf16)"  # its shape function accepts bf16 only
+    if (x.device.type, x.dtype) in _broken:
+        return f"grouped_mm failed on {x.device.type} {x.dtype}"
+    return None
+
+
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, use_kernel: bool = True) -> torch.Tensor:
+    """Rows x[offsets[e-1]:offsets[e]] times w[e], for x (M, in), w (E, in, out), offsets (E,) int32 cumsum."""
+    reason = _no_kernel_reason(x, w) if use_kernel else None
+    if use_kernel and reason is None:
+        if torch.compiler.is_compiling():
+            return _GROUPED_MM(x.contiguous(), w.contiguous(), offs=offsets)
+        try:  # some builds lack a device/dtype kernel: fall back, with one warning
+            return _GROUPED_MM(x.contiguous(), w.contiguous(), offs=offsets)
+        except (RuntimeError, NotImplementedError) as e:
+            _broken.add((x.device.type, x.dtype))
+            reason = f"grouped_mm failed on {x.device.type} {x.dtype}: {str(e).splitlines()[0][:200]}"
+    if reason is not None and reason not in _warned:
+        _warned.add(reason)
+        log.warning(f"MoE experts run as a loop over experts ({reason}); slower than one grouped matmul")
+    bounds = [0, *offsets.tolist()]  # the fallback needs the group sizes on the host
+    return torch.cat([x[bounds[e]:bounds[e + 1]] @ w[e] for e in range(w.size(0))])
+
+
+class GroupedLinear(nn.Module):
+    """E independent Conv1D-layout linears: weight (E, in, out), bias (E, out)."""
+
+    def __init__(self, num: int, nx: int, nf: int, bias: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num, nx, nf))
+        self.bias = nn.Parameter(torch.zeros(num, nf)) if bias else None
+
+    def forward(self, x: torch.Tensor, offsets: torch.Tensor, expert: torch.Tensor, use_kernel: bool) -> torch.Tensor:
+        y = grouped_mm(x, self.weight.to(x.dtype), offsets, use_kernel)
+        return y + self.bias.to(y.dtype)[expert] if self.bias is not None else y
+
+
+class MoEFFN(nn.Module):
+    """Router + top-k + capacity + experts. forward(x) -> y; `self.aux` holds this call's losses/stats."""
+
+    def __init__(self, n_embd: int, moe, bias: bool, dropout: float):
+        super().__init__()
+        self.moe = moe
+        self.router = nn.Linear(n_embd, moe.num_experts, bias=False)
+        self.c_fc = GroupedLinear(moe.num_experts, n_embd, 4 * n_embd, bias)
+        self.c_proj = GroupedLinear(moe.num_experts, 4 * n_embd, n_embd, bias)
+        self.dropout = nn.Dropout(dropout)
+        self.use_kernel = True  # tests switch to the loop-over-experts path
+        self.aux: dict[str, torch.Tensor] = {}
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(N, C) -> router logits (N, E) fp32, top-k expert ids (N, k), gates (N, k) fp32."""
+        if self.training and self.moe.jitter_eps > 0:
+            eps = self.moe.jitter_eps
+            x = x * torch.empty_like(x).uniform_(1.0 - eps, 1.0 + eps)
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            logits = F.linear(x.float(), self.router.weight.float())
+        probs = logits.softmax(dim=-1)
+        top_p, top_e = probs.topk(self.moe.top_k, dim=-1)
+        gates = top_p / top_p.sum(dim=-1, keepdim=True) if self.moe.top_k > 1 else top_p
+        return logits, top_e, gates
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        E, k = self.moe.num_experts, self.moe.top_k
+        xf = x.reshape(-1, C)
+        N = xf.size(0)
+        logits, top_e, gates = self.route(xf)
+        # assignment a = j * N + n is token n's j-th choice: this flat order is GShard's drop priority
+        expert = top_e.t().reshape(-1)                                   # (k*N,)
+        token = torch.arange(N, device=x.device).repeat(k)               # (k*N,)
+        counts = torch.zeros(E, dtype=torch.long, device=x.device).scatter_add_(0, expert, torch.ones_like(expert))
+        order = torch.argsort(expert, stable=True)                       # sorted by expert, priority kept
+        sorted_e = expert[order]
+        offsets = counts.cumsum(0)
+        slot = torch.arange(k * N, device=x.device) - (offsets - counts)[sorted_e]  # rank within its expert
+        weight = gates.t().reshape(-1)[order]                            # (k*N,) fp32
+        if self.training and self.moe.capacity_factor > 0:
+            capacity = int(self.moe.capacity_factor * k * N / E)
+            keep = slot < capacity
+            weight = weight * keep
+            dropped = 1.0 - keep.float().mean()
+        else:
+            dropped = torch.zeros((), device=x.device)
+        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+        offs32 = offsets.to(torch.int32)
+        h = gelu_tanh(self.c_fc(xf[token[order]].to(dtype), offs32, sorted_e, self.use_kernel))   # (k*N, 4C)
+        h = self.c_proj(h, offs32, sorted_e, self.use_kernel) * weight.unsqueeze(1)              # (k*N, C) fp32
+        inverse = torch.empty_like(order).scatter_(0, order, torch.arange(k * N, device=x.device))
+        y = h[inverse].view(k, N, C).sum(dim=0)                          # back to token order, sum the k
+        self.aux = self._losses(logits, counts, dropped, N)
+        return self.dropout(y.to(x.dtype).view(B, T, C))
+
+    def _losses(self, logits: torch.Tensor, counts: torch.Tensor, dropped: torch.Tensor, N: int) -> dict:
+        E, k = self.moe.num_experts, self.moe.top_k
+        mean_prob = logits.softmax(dim=-1).mean(dim=0)                  # (E,) differentiable
+        balance = E / (N * k) * (counts.to(mean_prob.dtype) * mean_prob).sum()
+        z = torch.logsumexp(logits, dim=-1).square().mean()
+        return {"balance": balance, "z": z, "tokens_per_expert": counts.detach(), "dropped": dropped.detach()}
+
+
+class MoEGPT(GPT):
+    """GPT-2 with MoE FFNs in every `model.moe.every`-th block; forward adds aux_loss and stats."""
+
+    family = "moe"
+
+    def __init__(self, cfg, vocab_size: int, block_size: int):
+        every = cfg.moe.every
+        super().__init__(cfg, vocab_size, block_size,
+                         make_mlp=lambda i: MoEFFN(cfg.n_embd, cfg.moe, cfg.bias, cfg.dropout) if i % every == 0 else None)
+        self.moe_layers = [(i, b.mlp) for i, b in enumerate(self.transformer.h) if isinstance(b.mlp, MoEFFN)]
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, loss_mask: torch.Tensor | None = None,
+                caches: list[KVCache] | None = None, pos: int = 0, reduction: str = "mean") -> Output:
+        x = self.hidden(idx, caches, pos)
+        if targets is None:
+            return Output(logits=self.lm_head(x[:, -1:, :]))
+        loss = cross_entropy(self.lm_head(x), targets, loss_mask, reduction)
+        aux = [m.aux for _, m in self.moe_layers]
+        balance = torch.stack([a["balance"] for a in aux]).mean()
+        z = torch.stack([a["z"] for a in aux]).mean()
+        stats = {"moe_balance_loss": balance.detach(), "moe_z_loss": z.detach()}
+        for (i, _), a in zip(self.moe_layers, aux):
+            stats[f"moe.{i}.tokens_per_expert"] = a["tokens_per_expert"]
+            stats[f"moe.{i}.balance_loss"] = a["balance"].detach()
+            stats[f"moe.{i}.dropped_frac"] = a["dropped"]
+        return Output(loss=loss, aux_loss=self.cfg.moe.lb_loss_weight * balance + self.cfg.moe.z_loss_weight * z,
+                      stats=stats)
+
+    def expert_params(self) -> int:
+        """Parameters of one expert (both linears, with biases), the same in every MoE layer."""
+        m = self.moe_layers[0][1]
+        return sum(p[0].numel() for lin in (m.c_fc, m.c_proj) for p in lin.parameters())
+
+    def num_active_params(self) -> int:
+        """Parameters used per token: everything except the (E - k) experts a token skips in each MoE layer."""
+        skipped = (self.cfg.moe.num_experts - self.cfg.moe.top_k) * self.expert_params() * len(self.moe_layers)
+        return self.num_params() - skipped
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """6 x active parameters (top_k experts, router included) plus attention, 12 * L * d * T."""
+        return 6 * self.num_active_params() + 12 * self.cfg.n_layer * self.cfg.n_embd * seq_len
+
+
+def build(cfg, vocab_size: int, block_size: int) -> MoEGPT:
+    return MoEGPT(cfg, vocab_size, block_size)

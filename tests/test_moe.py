@@ -1,0 +1,201 @@
+"""MoE family: the vectorised layer against a slow per-token reference, losses, capacity, FLOPs, CLI."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import run_cli
+from trainbox.config import MoESection, load_config
+from trainbox.model.moe import MoEFFN
+from trainbox.model.registry import build_model
+
+
+def reference_moe(m: MoEFFN, x: torch.Tensor):
+    """Obviously correct MoE: one token and one choice at a time, GShard priority, explicit capacity."""
+    E, k, cf = m.moe.num_experts, m.moe.top_k, m.moe.capacity_factor
+    B, T, C = x.shape
+    xf = x.reshape(-1, C)
+    N = xf.size(0)
+    logits = xf @ m.router.weight.t()
+    probs = logits.softmax(-1)
+    top_p, top_e = probs.topk(k, dim=-1)
+    gates = top_p / top_p.sum(-1, keepdim=True) if k > 1 else top_p
+    capacity = int(cf * k * N / E) if cf > 0 else math.inf
+    used = [0] * E
+    rows = [torch.zeros(C) for _ in range(N)]
+    kept = 0
+    for j in range(k):              # every token's first choice before any second choice
+        for n in range(N):          # earlier tokens first
+            e = int(top_e[n, j])
+            if used[e] >= capacity:
+                continue
+            used[e] += 1
+            kept += 1
+            h = F.gelu(xf[n] @ m.c_fc.weight[e] + m.c_fc.bias[e], approximate="tanh")
+            rows[n] = rows[n] + gates[n, j] * (h @ m.c_proj.weight[e] + m.c_proj.bias[e])
+    counts = torch.bincount(top_e.flatten(), minlength=E)
+    balance = E / (N * k) * (counts.float() * probs.mean(0)).sum()
+    z = torch.logsumexp(logits, -1).square().mean()
+    return torch.stack(rows).view(B, T, C), balance, z, counts, 1 - kept / (N * k)
+
+
+def _layer(cf: float, k: int = 2, E: int = 4, C: int = 32) -> MoEFFN:
+    torch.manual_seed(0)
+    m = MoEFFN(C, MoESection(num_experts=E, top_k=k, capacity_factor=cf), bias=True, dropout=0.0)
+    for p in m.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    return m.train()
+
+
+def _run(fn, m: MoEFFN, x: torch.Tensor, probe: torch.Tensor):
+    """Outputs and gradients (x and every parameter) of one scalar built from the layer's results."""
+    m.zero_grad()
+    x = x.clone().requires_grad_()
+    y, balance, z, counts, dropped = fn(m, x)
+    (y * probe).sum().add(0.3 * balance + 0.2 * z).backward()
+    grads = [x.grad] + [p.grad.clone() for p in m.parameters()]
+    return y.detach(), balance.detach(), z.detach(), counts, float(dropped), grads
+
+
+def _fast(m: MoEFFN, x: torch.Tensor):
+    y = m(x)
+    a = m.aux
+    return y, a["balance"], a["z"], a["tokens_per_expert"], a["dropped"]
+
+
+@pytest.mark.parametrize("cf,k,use_kernel", [(0.0, 2, True), (0.0, 2, False), (0.75, 2, True),
+                                              (0.75, 2, False), (1.0, 1, True), (0.0, 3, True)])
+def test_vectorised_layer_matches_reference(cf, k, use_kernel):
+    m = _layer(cf, k=k)
+    m.use_kernel = use_kernel
+    x = torch.randn(2, 12, 32)
+    probe = torch.randn(2, 12, 32)
+    ref = _run(reference_moe, m, x, probe)
+    got = _run(_fast, m, x, probe)
+    torch.testing.assert_close(got[0], ref[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got[1], ref[1])
+    torch.testing.assert_close(got[2], ref[2])
+    assert got[3].tolist() == ref[3].tolist()
+    assert got[4] == pytest.approx(ref[4])
+    if cf:
+        assert ref[4] > 0.05, "the case with capacity must actually drop assignments"
+    for g, r in zip(got[5], ref[5]):
+        torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-4)
+
+
+def test_dropped_tokens_pass_through_the_residual_unchanged():
+    m = _layer(cf=0.01)  # capacity int(0.01 * 2 * 24 / 4) = 0: every assignment is dropped
+    y = m(torch.randn(2, 12, 32))
+    assert torch.equal(y, torch.zeros_like(y)) and float(m.aux["dropped"]) == 1.0
+    m.eval()  # evaluation and generation are dropless
+    assert m(torch.randn(2, 12, 32)).abs().sum() > 0 and float(m.aux["dropped"]) == 0.0
+
+
+def test_jitter_perturbs_routing_in_training_only():
+    m = _layer(cf=0.0)
+    m.moe = MoESection(num_experts=4, top_k=2, jitter_eps=0.5)
+    x = torch.randn(2, 12, 32)
+    assert not torch.equal(m(x), m(x))  # fresh multiplicative noise on the router input each call
+    m.eval()
+    torch.testing.assert_close(m(x), reference_moe(m, x)[0], atol=1e-5, rtol=1e-5)
+
+
+def test_balance_loss_is_one_at_perfect_balance_and_grows_with_imbalance():
+    m = _layer(cf=0.0, k=1, E=4)
+    with torch.no_grad():
+        m.router.weight.zero_()
+        m.router.weight[:, :4] = 20 * torch.eye(4)  # token one-hot in dim e -> expert e, prob ~1
+    x = torch.zeros(1, 8, 32)
+    x[0, torch.arange(8), torch.arange(8) % 4] = 1.0  # two tokens per expert
+    m(x)
+    assert float(m.aux["balance"].detach()) == pytest.approx(1.0, abs=1e-6)
+    x[0, :, :4] = 0
+    x[0, :, 0] = 1.0  # every token to expert 0
+    m(x)
+    assert float(m.aux["balance"].detach()) == pytest.approx(4.0, abs=1e-4)
+
+
+def _moe_cfg(*extra: str):
+    return load_config("tiny", ["model.family=moe", "model.n_layer=3", "model.n_head=2", "model.n_embd=32",
+                                "model.moe.num_experts=4", "model.moe.top_k=2", *extra])
+
+
+def test_model_aux_loss_stats_and_every():
+    cfg = _moe_cfg("model.moe.every=2", "model.moe.lb_loss_weight=0.05", "model.moe.z_loss_weight=0.001")
+    torch.manual_seed(0)
+    model = build_model(cfg.model, 64, 16)
+    assert [i for i, _ in model.moe_layers] == [0, 2]  # Megatron's moe_layer_freq: i % every == 0
+    x, y = torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16))
+    out = model(x, y)
+    layers = [m for _, m in model.moe_layers]
+    balance = sum(float(m.aux["balance"].detach()) for m in layers) / 2
+    z = sum(float(m.aux["z"].detach()) for m in layers) / 2
+    assert float(out.aux_loss.detach()) == pytest.approx(0.05 * balance + 0.001 * z, rel=1e-5)
+    assert out.stats["moe.2.tokens_per_expert"].sum() == 2 * 32  # top-2 of 32 tokens
+    assert set(out.stats) >= {"moe.0.balance_loss", "moe.0.dropped_frac", "moe_balance_loss"}
+
+
+def test_cli_train_logs_moe_stats_and_generates(tiny, tmp_path):
+    run_cli("train", *tiny, "model.family=moe", "model.moe.num_experts=4", "model.moe.capacity_factor=1.25",
+            "train.max_steps=3", "train.eval_every=0", "run.name=moe", "train.peak_tflops=1")
+    run = tmp_path / "runs" / "moe"
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    last = [r for r in rows if r.get("event") == "train" and "mfu" in r][-1]
+    assert len(last["moe.0.tokens_per_expert"]) == 4 and 0 <= last["moe.1.dropped_frac"] < 1
+    assert last["mfu"] == pytest.approx(last["tokens_per_s"] * _flops(run) / 1e12, rel=1e-6)
+    out = run_cli("generate", str(run), "--prompt", "ROMEO:", "--max-tokens", "8", "--seed", "1")
+    assert out.stdout.startswith("ROMEO:") and len(out.stdout) > len("ROMEO:")
+    refused = run_cli("export", str(run), "--format", "hf", "--out", str(tmp_path / "hf"), check=False)
+    assert refused.returncode == 2 and "model.family=moe" in refused.stderr and not (tmp_path / "hf").exists()
+
+
+def _flops(run) -> float:
+    import yaml
+
+    from trainbox.config import build_config
+    cfg = build_config(yaml.safe_load((run / "config.yaml").read_text()))
+    from trainbox.data.tokenizer import get_tokenizer
+    from trainbox.model.registry import pad_vocab
+    vocab = cfg.model.vocab_size or pad_vocab(get_tokenizer(cfg.data.tokenizer).vocab_size)
+    return build_model(cfg.model, vocab, cfg.data.seq_len).flops_per_token(cfg.data.seq_len)
+
+
+def test_recipe_and_issue_command_validate():
+    cfg = load_config("moe-gpt2-125m", ["model.moe.num_experts=128", "model.moe.capacity_factor=2",
+                                        "model.moe.top_k=2", "model.moe.lb_loss_weight=0.05",
+                                        "train.micro_batch_size=16"])
+    assert (cfg.model.family, cfg.model.n_layer, cfg.model.n_embd, cfg.model.vocab_size) == ("moe", 12, 768, 50304)
+    base = load_config("moe-gpt2-125m").model.moe
+    assert (base.num_experts, base.top_k, base.capacity_factor) == (8, 2, 0.0)
+
+
+def test_layer_traces_as_one_graph_in_bf16():
+    """torch.compile(fullgraph=True) under bf16 autocast: grouped matmuls, no host syncs, same result."""
+    m = _layer(cf=1.0)
+    x = torch.randn(2, 12, 32)
+    compiled = torch.compile(m, backend="eager", fullgraph=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = m(x)
+        got = compiled(x)
+    assert got.dtype == want.dtype and torch.equal(got, want)
+    assert m.aux["tokens_per_expert"].sum() == 2 * 24
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_grouped_kernel_matches_loop_on_cuda_bf16():
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_models_check.py"
+    spec = importlib.util.spec_from_file_location("gpu_models_check", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_models_check"] = mod
+    spec.loader.exec_module(mod)
+    result = mod.grouped_vs_loop()
+    assert result["ok"], result
