@@ -74,6 +74,7 @@ class ModelSection(Section):
     logit_softcap: float = Field(15.0, ge=0, description="speedrun: tanh soft-cap of the logits (0 = off)")
     window: int = Field(1792, ge=1, description="speedrun: final attention window (tokens)")
     window_warmup_steps: int = Field(0, ge=0, description="speedrun: steps over which the window grows")
+    eot_id: int | None = Field(None, ge=0, description="speedrun: document separator token (default: the tokenizer's)")
     path: str | None = Field(None, description="hf: hub id or local folder of a Hugging Face causal LM")
 
     @model_validator(mode="after")

@@ -1,0 +1,154 @@
+"""Speedrun family on the SDPA path: masking rules, cache, window warm-up, and parity with a slow reference."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trainbox.config import ModelSection
+from trainbox.model.registry import build_model
+
+EOT = 0
+VOCAB = 64
+
+
+def make(window: int = 64, n_layer: int = 4, **kw):
+    torch.manual_seed(0)
+    cfg = ModelSection(family="speedrun", n_layer=n_layer, n_head=2, n_embd=32, head_dim=16, window=window,
+                       eot_id=EOT, **kw)
+    model = build_model(cfg, VOCAB, 64)
+    # output projections and head start at zero (every block is the identity); perturb them so that
+    # every path (attention across positions included) influences the logits in these tests
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("c_proj.weight") or name == "lm_head.weight":
+                p.normal_(std=0.3)
+            if name.endswith("lambdas"):
+                p.add_(0.3)
+    return model.eval()
+
+
+def logits_all(model, idx):
+    """(B, T, V) logits at every position (forward with targets returns only the loss)."""
+    return model.logits(model.hidden(idx))
+
+
+def tokens(T=40, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(1, VOCAB, (2, T), generator=g)  # no EOT unless a test puts one
+
+
+def test_zero_init_outputs_and_softcap():
+    torch.manual_seed(0)
+    cfg = ModelSection(family="speedrun", n_layer=2, n_head=2, n_embd=32, eot_id=EOT, logit_softcap=15.0)
+    model = build_model(cfg, VOCAB, 64)
+    for name, p in model.named_parameters():
+        if name.endswith("c_proj.weight") or name == "lm_head.weight":
+            assert p.abs().max() == 0, name
+    x = torch.randn(3, VOCAB) * 100
+    assert model.logits(x @ torch.zeros(VOCAB, 32)).abs().max() == 0
+    with torch.no_grad():
+        model.lm_head.weight.normal_(std=100.0)
+    assert logits_all(model, tokens()).abs().max() <= 15.0
+
+
+def test_causality():
+    model = make()
+    idx = tokens()
+    base = logits_all(model, idx)
+    changed = idx.clone()
+    changed[:, 25:] = (changed[:, 25:] + 7) % (VOCAB - 1) + 1
+    out = logits_all(model, changed)
+    torch.testing.assert_close(out[:, :25], base[:, :25], rtol=0, atol=1e-6)
+    assert (out[:, 25:] - base[:, 25:]).abs().max() > 1e-3  # the later positions do change
+
+
+def test_document_masking():
+    model = make()
+    idx = tokens()
+    idx[:, 20] = EOT  # document 2 starts at position 20 (EOT opens a document)
+    base = logits_all(model, idx)
+    changed = idx.clone()
+    changed[:, 3:20] = (changed[:, 3:20] + 5) % (VOCAB - 1) + 1  # rewrite document 1 only
+    out = logits_all(model, changed)
+    torch.testing.assert_close(out[:, 20:], base[:, 20:], rtol=0, atol=1e-6)
+    assert (out[:, 3:20] - base[:, 3:20]).abs().max() > 1e-3
+    # without the EOT the same edit does reach the later positions
+    plain, plain_changed = idx.clone(), changed.clone()
+    plain[:, 20] = plain_changed[:, 20] = 9
+    assert (logits_all(model, plain_changed)[:, 20:] - logits_all(model, plain)[:, 20:]).abs().max() > 1e-3
+
+
+def test_window_limit():
+    # with one layer, position t sees exactly tokens t-window+1..t (deeper models compose windows)
+    model = make(window=8, n_layer=1)
+    idx = tokens()
+    base = logits_all(model, idx)
+    changed = idx.clone()
+    changed[:, 10] = (changed[:, 10] + 3) % (VOCAB - 1) + 1
+    diff = (logits_all(model, changed) - base).abs().amax(dim=(0, 2))
+    assert diff[:10].max() == 0 and diff[18:].max() == 0    # before it, and 8+ tokens after it
+    assert (diff[10:18] > 1e-4).all()                        # inside the window
+
+
+def test_window_warmup_schedule():
+    model = make(window=1024, window_warmup_steps=100)
+    assert [model.window_at(s) for s in (0, 50, 100, 500)] == [128, 576, 1024, 1024]
+    model.set_step(0)
+    assert int(model.window) == 128
+    model.set_step(100)
+    assert int(model.window) == 1024
+
+
+def test_generation_with_cache_equals_without():
+    model = make(window=12)
+    idx = tokens(T=30)
+    idx[:, 7] = EOT
+    idx[1, 22] = EOT
+    full = logits_all(model, idx)
+    caches = model.make_caches(2, 30, torch.float32, "cpu")
+    prompt = 10
+    step_logits = [model(idx[:, :prompt], caches=caches, pos=0).logits]
+    for t in range(prompt, 30):
+        step_logits.append(model(idx[:, t:t + 1], caches=caches, pos=t).logits)
+    cached = torch.cat(step_logits, dim=1)
+    torch.testing.assert_close(cached, full[:, prompt - 1:], rtol=1e-5, atol=1e-5)
+
+
+def reference_attention_logits(model, idx):
+    """Slow oracle: every query attends by an explicit Python loop over the allowed keys."""
+    B, T = idx.shape
+    eot, window = model.eot_id, int(model.window)
+    docs = (idx == eot).cumsum(1)
+
+    def attend(q, k, v):
+        out = torch.zeros_like(q)
+        for b in range(B):
+            for t in range(T):
+                keys = [s for s in range(T) if s <= t and t - s < window and docs[b, s] == docs[b, t]]
+                scores = (q[b, :, t:t + 1] @ k[b, :, keys].transpose(-1, -2)) * 0.12
+                out[b, :, t] = (scores.softmax(-1) @ v[b, :, keys])[:, 0]
+        return out
+
+    model._attend_fn = lambda *a: attend
+    try:
+        return logits_all(model, idx)
+    finally:
+        del model._attend_fn
+
+
+def test_matches_slow_reference():
+    model = make(window=6, n_layer=3)
+    idx = tokens(T=16)
+    idx[0, 5] = EOT
+    idx[1, 11] = EOT
+    torch.testing.assert_close(logits_all(model, idx), reference_attention_logits(model, idx), rtol=1e-4, atol=1e-5)
+
+
+def test_interface_counts():
+    model = make()
+    n_total = sum(p.numel() for p in model.parameters())
+    n_tables = model.embed.weight.numel() + sum(e.weight.numel() for e in model.value_embeds)
+    assert model.num_params() == n_total - n_tables
+    assert model.flops_per_token(32) == 6 * model.num_params() + 12 * 4 * 2 * 16 * 32
+    with pytest.raises(Exception, match="eot_id"):
+        build_model(ModelSection(family="speedrun", n_layer=2, n_head=2, n_embd=32), VOCAB, 64)
