@@ -97,11 +97,13 @@ class OptimSection(Section):
     cooldown_frac: float = Field(0.2, ge=0, le=1, description="wsd: fraction of steps in the final decay")
     muon_lr: float = Field(0.02, gt=0)
     muon_momentum: float = Field(0.95, ge=0, lt=1)
+    muon_momentum_start: float = Field(0.85, ge=0, lt=1, description="muon: momentum at step 0 of its warm-up")
     muon_momentum_warmup_steps: int = Field(300, ge=0)
     muon_zeropower: str = Field("newton_schulz5", description="newton_schulz5, polar_express or svd")
     muon_ns_steps: int = Field(5, ge=1)
     embed_lr: float | None = Field(None, description="muon: AdamW lr of embeddings (default lr)")
     head_lr: float | None = Field(None, description="muon: AdamW lr of the output head (default lr)")
+    scalar_lr: float | None = Field(None, description="muon: AdamW lr of norms, gains and scalars (default lr)")
 
 
 class TrainSection(Section):
