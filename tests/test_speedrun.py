@@ -11,11 +11,11 @@ EOT = 0
 VOCAB = 64
 
 
-def make(window: int = 64, n_layer: int = 4, **kw):
+def make(window: int = 64, n_layer: int = 4, block_size: int = 64, **kw):
     torch.manual_seed(0)
     cfg = ModelSection(family="speedrun", n_layer=n_layer, n_head=2, n_embd=32, head_dim=16, window=window,
                        eot_id=EOT, **kw)
-    model = build_model(cfg, VOCAB, 64)
+    model = build_model(cfg, VOCAB, block_size)
     # output projections and head start at zero (every block is the identity); perturb them so that
     # every path (attention across positions included) influences the logits in these tests
     with torch.no_grad():
@@ -152,3 +152,73 @@ def test_interface_counts():
     assert model.flops_per_token(32) == 6 * model.num_params() + 12 * 4 * 2 * 16 * 32
     with pytest.raises(Exception, match="eot_id"):
         build_model(ModelSection(family="speedrun", n_layer=2, n_head=2, n_embd=32), VOCAB, 64)
+
+
+@pytest.mark.parametrize("window", [1, 100, 128, 300, 5000])
+def test_flex_block_mask_matches_dense_mask_mod(window):
+    """Our O((T/128)^2) block mask equals torch's create_block_mask (which evaluates mask_mod densely)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from trainbox.model.speedrun import allowed, flex_block_mask
+    idx = tokens(T=768)
+    idx[0, [300, 700]] = EOT          # documents crossing block edges
+    idx[1, [129, 256, 257]] = EOT     # a one-token document, and one that starts on a block edge
+    docs = (idx == EOT).cumsum(1)
+    w = torch.tensor(window, dtype=torch.int32)
+    ours = flex_block_mask(docs, w)
+    ref = create_block_mask(lambda b, h, q, k: allowed(q, k, docs[b, q], docs[b, k], w), 2, None, 768, 768,
+                            device="cpu")
+    assert torch.equal(ours.to_dense(), ref.to_dense())
+    assert torch.equal(ours.full_kv_num_blocks, ref.full_kv_num_blocks)
+    assert torch.equal(ours.kv_num_blocks, ref.kv_num_blocks)
+
+
+def test_flex_path_forward_equals_sdpa_path():
+    """Forward through flex_attention (eager: CPU has no FlexAttention backward) equals the SDPA path."""
+    import warnings
+
+    import trainbox.model.speedrun as speedrun
+    from torch.nn.attention.flex_attention import flex_attention
+    model = make(window=200, n_layer=2, block_size=384)
+    idx = tokens(T=384)
+    idx[0, 150] = idx[1, 300] = EOT
+    with torch.no_grad():
+        sdpa = logits_all(model, idx)
+        model.use_flex = True
+        compiled = speedrun._compiled_flex
+        speedrun._compiled_flex = lambda: flex_attention  # compiling on CPU takes too long for a unit test
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # "flex_attention called without torch.compile" (expected here)
+                flex = logits_all(model, idx)
+        finally:
+            speedrun._compiled_flex, model.use_flex = compiled, False
+    torch.testing.assert_close(flex, sdpa, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_flex_check_script_on_gpu():
+    """FlexAttention (CUDA) vs SDPA: loss, logits and every gradient in bf16 (benchmarks/flex_check.py)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "flex_check.py"
+    proc = subprocess.run([sys.executable, str(script), "--no-long"], capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert json.loads(proc.stdout)["ok"]
+
+
+@pytest.mark.parametrize("recipe, layers, width, heads, non_embedding", [
+    ("speedrun-124m", 12, 768, 6, 123.5e6), ("speedrun-350m", 16, 1024, 8, 252.9e6)])
+def test_recipes_build(recipe, layers, width, heads, non_embedding):
+    from trainbox.config import load_config
+    cfg = load_config(recipe, ["model.eot_id=50256"])
+    assert (cfg.model.family, cfg.optim.name, cfg.model.vocab_size) == ("speedrun", "muon", 50304)
+    with torch.device("meta"):  # shapes only: no memory, no init cost
+        model = build_model(cfg.model, cfg.model.vocab_size, cfg.data.seq_len)
+    assert (len(model.blocks), model.embed.embedding_dim, model.blocks[0].attn.n_head, model.head_dim) == \
+        (layers, width, heads, 128)
+    assert abs(model.num_params() - non_embedding) < 0.5e6
