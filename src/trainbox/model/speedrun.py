@@ -91,6 +91,14 @@ def _compiled_flex():
     return torch.compile(flex_attention, dynamic=False)
 
 
+def _flex_fn():
+    """flex_attention itself inside a compiled model (the outer compile fuses it), else its compiled form."""
+    if torch.compiler.is_compiling():
+        from torch.nn.attention.flex_attention import flex_attention
+        return flex_attention
+    return _compiled_flex()
+
+
 def flex_available(device: torch.device) -> bool:
     """FlexAttention runs on CUDA GPUs of compute capability 8.0+ (Triton kernels)."""
     if device.type != "cuda":
@@ -122,9 +130,11 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         # (B, T, C) -> (B, T, H, D)
         q, k, v = (lin(x).view(B, T, self.n_head, self.head_dim) for lin in (self.c_q, self.c_k, self.c_v))
+        dtype = v.dtype  # the matmul dtype (bf16 under autocast); norms and embeddings may come out in fp32
         q, k = self.rotary(self.qk_norm(q), pos), self.rotary(self.qk_norm(k), pos)
         v = self.lambdas[0] * v + (self.lambdas[1] * ve.view_as(v) if ve is not None else 0)
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, D)
+        # (B, T, H, D) -> (B, H, T, D), one dtype: flex_attention, unlike SDPA, is not cast by autocast
+        q, k, v = (t.transpose(1, 2).to(dtype) for t in (q, k, v))
         if cache is not None:
             k, v = cache.update(pos, k, v)
         y = attend(q, k, v).transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)
@@ -236,7 +246,7 @@ class SpeedrunGPT(nn.Module):
             return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=ATTN_SCALE)
         if self.use_flex:
             block_mask = flex_block_mask(docs, self.window)
-            flex = _compiled_flex()
+            flex = _flex_fn()
             return lambda q, k, v: flex(q, k, v, block_mask=block_mask, scale=ATTN_SCALE)
         mask = sdpa_mask(docs, docs, 0, self.window)
         return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=ATTN_SCALE)
