@@ -78,7 +78,8 @@ def test_param_split_and_adamw_groups_equal_torch_adamw():
     assert muon_names == {f"blocks.{i}.{m}.weight" for i in range(2)
                           for m in ("attn.c_q", "attn.c_k", "attn.c_v", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")}
     assert len({tuple(p.shape) for g in muon.param_groups for p in g["params"]}) == len(muon.param_groups)
-    got = {g["name"]: (sorted(names[id(p)] for p in g["params"]), g["lr"], g["weight_decay"]) for g in adamw.param_groups}
+    got = {g["name"]: (sorted(names[id(p)] for p in g["params"]), g["lr"], g["weight_decay"])
+           for g in adamw.param_groups}
     assert got["embed"] == (["embed.weight", "value_embeds.0.weight"], 0.3, 0.1)
     assert got["head"] == (["lm_head.weight"], 0.01, 0.1)
     assert got["scalar"][1:] == (0.05, 0.0)
@@ -196,7 +197,6 @@ def test_torchrun_two_processes_equal_one(tiny, tmp_path):
     import os
     import shutil
     import subprocess
-    import sys
     if shutil.which("torchrun") is None:
         pytest.skip("torchrun is not on PATH")
     args = [*tiny, "model.family=speedrun", "model.head_dim=16", "optim.name=muon", "optim.muon_lr=0.05",
@@ -213,5 +213,5 @@ def test_torchrun_two_processes_equal_one(tiny, tmp_path):
     one, two = losses("one"), losses("two")
     assert len(one) == 4 and one[-1] < one[0] - 0.01
     # DDP sums gradients in another order than accumulation does; Muon's bf16 iteration passes those
-    # last-bit differences on, so the runs agree to ~1e-5 rather than bit for bit (a wrong split is ~1e-2)
+    # last-bit differences on, so the runs agree to ~1e-5 rather than bit for bit
     assert two == pytest.approx(one, rel=1e-4, abs=0)

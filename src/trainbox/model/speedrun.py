@@ -73,7 +73,8 @@ def flex_block_mask(docs: torch.Tensor, window: torch.Tensor, block: int = 128):
     q_first, q_last, kv_first, kv_last = first[:, None], last[:, None], first[None, :], last[None, :]
     q_lo, q_hi, kv_lo, kv_hi = lo[:, :, None], hi[:, :, None], lo[:, None, :], hi[:, None, :]
     any_pair = (kv_first <= q_last) & (q_first - kv_last < window) & (q_lo <= kv_hi) & (kv_lo <= q_hi)
-    all_pairs = (kv_last <= q_first) & (q_last - kv_first < window) & (q_lo == q_hi) & (q_hi == kv_lo) & (kv_lo == kv_hi)
+    one_doc = (q_lo == q_hi) & (q_hi == kv_lo) & (kv_lo == kv_hi)
+    all_pairs = (kv_last <= q_first) & (q_last - kv_first < window) & one_doc
     partial = any_pair & ~all_pairs
 
     def ordered(dense):  # (B, N, N) bool -> (B, 1, N) counts and (B, 1, N, N) kv indices, allowed ones first
@@ -177,13 +178,15 @@ class SpeedrunGPT(nn.Module):
         super().__init__()
         if cfg.eot_id is None:
             raise ConfigError("model.family=speedrun needs model.eot_id (the document separator token)",
-                              hint="trainbox train sets it from the tokenizer; pass model.eot_id=N when building by hand")
+                              hint="trainbox train sets it from the tokenizer; "
+                                   "pass model.eot_id=N when building a model by hand")
         self.cfg, self.vocab_size, self.block_size, self.eot_id = cfg, vocab_size, block_size, cfg.eot_id
         L, dim = cfg.n_layer, cfg.n_embd
         self.head_dim = cfg.head_dim or dim // cfg.n_head
         hdim = cfg.n_head * self.head_dim
         self.embed = nn.Embedding(vocab_size, dim)
-        self.value_embeds = nn.ModuleList(nn.Embedding(vocab_size, hdim) for _ in range(min(NUM_VALUE_EMBEDS, L // 2 or 1)))
+        n_ve = min(NUM_VALUE_EMBEDS, max(1, L // 2))
+        self.value_embeds = nn.ModuleList(nn.Embedding(vocab_size, hdim) for _ in range(n_ve))
         self.rotary = Rotary(self.head_dim, block_size)
         self.blocks = nn.ModuleList(Block(dim, cfg.n_head, self.head_dim, self.rotary) for _ in range(L))
         self.n_encoder = L // 2  # U-net: blocks 0..n_encoder-1 push skips, the rest pop them in reverse
