@@ -215,3 +215,21 @@ def test_torchrun_two_processes_equal_one(tiny, tmp_path):
     # DDP sums gradients in another order than accumulation does; Muon's bf16 iteration passes those
     # last-bit differences on, so the runs agree to ~1e-5 rather than bit for bit
     assert two == pytest.approx(one, rel=1e-4, abs=0)
+
+
+def test_state_dict_round_trip_resumes_exactly():
+    """Momentum buffers and the warm-up step counter survive state_dict -> load_state_dict (checkpoints)."""
+    def run(split: bool) -> torch.Tensor:
+        torch.manual_seed(0)
+        W = torch.nn.Parameter(torch.randn(12, 20))
+        opt = Muon([W], lr=0.03, momentum_warmup_steps=3, weight_decay=0.1)
+        gen = torch.Generator().manual_seed(7)
+        for step in range(5):
+            if split and step == 2:  # "restart": a fresh optimizer loaded from the saved state
+                saved = copy.deepcopy(opt.state_dict())
+                opt = Muon([W], lr=0.03, momentum_warmup_steps=3, weight_decay=0.1)
+                opt.load_state_dict(saved)
+            W.grad = torch.randn(12, 20, generator=gen)
+            opt.step()
+        return W.detach()
+    torch.testing.assert_close(run(split=True), run(split=False), rtol=0, atol=0)
