@@ -12,9 +12,12 @@ Architecture choices (modded-nanogpt records of late 2024 / early 2025, Keller J
   - MLP of width 4d with ReLU^2; every output projection (attention, MLP, head) starts at zero;
   - untied output head; logits soft-capped by `logit_softcap * tanh(logits / logit_softcap)`.
 
-On CUDA (compute capability >= 8.0) attention runs through FlexAttention block masks, which skip the
-masked-out blocks; elsewhere it runs through SDPA with the same mask as an explicit boolean tensor (one
-logged warning). Generation uses the SDPA path with a KV cache that remembers each key's document.
+RoPE positions count from the start of the row, not of the document (as in modded-nanogpt).
+
+On CUDA (compute capability >= 8.0) attention runs through FlexAttention block masks, built per batch
+at the level of 128-token blocks, which skip the masked-out blocks; elsewhere it runs through SDPA with
+the same rule as an explicit boolean mask (one logged warning). Generation uses the SDPA path with a KV
+cache that remembers each key's document, so windows and document boundaries hold while decoding.
 
     trainbox train speedrun-124m data.path=data/fineweb      # 124M, Muon, on FineWeb shards
 """
