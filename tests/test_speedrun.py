@@ -229,3 +229,16 @@ def test_recipes_build(recipe, layers, width, heads, non_embedding):
     assert (len(model.blocks), model.embed.embedding_dim, model.blocks[0].attn.n_head, model.head_dim) == \
         (layers, width, heads, 128)
     assert abs(model.num_params() - non_embedding) < 0.5e6
+
+
+def test_rotary_is_relative_and_offset_consistent():
+    from trainbox.model.layers import Rotary
+    rot = Rotary(16)
+    torch.manual_seed(0)
+    q, k = torch.randn(1, 1, 1, 16), torch.randn(1, 1, 1, 16)
+    dots = [(rot(q, m) * rot(k, n)).sum() for m, n in [(7, 3), (12, 8), (104, 100)]]
+    torch.testing.assert_close(torch.stack(dots), dots[0].expand(3), rtol=1e-5, atol=1e-5)  # depends on m - n only
+    assert not torch.allclose((rot(q, 7) * rot(k, 3)).sum(), (rot(q, 7) * rot(k, 5)).sum())
+    x = torch.randn(2, 10, 3, 16)
+    torch.testing.assert_close(rot(x).norm(dim=-1), x.norm(dim=-1))              # a rotation
+    torch.testing.assert_close(rot(x[:, 4:], pos=4), rot(x)[:, 4:])              # cached decode positions

@@ -92,19 +92,20 @@ def scaled_residual_init_(model: nn.Module, suffix: str, n_layer: int, std: floa
 class Rotary(nn.Module):
     """Rotary position embedding (RoPE, Su et al. 2021) on (B, T, H, D) tensors.
 
-    Positions start at `pos`, so a KV-cached decode step rotates its query by its true position.
+    Positions start at `pos`, so a KV-cached decode step rotates its query by its true position. The
+    angles are computed per call rather than stored: a (T_max, D/2) table would be a large buffer that
+    DDP broadcasts every step, while the product costs nothing next to the matmuls.
     """
 
-    def __init__(self, head_dim: int, max_len: int, base: float = 10000.0):
+    def __init__(self, head_dim: int, base: float = 10000.0):
         super().__init__()
         inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
-        angles = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)  # (T, D/2)
-        self.register_buffer("cos", angles.cos(), persistent=False)
-        self.register_buffer("sin", angles.sin(), persistent=False)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, x: torch.Tensor, pos: int = 0) -> torch.Tensor:
-        t = x.size(1)
-        cos, sin = self.cos[None, pos:pos + t, None, :], self.sin[None, pos:pos + t, None, :]
+        positions = torch.arange(pos, pos + x.size(1), device=x.device, dtype=torch.float32)
+        angles = torch.outer(positions, self.inv_freq)[None, :, None, :]  # (1, T, 1, D/2)
+        cos, sin = angles.cos(), angles.sin()
         x1, x2 = x.float().chunk(2, dim=-1)
         y = torch.cat((x1 * cos + x2 * sin, x2 * cos - x1 * sin), dim=-1)
         return y.type_as(x)

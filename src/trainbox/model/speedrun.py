@@ -190,7 +190,7 @@ class SpeedrunGPT(nn.Module):
         self.embed = nn.Embedding(vocab_size, dim)
         n_ve = min(NUM_VALUE_EMBEDS, max(1, L // 2))
         self.value_embeds = nn.ModuleList(nn.Embedding(vocab_size, hdim) for _ in range(n_ve))
-        self.rotary = Rotary(self.head_dim, block_size)
+        self.rotary = Rotary(self.head_dim)
         self.blocks = nn.ModuleList(Block(dim, cfg.n_head, self.head_dim, self.rotary) for _ in range(L))
         self.n_encoder = L // 2  # U-net: blocks 0..n_encoder-1 push skips, the rest pop them in reverse
         self.skip_weights = nn.Parameter(torch.ones(self.n_encoder))
