@@ -74,6 +74,7 @@ class ModelSection(Section):
     logit_softcap: float = Field(15.0, ge=0, description="speedrun: tanh soft-cap of the logits (0 = off)")
     window: int = Field(1792, ge=1, description="speedrun: final attention window (tokens)")
     window_warmup_steps: int = Field(0, ge=0, description="speedrun: steps over which the window grows")
+    eot_id: int | None = Field(None, ge=0, description="speedrun: document separator token (default: the tokenizer's)")
     path: str | None = Field(None, description="hf: hub id or local folder of a Hugging Face causal LM")
 
     @model_validator(mode="after")
@@ -96,11 +97,13 @@ class OptimSection(Section):
     cooldown_frac: float = Field(0.2, ge=0, le=1, description="wsd: fraction of steps in the final decay")
     muon_lr: float = Field(0.02, gt=0)
     muon_momentum: float = Field(0.95, ge=0, lt=1)
+    muon_momentum_start: float = Field(0.85, ge=0, lt=1, description="muon: momentum at step 0 of its warm-up")
     muon_momentum_warmup_steps: int = Field(300, ge=0)
     muon_zeropower: str = Field("newton_schulz5", description="newton_schulz5, polar_express or svd")
     muon_ns_steps: int = Field(5, ge=1)
     embed_lr: float | None = Field(None, description="muon: AdamW lr of embeddings (default lr)")
     head_lr: float | None = Field(None, description="muon: AdamW lr of the output head (default lr)")
+    scalar_lr: float | None = Field(None, description="muon: AdamW lr of norms, gains and scalars (default lr)")
 
 
 class TrainSection(Section):

@@ -87,3 +87,42 @@ def scaled_residual_init_(model: nn.Module, suffix: str, n_layer: int, std: floa
     for name, p in model.named_parameters():
         if name.endswith(suffix):
             nn.init.normal_(p, mean=0.0, std=std / math.sqrt(2 * n_layer))
+
+
+class Rotary(nn.Module):
+    """Rotary position embedding (RoPE, Su et al. 2021) on (B, T, H, D) tensors.
+
+    Positions start at `pos`, so a KV-cached decode step rotates its query by its true position. The
+    angles are computed per call rather than stored: a (T_max, D/2) table would be a large buffer that
+    DDP broadcasts every step, while the product costs nothing next to the matmuls.
+    """
+
+    def __init__(self, head_dim: int, base: float = 10000.0):
+        super().__init__()
+        inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, x: torch.Tensor, pos: int = 0) -> torch.Tensor:
+        positions = torch.arange(pos, pos + x.size(1), device=x.device, dtype=torch.float32)
+        angles = torch.outer(positions, self.inv_freq)[None, :, None, :]  # (1, T, 1, D/2)
+        cos, sin = angles.cos(), angles.sin()
+        x1, x2 = x.float().chunk(2, dim=-1)
+        y = torch.cat((x1 * cos + x2 * sin, x2 * cos - x1 * sin), dim=-1)
+        return y.type_as(x)
+
+
+class DocKVCaches(list):
+    """One KVCache per layer plus the document id of every cached position.
+
+    Families with document-masked attention (speedrun) need to know, at decode time, which document each
+    cached key belongs to; the ids are shared by all layers, so they are kept once here.
+    """
+
+    def __init__(self, caches: list[KVCache], batch: int, max_len: int, device):
+        super().__init__(caches)
+        self.docs = torch.zeros(batch, max_len, dtype=torch.long, device=device)
+
+    def update_docs(self, pos: int, docs: torch.Tensor) -> torch.Tensor:
+        """Store the (B, T) ids of positions pos.. and return the ids of every position up to them."""
+        self.docs[:, pos:pos + docs.size(1)] = docs
+        return self.docs[:, :pos + docs.size(1)]

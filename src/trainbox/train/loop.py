@@ -161,6 +161,8 @@ class Trainer:
             torch.set_num_threads(cfg.train.threads)
         self.resume_from = self._find_resume()
         self.tokenizer = get_tokenizer(cfg.data.tokenizer)
+        if cfg.model.eot_id is None:  # document-masked families (speedrun) split documents at EOT
+            cfg.model.eot_id = self.tokenizer.eot_id
         vocab = cfg.model.vocab_size or pad_vocab(self.tokenizer.vocab_size)
         self.train_data, self.val_data = open_datasets(cfg.data, self.tokenizer, vocab)
         self.plan = BatchPlan(self.train_data, cfg.train.global_batch_size, cfg.train.micro_batch_size,

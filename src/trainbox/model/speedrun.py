@@ -1,0 +1,309 @@
+"""Speedrun GPT family (`model.family: speedrun`), after modded-nanogpt's FlexAttention-era model.
+
+Architecture choices (modded-nanogpt records of late 2024 / early 2025, Keller Jordan et al.):
+  - token embedding, then a parameter-free RMSNorm; x0 (the normed embedding) is mixed back into every
+    block with learned scalars (`lambdas`), and U-net skips join encoder block i to decoder block L-1-i;
+  - attention: RoPE, QK-norm (RMSNorm of queries and keys, attention scale 0.12), value embeddings (extra
+    token embeddings added to the values of the first and last three layers), heads of `head_dim`;
+  - document-causal sliding-window attention: a query sees keys that are (1) not in its future, (2) fewer
+    than `window` tokens back and (3) in its own document; a document starts at each EOT token (the
+    data puts EOT before every document). The window grows from 128 to `model.window` over
+    `model.window_warmup_steps` steps (`set_step`, called by the training loop);
+  - MLP of width 4d with ReLU^2; every output projection (attention, MLP, head) starts at zero;
+  - untied output head; logits soft-capped by `logit_softcap * tanh(logits / logit_softcap)`.
+
+RoPE positions count from the start of the row, not of the document (as in modded-nanogpt).
+
+On CUDA (compute capability >= 8.0) attention runs through FlexAttention block masks, built per batch
+at the level of 128-token blocks, which skip the masked-out blocks; elsewhere it runs through SDPA with
+the same rule as an explicit boolean mask (one logged warning). Generation uses the SDPA path with a KV
+cache that remembers each key's document, so windows and document boundaries hold while decoding.
+
+    trainbox train speedrun-124m data.path=data/fineweb      # 124M, Muon, on FineWeb shards
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from trainbox.errors import ConfigError
+from trainbox.model.gpt import Output, cross_entropy
+from trainbox.model.layers import DocKVCaches, KVCache, RMSNorm, Rotary
+from trainbox.monitor.console import log
+
+ATTN_SCALE = 0.12          # modded-nanogpt's attention scale for QK-normed heads of 128
+MIN_WINDOW = 128           # window at step 0 of the warm-up
+NUM_VALUE_EMBEDS = 3
+
+
+# ----------------------------------------------------------------------------- the attention mask
+
+
+def allowed(q_pos, kv_pos, q_doc, kv_doc, window):
+    """Document-causal sliding-window rule, shared by the FlexAttention mask_mod and the SDPA mask."""
+    return (kv_pos <= q_pos) & (q_pos - kv_pos < window) & (q_doc == kv_doc)
+
+
+def sdpa_mask(q_docs: torch.Tensor, kv_docs: torch.Tensor, pos: int, window: torch.Tensor) -> torch.Tensor:
+    """(B, 1, T, S) boolean mask for queries at pos..pos+T-1 over keys at 0..S-1."""
+    q_pos = torch.arange(pos, pos + q_docs.size(1), device=q_docs.device)[:, None]
+    kv_pos = torch.arange(kv_docs.size(1), device=q_docs.device)[None, :]
+    return allowed(q_pos, kv_pos, q_docs[:, :, None], kv_docs[:, None, :], window)[:, None]
+
+
+def flex_block_mask(docs: torch.Tensor, window: torch.Tensor, block: int = 128):
+    """FlexAttention BlockMask for a (B, T) batch of document ids (training: queries == keys).
+
+    Built at the level of 128 x 128 blocks from each block's first/last position and document, so it
+    costs O((T/128)^2) and never materialises the T x T mask (modded-nanogpt trains on 64K-token rows).
+    A block pair is skipped when no pair in it is allowed, "full" (no mask_mod call) when every pair is.
+    """
+    from torch.nn.attention.flex_attention import BlockMask, create_block_mask
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return allowed(q_idx, kv_idx, docs[b, q_idx], docs[b, kv_idx], window)
+
+    B, T = docs.shape
+    if T % block:  # short or ragged rows: let torch evaluate mask_mod densely
+        return create_block_mask(mask_mod, B, None, T, T, device=docs.device)
+    first = torch.arange(0, T, block, device=docs.device)  # (N,) first position of each block
+    last = first + block - 1
+    blocks = docs.view(B, -1, block)
+    lo, hi = blocks[:, :, 0], blocks[:, :, -1]             # docs are non-decreasing along a row
+    q_first, q_last, kv_first, kv_last = first[:, None], last[:, None], first[None, :], last[None, :]
+    q_lo, q_hi, kv_lo, kv_hi = lo[:, :, None], hi[:, :, None], lo[:, None, :], hi[:, None, :]
+    any_pair = (kv_first <= q_last) & (q_first - kv_last < window) & (q_lo <= kv_hi) & (kv_lo <= q_hi)
+    one_doc = (q_lo == q_hi) & (q_hi == kv_lo) & (kv_lo == kv_hi)
+    all_pairs = (kv_last <= q_first) & (q_last - kv_first < window) & one_doc
+    partial = any_pair & ~all_pairs
+
+    def ordered(dense):  # (B, N, N) bool -> (B, 1, N) counts and (B, 1, N, N) kv indices, allowed ones first
+        counts = dense.sum(dim=-1, dtype=torch.int32)
+        indices = dense.to(torch.int8).argsort(dim=-1, descending=True, stable=True).to(torch.int32)
+        return counts[:, None].contiguous(), indices[:, None].contiguous()
+
+    return BlockMask.from_kv_blocks(*ordered(partial), *ordered(all_pairs), BLOCK_SIZE=block, mask_mod=mask_mod)
+
+
+@functools.cache
+def _compiled_flex():
+    # flex_attention must be compiled to run its fused kernel (uncompiled it materialises the scores)
+    from torch.nn.attention.flex_attention import flex_attention
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def _flex_fn():
+    """flex_attention itself inside a compiled model (the outer compile fuses it), else its compiled form."""
+    if torch.compiler.is_compiling():
+        from torch.nn.attention.flex_attention import flex_attention
+        return flex_attention
+    return _compiled_flex()
+
+
+def flex_available(device: torch.device) -> bool:
+    """FlexAttention runs on CUDA GPUs of compute capability 8.0+ (Triton kernels)."""
+    if device.type != "cuda":
+        return False
+    try:
+        import torch.nn.attention.flex_attention  # noqa: F401
+    except ImportError:
+        return False
+    return torch.cuda.get_device_capability(device) >= (8, 0)
+
+
+# ----------------------------------------------------------------------------- blocks
+
+
+class Attention(nn.Module):
+    def __init__(self, dim: int, n_head: int, head_dim: int, rotary: Rotary):
+        super().__init__()
+        self.n_head, self.head_dim = n_head, head_dim
+        hdim = n_head * head_dim
+        self.c_q = nn.Linear(dim, hdim, bias=False)
+        self.c_k = nn.Linear(dim, hdim, bias=False)
+        self.c_v = nn.Linear(dim, hdim, bias=False)
+        self.lambdas = nn.Parameter(torch.tensor([0.5, 0.5]))  # mix of computed value and value embedding
+        self.rotary = rotary
+        self.qk_norm = RMSNorm(head_dim, weight=False)
+        self.c_proj = nn.Linear(hdim, dim, bias=False)
+
+    def forward(self, x, ve, attend, cache: KVCache | None, pos: int) -> torch.Tensor:
+        B, T, _ = x.shape
+        # (B, T, C) -> (B, T, H, D)
+        q, k, v = (lin(x).view(B, T, self.n_head, self.head_dim) for lin in (self.c_q, self.c_k, self.c_v))
+        dtype = v.dtype  # the matmul dtype (bf16 under autocast); norms and embeddings may come out in fp32
+        q, k = self.rotary(self.qk_norm(q), pos), self.rotary(self.qk_norm(k), pos)
+        v = self.lambdas[0] * v + (self.lambdas[1] * ve.view_as(v) if ve is not None else 0)
+        # (B, T, H, D) -> (B, H, T, D), one dtype: flex_attention, unlike SDPA, is not cast by autocast
+        q, k, v = (t.transpose(1, 2).to(dtype) for t in (q, k, v))
+        if cache is not None:
+            k, v = cache.update(pos, k, v)
+        y = attend(q, k, v).transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)
+        return self.c_proj(y)
+
+
+class MLP(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.c_fc = nn.Linear(dim, 4 * dim, bias=False)
+        self.c_proj = nn.Linear(4 * dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c_proj(F.relu(self.c_fc(x)).square())  # ReLU^2 (So et al. 2021, Primer)
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, n_head: int, head_dim: int, rotary: Rotary):
+        super().__init__()
+        self.lambdas = nn.Parameter(torch.tensor([1.0, 0.0]))  # x <- a * x + b * x0
+        self.norm = RMSNorm(dim, weight=False)
+        self.attn = Attention(dim, n_head, head_dim, rotary)
+        self.mlp = MLP(dim)
+
+    def forward(self, x, x0, ve, attend, cache, pos) -> torch.Tensor:
+        x = self.lambdas[0] * x + self.lambdas[1] * x0
+        x = x + self.attn(self.norm(x), ve, attend, cache, pos)
+        return x + self.mlp(self.norm(x))
+
+
+# ----------------------------------------------------------------------------- the model
+
+
+class SpeedrunGPT(nn.Module):
+    """`cfg` is a ModelSection with `eot_id` set (the loop fills it from the tokenizer)."""
+
+    family = "speedrun"
+
+    def __init__(self, cfg, vocab_size: int, block_size: int):
+        super().__init__()
+        if cfg.eot_id is None:
+            raise ConfigError("model.family=speedrun needs model.eot_id (the document separator token)",
+                              hint="trainbox train sets it from the tokenizer; "
+                                   "pass model.eot_id=N when building a model by hand")
+        self.cfg, self.vocab_size, self.block_size, self.eot_id = cfg, vocab_size, block_size, cfg.eot_id
+        L, dim = cfg.n_layer, cfg.n_embd
+        self.head_dim = cfg.head_dim or dim // cfg.n_head
+        hdim = cfg.n_head * self.head_dim
+        self.embed = nn.Embedding(vocab_size, dim)
+        n_ve = min(NUM_VALUE_EMBEDS, max(1, L // 2))
+        self.value_embeds = nn.ModuleList(nn.Embedding(vocab_size, hdim) for _ in range(n_ve))
+        self.rotary = Rotary(self.head_dim)
+        self.blocks = nn.ModuleList(Block(dim, cfg.n_head, self.head_dim, self.rotary) for _ in range(L))
+        self.n_encoder = L // 2  # U-net: blocks 0..n_encoder-1 push skips, the rest pop them in reverse
+        self.skip_weights = nn.Parameter(torch.ones(self.n_encoder))
+        self.norm = RMSNorm(dim, weight=False)
+        self.lm_head = nn.Linear(dim, vocab_size, bias=False)
+        self.register_buffer("window", torch.tensor(cfg.window, dtype=torch.int32), persistent=False)
+        self.use_flex: bool | None = None  # decided on first use from the device
+        self._init_weights()
+
+    def _init_weights(self) -> None:
+        for name, p in self.named_parameters():
+            if name.endswith(("c_proj.weight",)) or name == "lm_head.weight":
+                nn.init.zeros_(p)  # every block starts as the identity; the head starts uniform
+            elif p.dim() == 2 and "embed" not in name:
+                bound = (3 ** 0.5) * 0.5 / p.size(1) ** 0.5  # uniform with std 0.5 / sqrt(fan_in)
+                nn.init.uniform_(p, -bound, bound)
+            elif p.dim() == 2:
+                nn.init.normal_(p, std=1.0)
+
+    # ------------------------------------------------------------------ schedules and backends
+    def window_at(self, step: int) -> int:
+        """Attention window at `step`: MIN_WINDOW growing linearly to model.window over the warm-up."""
+        final = self.cfg.window
+        start = min(MIN_WINDOW, final)
+        if not self.cfg.window_warmup_steps or step >= self.cfg.window_warmup_steps:
+            return final
+        return int(start + (final - start) * step / self.cfg.window_warmup_steps)
+
+    def set_step(self, step: int) -> None:
+        """Called by the loop before each step (outside torch.compile): window warm-up and backend choice."""
+        self.window.fill_(self.window_at(step))
+        self._resolve_backend(self.window.device)
+
+    def _resolve_backend(self, device: torch.device) -> None:
+        if self.use_flex is None:
+            self.use_flex = flex_available(device)
+            if not self.use_flex:
+                log.warning(f"speedrun: FlexAttention is not available on {device} (it needs a CUDA GPU of compute "
+                            "capability 8.0+); attention runs through SDPA with an explicit mask (same maths, "
+                            "slower, memory O(T^2))")
+
+    def value_embed_index(self, layer: int) -> int | None:
+        """The first and the last k layers share the k value embeddings (layer 0 and layer L-k use ve 0)."""
+        k, L = len(self.value_embeds), len(self.blocks)
+        if layer < k:
+            return layer
+        if layer >= L - k:
+            return layer - (L - k)
+        return None
+
+    # ------------------------------------------------------------------ forward
+    def _attend_fn(self, idx: torch.Tensor, caches: DocKVCaches | None, pos: int):
+        """Document ids of the new tokens, then the attention function every layer calls."""
+        docs = (idx == self.eot_id).cumsum(dim=1)  # a document starts at each EOT
+        if caches is not None:
+            prev = caches.docs[:, pos - 1:pos] if pos > 0 else 0
+            kv_docs = caches.update_docs(pos, docs + prev)
+            mask = sdpa_mask(docs + prev, kv_docs, pos, self.window)
+            return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=ATTN_SCALE)
+        if self.use_flex:
+            block_mask = flex_block_mask(docs, self.window)
+            flex = _flex_fn()
+            return lambda q, k, v: flex(q, k, v, block_mask=block_mask, scale=ATTN_SCALE)
+        mask = sdpa_mask(docs, docs, 0, self.window)
+        return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=ATTN_SCALE)
+
+    def hidden(self, idx: torch.Tensor, caches: DocKVCaches | None = None, pos: int = 0) -> torch.Tensor:
+        T = idx.size(1)
+        if pos + T > self.block_size:
+            raise ValueError(f"sequence of {pos + T} tokens exceeds the model's block_size {self.block_size}")
+        self._resolve_backend(idx.device)
+        attend = self._attend_fn(idx, caches, pos)
+        ves = [ve(idx) for ve in self.value_embeds]
+        x = x0 = self.norm(self.embed(idx))
+        skips = []
+        for i, block in enumerate(self.blocks):
+            if i >= self.n_encoder and skips:
+                x = x + self.skip_weights[i - self.n_encoder] * skips.pop()
+            j = self.value_embed_index(i)
+            x = block(x, x0, ves[j] if j is not None else None, attend, caches[i] if caches else None, pos)
+            if i < self.n_encoder:
+                skips.append(x)
+        return self.norm(x)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(x).float()
+        cap = self.cfg.logit_softcap
+        return cap * torch.tanh(logits / cap) if cap else logits
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, loss_mask: torch.Tensor | None = None,
+                caches: DocKVCaches | None = None, pos: int = 0, reduction: str = "mean") -> Output:
+        x = self.hidden(idx, caches, pos)
+        if targets is None:  # inference: only the last position's logits are needed
+            return Output(logits=self.logits(x[:, -1:, :]))
+        return Output(loss=cross_entropy(self.logits(x), targets, loss_mask, reduction))
+
+    # ------------------------------------------------------------------ interface
+    def make_caches(self, batch: int, max_len: int, dtype, device) -> DocKVCaches:
+        caches = [KVCache(batch, self.cfg.n_head, max_len, self.head_dim, dtype, device) for _ in self.blocks]
+        return DocKVCaches(caches, batch, max_len, device)
+
+    def num_params(self, exclude_embeddings: bool = True) -> int:
+        """Parameters; by default without the lookup tables (token and value embeddings), which do no matmuls."""
+        n = sum(p.numel() for p in self.parameters())
+        if exclude_embeddings:
+            n -= self.embed.weight.numel() + sum(e.weight.numel() for e in self.value_embeds)
+        return n
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """6N for the matmuls plus 12 * L * H * D * context for attention, the context capped by the window."""
+        context = min(seq_len, self.cfg.window)
+        return 6 * self.num_params() + 12 * len(self.blocks) * self.cfg.n_head * self.head_dim * context
+
+
+def build(cfg, vocab_size: int, block_size: int) -> SpeedrunGPT:
+    return SpeedrunGPT(cfg, vocab_size, block_size)

@@ -1,0 +1,244 @@
+"""Speedrun family on the SDPA path: masking rules, cache, window warm-up, and parity with a slow reference."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trainbox.config import ModelSection
+from trainbox.model.registry import build_model
+
+EOT = 0
+VOCAB = 64
+
+
+def make(window: int = 64, n_layer: int = 4, block_size: int = 64, **kw):
+    torch.manual_seed(0)
+    cfg = ModelSection(family="speedrun", n_layer=n_layer, n_head=2, n_embd=32, head_dim=16, window=window,
+                       eot_id=EOT, **kw)
+    model = build_model(cfg, VOCAB, block_size)
+    # output projections and head start at zero (every block is the identity); perturb them so that
+    # every path (attention across positions included) influences the logits in these tests
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("c_proj.weight") or name == "lm_head.weight":
+                p.normal_(std=0.3)
+            if name.endswith("lambdas"):
+                p.add_(0.3)
+    return model.eval()
+
+
+def logits_all(model, idx):
+    """(B, T, V) logits at every position (forward with targets returns only the loss)."""
+    return model.logits(model.hidden(idx))
+
+
+def tokens(T=40, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(1, VOCAB, (2, T), generator=g)  # no EOT unless a test puts one
+
+
+def test_zero_init_outputs_and_softcap():
+    torch.manual_seed(0)
+    cfg = ModelSection(family="speedrun", n_layer=2, n_head=2, n_embd=32, eot_id=EOT, logit_softcap=15.0)
+    model = build_model(cfg, VOCAB, 64)
+    for name, p in model.named_parameters():
+        if name.endswith("c_proj.weight") or name == "lm_head.weight":
+            assert p.abs().max() == 0, name
+    x = torch.randn(3, VOCAB) * 100
+    assert model.logits(x @ torch.zeros(VOCAB, 32)).abs().max() == 0
+    with torch.no_grad():
+        model.lm_head.weight.normal_(std=100.0)
+    assert logits_all(model, tokens()).abs().max() <= 15.0
+
+
+def test_causality():
+    model = make()
+    idx = tokens()
+    base = logits_all(model, idx)
+    changed = idx.clone()
+    changed[:, 25:] = (changed[:, 25:] + 7) % (VOCAB - 1) + 1
+    out = logits_all(model, changed)
+    torch.testing.assert_close(out[:, :25], base[:, :25], rtol=0, atol=1e-6)
+    assert (out[:, 25:] - base[:, 25:]).abs().max() > 1e-3  # the later positions do change
+
+
+def test_document_masking():
+    model = make()
+    idx = tokens()
+    idx[:, 20] = EOT  # document 2 starts at position 20 (EOT opens a document)
+    base = logits_all(model, idx)
+    changed = idx.clone()
+    changed[:, 3:20] = (changed[:, 3:20] + 5) % (VOCAB - 1) + 1  # rewrite document 1 only
+    out = logits_all(model, changed)
+    torch.testing.assert_close(out[:, 20:], base[:, 20:], rtol=0, atol=1e-6)
+    assert (out[:, 3:20] - base[:, 3:20]).abs().max() > 1e-3
+    # without the EOT the same edit does reach the later positions
+    plain, plain_changed = idx.clone(), changed.clone()
+    plain[:, 20] = plain_changed[:, 20] = 9
+    assert (logits_all(model, plain_changed)[:, 20:] - logits_all(model, plain)[:, 20:]).abs().max() > 1e-3
+
+
+def test_window_limit():
+    # with one layer, position t sees exactly tokens t-window+1..t (deeper models compose windows)
+    model = make(window=8, n_layer=1)
+    idx = tokens()
+    base = logits_all(model, idx)
+    changed = idx.clone()
+    changed[:, 10] = (changed[:, 10] + 3) % (VOCAB - 1) + 1
+    diff = (logits_all(model, changed) - base).abs().amax(dim=(0, 2))
+    assert diff[:10].max() == 0 and diff[18:].max() == 0    # before it, and 8+ tokens after it
+    assert (diff[10:18] > 1e-4).all()                        # inside the window
+
+
+def test_window_warmup_schedule():
+    model = make(window=1024, window_warmup_steps=100)
+    assert [model.window_at(s) for s in (0, 50, 100, 500)] == [128, 576, 1024, 1024]
+    model.set_step(0)
+    assert int(model.window) == 128
+    model.set_step(100)
+    assert int(model.window) == 1024
+
+
+def test_generation_with_cache_equals_without():
+    model = make(window=12)
+    idx = tokens(T=30)
+    idx[:, 7] = EOT
+    idx[1, 22] = EOT
+    full = logits_all(model, idx)
+    caches = model.make_caches(2, 30, torch.float32, "cpu")
+    prompt = 10
+    step_logits = [model(idx[:, :prompt], caches=caches, pos=0).logits]
+    for t in range(prompt, 30):
+        step_logits.append(model(idx[:, t:t + 1], caches=caches, pos=t).logits)
+    cached = torch.cat(step_logits, dim=1)
+    torch.testing.assert_close(cached, full[:, prompt - 1:], rtol=1e-5, atol=1e-5)
+
+
+def reference_attention_logits(model, idx):
+    """Slow oracle: every query attends by an explicit Python loop over the allowed keys."""
+    B, T = idx.shape
+    eot, window = model.eot_id, int(model.window)
+    docs = (idx == eot).cumsum(1)
+
+    def attend(q, k, v):
+        out = torch.zeros_like(q)
+        for b in range(B):
+            for t in range(T):
+                keys = [s for s in range(T) if s <= t and t - s < window and docs[b, s] == docs[b, t]]
+                scores = (q[b, :, t:t + 1] @ k[b, :, keys].transpose(-1, -2)) * 0.12
+                out[b, :, t] = (scores.softmax(-1) @ v[b, :, keys])[:, 0]
+        return out
+
+    model._attend_fn = lambda *a: attend
+    try:
+        return logits_all(model, idx)
+    finally:
+        del model._attend_fn
+
+
+def test_matches_slow_reference():
+    model = make(window=6, n_layer=3)
+    idx = tokens(T=16)
+    idx[0, 5] = EOT
+    idx[1, 11] = EOT
+    torch.testing.assert_close(logits_all(model, idx), reference_attention_logits(model, idx), rtol=1e-4, atol=1e-5)
+
+
+def test_interface_counts():
+    model = make()
+    n_total = sum(p.numel() for p in model.parameters())
+    n_tables = model.embed.weight.numel() + sum(e.weight.numel() for e in model.value_embeds)
+    assert model.num_params() == n_total - n_tables
+    assert model.flops_per_token(32) == 6 * model.num_params() + 12 * 4 * 2 * 16 * 32
+    with pytest.raises(Exception, match="eot_id"):
+        build_model(ModelSection(family="speedrun", n_layer=2, n_head=2, n_embd=32), VOCAB, 64)
+
+
+@pytest.mark.parametrize("window", [1, 100, 128, 300, 5000])
+def test_flex_block_mask_matches_dense_mask_mod(window):
+    """Our O((T/128)^2) block mask equals torch's create_block_mask (which evaluates mask_mod densely)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from trainbox.model.speedrun import allowed, flex_block_mask
+    idx = tokens(T=768)
+    idx[0, [300, 700]] = EOT          # documents crossing block edges
+    idx[1, [129, 256, 257]] = EOT     # a one-token document, and one that starts on a block edge
+    docs = (idx == EOT).cumsum(1)
+    w = torch.tensor(window, dtype=torch.int32)
+    ours = flex_block_mask(docs, w)
+    ref = create_block_mask(lambda b, h, q, k: allowed(q, k, docs[b, q], docs[b, k], w), 2, None, 768, 768,
+                            device="cpu")
+    assert torch.equal(ours.to_dense(), ref.to_dense())
+    assert torch.equal(ours.full_kv_num_blocks, ref.full_kv_num_blocks)
+    assert torch.equal(ours.kv_num_blocks, ref.kv_num_blocks)
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_flex_path_forward_equals_sdpa_path(autocast):
+    """Forward through flex_attention (eager: CPU has no FlexAttention backward) equals the SDPA path,
+    in fp32 and under bf16 autocast (flex_attention, unlike SDPA, needs q, k, v in one dtype)."""
+    import contextlib
+    import warnings
+
+    import trainbox.model.speedrun as speedrun
+    from torch.nn.attention.flex_attention import flex_attention
+    model = make(window=200, n_layer=2, block_size=384)
+    idx = tokens(T=384)
+    idx[0, 150] = idx[1, 300] = EOT
+    ctx = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
+    with torch.no_grad(), ctx:
+        sdpa = logits_all(model, idx)
+        model.use_flex = True
+        compiled = speedrun._compiled_flex
+        speedrun._compiled_flex = lambda: flex_attention  # compiling on CPU takes too long for a unit test
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # "flex_attention called without torch.compile" (expected here)
+                flex = logits_all(model, idx)
+        finally:
+            speedrun._compiled_flex, model.use_flex = compiled, False
+    if autocast:
+        assert ((flex - sdpa).norm() / sdpa.norm()) < 2e-2
+    else:
+        torch.testing.assert_close(flex, sdpa, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_flex_check_script_on_gpu():
+    """FlexAttention (CUDA) vs SDPA: loss, logits and every gradient in bf16 (benchmarks/flex_check.py)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "flex_check.py"
+    proc = subprocess.run([sys.executable, str(script), "--no-long"], capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert json.loads(proc.stdout)["ok"]
+
+
+@pytest.mark.parametrize("recipe, layers, width, heads, non_embedding", [
+    ("speedrun-124m", 12, 768, 6, 123.5e6), ("speedrun-350m", 16, 1024, 8, 252.9e6)])
+def test_recipes_build(recipe, layers, width, heads, non_embedding):
+    from trainbox.config import load_config
+    cfg = load_config(recipe, ["model.eot_id=50256"])
+    assert (cfg.model.family, cfg.optim.name, cfg.model.vocab_size) == ("speedrun", "muon", 50304)
+    with torch.device("meta"):  # shapes only: no memory, no init cost
+        model = build_model(cfg.model, cfg.model.vocab_size, cfg.data.seq_len)
+    assert (len(model.blocks), model.embed.embedding_dim, model.blocks[0].attn.n_head, model.head_dim) == \
+        (layers, width, heads, 128)
+    assert abs(model.num_params() - non_embedding) < 0.5e6
+
+
+def test_rotary_is_relative_and_offset_consistent():
+    from trainbox.model.layers import Rotary
+    rot = Rotary(16)
+    torch.manual_seed(0)
+    q, k = torch.randn(1, 1, 1, 16), torch.randn(1, 1, 1, 16)
+    dots = [(rot(q, m) * rot(k, n)).sum() for m, n in [(7, 3), (12, 8), (104, 100)]]
+    torch.testing.assert_close(torch.stack(dots), dots[0].expand(3), rtol=1e-5, atol=1e-5)  # depends on m - n only
+    assert not torch.allclose((rot(q, 7) * rot(k, 3)).sum(), (rot(q, 7) * rot(k, 5)).sum())
+    x = torch.randn(2, 10, 3, 16)
+    torch.testing.assert_close(rot(x).norm(dim=-1), x.norm(dim=-1))              # a rotation
+    torch.testing.assert_close(rot(x[:, 4:], pos=4), rot(x)[:, 4:])              # cached decode positions
