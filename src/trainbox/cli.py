@@ -27,6 +27,12 @@ EPILOGS = {
           trainbox generate runs/tiny --prompt "ROMEO:" --max-tokens 100 --temperature 0.8 --top-k 50 --seed 1
           trainbox generate runs/tiny/checkpoints/step_00000300 --prompt "To be" --top-p 0.9
         """,
+    "export": """
+        examples:
+          trainbox export runs/lora --format hf --out lora-adapter       # PEFT adapter (PeftModel.from_pretrained)
+          trainbox export runs/lora --format hf --merge --out lora-merged  # base + adapter, base precision
+          trainbox export runs/qlora --format hf --merge --force --out merged  # QLoRA: merge into a bf16 base
+        """,
     "config": """
         examples:
           trainbox config show tiny train.max_steps=50     # the resolved config as YAML
@@ -53,6 +59,11 @@ def cmd_train(args) -> int:
     from trainbox.config import load_config
 
     cfg = load_config(args.recipe, args.overrides)
+    if args.recipe and args.recipe.endswith(".json") and "LOCAL_RANK" not in os.environ:
+        from trainbox.hfargs import mapping_report
+        report = mapping_report(args.recipe)
+        if report:
+            print(report, file=sys.stderr)
     if args.nproc and args.nproc > 1 and "LOCAL_RANK" not in os.environ:
         return _launch_torchrun(args)
     from trainbox.monitor.console import ProgressBar, setup_logging
@@ -105,6 +116,28 @@ def cmd_generate(args) -> int:
     text = sample(model, tokenizer, args.prompt, max_tokens=args.max_tokens, temperature=args.temperature,
                   top_k=args.top_k, top_p=args.top_p, seed=args.seed, device=device)
     print(args.prompt + text)
+    return 0
+
+
+# ----------------------------------------------------------------------------- export
+
+
+def cmd_export(args) -> int:
+    from trainbox import checkpoint
+    from trainbox.config import build_config
+
+    ckpt = checkpoint.resolve(args.path)
+    family = build_config(checkpoint.load_trainer(ckpt)["config"]).model.family
+    out = args.out or str(Path(args.path.rstrip("/")).name + ("-merged" if args.merge else "-hf"))
+    if family == "hf":
+        from trainbox.export_lora import export_lora_hf
+        res = export_lora_hf(ckpt, out, merge=args.merge, force=args.force)
+    else:
+        raise ConfigError(f"{ckpt} is a model.family={family} run; this build exports LoRA (hf) runs only")
+    print(f"wrote {res['kind']} ({res['dtype']}) to {res['out']} from {res['checkpoint']}")
+    if not res["merged"]:
+        print(f"load it with: PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained({res['base']!r}), "
+              f"{res['out']!r})")
     return 0
 
 
@@ -176,6 +209,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--device", default=None)
     g.set_defaults(func=cmd_generate)
+
+    e = verb("export", "export a run in Hugging Face format (LoRA: adapter, or merged with --merge)")
+    e.add_argument("path", help="run directory or checkpoint folder")
+    e.add_argument("--format", choices=["hf"], default="hf")
+    e.add_argument("--out", default=None, help="output folder (default: RUN-hf, or RUN-merged with --merge)")
+    e.add_argument("--merge", action="store_true", help="LoRA: fold the adapter into the base and save the model")
+    e.add_argument("--force", action="store_true", help="LoRA: merge even into a 4/8-bit base (reloaded in bf16)")
+    e.set_defaults(func=cmd_export)
 
     c = verb("config", "show, validate or describe the config")
     c.add_argument("action", choices=["show", "schema", "validate"])

@@ -84,14 +84,15 @@ def load_hf_tokenizer(spec: str) -> HFModelTokenizer:
 
 
 def chatml(messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
-    """Built-in ChatML: text and the character spans of assistant turns (content + <|im_end|>)."""
+    """Built-in ChatML: text and the character spans of assistant turns (content, <|im_end|> and newline,
+    the whole turn after its header, as the span found for a model's own template)."""
     text, spans = "", []
     for m in messages:
         head = f"<|im_start|>{m['role']}\n"
-        body = f"{m['content']}<|im_end|>"
+        body = f"{m['content']}<|im_end|>\n"
         if m["role"] == "assistant":
             spans.append((len(text) + len(head), len(text) + len(head) + len(body)))
-        text += head + body + "\n"
+        text += head + body
     return text, spans
 
 

@@ -204,6 +204,8 @@ def build(cfg, vocab_size: int, block_size: int, run=None) -> HFCausalLM:
 def tokenizer(run):
     """Registry hook: the model's own tokenizer (data.tokenizer may name another folder; gpt2 = default)."""
     from trainbox.data.sft import load_hf_tokenizer
+    # the loop asks for the tokenizer before data or weights: the earliest point to refuse QLoRA here
+    check_quant_support(run.quant)
     spec = run.data.tokenizer if run.data.tokenizer != "gpt2" else run.model.path
     if not spec:
         raise ConfigError("model.family=hf needs model.path (its tokenizer is loaded from there)")
