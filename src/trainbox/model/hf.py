@@ -208,6 +208,7 @@ def tokenizer(run):
     check_quant_support(run.quant)
     spec = run.data.tokenizer if run.data.tokenizer != "gpt2" else run.model.path
     if not spec:
-        raise ConfigError("model.family=hf needs model.path (its tokenizer is loaded from there)")
+        raise ConfigError("model.family=hf needs model.path (its tokenizer is loaded from there)",
+                          hint="e.g. trainbox train lora model.path=Qwen/Qwen2.5-0.5B data.path=chat.jsonl")
     return load_hf_tokenizer(spec)
 
