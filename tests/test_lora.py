@@ -100,6 +100,24 @@ def test_chat_masks_cover_assistant_turns_only(tmp_path, trained):
     assert text_ids[-1] == tok.eot_id and all(text_mask)
 
 
+def test_unpacked_examples_get_one_window_each():
+    from trainbox.data.loader import TokenDataset
+    from trainbox.data.sft import build_stream
+
+    examples = [([5, 6, 7], [0, 1, 1]), ([8, 9, 10, 11, 12, 13], [0, 0, 1, 1, 1, 1]), ([14, 15], [0, 1])]
+    ids, mask, stats = build_stream(examples, seq_len=4, packing=False, pad_id=0)
+    ds = TokenDataset([ids], 4, masks=[mask])
+    b = ds.batch([0, 1, 2])
+    assert b["x"].tolist() == [[5, 6, 7, 0], [8, 9, 10, 11], [14, 15, 0, 0]]  # truncated / padded per example
+    assert b["y"].tolist() == [[6, 7, 0, 8], [9, 10, 11, 14], [15, 0, 0, 0]]
+    # loss only on each example's own trained tokens: never on padding or the next example's first token
+    assert b["loss_mask"].tolist() == [[True, True, False, False], [False, True, True, False],
+                                       [True, False, False, False]]
+    assert stats == {"examples": 3, "truncated": 1, "trained_tokens": 5}
+    packed, pmask, _ = build_stream(examples, seq_len=4, packing=True, pad_id=0)
+    assert packed.tolist() == [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15] and int(pmask.sum()) == 7
+
+
 def test_chat_data_without_template_names_the_fix(tmp_path):
     from trainbox.data.sft import encode_row, load_hf_tokenizer
     from trainbox.errors import DataError
@@ -228,8 +246,7 @@ def test_end_to_end_from_a_pretrained_trainbox_gpt(tmp_path, tiny):
     exporter(tmp_path / "runs" / "tiny", tmp_path / "gpt-hf")
     hf_tiny.make_chat_file(tmp_path / "chat.jsonl")
     root = tmp_path
-    train(load_config("lora", lora_args(root, tmp_path / "gpt-hf", "ft", "data.chat_template=chatml",
-                                        "lora.target_modules=[c_attn, c_proj, c_fc]")))
+    train(load_config("lora", lora_args(root, tmp_path / "gpt-hf", "ft", "data.chat_template=chatml")))
     export_lora_hf(root / "runs" / "ft", tmp_path / "merged", merge=True)
     ours, tok, _ = load_for_inference(root / "runs" / "ft")
     ours.eval()
