@@ -32,6 +32,9 @@ EPILOGS = {
           trainbox export runs/gpt2-125m --format hf --out hf/gpt2-125m   # newest checkpoint of the run
           trainbox export runs/tiny/checkpoints/step_00000400 --format hf --out hf/tiny --force
           # then: GPT2LMHeadModel.from_pretrained("hf/gpt2-125m"), AutoTokenizer.from_pretrained(...)
+          trainbox export runs/lora --format hf --out lora-adapter       # PEFT adapter (PeftModel.from_pretrained)
+          trainbox export runs/lora --format hf --merge --out lora-merged  # base + adapter, base precision
+          trainbox export runs/qlora --format hf --merge --force --out merged  # QLoRA: merge into a bf16 base
         """,
     "config": """
         examples:
@@ -59,6 +62,11 @@ def cmd_train(args) -> int:
     from trainbox.config import load_config
 
     cfg = load_config(args.recipe, args.overrides)
+    if args.recipe and args.recipe.endswith(".json") and "LOCAL_RANK" not in os.environ:
+        from trainbox.hfargs import mapping_report
+        report = mapping_report(args.recipe)
+        if report:
+            print(report, file=sys.stderr)
     if args.nproc and args.nproc > 1 and "LOCAL_RANK" not in os.environ:
         return _launch_torchrun(args)
     from trainbox.monitor.console import ProgressBar, setup_logging
@@ -118,10 +126,26 @@ def cmd_generate(args) -> int:
 
 
 def cmd_export(args) -> int:
+    from trainbox import checkpoint
+    from trainbox.config import build_config
+
+    ckpt = checkpoint.resolve(args.path)
+    family = build_config(checkpoint.load_trainer(ckpt)["config"]).model.family
+    if family == "hf":  # LoRA / QLoRA runs: PEFT adapter, or the merged model with --merge
+        from trainbox.export_lora import export_lora_hf
+        out = args.out or str(Path(args.path.rstrip("/")).name + ("-merged" if args.merge else "-hf"))
+        res = export_lora_hf(ckpt, out, merge=args.merge, force=args.force)
+        print(f"wrote {res['kind']} ({res['dtype']}) to {res['out']} from {res['checkpoint']}")
+        if not res["merged"]:
+            print(f"load it with: PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained({res['base']!r}), "
+                  f"{res['out']!r})")
+        return 0
+    if args.merge:
+        raise ConfigError(f"--merge applies to LoRA runs; {ckpt} is a model.family={family} run")
     from trainbox.export import export_hf
 
-    out = export_hf(args.path, args.out, force=args.force)
-    print(f"wrote {out} (Hugging Face GPT2LMHeadModel: config.json, model.safetensors, tokenizer)")
+    out = export_hf(args.path, args.out or str(Path(args.path.rstrip("/")).name + "-hf"), force=args.force)
+    print(f"wrote {out} (Hugging Face format: config.json, model.safetensors, tokenizer)")
     return 0
 
 
@@ -194,12 +218,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--device", default=None)
     g.set_defaults(func=cmd_generate)
 
-    x = verb("export", "write a run or checkpoint in Hugging Face format")
-    x.add_argument("path", help="run directory or checkpoint folder")
-    x.add_argument("--format", choices=["hf"], default="hf", help="hf: a GPT2LMHeadModel folder (safetensors)")
-    x.add_argument("--out", required=True, help="output folder")
-    x.add_argument("--force", action="store_true", help="replace --out if it exists")
-    x.set_defaults(func=cmd_export)
+    e = verb("export", "write a run or checkpoint in Hugging Face format (LoRA: adapter, or merged with --merge)")
+    e.add_argument("path", help="run directory or checkpoint folder")
+    e.add_argument("--format", choices=["hf"], default="hf", help="hf: safetensors model folder (or PEFT adapter)")
+    e.add_argument("--out", default=None, help="output folder (default: RUN-hf, or RUN-merged with --merge)")
+    e.add_argument("--merge", action="store_true", help="LoRA: fold the adapter into the base and save the model")
+    e.add_argument("--force", action="store_true",
+                   help="replace an existing --out; LoRA: merge even into a 4/8-bit base (reloaded in bf16)")
+    e.set_defaults(func=cmd_export)
 
     c = verb("config", "show, validate or describe the config")
     c.add_argument("action", choices=["show", "schema", "validate"])

@@ -13,8 +13,8 @@ import torch
 
 from trainbox import checkpoint
 from trainbox.config import RunConfig, build_config
-from trainbox.data.tokenizer import Tokenizer, get_tokenizer
-from trainbox.model.registry import build_model, pad_vocab
+from trainbox.data.tokenizer import Tokenizer
+from trainbox.model.registry import build_model, build_tokenizer, pad_vocab
 
 
 def filter_logits(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None) -> torch.Tensor:
@@ -69,8 +69,8 @@ def load_for_inference(path: str | Path, device: str | torch.device = "cpu"):
     """Run directory or checkpoint -> (model, tokenizer, config) ready to sample."""
     ckpt = checkpoint.resolve(path)
     cfg: RunConfig = build_config(checkpoint.load_trainer(ckpt)["config"])
-    tokenizer = get_tokenizer(cfg.data.tokenizer)
+    tokenizer = build_tokenizer(cfg)
     vocab = cfg.model.vocab_size or pad_vocab(tokenizer.vocab_size)
-    model = build_model(cfg.model, vocab, cfg.model.block_size or cfg.data.seq_len)
+    model = build_model(cfg.model, vocab, cfg.model.block_size or cfg.data.seq_len, run=cfg)
     checkpoint.load_weights(ckpt, model)
     return model.to(device), tokenizer, cfg

@@ -5,6 +5,7 @@ Accepted forms:
   PREFIX                   shard files PREFIX_train_*.bin and PREFIX_val_*.bin (`trainbox prepare` output,
                            downloaded FineWeb shards)
   FILE.bin                 one shard or flat uint16 file (validation from data.val_path)
+  FILE.jsonl / FILE.txt    chat or plain-text fine-tuning data, tokenized with loss masks (data/sft.py)
 """
 from __future__ import annotations
 
@@ -72,6 +73,9 @@ def resolve(cfg: DataSection, tokenizer: Tokenizer) -> tuple[list[Path], list[Pa
 
 
 def open_datasets(cfg: DataSection, tokenizer: Tokenizer, vocab_size: int) -> tuple[TokenDataset, TokenDataset | None]:
+    from trainbox.data.sft import is_sft_input, open_sft_datasets
+    if is_sft_input(cfg.path):  # raw chat/text JSONL for fine-tuning: tokenized with loss masks (data/sft.py)
+        return open_sft_datasets(cfg, tokenizer, vocab_size)
     train_files, val_files = resolve(cfg, tokenizer)
     train = TokenDataset(open_token_files(train_files), cfg.seq_len, name=f"{cfg.path} (train)")
     val = TokenDataset(open_token_files(val_files), cfg.seq_len, name=f"{cfg.path} (val)") if val_files else None

@@ -2,7 +2,9 @@
 
 Each builder takes (ModelSection, vocab_size, block_size) and returns an nn.Module whose forward is
 `forward(idx, targets=None, loss_mask=None, caches=None, pos=0, reduction="mean") -> Output` and which
-has `make_caches`, `num_params` and `flops_per_token`.
+has `make_caches`, `num_params` and `flops_per_token`. A family module that sets `USES_RUN_CONFIG = True`
+(hf: LoRA and quantisation settings) receives the whole RunConfig as `run=`; one that defines
+`tokenizer(run)` brings its own tokenizer (hf: the model's).
 """
 from __future__ import annotations
 
@@ -26,14 +28,29 @@ def pad_vocab(n: int, multiple: int = 64) -> int:
     return -(-n // multiple) * multiple
 
 
-def build_model(cfg, vocab_size: int, block_size: int) -> nn.Module:
+def _family_module(cfg):
     module = FAMILIES.get(cfg.family)
     if module is None:
         raise ConfigError(f"model.family={cfg.family!r} is not one of {', '.join(FAMILIES)}")
     try:
-        builder = importlib.import_module(module).build
+        return importlib.import_module(module)
     except ModuleNotFoundError as e:
         if e.name == module:
             raise ConfigError(f"model.family={cfg.family!r} is not available in this version of trainbox") from None
         raise
-    return builder(cfg, vocab_size, block_size)
+
+
+def build_model(cfg, vocab_size: int, block_size: int, run=None) -> nn.Module:
+    """`cfg` is the ModelSection; `run` the whole RunConfig, passed to families that ask for it."""
+    mod = _family_module(cfg)
+    if getattr(mod, "USES_RUN_CONFIG", False):
+        return mod.build(cfg, vocab_size, block_size, run=run)
+    return mod.build(cfg, vocab_size, block_size)
+
+
+def build_tokenizer(run):
+    """The family's own tokenizer where it has one (hf), else `data.tokenizer`."""
+    from trainbox.data.tokenizer import get_tokenizer
+
+    hook = getattr(_family_module(run.model), "tokenizer", None)
+    return hook(run) if hook is not None else get_tokenizer(run.data.tokenizer)

@@ -152,15 +152,14 @@ class Trainer:
     def setup(self) -> None:
         from trainbox import runs
         from trainbox.data.sources import open_datasets
-        from trainbox.data.tokenizer import get_tokenizer
-        from trainbox.model.registry import build_model, pad_vocab
+        from trainbox.model.registry import build_model, build_tokenizer, pad_vocab
 
         cfg, d = self.cfg, self.dist
         d.init(self.device, cfg.train.pg_timeout_s)
         if cfg.train.threads and self.device.type == "cpu":
             torch.set_num_threads(cfg.train.threads)
         self.resume_from = self._find_resume()
-        self.tokenizer = get_tokenizer(cfg.data.tokenizer)
+        self.tokenizer = build_tokenizer(cfg)
         if cfg.model.eot_id is None:  # document-masked families (speedrun) split documents at EOT
             cfg.model.eot_id = self.tokenizer.eot_id
         vocab = cfg.model.vocab_size or pad_vocab(self.tokenizer.vocab_size)
@@ -177,7 +176,7 @@ class Trainer:
                 raise RunFinished(f"run {self.run_dir} already finished at step {self.start_step} of {self.total}",
                                   hint=f"start a new run with run.name=NEW_NAME (or raise train.max_steps to continue)")
         torch.manual_seed(cfg.run.seed)  # identical initial weights on every rank
-        model = build_model(cfg.model, vocab, cfg.model.block_size or cfg.data.seq_len).to(self.device)
+        model = build_model(cfg.model, vocab, cfg.model.block_size or cfg.data.seq_len, run=cfg).to(self.device)
         if cfg.run.init_from and self.resume_from is None:
             from trainbox.export import load_init_weights  # our checkpoint or a Hugging Face GPT-2 folder
             load_init_weights(cfg.run.init_from, model, cfg.model)

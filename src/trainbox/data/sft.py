@@ -1,0 +1,274 @@
+"""Fine-tuning data: chat or plain-text JSONL -> token arrays + loss masks, cached (used by LoRA runs).
+
+    trainbox train lora model.path=DIR data.path=chat.jsonl                         # the model's chat template
+    trainbox train lora model.path=DIR data.path=chat.jsonl data.chat_template=chatml   # built-in ChatML
+
+Rows: `{"messages": [{"role": "user", "content": ...}, {"role": "assistant", ...}]}` (OpenAI style),
+`{"conversations": [{"from": "human", "value": ...}, ...]}` (ShareGPT), or plain text under one of
+`data.text_key` (default "text"). A `.txt` file is one plain-text document.
+
+- Chat rows are rendered with the tokenizer's own chat template (transformers `apply_chat_template`), or
+  with the built-in `chatml` when `data.chat_template: chatml` (needed when the tokenizer has none).
+  The loss mask is 1 on assistant tokens only (content plus the end-of-turn marker, so the model learns
+  to stop): each assistant turn's characters are found by rendering the conversation up to that turn
+  with and without it, and tokens overlapping those characters are marked (offsets from the fast
+  tokenizer). Plain text is trained on every token and ends with the end-of-text token.
+- `data.packing: true` concatenates examples into one stream cut into `data.seq_len` windows (attention
+  may cross examples, as in most packed SFT). `false` gives each example its own window: truncated to
+  `data.seq_len` tokens and padded with mask-0 end-of-text tokens.
+- Output: `.npy` arrays (token ids, uint16 or int32 for vocabularies over 65,536; mask uint8) that
+  `TokenDataset` memory-maps, in `data.cache_dir`, keyed by the input file, tokenizer and settings, and
+  written atomically (temp name + rename, COMPLETE last).
+
+This module is kept apart from `prepare.py`/`chat.py` on purpose: it is the LoRA path's data step.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import numpy as np
+
+from trainbox.config import DataSection
+from trainbox.data.loader import TokenDataset
+from trainbox.errors import ConfigError, DataError
+from trainbox.monitor.console import log
+
+BUILTIN_TEMPLATES = ("chatml",)
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                  "system": "system", "tool": "tool"}
+
+
+class HFModelTokenizer:
+    """A transformers tokenizer (AutoTokenizer) behind trainbox's Tokenizer protocol; `.hf` is the original."""
+
+    def __init__(self, hf, name: str):
+        self.hf, self.name = hf, name
+        self.vocab_size = len(hf)
+        eot = hf.eos_token_id
+        if eot is None:
+            eot = hf.convert_tokens_to_ids("<|endoftext|>") if "<|endoftext|>" in hf.get_vocab() else None
+        if eot is None:
+            raise DataError(f"tokenizer {name} has no end-of-sequence token (eos_token)")
+        self.eot_id = int(eot)
+
+    def encode(self, text: str) -> list[int]:
+        return self.hf.encode(text, add_special_tokens=False)
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self.hf.decode(list(ids), skip_special_tokens=False)
+
+    def token_bytes(self) -> list[int]:
+        special = set(self.hf.all_special_ids) | {i for i, t in self.hf.added_tokens_decoder.items() if t.special}
+        pieces = self.hf.batch_decode([[i] for i in range(self.vocab_size)], skip_special_tokens=False)
+        return [0 if i in special else len(p.encode("utf-8")) for i, p in enumerate(pieces)]
+
+
+def load_hf_tokenizer(spec: str) -> HFModelTokenizer:
+    """A model's tokenizer from a hub id or a folder (tokenizer.json, tokenizer_config.json, ...)."""
+    from trainbox.model.hf import require
+    require("transformers", "finetune", "the tokenizer of a Hugging Face model")
+    from transformers import AutoTokenizer
+    try:
+        tok = AutoTokenizer.from_pretrained(spec)
+    except (OSError, ValueError) as e:
+        raise DataError(f"cannot load the tokenizer of {spec}: {str(e).splitlines()[0]}",
+                        hint="model.path (or data.tokenizer) must be a folder with tokenizer files, or a hub id") from None
+    return HFModelTokenizer(tok, spec)
+
+
+# ----------------------------------------------------------------------------- rendering
+
+
+def chatml(messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+    """Built-in ChatML: text and the character spans of assistant turns (content, <|im_end|> and newline,
+    the whole turn after its header, as the span found for a model's own template)."""
+    text, spans = "", []
+    for m in messages:
+        head = f"<|im_start|>{m['role']}\n"
+        body = f"{m['content']}<|im_end|>\n"
+        if m["role"] == "assistant":
+            spans.append((len(text) + len(head), len(text) + len(head) + len(body)))
+        text += head + body
+    return text, spans
+
+
+def with_model_template(hf, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+    """Render with the tokenizer's template; assistant spans by rendering each prefix with and without it."""
+    def render(msgs, gen):
+        return hf.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen) if msgs else ""
+
+    full, spans = render(messages, False), []
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        before, upto = render(messages[:i], True), render(messages[:i + 1], False)
+        if not (full.startswith(upto) and upto.startswith(before)):
+            raise DataError("the tokenizer's chat template renders earlier turns differently once later turns "
+                            "follow, so assistant tokens cannot be located",
+                            hint="use the built-in template: data.chat_template=chatml")
+        spans.append((len(before), len(upto)))
+    return full, spans
+
+
+def tokenize_spans(tok, text: str, spans: list[tuple[int, int]]) -> tuple[list[int], list[int]]:
+    """Token ids of `text` and a 0/1 mask: 1 where a token overlaps one of `spans`."""
+    hf = getattr(tok, "hf", None)
+    if hf is not None and getattr(hf, "is_fast", False):
+        enc = hf(text, add_special_tokens=False, return_offsets_mapping=True)
+        mask = [int(any(s < e2 and e > s2 for s2, e2 in spans)) for s, e in enc["offset_mapping"]]
+        return list(enc["input_ids"]), mask
+    ids, mask = [], []  # other tokenizers: encode the pieces between span boundaries
+    bounds = sorted({0, len(text), *(b for sp in spans for b in sp)})
+    for a, b in zip(bounds, bounds[1:]):
+        piece = tok.encode(text[a:b]) if b > a else []
+        inside = any(s <= a and b <= e for s, e in spans)
+        ids += piece
+        mask += [int(inside)] * len(piece)
+    return ids, mask
+
+
+def messages_of(row: dict, where: str) -> list[dict] | None:
+    if "messages" in row:
+        msgs = row["messages"]
+    elif "conversations" in row:
+        msgs = [{"role": SHAREGPT_ROLES.get(m.get("from"), m.get("from")), "content": m.get("value")}
+                for m in row["conversations"]]
+    else:
+        return None
+    if not isinstance(msgs, list) or not all(isinstance(m, dict) and "role" in m and isinstance(m.get("content"), str)
+                                             for m in msgs):
+        raise DataError(f"{where}: messages must be a list of {{role, content}} objects with string content")
+    return msgs
+
+
+def encode_row(row: dict, tok, template: str | None, text_keys: list[str], where: str) -> tuple[list[int], list[int]]:
+    """One JSONL row -> (ids, loss mask)."""
+    msgs = messages_of(row, where)
+    if msgs is None:
+        key = next((k for k in text_keys if isinstance(row.get(k), str)), None)
+        if key is None:
+            raise DataError(f"{where}: a row needs 'messages', 'conversations' or one of the text keys "
+                            f"{text_keys} (found keys {sorted(row)[:8]})", hint="set data.text_key=[KEY]")
+        ids = tok.encode(row[key]) + [tok.eot_id]
+        return ids, [1] * len(ids)
+    if template == "chatml":
+        text, spans = chatml(msgs)
+    else:
+        hf = getattr(tok, "hf", None)
+        if hf is None or not getattr(hf, "chat_template", None):
+            raise DataError(f"{where}: chat data, but the tokenizer {tok.name} has no chat template",
+                            hint="use the built-in one: data.chat_template=chatml")
+        text, spans = with_model_template(hf, msgs)
+    return tokenize_spans(tok, text, spans)
+
+
+def read_rows(path: Path) -> Iterator[tuple[dict, str]]:
+    if path.suffix == ".txt":
+        yield {"text": path.read_text(encoding="utf-8")}, str(path)
+        return
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}:{n}: not valid JSON ({e.msg} at column {e.colno})") from None
+            if not isinstance(row, dict):
+                raise DataError(f"{path}:{n}: each line must be a JSON object, not {type(row).__name__}")
+            yield row, f"{path}:{n}"
+
+
+# ----------------------------------------------------------------------------- streams and cache
+
+
+def build_stream(examples: Iterable[tuple[list[int], list[int]]], seq_len: int, packing: bool,
+                 pad_id: int) -> tuple[np.ndarray, np.ndarray, dict]:
+    """Examples -> one token stream and its mask, windows of seq_len (+1) as TokenDataset cuts them."""
+    ids: list[int] = []
+    mask: list[int] = []
+    stats = {"examples": 0, "truncated": 0, "trained_tokens": 0}
+    for toks, m in examples:
+        stats["examples"] += 1
+        if not packing:
+            stats["truncated"] += len(toks) > seq_len
+            toks, m = toks[:seq_len], [0] + m[1:seq_len]  # slot's first token is the previous window's last target
+            pad = seq_len - len(toks)
+            toks, m = toks + [pad_id] * pad, m + [0] * pad
+        ids += toks
+        mask += m
+    if not packing:
+        ids.append(pad_id)  # the last window's final target
+        mask.append(0)
+    stats["trained_tokens"] = int(sum(mask))
+    dtype = np.uint16 if (max(ids) if ids else 0) < 2**16 else np.int32
+    return np.asarray(ids, dtype=dtype), np.asarray(mask, dtype=np.uint8), stats
+
+
+def _save_npy(path: Path, arr: np.ndarray) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(tmp, "wb") as f:
+        np.save(f, arr)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def cache_key(path: Path, tok, cfg: DataSection) -> str:
+    st = path.stat()
+    parts = [str(path.resolve()), st.st_size, st.st_mtime_ns, tok.name, tok.vocab_size, cfg.chat_template,
+             cfg.seq_len, cfg.packing, cfg.text_key, "sft-v1"]
+    return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:16]
+
+
+def prepare_sft(path: str | Path, tok, cfg: DataSection) -> tuple[Path, Path]:
+    """Tokenize a chat/text JSONL (or .txt) once; -> (tokens.npy, mask.npy) in the cache."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"data file {path} does not exist")
+    if cfg.chat_template is not None and cfg.chat_template not in BUILTIN_TEMPLATES:
+        raise ConfigError(f"data.chat_template={cfg.chat_template!r} is not a built-in template",
+                          hint=f"built-in: {', '.join(BUILTIN_TEMPLATES)}; leave it unset to use the tokenizer's own")
+    from trainbox.data.sources import default_cache_dir
+    out = default_cache_dir(cfg) / f"sft-{path.stem}-{cache_key(path, tok, cfg)}"
+    tokens, mask = out / "tokens.npy", out / "mask.npy"
+    if (out / "COMPLETE").is_file():
+        return tokens, mask
+    out.mkdir(parents=True, exist_ok=True)
+    examples = (encode_row(row, tok, cfg.chat_template, cfg.text_key, where) for row, where in read_rows(path))
+    ids, m, stats = build_stream(examples, cfg.seq_len, cfg.packing, tok.eot_id)
+    if stats["trained_tokens"] == 0:
+        raise DataError(f"{path}: no token carries loss ({stats['examples']} examples): no assistant turns "
+                        f"survive data.seq_len={cfg.seq_len}", hint="check the roles, or raise data.seq_len")
+    _save_npy(tokens, ids)
+    _save_npy(mask, m)
+    (out / "stats.json").write_text(json.dumps(stats))
+    (out / "COMPLETE").write_text("ok\n")
+    log.info(f"{path}: {stats['examples']} examples -> {len(ids):,} tokens, {stats['trained_tokens']:,} with loss"
+             + (f", {stats['truncated']} truncated to {cfg.seq_len}" if stats["truncated"] else ""))
+    return tokens, mask
+
+
+def is_sft_input(path: str) -> bool:
+    """Whether `data.path` is a raw JSONL/.txt file this module tokenizes."""
+    return Path(path).suffix in (".jsonl", ".txt") and os.path.isfile(path)
+
+
+def open_sft_datasets(cfg: DataSection, tok, vocab_size: int) -> tuple[TokenDataset, TokenDataset | None]:
+    """Train (and, with data.val_path, validation) datasets with loss masks from JSONL files."""
+    sets = []
+    for p, split in ((cfg.path, "train"), (cfg.val_path, "val")):
+        if p is None:
+            sets.append(None)
+            continue
+        tokens, mask = prepare_sft(p, tok, cfg)
+        arr = np.load(tokens, mmap_mode="r")
+        if len(arr) and int(arr.max()) >= vocab_size:
+            raise DataError(f"{p}: token id {int(arr.max())} >= the model's vocab size {vocab_size}",
+                            hint="the tokenizer does not belong to the model; set data.tokenizer to match")
+        sets.append(TokenDataset([arr], cfg.seq_len, name=f"{p} ({split})", masks=[np.load(mask, mmap_mode="r")]))
+    return sets[0], sets[1]

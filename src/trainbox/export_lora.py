@@ -1,0 +1,83 @@
+"""Export a LoRA run (`model.family: hf`) in Hugging Face formats.
+
+    trainbox export runs/lora --format hf --out adapter/            # PEFT adapter: PeftModel.from_pretrained
+    trainbox export runs/lora --format hf --merge --out merged/     # base + adapter in the base's precision
+
+The adapter is written by PEFT itself (`adapter_config.json` + `adapter_model.safetensors`, the base
+named by `model.path`), with the tokenizer beside it. `--merge` reloads the base unquantised in the
+precision it is stored in (`dtype="auto"`), folds the adapter in (`merge_and_unload`) and saves a plain
+transformers model. A run trained on a 4-bit or 8-bit base is refused for merging unless `force`: the
+adapter learned to correct a quantised base, so merging into the full-precision weights changes the
+function; with `force` the base is reloaded in bf16 for the merge, as is common practice for QLoRA.
+Every export is written into a temporary folder next to `out` and renamed into place.
+"""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+
+from trainbox import checkpoint
+from trainbox.config import RunConfig, build_config
+from trainbox.errors import ConfigError
+from trainbox.monitor.console import log
+
+
+def load_lora_run(path: str | Path, dtype) -> tuple:
+    """Run directory or checkpoint -> (HFCausalLM with the trained adapter on CPU, RunConfig, checkpoint)."""
+    from trainbox.model.hf import build_hf
+
+    ckpt = checkpoint.resolve(path)
+    cfg: RunConfig = build_config(checkpoint.load_trainer(ckpt)["config"])
+    if cfg.model.family != "hf":
+        raise ConfigError(f"{ckpt} is a model.family={cfg.model.family} run, not a LoRA (hf) run")
+    model = build_hf(cfg, dtype=dtype, quantize=False)
+    checkpoint.load_weights(ckpt, model)
+    return model.eval(), cfg, ckpt
+
+
+def _replace_dir(tmp: Path, out: Path) -> None:
+    if out.exists():
+        if not out.is_dir():
+            raise ConfigError(f"--out {out} exists and is not a folder")
+        shutil.rmtree(out)
+    tmp.rename(out)
+
+
+def export_lora_hf(path: str | Path, out: str | Path, merge: bool = False, force: bool = False) -> dict:
+    """Write the adapter (PEFT format) or, with `merge`, a merged model to `out`. Returns a summary."""
+    from trainbox.model.hf import require
+    require("peft", "finetune", "exporting a LoRA run")
+    ckpt = checkpoint.resolve(path)
+    cfg = build_config(checkpoint.load_trainer(ckpt)["config"])
+    quantized = cfg.quant.load_in_4bit or cfg.quant.load_in_8bit
+    if merge and quantized and not force:
+        bits = 4 if cfg.quant.load_in_4bit else 8
+        raise ConfigError(f"{ckpt} was trained on a {bits}-bit quantised base; merging its adapter into the "
+                          f"full-precision base changes what the adapter corrects, so it is refused",
+                          hint="export the adapter alone (drop --merge), or pass --force to merge into the base "
+                               "reloaded in bf16")
+    dtype = torch.bfloat16 if (merge and quantized) else "auto"
+    model, cfg, ckpt = load_lora_run(ckpt, dtype)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        if merge:
+            merged = model.peft.merge_and_unload()
+            merged.save_pretrained(tmp, safe_serialization=True)
+            kind, dt = "merged model", str(next(merged.parameters()).dtype).replace("torch.", "")
+        else:
+            model.peft.save_pretrained(tmp)
+            kind, dt = "PEFT adapter", "fp32"
+        from trainbox.data.sft import load_hf_tokenizer
+        tok_src = cfg.data.tokenizer if cfg.data.tokenizer != "gpt2" else cfg.model.path
+        load_hf_tokenizer(tok_src).hf.save_pretrained(tmp)
+        _replace_dir(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    log.info(f"exported {kind} of {ckpt} to {out} ({dt})")
+    return {"checkpoint": str(ckpt), "out": str(out), "kind": kind, "dtype": dt, "base": cfg.model.path,
+            "merged": merge}

@@ -1,0 +1,214 @@
+"""Hugging Face causal LMs with PEFT LoRA and bitsandbytes 4/8-bit (`model.family: hf`).
+
+    trainbox train lora model.path=Qwen/Qwen2.5-0.5B data.path=chat.jsonl          # LoRA, bf16 on GPU
+    trainbox train lora model.path=./my-model data.path=chat.jsonl quant.load_in_4bit=true   # QLoRA
+
+Any `AutoModelForCausalLM` (a hub id or a local folder) is loaded with transformers, wrapped in a PEFT
+LoRA (`lora.r`, `lora.alpha`, `lora.dropout`, `lora.target_modules`, "all-linear" included) and run by
+the same training loop as every other family. Choices:
+
+- Only the adapters train: the base is frozen, and `adapter_only = True` makes checkpoints hold the
+  adapter weights alone (the frozen base is never written; it is reloaded from `model.path`).
+- On a GPU with bf16 the frozen base is loaded in bf16 (the adapters stay fp32 under autocast, as
+  PEFT keeps them); on CPU everything is fp32.
+- QLoRA: `quant.load_in_4bit` is NF4 with double quantisation and bf16 compute; `quant.load_in_8bit`
+  is LLM.int8. Both need bitsandbytes and a CUDA/ROCm GPU; `check_quant_support` says what is missing
+  before any weights are read.
+- Gradient checkpointing (`lora.gradient_checkpointing`) is HF's own, non-reentrant, so the RNG of
+  LoRA dropout is replayed exactly in the recomputation and resume stays bit-exact on CPU.
+- The loss is ours (`gpt.cross_entropy` on the loop's shifted targets and loss mask), so masking and
+  the per-token reduction mean exactly what they mean for the GPT family.
+"""
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+import torch.nn as nn
+
+from trainbox.errors import ConfigError, MissingDependency
+from trainbox.model.gpt import Output, cross_entropy
+
+USES_RUN_CONFIG = True  # registry: build() receives the whole RunConfig (lora, quant, train sections)
+
+
+def require(package: str, extra: str, what: str) -> None:
+    if importlib.util.find_spec(package) is None:
+        raise MissingDependency(package, extra, what)
+
+
+def check_quant_support(quant) -> None:
+    """Raise before any model is loaded when 4/8-bit loading cannot run here, naming everything missing."""
+    mode = "load_in_4bit" if quant.load_in_4bit else "load_in_8bit" if quant.load_in_8bit else None
+    if mode is None:
+        return
+    missing = []
+    if not torch.cuda.is_available():
+        missing.append("a CUDA (or ROCm) GPU: torch sees none" + (
+            "" if torch.version.cuda or torch.version.hip else f" and this torch ({torch.__version__}) is a CPU build"))
+    if importlib.util.find_spec("bitsandbytes") is None:
+        missing.append("the Python package 'bitsandbytes' (pip install 'trainbox[quant]')")
+    if missing:
+        raise ConfigError(f"quant.{mode}=true (QLoRA through bitsandbytes) cannot run here: it needs "
+                          + " and ".join(missing),
+                          hint=f"run on a GPU machine with bitsandbytes, or drop quant.{mode} to train "
+                               "plain LoRA (bf16 on GPU, fp32 on CPU)")
+
+
+def quantization_config(quant):
+    """BitsAndBytesConfig for the quant section (None when not quantised)."""
+    if not (quant.load_in_4bit or quant.load_in_8bit):
+        return None
+    from transformers import BitsAndBytesConfig
+    if quant.load_in_8bit:
+        return BitsAndBytesConfig(load_in_8bit=True)
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                              bnb_4bit_compute_dtype=torch.bfloat16)
+
+
+def load_base(path: str, dtype, quant=None):
+    """AutoModelForCausalLM from a hub id or folder. `dtype`: a torch dtype or "auto" (as stored)."""
+    require("transformers", "finetune", "model.family=hf")
+    from transformers import AutoModelForCausalLM
+
+    qcfg = quantization_config(quant) if quant is not None else None
+    kwargs = {"dtype": torch.bfloat16 if qcfg is not None else dtype}
+    if qcfg is not None:  # bitsandbytes places the weights itself; the loop's .to() is then a no-op
+        kwargs.update(quantization_config=qcfg, device_map={"": torch.cuda.current_device()})
+    try:
+        return AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    except OSError as e:
+        raise ConfigError(f"model.path={path}: cannot load a Hugging Face causal LM ({str(e).splitlines()[0]})",
+                          hint="pass a local folder holding config.json and weights, or a hub id "
+                               "(`huggingface-cli download ID` first when offline)") from None
+
+
+def lora_config(lora):
+    from peft import LoraConfig
+    targets = lora.target_modules
+    return LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, bias="none",
+                      task_type="CAUSAL_LM", target_modules=targets if isinstance(targets, str) else list(targets))
+
+
+def train_dtype(run) -> torch.dtype:
+    """Dtype of the frozen base: bf16 where the loop trains in bf16 on a GPU, fp32 otherwise."""
+    wants_gpu = run.train.device.startswith("cuda") or (run.train.device == "auto" and torch.cuda.is_available())
+    if wants_gpu and run.train.dtype in ("auto", "bf16") and torch.cuda.is_bf16_supported():
+        return torch.bfloat16
+    return torch.float32
+
+
+class HFCache:
+    """The family's KV-cache handle for `generate.py`: a thin wrapper over transformers' DynamicCache."""
+
+    def __init__(self):
+        from transformers import DynamicCache
+        self.cache = DynamicCache()
+
+
+class HFCausalLM(nn.Module):
+    """A PEFT-wrapped causal LM behind the family interface (forward -> Output, make_caches, ...)."""
+
+    family = "hf"
+    adapter_only = True  # checkpoints hold trainable (adapter) weights only
+
+    def __init__(self, peft_model: nn.Module, path: str, quantized: bool):
+        super().__init__()
+        self.peft, self.path, self.quantized = peft_model, path, quantized
+        conf = peft_model.get_base_model().config
+        self.hf_config = conf
+        self.block_size = getattr(conf, "max_position_embeddings", None) or getattr(conf, "n_positions", 2048)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, loss_mask: torch.Tensor | None = None,
+                caches: HFCache | None = None, pos: int = 0, reduction: str = "mean") -> Output:
+        if targets is None:  # inference: only the last position's logits (HF tracks positions in its cache)
+            out = self.peft(input_ids=idx, past_key_values=caches.cache if caches is not None else None,
+                            use_cache=caches is not None, logits_to_keep=1)
+            return Output(logits=out.logits)
+        out = self.peft(input_ids=idx, use_cache=False)
+        return Output(loss=cross_entropy(out.logits, targets, loss_mask, reduction))
+
+    def make_caches(self, batch: int, max_len: int, dtype, device) -> HFCache:
+        return HFCache()
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.peft.parameters())
+
+    def num_trainable(self) -> int:
+        return sum(p.numel() for p in self.peft.parameters() if p.requires_grad)
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """LoRA training FLOPs per token: forward 2N plus the input-gradient half of the backward 2N (frozen
+        weights get no weight gradient), 6N for the adapters, and 12 * L * d * T for attention."""
+        layers = getattr(self.hf_config, "num_hidden_layers", 0) or getattr(self.hf_config, "n_layer", 0)
+        width = getattr(self.hf_config, "hidden_size", 0) or getattr(self.hf_config, "n_embd", 0)
+        frozen = self.num_params() - self.num_trainable()
+        return 4 * frozen + 6 * self.num_trainable() + 12 * layers * width * seq_len
+
+    def _apply(self, fn, recurse=True):
+        # bitsandbytes weights were placed on the GPU at load time and must not be cast or moved again
+        return self if self.quantized else super()._apply(fn, recurse)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """Adapter checkpoints lack the frozen base: only missing *trainable* weights are an error."""
+        result = super().load_state_dict(state_dict, strict=False, assign=assign)
+        trainable = {n for n, p in self.named_parameters() if p.requires_grad}
+        missing = [k for k in result.missing_keys if k in trainable]
+        if strict and (missing or result.unexpected_keys):
+            raise RuntimeError(f"adapter weights do not match the model: missing {missing[:5]}, "
+                               f"unexpected {result.unexpected_keys[:5]}")
+        return type(result)(missing, result.unexpected_keys)
+
+
+def wrap_lora(base: nn.Module, lora, quantized: bool) -> nn.Module:
+    """Freeze `base` and add LoRA adapters (PEFT); gradient checkpointing when configured."""
+    require("peft", "finetune", "LoRA (model.family=hf)")
+    from peft import get_peft_model, prepare_model_for_kbit_training
+
+    gc_kwargs = {"use_reentrant": False}
+    if quantized:  # fp32 norms/head for stability, input grads; checkpointing per lora.gradient_checkpointing
+        base = prepare_model_for_kbit_training(base, use_gradient_checkpointing=lora.gradient_checkpointing,
+                                               gradient_checkpointing_kwargs=gc_kwargs)
+    elif lora.gradient_checkpointing:
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=gc_kwargs)
+    base.config.use_cache = False
+    try:
+        return get_peft_model(base, lora_config(lora))
+    except ValueError as e:
+        raise ConfigError(f"lora.target_modules={lora.target_modules!r}: {e}",
+                          hint='use "all-linear", or names of the model\'s nn.Linear layers such as [q_proj, v_proj]') from None
+
+
+def build_hf(run, dtype=None, quantize: bool = True) -> HFCausalLM:
+    """Base model + LoRA from a RunConfig. `dtype` overrides the training dtype (export, merge)."""
+    if not run.model.path:
+        raise ConfigError("model.family=hf needs model.path (a hub id or a local model folder)",
+                          hint="e.g. trainbox train lora model.path=Qwen/Qwen2.5-0.5B data.path=chat.jsonl")
+    quant = run.quant if quantize else None
+    if quant is not None:
+        check_quant_support(quant)  # before any weights are read
+    require("peft", "finetune", "LoRA (model.family=hf)")
+    quantized = quant is not None and (quant.load_in_4bit or quant.load_in_8bit)
+    base = load_base(run.model.path, dtype or train_dtype(run), quant if quantized else None)
+    return HFCausalLM(wrap_lora(base, run.lora, quantized), run.model.path, quantized)
+
+
+def build(cfg, vocab_size: int, block_size: int, run=None) -> HFCausalLM:
+    """Registry entry. The vocabulary and positions are the model's own, so vocab_size and block_size
+    are ignored; `run` is the whole RunConfig (lora, quant, train sections)."""
+    if run is None:
+        raise ConfigError("model.family=hf is built from the whole run config (lora and quant sections)")
+    return build_hf(run)
+
+
+def tokenizer(run):
+    """Registry hook: the model's own tokenizer (data.tokenizer may name another folder; gpt2 = default)."""
+    from trainbox.data.sft import load_hf_tokenizer
+    # the loop asks for the tokenizer before data or weights: the earliest point to refuse QLoRA here
+    check_quant_support(run.quant)
+    spec = run.data.tokenizer if run.data.tokenizer != "gpt2" else run.model.path
+    if not spec:
+        raise ConfigError("model.family=hf needs model.path (its tokenizer is loaded from there)",
+                          hint="e.g. trainbox train lora model.path=Qwen/Qwen2.5-0.5B data.path=chat.jsonl")
+    return load_hf_tokenizer(spec)
+

@@ -1,0 +1,67 @@
+"""Tiny Hugging Face models for the LoRA tests: random weights, a small BPE tokenizer with a ChatML
+template, saved to a folder exactly as `save_pretrained` writes them. Nothing is downloaded."""
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+WORDS = "one two three four five six seven eight nine ten plus minus equals what is the sum of and".split()
+
+
+def make_tokenizer(folder: Path, vocab_size: int = 320, chat_template: str | None = CHATML):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    rng = random.Random(0)
+    tok.train_from_iterator([" ".join(rng.choices(WORDS, k=12)) for _ in range(300)] + ["user assistant system"],
+                            trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+    if chat_template:
+        fast.chat_template = chat_template
+    fast.save_pretrained(folder)
+    return fast
+
+
+def make_model(folder: Path, arch: str = "llama", vocab_size: int = 320, seed: int = 0) -> Path:
+    """A 2-layer, width-32 causal LM with random weights and its tokenizer, saved to `folder`."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    folder = Path(folder)
+    tok = make_tokenizer(folder, vocab_size)
+    torch.manual_seed(seed)
+    if arch == "llama":
+        cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=256,
+                          eos_token_id=tok.eos_token_id, bos_token_id=tok.eos_token_id, tie_word_embeddings=False)
+        model = LlamaForCausalLM(cfg)
+    else:
+        cfg = GPT2Config(vocab_size=len(tok), n_embd=32, n_layer=2, n_head=2, n_positions=256,
+                         eos_token_id=tok.eos_token_id, bos_token_id=tok.eos_token_id)
+        model = GPT2LMHeadModel(cfg)
+    model.save_pretrained(folder)
+    return folder
+
+
+def make_chat_file(path: Path, n: int = 96, seed: int = 0) -> Path:
+    """Arithmetic chats: the assistant's answer is a function of the question, so the loss can fall."""
+    rng = random.Random(seed)
+    names = WORDS[:10]
+    with open(path, "w") as f:
+        for _ in range(n):
+            a, b = rng.randrange(5), rng.randrange(5)
+            msgs = [{"role": "user", "content": f"what is {names[a]} plus {names[b]}"},
+                    {"role": "assistant", "content": f"{names[a]} plus {names[b]} equals {names[a + b]}"}]
+            if rng.random() < 0.3:
+                msgs = [{"role": "system", "content": "the sum"}] + msgs
+            f.write(json.dumps({"messages": msgs}) + "\n")
+    return path
