@@ -242,7 +242,8 @@ def test_end_to_end_from_a_pretrained_trainbox_gpt(tmp_path, tiny):
     from trainbox.generate import load_for_inference, sample
     from trainbox.train.loop import train
 
-    train(load_config("tiny", [*tiny, "train.max_steps=4", "train.sample_tokens=0", "train.eval_every=0"]))
+    # positions must cover the fine-tuning windows (data.seq_len=48 in lora_args)
+    train(load_config("tiny", [*tiny, "data.seq_len=64", "train.max_steps=4", "train.sample_tokens=0", "train.eval_every=0"]))
     exporter(tmp_path / "runs" / "tiny", tmp_path / "gpt-hf")
     hf_tiny.make_chat_file(tmp_path / "chat.jsonl")
     root = tmp_path
