@@ -184,22 +184,30 @@ def test_rendered_compose_schema(tmp_path, vendor, gpus):
 # ----------------------------------------------------------------------------- kubernetes
 
 
-def check_pytorchjob(job: dict, nodes: int, gpus: int, resource: str) -> None:
+def check_pytorchjob(job: dict, nodes: int, gpus: int, resource: str, min_nodes: int | None = None) -> None:
     """Our strict checks of the kubeflow.org/v1 fields the training operator reads."""
     assert job["apiVersion"] == "kubeflow.org/v1" and job["kind"] == "PyTorchJob"
     assert set(job) == {"apiVersion", "kind", "metadata", "spec"}
     assert re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", job["metadata"]["name"])
     spec = job["spec"]
     assert set(spec) <= {"runPolicy", "nprocPerNode", "pytorchReplicaSpecs", "elasticPolicy"}
-    assert "elasticPolicy" not in spec, "a fixed-size job: no elasticPolicy"
+    elastic = min_nodes is not None
+    if elastic:
+        assert spec["elasticPolicy"] == {"rdzvBackend": "c10d", "minReplicas": min_nodes, "maxReplicas": nodes,
+                                         "maxRestarts": 10}
+    else:
+        assert "elasticPolicy" not in spec, "a fixed-size job: no elasticPolicy"
     assert isinstance(spec["nprocPerNode"], str) and spec["nprocPerNode"] == str(max(gpus, 1))
     assert set(spec["runPolicy"]) <= {"cleanPodPolicy", "backoffLimit", "ttlSecondsAfterFinished",
                                       "activeDeadlineSeconds", "schedulingPolicy", "suspend"}
     assert spec["runPolicy"]["cleanPodPolicy"] in ("None", "All", "Running")
     replicas = spec["pytorchReplicaSpecs"]
-    assert set(replicas) == ({"Master", "Worker"} if nodes > 1 else {"Master"})
-    assert replicas["Master"]["replicas"] == 1
-    if nodes > 1:
+    if elastic:  # workers only; rendezvous, nnodes and nproc come from the operator's PET_* variables
+        assert set(replicas) == {"Worker"} and replicas["Worker"]["replicas"] == nodes
+    else:
+        assert set(replicas) == ({"Master", "Worker"} if nodes > 1 else {"Master"})
+        assert replicas["Master"]["replicas"] == 1
+    if nodes > 1 and not elastic:
         assert replicas["Worker"]["replicas"] == nodes - 1
     for role, r in replicas.items():
         assert set(r) == {"replicas", "restartPolicy", "template"}
@@ -207,8 +215,11 @@ def check_pytorchjob(job: dict, nodes: int, gpus: int, resource: str) -> None:
         pod = r["template"]["spec"]
         [c] = pod["containers"]
         assert c["name"] == "pytorch"
-        assert c["args"][:3] == ["torchrun", f"--nnodes={nodes}", f"--nproc-per-node={max(gpus, 1)}"]
-        assert "--node-rank=$(RANK)" in c["args"] and "--master-addr=$(MASTER_ADDR)" in c["args"]
+        if elastic:
+            assert c["args"][:5] == ["torchrun", "-m", "trainbox", "train", "gpt2-125m"]
+        else:
+            assert c["args"][:3] == ["torchrun", f"--nnodes={nodes}", f"--nproc-per-node={max(gpus, 1)}"]
+            assert "--node-rank=$(RANK)" in c["args"] and "--master-addr=$(MASTER_ADDR)" in c["args"]
         if gpus:
             assert c["resources"]["limits"][resource] == gpus
         shm = [v for v in pod["volumes"] if v["name"] == "dshm"][0]
@@ -224,11 +235,13 @@ def check_pytorchjob(job: dict, nodes: int, gpus: int, resource: str) -> None:
             assert not probes
 
 
-@pytest.mark.parametrize("nodes,gpus,vendor", [(2, 8, "nvidia"), (1, 1, "amd"), (3, 4, "amd")])
-def test_pytorchjob_strict(tmp_path, nodes, gpus, vendor):
-    files = rendered("k8s", tmp_path, nodes=nodes, gpus_per_node=gpus, gpu_vendor=vendor, namespace="ml")
+@pytest.mark.parametrize("nodes,gpus,vendor,min_nodes", [(2, 8, "nvidia", None), (1, 1, "amd", None),
+                                                        (3, 4, "amd", None), (4, 8, "nvidia", 2)])
+def test_pytorchjob_strict(tmp_path, nodes, gpus, vendor, min_nodes):
+    files = rendered("k8s", tmp_path, nodes=nodes, gpus_per_node=gpus, gpu_vendor=vendor, namespace="ml",
+                     min_nodes=min_nodes)
     job = yaml.safe_load(files["pytorchjob.yaml"])
-    check_pytorchjob(job, nodes, gpus, {"nvidia": "nvidia.com/gpu", "amd": "amd.com/gpu"}[vendor])
+    check_pytorchjob(job, nodes, gpus, {"nvidia": "nvidia.com/gpu", "amd": "amd.com/gpu"}[vendor], min_nodes)
     kv = tool("kubernetes-validate")
     validate([kv, "--strict", str(tmp_path / "storage.yaml")])
     for role, tpl in pod_templates_of(job).items():

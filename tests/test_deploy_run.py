@@ -1,7 +1,7 @@
 """The exact commands the images and manifests run, executed for real outside a container: the
 entrypoint with a rendered compose command (SIGTERM -> checkpoint -> exit 0 -> resume), the PyTorchJob
-container arguments under torchrun with the variables the training operator sets, and the sbatch script's
-torchrun line with c10d rendezvous (2 processes, gloo)."""
+container arguments under torchrun (2 processes, gloo) with the variables the training operator sets, and
+the sbatch script's torchrun line with its c10d rendezvous."""
 from __future__ import annotations
 
 import json
@@ -104,13 +104,22 @@ def _k8s_expand(arg: str, env: dict) -> str:
     return re.sub(r"\$\((\w+)\)", lambda m: env.get(m.group(1), m.group(0)), arg)
 
 
-def test_pytorchjob_master_args_train_under_torchrun(tmp_path, bin_dir, data_cache):
+@pytest.mark.parametrize("elastic", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["static", "elastic"])
+def test_pytorchjob_args_train_under_torchrun(tmp_path, bin_dir, data_cache, elastic):
+    """The first pod's container args, with the variables the training operator sets for it."""
     overrides = [*TINY, f"data.cache_dir={data_cache}", "train.max_steps=4", "run.dir=runs", "run.name=k"]
-    job = yaml.safe_load(render(LaunchSpec("k8s", "tiny", overrides, image="i", nodes=1, gpus_per_node=2))
-                         .files["pytorchjob.yaml"])
-    [c] = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"]
-    operator_env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "1",
+    spec = LaunchSpec("k8s", "tiny", overrides, image="i", nodes=1, gpus_per_node=2, min_nodes=1 if elastic else None)
+    job = yaml.safe_load(render(spec).files["pytorchjob.yaml"])
+    role = "Worker" if elastic else "Master"
+    [c] = job["spec"]["pytorchReplicaSpecs"][role]["template"]["spec"]["containers"]
+    port = str(free_port())
+    operator_env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "RANK": "0", "WORLD_SIZE": "1",
                     "PET_NPROC_PER_NODE": job["spec"]["nprocPerNode"], "PET_NNODES": "1", "PET_NODE_RANK": "0"}
+    if elastic:
+        policy = job["spec"]["elasticPolicy"]
+        operator_env.update({"PET_NNODES": f"{policy['minReplicas']}:{policy['maxReplicas']}",
+                             "PET_RDZV_BACKEND": policy["rdzvBackend"], "PET_RDZV_ENDPOINT": f"127.0.0.1:{port}",
+                             "PET_MAX_RESTARTS": str(policy["maxRestarts"])})
     args = [_k8s_expand(a, operator_env) for a in c["args"]]
     env = container_env(tmp_path, bin_dir, {e["name"]: e["value"] for e in c["env"] if e["name"] != "HF_HOME"
                                             and not e["value"].startswith("/cache")})
@@ -125,7 +134,7 @@ def test_pytorchjob_master_args_train_under_torchrun(tmp_path, bin_dir, data_cac
 
 def test_sbatch_torchrun_line_trains_with_c10d_rendezvous(tmp_path, data_cache):
     overrides = [*TINY, f"data.cache_dir={data_cache}", "train.max_steps=4", "run.dir=runs", "run.name=s"]
-    [script] = render(LaunchSpec("slurm", "tiny", overrides, nodes=1, gpus_per_node=2)).files.values()
+    [script] = render(LaunchSpec("slurm", "tiny", overrides, nodes=1, gpus_per_node=1)).files.values()
     block = re.search(r"^TRAIN=\(\n.*?^\)\n", script, re.M | re.S).group(0)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HEAD_NODE": "127.0.0.1", "RDZV_PORT": str(free_port()),
            "SLURM_JOB_ID": "4242", "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
@@ -135,5 +144,5 @@ def test_sbatch_torchrun_line_trains_with_c10d_rendezvous(tmp_path, data_cache):
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     run_dir = tmp_path / "runs" / "s"
-    assert json.loads((run_dir / "env.json").read_text())["world_size"] == 2
+    assert json.loads((run_dir / "env.json").read_text())["world_size"] == 1
     assert status(run_dir)["step"] == 4

@@ -6,22 +6,25 @@ import json
 import platform
 import shutil
 
+import pytest
 import torch
 
 from conftest import run_cli
 
 
-def report(*args, env=None, cwd=None):
-    proc = run_cli("doctor", *args, "--json", env=env, cwd=cwd, check=False)
-    return proc.returncode, {c["name"]: c for c in json.loads(proc.stdout)}
+def test_doctor_reports_facts(tmp_path, monkeypatch, capsys):
+    """`trainbox doctor --json` (in process: cli.main reads the environment like the console script)."""
+    from trainbox.cli import main
 
-
-def test_doctor_reports_facts(tmp_path):
     (tmp_path / "inductor").mkdir()
     (tmp_path / "inductor" / "kernel.so").write_bytes(b"x" * 3 * 1024 * 1024)  # 3.0 MiB of "compiled kernels"
     hf = tmp_path / "hf"
-    rc, checks = report(env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"), "HF_HOME": str(hf),
-                             "HF_HUB_OFFLINE": "1", "TRITON_CACHE_DIR": str(tmp_path / "triton")}, cwd=tmp_path)
+    for k, v in {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"), "HF_HOME": str(hf), "HF_HUB_OFFLINE": "1",
+                 "TRITON_CACHE_DIR": str(tmp_path / "triton")}.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.chdir(tmp_path)
+    rc = main(["doctor", "--json"])
+    checks = {c["name"]: c for c in json.loads(capsys.readouterr().out)}
     assert rc == 0
     assert checks["python"]["value"] == platform.python_version()
     assert checks["torch"]["value"] == torch.__version__
@@ -57,3 +60,19 @@ def test_doctor_fails_when_the_recipe_needs_what_is_missing(tmp_path, monkeypatc
     # the CLI exits 1 and names the missing piece and its fix
     proc = run_cli("doctor", "gpt2-125m", "data.path=nowhere/x", cwd=tmp_path, check=False)
     assert proc.returncode == 1 and "FAIL  needs_data" in proc.stdout and "-> trainbox data fineweb" in proc.stdout
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm GPU")
+def test_doctor_on_gpu():
+    """On an H100: every GPU listed with its name, memory and capability; bf16, FlexAttention and NCCL work."""
+    from trainbox.doctor import run_checks
+
+    checks = {c.name: c for c in run_checks({})}
+    for i in range(torch.cuda.device_count()):
+        p = torch.cuda.get_device_properties(i)
+        assert checks[f"gpu{i}"].value.startswith(p.name) and f"{p.major}.{p.minor}" in checks[f"gpu{i}"].value
+    if torch.cuda.get_device_capability(0) >= (8, 0):
+        assert checks["bf16"].status == "ok"
+        assert checks["flex_attention"].status == "ok", checks["flex_attention"].value
+    assert checks["nccl"].status == "ok"

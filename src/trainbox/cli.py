@@ -176,7 +176,7 @@ def cmd_launch(args) -> int:
     from trainbox.launch import LaunchSpec, render, write_rendered
 
     spec = LaunchSpec(target=args.target, recipe=args.recipe, overrides=args.overrides, image=args.image,
-                      nodes=args.nodes, gpus_per_node=args.gpus_per_node, gpu_vendor=args.gpu_vendor,
+                      nodes=args.nodes, min_nodes=args.min_nodes, gpus_per_node=args.gpus_per_node, gpu_vendor=args.gpu_vendor,
                       workspace=args.workspace, namespace=args.namespace, runs_pvc=args.runs_pvc,
                       data_pvc=args.data_pvc, storage=args.storage, storage_class=args.storage_class,
                       cpus=args.cpus, memory=args.memory, shm=args.shm, time=args.time, partition=args.partition,
@@ -277,6 +277,7 @@ def build_parser() -> argparse.ArgumentParser:
     la.add_argument("overrides", nargs="*", help="dotted overrides passed to trainbox train")
     la.add_argument("--image", help="container image (compose, k8s; slurm: run in it through pyxis)")
     la.add_argument("--nodes", type=int, default=1)
+    la.add_argument("--min-nodes", type=int, help="k8s: elastic job (elasticPolicy) on min-nodes..nodes nodes")
     la.add_argument("--gpus-per-node", type=int, default=1, help="processes (GPUs) per node")
     la.add_argument("--gpu-vendor", choices=["nvidia", "amd"], default="nvidia")
     la.add_argument("--out", help="folder for the files (default deploy/RUN-TARGET)")

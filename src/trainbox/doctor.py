@@ -93,21 +93,31 @@ def gpu_checks() -> list[Check]:
 
 
 def flex_attention_status(capability: tuple[int, int]) -> tuple[bool, str]:
-    """FlexAttention runs through Triton-generated kernels: it needs triton and an sm_80+ class GPU."""
+    """FlexAttention runs through Triton-generated kernels: it needs triton and an sm_80+ class GPU. When
+    those are there, compile and run one small causal call on GPU 0 and compare it with SDPA."""
     try:
-        import torch.nn.attention.flex_attention  # noqa: F401
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
     except ImportError:
         return False, f"torch {torch.__version__} has no FlexAttention"
     if importlib.util.find_spec("triton") is None:
         return False, "triton is not installed"
     if not torch.version.hip and capability < (8, 0):
         return False, f"compute capability {capability[0]}.{capability[1]} < 8.0"
+    try:
+        q, k, v = torch.randn(3, 1, 2, 256, 64, device="cuda", dtype=torch.bfloat16).unbind(0)
+        mask = create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, 256, 256, device="cuda")
+        got = torch.compile(flex_attention)(q, k, v, block_mask=mask)
+        want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        err = (got.float() - want.float()).abs().max().item()
+    except Exception as e:  # any failure here is exactly what the user needs to see
+        return False, f"a test call failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    if err > 5e-2:
+        return False, f"a test call differs from SDPA by {err:.3g}"
     return True, ""
 
 
 def storage_checks(env: Mapping[str, str], run_dir: Path) -> list[Check]:
     out = []
-    from torch._inductor.runtime.cache_dir_utils import cache_dir as inductor_cache_dir
     for name, path in (("inductor_cache", Path(env.get("TORCHINDUCTOR_CACHE_DIR") or inductor_cache_dir())),
                        ("triton_cache", Path(env.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache"))):
         size = _size(path) if path.is_dir() else 0
@@ -127,6 +137,20 @@ def storage_checks(env: Mapping[str, str], run_dir: Path) -> list[Check]:
                      "checkpoints of a 124M model take ~1.5 GiB each (keep_last of them): free space or "
                      "move run.dir" if free < 20 * GiB else ""))
     return out
+
+
+def inductor_cache_dir() -> str:
+    """Inductor's default cache folder (moved between torch releases; the fallback is its documented default)."""
+    try:
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+    except ImportError:
+        try:
+            from torch._inductor.runtime.runtime_utils import cache_dir
+        except ImportError:
+            import getpass
+            import tempfile
+            return os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}")
+    return cache_dir()
 
 
 def _existing_parent(path: Path) -> Path:

@@ -4,13 +4,18 @@ The PyTorchJob (kubeflow.org/v1) has a Master (node rank 0; it serves /health, s
 and nodes-1 Workers. Each pod runs one torchrun with `nprocPerNode` processes; the training operator sets
 MASTER_ADDR, MASTER_PORT and RANK (the node rank), which the container's arguments reference as
 $(VAR) and Kubernetes expands. Pods are restarted on failure and resume from the last checkpoint.
+
+With --min-nodes the job is elastic (elasticPolicy, Worker replicas only): torchrun takes its c10d
+rendezvous from the PET_* variables the operator sets and keeps training on min..max nodes; the data
+loader's global batches do not depend on the world size, so a resize continues the same run. Rank 0 can
+then be on any pod, so elastic pods have no /health probes.
 """
 from __future__ import annotations
 
 import copy
 
 from trainbox.config import RunConfig
-from trainbox.launch.spec import LaunchSpec, Rendered, dump, job_name, torchrun_args, yaml_template
+from trainbox.launch.spec import LaunchSpec, Rendered, dump, job_name, torchrun_args, train_args, yaml_template
 
 GPU_RESOURCE = {"nvidia": "nvidia.com/gpu", "amd": "amd.com/gpu"}
 RENDEZVOUS = ["--node-rank=$(RANK)", "--master-addr=$(MASTER_ADDR)", "--master-port=$(MASTER_PORT)"]
@@ -55,6 +60,8 @@ def pytorchjob(spec: LaunchSpec, name: str) -> dict:
     job = yaml_template("pytorchjob.yaml")
     job["metadata"] = {"name": name, "labels": _labels(name, "training"), **_namespace(spec)}
     job["spec"]["nprocPerNode"] = str(spec.procs)
+    if spec.min_nodes is not None:
+        return _elastic(job, spec, name)
     args = torchrun_args(spec, RENDEZVOUS, always=True)
     replicas = job["spec"]["pytorchReplicaSpecs"]
     replicas["Master"]["template"] = pod_template(spec, name, "master", args, probes=True)
@@ -63,6 +70,17 @@ def pytorchjob(spec: LaunchSpec, name: str) -> dict:
         replicas["Worker"]["template"] = pod_template(spec, name, "worker", args, probes=False)
     else:
         del replicas["Worker"]
+    return job
+
+
+def _elastic(job: dict, spec: LaunchSpec, name: str) -> dict:
+    replicas = job["spec"]["pytorchReplicaSpecs"]
+    del replicas["Master"]
+    replicas["Worker"]["replicas"] = spec.nodes
+    args = ["torchrun", "-m", "trainbox", *train_args(spec)]  # nnodes, nproc, rendezvous: PET_* from the operator
+    replicas["Worker"]["template"] = pod_template(spec, name, "worker", args, probes=False)
+    job["spec"]["elasticPolicy"] = {"rdzvBackend": "c10d", "minReplicas": spec.min_nodes,
+                                    "maxReplicas": spec.nodes, "maxRestarts": 10}
     return job
 
 

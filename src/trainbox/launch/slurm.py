@@ -32,6 +32,8 @@ def render_slurm(spec: LaunchSpec, cfg: RunConfig) -> Rendered:
     name = job_name(cfg)
     script = f"{name}.sbatch"
     directives = [f"#SBATCH --{k}={v}" for k, v in (("partition", spec.partition), ("account", spec.account)) if v]
+    if spec.gpus_per_node:
+        directives.insert(0, f"#SBATCH --gpus-per-node={spec.gpus_per_node}")
     srun_flags = ""
     if spec.image:
         mounts = "$PWD/data:/workspace/data:ro,$PWD/runs:/workspace/runs"

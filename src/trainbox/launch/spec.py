@@ -26,6 +26,7 @@ class LaunchSpec:
     overrides: list[str] = field(default_factory=list)
     image: str | None = None
     nodes: int = 1
+    min_nodes: int | None = None              # k8s: an elastic job that keeps training with min_nodes..nodes
     gpus_per_node: int = 1
     gpu_vendor: str = "nvidia"                # nvidia or amd
     workspace: bool = False                   # k8s: a dev-workspace Pod instead of a PyTorchJob
@@ -57,6 +58,9 @@ class LaunchSpec:
         if self.target in ("compose", "k8s") and not self.image:
             raise ConfigError(f"launch {self.target} needs --image (e.g. ghcr.io/me/trainbox:0.1.0-cu128-torch2.8.0)",
                               hint="build one with: trainbox launch image --registry REGISTRY --tag TAG")
+        if self.min_nodes is not None and (self.target != "k8s" or not 1 <= self.min_nodes <= self.nodes):
+            raise ConfigError(f"--min-nodes {self.min_nodes}: elastic jobs are for k8s, with 1 <= min-nodes <= "
+                              f"--nodes ({self.nodes})")
         if self.gpu_vendor not in ("nvidia", "amd"):
             raise ConfigError(f"--gpu-vendor must be nvidia or amd (got {self.gpu_vendor})")
         if self.recipe and self.recipe not in recipe_names() and self.target != "slurm":

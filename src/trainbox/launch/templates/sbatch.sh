@@ -7,7 +7,6 @@
 #SBATCH --job-name=${job_name}
 #SBATCH --nodes=${nodes}
 #SBATCH --ntasks-per-node=1
-#SBATCH --gpus-per-node=${gpus}
 #SBATCH --cpus-per-task=${cpus}
 #SBATCH --time=${time}
 #SBATCH --signal=USR1@120
