@@ -270,6 +270,30 @@ def test_workspace_pod(tmp_path):
     assert not any(m.get("readOnly") for m in c["volumeMounts"]), "the workspace prepares data: writable"
 
 
+def test_config_file_recipe_travels_with_the_files(tmp_path):
+    """A recipe that is a file: a ConfigMap (k8s), a read-only bind mount (compose), its absolute path (slurm)."""
+    recipe = tmp_path / "my-run.yaml"
+    recipe.write_text("model:\n  n_layer: 2\ntrain:\n  max_steps: 7\n")
+    files = rendered("k8s", tmp_path, recipe=str(recipe), nodes=2, gpus_per_node=2)
+    cm = yaml.safe_load(files["configmap.yaml"])
+    assert cm["kind"] == "ConfigMap" and cm["data"] == {"my-run.yaml": recipe.read_text()}
+    validate([tool("kubernetes-validate"), "--strict", str(tmp_path / "configmap.yaml")])
+    job = yaml.safe_load(files["pytorchjob.yaml"])
+    for role, tpl in pod_templates_of(job).items():
+        pod = tpl["template"]["spec"]
+        [c] = pod["containers"]
+        assert c["args"][c["args"].index("train") + 1] == "/etc/trainbox/my-run.yaml"
+        assert {"name": "config", "mountPath": "/etc/trainbox", "readOnly": True} in c["volumeMounts"]
+        assert {"name": "config", "configMap": {"name": cm["metadata"]["name"]}} in pod["volumes"]
+        (tmp_path / f"pt-{role}.yaml").write_text(yaml.safe_dump(tpl))
+        validate([tool("kubernetes-validate"), "--strict", str(tmp_path / f"pt-{role}.yaml")])
+    svc = yaml.safe_load(rendered("compose", tmp_path, recipe=str(recipe))["compose.yaml"])["services"]["trainbox"]
+    assert f"{recipe}:/etc/trainbox/my-run.yaml:ro" in svc["volumes"]
+    assert svc["command"] == ["train", "/etc/trainbox/my-run.yaml"]
+    [script] = rendered("slurm", tmp_path, recipe=str(recipe), image=None, project_dir=tmp_path / "proj").values()
+    assert f"    {recipe}\n" in script and f"cd {tmp_path / 'proj'}\n" in script
+
+
 def test_launch_cli_writes_files_and_apply_names_missing_tool(tmp_path):
     out = tmp_path / "k"
     proc = run_cli("launch", "k8s", "tiny", "train.max_steps=5", "--image", "img:1", "--nodes", "2",

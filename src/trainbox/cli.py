@@ -185,12 +185,13 @@ def cmd_launch(args) -> int:
     out = Path(args.out or f"deploy/{spec.config().run_name}-{args.target}")
     for path in write_rendered(rendered, out):
         print(f"wrote {path}")
-    for cmd in rendered.apply:
-        print(f"{'apply' if args.apply else 'to apply'}: (cd {out} && {' '.join(cmd)})")
+    commands = rendered.apply_commands(out)
+    for cmd in commands:
+        print(f"{'apply' if args.apply else 'to apply'}: {' '.join(cmd)}")
     for note in rendered.notes:
         print(note)
     if args.apply and not args.dry_run:
-        return run_commands(rendered.apply, out)
+        return run_commands(commands, Path.cwd())
     return 0
 
 

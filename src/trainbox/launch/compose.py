@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from trainbox.config import RunConfig
-from trainbox.launch.spec import MONITOR_PORT, LaunchSpec, Rendered, dump, job_name, torchrun_args, yaml_template
+from trainbox.launch.spec import CONFIG_MOUNT, MONITOR_PORT, LaunchSpec, Rendered, dump, job_name, torchrun_args, yaml_template
 
 
 def _gib_to_docker(size: str) -> str:
@@ -17,11 +17,13 @@ def render_compose(spec: LaunchSpec, cfg: RunConfig) -> Rendered:
     # one process: trainbox train; several GPUs: torchrun on this host (standalone rendezvous)
     svc["command"] = torchrun_args(spec, ["--standalone"])
     svc["volumes"] = [
-        "./data:/workspace/data:ro",
-        "./runs:/workspace/runs",
+        f"{spec.project_dir / 'data'}:/workspace/data:ro",
+        f"{spec.project_dir / 'runs'}:/workspace/runs",
         "hf-cache:/cache/huggingface",
         "compile-cache:/cache/compile",
     ]
+    if spec.config_file:
+        svc["volumes"].append(f"{spec.config_file}:{CONFIG_MOUNT}/{spec.config_file.name}:ro")
     svc["shm_size"] = _gib_to_docker(spec.shm)
     svc["ports"] = [f"127.0.0.1:{spec.host_port}:{MONITOR_PORT}"]
     resources = svc["deploy"]["resources"]
@@ -38,5 +40,6 @@ def render_compose(spec: LaunchSpec, cfg: RunConfig) -> Rendered:
     return Rendered(
         files={"compose.yaml": dump(doc)},
         apply=[["docker", "compose", "-f", "compose.yaml", "up", "--detach"]],
-        notes=[f"follow it: docker compose -f compose.yaml logs -f; dashboard: http://127.0.0.1:{spec.host_port}/",
-               "run from the folder that holds data/ and runs/ (relative mounts), or edit the volumes"])
+        notes=[f"follow it: docker compose -p {name} logs -f; dashboard: http://127.0.0.1:{spec.host_port}/",
+               f"mounts {spec.project_dir}/data (read-only) and {spec.project_dir}/runs: create them first "
+               f"(mkdir -p data runs), owned by uid 1000"])

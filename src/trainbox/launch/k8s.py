@@ -15,7 +15,8 @@ from __future__ import annotations
 import copy
 
 from trainbox.config import RunConfig
-from trainbox.launch.spec import LaunchSpec, Rendered, dump, job_name, torchrun_args, train_args, yaml_template
+from trainbox.launch.spec import (CONFIG_MOUNT, LaunchSpec, Rendered, dump, job_name, torchrun_args, train_args,
+                                  yaml_template)
 
 GPU_RESOURCE = {"nvidia": "nvidia.com/gpu", "amd": "amd.com/gpu"}
 RENDEZVOUS = ["--node-rank=$(RANK)", "--master-addr=$(MASTER_ADDR)", "--master-port=$(MASTER_PORT)"]
@@ -46,6 +47,9 @@ def pod_template(spec: LaunchSpec, name: str, component: str, args: list[str], p
                       "requests": {"cpu": str(spec.cpus), "memory": spec.memory, **gpu}}
     if probes:
         _probes(c)
+    if spec.config_file:  # a config-file recipe travels as a ConfigMap
+        c["volumeMounts"].append({"name": "config", "mountPath": CONFIG_MOUNT, "readOnly": True})
+        pod["volumes"].append({"name": "config", "configMap": {"name": f"{name}-config"}})
     for vol in pod["volumes"]:
         if vol["name"] == "dshm":
             vol["emptyDir"]["sizeLimit"] = spec.shm
@@ -94,6 +98,12 @@ def workspace_pod(spec: LaunchSpec, name: str) -> dict:
             "spec": {**tpl["spec"], "restartPolicy": "Always"}}
 
 
+def config_map(spec: LaunchSpec, name: str) -> dict:
+    return {"apiVersion": "v1", "kind": "ConfigMap",
+            "metadata": {"name": f"{name}-config", **_namespace(spec), "labels": _labels(name, "config")},
+            "data": {spec.config_file.name: spec.config_file.read_text()}}
+
+
 def pvc(spec: LaunchSpec, claim: str) -> dict:
     doc = yaml_template("pvc.yaml")
     doc["metadata"] = {"name": claim, **_namespace(spec), "labels": {"app.kubernetes.io/name": "trainbox"}}
@@ -120,12 +130,14 @@ def pod_templates_of(job: dict) -> dict[str, dict]:
 def render_k8s(spec: LaunchSpec, cfg: RunConfig) -> Rendered:
     name = job_name(cfg)
     ns = ["--namespace", spec.namespace] if spec.namespace else []
-    storage = dump(pvc(spec, spec.runs_pvc), pvc(spec, spec.data_pvc))
+    files = {"storage.yaml": dump(pvc(spec, spec.runs_pvc), pvc(spec, spec.data_pvc))}
+    if spec.config_file:
+        files["configmap.yaml"] = dump(config_map(spec, name))
     if spec.workspace:
-        files = {"storage.yaml": storage, "workspace.yaml": dump(workspace_pod(spec, name))}
+        files["workspace.yaml"] = dump(workspace_pod(spec, name))
         notes = [f"then: kubectl {' '.join(ns)} exec -it {name}-workspace -- bash".replace("  ", " ")]
     else:
-        files = {"storage.yaml": storage, "pytorchjob.yaml": dump(pytorchjob(spec, name))}
+        files["pytorchjob.yaml"] = dump(pytorchjob(spec, name))
         notes = [f"needs the Kubeflow training operator; watch: kubectl {' '.join(ns)} logs -f "
                  f"{name}-master-0".replace("  ", " "),
                  f"dashboard: kubectl port-forward pod/{name}-master-0 8080:8080, then http://127.0.0.1:8080/"]

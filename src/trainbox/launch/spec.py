@@ -15,6 +15,7 @@ from trainbox.errors import ConfigError
 
 MONITOR_PORT = 8080          # inside containers; the images' HEALTHCHECK and the probes use it
 RDZV_PORT = 29500
+CONFIG_MOUNT = "/etc/trainbox"  # where compose and Kubernetes mount a config-file recipe
 
 
 @dataclass
@@ -42,6 +43,7 @@ class LaunchSpec:
     partition: str | None = None
     account: str | None = None
     host_port: int = MONITOR_PORT             # compose: published on the host's 127.0.0.1
+    project_dir: Path = field(default_factory=Path.cwd)  # holds data/ and runs/ (compose, slurm)
 
     def config(self) -> RunConfig:
         """Validate recipe + overrides now, so a typo fails here and not on the cluster."""
@@ -63,23 +65,33 @@ class LaunchSpec:
                               f"--nodes ({self.nodes})")
         if self.gpu_vendor not in ("nvidia", "amd"):
             raise ConfigError(f"--gpu-vendor must be nvidia or amd (got {self.gpu_vendor})")
-        if self.recipe and self.recipe not in recipe_names() and self.target != "slurm":
-            raise ConfigError(f"launch {self.target} runs a recipe shipped in the image; '{self.recipe}' is a file",
-                              hint="use a recipe name plus key=value overrides, or launch slurm on a shared filesystem")
         return self.config()
 
     @property
     def procs(self) -> int:
         return max(self.gpus_per_node, 1)
 
+    @property
+    def config_file(self) -> Path | None:
+        """The recipe when it is a config file (it travels with the files), None for a shipped recipe."""
+        return Path(self.recipe).absolute() if self.recipe and self.recipe not in recipe_names() else None
+
+    def recipe_in_container(self) -> str | None:
+        """What the container passes to `trainbox train`: the recipe name, or the mounted config file."""
+        return f"{CONFIG_MOUNT}/{self.config_file.name}" if self.config_file else self.recipe
+
 
 @dataclass
 class Rendered:
-    """Files to write (name -> text) and the commands that apply them."""
+    """Files to write (name -> text) and the commands that apply them; an argument that names one of
+    the files is replaced by its path once written (see `apply_commands`)."""
 
     files: dict[str, str]
     apply: list[list[str]]
     notes: list[str] = field(default_factory=list)
+
+    def apply_commands(self, out: Path) -> list[list[str]]:
+        return [[str(out / a) if a in self.files else a for a in cmd] for cmd in self.apply]
 
 
 def job_name(cfg: RunConfig) -> str:
@@ -88,17 +100,20 @@ def job_name(cfg: RunConfig) -> str:
     return name or "trainbox"
 
 
-def train_args(spec: LaunchSpec) -> list[str]:
-    return ["train", *([spec.recipe] if spec.recipe else []), *spec.overrides]
+def train_args(spec: LaunchSpec, recipe: str | None = None) -> list[str]:
+    """`train RECIPE overrides`; `recipe` replaces the spec's (a path inside the container or on the cluster)."""
+    recipe = recipe or spec.recipe_in_container()
+    return ["train", *([recipe] if recipe else []), *spec.overrides]
 
 
-def torchrun_args(spec: LaunchSpec, rendezvous: list[str], always: bool = False) -> list[str]:
+def torchrun_args(spec: LaunchSpec, rendezvous: list[str], always: bool = False, recipe: str | None = None
+                  ) -> list[str]:
     """torchrun for one node; `rendezvous` says how nodes find each other. One process on one node runs
     `trainbox train` directly unless `always` (clusters keep torchrun: it forwards the stop signals)."""
     if spec.nodes == 1 and spec.procs == 1 and not always:
-        return train_args(spec)
+        return train_args(spec, recipe)
     return ["torchrun", f"--nnodes={spec.nodes}", f"--nproc-per-node={spec.procs}", *rendezvous,
-            "-m", "trainbox", *train_args(spec)]
+            "-m", "trainbox", *train_args(spec, recipe)]
 
 
 def template(name: str) -> str:

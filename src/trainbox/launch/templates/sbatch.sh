@@ -12,7 +12,7 @@
 #SBATCH --signal=USR1@120
 #SBATCH --requeue
 #SBATCH --open-mode=append
-#SBATCH --output=slurm-%x-%j.out
+#SBATCH --output=${workdir_raw}/slurm-%x-%j.out
 ${extra_directives}
 set -euo pipefail
 cd ${workdir}
