@@ -7,11 +7,14 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
 import yaml
@@ -91,12 +94,29 @@ def test_entrypoint_passes_programs_through_and_reports_unwritable_runs(tmp_path
     out = subprocess.run([str(REPO / "docker" / "entrypoint.sh"), "python", "-c", "print('hi')"], cwd=tmp_path,
                          env=env, capture_output=True, text=True, check=True)
     assert out.stdout == "hi\n"
+    # the image's user (uid 1000) facing a root-owned runs folder bind-mounted from the host
+    as_user: list[str] = []
     if os.geteuid() == 0:
-        pytest.skip("root can write anywhere: the unwritable-runs message cannot be provoked")
-    (tmp_path / "runs").mkdir(mode=0o555)
-    bad = subprocess.run([str(REPO / "docker" / "entrypoint.sh"), "train"], cwd=tmp_path, env=env,
-                         capture_output=True, text=True)
-    assert bad.returncode == 1 and "is not writable" in bad.stderr and "chown" in bad.stderr
+        if shutil.which("setpriv") is None:
+            pytest.skip("running as root without setpriv: cannot act as uid 1000")
+        as_user = ["setpriv", "--reuid=1000", "--regid=1000", "--clear-groups"]
+    work = Path(tempfile.mkdtemp(prefix="tb-entry-", dir="/tmp"))
+    try:
+        os.chmod(work, 0o755)
+        (work / "runs").mkdir(mode=0o555)
+        os.chmod(work / "runs", 0o555)
+        caches = {k: str(work / "caches" / k) for k in ("HF_HOME", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
+        os.makedirs(work / "caches", mode=0o555)
+        os.chmod(work / "caches", 0o555)
+        shutil.copy(REPO / "docker" / "entrypoint.sh", work / "entrypoint.sh")
+        bad = subprocess.run([*as_user, "bash", str(work / "entrypoint.sh"), "train", "tiny"], cwd=work,
+                             env={"PATH": "/usr/bin:/bin", **caches}, capture_output=True, text=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    assert bad.returncode == 1, bad.stderr
+    assert f"run directory {work}/runs is not writable by uid" in bad.stderr and "chown" in bad.stderr
+    # unwritable caches fall back to temporary ones, with a warning saying how to keep them
+    assert "TORCHINDUCTOR_CACHE_DIR=" in bad.stderr and "using /tmp/trainbox-torchinductor_cache_dir." in bad.stderr
 
 
 def _k8s_expand(arg: str, env: dict) -> str:
@@ -146,3 +166,23 @@ def test_sbatch_torchrun_line_trains_with_c10d_rendezvous(tmp_path, data_cache):
     run_dir = tmp_path / "runs" / "s"
     assert json.loads((run_dir / "env.json").read_text())["world_size"] == 1
     assert status(run_dir)["step"] == 4
+
+
+@pytest.mark.slow
+def test_nproc_parent_forwards_sigterm_to_torchrun(tmp_path, bin_dir, data_cache):
+    """`trainbox train --nproc 2` in a container: tini signals only its child (the trainbox CLI), which must
+    forward SIGTERM to torchrun so that every rank saves before the container stops."""
+    overrides = [*TINY, f"data.cache_dir={data_cache}", "train.max_steps=400", "train.checkpoint_every=0",
+                 "train.eval_every=0", "run.dir=runs", "run.name=n"]
+    env = container_env(tmp_path, bin_dir)
+    proc = subprocess.Popen([str(REPO / "docker" / "entrypoint.sh"), "train", "--nproc", "2", "tiny", *overrides],
+                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    run_dir = tmp_path / "runs" / "n"
+    deadline = time.time() + 180
+    while status(run_dir).get("step", 0) < 3 and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=180)
+    st = status(run_dir)
+    assert st.get("phase") == "preempted" and st["step"] < 400, out[-3000:]
+    assert (run_dir / "checkpoints" / f"step_{st['step']:08d}" / "COMPLETE").exists(), out[-3000:]
