@@ -31,8 +31,11 @@ def image_tag(version: str, args: dict[str, str], rocm: bool) -> str:
 def build_commands(context: Path, registry: str | None, tag: str | None, rocm: bool = False, push: bool = False,
                    build_args: list[str] = (), platform: str = "linux/amd64") -> list[list[str]]:
     """The docker buildx command: one build, tagged with the stack tag and `tag`, pushed with --push."""
+    if push and not registry:
+        raise ConfigError("--push needs --registry (where to push)", hint="e.g. --registry ghcr.io/ORG")
     dockerfile = context / "docker" / ("Dockerfile.rocm" if rocm else "Dockerfile")
     args = dockerfile_args(dockerfile)
+    overridden: list[str] = []
     for item in build_args:
         if "=" not in item:
             raise ConfigError(f"--build-arg '{item}' is not NAME=VALUE")
@@ -40,14 +43,14 @@ def build_commands(context: Path, registry: str | None, tag: str | None, rocm: b
         if k not in args:
             raise ConfigError(f"--build-arg {k}: {dockerfile.name} has no such ARG", hint=f"ARGs: {', '.join(args)}")
         args[k] = v
+        overridden += ["--build-arg", f"{k}={v}"]
     version = args["TRAINBOX_VERSION"]
     prefix = f"{registry.rstrip('/')}/" if registry else ""
     tags = [prefix + image_tag(version, args, rocm)]
     if tag:
         tags.append(f"{prefix}trainbox:{tag}")
-    cmd = ["docker", "buildx", "build", "--file", str(dockerfile.relative_to(context)), "--platform", platform]
-    for k, v in build_args and [a.split("=", 1) for a in build_args] or []:
-        cmd += ["--build-arg", f"{k}={v}"]
+    cmd = ["docker", "buildx", "build", "--file", str(dockerfile.relative_to(context)), "--platform", platform,
+           *overridden]
     for t in tags:
         cmd += ["--tag", t]
     cmd += ["--push" if push else "--load", "."]
