@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 import textwrap
 from pathlib import Path
@@ -46,6 +47,19 @@ EPILOGS = {
         examples:
           trainbox tokenizer train corpus/*.txt --vocab-size 4096 --out tok/
           trainbox tokenizer train embedded:shakespeare --vocab-size 2048 --out tok/
+        """,
+    "launch": """
+        examples:
+          trainbox launch compose gpt2-125m --image ghcr.io/me/trainbox:0.1.0-cu128-torch2.8.0 --gpus-per-node 8
+          trainbox launch k8s gpt2-125m train.max_steps=5000 --image IMG --nodes 2 --gpus-per-node 8 --apply
+          trainbox launch slurm gpt2-125m --nodes 4 --gpus-per-node 8 --partition gpu --time 48:00:00
+          trainbox launch image --registry ghcr.io/me --tag latest --push --dry-run
+        """,
+    "doctor": """
+        examples:
+          trainbox doctor                                  # this machine: torch, GPUs, bf16, caches, disk
+          trainbox doctor speedrun-124m                    # exit 1 if something that recipe needs is missing
+          trainbox doctor gpt2-125m data.path=/data/fineweb --json
         """,
 }
 
@@ -94,12 +108,16 @@ def cmd_train(args) -> int:
 
 def _launch_torchrun(args) -> int:
     """`trainbox train --nproc N ...` re-runs itself under torchrun (standalone rendezvous)."""
+    import signal
     import subprocess
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
            "-m", "trainbox", "train", *([args.recipe] if args.recipe else []), *args.overrides]
     print("launching: " + " ".join(cmd), file=sys.stderr)
     proc = subprocess.Popen(cmd)
+    # forward stop signals (docker stop, Kubernetes, Slurm --signal) so the ranks save before exiting
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, lambda signum, _frame: proc.send_signal(signum))
     try:
         return proc.wait()
     except KeyboardInterrupt:
@@ -188,6 +206,70 @@ def cmd_tokenizer(args) -> int:
     return 0
 
 
+# ----------------------------------------------------------------------------- launch
+
+
+def cmd_launch(args) -> int:
+    from trainbox.launch.apply import run_commands
+
+    if args.target == "image":
+        return _launch_image(args)
+    from trainbox.launch import LaunchSpec, render, write_rendered
+
+    spec = LaunchSpec(target=args.target, recipe=args.recipe, overrides=args.overrides, image=args.image,
+                      nodes=args.nodes, min_nodes=args.min_nodes, gpus_per_node=args.gpus_per_node, gpu_vendor=args.gpu_vendor,
+                      workspace=args.workspace, namespace=args.namespace, runs_pvc=args.runs_pvc,
+                      data_pvc=args.data_pvc, storage=args.storage, storage_class=args.storage_class,
+                      cpus=args.cpus, memory=args.memory, shm=args.shm, time=args.time, partition=args.partition,
+                      account=args.account, host_port=args.port)
+    rendered = render(spec)
+    out = Path(args.out or f"deploy/{spec.config().run_name}-{args.target}")
+    for path in write_rendered(rendered, out):
+        print(f"wrote {path}")
+    commands = rendered.apply_commands(out)
+    for cmd in commands:
+        print(f"{'apply' if args.apply else 'to apply'}: {' '.join(cmd)}")
+    for note in rendered.notes:
+        print(note)
+    if args.apply and not args.dry_run:
+        return run_commands(commands, Path.cwd())
+    return 0
+
+
+def _launch_image(args) -> int:
+    from trainbox.launch.apply import run_commands
+    from trainbox.launch.image import build_commands
+
+    context = Path(args.context)
+    commands = build_commands(context, args.registry, args.tag, rocm=args.rocm, push=args.push,
+                              build_args=args.build_arg, platform=args.platform)
+    for cmd in commands:
+        print(" ".join(cmd))
+    return 0 if args.dry_run else run_commands(commands, context)
+
+
+# ----------------------------------------------------------------------------- doctor
+
+
+def cmd_doctor(args) -> int:
+    from trainbox.config import load_config
+    from trainbox.doctor import as_json, run_checks
+
+    cfg = load_config(args.recipe, args.overrides) if (args.recipe or args.overrides) else None
+    checks = run_checks(dict(os.environ), cfg)
+    if args.json:
+        print(json.dumps(as_json(checks), indent=1))
+    else:
+        for c in checks:
+            print(f"{c.status.upper() if c.status != 'ok' else 'ok':<5} {c.name:<15} {c.value}")
+            if c.fix:
+                print(f"{'':<22}-> {c.fix}")
+    failed = [c.name for c in checks if c.status == "fail"]
+    if failed and not args.json:
+        print(f"missing for {cfg.recipe if cfg else 'this run'}: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
+
+
 # ----------------------------------------------------------------------------- parser
 
 
@@ -239,6 +321,46 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--vocab-size", type=int, required=True)
     k.add_argument("--out", required=True, help="output folder (tokenizer.json) or .json path")
     k.set_defaults(func=cmd_tokenizer)
+
+    la = verb("launch", "render (and apply) Docker Compose, Kubernetes or Slurm files for a run; build images")
+    la.add_argument("target", choices=["compose", "k8s", "slurm", "image"])
+    la.add_argument("recipe", nargs="?", help="recipe name (or, for slurm, a config file on a shared filesystem)")
+    la.add_argument("overrides", nargs="*", help="dotted overrides passed to trainbox train")
+    la.add_argument("--image", help="container image (compose, k8s; slurm: run in it through pyxis)")
+    la.add_argument("--nodes", type=int, default=1)
+    la.add_argument("--min-nodes", type=int, help="k8s: elastic job (elasticPolicy) on min-nodes..nodes nodes")
+    la.add_argument("--gpus-per-node", type=int, default=1, help="processes (GPUs) per node")
+    la.add_argument("--gpu-vendor", choices=["nvidia", "amd"], default="nvidia")
+    la.add_argument("--out", help="folder for the files (default deploy/RUN-TARGET)")
+    la.add_argument("--apply", action="store_true", help="run docker compose up / kubectl apply / sbatch")
+    la.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
+    la.add_argument("--workspace", action="store_true", help="k8s: a dev-workspace Pod instead of a PyTorchJob")
+    la.add_argument("--namespace", help="k8s namespace")
+    la.add_argument("--runs-pvc", default="trainbox-runs", help="k8s claim for runs and caches")
+    la.add_argument("--data-pvc", default="trainbox-data", help="k8s claim for token files")
+    la.add_argument("--storage", default="100Gi", help="k8s size of each claim")
+    la.add_argument("--storage-class", help="k8s storage class (must offer ReadWriteMany for several nodes)")
+    la.add_argument("--cpus", type=int, default=16, help="CPU cores per node")
+    la.add_argument("--memory", default="64Gi", help="memory per node")
+    la.add_argument("--shm", default="16Gi", help="/dev/shm size")
+    la.add_argument("--time", default="24:00:00", help="slurm time limit")
+    la.add_argument("--partition", help="slurm partition")
+    la.add_argument("--account", help="slurm account")
+    la.add_argument("--port", type=int, default=8080, help="compose: host port (127.0.0.1 only) of the dashboard")
+    la.add_argument("--registry", help="image: registry prefix, e.g. ghcr.io/me")
+    la.add_argument("--tag", help="image: an extra tag besides the stack tag")
+    la.add_argument("--rocm", action="store_true", help="image: build docker/Dockerfile.rocm")
+    la.add_argument("--push", action="store_true", help="image: push after building")
+    la.add_argument("--build-arg", action="append", default=[], help="image: NAME=VALUE (e.g. TORCH_VERSION=2.9.0)")
+    la.add_argument("--platform", default="linux/amd64", help="image: target platform")
+    la.add_argument("--context", default=".", help="image: repository root (build context)")
+    la.set_defaults(func=cmd_launch)
+
+    d = verb("doctor", "report the environment: torch, CUDA/ROCm, GPUs, bf16, FlexAttention, caches, disk")
+    d.add_argument("recipe", nargs="?", help="also check what this recipe or config file needs")
+    d.add_argument("overrides", nargs="*")
+    d.add_argument("--json", action="store_true", help="machine-readable report")
+    d.set_defaults(func=cmd_doctor)
     return p
 
 
@@ -263,6 +385,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     _split_overrides(args)
+    # TRAINBOX_OVERRIDES (set by the container images: monitor.host=0.0.0.0) come before the command line's
+    env_overrides = shlex.split(os.environ.get("TRAINBOX_OVERRIDES", ""))
+    if env_overrides and hasattr(args, "overrides"):
+        args.overrides = [*env_overrides, *args.overrides]
     debug = os.environ.get("TRAINBOX_DEBUG", "") not in ("", "0")
     try:
         return args.func(args) or 0

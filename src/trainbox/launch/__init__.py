@@ -1,0 +1,14 @@
+"""Render the deployment files of one run: Docker Compose, a Kubeflow PyTorchJob (or a dev-workspace Pod),
+or a Slurm sbatch script; optionally apply them; build the images.
+
+The run is the same everywhere: the container or node runs `trainbox train RECIPE key=value ...` (under
+`torchrun` when there is more than one GPU or node; multi-node is torchrun's c10d rendezvous, never a
+launcher of ours). Restarts are safe because runs resume from their latest checkpoint (run.resume=auto),
+and SIGTERM / SIGUSR1 make every rank save before exiting.
+
+Layout: `spec.py` holds the options and the command lines, one module per target renders files from
+the YAML/shell templates in `templates/`, `apply.py` runs docker / kubectl / sbatch, `image.py` builds.
+"""
+from trainbox.launch.spec import LaunchSpec, Rendered, render, write_rendered
+
+__all__ = ["LaunchSpec", "Rendered", "render", "write_rendered"]

@@ -1,0 +1,211 @@
+"""`trainbox doctor`: what this machine offers for training, what is wrong, and what to do about it.
+
+Each check gives a status (ok / warn / fail), the value found and, for problems, the fix. `fail` is kept
+for what the given recipe needs and this machine lacks (a GPU for train.device=cuda, a C compiler for
+train.compile, the data files, an optional package); without a recipe nothing fails, it only warns.
+The environment (cache locations, offline flags) is passed in by cli.py, the only reader of env vars.
+"""
+from __future__ import annotations
+
+import glob
+import importlib.util
+import os
+import platform
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Mapping
+
+import torch
+
+from trainbox.config import RunConfig
+
+GiB = 2**30
+
+
+@dataclass
+class Check:
+    name: str
+    status: str          # ok, warn, fail
+    value: str
+    fix: str = ""
+
+
+def _size(path: Path) -> int:
+    total = 0
+    for root, _dirs, files in os.walk(path):
+        for f in files:
+            try:
+                total += os.lstat(os.path.join(root, f)).st_size
+            except OSError:
+                pass
+    return total
+
+
+def _fmt(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def platform_checks() -> list[Check]:
+    py = platform.python_version()
+    good = tuple(int(x) for x in py.split(".")[:2]) >= (3, 10)
+    out = [Check("python", "ok" if good else "fail", py, "" if good else "trainbox needs Python >= 3.10")]
+    tv = torch.__version__.split("+")[0]
+    major_minor = tuple(int(x) for x in tv.split(".")[:2])
+    out.append(Check("torch", "ok" if major_minor >= (2, 5) else "warn", torch.__version__,
+                     "" if major_minor >= (2, 5) else "FlexAttention and compile need torch >= 2.5: pip install -U torch"))
+    if torch.version.hip:
+        out.append(Check("rocm", "ok", torch.version.hip))
+    elif torch.version.cuda:
+        out.append(Check("cuda", "ok", torch.version.cuda))
+    else:
+        out.append(Check("cuda", "warn", "none (CPU-only torch build)",
+                         "for GPUs install a CUDA or ROCm build: https://pytorch.org/get-started/locally/"))
+    return out
+
+
+def gpu_checks() -> list[Check]:
+    if not torch.cuda.is_available():
+        hint = ("the driver or the device is not visible: check nvidia-smi / rocm-smi, and --gpus all "
+                "(docker) or the GPU resource limit (Kubernetes)") if (torch.version.cuda or torch.version.hip) else ""
+        return [Check("gpus", "warn", "none; training runs on the CPU", hint)]
+    out = []
+    caps = []
+    for i in range(torch.cuda.device_count()):
+        p = torch.cuda.get_device_properties(i)
+        caps.append((p.major, p.minor))
+        out.append(Check(f"gpu{i}", "ok", f"{p.name}, {_fmt(p.total_memory)}, compute capability {p.major}.{p.minor}"))
+    bf16 = torch.cuda.is_bf16_supported()
+    out.append(Check("bf16", "ok" if bf16 else "warn", "yes" if bf16 else "no",
+                     "" if bf16 else "this GPU has no bf16: use train.dtype=fp16 (loss scaling) or fp32"))
+    flex, why = flex_attention_status(min(caps))
+    out.append(Check("flex_attention", "ok" if flex else "warn", "yes" if flex else f"no ({why})",
+                     "" if flex else "attention falls back to SDPA (slower for sliding windows)"))
+    nccl = torch.distributed.is_available() and torch.distributed.is_nccl_available()
+    version = ".".join(map(str, torch.cuda.nccl.version())) if nccl else "missing"
+    out.append(Check("nccl", "ok" if nccl else "warn", version,
+                     "" if nccl else "multi-GPU runs need NCCL (RCCL on ROCm): use an official torch build"))
+    return out
+
+
+def flex_attention_status(capability: tuple[int, int]) -> tuple[bool, str]:
+    """FlexAttention runs through Triton-generated kernels: it needs triton and an sm_80+ class GPU. When
+    those are there, compile and run one small causal call on GPU 0 and compare it with SDPA."""
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    except ImportError:
+        return False, f"torch {torch.__version__} has no FlexAttention"
+    if importlib.util.find_spec("triton") is None:
+        return False, "triton is not installed"
+    if not torch.version.hip and capability < (8, 0):
+        return False, f"compute capability {capability[0]}.{capability[1]} < 8.0"
+    try:
+        q, k, v = torch.randn(3, 1, 2, 256, 64, device="cuda", dtype=torch.bfloat16).unbind(0)
+        mask = create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, 256, 256, device="cuda")
+        got = torch.compile(flex_attention)(q, k, v, block_mask=mask)
+        want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        err = (got.float() - want.float()).abs().max().item()
+    except Exception as e:  # any failure here is exactly what the user needs to see
+        return False, f"a test call failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    if err > 5e-2:
+        return False, f"a test call differs from SDPA by {err:.3g}"
+    return True, ""
+
+
+def storage_checks(env: Mapping[str, str], run_dir: Path) -> list[Check]:
+    out = []
+    for name, path in (("inductor_cache", Path(env.get("TORCHINDUCTOR_CACHE_DIR") or inductor_cache_dir())),
+                       ("triton_cache", Path(env.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache"))):
+        size = _size(path) if path.is_dir() else 0
+        writable = os.access(path if path.exists() else _existing_parent(path), os.W_OK)
+        out.append(Check(name, "ok" if writable else "warn", f"{path} ({_fmt(size)})",
+                         "" if writable else f"not writable: compiled kernels are not kept; chown it or set "
+                         f"{'TORCHINDUCTOR_CACHE_DIR' if name == 'inductor_cache' else 'TRITON_CACHE_DIR'}"))
+    if Path("/dev/shm").is_dir():
+        shm = shutil.disk_usage("/dev/shm").total
+        small = shm < GiB
+        out.append(Check("shm", "warn" if small else "ok", _fmt(shm),
+                         "DataLoader workers and NCCL need more: docker --shm-size=16g, compose shm_size, "
+                         "or a Memory emptyDir at /dev/shm (Kubernetes)" if small else ""))
+    where = _existing_parent(run_dir)
+    free = shutil.disk_usage(where).free
+    out.append(Check("disk", "warn" if free < 20 * GiB else "ok", f"{_fmt(free)} free at {where}",
+                     "checkpoints of a 124M model take ~1.5 GiB each (keep_last of them): free space or "
+                     "move run.dir" if free < 20 * GiB else ""))
+    return out
+
+
+def inductor_cache_dir() -> str:
+    """Inductor's default cache folder (moved between torch releases; the fallback is its documented default)."""
+    try:
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+    except ImportError:
+        try:
+            from torch._inductor.runtime.runtime_utils import cache_dir
+        except ImportError:
+            import getpass
+            import tempfile
+            return os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}")
+    return cache_dir()
+
+
+def _existing_parent(path: Path) -> Path:
+    path = path.absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def hf_checks(env: Mapping[str, str]) -> list[Check]:
+    home = Path(env.get("HF_HOME") or Path(env.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "huggingface")
+    hub = Path(env.get("HF_HUB_CACHE") or home / "hub")
+    size = _size(hub) if hub.is_dir() else 0
+    offline = any(env.get(k, "").lower() in ("1", "true", "yes") for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+    return [Check("hf_cache", "ok", f"{hub} ({_fmt(size)})"),
+            Check("hf_offline", "ok", "on (no downloads; models must be in the cache)" if offline else "off")]
+
+
+def recipe_checks(cfg: RunConfig) -> list[Check]:
+    """What this run needs; `fail` when it is missing here."""
+    out = []
+    gpu = torch.cuda.is_available()
+    if cfg.train.device.startswith("cuda") and not gpu:
+        out.append(Check("needs_gpu", "fail", f"train.device={cfg.train.device} but no GPU is visible",
+                         "run on a GPU machine, or set train.device=auto"))
+    if cfg.train.dtype == "bf16" and gpu and not torch.cuda.is_bf16_supported():
+        out.append(Check("needs_bf16", "fail", "train.dtype=bf16 on a GPU without bf16", "set train.dtype=fp16"))
+    if cfg.train.compile and shutil.which("cc") is None and shutil.which("gcc") is None:
+        out.append(Check("needs_compiler", "fail", "train.compile=true but no C compiler (cc/gcc) is on PATH",
+                         "apt-get install gcc python3-dev, or set train.compile=false"))
+    if cfg.train.compile and gpu and importlib.util.find_spec("triton") is None:
+        out.append(Check("needs_triton", "fail", "train.compile=true on GPU but triton is missing",
+                         "pip install triton (it comes with the official torch wheels)"))
+    packages = [("transformers", "finetune", cfg.model.family == "hf"), ("peft", "finetune", cfg.model.family == "hf"),
+                ("bitsandbytes", "quant", cfg.quant.load_in_4bit or cfg.quant.load_in_8bit),
+                ("tensorboard", "tracking", cfg.monitor.tensorboard), ("wandb", "tracking", cfg.monitor.wandb)]
+    for pkg, extra, needed in packages:
+        if needed and importlib.util.find_spec(pkg) is None:
+            out.append(Check(f"needs_{pkg}", "fail", f"{pkg} is not installed", f"pip install 'trainbox[{extra}]'"))
+    path = cfg.data.path
+    if not path.startswith("embedded:") and not glob.glob(glob.escape(path) + "*"):
+        out.append(Check("needs_data", "fail", f"data.path={path}: no such file or token-file prefix",
+                         "trainbox data fineweb --shards N (pre-tokenized FineWeb), or trainbox prepare INPUT --out "
+                         f"{path}, or set data.path"))
+    if not out:
+        out.append(Check("recipe", "ok", f"{cfg.recipe or 'config'}: everything it needs is here"))
+    return out
+
+
+def run_checks(env: Mapping[str, str], cfg: RunConfig | None = None) -> list[Check]:
+    """Every check, in report order; `cfg` adds the recipe's requirements."""
+    run_dir = cfg.run_dir if cfg else Path("runs")
+    checks = [*platform_checks(), *gpu_checks(), *storage_checks(env, run_dir), *hf_checks(env)]
+    return checks + (recipe_checks(cfg) if cfg else [])
+
+
+def as_json(checks: list[Check]) -> list[dict]:
+    return [asdict(c) for c in checks]

@@ -1,0 +1,160 @@
+"""What to launch (LaunchSpec), the exact command lines every target runs, and writing the files."""
+from __future__ import annotations
+
+import os
+import re
+import shlex
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+
+import yaml
+
+from trainbox.config import RunConfig, load_config, recipe_names
+from trainbox.errors import ConfigError
+
+MONITOR_PORT = 8080          # inside containers; the images' HEALTHCHECK and the probes use it
+RDZV_PORT = 29500
+CONFIG_MOUNT = "/etc/trainbox"  # where compose and Kubernetes mount a config-file recipe
+
+
+@dataclass
+class LaunchSpec:
+    """One run on one target. `recipe` and `overrides` are exactly what `trainbox train` takes."""
+
+    target: str                               # compose, k8s or slurm
+    recipe: str | None = None
+    overrides: list[str] = field(default_factory=list)
+    image: str | None = None
+    nodes: int = 1
+    min_nodes: int | None = None              # k8s: an elastic job that keeps training with min_nodes..nodes
+    gpus_per_node: int = 1
+    gpu_vendor: str = "nvidia"                # nvidia or amd
+    workspace: bool = False                   # k8s: a dev-workspace Pod instead of a PyTorchJob
+    namespace: str | None = None
+    runs_pvc: str = "trainbox-runs"
+    data_pvc: str = "trainbox-data"
+    storage: str = "100Gi"
+    storage_class: str | None = None
+    cpus: int = 16
+    memory: str = "64Gi"
+    shm: str = "16Gi"
+    time: str = "24:00:00"                    # slurm wall-clock limit
+    partition: str | None = None
+    account: str | None = None
+    host_port: int = MONITOR_PORT             # compose: published on the host's 127.0.0.1
+    project_dir: Path = field(default_factory=Path.cwd)  # holds data/ and runs/ (compose, slurm)
+
+    def config(self) -> RunConfig:
+        """Validate recipe + overrides now, so a typo fails here and not on the cluster."""
+        return load_config(self.recipe, self.overrides)
+
+    def check(self) -> RunConfig:
+        if self.target not in ("compose", "k8s", "slurm"):
+            raise ConfigError(f"unknown launch target '{self.target}'", hint="use compose, k8s or slurm")
+        if self.nodes < 1 or self.gpus_per_node < 0:
+            raise ConfigError(f"--nodes must be >= 1 and --gpus-per-node >= 0 (got {self.nodes}, {self.gpus_per_node})")
+        if self.target == "compose" and self.nodes != 1:
+            raise ConfigError("docker compose runs on one host: --nodes must be 1",
+                              hint="use trainbox launch k8s or trainbox launch slurm for several nodes")
+        if self.target in ("compose", "k8s") and not self.image:
+            raise ConfigError(f"launch {self.target} needs --image (e.g. ghcr.io/me/trainbox:0.1.0-cu128-torch2.8.0)",
+                              hint="build one with: trainbox launch image --registry REGISTRY --tag TAG")
+        if self.min_nodes is not None and (self.target != "k8s" or not 1 <= self.min_nodes <= self.nodes):
+            raise ConfigError(f"--min-nodes {self.min_nodes}: elastic jobs are for k8s, with 1 <= min-nodes <= "
+                              f"--nodes ({self.nodes})")
+        if self.gpu_vendor not in ("nvidia", "amd"):
+            raise ConfigError(f"--gpu-vendor must be nvidia or amd (got {self.gpu_vendor})")
+        return self.config()
+
+    @property
+    def procs(self) -> int:
+        return max(self.gpus_per_node, 1)
+
+    @property
+    def config_file(self) -> Path | None:
+        """The recipe when it is a config file (it travels with the files), None for a shipped recipe."""
+        return Path(self.recipe).absolute() if self.recipe and self.recipe not in recipe_names() else None
+
+    def recipe_in_container(self) -> str | None:
+        """What the container passes to `trainbox train`: the recipe name, or the mounted config file."""
+        return f"{CONFIG_MOUNT}/{self.config_file.name}" if self.config_file else self.recipe
+
+
+@dataclass
+class Rendered:
+    """Files to write (name -> text) and the commands that apply them; an argument that names one of
+    the files is replaced by its path once written (see `apply_commands`)."""
+
+    files: dict[str, str]
+    apply: list[list[str]]
+    notes: list[str] = field(default_factory=list)
+
+    def apply_commands(self, out: Path) -> list[list[str]]:
+        return [[str(out / a) if a in self.files else a for a in cmd] for cmd in self.apply]
+
+
+def job_name(cfg: RunConfig) -> str:
+    """A DNS-1123 name (Kubernetes, compose project) from the run name."""
+    name = re.sub(r"[^a-z0-9-]+", "-", cfg.run_name.lower()).strip("-")[:50].strip("-")
+    return name or "trainbox"
+
+
+def train_args(spec: LaunchSpec, recipe: str | None = None) -> list[str]:
+    """`train RECIPE overrides`; `recipe` replaces the spec's (a path inside the container or on the cluster)."""
+    recipe = recipe or spec.recipe_in_container()
+    return ["train", *([recipe] if recipe else []), *spec.overrides]
+
+
+def torchrun_args(spec: LaunchSpec, rendezvous: list[str], always: bool = False, recipe: str | None = None
+                  ) -> list[str]:
+    """torchrun for one node; `rendezvous` says how nodes find each other. One process on one node runs
+    `trainbox train` directly unless `always` (clusters keep torchrun: it forwards the stop signals)."""
+    if spec.nodes == 1 and spec.procs == 1 and not always:
+        return train_args(spec, recipe)
+    return ["torchrun", f"--nnodes={spec.nodes}", f"--nproc-per-node={spec.procs}", *rendezvous,
+            "-m", "trainbox", *train_args(spec, recipe)]
+
+
+def template(name: str) -> str:
+    return resources.files("trainbox.launch").joinpath("templates", name).read_text()
+
+
+def yaml_template(name: str) -> dict:
+    return yaml.safe_load(template(name))
+
+
+def dump(*docs: dict) -> str:
+    return "---\n".join(yaml.safe_dump(d, sort_keys=False, width=120) for d in docs)
+
+
+def quote(args: list[str]) -> str:
+    return " ".join(shlex.quote(a) for a in args)
+
+
+def render(spec: LaunchSpec) -> Rendered:
+    """Validate the run's config and render the files of `spec.target`."""
+    cfg = spec.check()
+    if spec.target == "compose":
+        from trainbox.launch.compose import render_compose
+        return render_compose(spec, cfg)
+    if spec.target == "k8s":
+        from trainbox.launch.k8s import render_k8s
+        return render_k8s(spec, cfg)
+    from trainbox.launch.slurm import render_slurm
+    return render_slurm(spec, cfg)
+
+
+def write_rendered(rendered: Rendered, out: Path) -> list[Path]:
+    """Write each file atomically (temp name + rename) into `out`; returns the paths."""
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for name, text in rendered.files.items():
+        path = out / name
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(text)
+        if name.endswith(".sh"):
+            os.chmod(tmp, 0o755)
+        os.replace(tmp, path)
+        paths.append(path)
+    return paths

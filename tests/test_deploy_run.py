@@ -1,0 +1,188 @@
+"""The exact commands the images and manifests run, executed for real outside a container: the
+entrypoint with a rendered compose command (SIGTERM -> checkpoint -> exit 0 -> resume), the PyTorchJob
+container arguments under torchrun (2 processes, gloo) with the variables the training operator sets, and
+the sbatch script's torchrun line with its c10d rendezvous."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import REPO, TINY
+from trainbox.launch import LaunchSpec, render
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def bin_dir(tmp_path):
+    """`trainbox` on PATH as the package's console script provides it (this interpreter, this source)."""
+    d = tmp_path / "bin"
+    d.mkdir()
+    script = d / "trainbox"
+    script.write_text(f'#!/bin/sh\nexec {sys.executable} -m trainbox "$@"\n')
+    script.chmod(0o755)
+    return d
+
+
+def container_env(tmp_path, bin_dir, extra: dict | None = None) -> dict:
+    """The image's ENV (caches on 'volumes', TRAINBOX_OVERRIDES, torchrun signal settings), here in tmp_path."""
+    return {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "PYTHONUNBUFFERED": "1",
+            "HF_HOME": str(tmp_path / "cache/huggingface"),
+            "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "cache/compile/inductor"),
+            "TRITON_CACHE_DIR": str(tmp_path / "cache/compile/triton"),
+            "TRAINBOX_OVERRIDES": "monitor.host=0.0.0.0",
+            "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1", "OMP_NUM_THREADS": "1",
+            **(extra or {})}
+
+
+def status(run_dir) -> dict:
+    try:
+        return json.loads((run_dir / "status.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def test_entrypoint_runs_compose_command_stops_on_sigterm_and_resumes(tmp_path, bin_dir, data_cache):
+    overrides = [*TINY, f"data.cache_dir={data_cache}", "train.max_steps=100", "train.checkpoint_every=0",
+                 "train.eval_every=0", "run.name=c"]
+    compose = yaml.safe_load(render(LaunchSpec("compose", "tiny", overrides, image="i", gpus_per_node=1))
+                             .files["compose.yaml"])
+    command = compose["services"]["trainbox"]["command"]
+    assert command == ["train", "tiny", *overrides]
+    work = tmp_path / "workspace"
+    work.mkdir()
+    env = container_env(tmp_path, bin_dir)
+    entry = [str(REPO / "docker" / "entrypoint.sh"), *command]
+    proc = subprocess.Popen(entry, cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    run_dir = work / "runs" / "c"
+    deadline = time.time() + 120
+    while status(run_dir).get("step", 0) < 3 and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)  # what tini forwards on docker stop
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out
+    st = status(run_dir)
+    stopped_at = st["step"]
+    assert st["phase"] == "preempted" and 3 <= stopped_at < 100, out
+    assert (run_dir / "checkpoints" / f"step_{stopped_at:08d}" / "COMPLETE").exists()
+    assert yaml.safe_load((run_dir / "config.yaml").read_text())["monitor"]["host"] == "0.0.0.0"
+    # a restart (restart: on-failure, or docker compose up again) resumes and finishes
+    done = subprocess.run(entry, cwd=work, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "resuming from" in (run_dir / "train.log").read_text()
+    assert status(run_dir)["phase"] == "finished" and status(run_dir)["step"] == 100
+
+
+def test_entrypoint_passes_programs_through_and_reports_unwritable_runs(tmp_path, bin_dir):
+    env = container_env(tmp_path, bin_dir)
+    out = subprocess.run([str(REPO / "docker" / "entrypoint.sh"), "python", "-c", "print('hi')"], cwd=tmp_path,
+                         env=env, capture_output=True, text=True, check=True)
+    assert out.stdout == "hi\n"
+    # the image's user (uid 1000) facing a root-owned runs folder bind-mounted from the host
+    as_user: list[str] = []
+    if os.geteuid() == 0:
+        if shutil.which("setpriv") is None:
+            pytest.skip("running as root without setpriv: cannot act as uid 1000")
+        as_user = ["setpriv", "--reuid=1000", "--regid=1000", "--clear-groups"]
+    work = Path(tempfile.mkdtemp(prefix="tb-entry-", dir="/tmp"))
+    try:
+        os.chmod(work, 0o755)
+        (work / "runs").mkdir(mode=0o555)
+        os.chmod(work / "runs", 0o555)
+        caches = {k: str(work / "caches" / k) for k in ("HF_HOME", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
+        os.makedirs(work / "caches", mode=0o555)
+        os.chmod(work / "caches", 0o555)
+        shutil.copy(REPO / "docker" / "entrypoint.sh", work / "entrypoint.sh")
+        bad = subprocess.run([*as_user, "bash", str(work / "entrypoint.sh"), "train", "tiny"], cwd=work,
+                             env={"PATH": "/usr/bin:/bin", **caches}, capture_output=True, text=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    assert bad.returncode == 1, bad.stderr
+    assert f"run directory {work}/runs is not writable by uid" in bad.stderr and "chown" in bad.stderr
+    # unwritable caches fall back to temporary ones, with a warning saying how to keep them
+    assert "TORCHINDUCTOR_CACHE_DIR=" in bad.stderr and "using /tmp/trainbox-torchinductor_cache_dir." in bad.stderr
+
+
+def _k8s_expand(arg: str, env: dict) -> str:
+    """Kubernetes' $(VAR) expansion of container args."""
+    return re.sub(r"\$\((\w+)\)", lambda m: env.get(m.group(1), m.group(0)), arg)
+
+
+@pytest.mark.parametrize("elastic", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["static", "elastic"])
+def test_pytorchjob_args_train_under_torchrun(tmp_path, bin_dir, data_cache, elastic):
+    """The first pod's container args, with the variables the training operator sets for it."""
+    overrides = [*TINY, f"data.cache_dir={data_cache}", "train.max_steps=4", "run.dir=runs", "run.name=k"]
+    spec = LaunchSpec("k8s", "tiny", overrides, image="i", nodes=1, gpus_per_node=2, min_nodes=1 if elastic else None)
+    job = yaml.safe_load(render(spec).files["pytorchjob.yaml"])
+    role = "Worker" if elastic else "Master"
+    [c] = job["spec"]["pytorchReplicaSpecs"][role]["template"]["spec"]["containers"]
+    port = str(free_port())
+    operator_env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "RANK": "0", "WORLD_SIZE": "1",
+                    "PET_NPROC_PER_NODE": job["spec"]["nprocPerNode"], "PET_NNODES": "1", "PET_NODE_RANK": "0"}
+    if elastic:
+        policy = job["spec"]["elasticPolicy"]
+        operator_env.update({"PET_NNODES": f"{policy['minReplicas']}:{policy['maxReplicas']}",
+                             "PET_RDZV_BACKEND": policy["rdzvBackend"], "PET_RDZV_ENDPOINT": f"127.0.0.1:{port}",
+                             "PET_MAX_RESTARTS": str(policy["maxRestarts"])})
+    args = [_k8s_expand(a, operator_env) for a in c["args"]]
+    env = container_env(tmp_path, bin_dir, {e["name"]: e["value"] for e in c["env"] if e["name"] != "HF_HOME"
+                                            and not e["value"].startswith("/cache")})
+    env.update(operator_env)
+    out = subprocess.run([str(REPO / "docker" / "entrypoint.sh"), *args], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    run_dir = tmp_path / "runs" / "k"
+    assert json.loads((run_dir / "env.json").read_text())["world_size"] == 2
+    assert status(run_dir)["phase"] == "finished" and status(run_dir)["step"] == 4
+
+
+def test_sbatch_torchrun_line_trains_with_c10d_rendezvous(tmp_path, data_cache):
+    overrides = [*TINY, f"data.cache_dir={data_cache}", "train.max_steps=4", "run.dir=runs", "run.name=s"]
+    [script] = render(LaunchSpec("slurm", "tiny", overrides, nodes=1, gpus_per_node=1)).files.values()
+    block = re.search(r"^TRAIN=\(\n.*?^\)\n", script, re.M | re.S).group(0)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HEAD_NODE": "127.0.0.1", "RDZV_PORT": str(free_port()),
+           "SLURM_JOB_ID": "4242", "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
+           "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}"}
+    # torchrun comes from this interpreter's environment, as on a node with trainbox installed
+    out = subprocess.run(["bash", "-c", f'set -euo pipefail\n{block}"${{TRAIN[@]}}"'], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    run_dir = tmp_path / "runs" / "s"
+    assert json.loads((run_dir / "env.json").read_text())["world_size"] == 1
+    assert status(run_dir)["step"] == 4
+
+
+@pytest.mark.slow
+def test_nproc_parent_forwards_sigterm_to_torchrun(tmp_path, bin_dir, data_cache):
+    """`trainbox train --nproc 2` in a container: tini signals only its child (the trainbox CLI), which must
+    forward SIGTERM to torchrun so that every rank saves before the container stops."""
+    overrides = [*TINY, f"data.cache_dir={data_cache}", "train.max_steps=400", "train.checkpoint_every=0",
+                 "train.eval_every=0", "run.dir=runs", "run.name=n"]
+    env = container_env(tmp_path, bin_dir)
+    proc = subprocess.Popen([str(REPO / "docker" / "entrypoint.sh"), "train", "--nproc", "2", "tiny", *overrides],
+                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    run_dir = tmp_path / "runs" / "n"
+    deadline = time.time() + 180
+    while status(run_dir).get("step", 0) < 3 and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=180)
+    st = status(run_dir)
+    assert st.get("phase") == "preempted" and st["step"] < 400, out[-3000:]
+    assert (run_dir / "checkpoints" / f"step_{st['step']:08d}" / "COMPLETE").exists(), out[-3000:]

@@ -1,0 +1,78 @@
+"""`trainbox doctor` reports this machine's facts (checked against the sources they come from) and exits
+non-zero exactly when something the given recipe needs is missing."""
+from __future__ import annotations
+
+import json
+import platform
+import shutil
+
+import pytest
+import torch
+
+from conftest import run_cli
+
+
+def test_doctor_reports_facts(tmp_path, monkeypatch, capsys):
+    """`trainbox doctor --json` (in process: cli.main reads the environment like the console script)."""
+    from trainbox.cli import main
+
+    (tmp_path / "inductor").mkdir()
+    (tmp_path / "inductor" / "kernel.so").write_bytes(b"x" * 3 * 1024 * 1024)  # 3.0 MiB of "compiled kernels"
+    hf = tmp_path / "hf"
+    for k, v in {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"), "HF_HOME": str(hf), "HF_HUB_OFFLINE": "1",
+                 "TRITON_CACHE_DIR": str(tmp_path / "triton")}.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.chdir(tmp_path)
+    rc = main(["doctor", "--json"])
+    checks = {c["name"]: c for c in json.loads(capsys.readouterr().out)}
+    assert rc == 0
+    assert checks["python"]["value"] == platform.python_version()
+    assert checks["torch"]["value"] == torch.__version__
+    assert checks["inductor_cache"]["value"] == f"{tmp_path / 'inductor'} (3.0 MiB)"
+    assert checks["triton_cache"]["value"].startswith(str(tmp_path / "triton"))
+    assert checks["hf_cache"]["value"] == f"{hf / 'hub'} (0 B)"
+    assert checks["hf_offline"]["value"].startswith("on")
+    shm = shutil.disk_usage("/dev/shm").total / 2**30
+    assert checks["shm"]["value"] == f"{shm:.1f} GiB"
+    if not torch.cuda.is_available():
+        assert checks["gpus"]["status"] == "warn" and "CPU" in checks["gpus"]["value"]
+    else:
+        assert checks["gpu0"]["value"].startswith(torch.cuda.get_device_name(0))
+
+
+def test_doctor_fails_when_the_recipe_needs_what_is_missing(tmp_path, monkeypatch):
+    from trainbox.config import load_config
+    from trainbox.doctor import run_checks
+
+    monkeypatch.chdir(tmp_path)
+
+    def checks(*args):
+        return {c.name: c for c in run_checks({}, load_config(args[0], args[1:]))}
+
+    assert checks("tiny")["recipe"].status == "ok"  # embedded corpus: everything is here
+    missing = checks("gpt2-125m")["needs_data"]  # data/fineweb does not exist in tmp_path
+    assert missing.status == "fail" and "trainbox data fineweb" in missing.fix
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "fineweb_train_000001.bin").write_bytes(b"")
+    assert "needs_data" not in checks("gpt2-125m")
+    if not torch.cuda.is_available():
+        assert checks("tiny", "train.device=cuda")["needs_gpu"].status == "fail"
+    # the CLI exits 1 and names the missing piece and its fix
+    proc = run_cli("doctor", "gpt2-125m", "data.path=nowhere/x", cwd=tmp_path, check=False)
+    assert proc.returncode == 1 and "FAIL  needs_data" in proc.stdout and "-> trainbox data fineweb" in proc.stdout
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm GPU")
+def test_doctor_on_gpu():
+    """On an H100: every GPU listed with its name, memory and capability; bf16, FlexAttention and NCCL work."""
+    from trainbox.doctor import run_checks
+
+    checks = {c.name: c for c in run_checks({})}
+    for i in range(torch.cuda.device_count()):
+        p = torch.cuda.get_device_properties(i)
+        assert checks[f"gpu{i}"].value.startswith(p.name) and f"{p.major}.{p.minor}" in checks[f"gpu{i}"].value
+    if torch.cuda.get_device_capability(0) >= (8, 0):
+        assert checks["bf16"].status == "ok"
+        assert checks["flex_attention"].status == "ok", checks["flex_attention"].value
+    assert checks["nccl"].status == "ok"
