@@ -377,6 +377,8 @@ class Trainer:
         self.state.write_status(self.run_dir / "status.json")
         from trainbox.monitor.console import fmt_duration
         extra = f" mfu {100 * mfu:.1f}%" if mfu else ""
+        if self.device.type == "cuda":
+            extra += f" mem {torch.cuda.max_memory_allocated(self.device) / 2**30:.1f}GiB peak"
         log.info(f"step {step}/{self.total} loss {losses[-1]:.4f} lr {lr:.3g}"
                  f"{f' gnorm {gn:.3f}' if gn is not None else ''} tok/s {tok_s or 0:,.0f}{extra} eta {fmt_duration(eta)}",
                  extra={"progress": True})
