@@ -82,9 +82,9 @@ def test_loss_normalised_over_global_batch_independent_of_world_and_accum():
         torch.testing.assert_close((r0[name] + r1[name]) / 2, g, rtol=1e-4, atol=1e-7)   # DDP's average
         torch.testing.assert_close((s0[name] + s1[name]) / 2, g, rtol=1e-4, atol=1e-7)
     # the logged loss is the global mean: 1 process directly, 2 ranks as the sum of their shares
-    assert loss1 == pytest.approx(float(ref_loss), rel=1e-6)
-    assert l0 + l1 == pytest.approx(float(ref_loss), rel=1e-6)
-    assert m0 + m1 == pytest.approx(float(ref_loss), rel=1e-6)
+    assert loss1 == pytest.approx(float(ref_loss.detach()), rel=1e-6)
+    assert l0 + l1 == pytest.approx(float(ref_loss.detach()), rel=1e-6)
+    assert m0 + m1 == pytest.approx(float(ref_loss.detach()), rel=1e-6)
 
 
 def test_plan_length_from_steps_tokens_or_epochs():
