@@ -21,6 +21,8 @@ EPILOGS = {
           trainbox train                                   # recipe tiny on the embedded Shakespeare corpus
           trainbox train gpt2-125m data.path=data/fineweb train.max_steps=5000
           trainbox train --nproc 2 tiny train.max_steps=50 # two processes through torchrun
+          torchrun --nproc_per_node 8 --signals-to-handle SIGTERM,SIGINT,SIGUSR1 -m trainbox train gpt2-125m
+                                                           # SIGUSR1 (Slurm --signal) also stops cleanly
         """,
     "generate": """
         examples:
