@@ -32,9 +32,9 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 
 
 @pytest.fixture(scope="module")
-def base(tmp_path_factory) -> list[str]:
+def base(tmp_path_factory, data_cache) -> list[str]:
     root = tmp_path_factory.mktemp("dist")
-    return [*TINY, f"run.dir={root / 'runs'}", f"data.cache_dir={root / 'cache'}", "train.sample_tokens=0",
+    return [*TINY, f"run.dir={root / 'runs'}", f"data.cache_dir={data_cache}", "train.sample_tokens=0",
             f"train.max_steps={STEPS}", "train.eval_every=0"]
 
 

@@ -17,7 +17,14 @@ masks make micro-batches uneven. DDP averages gradients over ranks, so each rank
 Host synchronisation. A step queues work on the device and returns device tensors; the only host
 reads are at log boundaries (`monitor.log_every`: losses, grad norm, NaN check) and the stop vote,
 which runs on a gloo group over CPU tensors (train/distributed.py).
-"""
+
+Preemption. SIGTERM / SIGINT / SIGUSR1 only set a flag; before every step all ranks vote (any rank
+flagged -> all stop), so they stop at the same step boundary, save once and return normally (exit 0).
+A signal during an evaluation or a save is acted on at the next boundary. Under a plain `torchrun`,
+SIGTERM and SIGINT reach the workers by default; add `--signals-to-handle SIGTERM,SIGINT,SIGUSR1` for
+SIGUSR1 (Slurm `--signal`) and a `--shutdown-timeout` long enough for a save. `trainbox train --nproc`
+passes both and forwards its own signals.
+
 from __future__ import annotations
 
 import math
