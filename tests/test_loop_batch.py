@@ -9,7 +9,6 @@ off by tens of percent here; the tolerance below only absorbs the model's fp32 c
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest

@@ -24,6 +24,7 @@ A signal during an evaluation or a save is acted on at the next boundary. Under 
 SIGTERM and SIGINT reach the workers by default; add `--signals-to-handle SIGTERM,SIGINT,SIGUSR1` for
 SIGUSR1 (Slurm `--signal`) and a `--shutdown-timeout` long enough for a save. `trainbox train --nproc`
 passes both and forwards its own signals.
+"""
 
 from __future__ import annotations
 
