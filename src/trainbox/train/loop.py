@@ -195,7 +195,7 @@ class Trainer:
             self.start_step = trainer_state["step"]
             if self.start_step >= self.total:
                 raise RunFinished(f"run {self.run_dir} already finished at step {self.start_step} of {self.total}",
-                                  hint=f"start a new run with run.name=NEW_NAME (or raise train.max_steps to continue)")
+                                  hint="start a new run with run.name=NEW_NAME (or raise train.max_steps to continue)")
         torch.manual_seed(cfg.run.seed)  # identical initial weights on every rank
         model = build_model(cfg.model, vocab, cfg.model.block_size or cfg.data.seq_len).to(self.device)
         if cfg.run.init_from and self.resume_from is None:
