@@ -116,26 +116,36 @@ def save(ckpt_root: Path, step: int, weights: dict[str, torch.Tensor], optimizer
         (tmp / "COMPLETE").write_text(f"{step}\n")
         _fsync_file(tmp / "COMPLETE")
         _fsync_dir(tmp)
-        if final.exists():  # an incomplete or older copy of the same step
-            shutil.rmtree(final)
+        if final.exists():  # an incomplete or older copy of the same step: out of the namespace, then gone
+            stale = ckpt_root / f".del-{name}"
+            shutil.rmtree(stale, ignore_errors=True)
+            os.replace(final, stale)
+            shutil.rmtree(stale, ignore_errors=True)
         os.replace(tmp, final)
         _fsync_dir(ckpt_root)
-    except OSError as e:
+        atomic_write_text(ckpt_root / "latest", name + "\n")
+    except Exception as e:  # OSError, or torch/safetensors wrapping one (e.g. EFBIG, ENOSPC)
         shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointError(f"saving checkpoint {final} failed: {e.strerror or e}; older checkpoints are kept",
+        why = getattr(e, "strerror", None) or str(e).splitlines()[0]
+        raise CheckpointError(f"saving checkpoint {final} failed: {why}; older checkpoints are kept",
                               hint="free disk space (df -h) and resume with the same command") from e
-    atomic_write_text(ckpt_root / "latest", name + "\n")
     prune(ckpt_root, keep_last, protect)
     return final
 
 
 def prune(ckpt_root: Path, keep_last: int, protect: Path | None = None) -> None:
-    """Delete all but the newest `keep_last` COMPLETE checkpoints; never `protect`; drop stale temp folders."""
+    """Delete all but the newest `keep_last` COMPLETE checkpoints; never `protect`; drop stale temp folders.
+
+    A doomed checkpoint is first renamed out of the `step_*` namespace (one atomic rename), so a crash
+    in the middle of deleting it can never leave a half-deleted folder that still looks COMPLETE."""
     done = list_complete(ckpt_root)
     for p in done[:-keep_last] if keep_last > 0 else []:
         if protect is None or p.resolve() != protect.resolve():
-            shutil.rmtree(p, ignore_errors=True)
-    for p in ckpt_root.glob(".tmp-step_*"):
+            doomed = ckpt_root / f".del-{p.name}"
+            shutil.rmtree(doomed, ignore_errors=True)
+            os.replace(p, doomed)
+            shutil.rmtree(doomed, ignore_errors=True)
+    for p in [*ckpt_root.glob(".tmp-step_*"), *ckpt_root.glob(".del-step_*")]:
         if p.is_dir():
             shutil.rmtree(p, ignore_errors=True)
 

@@ -22,6 +22,8 @@ EPILOGS = {
           trainbox train                                   # recipe tiny on the embedded Shakespeare corpus
           trainbox train gpt2-125m data.path=data/fineweb train.max_steps=5000
           trainbox train --nproc 2 tiny train.max_steps=50 # two processes through torchrun
+          torchrun --nproc_per_node 8 --signals-to-handle SIGTERM,SIGINT,SIGUSR1 -m trainbox train gpt2-125m
+                                                           # SIGUSR1 (Slurm --signal) also stops cleanly
         """,
     "generate": """
         examples:
@@ -82,7 +84,7 @@ def cmd_train(args) -> int:
         if report:
             print(report, file=sys.stderr)
     if args.nproc and args.nproc > 1 and "LOCAL_RANK" not in os.environ:
-        return _launch_torchrun(args)
+        return _launch_torchrun(args, cfg)
     from trainbox.monitor.console import ProgressBar, setup_logging
     from trainbox.train.distributed import Dist
     from trainbox.train.loop import train
@@ -106,22 +108,48 @@ def cmd_train(args) -> int:
     return 0
 
 
-def _launch_torchrun(args) -> int:
-    """`trainbox train --nproc N ...` re-runs itself under torchrun (standalone rendezvous)."""
+def _launch_torchrun(args, cfg) -> int:
+    """`trainbox train --nproc N ...` re-runs itself under torchrun (standalone rendezvous).
+
+    torchrun runs in its own session, so a terminal Ctrl-C reaches only this launcher, which forwards
+    SIGTERM / SIGINT / SIGUSR1 exactly once; torchrun (told to handle SIGUSR1 too) passes it to every
+    worker, the workers agree on a step boundary, save and exit 0. torchrun itself then exits non-zero
+    (it re-raises the signal), so a stop that left the run "preempted" is reported as success."""
     import signal
     import subprocess
+    import time
 
+    stops = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
+           "--signals-to-handle=" + ",".join(s.name for s in (*stops, signal.SIGHUP, signal.SIGQUIT)),
+           f"--shutdown-timeout={cfg.train.pg_timeout_s}",   # time for the ranks to save before SIGKILL
            "-m", "trainbox", "train", *([args.recipe] if args.recipe else []), *args.overrides]
     print("launching: " + " ".join(cmd), file=sys.stderr)
-    proc = subprocess.Popen(cmd)
-    # forward stop signals (docker stop, Kubernetes, Slurm --signal) so the ranks save before exiting
-    for sig in (signal.SIGTERM, signal.SIGUSR1):
-        signal.signal(sig, lambda signum, _frame: proc.send_signal(signum))
+    started = time.time()
+    proc = subprocess.Popen(cmd, start_new_session=True)
+    forwarded: list[int] = []
+
+    def forward(signum, frame):
+        forwarded.append(signum)
+        proc.send_signal(signum)
+
+    old = {s: signal.signal(s, forward) for s in stops}
     try:
-        return proc.wait()
-    except KeyboardInterrupt:
-        return proc.wait()
+        code = proc.wait()
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+    if forwarded and code != 0:
+        status = cfg.run_dir / "status.json"
+        try:   # written by this launch's rank 0, not left over from an earlier one
+            phase = json.loads(status.read_text()).get("phase") if status.stat().st_mtime >= started else None
+        except (OSError, ValueError):
+            phase = None
+        if phase == "preempted":
+            print(f"stopped on {signal.Signals(forwarded[0]).name} with a checkpoint; run the same command "
+                  "to continue", file=sys.stderr)
+            return 0
+    return code
 
 
 # ----------------------------------------------------------------------------- generate

@@ -6,7 +6,26 @@
 The global batch is a pure function of (seed, step) (see data/loader.py), so the maths of a step is
 the same on 1 or N processes, and the loader's whole state is the step number. bf16 autocast on GPU,
 fp32 on CPU; `train.compile` wraps the model in torch.compile.
+
+Loss normalisation. The gradient of a step is the gradient of the mean token loss over the WHOLE global
+batch: every micro-batch contributes (sum of its token losses) / (target tokens in the global batch).
+The denominator is counted on the host from the loader (a pure function of the step), so it needs no
+communication and no GPU sync. Averaging per-micro-batch means instead would weight a token by
+1 / (tokens in its micro-batch), which changes with micro-batch size and world size as soon as loss
+masks make micro-batches uneven. DDP averages gradients over ranks, so each rank scales by `world`.
+
+Host synchronisation. A step queues work on the device and returns device tensors; the only host
+reads are at log boundaries (`monitor.log_every`: losses, grad norm, NaN check) and the stop vote,
+which runs on a gloo group over CPU tensors (train/distributed.py).
+
+Preemption. SIGTERM / SIGINT / SIGUSR1 only set a flag; before every step all ranks vote (any rank
+flagged -> all stop), so they stop at the same step boundary, save once and return normally (exit 0).
+A signal during an evaluation or a save is acted on at the next boundary. Under a plain `torchrun`,
+SIGTERM and SIGINT reach the workers by default; add `--signals-to-handle SIGTERM,SIGINT,SIGUSR1` for
+SIGUSR1 (Slurm `--signal`) and a `--shutdown-timeout` long enough for a save. `trainbox train --nproc`
+passes both and forwards its own signals.
 """
+
 from __future__ import annotations
 
 import math
@@ -129,10 +148,12 @@ class Meter:
         return tok_s, per_step
 
 
-def _first_nonfinite(losses: list[torch.Tensor], first_step: int) -> int | None:
-    vals = torch.stack(losses)
-    bad = (~torch.isfinite(vals)).nonzero()
-    return first_step + int(bad[0]) if len(bad) else None
+def global_target_tokens(plan: BatchPlan, step: int) -> int:
+    """Target tokens that carry loss in the global batch of `step` (the same number on every rank)."""
+    ds = plan.dataset
+    if ds.masks is None:
+        return plan.global_batch * ds.seq_len
+    return int(sum(int(ds.window(int(i))[1][1:].sum()) for i in plan.global_indices(step)))
 
 
 class Trainer:
@@ -147,6 +168,7 @@ class Trainer:
         self.stop = StopFlag()
         self.device, self.dtype = resolve_device(cfg, self.dist)
         self.autocast = lambda: autocast_context(self.device, self.dtype)
+        self.pin = self.device.type == "cuda"   # page-locked host batches: the H2D copy runs asynchronously
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
@@ -174,7 +196,7 @@ class Trainer:
             self.start_step = trainer_state["step"]
             if self.start_step >= self.total:
                 raise RunFinished(f"run {self.run_dir} already finished at step {self.start_step} of {self.total}",
-                                  hint=f"start a new run with run.name=NEW_NAME (or raise train.max_steps to continue)")
+                                  hint="start a new run with run.name=NEW_NAME (or raise train.max_steps to continue)")
         torch.manual_seed(cfg.run.seed)  # identical initial weights on every rank
         model = build_model(cfg.model, vocab, cfg.model.block_size or cfg.data.seq_len, run=cfg).to(self.device)
         if cfg.run.init_from and self.resume_from is None:
@@ -194,6 +216,7 @@ class Trainer:
         else:
             torch.manual_seed(cfg.run.seed + 1000 * d.rank)  # dropout differs per rank, init did not
         self.tokens_seen = trainer_state.get("tokens_seen", 0)
+        self.last_saved_step = self.start_step if self.resume_from is not None else None
         self.ddp = None
         if d.enabled:
             self.ddp = nn.parallel.DistributedDataParallel(
@@ -241,6 +264,8 @@ class Trainer:
         log.info(f"data: {self.train_data.num_tokens:,} train tokens, {self.train_data.num_samples:,} samples of "
                  f"{cfg.data.seq_len}; global batch {cfg.train.global_batch_size} = {cfg.train.micro_batch_size} "
                  f"x {self.plan.accum} accum x {d.world}; {self.plan.steps_per_epoch} steps/epoch, {self.total} steps")
+        if d.enabled:
+            log.info(f"process group: {d.describe()}")
         if self.resume_from is not None:
             log.info(f"resuming from {self.resume_from} at step {self.start_step}")
         self.sinks.log("start", step=self.start_step, total_steps=self.total, resumed_from=str(self.resume_from or ""),
@@ -266,6 +291,7 @@ class Trainer:
             self.progress.close()
             if self.server is not None:
                 self.server.stop()
+            self.dist.shutdown()
 
     def _run(self) -> dict:
         cfg, d = self.cfg, self.dist
@@ -274,9 +300,10 @@ class Trainer:
         window: list[torch.Tensor] = []
         window_start = self.start_step
         self._phase("compiling" if cfg.train.compile else "training")
+        self.progress.update(self.start_step, self.total, None, None, None, force=True)
         step, stopped, last_eval = self.start_step, False, None
         while step < self.total:
-            if d.any(self.stop.signum is not None, self.device):
+            if d.any(self.stop.signum is not None):  # every rank stops at the same step boundary
                 stopped = True
                 break
             loss, grad_norm, lr = self._train_step(step)
@@ -286,24 +313,26 @@ class Trainer:
             meter.step_done(step)
             if step == self.start_step + 1 and cfg.train.compile:
                 self._phase("training")
-            if step % every == 0 or step == self.total:
+            end_of_epoch = step % self.plan.steps_per_epoch == 0
+            do_eval = self.val_data is not None and cfg.train.eval_every and step % cfg.train.eval_every == 0
+            do_save = step == self.total or end_of_epoch or (cfg.train.checkpoint_every
+                                                             and step % cfg.train.checkpoint_every == 0)
+            # the NaN check runs on every logged window: flush before eval/save so bad weights are never saved
+            if step % every == 0 or do_eval or do_save:
                 self._log_window(window, window_start, step, grad_norm, lr, meter)
                 window, window_start = [], step
-            end_of_epoch = step % self.plan.steps_per_epoch == 0
-            if self.val_data is not None and cfg.train.eval_every and step % cfg.train.eval_every == 0:
+            if do_eval:
                 last_eval = self._evaluate(step)
-            if step == self.total or end_of_epoch or (cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0):
-                if window:
-                    self._log_window(window, window_start, step, grad_norm, lr, meter)
-                    window, window_start = [], step
+            if do_save:
                 self._save(step)
         if stopped:
             if window:
                 self._log_window(window, window_start, step, None, None, meter)
-            if self.state.snapshot()["last_checkpoint"] != f"step_{step:08d}":
+            if self.last_saved_step != step:   # the same on every rank: they all save or none does
                 self._save(step)
             self._phase("preempted")
-            log.info(f"stopped at step {step} on {signal.Signals(self.stop.signum).name}; "
+            why = signal.Signals(self.stop.signum).name if self.stop.signum else "another rank's stop signal"
+            log.info(f"stopped at step {step} on {why}; "
                      f"run `trainbox train` again with the same arguments to continue")
             return {"step": step, "total": self.total, "stopped": True, "sample": None, "run_dir": str(self.run_dir)}
         if self.val_data is not None and (last_eval is None or last_eval["step"] != step):
@@ -314,6 +343,7 @@ class Trainer:
                 "run_dir": str(self.run_dir), **(last_eval or {})}
 
     def _train_step(self, step: int):
+        """One optimizer step over the global batch; returns device tensors (no host sync)."""
         cfg = self.cfg
         from trainbox.optim.build import lr_multiplier, set_lr
         lr = set_lr(self.optimizers, lr_multiplier(step, self.total, cfg.optim))
@@ -321,18 +351,19 @@ class Trainer:
             self.model.set_step(step)
         batches = self.plan.micro_batches(step)
         accum = len(batches)
+        scale = self.dist.world / max(1, global_target_tokens(self.plan, step))
         loss_sum = torch.zeros((), device=self.device)
         for k, b in enumerate(batches):
-            x = b["x"].to(self.device, non_blocking=True)
-            y = b["y"].to(self.device, non_blocking=True)
-            mask = b["loss_mask"].to(self.device, non_blocking=True) if "loss_mask" in b else None
+            x, y = self._to_device(b["x"]), self._to_device(b["y"])
+            mask = self._to_device(b["loss_mask"]) if "loss_mask" in b else None
             sync = self.ddp.no_sync() if self.ddp is not None and k < accum - 1 else nullcontext()
             with sync:
                 with self.autocast():
-                    out = self.forward(x, y, loss_mask=mask)
-                    total = out.loss if out.aux_loss is None else out.loss + out.aux_loss
-                (total / accum).backward()
-            loss_sum += out.loss.detach() / accum
+                    out = self.forward(x, y, loss_mask=mask, reduction="none")
+                    token_loss = out.loss.float().sum() * scale   # this micro-batch's share of the global mean
+                    total = token_loss if out.aux_loss is None else token_loss + out.aux_loss / accum
+                total.backward()
+            loss_sum += token_loss.detach() / self.dist.world
         params = [p for p in self.model.parameters() if p.grad is not None]
         grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.optim.grad_clip) if cfg.optim.grad_clip > 0 else None
         for opt in self.optimizers:
@@ -342,6 +373,11 @@ class Trainer:
         self.last_stats = out.stats
         return loss_sum, grad_norm, lr
 
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        if self.pin:
+            t = t.pin_memory()
+        return t.to(self.device, non_blocking=True)
+
     # ------------------------------------------------------------------ logging, eval, checkpoints
     def _phase(self, phase: str) -> None:
         if self.dist.is_main:
@@ -349,9 +385,11 @@ class Trainer:
             self.state.write_status(self.run_dir / "status.json")
 
     def _log_window(self, window, first_step, step, grad_norm, lr, meter: Meter) -> None:
+        if not window:
+            return
         losses = torch.stack(window).float()
-        self.dist.all_reduce_sum(losses)
-        losses = (losses / self.dist.world).tolist()  # one host sync per logged window
+        self.dist.all_reduce_sum(losses)   # each rank holds its share of the global mean: the sum is the mean
+        losses = losses.tolist()  # one host sync per logged window
         bad = next((i for i, v in enumerate(losses) if not math.isfinite(v)), None)
         if bad is not None:
             raise TrainingFailed(f"loss is {losses[bad]} at step {first_step + bad + 1}; stopping. The last good "
@@ -403,23 +441,34 @@ class Trainer:
         return res
 
     def _save(self, step: int) -> None:
+        """Rank 0 writes the checkpoint; every rank learns whether it worked and fails together if not."""
         self._phase("checkpointing")
+        self.last_saved_step = step
         rngs = self.dist.gather_objects(checkpoint.rng_state())
+        error: CheckpointError | None = None
         if self.dist.is_main:
-            trainer = {"step": step, "total_steps": self.total, "epoch": step / self.plan.steps_per_epoch,
-                       "loader": {"step": step, "seed": self.cfg.run.seed}, "tokens_seen": self.tokens_seen,
-                       "world": self.dist.world, "finished": step >= self.total,
-                       "restarts": self.state.snapshot()["restarts"], "wandb_id": self.sinks.wandb_id,
-                       "config": self.cfg.model_dump(mode="json"), "versions": _versions()}
-            t0 = time.time()
-            path = checkpoint.save(self.ckpt_root, step, self._weights(), self.optimizers, trainer, rngs,
-                                   self.cfg.train.keep_last, protect=self.resume_from)
-            snap = self.state.snapshot()
-            self.state.update(last_checkpoint=path.name, checkpoints_saved=snap["checkpoints_saved"] + 1)
-            self.sinks.log("checkpoint", step=step, path=str(path), seconds=round(time.time() - t0, 3))
-            log.info(f"checkpoint {path} ({time.time() - t0:.1f}s)")
-        self.dist.barrier()
+            try:
+                self._write_checkpoint(step, rngs)
+            except CheckpointError as e:
+                error = e
+        if self.dist.any(error is not None):   # also the barrier: others wait while rank 0 writes
+            raise error or CheckpointError(f"rank 0 failed to save the checkpoint of step {step}; "
+                                           "older checkpoints are kept", hint="see rank 0's log")
         self._phase("training")
+
+    def _write_checkpoint(self, step: int, rngs: list[dict]) -> None:
+        trainer = {"step": step, "total_steps": self.total, "epoch": step / self.plan.steps_per_epoch,
+                   "loader": {"step": step, "seed": self.cfg.run.seed}, "tokens_seen": self.tokens_seen,
+                   "world": self.dist.world, "finished": step >= self.total,
+                   "restarts": self.state.snapshot()["restarts"], "wandb_id": self.sinks.wandb_id,
+                   "config": self.cfg.model_dump(mode="json"), "versions": _versions()}
+        t0 = time.time()
+        path = checkpoint.save(self.ckpt_root, step, self._weights(), self.optimizers, trainer, rngs,
+                               self.cfg.train.keep_last, protect=self.resume_from)
+        snap = self.state.snapshot()
+        self.state.update(last_checkpoint=path.name, checkpoints_saved=snap["checkpoints_saved"] + 1)
+        self.sinks.log("checkpoint", step=step, path=str(path), seconds=round(time.time() - t0, 3))
+        log.info(f"checkpoint {path} ({time.time() - t0:.1f}s)")
 
     def _weights(self) -> dict:
         return checkpoint.model_state(self.model, trainable_only=getattr(self.model, "adapter_only", False))

@@ -1,0 +1,116 @@
+"""Batch maths of the loop: loss normalisation over the global batch, run length, checkpoint and eval cadence.
+
+The normalisation test compares the loop's real `_train_step` (1 process with 4 micro-batches, 2 ranks
+with 2 and 1 micro-batches, DDP's averaging done by hand) with an obviously-correct reference: one
+forward over the whole global batch, mean over every unmasked target token. The loss masks make the
+micro-batches uneven, which is where a mean of per-micro-batch means goes wrong (that gives gradients
+off by tens of percent here; the tolerance below only absorbs the model's fp32 cross-entropy).
+"""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from trainbox.config import load_config
+from trainbox.data.loader import BatchPlan, TokenDataset
+from trainbox.model.registry import build_model
+from trainbox.train.distributed import Dist
+from trainbox.train.loop import Trainer, global_target_tokens, plan_length, train
+
+SEQ, VOCAB, GLOBAL = 16, 64, 8
+
+
+def _model():
+    cfg = load_config(None, ["model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.vocab_size=64"])
+    torch.manual_seed(0)
+    return build_model(cfg.model, VOCAB, SEQ).double(), cfg
+
+
+def _masked_dataset() -> TokenDataset:
+    rng = np.random.default_rng(3)
+    toks = rng.integers(0, VOCAB, size=GLOBAL * 2 * SEQ + 1).astype(np.uint16)
+    mask = rng.random(len(toks)) < 0.5
+    mask[: 3 * SEQ] = False        # samples 0-2 carry almost no loss: very uneven micro-batches
+    mask[3 * SEQ: 4 * SEQ] = True
+    return TokenDataset([toks], SEQ, masks=[mask])
+
+
+def _step_update(ds, world, rank, micro, model_state, step=1) -> dict[str, torch.Tensor]:
+    """Run the loop's real _train_step on one rank with SGD(lr=1): returns -gradient per parameter."""
+    model, cfg = _model()
+    model.load_state_dict(model_state)
+    t = Trainer.__new__(Trainer)
+    cfg.optim.grad_clip, cfg.optim.warmup_steps, cfg.optim.schedule = 0.0, 0, "constant"
+    t.cfg, t.dist, t.device, t.pin, t.ddp = cfg, Dist(rank=rank, world=world), torch.device("cpu"), False, None
+    t.model, t.forward, t.total = model, model, 10
+    t.autocast = lambda: torch.autocast("cpu", enabled=False)
+    t.plan = BatchPlan(ds, GLOBAL, micro, world, rank, seed=5)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    opt.param_groups[0]["initial_lr"] = 1.0
+    t.optimizers = [opt]
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    loss, _, _ = t._train_step(step)
+    return {n: p.detach() - before[n] for n, p in model.named_parameters()}, float(loss), t.plan
+
+
+def test_loss_normalised_over_global_batch_independent_of_world_and_accum():
+    ds = _masked_dataset()
+    model, _ = _model()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    # reference: one forward over the whole global batch, mean over its unmasked targets
+    plan = BatchPlan(ds, GLOBAL, GLOBAL, 1, 0, seed=5)
+    b = ds.batch(plan.global_indices(1))
+    logits = model.lm_head(model.hidden(b["x"]))
+    targets = b["y"].masked_fill(~b["loss_mask"], -100)
+    ref_loss = F.cross_entropy(logits.view(-1, VOCAB), targets.view(-1), ignore_index=-100)
+    ref_loss.backward()
+    ref = {n: -p.grad for n, p in model.named_parameters()}
+    assert global_target_tokens(plan, 1) == int(b["loss_mask"].sum())
+
+    one, loss1, _ = _step_update(ds, 1, 0, 2, state)              # 1 process, accumulation 4
+    r0, l0, _ = _step_update(ds, 2, 0, 2, state)                  # 2 ranks, accumulation 2
+    r1, l1, _ = _step_update(ds, 2, 1, 2, state)
+    s0, m0, _ = _step_update(ds, 2, 0, 4, state)                  # 2 ranks, accumulation 1
+    s1, m1, _ = _step_update(ds, 2, 1, 4, state)
+    for name, g in ref.items():
+        torch.testing.assert_close(one[name], g, rtol=1e-4, atol=1e-7)
+        torch.testing.assert_close((r0[name] + r1[name]) / 2, g, rtol=1e-4, atol=1e-7)   # DDP's average
+        torch.testing.assert_close((s0[name] + s1[name]) / 2, g, rtol=1e-4, atol=1e-7)
+    # the logged loss is the global mean: 1 process directly, 2 ranks as the sum of their shares
+    assert loss1 == pytest.approx(float(ref_loss.detach()), rel=1e-6)
+    assert l0 + l1 == pytest.approx(float(ref_loss.detach()), rel=1e-6)
+    assert m0 + m1 == pytest.approx(float(ref_loss.detach()), rel=1e-6)
+
+
+def test_plan_length_from_steps_tokens_or_epochs():
+    ds = TokenDataset([np.zeros(100 * SEQ + 1, dtype=np.uint16)], SEQ)   # 100 samples
+    plan = BatchPlan(ds, 8, 4)
+    assert plan.steps_per_epoch == 12
+    mk = lambda *o: load_config(None, ["train.global_batch_size=8", f"data.seq_len={SEQ}", "train.max_steps=null", *o])  # noqa: E731
+    assert plan_length(mk(), plan) == 12                                  # default: one epoch
+    assert plan_length(mk("train.epochs=2.5"), plan) == 30
+    assert plan_length(mk("train.max_tokens=1300"), plan) == 1300 // (8 * SEQ)
+    assert plan_length(mk("train.max_steps=7", "train.epochs=3"), plan) == 7   # max_steps wins
+
+
+def test_epoch_checkpoints_and_fixed_eval_slice(tmp_path, tiny):
+    rng = np.random.default_rng(0)
+    train_bin, val_bin = tmp_path / "train.bin", tmp_path / "val.bin"
+    rng.integers(0, 500, size=31 * 32 + 1).astype(np.uint16).tofile(train_bin)   # 31 samples: 3 steps/epoch
+    rng.integers(0, 500, size=4000).astype(np.uint16).tofile(val_bin)
+    cfg = load_config(None, [*tiny, f"data.path={train_bin}", f"data.val_path={val_bin}", "train.epochs=2", "train.max_steps=null",
+                             "train.checkpoint_every=4", "train.eval_every=2", "train.keep_last=10",
+                             "train.eval_tokens=640", "monitor.enabled=false", "train.sample_tokens=0"])
+    result = train(cfg)
+    assert result["step"] == 6
+    ckpts = sorted(p.name for p in (cfg.run_dir / "checkpoints").glob("step_*"))
+    assert ckpts == ["step_00000003", "step_00000004", "step_00000006"]   # epoch ends 3, 6 and every 4
+    events = [json.loads(line) for line in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
+    evals = [e for e in events if e["event"] == "eval"]
+    assert [e["step"] for e in evals] == [2, 4, 6]
+    assert {e["val_tokens"] for e in evals} == {640}        # the same fixed slice every time
+    assert [e["step"] for e in events if e["event"] == "train"] == [1, 2, 3, 4, 5, 6]

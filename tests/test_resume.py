@@ -1,0 +1,94 @@
+"""Exact resume on one process (in-process runs; the 2-process and cross-world cases are in
+test_distributed.py): 0->20 straight against 0->10, stop, resume ->20, bit for bit; the resumed
+process's meters count only its own steps; init_from loads weights only."""
+from __future__ import annotations
+
+import io
+import json
+import signal
+
+import torch
+
+from trainbox import checkpoint
+from trainbox.config import load_config
+from trainbox.model.registry import build_model
+from trainbox.monitor.console import ProgressBar
+from trainbox.train.loop import Trainer, train
+
+
+def _cfg(tiny, *extra):
+    return load_config(None, [*tiny, "monitor.enabled=false", "train.sample_tokens=0", "train.eval_every=0",
+                              "train.max_steps=20", *extra])
+
+
+def _train_losses(run_dir) -> list[tuple[int, float]]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [(r["step"], r["loss"]) for r in rows if r["event"] == "train"]
+
+
+class StopAfter(Trainer):
+    """A Trainer whose stop flag is raised after step `n`, exactly as the SIGTERM handler raises it
+    (real signals against real torchrun jobs are in test_distributed.py)."""
+
+    def __init__(self, cfg, n: int, **kw):
+        super().__init__(cfg, **kw)
+        self.n = n
+
+    def _train_step(self, step: int):
+        out = super()._train_step(step)
+        if step + 1 == self.n:
+            self.stop.signum = signal.SIGTERM
+        return out
+
+
+def test_resume_is_bit_identical_and_meters_count_this_process(tiny):
+    straight = _cfg(tiny, "run.name=straight")
+    train(straight)
+    cut = _cfg(tiny, "run.name=cut")
+    first = StopAfter(cut, 10).run()
+    assert first["stopped"] and first["step"] == 10
+    assert [p.name for p in checkpoint.list_complete(cut.run_dir / "checkpoints")] == ["step_00000010"]
+
+    bar = io.StringIO()
+    second = Trainer(cut, progress=ProgressBar(stream=bar, enabled=True)).run()
+    assert second["step"] == 20 and not second["stopped"]
+    # every step exactly once, and each loss bit-identical to the uninterrupted run
+    assert _train_losses(cut.run_dir) == _train_losses(straight.run_dir)
+    assert [s for s, _ in _train_losses(cut.run_dir)] == list(range(1, 21))
+
+    status = json.loads((cut.run_dir / "status.json").read_text())
+    tokens_per_step = cut.train.global_batch_size * cut.data.seq_len
+    assert status["steps_this_process"] == 10 and status["tokens_this_process"] == 10 * tokens_per_step
+    assert status["tokens_seen"] == 20 * tokens_per_step and status["restarts"] == 1
+    assert status["resumed_from"].endswith("step_00000010")
+    assert bar.getvalue().split("\r")[1].split("] ")[1].startswith("10/20 ")   # first redraw: resumed step
+    # tokens/s of the resumed process: its first logged window starts at its own first step, so the
+    # rate can never include the first process's 10 steps (that would double it or more)
+    rows = [json.loads(line) for line in (cut.run_dir / "metrics.jsonl").read_text().splitlines()]
+    starts = [r for r in rows if r["event"] == "start"]
+    assert [s["step"] for s in starts] == [0, 10]
+    resumed_rates = [r["tokens_per_s"] for r in rows if r["event"] == "train" and r["step"] == 11]
+    assert resumed_rates == [None]   # no rate before this process has a timed step
+
+
+def test_init_from_loads_weights_only(tiny):
+    src = _cfg(tiny, "run.name=src", "train.max_steps=6")
+    train(src)
+    ckpt = checkpoint.latest(src.run_dir / "checkpoints")
+    new = _cfg(tiny, "run.name=fresh", "train.max_steps=2", f"run.init_from={ckpt}")
+    t = Trainer(new)
+    t.run()
+    # a new run: starts at step 0 with a fresh optimizer (AdamW's step count restarts)
+    assert [s for s, _ in _train_losses(new.run_dir)] == [1, 2]
+    opt_state = torch.load(checkpoint.latest(new.run_dir / "checkpoints") / "optimizer.pt", weights_only=False)
+    assert {float(s["step"]) for s in opt_state[0]["state"].values()} == {2.0}
+    # its first loss is the loss of the source weights on global batch 0
+    model = build_model(new.model, t.model.lm_head.weight.shape[0], new.data.seq_len)
+    checkpoint.load_weights(ckpt, model)
+    with torch.no_grad():
+        parts = [model(b["x"], b["y"]).loss for b in t.plan.micro_batches(0)]
+    expected = float(torch.stack(parts).mean())
+    assert abs(_train_losses(new.run_dir)[0][1] - expected) < 1e-5
+    scratch = _cfg(tiny, "run.name=scratch", "train.max_steps=1")
+    train(scratch)
+    assert abs(_train_losses(scratch.run_dir)[0][1] - expected) > 0.1   # not the random initialisation
