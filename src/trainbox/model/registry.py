@@ -37,3 +37,24 @@ def build_model(cfg, vocab_size: int, block_size: int) -> nn.Module:
             raise ConfigError(f"model.family={cfg.family!r} is not available in this version of trainbox") from None
         raise
     return builder(cfg, vocab_size, block_size)
+
+
+def _family_module(family: str):
+    return importlib.import_module(FAMILIES[family])
+
+
+def model_vocab_size(cfg, tokenizer_vocab: int) -> int:
+    """model.vocab_size, or the tokenizer's plus the family's extra ids (t5 sentinels), padded."""
+    if cfg.vocab_size:
+        return cfg.vocab_size
+    extra = _family_module("t5").extra_ids(cfg) if cfg.family == "t5" else 0
+    return pad_vocab(tokenizer_vocab + extra)
+
+
+def adapt_datasets(cfg, tokenizer, vocab_size: int, train, val):
+    """Families whose examples are not next-token windows (t5) turn the packed datasets into theirs."""
+    if cfg.model.family != "t5":
+        return train, val
+    adapt = _family_module("t5").adapt_dataset
+    return (adapt(cfg, tokenizer, train, vocab_size, "train"),
+            adapt(cfg, tokenizer, val, vocab_size, "val") if val is not None else None)

@@ -153,7 +153,7 @@ class Trainer:
         from trainbox import runs
         from trainbox.data.sources import open_datasets
         from trainbox.data.tokenizer import get_tokenizer
-        from trainbox.model.registry import build_model, pad_vocab
+        from trainbox.model.registry import adapt_datasets, build_model, model_vocab_size
 
         cfg, d = self.cfg, self.dist
         d.init(self.device, cfg.train.pg_timeout_s)
@@ -161,8 +161,9 @@ class Trainer:
             torch.set_num_threads(cfg.train.threads)
         self.resume_from = self._find_resume()
         self.tokenizer = get_tokenizer(cfg.data.tokenizer)
-        vocab = cfg.model.vocab_size or pad_vocab(self.tokenizer.vocab_size)
-        self.train_data, self.val_data = open_datasets(cfg.data, self.tokenizer, vocab)
+        vocab = model_vocab_size(cfg.model, self.tokenizer.vocab_size)
+        self.train_data, self.val_data = adapt_datasets(cfg, self.tokenizer, vocab,
+                                                        *open_datasets(cfg.data, self.tokenizer, vocab))
         self.plan = BatchPlan(self.train_data, cfg.train.global_batch_size, cfg.train.micro_batch_size,
                               d.world, d.rank, cfg.run.seed)
         self.plan.check_nonempty()
