@@ -33,10 +33,17 @@ SPLITS = {"train": 0, "val": 1}
 SENTINEL_RE = re.compile(r"<extra_id_(\d+)>")
 
 
+def _counts(length: int, noise_density: float, mean_span: float) -> tuple[int, int]:
+    """-> (masked tokens, masked spans) of a window: at least one of each, and as many kept runs
+    (each non-empty, one before every span) as spans."""
+    noise = min(max(int(round(length * noise_density)), 1), length - 1)
+    return noise, min(max(int(round(noise / mean_span)), 1), length - noise)
+
+
 def _lengths_for(raw_len: int, noise_density: float, mean_span: float) -> tuple[int, int]:
-    """Raw window length -> (encoder input length, decoder target length), EOS included."""
-    noise = int(round(raw_len * noise_density))
-    spans = int(round(noise / mean_span))
+    """Raw window length -> (encoder input length, decoder target length), EOS included. As T5's
+    helper, except that the clamping of `noise_mask` is applied, so short windows stay exact too."""
+    noise, spans = _counts(raw_len, noise_density, mean_span)
     return raw_len - noise + spans + 1, noise + spans + 1
 
 
@@ -46,7 +53,12 @@ def span_lengths(seq_len: int, noise_density: float = 0.15, mean_span: float = 3
     raw = seq_len - 1
     while _lengths_for(raw + 1, noise_density, mean_span)[0] <= seq_len:
         raw += 1
-    return raw, _lengths_for(raw, noise_density, mean_span)[1]
+    inputs, targets = _lengths_for(raw, noise_density, mean_span)
+    if inputs != seq_len:  # only extreme settings (half the tokens in 1-token spans) skip a length
+        raise ConfigError(f"span corruption with noise density {noise_density} and mean span {mean_span} cannot "
+                          f"make inputs of exactly data.seq_len={seq_len} tokens (closest: {inputs})",
+                          hint=f"use data.seq_len={inputs} or {seq_len + 1}")
+    return raw, targets
 
 
 def _segment(rng: np.random.Generator, items: int, segments: int) -> np.ndarray:
@@ -57,8 +69,7 @@ def _segment(rng: np.random.Generator, items: int, segments: int) -> np.ndarray:
 
 def noise_mask(length: int, noise_density: float, mean_span: float, rng: np.random.Generator) -> np.ndarray:
     """Boolean mask of the masked tokens: kept and noise runs alternate, kept first, noise last."""
-    noise = min(max(int(round(length * noise_density)), 1), length - 1)
-    spans = max(int(round(noise / mean_span)), 1)
+    noise, spans = _counts(length, noise_density, mean_span)
     noise_runs = _segment(rng, noise, spans)
     kept_runs = _segment(rng, length - noise, spans)
     runs = np.stack([kept_runs, noise_runs], axis=1).reshape(-1)          # kept0, noise0, kept1, noise1, ...
@@ -108,7 +119,7 @@ class SpanCorruption:
         self.seq_len, self.noise_density, self.mean_span = seq_len, noise_density, mean_span
         self.raw_len, self.target_len = span_lengths(seq_len, noise_density, mean_span)
         self.vocab_size, self.eos_id, self.seed, self.split = vocab_size, eos_id, seed, SPLITS[split]
-        spans = max(int(round(int(round(self.raw_len * noise_density)) / mean_span)), 1)
+        spans = _counts(self.raw_len, noise_density, mean_span)[1]
         if spans > sentinel_tokens:
             raise ConfigError(f"span corruption of {self.raw_len} tokens makes {spans} spans but only "
                               f"model.t5.sentinel_tokens={sentinel_tokens} sentinels exist",
