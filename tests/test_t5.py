@@ -35,7 +35,8 @@ def hf_pair(tie: bool = False, seed: int = 0):
     hf = T5ForConditionalGeneration(cfg).eval()
     if not tie:  # transformers 5 always builds the head tied (untied only when a checkpoint says so): untie
         hf.lm_head.weight = torch.nn.Parameter(torch.randn(VOCAB, 32) * 32 ** -0.5)
-    assert (hf.lm_head.weight is hf.shared.weight) == tie and hf.config.scale_decoder_outputs == tie
+    assert (hf.lm_head.weight is hf.shared.weight) == tie
+    assert getattr(hf.config, "scale_decoder_outputs", hf.config.tie_word_embeddings) == tie  # transformers 5 / 4
     hf_state = hf.state_dict()
     assert set(hf_state) == set(ours.state_dict())  # names map 1:1, embed_tokens aliases included
     ours.load_state_dict(hf_state, strict=True)
@@ -160,6 +161,14 @@ def test_t5_trains_resumes_exactly_and_fills_spans(tmp_path, tiny):
     assert sorted(b) == [4, 5, 6] and all(a[s] == b[s] for s in b)  # bit-identical on CPU
     trainer = json.loads((run_a / "checkpoints" / "step_00000006" / "trainer.json").read_text())
     assert trainer["config"]["model"]["t5"]["sentinel_tokens"] == 100
+    # the trained checkpoint exports to a folder transformers loads with the same outputs
+    from transformers import T5ForConditionalGeneration
+
+    from trainbox.generate import load_for_inference
+    model, tok, _ = load_for_inference(run_a)
+    hf = T5ForConditionalGeneration.from_pretrained(to_hf(model, tmp_path / "hf", tok.eot_id)).eval()
+    x, y = torch.randint(0, tok.vocab_size, (2, 32)), torch.randint(0, tok.vocab_size, (2, 9))
+    assert (hf(input_ids=x, labels=y).logits - model.eval()(x, y).logits).abs().max().item() < 1e-4
     out = run_cli("generate", str(run_a), "--prompt", "ROMEO: What <extra_id_0> lord <extra_id_1>.",
                   "--temperature", "0", "--max-tokens", "12", cwd=tmp_path).stdout
     lines = out.splitlines()
@@ -182,3 +191,24 @@ def test_t5_batches_do_not_depend_on_world_size(tiny):
         whole = torch.cat([b[key] for b in one])
         assert torch.equal(whole, torch.cat([b[key] for rank in two for b in rank]))
     assert one[0]["x"].shape[1] == cfg.data.seq_len and np.all(one[0]["x"][:, -1].numpy() == tok.eot_id)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_runs_on_the_fused_kernel_and_matches_hugging_face_in_bf16():
+    """On the GPU the position bias goes through the memory-efficient SDPA kernel (forward and the
+    bias gradient), and bf16 training losses track transformers' within bf16 noise."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    hf, ours = hf_pair(tie=False)
+    hf, ours = hf.cuda().train(), ours.cuda().train()
+    x = torch.randint(0, VOCAB, (4, 200), device="cuda")
+    y = torch.randint(0, VOCAB, (4, 45), device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):  # raises if the fused kernel cannot take the bias
+            loss = ours(x, y).loss
+            loss.backward()
+        ref = hf(input_ids=x, labels=y).loss
+    assert abs(loss.item() - ref.item()) < 2e-2 * ref.item()
+    bias = ours.encoder.block[0].layer[0].SelfAttention.relative_attention_bias.weight
+    assert bias.grad is not None and bias.grad.abs().sum() > 0
