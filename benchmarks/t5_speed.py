@@ -8,7 +8,7 @@ encoder and decoder FLOPs (T5.flops_per_token) against the GPU's bf16 dense peak
 
     CORPUS_DIR=/tmp/corpus python make_corpus.py               # the benchmark corpus (shared/bench)
     python benchmarks/t5_speed.py --data /tmp/corpus/modded/pyc --recipe t5-base --steps 100 --compile
-    python benchmarks/t5_speed.py --data /tmp/corpus/modded/pyc --impl ours --trainer   # + the real `trainbox train` loop
+    python benchmarks/t5_speed.py --data /tmp/corpus/modded/pyc --trainer   # + `trainbox train`
 
 Not part of the tests; needs `transformers` and a CUDA GPU (`--device cpu` with tiny `--set` overrides is
 a smoke run of the script itself, not a measurement).
@@ -112,7 +112,8 @@ def run_trainer(cfg_source: str, overrides: list[str], steps: int) -> dict:
     last = [r for r in rows if r["event"] == "train" and "tokens_per_s" in r][-1]
     return {"name": "trainbox train (the loop)", "tokens_per_s": last["tokens_per_s"], "mfu": last["mfu"],
             "wall_s": time.perf_counter() - t0, "loss_last": last["loss"], "val_loss": result.get("val_loss"),
-            "max_memory_allocated_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None}
+            "max_memory_allocated_gib": torch.cuda.max_memory_allocated() / 2**30
+            if torch.cuda.is_available() else None}
 
 
 def main() -> None:
@@ -131,7 +132,8 @@ def main() -> None:
     ap.add_argument("--set", nargs="*", default=[], help="extra config overrides (key=value)")
     args = ap.parse_args()
 
-    overrides = [f"data.path={args.data}", f"train.global_batch_size={args.batch}", f"train.micro_batch_size={args.batch}",
+    overrides = [f"data.path={args.data}", f"train.global_batch_size={args.batch}",
+                 f"train.micro_batch_size={args.batch}",
                  f"train.dtype={'bf16' if args.device.startswith('cuda') else 'fp32'}", f"train.device={args.device}",
                  f"train.compile={str(args.compile).lower()}", *args.set]
     cfg = load_config(args.recipe, overrides)

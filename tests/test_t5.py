@@ -143,7 +143,7 @@ def _losses(run_dir) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in rows if r["event"] == "train"}
 
 
-def test_t5_trains_resumes_exactly_and_fills_spans(tmp_path, tiny):
+def test_t5_trains_resumes_exactly_runs_under_torchrun_and_fills_spans(tmp_path, tiny):
     import shutil
 
     args = [*tiny, *T5_TINY]
@@ -159,6 +159,10 @@ def test_t5_trains_resumes_exactly_and_fills_spans(tmp_path, tiny):
     run_cli("train", *args, "run.name=b", cwd=tmp_path)
     a, b = _losses(run_a), _losses(run_b)
     assert sorted(b) == [4, 5, 6] and all(a[s] == b[s] for s in b)  # bit-identical on CPU
+    # two gloo processes through torchrun (each half of every global batch) follow the same losses
+    run_cli("train", "--nproc", "2", *args, "run.name=two", cwd=tmp_path)
+    two = _losses(tmp_path / "runs" / "two")
+    assert sorted(two) == sorted(a) and all(abs(a[s] - two[s]) < 1e-5 for s in a)
     trainer = json.loads((run_a / "checkpoints" / "step_00000006" / "trainer.json").read_text())
     assert trainer["config"]["model"]["t5"]["sentinel_tokens"] == 100
     # the trained checkpoint exports to a folder transformers loads with the same outputs
@@ -212,3 +216,4 @@ def test_cuda_runs_on_the_fused_kernel_and_matches_hugging_face_in_bf16():
     assert abs(loss.item() - ref.item()) < 2e-2 * ref.item()
     bias = ours.encoder.block[0].layer[0].SelfAttention.relative_attention_bias.weight
     assert bias.grad is not None and bias.grad.abs().sum() > 0
+

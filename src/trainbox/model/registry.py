@@ -3,6 +3,11 @@
 Each builder takes (ModelSection, vocab_size, block_size) and returns an nn.Module whose forward is
 `forward(idx, targets=None, loss_mask=None, caches=None, pos=0, reduction="mean") -> Output` and which
 has `make_caches`, `num_params` and `flops_per_token`.
+
+Encoder-decoder families (t5) differ in two places, both resolved here so the loop stays one loop:
+`model_vocab_size` adds their extra ids (sentinels, decoder start) above the tokenizer's, and
+`adapt_datasets` turns packed token windows into their examples (span corruption); their batches
+keep the {x, y} keys (encoder input, decoder targets), so forward(x, y) and evaluation are unchanged.
 """
 from __future__ import annotations
 
