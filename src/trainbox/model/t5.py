@@ -16,8 +16,11 @@ layer.0.SelfAttention.q`, `...relative_attention_bias`, `layer.1.DenseReluDense.
 `encoder.embed_tokens` / `decoder.embed_tokens` being the same module as `shared`; `to_hf` writes a
 folder transformers loads. Vocabulary: the tokenizer's ids, then (top of the padded vocabulary, as T5)
 `sentinel_tokens` sentinels counting down from `vocab_size - 1` (<extra_id_0> is the last id) and,
-just below them, the decoder start token. Batches come from span corruption (data/spans.py) through
-`adapt_dataset`, which the loop applies to this family's datasets.
+just below them, the decoder start token (T5 starts from its pad id 0, which in our tokenizers is a
+real token, hence a dedicated id). Batches come from span corruption (data/spans.py) through
+`adapt_dataset`, which the loop applies to this family's datasets: x = encoder input, y = decoder
+targets; the decoder input is y shifted right. `model.bias`, `head_dim` and `block_size` do not apply
+(no biases; head width is model.t5.d_kv; positions are relative, so any length runs).
 
     trainbox train t5-small data.path=PREFIX          # T5 v1.1 small on shard files
 """
