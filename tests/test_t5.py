@@ -105,6 +105,18 @@ def test_greedy_span_filling_matches_hugging_face_generate(tmp_path):
     assert mine == (ref[:ref.index(2)] if 2 in ref else ref)
 
 
+def test_cached_decoding_equals_full_decoder_runs():
+    torch.manual_seed(5)
+    model = T5(ModelSection(**SHAPE), VOCAB, 64).eval()
+    memory = model.encode(torch.randint(0, VOCAB, (2, 30)))
+    dec = torch.randint(0, VOCAB, (2, 25))          # longer than max_distance: far buckets in the cache too
+    full = model.decode(dec, memory)
+    caches = model.make_decoder_caches(2, 25, 30, torch.float32, "cpu")
+    first = model.decode(dec[:, :4], memory, caches, 0)   # a prefill of 4, then one token at a time
+    steps = [first] + [model.decode(dec[:, p:p + 1], memory, caches, p) for p in range(4, 25)]
+    assert (torch.cat(steps, dim=1) - full).abs().max().item() < 1e-5
+
+
 def test_flops_per_token_matches_flop_counter():
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.utils.flop_counter import FlopCounterMode

@@ -83,18 +83,19 @@ def load_for_inference(path: str | Path, device: str | torch.device = "cpu"):
 def decode_seq2seq(model, ids: list[int], max_tokens: int, eot_id: int, text_vocab: int, temperature: float = 1.0,
                    top_k: int | None = None, top_p: float | None = None, seed: int = 0,
                    device: torch.device | str = "cpu") -> list[int]:
-    """Encoder-decoder decoding: the encoder runs once on `ids`; each step re-runs the decoder over the
-    tokens so far (T5 targets are short, about 20% of the input) and draws the next token like `sample`
-    (greedy at temperature 0). Ids in [text_vocab, start of the sentinels) are never drawn."""
+    """Encoder-decoder decoding: the encoder runs once on `ids`; the decoder feeds one token per step
+    through its key/value caches and draws the next token like `sample` (greedy at temperature 0).
+    Ids in [text_vocab, start of the sentinels) are never drawn."""
     device = torch.device(device)
     model.eval()
     V, S = model.vocab_size, model.sentinel_tokens
     memory = model.encode(torch.tensor([ids], device=device))
-    dec = torch.tensor([[model.decoder_start_token_id]], device=device)
+    caches = model.make_decoder_caches(1, max(1, max_tokens), memory.size(1), memory.dtype, device)
+    nxt = torch.tensor([[model.decoder_start_token_id]], device=device)
     gen = torch.Generator(device=device).manual_seed(seed)
     out = []
-    for _ in range(max(0, max_tokens)):
-        logits = model.decode(dec, memory)[:, -1, :].float()
+    for pos in range(max(0, max_tokens)):
+        logits = model.decode(nxt, memory, caches, pos)[:, -1, :].float()
         logits[:, text_vocab:V - S] = float("-inf")  # padding rows and the decoder start token
         if temperature == 0:
             nxt = logits.argmax(-1, keepdim=True)
@@ -104,7 +105,6 @@ def decode_seq2seq(model, ids: list[int], max_tokens: int, eot_id: int, text_voc
         if token == eot_id:
             break
         out.append(token)
-        dec = torch.cat([dec, nxt], dim=1)
     return out
 
 

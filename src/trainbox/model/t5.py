@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from trainbox.errors import ConfigError
 from trainbox.model.gpt import Output, cross_entropy
-from trainbox.model.layers import RMSNorm, gelu_tanh
+from trainbox.model.layers import KVCache, RMSNorm, gelu_tanh
 
 
 def relative_position_bucket(relative_position: torch.Tensor, bidirectional: bool, num_buckets: int,
@@ -78,14 +78,22 @@ class Attention(nn.Module):
         buckets = relative_position_bucket(key - query, self.bidirectional, self.num_buckets, self.max_distance)
         return self.relative_attention_bias(buckets).permute(2, 0, 1).unsqueeze(0)
 
-    def forward(self, x: torch.Tensor, bias: torch.Tensor | None, kv: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, bias: torch.Tensor | None, kv: torch.Tensor | None = None,
+                cache: KVCache | None = None, pos: int = 0) -> torch.Tensor:
+        """With a cache (decoding): self-attention appends the new keys/values at `pos`; cross-attention
+        projects the encoder output once (at pos 0) and reuses it."""
         B, T, _ = x.shape
         src = x if kv is None else kv
         S = src.size(1)
         # (B, T, H * D) -> (B, H, T, D)
         q = self.q(x).view(B, T, self.n_head, self.d_kv).transpose(1, 2)
-        k = self.k(src).view(B, S, self.n_head, self.d_kv).transpose(1, 2)
-        v = self.v(src).view(B, S, self.n_head, self.d_kv).transpose(1, 2)
+        if cache is not None and kv is not None and pos > 0:
+            k, v = cache.k, cache.v
+        else:
+            k = self.k(src).view(B, S, self.n_head, self.d_kv).transpose(1, 2)
+            v = self.v(src).view(B, S, self.n_head, self.d_kv).transpose(1, 2)
+            if cache is not None:
+                k, v = cache.update(0 if kv is not None else pos, k, v)
         mask = bias.to(q.dtype) if bias is not None else None
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0,
                                            dropout_p=self.dropout if self.training else 0.0)
@@ -99,8 +107,8 @@ class SelfAttentionLayer(nn.Module):
         self.layer_norm = RMSNorm(cfg.n_embd, cfg.t5.layer_norm_eps)
         self.dropout = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-        return x + self.dropout(self.SelfAttention(self.layer_norm(x), bias))
+    def forward(self, x: torch.Tensor, bias: torch.Tensor, cache: KVCache | None = None, pos: int = 0) -> torch.Tensor:
+        return x + self.dropout(self.SelfAttention(self.layer_norm(x), bias, cache=cache, pos=pos))
 
 
 class CrossAttentionLayer(nn.Module):
@@ -110,9 +118,10 @@ class CrossAttentionLayer(nn.Module):
         self.layer_norm = RMSNorm(cfg.n_embd, cfg.t5.layer_norm_eps)
         self.dropout = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor, memory: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, memory: torch.Tensor, cache: KVCache | None = None,
+                pos: int = 0) -> torch.Tensor:
         # no position bias between decoder and encoder positions (T5 adds zeros)
-        return x + self.dropout(self.EncDecAttention(self.layer_norm(x), None, kv=memory))
+        return x + self.dropout(self.EncDecAttention(self.layer_norm(x), None, kv=memory, cache=cache, pos=pos))
 
 
 class GatedGelu(nn.Module):
@@ -150,10 +159,11 @@ class Block(nn.Module):
             layers.append(CrossAttentionLayer(cfg))
         self.layer = nn.ModuleList([*layers, FeedForwardLayer(cfg)])
 
-    def forward(self, x: torch.Tensor, bias: torch.Tensor, memory: torch.Tensor | None = None) -> torch.Tensor:
-        x = self.layer[0](x, bias)
+    def forward(self, x: torch.Tensor, bias: torch.Tensor, memory: torch.Tensor | None = None,
+                caches: tuple[KVCache, KVCache] | None = None, pos: int = 0) -> torch.Tensor:
+        x = self.layer[0](x, bias, caches[0] if caches else None, pos)
         if self.is_decoder:
-            x = self.layer[1](x, memory)
+            x = self.layer[1](x, memory, caches[1] if caches else None, pos)
         return self.layer[-1](x)
 
 
@@ -168,15 +178,17 @@ class Stack(nn.Module):
         self.final_layer_norm = RMSNorm(cfg.n_embd, cfg.t5.layer_norm_eps)
         self.dropout = nn.Dropout(cfg.dropout)
 
-    def forward(self, ids: torch.Tensor, memory: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, memory: torch.Tensor | None = None,
+                caches: list[tuple[KVCache, KVCache]] | None = None, pos: int = 0) -> torch.Tensor:
+        """`ids` sit at positions pos..pos+T-1; with caches, earlier positions come from the caches."""
         T = ids.size(1)
         x = self.dropout(self.embed_tokens(ids))
-        bias = self.block[0].layer[0].SelfAttention.position_bias(T, T, ids.device)  # (1, H, T, T)
+        bias = self.block[0].layer[0].SelfAttention.position_bias(T, pos + T, ids.device)  # (1, H, T, pos + T)
         if self.is_decoder:
-            causal = torch.full((T, T), float("-inf"), device=ids.device).triu(1)
+            causal = torch.full((T, pos + T), float("-inf"), device=ids.device).triu(pos + 1)
             bias = bias + causal
-        for block in self.block:
-            x = block(x, bias, memory)
+        for i, block in enumerate(self.block):
+            x = block(x, bias, memory, caches[i] if caches else None, pos)
         return self.dropout(self.final_layer_norm(x))
 
 
@@ -223,9 +235,9 @@ class T5(nn.Module):
     def encode(self, idx: torch.Tensor) -> torch.Tensor:
         return self.encoder(idx)
 
-    def decode(self, decoder_ids: torch.Tensor, memory: torch.Tensor) -> torch.Tensor:
-        """Decoder token ids + encoder output -> logits over the vocabulary."""
-        x = self.decoder(decoder_ids, memory)
+    def decode(self, decoder_ids: torch.Tensor, memory: torch.Tensor, caches=None, pos: int = 0) -> torch.Tensor:
+        """Decoder token ids (at positions pos..) + encoder output -> logits over the vocabulary."""
+        x = self.decoder(decoder_ids, memory, caches, pos)
         if self.cfg.tie_embeddings:  # original T5: tied head scaled by d_model^-0.5
             x = x * self.cfg.n_embd ** -0.5
         return self.lm_head(x)
@@ -243,6 +255,12 @@ class T5(nn.Module):
         if targets is None:
             return Output(logits=logits)
         return Output(loss=cross_entropy(logits, targets, loss_mask, reduction), logits=logits)
+
+    def make_decoder_caches(self, batch: int, max_len: int, memory_len: int, dtype, device) -> list:
+        """Per decoder block: (self-attention cache of max_len positions, cross-attention cache)."""
+        H, D = self.cfg.n_head, t5_d_kv(self.cfg)
+        return [(KVCache(batch, H, max_len, D, dtype, device), KVCache(batch, H, memory_len, D, dtype, device))
+                for _ in range(t5_decoder_layers(self.cfg))]
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
