@@ -229,3 +229,15 @@ def test_cuda_runs_on_the_fused_kernel_and_matches_hugging_face_in_bf16():
     bias = ours.encoder.block[0].layer[0].SelfAttention.relative_attention_bias.weight
     assert bias.grad is not None and bias.grad.abs().sum() > 0
 
+
+
+def test_explicit_vocab_without_room_for_sentinels_is_a_config_error(tiny):
+    from trainbox.data.sources import open_datasets
+    from trainbox.data.tokenizer import get_tokenizer
+    from trainbox.errors import ConfigError
+    from trainbox.model.registry import adapt_datasets
+
+    cfg = load_config("tiny", [*tiny, *T5_TINY, "model.vocab_size=2048"])
+    tok = get_tokenizer(cfg.data.tokenizer)
+    with pytest.raises(ConfigError, match="model.vocab_size=2048"):
+        adapt_datasets(cfg, tok, 2048, *open_datasets(cfg.data, tok, 2048))
