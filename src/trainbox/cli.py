@@ -104,10 +104,10 @@ def cmd_generate(args) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     model, tokenizer, cfg = load_for_inference(args.path, device)
     if cfg.model.family == "t5":  # encoder-decoder: print what the model fills in for each sentinel
+        from trainbox.data.spans import fill_prompt
         from trainbox.generate import fill_spans
         spans = fill_spans(model, tokenizer, args.prompt, max_tokens=args.max_tokens, temperature=args.temperature,
                            top_k=args.top_k, top_p=args.top_p, seed=args.seed, device=device)
-        from trainbox.data.spans import fill_prompt
         for k, text in spans:
             print(f"<extra_id_{k}>{text}")
         print(f"--- filled ---\n{fill_prompt(args.prompt, spans)}")
