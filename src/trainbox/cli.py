@@ -29,6 +29,7 @@ EPILOGS = {
         examples:
           trainbox generate runs/tiny --prompt "ROMEO:" --max-tokens 100 --temperature 0.8 --top-k 50 --seed 1
           trainbox generate runs/tiny/checkpoints/step_00000300 --prompt "To be" --top-p 0.9
+          trainbox generate runs/t5-tiny --prompt "To be, or <extra_id_0> to be" --temperature 0   # t5: fills spans
         """,
     "export": """
         examples:
@@ -161,7 +162,16 @@ def cmd_generate(args) -> int:
     from trainbox.generate import load_for_inference, sample
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model, tokenizer, _ = load_for_inference(args.path, device)
+    model, tokenizer, cfg = load_for_inference(args.path, device)
+    if cfg.model.family == "t5":  # encoder-decoder: print what the model fills in for each sentinel
+        from trainbox.data.spans import fill_prompt
+        from trainbox.generate import fill_spans
+        spans = fill_spans(model, tokenizer, args.prompt, max_tokens=args.max_tokens, temperature=args.temperature,
+                           top_k=args.top_k, top_p=args.top_p, seed=args.seed, device=device)
+        for k, text in spans:
+            print(f"<extra_id_{k}>{text}")
+        print(f"--- filled ---\n{fill_prompt(args.prompt, spans)}")
+        return 0
     text = sample(model, tokenizer, args.prompt, max_tokens=args.max_tokens, temperature=args.temperature,
                   top_k=args.top_k, top_p=args.top_p, seed=args.seed, device=device)
     print(args.prompt + text)

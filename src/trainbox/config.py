@@ -59,6 +59,20 @@ class MoESection(Section):
         return self
 
 
+class T5Section(Section):
+    """T5 v1.1 shapes and its span-corruption objective (`model.family: t5`)."""
+
+    d_ff: int | None = Field(None, ge=1, description="gated-GELU hidden width (default 2 x n_embd)")
+    d_kv: int | None = Field(None, ge=1, description="width of one attention head (default n_embd // n_head)")
+    num_decoder_layers: int | None = Field(None, ge=1, description="default model.n_layer (encoder layers)")
+    relative_attention_num_buckets: int = Field(32, ge=2)
+    relative_attention_max_distance: int = Field(128, ge=2)
+    layer_norm_eps: float = Field(1e-6, gt=0)
+    sentinel_tokens: int = Field(100, ge=1, description="sentinel ids added above the tokenizer's vocabulary")
+    noise_density: float = Field(0.15, gt=0, lt=1, description="fraction of tokens masked by span corruption")
+    mean_noise_span_length: float = Field(3.0, ge=1, description="mean length of a masked span")
+
+
 class ModelSection(Section):
     family: Literal["gpt", "moe", "speedrun", "t5", "hf"] = "gpt"
     n_layer: int = Field(12, ge=1)
@@ -76,6 +90,7 @@ class ModelSection(Section):
     window_warmup_steps: int = Field(0, ge=0, description="speedrun: steps over which the window grows")
     eot_id: int | None = Field(None, ge=0, description="speedrun: document separator token (default: the tokenizer's)")
     path: str | None = Field(None, description="hf: hub id or local folder of a Hugging Face causal LM")
+    t5: T5Section = Field(default_factory=T5Section)
 
     @model_validator(mode="after")
     def _heads_divide_width(self) -> "ModelSection":

@@ -14,7 +14,7 @@ import torch
 from trainbox import checkpoint
 from trainbox.config import RunConfig, build_config
 from trainbox.data.tokenizer import Tokenizer
-from trainbox.model.registry import build_model, build_tokenizer, pad_vocab
+from trainbox.model.registry import build_model, build_tokenizer, model_vocab_size
 
 
 def filter_logits(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None) -> torch.Tensor:
@@ -70,7 +70,52 @@ def load_for_inference(path: str | Path, device: str | torch.device = "cpu"):
     ckpt = checkpoint.resolve(path)
     cfg: RunConfig = build_config(checkpoint.load_trainer(ckpt)["config"])
     tokenizer = build_tokenizer(cfg)
-    vocab = cfg.model.vocab_size or pad_vocab(tokenizer.vocab_size)
+    vocab = model_vocab_size(cfg.model, tokenizer.vocab_size)
     model = build_model(cfg.model, vocab, cfg.model.block_size or cfg.data.seq_len, run=cfg)
     checkpoint.load_weights(ckpt, model)
     return model.to(device), tokenizer, cfg
+
+
+# ----------------------------------------------------------------------------- encoder-decoder (t5)
+
+
+@torch.no_grad()
+def decode_seq2seq(model, ids: list[int], max_tokens: int, eot_id: int, text_vocab: int, temperature: float = 1.0,
+                   top_k: int | None = None, top_p: float | None = None, seed: int = 0,
+                   device: torch.device | str = "cpu") -> list[int]:
+    """Encoder-decoder decoding: the encoder runs once on `ids`; the decoder feeds one token per step
+    through its key/value caches and draws the next token like `sample` (greedy at temperature 0).
+    Ids in [text_vocab, start of the sentinels) are never drawn."""
+    device = torch.device(device)
+    model.eval()
+    V, S = model.vocab_size, model.sentinel_tokens
+    memory = model.encode(torch.tensor([ids], device=device))
+    caches = model.make_decoder_caches(1, max(1, max_tokens), memory.size(1), memory.dtype, device)
+    nxt = torch.tensor([[model.decoder_start_token_id]], device=device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    out = []
+    for pos in range(max(0, max_tokens)):
+        logits = model.decode(nxt, memory, caches, pos)[:, -1, :].float()
+        logits[:, text_vocab:V - S] = float("-inf")  # padding rows and the decoder start token
+        if temperature == 0:
+            nxt = logits.argmax(-1, keepdim=True)
+        else:
+            nxt = torch.multinomial(filter_logits(logits, temperature, top_k, top_p).softmax(-1), 1, generator=gen)
+        token = int(nxt.item())
+        if token == eot_id:
+            break
+        out.append(token)
+    return out
+
+
+def fill_spans(model, tokenizer: Tokenizer, prompt: str, max_tokens: int = 100, temperature: float = 1.0,
+               top_k: int | None = None, top_p: float | None = None, seed: int = 0,
+               device: torch.device | str = "cpu") -> list[tuple[int, str]]:
+    """T5: `prompt` holds <extra_id_K> markers; returns [(K, text the model generates for it), ...]."""
+    from trainbox.data.spans import encode_with_sentinels, split_spans
+
+    V, S = model.vocab_size, model.sentinel_tokens
+    ids = encode_with_sentinels(tokenizer, prompt, V, S) + [tokenizer.eot_id]
+    out = decode_seq2seq(model, ids, max_tokens, tokenizer.eot_id, tokenizer.vocab_size, temperature, top_k, top_p,
+                         seed, device)
+    return [(k, tokenizer.decode(span)) for k, span in split_spans(out, V, S)]

@@ -26,8 +26,11 @@ class TokenDataset:
     """Packed windows over one or more token arrays (memory-mapped). Windows never cross files."""
 
     def __init__(self, arrays: list[np.ndarray], seq_len: int, name: str = "data",
-                 masks: list[np.ndarray] | None = None):
+                 masks: list[np.ndarray] | None = None, transform=None):
         self.arrays, self.masks, self.seq_len, self.name = arrays, masks, seq_len, name
+        # transform(windows (B, seq_len + 1), sample indices) -> batch dict, for families whose examples
+        # are not next-token windows (t5: span corruption, data/spans.py)
+        self.transform = transform
         per_file = [max(0, (len(a) - 1) // seq_len) for a in arrays]
         self.offsets = np.concatenate([[0], np.cumsum(per_file)]).astype(np.int64)
         self.num_tokens = int(sum(len(a) for a in arrays))
@@ -47,6 +50,8 @@ class TokenDataset:
         """Inputs x, targets y (int64, shape B x T); `loss_mask` where the data carries one."""
         toks, masks = zip(*(self.window(int(i)) for i in indices))
         arr = torch.from_numpy(np.stack(toks).astype(np.int64))
+        if self.transform is not None:
+            return self.transform(arr, indices)
         out = {"x": arr[:, :-1], "y": arr[:, 1:]}
         if self.masks is not None:
             out["loss_mask"] = torch.from_numpy(np.stack(masks)[:, 1:].astype(np.bool_))

@@ -2,9 +2,13 @@
 
 Each builder takes (ModelSection, vocab_size, block_size) and returns an nn.Module whose forward is
 `forward(idx, targets=None, loss_mask=None, caches=None, pos=0, reduction="mean") -> Output` and which
-has `make_caches`, `num_params` and `flops_per_token`. A family module that sets `USES_RUN_CONFIG = True`
-(hf: LoRA and quantisation settings) receives the whole RunConfig as `run=`; one that defines
-`tokenizer(run)` brings its own tokenizer (hf: the model's).
+has `make_caches`, `num_params` and `flops_per_token`. Optional module-level hooks let a family differ
+without a second loop:
+  USES_RUN_CONFIG = True   build() also receives the whole RunConfig as `run=` (hf: LoRA, quantisation)
+  tokenizer(run)           the family brings its own tokenizer (hf: the model's)
+  extra_ids(model_cfg)     ids above the tokenizer's (t5: 100 sentinels and a decoder start id)
+  adapt_dataset(...)       turns packed token windows into the family's examples (t5: span corruption);
+                           batches keep the {x, y} keys, so forward(x, y) and evaluation are unchanged
 """
 from __future__ import annotations
 
@@ -29,6 +33,7 @@ def pad_vocab(n: int, multiple: int = 64) -> int:
 
 
 def _family_module(cfg):
+    """The family's module, from a ModelSection."""
     module = FAMILIES.get(cfg.family)
     if module is None:
         raise ConfigError(f"model.family={cfg.family!r} is not one of {', '.join(FAMILIES)}")
@@ -54,3 +59,20 @@ def build_tokenizer(run):
 
     hook = getattr(_family_module(run.model), "tokenizer", None)
     return hook(run) if hook is not None else get_tokenizer(run.data.tokenizer)
+
+
+def model_vocab_size(cfg, tokenizer_vocab: int) -> int:
+    """model.vocab_size, or the tokenizer's plus the family's extra ids (t5 sentinels), padded."""
+    if cfg.vocab_size:
+        return cfg.vocab_size
+    hook = getattr(_family_module(cfg), "extra_ids", None)
+    return pad_vocab(tokenizer_vocab + (hook(cfg) if hook is not None else 0))
+
+
+def adapt_datasets(cfg, tokenizer, vocab_size: int, train, val):
+    """Families whose examples are not next-token windows (t5) turn the packed datasets into theirs."""
+    adapt = getattr(_family_module(cfg.model), "adapt_dataset", None)
+    if adapt is None:
+        return train, val
+    return (adapt(cfg, tokenizer, train, vocab_size, "train"),
+            adapt(cfg, tokenizer, val, vocab_size, "val") if val is not None else None)

@@ -174,7 +174,7 @@ class Trainer:
     def setup(self) -> None:
         from trainbox import runs
         from trainbox.data.sources import open_datasets
-        from trainbox.model.registry import build_model, build_tokenizer, pad_vocab
+        from trainbox.model.registry import adapt_datasets, build_model, build_tokenizer, model_vocab_size
 
         cfg, d = self.cfg, self.dist
         d.init(self.device, cfg.train.pg_timeout_s)
@@ -184,8 +184,9 @@ class Trainer:
         self.tokenizer = build_tokenizer(cfg)
         if cfg.model.eot_id is None:  # document-masked families (speedrun) split documents at EOT
             cfg.model.eot_id = self.tokenizer.eot_id
-        vocab = cfg.model.vocab_size or pad_vocab(self.tokenizer.vocab_size)
-        self.train_data, self.val_data = open_datasets(cfg.data, self.tokenizer, vocab)
+        vocab = model_vocab_size(cfg.model, self.tokenizer.vocab_size)
+        self.train_data, self.val_data = adapt_datasets(cfg, self.tokenizer, vocab,
+                                                        *open_datasets(cfg.data, self.tokenizer, vocab))
         self.plan = BatchPlan(self.train_data, cfg.train.global_batch_size, cfg.train.micro_batch_size,
                               d.world, d.rank, cfg.run.seed)
         self.plan.check_nonempty()

@@ -1,0 +1,357 @@
+"""T5 v1.1 encoder-decoder family (`model.family: t5`), pretrained with span corruption.
+
+Architecture (Raffel et al. 2020, with the v1.1 changes): no absolute positions; a learned scalar
+bias per head and relative-position bucket is added to the attention logits (one table for the
+encoder, one for the decoder, both held by the first block and shared by the others); T5's RMS
+layer norm (no mean, no bias) before every sub-layer; gated-GELU feed-forward
+`wo(gelu_tanh(wi_0 x) * wi_1 x)`; no biases anywhere; untied output head (`model.tie_embeddings:
+false`; when tied, the decoder output is scaled by d_model^-0.5 as in the original T5).
+
+T5 does not scale attention logits by 1/sqrt(d_kv) (the scale is folded into the initialisation of
+q), so attention runs through F.scaled_dot_product_attention with `scale=1.0` and the position bias
+(plus the causal mask in the decoder) as an additive float mask.
+
+Parameter names map 1:1 to Hugging Face's T5ForConditionalGeneration (`shared`, `encoder.block.N.
+layer.0.SelfAttention.q`, `...relative_attention_bias`, `layer.1.DenseReluDense.wi_0`, `lm_head`...),
+`encoder.embed_tokens` / `decoder.embed_tokens` being the same module as `shared`; `to_hf` writes a
+folder transformers loads. Vocabulary: the tokenizer's ids, then (top of the padded vocabulary, as T5)
+`sentinel_tokens` sentinels counting down from `vocab_size - 1` (<extra_id_0> is the last id) and,
+just below them, the decoder start token (T5 starts from its pad id 0, which in our tokenizers is a
+real token, hence a dedicated id). Batches come from span corruption (data/spans.py) through
+`adapt_dataset`, which the loop applies to this family's datasets: x = encoder input, y = decoder
+targets; the decoder input is y shifted right. `model.bias`, `head_dim` and `block_size` do not apply
+(no biases; head width is model.t5.d_kv; positions are relative, so any length runs).
+
+    trainbox train t5-small data.path=PREFIX          # T5 v1.1 small on shard files
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from trainbox.errors import ConfigError
+from trainbox.model.gpt import Output, cross_entropy
+from trainbox.model.layers import KVCache, RMSNorm, gelu_tanh
+
+
+def relative_position_bucket(relative_position: torch.Tensor, bidirectional: bool, num_buckets: int,
+                             max_distance: int) -> torch.Tensor:
+    """T5's bucket of `key position - query position`: exact for small distances, log-spaced up to
+    max_distance, one bucket beyond. Bidirectional (encoder) uses half the buckets per direction."""
+    bucket = torch.zeros_like(relative_position)
+    if bidirectional:
+        num_buckets //= 2
+        bucket += (relative_position > 0).long() * num_buckets
+        distance = relative_position.abs()
+    else:  # causal: only keys at or before the query exist
+        distance = (-relative_position).clamp(min=0)
+    max_exact = num_buckets // 2
+    # log(distance / max_exact) is only used where distance >= max_exact; clamp keeps log finite elsewhere
+    log_ratio = torch.log(distance.float().clamp(min=1) / max_exact) / math.log(max_distance / max_exact)
+    large = (max_exact + (log_ratio * (num_buckets - max_exact)).long()).clamp(max=num_buckets - 1)
+    return bucket + torch.where(distance < max_exact, distance, large)
+
+
+class Attention(nn.Module):
+    """Multi-head attention without biases or 1/sqrt(d) scaling; `kv` given = cross-attention."""
+
+    def __init__(self, cfg, relative_bias: bool, bidirectional: bool):
+        super().__init__()
+        t5, d = cfg.t5, cfg.n_embd
+        self.n_head, self.d_kv, self.bidirectional = cfg.n_head, t5_d_kv(cfg), bidirectional
+        self.num_buckets, self.max_distance = t5.relative_attention_num_buckets, t5.relative_attention_max_distance
+        inner = self.n_head * self.d_kv
+        self.q, self.k, self.v = (nn.Linear(d, inner, bias=False) for _ in range(3))
+        self.o = nn.Linear(inner, d, bias=False)
+        self.dropout = cfg.dropout
+        if relative_bias:
+            self.relative_attention_bias = nn.Embedding(self.num_buckets, self.n_head)
+
+    def position_bias(self, q_len: int, k_len: int, device) -> torch.Tensor:
+        """(1, H, q_len, k_len) additive bias; queries are the last q_len of k_len positions."""
+        query = torch.arange(k_len - q_len, k_len, device=device)[:, None]
+        key = torch.arange(k_len, device=device)[None, :]
+        buckets = relative_position_bucket(key - query, self.bidirectional, self.num_buckets, self.max_distance)
+        return self.relative_attention_bias(buckets).permute(2, 0, 1).unsqueeze(0)
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor | None, kv: torch.Tensor | None = None,
+                cache: KVCache | None = None, pos: int = 0) -> torch.Tensor:
+        """With a cache (decoding): self-attention appends the new keys/values at `pos`; cross-attention
+        projects the encoder output once (at pos 0) and reuses it."""
+        B, T, _ = x.shape
+        src = x if kv is None else kv
+        S = src.size(1)
+        # (B, T, H * D) -> (B, H, T, D)
+        q = self.q(x).view(B, T, self.n_head, self.d_kv).transpose(1, 2)
+        if cache is not None and kv is not None and pos > 0:
+            k, v = cache.k, cache.v
+        else:
+            k = self.k(src).view(B, S, self.n_head, self.d_kv).transpose(1, 2)
+            v = self.v(src).view(B, S, self.n_head, self.d_kv).transpose(1, 2)
+            if cache is not None:
+                k, v = cache.update(0 if kv is not None else pos, k, v)
+        mask = bias.to(q.dtype) if bias is not None else None
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0,
+                                           dropout_p=self.dropout if self.training else 0.0)
+        return self.o(y.transpose(1, 2).reshape(B, T, self.n_head * self.d_kv))
+
+
+class SelfAttentionLayer(nn.Module):
+    def __init__(self, cfg, relative_bias: bool, bidirectional: bool):
+        super().__init__()
+        self.SelfAttention = Attention(cfg, relative_bias, bidirectional)
+        self.layer_norm = RMSNorm(cfg.n_embd, cfg.t5.layer_norm_eps)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor, cache: KVCache | None = None, pos: int = 0) -> torch.Tensor:
+        return x + self.dropout(self.SelfAttention(self.layer_norm(x), bias, cache=cache, pos=pos))
+
+
+class CrossAttentionLayer(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.EncDecAttention = Attention(cfg, relative_bias=False, bidirectional=True)
+        self.layer_norm = RMSNorm(cfg.n_embd, cfg.t5.layer_norm_eps)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor, memory: torch.Tensor, cache: KVCache | None = None,
+                pos: int = 0) -> torch.Tensor:
+        # no position bias between decoder and encoder positions (T5 adds zeros)
+        return x + self.dropout(self.EncDecAttention(self.layer_norm(x), None, kv=memory, cache=cache, pos=pos))
+
+
+class GatedGelu(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        d, d_ff = cfg.n_embd, t5_d_ff(cfg)
+        self.wi_0 = nn.Linear(d, d_ff, bias=False)
+        self.wi_1 = nn.Linear(d, d_ff, bias=False)
+        self.wo = nn.Linear(d_ff, d, bias=False)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.wo(self.dropout(gelu_tanh(self.wi_0(x)) * self.wi_1(x)))
+
+
+class FeedForwardLayer(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.DenseReluDense = GatedGelu(cfg)  # Hugging Face's name, kept for the 1:1 weight mapping
+        self.layer_norm = RMSNorm(cfg.n_embd, cfg.t5.layer_norm_eps)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.dropout(self.DenseReluDense(self.layer_norm(x)))
+
+
+class Block(nn.Module):
+    """Encoder block: [self-attention, FF]; decoder block: [causal self-attention, cross-attention, FF]."""
+
+    def __init__(self, cfg, is_decoder: bool, relative_bias: bool):
+        super().__init__()
+        self.is_decoder = is_decoder
+        layers = [SelfAttentionLayer(cfg, relative_bias, bidirectional=not is_decoder)]
+        if is_decoder:
+            layers.append(CrossAttentionLayer(cfg))
+        self.layer = nn.ModuleList([*layers, FeedForwardLayer(cfg)])
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor, memory: torch.Tensor | None = None,
+                caches: tuple[KVCache, KVCache] | None = None, pos: int = 0) -> torch.Tensor:
+        x = self.layer[0](x, bias, caches[0] if caches else None, pos)
+        if self.is_decoder:
+            x = self.layer[1](x, memory, caches[1] if caches else None, pos)
+        return self.layer[-1](x)
+
+
+class Stack(nn.Module):
+    """The encoder or the decoder: embeddings (shared), blocks, final norm."""
+
+    def __init__(self, cfg, n_layer: int, is_decoder: bool, embed_tokens: nn.Embedding):
+        super().__init__()
+        self.is_decoder = is_decoder
+        self.embed_tokens = embed_tokens
+        self.block = nn.ModuleList([Block(cfg, is_decoder, relative_bias=i == 0) for i in range(n_layer)])
+        self.final_layer_norm = RMSNorm(cfg.n_embd, cfg.t5.layer_norm_eps)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, ids: torch.Tensor, memory: torch.Tensor | None = None,
+                caches: list[tuple[KVCache, KVCache]] | None = None, pos: int = 0) -> torch.Tensor:
+        """`ids` sit at positions pos..pos+T-1; with caches, earlier positions come from the caches."""
+        T = ids.size(1)
+        x = self.dropout(self.embed_tokens(ids))
+        bias = self.block[0].layer[0].SelfAttention.position_bias(T, pos + T, ids.device)  # (1, H, T, pos + T)
+        if self.is_decoder:
+            causal = torch.full((T, pos + T), float("-inf"), device=ids.device).triu(pos + 1)
+            bias = bias + causal
+        for i, block in enumerate(self.block):
+            x = block(x, bias, memory, caches[i] if caches else None, pos)
+        return self.dropout(self.final_layer_norm(x))
+
+
+class T5(nn.Module):
+    """T5 v1.1. `cfg` is a ModelSection (T5 settings in cfg.t5); `vocab_size` includes the sentinels."""
+
+    family = "t5"
+
+    def __init__(self, cfg, vocab_size: int, block_size: int):
+        super().__init__()
+        self.cfg, self.vocab_size, self.block_size = cfg, vocab_size, block_size
+        self.sentinel_tokens = cfg.t5.sentinel_tokens
+        self.decoder_start_token_id = vocab_size - 1 - self.sentinel_tokens
+        self.shared = nn.Embedding(vocab_size, cfg.n_embd)
+        self.encoder = Stack(cfg, cfg.n_layer, is_decoder=False, embed_tokens=self.shared)
+        self.decoder = Stack(cfg, t5_decoder_layers(cfg), is_decoder=True, embed_tokens=self.shared)
+        self.lm_head = nn.Linear(cfg.n_embd, vocab_size, bias=False)
+        self.init_weights()
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.shared.weight
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Mesh TensorFlow's T5 initialisation (as Hugging Face's): variance-scaled by fan-in, with the
+        attention's missing 1/sqrt(d_kv) folded into q. One change: the untied head also starts at
+        d_model^-0.5 (Hugging Face: 1.0), so the first logits have unit scale and the initial loss is
+        about ln(vocab) rather than several times it."""
+        d, d_ff, inner = self.cfg.n_embd, t5_d_ff(self.cfg), self.cfg.n_head * t5_d_kv(self.cfg)
+        std = {"q": (d * t5_d_kv(self.cfg)) ** -0.5, "k": d ** -0.5, "v": d ** -0.5, "o": inner ** -0.5,
+               "wi_0": d ** -0.5, "wi_1": d ** -0.5, "wo": d_ff ** -0.5, "relative_attention_bias": d ** -0.5,
+               "shared": 1.0, "lm_head": d ** -0.5}
+        for name, p in self.named_parameters():
+            parts = name.split(".")
+            if parts[-2] in ("layer_norm", "final_layer_norm"):
+                nn.init.ones_(p)
+            else:
+                nn.init.normal_(p, mean=0.0, std=std[parts[-2]])
+
+    def shift_right(self, targets: torch.Tensor) -> torch.Tensor:
+        """Decoder inputs: the start token, then the targets without their last token (teacher forcing)."""
+        start = targets.new_full((targets.size(0), 1), self.decoder_start_token_id)
+        return torch.cat([start, targets[:, :-1]], dim=1)
+
+    def encode(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.encoder(idx)
+
+    def decode(self, decoder_ids: torch.Tensor, memory: torch.Tensor, caches=None, pos: int = 0) -> torch.Tensor:
+        """Decoder token ids (at positions pos..) + encoder output -> logits over the vocabulary."""
+        x = self.decoder(decoder_ids, memory, caches, pos)
+        if self.cfg.tie_embeddings:  # original T5: tied head scaled by d_model^-0.5
+            x = x * self.cfg.n_embd ** -0.5
+        return self.lm_head(x)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, loss_mask: torch.Tensor | None = None,
+                caches=None, pos: int = 0, reduction: str = "mean",
+                decoder_input_ids: torch.Tensor | None = None) -> Output:
+        """idx: encoder input (B, S); targets: decoder targets (B, T). Returns the loss, or the logits
+        for `decoder_input_ids` when no targets are given."""
+        if decoder_input_ids is None:
+            if targets is None:
+                raise ValueError("T5.forward needs targets or decoder_input_ids")
+            decoder_input_ids = self.shift_right(targets)
+        logits = self.decode(decoder_input_ids, self.encode(idx))
+        if targets is None:
+            return Output(logits=logits)
+        return Output(loss=cross_entropy(logits, targets, loss_mask, reduction), logits=logits)
+
+    def make_decoder_caches(self, batch: int, max_len: int, memory_len: int, dtype, device) -> list:
+        """Per decoder block: (self-attention cache of max_len positions, cross-attention cache)."""
+        H, D = self.cfg.n_head, t5_d_kv(self.cfg)
+        return [(KVCache(batch, H, max_len, D, dtype, device), KVCache(batch, H, memory_len, D, dtype, device))
+                for _ in range(t5_decoder_layers(self.cfg))]
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per encoder input token (what the loop counts as tokens): 6 x (matmul
+        parameters x the positions they apply to) + attention scores, over one example of
+        `seq_len` encoder tokens and the decoder length span corruption gives it, divided by seq_len."""
+        from trainbox.data.spans import span_lengths
+
+        _, dec_len = span_lengths(seq_len, self.cfg.t5.noise_density, self.cfg.t5.mean_noise_span_length)
+        d, d_ff, inner = self.cfg.n_embd, t5_d_ff(self.cfg), self.cfg.n_head * t5_d_kv(self.cfg)
+        attn, ff = 4 * d * inner, 3 * d * d_ff
+        n_enc, n_dec = self.cfg.n_layer, t5_decoder_layers(self.cfg)
+        matmul = (n_enc * (attn + ff) * seq_len                       # encoder blocks
+                  + n_dec * (attn + 2 * d * inner + ff) * dec_len      # decoder self-attn, cross q/o, FF
+                  + n_dec * 2 * d * inner * seq_len                    # cross-attention k/v over the encoder
+                  + d * self.vocab_size * dec_len)                     # output head
+        scores = 2 * inner * (n_enc * seq_len * seq_len + n_dec * (dec_len * dec_len + dec_len * seq_len))
+        return 3 * (2 * matmul + 2 * scores) / seq_len
+
+
+def t5_d_kv(cfg) -> int:
+    return cfg.t5.d_kv or cfg.n_embd // cfg.n_head
+
+
+def t5_d_ff(cfg) -> int:
+    return cfg.t5.d_ff or 2 * cfg.n_embd
+
+
+def t5_decoder_layers(cfg) -> int:
+    return cfg.t5.num_decoder_layers or cfg.n_layer
+
+
+def extra_ids(cfg) -> int:
+    """Ids this family adds above the tokenizer's vocabulary: the sentinels and the decoder start."""
+    return cfg.t5.sentinel_tokens + 1
+
+
+def build(cfg, vocab_size: int, block_size: int) -> T5:
+    return T5(cfg, vocab_size, block_size)
+
+
+def adapt_dataset(cfg, tokenizer, dataset, vocab_size: int, split: str):
+    """Packed token windows -> span-corrupted (encoder input, decoder target) examples (data/spans.py)."""
+    from trainbox.data.spans import span_corruption_dataset
+
+    if vocab_size < tokenizer.vocab_size + extra_ids(cfg.model):
+        raise ConfigError(f"model.vocab_size={vocab_size} leaves no room for the tokenizer's {tokenizer.vocab_size} "
+                          f"ids plus {extra_ids(cfg.model)} T5 extra ids (sentinels and decoder start)",
+                          hint="leave model.vocab_size unset, it is derived from the tokenizer")
+    return span_corruption_dataset(dataset, cfg.model.t5, cfg.data.seq_len, vocab_size, tokenizer.eot_id,
+                                   seed=cfg.run.seed, split=split)
+
+
+def hf_config(model: T5, eos_token_id: int):
+    """The transformers T5Config describing `model`."""
+    from transformers import T5Config
+
+    cfg = model.cfg
+    return T5Config(vocab_size=model.vocab_size, d_model=cfg.n_embd, d_kv=t5_d_kv(cfg), d_ff=t5_d_ff(cfg),
+                    num_layers=cfg.n_layer, num_decoder_layers=t5_decoder_layers(cfg), num_heads=cfg.n_head,
+                    relative_attention_num_buckets=cfg.t5.relative_attention_num_buckets,
+                    relative_attention_max_distance=cfg.t5.relative_attention_max_distance,
+                    dropout_rate=cfg.dropout, layer_norm_epsilon=cfg.t5.layer_norm_eps,
+                    feed_forward_proj="gated-gelu", tie_word_embeddings=cfg.tie_embeddings,
+                    decoder_start_token_id=model.decoder_start_token_id, pad_token_id=model.decoder_start_token_id,
+                    eos_token_id=eos_token_id)
+
+
+def to_hf(model: T5, out: str | Path, eos_token_id: int) -> Path:
+    """Write a folder that `T5ForConditionalGeneration.from_pretrained` loads with the same outputs
+    (config.json + model.safetensors, names 1:1). Written into a temporary folder, then renamed."""
+    import os
+    import shutil
+
+    from safetensors.torch import save_file
+
+    out = Path(out)
+    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    hf_config(model, eos_token_id).save_pretrained(tmp)
+    state, seen = {}, set()
+    for name, t in model.state_dict().items():  # tied aliases (embed_tokens, tied head) stored once
+        if t.data_ptr() in seen:
+            continue
+        seen.add(t.data_ptr())
+        state[name] = t.detach().to("cpu", torch.float32).contiguous()
+    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+    return out

@@ -1,0 +1,243 @@
+"""T5 family: parity with Hugging Face's T5ForConditionalGeneration (logits, gradients, export, greedy
+decoding), FLOP count against torch's FlopCounterMode, recipes, and training through the one loop
+(exact resume, world-size independence, `trainbox generate`)."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import run_cli
+from trainbox.config import ModelSection, load_config
+from trainbox.model.registry import model_vocab_size
+from trainbox.model.t5 import T5, relative_position_bucket, to_hf
+
+transformers = pytest.importorskip("transformers")
+
+SHAPE = dict(family="t5", n_layer=2, n_head=4, n_embd=32,
+             t5=dict(d_ff=48, d_kv=8, num_decoder_layers=3, relative_attention_num_buckets=8,
+                     relative_attention_max_distance=20))
+VOCAB = 160
+
+
+def hf_pair(tie: bool = False, seed: int = 0):
+    """A random HF T5 from a small T5Config, and ours with its weights loaded by name."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    torch.manual_seed(seed)
+    ours = T5(ModelSection(**SHAPE, tie_embeddings=tie), VOCAB, 64)
+    cfg = T5Config(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=48, num_layers=2, num_decoder_layers=3, num_heads=4,
+                   relative_attention_num_buckets=8, relative_attention_max_distance=20, dropout_rate=0.0,
+                   feed_forward_proj="gated-gelu", tie_word_embeddings=tie,
+                   decoder_start_token_id=ours.decoder_start_token_id, pad_token_id=ours.decoder_start_token_id)
+    hf = T5ForConditionalGeneration(cfg).eval()
+    if not tie:  # transformers 5 always builds the head tied (untied only when a checkpoint says so): untie
+        hf.lm_head.weight = torch.nn.Parameter(torch.randn(VOCAB, 32) * 32 ** -0.5)
+    assert (hf.lm_head.weight is hf.shared.weight) == tie
+    assert getattr(hf.config, "scale_decoder_outputs", hf.config.tie_word_embeddings) == tie  # transformers 5 / 4
+    hf_state = hf.state_dict()
+    assert set(hf_state) == set(ours.state_dict())  # names map 1:1, embed_tokens aliases included
+    ours.load_state_dict(hf_state, strict=True)
+    return hf, ours.eval()
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_logits_and_gradients_match_hugging_face(tie):
+    hf, ours = hf_pair(tie)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, VOCAB, (3, 45), generator=g)   # longer than max_distance: log-spaced buckets too
+    y = torch.randint(0, VOCAB, (3, 17), generator=g)
+    ref = hf(input_ids=x, labels=y)
+    out = ours(x, y)
+    assert (out.logits - ref.logits).abs().max().item() < 1e-4
+    ref.loss.backward()
+    out.loss.backward()
+    hf_grads = dict(hf.named_parameters())
+    for name, p in ours.named_parameters():
+        g_ref = hf_grads[name].grad
+        rel = ((p.grad - g_ref).norm() / g_ref.norm()).item()
+        assert rel < 1e-4, f"{name}: relative gradient difference {rel:.2e}"
+
+
+def test_relative_position_buckets_match_hugging_face():
+    from transformers.models.t5.modeling_t5 import T5Attention
+
+    rel = torch.arange(-300, 300)[None, :] - torch.arange(0, 7)[:, None]
+    for bidirectional in (True, False):
+        for buckets, dist in ((32, 128), (8, 20), (16, 64)):
+            ref = T5Attention._relative_position_bucket(rel, bidirectional, buckets, dist)
+            assert torch.equal(relative_position_bucket(rel, bidirectional, buckets, dist), ref)
+
+
+def test_export_loads_in_transformers_with_same_outputs(tmp_path):
+    from transformers import T5ForConditionalGeneration
+
+    torch.manual_seed(3)
+    ours = T5(ModelSection(**SHAPE, tie_embeddings=False), VOCAB, 64).eval()
+    out = to_hf(ours, tmp_path / "hf", eos_token_id=5)
+    hf = T5ForConditionalGeneration.from_pretrained(out).eval()
+    x, y = torch.randint(0, VOCAB, (2, 30)), torch.randint(0, VOCAB, (2, 9))
+    ref = hf(input_ids=x, labels=y)
+    mine = ours(x, y)
+    assert (mine.logits - ref.logits).abs().max().item() < 1e-5
+    assert abs(mine.loss.item() - ref.loss.item()) < 1e-5
+    assert hf.config.decoder_start_token_id == ours.decoder_start_token_id == VOCAB - 1 - 100
+
+
+def test_greedy_span_filling_matches_hugging_face_generate(tmp_path):
+    from transformers import T5ForConditionalGeneration
+
+    from trainbox.generate import decode_seq2seq
+
+    torch.manual_seed(4)
+    text_vocab = VOCAB - 101 - 3          # three padding rows between the text ids and the decoder start
+    ours = T5(ModelSection(**SHAPE, tie_embeddings=False), VOCAB, 64).eval()
+    hf = T5ForConditionalGeneration.from_pretrained(to_hf(ours, tmp_path / "hf", eos_token_id=2)).eval()
+    ids = [7, 9, VOCAB - 1, 11, 12, 3, VOCAB - 2, 2]
+    mine = decode_seq2seq(ours, ids, 12, eot_id=2, text_vocab=text_vocab, temperature=0)
+    # use_cache=False: transformers 5 sizes its cache by the encoder depth (3 decoder layers here)
+    ref = hf.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, num_beams=1, use_cache=False,
+                      suppress_tokens=list(range(text_vocab, VOCAB - 100)))[0].tolist()
+    assert ref[0] == ours.decoder_start_token_id
+    ref = ref[1:]
+    assert mine == (ref[:ref.index(2)] if 2 in ref else ref)
+
+
+def test_cached_decoding_equals_full_decoder_runs():
+    torch.manual_seed(5)
+    model = T5(ModelSection(**SHAPE), VOCAB, 64).eval()
+    memory = model.encode(torch.randint(0, VOCAB, (2, 30)))
+    dec = torch.randint(0, VOCAB, (2, 25))          # longer than max_distance: far buckets in the cache too
+    full = model.decode(dec, memory)
+    caches = model.make_decoder_caches(2, 25, 30, torch.float32, "cpu")
+    first = model.decode(dec[:, :4], memory, caches, 0)   # a prefill of 4, then one token at a time
+    steps = [first] + [model.decode(dec[:, p:p + 1], memory, caches, p) for p in range(4, 25)]
+    assert (torch.cat(steps, dim=1) - full).abs().max().item() < 1e-5
+
+
+def test_flops_per_token_matches_flop_counter():
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from trainbox.data.spans import span_lengths
+
+    model = T5(ModelSection(**SHAPE), VOCAB, 64)
+    seq = 64
+    _, dec = span_lengths(seq, 0.15, 3.0)
+    x, y = torch.randint(0, VOCAB, (1, seq)), torch.randint(0, VOCAB, (1, dec))
+    # the math backend makes every attention product a counted bmm (fused CPU kernels are not counted)
+    with FlopCounterMode(display=False) as counter, sdpa_kernel(SDPBackend.MATH):
+        model(x, y).loss.backward()
+    assert model.flops_per_token(seq) * seq == counter.get_total_flops()
+
+
+@pytest.mark.parametrize("recipe,params", [("t5-small", 76_961_152), ("t5-base", 247_577_856)])
+def test_recipes_have_the_v1_1_shapes(recipe, params):
+    """At T5's own 32,128-token vocabulary the recipes count exactly google/t5-v1_1-{small,base}'s parameters."""
+    cfg = load_config(recipe, ["model.vocab_size=32128"])
+    with torch.device("meta"):
+        model = T5(cfg.model, 32128, cfg.data.seq_len)
+    assert model.num_params() == params
+    gpt2 = load_config(recipe)
+    assert model_vocab_size(gpt2.model, 50257) == 50368  # 50,257 + 100 sentinels + decoder start, padded
+
+
+# ----------------------------------------------------------------------------- the one training loop
+
+T5_TINY = ["model.family=t5", "model.tie_embeddings=false", "model.t5.d_ff=64", "model.t5.d_kv=16",
+           "train.eval_every=3", "train.checkpoint_every=3", "train.keep_last=3", "train.max_steps=6"]
+
+
+def _losses(run_dir) -> dict[int, float]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if r["event"] == "train"}
+
+
+def test_t5_trains_resumes_exactly_runs_under_torchrun_and_fills_spans(tmp_path, tiny):
+    import shutil
+
+    args = [*tiny, *T5_TINY]
+    run_cli("train", *args, "run.name=a", cwd=tmp_path)
+    run_a = tmp_path / "runs" / "a"
+    status = json.loads((run_a / "status.json").read_text())
+    assert status["phase"] == "finished" and status["step"] == 6 and status["mfu"] is None  # no GPU peak on CPU
+    # interrupted at step 3: a copy of the run without its last checkpoint continues from step 3
+    run_b = tmp_path / "runs" / "b"
+    shutil.copytree(run_a, run_b)
+    shutil.rmtree(run_b / "checkpoints" / "step_00000006")
+    (run_b / "metrics.jsonl").write_text("")
+    run_cli("train", *args, "run.name=b", cwd=tmp_path)
+    a, b = _losses(run_a), _losses(run_b)
+    assert sorted(b) == [4, 5, 6] and all(a[s] == b[s] for s in b)  # bit-identical on CPU
+    # two gloo processes through torchrun (each half of every global batch) follow the same losses
+    run_cli("train", "--nproc", "2", *args, "run.name=two", cwd=tmp_path)
+    two = _losses(tmp_path / "runs" / "two")
+    assert sorted(two) == sorted(a) and all(abs(a[s] - two[s]) < 1e-5 for s in a)
+    trainer = json.loads((run_a / "checkpoints" / "step_00000006" / "trainer.json").read_text())
+    assert trainer["config"]["model"]["t5"]["sentinel_tokens"] == 100
+    # the trained checkpoint exports to a folder transformers loads with the same outputs
+    from transformers import T5ForConditionalGeneration
+
+    from trainbox.generate import load_for_inference
+    model, tok, _ = load_for_inference(run_a)
+    hf = T5ForConditionalGeneration.from_pretrained(to_hf(model, tmp_path / "hf", tok.eot_id)).eval()
+    x, y = torch.randint(0, tok.vocab_size, (2, 32)), torch.randint(0, tok.vocab_size, (2, 9))
+    assert (hf(input_ids=x, labels=y).logits - model.eval()(x, y).logits).abs().max().item() < 1e-4
+    out = run_cli("generate", str(run_a), "--prompt", "ROMEO: What <extra_id_0> lord <extra_id_1>.",
+                  "--temperature", "0", "--max-tokens", "12", cwd=tmp_path).stdout
+    lines = out.splitlines()
+    assert lines[0].startswith("<extra_id_") and "--- filled ---" in lines
+
+
+def test_t5_batches_do_not_depend_on_world_size(tiny):
+    from trainbox.data.loader import BatchPlan
+    from trainbox.data.sources import open_datasets
+    from trainbox.data.tokenizer import get_tokenizer
+    from trainbox.model.registry import adapt_datasets
+
+    cfg = load_config("tiny", [*tiny, *T5_TINY, "train.global_batch_size=4"])
+    tok = get_tokenizer(cfg.data.tokenizer)
+    vocab = model_vocab_size(cfg.model, tok.vocab_size)
+    train, _ = adapt_datasets(cfg, tok, vocab, *open_datasets(cfg.data, tok, vocab))
+    one = BatchPlan(train, 4, 2, world=1, rank=0, seed=7).micro_batches(5)
+    two = [BatchPlan(train, 4, 1, world=2, rank=r, seed=7).micro_batches(5) for r in (0, 1)]
+    for key in ("x", "y"):
+        whole = torch.cat([b[key] for b in one])
+        assert torch.equal(whole, torch.cat([b[key] for rank in two for b in rank]))
+    assert one[0]["x"].shape[1] == cfg.data.seq_len and np.all(one[0]["x"][:, -1].numpy() == tok.eot_id)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_runs_on_the_fused_kernel_and_matches_hugging_face_in_bf16():
+    """On the GPU the position bias goes through the memory-efficient SDPA kernel (forward and the
+    bias gradient), and bf16 training losses track transformers' within bf16 noise."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    hf, ours = hf_pair(tie=False)
+    hf, ours = hf.cuda().train(), ours.cuda().train()
+    x = torch.randint(0, VOCAB, (4, 200), device="cuda")
+    y = torch.randint(0, VOCAB, (4, 45), device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):  # raises if the fused kernel cannot take the bias
+            loss = ours(x, y).loss
+            loss.backward()
+        ref = hf(input_ids=x, labels=y).loss
+    assert abs(loss.item() - ref.item()) < 2e-2 * ref.item()
+    bias = ours.encoder.block[0].layer[0].SelfAttention.relative_attention_bias.weight
+    assert bias.grad is not None and bias.grad.abs().sum() > 0
+
+
+
+def test_explicit_vocab_without_room_for_sentinels_is_a_config_error(tiny):
+    from trainbox.data.sources import open_datasets
+    from trainbox.data.tokenizer import get_tokenizer
+    from trainbox.errors import ConfigError
+    from trainbox.model.registry import adapt_datasets
+
+    cfg = load_config("tiny", [*tiny, *T5_TINY, "model.vocab_size=2048"])
+    tok = get_tokenizer(cfg.data.tokenizer)
+    with pytest.raises(ConfigError, match="model.vocab_size=2048"):
+        adapt_datasets(cfg, tok, 2048, *open_datasets(cfg.data, tok, 2048))
