@@ -198,6 +198,17 @@ def cmd_export(args) -> int:
         return 0
     if args.merge:
         raise ConfigError(f"--merge applies to LoRA runs; {ckpt} is a model.family={family} run")
+    if family == "t5":  # T5ForConditionalGeneration folder
+        from trainbox.generate import load_for_inference
+        from trainbox.model.t5 import to_hf
+
+        model, tok, _ = load_for_inference(ckpt)
+        out = Path(args.out or str(Path(args.path.rstrip("/")).name + "-hf"))
+        if out.exists() and any(out.iterdir()) and not args.force:
+            raise ConfigError(f"{out} exists and is not empty", hint="choose another --out or pass --force")
+        to_hf(model, out, eos_token_id=tok.eot_id)
+        print(f"wrote {out} (Hugging Face T5ForConditionalGeneration: config.json, model.safetensors)")
+        return 0
     from trainbox.export import export_hf
 
     out = export_hf(args.path, args.out or str(Path(args.path.rstrip("/")).name + "-hf"), force=args.force)
