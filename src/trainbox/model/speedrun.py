@@ -54,8 +54,14 @@ def sdpa_mask(q_docs: torch.Tensor, kv_docs: torch.Tensor, pos: int, window: tor
     return allowed(q_pos, kv_pos, q_docs[:, :, None], kv_docs[:, None, :], window)[:, None]
 
 
+@torch.compiler.disable
 def flex_block_mask(docs: torch.Tensor, window: torch.Tensor, block: int = 128):
     """FlexAttention BlockMask for a (B, T) batch of document ids (training: queries == keys).
+
+    Built outside any torch.compile graph (one cheap graph break at the top of the model): traced
+    into the model's graph, torch 2.11 computed the backward's transposed block indices wrongly and
+    the value gradients came out 10^5 times too large (benchmarks/flex_check.py --compile caught it);
+    built eagerly and passed in, flex's compiled forward and backward match SDPA.
 
     Built at the level of 128 x 128 blocks from each block's first/last position and document, so it
     costs O((T/128)^2) and never materialises the T x T mask (modded-nanogpt trains on 64K-token rows).
