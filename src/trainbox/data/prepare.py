@@ -4,9 +4,9 @@ Pipeline (one reader, N tokenizer processes, one writer):
 
     read inputs in order -> work items of ~1 MB text -> pool (bounded queue) -> results in order -> writers
 
-- Streamed with bounded memory: at most `2 x workers + 2` work items are in flight and a large .txt
-  file is cut into ~8 MB pieces at a line break followed by a non-space character (a place where the
-  GPT-2 / byte-level pre-tokenizer always splits, so the tokens equal those of the whole file).
+- Streamed with bounded memory: at most `2 x workers + 2` work items are in flight, and a large .txt
+  file is cut into ~8 MB pieces just before a newline with non-space bytes on both sides (a place where
+  the GPT-2 / byte-level pre-tokenizer always splits, so the tokens equal those of the whole file).
 - Byte-identical for any worker count: results are consumed in submission order and tokenization of a
   document does not depend on its neighbours.
 - Documents: a .txt file is one document; a JSONL line is one document per --text-key (or one chat).
@@ -145,14 +145,22 @@ def read_txt(path: Path) -> Iterator[tuple[str, bool, int]]:
 
 
 def _safe_cut(data: bytes) -> int:
-    """Last index just after b'\\n' where the next byte is not whitespace (a guaranteed pre-token boundary)."""
+    """Index of the last b'\\n' with a non-space byte on both sides; the piece ends before it.
+
+    The GPT-2 pre-tokenizer always splits there: a word or punctuation run never takes in a newline, and a
+    newline followed by a non-space is a pre-token of its own; cutting right after a newline instead
+    would let `\\s+$` merge trailing spaces with it at the end of a piece.
+    """
     i = len(data) - 1
     while True:
         i = data.rfind(b"\n", 0, i)
-        if i < 0 or i + 1 >= len(data):
+        if i <= 0 or i + 1 >= len(data):
             return -1
-        if data[i + 1:i + 2] not in (b" ", b"\n", b"\t", b"\r", b"\x0b", b"\x0c"):
-            return i + 1
+        if data[i - 1:i] not in _SPACE and data[i + 1:i + 2] not in _SPACE:
+            return i
+
+
+_SPACE = (b" ", b"\n", b"\t", b"\r", b"\x0b", b"\x0c")
 
 
 def _decode(data: bytes, path: Path, offset: int) -> str:
