@@ -67,12 +67,30 @@ def test_large_txt_is_read_in_pieces_with_the_same_tokens(tmp_path, monkeypatch)
     text = "\n".join(make_docs(400, seed=1)) + "\n\n  indented\nlast line"
     (tmp_path / "big.txt").write_text(text)
     monkeypatch.setattr(prep, "TXT_PIECE_BYTES", 1000)
-    monkeypatch.setattr(prep, "ITEM_CHARS", 3000)
+    monkeypatch.setattr(prep, "ITEM_BYTES", 3000)
     assert len(list(prep.read_txt(tmp_path / "big.txt"))) > 5
     st = prepare(PrepareOptions([str(tmp_path / "big.txt")], str(tmp_path / "o/x"), workers=2))
     assert st.documents == 1
     got = formats.read_shard(tmp_path / "o/x_train_000001.bin")
     assert np.array_equal(got, reference([text])[0])
+    bpe = get_tokenizer("embedded:shakespeare-bpe")  # a `tokenizers` byte-level BPE: pieces are safe too
+    assert prep.splits_like_gpt2(bpe)
+    prepare(PrepareOptions([str(tmp_path / "big.txt")], str(tmp_path / "h/x"), tokenizer="embedded:shakespeare-bpe"))
+    assert np.array_equal(formats.read_shard(tmp_path / "h/x_train_000001.bin"), [bpe.eot_id] + bpe.encode(text))
+
+
+def test_no_pieces_for_tokenizers_that_add_a_prefix_space(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.add_special_tokens(["</s>"])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    hf = get_tokenizer(str(tmp_path / "tokenizer.json"))
+    assert not prep.splits_like_gpt2(hf)
+    (tmp_path / "t.txt").write_bytes(b"word\nword " * 500)
+    entries = list(prep.work_items([tmp_path / "t.txt"], 0))
+    assert len(entries) == 1 and len(entries[0][0]) == 1  # one piece: the whole file
 
 
 def test_txt_folder_megatron_append_eod_and_vocab(tmp_path):
@@ -168,3 +186,15 @@ def test_raw_jsonl_as_data_path_trains(corpus, tmp_path, tiny):
     cache = Path(next(a for a in tiny if a.startswith("data.cache_dir=")).split("=", 1)[1])
     prepared = list(cache.glob("prepared-*/data_train_000001.bin"))
     assert len(prepared) == 1 and (prepared[0].parent / "COMPLETE").is_file()
+
+
+def test_trained_tokenizer_output_is_accepted(corpus, tmp_path):
+    from trainbox.data.tokenizer import train_bpe
+
+    d, docs = corpus
+    tok_file = train_bpe(docs, 300, tmp_path / "tok")
+    st = prepare(PrepareOptions([str(d / "a.jsonl")], str(tmp_path / "x"), tokenizer=str(tmp_path / "tok")))
+    tok = get_tokenizer(str(tok_file.parent))
+    got = formats.read_shard(tmp_path / "x_train_000001.bin")
+    assert np.array_equal(got, np.concatenate([[tok.eot_id] + tok.encode(t) for t in docs[:200]]))
+    assert st.tokens == len(got) and int(got.max()) < 300

@@ -5,7 +5,7 @@ Pipeline (one reader, N tokenizer processes, one writer):
     read inputs in order -> work items of ~1 MB text -> pool (bounded queue) -> results in order -> writers
 
 - Streamed with bounded memory: at most `2 x workers + 2` work items are in flight, and a large .txt
-  file is cut into ~8 MB pieces just before a newline with non-space bytes on both sides (a place where
+  file is cut into ~8 MB pieces just before a newline (else a space) between printable ASCII bytes (a place where
   the GPT-2 / byte-level pre-tokenizer always splits, so the tokens equal those of the whole file).
 - Byte-identical for any worker count: results are consumed in submission order and tokenization of a
   document does not depend on its neighbours.
@@ -42,7 +42,7 @@ from trainbox.errors import DataError
 
 TEXT_SUFFIXES = (".txt", ".md", ".text")
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".json.gz", ".ndjson")
-ITEM_CHARS = 1 << 20          # text per work item sent to a tokenizer process
+ITEM_BYTES = 1 << 20          # raw input bytes per work item sent to a tokenizer process
 TXT_PIECE_BYTES = 8 << 20     # a .txt file larger than this is read and tokenized in pieces
 
 
@@ -123,103 +123,130 @@ def first_record_is_chat(path: Path) -> bool:
     return False
 
 
-def read_txt(path: Path) -> Iterator[tuple[str, bool, int]]:
-    """-> (text piece, starts a document, bytes) for one .txt file (one document)."""
+def splits_like_gpt2(tok) -> bool:
+    """True when the tokenizer pre-splits text with the GPT-2 regex and nothing else (tiktoken gpt2, or a
+    `tokenizers` ByteLevel pre-tokenizer without prefix space or normalizer), so .txt pieces are safe."""
+    if hasattr(tok, "enc"):
+        return True
+    try:
+        cfg = json.loads(tok.tok.to_str())
+    except AttributeError:
+        return False
+    pre = cfg.get("pre_tokenizer") or {}
+    return (cfg.get("normalizer") is None and pre.get("type") == "ByteLevel"
+            and not pre.get("add_prefix_space") and pre.get("use_regex", True))
+
+
+def read_txt(path: Path, piece_bytes: int | None = None) -> Iterator[tuple[bytes, bool, int]]:
+    """-> (raw piece, starts a document, its byte offset) for one .txt file (one document).
+
+    piece_bytes=None reads the file whole (tokenizers whose pre-splitting we cannot vouch for).
+    """
+    piece_bytes = piece_bytes if piece_bytes is not None else TXT_PIECE_BYTES
     first = True
     offset = 0
     with open(path, "rb") as f:
+        if piece_bytes <= 0:
+            yield f.read(), True, 0
+            return
         carry = b""
         while True:
-            block = f.read(TXT_PIECE_BYTES)
+            block = f.read(piece_bytes)
             data = carry + block
             if not block:
                 if data or first:
-                    yield _decode(data, path, offset), first, len(data)
+                    yield data, first, offset
                 return
             cut = _safe_cut(data)
             if cut <= 0:
+                if len(data) > 8 * piece_bytes:
+                    raise DataError(f"{path}: no newline or space between ASCII characters in the "
+                                    f"{len(data):,} bytes from byte offset {offset}; cannot stream it in pieces",
+                                    hint="split the file into documents (one .txt each, or JSONL)")
                 carry = data
                 continue
-            yield _decode(data[:cut], path, offset), first, cut
+            yield data[:cut], first, offset
             first, offset, carry = False, offset + cut, data[cut:]
 
 
 def _safe_cut(data: bytes) -> int:
-    """Index of the last b'\\n' with a non-space byte on both sides; the piece ends before it.
+    """Index of the last newline (else space) between two printable ASCII bytes; the piece ends before it.
 
-    The GPT-2 pre-tokenizer always splits there: a word or punctuation run never takes in a newline, and a
-    newline followed by a non-space is a pre-token of its own; cutting right after a newline instead
-    would let `\\s+$` merge trailing spaces with it at the end of a piece.
+    The GPT-2 / byte-level pre-tokenizer always splits there: no pre-token pattern takes in a space or
+    newline after other characters, and each piece's regex matching is then the same as the whole
+    file's. Cutting right after whitespace instead would let `\\s+$` merge it at the end of a piece;
+    non-ASCII neighbours are avoided because some of them (NBSP, U+3000) count as whitespace.
     """
-    i = len(data) - 1
-    while True:
-        i = data.rfind(b"\n", 0, i)
-        if i <= 0 or i + 1 >= len(data):
-            return -1
-        if data[i - 1:i] not in _SPACE and data[i + 1:i + 2] not in _SPACE:
-            return i
+    for sep in (b"\n", b" "):
+        i = len(data) - 1
+        while True:
+            i = data.rfind(sep, 0, i)
+            if i <= 0 or i + 1 >= len(data):
+                break
+            if 0x21 <= data[i - 1] <= 0x7E and 0x21 <= data[i + 1] <= 0x7E:
+                return i
+    return -1
 
 
-_SPACE = (b" ", b"\n", b"\t", b"\r", b"\x0b", b"\x0c")
-
-
-def _decode(data: bytes, path: Path, offset: int) -> str:
+def _decode(data: bytes, where: str, offset: int) -> str:
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise DataError(f"{path}: invalid UTF-8 at byte offset {offset + e.start}",
+        raise DataError(f"{where}: invalid UTF-8 at byte offset {offset + e.start}",
                         hint="convert the file to UTF-8") from None
 
 
-def read_jsonl(path: Path, keys: list[str], chat: bool) -> Iterator[tuple[object, int]]:
-    """-> (record, bytes): a list of texts (one per key) or ("chat", messages, where)."""
+def parse_json_line(line: bytes, where: str, offset: int, keys: list[str], chat: bool) -> tuple:
+    """One JSONL line -> ("text", [text per key], True) or ("chat", messages, where)."""
     from trainbox.data.chat import is_chat_record, messages_of
 
+    try:
+        rec = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise DataError(f"{where}: invalid JSON at byte offset {offset + e.pos} ({e.msg})") from None
+    except UnicodeDecodeError as e:
+        raise DataError(f"{where}: invalid UTF-8 at byte offset {offset + e.start}") from None
+    if chat and is_chat_record(rec):
+        return "chat", messages_of(rec, where), where
+    if chat:
+        raise DataError(f"{where}: expected a chat record (`messages` or `conversations`)",
+                        hint="keep chat and plain-text JSONL in separate prepare runs")
+    missing = [k for k in keys if not isinstance(rec, dict) or not isinstance(rec.get(k), str)]
+    if missing:
+        have = ", ".join(sorted(rec)) if isinstance(rec, dict) else type(rec).__name__
+        raise DataError(f"{where}: no string field {missing[0]!r} (fields: {have})",
+                        hint="choose the field with --text-key")
+    return "text", [rec[k] for k in keys], True
+
+
+def read_jsonl(path: Path) -> Iterator[tuple[bytes, str, int]]:
+    """-> (raw line, "file:line", byte offset) for each non-blank line; parsing happens in the workers."""
     with _open(path) as f:
         offset = 0
         for lineno, line in enumerate(f, 1):
-            where = f"{path}:{lineno}"
             start, offset = offset, offset + len(line)
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{where}: invalid JSON at byte offset {start + e.pos} ({e.msg})") from None
-            if chat and is_chat_record(rec):
-                yield ("chat", messages_of(rec, where), where), len(line)
-                continue
-            if chat:
-                raise DataError(f"{where}: expected a chat record (`messages` or `conversations`)",
-                                hint="keep chat and plain-text JSONL in separate prepare runs")
-            missing = [k for k in keys if not isinstance(rec, dict) or not isinstance(rec.get(k), str)]
-            if missing:
-                have = ", ".join(sorted(rec)) if isinstance(rec, dict) else type(rec).__name__
-                raise DataError(f"{where}: no string field {missing[0]!r} (fields: {have})",
-                                hint="choose the field with --text-key")
-            yield [rec[k] for k in keys], len(line)
+            if line.strip():
+                yield line, f"{path}:{lineno}", start
 
 
-def work_items(files: list[Path], keys: list[str], chat: bool) -> Iterator[tuple[list, int]]:
-    """Group documents into work items of about ITEM_CHARS characters.
+def work_items(files: list[Path], piece_bytes: int | None = None) -> Iterator[tuple[list, int]]:
+    """Group raw documents into work items of about ITEM_BYTES bytes.
 
-    An item is a list of entries: ("text", [texts per key], starts_document) or ("chat", messages, where).
-    A .txt piece carries one text, which goes to the first key.
+    Entries: ("json", line, where, offset) or ("txt", piece, starts_document, path, offset); the main
+    process only reads bytes, the workers decode, parse and tokenize them.
     """
-    item, chars, nbytes = [], 0, 0
+    item, nbytes = [], 0
     for path in files:
         if is_jsonl(path):
-            records = ((("chat", r[1], r[2]) if r[0] == "chat" else ("text", r, True), n)
-                       for r, n in read_jsonl(path, keys, chat))
+            entries = (("json", line, where, off) for line, where, off in read_jsonl(path))
         else:
-            records = ((("text", [t], first), n) for t, first, n in read_txt(path))
-        for entry, n in records:
+            entries = (("txt", data, first, str(path), off) for data, first, off in read_txt(path, piece_bytes))
+        for entry in entries:
             item.append(entry)
-            nbytes += n
-            chars += n
-            if chars >= ITEM_CHARS:
+            nbytes += len(entry[1])
+            if nbytes >= ITEM_BYTES:
                 yield item, nbytes
-                item, chars, nbytes = [], 0, 0
+                item, nbytes = [], 0
     if item:
         yield item, nbytes
 
@@ -229,24 +256,43 @@ def work_items(files: list[Path], keys: list[str], chat: bool) -> Iterator[tuple
 _WORKER: dict = {}
 
 
-def _init_worker(tokenizer_spec: str, chat_template: str | None, chat: bool) -> None:
+def _init_worker(tokenizer_spec: str, chat_template: str | None, chat: bool, keys: list[str]) -> None:
     from trainbox.data.tokenizer import get_tokenizer
 
-    _WORKER["tok"] = get_tokenizer(tokenizer_spec)
+    _WORKER.update(tok=get_tokenizer(tokenizer_spec), chat=chat, keys=keys)
     if chat:
         from trainbox.data.chat import load_template
         _WORKER["template"] = load_template(tokenizer_spec, chat_template)
 
 
-def _encode_item(item: list) -> list:
-    """Tokenize one work item -> per entry (starts_document, [ids per key], mask or None)."""
+def _parse(entry: tuple) -> tuple:
+    if entry[0] == "json":
+        return parse_json_line(entry[1], entry[2], entry[3], _WORKER["keys"], _WORKER["chat"])
+    return "text", [_decode(entry[1], entry[3], entry[4])], entry[2]
+
+
+def _encode_item(item: list) -> list | tuple:
+    """Parse and tokenize one work item -> per entry (starts_document, [ids per key], mask or None).
+
+    A DataError comes back as ("error", message, hint): exceptions lose their hint when pickled.
+    """
+    try:
+        return _encode_parsed([_parse(e) for e in item])
+    except DataError as e:
+        return ("error", e.message, e.hint)
+
+
+def _encode_parsed(item: list) -> list:
     tok = _WORKER["tok"]
     dtype = np.uint16 if tok.vocab_size <= 65536 else np.int32
     out: list = [None] * len(item)
     plain = [(i, e) for i, e in enumerate(item) if e[0] == "text"]
     if plain:
         flat = [t for _, e in plain for t in e[1]]
-        ids = tok.encode_batch(flat) if hasattr(tok, "encode_batch") else [tok.encode(t) for t in flat]
+        # tiktoken's encode_ordinary_batch spins up a thread pool per call; a plain loop is faster here
+        # (the parallelism is the worker processes). HF `tokenizers` batches in Rust.
+        batch = getattr(tok, "encode_batch", None) if not hasattr(tok, "enc") else None
+        ids = batch(flat) if batch else [tok.encode(t) for t in flat]
         j = 0
         for i, e in plain:
             k = len(e[1])
@@ -467,11 +513,14 @@ def prepare(opts: PrepareOptions, progress: Callable[[PrepareStats], None] | Non
                         hint="use --format megatron")
     stats = PrepareStats(masked=chat)
     sinks = _make_sinks(opts, tok, chat)
-    pool = _Pool(opts.workers, (opts.tokenizer, opts.chat_template, chat))
+    pool = _Pool(opts.workers, (opts.tokenizer, opts.chat_template, chat, list(opts.text_keys)))
     start, last = time.perf_counter(), 0.0
     try:
         doc, split = -1, "train"
-        for results, nbytes in pool.map(work_items(files, opts.text_keys, chat)):
+        pieces = None if splits_like_gpt2(tok) else 0
+        for results, nbytes in pool.map(work_items(files, pieces)):
+            if isinstance(results, tuple):  # ("error", message, hint) from a worker
+                raise DataError(results[1], hint=results[2])
             for starts, ids_per_key, mask in results:
                 if starts:
                     doc += 1

@@ -1,0 +1,98 @@
+"""Tokens/s of `trainbox prepare` (1 and 2 workers) against a plain single-process tiktoken loop.
+
+    PYTHONPATH=src python benchmarks/prepare_speed.py            # ~50 MB of text, prints JSON
+    PYTHONPATH=src python benchmarks/prepare_speed.py --mb 10
+
+The text is assembled locally from the embedded Shakespeare corpus: paragraphs of every work, shuffled
+with a different seed for each copy, grouped into ~8 KB documents of one JSONL file, until the file holds
+--mb megabytes. `prepare` is timed end to end as a user runs it (`python -m trainbox prepare`: start-up,
+reading and parsing the JSONL, tokenizing, writing the shards). The baseline is the loop a user would
+write first: `enc.encode_ordinary(text)` for each document already in memory, one process. The target
+of issue 3: 2 workers >= 1.6x the plain loop.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def assemble(path: Path, megabytes: float, doc_bytes: int = 8192) -> int:
+    from trainbox.data import embedded
+
+    paragraphs = [p for text in embedded.works().values() for p in text.split("\n\n") if p.strip()]
+    target, written, docs, seed = int(megabytes * 1e6), 0, 0, 0
+    with open(path, "w", encoding="utf-8") as f:
+        while written < target:
+            order = np.random.default_rng(seed).permutation(len(paragraphs))
+            seed += 1
+            doc: list[str] = []
+            size = 0
+            for i in order:
+                doc.append(paragraphs[i])
+                size += len(paragraphs[i])
+                if size >= doc_bytes:
+                    line = json.dumps({"text": "\n\n".join(doc)}, ensure_ascii=False) + "\n"
+                    f.write(line)
+                    written += len(line.encode("utf-8"))
+                    docs += 1
+                    doc, size = [], 0
+                    if written >= target:
+                        break
+    return docs
+
+
+def plain_loop(path: Path) -> tuple[int, float]:
+    from trainbox.data.tokenizer import get_tokenizer
+
+    enc = get_tokenizer("gpt2").enc
+    texts = [json.loads(line)["text"] for line in open(path, encoding="utf-8")]
+    start = time.perf_counter()
+    tokens = sum(len(enc.encode_ordinary(t)) + 1 for t in texts)  # +1: the EOT prepare adds per document
+    return tokens, time.perf_counter() - start
+
+
+def run_prepare(path: Path, out: Path, workers: int) -> float:
+    cmd = [sys.executable, "-m", "trainbox", "prepare", str(path), "--out", str(out), "--workers", str(workers),
+           "--quiet", "--overwrite"]
+    start = time.perf_counter()
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--mb", type=float, default=50.0, help="megabytes of JSONL text")
+    ap.add_argument("--dir", default=None, help="work folder (default: a temporary one)")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+        tmp = Path(tmp)
+        data = tmp / "text.jsonl"
+        docs = assemble(data, args.mb)
+        tokens, plain_s = plain_loop(data)
+        times = {w: run_prepare(data, tmp / f"w{w}" / "x", w) for w in (1, 2)}
+        written = sum(len(np.memmap(f, dtype=np.uint16, mode="r", offset=1024)) for f in (tmp / "w2").glob("*.bin"))
+        same = all((tmp / "w1" / f.name).read_bytes() == f.read_bytes() for f in (tmp / "w2").glob("*.bin"))
+        plain, one, two = tokens / plain_s, tokens / times[1], tokens / times[2]
+        print(json.dumps({
+            "text_mb": round(data.stat().st_size / 1e6, 1), "documents": docs, "tokens": tokens,
+            "tokens_written": written, "outputs_identical_1_vs_2_workers": same,
+            "plain_tiktoken_encode_ordinary_tokens_per_s": round(plain),
+            "prepare_1_worker_tokens_per_s": round(one), "prepare_2_workers_tokens_per_s": round(two),
+            "ratio_1_worker_vs_plain": round(one / plain, 3), "ratio_2_workers_vs_plain": round(two / plain, 3),
+            "ratio_2_vs_1_workers": round(two / one, 3), "target_2_workers_vs_plain": 1.6,
+            "peak_rss_mib_any_process": round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024),
+            "cpu_count": os.cpu_count(), "load_average_1min": round(os.getloadavg()[0], 2),
+        }, indent=1))
+
+
+if __name__ == "__main__":
+    main()
