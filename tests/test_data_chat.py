@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from trainbox.data import formats
-from trainbox.data.chat import ChatTemplate, CHATML, encode_chat, load_template, messages_of
+from trainbox.data.chat import ChatTemplate, encode_chat, load_template, messages_of
 from trainbox.data.loader import TokenDataset, open_tokens
 from trainbox.data.prepare import PrepareOptions, prepare
 from trainbox.data.tokenizer import asset_path, get_tokenizer

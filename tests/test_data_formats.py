@@ -67,6 +67,7 @@ def test_megatron_idx_bytes_field_by_field(tmp_path):
     assert formats.megatron_dtype(50257) == np.uint16 and formats.megatron_dtype(65500) == np.int32
 
 
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
 def test_megatron_matches_megatron_core(tmp_path):
     """Byte-identical to Megatron-LM's own IndexedDatasetBuilder, and readable by its IndexedDataset."""
     with warnings.catch_warnings():

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from conftest import run_cli
-from trainbox.data import formats, prepare as prep
+from trainbox.data import formats, readers as prep
 from trainbox.data.prepare import PrepareOptions, prepare
 from trainbox.data.tokenizer import get_tokenizer
 from trainbox.errors import DataError

@@ -60,7 +60,7 @@ def _split_files(prefix: str, split: str) -> list[Path]:
 
 
 def _is_raw_input(path: str) -> bool:
-    from trainbox.data.prepare import JSONL_SUFFIXES, TEXT_SUFFIXES
+    from trainbox.data.readers import JSONL_SUFFIXES, TEXT_SUFFIXES
 
     if os.path.isdir(path):
         return not glob.glob(os.path.join(glob.escape(path), "*.bin"))
@@ -81,7 +81,8 @@ def _folder_prefix(path: str) -> str:
 
 def prepare_into_cache(cfg: DataSection, progress=None) -> str:
     """Tokenize a raw text/JSONL data.path once into the cache; returns the shard prefix."""
-    from trainbox.data.prepare import PrepareOptions, list_input_files, prepare
+    from trainbox.data.prepare import PrepareOptions, prepare
+    from trainbox.data.readers import list_input_files
 
     files = list_input_files([cfg.path])
     ident = [cfg.tokenizer, cfg.chat_template or "", *cfg.text_key]
