@@ -198,3 +198,30 @@ def test_trained_tokenizer_output_is_accepted(corpus, tmp_path):
     got = formats.read_shard(tmp_path / "x_train_000001.bin")
     assert np.array_equal(got, np.concatenate([[tok.eot_id] + tok.encode(t) for t in docs[:200]]))
     assert st.tokens == len(got) and int(got.max()) < 300
+
+
+def test_killed_prepare_leaves_no_final_file(tmp_path):
+    """prepare reads a named pipe; once a shard is being written, the process is killed outright.
+    (A clean failure removing its temporaries is test_overwrite_and_atomic_outputs.)"""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    fifo = tmp_path / "in.jsonl"
+    os.mkfifo(fifo)
+    cmd = [sys.executable, "-m", "trainbox", "prepare", str(fifo), "--out", str(tmp_path / "x"), "--workers", "2",
+           "--shard-tokens", "1000", "--quiet"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    line = (json.dumps({"text": "some words here " * 40}) + "\n").encode()
+    with open(fifo, "wb") as w:
+        deadline = time.monotonic() + 120
+        while not list(tmp_path.glob("x_train_*.partial")):  # feed the pipe until a shard is being written
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            w.write(line * 256)
+            w.flush()
+        proc.send_signal(signal.SIGKILL)
+        proc.communicate(timeout=60)
+    assert list(tmp_path.glob("x_train_*.partial"))
+    assert not list(tmp_path.glob("x_*.bin")) and not list(tmp_path.glob("x_*.idx"))  # no final name, ever

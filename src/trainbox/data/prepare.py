@@ -149,7 +149,8 @@ class _Pool:
         pending: collections.deque = collections.deque()
         for item, meta in items:
             pending.append((self.pool.apply_async(_encode_item, (item,)), meta))
-            if len(pending) >= self.depth:
+            # hand on finished results at once (progress, and a slow input such as a pipe keeps flowing)
+            while pending and (len(pending) >= self.depth or pending[0][0].ready()):
                 res, m = pending.popleft()
                 yield res.get(), m
         while pending:

@@ -31,7 +31,7 @@ def list_input_files(inputs: list[str]) -> list[Path]:
             if not found:
                 raise DataError(f"input folder {p} holds no .txt or .jsonl files")
             files += found
-        elif p.is_file():
+        elif p.exists():  # a file, or a named pipe / process substitution such as <(zcat x.jsonl.gz)
             files.append(p)
         else:
             matches = sorted(glob.glob(spec))
@@ -50,6 +50,9 @@ def _open(path: Path):
 
 
 def first_record_is_chat(path: Path) -> bool:
+    """Whether a JSONL file holds chat records, from its first line (False for a pipe, which can't be peeked)."""
+    if not path.is_file():
+        return False
     from trainbox.data.chat import is_chat_record
 
     with _open(path) as f:
