@@ -21,7 +21,7 @@ EOT = 50256
 
 def make_docs(n=300, seed=0):
     rng = np.random.default_rng(seed)
-    words = ["the", "quick", "brown", "fox", "jumps", "émigré", "naïve", "über", "42", "don't", "\n", "  ", "日本"]
+    words = ["the", "quick", "brown", "fox", "jumps", "émigré", "naïve", "über", "42", "don't", "\n", "  ", "日本", "<|endoftext|>"]
     return [f"Doc {i}: " + " ".join(rng.choice(words, size=int(rng.integers(1, 60)))) for i in range(n)]
 
 

@@ -112,14 +112,11 @@ def _encode_parsed(item: list) -> list:
     plain = [(i, e) for i, e in enumerate(item) if e[0] == "text"]
     if plain:
         flat = [t for _, e in plain for t in e[1]]
-        # tiktoken's encode_ordinary_batch spins up a thread pool per call; a plain loop is faster here
-        # (the parallelism is the worker processes). HF `tokenizers` batches in Rust.
-        batch = getattr(tok, "encode_batch", None) if not hasattr(tok, "enc") else None
-        ids = batch(flat) if batch else [tok.encode(t) for t in flat]
+        ids = _encode_texts(tok, flat)
         j = 0
         for i, e in plain:
             k = len(e[1])
-            out[i] = (e[2], [np.asarray(x, dtype=dtype) for x in ids[j:j + k]], None)
+            out[i] = (e[2], [np.asarray(x).astype(dtype, copy=False) for x in ids[j:j + k]], None)
             j += k
     for i, e in enumerate(item):
         if e[0] == "chat":
@@ -127,6 +124,18 @@ def _encode_parsed(item: list) -> list:
             ids, mask = encode_chat(_WORKER["template"], tok, e[1], e[2])
             out[i] = (True, [np.asarray(ids, dtype=dtype)], np.asarray(mask, dtype=np.uint8))
     return out
+
+
+def _encode_texts(tok, texts: list[str]) -> list:
+    """Token ids of ordinary text (special-token strings are plain text, as in encode_ordinary)."""
+    enc = getattr(tok, "enc", None)
+    if enc is not None and hasattr(enc, "encode_to_numpy"):
+        # tiktoken straight into a numpy buffer: no Python int per token. With no special token allowed
+        # and none disallowed, `encode` is exactly `encode_ordinary`. A plain loop, not
+        # encode_ordinary_batch, which starts a thread pool per call: the parallelism is the processes.
+        return [enc.encode_to_numpy(t, allowed_special=set(), disallowed_special=()) for t in texts]
+    batch = getattr(tok, "encode_batch", None) if enc is None else None  # HF `tokenizers` batches in Rust
+    return batch(texts) if batch else [tok.encode(t) for t in texts]
 
 
 class _Pool:
