@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import glob
 import hashlib
+import logging
 import os
 from pathlib import Path
 
@@ -29,6 +30,8 @@ from trainbox.data.formats import write_shard
 from trainbox.data.loader import TokenDataset, open_tokens
 from trainbox.data.tokenizer import Tokenizer
 from trainbox.errors import DataError
+
+log = logging.getLogger("trainbox")  # the monitor's console logger (data/ does not import monitor/)
 
 
 def default_cache_dir(cfg: DataSection) -> Path:
@@ -93,9 +96,12 @@ def prepare_into_cache(cfg: DataSection, progress=None) -> str:
     prefix = out / "data"
     if not (out / "COMPLETE").exists():
         out.mkdir(parents=True, exist_ok=True)
-        prepare(PrepareOptions(inputs=[str(f) for f in files], out=str(prefix), tokenizer=cfg.tokenizer,
-                               text_keys=list(cfg.text_key), chat_template=cfg.chat_template,
-                               workers=max(1, cfg.num_workers), val_fraction=0.01, overwrite=True), progress)
+        log.info(f"data: tokenizing {cfg.path} ({len(files)} file(s)) into {out} with {cfg.tokenizer}")
+        st = prepare(PrepareOptions(inputs=[str(f) for f in files], out=str(prefix), tokenizer=cfg.tokenizer,
+                                    text_keys=list(cfg.text_key), chat_template=cfg.chat_template,
+                                    workers=max(1, cfg.num_workers), val_fraction=0.01, overwrite=True), progress)
+        log.info(f"data: {st.documents:,} documents, {st.tokens:,} tokens ({st.val_documents:,} documents held out "
+                 f"for validation) in {st.seconds:.1f}s" + ("; loss mask on assistant tokens" if st.masked else ""))
         (out / "COMPLETE").write_text(cfg.path + "\n")
     return str(prefix)
 
