@@ -38,6 +38,14 @@ def corpus(tmp_path_factory):
     return d, docs
 
 
+def hf_ordinary(spec, text):
+    """A fresh `tokenizers` tokenizer with special-token strings encoded as plain text (as encode_ordinary)."""
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_str(get_tokenizer(spec).tok.to_str())
+    tok.encode_special_tokens = True
+    return tok.encode(text, add_special_tokens=False).ids
+
+
 def reference(docs):
     """The obviously-correct stream: EOT, then encode_ordinary of each document."""
     enc = get_tokenizer("gpt2").enc
@@ -76,7 +84,7 @@ def test_large_txt_is_read_in_pieces_with_the_same_tokens(tmp_path, monkeypatch)
     bpe = get_tokenizer("embedded:shakespeare-bpe")  # a `tokenizers` byte-level BPE: pieces are safe too
     assert prep.splits_like_gpt2(bpe)
     prepare(PrepareOptions([str(tmp_path / "big.txt")], str(tmp_path / "h/x"), tokenizer="embedded:shakespeare-bpe"))
-    assert np.array_equal(formats.read_shard(tmp_path / "h/x_train_000001.bin"), [bpe.eot_id] + bpe.encode(text))
+    assert np.array_equal(formats.read_shard(tmp_path / "h/x_train_000001.bin"), [bpe.eot_id] + hf_ordinary("embedded:shakespeare-bpe", text))
 
 
 def test_no_pieces_for_tokenizers_that_add_a_prefix_space(tmp_path):
@@ -196,7 +204,9 @@ def test_trained_tokenizer_output_is_accepted(corpus, tmp_path):
     st = prepare(PrepareOptions([str(d / "a.jsonl")], str(tmp_path / "x"), tokenizer=str(tmp_path / "tok")))
     tok = get_tokenizer(str(tok_file.parent))
     got = formats.read_shard(tmp_path / "x_train_000001.bin")
-    assert np.array_equal(got, np.concatenate([[tok.eot_id] + tok.encode(t) for t in docs[:200]]))
+    want = [[tok.eot_id] + hf_ordinary(str(tok_file.parent), t) for t in docs[:200]]
+    assert np.array_equal(got, np.concatenate(want))
+    assert int((got == tok.eot_id).sum()) == 200  # a literal "<|endoftext|>" in the text is not a boundary
     assert st.tokens == len(got) and int(got.max()) < 300
 
 

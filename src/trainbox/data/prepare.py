@@ -134,8 +134,17 @@ def _encode_texts(tok, texts: list[str]) -> list:
         # and none disallowed, `encode` is exactly `encode_ordinary`. A plain loop, not
         # encode_ordinary_batch, which starts a thread pool per call: the parallelism is the processes.
         return [enc.encode_to_numpy(t, allowed_special=set(), disallowed_special=()) for t in texts]
-    batch = getattr(tok, "encode_batch", None) if enc is None else None  # HF `tokenizers` batches in Rust
-    return batch(texts) if batch else [tok.encode(t) for t in texts]
+    hf = getattr(tok, "tok", None)
+    if hf is not None and hasattr(hf, "encode_special_tokens"):
+        # `tokenizers` matches added tokens even in plain text; a literal "<|endoftext|>" in a web page must
+        # not become a document boundary, so special-token strings are encoded as text here (and the
+        # shared tokenizer is restored for chat rendering and other users).
+        before, hf.encode_special_tokens = hf.encode_special_tokens, True
+        try:
+            return [e.ids for e in hf.encode_batch(texts, add_special_tokens=False)]
+        finally:
+            hf.encode_special_tokens = before
+    return [tok.encode(t) for t in texts]
 
 
 class _Pool:
