@@ -180,3 +180,16 @@ def test_readers_never_write_inputs(tmp_path):
         ds = TokenDataset([tokens], 4)
         ds.batch([0])
     assert before == {f: (hashlib.sha256(f.read_bytes()).hexdigest(), f.stat().st_mtime_ns) for f in files}
+
+
+def test_mask_must_match_its_tokens(tmp_path):
+    formats.write_shard(tmp_path / "a.bin", np.arange(10, dtype=np.uint16))
+    w = formats.ShardWriter(tmp_path / "a.mask", tmp_path / "a.mask.tmp", formats.MASK_MAGIC, np.uint8)
+    w.write(np.ones(9))
+    w.close()
+    w.tmp.rename(w.final)
+    with pytest.raises(DataError, match=r"a\.mask: loss mask has 9 entries but .*a\.bin has 10 tokens"):
+        open_tokens(tmp_path / "a.bin")
+    (tmp_path / "a.mask").write_bytes(good_shard_bytes())  # a token shard where a mask belongs
+    with pytest.raises(DataError, match=r"a\.mask: bad magic 20240520 at byte offset 0 .*not a mask file"):
+        open_tokens(tmp_path / "a.bin")
