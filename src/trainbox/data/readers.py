@@ -32,6 +32,9 @@ def list_input_files(inputs: list[str]) -> list[Path]:
                 raise DataError(f"input folder {p} holds no .txt or .jsonl files")
             files += found
         elif p.exists():  # a file, or a named pipe / process substitution such as <(zcat x.jsonl.gz)
+            if p.name.endswith((".json", ".parquet", ".arrow")):
+                raise DataError(f"input {p}: {p.suffix} files are not read by prepare (only .txt and JSON Lines)",
+                                hint="convert it to JSON Lines, one {\"text\": ...} object per line")
             files.append(p)
         else:
             matches = sorted(glob.glob(spec))
