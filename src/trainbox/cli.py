@@ -182,6 +182,11 @@ def _prepare_progress(stream=None):
         secs = max(st.seconds, 1e-9)
         line = (f"{st.documents:,} docs ({st.documents / secs:,.0f} docs/s), {st.tokens:,} tokens "
                 f"({st.tokens / secs / 1e3:,.0f}k tokens/s), {st.bytes_read / 2**20:,.1f} MiB read")
+        if st.total_bytes:
+            from trainbox.monitor.console import fmt_duration
+            frac = min(1.0, st.bytes_read / st.total_bytes)
+            eta = secs * (1 - frac) / frac if frac > 0 else None
+            line = f"[{'#' * int(frac * 24):-<24}] {frac:4.0%} {line}, eta {fmt_duration(eta)}"
         stream.write(f"\r{line}\033[K" if tty else line + "\n")
         stream.flush()
     return show

@@ -69,6 +69,7 @@ class PrepareStats:
     val_documents: int = 0
     val_tokens: int = 0
     bytes_read: int = 0
+    total_bytes: int | None = None        # input size when known (regular, uncompressed files)
     seconds: float = 0.0
     files: list[str] = field(default_factory=list)
     masked: bool = False
@@ -353,7 +354,7 @@ def prepare(opts: PrepareOptions, progress: Callable[[PrepareStats], None] | Non
     if opts.format == "shard" and tok.vocab_size > 65536:
         raise DataError(f"tokenizer {opts.tokenizer} has {tok.vocab_size} ids; shards hold uint16",
                         hint="use --format megatron")
-    stats = PrepareStats(masked=chat)
+    stats = PrepareStats(masked=chat, total_bytes=_total_bytes(files))
     sinks = _make_sinks(opts, tok, chat)
     pool = _Pool(opts.workers, (opts.tokenizer, opts.chat_template, chat, list(opts.text_keys)))
     start, last = time.perf_counter(), 0.0
@@ -387,6 +388,12 @@ def prepare(opts: PrepareOptions, progress: Callable[[PrepareStats], None] | Non
     if progress:
         progress(stats)
     return stats
+
+
+def _total_bytes(files: list[Path]) -> int | None:
+    if all(f.is_file() and not f.name.endswith(".gz") for f in files):
+        return sum(f.stat().st_size for f in files)
+    return None
 
 
 def _make_sinks(opts: PrepareOptions, tok, chat: bool) -> dict:
