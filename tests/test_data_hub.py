@@ -116,6 +116,10 @@ def test_bad_shard_from_hub_is_rejected(hub, tmp_path):
     assert p.returncode == 1
     assert "fineweb_val_000000.bin" in p.stderr and "not a valid shard" in p.stderr and "bad magic 0" in p.stderr
     assert not (tmp_path / "fineweb_val_000000.bin").exists()
+    hub.files["fineweb_val_000000.bin"] = shard_bytes(100, 0)
+    p = run_cli("data", "fineweb", "--shards", "3", "--out", str(tmp_path), env=env(hub), check=False)
+    assert p.returncode == 1 and "cannot fetch fineweb_train_000003.bin" in p.stderr and "404" in p.stderr
+    assert (tmp_path / "fineweb_train_000002.bin").read_bytes() == hub.files["fineweb_train_000002.bin"]
 
 
 def test_killed_download_resumes_with_range(hub, tmp_path):

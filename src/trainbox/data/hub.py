@@ -59,7 +59,12 @@ def download_file(filename: str, out: Path, repo: str = FINEWEB_REPO, revision: 
     final = out / filename
     part = out / f".{filename}.part"
     url = hf_hub_url(repo, filename, repo_type="dataset", revision=revision, endpoint=endpoint)
-    meta = get_hf_file_metadata(url, token=token, endpoint=endpoint)
+    try:
+        meta = get_hf_file_metadata(url, token=token, endpoint=endpoint)
+    except Exception as e:  # httpx / HfHubHTTPError / offline mode: one clear message
+        raise DataError(f"cannot fetch {filename} from {url}: {type(e).__name__}: {str(e).splitlines()[0][:200]}",
+                        hint="check the network (or HF_ENDPOINT / HF_HUB_OFFLINE) and run the command again; "
+                             "complete files are kept") from None
     size = meta.size
     have = part.stat().st_size if part.exists() else 0
     if size is not None and have > size:  # a different file was there before: start again
@@ -67,8 +72,13 @@ def download_file(filename: str, out: Path, repo: str = FINEWEB_REPO, revision: 
         have = 0
     headers = {"authorization": f"Bearer {token}"} if isinstance(token, str) else None
     with open(part, "ab") as f:
-        http_get(meta.location, f, resume_size=have, expected_size=size, headers=headers,
-                 displayed_filename=filename, tqdm_class=_quiet_tqdm())
+        try:
+            http_get(meta.location, f, resume_size=have, expected_size=size, headers=headers,
+                     displayed_filename=filename, tqdm_class=_quiet_tqdm())
+        except Exception as e:
+            raise DataError(f"download of {filename} stopped at byte {f.tell():,} of {size or '?'}: "
+                            f"{type(e).__name__}: {str(e).splitlines()[0][:200]}",
+                            hint="run the command again: it resumes from where it stopped") from None
         f.flush()
         os.fsync(f.fileno())
     try:
