@@ -110,8 +110,8 @@ def main() -> None:
             # CPU seconds / wall seconds: the cores a run actually got (2.0 at best on a quiet 2-core machine)
             "cores_used_plain": round(plain_cpu / plain_s, 2), "cores_used_prepare_1_worker": round(runs[1][1] / runs[1][0], 2),
             "cores_used_prepare_2_workers": round(runs[2][1] / runs[2][0], 2),
-            # what 2 workers would reach with 2 free cores: the CPU work spread over 2 cores, vs the plain loop
-            "projected_ratio_2_workers_vs_plain_on_2_free_cores": round(plain_cpu / (runs[2][1] / 2), 3),
+            # an upper bound for 2 free cores: all CPU work of the 2-worker run spread evenly (start-up is serial)
+            "upper_bound_ratio_2_workers_vs_plain_on_2_free_cores": round(plain_cpu / (runs[2][1] / 2), 3),
             "peak_rss_mib_any_process": round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024),
             "cpu_count": os.cpu_count(), "load_average_1min": round(os.getloadavg()[0], 2),
         }, indent=1))
