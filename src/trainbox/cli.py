@@ -46,6 +46,24 @@ EPILOGS = {
           trainbox config schema                           # JSON schema of every key
           trainbox config validate my_run.yaml             # exit 2 with the offending key if invalid
         """,
+    "prepare": """
+        examples:
+          trainbox prepare corpus/ --out data/corpus --workers 4 --val-fraction 0.01
+          trainbox prepare pile.jsonl.gz --text-key text --format megatron --append-eod --write-vocab --out data/pile
+          trainbox prepare chats.jsonl --tokenizer tok/ --out data/sft --val-docs 100   # loss on assistant tokens only
+        """,
+    "inspect": """
+        examples:
+          trainbox inspect data/corpus --seq-len 1024 --global-batch 512 --epochs 2
+          trainbox inspect data/pile_text_document --seq-len 2048
+          trainbox inspect data/fineweb/fineweb_val_000000.bin --json
+        """,
+    "data": """
+        examples:
+          trainbox data fineweb --shards 8 --out data/fineweb       # 800M GPT-2 tokens + the val shard
+          trainbox data fineweb --shards 1 --out data/fineweb       # re-run: complete files are skipped
+          HF_ENDPOINT=http://mirror:8080 trainbox data fineweb --shards 2 --out data/fineweb
+        """,
     "tokenizer": """
         examples:
           trainbox tokenizer train corpus/*.txt --vocab-size 4096 --out tok/
@@ -319,6 +337,76 @@ def cmd_doctor(args) -> int:
     return 1 if failed else 0
 
 
+# ----------------------------------------------------------------------------- prepare, inspect, data
+
+
+def _prepare_progress(stream=None):
+    """Progress for `prepare`: a redrawn line on a TTY, a plain line every 10 s otherwise."""
+    import time
+    stream = stream or sys.stderr
+    tty, last = stream.isatty(), [0.0]
+
+    def show(st) -> None:
+        now = time.time()
+        if not tty and now - last[0] < 10:
+            return
+        last[0] = now
+        secs = max(st.seconds, 1e-9)
+        line = (f"{st.documents:,} docs ({st.documents / secs:,.0f} docs/s), {st.tokens:,} tokens "
+                f"({st.tokens / secs / 1e3:,.0f}k tokens/s), {st.bytes_read / 2**20:,.1f} MiB read")
+        if st.total_bytes:
+            from trainbox.monitor.console import fmt_duration
+            frac = min(1.0, st.bytes_read / st.total_bytes)
+            eta = secs * (1 - frac) / frac if frac > 0 else None
+            line = f"[{'#' * int(frac * 24):-<24}] {frac:4.0%} {line}, eta {fmt_duration(eta)}"
+        stream.write(f"\r{line}\033[K" if tty else line + "\n")
+        stream.flush()
+    return show
+
+
+def cmd_prepare(args) -> int:
+    from trainbox.data.prepare import PrepareOptions, prepare
+
+    opts = PrepareOptions(inputs=args.inputs, out=args.out, tokenizer=args.tokenizer, format=args.format,
+                          text_keys=args.text_key or ["text"], chat_template=args.chat_template,
+                          workers=args.workers, shard_tokens=args.shard_tokens, val_docs=args.val_docs,
+                          val_fraction=args.val_fraction, append_eod=args.append_eod,
+                          write_vocab=args.write_vocab, overwrite=args.overwrite)
+    st = prepare(opts, progress=None if args.quiet else _prepare_progress())
+    if not args.quiet and sys.stderr.isatty():
+        sys.stderr.write("\n")
+    secs = max(st.seconds, 1e-9)
+    print(f"{st.documents:,} documents, {st.tokens:,} tokens ({st.val_documents:,} documents, {st.val_tokens:,} "
+          f"tokens for validation) in {st.seconds:.1f}s: {st.documents / secs:,.0f} docs/s, "
+          f"{st.tokens / secs:,.0f} tokens/s" + ("; loss mask on assistant tokens" if st.masked else ""))
+    for f in st.files:
+        print(f"  {f}")
+    print(f"train on it with: trainbox train data.path={args.out} data.tokenizer={args.tokenizer}")
+    return 0
+
+
+def cmd_inspect(args) -> int:
+    from trainbox.data.inspect import format_report, inspect_data
+
+    report = inspect_data(args.path, args.seq_len, args.global_batch, args.epochs, args.tokenizer)
+    print(json.dumps(report, indent=1) if args.json else format_report(report))
+    return 0
+
+
+def cmd_data(args) -> int:
+    from trainbox.data.hub import download_fineweb
+
+    def on_file(name: str, status: str) -> None:
+        print(f"{name}: {status}", flush=True)
+
+    # huggingface_hub reads HF_ENDPOINT itself too; passing it keeps the library free of env reads
+    paths = download_fineweb(args.shards, args.out, endpoint=os.environ.get("HF_ENDPOINT") or None,
+                             revision=args.revision, token=os.environ.get("HF_TOKEN") or None, on_file=on_file)
+    print(f"{len(paths)} shard(s) in {args.out}; train on them with: trainbox train "
+          f"data.path={Path(args.out) / 'fineweb'} data.tokenizer=gpt2")
+    return 0
+
+
 # ----------------------------------------------------------------------------- parser
 
 
@@ -363,6 +451,40 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("source", nargs="?", help="recipe name or config file")
     c.add_argument("overrides", nargs="*")
     c.set_defaults(func=cmd_config)
+
+    pr = verb("prepare", "tokenize text / JSONL / chat JSONL into shard or Megatron token files")
+    pr.add_argument("inputs", nargs="+", help=".txt (one document each), .jsonl, .jsonl.gz, or folders of them")
+    pr.add_argument("--out", required=True, help="output prefix, e.g. data/corpus")
+    pr.add_argument("--tokenizer", default="gpt2", help="gpt2, embedded:shakespeare-bpe, tokenizer.json or folder")
+    pr.add_argument("--format", choices=["shard", "megatron"], default="shard")
+    pr.add_argument("--text-key", action="append", help="JSONL field(s) holding text (repeatable; default text)")
+    pr.add_argument("--chat-template", default=None, help="chatml or a .jinja file (default: the tokenizer's, "
+                    "else chatml)")
+    pr.add_argument("--workers", type=int, default=1, help="tokenizer processes (output identical for any N)")
+    pr.add_argument("--shard-tokens", type=int, default=100_000_000, help="tokens per shard")
+    pr.add_argument("--val-docs", type=int, default=0, help="hold out the first N documents for validation")
+    pr.add_argument("--val-fraction", type=float, default=0.0, help="hold out this fraction of documents")
+    pr.add_argument("--append-eod", action="store_true", help="megatron: end-of-document token after each document")
+    pr.add_argument("--write-vocab", action="store_true", help="write gpt2-vocab.json and gpt2-merges.txt beside")
+    pr.add_argument("--overwrite", action="store_true", help="replace existing outputs")
+    pr.add_argument("--quiet", action="store_true", help="no progress line")
+    pr.set_defaults(func=cmd_prepare)
+
+    ins = verb("inspect", "documents, tokens, samples and steps of a token dataset")
+    ins.add_argument("path", help="token file, Megatron prefix, shard prefix or folder")
+    ins.add_argument("--seq-len", type=int, default=1024)
+    ins.add_argument("--global-batch", type=int, default=None, help="sequences per step: prints steps per epoch")
+    ins.add_argument("--epochs", type=float, default=1.0)
+    ins.add_argument("--tokenizer", default=None, help="count documents by its EOT and check ids against its vocab")
+    ins.add_argument("--json", action="store_true", help="print the report as JSON")
+    ins.set_defaults(func=cmd_inspect)
+
+    da = verb("data", "download datasets")
+    da.add_argument("dataset", choices=["fineweb"], help="fineweb: kjj0/fineweb10B-gpt2 GPT-2 shards")
+    da.add_argument("--shards", type=int, required=True, help="training shards (100M tokens each) + the val shard")
+    da.add_argument("--out", default="data/fineweb", help="output folder")
+    da.add_argument("--revision", default=None, help="dataset revision (branch, tag or commit)")
+    da.set_defaults(func=cmd_data)
 
     k = verb("tokenizer", "train a byte-level BPE tokenizer")
     k.add_argument("action", choices=["train"])

@@ -1,6 +1,11 @@
 """Token file formats: readers (memory-mapped) and atomic writers.
 
-shard     llm.c / modded-nanogpt: 256 x int32 header (magic 20240520, version 1, token count), uint16 tokens
+shard     llm.c / modded-nanogpt: 256 x int32 header (magic 20240520, version 1, token count), uint16 tokens.
+          A loss mask rides beside a shard as `NAME.mask`: the same header with magic 20240521, then one
+          uint8 (0/1) per token.
+megatron  Megatron-LM MMIDIDX: PREFIX.idx (9-byte magic "MMIDIDX\\0\\0", uint64 version 1, uint8 dtype code,
+          uint64 sequence count, uint64 document count, int32 lengths, int64 byte pointers, int64 document
+          indices) + PREFIX.bin (the tokens). A loss mask is a second MMIDIDX dataset PREFIX_mask (uint8).
 flat      nanoGPT: headerless uint16 .bin (read only)
 
 Readers never write into an input file (read-only memmaps) and every corruption is a DataError that
@@ -9,6 +14,9 @@ names the file and the byte offset.
 from __future__ import annotations
 
 import os
+import struct
+from array import array
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +25,19 @@ from trainbox.errors import DataError
 
 SHARD_MAGIC, SHARD_VERSION, SHARD_HEADER_INTS = 20240520, 1, 256
 SHARD_HEADER_BYTES = SHARD_HEADER_INTS * 4
+MASK_MAGIC = 20240521
+
+MMIDIDX_MAGIC = b"MMIDIDX\x00\x00"
+MMIDIDX_HEADER_BYTES = 9 + 8 + 1 + 8 + 8  # magic, version, dtype code, sequence count, document count
+# Megatron-LM's DType codes (megatron/core/datasets/indexed_dataset.py)
+MEGATRON_DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64,
+                   7: np.float32, 8: np.uint16}
+MEGATRON_CODES = {np.dtype(v): k for k, v in MEGATRON_DTYPES.items()}
+
+
+def megatron_dtype(vocab_size: int) -> np.dtype:
+    """The token dtype Megatron-LM picks: uint16 below 65,500 ids, else int32."""
+    return np.dtype(np.uint16 if vocab_size < 65500 else np.int32)
 
 
 def fsync_dir(path: Path) -> None:
@@ -45,32 +66,213 @@ def write_shard(path: str | Path, tokens: np.ndarray) -> None:
     os.replace(tmp, path)
 
 
-def read_shard(path: str | Path) -> np.ndarray:
-    """Memory-map a shard's tokens (uint16, read-only) after checking its header and size."""
+def read_shard(path: str | Path, magic: int = SHARD_MAGIC, dtype=np.uint16) -> np.ndarray:
+    """Memory-map a shard's tokens (uint16, read-only) after checking its header and size.
+
+    With magic=MASK_MAGIC, dtype=uint8 it reads a `.mask` file.
+    """
     path = Path(path)
     try:
         size = path.stat().st_size
     except OSError:
         raise DataError(f"token file {path} does not exist", hint="check data.path, or run `trainbox prepare`") from None
     if size < SHARD_HEADER_BYTES:
-        raise DataError(f"{path}: truncated shard header ({size} bytes, expected at least {SHARD_HEADER_BYTES})")
+        raise DataError(f"{path}: truncated shard header ({size} bytes, expected at least {SHARD_HEADER_BYTES}); "
+                        f"the file ends at byte offset {size}")
     header = np.fromfile(path, dtype=np.int32, count=SHARD_HEADER_INTS)
-    if header[0] != SHARD_MAGIC:
-        raise DataError(f"{path}: bad magic {header[0]} at byte offset 0 (expected {SHARD_MAGIC}); not a shard file")
+    if header[0] != magic:
+        raise DataError(f"{path}: bad magic {header[0]} at byte offset 0 (expected {magic}); not a "
+                        f"{'shard' if magic == SHARD_MAGIC else 'mask'} file")
     if header[1] != SHARD_VERSION:
         raise DataError(f"{path}: unsupported shard version {header[1]} at byte offset 4 (expected {SHARD_VERSION})")
     n = int(header[2])
-    expected = SHARD_HEADER_BYTES + 2 * n
+    if n < 0:
+        raise DataError(f"{path}: negative token count {n} at byte offset 8")
+    itemsize = np.dtype(dtype).itemsize
+    expected = SHARD_HEADER_BYTES + itemsize * n
     if size != expected:
         raise DataError(f"{path}: header says {n} tokens ({expected} bytes) but the file has {size} bytes; "
                         f"{'truncated' if size < expected else 'trailing bytes'} from byte offset {min(size, expected)}",
                         hint="re-create it with `trainbox prepare ... --overwrite` or re-download it")
     if n == 0:
-        return np.zeros(0, dtype=np.uint16)
-    return np.memmap(path, dtype=np.uint16, mode="r", offset=SHARD_HEADER_BYTES, shape=(n,))
+        return np.zeros(0, dtype=dtype)
+    return np.memmap(path, dtype=dtype, mode="r", offset=SHARD_HEADER_BYTES, shape=(n,))
+
+
+def mask_path(shard: str | Path) -> Path:
+    """Where the loss mask of a shard lives (`x_train_000001.bin` -> `x_train_000001.mask`)."""
+    return Path(shard).with_suffix(".mask")
+
+
+def read_shard_mask(path: str | Path) -> np.ndarray:
+    return read_shard(path, magic=MASK_MAGIC, dtype=np.uint8)
+
+
+class ShardWriter:
+    """Streams one shard (or mask) file under a temporary name; `close()` patches the count into the header.
+
+    The caller renames the temporary file into place once every output is complete (see prepare.py), so
+    an interrupted run never leaves a half-written file under a final name.
+    """
+
+    def __init__(self, final: Path, tmp: Path, magic: int = SHARD_MAGIC, dtype=np.uint16):
+        self.final, self.tmp, self.magic, self.dtype = Path(final), Path(tmp), magic, np.dtype(dtype)
+        self.count = 0
+        self.f = open(self.tmp, "wb")
+        self.f.write(np.zeros(SHARD_HEADER_INTS, dtype=np.int32).tobytes())
+
+    def write(self, arr: np.ndarray) -> None:
+        self.f.write(np.ascontiguousarray(arr, dtype=self.dtype).tobytes())
+        self.count += len(arr)
+
+    def close(self) -> None:
+        header = np.zeros(SHARD_HEADER_INTS, dtype=np.int32)
+        header[:3] = (self.magic, SHARD_VERSION, self.count)
+        self.f.seek(0)
+        self.f.write(header.tobytes())
+        self.f.flush()
+        os.fsync(self.f.fileno())
+        self.f.close()
+
+
+# ----------------------------------------------------------------------------- megatron
+
+
+class MegatronWriter:
+    """Streams a Megatron MMIDIDX dataset: tokens to PREFIX.bin as they come, PREFIX.idx at `close()`.
+
+    Each document is one sequence (no sentence splitting), as in Megatron-LM's preprocess_data.py.
+    Both files are written under temporary names; the caller renames them (`outputs()`).
+    """
+
+    def __init__(self, prefix: str | Path, dtype, tmp_suffix: str):
+        self.prefix, self.dtype = Path(prefix), np.dtype(dtype)
+        if self.dtype not in MEGATRON_CODES:
+            raise DataError(f"dtype {self.dtype} has no Megatron code")
+        self.bin_tmp = Path(f"{self.prefix}.bin{tmp_suffix}")
+        self.idx_tmp = Path(f"{self.prefix}.idx{tmp_suffix}")
+        self.lengths = array("q")  # compact: 8 bytes a document, not a Python int
+        self.current = 0
+        self.f = open(self.bin_tmp, "wb")
+
+    def extend(self, tokens: np.ndarray) -> None:
+        """Append tokens to the current document."""
+        self.f.write(np.ascontiguousarray(tokens, dtype=self.dtype).tobytes())
+        self.current += len(tokens)
+
+    def end_document(self) -> None:
+        if self.current >= 2**31:
+            raise DataError(f"{self.prefix}: a document of {self.current} tokens exceeds Megatron's int32 lengths")
+        self.lengths.append(self.current)
+        self.current = 0
+
+    def add_document(self, tokens: np.ndarray) -> None:
+        self.extend(tokens)
+        self.end_document()
+
+    def close(self) -> None:
+        self.f.flush()
+        os.fsync(self.f.fileno())
+        self.f.close()
+        write_megatron_index(self.idx_tmp, self.dtype, np.asarray(self.lengths, dtype=np.int32),
+                             np.arange(len(self.lengths) + 1, dtype=np.int64))
+
+    def outputs(self) -> list[tuple[Path, Path]]:
+        return [(self.bin_tmp, Path(f"{self.prefix}.bin")), (self.idx_tmp, Path(f"{self.prefix}.idx"))]
+
+
+def write_megatron_index(path: Path, dtype, lengths: np.ndarray, doc_indices: np.ndarray) -> None:
+    """The .idx bytes exactly as Megatron-LM's _IndexWriter lays them out (little-endian)."""
+    dtype = np.dtype(dtype)
+    pointers = np.zeros(len(lengths), dtype=np.int64)
+    if len(lengths) > 1:
+        np.cumsum(lengths[:-1].astype(np.int64) * dtype.itemsize, out=pointers[1:])
+    with open(path, "wb") as f:
+        f.write(MMIDIDX_MAGIC)
+        f.write(struct.pack("<Q", 1))
+        f.write(struct.pack("<B", MEGATRON_CODES[dtype]))
+        f.write(struct.pack("<Q", len(lengths)))
+        f.write(struct.pack("<Q", len(doc_indices)))
+        f.write(lengths.astype("<i4").tobytes())
+        f.write(pointers.astype("<i8").tobytes())
+        f.write(doc_indices.astype("<i8").tobytes())
+        f.flush()
+        os.fsync(f.fileno())
+
+
+@dataclass
+class MegatronData:
+    """A memory-mapped Megatron dataset: `tokens` is the whole .bin; documents from the index."""
+
+    prefix: Path
+    tokens: np.ndarray
+    lengths: np.ndarray
+    pointers: np.ndarray
+    doc_indices: np.ndarray
+
+    @property
+    def num_documents(self) -> int:
+        return max(0, len(self.doc_indices) - 1)
+
+
+def _idx_error(idx: Path, msg: str) -> DataError:
+    return DataError(f"{idx}: {msg}", hint="re-create it with `trainbox prepare ... --format megatron --overwrite`")
+
+
+def read_megatron(prefix: str | Path) -> MegatronData:
+    """Open PREFIX.idx / PREFIX.bin read-only, checking magic, version, dtype and every size."""
+    prefix = Path(str(prefix).removesuffix(".idx").removesuffix(".bin"))
+    idx, binf = Path(f"{prefix}.idx"), Path(f"{prefix}.bin")
+    for p in (idx, binf):
+        if not p.is_file():
+            raise DataError(f"Megatron file {p} does not exist", hint="pass the prefix without .bin/.idx")
+    size = idx.stat().st_size
+    with open(idx, "rb") as f:
+        head = f.read(MMIDIDX_HEADER_BYTES)
+    if len(head) < MMIDIDX_HEADER_BYTES:
+        raise _idx_error(idx, f"truncated header: the file ends at byte offset {len(head)} "
+                              f"(the header is {MMIDIDX_HEADER_BYTES} bytes)")
+    if head[:9] != MMIDIDX_MAGIC:
+        raise _idx_error(idx, f"bad magic {head[:9]!r} at byte offset 0 (expected {MMIDIDX_MAGIC!r})")
+    version, code, n_seq, n_doc = struct.unpack("<QBQQ", head[9:])
+    if version != 1:
+        raise _idx_error(idx, f"unsupported version {version} at byte offset 9 (expected 1)")
+    if code not in MEGATRON_DTYPES:
+        raise _idx_error(idx, f"unknown dtype code {code} at byte offset 17")
+    dtype = np.dtype(MEGATRON_DTYPES[code])
+    expected = MMIDIDX_HEADER_BYTES + 4 * n_seq + 8 * n_seq + 8 * n_doc
+    if size != expected:
+        raise _idx_error(idx, f"{n_seq} sequences and {n_doc} document indices need {expected} bytes but the "
+                              f"file has {size}; {'truncated' if size < expected else 'trailing bytes'} "
+                              f"from byte offset {min(size, expected)}")
+    off = MMIDIDX_HEADER_BYTES
+    lengths = np.fromfile(idx, dtype="<i4", count=n_seq, offset=off)
+    pointers = np.fromfile(idx, dtype="<i8", count=n_seq, offset=off + 4 * n_seq)
+    doc_indices = np.fromfile(idx, dtype="<i8", count=n_doc, offset=off + 12 * n_seq)
+    total = int(lengths.astype(np.int64).sum())
+    bsize = binf.stat().st_size
+    if bsize != total * dtype.itemsize:
+        raise DataError(f"{binf}: the index {idx} describes {total} tokens ({total * dtype.itemsize} bytes) but the "
+                        f".bin has {bsize} bytes; .idx/.bin size mismatch from byte offset "
+                        f"{min(bsize, total * dtype.itemsize)}", hint="re-create both files together")
+    want = np.zeros(n_seq, dtype=np.int64)
+    if n_seq > 1:
+        np.cumsum(lengths[:-1].astype(np.int64) * dtype.itemsize, out=want[1:])
+    bad = np.flatnonzero(pointers != want)
+    if len(bad):
+        raise _idx_error(idx, f"sequence pointer {bad[0]} at byte offset {off + 4 * n_seq + 8 * int(bad[0])} is "
+                              f"{pointers[bad[0]]}, expected {want[bad[0]]}")
+    tokens = np.memmap(binf, dtype=dtype, mode="r") if bsize else np.zeros(0, dtype=dtype)
+    return MegatronData(prefix, tokens, lengths, pointers, doc_indices)
+
+
+def is_megatron_prefix(path: str | Path) -> bool:
+    p = str(path).removesuffix(".idx").removesuffix(".bin")
+    return os.path.isfile(p + ".idx") and os.path.isfile(p + ".bin")
 
 
 def read_flat(path: str | Path) -> np.ndarray:
+    """nanoGPT's headerless uint16 token file, memory-mapped read-only."""
     path = Path(path)
     if not path.is_file():
         raise DataError(f"token file {path} does not exist")

@@ -26,7 +26,11 @@ class TokenDataset:
     """Packed windows over one or more token arrays (memory-mapped). Windows never cross files."""
 
     def __init__(self, arrays: list[np.ndarray], seq_len: int, name: str = "data",
-                 masks: list[np.ndarray] | None = None, transform=None):
+                 masks: list[np.ndarray | None] | None = None, transform=None):
+        if masks is not None and all(m is None for m in masks):
+            masks = None
+        if masks is not None:  # files without a mask train on every token
+            masks = [AllOnes(len(a)) if m is None else m for a, m in zip(arrays, masks)]
         self.arrays, self.masks, self.seq_len, self.name = arrays, masks, seq_len, name
         # transform(windows (B, seq_len + 1), sample indices) -> batch dict, for families whose examples
         # are not next-token windows (t5: span corruption, data/spans.py)
@@ -56,6 +60,19 @@ class TokenDataset:
         if self.masks is not None:
             out["loss_mask"] = torch.from_numpy(np.stack(masks)[:, 1:].astype(np.bool_))
         return out
+
+
+class AllOnes:
+    """The mask of a file that has none: every token trains (no memory spent on it)."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, sl: slice) -> np.ndarray:
+        return np.ones(len(range(*sl.indices(self.n))), dtype=np.uint8)
 
 
 @dataclass
@@ -112,9 +129,30 @@ def zero_steps_message(name: str, samples: int, seq_len: int, global_batch: int)
 
 
 def open_token_files(paths: list[Path]) -> list[np.ndarray]:
-    from trainbox.data.formats import is_shard, read_flat, read_shard
+    return [open_tokens(p)[0] for p in paths]
 
-    return [read_shard(p) if is_shard(p) else read_flat(p) for p in paths]
+
+def open_tokens(path: Path) -> tuple[np.ndarray, np.ndarray | None]:
+    """(tokens, loss mask or None) of a shard, a Megatron prefix or a flat uint16 file, memory-mapped."""
+    from trainbox.data import formats
+
+    if formats.is_megatron_prefix(path):
+        data = formats.read_megatron(path)
+        mask_prefix = f"{data.prefix}_mask"
+        mask = formats.read_megatron(mask_prefix).tokens if formats.is_megatron_prefix(mask_prefix) else None
+        where = f"{mask_prefix}.bin"
+        tokens = data.tokens
+    elif formats.is_shard(path):
+        tokens = formats.read_shard(path)
+        mp = formats.mask_path(path)
+        mask = formats.read_shard_mask(mp) if mp.is_file() else None
+        where = str(mp)
+    else:
+        return formats.read_flat(path), None
+    if mask is not None and len(mask) != len(tokens):
+        raise DataError(f"{where}: loss mask has {len(mask)} entries but {path} has {len(tokens)} tokens",
+                        hint="re-create both with `trainbox prepare ... --overwrite`")
+    return tokens, mask
 
 
 def eval_batches(dataset: TokenDataset, eval_tokens: int, micro_batch: int, world: int = 1, rank: int = 0):

@@ -5,22 +5,34 @@ Accepted forms:
   PREFIX                   shard files PREFIX_train_*.bin and PREFIX_val_*.bin (`trainbox prepare` output,
                            downloaded FineWeb shards)
   FILE.bin                 one shard or flat uint16 file (validation from data.val_path)
-  FILE.jsonl / FILE.txt    chat or plain-text fine-tuning data, tokenized with loss masks (data/sft.py)
+  MEGATRON_PREFIX          a Megatron dataset (PREFIX.bin + PREFIX.idx, as Megatron's --data-path); its
+                           validation is data.val_path or the sibling `{out}_val_{key}_document`
+  OUT                      the --out of `trainbox prepare --format megatron`: {OUT}_{key}_document (train)
+                           and {OUT}_val_{key}_document (validation)
+  TEXT or JSONL input      (pretraining families)       .txt / .jsonl / .jsonl.gz files or a folder of them: prepared once into the cache
+                           (keyed by the files' paths, sizes and mtimes, the tokenizer and the text keys);
+                           1% of the documents are held out for validation
+  FILE.jsonl / FILE.txt    for model.family=hf: chat or plain-text fine-tuning data with loss masks (data/sft.py)
+Loss masks (`.mask` beside a shard, `PREFIX_mask` beside a Megatron prefix) are opened with their tokens.
 """
 from __future__ import annotations
 
 import glob
 import hashlib
+import logging
 import os
 from pathlib import Path
 
 import numpy as np
 
 from trainbox.config import DataSection
+from trainbox.data import formats
 from trainbox.data.formats import write_shard
-from trainbox.data.loader import TokenDataset, open_token_files
+from trainbox.data.loader import TokenDataset, open_tokens
 from trainbox.data.tokenizer import Tokenizer
 from trainbox.errors import DataError
+
+log = logging.getLogger("trainbox")  # the monitor's console logger (data/ does not import monitor/)
 
 
 def default_cache_dir(cfg: DataSection) -> Path:
@@ -51,12 +63,79 @@ def _split_files(prefix: str, split: str) -> list[Path]:
     return [Path(p) for p in sorted(glob.glob(f"{glob.escape(prefix)}_{split}_*.bin"))]
 
 
+def _is_raw_input(path: str) -> bool:
+    from trainbox.data.readers import JSONL_SUFFIXES, TEXT_SUFFIXES
+
+    if os.path.isdir(path):
+        return not glob.glob(os.path.join(glob.escape(path), "*.bin"))
+    return path.endswith(TEXT_SUFFIXES + JSONL_SUFFIXES)
+
+
+def _folder_prefix(path: str) -> str:
+    """A folder of shards (e.g. `trainbox data fineweb --out DIR`) -> the prefix of its *_train_*.bin files."""
+    names = {os.path.basename(p).rsplit("_train_", 1)[0]
+             for p in glob.glob(os.path.join(glob.escape(path), "*_train_*.bin"))}
+    if len(names) == 1:
+        return os.path.join(path, names.pop())
+    if names:
+        raise DataError(f"data.path={path} holds shards of several prefixes ({', '.join(sorted(names))})",
+                        hint=f"name one, e.g. data.path={os.path.join(path, sorted(names)[0])}")
+    return path
+
+
+def prepare_into_cache(cfg: DataSection, progress=None) -> str:
+    """Tokenize a raw text/JSONL data.path once into the cache; returns the shard prefix."""
+    from trainbox.data.prepare import PrepareOptions, prepare
+    from trainbox.data.readers import list_input_files
+
+    files = list_input_files([cfg.path])
+    ident = [cfg.tokenizer, cfg.chat_template or "", *cfg.text_key]
+    for f in files:
+        st = f.stat()
+        ident += [str(f.resolve()), str(st.st_size), str(st.st_mtime_ns)]
+    out = default_cache_dir(cfg) / f"prepared-{hashlib.sha256('|'.join(ident).encode()).hexdigest()[:16]}"
+    prefix = out / "data"
+    if not (out / "COMPLETE").exists():
+        out.mkdir(parents=True, exist_ok=True)
+        log.info(f"data: tokenizing {cfg.path} ({len(files)} file(s)) into {out} with {cfg.tokenizer}")
+        st = prepare(PrepareOptions(inputs=[str(f) for f in files], out=str(prefix), tokenizer=cfg.tokenizer,
+                                    text_keys=list(cfg.text_key), chat_template=cfg.chat_template,
+                                    workers=max(1, cfg.num_workers), val_fraction=0.01, overwrite=True), progress)
+        log.info(f"data: {st.documents:,} documents, {st.tokens:,} tokens ({st.val_documents:,} documents held out "
+                 f"for validation) in {st.seconds:.1f}s" + ("; loss mask on assistant tokens" if st.masked else ""))
+        (out / "COMPLETE").write_text(cfg.path + "\n")
+    return str(prefix)
+
+
+def _megatron_prefixes(path: str, keys: list[str]) -> tuple[list[Path], list[Path]] | None:
+    """Train/val prefixes for a Megatron prefix or a `prepare --format megatron` --out; None if neither."""
+    if formats.is_megatron_prefix(path):
+        p = Path(path.removesuffix(".idx").removesuffix(".bin"))
+        val = [p.with_name(f"{p.name[:-len(f'_{k}_document')]}_val_{k}_document") for k in keys
+               if p.name.endswith(f"_{k}_document")]
+        return [p], [v for v in val if formats.is_megatron_prefix(v)]
+    train = [Path(f"{path}_{k}_document") for k in keys if formats.is_megatron_prefix(f"{path}_{k}_document")]
+    if not train:
+        return None
+    val = [Path(f"{path}_val_{k}_document") for k in keys if formats.is_megatron_prefix(f"{path}_val_{k}_document")]
+    return train, val
+
+
 def resolve(cfg: DataSection, tokenizer: Tokenizer) -> tuple[list[Path], list[Path]]:
-    """-> (train files, val files)."""
+    """-> (train files, val files); Megatron datasets are given by their prefix."""
     path = cfg.path
     if path.startswith("embedded:"):
         path = str(tokenize_embedded(path.split(":", 1)[1], tokenizer, default_cache_dir(cfg)))
-    if os.path.isfile(path):
+    elif _is_raw_input(path) and os.path.exists(path):
+        path = prepare_into_cache(cfg)
+    elif os.path.isdir(path):
+        path = _folder_prefix(path)
+    meg = _megatron_prefixes(path, list(cfg.text_key))
+    if meg is not None:
+        train, val = meg
+        if cfg.val_path:
+            val = [Path(cfg.val_path)]
+    elif os.path.isfile(path):
         train = [Path(path)]
         val = [Path(cfg.val_path)] if cfg.val_path else []
     else:
@@ -73,18 +152,37 @@ def resolve(cfg: DataSection, tokenizer: Tokenizer) -> tuple[list[Path], list[Pa
 
 
 def open_datasets(cfg: DataSection, tokenizer: Tokenizer, vocab_size: int) -> tuple[TokenDataset, TokenDataset | None]:
-    from trainbox.data.sft import is_sft_input, open_sft_datasets
-    if is_sft_input(cfg.path):  # raw chat/text JSONL for fine-tuning: tokenized with loss masks (data/sft.py)
-        return open_sft_datasets(cfg, tokenizer, vocab_size)
     train_files, val_files = resolve(cfg, tokenizer)
-    train = TokenDataset(open_token_files(train_files), cfg.seq_len, name=f"{cfg.path} (train)")
-    val = TokenDataset(open_token_files(val_files), cfg.seq_len, name=f"{cfg.path} (val)") if val_files else None
-    for ds, files in ((train, train_files), (val, val_files)):
-        if ds is None:
-            continue
-        for arr, f in zip(ds.arrays, files):
-            if len(arr) and int(arr.max()) >= vocab_size:
-                pos = int(np.argmax(np.asarray(arr) >= vocab_size))
-                raise DataError(f"{f}: token id {int(arr[pos])} at token {pos} is >= the model's vocab size {vocab_size}",
-                                hint="the data was tokenized with another tokenizer; set data.tokenizer to match")
+    train = open_dataset(train_files, cfg.seq_len, f"{cfg.path} (train)", vocab_size)
+    val = open_dataset(val_files, cfg.seq_len, f"{cfg.path} (val)", vocab_size) if val_files else None
     return train, val
+
+
+def open_dataset(files: list[Path], seq_len: int, name: str, vocab_size: int | None = None) -> TokenDataset:
+    """Memory-map token files (and their masks) into one TokenDataset; check ids against the vocab."""
+    opened = [open_tokens(f) for f in files]
+    arrays, masks = [a for a, _ in opened], [m for _, m in opened]
+    if sum(len(a) for a in arrays) == 0:
+        raise DataError(f"{name}: the dataset is empty (0 tokens in {', '.join(map(str, files))})",
+                        hint="check the input of `trainbox prepare`")
+    if vocab_size is not None:
+        for arr, f in zip(arrays, files):
+            check_vocab(arr, Path(f"{f}.bin") if formats.is_megatron_prefix(f) and f.suffix != ".bin" else f, vocab_size)
+    return TokenDataset(arrays, seq_len, name=name, masks=masks)
+
+
+def check_vocab(arr: np.ndarray, path: Path, vocab_size: int, chunk: int = 1 << 24) -> None:
+    """DataError naming the file and byte offset of the first token id >= vocab_size (scanned in chunks)."""
+    for start in range(0, len(arr), chunk):
+        part = np.asarray(arr[start:start + chunk])
+        if len(part) and int(part.max()) >= vocab_size:
+            pos = start + int(np.argmax(part >= vocab_size))
+            off = _byte_offset(path, arr, pos)
+            raise DataError(f"{path}: token id {int(arr[pos])} at token {pos} (byte offset {off}) is >= the "
+                            f"vocab size {vocab_size}",
+                            hint="the data was tokenized with another tokenizer; set data.tokenizer to match")
+
+
+def _byte_offset(path: Path, arr: np.ndarray, pos: int) -> int:
+    header = getattr(arr, "offset", 0) if isinstance(arr, np.memmap) else 0
+    return int(header) + pos * arr.dtype.itemsize

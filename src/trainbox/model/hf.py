@@ -212,3 +212,14 @@ def tokenizer(run):
                           hint="e.g. trainbox train lora model.path=Qwen/Qwen2.5-0.5B data.path=chat.jsonl")
     return load_hf_tokenizer(spec)
 
+
+
+def open_datasets(run, tokenizer, vocab_size: int):
+    """Fine-tuning data: raw chat / text JSONL (or .txt) is tokenized with loss masks by data/sft.py;
+    token files prepared with `trainbox prepare` are read as for pretraining."""
+    from trainbox.data.sft import is_sft_input, open_sft_datasets
+    from trainbox.data.sources import open_datasets as open_token_datasets
+
+    if is_sft_input(run.data.path):
+        return open_sft_datasets(run.data, tokenizer, vocab_size)
+    return open_token_datasets(run.data, tokenizer, vocab_size)

@@ -7,6 +7,7 @@ without a second loop:
   USES_RUN_CONFIG = True   build() also receives the whole RunConfig as `run=` (hf: LoRA, quantisation)
   tokenizer(run)           the family brings its own tokenizer (hf: the model's)
   extra_ids(model_cfg)     ids above the tokenizer's (t5: 100 sentinels and a decoder start id)
+  open_datasets(run, tok, vocab)  the family reads its own data (hf: chat/text JSONL -> SFT windows)
   adapt_dataset(...)       turns packed token windows into the family's examples (t5: span corruption);
                            batches keep the {x, y} keys, so forward(x, y) and evaluation are unchanged
 """
@@ -67,6 +68,15 @@ def model_vocab_size(cfg, tokenizer_vocab: int) -> int:
         return cfg.vocab_size
     hook = getattr(_family_module(cfg), "extra_ids", None)
     return pad_vocab(tokenizer_vocab + (hook(cfg) if hook is not None else 0))
+
+
+def open_datasets(run, tokenizer, vocab_size: int):
+    """(train, val) datasets: the family's own reader where it has one, else data.path's token files."""
+    hook = getattr(_family_module(run.model), "open_datasets", None)
+    if hook is not None:
+        return hook(run, tokenizer, vocab_size)
+    from trainbox.data.sources import open_datasets as open_token_datasets
+    return open_token_datasets(run.data, tokenizer, vocab_size)
 
 
 def adapt_datasets(cfg, tokenizer, vocab_size: int, train, val):

@@ -173,8 +173,7 @@ class Trainer:
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
         from trainbox import runs
-        from trainbox.data.sources import open_datasets
-        from trainbox.model.registry import adapt_datasets, build_model, build_tokenizer, model_vocab_size
+        from trainbox.model.registry import adapt_datasets, build_model, build_tokenizer, model_vocab_size, open_datasets
 
         cfg, d = self.cfg, self.dist
         d.init(self.device, cfg.train.pg_timeout_s)
@@ -186,7 +185,7 @@ class Trainer:
             cfg.model.eot_id = self.tokenizer.eot_id
         vocab = model_vocab_size(cfg.model, self.tokenizer.vocab_size)
         self.train_data, self.val_data = adapt_datasets(cfg, self.tokenizer, vocab,
-                                                        *open_datasets(cfg.data, self.tokenizer, vocab))
+                                                        *open_datasets(cfg, self.tokenizer, vocab))
         self.plan = BatchPlan(self.train_data, cfg.train.global_batch_size, cfg.train.micro_batch_size,
                               d.world, d.rank, cfg.run.seed)
         self.plan.check_nonempty()

@@ -1,0 +1,154 @@
+"""Chat data for supervised fine-tuning: records -> messages -> template text -> tokens + loss mask.
+
+Records are JSON objects with either `messages` ([{role, content}], OpenAI style) or ShareGPT
+`conversations` ([{from, value}]). They are rendered with a Jinja chat template: ChatML by default, or
+the `chat_template` of a Hugging Face tokenizer folder (tokenizer_config.json or chat_template.jinja),
+the same template `transformers`' apply_chat_template uses.
+
+The loss mask marks the tokens the model is trained on: an assistant message's content and its
+end-of-turn marker, never the system/user turns or the assistant header. It is found by rendering
+growing prefixes of the conversation (as axolotl and TRL do): the text an assistant message adds
+after the generation prompt is that message's trainable span. Each span is tokenized on its own, so a
+token never straddles a trained and an untrained region.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from trainbox.errors import DataError
+
+CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] "
+          "+ '<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
+          "{% endif %}")
+BUILTIN = {"chatml": CHATML}
+
+# ShareGPT speaker names -> roles
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                  "chatgpt": "assistant", "bard": "assistant", "bing": "assistant", "system": "system",
+                  "tool": "tool", "observation": "tool", "function_response": "tool",
+                  "function_call": "assistant"}
+
+
+def is_chat_record(rec: Any) -> bool:
+    return isinstance(rec, dict) and (isinstance(rec.get("messages"), list)
+                                      or isinstance(rec.get("conversations"), list))
+
+
+def _content(value: Any, where: str) -> str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):  # multi-part content: keep the text parts
+        return "".join(p.get("text", "") for p in value if isinstance(p, dict))
+    raise DataError(f"{where}: message content must be a string, got {type(value).__name__}")
+
+
+def messages_of(rec: dict, where: str) -> list[dict[str, str]]:
+    """Normalise a `messages` or ShareGPT `conversations` record to [{role, content}]."""
+    if isinstance(rec.get("messages"), list):
+        out = []
+        for m in rec["messages"]:
+            if not isinstance(m, dict) or "role" not in m:
+                raise DataError(f"{where}: each of `messages` needs a `role` and `content`, got {m!r:.80}")
+            out.append({"role": str(m["role"]), "content": _content(m.get("content") or "", where)})
+        return out
+    out = []
+    for m in rec["conversations"]:
+        if not isinstance(m, dict) or "from" not in m:
+            raise DataError(f"{where}: each of `conversations` needs `from` and `value`, got {m!r:.80}")
+        role = SHAREGPT_ROLES.get(str(m["from"]).lower())
+        if role is None:
+            raise DataError(f"{where}: unknown ShareGPT speaker {m['from']!r}",
+                            hint=f"use one of {', '.join(sorted(SHAREGPT_ROLES))}")
+        out.append({"role": role, "content": _content(m.get("value") or "", where)})
+    return out
+
+
+class ChatTemplate:
+    """A Jinja chat template rendered the way transformers does (sandboxed, trim_blocks, lstrip_blocks)."""
+
+    def __init__(self, source: str, name: str = "chatml", bos_token: str = "", eos_token: str = ""):
+        try:
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+        except ImportError:  # pragma: no cover - jinja2 ships with torch
+            from trainbox.errors import MissingDependency
+            raise MissingDependency("jinja2", "hf", "rendering chat templates") from None
+
+        def raise_exception(msg):
+            raise DataError(f"chat template {name}: {msg}")
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = raise_exception
+        self.template, self.name = env.from_string(source), name
+        self.extra = {"bos_token": bos_token, "eos_token": eos_token}
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+        return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt, **self.extra)
+
+    def spans(self, messages: list[dict], where: str = "record") -> list[tuple[str, bool]]:
+        """The rendered conversation cut into (text, trained) spans; trained spans are assistant output."""
+        out: list[tuple[str, bool]] = []
+        prev = ""
+        for i, m in enumerate(messages):
+            full = self.render(messages[: i + 1])
+            if m["role"] == "assistant":
+                gen = self.render(messages[:i], add_generation_prompt=True)
+                if not gen.startswith(prev) or not full.startswith(gen):
+                    raise DataError(f"{where}: chat template {self.name} does not render conversations as "
+                                    f"growing prefixes, so assistant tokens cannot be located for the loss mask")
+                out += [(gen[len(prev):], False), (full[len(gen):], True)]
+            else:
+                if not full.startswith(prev):
+                    raise DataError(f"{where}: chat template {self.name} re-renders earlier turns; "
+                                    f"cannot build a loss mask")
+                out.append((full[len(prev):], False))
+            prev = full
+        return [(t, trained) for t, trained in out if t]
+
+
+def encode_chat(template: ChatTemplate, tokenizer, messages: list[dict], where: str = "record"
+                ) -> tuple[list[int], list[int]]:
+    """-> (token ids, loss mask of 0/1), the mask 1 exactly on assistant tokens."""
+    ids: list[int] = []
+    mask: list[int] = []
+    for text, trained in template.spans(messages, where):
+        piece = tokenizer.encode(text)
+        ids += piece
+        mask += [int(trained)] * len(piece)
+    return ids, mask
+
+
+def load_template(tokenizer_spec: str, name: str | None = None) -> ChatTemplate:
+    """A built-in template by name, else the tokenizer folder's chat template, else ChatML."""
+    if name:
+        if name in BUILTIN:
+            return ChatTemplate(BUILTIN[name], name)
+        path = Path(name)
+        if path.is_file():  # a .jinja file
+            return ChatTemplate(path.read_text(encoding="utf-8"), str(path))
+        raise DataError(f"unknown chat template {name!r}", hint=f"use {', '.join(BUILTIN)} or a .jinja file")
+    found = hf_chat_template(tokenizer_spec)
+    return found if found is not None else ChatTemplate(CHATML, "chatml")
+
+
+def hf_chat_template(tokenizer_spec: str) -> ChatTemplate | None:
+    """The chat template that ships with a Hugging Face tokenizer folder, if any."""
+    p = Path(tokenizer_spec)
+    folder = p if p.is_dir() else p.parent
+    if tokenizer_spec in ("gpt2",) or tokenizer_spec.startswith("embedded:") or not folder.is_dir():
+        return None
+    cfg: dict = {}
+    if (folder / "tokenizer_config.json").is_file():
+        cfg = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+    source = cfg.get("chat_template")
+    if isinstance(source, list):  # named templates: take "default"
+        source = next((t["template"] for t in source if t.get("name") == "default"), None)
+    if (folder / "chat_template.jinja").is_file():
+        source = (folder / "chat_template.jinja").read_text(encoding="utf-8")
+    if not source:
+        return None
+
+    def tok(v):
+        return v.get("content", "") if isinstance(v, dict) else (v or "")
+    return ChatTemplate(source, str(folder), bos_token=tok(cfg.get("bos_token")), eos_token=tok(cfg.get("eos_token")))

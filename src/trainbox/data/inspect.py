@@ -1,0 +1,115 @@
+"""`trainbox inspect`: what a token dataset holds and how many training steps it gives.
+
+Reads any supported format (shard, Megatron, flat uint16; a file, a Megatron prefix, a shard prefix with
+its _train_/_val_ files, or a folder of shards) through the same resolution and the same packed-sample
+rule as the training loader, so the step count printed here is the one `trainbox train` will run:
+
+    samples = sum over files of (tokens - 1) // seq_len      (windows of seq_len + 1 never cross files)
+    steps_per_epoch = samples // global_batch; total = ceil(epochs x steps_per_epoch)
+
+Zero steps raise the loader's own error message (data/loader.py: zero_steps_message).
+Scans are chunked, so a many-GB dataset is inspected in bounded memory.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+
+from trainbox.data import formats
+from trainbox.data.loader import TokenDataset, open_tokens, zero_steps_message
+from trainbox.errors import DataError
+
+CHUNK = 1 << 24
+
+
+def file_format(path: Path) -> str:
+    if formats.is_megatron_prefix(path):
+        return "megatron"
+    return "shard" if formats.is_shard(path) else "flat"
+
+
+def scan(tokens: np.ndarray, eot: int | None) -> dict:
+    """Min / max id and EOT count, in chunks."""
+    lo, hi, n_eot = None, None, 0
+    for start in range(0, len(tokens), CHUNK):
+        part = np.asarray(tokens[start:start + CHUNK])
+        lo = int(part.min()) if lo is None else min(lo, int(part.min()))
+        hi = int(part.max()) if hi is None else max(hi, int(part.max()))
+        if eot is not None:
+            n_eot += int(np.count_nonzero(part == eot))
+    return {"min_id": lo, "max_id": hi, "eot": n_eot}
+
+
+def describe_file(path: Path, eot: int | None, vocab_size: int | None) -> dict:
+    """One file's format, dtype, documents, tokens, id range and masked fraction."""
+    from trainbox.data.sources import check_vocab
+
+    tokens, mask = open_tokens(path)
+    fmt = file_format(path)
+    info = {"path": str(path), "format": fmt, "dtype": str(tokens.dtype), "tokens": int(len(tokens))}
+    info.update(scan(tokens, eot))
+    if fmt == "megatron":
+        info["documents"] = formats.read_megatron(path).num_documents
+    else:  # shards and flat files put EOT before (or between) documents
+        info["documents"] = info["eot"]
+    if mask is not None:
+        info["trained_tokens"] = int(sum(int(np.asarray(mask[s:s + CHUNK]).sum()) for s in range(0, len(mask), CHUNK)))
+    if vocab_size is not None:
+        check_vocab(tokens, Path(f"{path}.bin") if fmt == "megatron" and Path(path).suffix != ".bin" else path,
+                    vocab_size)
+    return info
+
+
+def inspect_data(path: str, seq_len: int, global_batch: int | None = None, epochs: float = 1.0,
+                 tokenizer: str | None = None, cache_dir: str | None = None) -> dict:
+    """A report of the train (and val) files behind `path`; DataError when an epoch would have 0 steps."""
+    from trainbox.config import DataSection
+    from trainbox.data.sources import resolve
+    from trainbox.data.tokenizer import get_tokenizer
+
+    tok = get_tokenizer(tokenizer or "gpt2")
+    cfg = DataSection(path=path, tokenizer=tokenizer or "gpt2", seq_len=max(8, seq_len), cache_dir=cache_dir)
+    train_files, val_files = resolve(cfg, tok)
+    vocab = tok.vocab_size if tokenizer else None
+    report: dict = {"path": path, "seq_len": seq_len, "tokenizer": tokenizer or "gpt2 (for EOT only)"}
+    for split, files in (("train", train_files), ("val", val_files)):
+        if not files:
+            continue
+        infos = [describe_file(f, tok.eot_id, vocab) for f in files]
+        ds = TokenDataset([open_tokens(f)[0] for f in files], seq_len, name=f"{path} ({split})")
+        report[split] = {"files": infos, "tokens": ds.num_tokens, "samples": ds.num_samples,
+                         "documents": sum(i["documents"] for i in infos),
+                         "min_id": min(i["min_id"] for i in infos if i["min_id"] is not None) if ds.num_tokens else None,
+                         "max_id": max(i["max_id"] for i in infos if i["max_id"] is not None) if ds.num_tokens else None}
+        if ds.num_tokens == 0:
+            raise DataError(f"{path} ({split}): the dataset is empty ({', '.join(map(str, files))})")
+    if global_batch is not None:
+        samples = report["train"]["samples"]
+        per_epoch = samples // global_batch
+        if per_epoch == 0:
+            raise DataError(zero_steps_message(f"{path} (train)", samples, seq_len, global_batch))
+        report["global_batch"], report["epochs"] = global_batch, epochs
+        report["steps_per_epoch"] = per_epoch
+        report["total_steps"] = max(1, int(math.ceil(epochs * per_epoch)))
+    return report
+
+
+def format_report(r: dict) -> str:
+    """The human-readable text `trainbox inspect` prints."""
+    lines = [f"{r['path']}  (seq_len {r['seq_len']})"]
+    for split in ("train", "val"):
+        if split not in r:
+            continue
+        s = r[split]
+        lines.append(f"{split}: {len(s['files'])} file(s), {s['documents']:,} documents, {s['tokens']:,} tokens, "
+                     f"ids {s['min_id']}..{s['max_id']}, {s['samples']:,} samples of {r['seq_len']}")
+        for f in s["files"]:
+            extra = f", {f['trained_tokens']:,} trained (loss mask)" if "trained_tokens" in f else ""
+            lines.append(f"  {f['path']}: {f['format']} {f['dtype']}, {f['documents']:,} documents, "
+                         f"{f['tokens']:,} tokens{extra}")
+    if "steps_per_epoch" in r:
+        lines.append(f"global batch {r['global_batch']}: {r['steps_per_epoch']:,} steps per epoch, "
+                     f"{r['total_steps']:,} steps for {r['epochs']:g} epoch(s)")
+    return "\n".join(lines)

@@ -1,0 +1,472 @@
+"""`trainbox prepare`: text / JSONL / chat JSONL -> shard or Megatron token files.
+
+Pipeline (one reader, N tokenizer processes, one writer):
+
+    read inputs in order -> work items of ~1 MB text -> pool (bounded queue) -> results in order -> writers
+
+- Streamed with bounded memory: at most `2 x workers + 2` work items are in flight, and a large .txt
+  file is cut into ~8 MB pieces just before a newline (else a space) between printable ASCII bytes (a place where
+  the GPT-2 / byte-level pre-tokenizer always splits, so the tokens equal those of the whole file).
+- Byte-identical for any worker count: results are consumed in submission order and tokenization of a
+  document does not depend on its neighbours.
+- Documents: a .txt file is one document; a JSONL line is one document per --text-key (or one chat).
+  The validation split takes whole documents: the first --val-docs, or an evenly spread
+  --val-fraction (document i is held out when floor((i+1)f) > floor(if)).
+- Atomic: every output is written under a temporary name and renamed only when all are complete;
+  existing outputs are replaced only with overwrite=True; an input is never opened for writing.
+
+Shard output: {out}_val_000000.bin, {out}_train_000001.bin ... (EOT before each document, rolled over
+every `shard_tokens` tokens) plus `.mask` files for chat data. Megatron output: {out}_{key}_document
+(.bin/.idx) and {out}_val_{key}_document, plus `_mask` datasets for chat data; chat text goes to the
+first text key's dataset.
+"""
+from __future__ import annotations
+
+import collections
+import glob
+import multiprocessing as mp
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator
+
+import numpy as np
+
+from trainbox.data import formats
+from trainbox.data.readers import (decode_utf8, first_record_is_chat, is_jsonl, list_input_files, parse_json_line,
+                                   splits_like_gpt2, work_items)
+from trainbox.errors import DataError
+
+
+
+@dataclass
+class PrepareOptions:
+    """What `trainbox prepare` does; one field per command-line flag."""
+
+    inputs: list[str]
+    out: str
+    tokenizer: str = "gpt2"
+    format: str = "shard"                 # shard | megatron
+    text_keys: list[str] = field(default_factory=lambda: ["text"])
+    chat_template: str | None = None      # built-in name or .jinja; default: the tokenizer's, else chatml
+    workers: int = 1
+    shard_tokens: int = 100_000_000
+    val_docs: int = 0
+    val_fraction: float = 0.0
+    append_eod: bool = False              # megatron: EOD after each document (shards always put EOT before)
+    write_vocab: bool = False
+    overwrite: bool = False
+
+
+@dataclass
+class PrepareStats:
+    """Running totals, handed to the progress callback and returned at the end."""
+
+    documents: int = 0
+    tokens: int = 0
+    val_documents: int = 0
+    val_tokens: int = 0
+    bytes_read: int = 0
+    total_bytes: int | None = None        # input size when known (regular, uncompressed files)
+    seconds: float = 0.0
+    files: list[str] = field(default_factory=list)
+    masked: bool = False
+
+
+# ----------------------------------------------------------------------------- tokenizing (worker side)
+
+_WORKER: dict = {}
+
+
+def _init_worker(tokenizer_spec: str, chat_template: str | None, chat: bool, keys: list[str]) -> None:
+    from trainbox.data.tokenizer import get_tokenizer
+
+    _WORKER.update(tok=get_tokenizer(tokenizer_spec), chat=chat, keys=keys)
+    if chat:
+        from trainbox.data.chat import load_template
+        _WORKER["template"] = load_template(tokenizer_spec, chat_template)
+
+
+def _parse(entry: tuple) -> tuple:
+    if entry[0] == "json":
+        return parse_json_line(entry[1], entry[2], entry[3], _WORKER["keys"], _WORKER["chat"])
+    return "text", [decode_utf8(entry[1], entry[3], entry[4])], entry[2]
+
+
+def _encode_item(item: list) -> list | tuple:
+    """Parse and tokenize one work item -> per entry (starts_document, [ids per key], mask or None).
+
+    A DataError comes back as ("error", message, hint): exceptions lose their hint when pickled.
+    """
+    try:
+        return _encode_parsed([_parse(e) for e in item])
+    except DataError as e:
+        return ("error", e.message, e.hint)
+
+
+def _encode_parsed(item: list) -> list:
+    tok = _WORKER["tok"]
+    dtype = np.uint16 if tok.vocab_size <= 65536 else np.int32
+    out: list = [None] * len(item)
+    plain = [(i, e) for i, e in enumerate(item) if e[0] == "text"]
+    if plain:
+        flat = [t for _, e in plain for t in e[1]]
+        ids = _encode_texts(tok, flat)
+        j = 0
+        for i, e in plain:
+            k = len(e[1])
+            out[i] = (e[2], [np.asarray(x).astype(dtype, copy=False) for x in ids[j:j + k]], None)
+            j += k
+    for i, e in enumerate(item):
+        if e[0] == "chat":
+            from trainbox.data.chat import encode_chat
+            ids, mask = encode_chat(_WORKER["template"], tok, e[1], e[2])
+            out[i] = (True, [np.asarray(ids, dtype=dtype)], np.asarray(mask, dtype=np.uint8))
+    return out
+
+
+def _encode_texts(tok, texts: list[str]) -> list:
+    """Token ids of ordinary text (special-token strings are plain text, as in encode_ordinary)."""
+    enc = getattr(tok, "enc", None)
+    if enc is not None and hasattr(enc, "encode_to_numpy"):
+        # tiktoken straight into a numpy buffer: no Python int per token. With no special token allowed
+        # and none disallowed, `encode` is exactly `encode_ordinary`. A plain loop, not
+        # encode_ordinary_batch, which starts a thread pool per call: the parallelism is the processes.
+        return [enc.encode_to_numpy(t, allowed_special=set(), disallowed_special=()) for t in texts]
+    hf = getattr(tok, "tok", None)
+    if hf is not None and hasattr(hf, "encode_special_tokens"):
+        # `tokenizers` matches added tokens even in plain text; a literal "<|endoftext|>" in a web page must
+        # not become a document boundary, so special-token strings are encoded as text here (and the
+        # shared tokenizer is restored for chat rendering and other users).
+        before, hf.encode_special_tokens = hf.encode_special_tokens, True
+        try:
+            return [e.ids for e in hf.encode_batch(texts, add_special_tokens=False)]
+        finally:
+            hf.encode_special_tokens = before
+    return [tok.encode(t) for t in texts]
+
+
+class _Pool:
+    """Ordered, bounded map: at most `depth` items in flight (Pool.imap would read the whole input)."""
+
+    def __init__(self, workers: int, initargs: tuple):
+        self.pool = None
+        if workers > 1:
+            ctx = mp.get_context("fork" if sys.platform.startswith("linux") else "spawn")
+            self.pool = ctx.Pool(workers, initializer=_init_worker, initargs=initargs)
+        else:
+            _init_worker(*initargs)
+        self.depth = 2 * workers + 2
+
+    def map(self, items: Iterator) -> Iterator:
+        if self.pool is None:
+            for item, meta in items:
+                yield _encode_item(item), meta
+            return
+        pending: collections.deque = collections.deque()
+        for item, meta in items:
+            pending.append((self.pool.apply_async(_encode_item, (item,)), meta))
+            # hand on finished results at once (progress, and a slow input such as a pipe keeps flowing)
+            while pending and (len(pending) >= self.depth or pending[0][0].ready()):
+                res, m = pending.popleft()
+                yield res.get(), m
+        while pending:
+            res, m = pending.popleft()
+            yield res.get(), m
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.terminate()
+            self.pool.join()
+
+
+# ----------------------------------------------------------------------------- writing
+
+
+def _tmp(final: Path) -> Path:
+    return final.with_name(final.name + ".partial")
+
+
+class ShardSink:
+    """One split's shards: EOT before each document, a new shard every `shard_tokens` tokens."""
+
+    def __init__(self, out: str, split: str, first_index: int, shard_tokens: int, eot: int, masked: bool):
+        self.out, self.split, self.index, self.cap = out, split, first_index, shard_tokens
+        self.eot, self.masked = eot, masked
+        self.writer: formats.ShardWriter | None = None
+        self.mask_writer: formats.ShardWriter | None = None
+        self.done: list[tuple[Path, Path]] = []
+
+    def _open(self) -> None:
+        final = Path(f"{self.out}_{self.split}_{self.index:06d}.bin")
+        self.writer = formats.ShardWriter(final, _tmp(final))
+        if self.masked:
+            mfinal = formats.mask_path(final)
+            self.mask_writer = formats.ShardWriter(mfinal, _tmp(mfinal), formats.MASK_MAGIC, np.uint8)
+        self.index += 1
+
+    def _roll(self) -> None:
+        for w in (self.writer, self.mask_writer):
+            if w is not None:
+                w.close()
+                self.done.append((w.tmp, w.final))
+        self.writer = self.mask_writer = None
+
+    def add(self, ids: np.ndarray, mask: np.ndarray | None, starts_document: bool) -> int:
+        if starts_document:
+            ids = np.concatenate([np.array([self.eot], dtype=ids.dtype), ids])
+            if self.masked:
+                mask = np.concatenate([[0], mask if mask is not None else np.ones(len(ids) - 1)]).astype(np.uint8)
+        if self.masked and mask is None:
+            mask = np.ones(len(ids), dtype=np.uint8)
+        pos = 0
+        while pos < len(ids):
+            if self.writer is None:
+                self._open()
+            take = min(len(ids) - pos, self.cap - self.writer.count)
+            self.writer.write(ids[pos:pos + take])
+            if self.mask_writer is not None:
+                self.mask_writer.write(mask[pos:pos + take])
+            pos += take
+            if self.writer.count >= self.cap:
+                self._roll()
+        return len(ids)
+
+    def close(self) -> list[tuple[Path, Path]]:
+        self._roll()
+        return self.done
+
+    def abort(self) -> None:
+        for w in (self.writer, self.mask_writer):
+            if w is not None:
+                w.f.close()
+                self.done.append((w.tmp, w.final))
+
+
+class MegatronSink:
+    """One split's Megatron datasets, one per text key: {out}_{key}_document or {out}_val_{key}_document."""
+
+    def __init__(self, out: str, split: str, keys: list[str], dtype, eod: int | None, masked: bool):
+        tag = "" if split == "train" else "_val"
+        self.eod, self.masked, self.keys = eod, masked, keys
+        self.writers = [formats.MegatronWriter(f"{out}{tag}_{k}_document", dtype, ".partial") for k in keys]
+        self.masks = ([formats.MegatronWriter(f"{out}{tag}_{keys[0]}_document_mask", np.uint8, ".partial")]
+                      if masked else [])
+        self.open_doc = False
+
+    def add_entry(self, ids_per_key: list[np.ndarray], mask: np.ndarray | None, starts_document: bool) -> int:
+        if starts_document and self.open_doc:
+            self._end()
+        self.open_doc = True
+        n = 0
+        for w, ids in zip(self.writers, ids_per_key):
+            w.extend(ids)
+            n += len(ids)
+        if self.masks:
+            self.masks[0].extend(mask if mask is not None else np.ones(len(ids_per_key[0]), dtype=np.uint8))
+        return n
+
+    def _end(self) -> int:
+        n = 0
+        for w in self.writers:
+            if self.eod is not None:
+                w.extend(np.array([self.eod]))
+                n += 1
+            w.end_document()
+        for m in self.masks:
+            if self.eod is not None:
+                m.extend(np.zeros(1, dtype=np.uint8))
+            m.end_document()
+        self.open_doc = False
+        return n
+
+    def close(self) -> tuple[int, list[tuple[Path, Path]]]:
+        n = self._end() if self.open_doc else 0
+        done = []
+        for w in self.writers + self.masks:
+            w.close()
+            done += w.outputs()
+        return n, done
+
+    def abort(self) -> list[tuple[Path, Path]]:
+        done = []
+        for w in self.writers + self.masks:
+            w.f.close()
+            done += w.outputs()
+        return done
+
+
+# ----------------------------------------------------------------------------- the command
+
+
+def existing_outputs(opts: PrepareOptions) -> list[Path]:
+    """Files a prepare into `opts.out` would create or replace."""
+    o = glob.escape(opts.out)
+    if opts.format == "shard":
+        pats = [f"{o}_train_*.bin", f"{o}_val_*.bin", f"{o}_train_*.mask", f"{o}_val_*.mask"]
+    else:
+        pats = [f"{o}{tag}_{glob.escape(k)}_document{m}.{ext}" for tag in ("", "_val") for k in opts.text_keys
+                for m in ("", "_mask") for ext in ("bin", "idx")]
+    return sorted({Path(p) for pat in pats for p in glob.glob(pat)})
+
+
+def _check(opts: PrepareOptions, files: list[Path]) -> None:
+    if opts.format not in ("shard", "megatron"):
+        raise DataError(f"unknown output format {opts.format!r}", hint="use --format shard or --format megatron")
+    if opts.val_docs and opts.val_fraction:
+        raise DataError("give either --val-docs or --val-fraction, not both")
+    if not 0 <= opts.val_fraction < 1:
+        raise DataError(f"--val-fraction {opts.val_fraction} must be in [0, 1)")
+    if opts.workers < 1 or opts.shard_tokens < 1:
+        raise DataError("--workers and --shard-tokens must be at least 1")
+    old = existing_outputs(opts)
+    if old and not opts.overwrite:
+        raise DataError(f"output {old[0]} already exists ({len(old)} output file(s) under {opts.out}_*)",
+                        hint="add --overwrite to replace them, or choose another --out")
+    inputs = {f.resolve() for f in files}
+    clash = [p for p in old if p.resolve() in inputs]
+    if clash:
+        raise DataError(f"{clash[0]} is both an input and an output; prepare never writes into an input",
+                        hint="choose another --out")
+    Path(opts.out).parent.mkdir(parents=True, exist_ok=True)
+
+
+def _is_val(i: int, opts: PrepareOptions) -> bool:
+    if opts.val_docs:
+        return i < opts.val_docs
+    f = opts.val_fraction
+    return f > 0 and int((i + 1) * f) > int(i * f)
+
+
+def prepare(opts: PrepareOptions, progress: Callable[[PrepareStats], None] | None = None) -> PrepareStats:
+    """Tokenize `opts.inputs` into `opts.out` (see the module docstring). Returns the totals."""
+    from trainbox.data.tokenizer import get_tokenizer
+
+    files = list_input_files(opts.inputs)
+    _check(opts, files)
+    tok = get_tokenizer(opts.tokenizer)
+    chat = any(is_jsonl(f) and first_record_is_chat(f) for f in files)
+    if chat:
+        from trainbox.data.chat import load_template
+        load_template(opts.tokenizer, opts.chat_template)  # fail early on a bad template
+    if opts.format == "shard" and tok.vocab_size > 65536:
+        raise DataError(f"tokenizer {opts.tokenizer} has {tok.vocab_size} ids; shards hold uint16",
+                        hint="use --format megatron")
+    stats = PrepareStats(masked=chat, total_bytes=_total_bytes(files))
+    sinks = _make_sinks(opts, tok, chat)
+    pool = _Pool(opts.workers, (opts.tokenizer, opts.chat_template, chat, list(opts.text_keys)))
+    start, last = time.perf_counter(), 0.0
+    try:
+        doc, split = -1, "train"
+        pieces = None if splits_like_gpt2(tok) else 0
+        for results, nbytes in pool.map(work_items(files, pieces)):
+            if isinstance(results, tuple):  # ("error", message, hint) from a worker
+                raise DataError(results[1], hint=results[2])
+            for starts, ids_per_key, mask in results:
+                if starts:
+                    doc += 1
+                    split = "val" if _is_val(doc, opts) else "train"
+                n = _emit(sinks[split], ids_per_key, mask, starts)
+                _count(stats, split, n, starts)
+            stats.bytes_read += nbytes
+            stats.seconds = time.perf_counter() - start
+            if progress and stats.seconds - last >= 0.5:
+                last = stats.seconds
+                progress(stats)
+        pairs = _close_sinks(sinks, stats)
+    except BaseException:
+        pool.close()
+        _abort(sinks)
+        raise
+    pool.close()
+    _commit(pairs, opts)
+    if opts.write_vocab:
+        stats.files += [str(p) for p in write_vocab(opts.tokenizer, Path(opts.out).parent)]
+    stats.seconds = time.perf_counter() - start
+    if progress:
+        progress(stats)
+    return stats
+
+
+def _total_bytes(files: list[Path]) -> int | None:
+    if all(f.is_file() and not f.name.endswith(".gz") for f in files):
+        return sum(f.stat().st_size for f in files)
+    return None
+
+
+def _make_sinks(opts: PrepareOptions, tok, chat: bool) -> dict:
+    if opts.format == "shard":
+        return {s: ShardSink(opts.out, s, i, opts.shard_tokens, tok.eot_id, chat) for s, i in (("val", 0), ("train", 1))}
+    dtype = formats.megatron_dtype(tok.vocab_size)
+    eod = tok.eot_id if opts.append_eod else None
+    return {s: MegatronSink(opts.out, s, opts.text_keys, dtype, eod, chat) for s in ("val", "train")}
+
+
+def _emit(sink, ids_per_key: list[np.ndarray], mask, starts: bool) -> int:
+    if isinstance(sink, ShardSink):
+        return sum(sink.add(ids, mask, starts or k > 0) for k, ids in enumerate(ids_per_key))
+    return sink.add_entry(ids_per_key, mask, starts)
+
+
+def _count(stats: PrepareStats, split: str, n: int, starts: bool) -> None:
+    stats.tokens += n
+    stats.documents += int(starts)
+    if split == "val":
+        stats.val_tokens += n
+        stats.val_documents += int(starts)
+
+
+def _close_sinks(sinks: dict, stats: PrepareStats) -> list[tuple[Path, Path]]:
+    pairs = []
+    for split, sink in sinks.items():
+        if isinstance(sink, ShardSink):
+            pairs += sink.close()
+            continue
+        n, done = sink.close()  # the EOD of each split's last document is counted here
+        stats.tokens += n
+        if split == "val":
+            stats.val_tokens += n
+        if split == "val" and not stats.val_documents:
+            for tmp, _ in done:  # no validation split asked for: no empty val dataset
+                tmp.unlink(missing_ok=True)
+            continue
+        pairs += done
+    stats.files = [str(final) for _, final in pairs]
+    return pairs
+
+
+def _abort(sinks: dict) -> None:
+    """Remove every temporary file; final names are untouched."""
+    for sink in sinks.values():
+        pairs = sink.abort() if isinstance(sink, MegatronSink) else (sink.abort() or sink.done)
+        for tmp, _ in pairs:
+            Path(tmp).unlink(missing_ok=True)
+
+
+def _commit(pairs: list[tuple[Path, Path]], opts: PrepareOptions) -> None:
+    """Rename all temporaries into place, then drop stale outputs of an earlier, larger prepare."""
+    old = set(existing_outputs(opts))
+    for tmp, final in pairs:
+        os.replace(tmp, final)
+    for stale in old - {final for _, final in pairs}:
+        stale.unlink()
+    formats.fsync_dir(Path(opts.out).parent.resolve())
+
+
+def write_vocab(tokenizer: str, folder: Path) -> list[Path]:
+    """gpt2-vocab.json and gpt2-merges.txt, the files Megatron's GPT2BPETokenizer reads."""
+    from trainbox.data.tokenizer import asset_path
+
+    if tokenizer != "gpt2":
+        raise DataError(f"--write-vocab writes the GPT-2 vocabulary; the tokenizer here is {tokenizer}",
+                        hint="drop --write-vocab and point your trainer at the tokenizer.json instead")
+    out = []
+    for src, name in (("encoder.json", "gpt2-vocab.json"), ("vocab.bpe", "gpt2-merges.txt")):
+        final = folder / name
+        tmp = _tmp(final)
+        tmp.write_bytes(asset_path(src).read_bytes())
+        os.replace(tmp, final)
+        out.append(final)
+    return out

@@ -1,0 +1,196 @@
+"""Reading `trainbox prepare` inputs: .txt (one document per file), .jsonl / .jsonl.gz (one per line).
+
+The main process only reads bytes here and groups them into work items; decoding, JSON parsing and
+validation (`parse_json_line`) run in the tokenizer processes. A .txt file larger than TXT_PIECE_BYTES
+is cut into pieces at points where the GPT-2 pre-tokenizer always splits (`_safe_cut`), so a multi-GB
+file streams in bounded memory and still gives the tokens of the whole file.
+"""
+from __future__ import annotations
+
+import glob
+import gzip
+import json
+from pathlib import Path
+from typing import Iterator
+
+from trainbox.errors import DataError
+
+TEXT_SUFFIXES = (".txt", ".md", ".text")
+JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".json.gz", ".ndjson")
+ITEM_BYTES = 1 << 20          # raw input bytes per work item sent to a tokenizer process
+TXT_PIECE_BYTES = 8 << 20     # a .txt file larger than this is read and tokenized in pieces
+
+
+def list_input_files(inputs: list[str]) -> list[Path]:
+    """Files in command-line order; a directory contributes its text/JSONL files recursively, sorted."""
+    files: list[Path] = []
+    for spec in inputs:
+        p = Path(spec)
+        if p.is_dir():
+            found = sorted(f for f in p.rglob("*") if f.is_file() and f.name.endswith(TEXT_SUFFIXES + JSONL_SUFFIXES))
+            if not found:
+                raise DataError(f"input folder {p} holds no .txt or .jsonl files")
+            files += found
+        elif p.exists():  # a file, or a named pipe / process substitution such as <(zcat x.jsonl.gz)
+            if p.name.endswith((".json", ".parquet", ".arrow")):
+                raise DataError(f"input {p}: {p.suffix} files are not read by prepare (only .txt and JSON Lines)",
+                                hint="convert it to JSON Lines, one {\"text\": ...} object per line")
+            files.append(p)
+        else:
+            matches = sorted(glob.glob(spec))
+            if not matches:
+                raise DataError(f"input {spec} does not exist")
+            files += [Path(m) for m in matches if Path(m).is_file()]
+    return files
+
+
+def is_jsonl(path: Path) -> bool:
+    return path.name.endswith(JSONL_SUFFIXES)
+
+
+def _open(path: Path):
+    return gzip.open(path, "rb") if path.name.endswith(".gz") else open(path, "rb")
+
+
+def first_record_is_chat(path: Path) -> bool:
+    """Whether a JSONL file holds chat records, from its first line (False for a pipe, which can't be peeked)."""
+    if not path.is_file():
+        return False
+    from trainbox.data.chat import is_chat_record
+
+    with _open(path) as f:
+        for line in f:
+            if line.strip():
+                try:
+                    return is_chat_record(json.loads(line))
+                except json.JSONDecodeError:
+                    return False
+    return False
+
+
+def splits_like_gpt2(tok) -> bool:
+    """True when the tokenizer pre-splits text with the GPT-2 regex and nothing else (tiktoken gpt2, or a
+    `tokenizers` ByteLevel pre-tokenizer without prefix space or normalizer), so .txt pieces are safe."""
+    if hasattr(tok, "enc"):
+        return True
+    try:
+        cfg = json.loads(tok.tok.to_str())
+    except AttributeError:
+        return False
+    pre = cfg.get("pre_tokenizer") or {}
+    return (cfg.get("normalizer") is None and pre.get("type") == "ByteLevel"
+            and not pre.get("add_prefix_space") and pre.get("use_regex", True))
+
+
+def read_txt(path: Path, piece_bytes: int | None = None) -> Iterator[tuple[bytes, bool, int]]:
+    """-> (raw piece, starts a document, its byte offset) for one .txt file (one document).
+
+    piece_bytes=None reads the file whole (tokenizers whose pre-splitting we cannot vouch for).
+    """
+    piece_bytes = piece_bytes if piece_bytes is not None else TXT_PIECE_BYTES
+    first = True
+    offset = 0
+    with open(path, "rb") as f:
+        if piece_bytes <= 0:
+            yield f.read(), True, 0
+            return
+        carry = b""
+        while True:
+            block = f.read(piece_bytes)
+            data = carry + block
+            if not block:
+                if data or first:
+                    yield data, first, offset
+                return
+            cut = _safe_cut(data)
+            if cut <= 0:
+                if len(data) > 8 * piece_bytes:
+                    raise DataError(f"{path}: no newline or space between ASCII characters in the "
+                                    f"{len(data):,} bytes from byte offset {offset}; cannot stream it in pieces",
+                                    hint="split the file into documents (one .txt each, or JSONL)")
+                carry = data
+                continue
+            yield data[:cut], first, offset
+            first, offset, carry = False, offset + cut, data[cut:]
+
+
+def _safe_cut(data: bytes) -> int:
+    """Index of the last newline (else space) between two printable ASCII bytes; the piece ends before it.
+
+    The GPT-2 / byte-level pre-tokenizer always splits there: no pre-token pattern takes in a space or
+    newline after other characters, and each piece's regex matching is then the same as the whole
+    file's. Cutting right after whitespace instead would let `\\s+$` merge it at the end of a piece;
+    non-ASCII neighbours are avoided because some of them (NBSP, U+3000) count as whitespace.
+    """
+    for sep in (b"\n", b" "):
+        i = len(data) - 1
+        while True:
+            i = data.rfind(sep, 0, i)
+            if i <= 0 or i + 1 >= len(data):
+                break
+            if 0x21 <= data[i - 1] <= 0x7E and 0x21 <= data[i + 1] <= 0x7E:
+                return i
+    return -1
+
+
+def decode_utf8(data: bytes, where: str, offset: int) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"{where}: invalid UTF-8 at byte offset {offset + e.start}",
+                        hint="convert the file to UTF-8") from None
+
+
+def parse_json_line(line: bytes, where: str, offset: int, keys: list[str], chat: bool) -> tuple:
+    """One JSONL line -> ("text", [text per key], True) or ("chat", messages, where)."""
+    from trainbox.data.chat import is_chat_record, messages_of
+
+    try:
+        rec = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise DataError(f"{where}: invalid JSON at byte offset {offset + e.pos} ({e.msg})") from None
+    except UnicodeDecodeError as e:
+        raise DataError(f"{where}: invalid UTF-8 at byte offset {offset + e.start}") from None
+    if chat and is_chat_record(rec):
+        return "chat", messages_of(rec, where), where
+    if chat:
+        raise DataError(f"{where}: expected a chat record (`messages` or `conversations`)",
+                        hint="keep chat and plain-text JSONL in separate prepare runs")
+    missing = [k for k in keys if not isinstance(rec, dict) or not isinstance(rec.get(k), str)]
+    if missing:
+        have = ", ".join(sorted(rec)) if isinstance(rec, dict) else type(rec).__name__
+        raise DataError(f"{where}: no string field {missing[0]!r} (fields: {have})",
+                        hint="choose the field with --text-key")
+    return "text", [rec[k] for k in keys], True
+
+
+def read_jsonl(path: Path) -> Iterator[tuple[bytes, str, int]]:
+    """-> (raw line, "file:line", byte offset) for each non-blank line; parsing happens in the workers."""
+    with _open(path) as f:
+        offset = 0
+        for lineno, line in enumerate(f, 1):
+            start, offset = offset, offset + len(line)
+            if line.strip():
+                yield line, f"{path}:{lineno}", start
+
+
+def work_items(files: list[Path], piece_bytes: int | None = None) -> Iterator[tuple[list, int]]:
+    """Group raw documents into work items of about ITEM_BYTES bytes.
+
+    Entries: ("json", line, where, offset) or ("txt", piece, starts_document, path, offset); the main
+    process only reads bytes, the workers decode, parse and tokenize them.
+    """
+    item, nbytes = [], 0
+    for path in files:
+        if is_jsonl(path):
+            entries = (("json", line, where, off) for line, where, off in read_jsonl(path))
+        else:
+            entries = (("txt", data, first, str(path), off) for data, first, off in read_txt(path, piece_bytes))
+        for entry in entries:
+            item.append(entry)
+            nbytes += len(entry[1])
+            if nbytes >= ITEM_BYTES:
+                yield item, nbytes
+                item, nbytes = [], 0
+    if item:
+        yield item, nbytes

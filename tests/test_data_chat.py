@@ -1,0 +1,121 @@
+"""Chat data: templates (ChatML; a Hugging Face tokenizer's own template, checked against transformers),
+loss masks on assistant tokens only, ShareGPT records, and the mask reaching the loss and gradients."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from trainbox.data import formats
+from trainbox.data.chat import ChatTemplate, encode_chat, load_template, messages_of
+from trainbox.data.loader import TokenDataset, open_tokens
+from trainbox.data.prepare import PrepareOptions, prepare
+from trainbox.data.tokenizer import asset_path, get_tokenizer
+
+MESSAGES = [{"role": "system", "content": "You are terse."},
+            {"role": "user", "content": "Name a colour."},
+            {"role": "assistant", "content": "Blue."},
+            {"role": "user", "content": "Another?"},
+            {"role": "assistant", "content": "Green, or perhaps red."}]
+SHAREGPT = {"conversations": [{"from": "system", "value": "You are terse."}, {"from": "human", "value": "Name a colour."},
+                              {"from": "gpt", "value": "Blue."}, {"from": "human", "value": "Another?"},
+                              {"from": "gpt", "value": "Green, or perhaps red."}]}
+ZEPHYR = ("{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}{{ eos_token }}\n"
+          "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+
+
+def split_by_mask(tok, ids, mask):
+    return (tok.decode([i for i, m in zip(ids, mask) if m]), tok.decode([i for i, m in zip(ids, mask) if not m]))
+
+
+def test_chatml_mask_is_assistant_only():
+    tok = get_tokenizer("gpt2")
+    tpl = load_template("gpt2")
+    ids, mask = encode_chat(tpl, tok, MESSAGES)
+    assert tok.decode(ids) == tpl.render(MESSAGES)
+    assert tpl.render(MESSAGES).startswith("<|im_start|>system\nYou are terse.<|im_end|>\n<|im_start|>user\n")
+    trained, untrained = split_by_mask(tok, ids, mask)
+    assert trained == "Blue.<|im_end|>\nGreen, or perhaps red.<|im_end|>\n"
+    assert "Name a colour." in untrained and "<|im_start|>assistant\n" in untrained and "Blue" not in untrained
+    # ShareGPT `conversations` is the same conversation
+    assert messages_of(SHAREGPT, "x") == MESSAGES
+
+
+def test_hf_tokenizer_template_matches_transformers(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    shutil.copy(asset_path("shakespeare-bpe.json"), folder / "tokenizer.json")
+    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": ZEPHYR, "eos_token": "<|endoftext|>"}))
+    tpl = load_template(str(folder))
+    ref = transformers.PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"), eos_token="<|endoftext|>")
+    ref.chat_template = ZEPHYR
+    assert tpl.render(MESSAGES) == ref.apply_chat_template(MESSAGES, tokenize=False)
+    assert tpl.render(MESSAGES[:2], True) == ref.apply_chat_template(MESSAGES[:2], tokenize=False,
+                                                                     add_generation_prompt=True)
+    tok = get_tokenizer(str(folder))
+    ids, mask = encode_chat(tpl, tok, MESSAGES)
+    trained, _ = split_by_mask(tok, ids, mask)
+    assert trained == "Blue.<|endoftext|>\nGreen, or perhaps red.<|endoftext|>\n"
+    assert tok.eot_id in [i for i, m in zip(ids, mask) if m]  # eos is one special token, and trained
+
+
+def test_template_that_is_not_prefix_stable_is_refused():
+    from trainbox.errors import DataError
+    bad = ChatTemplate("{{ messages | length }}{% for m in messages %}{{ m['content'] }}{% endfor %}", "bad")
+    with pytest.raises(DataError, match="growing prefixes|re-renders"):
+        encode_chat(bad, get_tokenizer("gpt2"), MESSAGES)
+
+
+def test_prepare_chat_jsonl_writes_masks_the_loader_serves(tmp_path):
+    with open(tmp_path / "c.jsonl", "w") as f:
+        f.write(json.dumps({"messages": MESSAGES}) + "\n")
+        f.write(json.dumps(SHAREGPT) + "\n")
+    for fmt, src in (("shard", tmp_path / "s/x_train_000001.bin"), ("megatron", tmp_path / "m/x_text_document")):
+        out = tmp_path / ("s" if fmt == "shard" else "m") / "x"
+        st = prepare(PrepareOptions([str(tmp_path / "c.jsonl")], str(out), format=fmt, workers=2))
+        assert st.masked and st.documents == 2
+        tokens, mask = open_tokens(src)
+        tok = get_tokenizer("gpt2")
+        ids, m = encode_chat(load_template("gpt2"), tok, MESSAGES)
+        if fmt == "shard":  # EOT (untrained) before each conversation
+            assert np.array_equal(tokens, [tok.eot_id] + ids + [tok.eot_id] + ids)
+            assert np.array_equal(mask, [0] + m + [0] + m)
+        else:
+            assert np.array_equal(tokens, ids + ids) and np.array_equal(mask, m + m)
+            assert formats.read_megatron(f"{out}_text_document_mask").lengths.tolist() == [len(ids)] * 2
+        batch = TokenDataset([tokens], 16, masks=[mask]).batch([0, 1])
+        want = np.stack([np.asarray(mask[1:17]), np.asarray(mask[17:33])]).astype(bool)
+        assert np.array_equal(batch["loss_mask"].numpy(), want)
+
+
+def test_masked_targets_do_not_reach_loss_or_gradients():
+    from trainbox.config import ModelSection
+    from trainbox.model.registry import build_model
+
+    torch.manual_seed(0)
+    model = build_model(ModelSection(n_layer=2, n_head=2, n_embd=32), 64, 16)
+    tokens = np.random.default_rng(0).integers(0, 64, size=65).astype(np.uint16)
+    mask = (np.arange(65) % 3 == 0).astype(np.uint8)
+    batch = TokenDataset([tokens], 16, masks=[mask]).batch([0, 1, 2, 3])
+    x, y, lm = batch["x"], batch["y"], batch["loss_mask"]
+    assert 0 < lm.sum() < lm.numel()
+
+    def loss_and_grads(targets):
+        model.zero_grad()
+        loss = model(x, targets, loss_mask=lm).loss
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+    loss, grads = loss_and_grads(y)
+    other = torch.where(lm, y, (y + 7) % 64)  # change only the masked-out targets
+    loss2, grads2 = loss_and_grads(other)
+    assert torch.equal(loss, loss2) and all(torch.equal(a, b) for a, b in zip(grads, grads2))
+    with torch.no_grad():  # and the loss is the mean over trained targets only
+        ce = model(x, y, reduction="none").loss  # per-token, unmasked
+        assert torch.allclose(loss, ce[lm].mean(), atol=1e-6)
+    loss3, _ = loss_and_grads(torch.where(lm, (y + 7) % 64, y))  # changing a trained target does matter
+    assert not torch.equal(loss, loss3)

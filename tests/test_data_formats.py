@@ -1,0 +1,195 @@
+"""Token file formats: round trips, the Megatron .idx byte layout (DESIGN.md section 4, and Megatron-LM's
+own reader/writer when megatron-core is installed), and every corrupt-input error."""
+from __future__ import annotations
+
+import hashlib
+import struct
+import warnings
+
+import numpy as np
+import pytest
+
+from trainbox.data import formats
+from trainbox.data.loader import TokenDataset, open_tokens
+from trainbox.data.sources import open_dataset
+from trainbox.errors import DataError
+
+DOCS = [np.array(d, dtype=np.uint16) for d in ([5, 6, 7], [9], [], [1, 2, 3, 4, 50000])]
+
+
+def write_megatron(prefix, docs, dtype=np.uint16):
+    w = formats.MegatronWriter(prefix, dtype, ".partial")
+    for d in docs:
+        w.add_document(d)
+    w.close()
+    for tmp, final in w.outputs():
+        tmp.rename(final)
+
+
+def test_shard_round_trip_with_mask(tmp_path):
+    toks = np.arange(1000, dtype=np.uint16) * 7
+    formats.write_shard(tmp_path / "a.bin", toks)
+    assert np.array_equal(formats.read_shard(tmp_path / "a.bin"), toks)
+    raw = (tmp_path / "a.bin").read_bytes()
+    assert struct.unpack("<3i", raw[:12]) == (20240520, 1, 1000) and len(raw) == 1024 + 2000
+    w = formats.ShardWriter(tmp_path / "a.mask", tmp_path / "a.mask.tmp", formats.MASK_MAGIC, np.uint8)
+    w.write(np.arange(1000) % 2)
+    w.close()
+    w.tmp.rename(w.final)
+    tokens, mask = open_tokens(tmp_path / "a.bin")
+    assert np.array_equal(tokens, toks) and np.array_equal(mask, np.arange(1000) % 2)
+
+
+def test_flat_round_trip(tmp_path):
+    toks = np.array([3, 1, 4, 1, 5, 9, 2, 6], dtype=np.uint16)
+    toks.tofile(tmp_path / "train.bin")
+    tokens, mask = open_tokens(tmp_path / "train.bin")
+    assert np.array_equal(tokens, toks) and mask is None
+
+
+def test_megatron_idx_bytes_field_by_field(tmp_path):
+    """The layout of DESIGN.md section 4, decoded by hand with struct."""
+    write_megatron(tmp_path / "d", DOCS)
+    raw = (tmp_path / "d.idx").read_bytes()
+    assert raw[:9] == b"MMIDIDX\x00\x00"
+    assert struct.unpack_from("<Q", raw, 9) == (1,)
+    assert raw[17] == 8  # uint16
+    n_seq, n_doc = struct.unpack_from("<QQ", raw, 18)
+    assert (n_seq, n_doc) == (4, 5)
+    off = 34
+    assert list(struct.unpack_from("<4i", raw, off)) == [3, 1, 0, 5]
+    assert list(struct.unpack_from("<4q", raw, off + 16)) == [0, 6, 8, 8]  # byte pointers, uint16 = 2 bytes
+    assert list(struct.unpack_from("<5q", raw, off + 48)) == [0, 1, 2, 3, 4]
+    assert len(raw) == off + 48 + 40
+    assert (tmp_path / "d.bin").read_bytes() == np.concatenate(DOCS).astype("<u2").tobytes()
+    data = formats.read_megatron(tmp_path / "d")
+    assert data.num_documents == 4 and np.array_equal(data.tokens, np.concatenate(DOCS))
+    assert formats.megatron_dtype(50257) == np.uint16 and formats.megatron_dtype(65500) == np.int32
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_megatron_matches_megatron_core(tmp_path):
+    """Byte-identical to Megatron-LM's own IndexedDatasetBuilder, and readable by its IndexedDataset."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        idx_mod = pytest.importorskip("megatron.core.datasets.indexed_dataset")
+    import torch
+
+    for dtype in (np.uint16, np.int32):
+        docs = [d.astype(dtype) for d in DOCS] + [np.array([70000, 1], dtype=np.int32).astype(dtype)]
+        theirs = idx_mod.IndexedDatasetBuilder(str(tmp_path / "m.bin"), dtype=dtype)
+        for d in docs:
+            theirs.add_document(torch.from_numpy(d.astype(np.int64)), [len(d)])
+        theirs.finalize(str(tmp_path / "m.idx"))
+        write_megatron(tmp_path / "o", docs, dtype)
+        for ext in ("idx", "bin"):
+            assert (tmp_path / f"o.{ext}").read_bytes() == (tmp_path / f"m.{ext}").read_bytes(), (dtype, ext)
+        ds = idx_mod.IndexedDataset(str(tmp_path / "o"))
+        assert len(ds) == len(docs)
+        for i, d in enumerate(docs):
+            assert np.array_equal(ds[i], d)
+
+
+def corrupt(tmp_path, name: str, data: bytes):
+    p = tmp_path / name
+    p.write_bytes(data)
+    return p
+
+
+def good_shard_bytes(n=10) -> bytes:
+    header = np.zeros(256, dtype=np.int32)
+    header[:3] = (20240520, 1, n)
+    return header.tobytes() + np.arange(n, dtype=np.uint16).tobytes()
+
+
+@pytest.mark.parametrize("case, pattern", [
+    ("magic", r"x\.bin: bad magic 7 at byte offset 0"),
+    ("version", r"x\.bin: unsupported shard version 3 at byte offset 4"),
+    ("truncated", r"x\.bin: header says 10 tokens \(1044 bytes\) but the file has 1040 bytes; truncated from byte offset 1040"),
+    ("short_header", r"x\.bin: truncated shard header \(100 bytes.*byte offset 100"),
+])
+def test_corrupt_shard(tmp_path, case, pattern):
+    raw = bytearray(good_shard_bytes())
+    if case == "magic":
+        raw[0:4] = struct.pack("<i", 7)
+    elif case == "version":
+        raw[4:8] = struct.pack("<i", 3)
+    elif case == "truncated":
+        raw = raw[:-4]
+    else:
+        raw = raw[:100]
+    p = corrupt(tmp_path, "x.bin", bytes(raw))
+    with pytest.raises(DataError, match=pattern):
+        formats.read_shard(p)
+
+
+@pytest.mark.parametrize("case, pattern", [
+    ("magic", r"d\.idx: bad magic b'MMIDIDX\\x00X' at byte offset 0"),
+    ("version", r"d\.idx: unsupported version 2 at byte offset 9"),
+    ("dtype", r"d\.idx: unknown dtype code 42 at byte offset 17"),
+    ("idx_truncated", r"d\.idx: 4 sequences and 5 document indices need 122 bytes but the file has 120; truncated "
+                      r"from byte offset 120"),
+    ("bin_short", r"d\.bin: the index .* describes 9 tokens \(18 bytes\) but the \.bin has 16 bytes; "
+                  r"\.idx/\.bin size mismatch from byte offset 16"),
+    ("pointer", r"d\.idx: sequence pointer 1 at byte offset 58 is 99, expected 6"),
+])
+def test_corrupt_megatron(tmp_path, case, pattern):
+    write_megatron(tmp_path / "d", DOCS)
+    idx, binf = tmp_path / "d.idx", tmp_path / "d.bin"
+    raw = bytearray(idx.read_bytes())
+    if case == "magic":
+        raw[8] = ord("X")
+    elif case == "version":
+        raw[9:17] = struct.pack("<Q", 2)
+    elif case == "dtype":
+        raw[17] = 42
+    elif case == "idx_truncated":
+        raw = raw[:-2]
+    elif case == "pointer":
+        raw[34 + 16 + 8:34 + 16 + 16] = struct.pack("<q", 99)
+    idx.write_bytes(bytes(raw))
+    if case == "bin_short":
+        binf.write_bytes(binf.read_bytes()[:-2])
+    with pytest.raises(DataError, match=pattern):
+        formats.read_megatron(tmp_path / "d")
+
+
+def test_vocab_and_empty_errors(tmp_path):
+    formats.write_shard(tmp_path / "v.bin", np.array([1, 2, 60000, 3], dtype=np.uint16))
+    with pytest.raises(DataError, match=r"v\.bin: token id 60000 at token 2 \(byte offset 1028\) is >= the vocab size 50257"):
+        open_dataset([tmp_path / "v.bin"], 2, "v", vocab_size=50257)
+    write_megatron(tmp_path / "m", [np.array([4, 70], dtype=np.uint16)])
+    with pytest.raises(DataError, match=r"m\.bin: token id 70 at token 1 \(byte offset 2\)"):
+        open_dataset([tmp_path / "m"], 2, "m", vocab_size=64)
+    formats.write_shard(tmp_path / "e.bin", np.zeros(0, dtype=np.uint16))
+    with pytest.raises(DataError, match=r"e \(train\): the dataset is empty|the dataset is empty"):
+        open_dataset([tmp_path / "e.bin"], 2, "e (train)")
+    with pytest.raises(DataError, match=r"odd size 3 .* byte offset 2"):
+        formats.read_flat(corrupt(tmp_path, "odd.bin", b"abc"))
+
+
+def test_readers_never_write_inputs(tmp_path):
+    formats.write_shard(tmp_path / "s.bin", np.arange(100, dtype=np.uint16))
+    write_megatron(tmp_path / "m", DOCS)
+    files = [tmp_path / "s.bin", tmp_path / "m.bin", tmp_path / "m.idx"]
+    before = {f: (hashlib.sha256(f.read_bytes()).hexdigest(), f.stat().st_mtime_ns) for f in files}
+    for src in (tmp_path / "s.bin", tmp_path / "m"):
+        tokens, _ = open_tokens(src)
+        with pytest.raises((ValueError, TypeError)):
+            tokens[0] = 1  # read-only memory map
+        ds = TokenDataset([tokens], 4)
+        ds.batch([0])
+    assert before == {f: (hashlib.sha256(f.read_bytes()).hexdigest(), f.stat().st_mtime_ns) for f in files}
+
+
+def test_mask_must_match_its_tokens(tmp_path):
+    formats.write_shard(tmp_path / "a.bin", np.arange(10, dtype=np.uint16))
+    w = formats.ShardWriter(tmp_path / "a.mask", tmp_path / "a.mask.tmp", formats.MASK_MAGIC, np.uint8)
+    w.write(np.ones(9))
+    w.close()
+    w.tmp.rename(w.final)
+    with pytest.raises(DataError, match=r"a\.mask: loss mask has 9 entries but .*a\.bin has 10 tokens"):
+        open_tokens(tmp_path / "a.bin")
+    (tmp_path / "a.mask").write_bytes(good_shard_bytes())  # a token shard where a mask belongs
+    with pytest.raises(DataError, match=r"a\.mask: bad magic 20240520 at byte offset 0 .*not a mask file"):
+        open_tokens(tmp_path / "a.bin")

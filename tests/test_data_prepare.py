@@ -1,0 +1,237 @@
+"""`trainbox prepare` and `trainbox inspect`: exact tokens (against a plain tiktoken loop), determinism across
+worker counts, whole-document validation split, overwrite safety, atomic outputs, Megatron output,
+raw inputs as data.path, and the zero-steps error shared with the training loop."""
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import run_cli
+from trainbox.data import formats, readers as prep
+from trainbox.data.prepare import PrepareOptions, prepare
+from trainbox.data.tokenizer import get_tokenizer
+from trainbox.errors import DataError
+
+EOT = 50256
+
+
+def make_docs(n=300, seed=0):
+    rng = np.random.default_rng(seed)
+    words = ["the", "quick", "brown", "fox", "jumps", "émigré", "naïve", "über", "42", "don't", "\n", "  ", "日本", "<|endoftext|>"]
+    return [f"Doc {i}: " + " ".join(rng.choice(words, size=int(rng.integers(1, 60)))) for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    d = tmp_path_factory.mktemp("corpus")
+    docs = make_docs()
+    with open(d / "a.jsonl", "w") as f:
+        for t in docs[:200]:
+            f.write(json.dumps({"text": t, "title": t[:7]}) + "\n")
+    with gzip.open(d / "b.jsonl.gz", "wt") as f:
+        for t in docs[200:]:
+            f.write(json.dumps({"text": t}) + "\n")
+    return d, docs
+
+
+def hf_ordinary(spec, text):
+    """A fresh `tokenizers` tokenizer with special-token strings encoded as plain text (as encode_ordinary)."""
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_str(get_tokenizer(spec).tok.to_str())
+    tok.encode_special_tokens = True
+    return tok.encode(text, add_special_tokens=False).ids
+
+
+def reference(docs):
+    """The obviously-correct stream: EOT, then encode_ordinary of each document."""
+    enc = get_tokenizer("gpt2").enc
+    return [[EOT] + enc.encode_ordinary(t) for t in docs]
+
+
+def test_tokens_exact_and_identical_for_any_worker_count(corpus, tmp_path):
+    d, docs = corpus
+    outs = []
+    for workers in (1, 2, 3):
+        st = prepare(PrepareOptions([str(d / "a.jsonl"), str(d / "b.jsonl.gz")], str(tmp_path / f"w{workers}/x"),
+                                    workers=workers, shard_tokens=1500, val_fraction=0.1))
+        outs.append({f.split("/")[-1]: open(f, "rb").read() for f in st.files})
+    assert outs[0] == outs[1] == outs[2] and len(outs[0]) > 3
+    ref = reference(docs)
+    val_ids = [i for i in range(len(docs)) if int((i + 1) * 0.1) > int(i * 0.1)]
+    assert len(val_ids) == 30
+    for split, ids in (("val", val_ids), ("train", [i for i in range(len(docs)) if i not in val_ids])):
+        files = sorted((tmp_path / "w1").glob(f"x_{split}_*.bin"))
+        got = np.concatenate([formats.read_shard(f) for f in files])
+        assert np.array_equal(got, np.concatenate([ref[i] for i in ids]))
+    assert [f.name for f in sorted((tmp_path / "w1").glob("x_train_*.bin"))][0] == "x_train_000001.bin"
+    assert all(len(formats.read_shard(f)) == 1500 for f in sorted((tmp_path / "w1").glob("x_train_*.bin"))[:-1])
+
+
+def test_large_txt_is_read_in_pieces_with_the_same_tokens(tmp_path, monkeypatch):
+    text = "\n".join(make_docs(400, seed=1)) + "\n\n  indented\nlast line"
+    (tmp_path / "big.txt").write_text(text)
+    monkeypatch.setattr(prep, "TXT_PIECE_BYTES", 1000)
+    monkeypatch.setattr(prep, "ITEM_BYTES", 3000)
+    assert len(list(prep.read_txt(tmp_path / "big.txt"))) > 5
+    st = prepare(PrepareOptions([str(tmp_path / "big.txt")], str(tmp_path / "o/x"), workers=2))
+    assert st.documents == 1
+    got = formats.read_shard(tmp_path / "o/x_train_000001.bin")
+    assert np.array_equal(got, reference([text])[0])
+    bpe = get_tokenizer("embedded:shakespeare-bpe")  # a `tokenizers` byte-level BPE: pieces are safe too
+    assert prep.splits_like_gpt2(bpe)
+    prepare(PrepareOptions([str(tmp_path / "big.txt")], str(tmp_path / "h/x"), tokenizer="embedded:shakespeare-bpe"))
+    assert np.array_equal(formats.read_shard(tmp_path / "h/x_train_000001.bin"), [bpe.eot_id] + hf_ordinary("embedded:shakespeare-bpe", text))
+
+
+def test_no_pieces_for_tokenizers_that_add_a_prefix_space(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.add_special_tokens(["</s>"])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    hf = get_tokenizer(str(tmp_path / "tokenizer.json"))
+    assert not prep.splits_like_gpt2(hf)
+    (tmp_path / "t.txt").write_bytes(b"word\nword " * 500)
+    entries = list(prep.work_items([tmp_path / "t.txt"], 0))
+    assert len(entries) == 1 and len(entries[0][0]) == 1  # one piece: the whole file
+
+
+def test_txt_folder_megatron_append_eod_and_vocab(tmp_path):
+    (tmp_path / "in/sub").mkdir(parents=True)
+    docs = make_docs(5, seed=2)
+    for i, t in enumerate(docs):
+        (tmp_path / "in" / ("sub" if i % 2 else "") / f"{i}.txt").write_text(t)
+    order = sorted((tmp_path / "in").rglob("*.txt"))
+    st = prepare(PrepareOptions([str(tmp_path / "in")], str(tmp_path / "o/x"), format="megatron",
+                                append_eod=True, write_vocab=True, val_docs=1))
+    assert st.documents == 5 and st.val_documents == 1
+    enc = get_tokenizer("gpt2").enc
+    ref = [enc.encode_ordinary(p.read_text()) + [EOT] for p in order]
+    train = formats.read_megatron(tmp_path / "o/x_text_document")
+    val = formats.read_megatron(tmp_path / "o/x_val_text_document")
+    assert val.lengths.tolist() == [len(ref[0])] and np.array_equal(val.tokens, ref[0])
+    assert train.lengths.tolist() == [len(r) for r in ref[1:]] and np.array_equal(train.tokens, np.concatenate(ref[1:]))
+    from trainbox.data.tokenizer import asset_path
+    assert (tmp_path / "o/gpt2-vocab.json").read_bytes() == asset_path("encoder.json").read_bytes()
+    assert (tmp_path / "o/gpt2-merges.txt").read_bytes() == asset_path("vocab.bpe").read_bytes()
+
+
+def test_several_json_keys_megatron(corpus, tmp_path):
+    d, docs = corpus
+    prepare(PrepareOptions([str(d / "a.jsonl")], str(tmp_path / "x"), format="megatron", text_keys=["text", "title"]))
+    enc = get_tokenizer("gpt2").enc
+    title = formats.read_megatron(tmp_path / "x_title_document")
+    assert title.lengths.tolist() == [len(enc.encode_ordinary(t[:7])) for t in docs[:200]]
+    assert formats.read_megatron(tmp_path / "x_text_document").num_documents == 200
+
+
+def test_overwrite_and_atomic_outputs(corpus, tmp_path):
+    d, _ = corpus
+    out = str(tmp_path / "x")
+    prepare(PrepareOptions([str(d / "a.jsonl")], out, shard_tokens=1000))
+    n_before = len(list(tmp_path.glob("x_train_*.bin")))
+    before = (tmp_path / "x_train_000001.bin").read_bytes()
+    with pytest.raises(DataError, match=r"x_train_000001\.bin already exists") as e:
+        prepare(PrepareOptions([str(d / "b.jsonl.gz")], out))
+    assert "--overwrite" in e.value.hint
+    # a broken record half-way: the run fails and leaves neither temporaries nor changed outputs
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text((d / "a.jsonl").read_text() * 3 + '{"text": "ok"}\n{"text": broken\n')
+    with pytest.raises(DataError, match=r"bad\.jsonl:602: invalid JSON at byte offset"):
+        prepare(PrepareOptions([str(bad)], out, overwrite=True, shard_tokens=1000))
+    assert (tmp_path / "x_train_000001.bin").read_bytes() == before
+    assert not list(tmp_path.glob("*.partial")) and len(list(tmp_path.glob("x_train_*.bin"))) == n_before
+    # --overwrite with a smaller input removes the stale shards of the larger one
+    prepare(PrepareOptions([str(d / "b.jsonl.gz")], out, overwrite=True))
+    assert sorted(p.name for p in tmp_path.glob("x_*")) == ["x_train_000001.bin"]
+
+
+def test_bad_inputs(tmp_path):
+    (tmp_path / "k.jsonl").write_text('{"body": "x"}\n')
+    with pytest.raises(DataError, match=r"k\.jsonl:1: no string field 'text' \(fields: body\)"):
+        prepare(PrepareOptions([str(tmp_path / "k.jsonl")], str(tmp_path / "o")))
+    (tmp_path / "u.txt").write_bytes(b"abc\xffdef")
+    with pytest.raises(DataError, match=r"u\.txt: invalid UTF-8 at byte offset 3"):
+        prepare(PrepareOptions([str(tmp_path / "u.txt")], str(tmp_path / "o")))
+    with pytest.raises(DataError, match="does not exist"):
+        prepare(PrepareOptions([str(tmp_path / "nope.jsonl")], str(tmp_path / "o")))
+
+
+def test_cli_prepare_inspect_and_zero_steps(corpus, tmp_path, tiny):
+    d, docs = corpus
+    out = tmp_path / "data/x"
+    p = run_cli("prepare", str(d / "a.jsonl"), "--out", str(out), "--workers", "2", "--val-docs", "10",
+                "--tokenizer", "embedded:shakespeare-bpe")
+    assert "200 documents" in p.stdout and "10 documents" in p.stdout and "docs/s" in p.stderr
+    assert "tokens/s" in p.stderr
+    again = run_cli("prepare", str(d / "a.jsonl"), "--out", str(out), check=False)
+    assert again.returncode == 1 and "--overwrite" in again.stderr
+    r = json.loads(run_cli("inspect", str(out), "--seq-len", "32", "--global-batch", "4", "--epochs", "2",
+                           "--tokenizer", "embedded:shakespeare-bpe", "--json").stdout)
+    tokens = len(formats.read_shard(f"{out}_train_000001.bin"))
+    assert r["train"]["tokens"] == tokens and r["train"]["documents"] == 190 and r["val"]["documents"] == 10
+    assert r["train"]["samples"] == (tokens - 1) // 32
+    assert r["steps_per_epoch"] == r["train"]["samples"] // 4 and r["total_steps"] == 2 * r["steps_per_epoch"]
+    big = str(r["train"]["samples"] + 1)
+    z = run_cli("inspect", str(out), "--seq-len", "32", "--global-batch", big, check=False)
+    assert z.returncode == 1
+    msg = z.stderr.split(": ", 1)[1].strip()
+    assert f"{r['train']['samples']} samples" in msg and f"global batch of {big}" in msg and "Add more data" in msg
+    t = run_cli("train", *tiny, f"data.path={out}", f"train.global_batch_size={big}",
+                f"train.micro_batch_size={big}", check=False)
+    assert t.returncode == 1 and msg in t.stderr  # the loop gives the very same message
+
+
+def test_raw_jsonl_as_data_path_trains(corpus, tmp_path, tiny):
+    d, _ = corpus
+    p = run_cli("train", *tiny, f"data.path={d / 'a.jsonl'}", "train.max_steps=2", "train.sample_tokens=0")
+    assert "run directory" in p.stdout
+    cache = Path(next(a for a in tiny if a.startswith("data.cache_dir=")).split("=", 1)[1])
+    prepared = list(cache.glob("prepared-*/data_train_000001.bin"))
+    assert len(prepared) == 1 and (prepared[0].parent / "COMPLETE").is_file()
+
+
+def test_trained_tokenizer_output_is_accepted(corpus, tmp_path):
+    from trainbox.data.tokenizer import train_bpe
+
+    d, docs = corpus
+    tok_file = train_bpe(docs, 300, tmp_path / "tok")
+    st = prepare(PrepareOptions([str(d / "a.jsonl")], str(tmp_path / "x"), tokenizer=str(tmp_path / "tok")))
+    tok = get_tokenizer(str(tok_file.parent))
+    got = formats.read_shard(tmp_path / "x_train_000001.bin")
+    want = [[tok.eot_id] + hf_ordinary(str(tok_file.parent), t) for t in docs[:200]]
+    assert np.array_equal(got, np.concatenate(want))
+    assert int((got == tok.eot_id).sum()) == 200  # a literal "<|endoftext|>" in the text is not a boundary
+    assert st.tokens == len(got) and int(got.max()) < 300
+
+
+def test_killed_prepare_leaves_no_final_file(tmp_path):
+    """prepare reads a named pipe; once a shard is being written, the process is killed outright.
+    (A clean failure removing its temporaries is test_overwrite_and_atomic_outputs.)"""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    fifo = tmp_path / "in.jsonl"
+    os.mkfifo(fifo)
+    cmd = [sys.executable, "-m", "trainbox", "prepare", str(fifo), "--out", str(tmp_path / "x"), "--workers", "2",
+           "--shard-tokens", "1000", "--quiet"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    line = (json.dumps({"text": "some words here " * 40}) + "\n").encode()
+    with open(fifo, "wb") as w:
+        deadline = time.monotonic() + 120
+        while not list(tmp_path.glob("x_train_*.partial")):  # feed the pipe until a shard is being written
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            w.write(line * 256)
+            w.flush()
+        proc.send_signal(signal.SIGKILL)
+        proc.communicate(timeout=60)
+    assert list(tmp_path.glob("x_train_*.partial"))
+    assert not list(tmp_path.glob("x_*.bin")) and not list(tmp_path.glob("x_*.idx"))  # no final name, ever
