@@ -139,9 +139,15 @@ def _launch_torchrun(args, cfg) -> int:
     import time
 
     stops = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
-           "--signals-to-handle=" + ",".join(s.name for s in (*stops, signal.SIGHUP, signal.SIGQUIT)),
-           f"--shutdown-timeout={cfg.train.pg_timeout_s}",   # time for the ranks to save before SIGKILL
+    from torch.distributed.run import get_args_parser
+
+    known = {o for action in get_args_parser()._actions for o in action.option_strings}
+    extra = []  # flags of newer torchruns (older ones pass SIGTERM/SIGINT only, and wait 30 s before SIGKILL)
+    if "--signals-to-handle" in known:
+        extra.append("--signals-to-handle=" + ",".join(s.name for s in (*stops, signal.SIGHUP, signal.SIGQUIT)))
+    if "--shutdown-timeout" in known:
+        extra.append(f"--shutdown-timeout={cfg.train.pg_timeout_s}")  # time for the ranks to save before SIGKILL
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}", *extra,
            "-m", "trainbox", "train", *([args.recipe] if args.recipe else []), *args.overrides]
     print("launching: " + " ".join(cmd), file=sys.stderr)
     started = time.time()
