@@ -9,6 +9,8 @@ import json
 import logging
 import math
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -22,7 +24,7 @@ import pytest
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
 from prometheus_client.parser import text_string_to_metric_families as parse_prometheus
 
-from conftest import TINY, run_cli
+from conftest import REPO, TINY, run_cli
 from trainbox.monitor import state as st
 
 TOKEN = "s3cret-token"
@@ -58,7 +60,8 @@ def http(url: str, headers: dict | None = None, method: str = "GET") -> tuple[in
 class LiveRun:
     """`trainbox train` in a subprocess that runs until stopped (a long max_steps)."""
 
-    def __init__(self, root: Path, cache: Path, name: str, extra: list[str], min_step: int = 12):
+    def __init__(self, root: Path, cache: Path, name: str, extra: list[str], min_step: int = 12,
+                 want_eval: bool = True):
         self.root, self.name, self.run_dir = root, name, root / name
         self.log = open(root.parent / f"{name}.out", "w")
         args = [*TINY, f"run.dir={root}", f"data.cache_dir={cache}", f"run.name={name}", "train.max_steps=100000",
@@ -66,14 +69,14 @@ class LiveRun:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
         self.proc = subprocess.Popen([sys.executable, "-m", "trainbox", "train", *args], stdout=self.log,
                                      stderr=subprocess.STDOUT, env=env)
-        s = wait_for(lambda: self._ready(min_step), 120, f"{name} to reach step {min_step}")
+        s = wait_for(lambda: self._ready(min_step, want_eval), 120, f"{name} to reach step {min_step}")
         self.url, self.pid = s["url"], s["pid"]
 
-    def _ready(self, min_step: int):
+    def _ready(self, min_step: int, want_eval: bool):
         if self.proc.poll() is not None:
             raise AssertionError(f"run exited early:\n{(self.root.parent / f'{self.name}.out').read_text()}")
         s = read_status(self.run_dir)
-        return s if s and s.get("url") and s["step"] >= min_step and s.get("val_loss") is not None else None
+        return s if s and s.get("url") and s["step"] >= min_step and (s.get("val_loss") is not None or not want_eval) else None
 
     def stop(self, sig=signal.SIGTERM) -> int:
         if self.proc.poll() is None:
@@ -197,6 +200,40 @@ def test_history_and_dashboard_page(live):
     assert b"<canvas" in page and b"https://" not in page and b"src=" not in page  # self-contained
 
 
+def _chromium(url: str, profile: Path, *mode: str) -> subprocess.CompletedProcess:
+    exe = shutil.which("chromium") or shutil.which("chromium-browser")
+    if exe is None:
+        pytest.skip("headless browser test needs Debian's chromium package (apt-get install chromium)")
+    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+             "--disable-component-update", "--disable-sync", "--no-first-run", f"--user-data-dir={profile}",
+             "--window-size=1280,1000", "--virtual-time-budget=5000"]  # 5 s of page time: two refreshes
+    return subprocess.run([exe, *flags, *mode, url], capture_output=True, text=True, timeout=120)
+
+
+def test_dashboard_in_headless_chromium(live, tmp_path):
+    """The page loads from the live run, polls it, and its three charts have points; the screenshot is
+    kept in test-artifacts/dashboard.png."""
+    url = f"{live.url}/?token={TOKEN}"
+    dom = _chromium(url, tmp_path / "profile-dom", "--dump-dom").stdout
+    points = {m[0]: int(m[1]) for m in re.findall(r'<canvas id="chart-(\w+)" data-points="(\d+)"', dom)}
+    logged = read_status(live.run_dir)["step"]  # the page loaded before this was read
+    assert set(points) == {"loss", "lr", "tps"}, dom[:2000]
+    assert points["loss"] > 12 and points["lr"] >= 12 and points["tps"] >= 11, points
+    assert points["loss"] > points["lr"]  # the loss chart also holds validation points
+    assert points["lr"] <= logged
+    assert re.search(r'<span id="phase" class="badge (ok|warn)">(training|evaluating|checkpointing)</span>', dom)
+    assert '<h1 id="title">trainbox: live</h1>' in dom and re.search(r"step \d+ / 100000", dom)
+    assert ">disconnected</span>" not in dom
+    shot = REPO / "test-artifacts" / "dashboard.png"
+    shot.parent.mkdir(exist_ok=True)
+    shot.unlink(missing_ok=True)
+    _chromium(url, tmp_path / "profile-shot", f"--screenshot={shot}")
+    mpimg = pytest.importorskip("matplotlib.image")
+    rgb = (mpimg.imread(shot)[..., :3] * 255).round().astype(int).reshape(-1, 3)
+    for colour in ((0x09, 0x69, 0xDA), (0x1A, 0x7F, 0x37)):  # train-loss line, throughput line
+        assert ((abs(rgb - colour)).sum(1) <= 30).sum() > 100, colour
+
+
 def test_runs_status_and_logs_on_a_live_run_then_sigterm(live, tmp_path):
     root = live.root
     table = run_cli("runs", str(root)).stdout.splitlines()
@@ -243,14 +280,17 @@ def test_stall_is_detected_and_clears(tmp_path, data_cache):
     result = {}
     thread = threading.Thread(target=lambda: result.update(trainer.run()), daemon=True)
     thread.start()
-    url = wait_for(lambda: (read_status(cfg.run_dir) or {}).get("url"), 60, "the monitor URL")
-    code, _, body = wait_for(lambda: (lambda r: r if r[0] == 503 else None)(http(url + "/health")), 30, "a 503")
-    h = json.loads(body)
-    assert h["reason"].startswith("stalled") and h["step"] == 5 and time.time() - trainer.hung_at >= 1.5
-    prom = http(url + "/metrics", {"Accept": "text/plain"})[2].decode()
-    assert 'trainbox_healthy{run="tiny"} 0.0' in prom
-    gate.set()
-    # the run either answers 200 again or has already finished (its server then stops)
+    try:
+        url = wait_for(lambda: (read_status(cfg.run_dir) or {}).get("url"), 60, "the monitor URL")
+        wait_for(lambda: hasattr(trainer, "hung_at"), 60, "the hang")
+        code, _, body = wait_for(lambda: (lambda r: r if r[0] == 503 else None)(http(url + "/health")), 30, "a 503")
+        h = json.loads(body)
+        assert h["reason"].startswith("stalled") and h["step"] == 5 and time.time() - trainer.hung_at >= 1.5
+        prom = http(url + "/metrics", {"Accept": "text/plain"})[2].decode()
+        assert 'trainbox_healthy{run="tiny"} 0.0' in prom
+        assert run_cli("status", url, check=False).returncode == 1
+    finally:
+        gate.set()
     thread.join(60)
     assert result["step"] == 10 and read_status(cfg.run_dir)["phase"] == "finished"
 
