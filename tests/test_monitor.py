@@ -336,3 +336,22 @@ def test_non_loopback_without_token_warns(tmp_path, data_cache):
             assert warned == warns, (host, token)
     finally:
         log.removeHandler(handler)
+
+
+@pytest.mark.gpu
+def test_gpu_fields_on_a_cuda_run(tmp_path, data_cache):
+    """On the GPU machine: /status names the GPU, /metrics reports allocated memory and MFU."""
+    import torch
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    run = LiveRun(tmp_path / "runs", data_cache, "gpu", ["train.device=cuda"], min_step=12)
+    try:
+        s = json.loads(http(run.url + "/status")[2])
+        assert s["cuda_available"] and s["gpu_count"] == 1 and s["gpu_name"] == torch.cuda.get_device_name(0)
+        m = json.loads(http(run.url + "/metrics")[2])
+        assert m["gpu_memory_allocated"] > 0 and (m["mfu"] is None or 0 < m["mfu"] < 1)
+        prom = {f.name: f.samples[0].value for f in
+                parse_prometheus(http(run.url + "/metrics", {"Accept": "text/plain"})[2].decode())}
+        assert prom["trainbox_gpu_memory_allocated_bytes"] > 0
+    finally:
+        run.stop()

@@ -63,6 +63,7 @@ def write_env(run_dir: Path, argv: list[str], device: torch.device, world: int) 
 
 STATES = ("running", "stalled", "finished", "failed", "preempted", "crashed")
 HEALTHY_STATES = ("running", "finished")
+STARTUP_QUIET_SECONDS = 600.0  # `logs -f` on a run that died before writing status.json stops after this
 
 
 def _boot_time() -> float | None:
@@ -209,8 +210,8 @@ def follow_log(run_dir: Path, follow: bool, tail: int | None = None, poll_s: flo
                 continue
             try:
                 alive = run_info(run_dir)["state"] in ("running", "stalled")
-            except Exception:  # noqa: BLE001 - no status.json yet: the run is still starting
-                alive = True
+            except Exception:  # noqa: BLE001 - no status.json yet: starting, unless the log went quiet
+                alive = time.time() - path.stat().st_mtime < STARTUP_QUIET_SECONDS
             if not alive:
                 rest = partial + f.read()  # the final lines written just before the status changed
                 yield from (line + "\n" for line in rest.splitlines())

@@ -198,7 +198,10 @@ class MonitorServer:
                     ok, reason = health(snap, cfg.stall_seconds, cfg.log_every)
                     return self._json(200, {**snap, "healthy": ok, "health_reason": reason}, head)
                 if url.path == "/history":
-                    since = int(query.get("since", ["0"])[0] or 0)
+                    try:
+                        since = int(query.get("since", ["0"])[0] or 0)
+                    except ValueError:
+                        return self._json(400, {"error": "since must be a step number"}, head)
                     return self._json(200, server.state.points(since), head)
                 if url.path in ("/", "/index.html"):
                     return self._send(200, _dashboard_html(), "text/html; charset=utf-8", head)

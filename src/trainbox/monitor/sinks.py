@@ -30,12 +30,15 @@ class JsonlSink:
 
 
 class TensorBoardSink:
+    """Event files under run_dir/tensorboard (`tensorboard --logdir runs/`), flushed every 10 s so a live
+    run shows up while it trains."""
+
     def __init__(self, logdir: Path):
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
             raise MissingDependency("tensorboard", "tracking", "monitor.tensorboard") from None
-        self.w = SummaryWriter(str(logdir))
+        self.w = SummaryWriter(str(logdir), flush_secs=10)
 
     def log(self, event: dict) -> None:
         step = event.get("step", 0)
@@ -49,7 +52,9 @@ class TensorBoardSink:
 
 
 class WandbSink:
-    """W&B (works offline with WANDB_MODE=offline). `run_id` makes a resumed run continue the same W&B run."""
+    """W&B (works offline with WANDB_MODE=offline; `wandb sync` uploads later). `run_id` makes a resumed
+    run continue the same W&B run; W&B ignores steps it has already seen, so the steps a run repeats after
+    resuming from an older checkpoint keep their first values there (metrics.jsonl has both)."""
 
     def __init__(self, project: str, name: str, run_id: str | None, config: dict, run_dir: Path):
         try:
@@ -90,6 +95,8 @@ class LossPlotSink:
 
 
 class Sinks:
+    """Fan-out to every enabled sink; what the loop holds (a run with no sinks holds an empty one)."""
+
     def __init__(self, sinks: list):
         self.sinks = sinks
 
@@ -108,6 +115,7 @@ class Sinks:
 
 
 def build_sinks(monitor_cfg, run_dir: Path, run_name: str, config: dict, wandb_id: str | None, enabled: bool) -> Sinks:
+    """The sinks a MonitorSection asks for; `wandb_id` (from the resumed checkpoint) continues that W&B run."""
     if not enabled:  # non-zero ranks write nothing
         return Sinks([])
     sinks: list = [JsonlSink(run_dir / "metrics.jsonl"), LossPlotSink(run_dir)]
