@@ -17,7 +17,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-from pathlib import Path
 
 PRESETS = {
     "cpu": ["model.n_layer=4", "model.n_head=4", "model.n_embd=128", "data.seq_len=128",

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from conftest import TINY, run_cli
+from conftest import run_cli
 from test_monitor import LiveRun, read_status, wait_for
 from trainbox import cli, runs
 
@@ -113,3 +113,17 @@ def test_finished_failed_logs_follow_and_plot(tiny, tmp_path, capsys):
         assert mpimg.imread(root / name / "loss.png").shape[:2] == (450, 1200)
     rc, _, err = main(capsys, "plot", "nosuch", "--root", root)
     assert rc == 1 and "no run 'nosuch'" in err
+
+
+def test_run_on_another_host_is_judged_by_its_heartbeat(tmp_path):
+    """A run dir shared from another machine (or a container): its pid means nothing here, so only the
+    heartbeat decides between running and stalled."""
+    from trainbox.monitor.state import RunState
+
+    state = RunState("remote", tmp_path)
+    state.update(phase="training", step=50, step_time_s=0.5, host="gpu-node-7", pid=1)
+    state.write_status(tmp_path / "status.json")
+    info = runs.run_info(tmp_path)
+    assert info["state"] == "running" and info["healthy"]
+    later = runs.run_info(tmp_path, now=info["heartbeat"] + 61)  # > max(60 s, 10 x 0.5 s x log_every 1)
+    assert later["state"] == "stalled" and not later["healthy"] and "no progress for 61s" in later["reason"]

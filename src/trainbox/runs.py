@@ -192,7 +192,7 @@ def url_health(url: str, timeout: float = 5.0) -> tuple[bool, str]:
 
 def follow_log(run_dir: Path, follow: bool, tail: int | None = None, poll_s: float = 0.25):
     """Yield train.log lines (the last `tail` when set); with `follow`, keep yielding new lines until the
-    run is no longer running or stalled, like `docker logs -f`."""
+    run has ended and (on this host) its process has exited, like `docker logs -f`."""
     path = Path(run_dir) / "train.log"
     while not path.exists():
         if not follow:
@@ -209,7 +209,10 @@ def follow_log(run_dir: Path, follow: bool, tail: int | None = None, poll_s: flo
                 yield from (line + "\n" for line in done)
                 continue
             try:
-                alive = run_info(run_dir)["state"] in ("running", "stalled")
+                info = run_info(run_dir)
+                # a finished run's process may still write its last lines (sinks closing): wait for it
+                alive = info["state"] in ("running", "stalled") or (
+                    info.get("host") == socket.gethostname() and pid_alive(int(info["pid"]), info.get("started_at")))
             except Exception:  # noqa: BLE001 - no status.json yet: starting, unless the log went quiet
                 alive = time.time() - path.stat().st_mtime < STARTUP_QUIET_SECONDS
             if not alive:
