@@ -6,8 +6,8 @@
 Each trial trains the same model in this process with the monitor on. In "polled" trials a separate
 process plays a dashboard plus a Prometheus scraper: every --poll-ms it GETs /health, /status,
 /history?since=N and /metrics (Prometheus text). Trials alternate (idle, polled, idle, polled, ...) so
-drift in machine load hits both alike. Step time is measured between logged windows after --warmup steps
-(from metrics.jsonl timestamps). Prints one JSON object.
+drift in machine load hits both alike. Step time is the median over logged windows after --warmup steps
+(from metrics.jsonl timestamps), so an epoch-end checkpoint does not count. Prints one JSON object.
 """
 from __future__ import annotations
 
@@ -69,8 +69,9 @@ def trial(overrides: list[str], polled: bool, poll_s: float, warmup: int) -> dic
         served = json.loads(poller.communicate(timeout=60)[0]) if poller else {}
         events = [json.loads(x) for x in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
     ends = [(e["step"], e["time"]) for e in events if e["event"] == "train" and "tokens" in e and e["step"] >= warmup]
-    (s0, t0), (s1, t1) = ends[0], ends[-1]
-    return {"step_ms": 1000 * (t1 - t0) / (s1 - s0), "client": served}
+    # median over logged windows: a window holding an epoch-end checkpoint does not skew the figure
+    per_step = [(t1 - t0) / (s1 - s0) for (s0, t0), (s1, t1) in zip(ends, ends[1:])]
+    return {"step_ms": 1000 * statistics.median(per_step), "client": served}
 
 
 def main() -> None:
