@@ -82,6 +82,30 @@ EPILOGS = {
           trainbox doctor speedrun-124m                    # exit 1 if something that recipe needs is missing
           trainbox doctor gpt2-125m data.path=/data/fineweb --json
         """,
+    "runs": """
+        examples:
+          trainbox runs                                    # every run under ./runs, newest first
+          trainbox runs /data/experiments --json           # machine-readable, one object per run
+        """,
+    "logs": """
+        examples:
+          trainbox logs tiny                               # runs/tiny/train.log
+          trainbox logs runs/gpt2-125m -f                  # follow until the run ends
+          trainbox logs tiny --tail 20
+        """,
+    "status": """
+        exit status 0 when healthy (running with fresh progress, or finished), 1 otherwise, with one
+        line saying why: Docker HEALTHCHECK and Kubernetes exec probes call it.
+        examples:
+          trainbox status tiny                             # from runs/tiny/status.json (+ pid check)
+          trainbox status http://127.0.0.1:8080            # asks the run's /health endpoint
+          HEALTHCHECK CMD ["trainbox", "status", "http://127.0.0.1:8080"]
+        """,
+    "plot": """
+        examples:
+          trainbox plot runs/tiny                          # writes loss.png in the current folder
+          trainbox plot runs/a runs/b --out compare.png    # train and val loss vs steps and vs tokens
+        """,
 }
 
 
@@ -410,6 +434,62 @@ def cmd_data(args) -> int:
                              revision=args.revision, token=os.environ.get("HF_TOKEN") or None, on_file=on_file)
     print(f"{len(paths)} shard(s) in {args.out}; train on them with: trainbox train "
           f"data.path={Path(args.out) / 'fineweb'} data.tokenizer=gpt2")
+
+
+# ----------------------------------------------------------------------------- runs, logs, status, plot
+
+
+def cmd_runs(args) -> int:
+    from trainbox.runs import list_runs, runs_table
+
+    infos = list_runs(Path(args.dir))
+    if args.json:
+        print(json.dumps(infos, default=str, indent=1))
+        return 0
+    if not infos:
+        print(f"no runs under {args.dir}", file=sys.stderr)
+        return 0
+    rows = runs_table(infos)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+    return 0
+
+
+def cmd_logs(args) -> int:
+    from trainbox.runs import follow_log, resolve_run
+
+    run_dir = resolve_run(args.run, Path(args.root))
+    try:
+        for line in follow_log(run_dir, args.follow, args.tail):
+            sys.stdout.write(line)
+            sys.stdout.flush()
+    except (KeyboardInterrupt, BrokenPipeError):
+        pass
+    return 0
+
+
+def cmd_status(args) -> int:
+    from trainbox.runs import resolve_run, run_info, url_health
+
+    try:
+        if "://" in args.target:
+            ok, reason = url_health(args.target, args.timeout)
+        else:
+            info = run_info(resolve_run(args.target, Path(args.root)))
+            ok, reason = info["healthy"], info["reason"]
+    except TrainboxError as e:  # a probe answers 0 or 1 only (Docker reserves 2)
+        ok, reason = False, e.message
+    print(("healthy: " if ok else "unhealthy: ") + reason)
+    return 0 if ok else 1
+
+
+def cmd_plot(args) -> int:
+    from trainbox.plot import plot_runs
+    from trainbox.runs import resolve_run
+
+    out = plot_runs([resolve_run(r, Path(args.root)) for r in args.runs], Path(args.out))
+    print(f"wrote {out}")
     return 0
 
 
@@ -538,6 +618,29 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("overrides", nargs="*")
     d.add_argument("--json", action="store_true", help="machine-readable report")
     d.set_defaults(func=cmd_doctor)
+    r = verb("runs", "list runs and their state, like docker ps")
+    r.add_argument("dir", nargs="?", default="runs", help="folder holding run directories (default runs)")
+    r.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    r.set_defaults(func=cmd_runs)
+
+    lg = verb("logs", "print or follow a run's train.log")
+    lg.add_argument("run", help="run directory, or run name under --root")
+    lg.add_argument("-f", "--follow", action="store_true", help="keep printing new lines until the run ends")
+    lg.add_argument("-n", "--tail", type=int, default=None, help="only the last N lines")
+    lg.add_argument("--root", default="runs", help="folder holding run directories (default runs)")
+    lg.set_defaults(func=cmd_logs)
+
+    st = verb("status", "health check of a run or a monitor URL (exit 0 healthy, 1 not)")
+    st.add_argument("target", help="run directory, run name under --root, or http://HOST:PORT")
+    st.add_argument("--root", default="runs", help="folder holding run directories (default runs)")
+    st.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for a URL (default 5)")
+    st.set_defaults(func=cmd_status)
+
+    pl = verb("plot", "plot runs' train and validation loss against steps and tokens (PNG)")
+    pl.add_argument("runs", nargs="+", help="run directories or names under --root")
+    pl.add_argument("--out", default="loss.png", help="PNG to write (default loss.png)")
+    pl.add_argument("--root", default="runs", help="folder holding run directories (default runs)")
+    pl.set_defaults(func=cmd_plot)
     return p
 
 

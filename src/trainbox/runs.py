@@ -7,9 +7,12 @@ import platform
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch is imported only where a run is created: `runs`/`status` stay fast
+    import torch
 
 
 def _git_commit() -> str | None:
@@ -22,6 +25,8 @@ def _git_commit() -> str | None:
 
 
 def environment(device: torch.device | None = None, world: int = 1) -> dict:
+    import torch
+
     gpus = []
     if torch.cuda.is_available():
         for i in range(torch.cuda.device_count()):
@@ -46,3 +51,201 @@ def write_env(run_dir: Path, argv: list[str], device: torch.device, world: int) 
     tmp = run_dir / ".env.json.tmp"
     tmp.write_text(json.dumps(env, indent=1))
     os.replace(tmp, run_dir / "env.json")
+
+
+# ----------------------------------------------------------------------------- listing and health
+#
+# A run's state comes from its status.json (written by rank 0 at every phase change and logged step)
+# plus two checks a file alone cannot make: is the process still alive (same host only: pid, and the
+# process start time so a recycled pid is not mistaken for the run), and is the heartbeat fresh (the
+# stall rule of monitor/state.py). A run whose process died without writing a final phase is "crashed",
+# never "running".
+
+STATES = ("running", "stalled", "finished", "failed", "preempted", "crashed")
+HEALTHY_STATES = ("running", "finished")
+STARTUP_QUIET_SECONDS = 600.0  # `logs -f` on a run that died before writing status.json stops after this
+
+
+def _boot_time() -> float | None:
+    try:
+        for line in Path("/proc/stat").read_text().splitlines():
+            if line.startswith("btime "):
+                return float(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def pid_alive(pid: int, started_at: float | None = None) -> bool:
+    """True when `pid` runs and (on Linux) is not a zombie nor a newer process that reused the pid."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # exists, owned by someone else
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True  # no /proc (macOS): kill(0) is all we can know
+    fields = stat[stat.rindex(")") + 2:].split()  # the command name may contain spaces
+    if fields[0] in ("Z", "X"):
+        return False
+    boot = _boot_time()
+    if started_at is not None and boot is not None:
+        proc_start = boot + int(fields[19]) / os.sysconf("SC_CLK_TCK")
+        if proc_start > started_at + 2.0:  # started after the run did: a different process
+            return False
+    return True
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _monitor_settings(run_dir: Path) -> tuple[float | None, int]:
+    """(monitor.stall_seconds, monitor.log_every) from the run's config.yaml."""
+    import yaml
+    try:
+        mon = (yaml.safe_load((run_dir / "config.yaml").read_text()) or {}).get("monitor") or {}
+    except (OSError, yaml.YAMLError):
+        mon = {}
+    return mon.get("stall_seconds"), int(mon.get("log_every") or 1)
+
+
+def run_info(run_dir: Path, now: float | None = None) -> dict:
+    """status.json of `run_dir` plus `state` (one of STATES), `healthy` and a one-line `reason`."""
+    from trainbox.errors import DataError
+    from trainbox.monitor.state import ACTIVE_PHASES, health
+
+    run_dir = Path(run_dir)
+    s = _read_json(run_dir / "status.json")
+    if s is None:
+        raise DataError(f"{run_dir / 'status.json'} is missing or unreadable: {run_dir} is not a started run",
+                        hint="list runs with `trainbox runs DIR`")
+    now = time.time() if now is None else now
+    stall, log_every = _monitor_settings(run_dir)
+    ok, reason = health(s, stall, log_every, now=now)
+    phase = s.get("phase")
+    if phase in ACTIVE_PHASES:
+        local = s.get("host") in (None, socket.gethostname())
+        if local and s.get("pid") and not pid_alive(int(s["pid"]), s.get("started_at")):
+            ok, state = False, "crashed"
+            reason = (f"crashed: process {s['pid']} on {s.get('host')} is gone without a final status (last phase {phase}, "
+                      f"step {s.get('step')}/{s.get('total_steps')})")
+        else:
+            state = "running" if ok else "stalled"
+    else:
+        state = phase if phase in STATES else "crashed"
+    return {**s, "state": state, "healthy": ok and state in HEALTHY_STATES, "reason": reason,
+            "run_dir": str(run_dir), "name": s.get("run_name") or run_dir.name}
+
+
+def list_runs(root: Path) -> list[dict]:
+    """run_info of every run under `root` (or of `root` itself when it is a run), newest first."""
+    root = Path(root)
+    dirs = [root] if (root / "status.json").exists() else sorted(p.parent for p in root.glob("*/status.json"))
+    infos = []
+    for d in dirs:
+        try:
+            infos.append(run_info(d))
+        except Exception:  # noqa: BLE001 - one unreadable run must not hide the others
+            continue
+    return sorted(infos, key=lambda r: r.get("started_at") or 0, reverse=True)
+
+
+def resolve_run(arg: str, root: Path = Path("runs")) -> Path:
+    """A run given as a directory, or as a name under `root`."""
+    from trainbox.errors import DataError
+
+    for cand in (Path(arg), Path(root) / arg):
+        if (cand / "status.json").exists() or (cand / "train.log").exists():
+            return cand
+    known = ", ".join(r["name"] for r in list_runs(root)) if Path(root).is_dir() else ""
+    raise DataError(f"no run '{arg}' (looked for {arg}/status.json and {Path(root) / arg}/status.json)",
+                    hint=f"runs under {root}: {known}" if known else "list runs with `trainbox runs DIR`")
+
+
+def url_health(url: str, timeout: float = 5.0) -> tuple[bool, str]:
+    """GET URL/health -> (healthy, one-line reason); an unreachable server is unhealthy."""
+    import urllib.error
+    import urllib.request
+
+    base = url.rstrip("/")
+    target = base if base.endswith("/health") else base + "/health"
+    try:
+        with urllib.request.urlopen(target, timeout=timeout) as r:
+            body, code = r.read(), r.status
+    except urllib.error.HTTPError as e:
+        body, code = e.read(), e.code
+    except (urllib.error.URLError, OSError) as e:
+        return False, f"unreachable: {target}: {getattr(e, 'reason', e)}"
+    try:
+        reason = json.loads(body).get("reason", "")
+    except ValueError:
+        reason = body[:200].decode(errors="replace")
+    return code == 200, reason or f"HTTP {code}"
+
+
+def follow_log(run_dir: Path, follow: bool, tail: int | None = None, poll_s: float = 0.25):
+    """Yield train.log lines (the last `tail` when set); with `follow`, keep yielding new lines until the
+    run has ended and (on this host) its process has exited, like `docker logs -f`."""
+    path = Path(run_dir) / "train.log"
+    while not path.exists():
+        if not follow:
+            return
+        time.sleep(poll_s)
+    with open(path, encoding="utf-8", errors="replace") as f:
+        lines = f.readlines()
+        yield from lines if tail is None else lines[max(0, len(lines) - tail):]
+        partial = ""
+        while follow:
+            chunk = f.read()
+            if chunk:
+                *done, partial = (partial + chunk).split("\n")
+                yield from (line + "\n" for line in done)
+                continue
+            try:
+                info = run_info(run_dir)
+                # a finished run's process may still write its last lines (sinks closing): wait for it
+                alive = info["state"] in ("running", "stalled") or (
+                    info.get("host") == socket.gethostname() and pid_alive(int(info["pid"]), info.get("started_at")))
+            except Exception:  # noqa: BLE001 - no status.json yet: starting, unless the log went quiet
+                alive = time.time() - path.stat().st_mtime < STARTUP_QUIET_SECONDS
+            if not alive:
+                rest = partial + f.read()  # the final lines written just before the status changed
+                yield from (line + "\n" for line in rest.splitlines())
+                return
+            time.sleep(poll_s)
+
+
+def _ago(seconds: float | None) -> str:
+    """'12s ago', '5m ago', '3h ago', '2d ago' (the coarse ages docker ps shows)."""
+    if seconds is None:
+        return "-"
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{int(seconds // size)}{unit} ago"
+    return f"{max(0, int(seconds))}s ago"
+
+
+def runs_table(infos: list[dict], now: float | None = None) -> list[list[str]]:
+    """Rows (header first) for `trainbox runs`."""
+    from trainbox.monitor.console import fmt_duration
+
+    now = time.time() if now is None else now
+    rows = [["NAME", "STATE", "STEP", "LOSS", "VAL", "TOK/S", "ETA", "STARTED", "UPDATED", "DETAIL"]]
+    for r in infos:
+        loss, val, tok = r.get("loss"), r.get("val_loss"), r.get("tokens_per_s")
+        running = r["state"] in ("running", "stalled")
+        detail = "" if r["state"] in ("running", "finished") else r["reason"]
+        rows.append([r["name"], r["state"], f"{r.get('step', 0)}/{r.get('total_steps', 0)}",
+                     f"{loss:.4f}" if loss is not None else "-", f"{val:.4f}" if val is not None else "-",
+                     f"{tok:,.0f}" if tok else "-", fmt_duration(r.get("eta_s")) if running else "-",
+                     _ago(now - r["started_at"]) if r.get("started_at") else "-",
+                     _ago(now - r["heartbeat"]) if r.get("heartbeat") else "-",
+                     detail if len(detail) <= 70 else detail[:67] + "..."])
+    return rows

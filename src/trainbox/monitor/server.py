@@ -1,95 +1,110 @@
-"""HTTP monitoring on rank 0: /health /metrics /status and / (the dashboard page).
+"""HTTP monitoring on rank 0: /health /metrics /status /history and / (the dashboard page).
 
 The server runs in a daemon thread and only reads `RunState.snapshot()` (a dict copy under a lock),
 so it never touches the training step. /health is what Docker HEALTHCHECK and Kubernetes probes hit:
 
   200  training and the step heartbeat is fresh, or the run finished
-  503  stalled (no progress for stall_seconds), failed, or preempted
+  503  stalled (no progress within the phase's limit, see monitor/state.py), failed (NaN included) or
+       preempted
 
-With `monitor.token` every endpoint but /health needs `Authorization: Bearer <token>`.
+/metrics answers JSON by default and Prometheus text (or OpenMetrics) when the Accept header asks for
+`text/plain` or `application/openmetrics-text`, as Prometheus' scraper does. Metric names carry the
+`trainbox_` prefix and base units (seconds, bytes, ratios); counters end in `_total`.
+
+With `monitor.token` every endpoint but /health needs `Authorization: Bearer <token>`. A browser cannot
+set that header when opening a page, so `/?token=...` is accepted too; the dashboard then sends the
+header on its own requests.
 """
 from __future__ import annotations
 
 import hmac
 import json
 import threading
-import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import resources
 from urllib.parse import parse_qs, urlparse
 
-from prometheus_client import CollectorRegistry, generate_latest, CONTENT_TYPE_LATEST
+from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.exposition import choose_encoder
 
 from trainbox.monitor.console import log
-from trainbox.monitor.state import RunState
+from trainbox.monitor.state import ACTIVE_PHASES, RunState, health
 
-# phases that report their own progress and may take long without a step (compile, eval, save)
-SLOW_PHASES = ("loading", "compiling", "evaluating", "checkpointing")
-SLOW_PHASE_SECONDS = 1800.0
-
-
-def stall_limit(snapshot: dict, configured: float | None) -> float:
-    """Seconds without a heartbeat before /health says stalled."""
-    if configured:
-        return configured
-    if snapshot["phase"] in SLOW_PHASES:
-        return SLOW_PHASE_SECONDS
-    step = snapshot.get("step_time_s") or 0.0
-    return max(120.0, 20.0 * step)
-
-
-def health(snapshot: dict, configured_stall: float | None, now: float | None = None) -> tuple[bool, str]:
-    now = time.time() if now is None else now
-    phase = snapshot["phase"]
-    if phase == "failed":
-        return False, f"failed: {snapshot.get('error') or 'unknown error'}"
-    if phase == "preempted":
-        return False, f"preempted at step {snapshot['step']}"
-    if phase == "finished":
-        return True, f"finished at step {snapshot['step']}"
-    age = now - snapshot["heartbeat"]
-    limit = stall_limit(snapshot, configured_stall)
-    if age > limit:
-        return False, f"stalled: no progress for {age:.0f}s in phase {phase} (limit {limit:.0f}s)"
-    return True, f"{phase} step {snapshot['step']}/{snapshot['total_steps']}"
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 def metrics_json(s: dict) -> dict:
+    """The JSON body of /metrics (what scripts and `trainbox status URL` read)."""
     return {"current_step": s["step"], "total_steps": s["total_steps"], "last_loss": s["loss"],
-            "is_training": s["phase"] in ("compiling", "training", "evaluating", "checkpointing"),
+            "is_training": s["phase"] in ACTIVE_PHASES,
             "gpu_memory_allocated": s["gpu_memory_allocated"], "val_loss": s["val_loss"], "lr": s["lr"],
             "grad_norm": s["grad_norm"], "tokens_per_s": s["tokens_per_s"], "mfu": s["mfu"],
-            "tokens_seen": s["tokens_seen"], "phase": s["phase"]}
+            "tokens_seen": s["tokens_seen"], "checkpoints_saved": s["checkpoints_saved"],
+            "restarts": s["restarts"], "eta_s": s["eta_s"], "phase": s["phase"]}
+
+
+# name -> (help, snapshot key); counters get `_total` appended by prometheus_client
+COUNTERS = {"steps": ("optimizer steps taken by the run (resumed runs count from their checkpoint)", "step"),
+            "tokens": ("training tokens consumed by the run", "tokens_seen"),
+            "checkpoints": ("checkpoints saved by this process", "checkpoints_saved"),
+            "restarts": ("times this run was resumed from a checkpoint", "restarts")}
+GAUGES = {"loss": ("last training loss in nats per token", "loss"),
+          "val_loss": ("last validation loss in nats per token", "val_loss"),
+          "val_bits_per_byte": ("last validation loss in bits per byte", "val_bpb"),
+          "learning_rate": ("current learning rate", "lr"),
+          "grad_norm": ("gradient norm before clipping at the last logged step", "grad_norm"),
+          "tokens_per_second": ("training throughput in tokens per second", "tokens_per_s"),
+          "mfu_ratio": ("model FLOPs utilisation, 0 to 1", "mfu"),
+          "gpu_memory_allocated_bytes": ("GPU memory allocated by tensors on rank 0", "gpu_memory_allocated"),
+          "total_steps": ("optimizer steps planned", "total_steps"),
+          "epoch": ("current epoch (0-based)", "epoch"),
+          "eta_seconds": ("estimated seconds until the last step", "eta_s"),
+          "step_duration_seconds": ("mean seconds per optimizer step in this process", "step_time_s"),
+          "heartbeat_timestamp_seconds": ("unix time of the last progress", "heartbeat"),
+          "start_timestamp_seconds": ("unix time this process started the run", "started_at")}
 
 
 class _Collector:
-    """Prometheus view of one snapshot: base units, trainbox_ prefix."""
+    """Prometheus view of one snapshot: `trainbox_` prefix, base units, a `run` label."""
 
-    def __init__(self, state: RunState):
-        self.state = state
+    def __init__(self, state: RunState, cfg):
+        self.state, self.cfg = state, cfg
 
     def collect(self):
         s = self.state.snapshot()
-        counters = {"steps": ("optimizer steps taken", s["step"]), "tokens": ("training tokens consumed", s["tokens_seen"]),
-                    "checkpoints": ("checkpoints saved by this process", s["checkpoints_saved"]),
-                    "restarts": ("times this run was resumed", s["restarts"])}
-        for name, (doc, value) in counters.items():
+        run = [s["run_name"]]
+        for name, (doc, key) in COUNTERS.items():
             c = CounterMetricFamily(f"trainbox_{name}", doc, labels=["run"])
-            c.add_metric([s["run_name"]], float(value or 0))
+            c.add_metric(run, float(s[key] or 0))
             yield c
-        gauges = {"loss": ("last training loss (nats/token)", s["loss"]), "val_loss": ("last validation loss", s["val_loss"]),
-                  "learning_rate": ("current learning rate", s["lr"]), "grad_norm": ("last gradient norm", s["grad_norm"]),
-                  "tokens_per_second": ("training throughput", s["tokens_per_s"]), "mfu_ratio": ("model FLOPs utilisation", s["mfu"]),
-                  "gpu_memory_allocated_bytes": ("GPU memory allocated by tensors", s["gpu_memory_allocated"]),
-                  "total_steps": ("steps planned", s["total_steps"]), "eta_seconds": ("estimated seconds left", s["eta_s"]),
-                  "is_training": ("1 while training", 1.0 if s["phase"] in ("compiling", "training", "evaluating", "checkpointing") else 0.0)}
-        for name, (doc, value) in gauges.items():
-            if value is None:
+        for name, (doc, key) in GAUGES.items():
+            if s[key] is None:  # not measured yet: absent rather than a made-up 0
                 continue
             g = GaugeMetricFamily(f"trainbox_{name}", doc, labels=["run"])
-            g.add_metric([s["run_name"]], float(value))
+            g.add_metric(run, float(s[key]))
             yield g
+        ok, _ = health(s, self.cfg.stall_seconds, self.cfg.log_every)
+        for name, doc, value in (("healthy", "1 when /health answers 200", ok),
+                                 ("is_training", "1 while the run is loading, compiling, training, evaluating "
+                                  "or checkpointing", s["phase"] in ACTIVE_PHASES)):
+            g = GaugeMetricFamily(f"trainbox_{name}", doc, labels=["run"])
+            g.add_metric(run, 1.0 if value else 0.0)
+            yield g
+        info = GaugeMetricFamily("trainbox_phase", "current phase (1 for the phase the run is in)",
+                                 labels=["run", "phase"])
+        info.add_metric([s["run_name"], s["phase"]], 1.0)
+        yield info
+
+
+def wants_prometheus(accept: str) -> bool:
+    """Prometheus text unless the client prefers JSON (browsers and curl send */*: JSON)."""
+    accept = accept.lower()
+    if "openmetrics" in accept:
+        return True
+    if "text/plain" not in accept:
+        return False
+    return "application/json" not in accept or accept.index("text/plain") < accept.index("application/json")
 
 
 def _dashboard_html() -> bytes:
@@ -97,10 +112,12 @@ def _dashboard_html() -> bytes:
 
 
 class MonitorServer:
+    """Serves the endpoints above from a daemon thread; `url` is where it listens."""
+
     def __init__(self, state: RunState, cfg):
         self.state, self.cfg = state, cfg
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(_Collector(state))
+        self.registry.register(_Collector(state, cfg))
         handler = self._handler_class()
         try:
             self.httpd = ThreadingHTTPServer((cfg.host, cfg.port), handler)
@@ -111,11 +128,13 @@ class MonitorServer:
                         f"instead (set monitor.port to choose one)")
             self.httpd = ThreadingHTTPServer((cfg.host, 0), handler)
         self.httpd.daemon_threads = True
-        host = cfg.host if cfg.host not in ("0.0.0.0", "::") else "127.0.0.1"
+        host = cfg.host if cfg.host not in ("0.0.0.0", "::", "") else "127.0.0.1"
+        host = f"[{host}]" if ":" in host else host
         self.url = f"http://{host}:{self.httpd.server_address[1]}"
-        if cfg.host not in ("127.0.0.1", "localhost", "::1") and not cfg.token:
-            log.warning(f"monitor binds {cfg.host} without monitor.token: anyone who can reach this port can read "
-                        f"the run's status; set monitor.token=SECRET")
+        if cfg.host not in LOOPBACK and not cfg.token:
+            log.warning(f"monitor binds {cfg.host or '0.0.0.0'} without monitor.token: anyone who can reach port "
+                        f"{self.httpd.server_address[1]} can read this run's status and metrics; "
+                        f"set monitor.token=SECRET")
         self.thread = threading.Thread(target=self.httpd.serve_forever, name="trainbox-monitor", daemon=True)
         self.thread.start()
         log.info(f"monitor: {self.url} (/health /metrics /status, dashboard at /)")
@@ -131,54 +150,67 @@ class MonitorServer:
             def log_message(self, *args):  # keep the training console clean
                 pass
 
-            def _send(self, code: int, body: bytes, ctype: str) -> None:
+            def _send(self, code: int, body: bytes, ctype: str, head: bool = False) -> None:
                 self.send_response(code)
                 self.send_header("Content-Type", ctype)
                 self.send_header("Content-Length", str(len(body)))
                 self.send_header("Cache-Control", "no-store")
+                if code == 401:
+                    self.send_header("WWW-Authenticate", 'Bearer realm="trainbox"')
                 self.end_headers()
-                self.wfile.write(body)
+                if not head:
+                    self.wfile.write(body)
 
-            def _json(self, code: int, obj) -> None:
-                self._send(code, json.dumps(obj, default=str).encode(), "application/json")
+            def _json(self, code: int, obj, head: bool = False) -> None:
+                self._send(code, json.dumps(obj, default=str).encode(), "application/json", head)
 
-            def _authorized(self) -> bool:
+            def _authorized(self, query: dict) -> bool:
                 token = server.cfg.token
                 if not token:
                     return True
-                got = self.headers.get("Authorization", "")
-                return hmac.compare_digest(got.encode(), f"Bearer {token}".encode())
+                want = f"Bearer {token}".encode()
+                got = self.headers.get("Authorization", "").encode()
+                from_query = f"Bearer {query.get('token', [''])[0]}".encode()
+                return hmac.compare_digest(got, want) or hmac.compare_digest(from_query, want)
 
-            def do_GET(self):
+            def do_HEAD(self):
+                self.do_GET(head=True)
+
+            def do_GET(self, head: bool = False):
                 url = urlparse(self.path)
+                query = parse_qs(url.query)
                 snap = server.state.snapshot()
+                cfg = server.cfg
                 if url.path == "/health":
-                    ok, reason = health(snap, server.cfg.stall_seconds)
+                    ok, reason = health(snap, cfg.stall_seconds, cfg.log_every)
                     return self._json(200 if ok else 503, {"healthy": ok, "reason": reason, "phase": snap["phase"],
-                                                           "step": snap["step"]})
-                if not self._authorized():
-                    self.send_response(401)
-                    self.send_header("WWW-Authenticate", "Bearer")
-                    self.send_header("Content-Length", "0")
-                    self.end_headers()
-                    return
+                                                           "step": snap["step"], "total_steps": snap["total_steps"]},
+                                      head)
+                if not self._authorized(query):
+                    return self._json(401, {"error": "this endpoint needs 'Authorization: Bearer <monitor.token>'"},
+                                      head)
                 if url.path == "/metrics":
-                    accept = self.headers.get("Accept", "")
-                    if "text/plain" in accept or "openmetrics" in accept:
-                        return self._send(200, generate_latest(server.registry), CONTENT_TYPE_LATEST)
-                    return self._json(200, metrics_json(snap))
+                    if wants_prometheus(self.headers.get("Accept", "")):
+                        encoder, ctype = choose_encoder(self.headers.get("Accept", ""))
+                        return self._send(200, encoder(server.registry), ctype, head)
+                    return self._json(200, metrics_json(snap), head)
                 if url.path == "/status":
-                    ok, reason = health(snap, server.cfg.stall_seconds)
-                    return self._json(200, {**snap, "healthy": ok, "health_reason": reason})
+                    ok, reason = health(snap, cfg.stall_seconds, cfg.log_every)
+                    return self._json(200, {**snap, "healthy": ok, "health_reason": reason}, head)
                 if url.path == "/history":
-                    since = int(parse_qs(url.query).get("since", ["0"])[0])
-                    return self._json(200, server.state.points(since))
+                    try:
+                        since = int(query.get("since", ["0"])[0] or 0)
+                    except ValueError:
+                        return self._json(400, {"error": "since must be a step number"}, head)
+                    return self._json(200, server.state.points(since), head)
                 if url.path in ("/", "/index.html"):
-                    return self._send(200, _dashboard_html(), "text/html; charset=utf-8")
-                self._json(404, {"error": f"no endpoint {url.path}", "endpoints": ["/health", "/metrics", "/status", "/"]})
+                    return self._send(200, _dashboard_html(), "text/html; charset=utf-8", head)
+                self._json(404, {"error": f"no endpoint {url.path}",
+                                 "endpoints": ["/health", "/metrics", "/status", "/history", "/"]}, head)
 
         return Handler
 
 
 def start_server(state: RunState, cfg) -> MonitorServer:
+    """Start serving `state` on cfg.host:cfg.port (a MonitorSection); returns the running server."""
     return MonitorServer(state, cfg)

@@ -1,5 +1,10 @@
-"""Metric sinks: metrics.jsonl always; TensorBoard and W&B optional. The loop calls one `Sinks` object
-and never branches on which sinks are on.
+"""Metric sinks: metrics.jsonl and loss.png always; TensorBoard and W&B optional. The loop calls one
+`Sinks` object and never branches on which sinks are on.
+
+Events are flat dicts: {"event": "train" | "eval" | "checkpoint" | "start" | "error", "time", "step", ...}.
+TensorBoard and W&B get every numeric field as `<event>/<field>` at `step`. The W&B run id goes into
+each checkpoint's trainer.json (`Sinks.wandb_id`), and a resumed run passes it back to `build_sinks`, so
+the same W&B run continues instead of a new one starting.
 """
 from __future__ import annotations
 
@@ -8,6 +13,7 @@ import time
 from pathlib import Path
 
 from trainbox.errors import MissingDependency
+from trainbox.monitor.console import log
 
 
 class JsonlSink:
@@ -24,12 +30,15 @@ class JsonlSink:
 
 
 class TensorBoardSink:
+    """Event files under run_dir/tensorboard (`tensorboard --logdir runs/`), flushed every 10 s so a live
+    run shows up while it trains."""
+
     def __init__(self, logdir: Path):
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
             raise MissingDependency("tensorboard", "tracking", "monitor.tensorboard") from None
-        self.w = SummaryWriter(str(logdir))
+        self.w = SummaryWriter(str(logdir), flush_secs=10)
 
     def log(self, event: dict) -> None:
         step = event.get("step", 0)
@@ -43,7 +52,9 @@ class TensorBoardSink:
 
 
 class WandbSink:
-    """W&B (works offline with WANDB_MODE=offline). `run_id` makes a resumed run continue the same W&B run."""
+    """W&B (works offline with WANDB_MODE=offline; `wandb sync` uploads later). `run_id` makes a resumed
+    run continue the same W&B run; W&B ignores steps it has already seen, so the steps a run repeats after
+    resuming from an older checkpoint keep their first values there (metrics.jsonl has both)."""
 
     def __init__(self, project: str, name: str, run_id: str | None, config: dict, run_dir: Path):
         try:
@@ -63,7 +74,29 @@ class WandbSink:
         self.run.finish()
 
 
+class LossPlotSink:
+    """Writes loss.png from metrics.jsonl when the run ends (finished, failed or preempted). Needs the
+    `plot` extra; without matplotlib the run says so once and carries on."""
+
+    def __init__(self, run_dir: Path):
+        self.run_dir = run_dir
+
+    def log(self, event: dict) -> None:
+        pass
+
+    def close(self) -> None:
+        from trainbox import plot
+        try:
+            plot.write_loss_png(self.run_dir)
+        except MissingDependency as e:
+            log.info(f"loss.png not written: {e.message} ({e.hint})")
+        except Exception as e:  # a plot must never turn a finished run into a failed one
+            log.warning(f"loss.png not written: {type(e).__name__}: {e}")
+
+
 class Sinks:
+    """Fan-out to every enabled sink; what the loop holds (a run with no sinks holds an empty one)."""
+
     def __init__(self, sinks: list):
         self.sinks = sinks
 
@@ -73,7 +106,7 @@ class Sinks:
             s.log(record)
 
     def close(self) -> None:
-        for s in self.sinks:
+        for s in self.sinks:  # in order: metrics.jsonl is closed (complete) before loss.png reads it
             s.close()
 
     @property
@@ -82,9 +115,10 @@ class Sinks:
 
 
 def build_sinks(monitor_cfg, run_dir: Path, run_name: str, config: dict, wandb_id: str | None, enabled: bool) -> Sinks:
+    """The sinks a MonitorSection asks for; `wandb_id` (from the resumed checkpoint) continues that W&B run."""
     if not enabled:  # non-zero ranks write nothing
         return Sinks([])
-    sinks: list = [JsonlSink(run_dir / "metrics.jsonl")]
+    sinks: list = [JsonlSink(run_dir / "metrics.jsonl"), LossPlotSink(run_dir)]
     if monitor_cfg.tensorboard:
         sinks.append(TensorBoardSink(run_dir / "tensorboard"))
     if monitor_cfg.wandb:

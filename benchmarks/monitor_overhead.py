@@ -1,0 +1,112 @@
+"""Does the monitor slow training? Step time with and without a client polling the server every 100 ms.
+
+    PYTHONPATH=src python benchmarks/monitor_overhead.py                       # CPU, small GPT
+    PYTHONPATH=src python benchmarks/monitor_overhead.py --device cuda --preset gpu --steps 300
+
+Each trial trains the same model in this process with the monitor on. In "polled" trials a separate
+process plays a dashboard plus a Prometheus scraper: every --poll-ms it GETs /health, /status,
+/history?since=N and /metrics (Prometheus text). Trials alternate (idle, polled, idle, polled, ...) so
+drift in machine load hits both alike. Step time is the median over logged windows after --warmup steps
+(from metrics.jsonl timestamps), so an epoch-end checkpoint does not count. Prints one JSON object.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+
+PRESETS = {
+    "cpu": ["model.n_layer=4", "model.n_head=4", "model.n_embd=128", "data.seq_len=128",
+            "train.global_batch_size=8", "train.micro_batch_size=8"],
+    "gpu": ["model.n_layer=12", "model.n_head=12", "model.n_embd=768", "data.seq_len=1024",
+            "train.global_batch_size=16", "train.micro_batch_size=16"],
+}
+
+POLLER = r"""
+import json, sys, time, urllib.request
+status_path, interval = sys.argv[1], float(sys.argv[2])
+while True:  # wait for the run's URL
+    try:
+        url = json.load(open(status_path)).get("url")
+        if url: break
+    except (OSError, ValueError): pass
+    time.sleep(0.01)
+served, since, nxt, lat = 0, 0, time.time(), []
+while True:
+    try:
+        for path, accept in (("/health", "*/*"), ("/status", "*/*"), (f"/history?since={since}", "*/*"),
+                             ("/metrics", "text/plain;version=0.0.4")):
+            t = time.perf_counter()
+            body = urllib.request.urlopen(urllib.request.Request(url + path, headers={"Accept": accept}), timeout=5).read()
+            lat.append(time.perf_counter() - t)
+            if path.startswith("/history"):
+                pts = json.loads(body); since = max([since] + [p["step"] for p in pts])
+            served += 1
+    except Exception:  # the run ended and its server stopped
+        break
+    nxt += interval
+    time.sleep(max(0.0, nxt - time.time()))
+lat.sort()
+print(json.dumps({"served": served, "p50_ms": 1000 * lat[len(lat) // 2] if lat else None,
+                  "p99_ms": 1000 * lat[int(len(lat) * 0.99)] if lat else None}))
+"""
+
+
+def trial(overrides: list[str], polled: bool, poll_s: float, warmup: int) -> dict:
+    from trainbox.config import load_config
+    from trainbox.train.loop import train
+
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = load_config(None, [*overrides, f"run.dir={tmp}", "run.name=bench"])
+        poller = None
+        if polled:
+            poller = subprocess.Popen([sys.executable, "-c", POLLER, str(cfg.run_dir / "status.json"), str(poll_s)],
+                                      stdout=subprocess.PIPE, text=True)
+        train(cfg)
+        served = json.loads(poller.communicate(timeout=60)[0]) if poller else {}
+        events = [json.loads(x) for x in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
+    ends = [(e["step"], e["time"]) for e in events if e["event"] == "train" and "tokens" in e and e["step"] >= warmup]
+    # median over logged windows: a window holding an epoch-end checkpoint does not skew the figure
+    per_step = [(t1 - t0) / (s1 - s0) for (s0, t0), (s1, t1) in zip(ends, ends[1:])]
+    return {"step_ms": 1000 * statistics.median(per_step), "client": served}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--steps", type=int, default=120)
+    ap.add_argument("--warmup", type=int, default=20)
+    ap.add_argument("--log-every", type=int, default=10)
+    ap.add_argument("--poll-ms", type=float, default=100.0)
+    ap.add_argument("--pairs", type=int, default=3, help="(idle, polled) trial pairs")
+    ap.add_argument("--threads", type=int, default=None, help="CPU threads for training (train.threads)")
+    args = ap.parse_args()
+    import torch
+
+    overrides = [*PRESETS[args.preset], "data.tokenizer=embedded:shakespeare-bpe", f"train.device={args.device}",
+                 f"train.max_steps={args.steps}", "train.eval_every=0", "train.checkpoint_every=0",
+                 "train.sample_tokens=0", "train.eval_tokens=4096", f"monitor.log_every={args.log_every}", "monitor.port=0",
+                 "monitor.progress=lines", "optim.warmup_steps=10",
+                 *([f"train.threads={args.threads}"] if args.threads else [])]
+    idle, polled, served = [], [], []
+    for _ in range(args.pairs):
+        idle.append(trial(overrides, False, args.poll_ms / 1000, args.warmup)["step_ms"])
+        r = trial(overrides, True, args.poll_ms / 1000, args.warmup)
+        polled.append(r["step_ms"])
+        served.append(r["client"])
+    base, load = statistics.median(idle), statistics.median(polled)
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() and args.device != "cpu" else "cpu"
+    print(json.dumps({
+        "benchmark": "monitor_overhead", "device": device, "torch": torch.__version__, "preset": args.preset,
+        "threads": torch.get_num_threads(), "steps": args.steps, "warmup": args.warmup, "poll_ms": args.poll_ms,
+        "idle_step_ms": [round(x, 3) for x in idle], "polled_step_ms": [round(x, 3) for x in polled],
+        "client": served, "median_idle_step_ms": round(base, 3), "median_polled_step_ms": round(load, 3),
+        "overhead_pct": round(100 * (load - base) / base, 2)}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,113 @@
+"""Loss curves from runs' metrics.jsonl: `trainbox plot RUN... --out FILE.png`, and loss.png per run.
+
+One figure, two panels: loss against optimizer steps and against training tokens (which compares runs
+with different batch sizes or sequence lengths fairly). Training loss is a solid line, validation loss
+a dashed line with markers, one colour per run. A resumed run appends to metrics.jsonl and may log some
+steps twice (those after its last checkpoint); the later value wins, as it is the one the run kept.
+Needs matplotlib (`pip install 'trainbox[plot]'`), imported only here and only when plotting.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from trainbox.errors import DataError, MissingDependency
+
+
+@dataclass
+class Curves:
+    """One run's loss curves, each a list of (step, tokens, loss) sorted by step."""
+
+    name: str
+    train: list[tuple[int, int, float]] = field(default_factory=list)
+    val: list[tuple[int, int, float]] = field(default_factory=list)
+
+
+def load_curves(run_dir: Path) -> Curves:
+    """Read run_dir/metrics.jsonl into train and validation curves (see the module docstring)."""
+    run_dir = Path(run_dir)
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        raise DataError(f"{path} does not exist: {run_dir} is not a trainbox run directory (or logged nothing yet)",
+                        hint="list runs with `trainbox runs`")
+    train: dict[int, float] = {}
+    val: dict[int, tuple[int, float]] = {}
+    tokens_per_step = None
+    for line in path.read_text().splitlines():
+        try:
+            ev = json.loads(line)
+        except json.JSONDecodeError:  # a line cut short by a crash
+            continue
+        kind, step = ev.get("event"), ev.get("step")
+        if step and ev.get("tokens"):
+            tokens_per_step = ev["tokens"] / step
+        if kind == "train" and ev.get("loss") is not None:
+            train[step] = ev["loss"]
+        elif kind == "eval" and ev.get("val_loss") is not None:
+            val[step] = (ev.get("tokens"), ev["val_loss"])
+    tps = tokens_per_step or 0
+    curves = Curves(name=run_dir.name)
+    curves.train = [(s, round(s * tps), v) for s, v in sorted(train.items()) if math.isfinite(v)]
+    curves.val = [(s, t if t is not None else round(s * tps), v) for s, (t, v) in sorted(val.items())
+                  if math.isfinite(v)]
+    return curves
+
+
+def _pyplot():
+    try:
+        import matplotlib
+    except ImportError:
+        raise MissingDependency("matplotlib", "plot", "plotting loss curves") from None
+    matplotlib.use("Agg")  # files only: no display needed (containers, CI)
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def plot_curves(runs: list[Curves], out: Path, title: str | None = None) -> Path:
+    """Draw `runs` into a PNG at `out` (written atomically); returns `out`."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), dpi=100)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, run in enumerate(runs):
+        c = colors[i % len(colors)]
+        for ax, x in ((axes[0], 0), (axes[1], 1)):
+            if run.train:
+                ax.plot([p[x] for p in run.train], [p[2] for p in run.train], color=c, lw=1.2,
+                        label=f"{run.name} train")
+            if run.val:
+                ax.plot([p[x] for p in run.val], [p[2] for p in run.val], color=c, ls="--", marker="o", ms=4,
+                        label=f"{run.name} val")
+    for ax, xlabel in ((axes[0], "step"), (axes[1], "tokens")):
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("loss (nats/token)")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(title or ", ".join(r.name for r in runs))
+    fig.tight_layout()
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    fig.savefig(tmp, format="png")
+    plt.close(fig)
+    os.replace(tmp, out)
+    return out
+
+
+def plot_runs(run_dirs: list[Path], out: Path) -> Path:
+    """`trainbox plot`: compare the loss curves of several runs in one PNG."""
+    runs = [load_curves(Path(d)) for d in run_dirs]
+    empty = [r.name for r in runs if not r.train and not r.val]
+    if len(empty) == len(runs):
+        raise DataError(f"no loss values logged yet in {', '.join(empty)}", hint="wait for the first logged step")
+    return plot_curves(runs, out)
+
+
+def write_loss_png(run_dir: Path) -> Path | None:
+    """Write run_dir/loss.png (called when a run ends); None when nothing was logged."""
+    curves = load_curves(run_dir)
+    if not curves.train and not curves.val:
+        return None
+    return plot_curves([curves], Path(run_dir) / "loss.png", title=f"{curves.name}")

@@ -1,0 +1,357 @@
+"""The monitor over real sockets against real tiny training runs: every endpoint and content type, the
+token, the health rule (stall, NaN, failed, preempted), port 0 and the URL in status.json.
+
+Tests wait on observable state (status.json, HTTP answers) with a deadline, never on fixed sleeps.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
+from prometheus_client.parser import text_string_to_metric_families as parse_prometheus
+
+from conftest import REPO, TINY, run_cli
+from trainbox.monitor import state as st
+
+TOKEN = "s3cret-token"
+
+
+def wait_for(cond, timeout: float = 60.0, what: str = "condition"):
+    """Poll `cond` until it returns a truthy value (returned) or the deadline passes."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        value = cond()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def read_status(run_dir: Path) -> dict | None:
+    try:
+        return json.loads((run_dir / "status.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def http(url: str, headers: dict | None = None, method: str = "GET") -> tuple[int, dict, bytes]:
+    req = urllib.request.Request(url, headers=headers or {}, method=method)
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status, dict(r.headers), r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers), e.read()
+
+
+class LiveRun:
+    """`trainbox train` in a subprocess that runs until stopped (a long max_steps)."""
+
+    def __init__(self, root: Path, cache: Path, name: str, extra: list[str], min_step: int = 12,
+                 want_eval: bool = True):
+        self.root, self.name, self.run_dir = root, name, root / name
+        self.log = open(root.parent / f"{name}.out", "w")
+        args = [*TINY, f"run.dir={root}", f"data.cache_dir={cache}", f"run.name={name}", "train.max_steps=100000",
+                "train.eval_every=5", *extra]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+        self.proc = subprocess.Popen([sys.executable, "-m", "trainbox", "train", *args], stdout=self.log,
+                                     stderr=subprocess.STDOUT, env=env)
+        s = wait_for(lambda: self._ready(min_step, want_eval), 120, f"{name} to reach step {min_step}")
+        self.url, self.pid = s["url"], s["pid"]
+
+    def _ready(self, min_step: int, want_eval: bool):
+        if self.proc.poll() is not None:
+            raise AssertionError(f"run exited early:\n{(self.root.parent / f'{self.name}.out').read_text()}")
+        s = read_status(self.run_dir)
+        return s if s and s.get("url") and s["step"] >= min_step and (s.get("val_loss") is not None or not want_eval) else None
+
+    def stop(self, sig=signal.SIGTERM) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        rc = self.proc.wait(timeout=120)
+        self.log.close()
+        return rc
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory, data_cache):
+    run = LiveRun(tmp_path_factory.mktemp("live") / "runs", data_cache, "live", [f"monitor.token={TOKEN}"])
+    yield run
+    run.stop()
+
+
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+# ----------------------------------------------------------------------------- the health rule
+
+
+def test_stall_limit_follows_step_time_and_spares_slow_phases():
+    base = {"phase": "training", "step": 10, "total_steps": 100, "heartbeat": 1000.0}
+    assert st.stall_limit({**base, "step_time_s": None}) == st.FIRST_STEP_SECONDS
+    assert st.stall_limit({**base, "step_time_s": 0.01}) == st.MIN_STALL_SECONDS  # floor for fast steps
+    assert st.stall_limit({**base, "step_time_s": 30.0}, log_every=5) == 10 * 30.0 * 5  # ten missed logs
+    assert st.stall_limit({**base, "step_time_s": 30.0}, configured=7.0) == 7.0
+    for phase in ("compiling", "evaluating", "checkpointing", "loading"):  # they report their own phase
+        assert st.stall_limit({**base, "phase": phase}, configured=7.0) >= 1800
+    fresh = st.health({**base, "step_time_s": 1.0}, now=1000.0 + 59)
+    stale = st.health({**base, "step_time_s": 1.0}, now=1000.0 + 61)
+    assert fresh[0] and not stale[0] and stale[1].startswith("stalled")
+    assert not st.health({**base, "loss": math.nan}, now=1000.0)[0]
+    ok, reason = st.health({**base, "phase": "failed", "error": "loss is nan at step 3\n  -> hint"})
+    assert not ok and "\n" not in reason and "nan" in reason
+    assert st.health({**base, "phase": "finished"}, now=10**10)[0]  # finished never goes stale
+    assert not st.health({**base, "phase": "preempted"})[0]
+
+
+# ----------------------------------------------------------------------------- endpoints of a live run
+
+
+def test_port_zero_picks_a_free_port_and_status_json_has_the_url(live):
+    assert live.url.startswith("http://127.0.0.1:") and int(live.url.rsplit(":", 1)[1]) not in (0, 8080)
+    code, headers, body = http(live.url + "/health")
+    assert code == 200 and headers["Content-Type"] == "application/json"
+    h = json.loads(body)
+    assert h["healthy"] is True and h["phase"] in ("training", "evaluating", "checkpointing")
+    assert http(live.url + "/health", method="HEAD")[0] == 200
+
+
+def test_token_guards_every_endpoint_but_health(live):
+    for path in ("/metrics", "/status", "/history", "/", "/nosuch"):
+        code, headers, _ = http(live.url + path)
+        assert code == 401 and headers["WWW-Authenticate"].startswith("Bearer"), path
+        assert http(live.url + path, {"Authorization": "Bearer wrong"})[0] == 401, path
+        assert http(live.url + path, AUTH)[0] == (404 if path == "/nosuch" else 200), path
+    assert http(live.url + "/?token=" + TOKEN)[0] == 200  # browsers open the page with ?token=
+    assert http(live.url + "/health")[0] == 200
+
+
+def test_metrics_json_tracks_the_run(live):
+    code, headers, body = http(live.url + "/metrics", AUTH)
+    assert code == 200 and headers["Content-Type"] == "application/json"
+    m = json.loads(body)
+    for key in ("current_step", "total_steps", "last_loss", "is_training", "gpu_memory_allocated"):
+        assert key in m, key
+    assert m["total_steps"] == 100000 and m["is_training"] is True and m["gpu_memory_allocated"] == 0
+    assert math.isfinite(m["last_loss"]) and m["current_step"] >= 12
+    later = wait_for(lambda: (lambda x: x if x["current_step"] > m["current_step"] else None)(
+        json.loads(http(live.url + "/metrics", AUTH)[2])), 60, "the step counter to advance")
+    assert later["tokens_seen"] == later["current_step"] * 8 * 32  # global batch 8 x seq_len 32
+
+
+def test_metrics_prometheus_and_openmetrics(live):
+    code, headers, body = http(live.url + "/metrics", {**AUTH, "Accept": "text/plain;version=0.0.4"})
+    assert code == 200 and headers["Content-Type"].startswith("text/plain; version=0.0.4")
+    fams = {f.name: f for f in parse_prometheus(body.decode())}
+    for name in ("trainbox_steps", "trainbox_tokens", "trainbox_checkpoints", "trainbox_restarts"):
+        assert fams[name].type == "counter", name
+        assert fams[name].samples[0].name == name + "_total"
+    for name in ("trainbox_loss", "trainbox_learning_rate", "trainbox_grad_norm", "trainbox_tokens_per_second",
+                 "trainbox_gpu_memory_allocated_bytes", "trainbox_val_loss", "trainbox_eta_seconds",
+                 "trainbox_healthy", "trainbox_is_training"):
+        assert fams[name].type == "gauge", name
+        assert fams[name].samples[0].labels == {"run": "live"}
+    value = {n: f.samples[0].value for n, f in fams.items()}
+    assert value["trainbox_tokens"] == value["trainbox_steps"] * 256 and value["trainbox_healthy"] == 1.0
+    assert 0 < value["trainbox_learning_rate"] <= 1e-2 and math.isfinite(value["trainbox_loss"])
+    # Prometheus' own scraper asks for OpenMetrics first
+    accept = "application/openmetrics-text;version=1.0.0,text/plain;version=0.0.4;q=0.5,*/*;q=0.1"
+    code, headers, body = http(live.url + "/metrics", {**AUTH, "Accept": accept})
+    assert headers["Content-Type"].startswith("application/openmetrics-text") and body.endswith(b"# EOF\n")
+    assert "trainbox_steps" in {f.name for f in parse_openmetrics(body.decode())}
+    assert http(live.url + "/metrics", {**AUTH, "Accept": "application/json, text/plain"})[1]["Content-Type"] \
+        == "application/json"
+
+
+def test_status_has_every_field(live):
+    code, headers, body = http(live.url + "/status", AUTH)
+    assert code == 200 and headers["Content-Type"] == "application/json"
+    s = json.loads(body)
+    for key in ("run_name", "phase", "step", "total_steps", "epoch", "tokens_per_s", "mfu", "eta_s", "gpu_name",
+                "gpu_count", "cuda_available", "last_checkpoint", "resumed_from", "url", "pid", "healthy"):
+        assert key in s, key
+    assert s["run_name"] == "live" and s["url"] == live.url and s["pid"] == live.pid and s["healthy"]
+    assert s["eta_s"] > 0 and s["tokens_per_s"] > 0 and s["gpu_count"] == 0 and s["resumed_from"] is None
+
+
+def test_history_and_dashboard_page(live):
+    code, _, body = http(live.url + "/history", AUTH)
+    pts = json.loads(body)
+    train = [p for p in pts if "loss" in p]
+    assert [p["step"] for p in train] == list(range(1, len(train) + 1))  # log_every=1: every step
+    assert any("val_loss" in p for p in pts)
+    newer = json.loads(http(live.url + f"/history?since={train[-1]['step']}", AUTH)[2])
+    assert newer and min(p["step"] for p in newer) == train[-1]["step"]
+    code, headers, page = http(live.url + "/", AUTH)
+    assert code == 200 and headers["Content-Type"] == "text/html; charset=utf-8"
+    assert b"<canvas" in page and b"https://" not in page and b"src=" not in page  # self-contained
+
+
+def _chromium(url: str, profile: Path, *mode: str) -> subprocess.CompletedProcess:
+    exe = shutil.which("chromium") or shutil.which("chromium-browser")
+    if exe is None:
+        pytest.skip("headless browser test needs Debian's chromium package (apt-get install chromium)")
+    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+             "--disable-component-update", "--disable-sync", "--no-first-run", f"--user-data-dir={profile}",
+             "--window-size=1280,1000", "--virtual-time-budget=5000"]  # 5 s of page time: two refreshes
+    return subprocess.run([exe, *flags, *mode, url], capture_output=True, text=True, timeout=120)
+
+
+def test_dashboard_in_headless_chromium(live, tmp_path):
+    """The page loads from the live run, polls it, and its three charts have points; the screenshot is
+    kept in test-artifacts/dashboard.png."""
+    url = f"{live.url}/?token={TOKEN}"
+    dom = _chromium(url, tmp_path / "profile-dom", "--dump-dom").stdout
+    points = {m[0]: int(m[1]) for m in re.findall(r'<canvas id="chart-(\w+)" data-points="(\d+)"', dom)}
+    logged = read_status(live.run_dir)["step"]  # the page loaded before this was read
+    assert set(points) == {"loss", "lr", "tps"}, dom[:2000]
+    assert points["loss"] > 12 and points["lr"] >= 12 and points["tps"] >= 11, points
+    assert points["loss"] > points["lr"]  # the loss chart also holds validation points
+    assert points["lr"] <= logged
+    assert re.search(r'<span id="phase" class="badge (ok|warn)">(training|evaluating|checkpointing)</span>', dom)
+    assert '<h1 id="title">trainbox: live</h1>' in dom and re.search(r"step \d+ / 100000", dom)
+    assert ">disconnected</span>" not in dom
+    shot = REPO / "test-artifacts" / "dashboard.png"
+    shot.parent.mkdir(exist_ok=True)
+    shot.unlink(missing_ok=True)
+    _chromium(url, tmp_path / "profile-shot", f"--screenshot={shot}")
+    mpimg = pytest.importorskip("matplotlib.image")
+    rgb = (mpimg.imread(shot)[..., :3] * 255).round().astype(int).reshape(-1, 3)
+    for colour in ((0x09, 0x69, 0xDA), (0x1A, 0x7F, 0x37)):  # train-loss line, throughput line
+        assert ((abs(rgb - colour)).sum(1) <= 30).sum() > 100, colour
+
+
+def test_runs_status_and_logs_on_a_live_run_then_sigterm(live, tmp_path):
+    root = live.root
+    table = run_cli("runs", str(root)).stdout.splitlines()
+    assert table[0].split()[:3] == ["NAME", "STATE", "STEP"] and table[1].split()[:2] == ["live", "running"]
+    ok = run_cli("status", str(live.run_dir), check=False)
+    assert ok.returncode == 0 and ok.stdout.startswith("healthy")
+    assert run_cli("status", live.url, check=False).returncode == 0
+    assert "loss" in run_cli("logs", "live", "--root", str(root), "-n", "3").stdout
+    assert live.stop(signal.SIGTERM) == 0  # saves a checkpoint at the next step boundary, then exits
+    s = read_status(live.run_dir)
+    assert s["phase"] == "preempted" and s["last_checkpoint"] == f"step_{s['step']:08d}"
+    bad = run_cli("status", str(live.run_dir), check=False)
+    assert bad.returncode == 1 and bad.stdout.startswith("unhealthy: preempted")
+    gone = run_cli("status", live.url, check=False)
+    assert gone.returncode == 1 and "unreachable" in gone.stdout
+    assert run_cli("runs", str(root)).stdout.splitlines()[1].split()[:2] == ["live", "preempted"]
+    assert (live.run_dir / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # written when the run ended
+
+
+# ----------------------------------------------------------------------------- stall, NaN, binding (in-process)
+
+
+def _cfg(tmp_path, data_cache, *extra):
+    from trainbox.config import load_config
+    return load_config(None, [*TINY, f"run.dir={tmp_path / 'runs'}", f"data.cache_dir={data_cache}", *extra])
+
+
+def test_stall_is_detected_and_clears(tmp_path, data_cache):
+    """A step that hangs (here: the data read of step 6 blocks, as on a dead network filesystem) turns
+    /health to 503 once stall_seconds pass, and back to 200 when progress resumes."""
+    from trainbox.train.loop import Trainer
+
+    gate = threading.Event()
+
+    class HangingTrainer(Trainer):
+        def _train_step(self, step):
+            if step == 5:
+                self.hung_at = time.time()
+                gate.wait(120)
+            return super()._train_step(step)
+
+    cfg = _cfg(tmp_path, data_cache, "train.max_steps=10", "train.eval_every=0", "monitor.stall_seconds=1.5")
+    trainer = HangingTrainer(cfg)
+    result = {}
+    thread = threading.Thread(target=lambda: result.update(trainer.run()), daemon=True)
+    thread.start()
+    try:
+        url = wait_for(lambda: (read_status(cfg.run_dir) or {}).get("url"), 60, "the monitor URL")
+        wait_for(lambda: hasattr(trainer, "hung_at"), 60, "the hang")
+        code, _, body = wait_for(lambda: (lambda r: r if r[0] == 503 else None)(http(url + "/health")), 30, "a 503")
+        h = json.loads(body)
+        assert h["reason"].startswith("stalled") and h["step"] == 5 and time.time() - trainer.hung_at >= 1.5
+        prom = http(url + "/metrics", {"Accept": "text/plain"})[2].decode()
+        assert 'trainbox_healthy{run="tiny"} 0.0' in prom
+        assert run_cli("status", url, check=False).returncode == 1
+    finally:
+        gate.set()
+    thread.join(60)
+    assert result["step"] == 10 and read_status(cfg.run_dir)["phase"] == "finished"
+
+
+def test_nan_run_reports_503_failed(tmp_path, data_cache):
+    """A real divergence (lr 1e30 -> NaN at step 2) stops the run; its state answers 503 with the reason."""
+    from trainbox.errors import TrainingFailed
+    from trainbox.monitor.server import start_server
+    from trainbox.train.loop import Trainer
+
+    cfg = _cfg(tmp_path, data_cache, "train.max_steps=20", "optim.lr=1e30")
+    trainer = Trainer(cfg)
+    with pytest.raises(TrainingFailed, match="nan"):
+        trainer.run()
+    server = start_server(trainer.state, cfg.monitor)  # the same state the run's server served
+    try:
+        code, _, body = http(server.url + "/health")
+        assert code == 503 and "nan" in json.loads(body)["reason"]
+    finally:
+        server.stop()
+    assert read_status(cfg.run_dir)["phase"] == "failed"
+
+
+def test_non_loopback_without_token_warns(tmp_path, data_cache):
+    from trainbox.monitor.console import log
+    from trainbox.monitor.server import start_server
+    from trainbox.monitor.state import RunState
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    log.addHandler(handler)
+    try:
+        for host, token, warns in (("0.0.0.0", None, True), ("0.0.0.0", "t", False), ("127.0.0.1", None, False)):
+            cfg = _cfg(tmp_path, data_cache, f"monitor.host={host}", *([f"monitor.token={token}"] if token else []))
+            records.clear()
+            server = start_server(RunState("x", tmp_path), cfg.monitor)
+            try:
+                assert http(server.url + "/health")[0] == 200
+            finally:
+                server.stop()
+            warned = any(r.levelno == logging.WARNING and "monitor.token" in r.getMessage() for r in records)
+            assert warned == warns, (host, token)
+    finally:
+        log.removeHandler(handler)
+
+
+@pytest.mark.gpu
+def test_gpu_fields_on_a_cuda_run(tmp_path, data_cache):
+    """On the GPU machine: /status names the GPU, /metrics reports allocated memory and MFU."""
+    import torch
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    run = LiveRun(tmp_path / "runs", data_cache, "gpu", ["train.device=cuda"], min_step=12)
+    try:
+        s = json.loads(http(run.url + "/status")[2])
+        assert s["cuda_available"] and s["gpu_count"] == 1 and s["gpu_name"] == torch.cuda.get_device_name(0)
+        m = json.loads(http(run.url + "/metrics")[2])
+        assert m["gpu_memory_allocated"] > 0 and (m["mfu"] is None or 0 < m["mfu"] < 1)
+        prom = {f.name: f.samples[0].value for f in
+                parse_prometheus(http(run.url + "/metrics", {"Accept": "text/plain"})[2].decode())}
+        assert prom["trainbox_gpu_memory_allocated_bytes"] > 0
+    finally:
+        run.stop()

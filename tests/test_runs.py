@@ -1,0 +1,129 @@
+"""`trainbox runs`, `logs`, `status` and `plot` on real runs: live, finished, failed (NaN), stalled
+(SIGSTOP) and killed (SIGKILL). A dead run must never show as running."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import run_cli
+from test_monitor import LiveRun, read_status, wait_for
+from trainbox import cli, runs
+
+
+def main(capsys, *args: str) -> tuple[int, str, str]:
+    """The CLI in-process (same code as `trainbox ARGS`, without a new interpreter per call)."""
+    capsys.readouterr()
+    rc = cli.main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def table(capsys, root) -> dict[str, list[str]]:
+    """`trainbox runs ROOT` -> {name: row cells}, checking the header."""
+    lines = main(capsys, "runs", root)[1].splitlines()
+    assert lines[0].split() == ["NAME", "STATE", "STEP", "LOSS", "VAL", "TOK/S", "ETA", "STARTED", "UPDATED", "DETAIL"]
+    return {line.split()[0]: line.split() for line in lines[1:]}
+
+
+def status(capsys, target, root=None) -> tuple[int, str]:
+    rc, out, _ = main(capsys, "status", target, *(["--root", root] if root else []))
+    assert len(out.strip().splitlines()) == 1, out  # probes log one line
+    return rc, out.strip()
+
+
+def test_stalled_then_killed_run_is_never_shown_running(tmp_path, data_cache, capsys):
+    # no evals or checkpoints: the stop lands in the training phase, whose limit is stall_seconds
+    live = LiveRun(tmp_path / "runs", data_cache, "victim", ["monitor.stall_seconds=1", "train.eval_every=0",
+                                                              "train.checkpoint_every=0"], min_step=3, want_eval=False)
+    try:
+        assert table(capsys, live.root)["victim"][1] == "running"
+        os.kill(live.pid, signal.SIGSTOP)  # a hung process: alive, no progress
+        wait_for(lambda: runs.run_info(live.run_dir)["state"] == "stalled", 30, "state stalled")
+        code, line = status(capsys, "victim", live.root)
+        assert code == 1 and line.startswith("unhealthy: stalled: no progress")
+        assert table(capsys, live.root)["victim"][1] == "stalled"
+        os.kill(live.pid, signal.SIGKILL)  # the OOM killer: no chance to write a final status
+        live.proc.wait(30)
+        assert read_status(live.run_dir)["phase"] in ("training", "evaluating", "checkpointing")  # stale file
+        row = table(capsys, live.root)["victim"]
+        assert row[1] == "crashed" and row[6] == "-"  # no ETA for a dead run
+        p = run_cli("status", str(live.run_dir), check=False)  # once through a real process: the exit code
+        code, line = p.returncode, p.stdout.strip()
+        assert code == 1 and f"process {live.pid}" in line and "crashed" in line
+    finally:
+        if live.proc.poll() is None:
+            live.proc.kill()
+        live.stop()
+
+
+def test_pid_reuse_is_not_mistaken_for_the_run():
+    assert runs.pid_alive(os.getpid(), started_at=time.time())
+    assert not runs.pid_alive(os.getpid(), started_at=time.time() - 10**7)  # "run" began before this process
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    assert not runs.pid_alive(child.pid)
+
+
+def test_finished_failed_logs_follow_and_plot(tiny, tmp_path, capsys):
+    root = tmp_path / "runs"
+    # follow a run from its start to its end: `logs -f` must return by itself when the run finishes
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    train = subprocess.Popen([sys.executable, "-m", "trainbox", "train", *tiny, "run.name=a", "train.max_steps=12",
+                              "train.eval_every=6"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_for(lambda: (root / "a" / "train.log").exists(), 60, "train.log")
+    follow = run_cli("logs", "a", "--root", str(root), "-f", timeout=120)
+    assert train.wait(60) == 0
+    assert follow.stdout == (root / "a" / "train.log").read_text()  # every line, nothing after the end
+    assert "checkpoint" in follow.stdout.splitlines()[-1]
+    more = ["train.max_steps=12", "train.eval_every=6"]
+    assert main(capsys, "train", *tiny, "run.name=b", "optim.lr=3e-3", *more)[0] == 0
+    rc, _, err = main(capsys, "train", *tiny, "run.name=nan", "optim.lr=1e30", *more)
+    assert rc == 1 and "loss is nan" in err
+
+    rows = table(capsys, root)
+    assert [rows[n][1] for n in ("a", "b", "nan")] == ["finished", "finished", "failed"]
+    assert rows["a"][2] == "12/12" and rows["nan"][2] == "1/12"
+    assert status(capsys, "a", root) == (0, "healthy: finished at step 12/12")
+    code, line = status(capsys, root / "nan")
+    assert code == 1 and "loss is nan at step 2" in line
+    infos = json.loads(main(capsys, "runs", root, "--json")[1])
+    assert {i["name"]: i["state"] for i in infos} == {"a": "finished", "b": "finished", "nan": "failed"}
+
+    # plot: the curves are metrics.jsonl's, and both runs are drawn (one colour each)
+    from trainbox.plot import load_curves
+    events = [json.loads(line) for line in (root / "a" / "metrics.jsonl").read_text().splitlines()]
+    curves = load_curves(root / "a")
+    assert [(s, v) for s, _, v in curves.train] == [(e["step"], e["loss"]) for e in events if e["event"] == "train"]
+    assert [s for s, _, _ in curves.val] == [6, 12] and curves.train[-1][1] == 12 * 8 * 32
+    out = tmp_path / "compare.png"
+    assert main(capsys, "plot", "a", "b", "--root", root, "--out", out)[0] == 0
+    mpimg = pytest.importorskip("matplotlib.image")
+    img = mpimg.imread(out)
+    assert img.shape[:2] == (450, 1200)
+    rgb = (img[..., :3] * 255).round().astype(int).reshape(-1, 3)
+    for colour in ((0x1F, 0x77, 0xB4), (0xFF, 0x7F, 0x0E)):  # matplotlib's first two cycle colours
+        assert ((abs(rgb - colour)).sum(1) <= 6).sum() > 200, colour
+    for name in ("a", "b"):  # each run wrote loss.png when it ended
+        assert mpimg.imread(root / name / "loss.png").shape[:2] == (450, 1200)
+    rc, _, err = main(capsys, "plot", "nosuch", "--root", root)
+    assert rc == 1 and "no run 'nosuch'" in err
+
+
+def test_run_on_another_host_is_judged_by_its_heartbeat(tmp_path):
+    """A run dir shared from another machine (or a container): its pid means nothing here, so only the
+    heartbeat decides between running and stalled."""
+    from trainbox.monitor.state import RunState
+
+    state = RunState("remote", tmp_path)
+    state.update(phase="training", step=50, step_time_s=0.5, host="gpu-node-7", pid=1)
+    state.write_status(tmp_path / "status.json")
+    info = runs.run_info(tmp_path)
+    assert info["state"] == "running" and info["healthy"]
+    later = runs.run_info(tmp_path, now=info["heartbeat"] + 61)  # > max(60 s, 10 x 0.5 s x log_every 1)
+    assert later["state"] == "stalled" and not later["healthy"] and "no progress for 61s" in later["reason"]
