@@ -272,3 +272,21 @@ def test_lora_and_qlora_train_on_gpu(tmp_path, mode):
     assert sum(loss[s] for s in (10, 11, 12)) < sum(loss[s] for s in (1, 2, 3))
     if mode:
         assert trainer.model.quantized
+
+
+def test_training_runs_in_train_mode_so_lora_dropout_is_active(tmp_path):
+    """from_pretrained returns models in eval mode; the loop must switch to train mode, or LoRA dropout
+    (and gradient checkpointing) silently do nothing. lora_B starts at zero, so step 1 cannot tell;
+    step 2 differs between dropout 0 and 0.5 only when dropout is really applied."""
+    from trainbox.train.loop import train
+
+    model = hf_tiny.make_model(tmp_path / "base")
+    hf_tiny.make_chat_file(tmp_path / "chat.jsonl")
+    got = {}
+    for p in (0.0, 0.5):
+        name = f"d{int(p * 10)}"
+        train(load_config("lora", lora_args(tmp_path, model, name, f"lora.dropout={p}", "train.max_steps=2",
+                                            "train.checkpoint_every=0")))
+        got[p] = losses(tmp_path / "runs" / name)
+    assert got[0.0][1] == got[0.5][1]
+    assert got[0.0][2] != got[0.5][2]

@@ -300,6 +300,8 @@ class Trainer:
         window: list[torch.Tensor] = []
         window_start = self.start_step
         self._phase("compiling" if cfg.train.compile else "training")
+        # training mode (dropout, gradient checkpointing): from_pretrained hands Hugging Face models over in eval mode
+        self.model.train()
         self.progress.update(self.start_step, self.total, None, None, None, force=True)
         step, stopped, last_eval = self.start_step, False, None
         while step < self.total:
