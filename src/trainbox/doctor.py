@@ -3,7 +3,7 @@
 Each check gives a status (ok / warn / fail), the value found and, for problems, the fix. `fail` is kept
 for what the given recipe needs and this machine lacks (a GPU for train.device=cuda, a C compiler for
 train.compile, the data files, an optional package); without a recipe nothing fails, it only warns.
-The environment (cache locations, offline flags) is passed in by cli.py, the only reader of env vars.
+The environment (cache locations, offline flags) is passed in by the CLI (trainbox.cli), the only reader of env vars.
 """
 from __future__ import annotations
 

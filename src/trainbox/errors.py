@@ -1,4 +1,4 @@
-"""Typed errors raised by library code; `cli.py` turns each into one short message and an exit code.
+"""Typed errors raised by library code; the CLI (`trainbox.cli`) turns each into one short message and an exit code.
 
 Every error carries *what* went wrong (the message, naming the file, key or value) and, where there is
 one, *what to do next* (`hint`, usually a command). Library code never prints or exits.

@@ -1,6 +1,6 @@
 """Console output: a progress bar on a TTY, plain log lines otherwise (docker logs, Kubernetes).
 
-Library code logs through the `trainbox` logger; `setup_logging` (called by cli.py) attaches the console
+Library code logs through the `trainbox` logger; `setup_logging` (called by the CLI) attaches the console
 and train.log handlers. Step lines carry `extra={"progress": True}`: on a TTY the bar replaces them on
 the console, while train.log always gets them (without bar redraws).
 """

@@ -1,6 +1,6 @@
 """Process group from torchrun's environment; DDP; rank helpers. Every helper is a no-op on one process.
 
-The loop receives a `Dist` built by `cli.py` from torchrun's RANK / WORLD_SIZE / LOCAL_RANK (the CLI is
+The loop receives a `Dist` built by the CLI (`trainbox.cli`) from torchrun's RANK / WORLD_SIZE / LOCAL_RANK (the CLI is
 the only place that reads environment variables). NCCL on CUDA, gloo on CPU. Multi-node needs nothing
 here: torchrun's c10d rendezvous sets MASTER_ADDR / MASTER_PORT and the ranks, `init_process_group`
 reads them.

@@ -157,7 +157,7 @@ def global_target_tokens(plan: BatchPlan, step: int) -> int:
 
 
 class Trainer:
-    """Builds everything from a RunConfig, then `run()` trains. `dist` comes from cli.py (torchrun env)."""
+    """Builds everything from a RunConfig, then `run()` trains. `dist` comes from the CLI (torchrun env)."""
 
     def __init__(self, cfg: RunConfig, dist: Dist | None = None, argv: list[str] | None = None,
                  progress: ProgressBar | None = None):
@@ -497,5 +497,5 @@ def _versions() -> dict:
 
 def train(cfg: RunConfig, dist: Dist | None = None, argv: list[str] | None = None,
           progress: ProgressBar | None = None) -> dict:
-    """Train one run described by `cfg` (the entry point used by cli.py and tests)."""
+    """Train one run described by `cfg` (the entry point used by the CLI and tests)."""
     return Trainer(cfg, dist, argv, progress).run()

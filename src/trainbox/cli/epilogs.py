@@ -1,0 +1,93 @@
+"""`--help` examples of every verb: two or three real command lines each."""
+
+EPILOGS = {
+    "train": """
+        examples:
+          trainbox train                                   # recipe tiny on the embedded Shakespeare corpus
+          trainbox train gpt2-125m data.path=data/fineweb train.max_steps=5000
+          trainbox train --nproc 2 tiny train.max_steps=50 # two processes through torchrun
+          torchrun --nproc_per_node 8 --signals-to-handle SIGTERM,SIGINT,SIGUSR1 -m trainbox train gpt2-125m
+                                                           # SIGUSR1 (Slurm --signal) also stops cleanly
+        """,
+    "generate": """
+        examples:
+          trainbox generate runs/tiny --prompt "ROMEO:" --max-tokens 100 --temperature 0.8 --top-k 50 --seed 1
+          trainbox generate runs/tiny/checkpoints/step_00000300 --prompt "To be" --top-p 0.9
+          trainbox generate runs/t5-tiny --prompt "To be, or <extra_id_0> to be" --temperature 0   # t5: fills spans
+        """,
+    "export": """
+        examples:
+          trainbox export runs/gpt2-125m --format hf --out hf/gpt2-125m   # newest checkpoint of the run
+          trainbox export runs/tiny/checkpoints/step_00000400 --format hf --out hf/tiny --force
+          # then: GPT2LMHeadModel.from_pretrained("hf/gpt2-125m"), AutoTokenizer.from_pretrained(...)
+          trainbox export runs/lora --format hf --out lora-adapter       # PEFT adapter (PeftModel.from_pretrained)
+          trainbox export runs/lora --format hf --merge --out lora-merged  # base + adapter, base precision
+          trainbox export runs/qlora --format hf --merge --force --out merged  # QLoRA: merge into a bf16 base
+        """,
+    "config": """
+        examples:
+          trainbox config show tiny train.max_steps=50     # the resolved config as YAML
+          trainbox config schema                           # JSON schema of every key
+          trainbox config validate my_run.yaml             # exit 2 with the offending key if invalid
+        """,
+    "prepare": """
+        examples:
+          trainbox prepare corpus/ --out data/corpus --workers 4 --val-fraction 0.01
+          trainbox prepare pile.jsonl.gz --text-key text --format megatron --append-eod --write-vocab --out data/pile
+          trainbox prepare chats.jsonl --tokenizer tok/ --out data/sft --val-docs 100   # loss on assistant tokens only
+        """,
+    "inspect": """
+        examples:
+          trainbox inspect data/corpus --seq-len 1024 --global-batch 512 --epochs 2
+          trainbox inspect data/pile_text_document --seq-len 2048
+          trainbox inspect data/fineweb/fineweb_val_000000.bin --json
+        """,
+    "data": """
+        examples:
+          trainbox data fineweb --shards 8 --out data/fineweb       # 800M GPT-2 tokens + the val shard
+          trainbox data fineweb --shards 1 --out data/fineweb       # re-run: complete files are skipped
+          HF_ENDPOINT=http://mirror:8080 trainbox data fineweb --shards 2 --out data/fineweb
+        """,
+    "tokenizer": """
+        examples:
+          trainbox tokenizer train corpus/*.txt --vocab-size 4096 --out tok/
+          trainbox tokenizer train embedded:shakespeare --vocab-size 2048 --out tok/
+        """,
+    "launch": """
+        examples:
+          trainbox launch compose gpt2-125m --image ghcr.io/me/trainbox:0.1.0-cu128-torch2.8.0 --gpus-per-node 8
+          trainbox launch k8s gpt2-125m train.max_steps=5000 --image IMG --nodes 2 --gpus-per-node 8 --apply
+          trainbox launch slurm gpt2-125m --nodes 4 --gpus-per-node 8 --partition gpu --time 48:00:00
+          trainbox launch image --registry ghcr.io/me --tag latest --push --dry-run
+        """,
+    "doctor": """
+        examples:
+          trainbox doctor                                  # this machine: torch, GPUs, bf16, caches, disk
+          trainbox doctor speedrun-124m                    # exit 1 if something that recipe needs is missing
+          trainbox doctor gpt2-125m data.path=/data/fineweb --json
+        """,
+    "runs": """
+        examples:
+          trainbox runs                                    # every run under ./runs, newest first
+          trainbox runs /data/experiments --json           # machine-readable, one object per run
+        """,
+    "logs": """
+        examples:
+          trainbox logs tiny                               # runs/tiny/train.log
+          trainbox logs runs/gpt2-125m -f                  # follow until the run ends
+          trainbox logs tiny --tail 20
+        """,
+    "status": """
+        exit status 0 when healthy (running with fresh progress, or finished), 1 otherwise, with one
+        line saying why: Docker HEALTHCHECK and Kubernetes exec probes call it.
+        examples:
+          trainbox status tiny                             # from runs/tiny/status.json (+ pid check)
+          trainbox status http://127.0.0.1:8080            # asks the run's /health endpoint
+          HEALTHCHECK CMD ["trainbox", "status", "http://127.0.0.1:8080"]
+        """,
+    "plot": """
+        examples:
+          trainbox plot runs/tiny                          # writes loss.png in the current folder
+          trainbox plot runs/a runs/b --out compare.png    # train and val loss vs steps and vs tokens
+        """,
+}

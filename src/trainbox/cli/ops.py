@@ -1,0 +1,130 @@
+"""Verbs for operations: launch (compose / k8s / slurm / image), doctor, runs, logs, status, plot."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+from trainbox.errors import TrainboxError
+
+
+# ----------------------------------------------------------------------------- launch
+
+
+def cmd_launch(args) -> int:
+    from trainbox.launch.apply import run_commands
+
+    if args.target == "image":
+        return _launch_image(args)
+    from trainbox.launch import LaunchSpec, render, write_rendered
+
+    spec = LaunchSpec(target=args.target, recipe=args.recipe, overrides=args.overrides, image=args.image,
+                      nodes=args.nodes, min_nodes=args.min_nodes, gpus_per_node=args.gpus_per_node, gpu_vendor=args.gpu_vendor,
+                      workspace=args.workspace, namespace=args.namespace, runs_pvc=args.runs_pvc,
+                      data_pvc=args.data_pvc, storage=args.storage, storage_class=args.storage_class,
+                      cpus=args.cpus, memory=args.memory, shm=args.shm, time=args.time, partition=args.partition,
+                      account=args.account, host_port=args.port)
+    rendered = render(spec)
+    out = Path(args.out or f"deploy/{spec.config().run_name}-{args.target}")
+    for path in write_rendered(rendered, out):
+        print(f"wrote {path}")
+    commands = rendered.apply_commands(out)
+    for cmd in commands:
+        print(f"{'apply' if args.apply else 'to apply'}: {' '.join(cmd)}")
+    for note in rendered.notes:
+        print(note)
+    if args.apply and not args.dry_run:
+        return run_commands(commands, Path.cwd())
+    return 0
+
+
+def _launch_image(args) -> int:
+    from trainbox.launch.apply import run_commands
+    from trainbox.launch.image import build_commands
+
+    context = Path(args.context)
+    commands = build_commands(context, args.registry, args.tag, rocm=args.rocm, push=args.push,
+                              build_args=args.build_arg, platform=args.platform)
+    for cmd in commands:
+        print(" ".join(cmd))
+    return 0 if args.dry_run else run_commands(commands, context)
+
+
+# ----------------------------------------------------------------------------- doctor
+
+
+def cmd_doctor(args) -> int:
+    from trainbox.config import load_config
+    from trainbox.doctor import as_json, run_checks
+
+    cfg = load_config(args.recipe, args.overrides) if (args.recipe or args.overrides) else None
+    checks = run_checks(dict(os.environ), cfg)
+    if args.json:
+        print(json.dumps(as_json(checks), indent=1))
+    else:
+        for c in checks:
+            print(f"{c.status.upper() if c.status != 'ok' else 'ok':<5} {c.name:<15} {c.value}")
+            if c.fix:
+                print(f"{'':<22}-> {c.fix}")
+    failed = [c.name for c in checks if c.status == "fail"]
+    if failed and not args.json:
+        print(f"missing for {cfg.recipe if cfg else 'this run'}: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+# ----------------------------------------------------------------------------- runs, logs, status, plot
+
+
+def cmd_runs(args) -> int:
+    from trainbox.runs import list_runs, runs_table
+
+    infos = list_runs(Path(args.dir))
+    if args.json:
+        print(json.dumps(infos, default=str, indent=1))
+        return 0
+    if not infos:
+        print(f"no runs under {args.dir}", file=sys.stderr)
+        return 0
+    rows = runs_table(infos)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+    return 0
+
+
+def cmd_logs(args) -> int:
+    from trainbox.runs import follow_log, resolve_run
+
+    run_dir = resolve_run(args.run, Path(args.root))
+    try:
+        for line in follow_log(run_dir, args.follow, args.tail):
+            sys.stdout.write(line)
+            sys.stdout.flush()
+    except (KeyboardInterrupt, BrokenPipeError):
+        pass
+    return 0
+
+
+def cmd_status(args) -> int:
+    from trainbox.runs import resolve_run, run_info, url_health
+
+    try:
+        if "://" in args.target:
+            ok, reason = url_health(args.target, args.timeout)
+        else:
+            info = run_info(resolve_run(args.target, Path(args.root)))
+            ok, reason = info["healthy"], info["reason"]
+    except TrainboxError as e:  # a probe answers 0 or 1 only (Docker reserves 2)
+        ok, reason = False, e.message
+    print(("healthy: " if ok else "unhealthy: ") + reason)
+    return 0 if ok else 1
+
+
+def cmd_plot(args) -> int:
+    from trainbox.plot import plot_runs
+    from trainbox.runs import resolve_run
+
+    out = plot_runs([resolve_run(r, Path(args.root)) for r in args.runs], Path(args.out))
+    print(f"wrote {out}")
+    return 0

@@ -1,0 +1,203 @@
+"""Verbs around one run: train (and its torchrun launcher), generate, export, config, tokenizer."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+from trainbox.errors import ConfigError
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    return int(value) if value not in (None, "") else default
+
+
+# ----------------------------------------------------------------------------- train
+
+
+def cmd_train(args) -> int:
+    from trainbox.config import load_config
+
+    cfg = load_config(args.recipe, args.overrides)
+    if args.recipe and args.recipe.endswith(".json") and "LOCAL_RANK" not in os.environ:
+        from trainbox.hfargs import mapping_report
+        report = mapping_report(args.recipe)
+        if report:
+            print(report, file=sys.stderr)
+    if args.nproc and args.nproc > 1 and "LOCAL_RANK" not in os.environ:
+        return _launch_torchrun(args, cfg)
+    from trainbox.monitor.console import ProgressBar, setup_logging
+    from trainbox.train.distributed import Dist
+    from trainbox.train.loop import train
+
+    dist = Dist(rank=_env_int("RANK", 0), world=_env_int("WORLD_SIZE", 1), local_rank=_env_int("LOCAL_RANK", 0))
+    mode = cfg.monitor.progress
+    bar = dist.is_main and (mode == "bar" or (mode == "auto" and sys.stderr.isatty()))
+    log_file = None
+    if dist.is_main:
+        cfg.run_dir.mkdir(parents=True, exist_ok=True)
+        log_file = cfg.run_dir / "train.log"
+    setup_logging(log_file, console=dist.is_main, bar=bar)
+    result = train(cfg, dist, argv=["trainbox", "train", *sys.argv[2:]], progress=ProgressBar(enabled=bar))
+    if dist.is_main:
+        if result.get("val_loss") is not None:
+            print(f"validation: {result['val_loss']:.4f} nats/token, {result['val_bpb']:.4f} bits/byte "
+                  f"({result['val_tokens']:,} tokens)")
+        if result.get("sample"):
+            print(f"--- sample ---\n{cfg.train.sample_prompt}{result['sample']}")
+        print(f"run directory: {result['run_dir']}")
+    return 0
+
+
+def _launch_torchrun(args, cfg) -> int:
+    """`trainbox train --nproc N ...` re-runs itself under torchrun (standalone rendezvous).
+
+    torchrun runs in its own session, so a terminal Ctrl-C reaches only this launcher, which forwards
+    SIGTERM / SIGINT / SIGUSR1 exactly once; torchrun (told to handle SIGUSR1 too) passes it to every
+    worker, the workers agree on a step boundary, save and exit 0. torchrun itself then exits non-zero
+    (it re-raises the signal), so a stop that left the run "preempted" is reported as success."""
+    import signal
+    import subprocess
+    import time
+
+    stops = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+    from torch.distributed.run import get_args_parser
+
+    known = {o for action in get_args_parser()._actions for o in action.option_strings}
+    extra = []  # flags of newer torchruns (older ones pass SIGTERM/SIGINT only, and wait 30 s before SIGKILL)
+    if "--signals-to-handle" in known:
+        extra.append("--signals-to-handle=" + ",".join(s.name for s in (*stops, signal.SIGHUP, signal.SIGQUIT)))
+    if "--shutdown-timeout" in known:
+        extra.append(f"--shutdown-timeout={cfg.train.pg_timeout_s}")  # time for the ranks to save before SIGKILL
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}", *extra,
+           "-m", "trainbox", "train", *([args.recipe] if args.recipe else []), *args.overrides]
+    print("launching: " + " ".join(cmd), file=sys.stderr)
+    started = time.time()
+    proc = subprocess.Popen(cmd, start_new_session=True)
+    forwarded: list[int] = []
+
+    def forward(signum, frame):
+        forwarded.append(signum)
+        proc.send_signal(signum)
+
+    old = {s: signal.signal(s, forward) for s in stops}
+    try:
+        code = proc.wait()
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+    if forwarded and code != 0:
+        status = cfg.run_dir / "status.json"
+        try:   # written by this launch's rank 0, not left over from an earlier one
+            phase = json.loads(status.read_text()).get("phase") if status.stat().st_mtime >= started else None
+        except (OSError, ValueError):
+            phase = None
+        if phase == "preempted":
+            print(f"stopped on {signal.Signals(forwarded[0]).name} with a checkpoint; run the same command "
+                  "to continue", file=sys.stderr)
+            return 0
+    return code
+
+
+# ----------------------------------------------------------------------------- generate
+
+
+def cmd_generate(args) -> int:
+    import torch
+
+    from trainbox.generate import load_for_inference, sample
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model, tokenizer, cfg = load_for_inference(args.path, device)
+    if cfg.model.family == "t5":  # encoder-decoder: print what the model fills in for each sentinel
+        from trainbox.data.spans import fill_prompt
+        from trainbox.generate import fill_spans
+        spans = fill_spans(model, tokenizer, args.prompt, max_tokens=args.max_tokens, temperature=args.temperature,
+                           top_k=args.top_k, top_p=args.top_p, seed=args.seed, device=device)
+        for k, text in spans:
+            print(f"<extra_id_{k}>{text}")
+        print(f"--- filled ---\n{fill_prompt(args.prompt, spans)}")
+        return 0
+    text = sample(model, tokenizer, args.prompt, max_tokens=args.max_tokens, temperature=args.temperature,
+                  top_k=args.top_k, top_p=args.top_p, seed=args.seed, device=device)
+    print(args.prompt + text)
+    return 0
+
+
+# ----------------------------------------------------------------------------- export
+
+
+def cmd_export(args) -> int:
+    from trainbox import checkpoint
+    from trainbox.config import build_config
+
+    ckpt = checkpoint.resolve(args.path)
+    family = build_config(checkpoint.load_trainer(ckpt)["config"]).model.family
+    if family == "hf":  # LoRA / QLoRA runs: PEFT adapter, or the merged model with --merge
+        from trainbox.export_lora import export_lora_hf
+        out = args.out or str(Path(args.path.rstrip("/")).name + ("-merged" if args.merge else "-hf"))
+        res = export_lora_hf(ckpt, out, merge=args.merge, force=args.force)
+        print(f"wrote {res['kind']} ({res['dtype']}) to {res['out']} from {res['checkpoint']}")
+        if not res["merged"]:
+            print(f"load it with: PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained({res['base']!r}), "
+                  f"{res['out']!r})")
+        return 0
+    if args.merge:
+        raise ConfigError(f"--merge applies to LoRA runs; {ckpt} is a model.family={family} run")
+    if family == "t5":  # T5ForConditionalGeneration folder
+        from trainbox.generate import load_for_inference
+        from trainbox.model.t5 import to_hf
+
+        model, tok, _ = load_for_inference(ckpt)
+        out = Path(args.out or str(Path(args.path.rstrip("/")).name + "-hf"))
+        if out.exists() and any(out.iterdir()) and not args.force:
+            raise ConfigError(f"{out} exists and is not empty", hint="choose another --out or pass --force")
+        to_hf(model, out, eos_token_id=tok.eot_id)
+        print(f"wrote {out} (Hugging Face T5ForConditionalGeneration: config.json, model.safetensors)")
+        return 0
+    from trainbox.export import export_hf
+
+    out = export_hf(args.path, args.out or str(Path(args.path.rstrip("/")).name + "-hf"), force=args.force)
+    print(f"wrote {out} (Hugging Face format: config.json, model.safetensors, tokenizer)")
+    return 0
+
+
+# ----------------------------------------------------------------------------- config
+
+
+def cmd_config(args) -> int:
+    from trainbox.config import RunConfig, dump_yaml, load_config
+
+    if args.action == "schema":
+        print(json.dumps(RunConfig.model_json_schema(), indent=1))
+        return 0
+    cfg = load_config(args.source, args.overrides)
+    if args.action == "show":
+        print(dump_yaml(cfg), end="")
+    else:
+        print(f"{args.source or 'tiny'}: valid")
+    return 0
+
+
+# ----------------------------------------------------------------------------- tokenizer
+
+
+def cmd_tokenizer(args) -> int:
+    from trainbox.data.tokenizer import train_bpe
+
+    def texts():
+        for f in args.files:
+            if f.startswith("embedded:"):
+                from trainbox.data import embedded
+                yield from embedded.split("train")
+                continue
+            p = Path(f)
+            for path in sorted(p.rglob("*")) if p.is_dir() else [p]:
+                if path.is_file():
+                    yield path.read_text(encoding="utf-8", errors="replace")
+
+    out = train_bpe(texts(), args.vocab_size, args.out)
+    print(f"wrote {out} (vocab {args.vocab_size}); use it with data.tokenizer={out}")
+    return 0
