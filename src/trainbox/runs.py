@@ -24,6 +24,15 @@ def _git_commit() -> str | None:
         return None
 
 
+def versions() -> dict:
+    """Software versions a checkpoint records (trainer.json) and env.json starts with."""
+    import torch
+
+    import trainbox
+    return {"trainbox": trainbox.__version__, "python": platform.python_version(), "torch": torch.__version__,
+            "cuda": torch.version.cuda, "rocm": getattr(torch.version, "hip", None)}
+
+
 def environment(device: torch.device | None = None, world: int = 1) -> dict:
     import torch
 
@@ -33,10 +42,8 @@ def environment(device: torch.device | None = None, world: int = 1) -> dict:
             p = torch.cuda.get_device_properties(i)
             gpus.append({"name": p.name, "memory_gib": round(p.total_memory / 2**30, 1),
                          "capability": f"{p.major}.{p.minor}"})
-    import trainbox
     return {
-        "trainbox": trainbox.__version__, "python": platform.python_version(), "torch": torch.__version__,
-        "cuda": torch.version.cuda, "rocm": getattr(torch.version, "hip", None),
+        **versions(),
         "cudnn": torch.backends.cudnn.version() if torch.cuda.is_available() else None,
         "gpus": gpus, "device": str(device) if device else None, "world_size": world,
         "host": socket.gethostname(), "platform": platform.platform(), "cpu_count": os.cpu_count(),

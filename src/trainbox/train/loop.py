@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from trainbox import checkpoint
+from trainbox import checkpoint, runs
 from trainbox.config import RunConfig, dump_yaml
 from trainbox.data.loader import BatchPlan
 from trainbox.errors import CheckpointError, ConfigError, RunFinished, TrainingFailed
@@ -172,7 +172,6 @@ class Trainer:
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
-        from trainbox import runs
         from trainbox.model.registry import adapt_datasets, build_model, build_tokenizer, model_vocab_size, open_datasets
 
         cfg, d = self.cfg, self.dist
@@ -226,7 +225,7 @@ class Trainer:
         self.token_bytes = torch.tensor(self.tokenizer.token_bytes() + [0] * (vocab - self.tokenizer.vocab_size),
                                         dtype=torch.long, device=self.device)
         self.state = RunState(cfg.run_name, self.run_dir, self.total)
-        self._setup_run_files(trainer_state, runs)
+        self._setup_run_files(trainer_state)
 
     def _find_resume(self) -> Path | None:
         r = self.cfg.run.resume
@@ -236,7 +235,7 @@ class Trainer:
             return checkpoint.latest(self.ckpt_root)
         return checkpoint.resolve(r)
 
-    def _setup_run_files(self, trainer_state: dict, runs) -> None:
+    def _setup_run_files(self, trainer_state: dict) -> None:
         cfg, d = self.cfg, self.dist
         self.server = None
         if d.is_main:
@@ -463,7 +462,7 @@ class Trainer:
                    "loader": {"step": step, "seed": self.cfg.run.seed}, "tokens_seen": self.tokens_seen,
                    "world": self.dist.world, "finished": step >= self.total,
                    "restarts": self.state.snapshot()["restarts"], "wandb_id": self.sinks.wandb_id,
-                   "config": self.cfg.model_dump(mode="json"), "versions": _versions()}
+                   "config": self.cfg.model_dump(mode="json"), "versions": runs.versions()}
         t0 = time.time()
         path = checkpoint.save(self.ckpt_root, step, self._weights(), self.optimizers, trainer, rngs,
                                self.cfg.train.keep_last, protect=self.resume_from)
@@ -485,14 +484,6 @@ class Trainer:
         (self.run_dir / "samples.txt").open("a").write(f"--- step {self.total}\n{self.cfg.train.sample_prompt}{text}\n")
         self.model.train()
         return text
-
-
-def _versions() -> dict:
-    import platform
-
-    import trainbox
-    return {"trainbox": getattr(trainbox, "__version__", "0"), "torch": torch.__version__,
-            "python": platform.python_version(), "cuda": torch.version.cuda, "hip": getattr(torch.version, "hip", None)}
 
 
 def train(cfg: RunConfig, dist: Dist | None = None, argv: list[str] | None = None,
