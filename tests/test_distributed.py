@@ -47,20 +47,47 @@ def one_process(base) -> Path:
 
 
 @pytest.fixture(scope="module")
-def two_nodes(base, one_process) -> Path:
-    """Two torchrun agents, one process each, meeting through c10d rendezvous on localhost."""
+def two_nodes(base, one_process, tmp_path_factory) -> Path:
+    """Two torchrun agents, one process each, meeting through c10d rendezvous on localhost.
+
+    The host agent starts first and the second joins once the host's store accepts connections, and
+    their output goes to files (a full pipe would block a worker and hang the collective)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    procs = [subprocess.Popen([*TORCHRUN, "--nnodes=2", "--nproc_per_node=1", "--rdzv-backend=c10d",
-                               f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=twonodes",
-                               f"--rdzv-conf=is_host={'true' if node == 0 else 'false'}",
-                               "-m", "trainbox", "train", *base, "run.name=twonodes", "train.pg_timeout_s=123"],
-                              env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for node in range(2)]
-    outs = [p.communicate(timeout=240)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], "\n".join(outs)
+    logs = tmp_path_factory.mktemp("twonodes-logs")
+    procs = []
+    for node in range(2):
+        out = open(logs / f"node{node}.log", "w")
+        procs.append(subprocess.Popen([*TORCHRUN, "--nnodes=2", "--nproc_per_node=1", "--rdzv-backend=c10d",
+                                       f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=twonodes",
+                                       f"--rdzv-conf=is_host={'true' if node == 0 else 'false'}",
+                                       "-m", "trainbox", "train", *base, "run.name=twonodes", "train.pg_timeout_s=123"],
+                                      env=ENV, stdout=out, stderr=subprocess.STDOUT, text=True))
+        out.close()
+        if node == 0:
+            _wait_for_port(port, procs[0])
+    try:
+        codes = [p.wait(timeout=240) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    outs = [(logs / f"node{n}.log").read_text() for n in range(2)]
+    assert codes == [0, 0], "\n".join(outs)
     return Path(base[TINY.__len__()].split("=", 1)[1]) / "twonodes"
+
+
+def _wait_for_port(port: int, proc: subprocess.Popen, timeout: float = 60) -> None:
+    """Until the rendezvous host listens on `port` (or its agent died)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                return
+        except OSError:
+            time.sleep(0.05)  # polling a socket that is not up yet, not waiting for timing
+    raise AssertionError(f"the rendezvous host never listened on port {port} (exit code {proc.poll()})")
 
 
 def _events(run_dir: Path, kind: str = "train") -> list[dict]:

@@ -92,6 +92,11 @@ class Dist:
         dist.all_gather_object(out, obj, group=self.ctrl)
         return out
 
-    def shutdown(self) -> None:
+    def shutdown(self, graceful: bool = True) -> None:
+        """Leave the process groups. After a normal end every rank first meets at a barrier, so no rank
+        tears its connections down while another still uses them (seen as gloo aborting a rank at exit);
+        after an error there is no barrier, since the other ranks may be gone."""
         if self.enabled and dist.is_initialized():
+            if graceful:
+                dist.barrier(group=self.ctrl)
             dist.destroy_process_group()

@@ -275,8 +275,11 @@ class Trainer:
         """Train to the end (or a stop signal). Returns a summary; raises TrainingFailed on a fault."""
         self.setup()
         self.stop.install()
+        graceful = False
         try:
-            return self._run()
+            result = self._run()
+            graceful = True
+            return result
         except BaseException as e:
             if self.dist.is_main:
                 phase = "preempted" if isinstance(e, KeyboardInterrupt) else "failed"
@@ -290,7 +293,7 @@ class Trainer:
             self.progress.close()
             if self.server is not None:
                 self.server.stop()
-            self.dist.shutdown()
+            self.dist.shutdown(graceful)
 
     def _run(self) -> dict:
         cfg, d = self.cfg, self.dist
