@@ -26,6 +26,7 @@ import torch
 import torch.nn as nn
 from safetensors.torch import load_file, save_file
 
+from trainbox.data.formats import fsync_dir
 from trainbox.errors import CheckpointError
 
 STEP_RE = re.compile(r"^step_(\d{8,})$")
@@ -34,14 +35,6 @@ STEP_RE = re.compile(r"^step_(\d{8,})$")
 def _fsync_file(path: Path) -> None:
     with open(path, "rb") as f:
         os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def atomic_write_text(path: Path, text: str) -> None:
@@ -115,14 +108,14 @@ def save(ckpt_root: Path, step: int, weights: dict[str, torch.Tensor], optimizer
             _fsync_file(f)
         (tmp / "COMPLETE").write_text(f"{step}\n")
         _fsync_file(tmp / "COMPLETE")
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         if final.exists():  # an incomplete or older copy of the same step: out of the namespace, then gone
             stale = ckpt_root / f".del-{name}"
             shutil.rmtree(stale, ignore_errors=True)
             os.replace(final, stale)
             shutil.rmtree(stale, ignore_errors=True)
         os.replace(tmp, final)
-        _fsync_dir(ckpt_root)
+        fsync_dir(ckpt_root)
         atomic_write_text(ckpt_root / "latest", name + "\n")
     except Exception as e:  # OSError, or torch/safetensors wrapping one (e.g. EFBIG, ENOSPC)
         shutil.rmtree(tmp, ignore_errors=True)

@@ -128,10 +128,6 @@ def zero_steps_message(name: str, samples: int, seq_len: int, global_batch: int)
             f"(at most {samples}) or data.seq_len")
 
 
-def open_token_files(paths: list[Path]) -> list[np.ndarray]:
-    return [open_tokens(p)[0] for p in paths]
-
-
 def open_tokens(path: Path) -> tuple[np.ndarray, np.ndarray | None]:
     """(tokens, loss mask or None) of a shard, a Megatron prefix or a flat uint16 file, memory-mapped."""
     from trainbox.data import formats
