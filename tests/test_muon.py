@@ -203,8 +203,9 @@ def test_torchrun_two_processes_equal_one(tiny, tmp_path):
             "optim.lr=0.02", "optim.warmup_steps=0", "train.micro_batch_size=2", "train.max_steps=4",
             "train.eval_every=0", "train.sample_tokens=0", "monitor.enabled=false", "train.threads=1"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    subprocess.run(["torchrun", "--nproc_per_node", "2", "-m", "trainbox", "train", "tiny", *args, "run.name=two"],
-                   cwd=tmp_path, env=env, check=True, capture_output=True, timeout=300)
+    proc = subprocess.run(["torchrun", "--standalone", "--nproc_per_node", "2", "-m", "trainbox", "train", "tiny",
+                           *args, "run.name=two"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     run_cli("train", "tiny", *args, "run.name=one", cwd=tmp_path, env=env)
 
     def losses(name):
