@@ -76,7 +76,9 @@ class Attention(nn.Module):
         query = torch.arange(k_len - q_len, k_len, device=device)[:, None]
         key = torch.arange(k_len, device=device)[None, :]
         buckets = relative_position_bucket(key - query, self.bidirectional, self.num_buckets, self.max_distance)
-        return self.relative_attention_bias(buckets).permute(2, 0, 1).unsqueeze(0)
+        # contiguous: SDPA's fused (memory-efficient) kernel takes an additive mask only with unit stride in
+        # its last dimension; the permuted embedding output has stride H there and would fall back to math
+        return self.relative_attention_bias(buckets).permute(2, 0, 1).contiguous().unsqueeze(0)
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None, kv: torch.Tensor | None = None,
                 cache: KVCache | None = None, pos: int = 0) -> torch.Tensor:
@@ -94,7 +96,7 @@ class Attention(nn.Module):
             v = self.v(src).view(B, S, self.n_head, self.d_kv).transpose(1, 2)
             if cache is not None:
                 k, v = cache.update(0 if kv is not None else pos, k, v)
-        mask = bias.to(q.dtype) if bias is not None else None
+        mask = bias.to(q.dtype).contiguous() if bias is not None else None
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0,
                                            dropout_p=self.dropout if self.training else 0.0)
         return self.o(y.transpose(1, 2).reshape(B, T, self.n_head * self.d_kv))
