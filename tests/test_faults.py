@@ -171,3 +171,18 @@ def test_keep_last_never_deletes_the_checkpoint_resumed_from(tiny):
                  f"run.resume={root / 'step_00000002'}")
     train(again)
     assert [p.name for p in checkpoint.list_complete(root)] == ["step_00000002", "step_00000006"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_out_of_memory_names_the_micro_batch_and_what_to_do(tiny):
+    """A real CUDA OOM (a 512k-token micro-batch of 50,304-wide logits) ends in one TrainingFailed that says
+    which setting to lower, not a raw allocator traceback."""
+    cfg = _cfg(tiny, "run.name=oom", "data.tokenizer=gpt2", "data.seq_len=1024",
+               "train.global_batch_size=512", "train.micro_batch_size=512", "train.max_steps=1",
+               "train.device=cuda")
+    with pytest.raises(TrainingFailed, match=r"out of memory in step 1 at train.micro_batch_size=512") as err:
+        train(cfg)
+    assert "lower train.micro_batch_size (e.g. 256)" in err.value.hint
+    status = json.loads((cfg.run_dir / "status.json").read_text())
+    assert status["phase"] == "failed" and "out of memory" in status["error"]

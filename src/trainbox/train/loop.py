@@ -222,8 +222,8 @@ class Trainer:
                 model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
         fwd = self.ddp or model
         self.forward = torch.compile(fwd) if cfg.train.compile else fwd
-        self.token_bytes = torch.tensor(self.tokenizer.token_bytes() + [0] * (vocab - self.tokenizer.vocab_size),
-                                        dtype=torch.long, device=self.device)
+        self.vocab = vocab
+        self.token_bytes = None  # per-token UTF-8 lengths for bits/byte, built at the first evaluation
         self.state = RunState(cfg.run_name, self.run_dir, self.total)
         self._setup_run_files(trainer_state)
 
@@ -310,7 +310,16 @@ class Trainer:
             if d.any(self.stop.signum is not None):  # every rank stops at the same step boundary
                 stopped = True
                 break
-            loss, grad_norm, lr = self._train_step(step)
+            try:
+                loss, grad_norm, lr = self._train_step(step)
+            except torch.cuda.OutOfMemoryError as e:
+                m = cfg.train.micro_batch_size
+                raise TrainingFailed(
+                    f"GPU out of memory in step {step + 1} at train.micro_batch_size={m} "
+                    f"(peak {torch.cuda.max_memory_allocated(self.device) / 2**30:.1f} GiB): {str(e).splitlines()[0]}",
+                    hint=f"lower train.micro_batch_size (e.g. {max(1, m // 2)}): the global batch and the maths of a "
+                         f"step stay the same, only the accumulation grows; the last good checkpoint is "
+                         f"{checkpoint.latest(self.ckpt_root) or 'none'}") from None
             step += 1
             self.tokens_seen += cfg.train.global_batch_size * cfg.data.seq_len
             window.append(loss)
@@ -432,6 +441,9 @@ class Trainer:
 
     def _evaluate(self, step: int) -> dict:
         self._phase("evaluating")
+        if self.token_bytes is None:
+            pad = [0] * (self.vocab - self.tokenizer.vocab_size)
+            self.token_bytes = torch.tensor(self.tokenizer.token_bytes() + pad, dtype=torch.int32, device=self.device)
         res = evaluate(self.forward if not self.cfg.train.compile else self.model, self.val_data,
                        self.cfg.train.eval_tokens, self.cfg.train.micro_batch_size, self.token_bytes,
                        self.device, self.autocast, self.dist)
