@@ -3,9 +3,10 @@
     trainbox export runs/gpt2 --format hf --out hf/gpt2      # load with GPT2LMHeadModel.from_pretrained
     trainbox train gpt2-125m run.init_from=hf/gpt2           # start a new run from a GPT-2 folder
 
-Our parameter names and shapes are GPT2LMHeadModel's (Conv1D weights are (in, out)), so conversion is
-a rename-free copy plus three adjustments: the vocabulary rows are padded on import (50,257 -> 50,304;
-pad rows start at zero and are never targets) and sliced back to the tokenizer's on export; position
+Our parameter names are GPT2LMHeadModel's, so conversion is a rename-free copy plus four adjustments:
+HF's Conv1D weights (in, out) are transposed to our nn.Linear's (out, in) and back (CONV1D_WEIGHTS);
+the vocabulary rows are padded on import (50,257 -> 50,304; pad rows start at zero and are never
+targets) and sliced back to the tokenizer's on export; position
 rows are sliced when our block_size is shorter than the folder's n_positions; a model trained with
 `model.bias=false` is exported with zero biases, which is the same function. Export writes config.json,
 generation_config.json, model.safetensors and the tokenizer (vocab.json + merges.txt + tokenizer.json
@@ -27,6 +28,7 @@ from trainbox import checkpoint
 from trainbox.errors import CheckpointError, ConfigError
 
 SKIP_SUFFIXES = (".attn.bias", ".attn.masked_bias")  # causal-mask buffers of older transformers versions
+CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 
 
 def is_hf_folder(path: str | Path) -> bool:
@@ -118,6 +120,9 @@ def load_hf_gpt2(folder: str | Path, model: nn.Module, cfg) -> None:
             pad = state[name].new_zeros(own[name].shape[0] - state[name].shape[0], state[name].shape[1])
             state[name] = torch.cat([state[name], pad])
     state["transformer.wpe.weight"] = state["transformer.wpe.weight"][:model.block_size]
+    for k in state:
+        if k.endswith(CONV1D_WEIGHTS):
+            state[k] = state[k].t()
     if cfg.tie_embeddings:
         state["lm_head.weight"] = state["transformer.wte.weight"]
     wrong = [f"{k} {tuple(state[k].shape)} vs ours {tuple(v.shape)}" for k, v in own.items()
@@ -177,13 +182,15 @@ def hf_state(model: nn.Module, vocab: int) -> dict[str, torch.Tensor]:
     for k, v in own.items():
         if k == "lm_head.weight" and model.cfg.tie_embeddings:
             continue  # HF re-ties lm_head to wte on load
+        if k.endswith(CONV1D_WEIGHTS):
+            v = v.t()
         out[k] = (v[:vocab] if k in ("transformer.wte.weight", "lm_head.weight") else v).contiguous()
     if not model.cfg.bias:
         for k, v in own.items():
             if k.endswith(("ln_1.weight", "ln_2.weight", "ln_f.weight")):
                 out[k[:-len("weight")] + "bias"] = torch.zeros_like(v)
-            elif k.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight")):
-                out[k[:-len("weight")] + "bias"] = torch.zeros(v.shape[1])
+            elif k.endswith(CONV1D_WEIGHTS):
+                out[k[:-len("weight")] + "bias"] = torch.zeros(v.shape[0])  # ours (out, in)
     return out
 
 

@@ -1,7 +1,6 @@
 """Shared blocks. Model families compose these; none of them knows about training.
 
-Conv1D keeps Hugging Face GPT-2's weight layout (in_features, out_features) so that our state dict maps
-1:1, names and shapes, to GPT2LMHeadModel. KVCache is the one key/value cache used by generation.
+KVCache is the one key/value cache used by generation.
 """
 from __future__ import annotations
 
@@ -10,19 +9,6 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
-
-class Conv1D(nn.Module):
-    """y = x @ W + b with W of shape (nx, nf): GPT-2's layout (a Linear with a transposed weight)."""
-
-    def __init__(self, nx: int, nf: int, bias: bool = True):
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(nx, nf))
-        self.bias = nn.Parameter(torch.zeros(nf)) if bias else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = x @ self.weight
-        return y + self.bias if self.bias is not None else y
 
 
 class RMSNorm(nn.Module):
