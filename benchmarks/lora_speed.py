@@ -86,7 +86,7 @@ def run_ours(root: Path, a) -> dict:
         f"run.dir={root / 'runs'}", f"run.name=ours-{a.mode}-{a.size}", "run.resume=never",
         f"lora.r={LORA['r']}", f"lora.alpha={LORA['alpha']}", f"lora.dropout={LORA['dropout']}",
         "optim.lr=2e-4", "optim.warmup_steps=0", "train.checkpoint_every=0", "train.eval_every=0",
-        "train.sample_tokens=0", f"monitor.log_every={a.warmup}", "monitor.port=0", dtype, *quant])
+        "train.sample_tokens=0", f"monitor.log_every={a.warmup}", "monitor.port=0", dtype, *quant, *a.set])
     _reset_peak()
     trainer = Trainer(cfg)
     trainer.run()
@@ -159,6 +159,7 @@ def main() -> int:
     p.add_argument("--accum", type=int, default=1)
     p.add_argument("--root", default="/tmp/trainbox-lora-bench")
     p.add_argument("--out", default=None)
+    p.add_argument("--set", nargs="*", default=[], help="extra overrides for our run (e.g. train.compile=true)")
     p.add_argument("--worker", choices=["ours", "trainer"], help=argparse.SUPPRESS)
     p.add_argument("--mode", choices=["lora", "qlora"], help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -172,7 +173,7 @@ def main() -> int:
     make_assets(root, a.size, a.seq_len, n_windows=max(4 * a.steps * a.micro_batch * a.accum, 64))
     report = {"device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu", "torch": torch.__version__, "size": a.size,
               "seq_len": a.seq_len, "micro_batch": a.micro_batch, "accum": a.accum, "steps": a.steps,
-              "warmup": a.warmup, "lora": LORA, "runs": {}, "ratio": {}}
+              "warmup": a.warmup, "lora": LORA, "ours_overrides": a.set, "runs": {}, "ratio": {}}
     for mode in a.modes.split(","):
         for worker in ("trainer", "ours"):
             cmd = [sys.executable, __file__, "--worker", worker, "--mode", mode, *sys.argv[1:]]

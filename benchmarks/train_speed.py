@@ -6,8 +6,9 @@
 Runs the real loop (trainbox.train.loop.Trainer) with monitor.log_every=1, so every step ends in one
 host sync and the metrics.jsonl timestamps of consecutive steps are step times. Prints: GPU, torch,
 commit, recipe, tokens per step, median step ms after warm-up, tokens/s, MFU, compile (first-step)
-seconds, peak memory. With --nanogpt it also runs nanoGPT's train.py (code present locally, never
-committed) on the same token stream and prints its line, parsed from nanoGPT's own log.
+seconds, peak memory, and the validation loss of the run's closing evaluation (train.eval_tokens).
+With --nanogpt it also runs nanoGPT's train.py (code present locally, never committed) on the same
+token stream and prints its line (step time and validation loss), parsed from nanoGPT's own log.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import statistics
 import subprocess
 import sys
@@ -38,7 +40,7 @@ def run_ours(recipe: str, data: str, steps: int, warmup: int, overrides: list[st
         torch.cuda.reset_peak_memory_stats()
     t0 = time.time()
     trainer = Trainer(cfg)
-    trainer.run()
+    summary = trainer.run()   # ends with an evaluation on train.eval_tokens of validation data
     events = [json.loads(line) for line in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
     train = [e for e in events if e["event"] == "train"]
     start = next(e for e in events if e["event"] == "start")
@@ -54,7 +56,7 @@ def run_ours(recipe: str, data: str, steps: int, warmup: int, overrides: list[st
         "flops_per_token": trainer.flops_per_token,
         "first_step_s": round(train[0]["time"] - start["time"], 1), "wall_s": round(time.time() - t0, 1),
         "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if torch.cuda.is_available() else None,
-        "final_loss": train[-1]["loss"],
+        "final_loss": train[-1]["loss"], "val_loss": summary.get("val_loss"), "val_tokens": summary.get("val_tokens"),
     }
 
 
@@ -79,8 +81,11 @@ def run_nanogpt(repo: str, data_dir: str, steps: int, warmup: int, extra: list[s
     if not iters:
         return {"who": "nanogpt", "error": out[-2000:]}
     times = [t for _, _, t, _ in iters][warmup:]
+    evals = {int(m.group(1)): float(m.group(2))
+             for m in re.finditer(r"step (\d+): train loss [\d.]+, val loss ([\d.]+)", out)}
     return {"who": "nanogpt", "median_step_ms": statistics.median(times), "final_loss": iters[-1][1],
-            "mfu_reported": iters[-1][3], "first_step_ms": iters[0][2], "wall_s": round(time.time() - t0, 1)}
+            "mfu_reported": iters[-1][3], "first_step_ms": iters[0][2], "wall_s": round(time.time() - t0, 1),
+            "val_loss": evals.get(steps), "evals": evals}
 
 
 def main() -> None:
@@ -92,12 +97,12 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=5, help="steps left out of the median")
     ap.add_argument("--nanogpt", help="path to a nanoGPT checkout (baseline)")
     ap.add_argument("--nanogpt-data", help="folder with nanoGPT's train.bin / val.bin")
-    ap.add_argument("--nanogpt-args", nargs="*", default=[])
-    args = ap.parse_args()
+    ap.add_argument("--nanogpt-args", default="", help='one string, e.g. "--batch_size=16 --gradient_accumulation_steps=30"')
+    args = ap.parse_intermixed_args()
     result = run_ours(args.recipe, args.data, args.steps, args.warmup, args.overrides)
     print(json.dumps(result), flush=True)
     if args.nanogpt:
-        base = run_nanogpt(args.nanogpt, args.nanogpt_data, args.steps, args.warmup, args.nanogpt_args)
+        base = run_nanogpt(args.nanogpt, args.nanogpt_data, args.steps, args.warmup, shlex.split(args.nanogpt_args))
         print(json.dumps(base), flush=True)
         if "median_step_ms" in base:
             print(json.dumps({"speedup_vs_nanogpt": round(base["median_step_ms"] / result["median_step_ms"], 3)}))

@@ -1,0 +1,118 @@
+"""Where a training step's GPU time goes: kernels grouped by kind, as one JSON line.
+
+    python benchmarks/profile_step.py gpt2-125m --data /tmp/corpus/modded/pyc [key=value ...]
+    python benchmarks/profile_step.py gpt2-125m --data PREFIX --sdpa cudnn train.micro_batch_size=32
+
+Builds the real Trainer, runs `--warmup` optimizer steps (compilation), times `--steps` more with the
+device synchronised only at their ends, then records `--profile` steps under torch.profiler. Prints:
+step ms, tokens/s, MFU, the share of GPU time per kind (matmul, attention, fused elementwise
+(Triton), optimizer, copies, communication, other), the GPU-busy fraction of the step, and the top
+kernels in ms per step. `--sdpa` pins PyTorch's attention backend for the whole run (tracing included).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import tempfile
+import time
+from collections import defaultdict
+from contextlib import nullcontext
+
+KINDS = [  # first match wins
+    ("attention", r"flash|fmha|attn|attention|sdpa|cudnn"),
+    ("matmul", r"gemm|nvjet|sm90_xmma|sm80_xmma|cutlass|wgmma|matmul"),
+    ("communication", r"nccl|allreduce|all_reduce|reduce_scatter|all_gather"),
+    ("optimizer", r"adam|multi_tensor_apply|foreach"),
+    ("fused elementwise (triton)", r"^triton"),
+    ("copy", r"memcpy|memset|copy|Memcpy|Memset"),
+]
+
+
+def kind_of(name: str) -> str:
+    low = name.lower()
+    return next((k for k, pat in KINDS if re.search(pat, low)), "other")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("recipe")
+    ap.add_argument("overrides", nargs="*")
+    ap.add_argument("--data", required=True)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--profile", type=int, default=2)
+    ap.add_argument("--sdpa", choices=["default", "flash", "cudnn", "efficient", "math"], default="default")
+    ap.add_argument("--top", type=int, default=15)
+    args = ap.parse_intermixed_args()
+
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.profiler import ProfilerActivity, profile
+
+    from trainbox.config import load_config
+    from trainbox.train.loop import Trainer
+
+    backend = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+               "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}.get(args.sdpa)
+    ctx = sdpa_kernel([backend]) if backend is not None else nullcontext()
+    cfg = load_config(args.recipe, [f"data.path={args.data}", "train.eval_every=0", "train.checkpoint_every=0",
+                                    "train.sample_tokens=0", "monitor.enabled=false",
+                                    f"run.dir={tempfile.mkdtemp(prefix='prof-')}", *args.overrides])
+    trainer = Trainer(cfg)
+    cuda = torch.cuda.is_available()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    trainer.setup()
+    trainer.model.train()
+    tokens = cfg.train.global_batch_size * cfg.data.seq_len
+    step = 0
+    with ctx:
+        t0 = time.time()
+        for _ in range(args.warmup):
+            loss, _, _ = trainer._train_step(step)
+            step += 1
+        loss.item()
+        warm_s = time.time() - t0
+        sync()
+        t0 = time.time()
+        for _ in range(args.steps):
+            loss, _, _ = trainer._train_step(step)
+            step += 1
+        sync()
+        step_s = (time.time() - t0) / args.steps
+        with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+            t1 = time.time()
+            for _ in range(args.profile):
+                trainer._train_step(step)
+                step += 1
+            sync()
+            prof_s = (time.time() - t1) / args.profile
+    per_kind: dict[str, float] = defaultdict(float)
+    kernels = []
+    for evt in prof.key_averages():
+        us = getattr(evt, "self_device_time_total", None)
+        if us is None:
+            us = evt.self_cuda_time_total
+        if us <= 0:
+            continue
+        ms = us / 1e3 / args.profile
+        per_kind[kind_of(evt.key)] += ms
+        kernels.append((ms, evt.count // args.profile, evt.key[:120]))
+    busy = sum(per_kind.values())
+    kernels.sort(reverse=True)
+    mfu = trainer.flops_per_token * tokens / step_s / trainer.peak if trainer.peak else None
+    print(json.dumps({
+        "recipe": args.recipe, "overrides": args.overrides, "sdpa": args.sdpa,
+        "gpu": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__, "tokens_per_step": tokens,
+        "warmup_s": round(warm_s, 1), "step_ms": round(step_s * 1e3, 1), "tokens_per_s": round(tokens / step_s),
+        "mfu": round(mfu, 4) if mfu else None, "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
+        "profiled_step_ms": round(prof_s * 1e3, 1), "gpu_busy_ms": round(busy, 1),
+        "share": {k: round(v / busy, 4) for k, v in sorted(per_kind.items(), key=lambda kv: -kv[1])},
+        "ms_per_kind": {k: round(v, 1) for k, v in sorted(per_kind.items(), key=lambda kv: -kv[1])},
+        "top_kernels_ms_per_step": [[round(ms, 2), n, name] for ms, n, name in kernels[:args.top]],
+    }), flush=True)
+    trainer.dist.shutdown(True)
+
+
+if __name__ == "__main__":
+    main()
