@@ -73,6 +73,7 @@ def main() -> None:
     p.add_argument("--no-compile", action="store_true")
     p.add_argument("--recipe", default="gpt2-125m", help="(a CPU smoke test of this script uses tiny)")
     p.add_argument("--set", nargs="*", default=[], help="extra key=value overrides")
+    p.add_argument("--no-resume", action="store_true", help="skip check 2 (speed and invariance only)")
     args = p.parse_args()
     RECIPE[0] = args.recipe
     out = Path(args.out).resolve()
@@ -98,6 +99,10 @@ def main() -> None:
         "tokens_per_s_2gpu": e2[-1]["tokens"] / e2[-1]["step"] / step_time(e2),
         "wall_s": {"1gpu": wall1, "2gpu": wall2}}
 
+    if args.no_resume:
+        print(json.dumps(report, indent=1))
+        (out / "ddp_check.json").write_text(json.dumps(report, indent=1))
+        return
     run_train(out, "straight", 2, [*common, "train.max_steps=40", "train.checkpoint_every=20",
                                    "train.keep_last=5"], out / "straight.log")
     ckpt = out / "straight" / "checkpoints" / "step_00000020"
