@@ -89,6 +89,7 @@ class ModelSection(Section):
     window: int = Field(1792, ge=1, description="speedrun: final attention window (tokens)")
     window_warmup_steps: int = Field(0, ge=0, description="speedrun: steps over which the window grows")
     eot_id: int | None = Field(None, ge=0, description="speedrun: document separator token (default: the tokenizer's)")
+    fp8_head: bool = Field(False, description="speedrun: output head in FP8 (needs FP8 tensor cores: H100, L40S)")
     path: str | None = Field(None, description="hf: hub id or local folder of a Hugging Face causal LM")
     t5: T5Section = Field(default_factory=T5Section)
 
@@ -96,6 +97,8 @@ class ModelSection(Section):
     def _heads_divide_width(self) -> "ModelSection":
         if self.family in ("gpt", "moe") and self.n_embd % self.n_head:
             raise ValueError(f"model.n_embd={self.n_embd} is not divisible by model.n_head={self.n_head}")
+        if self.fp8_head and self.family != "speedrun":
+            raise ValueError(f"model.fp8_head applies to model.family=speedrun, not {self.family}")
         return self
 
 

@@ -30,6 +30,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from trainbox.errors import ConfigError
+from trainbox.model.fp8 import fp8_linear
 from trainbox.model.gpt import Output, cross_entropy
 from trainbox.model.layers import DocKVCaches, KVCache, RMSNorm, Rotary
 from trainbox.monitor.console import log
@@ -282,7 +283,8 @@ class SpeedrunGPT(nn.Module):
         return self.norm(x)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(x).float()
+        # FP8 head (model.fp8_head): training and evaluation; decode steps (rows not a multiple of 16) stay bf16
+        logits = (fp8_linear(x, self.lm_head.weight) if self.cfg.fp8_head else self.lm_head(x)).float()
         cap = self.cfg.logit_softcap
         return cap * torch.tanh(logits / cap) if cap else logits
 

@@ -167,6 +167,13 @@ class Trainer:
         self.progress = progress or ProgressBar(enabled=False)
         self.stop = StopFlag()
         self.device, self.dtype = resolve_device(cfg, self.dist)
+        if cfg.model.fp8_head:
+            from trainbox.model.fp8 import fp8_supported
+            if not fp8_supported(self.device):
+                raise ConfigError(f"model.fp8_head=true needs a GPU with FP8 tensor cores (compute capability 8.9+: "
+                                  f"L4, L40S, H100, H200); this run is on {self.device}"
+                                  + (f" ({torch.cuda.get_device_name(self.device)})" if self.device.type == "cuda" else ""),
+                                  hint="drop model.fp8_head (the head then runs in bf16)")
         self.autocast = lambda: autocast_context(self.device, self.dtype)
         self.pin = self.device.type == "cuda"   # page-locked host batches: the H2D copy runs asynchronously
 
