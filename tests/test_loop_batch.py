@@ -114,3 +114,30 @@ def test_epoch_checkpoints_and_fixed_eval_slice(tmp_path, tiny):
     assert [e["step"] for e in evals] == [2, 4, 6]
     assert {e["val_tokens"] for e in evals} == {640}        # the same fixed slice every time
     assert [e["step"] for e in events if e["event"] == "train"] == [1, 2, 3, 4, 5, 6]
+
+
+def test_unused_data_is_counted_and_said():
+    """File tails shorter than a window and the samples past the last full global batch of an epoch are
+    reported (DESIGN: nothing is dropped without a word); exact data reports nothing."""
+    from trainbox.data.loader import unused_data
+
+    files = [np.zeros(n, dtype=np.uint16) for n in (100, 37, 5)]   # 6, 2 and 0 windows of 16 (+1 target)
+    ds = TokenDataset(files, 16, name="train")
+    tails, skipped, msg = unused_data(ds, global_batch=3)
+    assert (tails, skipped) == ((100 - 97) + (37 - 33) + 5, 8 % 3)
+    assert msg == ("train: not trained on: 12 tokens (8.5%) at the ends of 3 file(s) do not fill a window of 16 "
+                   "tokens; 2 of 8 samples per epoch fall beyond the last full global batch of 3 (a different 2 each epoch)")
+    assert unused_data(TokenDataset([np.zeros(4 * 16 + 1, dtype=np.uint16)], 16), global_batch=2) == (0, 0, None)
+
+
+def test_run_records_unused_data_in_its_start_event(tiny):
+    cfg = load_config(None, [*tiny, "run.name=unused", "train.max_steps=1", "monitor.enabled=false",
+                             "train.eval_every=0", "train.sample_tokens=0"])
+    t = Trainer(cfg)
+    t.run()
+    start = next(json.loads(line) for line in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()
+                 if json.loads(line)["event"] == "start")
+    seq = cfg.data.seq_len
+    expected = sum(len(a) - (((len(a) - 1) // seq) * seq + 1) for a in t.train_data.arrays)
+    assert start["unused_tail_tokens"] == expected > 0
+    assert start["unused_samples_per_epoch"] == t.train_data.num_samples % cfg.train.global_batch_size

@@ -122,6 +122,27 @@ class BatchPlan:
         return [self.dataset.batch(mine[k * self.micro_batch:(k + 1) * self.micro_batch]) for k in range(self.accum)]
 
 
+def unused_data(dataset: TokenDataset, global_batch: int) -> tuple[int, int, str | None]:
+    """Data a run never trains on, said out loud rather than dropped without a word.
+
+    -> (tail tokens, samples per epoch, message or None). Tail tokens: the end of each file that does
+    not fill a window (windows never cross files). Samples per epoch: beyond the last full global batch
+    of an epoch; every epoch draws a new permutation, so a different few sit out each time."""
+    windows = np.diff(dataset.offsets)                 # per file; the last window's final token is a target
+    tails = int(sum(len(a) - (int(n) * dataset.seq_len + 1 if n else 0) for a, n in zip(dataset.arrays, windows)))
+    skipped = dataset.num_samples % global_batch if global_batch <= dataset.num_samples else 0
+    if not tails and not skipped:
+        return 0, 0, None
+    parts = []
+    if tails:
+        parts.append(f"{tails:,} tokens ({100 * tails / max(1, dataset.num_tokens):.2g}%) at the ends of "
+                     f"{len(dataset.arrays)} file(s) do not fill a window of {dataset.seq_len} tokens")
+    if skipped:
+        parts.append(f"{skipped} of {dataset.num_samples:,} samples per epoch fall beyond the last full "
+                     f"global batch of {global_batch} (a different {skipped} each epoch)")
+    return tails, skipped, f"{dataset.name}: not trained on: " + "; ".join(parts)
+
+
 def zero_steps_message(name: str, samples: int, seq_len: int, global_batch: int) -> str:
     return (f"{name}: {samples} samples of {seq_len} tokens is fewer than one global batch of {global_batch} "
             f"sequences, so an epoch has 0 steps. Add more data, or lower train.global_batch_size "

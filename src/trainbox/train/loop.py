@@ -41,7 +41,7 @@ import torch.nn as nn
 
 from trainbox import checkpoint, runs
 from trainbox.config import RunConfig, dump_yaml
-from trainbox.data.loader import BatchPlan
+from trainbox.data.loader import BatchPlan, unused_data
 from trainbox.errors import CheckpointError, ConfigError, RunFinished, TrainingFailed
 from trainbox.monitor.console import ProgressBar, log
 from trainbox.monitor.sinks import build_sinks
@@ -270,12 +270,15 @@ class Trainer:
         log.info(f"data: {self.train_data.num_tokens:,} train tokens, {self.train_data.num_samples:,} samples of "
                  f"{cfg.data.seq_len}; global batch {cfg.train.global_batch_size} = {cfg.train.micro_batch_size} "
                  f"x {self.plan.accum} accum x {d.world}; {self.plan.steps_per_epoch} steps/epoch, {self.total} steps")
+        tails, skipped, unused = unused_data(self.train_data, cfg.train.global_batch_size)
+        if unused:
+            log.info(unused)
         if d.enabled:
             log.info(f"process group: {d.describe()}")
         if self.resume_from is not None:
             log.info(f"resuming from {self.resume_from} at step {self.start_step}")
         self.sinks.log("start", step=self.start_step, total_steps=self.total, resumed_from=str(self.resume_from or ""),
-                       world=d.world, params=n)
+                       world=d.world, params=n, unused_tail_tokens=tails, unused_samples_per_epoch=skipped)
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> dict:
