@@ -135,6 +135,9 @@ class TrainSection(Section):
     checkpoint_every: int = Field(1000, ge=0, description="0 = only at epoch ends and the end")
     keep_last: int = Field(3, ge=1)
     compile: bool = False
+    activation_checkpointing: Literal["none", "selective", "full"] = Field(
+        "none", description="recompute in the backward to save memory: selective = keep matmul and attention "
+                            "outputs, recompute the elementwise ops; full = keep only each block's input")
     dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
     device: str = Field("auto", description="auto, cpu, cuda, cuda:N")
     pg_timeout_s: int = Field(1800, ge=10, description="process-group timeout (covers rank-0 saves and evals)")
@@ -188,6 +191,13 @@ class RunConfig(Section):
     monitor: MonitorSection = Field(default_factory=MonitorSection)
     lora: LoraSection = Field(default_factory=LoraSection)
     quant: QuantSection = Field(default_factory=QuantSection)
+
+    @model_validator(mode="after")
+    def _recompute_applies(self) -> "RunConfig":
+        if self.model.family == "hf" and self.train.activation_checkpointing != "none":
+            raise ValueError(f"train.activation_checkpointing={self.train.activation_checkpointing} does not apply "
+                             f"to model.family=hf: use lora.gradient_checkpointing (Hugging Face's own)")
+        return self
 
     @property
     def run_name(self) -> str:

@@ -121,6 +121,10 @@ class GPT(nn.Module):
         logits = self.lm_head(x)
         return Output(loss=cross_entropy(logits, targets, loss_mask, reduction), logits=None)
 
+    def checkpoint_units(self) -> list[nn.Module]:
+        """The blocks that train.activation_checkpointing wraps."""
+        return list(self.transformer.h)
+
     def make_caches(self, batch: int, max_len: int, dtype, device) -> list[KVCache]:
         hd = self.cfg.n_embd // self.cfg.n_head
         return [KVCache(batch, self.cfg.n_head, max_len, hd, dtype, device) for _ in range(self.cfg.n_layer)]

@@ -296,6 +296,10 @@ class SpeedrunGPT(nn.Module):
         return Output(loss=cross_entropy(self.logits(x), targets, loss_mask, reduction))
 
     # ------------------------------------------------------------------ interface
+    def checkpoint_units(self) -> list[nn.Module]:
+        """The blocks that train.activation_checkpointing wraps."""
+        return list(self.blocks)
+
     def make_caches(self, batch: int, max_len: int, dtype, device) -> DocKVCaches:
         caches = [KVCache(batch, self.cfg.n_head, max_len, self.head_dim, dtype, device) for _ in self.blocks]
         return DocKVCaches(caches, batch, max_len, device)

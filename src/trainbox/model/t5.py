@@ -264,6 +264,10 @@ class T5(nn.Module):
         return [(KVCache(batch, H, max_len, D, dtype, device), KVCache(batch, H, memory_len, D, dtype, device))
                 for _ in range(t5_decoder_layers(self.cfg))]
 
+    def checkpoint_units(self) -> list[nn.Module]:
+        """The blocks that train.activation_checkpointing wraps (encoder, then decoder)."""
+        return [*self.encoder.block, *self.decoder.block]
+
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
 

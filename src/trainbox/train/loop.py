@@ -209,6 +209,9 @@ class Trainer:
             from trainbox.export import load_init_weights  # our checkpoint or a Hugging Face GPT-2 folder
             load_init_weights(cfg.run.init_from, model, cfg.model)
         self.model = model
+        if cfg.train.activation_checkpointing != "none":
+            from trainbox.train.recompute import apply_activation_checkpointing
+            apply_activation_checkpointing(model, cfg.train.activation_checkpointing)
         from trainbox.optim.build import build_optimizers
         self.optimizers = build_optimizers(model, cfg.optim, self.device)
         if self.resume_from is not None:

@@ -1,0 +1,72 @@
+"""Activation checkpointing (`train.activation_checkpointing`): trade recomputation for activation memory.
+
+    trainbox train speedrun-124m train.activation_checkpointing=selective
+
+Modes, applied to each transformer block (a family lists its blocks in `checkpoint_units()`):
+- none: autograd keeps what the backward needs (the default);
+- selective: the block's matmul and attention outputs are kept and the elementwise work between them
+  (norms, activations, residual mixing, dtype casts) is recomputed in the backward. The recomputed ops
+  are cheap next to the saved matmuls, and their outputs would otherwise be kept at the block's full
+  width. This is torch's selective activation checkpointing; torchtitan calls it "selective op" AC;
+- full: only each block's input is kept; the whole block runs again in the backward (about a third
+  more compute for the smallest activation memory).
+
+Blocks are wrapped by replacing their `forward`, so parameter names, checkpoints and exports do not
+change. Without gradients (evaluation, generation) a block runs as usual. Recomputation replays the
+RNG state (dropout masks are identical), so gradients equal those of mode none.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from trainbox.errors import ConfigError
+
+
+def _saved_ops() -> frozenset:
+    aten = torch.ops.aten
+    names = ["mm", "addmm", "bmm", "_grouped_mm", "_scaled_mm", "_scaled_dot_product_flash_attention",
+             "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+             "_flash_attention_forward", "_efficient_attention_forward"]
+    return frozenset(getattr(aten, n).default for n in names if hasattr(aten, n))
+
+
+SAVED_OPS = _saved_ops()
+
+
+def _policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _wrap(block: nn.Module, mode: str) -> None:
+    inner = block.forward
+    context_fn = functools.partial(create_selective_checkpoint_contexts, _policy) if mode == "selective" else None
+
+    @functools.wraps(inner)
+    def forward(*args, **kwargs):
+        if not torch.is_grad_enabled():
+            return inner(*args, **kwargs)
+        if context_fn is None:
+            return checkpoint(inner, *args, use_reentrant=False, **kwargs)
+        return checkpoint(inner, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+
+    block.forward = forward
+
+
+def apply_activation_checkpointing(model: nn.Module, mode: str) -> int:
+    """Wrap every block of `model` for `mode`; returns how many blocks were wrapped."""
+    if mode == "none":
+        return 0
+    units = getattr(model, "checkpoint_units", None)
+    if units is None:
+        hint = ("use lora.gradient_checkpointing (Hugging Face's own)" if getattr(model, "family", "") == "hf"
+                else "use train.activation_checkpointing=none")
+        raise ConfigError(f"train.activation_checkpointing={mode} is not available for model.family="
+                          f"{getattr(model, 'family', '?')}", hint=hint)
+    blocks = list(units())
+    for block in blocks:
+        _wrap(block, mode)
+    return len(blocks)
