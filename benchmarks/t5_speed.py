@@ -30,7 +30,7 @@ from trainbox.data.tokenizer import get_tokenizer
 from trainbox.model.registry import adapt_datasets, build_model, model_vocab_size
 from trainbox.model.t5 import hf_config
 from trainbox.optim.build import adamw_groups, make_adamw
-from trainbox.train.loop import PEAK_TFLOPS
+from trainbox.train.device import PEAK_TFLOPS
 
 
 def sync(device: torch.device) -> None:

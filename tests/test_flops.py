@@ -8,7 +8,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from trainbox.config import load_config
 from trainbox.model.registry import build_model
-from trainbox.train.loop import PEAK_TFLOPS
+from trainbox.train.device import PEAK_TFLOPS
 
 
 @pytest.mark.parametrize("family,extra", [("gpt", []), ("moe", ["model.moe.num_experts=8", "model.moe.top_k=2"]),

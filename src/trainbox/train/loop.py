@@ -42,47 +42,15 @@ import torch.nn as nn
 from trainbox import checkpoint, runs
 from trainbox.config import RunConfig, dump_yaml
 from trainbox.data.loader import BatchPlan, unused_data
-from trainbox.errors import CheckpointError, ConfigError, RunFinished, TrainingFailed
+from trainbox.errors import CheckpointError, RunFinished, TrainingFailed
 from trainbox.monitor.console import ProgressBar, log
 from trainbox.monitor.sinks import build_sinks
 from trainbox.monitor.state import RunState
+from trainbox.train.device import out_of_memory, peak_flops, resolve_device
 from trainbox.train.distributed import Dist
 from trainbox.train.evaluate import autocast_context, evaluate
 
-# bf16 dense peak TFLOP/s per device, for MFU (override: train.peak_tflops)
-PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "GH200": 989.0, "A100": 312.0, "A800": 312.0,
-               "MI300X": 1307.0, "MI325X": 1307.0, "MI250X": 383.0, "L40S": 362.0, "A10G": 125.0, "4090": 165.0}
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
-
-
-def resolve_device(cfg: RunConfig, dist: Dist) -> tuple[torch.device, torch.dtype]:
-    want = cfg.train.device
-    if want == "auto":
-        want = "cuda" if torch.cuda.is_available() else "cpu"
-    if want.startswith("cuda"):
-        if not torch.cuda.is_available():
-            raise ConfigError(f"train.device={cfg.train.device} but no CUDA GPU is visible",
-                              hint="use train.device=cpu, or check `trainbox doctor`")
-        device = torch.device("cuda", dist.local_rank if want == "cuda" else int(want.split(":")[1]))
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device(want)
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}.get(cfg.train.dtype)
-    if dtype is None:  # auto
-        dtype = torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
-    if dtype != torch.float32 and device.type == "cpu":
-        raise ConfigError(f"train.dtype={cfg.train.dtype} needs a GPU; on CPU training runs in fp32",
-                          hint="use train.dtype=auto or train.dtype=fp32")
-    return device, dtype
-
-
-def peak_flops(cfg: RunConfig, device: torch.device) -> float | None:
-    if cfg.train.peak_tflops:
-        return cfg.train.peak_tflops * 1e12
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    return next((v * 1e12 for k, v in PEAK_TFLOPS.items() if k in name), None)
 
 
 def plan_length(cfg: RunConfig, plan: BatchPlan) -> int:
@@ -167,13 +135,6 @@ class Trainer:
         self.progress = progress or ProgressBar(enabled=False)
         self.stop = StopFlag()
         self.device, self.dtype = resolve_device(cfg, self.dist)
-        if cfg.model.fp8_head:
-            from trainbox.model.fp8 import fp8_supported
-            if not fp8_supported(self.device):
-                raise ConfigError(f"model.fp8_head=true needs a GPU with FP8 tensor cores (compute capability 8.9+: "
-                                  f"L4, L40S, H100, H200); this run is on {self.device}"
-                                  + (f" ({torch.cuda.get_device_name(self.device)})" if self.device.type == "cuda" else ""),
-                                  hint="drop model.fp8_head (the head then runs in bf16)")
         self.autocast = lambda: autocast_context(self.device, self.dtype)
         self.pin = self.device.type == "cuda"   # page-locked host batches: the H2D copy runs asynchronously
 
@@ -326,13 +287,8 @@ class Trainer:
             try:
                 loss, grad_norm, lr = self._train_step(step)
             except torch.cuda.OutOfMemoryError as e:
-                m = cfg.train.micro_batch_size
-                raise TrainingFailed(
-                    f"GPU out of memory in step {step + 1} at train.micro_batch_size={m} "
-                    f"(peak {torch.cuda.max_memory_allocated(self.device) / 2**30:.1f} GiB): {str(e).splitlines()[0]}",
-                    hint=f"lower train.micro_batch_size (e.g. {max(1, m // 2)}): the global batch and the maths of a "
-                         f"step stay the same, only the accumulation grows; the last good checkpoint is "
-                         f"{checkpoint.latest(self.ckpt_root) or 'none'}") from None
+                raise out_of_memory(e, step + 1, cfg.train.micro_batch_size, self.device,
+                                    checkpoint.latest(self.ckpt_root)) from None
             step += 1
             self.tokens_seen += cfg.train.global_batch_size * cfg.data.seq_len
             window.append(loss)

@@ -45,15 +45,14 @@ def _policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
 
 def _wrap(block: nn.Module, mode: str) -> None:
     inner = block.forward
-    context_fn = functools.partial(create_selective_checkpoint_contexts, _policy) if mode == "selective" else None
+    selective = {"context_fn": functools.partial(create_selective_checkpoint_contexts, _policy)} \
+        if mode == "selective" else {}
 
     @functools.wraps(inner)
     def forward(*args, **kwargs):
         if not torch.is_grad_enabled():
             return inner(*args, **kwargs)
-        if context_fn is None:
-            return checkpoint(inner, *args, use_reentrant=False, **kwargs)
-        return checkpoint(inner, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+        return checkpoint(inner, *args, use_reentrant=False, **selective, **kwargs)
 
     block.forward = forward
 

@@ -1,0 +1,65 @@
+"""The device a run trains on: which one, in which dtype, what the config asks of it, and its peak FLOP/s.
+
+Everything here fails before any work with a ConfigError that names the setting (a bf16 run on a CPU,
+an FP8 head without FP8 tensor cores), except a CUDA out-of-memory, which can only show in a step and
+is turned into one TrainingFailed that says which setting to lower.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from trainbox.config import RunConfig
+from trainbox.errors import ConfigError, TrainingFailed
+from trainbox.train.distributed import Dist
+
+# bf16 dense peak TFLOP/s per device, for MFU (override: train.peak_tflops)
+PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "GH200": 989.0, "A100": 312.0, "A800": 312.0,
+               "MI300X": 1307.0, "MI325X": 1307.0, "MI250X": 383.0, "L40S": 362.0, "A10G": 125.0, "4090": 165.0}
+
+
+def resolve_device(cfg: RunConfig, dist: Dist) -> tuple[torch.device, torch.dtype]:
+    want = cfg.train.device
+    if want == "auto":
+        want = "cuda" if torch.cuda.is_available() else "cpu"
+    if want.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise ConfigError(f"train.device={cfg.train.device} but no CUDA GPU is visible",
+                              hint="use train.device=cpu, or check `trainbox doctor`")
+        device = torch.device("cuda", dist.local_rank if want == "cuda" else int(want.split(":")[1]))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device(want)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}.get(cfg.train.dtype)
+    if dtype is None:  # auto
+        dtype = torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
+    if dtype != torch.float32 and device.type == "cpu":
+        raise ConfigError(f"train.dtype={cfg.train.dtype} needs a GPU; on CPU training runs in fp32",
+                          hint="use train.dtype=auto or train.dtype=fp32")
+    if cfg.model.fp8_head:
+        from trainbox.model.fp8 import fp8_supported
+        if not fp8_supported(device):
+            name = f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""
+            raise ConfigError(f"model.fp8_head=true needs a GPU with FP8 tensor cores (compute capability 8.9+: "
+                              f"L4, L40S, H100, H200); this run is on {device}{name}",
+                              hint="drop model.fp8_head (the head then runs in bf16)")
+    return device, dtype
+
+
+def peak_flops(cfg: RunConfig, device: torch.device) -> float | None:
+    if cfg.train.peak_tflops:
+        return cfg.train.peak_tflops * 1e12
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v * 1e12 for k, v in PEAK_TFLOPS.items() if k in name), None)
+
+
+def out_of_memory(e: Exception, step: int, micro_batch: int, device: torch.device,
+                  last_checkpoint: Path | None) -> TrainingFailed:
+    return TrainingFailed(
+        f"GPU out of memory in step {step} at train.micro_batch_size={micro_batch} "
+        f"(peak {torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB): {str(e).splitlines()[0]}",
+        hint=f"lower train.micro_batch_size (e.g. {max(1, micro_batch // 2)}): the global batch and the maths of a "
+             f"step stay the same, only the accumulation grows; the last good checkpoint is {last_checkpoint or 'none'}")
