@@ -109,10 +109,10 @@ def _muon_run(rank: int, world: int, init_file: str, out_file: str) -> None:
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     torch.set_num_threads(1)
     import trainbox.optim.muon as muon_module
-    calls, ns5 = [0], muon_module.ZEROPOWER["newton_schulz5"]
+    calls, ns5 = [], muon_module.ZEROPOWER["newton_schulz5"]
 
     def counting_ns5(G, steps):
-        calls[0] += 1
+        calls.append(G.size(0))  # one batched call per group: how many matrices it orthogonalises
         return ns5(G, steps)
 
     muon_module.ZEROPOWER["newton_schulz5"] = counting_ns5
@@ -125,7 +125,7 @@ def _muon_run(rank: int, world: int, init_file: str, out_file: str) -> None:
         for p in params:
             p.grad = torch.randn(p.shape, generator=gen)
         opt.step()
-    torch.save(([p.detach() for p in params], calls[0]), f"{out_file}.rank{rank}")
+    torch.save(([p.detach() for p in params], calls), f"{out_file}.rank{rank}")
     if world > 1:
         dist.destroy_process_group()
 
@@ -141,9 +141,9 @@ def test_one_process_equals_two(tmp_path):
         calls_two.append(calls)
         for a, b in zip(one, two):
             torch.testing.assert_close(b, a, rtol=0, atol=0)
-    # the work was divided: per step, rank 0 orthogonalises matrices 0 and 2 of the first shape and 0 of
-    # the second, rank 1 matrix 1 of each; one process does all 5
-    assert calls_one == 3 * 5 and calls_two == [3 * 3, 3 * 2]
+    # the work was divided: per step and shape, one batched call; one process orthogonalises all 3 + 2
+    # matrices, each of two ranks a slice of ceil(3/2) = 2 (rank 1's second is zero padding) and of 1
+    assert calls_one == [3, 2] * 3 and calls_two == [[2, 1] * 3] * 2
 
 
 @pytest.mark.parametrize("zeropower", ["newton_schulz5", "polar_express"])

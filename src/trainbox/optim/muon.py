@@ -13,8 +13,9 @@ its fixed coefficients trade exactness for speed: singular values land in roughl
 (the exact polar factor in fp32, the slow reference). Embeddings, the output head, norms and scalars are
 not hidden matrices: they go to AdamW, each kind with its own learning rate.
 
-Under torch.distributed, gradients are already averaged (DDP); parameter i of each same-shape group is
-orthogonalised by rank i % world only and the results are all-gathered, so every rank applies the same
+Each same-shape group is orthogonalised as one batch (a batched matmul per iteration, not a loop over
+matrices). Under torch.distributed, gradients are already averaged (DDP); rank r orthogonalises the r-th
+of `world` equal slices of each group and the results are all-gathered, so every rank applies the same
 update as one process would, for 1/world of the orthogonalisation work. Momentum buffers are kept on
 every rank, so rank 0's optimizer state (the one checkpointed) is complete.
 """
@@ -125,25 +126,6 @@ class Muon(torch.optim.Optimizer):
             if any(p.dim() < 2 for p in group["params"]):
                 raise ValueError("Muon only takes matrices (dim >= 2); give vectors and scalars to AdamW")
 
-    def _direction(self, p: torch.Tensor, group: dict) -> torch.Tensor | None:
-        """Update the momentum buffer of p and return the (un-orthogonalised) Nesterov direction."""
-        if p.grad is None:
-            return None
-        m = momentum_at(group["step"], group["momentum_start"], group["momentum"], group["momentum_warmup_steps"])
-        state = self.state[p]
-        if "momentum_buffer" not in state:
-            state["momentum_buffer"] = torch.zeros_like(p.grad)
-        buf = state["momentum_buffer"]
-        buf.lerp_(p.grad, 1 - m)
-        return p.grad.lerp(buf, m) if group["nesterov"] else buf.clone()
-
-    def _orthogonalise(self, u: torch.Tensor | None, p: torch.Tensor, group: dict) -> torch.Tensor:
-        if u is None:
-            return torch.zeros_like(p)
-        o = get_zeropower(group["zeropower"])(u, group["ns_steps"])
-        rows, cols = p.size(-2), p.size(-1)
-        return (o * math.sqrt(max(1.0, rows / cols))).to(p.dtype)
-
     @torch.no_grad()
     def step(self, closure=None):
         loss = None
@@ -153,28 +135,46 @@ class Muon(torch.optim.Optimizer):
         distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
         for group in self.param_groups:
-            params = group["params"]
-            directions = [self._direction(p, group) for p in params]
-            updates: list[torch.Tensor] = [None] * len(params)
-            for base in range(0, len(params), world):
-                chunk = list(range(base, min(base + world, len(params))))
-                mine = base + rank
-                own = self._orthogonalise(directions[mine], params[mine], group) if mine in chunk \
-                    else torch.zeros_like(params[base])  # ranks past the end of the last chunk send padding
-                if distributed:
-                    gathered = [torch.empty_like(own) for _ in range(world)]
-                    dist.all_gather(gathered, own.contiguous())
-                    for i in chunk:
-                        updates[i] = gathered[i - base]
-                else:
-                    updates[mine] = own
-            for p, u in zip(params, updates):
-                if p.grad is None:
-                    continue
-                p.mul_(1 - group["lr"] * group["weight_decay"])  # decoupled weight decay
-                p.add_(u, alpha=-group["lr"])
+            params = [p for p in group["params"] if p.grad is not None]
+            if params:
+                self._step_group(group, params, rank, world)
             group["step"] += 1
         return loss
+
+    def _step_group(self, group: dict, params: list[torch.Tensor], rank: int, world: int) -> None:
+        """One update of a group of same-shape matrices, orthogonalised as one batch.
+
+        The batch of n matrices is cut into `world` equal slices (zero matrices pad the last one; their
+        update is zero and is dropped): rank r orthogonalises slice r, and an all-gather gives every
+        rank all n results. One batched iteration per group instead of one per matrix: a 12-layer GPT's
+        72 matrices take 2 batched launches of each kernel instead of 72 small ones.
+        """
+        m = momentum_at(group["step"], group["momentum_start"], group["momentum"], group["momentum_warmup_steps"])
+        grads = [p.grad for p in params]
+        bufs = []
+        for p in params:
+            state = self.state[p]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(p.grad)
+            bufs.append(state["momentum_buffer"])
+        torch._foreach_lerp_(bufs, grads, 1 - m)
+        directions = torch._foreach_lerp(grads, bufs, m) if group["nesterov"] else bufs
+        n = len(params)
+        per = -(-n // world)
+        batch = torch.stack(directions)
+        if per * world > n:
+            batch = torch.cat([batch, batch.new_zeros(per * world - n, *batch.shape[1:])])
+        zeropower = get_zeropower(group["zeropower"])
+        rows, cols = params[0].size(-2), params[0].size(-1)
+        own = zeropower(batch[rank * per:(rank + 1) * per], group["ns_steps"])
+        own = (own * math.sqrt(max(1.0, rows / cols))).to(params[0].dtype)
+        if world > 1:
+            gathered = own.new_empty(per * world, *own.shape[1:])
+            dist.all_gather_into_tensor(gathered, own.contiguous())
+            own = gathered
+        if group["weight_decay"]:
+            torch._foreach_mul_(params, 1 - group["lr"] * group["weight_decay"])  # decoupled weight decay
+        torch._foreach_add_(params, list(own[:n].unbind(0)), alpha=-group["lr"])
 
 
 # ----------------------------------------------------------------------------- parameter split
