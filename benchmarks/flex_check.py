@@ -23,10 +23,11 @@ from trainbox.model.registry import build_model
 EOT = 50256
 
 
-def make_model(n_layer: int, width: int, heads: int, window: int, block_size: int) -> torch.nn.Module:
+def make_model(n_layer: int, width: int, heads: int, window: int, block_size: int,
+               pattern: str | None = None) -> torch.nn.Module:
     torch.manual_seed(0)
     cfg = ModelSection(family="speedrun", n_layer=n_layer, n_embd=width, n_head=heads, head_dim=128,
-                       window=window, eot_id=EOT)
+                       window=window, eot_id=EOT, window_pattern=pattern)
     model = build_model(cfg, 50304, block_size).cuda()
     with torch.no_grad():  # zero-initialised projections would make both paths trivially equal
         for name, p in model.named_parameters():
@@ -67,15 +68,15 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def compare(compile_model: bool) -> dict:
-    B, T, window = 2, 2048, 700
-    model = make_model(4, 512, 4, window, T)
+    B, T, window, pattern = 2, 2048, 700, "LS-L"  # a long, a short (350) and a layer without attention
+    model = make_model(4, 512, 4, window, T, pattern)
     x, y = batch(B, T)
     fwd = torch.compile(model) if compile_model else None
     for _ in range(2):  # the second run of each path is timed without compilation
         flex, sdpa = run_path(model, True, x, y, fwd), run_path(model, False, x, y, fwd)
     grad_err = {n: rel(flex["grads"][n], sdpa["grads"][n]) for n in sdpa["grads"]}
     worst = max(grad_err, key=grad_err.get)
-    res = dict(batch=B, seq_len=T, window=window, compiled=compile_model,
+    res = dict(batch=B, seq_len=T, window=window, window_pattern=pattern, compiled=compile_model,
                loss_flex=flex["loss"], loss_sdpa=sdpa["loss"], loss_abs_diff=abs(flex["loss"] - sdpa["loss"]),
                grad_max_rel_err=grad_err[worst], grad_worst_param=worst, grads_compared=len(grad_err),
                seconds_flex=flex["seconds"], seconds_sdpa=sdpa["seconds"])

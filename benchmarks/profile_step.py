@@ -89,12 +89,13 @@ def main() -> None:
             prof_s = (time.time() - t1) / args.profile
     per_kind: dict[str, float] = defaultdict(float)
     kernels = []
-    optimizer_ms = 0.0  # GPU time of the kernels launched inside Optimizer.step (torch records it per optimizer)
+    optimizer_ms: dict[str, float] = {}  # GPU span of each optimizer's step (torch annotates Optimizer.step#Name.step)
     for evt in prof.key_averages():
-        if evt.key.startswith("Optimizer.step#"):
-            optimizer_ms += getattr(evt, "device_time_total", 0) / 1e3 / args.profile
-        if cuda and evt.device_type != torch.autograd.DeviceType.CUDA:
-            continue  # CPU-side ops: their kernels are counted on their own
+        on_gpu = evt.device_type == torch.autograd.DeviceType.CUDA
+        if evt.key.startswith("Optimizer.step#") and on_gpu:
+            optimizer_ms[evt.key.split("#")[1].split(".")[0]] = round(evt.self_device_time_total / 1e3 / args.profile, 1)
+        if cuda and (not on_gpu or evt.key.startswith(("Optimizer.", "ProfilerStep"))):
+            continue  # CPU-side ops and GPU-side annotations: only kernels are counted
         us = getattr(evt, "self_device_time_total", None)
         if us is None:
             us = evt.self_cuda_time_total
@@ -112,7 +113,7 @@ def main() -> None:
         "warmup_s": round(warm_s, 1), "step_ms": round(step_s * 1e3, 1), "tokens_per_s": round(tokens / step_s),
         "mfu": round(mfu, 4) if mfu else None, "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
         "profiled_step_ms": round(prof_s * 1e3, 1), "gpu_busy_ms": round(busy, 1),
-        "optimizer_gpu_ms": round(optimizer_ms, 1),
+        "optimizer_gpu_ms": optimizer_ms,
         "share": {k: round(v / busy, 4) for k, v in sorted(per_kind.items(), key=lambda kv: -kv[1])},
         "ms_per_kind": {k: round(v, 1) for k, v in sorted(per_kind.items(), key=lambda kv: -kv[1])},
         "top_kernels_ms_per_step": [[round(ms, 2), n, name] for ms, n, name in kernels[:args.top]],

@@ -117,10 +117,10 @@ def test_generation_with_cache_equals_without():
 def reference_attention_logits(model, idx):
     """Slow oracle: every query attends by an explicit Python loop over the allowed keys."""
     B, T = idx.shape
-    eot, window = model.eot_id, int(model.window)
+    eot = model.eot_id
     docs = (idx == eot).cumsum(1)
 
-    def attend(q, k, v):
+    def attend(q, k, v, window):
         out = torch.zeros_like(q)
         for b in range(B):
             for t in range(T):
@@ -129,19 +129,87 @@ def reference_attention_logits(model, idx):
                 out[b, :, t] = (scores.softmax(-1) @ v[b, :, keys])[:, 0]
         return out
 
-    model._attend_fn = lambda *a: attend
+    long = int(model.window)
+    model._attend_fns = lambda *a: {"L": lambda q, k, v: attend(q, k, v, long),
+                                    "S": lambda q, k, v: attend(q, k, v, max(1, long // 2))}
     try:
         return logits_all(model, idx)
     finally:
-        del model._attend_fn
+        del model._attend_fns
 
 
-def test_matches_slow_reference():
-    model = make(window=6, n_layer=3)
+@pytest.mark.parametrize("pattern", [None, "LS-", "SLS"])
+def test_matches_slow_reference(pattern):
+    model = make(window=6, n_layer=3, window_pattern=pattern)
     idx = tokens(T=16)
     idx[0, 5] = EOT
     idx[1, 11] = EOT
     torch.testing.assert_close(logits_all(model, idx), reference_attention_logits(model, idx), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("letter, sees", [("L", 8), ("S", 4)])
+def test_window_pattern_long_and_short_windows(letter, sees):
+    # one layer: an L layer sees the last 8 tokens, an S layer the last 4 (half the window)
+    model = make(window=8, n_layer=1, window_pattern=letter)
+    idx = tokens()
+    changed = idx.clone()
+    changed[:, 10] = (changed[:, 10] + 3) % (VOCAB - 1) + 1
+    diff = (logits_all(model, changed) - logits_all(model, idx)).abs().amax(dim=(0, 2))
+    assert diff[:10].max() == 0 and diff[10 + sees:].max() == 0
+    assert (diff[10:10 + sees] > 1e-4).all()
+
+
+def test_window_pattern_without_attention_layers():
+    full, holed = make(n_layer=4), make(n_layer=4, window_pattern="LL-L")
+    assert holed.blocks[2].attn is None and all(holed.blocks[i].attn is not None for i in (0, 1, 3))
+    attn_params = sum(p.numel() for p in full.blocks[2].attn.parameters())
+    assert attn_params == 4 * 32 * 32 + 2
+    assert holed.num_params() == full.num_params() - attn_params
+    assert holed.flops_per_token(32) == 6 * holed.num_params() + 12 * 3 * 2 * 16 * 32
+    short = make(n_layer=4, window=16, window_pattern="LSSL")
+    assert short.flops_per_token(64) == 6 * short.num_params() + 12 * 2 * 16 * (16 + 8 + 8 + 16)
+    idx = tokens(T=30)  # the KV-cached decode holds no cache for the layer without attention
+    idx[:, 7] = EOT
+    caches = holed.make_caches(2, 30, torch.float32, "cpu")
+    assert caches[2] is None
+    steps = [holed(idx[:, :10], caches=caches, pos=0).logits]
+    steps += [holed(idx[:, t:t + 1], caches=caches, pos=t).logits for t in range(10, 30)]
+    torch.testing.assert_close(torch.cat(steps, dim=1), logits_all(holed, idx)[:, 9:], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(family="speedrun", n_layer=3, window_pattern="LL"), "one letter per layer"),
+    (dict(family="speedrun", n_layer=2, window_pattern="LX"), "one letter per layer"),
+    (dict(family="gpt", n_layer=2, window_pattern="LL"), "applies to model.family=speedrun")])
+def test_window_pattern_config_errors(kw, match):
+    with pytest.raises(ValueError, match=match):
+        ModelSection(n_head=2, n_embd=32, **kw)
+
+
+def test_window_pattern_keeps_every_value_embedding_read():
+    # 4 layers share 2 value embeddings: layers 0 and 2 read the first, 1 and 3 the second
+    with pytest.raises(Exception, match="value embeddings"):
+        make(n_layer=4, window_pattern="L-L-")
+
+
+def test_shifted_softcap_is_the_same_loss():
+    model = make()
+    x = torch.randn(2, 5, 32) * 3
+    torch.testing.assert_close(model.logits(x, shifted=True), model.logits(x) + 15.0, rtol=0, atol=2e-5)
+    idx = tokens()
+    loss = model(idx, idx).loss  # the training loss uses the shifted (sigmoid) form
+    ref = torch.nn.functional.cross_entropy(logits_all(model, idx).flatten(0, 1), idx.flatten())
+    torch.testing.assert_close(loss, ref, rtol=1e-6, atol=1e-6)
+
+
+def test_residual_stream_in_autocast_dtype():
+    model = make(n_layer=2)
+    seen = []
+    model.blocks[1].register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model.hidden(tokens())
+    model.hidden(tokens())
+    assert seen == [torch.bfloat16, torch.float32]
 
 
 def test_interface_counts():

@@ -88,6 +88,9 @@ class ModelSection(Section):
     logit_softcap: float = Field(15.0, ge=0, description="speedrun: tanh soft-cap of the logits (0 = off)")
     window: int = Field(1792, ge=1, description="speedrun: final attention window (tokens)")
     window_warmup_steps: int = Field(0, ge=0, description="speedrun: steps over which the window grows")
+    window_pattern: str | None = Field(
+        None, description="speedrun: one letter per layer: L = the window, S = half of it, - = no attention "
+                          "(default: L everywhere)")
     eot_id: int | None = Field(None, ge=0, description="speedrun: document separator token (default: the tokenizer's)")
     fp8_head: bool = Field(False, description="speedrun: output head in FP8 (needs FP8 tensor cores: H100, L40S)")
     path: str | None = Field(None, description="hf: hub id or local folder of a Hugging Face causal LM")
@@ -99,6 +102,12 @@ class ModelSection(Section):
             raise ValueError(f"model.n_embd={self.n_embd} is not divisible by model.n_head={self.n_head}")
         if self.fp8_head and self.family != "speedrun":
             raise ValueError(f"model.fp8_head applies to model.family=speedrun, not {self.family}")
+        if self.window_pattern is not None:
+            if self.family != "speedrun":
+                raise ValueError(f"model.window_pattern applies to model.family=speedrun, not {self.family}")
+            if len(self.window_pattern) != self.n_layer or set(self.window_pattern) - set("LS-"):
+                raise ValueError(f"model.window_pattern={self.window_pattern!r} must have one letter per layer "
+                                 f"({self.n_layer}), each L (long window), S (short) or - (no attention)")
         return self
 
 

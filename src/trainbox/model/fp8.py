@@ -11,8 +11,10 @@ Choices:
   call. Nothing needs tuning and nothing overflows; each amax is one cheap reduction;
 - dx comes out in bf16. dw comes out in fp32, accumulated in fp32 by the kernel, because it feeds an
   fp32 master weight;
-- the ops are `torch.library` custom ops with a fake (meta) implementation and a registered autograd
-  formula, so torch.compile keeps the whole model in one graph.
+- the layer is an autograd.Function of plain torch ops, so torch.compile keeps the whole model in one
+  graph and fuses the quantisation (amax, scale, cast) with its neighbours. A first version hid it in
+  `torch.library` custom ops: opaque to Inductor, each amax, cast and transpose ran as its own eager
+  kernel over the 64K x 50K gradient, and the step was 27% slower than the bf16 head on an H100.
 
 `torch._scaled_mm` wants its first operand row-major, its second column-major, and every dimension a
 multiple of 16. `fp8_linear` falls back to the plain matmul when the rows are not a multiple of 16, as
@@ -45,50 +47,29 @@ def _col_major(t: torch.Tensor) -> torch.Tensor:
     return t.t().contiguous().t()
 
 
-@torch.library.custom_op("trainbox::fp8_linear_fwd", mutates_args=())
-def _fwd(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x (M, K), w (N, K) -> y (M, N) bf16, plus the e4m3 operands and their scales for the backward."""
-    x8, xs = _quantize(x, E4M3)
-    w8, ws = _quantize(w, E4M3)
-    y = torch._scaled_mm(x8, w8.t(), scale_a=xs, scale_b=ws, out_dtype=torch.bfloat16)
-    return y, x8, xs, w8, ws
+class _FP8Linear(torch.autograd.Function):
+    """y = x @ w.T with e4m3 operands; the backward takes dy in e5m2 by the saved e4m3 copies.
 
+    Written in plain torch ops (torch.compile traces an autograd.Function into the model's graph), so
+    Inductor fuses each amax and each scale-and-cast into one kernel and the 64K x 50K gradient of the
+    head is read as few times as possible; only `torch._scaled_mm` runs as a library kernel.
+    """
 
-@_fwd.register_fake
-def _(x, w):
-    return (x.new_empty(x.size(0), w.size(0), dtype=torch.bfloat16), torch.empty_like(x, dtype=E4M3),
-            x.new_empty((), dtype=torch.float32), torch.empty_like(w, dtype=E4M3), w.new_empty((), dtype=torch.float32))
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        x8, xs = _quantize(x, E4M3)
+        w8, ws = _quantize(w, E4M3)
+        ctx.save_for_backward(x8, xs, w8, ws)
+        ctx.dtypes = (x.dtype, w.dtype)
+        return torch._scaled_mm(x8, w8.t(), scale_a=xs, scale_b=ws, out_dtype=torch.bfloat16)
 
-
-@torch.library.custom_op("trainbox::fp8_linear_bwd", mutates_args=())
-def _bwd(g: torch.Tensor, x8: torch.Tensor, xs: torch.Tensor, w8: torch.Tensor,
-         ws: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """dy (M, N) -> dx = dy @ w (M, K) bf16 and dw = dy.T @ x (N, K) fp32, with dy in e5m2."""
-    g8, gs = _quantize(g, E5M2)
-    dx = torch._scaled_mm(g8, _col_major(w8), scale_a=gs, scale_b=ws, out_dtype=torch.bfloat16)
-    dw = torch._scaled_mm(g8.t().contiguous(), _col_major(x8), scale_a=gs, scale_b=xs, out_dtype=torch.float32)
-    return dx, dw
-
-
-@_bwd.register_fake
-def _(g, x8, xs, w8, ws):
-    return g.new_empty(g.size(0), w8.size(1), dtype=torch.bfloat16), g.new_empty(w8.shape, dtype=torch.float32)
-
-
-def _setup_context(ctx, inputs, output):
-    x, w = inputs
-    _, x8, xs, w8, ws = output
-    ctx.save_for_backward(x8, xs, w8, ws)
-    ctx.dtypes = (x.dtype, w.dtype)
-
-
-def _backward(ctx, g, *unused):
-    x8, xs, w8, ws = ctx.saved_tensors
-    dx, dw = _bwd(g.contiguous(), x8, xs, w8, ws)
-    return dx.to(ctx.dtypes[0]), dw.to(ctx.dtypes[1])
-
-
-_fwd.register_autograd(_backward, setup_context=_setup_context)
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        x8, xs, w8, ws = ctx.saved_tensors
+        g8, gs = _quantize(g, E5M2)
+        dx = torch._scaled_mm(g8, _col_major(w8), scale_a=gs, scale_b=ws, out_dtype=torch.bfloat16)
+        dw = torch._scaled_mm(g8.t().contiguous(), _col_major(x8), scale_a=gs, scale_b=xs, out_dtype=torch.float32)
+        return dx.to(ctx.dtypes[0]), dw.to(ctx.dtypes[1])
 
 
 def fp8_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -97,5 +78,5 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     rows = x.numel() // x.size(-1)
     if rows % 16 or x.size(-1) % 16 or w.size(0) % 16:
         return F.linear(x, w.to(x.dtype))
-    y = _fwd(x.reshape(rows, x.size(-1)).contiguous(), w)[0]
+    y = _FP8Linear.apply(x.reshape(rows, x.size(-1)), w)
     return y.view(*x.shape[:-1], w.size(0))

@@ -10,7 +10,13 @@ Architecture choices (modded-nanogpt records of late 2024 / early 2025, Keller J
     data puts EOT before every document). The window grows from 128 to `model.window` over
     `model.window_warmup_steps` steps (`set_step`, called by the training loop);
   - MLP of width 4d with ReLU^2; every output projection (attention, MLP, head) starts at zero;
-  - untied output head; logits soft-capped by `logit_softcap * tanh(logits / logit_softcap)`.
+  - untied output head; logits soft-capped by `logit_softcap * tanh(logits / logit_softcap)`;
+  - `model.window_pattern` gives each layer its attention: L the window, S half of it (the "long-short"
+    windows of modded-nanogpt's January 2025 records), - none at all (a later record drops layer 6's
+    attention); the block keeps its MLP. Default: L everywhere;
+  - under autocast the residual stream is kept in the autocast dtype (bf16), as in modded-nanogpt whose
+    embeddings are bf16: the embedding lookups are cast once, so every norm, residual add and skip moves
+    half the bytes. The weights stay fp32 for the optimizers.
 
 RoPE positions count from the start of the row, not of the document (as in modded-nanogpt).
 
@@ -95,6 +101,14 @@ def flex_block_mask(docs: torch.Tensor, window: torch.Tensor, block: int = 128):
     return BlockMask.from_kv_blocks(*ordered(partial), *ordered(all_pairs), BLOCK_SIZE=block, mask_mod=mask_mod)
 
 
+def _flex_call(flex, block_mask, q, k, v):
+    return flex(q, k, v, block_mask=block_mask, scale=ATTN_SCALE)
+
+
+def _sdpa_call(mask, q, k, v):
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=ATTN_SCALE)
+
+
 @functools.cache
 def _compiled_flex():
     # flex_attention must be compiled to run its fused kernel (uncompiled it materialises the scores)
@@ -163,16 +177,17 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, dim: int, n_head: int, head_dim: int, rotary: Rotary):
+    def __init__(self, dim: int, n_head: int, head_dim: int, rotary: Rotary, attention: bool = True):
         super().__init__()
         self.lambdas = nn.Parameter(torch.tensor([1.0, 0.0]))  # x <- a * x + b * x0
         self.norm = RMSNorm(dim, weight=False)
-        self.attn = Attention(dim, n_head, head_dim, rotary)
+        self.attn = Attention(dim, n_head, head_dim, rotary) if attention else None
         self.mlp = MLP(dim)
 
     def forward(self, x, x0, ve, attend, cache, pos) -> torch.Tensor:
         x = self.lambdas[0] * x + self.lambdas[1] * x0
-        x = x + self.attn(self.norm(x), ve, attend, cache, pos)
+        if self.attn is not None:
+            x = x + self.attn(self.norm(x), ve, attend, cache, pos)
         return x + self.mlp(self.norm(x))
 
 
@@ -198,11 +213,20 @@ class SpeedrunGPT(nn.Module):
         n_ve = min(NUM_VALUE_EMBEDS, max(1, L // 2))
         self.value_embeds = nn.ModuleList(nn.Embedding(vocab_size, hdim) for _ in range(n_ve))
         self.rotary = Rotary(self.head_dim)
-        self.blocks = nn.ModuleList(Block(dim, cfg.n_head, self.head_dim, self.rotary) for _ in range(L))
+        self.pattern = cfg.window_pattern or "L" * L  # per layer: L long window, S short, - no attention
+        self.blocks = nn.ModuleList(Block(dim, cfg.n_head, self.head_dim, self.rotary, attention=c != "-")
+                                    for c in self.pattern)
+        used = {self.value_embed_index(i) for i, c in enumerate(self.pattern) if c != "-"}
+        if len(used - {None}) < n_ve:
+            raise ConfigError(f"model.window_pattern={self.pattern!r} turns off attention in every layer that reads "
+                              f"one of the {n_ve} value embeddings (the first and last {n_ve} layers)",
+                              hint="keep attention (L or S) in at least one of layer i and layer n_layer - "
+                                   f"{n_ve} + i for each i < {n_ve}")
         self.n_encoder = L // 2  # U-net: blocks 0..n_encoder-1 push skips, the rest pop them in reverse
         self.skip_weights = nn.Parameter(torch.ones(self.n_encoder))
         self.norm = RMSNorm(dim, weight=False)
         self.lm_head = nn.Linear(dim, vocab_size, bias=False)
+        # the long window (L layers); S layers see half of it
         self.register_buffer("window", torch.tensor(cfg.window, dtype=torch.int32), persistent=False)
         self.use_flex: bool | None = None  # decided on first use from the device
         self._init_weights()
@@ -249,51 +273,64 @@ class SpeedrunGPT(nn.Module):
         return None
 
     # ------------------------------------------------------------------ forward
-    def _attend_fn(self, idx: torch.Tensor, caches: DocKVCaches | None, pos: int):
-        """Document ids of the new tokens, then the attention function every layer calls."""
+    def _attend_fns(self, idx: torch.Tensor, caches: DocKVCaches | None, pos: int) -> dict:
+        """Document ids of the new tokens, then {"L": attention with the long window, "S": the short one}
+        (only the kinds the pattern uses; one mask each, shared by the layers of that kind)."""
         docs = (idx == self.eot_id).cumsum(dim=1)  # a document starts at each EOT
+        windows = {"L": self.window, "S": (self.window // 2).clamp(min=1)}
+        kinds = sorted(set(self.pattern) - {"-"})
         if caches is not None:
             prev = caches.docs[:, pos - 1:pos] if pos > 0 else 0
             kv_docs = caches.update_docs(pos, docs + prev)
-            mask = sdpa_mask(docs + prev, kv_docs, pos, self.window)
-            return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=ATTN_SCALE)
-        if self.use_flex:
-            block_mask = flex_block_mask(docs, self.window)
+            masks = {c: sdpa_mask(docs + prev, kv_docs, pos, windows[c]) for c in kinds}
+        elif self.use_flex:
             flex = _flex_fn()
-            return lambda q, k, v: flex(q, k, v, block_mask=block_mask, scale=ATTN_SCALE)
-        mask = sdpa_mask(docs, docs, 0, self.window)
-        return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=ATTN_SCALE)
+            block_masks = {c: flex_block_mask(docs, windows[c]) for c in kinds}
+            return {c: functools.partial(_flex_call, flex, bm) for c, bm in block_masks.items()}
+        else:
+            masks = {c: sdpa_mask(docs, docs, 0, windows[c]) for c in kinds}
+        return {c: functools.partial(_sdpa_call, m) for c, m in masks.items()}
 
     def hidden(self, idx: torch.Tensor, caches: DocKVCaches | None = None, pos: int = 0) -> torch.Tensor:
         T = idx.size(1)
         if pos + T > self.block_size:
             raise ValueError(f"sequence of {pos + T} tokens exceeds the model's block_size {self.block_size}")
         self._resolve_backend(idx.device)
-        attend = self._attend_fn(idx, caches, pos)
-        ves = [ve(idx) for ve in self.value_embeds]
-        x = x0 = self.norm(self.embed(idx))
+        attend = self._attend_fns(idx, caches, pos)
+        device = idx.device.type
+        # under autocast the residual stream lives in the autocast dtype: cast the lookups once
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+        ves = [ve(idx) if dtype is None else ve(idx).to(dtype) for ve in self.value_embeds]
+        x = self.embed(idx)
+        x = x0 = self.norm(x if dtype is None else x.to(dtype))
         skips = []
         for i, block in enumerate(self.blocks):
             if i >= self.n_encoder and skips:
                 x = x + self.skip_weights[i - self.n_encoder] * skips.pop()
             j = self.value_embed_index(i)
-            x = block(x, x0, ves[j] if j is not None else None, attend, caches[i] if caches else None, pos)
+            x = block(x, x0, ves[j] if j is not None else None, attend.get(self.pattern[i]),
+                      caches[i] if caches else None, pos)
             if i < self.n_encoder:
                 skips.append(x)
         return self.norm(x)
 
-    def logits(self, x: torch.Tensor) -> torch.Tensor:
+    def logits(self, x: torch.Tensor, shifted: bool = False) -> torch.Tensor:
+        """Soft-capped logits, cap * tanh(z / cap). `shifted=True` returns them plus cap, computed as
+        2 cap sigmoid(2 z / cap) (the same number: tanh(u) + 1 = 2 sigmoid(2u)); a softmax or a
+        cross-entropy cannot tell the two apart, and the sigmoid is the cheaper of the two to compute."""
         # FP8 head (model.fp8_head): training and evaluation; decode steps (rows not a multiple of 16) stay bf16
         logits = (fp8_linear(x, self.lm_head.weight) if self.cfg.fp8_head else self.lm_head(x)).float()
         cap = self.cfg.logit_softcap
-        return cap * torch.tanh(logits / cap) if cap else logits
+        if not cap:
+            return logits
+        return 2 * cap * torch.sigmoid(logits * (2 / cap)) if shifted else cap * torch.tanh(logits / cap)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, loss_mask: torch.Tensor | None = None,
                 caches: DocKVCaches | None = None, pos: int = 0, reduction: str = "mean") -> Output:
         x = self.hidden(idx, caches, pos)
         if targets is None:  # inference: only the last position's logits are needed
             return Output(logits=self.logits(x[:, -1:, :]))
-        return Output(loss=cross_entropy(self.logits(x), targets, loss_mask, reduction))
+        return Output(loss=cross_entropy(self.logits(x, shifted=True), targets, loss_mask, reduction))
 
     # ------------------------------------------------------------------ interface
     def checkpoint_units(self) -> list[nn.Module]:
@@ -301,7 +338,8 @@ class SpeedrunGPT(nn.Module):
         return list(self.blocks)
 
     def make_caches(self, batch: int, max_len: int, dtype, device) -> DocKVCaches:
-        caches = [KVCache(batch, self.cfg.n_head, max_len, self.head_dim, dtype, device) for _ in self.blocks]
+        caches = [KVCache(batch, self.cfg.n_head, max_len, self.head_dim, dtype, device) if b.attn is not None
+                  else None for b in self.blocks]
         return DocKVCaches(caches, batch, max_len, device)
 
     def num_params(self, exclude_embeddings: bool = True) -> int:
@@ -312,9 +350,9 @@ class SpeedrunGPT(nn.Module):
         return n
 
     def flops_per_token(self, seq_len: int) -> float:
-        """6N for the matmuls plus 12 * L * H * D * context for attention, the context capped by the window."""
-        context = min(seq_len, self.cfg.window)
-        return 6 * self.num_params() + 12 * len(self.blocks) * self.cfg.n_head * self.head_dim * context
+        """6N for the matmuls plus 12 * H * D * context per attention layer, the context capped by its window."""
+        context = {"L": min(seq_len, self.cfg.window), "S": min(seq_len, self.cfg.window // 2), "-": 0}
+        return 6 * self.num_params() + 12 * self.cfg.n_head * self.head_dim * sum(context[c] for c in self.pattern)
 
 
 def build(cfg, vocab_size: int, block_size: int) -> SpeedrunGPT:
