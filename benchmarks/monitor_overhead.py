@@ -1,13 +1,17 @@
-"""Does the monitor slow training? Step time with and without a client polling the server every 100 ms.
+"""Does the monitor slow training? Step time with the monitor off, on, and on with a client polling it.
 
     PYTHONPATH=src python benchmarks/monitor_overhead.py                       # CPU, small GPT
     PYTHONPATH=src python benchmarks/monitor_overhead.py --device cuda --preset gpu --steps 300
+    PYTHONPATH=src python benchmarks/monitor_overhead.py --recipe speedrun-124m --data PREFIX \
+        --modes off,polled --steps 40 --warmup 10 --set train.global_batch_size=6
 
-Each trial trains the same model in this process with the monitor on. In "polled" trials a separate
-process plays a dashboard plus a Prometheus scraper: every --poll-ms it GETs /health, /status,
-/history?since=N and /metrics (Prometheus text). Trials alternate (idle, polled, idle, polled, ...) so
-drift in machine load hits both alike. Step time is the median over logged windows after --warmup steps
-(from metrics.jsonl timestamps), so an epoch-end checkpoint does not count. Prints one JSON object.
+Each trial trains the same model in this process. Modes: "off" (monitor.enabled=false: no HTTP server;
+metrics.jsonl is still written, it is how step time is measured), "idle" (the server runs, nobody asks)
+and "polled" (a separate process plays a dashboard plus a Prometheus scraper: every --poll-ms it GETs
+/health, /status, /history?since=N and /metrics). Trials cycle through the modes (off, polled, off,
+polled, ...) so drift in machine load hits all alike. Step time is the median over logged windows after
+--warmup steps (from metrics.jsonl timestamps), so an epoch-end checkpoint does not count. The overhead
+of each mode is against the first one. Prints one JSON object.
 """
 from __future__ import annotations
 
@@ -55,12 +59,13 @@ print(json.dumps({"served": served, "p50_ms": 1000 * lat[len(lat) // 2] if lat e
 """
 
 
-def trial(overrides: list[str], polled: bool, poll_s: float, warmup: int) -> dict:
+def trial(recipe: str | None, overrides: list[str], mode: str, poll_s: float, warmup: int) -> dict:
     from trainbox.config import load_config
     from trainbox.train.loop import train
 
+    polled = mode == "polled"
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = load_config(None, [*overrides, f"run.dir={tmp}", "run.name=bench"])
+        cfg = load_config(recipe, [*overrides, f"monitor.enabled={mode != 'off'}", f"run.dir={tmp}", "run.name=bench"])
         poller = None
         if polled:
             poller = subprocess.Popen([sys.executable, "-c", POLLER, str(cfg.run_dir / "status.json"), str(poll_s)],
@@ -77,35 +82,46 @@ def trial(overrides: list[str], polled: bool, poll_s: float, warmup: int) -> dic
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
+    ap.add_argument("--recipe", default=None, help="train this recipe instead of a preset (needs --data)")
+    ap.add_argument("--data", default=None)
+    ap.add_argument("--set", nargs="*", default=[], help="extra key=value overrides")
+    ap.add_argument("--modes", default="off,idle,polled")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--steps", type=int, default=120)
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--log-every", type=int, default=10)
     ap.add_argument("--poll-ms", type=float, default=100.0)
-    ap.add_argument("--pairs", type=int, default=3, help="(idle, polled) trial pairs")
+    ap.add_argument("--rounds", type=int, default=3, help="trials per mode")
     ap.add_argument("--threads", type=int, default=None, help="CPU threads for training (train.threads)")
     args = ap.parse_args()
     import torch
 
-    overrides = [*PRESETS[args.preset], "data.tokenizer=embedded:shakespeare-bpe", f"train.device={args.device}",
-                 f"train.max_steps={args.steps}", "train.eval_every=0", "train.checkpoint_every=0",
-                 "train.sample_tokens=0", "train.eval_tokens=4096", f"monitor.log_every={args.log_every}", "monitor.port=0",
-                 "monitor.progress=lines", "optim.warmup_steps=10",
-                 *([f"train.threads={args.threads}"] if args.threads else [])]
-    idle, polled, served = [], [], []
-    for _ in range(args.pairs):
-        idle.append(trial(overrides, False, args.poll_ms / 1000, args.warmup)["step_ms"])
-        r = trial(overrides, True, args.poll_ms / 1000, args.warmup)
-        polled.append(r["step_ms"])
-        served.append(r["client"])
-    base, load = statistics.median(idle), statistics.median(polled)
+    model = [f"data.path={args.data}"] if args.recipe else [*PRESETS[args.preset], "data.tokenizer=embedded:shakespeare-bpe",
+                                                            "optim.warmup_steps=10"]
+    overrides = [*model, f"train.device={args.device}", f"train.max_steps={args.steps}", "train.eval_every=0",
+                 "train.checkpoint_every=0", "train.sample_tokens=0", "train.eval_tokens=4096",
+                 f"monitor.log_every={args.log_every}", "monitor.port=0", "monitor.progress=lines",
+                 *([f"train.threads={args.threads}"] if args.threads else []), *args.set]
+    modes = args.modes.split(",")
+    steps: dict[str, list[float]] = {m: [] for m in modes}
+    clients = []
+    for _ in range(args.rounds):
+        for mode in modes:
+            r = trial(args.recipe, overrides, mode, args.poll_ms / 1000, args.warmup)
+            steps[mode].append(r["step_ms"])
+            if r["client"]:
+                clients.append(r["client"])
+    med = {m: statistics.median(v) for m, v in steps.items()}
+    base = med[modes[0]]
     device = torch.cuda.get_device_name() if torch.cuda.is_available() and args.device != "cpu" else "cpu"
     print(json.dumps({
-        "benchmark": "monitor_overhead", "device": device, "torch": torch.__version__, "preset": args.preset,
-        "threads": torch.get_num_threads(), "steps": args.steps, "warmup": args.warmup, "poll_ms": args.poll_ms,
-        "idle_step_ms": [round(x, 3) for x in idle], "polled_step_ms": [round(x, 3) for x in polled],
-        "client": served, "median_idle_step_ms": round(base, 3), "median_polled_step_ms": round(load, 3),
-        "overhead_pct": round(100 * (load - base) / base, 2)}, indent=1))
+        "benchmark": "monitor_overhead", "device": device, "torch": torch.__version__,
+        "recipe": args.recipe or f"preset {args.preset}", "overrides": overrides, "threads": torch.get_num_threads(),
+        "steps": args.steps, "warmup": args.warmup, "poll_ms": args.poll_ms,
+        "step_ms": {m: [round(x, 3) for x in v] for m, v in steps.items()},
+        "median_step_ms": {m: round(x, 3) for m, x in med.items()}, "client": clients,
+        "overhead_pct_vs_" + modes[0]: {m: round(100 * (x - base) / base, 2) for m, x in med.items() if m != modes[0]}},
+        indent=1))
 
 
 if __name__ == "__main__":
