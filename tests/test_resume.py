@@ -41,6 +41,22 @@ class StopAfter(Trainer):
         return out
 
 
+SPEEDRUN = ["model.family=speedrun", "model.head_dim=16", "optim.name=muon", "model.window=24",
+            "model.window_warmup_steps=16", "model.window_pattern=LS"]
+
+
+def test_speedrun_recipe_resumes_bit_identically(tiny):
+    """The speedrun family (Muon momentum and its warm-up, the window warm-up, long-short windows): a run
+    cut at step 10 and resumed equals the straight run bit for bit."""
+    straight = _cfg(tiny, *SPEEDRUN, "run.name=straight")
+    train(straight)
+    cut = _cfg(tiny, *SPEEDRUN, "run.name=cut")
+    assert StopAfter(cut, 10).run()["step"] == 10
+    Trainer(cut).run()
+    assert _train_losses(cut.run_dir) == _train_losses(straight.run_dir)
+    assert [s for s, _ in _train_losses(cut.run_dir)] == list(range(1, 21))
+
+
 def test_resume_is_bit_identical_and_meters_count_this_process(tiny):
     straight = _cfg(tiny, "run.name=straight")
     train(straight)
