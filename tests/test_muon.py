@@ -228,6 +228,26 @@ def test_torchrun_two_processes_equal_one(tiny, tmp_path):
     assert two == pytest.approx(one, rel=1e-4, abs=0)
 
 
+@pytest.mark.parametrize("shape", [(16, 8), (4, 16, 8)])  # matrices, and MoE-style stacks of expert matrices
+def test_batched_group_equals_one_optimizer_per_matrix(shape):
+    """A group is orthogonalised as one batch; each matrix must get exactly the update it gets alone."""
+    torch.manual_seed(0)
+    ps = [torch.nn.Parameter(torch.randn(shape)) for _ in range(3)]
+    qs = [copy.deepcopy(p) for p in ps]
+    batched = Muon([dict(params=ps)], lr=0.02, weight_decay=0.01, momentum_warmup_steps=2)
+    alone = [Muon([q], lr=0.02, weight_decay=0.01, momentum_warmup_steps=2) for q in qs]
+    for _ in range(3):
+        for p, q in zip(ps, qs):
+            p.grad = torch.randn_like(p)
+            q.grad = p.grad.clone()
+        batched.step()
+        for opt in alone:
+            opt.step()
+    for p, q in zip(ps, qs):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+    assert not torch.equal(ps[0], ps[1])
+
+
 def test_state_dict_round_trip_resumes_exactly():
     """Momentum buffers and the warm-up step counter survive state_dict -> load_state_dict (checkpoints)."""
     def run(split: bool) -> torch.Tensor:
