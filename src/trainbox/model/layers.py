@@ -78,20 +78,32 @@ def scaled_residual_init_(model: nn.Module, suffix: str, n_layer: int, std: floa
 class Rotary(nn.Module):
     """Rotary position embedding (RoPE, Su et al. 2021) on (B, T, H, D) tensors.
 
-    Positions start at `pos`, so a KV-cached decode step rotates its query by its true position. The
-    angles are computed per call rather than stored: a (T_max, D/2) table would be a large buffer that
-    DDP broadcasts every step, while the product costs nothing next to the matmuls.
+    Positions start at `pos`, so a KV-cached decode step rotates its query by its true position. With
+    `max_len`, the cos/sin tables of positions 0..max_len-1 are built once (non-persistent buffers, 2 x
+    max_len x D/2 fp32: 32 MiB for 64K positions of heads of 128) and sliced per call; without it the
+    angles are computed per call. The tables matter on the GPU: fused into the q/k norm kernels, the
+    per-call form evaluates a cos and a sin for every element of q and k, in every layer, forward and
+    backward; the table form reads them.
     """
 
-    def __init__(self, head_dim: int, base: float = 10000.0):
+    def __init__(self, head_dim: int, base: float = 10000.0, max_len: int | None = None):
         super().__init__()
         inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.max_len = max_len
+        if max_len is not None:
+            angles = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)
+            self.register_buffer("cos", angles.cos(), persistent=False)
+            self.register_buffer("sin", angles.sin(), persistent=False)
 
     def forward(self, x: torch.Tensor, pos: int = 0) -> torch.Tensor:
-        positions = torch.arange(pos, pos + x.size(1), device=x.device, dtype=torch.float32)
-        angles = torch.outer(positions, self.inv_freq)[None, :, None, :]  # (1, T, 1, D/2)
-        cos, sin = angles.cos(), angles.sin()
+        T = x.size(1)
+        if self.max_len is not None and pos + T <= self.max_len:
+            cos, sin = self.cos[None, pos:pos + T, None, :], self.sin[None, pos:pos + T, None, :]  # (1, T, 1, D/2)
+        else:
+            positions = torch.arange(pos, pos + T, device=x.device, dtype=torch.float32)
+            angles = torch.outer(positions, self.inv_freq)[None, :, None, :]
+            cos, sin = angles.cos(), angles.sin()
         x1, x2 = x.float().chunk(2, dim=-1)
         y = torch.cat((x1 * cos + x2 * sin, x2 * cos - x1 * sin), dim=-1)
         return y.type_as(x)

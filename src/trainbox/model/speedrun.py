@@ -212,7 +212,7 @@ class SpeedrunGPT(nn.Module):
         self.embed = nn.Embedding(vocab_size, dim)
         n_ve = min(NUM_VALUE_EMBEDS, max(1, L // 2))
         self.value_embeds = nn.ModuleList(nn.Embedding(vocab_size, hdim) for _ in range(n_ve))
-        self.rotary = Rotary(self.head_dim)
+        self.rotary = Rotary(self.head_dim, max_len=block_size)
         self.pattern = cfg.window_pattern or "L" * L  # per layer: L long window, S short, - no attention
         self.blocks = nn.ModuleList(Block(dim, cfg.n_head, self.head_dim, self.rotary, attention=c != "-")
                                     for c in self.pattern)

@@ -189,8 +189,10 @@ class Trainer:
         self.last_saved_step = self.start_step if self.resume_from is not None else None
         self.ddp = None
         if d.enabled:
+            # no buffer broadcast before every forward: every buffer of our models is a constant (RoPE
+            # tables) or set identically on every rank (the speedrun window, by set_step)
             self.ddp = nn.parallel.DistributedDataParallel(
-                model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+                model, device_ids=[self.device.index] if self.device.type == "cuda" else None, broadcast_buffers=False)
         fwd = self.ddp or model
         self.forward = torch.compile(fwd) if cfg.train.compile else fwd
         self.vocab = vocab
