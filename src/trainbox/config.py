@@ -93,6 +93,8 @@ class ModelSection(Section):
                           "(default: L everywhere)")
     eot_id: int | None = Field(None, ge=0, description="speedrun: document separator token (default: the tokenizer's)")
     fp8_head: bool = Field(False, description="speedrun: output head in FP8 (needs FP8 tensor cores: H100, L40S)")
+    fused_loss: bool = Field(False, description="gpt, moe, speedrun: the head's matmul and the cross-entropy in one "
+                                                "function that never keeps the logits (a Triton kernel on CUDA)")
     path: str | None = Field(None, description="hf: hub id or local folder of a Hugging Face causal LM")
     t5: T5Section = Field(default_factory=T5Section)
 
@@ -102,6 +104,10 @@ class ModelSection(Section):
             raise ValueError(f"model.n_embd={self.n_embd} is not divisible by model.n_head={self.n_head}")
         if self.fp8_head and self.family != "speedrun":
             raise ValueError(f"model.fp8_head applies to model.family=speedrun, not {self.family}")
+        if self.fused_loss and self.family not in ("gpt", "moe", "speedrun"):
+            raise ValueError(f"model.fused_loss applies to model.family=gpt, moe or speedrun, not {self.family}")
+        if self.fused_loss and self.fp8_head:
+            raise ValueError("model.fused_loss and model.fp8_head are exclusive: the fused loss runs the head in bf16")
         if self.window_pattern is not None:
             if self.family != "speedrun":
                 raise ValueError(f"model.window_pattern applies to model.family=speedrun, not {self.family}")

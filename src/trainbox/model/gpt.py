@@ -19,6 +19,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from trainbox.model.fused_ce import head_cross_entropy
 from trainbox.model.layers import KVCache, cached_attention, gelu_tanh, init_normal_, scaled_residual_init_
 
 
@@ -118,8 +119,14 @@ class GPT(nn.Module):
         x = self.hidden(idx, caches, pos)
         if targets is None:  # inference: only the last position's logits are needed
             return Output(logits=self.lm_head(x[:, -1:, :]))
-        logits = self.lm_head(x)
-        return Output(loss=cross_entropy(logits, targets, loss_mask, reduction), logits=None)
+        return Output(loss=self.head_loss(x, targets, loss_mask, reduction), logits=None)
+
+    def head_loss(self, x: torch.Tensor, targets: torch.Tensor, loss_mask: torch.Tensor | None,
+                  reduction: str) -> torch.Tensor:
+        """Cross-entropy of the head's logits; model.fused_loss computes it without keeping them."""
+        if self.cfg.fused_loss:
+            return head_cross_entropy(x, self.lm_head.weight, targets, loss_mask, 0.0, reduction)
+        return cross_entropy(self.lm_head(x), targets, loss_mask, reduction)
 
     def checkpoint_units(self) -> list[nn.Module]:
         """The blocks that train.activation_checkpointing wraps."""

@@ -36,7 +36,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from trainbox.model.gpt import GPT, Output, cross_entropy
+from trainbox.model.gpt import GPT, Output
 from trainbox.model.layers import KVCache, gelu_tanh
 
 log = logging.getLogger("trainbox")  # the library logger (model/ never imports monitor/)
@@ -228,7 +228,7 @@ class MoEGPT(GPT):
         x = self.hidden(idx, caches, pos)
         if targets is None:
             return Output(logits=self.lm_head(x[:, -1:, :]))
-        loss = cross_entropy(self.lm_head(x), targets, loss_mask, reduction)
+        loss = self.head_loss(x, targets, loss_mask, reduction)
         aux = [m.aux for _, m in self.moe_layers]
         balance = torch.stack([a["balance"] for a in aux]).mean()
         z = torch.stack([a["z"] for a in aux]).mean()

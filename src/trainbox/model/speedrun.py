@@ -37,6 +37,7 @@ import torch.nn.functional as F
 
 from trainbox.errors import ConfigError
 from trainbox.model.fp8 import fp8_linear
+from trainbox.model.fused_ce import head_cross_entropy
 from trainbox.model.gpt import Output, cross_entropy
 from trainbox.model.layers import DocKVCaches, KVCache, RMSNorm, Rotary
 from trainbox.monitor.console import log
@@ -330,6 +331,9 @@ class SpeedrunGPT(nn.Module):
         x = self.hidden(idx, caches, pos)
         if targets is None:  # inference: only the last position's logits are needed
             return Output(logits=self.logits(x[:, -1:, :]))
+        if self.cfg.fused_loss:
+            return Output(loss=head_cross_entropy(x, self.lm_head.weight, targets, loss_mask, self.cfg.logit_softcap,
+                                                  reduction))
         return Output(loss=cross_entropy(self.logits(x, shifted=True), targets, loss_mask, reduction))
 
     # ------------------------------------------------------------------ interface

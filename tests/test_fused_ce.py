@@ -1,0 +1,146 @@
+"""model.fused_loss: the head's matmul and the (soft-capped) cross-entropy in one function (model/fused_ce.py)
+against torch's cross-entropy of the materialised logits: losses, every gradient, every reduction, masks,
+the three model families, torch.compile, and the Triton kernel itself (interpreter on CPU, CUDA on GPU)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from trainbox.config import ModelSection
+from trainbox.model.fused_ce import head_cross_entropy
+from trainbox.model.registry import build_model
+
+
+def unfused(x, w, t, mask, cap, reduction):
+    z = x @ w.t()
+    if cap:
+        z = cap * torch.tanh(z / cap)
+    return F.cross_entropy(z, t.masked_fill(~mask, -100), ignore_index=-100, reduction=reduction)
+
+
+@pytest.mark.parametrize("cap", [0.0, 15.0])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_loss_and_gradients_equal_torch(cap, reduction):
+    torch.manual_seed(0)
+    x = torch.randn(37, 16, dtype=torch.float64, requires_grad=True)
+    w = (torch.randn(50, 16, dtype=torch.float64) * 2).requires_grad_()
+    t = torch.randint(0, 50, (37,))
+    mask = torch.rand(37) > 0.2
+    upstream = torch.rand(37, dtype=torch.float64) if reduction == "none" else torch.tensor(1.7, dtype=torch.float64)
+    results = []
+    for fn in (head_cross_entropy, unfused):
+        loss = fn(x, w, t, mask, cap, reduction)
+        (loss * upstream).sum().backward()  # a per-token upstream gradient: the fused backward applies it
+        results.append((loss.detach(), x.grad.clone(), w.grad.clone()))
+        x.grad = w.grad = None
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+    assert results[0][0].abs().sum() > 0
+
+
+@pytest.mark.parametrize("family, extra", [("gpt", {}), ("moe", {}),
+                                           ("speedrun", dict(head_dim=16, eot_id=0, window=16))])
+def test_model_families_equal_the_unfused_head(family, extra):
+    runs = []
+    for fused in (False, True):
+        torch.manual_seed(0)
+        model = build_model(ModelSection(family=family, n_layer=2, n_head=2, n_embd=32, fused_loss=fused, **extra),
+                            64, 32)
+        with torch.no_grad():
+            model.lm_head.weight.normal_(std=0.5)  # the speedrun head starts at zero
+        idx = torch.randint(1, 64, (2, 33), generator=torch.Generator().manual_seed(1))
+        mask = torch.rand(2, 32, generator=torch.Generator().manual_seed(2)) > 0.3
+        out = model(idx[:, :-1], idx[:, 1:], loss_mask=mask)
+        (out.loss + (out.aux_loss if out.aux_loss is not None else 0)).backward()
+        runs.append((out.loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
+    (loss0, g0), (loss1, g1) = runs
+    torch.testing.assert_close(loss1, loss0, rtol=1e-6, atol=0)
+    assert g0.keys() == g1.keys()
+    # matrices one by one; the scalar mixing weights' gradients are sums that cancel to ~1e-6 of the rest,
+    # so they are held (in fp32) through the error of all gradients together
+    for n in g0:
+        if g0[n].dim() >= 2:
+            torch.testing.assert_close(g1[n], g0[n], rtol=1e-4, atol=1e-6)
+    flat0, flat1 = torch.cat([g.flatten() for g in g0.values()]), torch.cat([g1[n].flatten() for n in g0])
+    assert (flat1 - flat0).norm() / flat0.norm() < 1e-5
+
+
+def test_compiles_in_one_graph_and_matches_eager():
+    torch.manual_seed(0)
+    model = build_model(ModelSection(family="speedrun", n_layer=2, n_head=2, n_embd=32, head_dim=16, eot_id=0,
+                                     window=16, fused_loss=True), 64, 32)
+    with torch.no_grad():
+        model.lm_head.weight.normal_(std=0.5)
+    idx = torch.randint(1, 64, (2, 33), generator=torch.Generator().manual_seed(1))
+    eager = model(idx[:, :-1], idx[:, 1:]).loss
+    compiled = torch.compile(model, fullgraph=True)(idx[:, :-1], idx[:, 1:]).loss
+    torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(family="t5", fused_loss=True), "model.fused_loss applies to"),
+    (dict(family="speedrun", fused_loss=True, fp8_head=True), "exclusive")])
+def test_config_errors(kw, match):
+    with pytest.raises(ValueError, match=match):
+        ModelSection(n_layer=2, n_head=2, n_embd=32, **kw)
+
+
+KERNEL_CHECK = r"""
+import torch
+from trainbox.model import fused_ce as fc
+torch.manual_seed(0)
+for cap in (0.0, 15.0):
+    M, V = 6, 300                                  # V not a multiple of the block: the masked tail is exercised
+    z = (torch.randn(M, V) * 4).to(torch.bfloat16)
+    t = torch.randint(0, V, (M,))
+    t[2] = -100
+    loss, grad = torch.empty(M), torch.empty_like(z)
+    fc._head_ce_kernel[(M,)](z, z.stride(0), t, loss, grad, grad.stride(0), cap, V=V, HAS_CAP=bool(cap), BLOCK=128)
+    ref_loss, ref_grad = fc._reference(z, t, cap)
+    assert (loss - ref_loss).abs().max() < 1e-4, (cap, loss, ref_loss)
+    assert (grad.float() - ref_grad.float()).abs().max() <= 2 ** -8, cap   # one bf16 rounding
+    assert loss[2] == 0 and grad[2].abs().max() == 0 and loss.abs().sum() > 0
+print("ok")
+"""
+
+
+def test_triton_kernel_in_the_interpreter():
+    """The Triton kernel itself on CPU (TRITON_INTERPRET=1), against the torch reference."""
+    pytest.importorskip("triton")
+    proc = subprocess.run([sys.executable, "-c", KERNEL_CHECK], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stdout + proc.stderr
+
+
+@pytest.mark.gpu
+def test_cuda_kernel_at_the_real_shape():
+    """GPT-2 vocabulary, 4,096 rows, bf16: the CUDA kernel against the torch reference, and the compiled
+    speedrun model's loss with and without the fusion."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from trainbox.model import fused_ce as fc
+    g = torch.Generator(device="cuda").manual_seed(0)
+    z = (torch.randn(4096, 50304, device="cuda", generator=g) * 3).to(torch.bfloat16)
+    t = torch.randint(0, 50304, (4096,), device="cuda", generator=g)
+    t[::7] = -100
+    for cap in (0.0, 15.0):
+        loss, grad = fc.head_ce_fwd(z, t, cap)
+        ref_loss, ref_grad = fc._reference(z, t, cap)
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-4)
+        assert (grad.float() - ref_grad.float()).abs().max() <= 2 ** -8
+    losses = []
+    for fused in (False, True):
+        torch.manual_seed(0)
+        model = build_model(ModelSection(family="speedrun", n_layer=2, n_head=2, n_embd=128, head_dim=64, eot_id=50256,
+                                         fused_loss=fused), 50304, 2048).cuda()
+        with torch.no_grad():
+            model.lm_head.weight.normal_(std=0.02)
+        idx = torch.randint(0, 50304, (1, 2049), device="cuda", generator=torch.Generator(device="cuda").manual_seed(1))
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            losses.append(torch.compile(model)(idx[:, :-1], idx[:, 1:]).loss.item())
+    assert abs(losses[0] - losses[1]) < 1e-3 * losses[0]
