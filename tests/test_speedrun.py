@@ -202,14 +202,31 @@ def test_shifted_softcap_is_the_same_loss():
     torch.testing.assert_close(loss, ref, rtol=1e-6, atol=1e-6)
 
 
-def test_residual_stream_in_autocast_dtype():
-    model = make(n_layer=2)
+@pytest.mark.parametrize("family, lowp, want", [
+    ("speedrun", None, torch.bfloat16), ("speedrun", False, torch.float32),
+    ("gpt", None, torch.float32), ("gpt", True, torch.bfloat16), ("moe", True, torch.bfloat16)])
+def test_residual_stream_dtype(family, lowp, want):
+    """model.lowp_residual: the residual stream in the autocast dtype (speedrun's default) or fp32 (gpt's)."""
+    if family == "speedrun":
+        model = make(n_layer=2, lowp_residual=lowp)
+        blocks = model.blocks
+    else:
+        torch.manual_seed(0)
+        model = build_model(ModelSection(family=family, n_layer=2, n_head=2, n_embd=32, lowp_residual=lowp), VOCAB, 64)
+        blocks = model.transformer.h
     seen = []
-    model.blocks[1].register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+    blocks[1].register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+    idx = tokens()
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        model.hidden(tokens())
-    model.hidden(tokens())
-    assert seen == [torch.bfloat16, torch.float32]
+        low = model(idx[:, :-1], idx[:, 1:]).loss
+    exact = model(idx[:, :-1], idx[:, 1:]).loss
+    assert seen == [want, torch.float32]            # without autocast the stream stays in the weights' dtype
+    assert abs(low.item() - exact.item()) < 0.02 * exact.item()
+
+
+def test_lowp_residual_is_refused_for_other_families():
+    with pytest.raises(ValueError, match="model.lowp_residual applies to"):
+        ModelSection(family="t5", lowp_residual=True)
 
 
 def test_interface_counts():

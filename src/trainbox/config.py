@@ -93,6 +93,9 @@ class ModelSection(Section):
                           "(default: L everywhere)")
     eot_id: int | None = Field(None, ge=0, description="speedrun: document separator token (default: the tokenizer's)")
     fp8_head: bool = Field(False, description="speedrun: output head in FP8 (needs FP8 tensor cores: H100, L40S)")
+    lowp_residual: bool | None = Field(
+        None, description="gpt, moe, speedrun: keep the residual stream in the autocast dtype (bf16) instead of fp32 "
+                          "(default: on for speedrun, off for gpt and moe)")
     fused_loss: bool = Field(False, description="gpt, moe, speedrun: the head's matmul and the cross-entropy in one "
                                                 "function that never keeps the logits (a Triton kernel on CUDA)")
     path: str | None = Field(None, description="hf: hub id or local folder of a Hugging Face causal LM")
@@ -104,6 +107,8 @@ class ModelSection(Section):
             raise ValueError(f"model.n_embd={self.n_embd} is not divisible by model.n_head={self.n_head}")
         if self.fp8_head and self.family != "speedrun":
             raise ValueError(f"model.fp8_head applies to model.family=speedrun, not {self.family}")
+        if self.lowp_residual is not None and self.family not in ("gpt", "moe", "speedrun"):
+            raise ValueError(f"model.lowp_residual applies to model.family=gpt, moe or speedrun, not {self.family}")
         if self.fused_loss and self.family not in ("gpt", "moe", "speedrun"):
             raise ValueError(f"model.fused_loss applies to model.family=gpt, moe or speedrun, not {self.family}")
         if self.fused_loss and self.fp8_head:

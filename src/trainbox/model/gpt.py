@@ -31,6 +31,13 @@ class Output:
     stats: dict = field(default_factory=dict)  # detached scalars/tensors for logging
 
 
+def residual_dtype(cfg, device: str, default: bool) -> torch.dtype | None:
+    """The dtype to cast the embeddings to (model.lowp_residual, `default` when unset): the autocast dtype
+    under autocast, else None (leave the residual stream in the weights' dtype)."""
+    on = default if cfg.lowp_residual is None else cfg.lowp_residual
+    return torch.get_autocast_dtype(device) if on and torch.is_autocast_enabled(device) else None
+
+
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, loss_mask: torch.Tensor | None,
                   reduction: str = "mean") -> torch.Tensor:
     """Token cross-entropy in fp32; masked-out targets (loss_mask False) contribute nothing."""
@@ -110,6 +117,9 @@ class GPT(nn.Module):
             raise ValueError(f"sequence of {pos + T} tokens exceeds the model's block_size {self.block_size}")
         positions = torch.arange(pos, pos + T, device=idx.device)
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(positions))
+        dtype = residual_dtype(self.cfg, idx.device.type, default=False)
+        if dtype is not None:  # model.lowp_residual: every residual add, LayerNorm read and gradient in bf16
+            x = x.to(dtype)
         for i, block in enumerate(self.transformer.h):
             x = block(x, caches[i] if caches else None, pos)
         return self.transformer.ln_f(x)

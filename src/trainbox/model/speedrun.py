@@ -16,7 +16,7 @@ Architecture choices (modded-nanogpt records of late 2024 / early 2025, Keller J
     attention); the block keeps its MLP. Default: L everywhere;
   - under autocast the residual stream is kept in the autocast dtype (bf16), as in modded-nanogpt whose
     embeddings are bf16: the embedding lookups are cast once, so every norm, residual add and skip moves
-    half the bytes. The weights stay fp32 for the optimizers.
+    half the bytes. The weights stay fp32 for the optimizers. `model.lowp_residual=false` keeps it fp32.
 
 RoPE positions count from the start of the row, not of the document (as in modded-nanogpt).
 
@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from trainbox.errors import ConfigError
 from trainbox.model.fp8 import fp8_linear
 from trainbox.model.fused_ce import head_cross_entropy
-from trainbox.model.gpt import Output, cross_entropy
+from trainbox.model.gpt import Output, cross_entropy, residual_dtype
 from trainbox.model.layers import DocKVCaches, KVCache, RMSNorm, Rotary
 from trainbox.monitor.console import log
 
@@ -299,8 +299,9 @@ class SpeedrunGPT(nn.Module):
         self._resolve_backend(idx.device)
         attend = self._attend_fns(idx, caches, pos)
         device = idx.device.type
-        # under autocast the residual stream lives in the autocast dtype: cast the lookups once
-        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+        # under autocast the residual stream lives in the autocast dtype (model.lowp_residual, on by default
+        # here): cast the lookups once
+        dtype = residual_dtype(self.cfg, device, default=True)
         ves = [ve(idx) if dtype is None else ve(idx).to(dtype) for ve in self.value_embeds]
         x = self.embed(idx)
         x = x0 = self.norm(x if dtype is None else x.to(dtype))
