@@ -1,8 +1,11 @@
 """Speedrun family on the SDPA path: masking rules, cache, window warm-up, and parity with a slow reference."""
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
+import torch.nn.functional as F
 
 from trainbox.config import ModelSection
 from trainbox.model.registry import build_model
@@ -202,10 +205,17 @@ def test_shifted_softcap_is_the_same_loss():
     torch.testing.assert_close(loss, ref, rtol=1e-6, atol=1e-6)
 
 
+def fp32_norm(norm, x, *args, **kwargs):
+    if torch.is_autocast_enabled("cpu"):
+        with torch.autocast("cpu", enabled=False):
+            return norm(x.float(), *args, **kwargs)
+    return norm(x, *args, **kwargs)
+
+
 @pytest.mark.parametrize("family, lowp, want", [
     ("speedrun", None, torch.bfloat16), ("speedrun", False, torch.float32),
     ("gpt", None, torch.float32), ("gpt", True, torch.bfloat16), ("moe", True, torch.bfloat16)])
-def test_residual_stream_dtype(family, lowp, want):
+def test_residual_stream_dtype(family, lowp, want, monkeypatch):
     """model.lowp_residual: the residual stream in the autocast dtype (speedrun's default) or fp32 (gpt's)."""
     if family == "speedrun":
         model = make(n_layer=2, lowp_residual=lowp)
@@ -217,6 +227,10 @@ def test_residual_stream_dtype(family, lowp, want):
     seen = []
     blocks[1].register_forward_hook(lambda m, i, o: seen.append(o.dtype))
     idx = tokens()
+    # CUDA autocast runs norms in fp32 and returns fp32 (CPU autocast does not): play the GPU's rule here, or
+    # a stream that turns fp32 after the first norm on the GPU would pass on CPU
+    monkeypatch.setattr(F, "rms_norm", functools.partial(fp32_norm, F.rms_norm))
+    monkeypatch.setattr(F, "layer_norm", functools.partial(fp32_norm, F.layer_norm))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         low = model(idx[:, :-1], idx[:, 1:]).loss
     exact = model(idx[:, :-1], idx[:, 1:]).loss

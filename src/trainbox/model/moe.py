@@ -202,7 +202,8 @@ class MoEFFN(nn.Module):
         h = self.c_proj(h, offs32, sorted_e, self.use_kernel) * weight.unsqueeze(1)              # (k*N, C) fp32
         y = _Combine.apply(h, src, inverse, k)                           # back to token order, sum the k
         self.aux = self._losses(logits, counts, dropped, N)
-        return self.dropout(y.to(x.dtype).view(B, T, C))
+        # in the matmuls' dtype, as a Linear under autocast returns (x may be a norm's fp32 output)
+        return self.dropout(y.to(dtype).view(B, T, C))
 
     def _losses(self, logits: torch.Tensor, counts: torch.Tensor, dropped: torch.Tensor, N: int) -> dict:
         E, k = self.moe.num_experts, self.moe.top_k

@@ -303,8 +303,9 @@ class SpeedrunGPT(nn.Module):
         # here): cast the lookups once
         dtype = residual_dtype(self.cfg, device, default=True)
         ves = [ve(idx) if dtype is None else ve(idx).to(dtype) for ve in self.value_embeds]
-        x = self.embed(idx)
-        x = x0 = self.norm(x if dtype is None else x.to(dtype))
+        x = x0 = self.norm(self.embed(idx))
+        if dtype is not None:  # after the norm: CUDA autocast runs rms_norm in fp32 and returns fp32
+            x = x0 = x.to(dtype)
         skips = []
         for i, block in enumerate(self.blocks):
             if i >= self.n_encoder and skips:
