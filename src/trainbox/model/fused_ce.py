@@ -49,7 +49,9 @@ if triton is not None:
         z_row, g_row = Z + row * stride_z, G + row * stride_g
         target = tl.load(T + row)
         cols = tl.arange(0, BLOCK)
-        m = tl.full([BLOCK], float("-inf"), tl.float32)   # running max per lane
+        # running max per lane; finite, so that a lane that never sees a column (V < BLOCK) stays 0 * exp(0)
+        # instead of 0 * exp(-inf + inf) = NaN
+        m = tl.full([BLOCK], -1e30, tl.float32)
         d = tl.zeros([BLOCK], tl.float32)                  # running sum of exp(s - m) per lane
         for start in range(0, V, BLOCK):
             mask = start + cols < V
