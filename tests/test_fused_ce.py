@@ -78,8 +78,14 @@ def test_compiles_in_one_graph_and_matches_eager():
         model.lm_head.weight.normal_(std=0.5)
     idx = torch.randint(1, 64, (2, 33), generator=torch.Generator().manual_seed(1))
     eager = model(idx[:, :-1], idx[:, 1:]).loss
+    eager.backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
     compiled = torch.compile(model, fullgraph=True)(idx[:, :-1], idx[:, 1:]).loss
+    compiled.backward()
     torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)
+    for n, g in want.items():
+        torch.testing.assert_close(dict(model.named_parameters())[n].grad, g, rtol=1e-4, atol=1e-6)
 
 
 @pytest.mark.parametrize("kw, match", [
