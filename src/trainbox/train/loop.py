@@ -28,6 +28,7 @@ passes both and forwards its own signals.
 
 from __future__ import annotations
 
+import inspect
 import math
 import signal
 import threading
@@ -190,9 +191,12 @@ class Trainer:
         self.ddp = None
         if d.enabled:
             # no buffer broadcast before every forward: every buffer of our models is a constant (RoPE
-            # tables) or set identically on every rank (the speedrun window, by set_step)
+            # tables) or set identically on every rank (the speedrun window, by set_step). torch 2.13 renamed
+            # the switch (broadcast_buffers -> forward_sync_buffers); older torch has only the first
+            ddp_args = inspect.signature(nn.parallel.DistributedDataParallel).parameters
+            no_sync = {"forward_sync_buffers" if "forward_sync_buffers" in ddp_args else "broadcast_buffers": False}
             self.ddp = nn.parallel.DistributedDataParallel(
-                model, device_ids=[self.device.index] if self.device.type == "cuda" else None, broadcast_buffers=False)
+                model, device_ids=[self.device.index] if self.device.type == "cuda" else None, **no_sync)
         fwd = self.ddp or model
         self.forward = torch.compile(fwd) if cfg.train.compile else fwd
         self.vocab = vocab
