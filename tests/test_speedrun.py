@@ -341,3 +341,6 @@ def test_rotary_is_relative_and_offset_consistent():
     x = torch.randn(2, 10, 3, 16)
     torch.testing.assert_close(rot(x).norm(dim=-1), x.norm(dim=-1))              # a rotation
     torch.testing.assert_close(rot(x[:, 4:], pos=4), rot(x)[:, 4:])              # cached decode positions
+    table = Rotary(16, max_len=16)           # x has 10 positions: pos 0 and 4 read the tables, pos 7 runs past them
+    for pos in (0, 4, 7):
+        torch.testing.assert_close(table(x, pos=pos), rot(x, pos=pos), rtol=0, atol=0)

@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import torch
 
+from trainbox.model.layers import autocast_dtype
+
 IGNORE = -100
 
 try:  # Triton ships with CUDA builds of torch; the CPU build has none
@@ -142,7 +144,7 @@ def head_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.Ten
     Under autocast the matmuls run in the autocast dtype, as nn.Linear's would.
     """
     device = x.device.type
-    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+    dtype = autocast_dtype(device, x.dtype)
     if loss_mask is not None:
         targets = targets.masked_fill(~loss_mask, IGNORE)
     flat = targets.reshape(-1)

@@ -20,7 +20,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from trainbox.model.fused_ce import head_cross_entropy
-from trainbox.model.layers import KVCache, cached_attention, gelu_tanh, init_normal_, scaled_residual_init_
+from trainbox.model.layers import (KVCache, autocast_dtype, cached_attention, gelu_tanh, init_normal_,
+                                   scaled_residual_init_)
 
 
 @dataclass
@@ -35,7 +36,7 @@ def residual_dtype(cfg, device: str, default: bool) -> torch.dtype | None:
     """The dtype to cast the embeddings to (model.lowp_residual, `default` when unset): the autocast dtype
     under autocast, else None (leave the residual stream in the weights' dtype)."""
     on = default if cfg.lowp_residual is None else cfg.lowp_residual
-    return torch.get_autocast_dtype(device) if on and torch.is_autocast_enabled(device) else None
+    return autocast_dtype(device, None) if on else None
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, loss_mask: torch.Tensor | None,

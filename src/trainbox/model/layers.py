@@ -11,6 +11,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 
+def autocast_dtype(device_type: str, default: torch.dtype | None) -> torch.dtype | None:
+    """The dtype matmuls run in under autocast on `device_type`, else `default`."""
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else default
+
+
 class RMSNorm(nn.Module):
     """RMS norm; `weight=False` gives the parameter-free version (modded-nanogpt)."""
 
@@ -91,15 +96,13 @@ class Rotary(nn.Module):
         super().__init__()
         inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
-        self.max_len = max_len
-        if max_len is not None:
-            angles = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)
-            self.register_buffer("cos", angles.cos(), persistent=False)
-            self.register_buffer("sin", angles.sin(), persistent=False)
+        angles = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq) if max_len else None
+        self.register_buffer("cos", angles.cos() if max_len else None, persistent=False)
+        self.register_buffer("sin", angles.sin() if max_len else None, persistent=False)
 
     def forward(self, x: torch.Tensor, pos: int = 0) -> torch.Tensor:
         T = x.size(1)
-        if self.max_len is not None and pos + T <= self.max_len:
+        if self.cos is not None and pos + T <= self.cos.size(0):
             cos, sin = self.cos[None, pos:pos + T, None, :], self.sin[None, pos:pos + T, None, :]  # (1, T, 1, D/2)
         else:
             positions = torch.arange(pos, pos + T, device=x.device, dtype=torch.float32)

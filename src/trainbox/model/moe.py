@@ -37,7 +37,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from trainbox.model.gpt import GPT, Output
-from trainbox.model.layers import KVCache, gelu_tanh
+from trainbox.model.layers import KVCache, autocast_dtype, gelu_tanh
 
 log = logging.getLogger("trainbox")  # the library logger (model/ never imports monitor/)
 
@@ -193,7 +193,7 @@ class MoEFFN(nn.Module):
             dropped = 1.0 - keep.float().mean()
         else:
             dropped = torch.zeros((), device=x.device)
-        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+        dtype = autocast_dtype(x.device.type, x.dtype)
         offs32 = offsets.to(torch.int32)
         src = token[order]                                               # token of each sorted row
         inverse = torch.empty_like(order).scatter_(0, order, torch.arange(k * N, device=x.device))

@@ -62,11 +62,9 @@ def apply_activation_checkpointing(model: nn.Module, mode: str) -> int:
     if mode == "none":
         return 0
     units = getattr(model, "checkpoint_units", None)
-    if units is None:
-        hint = ("use lora.gradient_checkpointing (Hugging Face's own)" if getattr(model, "family", "") == "hf"
-                else "use train.activation_checkpointing=none")
+    if units is None:  # (model.family=hf is refused earlier, by the config, with a pointer to its own option)
         raise ConfigError(f"train.activation_checkpointing={mode} is not available for model.family="
-                          f"{getattr(model, 'family', '?')}", hint=hint)
+                          f"{getattr(model, 'family', '?')}", hint="use train.activation_checkpointing=none")
     blocks = list(units())
     for block in blocks:
         _wrap(block, mode)
