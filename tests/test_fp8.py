@@ -78,6 +78,42 @@ def test_speedrun_head_in_fp8_tracks_the_bf16_head():
     assert rel(grads[0], grads[1]) < 0.15
 
 
+@pytest.mark.parametrize("mode", ["down", "both"])
+def test_speedrun_mlp_in_fp8_tracks_the_bf16_mlp(mode):
+    """model.fp8_mlp: the projections really go through FP8 (loss and gradients differ from the exact
+    model) and stay within FP8's error of it; "down" leaves the up-projection's forward exact."""
+    def run(fp8_mlp: str):
+        torch.manual_seed(0)
+        m = build_model(ModelSection(family="speedrun", n_layer=2, n_head=2, n_embd=64, head_dim=32, window=32,
+                                     eot_id=0, fp8_mlp=fp8_mlp), 128, 32)
+        with torch.no_grad():
+            m.lm_head.weight.normal_(std=0.3)
+            for b in m.blocks:
+                b.mlp.c_proj.weight.normal_(std=0.1)  # zero at init: make the MLP matter
+        idx = torch.randint(1, 128, (2, 33), generator=torch.Generator().manual_seed(1))
+        loss = m(idx[:, :-1].contiguous(), idx[:, 1:].contiguous()).loss
+        loss.backward()
+        return loss.item(), m.blocks[0].mlp.c_fc.weight.grad, m.blocks[0].mlp.c_proj.weight.grad
+
+    (l8, fc8, proj8), (l, fc, proj) = run(mode), run("none")
+    assert l8 != l and abs(l8 - l) < 0.02 * l
+    assert 1e-3 < rel(proj8, proj) < 0.15 and 1e-3 < rel(fc8, fc) < 0.15
+
+
+def test_fp8_mlp_is_refused_without_fp8_tensor_cores(tiny):
+    from trainbox.train.loop import Trainer
+
+    with pytest.raises(ConfigError, match="model.fp8_mlp applies to model.family=speedrun"):
+        load_config(None, [*tiny, "model.fp8_mlp=down"])
+    with pytest.raises(ConfigError, match="model.fp8_mlp"):
+        load_config(None, [*tiny, "model.family=speedrun", "model.head_dim=16", "model.fp8_mlp=up"])
+    cfg = load_config(None, [*tiny, "model.family=speedrun", "model.head_dim=16", "model.fp8_mlp=both",
+                             "model.fp8_head=true", "train.device=cpu"])
+    with pytest.raises(ConfigError, match=r"model.fp8_head=true and model.fp8_mlp=both needs a GPU with FP8") as err:
+        Trainer(cfg)
+    assert "drop model.fp8_head and model.fp8_mlp" in err.value.hint
+
+
 def test_fp8_head_is_refused_without_fp8_tensor_cores(tiny):
     from trainbox.train.loop import Trainer
 
@@ -93,12 +129,13 @@ def test_fp8_head_is_refused_without_fp8_tensor_cores(tiny):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
                     reason="needs a GPU with FP8 tensor cores")
-def test_on_the_gpu_compiled_with_inductor():
-    """The FP8 kernels themselves (cuBLASLt through _scaled_mm) at the head's real shape, compiled."""
+@pytest.mark.parametrize("k,n", [(768, 50304), (768, 3072), (3072, 768)], ids=["head", "mlp_up", "mlp_down"])
+def test_on_the_gpu_compiled_with_inductor(k, n):
+    """The FP8 kernels themselves (cuBLASLt through _scaled_mm) at the head's and the MLP's real shapes, compiled."""
     g = torch.Generator(device="cuda").manual_seed(0)
-    x = torch.randn(4096, 768, device="cuda", generator=g, dtype=torch.bfloat16)
-    w = torch.randn(50304, 768, device="cuda", generator=g) * 0.02
-    dy = torch.randn(4096, 50304, device="cuda", generator=g)
+    x = torch.randn(4096, k, device="cuda", generator=g, dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", generator=g) * 0.02
+    dy = torch.randn(4096, n, device="cuda", generator=g)
     y8, dx8, dw8 = products(x, w, dy, torch.compile(fp8_linear, fullgraph=True))
     y, dx, dw = products(x.float(), w, dy, lambda a, b: a @ b.t())
     for got, want, bound in ((y8, y, 0.06), (dx8, dx, 0.12), (dw8, dw, 0.12)):

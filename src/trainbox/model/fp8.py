@@ -1,7 +1,9 @@
-"""FP8 linear layer without bias, y = x @ w.T, for the speedrun GPT's output head (`model.fp8_head`).
+"""FP8 linear layer without bias, y = x @ w.T, for the speedrun GPT's output head (`model.fp8_head`) and
+its MLP projections (`model.fp8_mlp`).
 
-The head is the largest matmul of a small GPT: 768 x 50,304 per token, about a third of its FLOPs.
-FP8 tensor cores (compute capability 8.9+: L4, L40S, H100, H200) run it at twice the bf16 rate.
+The head is the largest matmul of a small GPT: 768 x 50,304 per token, about a third of its FLOPs; the
+MLP's two projections are about half. FP8 tensor cores (compute capability 8.9+: L4, L40S, H100, H200)
+run them at up to twice the bf16 rate.
 Choices:
 - the forward multiplies x and w in float8_e4m3 (3 mantissa bits). The backward multiplies the
   incoming gradient in float8_e5m2 (more range, less precision, since gradients span more orders of

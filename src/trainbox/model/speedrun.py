@@ -168,22 +168,29 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, dim: int):
+    """ReLU^2 (So et al. 2021, Primer). `fp8` (model.fp8_mlp): "down" runs the down-projection in FP8, as
+    modded-nanogpt's later records do, "both" the up-projection too; decode steps stay bf16 (fp8_linear)."""
+
+    def __init__(self, dim: int, fp8: str = "none"):
         super().__init__()
         self.c_fc = nn.Linear(dim, 4 * dim, bias=False)
         self.c_proj = nn.Linear(4 * dim, dim, bias=False)
+        self.fp8_up, self.fp8_down = fp8 == "both", fp8 in ("down", "both")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.c_proj(F.relu(self.c_fc(x)).square())  # ReLU^2 (So et al. 2021, Primer)
+        h = fp8_linear(x, self.c_fc.weight) if self.fp8_up else self.c_fc(x)
+        h = F.relu(h).square()
+        return fp8_linear(h, self.c_proj.weight) if self.fp8_down else self.c_proj(h)
 
 
 class Block(nn.Module):
-    def __init__(self, dim: int, n_head: int, head_dim: int, rotary: Rotary, attention: bool = True):
+    def __init__(self, dim: int, n_head: int, head_dim: int, rotary: Rotary, attention: bool = True,
+                 fp8_mlp: str = "none"):
         super().__init__()
         self.lambdas = nn.Parameter(torch.tensor([1.0, 0.0]))  # x <- a * x + b * x0
         self.norm = RMSNorm(dim, weight=False)
         self.attn = Attention(dim, n_head, head_dim, rotary) if attention else None
-        self.mlp = MLP(dim)
+        self.mlp = MLP(dim, fp8_mlp)
 
     def forward(self, x, x0, ve, attend, cache, pos) -> torch.Tensor:
         x = self.lambdas[0] * x + self.lambdas[1] * x0
@@ -215,8 +222,8 @@ class SpeedrunGPT(nn.Module):
         self.value_embeds = nn.ModuleList(nn.Embedding(vocab_size, hdim) for _ in range(n_ve))
         self.rotary = Rotary(self.head_dim, max_len=block_size)
         self.pattern = cfg.window_pattern or "L" * L  # per layer: L long window, S short, - no attention
-        self.blocks = nn.ModuleList(Block(dim, cfg.n_head, self.head_dim, self.rotary, attention=c != "-")
-                                    for c in self.pattern)
+        self.blocks = nn.ModuleList(Block(dim, cfg.n_head, self.head_dim, self.rotary, attention=c != "-",
+                                          fp8_mlp=cfg.fp8_mlp) for c in self.pattern)
         used = {self.value_embed_index(i) for i, c in enumerate(self.pattern) if c != "-"}
         if len(used - {None}) < n_ve:
             raise ConfigError(f"model.window_pattern={self.pattern!r} turns off attention in every layer that reads "

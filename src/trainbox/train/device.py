@@ -37,13 +37,15 @@ def resolve_device(cfg: RunConfig, dist: Dist) -> tuple[torch.device, torch.dtyp
     if dtype != torch.float32 and device.type == "cpu":
         raise ConfigError(f"train.dtype={cfg.train.dtype} needs a GPU; on CPU training runs in fp32",
                           hint="use train.dtype=auto or train.dtype=fp32")
-    if cfg.model.fp8_head:
+    fp8 = [o for o, on in (("model.fp8_head=true", cfg.model.fp8_head),
+                           (f"model.fp8_mlp={cfg.model.fp8_mlp}", cfg.model.fp8_mlp != "none")) if on]
+    if fp8:
         from trainbox.model.fp8 import fp8_supported
         if not fp8_supported(device):
             name = f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""
-            raise ConfigError(f"model.fp8_head=true needs a GPU with FP8 tensor cores (compute capability 8.9+: "
+            raise ConfigError(f"{' and '.join(fp8)} needs a GPU with FP8 tensor cores (compute capability 8.9+: "
                               f"L4, L40S, H100, H200); this run is on {device}{name}",
-                              hint="drop model.fp8_head (the head then runs in bf16)")
+                              hint=f"drop {' and '.join(o.split('=')[0] for o in fp8)} (the matmuls then run in bf16)")
     return device, dtype
 
 
