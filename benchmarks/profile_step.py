@@ -6,8 +6,9 @@
 Builds the real Trainer, runs `--warmup` optimizer steps (compilation), times `--steps` more with the
 device synchronised only at their ends, then records `--profile` steps under torch.profiler. Prints:
 step ms, tokens/s, MFU, the share of GPU time per kind (matmul, attention, fused elementwise
-(Triton), optimizer, copies, communication, other), the GPU-busy fraction of the step, and the top
-kernels in ms per step. `--sdpa` pins PyTorch's attention backend for the whole run (tracing included).
+(Triton), optimizer, copies, communication, other), the GPU-busy fraction of the step, the top
+kernels in ms per step, and the GPU's idle time inside the profiled steps with its largest gaps (the
+kernels on either side and the host ops that ran meanwhile: where the host, not the GPU, set the pace). `--sdpa` pins PyTorch's attention backend for the whole run (tracing included).
 """
 from __future__ import annotations
 
@@ -32,6 +33,34 @@ KINDS = [  # first match wins
 def kind_of(name: str) -> str:
     low = name.lower()
     return next((k for k, pat in KINDS if re.search(pat, low)), "other")
+
+
+def idle_gaps(kernels: list[tuple[float, float, str]], host: list[tuple[float, float, str]], top: int = 8):
+    """GPU idle time between the first and the last kernel, and its largest gaps.
+
+    kernels: (start_us, end_us, name) of GPU kernels (any stream: overlapping kernels count as busy);
+    host: (start_us, end_us, name) of top-level host ops. -> (idle_us, [[gap_ms, kernel before, kernel
+    after, [the host ops that overlap the gap most]], ...] largest first)."""
+    if not kernels:
+        return 0.0, []
+    ks = sorted(kernels)
+    busy_until, last = ks[0][1], ks[0][2]
+    gaps = []
+    for start, end, name in ks[1:]:
+        if start > busy_until:
+            gaps.append((start - busy_until, busy_until, start, last, name))
+        if end >= busy_until:
+            busy_until, last = end, name
+    gaps.sort(key=lambda g: -g[0])
+    out = []
+    for gap, a, b, before, after in gaps[:top]:
+        overlap: dict[str, float] = defaultdict(float)
+        for s, e, name in host:
+            if min(e, b) > max(s, a):
+                overlap[name] += min(e, b) - max(s, a)
+        names = [n[:80] for n, _ in sorted(overlap.items(), key=lambda kv: -kv[1])[:3]]
+        out.append([round(gap / 1e3, 2), before[:80], after[:80], names])
+    return sum(g[0] for g in gaps), out
 
 
 def main() -> None:
@@ -106,6 +135,20 @@ def main() -> None:
         kernels.append((ms, evt.count // args.profile, evt.key[:120]))
     busy = sum(per_kind.values())
     kernels.sort(reverse=True)
+    idle: dict = {}
+    if cuda:
+        try:  # diagnostics only: never lose the figures above to a profiler API difference
+            evts = prof.events()
+            gpu = [(e.time_range.start, e.time_range.end, e.name) for e in evts
+                   if e.device_type == torch.autograd.DeviceType.CUDA and not getattr(e, "is_user_annotation", False)
+                   and not e.name.startswith(("Optimizer.", "ProfilerStep"))]
+            host = [(e.time_range.start, e.time_range.end, e.name) for e in evts
+                    if e.device_type == torch.autograd.DeviceType.CPU and e.cpu_parent is None
+                    and not e.name.startswith("ProfilerStep")]
+            idle_us, gaps = idle_gaps(gpu, host)
+            idle = {"gpu_idle_ms_per_step": round(idle_us / 1e3 / args.profile, 1), "largest_gaps": gaps}
+        except Exception as e:  # noqa: BLE001
+            idle = {"idle_gaps_error": repr(e)[:300]}
     mfu = trainer.flops_per_token * tokens / step_s / trainer.peak if trainer.peak else None
     print(json.dumps({
         "recipe": args.recipe, "overrides": args.overrides, "sdpa": args.sdpa,
@@ -117,6 +160,7 @@ def main() -> None:
         "share": {k: round(v / busy, 4) for k, v in sorted(per_kind.items(), key=lambda kv: -kv[1])},
         "ms_per_kind": {k: round(v, 1) for k, v in sorted(per_kind.items(), key=lambda kv: -kv[1])},
         "top_kernels_ms_per_step": [[round(ms, 2), n, name] for ms, n, name in kernels[:args.top]],
+        **idle,
     }), flush=True)
     trainer.dist.shutdown(True)
 
