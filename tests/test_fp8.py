@@ -78,22 +78,24 @@ def test_speedrun_head_in_fp8_tracks_the_bf16_head():
     assert rel(grads[0], grads[1]) < 0.15
 
 
+@pytest.mark.parametrize("family", ["speedrun", "gpt"])
 @pytest.mark.parametrize("mode", ["down", "both"])
-def test_speedrun_mlp_in_fp8_tracks_the_bf16_mlp(mode):
+def test_mlp_in_fp8_tracks_the_exact_mlp(family, mode):
     """model.fp8_mlp: the projections really go through FP8 (loss and gradients differ from the exact
-    model) and stay within FP8's error of it; "down" leaves the up-projection's forward exact."""
+    model) and stay within FP8's error of it (gpt: with the projections' biases)."""
     def run(fp8_mlp: str):
         torch.manual_seed(0)
-        m = build_model(ModelSection(family="speedrun", n_layer=2, n_head=2, n_embd=64, head_dim=32, window=32,
+        m = build_model(ModelSection(family=family, n_layer=2, n_head=2, n_embd=64, head_dim=32, window=32,
                                      eot_id=0, fp8_mlp=fp8_mlp), 128, 32)
+        blocks = m.blocks if family == "speedrun" else m.transformer.h
         with torch.no_grad():
             m.lm_head.weight.normal_(std=0.3)
-            for b in m.blocks:
-                b.mlp.c_proj.weight.normal_(std=0.1)  # zero at init: make the MLP matter
+            for b in blocks:
+                b.mlp.c_proj.weight.normal_(std=0.1)  # zero at init in speedrun: make the MLP matter
         idx = torch.randint(1, 128, (2, 33), generator=torch.Generator().manual_seed(1))
         loss = m(idx[:, :-1].contiguous(), idx[:, 1:].contiguous()).loss
         loss.backward()
-        return loss.item(), m.blocks[0].mlp.c_fc.weight.grad, m.blocks[0].mlp.c_proj.weight.grad
+        return loss.item(), blocks[0].mlp.c_fc.weight.grad, blocks[0].mlp.c_proj.weight.grad
 
     (l8, fc8, proj8), (l, fc, proj) = run(mode), run("none")
     assert l8 != l and abs(l8 - l) < 0.02 * l
@@ -103,8 +105,8 @@ def test_speedrun_mlp_in_fp8_tracks_the_bf16_mlp(mode):
 def test_fp8_mlp_is_refused_without_fp8_tensor_cores(tiny):
     from trainbox.train.loop import Trainer
 
-    with pytest.raises(ConfigError, match="model.fp8_mlp applies to model.family=speedrun"):
-        load_config(None, [*tiny, "model.fp8_mlp=down"])
+    with pytest.raises(ConfigError, match="model.fp8_mlp applies to model.family=gpt or speedrun, not moe"):
+        load_config(None, [*tiny, "model.family=moe", "model.fp8_mlp=down"])
     with pytest.raises(ConfigError, match="model.fp8_mlp"):
         load_config(None, [*tiny, "model.family=speedrun", "model.head_dim=16", "model.fp8_mlp=up"])
     cfg = load_config(None, [*tiny, "model.family=speedrun", "model.head_dim=16", "model.fp8_mlp=both",

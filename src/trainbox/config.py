@@ -94,8 +94,8 @@ class ModelSection(Section):
     eot_id: int | None = Field(None, ge=0, description="speedrun: document separator token (default: the tokenizer's)")
     fp8_head: bool = Field(False, description="speedrun: output head in FP8 (needs FP8 tensor cores: H100, L40S)")
     fp8_mlp: Literal["none", "down", "both"] = Field(
-        "none", description="speedrun: MLP matmuls in FP8: the down-projection, or both projections (needs FP8 "
-                            "tensor cores: H100, L40S)")
+        "none", description="gpt, speedrun: MLP matmuls in FP8: the down-projection, or both projections (needs "
+                            "FP8 tensor cores: H100, L40S)")
     lowp_residual: bool | None = Field(
         None, description="gpt, moe, speedrun: keep the residual stream in the autocast dtype (bf16) instead of fp32 "
                           "(default: on for speedrun, off for gpt and moe)")
@@ -110,8 +110,8 @@ class ModelSection(Section):
             raise ValueError(f"model.n_embd={self.n_embd} is not divisible by model.n_head={self.n_head}")
         if self.fp8_head and self.family != "speedrun":
             raise ValueError(f"model.fp8_head applies to model.family=speedrun, not {self.family}")
-        if self.fp8_mlp != "none" and self.family != "speedrun":
-            raise ValueError(f"model.fp8_mlp applies to model.family=speedrun, not {self.family}")
+        if self.fp8_mlp != "none" and self.family not in ("gpt", "speedrun"):
+            raise ValueError(f"model.fp8_mlp applies to model.family=gpt or speedrun, not {self.family}")
         if self.lowp_residual is not None and self.family not in ("gpt", "moe", "speedrun"):
             raise ValueError(f"model.lowp_residual applies to model.family=gpt, moe or speedrun, not {self.family}")
         if self.fused_loss and self.family not in ("gpt", "moe", "speedrun"):

@@ -1,5 +1,5 @@
-"""FP8 linear layer without bias, y = x @ w.T, for the speedrun GPT's output head (`model.fp8_head`) and
-its MLP projections (`model.fp8_mlp`).
+"""FP8 linear layer, y = x @ w.T, for the speedrun GPT's output head (`model.fp8_head`) and the MLP
+projections of the gpt and speedrun models (`model.fp8_mlp`).
 
 The head is the largest matmul of a small GPT: 768 x 50,304 per token, about a third of its FLOPs; the
 MLP's two projections are about half. FP8 tensor cores (compute capability 8.9+: L4, L40S, H100, H200)
@@ -72,6 +72,14 @@ class _FP8Linear(torch.autograd.Function):
         dx = torch._scaled_mm(g8, _col_major(w8), scale_a=gs, scale_b=ws, out_dtype=torch.bfloat16)
         dw = torch._scaled_mm(g8.t().contiguous(), _col_major(x8), scale_a=gs, scale_b=xs, out_dtype=torch.float32)
         return dx.to(ctx.dtypes[0]), dw.to(ctx.dtypes[1])
+
+
+def linear(layer: torch.nn.Linear, x: torch.Tensor, fp8: bool) -> torch.Tensor:
+    """`layer(x)`, with the matmul in FP8 when `fp8` (the bias added in the result's dtype, as autocast does)."""
+    if not fp8:
+        return layer(x)
+    y = fp8_linear(x, layer.weight)
+    return y if layer.bias is None else y + layer.bias.to(y.dtype)
 
 
 def fp8_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -19,6 +19,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from trainbox.model.fp8 import linear
 from trainbox.model.fused_ce import head_cross_entropy
 from trainbox.model.layers import (KVCache, autocast_dtype, cached_attention, gelu_tanh, init_normal_,
                                    scaled_residual_init_)
@@ -68,14 +69,17 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, n_embd: int, bias: bool, dropout: float):
+    """GELU MLP; `fp8` (model.fp8_mlp): "down" runs the down-projection's matmul in FP8, "both" both."""
+
+    def __init__(self, n_embd: int, bias: bool, dropout: float, fp8: str = "none"):
         super().__init__()
         self.c_fc = nn.Linear(n_embd, 4 * n_embd, bias=bias)
         self.c_proj = nn.Linear(4 * n_embd, n_embd, bias=bias)
         self.dropout = nn.Dropout(dropout)
+        self.fp8_up, self.fp8_down = fp8 == "both", fp8 in ("down", "both")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dropout(self.c_proj(gelu_tanh(self.c_fc(x))))
+        return self.dropout(linear(self.c_proj, gelu_tanh(linear(self.c_fc, x, self.fp8_up)), self.fp8_down))
 
 
 class Block(nn.Module):
@@ -84,7 +88,7 @@ class Block(nn.Module):
         self.ln_1 = nn.LayerNorm(cfg.n_embd, eps=1e-5, bias=cfg.bias)
         self.attn = CausalSelfAttention(cfg.n_embd, cfg.n_head, cfg.bias, cfg.dropout)
         self.ln_2 = nn.LayerNorm(cfg.n_embd, eps=1e-5, bias=cfg.bias)
-        self.mlp = mlp if mlp is not None else MLP(cfg.n_embd, cfg.bias, cfg.dropout)
+        self.mlp = mlp if mlp is not None else MLP(cfg.n_embd, cfg.bias, cfg.dropout, cfg.fp8_mlp)
 
     def forward(self, x: torch.Tensor, cache: KVCache | None = None, pos: int = 0) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x), cache, pos)

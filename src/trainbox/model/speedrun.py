@@ -36,7 +36,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from trainbox.errors import ConfigError
-from trainbox.model.fp8 import fp8_linear
+from trainbox.model.fp8 import fp8_linear, linear
 from trainbox.model.fused_ce import head_cross_entropy
 from trainbox.model.gpt import Output, cross_entropy, residual_dtype
 from trainbox.model.layers import DocKVCaches, KVCache, RMSNorm, Rotary
@@ -178,9 +178,7 @@ class MLP(nn.Module):
         self.fp8_up, self.fp8_down = fp8 == "both", fp8 in ("down", "both")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = fp8_linear(x, self.c_fc.weight) if self.fp8_up else self.c_fc(x)
-        h = F.relu(h).square()
-        return fp8_linear(h, self.c_proj.weight) if self.fp8_down else self.c_proj(h)
+        return linear(self.c_proj, F.relu(linear(self.c_fc, x, self.fp8_up)).square(), self.fp8_down)
 
 
 class Block(nn.Module):
