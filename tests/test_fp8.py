@@ -57,10 +57,11 @@ def test_traces_as_one_graph():
     torch.testing.assert_close(w.grad, ref_w)
 
 
-def test_speedrun_head_in_fp8_tracks_the_bf16_head():
+@pytest.mark.parametrize("family", ["speedrun", "gpt"])
+def test_head_in_fp8_tracks_the_bf16_head(family):
     def model(fp8: bool):
         torch.manual_seed(0)
-        m = build_model(ModelSection(family="speedrun", n_layer=2, n_head=2, n_embd=64, head_dim=32, window=32,
+        m = build_model(ModelSection(family=family, n_layer=2, n_head=2, n_embd=64, head_dim=32, window=32,
                                      eot_id=0, fp8_head=fp8), 128, 32)
         with torch.no_grad():
             m.lm_head.weight.normal_(std=0.3)  # zero at init: make the head matter
@@ -119,8 +120,8 @@ def test_fp8_mlp_is_refused_without_fp8_tensor_cores(tiny):
 def test_fp8_head_is_refused_without_fp8_tensor_cores(tiny):
     from trainbox.train.loop import Trainer
 
-    with pytest.raises(ConfigError, match="model.fp8_head applies to model.family=speedrun"):
-        load_config(None, [*tiny, "model.fp8_head=true"])
+    with pytest.raises(ConfigError, match="model.fp8_head applies to model.family=gpt or speedrun, not moe"):
+        load_config(None, [*tiny, "model.family=moe", "model.fp8_head=true"])
     cfg = load_config(None, [*tiny, "model.family=speedrun", "model.head_dim=16", "model.fp8_head=true",
                              "train.device=cpu"])
     with pytest.raises(ConfigError, match=r"model.fp8_head=true needs a GPU with FP8 tensor cores .* on cpu") as err:

@@ -90,10 +90,43 @@ def test_compiles_in_one_graph_and_matches_eager():
 
 @pytest.mark.parametrize("kw, match", [
     (dict(family="t5", fused_loss=True), "model.fused_loss applies to"),
-    (dict(family="speedrun", fused_loss=True, fp8_head=True), "exclusive")])
+    (dict(family="moe", fused_loss=True, fp8_head=True), "model.fp8_head applies to model.family=gpt or speedrun")])
 def test_config_errors(kw, match):
     with pytest.raises(ValueError, match=match):
         ModelSection(n_layer=2, n_head=2, n_embd=32, **kw)
+
+
+def test_fp8_logits_track_the_exact_fused_loss():
+    """fp8=True (model.fp8_head with model.fused_loss): the logits' matmul takes e4m3 operands, so the loss
+    and both gradients really move, by no more than FP8's error; the gradients are those of that loss."""
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(64, 64, generator=g), torch.randn(128, 64, generator=g) * 0.3
+    t = torch.randint(0, 128, (64,), generator=g)
+    out = []
+    for fp8 in (True, False):
+        xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
+        loss = head_cross_entropy(xx, ww, t, None, 0.0, "mean", fp8=fp8)
+        loss.backward()
+        out.append((loss.item(), xx.grad, ww.grad))
+    (l8, dx8, dw8), (l, dx, dw) = out
+    assert l8 != l and abs(l8 - l) < 0.01 * l
+    for a, b in ((dx8, dx), (dw8, dw)):
+        assert 1e-3 < float((a - b).norm() / b.norm()) < 0.1
+
+
+@pytest.mark.parametrize("family", ["gpt", "speedrun"])
+def test_models_pass_fp8_head_to_the_fused_loss(family):
+    def loss(fp8: bool) -> float:
+        torch.manual_seed(0)
+        m = build_model(ModelSection(family=family, n_layer=2, n_head=2, n_embd=64, head_dim=32, window=32,
+                                     eot_id=0, fused_loss=True, fp8_head=fp8), 128, 32)
+        with torch.no_grad():
+            m.lm_head.weight.normal_(std=0.3)  # speedrun: zero at init; make the head matter
+        idx = torch.randint(1, 128, (2, 33), generator=torch.Generator().manual_seed(1))
+        return m(idx[:, :-1].contiguous(), idx[:, 1:].contiguous()).loss.item()
+
+    l8, l = loss(True), loss(False)
+    assert l8 != l and abs(l8 - l) < 0.02 * l
 
 
 KERNEL_CHECK = r"""
@@ -150,3 +183,14 @@ def test_cuda_kernel_at_the_real_shape():
         with torch.autocast("cuda", dtype=torch.bfloat16):
             losses.append(torch.compile(model)(idx[:, :-1], idx[:, 1:]).loss.item())
     assert abs(losses[0] - losses[1]) < 1e-3 * losses[0]
+    if torch.cuda.get_device_capability() >= (8, 9):  # the FP8 logits (model.fp8_head) compiled, gradients finite
+        torch.manual_seed(0)
+        model = build_model(ModelSection(family="speedrun", n_layer=2, n_head=2, n_embd=128, head_dim=64, eot_id=50256,
+                                         fused_loss=True, fp8_head=True), 50304, 2048).cuda()
+        with torch.no_grad():
+            model.lm_head.weight.normal_(std=0.02)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = torch.compile(model)(idx[:, :-1], idx[:, 1:]).loss
+        loss.backward()
+        assert loss.item() != losses[1] and abs(loss.item() - losses[1]) < 0.02 * losses[1]
+        assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)

@@ -92,7 +92,8 @@ class ModelSection(Section):
         None, description="speedrun: one letter per layer: L = the window, S = half of it, - = no attention "
                           "(default: L everywhere)")
     eot_id: int | None = Field(None, ge=0, description="speedrun: document separator token (default: the tokenizer's)")
-    fp8_head: bool = Field(False, description="speedrun: output head in FP8 (needs FP8 tensor cores: H100, L40S)")
+    fp8_head: bool = Field(False, description="gpt, speedrun: output head in FP8; with fused_loss, the logits' matmul "
+                                              "only (needs FP8 tensor cores: H100, L40S)")
     fp8_mlp: Literal["none", "down", "both"] = Field(
         "none", description="gpt, speedrun: MLP matmuls in FP8: the down-projection, or both projections (needs "
                             "FP8 tensor cores: H100, L40S)")
@@ -108,16 +109,14 @@ class ModelSection(Section):
     def _heads_divide_width(self) -> "ModelSection":
         if self.family in ("gpt", "moe") and self.n_embd % self.n_head:
             raise ValueError(f"model.n_embd={self.n_embd} is not divisible by model.n_head={self.n_head}")
-        if self.fp8_head and self.family != "speedrun":
-            raise ValueError(f"model.fp8_head applies to model.family=speedrun, not {self.family}")
+        if self.fp8_head and self.family not in ("gpt", "speedrun"):
+            raise ValueError(f"model.fp8_head applies to model.family=gpt or speedrun, not {self.family}")
         if self.fp8_mlp != "none" and self.family not in ("gpt", "speedrun"):
             raise ValueError(f"model.fp8_mlp applies to model.family=gpt or speedrun, not {self.family}")
         if self.lowp_residual is not None and self.family not in ("gpt", "moe", "speedrun"):
             raise ValueError(f"model.lowp_residual applies to model.family=gpt, moe or speedrun, not {self.family}")
         if self.fused_loss and self.family not in ("gpt", "moe", "speedrun"):
             raise ValueError(f"model.fused_loss applies to model.family=gpt, moe or speedrun, not {self.family}")
-        if self.fused_loss and self.fp8_head:
-            raise ValueError("model.fused_loss and model.fp8_head are exclusive: the fused loss runs the head in bf16")
         if self.window_pattern is not None:
             if self.family != "speedrun":
                 raise ValueError(f"model.window_pattern applies to model.family=speedrun, not {self.family}")

@@ -1,5 +1,6 @@
-"""FP8 linear layer, y = x @ w.T, for the speedrun GPT's output head (`model.fp8_head`) and the MLP
-projections of the gpt and speedrun models (`model.fp8_mlp`).
+"""FP8 linear layer, y = x @ w.T, for the output head (`model.fp8_head`) and the MLP projections
+(`model.fp8_mlp`) of the gpt and speedrun models. With `model.fused_loss` the head's FP8 is the logits'
+matmul only (fp8_mm; model/fused_ce.py takes the gradient in bf16).
 
 The head is the largest matmul of a small GPT: 768 x 50,304 per token, about a third of its FLOPs; the
 MLP's two projections are about half. FP8 tensor cores (compute capability 8.9+: L4, L40S, H100, H200)
@@ -44,6 +45,19 @@ def _quantize(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.
     return (t.float() / scale).to(dtype), scale
 
 
+def fp8_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x (M, K) @ w.T (w (N, K)) from e4m3 copies of both, bf16 out; no autograd of its own (the fused
+    loss uses it for the logits and takes the gradient in bf16). M, K, N multiples of 16."""
+    x8, xs = _quantize(x, E4M3)
+    w8, ws = _quantize(w, E4M3)
+    return torch._scaled_mm(x8, w8.t(), scale_a=xs, scale_b=ws, out_dtype=torch.bfloat16)
+
+
+def fp8_shapes_ok(rows: int, *dims: int) -> bool:
+    """_scaled_mm's tiling: every dimension a multiple of 16."""
+    return all(d % 16 == 0 for d in (rows, *dims))
+
+
 def _col_major(t: torch.Tensor) -> torch.Tensor:
     """The same matrix, stored column-major (the layout _scaled_mm wants for its second operand)."""
     return t.t().contiguous().t()
@@ -86,7 +100,7 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x (..., K) @ w.T with w (N, K), in FP8; bf16 result. Plain F.linear where the rows are not a
     multiple of 16 (decode steps) or K, N are not (the kernels' tiling)."""
     rows = x.numel() // x.size(-1)
-    if rows % 16 or x.size(-1) % 16 or w.size(0) % 16:
+    if not fp8_shapes_ok(rows, x.size(-1), w.size(0)):
         return F.linear(x, w.to(x.dtype))
     y = _FP8Linear.apply(x.reshape(rows, x.size(-1)), w)
     return y.view(*x.shape[:-1], w.size(0))

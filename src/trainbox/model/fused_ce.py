@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import torch
 
+from trainbox.model.fp8 import fp8_mm, fp8_shapes_ok
 from trainbox.model.layers import autocast_dtype
 
 IGNORE = -100
@@ -124,9 +125,11 @@ def _(logits, targets, cap):
 
 class _HeadCE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, cap: float, dtype: torch.dtype):
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, cap: float, dtype: torch.dtype,
+                fp8: bool):
         xc, wc = x.to(dtype), w.to(dtype)
-        loss, grad = head_ce_fwd(xc @ wc.t(), targets, cap)
+        logits = fp8_mm(xc, w).to(dtype) if fp8 else xc @ wc.t()
+        loss, grad = head_ce_fwd(logits, targets, cap)
         ctx.save_for_backward(grad, xc, wc)
         ctx.dtypes = (x.dtype, w.dtype)
         return loss
@@ -138,15 +141,17 @@ class _HeadCE(torch.autograd.Function):
         scale = g.to(acc)[:, None]
         dx = (grad @ wc).to(acc) * scale
         dw = grad.t() @ (xc.to(acc) * scale).to(xc.dtype)
-        return dx.to(ctx.dtypes[0]), dw.to(ctx.dtypes[1]), None, None, None
+        return dx.to(ctx.dtypes[0]), dw.to(ctx.dtypes[1]), None, None, None, None
 
 
 def head_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, loss_mask: torch.Tensor | None,
-                       cap: float = 0.0, reduction: str = "mean") -> torch.Tensor:
+                       cap: float = 0.0, reduction: str = "mean", fp8: bool = False) -> torch.Tensor:
     """Cross-entropy of the logits x @ weight.T (soft-capped when cap > 0) without keeping the logits.
 
     x (..., K), weight (V, K), targets (...): the same loss as `cross_entropy(logits(x), targets, ...)`.
-    Under autocast the matmuls run in the autocast dtype, as nn.Linear's would.
+    Under autocast the matmuls run in the autocast dtype, as nn.Linear's would. `fp8` (model.fp8_head):
+    the logits' matmul takes e4m3 copies of x and the weight (where the shapes allow: multiples of 16);
+    the gradient's two matmuls stay in that dtype, so no FP8 transpose of the gradient is ever made.
     """
     device = x.device.type
     dtype = autocast_dtype(device, x.dtype)
@@ -154,7 +159,9 @@ def head_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.Ten
         targets = targets.masked_fill(~loss_mask, IGNORE)
     flat = targets.reshape(-1)
     with torch.autocast(device, enabled=False):
-        loss = _HeadCE.apply(x.reshape(-1, x.size(-1)), weight, flat, float(cap), dtype)
+        x2 = x.reshape(-1, x.size(-1))
+        fp8 = fp8 and fp8_shapes_ok(*x2.shape, weight.size(0))
+        loss = _HeadCE.apply(x2, weight, flat, float(cap), dtype, fp8)
     if reduction == "none":
         return loss.view(targets.shape)
     if reduction == "sum":

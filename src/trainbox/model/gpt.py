@@ -140,8 +140,8 @@ class GPT(nn.Module):
                   reduction: str) -> torch.Tensor:
         """Cross-entropy of the head's logits; model.fused_loss computes it without keeping them."""
         if self.cfg.fused_loss:
-            return head_cross_entropy(x, self.lm_head.weight, targets, loss_mask, 0.0, reduction)
-        return cross_entropy(self.lm_head(x), targets, loss_mask, reduction)
+            return head_cross_entropy(x, self.lm_head.weight, targets, loss_mask, 0.0, reduction, fp8=self.cfg.fp8_head)
+        return cross_entropy(linear(self.lm_head, x, self.cfg.fp8_head), targets, loss_mask, reduction)
 
     def checkpoint_units(self) -> list[nn.Module]:
         """The blocks that train.activation_checkpointing wraps."""

@@ -340,7 +340,7 @@ class SpeedrunGPT(nn.Module):
             return Output(logits=self.logits(x[:, -1:, :]))
         if self.cfg.fused_loss:
             return Output(loss=head_cross_entropy(x, self.lm_head.weight, targets, loss_mask, self.cfg.logit_softcap,
-                                                  reduction))
+                                                  reduction, fp8=self.cfg.fp8_head))
         return Output(loss=cross_entropy(self.logits(x, shifted=True), targets, loss_mask, reduction))
 
     # ------------------------------------------------------------------ interface
