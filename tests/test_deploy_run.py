@@ -51,6 +51,27 @@ def container_env(tmp_path, bin_dir, extra: dict | None = None) -> dict:
             **(extra or {})}
 
 
+def run_launcher(cmd: list[str], cwd, env: dict, timeout: int = 300) -> subprocess.CompletedProcess:
+    """Run a launcher line (torchrun inside) to its end. On a timeout, fail with its output so far and the
+    trainbox/torchrun processes still alive (which of agent and workers hung), after killing its group."""
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        ps = subprocess.run(["ps", "-e", "--forest", "-o", "pid,ppid,sid,etime,stat,args"], capture_output=True,
+                            text=True).stdout
+        alive = "\n".join(line for line in ps.splitlines() if "trainbox" in line or "torchrun" in line)
+        os.killpg(proc.pid, signal.SIGKILL)
+        try:
+            out, err = proc.communicate(timeout=10)
+        except subprocess.TimeoutExpired:  # a worker outside the group still holds the pipes
+            out, err = "", ""
+        pytest.fail(f"{cmd[:3]} still running after {timeout} s; live processes:\n{alive}\n"
+                    f"--- stdout\n{out[-3000:]}\n--- stderr\n{err[-3000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
 def status(run_dir) -> dict:
     try:
         return json.loads((run_dir / "status.json").read_text())
@@ -144,8 +165,7 @@ def test_pytorchjob_args_train_under_torchrun(tmp_path, bin_dir, data_cache, ela
     env = container_env(tmp_path, bin_dir, {e["name"]: e["value"] for e in c["env"] if e["name"] != "HF_HOME"
                                             and not e["value"].startswith("/cache")})
     env.update(operator_env)
-    out = subprocess.run([str(REPO / "docker" / "entrypoint.sh"), *args], cwd=tmp_path, env=env,
-                         capture_output=True, text=True, timeout=300)
+    out = run_launcher([str(REPO / "docker" / "entrypoint.sh"), *args], tmp_path, env)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     run_dir = tmp_path / "runs" / "k"
     assert json.loads((run_dir / "env.json").read_text())["world_size"] == 2
@@ -160,8 +180,7 @@ def test_sbatch_torchrun_line_trains_with_c10d_rendezvous(tmp_path, data_cache):
            "SLURM_JOB_ID": "4242", "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
            "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}"}
     # torchrun comes from this interpreter's environment, as on a node with trainbox installed
-    out = subprocess.run(["bash", "-c", f'set -euo pipefail\n{block}"${{TRAIN[@]}}"'], cwd=tmp_path, env=env,
-                         capture_output=True, text=True, timeout=300)
+    out = run_launcher(["bash", "-c", f'set -euo pipefail\n{block}"${{TRAIN[@]}}"'], tmp_path, env)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     run_dir = tmp_path / "runs" / "s"
     assert json.loads((run_dir / "env.json").read_text())["world_size"] == 1
