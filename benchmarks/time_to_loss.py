@@ -12,8 +12,8 @@ attention. Choose the step counts so that both train for the time you compare at
 would not be the recipe.
 
 Ours runs the real loop (`trainbox train`'s Trainer) with monitor.log_every=10; every logged window
-ends in a host sync, so the metrics.jsonl timestamps of steps 10 and N bound the timed steps. For the
-speedrun family the window warm-up is set to the run's length, as in the record scripts.
+ends in a host sync, so the metrics.jsonl timestamps of steps 10 and N bound the timed steps. The speedrun
+recipes warm their window up over the whole run (window_warmup_steps null), as the record scripts do.
 
 The peer is a record script (code present locally, never committed) run as
 `torchrun --standalone --nproc_per_node 1 SCRIPT`, with its data and length passed through the
@@ -46,12 +46,9 @@ def run_ours(recipe: str, data: str, steps: int, overrides: list[str]) -> dict:
     if steps <= TIMED_FROM or steps % 10:
         raise SystemExit(f"--steps must be a multiple of 10 above {TIMED_FROM} (the logged windows bound the timed steps)")
     tmp = tempfile.mkdtemp(prefix="ttl-")
-    base = [f"data.path={data}", f"train.max_steps={steps}", "monitor.log_every=10", "train.eval_every=0",
-            "train.checkpoint_every=0", "train.sample_tokens=0", f"run.dir={tmp}", "monitor.port=0"]
-    cfg = load_config(recipe, base)
-    if cfg.model.family == "speedrun":
-        base.append(f"model.window_warmup_steps={steps}")
-    cfg = load_config(recipe, [*base, *overrides])
+    cfg = load_config(recipe, [f"data.path={data}", f"train.max_steps={steps}", "monitor.log_every=10",
+                               "train.eval_every=0", "train.checkpoint_every=0", "train.sample_tokens=0",
+                               f"run.dir={tmp}", "monitor.port=0", *overrides])
     summary = Trainer(cfg).run()
     events = [json.loads(line) for line in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
     logged = {e["step"]: e["time"] for e in events if e["event"] == "train" and "tokens_per_s" in e}

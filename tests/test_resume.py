@@ -41,8 +41,9 @@ class StopAfter(Trainer):
         return out
 
 
-SPEEDRUN = ["model.family=speedrun", "model.head_dim=16", "optim.name=muon", "model.window=24",
-            "model.window_warmup_steps=16", "model.window_pattern=LS"]
+# 256-token rows and window: the window really grows (from 128) over the run (window_warmup_steps null)
+SPEEDRUN = ["model.family=speedrun", "model.head_dim=16", "optim.name=muon", "data.seq_len=256", "model.window=256",
+            "model.window_warmup_steps=null", "model.window_pattern=LS", "train.micro_batch_size=2"]
 
 
 def test_speedrun_recipe_resumes_bit_identically(tiny):
@@ -55,6 +56,14 @@ def test_speedrun_recipe_resumes_bit_identically(tiny):
     Trainer(cut).run()
     assert _train_losses(cut.run_dir) == _train_losses(straight.run_dir)
     assert [s for s, _ in _train_losses(cut.run_dir)] == list(range(1, 21))
+
+
+def test_speedrun_window_warms_up_over_the_run_when_null(tiny):
+    """model.window_warmup_steps=null: the loop hands the model its total, and the window of the last of
+    20 steps is 128 + (256 - 128) * 19 / 20, not yet the full 256."""
+    trainer = Trainer(_cfg(tiny, *SPEEDRUN, "run.name=w"))
+    trainer.run()
+    assert int(trainer.model.window) == 249
 
 
 def test_resume_is_bit_identical_and_meters_count_this_process(tiny):

@@ -100,6 +100,10 @@ def test_window_warmup_schedule():
     assert int(model.window) == 128
     model.set_step(100)
     assert int(model.window) == 1024
+    whole_run = make(window=1024, window_warmup_steps=None)   # null: over the run's total steps
+    assert [whole_run.window_at(s, 200) for s in (0, 100, 200)] == [128, 576, 1024]
+    whole_run.set_step(50, 100)
+    assert int(whole_run.window) == 576
 
 
 def test_generation_with_cache_equals_without():

@@ -87,7 +87,9 @@ class ModelSection(Section):
     moe: MoESection = Field(default_factory=MoESection)
     logit_softcap: float = Field(15.0, ge=0, description="speedrun: tanh soft-cap of the logits (0 = off)")
     window: int = Field(1792, ge=1, description="speedrun: final attention window (tokens)")
-    window_warmup_steps: int = Field(0, ge=0, description="speedrun: steps over which the window grows")
+    window_warmup_steps: int | None = Field(
+        0, ge=0, description="speedrun: steps over which the window grows (0: none; null: the whole run, "
+                             "whatever train.max_steps is)")
     window_pattern: str | None = Field(
         None, description="speedrun: one letter per layer: L = the window, S = half of it, - = no attention "
                           "(default: L everywhere)")

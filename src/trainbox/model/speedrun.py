@@ -8,7 +8,8 @@ Architecture choices (modded-nanogpt records of late 2024 / early 2025, Keller J
   - document-causal sliding-window attention: a query sees keys that are (1) not in its future, (2) fewer
     than `window` tokens back and (3) in its own document; a document starts at each EOT token (the
     data puts EOT before every document). The window grows from 128 to `model.window` over
-    `model.window_warmup_steps` steps (`set_step`, called by the training loop);
+    `model.window_warmup_steps` steps, or over the whole run when it is null (`set_step`, called by the
+    training loop with the step and the run's total);
   - MLP of width 4d with ReLU^2; every output projection (attention, MLP, head) starts at zero;
   - untied output head; logits soft-capped by `logit_softcap * tanh(logits / logit_softcap)`;
   - `model.window_pattern` gives each layer its attention: L the window, S half of it (the "long-short"
@@ -248,17 +249,19 @@ class SpeedrunGPT(nn.Module):
                 nn.init.normal_(p, std=1.0)
 
     # ------------------------------------------------------------------ schedules and backends
-    def window_at(self, step: int) -> int:
-        """Attention window at `step`: MIN_WINDOW growing linearly to model.window over the warm-up."""
+    def window_at(self, step: int, total: int | None = None) -> int:
+        """Attention window at `step`: MIN_WINDOW growing linearly to model.window over the warm-up, which
+        is model.window_warmup_steps steps or, when that is null, the run's `total` steps."""
         final = self.cfg.window
         start = min(MIN_WINDOW, final)
-        if not self.cfg.window_warmup_steps or step >= self.cfg.window_warmup_steps:
+        warmup = self.cfg.window_warmup_steps if self.cfg.window_warmup_steps is not None else total
+        if not warmup or step >= warmup:
             return final
-        return int(start + (final - start) * step / self.cfg.window_warmup_steps)
+        return int(start + (final - start) * step / warmup)
 
-    def set_step(self, step: int) -> None:
+    def set_step(self, step: int, total: int | None = None) -> None:
         """Called by the loop before each step (outside torch.compile): window warm-up and backend choice."""
-        self.window.fill_(self.window_at(step))
+        self.window.fill_(self.window_at(step, total))
         self._resolve_backend(self.window.device)
 
     def _resolve_backend(self, device: torch.device) -> None:

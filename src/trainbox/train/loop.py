@@ -336,7 +336,7 @@ class Trainer:
         from trainbox.optim.build import lr_multiplier, set_lr
         lr = set_lr(self.optimizers, lr_multiplier(step, self.total, cfg.optim))
         if hasattr(self.model, "set_step"):  # schedules inside the model (speedrun window warm-up)
-            self.model.set_step(step)
+            self.model.set_step(step, self.total)
         batches = self.plan.micro_batches(step)
         accum = len(batches)
         scale = self.dist.world / max(1, global_target_tokens(self.plan, step))
