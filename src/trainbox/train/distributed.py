@@ -100,3 +100,4 @@ class Dist:
             if graceful:
                 dist.barrier(group=self.ctrl)
             dist.destroy_process_group()
+            self.ctrl = None
