@@ -57,6 +57,9 @@ def test_doctor_fails_when_the_recipe_needs_what_is_missing(tmp_path, monkeypatc
     assert "needs_data" not in checks("gpt2-125m")
     if not torch.cuda.is_available():
         assert checks("tiny", "train.device=cuda")["needs_gpu"].status == "fail"
+        fp8 = checks("tiny", "model.fp8_mlp=down", "model.fp8_head=true")["needs_fp8"]
+        assert fp8.status == "fail" and "drop model.fp8_head and model.fp8_mlp" in fp8.fix
+    assert "needs_fp8" not in checks("tiny")
     # the CLI exits 1 and names the missing piece and its fix
     proc = run_cli("doctor", "gpt2-125m", "data.path=nowhere/x", cwd=tmp_path, check=False)
     assert proc.returncode == 1 and "FAIL  needs_data" in proc.stdout and "-> trainbox data fineweb" in proc.stdout

@@ -82,6 +82,9 @@ def gpu_checks() -> list[Check]:
     bf16 = torch.cuda.is_bf16_supported()
     out.append(Check("bf16", "ok" if bf16 else "warn", "yes" if bf16 else "no",
                      "" if bf16 else "this GPU has no bf16: use train.dtype=fp16 (loss scaling) or fp32"))
+    fp8 = torch.version.cuda is not None and min(caps) >= (8, 9)
+    out.append(Check("fp8", "ok", "yes (model.fp8_head, model.fp8_mlp)" if fp8 else
+                     "no: model.fp8_head and model.fp8_mlp need compute capability 8.9+ (L4, L40S, H100, H200)"))
     flex, why = flex_attention_status(min(caps))
     out.append(Check("flex_attention", "ok" if flex else "warn", "yes" if flex else f"no ({why})",
                      "" if flex else "attention falls back to SDPA (slower for sliding windows)"))
@@ -178,6 +181,13 @@ def recipe_checks(cfg: RunConfig) -> list[Check]:
                          "run on a GPU machine, or set train.device=auto"))
     if cfg.train.dtype == "bf16" and gpu and not torch.cuda.is_bf16_supported():
         out.append(Check("needs_bf16", "fail", "train.dtype=bf16 on a GPU without bf16", "set train.dtype=fp16"))
+    fp8 = [o for o, on in (("model.fp8_head", cfg.model.fp8_head), ("model.fp8_mlp", cfg.model.fp8_mlp != "none")) if on]
+    if fp8:
+        from trainbox.model.fp8 import fp8_supported
+        if not (gpu and fp8_supported(torch.device("cuda"))):
+            out.append(Check("needs_fp8", "fail", f"{' and '.join(fp8)} need FP8 tensor cores (compute capability "
+                             "8.9+: L4, L40S, H100, H200); " + ("this GPU has none" if gpu else "no GPU is visible"),
+                             f"drop {' and '.join(fp8)} (the matmuls then run in bf16)"))
     if cfg.train.compile and shutil.which("cc") is None and shutil.which("gcc") is None:
         out.append(Check("needs_compiler", "fail", "train.compile=true but no C compiler (cc/gcc) is on PATH",
                          "apt-get install gcc python3-dev, or set train.compile=false"))
