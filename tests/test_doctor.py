@@ -78,4 +78,6 @@ def test_doctor_on_gpu():
     if torch.cuda.get_device_capability(0) >= (8, 0):
         assert checks["bf16"].status == "ok"
         assert checks["flex_attention"].status == "ok", checks["flex_attention"].value
+    fp8 = torch.version.cuda is not None and torch.cuda.get_device_capability(0) >= (8, 9)
+    assert checks["fp8"].value.startswith("yes" if fp8 else "no")
     assert checks["nccl"].status == "ok"
