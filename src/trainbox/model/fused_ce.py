@@ -25,7 +25,7 @@ Measured on an H100 (benchmarks/records, session 4): the kernel takes 54 ms per 
 the compiled unfused forward and backward took 69 ms (step 827.5 -> 820.2 ms), and gpt2-125m's step went
 from 997.8 to 978.6 ms. It costs memory where the head is the peak: the logits and G coexist for the
 kernel's duration (gpt2-125m at micro-batch 48: 22.3 -> 26.7 GiB). On in the gpt2-125m and speedrun-124m
-recipes.
+recipes. With model.fp8_head the logits' matmul takes e4m3 operands (fp8_mm); the gradient's stay bf16.
 """
 from __future__ import annotations
 
