@@ -58,12 +58,22 @@ def test_speedrun_recipe_resumes_bit_identically(tiny):
     assert [s for s, _ in _train_losses(cut.run_dir)] == list(range(1, 21))
 
 
-def test_speedrun_window_warms_up_over_the_run_when_null(tiny):
-    """model.window_warmup_steps=null: the loop hands the model its total, and the window of the last of
-    20 steps is 128 + (256 - 128) * 19 / 20, not yet the full 256."""
-    trainer = Trainer(_cfg(tiny, *SPEEDRUN, "run.name=w"))
-    trainer.run()
-    assert int(trainer.model.window) == 249
+def test_speedrun_window_warms_up_over_the_run_when_null(tiny, monkeypatch):
+    """model.window_warmup_steps=null: the loop hands the model its total, so over 20 steps the window grows
+    from 128 to 128 + (256 - 128) * 19 / 20 = 249; the closing evaluation uses the full 256."""
+    from trainbox.model.speedrun import SpeedrunGPT
+
+    windows = []
+    set_step = SpeedrunGPT.set_step
+
+    def spy(self, step, total=None):
+        set_step(self, step, total)
+        windows.append(int(self.window))
+
+    monkeypatch.setattr(SpeedrunGPT, "set_step", spy)
+    Trainer(_cfg(tiny, *SPEEDRUN, "run.name=w")).run()
+    assert windows[:20] == [128 + (256 - 128) * s // 20 for s in range(20)] and windows[19] == 249
+    assert windows[20:] == [256]
 
 
 def test_resume_is_bit_identical_and_meters_count_this_process(tiny):

@@ -416,6 +416,8 @@ class Trainer:
 
     def _evaluate(self, step: int) -> dict:
         self._phase("evaluating")
+        if hasattr(self.model, "set_step"):  # evaluate with the window of `step` (the final one at the end), as
+            self.model.set_step(step, self.total)  # the record scripts do; the next training step sets its own
         if self.token_bytes is None:
             pad = [0] * (self.vocab - self.tokenizer.vocab_size)
             self.token_bytes = torch.tensor(self.tokenizer.token_bytes() + pad, dtype=torch.int32, device=self.device)
