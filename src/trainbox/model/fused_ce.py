@@ -8,7 +8,7 @@ The unfused head keeps the (tokens x vocab) logits for the backward, and the bac
 to recompute the softmax (and the cap) before it writes their gradient: for a 64K-token row and GPT-2's
 vocabulary that is a 6.6 GB bf16 tensor read twice and written once, plus the transcendental work twice.
 Here the forward computes the gradient G = dloss_i/dlogits (upstream gradient 1) right after the loss,
-in the same kernel, while each row is still in cache; the logits die at once and G is kept instead (the
+in the same kernel, while each row is still in cache, and written over the logits, which are dead (the
 same size). The backward has no elementwise pass over the big tensor at all: the upstream gradient g_i
 (one number per token) is applied to the small operands,
 
@@ -18,14 +18,15 @@ so a per-token loss weighting (loss masks, the loop's 1/tokens) costs nothing.
 
 On CUDA the kernel is Triton (one program per row: an online logsumexp pass, then a pass that writes G);
 elsewhere, and where Triton is missing, the same arithmetic runs as torch ops. Both are registered as the
-custom op `trainbox::head_ce_fwd`, so torch.compile keeps the model in one graph. Rows whose target is
+custom op `trainbox::head_ce_`, which writes G over the logits (they are dead once read), so
+torch.compile keeps the model in one graph and the head holds one (tokens x vocab) tensor, not two. Rows whose target is
 -100 (masked) get loss 0 and a zero gradient.
 
 Measured on an H100 (benchmarks/records, session 4): the kernel takes 54 ms per speedrun-124m step where
 the compiled unfused forward and backward took 69 ms (step 827.5 -> 820.2 ms), and gpt2-125m's step went
-from 997.8 to 978.6 ms. It costs memory where the head is the peak: the logits and G coexist for the
-kernel's duration (gpt2-125m at micro-batch 48: 22.3 -> 26.7 GiB). On in the gpt2-125m and speedrun-124m
-recipes. With model.fp8_head the logits' matmul takes e4m3 operands (fp8_mm); the gradient's stay bf16.
+from 997.8 to 978.6 ms. That version wrote G to a second tensor, which cost memory where the head is the
+peak (gpt2-125m at micro-batch 48: 22.3 -> 26.7 GiB); G now overwrites the logits (not yet measured on a
+GPU). On in the gpt2-125m and speedrun-124m recipes. With model.fp8_head the logits' matmul takes e4m3 operands (fp8_mm); the gradient's stay bf16.
 """
 from __future__ import annotations
 
@@ -52,9 +53,13 @@ if triton is not None:
 
     @triton.jit
     def _head_ce_kernel(Z, stride_z, T, LOSS, G, stride_g, cap, V: tl.constexpr,
-                        HAS_CAP: tl.constexpr, BLOCK: tl.constexpr):
+                        HAS_CAP: tl.constexpr, IN_PLACE: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
-        z_row, g_row = Z + row * stride_z, G + row * stride_g
+        z_row = Z + row * stride_z
+        if IN_PLACE:  # G is Z: the gradient goes through the same pointer, so no load can pass a store
+            g_row = z_row
+        else:
+            g_row = G + row * stride_g
         target = tl.load(T + row)
         cols = tl.arange(0, BLOCK)
         # running max per lane; finite, so that a lane that never sees a column (V < BLOCK) stays 0 * exp(0)
@@ -103,24 +108,25 @@ def _reference(logits: torch.Tensor, targets: torch.Tensor, cap: float) -> tuple
     return loss, g.masked_fill(ignored[:, None], 0.0).to(logits.dtype)
 
 
-@torch.library.custom_op("trainbox::head_ce_fwd", mutates_args=())
-def head_ce_fwd(logits: torch.Tensor, targets: torch.Tensor, cap: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits (M, V), targets (M,) -> loss (M,) fp32 and its gradient w.r.t. the logits (M, V)."""
+@torch.library.custom_op("trainbox::head_ce_", mutates_args=("logits",))
+def head_ce_(logits: torch.Tensor, targets: torch.Tensor, cap: float) -> torch.Tensor:
+    """logits (M, V) contiguous, targets (M,) -> loss (M,) in fp32 (or wider); overwrites the logits with
+    the loss's gradient w.r.t. them, which is all the backward needs, so the head never holds two (M, V)
+    tensors at once. Each row is read (twice) before it is written, by the same program."""
     if logits.is_cuda and triton is not None:
         M, V = logits.shape
-        logits = logits.contiguous()
         loss = torch.empty(M, dtype=torch.float32, device=logits.device)
-        grad = torch.empty_like(logits)
-        _head_ce_kernel[(M,)](logits, logits.stride(0), targets.contiguous(), loss, grad, grad.stride(0),
-                              float(cap), V=V, HAS_CAP=bool(cap), BLOCK=4096, num_warps=16)
-        return loss, grad
-    return _reference(logits, targets, cap)
+        _head_ce_kernel[(M,)](logits, logits.stride(0), targets.contiguous(), loss, logits, logits.stride(0),
+                              float(cap), V=V, HAS_CAP=bool(cap), IN_PLACE=True, BLOCK=4096, num_warps=16)
+        return loss
+    loss, grad = _reference(logits, targets, cap)
+    logits.copy_(grad)
+    return loss
 
 
-@head_ce_fwd.register_fake
+@head_ce_.register_fake
 def _(logits, targets, cap):
-    return (logits.new_empty(logits.size(0), dtype=torch.promote_types(logits.dtype, torch.float32)),
-            torch.empty_like(logits))
+    return logits.new_empty(logits.size(0), dtype=torch.promote_types(logits.dtype, torch.float32))
 
 
 class _HeadCE(torch.autograd.Function):
@@ -128,8 +134,8 @@ class _HeadCE(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, cap: float, dtype: torch.dtype,
                 fp8: bool):
         xc, wc = x.to(dtype), w.to(dtype)
-        logits = fp8_mm(xc, w).to(dtype) if fp8 else xc @ wc.t()
-        loss, grad = head_ce_fwd(logits, targets, cap)
+        grad = fp8_mm(xc, w).to(dtype) if fp8 else xc @ wc.t()   # the logits, until head_ce_ overwrites them
+        loss = head_ce_(grad, targets, cap)
         ctx.save_for_backward(grad, xc, wc)
         ctx.dtypes = (x.dtype, w.dtype)
         return loss
