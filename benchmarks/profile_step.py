@@ -8,7 +8,8 @@ device synchronised only at their ends, then records `--profile` steps under tor
 step ms, tokens/s, MFU, the share of GPU time per kind (matmul, attention, fused elementwise
 (Triton), optimizer, copies, communication, other), the GPU-busy fraction of the step, the top
 kernels in ms per step, and the GPU's idle time inside the profiled steps with its largest gaps (the
-kernels on either side and the host ops that ran meanwhile: where the host, not the GPU, set the pace). `--sdpa` pins PyTorch's attention backend for the whole run (tracing included).
+kernels on either side and the host ops that ran meanwhile: where the host, not the GPU, set the pace).
+`--sdpa` pins PyTorch's attention backend for the whole run (tracing included).
 """
 from __future__ import annotations
 

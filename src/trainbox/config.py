@@ -107,6 +107,12 @@ class ModelSection(Section):
     path: str | None = Field(None, description="hf: hub id or local folder of a Hugging Face causal LM")
     t5: T5Section = Field(default_factory=T5Section)
 
+    @property
+    def fp8_options(self) -> list[str]:
+        """The FP8 settings this model asks for, as key=value (empty: none)."""
+        return [o for o, on in (("model.fp8_head=true", self.fp8_head),
+                                (f"model.fp8_mlp={self.fp8_mlp}", self.fp8_mlp != "none")) if on]
+
     @model_validator(mode="after")
     def _heads_divide_width(self) -> "ModelSection":
         if self.family in ("gpt", "moe") and self.n_embd % self.n_head:

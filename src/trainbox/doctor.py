@@ -82,7 +82,8 @@ def gpu_checks() -> list[Check]:
     bf16 = torch.cuda.is_bf16_supported()
     out.append(Check("bf16", "ok" if bf16 else "warn", "yes" if bf16 else "no",
                      "" if bf16 else "this GPU has no bf16: use train.dtype=fp16 (loss scaling) or fp32"))
-    fp8 = torch.version.cuda is not None and min(caps) >= (8, 9)
+    from trainbox.model.fp8 import fp8_supported
+    fp8 = all(fp8_supported(torch.device("cuda", i)) for i in range(len(caps)))
     out.append(Check("fp8", "ok", "yes (model.fp8_head, model.fp8_mlp)" if fp8 else
                      "no: model.fp8_head and model.fp8_mlp need compute capability 8.9+ (L4, L40S, H100, H200)"))
     flex, why = flex_attention_status(min(caps))
@@ -181,7 +182,7 @@ def recipe_checks(cfg: RunConfig) -> list[Check]:
                          "run on a GPU machine, or set train.device=auto"))
     if cfg.train.dtype == "bf16" and gpu and not torch.cuda.is_bf16_supported():
         out.append(Check("needs_bf16", "fail", "train.dtype=bf16 on a GPU without bf16", "set train.dtype=fp16"))
-    fp8 = [o for o, on in (("model.fp8_head", cfg.model.fp8_head), ("model.fp8_mlp", cfg.model.fp8_mlp != "none")) if on]
+    fp8 = [o.split("=")[0] for o in cfg.model.fp8_options]
     if fp8:
         from trainbox.model.fp8 import fp8_supported
         if not (gpu and fp8_supported(torch.device("cuda"))):

@@ -88,6 +88,11 @@ class _FP8Linear(torch.autograd.Function):
         return dx.to(ctx.dtypes[0]), dw.to(ctx.dtypes[1])
 
 
+def mlp_fp8(mode: str) -> tuple[bool, bool]:
+    """model.fp8_mlp -> (up-projection in FP8, down-projection in FP8)."""
+    return mode == "both", mode in ("down", "both")
+
+
 def linear(layer: torch.nn.Linear, x: torch.Tensor, fp8: bool) -> torch.Tensor:
     """`layer(x)`, with the matmul in FP8 when `fp8` (the bias added in the result's dtype, as autocast does)."""
     if not fp8:

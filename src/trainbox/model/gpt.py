@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from trainbox.model.fp8 import linear
+from trainbox.model.fp8 import linear, mlp_fp8
 from trainbox.model.fused_ce import head_cross_entropy
 from trainbox.model.layers import (KVCache, autocast_dtype, cached_attention, gelu_tanh, init_normal_,
                                    scaled_residual_init_)
@@ -76,7 +76,7 @@ class MLP(nn.Module):
         self.c_fc = nn.Linear(n_embd, 4 * n_embd, bias=bias)
         self.c_proj = nn.Linear(4 * n_embd, n_embd, bias=bias)
         self.dropout = nn.Dropout(dropout)
-        self.fp8_up, self.fp8_down = fp8 == "both", fp8 in ("down", "both")
+        self.fp8_up, self.fp8_down = mlp_fp8(fp8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.dropout(linear(self.c_proj, gelu_tanh(linear(self.c_fc, x, self.fp8_up)), self.fp8_down))

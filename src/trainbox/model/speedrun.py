@@ -37,7 +37,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from trainbox.errors import ConfigError
-from trainbox.model.fp8 import fp8_linear, linear
+from trainbox.model.fp8 import fp8_linear, linear, mlp_fp8
 from trainbox.model.fused_ce import head_cross_entropy
 from trainbox.model.gpt import Output, cross_entropy, residual_dtype
 from trainbox.model.layers import DocKVCaches, KVCache, RMSNorm, Rotary
@@ -176,7 +176,7 @@ class MLP(nn.Module):
         super().__init__()
         self.c_fc = nn.Linear(dim, 4 * dim, bias=False)
         self.c_proj = nn.Linear(4 * dim, dim, bias=False)
-        self.fp8_up, self.fp8_down = fp8 == "both", fp8 in ("down", "both")
+        self.fp8_up, self.fp8_down = mlp_fp8(fp8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(self.c_proj, F.relu(linear(self.c_fc, x, self.fp8_up)).square(), self.fp8_down)

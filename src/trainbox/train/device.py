@@ -37,8 +37,7 @@ def resolve_device(cfg: RunConfig, dist: Dist) -> tuple[torch.device, torch.dtyp
     if dtype != torch.float32 and device.type == "cpu":
         raise ConfigError(f"train.dtype={cfg.train.dtype} needs a GPU; on CPU training runs in fp32",
                           hint="use train.dtype=auto or train.dtype=fp32")
-    fp8 = [o for o, on in (("model.fp8_head=true", cfg.model.fp8_head),
-                           (f"model.fp8_mlp={cfg.model.fp8_mlp}", cfg.model.fp8_mlp != "none")) if on]
+    fp8 = cfg.model.fp8_options
     if fp8:
         from trainbox.model.fp8 import fp8_supported
         if not fp8_supported(device):
