@@ -93,6 +93,19 @@ def test_window_limit():
     assert (diff[10:18] > 1e-4).all()                        # inside the window
 
 
+def test_window_counts_blocks():
+    # model.window_block=4, window 8: a query sees its own 4-token block and the one before it, so a
+    # change at position 10 (block 8..11) reaches 10..15 and not 16 (two blocks on), where an exact
+    # 8-token window would reach 17
+    model = make(window=8, n_layer=1, window_block=4)
+    idx = tokens()
+    changed = idx.clone()
+    changed[:, 10] = (changed[:, 10] + 3) % (VOCAB - 1) + 1
+    diff = (logits_all(model, changed) - logits_all(model, idx)).abs().amax(dim=(0, 2))
+    assert diff[:10].max() == 0 and diff[16:].max() == 0
+    assert (diff[10:16] > 1e-4).all()
+
+
 def test_window_warmup_schedule():
     model = make(window=1024, window_warmup_steps=100)
     assert [model.window_at(s) for s in (0, 50, 100, 500)] == [128, 576, 1024, 1024]
@@ -126,12 +139,13 @@ def reference_attention_logits(model, idx):
     B, T = idx.shape
     eot = model.eot_id
     docs = (idx == eot).cumsum(1)
+    u = model.cfg.window_block  # the window counts blocks of u tokens
 
     def attend(q, k, v, window):
         out = torch.zeros_like(q)
         for b in range(B):
             for t in range(T):
-                keys = [s for s in range(T) if s <= t and t - s < window and docs[b, s] == docs[b, t]]
+                keys = [s for s in range(T) if s <= t and (t // u - s // u) * u < window and docs[b, s] == docs[b, t]]
                 scores = (q[b, :, t:t + 1] @ k[b, :, keys].transpose(-1, -2)) * 0.12
                 out[b, :, t] = (scores.softmax(-1) @ v[b, :, keys])[:, 0]
         return out
@@ -145,9 +159,9 @@ def reference_attention_logits(model, idx):
         del model._attend_fns
 
 
-@pytest.mark.parametrize("pattern", [None, "LS-", "SLS"])
-def test_matches_slow_reference(pattern):
-    model = make(window=6, n_layer=3, window_pattern=pattern)
+@pytest.mark.parametrize("pattern, unit", [(None, 1), ("LS-", 1), ("SLS", 1), ("LS-", 4), ("SLS", 3)])
+def test_matches_slow_reference(pattern, unit):
+    model = make(window=6, n_layer=3, window_pattern=pattern, window_block=unit)
     idx = tokens(T=16)
     idx[0, 5] = EOT
     idx[1, 11] = EOT
@@ -253,12 +267,16 @@ def test_interface_counts():
     n_tables = model.embed.weight.numel() + sum(e.weight.numel() for e in model.value_embeds)
     assert model.num_params() == n_total - n_tables
     assert model.flops_per_token(32) == 6 * model.num_params() + 12 * 4 * 2 * 16 * 32
+    # window 20 in blocks of 8: a query sees 2 whole blocks and, on average, 4.5 keys of its own
+    blocks = make(window=20, window_block=8, window_pattern="LLLS")
+    assert blocks.flops_per_token(64) == 6 * blocks.num_params() + 12 * 2 * 16 * (3 * 20.5 + 12.5)
     with pytest.raises(Exception, match="eot_id"):
         build_model(ModelSection(family="speedrun", n_layer=2, n_head=2, n_embd=32), VOCAB, 64)
 
 
-@pytest.mark.parametrize("window", [1, 100, 128, 300, 5000])
-def test_flex_block_mask_matches_dense_mask_mod(window):
+@pytest.mark.parametrize("window, unit", [(1, 1), (100, 1), (128, 1), (300, 1), (5000, 1), (1, 128), (300, 128),
+                                          (640, 128), (100, 48)])
+def test_flex_block_mask_matches_dense_mask_mod(window, unit):
     """Our O((T/128)^2) block mask equals torch's create_block_mask (which evaluates mask_mod densely)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
@@ -268,8 +286,8 @@ def test_flex_block_mask_matches_dense_mask_mod(window):
     idx[1, [129, 256, 257]] = EOT     # a one-token document, and one that starts on a block edge
     docs = (idx == EOT).cumsum(1)
     w = torch.tensor(window, dtype=torch.int32)
-    ours = flex_block_mask(docs, w)
-    ref = create_block_mask(lambda b, h, q, k: allowed(q, k, docs[b, q], docs[b, k], w), 2, None, 768, 768,
+    ours = flex_block_mask(docs, w, unit)
+    ref = create_block_mask(lambda b, h, q, k: allowed(q, k, docs[b, q], docs[b, k], w, unit), 2, None, 768, 768,
                             device="cpu")
     assert torch.equal(ours.to_dense(), ref.to_dense())
     assert torch.equal(ours.full_kv_num_blocks, ref.full_kv_num_blocks)

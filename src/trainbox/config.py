@@ -90,6 +90,10 @@ class ModelSection(Section):
     window_warmup_steps: int | None = Field(
         0, ge=0, description="speedrun: steps over which the window grows (0: none; null: the whole run, "
                              "whatever train.max_steps is)")
+    window_block: int = Field(1, ge=1, description="speedrun: the window counts blocks of this many tokens: a query "
+                              "sees its own block and those starting fewer than `window` tokens before it (1: "
+                              "exactly the last `window` tokens; 128: modded-nanogpt's block-wise windows, faster "
+                              "FlexAttention masks)")
     window_pattern: str | None = Field(
         None, description="speedrun: one letter per layer: L = the window, S = half of it, - = no attention "
                           "(default: L everywhere)")

@@ -51,20 +51,27 @@ NUM_VALUE_EMBEDS = 3
 # ----------------------------------------------------------------------------- the attention mask
 
 
-def allowed(q_pos, kv_pos, q_doc, kv_doc, window):
-    """Document-causal sliding-window rule, shared by the FlexAttention mask_mod and the SDPA mask."""
-    return (kv_pos <= q_pos) & (q_pos - kv_pos < window) & (q_doc == kv_doc)
+def allowed(q_pos, kv_pos, q_doc, kv_doc, window, unit: int = 1):
+    """Document-causal sliding-window rule, shared by the FlexAttention mask_mod and the SDPA mask.
+
+    The window is counted in blocks of `unit` tokens (model.window_block): a query sees the keys of its
+    own block and of the blocks that start fewer than `window` tokens before its block does. unit=1 is
+    the exact rule (the last `window` tokens); unit=128, modded-nanogpt's block-wise windows, leaves
+    FlexAttention no partial block at the window's edge."""
+    near = (q_pos - kv_pos < window) if unit == 1 else ((q_pos // unit - kv_pos // unit) * unit < window)
+    return (kv_pos <= q_pos) & near & (q_doc == kv_doc)
 
 
-def sdpa_mask(q_docs: torch.Tensor, kv_docs: torch.Tensor, pos: int, window: torch.Tensor) -> torch.Tensor:
+def sdpa_mask(q_docs: torch.Tensor, kv_docs: torch.Tensor, pos: int, window: torch.Tensor,
+              unit: int = 1) -> torch.Tensor:
     """(B, 1, T, S) boolean mask for queries at pos..pos+T-1 over keys at 0..S-1."""
     q_pos = torch.arange(pos, pos + q_docs.size(1), device=q_docs.device)[:, None]
     kv_pos = torch.arange(kv_docs.size(1), device=q_docs.device)[None, :]
-    return allowed(q_pos, kv_pos, q_docs[:, :, None], kv_docs[:, None, :], window)[:, None]
+    return allowed(q_pos, kv_pos, q_docs[:, :, None], kv_docs[:, None, :], window, unit)[:, None]
 
 
 @torch.compiler.disable
-def flex_block_mask(docs: torch.Tensor, window: torch.Tensor, block: int = 128):
+def flex_block_mask(docs: torch.Tensor, window: torch.Tensor, unit: int = 1, block: int = 128):
     """FlexAttention BlockMask for a (B, T) batch of document ids (training: queries == keys).
 
     Built outside any torch.compile graph (one cheap graph break at the top of the model): traced
@@ -79,7 +86,7 @@ def flex_block_mask(docs: torch.Tensor, window: torch.Tensor, block: int = 128):
     from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
     def mask_mod(b, h, q_idx, kv_idx):
-        return allowed(q_idx, kv_idx, docs[b, q_idx], docs[b, kv_idx], window)
+        return allowed(q_idx, kv_idx, docs[b, q_idx], docs[b, kv_idx], window, unit)
 
     B, T = docs.shape
     if T % block:  # short or ragged rows: let torch evaluate mask_mod densely
@@ -90,9 +97,13 @@ def flex_block_mask(docs: torch.Tensor, window: torch.Tensor, block: int = 128):
     lo, hi = blocks[:, :, 0], blocks[:, :, -1]             # docs are non-decreasing along a row
     q_first, q_last, kv_first, kv_last = first[:, None], last[:, None], first[None, :], last[None, :]
     q_lo, q_hi, kv_lo, kv_hi = lo[:, :, None], hi[:, :, None], lo[:, None, :], hi[:, None, :]
-    any_pair = (kv_first <= q_last) & (q_first - kv_last < window) & (q_lo <= kv_hi) & (kv_lo <= q_hi)
+    # the window's distance (q // unit - kv // unit) * unit grows with q and falls with kv: over a block
+    # pair it is smallest at (first query, last key) and largest at (last query, first key)
+    def near(q, kv):
+        return (q - kv < window) if unit == 1 else ((q // unit - kv // unit) * unit < window)
+    any_pair = (kv_first <= q_last) & near(q_first, kv_last) & (q_lo <= kv_hi) & (kv_lo <= q_hi)
     one_doc = (q_lo == q_hi) & (q_hi == kv_lo) & (kv_lo == kv_hi)
-    all_pairs = (kv_last <= q_first) & (q_last - kv_first < window) & one_doc
+    all_pairs = (kv_last <= q_first) & near(q_last, kv_first) & one_doc
     partial = any_pair & ~all_pairs
 
     def ordered(dense):  # (B, N, N) bool -> (B, 1, N) counts and (B, 1, N, N) kv indices, allowed ones first
@@ -155,8 +166,10 @@ class Attention(nn.Module):
 
     def forward(self, x, ve, attend, cache: KVCache | None, pos: int) -> torch.Tensor:
         B, T, _ = x.shape
-        # (B, T, C) -> (B, T, H, D)
-        q, k, v = (lin(x).view(B, T, self.n_head, self.head_dim) for lin in (self.c_q, self.c_k, self.c_v))
+        # one matmul for q, k and v, as modded-nanogpt's fused qkv weight: the three weights stay separate
+        # parameters, so Muon still orthogonalises each. (B, T, C) -> (B, T, 3, H, D)
+        w = torch.cat([self.c_q.weight, self.c_k.weight, self.c_v.weight])
+        q, k, v = F.linear(x, w).view(B, T, 3, self.n_head, self.head_dim).unbind(2)
         dtype = v.dtype  # the matmul dtype (bf16 under autocast); norms and embeddings may come out in fp32
         q, k = self.rotary(self.qk_norm(q), pos), self.rotary(self.qk_norm(k), pos)
         v = self.lambdas[0] * v + (self.lambdas[1] * ve.view_as(v) if ve is not None else 0)
@@ -287,17 +300,18 @@ class SpeedrunGPT(nn.Module):
         (only the kinds the pattern uses; one mask each, shared by the layers of that kind)."""
         docs = (idx == self.eot_id).cumsum(dim=1)  # a document starts at each EOT
         windows = {"L": self.window, "S": (self.window // 2).clamp(min=1)}
+        unit = self.cfg.window_block
         kinds = sorted(set(self.pattern) - {"-"})
         if caches is not None:
             prev = caches.docs[:, pos - 1:pos] if pos > 0 else 0
             kv_docs = caches.update_docs(pos, docs + prev)
-            masks = {c: sdpa_mask(docs + prev, kv_docs, pos, windows[c]) for c in kinds}
+            masks = {c: sdpa_mask(docs + prev, kv_docs, pos, windows[c], unit) for c in kinds}
         elif self.use_flex:
             flex = _flex_fn()
-            block_masks = {c: flex_block_mask(docs, windows[c]) for c in kinds}
+            block_masks = {c: flex_block_mask(docs, windows[c], unit) for c in kinds}
             return {c: functools.partial(_flex_call, flex, bm) for c, bm in block_masks.items()}
         else:
-            masks = {c: sdpa_mask(docs, docs, 0, windows[c]) for c in kinds}
+            masks = {c: sdpa_mask(docs, docs, 0, windows[c], unit) for c in kinds}
         return {c: functools.partial(_sdpa_call, m) for c, m in masks.items()}
 
     def hidden(self, idx: torch.Tensor, caches: DocKVCaches | None = None, pos: int = 0) -> torch.Tensor:
@@ -365,7 +379,12 @@ class SpeedrunGPT(nn.Module):
 
     def flops_per_token(self, seq_len: int) -> float:
         """6N for the matmuls plus 12 * H * D * context per attention layer, the context capped by its window."""
-        context = {"L": min(seq_len, self.cfg.window), "S": min(seq_len, self.cfg.window // 2), "-": 0}
+        def mean_context(window: int) -> float:  # keys a query sees, on average, away from the row's start
+            unit = self.cfg.window_block
+            blocks = -(-window // unit)          # its own block and blocks - 1 whole ones before it
+            return min(seq_len, window if unit == 1 else (blocks - 1) * unit + (unit + 1) / 2)
+
+        context = {"L": mean_context(self.cfg.window), "S": mean_context(max(1, self.cfg.window // 2)), "-": 0}
         return 6 * self.num_params() + 12 * self.cfg.n_head * self.head_dim * sum(context[c] for c in self.pattern)
 
 
