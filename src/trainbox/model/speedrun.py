@@ -6,8 +6,9 @@ Architecture choices (modded-nanogpt records of late 2024 / early 2025, Keller J
   - attention: RoPE, QK-norm (RMSNorm of queries and keys, attention scale 0.12), value embeddings (extra
     token embeddings added to the values of the first and last three layers), heads of `head_dim`;
   - document-causal sliding-window attention: a query sees keys that are (1) not in its future, (2) fewer
-    than `window` tokens back and (3) in its own document; a document starts at each EOT token (the
-    data puts EOT before every document). The window grows from 128 to `model.window` over
+    than `window` tokens back, counted in blocks of `model.window_block` tokens (1: exactly; the recipes'
+    128: whole blocks, as the records' block-wise windows) and (3) in its own document; a document
+    starts at each EOT token (the data puts EOT before every document). The window grows from 128 to `model.window` over
     `model.window_warmup_steps` steps, or over the whole run when it is null (`set_step`, called by the
     training loop with the step and the run's total);
   - MLP of width 4d with ReLU^2; every output projection (attention, MLP, head) starts at zero;
