@@ -119,8 +119,9 @@ def test_window_warmup_schedule():
     assert int(whole_run.window) == 576
 
 
-def test_generation_with_cache_equals_without():
-    model = make(window=12)
+@pytest.mark.parametrize("unit", [1, 5])
+def test_generation_with_cache_equals_without(unit):
+    model = make(window=12, window_block=unit)   # block-wise windows count blocks of absolute positions
     idx = tokens(T=30)
     idx[:, 7] = EOT
     idx[1, 22] = EOT
