@@ -59,8 +59,13 @@ def allowed(q_pos, kv_pos, q_doc, kv_doc, window, unit: int = 1):
     own block and of the blocks that start fewer than `window` tokens before its block does. unit=1 is
     the exact rule (the last `window` tokens); unit=128, modded-nanogpt's block-wise windows, leaves
     FlexAttention no partial block at the window's edge."""
-    near = (q_pos - kv_pos < window) if unit == 1 else ((q_pos // unit - kv_pos // unit) * unit < window)
-    return (kv_pos <= q_pos) & near & (q_doc == kv_doc)
+    return (kv_pos <= q_pos) & in_window(q_pos, kv_pos, window, unit) & (q_doc == kv_doc)
+
+
+def in_window(q_pos, kv_pos, window, unit: int = 1):
+    """The window part of `allowed`. Its distance, (q // unit - kv // unit) * unit, grows with q and falls
+    with kv, so flex_block_mask can judge a whole block pair by two of its corners."""
+    return (q_pos - kv_pos < window) if unit == 1 else ((q_pos // unit - kv_pos // unit) * unit < window)
 
 
 def sdpa_mask(q_docs: torch.Tensor, kv_docs: torch.Tensor, pos: int, window: torch.Tensor,
@@ -98,13 +103,10 @@ def flex_block_mask(docs: torch.Tensor, window: torch.Tensor, unit: int = 1, blo
     lo, hi = blocks[:, :, 0], blocks[:, :, -1]             # docs are non-decreasing along a row
     q_first, q_last, kv_first, kv_last = first[:, None], last[:, None], first[None, :], last[None, :]
     q_lo, q_hi, kv_lo, kv_hi = lo[:, :, None], hi[:, :, None], lo[:, None, :], hi[:, None, :]
-    # the window's distance (q // unit - kv // unit) * unit grows with q and falls with kv: over a block
-    # pair it is smallest at (first query, last key) and largest at (last query, first key)
-    def near(q, kv):
-        return (q - kv < window) if unit == 1 else ((q // unit - kv // unit) * unit < window)
-    any_pair = (kv_first <= q_last) & near(q_first, kv_last) & (q_lo <= kv_hi) & (kv_lo <= q_hi)
+    # the window's distance is smallest at (first query, last key), largest at (last query, first key)
+    any_pair = (kv_first <= q_last) & in_window(q_first, kv_last, window, unit) & (q_lo <= kv_hi) & (kv_lo <= q_hi)
     one_doc = (q_lo == q_hi) & (q_hi == kv_lo) & (kv_lo == kv_hi)
-    all_pairs = (kv_last <= q_first) & near(q_last, kv_first) & one_doc
+    all_pairs = (kv_last <= q_first) & in_window(q_last, kv_first, window, unit) & one_doc
     partial = any_pair & ~all_pairs
 
     def ordered(dense):  # (B, N, N) bool -> (B, 1, N) counts and (B, 1, N, N) kv indices, allowed ones first
