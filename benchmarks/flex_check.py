@@ -1,7 +1,9 @@
-"""GPU check: the speedrun model's FlexAttention path against its SDPA path (same weights, same batch).
+"""GPU check: the speedrun model's FlexAttention (or FlashAttention-4) path against its SDPA path (same
+weights, same batch).
 
     PYTHONPATH=src python benchmarks/flex_check.py              # prints one JSON object; exit 1 on mismatch
     PYTHONPATH=src python benchmarks/flex_check.py --compile    # the same through torch.compile
+    PYTHONPATH=src python benchmarks/flex_check.py --backend flash   # model.attention=flash (bf16 only)
 
 For a batch with documents of several lengths and a window that is not a multiple of the 128-token block,
 it compares loss, logits and every parameter gradient of the two paths, in bf16 autocast and in fp32, and
@@ -51,8 +53,8 @@ def batch(B: int, T: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     return idx[:, :-1].cuda(), idx[:, 1:].cuda()
 
 
-def run_path(model, use_flex: bool, x, y, fwd, bf16: bool) -> dict:
-    model.use_flex = use_flex
+def run_path(model, backend: str, x, y, fwd, bf16: bool) -> dict:
+    model.backend = backend
     model.zero_grad(set_to_none=True)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -71,20 +73,20 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
 
 
-def compare(compile_model: bool, bf16: bool) -> dict:
+def compare(compile_model: bool, bf16: bool, backend: str) -> dict:
     B, T, window, pattern = 2, 2048, 700, "LS-L"  # a long, a short (350) and a layer without attention
     model = make_model(4, 512, 4, window, T, pattern)
     x, y = batch(B, T)
     fwd = torch.compile(model) if compile_model else None
     for _ in range(2):  # the second run of each path is timed without compilation
-        flex, sdpa = run_path(model, True, x, y, fwd, bf16), run_path(model, False, x, y, fwd, bf16)
+        flex, sdpa = run_path(model, backend, x, y, fwd, bf16), run_path(model, "sdpa", x, y, fwd, bf16)
     grad_err = {n: rel(flex["grads"][n], sdpa["grads"][n]) for n in sdpa["grads"]}
     shapes = {n: p.dim() for n, p in model.named_parameters()}
     held = {n: e for n, e in grad_err.items() if shapes[n] >= 2 or not bf16}  # see the module docstring
     worst = max(held, key=held.get)
     names = sorted(sdpa["grads"])
     all_err = rel(torch.cat([flex["grads"][n].flatten() for n in names]), torch.cat([sdpa["grads"][n].flatten() for n in names]))
-    res = dict(dtype="bf16 autocast" if bf16 else "fp32", batch=B, seq_len=T, window=window, window_pattern=pattern,
+    res = dict(backend=backend, dtype="bf16 autocast" if bf16 else "fp32", batch=B, seq_len=T, window=window, window_pattern=pattern,
                compiled=compile_model, loss_flex=flex["loss"], loss_sdpa=sdpa["loss"],
                loss_abs_diff=abs(flex["loss"] - sdpa["loss"]), grad_max_rel_err=held[worst], grad_worst_param=worst,
                grad_all_rel_err=all_err, scalar_grad_rel_err={n: e for n, e in grad_err.items() if n not in held},
@@ -100,10 +102,10 @@ def compare(compile_model: bool, bf16: bool) -> dict:
     return res
 
 
-def long_row() -> dict:
+def long_row(backend: str) -> dict:
     T = 65536
     model = make_model(12, 768, 6, 1792, T)
-    model.use_flex = True
+    model.backend = backend
     fwd = torch.compile(model)  # as the loop runs it (train.compile); fuses the 64K x 50K logits work
     x, y = batch(1, T)
     torch.cuda.reset_peak_memory_stats()
@@ -124,15 +126,20 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--compile", action="store_true", help="compare through torch.compile(model)")
     parser.add_argument("--no-long", action="store_true", help="skip the 64K-token row")
+    parser.add_argument("--backend", choices=["flex", "flash"], default="flex",
+                        help="the path checked against SDPA (flash: bf16 only, FlashAttention has no fp32 kernels)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print(json.dumps({"ok": False, "error": "no CUDA GPU"}))
         return 1
     out = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
-               compare=compare(args.compile, bf16=True), compare_fp32=compare(args.compile, bf16=False))
+               compare=compare(args.compile, True, args.backend))
+    if args.backend == "flex":
+        out["compare_fp32"] = compare(args.compile, False, args.backend)
     if not args.no_long:
-        out["long_row"] = long_row()
-    out["ok"] = out["compare"]["ok"] and out["compare_fp32"]["ok"] and out.get("long_row", {}).get("finite", True)
+        out["long_row"] = long_row(args.backend)
+    out["ok"] = (out["compare"]["ok"] and out.get("compare_fp32", {}).get("ok", True)
+                 and out.get("long_row", {}).get("finite", True))
     print(json.dumps(out, indent=1))
     return 0 if out["ok"] else 1
 

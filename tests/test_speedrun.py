@@ -142,14 +142,15 @@ def reference_attention_logits(model, idx):
     docs = (idx == eot).cumsum(1)
     u = model.cfg.window_block  # the window counts blocks of u tokens
 
-    def attend(q, k, v, window):
+    def attend(q, k, v, window):  # (B, T, H, D) in and out, as the model's attention calls
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         out = torch.zeros_like(q)
         for b in range(B):
             for t in range(T):
                 keys = [s for s in range(T) if s <= t and (t // u - s // u) * u < window and docs[b, s] == docs[b, t]]
                 scores = (q[b, :, t:t + 1] @ k[b, :, keys].transpose(-1, -2)) * 0.12
                 out[b, :, t] = (scores.softmax(-1) @ v[b, :, keys])[:, 0]
-        return out
+        return out.transpose(1, 2)
 
     long = int(model.window)
     model._attend_fns = lambda *a: {"L": lambda q, k, v: attend(q, k, v, long),
@@ -206,6 +207,42 @@ def test_window_pattern_without_attention_layers():
 def test_window_pattern_config_errors(kw, match):
     with pytest.raises(ValueError, match=match):
         ModelSection(n_head=2, n_embd=32, **kw)
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(family="speedrun", attention="flash", window_block=128), "counts the window in tokens"),
+    (dict(family="gpt", attention="flex"), "applies to model.family=speedrun")])
+def test_attention_config_errors(kw, match):
+    with pytest.raises(ValueError, match=match):
+        ModelSection(n_head=2, n_embd=32, **kw)
+
+
+def test_attention_backend_on_cpu():
+    """auto falls back to SDPA on a CPU; asking for FlashAttention there is refused with the reason."""
+    from trainbox.errors import ConfigError
+    model = make()
+    model.set_step(0)
+    assert model.backend == "sdpa"
+    with pytest.raises(ConfigError, match="needs a CUDA GPU"):
+        make(attention="flash").set_step(0)
+
+
+def test_doc_seqlens_are_the_document_offsets():
+    """cu_seqlens for FlashAttention: every document start in the flattened batch (each row starts one,
+    documents never cross rows), then B*T; the windows reach no further than `allowed` lets them."""
+    from trainbox.model.flash import doc_seqlens
+    idx = tokens(T=40)
+    idx[0, [0, 7, 8, 30]] = EOT
+    idx[1, [39]] = EOT
+    docs = (idx == EOT).cumsum(dim=1)
+    assert doc_seqlens(docs).tolist() == [0, 7, 8, 30, 40, 79, 80]
+    assert doc_seqlens(docs).dtype == torch.int32
+    # the same sequences as the SDPA mask's document rule: a pair is in one sequence iff same row and doc
+    cu = doc_seqlens(docs)
+    seq = torch.bucketize(torch.arange(80), cu[1:], right=True)
+    same = seq[:, None] == seq[None, :]
+    flat_doc = (docs + torch.arange(2)[:, None] * 1000).flatten()
+    assert torch.equal(same, flat_doc[:, None] == flat_doc[None, :])
 
 
 def test_window_pattern_keeps_every_value_embedding_read():
@@ -310,7 +347,7 @@ def test_flex_path_forward_equals_sdpa_path(autocast):
     ctx = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
     with torch.no_grad(), ctx:
         sdpa = logits_all(model, idx)
-        model.use_flex = True
+        model.backend = "flex"
         compiled = speedrun._compiled_flex
         speedrun._compiled_flex = lambda: flex_attention  # compiling on CPU takes too long for a unit test
         try:
@@ -318,7 +355,7 @@ def test_flex_path_forward_equals_sdpa_path(autocast):
                 warnings.simplefilter("ignore")  # "flex_attention called without torch.compile" (expected here)
                 flex = logits_all(model, idx)
         finally:
-            speedrun._compiled_flex, model.use_flex = compiled, False
+            speedrun._compiled_flex, model.backend = compiled, "sdpa"
     if autocast:
         assert ((flex - sdpa).norm() / sdpa.norm()) < 2e-2
     else:
@@ -336,6 +373,26 @@ def test_flex_check_script_on_gpu():
     from pathlib import Path
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "flex_check.py"
     proc = subprocess.run([sys.executable, str(script), "--no-long"], capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert json.loads(proc.stdout)["ok"]
+
+
+@pytest.mark.gpu
+def test_flash_check_script_on_gpu():
+    """FlashAttention-4 (model.attention=flash) vs SDPA through torch.compile: loss, logits and every gradient
+    in bf16, and a 64K-token row (benchmarks/flex_check.py --backend flash)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from trainbox.model.flash import flash_available
+    if not flash_available(torch.device("cuda")):
+        pytest.skip("needs flash-attn-4 and a Hopper or Blackwell GPU")
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "flex_check.py"
+    proc = subprocess.run([sys.executable, str(script), "--backend", "flash", "--compile"], capture_output=True,
+                          text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert json.loads(proc.stdout)["ok"]
 

@@ -38,6 +38,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from trainbox.errors import ConfigError
+from trainbox.model.flash import doc_seqlens, flash_attention, flash_available, require_flash
 from trainbox.model.fp8 import fp8_linear, linear, mlp_fp8
 from trainbox.model.fused_ce import head_cross_entropy
 from trainbox.model.gpt import Output, cross_entropy, residual_dtype
@@ -117,12 +118,18 @@ def flex_block_mask(docs: torch.Tensor, window: torch.Tensor, unit: int = 1, blo
     return BlockMask.from_kv_blocks(*ordered(partial), *ordered(all_pairs), BLOCK_SIZE=block, mask_mod=mask_mod)
 
 
+# the attention calls take and return (B, T, H, D); FlexAttention and SDPA work in (B, H, T, D)
 def _flex_call(flex, block_mask, q, k, v):
-    return flex(q, k, v, block_mask=block_mask, scale=ATTN_SCALE)
+    return flex(*(t.transpose(1, 2) for t in (q, k, v)), block_mask=block_mask, scale=ATTN_SCALE).transpose(1, 2)
 
 
 def _sdpa_call(mask, q, k, v):
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=ATTN_SCALE)
+    return F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), attn_mask=mask,
+                                          scale=ATTN_SCALE).transpose(1, 2)
+
+
+def _flash_call(cu, window, div, q, k, v):
+    return flash_attention(q, k, v, cu, window, div, ATTN_SCALE)
 
 
 @functools.cache
@@ -176,11 +183,11 @@ class Attention(nn.Module):
         dtype = v.dtype  # the matmul dtype (bf16 under autocast); norms and embeddings may come out in fp32
         q, k = self.rotary(self.qk_norm(q), pos), self.rotary(self.qk_norm(k), pos)
         v = self.lambdas[0] * v + (self.lambdas[1] * ve.view_as(v) if ve is not None else 0)
-        # (B, T, H, D) -> (B, H, T, D), one dtype: flex_attention, unlike SDPA, is not cast by autocast
-        q, k, v = (t.transpose(1, 2).to(dtype) for t in (q, k, v))
-        if cache is not None:
-            k, v = cache.update(pos, k, v)
-        y = attend(q, k, v).transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)
+        # one dtype: flex_attention and FlashAttention, unlike SDPA, are not cast by autocast
+        q, k, v = (t.to(dtype) for t in (q, k, v))  # (B, T, H, D)
+        if cache is not None:  # the cache holds (B, H, S, D)
+            k, v = (t.transpose(1, 2) for t in cache.update(pos, k.transpose(1, 2), v.transpose(1, 2)))
+        y = attend(q, k, v).reshape(B, T, self.n_head * self.head_dim)
         return self.c_proj(y)
 
 
@@ -251,7 +258,8 @@ class SpeedrunGPT(nn.Module):
         self.lm_head = nn.Linear(dim, vocab_size, bias=False)
         # the long window (L layers); S layers see half of it
         self.register_buffer("window", torch.tensor(cfg.window, dtype=torch.int32), persistent=False)
-        self.use_flex: bool | None = None  # decided on first use from the device
+        self.window_host = torch.tensor(cfg.window)  # the same on the CPU, read by the FlashAttention op
+        self.backend: str | None = None  # flash, flex or sdpa: model.attention, decided on first use from the device
         self._init_weights()
 
     def _init_weights(self) -> None:
@@ -277,13 +285,25 @@ class SpeedrunGPT(nn.Module):
 
     def set_step(self, step: int, total: int | None = None) -> None:
         """Called by the loop before each step (outside torch.compile): window warm-up and backend choice."""
-        self.window.fill_(self.window_at(step, total))
+        window = self.window_at(step, total)
+        self.window.fill_(window)
+        self.window_host.fill_(window)
         self._resolve_backend(self.window.device)
 
     def _resolve_backend(self, device: torch.device) -> None:
-        if self.use_flex is None:
-            self.use_flex = flex_available(device)
-            if not self.use_flex:
+        if self.backend is not None:
+            return
+        want = self.cfg.attention
+        if want == "flash":
+            require_flash(device)
+            self.backend = "flash"
+        elif want == "auto" and self.cfg.window_block == 1 and flash_available(device):
+            self.backend = "flash"
+        elif want in ("auto", "flex") and flex_available(device):
+            self.backend = "flex"
+        else:
+            self.backend = "sdpa"
+            if want != "sdpa":
                 log.warning(f"speedrun: FlexAttention is not available on {device} (it needs a CUDA GPU of compute "
                             "capability 8.0+); attention runs through SDPA with an explicit mask (same maths, "
                             "slower, memory O(T^2))")
@@ -309,7 +329,10 @@ class SpeedrunGPT(nn.Module):
             prev = caches.docs[:, pos - 1:pos] if pos > 0 else 0
             kv_docs = caches.update_docs(pos, docs + prev)
             masks = {c: sdpa_mask(docs + prev, kv_docs, pos, windows[c], unit) for c in kinds}
-        elif self.use_flex:
+        elif self.backend == "flash":
+            cu = doc_seqlens(docs)
+            return {c: functools.partial(_flash_call, cu, self.window_host, 1 if c == "L" else 2) for c in kinds}
+        elif self.backend == "flex":
             flex = _flex_fn()
             block_masks = {c: flex_block_mask(docs, windows[c], unit) for c in kinds}
             return {c: functools.partial(_flex_call, flex, bm) for c, bm in block_masks.items()}
