@@ -59,6 +59,9 @@ def test_doctor_fails_when_the_recipe_needs_what_is_missing(tmp_path, monkeypatc
         assert checks("tiny", "train.device=cuda")["needs_gpu"].status == "fail"
         fp8 = checks("tiny", "model.fp8_mlp=down", "model.fp8_head=true")["needs_fp8"]
         assert fp8.status == "fail" and "drop model.fp8_head and model.fp8_mlp" in fp8.fix
+        flash = checks("speedrun-124m", "model.attention=flash")["needs_flash_attention"]
+        assert flash.status == "fail" and "Hopper" in flash.value and "trainbox[flash]" in flash.fix
+        assert "needs_flash_attention" not in checks("speedrun-124m")  # auto: FlexAttention or SDPA instead
     assert "needs_fp8" not in checks("tiny")
     # the CLI exits 1 and names the missing piece and its fix
     proc = run_cli("doctor", "gpt2-125m", "data.path=nowhere/x", cwd=tmp_path, check=False)

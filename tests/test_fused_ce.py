@@ -114,6 +114,40 @@ def test_fp8_logits_track_the_exact_fused_loss():
         assert 1e-3 < float((a - b).norm() / b.norm()) < 0.1
 
 
+@pytest.mark.parametrize("cap", [0.0, 15.0])
+def test_fp8_head_gradients_are_the_fp8_products(cap):
+    """The FP8 head's backward: G is the exact dloss/dlogits rounded once to e5m2 at GRAD_SCALE, and dx, dW are
+    exactly the products of the dequantised FP8 operands (dx = diag(g) G W8, dW = G^T q(diag(g) x)), up to
+    fp32 accumulation and dx's bf16 output: a wrong transpose, scale or operand fails by orders of magnitude."""
+    from trainbox.model import fused_ce as fc
+    from trainbox.model.fp8 import E4M3, quantize
+    g = torch.Generator().manual_seed(0)
+    M, K, V = 32, 64, 160
+    x, w = torch.randn(M, K, generator=g), torch.randn(V, K, generator=g) * 0.3
+    t = torch.randint(0, V, (M,), generator=g)
+    t[3] = -100
+    xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
+    loss = head_cross_entropy(xx, ww, t, None, cap, "mean", fp8=True)
+    n = int((t != -100).sum())  # the upstream gradient of each row: 1 / n
+    loss.backward()
+    # the forward's operands and logits, as the function makes them
+    x8, xs = quantize(x, E4M3)
+    w8, ws = quantize(w, E4M3)
+    logits = torch._scaled_mm(x8, w8.t(), scale_a=xs, scale_b=ws, out_dtype=torch.bfloat16).float()  # fp32 on CPU
+    ref_loss, ref_g = fc._reference(logits, t, cap)
+    assert abs(loss.item() - ref_loss.sum().item() / n) < 1e-5 * abs(loss.item())
+    _, g8 = fc.head_ce_fp8(logits, t, cap)
+    G = g8.double() / fc.GRAD_SCALE
+    assert torch.equal(g8, (ref_g.float() * fc.GRAD_SCALE).to(torch.float8_e5m2))
+    assert (G - ref_g.double()).abs().max() <= 2 ** -3 * ref_g.double().abs().max()  # one e5m2 rounding
+    assert G[3].abs().max() == 0 and G.abs().sum() > 0
+    dx = G @ (w8.double() * ws.double()) / n
+    xg8, xgs = quantize(x / n, E4M3)
+    dw = G.t() @ (xg8.double() * xgs.double())
+    assert float((xx.grad.double() - dx).norm() / dx.norm()) < 2 ** -7
+    assert float((ww.grad.double() - dw).norm() / dw.norm()) < 1e-5
+
+
 @pytest.mark.parametrize("family", ["gpt", "speedrun"])
 def test_models_pass_fp8_head_to_the_fused_loss(family):
     def loss(fp8: bool) -> float:
@@ -175,6 +209,12 @@ def test_cuda_kernel_at_the_real_shape():
         ref_loss, ref_grad = fc._reference(z, t, cap)
         torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-4)
         assert (grad.float() - ref_grad.float()).abs().max() <= 2 ** -8
+        if torch.cuda.get_device_capability() >= (8, 9):  # the FP8 head's G: e5m2 at GRAD_SCALE
+            loss8, g8 = fc.head_ce_fp8(z, t, cap)
+            torch.testing.assert_close(loss8, ref_loss, rtol=1e-5, atol=1e-4)
+            want = (fc._reference(z.float(), t, cap)[1] * fc.GRAD_SCALE).to(torch.float8_e5m2)  # one rounding, as the kernel
+            assert (g8.view(torch.uint8) != want.view(torch.uint8)).float().mean() < 1e-3  # ties of fp32 rounding
+            assert (g8.float() - want.float()).abs().max() <= 2 ** -2 * fc.GRAD_SCALE * ref_grad.float().abs().max()
     losses = []
     for fused in (False, True):
         torch.manual_seed(0)

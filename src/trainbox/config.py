@@ -103,8 +103,8 @@ class ModelSection(Section):
                             "flex: FlexAttention with a block mask (CUDA); sdpa: an explicit mask (any device, memory "
                             "O(T^2)); auto: flash where it is installed and usable, else flex on CUDA, else sdpa")
     eot_id: int | None = Field(None, ge=0, description="speedrun: document separator token (default: the tokenizer's)")
-    fp8_head: bool = Field(False, description="gpt, speedrun: output head in FP8; with fused_loss, the logits' matmul "
-                                              "only (needs FP8 tensor cores: H100, L40S)")
+    fp8_head: bool = Field(False, description="gpt, speedrun: output head in FP8 (forward e4m3, gradient e5m2; needs "
+                                              "FP8 tensor cores: H100, L40S)")
     fp8_mlp: Literal["none", "down", "both"] = Field(
         "none", description="gpt, speedrun: MLP matmuls in FP8: the down-projection, or both projections (needs "
                             "FP8 tensor cores: H100, L40S)")

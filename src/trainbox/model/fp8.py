@@ -1,6 +1,6 @@
 """FP8 linear layer, y = x @ w.T, for the output head (`model.fp8_head`) and the MLP projections
-(`model.fp8_mlp`) of the gpt and speedrun models. With `model.fused_loss` the head's FP8 is the logits'
-matmul only (fp8_mm; model/fused_ce.py takes the gradient in bf16).
+(`model.fp8_mlp`) of the gpt and speedrun models. With `model.fused_loss` the head's three FP8 matmuls
+live in model/fused_ce.py, which uses `quantize` and `col_major` from here.
 
 The head is the largest matmul of a small GPT: 768 x 50,304 per token, about a third of its FLOPs; the
 MLP's two projections are about half. FP8 tensor cores (compute capability 8.9+: L4, L40S, H100, H200)
@@ -39,18 +39,10 @@ def fp8_supported(device: torch.device) -> bool:
         torch.cuda.get_device_capability(device) >= (8, 9)
 
 
-def _quantize(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (t / scale in `dtype`, scale as an fp32 scalar tensor), scale = amax / the format's max."""
     scale = t.abs().amax().float().clamp(min=1e-12) / torch.finfo(dtype).max
     return (t.float() / scale).to(dtype), scale
-
-
-def fp8_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x (M, K) @ w.T (w (N, K)) from e4m3 copies of both, bf16 out; no autograd of its own (the fused
-    loss uses it for the logits and takes the gradient in bf16). M, K, N multiples of 16."""
-    x8, xs = _quantize(x, E4M3)
-    w8, ws = _quantize(w, E4M3)
-    return torch._scaled_mm(x8, w8.t(), scale_a=xs, scale_b=ws, out_dtype=torch.bfloat16)
 
 
 def fp8_shapes_ok(rows: int, *dims: int) -> bool:
@@ -58,7 +50,7 @@ def fp8_shapes_ok(rows: int, *dims: int) -> bool:
     return all(d % 16 == 0 for d in (rows, *dims))
 
 
-def _col_major(t: torch.Tensor) -> torch.Tensor:
+def col_major(t: torch.Tensor) -> torch.Tensor:
     """The same matrix, stored column-major (the layout _scaled_mm wants for its second operand)."""
     return t.t().contiguous().t()
 
@@ -73,8 +65,8 @@ class _FP8Linear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        x8, xs = _quantize(x, E4M3)
-        w8, ws = _quantize(w, E4M3)
+        x8, xs = quantize(x, E4M3)
+        w8, ws = quantize(w, E4M3)
         ctx.save_for_backward(x8, xs, w8, ws)
         ctx.dtypes = (x.dtype, w.dtype)
         return torch._scaled_mm(x8, w8.t(), scale_a=xs, scale_b=ws, out_dtype=torch.bfloat16)
@@ -82,9 +74,9 @@ class _FP8Linear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g: torch.Tensor):
         x8, xs, w8, ws = ctx.saved_tensors
-        g8, gs = _quantize(g, E5M2)
-        dx = torch._scaled_mm(g8, _col_major(w8), scale_a=gs, scale_b=ws, out_dtype=torch.bfloat16)
-        dw = torch._scaled_mm(g8.t().contiguous(), _col_major(x8), scale_a=gs, scale_b=xs, out_dtype=torch.float32)
+        g8, gs = quantize(g, E5M2)
+        dx = torch._scaled_mm(g8, col_major(w8), scale_a=gs, scale_b=ws, out_dtype=torch.bfloat16)
+        dw = torch._scaled_mm(g8.t().contiguous(), col_major(x8), scale_a=gs, scale_b=xs, out_dtype=torch.float32)
         return dx.to(ctx.dtypes[0]), dw.to(ctx.dtypes[1])
 
 

@@ -26,16 +26,22 @@ Measured on an H100 (benchmarks/records, session 4): the kernel takes 54 ms per 
 the compiled unfused forward and backward took 69 ms (step 827.5 -> 820.2 ms), and gpt2-125m's step went
 from 997.8 to 978.6 ms. That version wrote G to a second tensor, which cost memory where the head is the
 peak (gpt2-125m at micro-batch 48: 22.3 -> 26.7 GiB); G now overwrites the logits (not yet measured on a
-GPU). On in the gpt2-125m and speedrun-124m recipes. With model.fp8_head the logits' matmul takes e4m3 operands (fp8_mm); the gradient's stay bf16.
+GPU). On in the gpt2-125m and speedrun-124m recipes.
+
+With model.fp8_head all three of the head's matmuls run in FP8, as modded-nanogpt's FP8 head does: the
+logits from e4m3 copies of x and W; the kernel writes G in e5m2 at a fixed scale (head_ce_fp8: G is
+bounded by 1, so nothing needs measuring), to a new tensor of half the logits' size; dx = G W and
+dW = G^T x take that e5m2 G, the latter through one transposed copy of it made in the backward.
 """
 from __future__ import annotations
 
 import torch
 
-from trainbox.model.fp8 import fp8_mm, fp8_shapes_ok
+from trainbox.model.fp8 import E4M3, E5M2, col_major, fp8_shapes_ok, quantize
 from trainbox.model.layers import autocast_dtype
 
 IGNORE = -100
+GRAD_SCALE = 2.0 ** 15  # FP8 head: dloss/dlogits (in [-1, 1]) is stored in e5m2 times this (head_ce_fp8)
 
 try:  # Triton ships with CUDA builds of torch; the CPU build has none
     import triton
@@ -53,7 +59,8 @@ if triton is not None:
 
     @triton.jit
     def _head_ce_kernel(Z, stride_z, T, LOSS, G, stride_g, cap, V: tl.constexpr,
-                        HAS_CAP: tl.constexpr, IN_PLACE: tl.constexpr, BLOCK: tl.constexpr):
+                        HAS_CAP: tl.constexpr, IN_PLACE: tl.constexpr, BLOCK: tl.constexpr,
+                        FP8_OUT: tl.constexpr = False, GRAD_SCALE: tl.constexpr = 1.0):
         row = tl.program_id(0).to(tl.int64)
         z_row = Z + row * stride_z
         if IN_PLACE:  # G is Z: the gradient goes through the same pointer, so no load can pass a store
@@ -88,7 +95,10 @@ if triton is not None:
                 sig = s * (0.5 / cap)                     # s = 2 cap sigmoid(u): ds/dz = 4 sig (1 - sig)
                 g = g * 4.0 * sig * (1.0 - sig)
             g = tl.where(ignored, 0.0, g)
-            tl.store(g_row + idx, g.to(G.dtype.element_ty), mask=mask)
+            if FP8_OUT:  # e5m2 at a fixed scale: |g| <= 1
+                tl.store(g_row + idx, (g * GRAD_SCALE).to(G.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
+            else:
+                tl.store(g_row + idx, g.to(G.dtype.element_ty), mask=mask)
 
 
 def _reference(logits: torch.Tensor, targets: torch.Tensor, cap: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -129,19 +139,63 @@ def _(logits, targets, cap):
     return logits.new_empty(logits.size(0), dtype=torch.promote_types(logits.dtype, torch.float32))
 
 
+@torch.library.custom_op("trainbox::head_ce_fp8", mutates_args=())
+def head_ce_fp8(logits: torch.Tensor, targets: torch.Tensor, cap: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits (M, V) contiguous, targets (M,) -> (loss (M,) fp32, GRAD_SCALE * dloss/dlogits in float8_e5m2).
+
+    The gradient of a (soft-capped) cross-entropy w.r.t. the logits is softmax - onehot times the cap's
+    derivative 4 sig (1 - sig) <= 1, so every entry lies in [-1, 1]: a fixed scale of 2^15 puts the largest
+    possible one below e5m2's largest finite value (57,344), with nothing to measure first (a dynamic scale
+    would cost one more pass over the 64K x 50K tensor), and flushes to zero only entries below 2^-31."""
+    M, V = logits.shape
+    grad = torch.empty(M, V, dtype=E5M2, device=logits.device)
+    if logits.is_cuda and triton is not None:
+        loss = torch.empty(M, dtype=torch.float32, device=logits.device)
+        _head_ce_kernel[(M,)](logits, logits.stride(0), targets.contiguous(), loss, grad, grad.stride(0), float(cap),
+                              V=V, HAS_CAP=bool(cap), IN_PLACE=False, BLOCK=4096, FP8_OUT=True,
+                              GRAD_SCALE=GRAD_SCALE, num_warps=16)
+        return loss, grad
+    loss, g = _reference(logits, targets, cap)
+    grad.copy_((g.float() * GRAD_SCALE).to(E5M2))
+    return loss.float(), grad
+
+
+@head_ce_fp8.register_fake
+def _(logits, targets, cap):
+    M, V = logits.shape
+    return logits.new_empty(M, dtype=torch.float32), logits.new_empty(M, V, dtype=E5M2)
+
+
 class _HeadCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, cap: float, dtype: torch.dtype,
                 fp8: bool):
-        xc, wc = x.to(dtype), w.to(dtype)
-        grad = fp8_mm(xc, w).to(dtype) if fp8 else xc @ wc.t()   # the logits, until head_ce_ overwrites them
+        ctx.dtypes, ctx.fp8 = (x.dtype, w.dtype), fp8
+        xc = x.to(dtype)
+        if fp8:  # all three matmuls in FP8: the logits from e4m3 operands, both gradients from the e5m2 G
+            x8, xs = quantize(xc, E4M3)
+            w8, ws = quantize(w, E4M3)
+            logits = torch._scaled_mm(x8, w8.t(), scale_a=xs, scale_b=ws, out_dtype=torch.bfloat16)
+            loss, grad8 = head_ce_fp8(logits.to(dtype), targets, cap)
+            ctx.save_for_backward(grad8, xc, w8, ws)
+            return loss
+        wc = w.to(dtype)
+        grad = xc @ wc.t()   # the logits, until head_ce_ overwrites them
         loss = head_ce_(grad, targets, cap)
         ctx.save_for_backward(grad, xc, wc)
-        ctx.dtypes = (x.dtype, w.dtype)
         return loss
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
+        if ctx.fp8:
+            grad8, xc, w8, ws = ctx.saved_tensors
+            scale = g.float()[:, None]
+            inv = torch.full((), 1.0 / GRAD_SCALE, dtype=torch.float32, device=g.device)
+            dx = torch._scaled_mm(grad8, col_major(w8), scale_a=inv, scale_b=ws, out_dtype=torch.bfloat16).float() * scale
+            xg8, xgs = quantize(xc.float() * scale, E4M3)
+            dw = torch._scaled_mm(grad8.t().contiguous(), col_major(xg8), scale_a=inv, scale_b=xgs,
+                                  out_dtype=torch.float32)
+            return dx.to(ctx.dtypes[0]), dw.to(ctx.dtypes[1]), None, None, None, None
         grad, xc, wc = ctx.saved_tensors
         acc = torch.promote_types(grad.dtype, torch.float32)
         scale = g.to(acc)[:, None]
@@ -156,8 +210,8 @@ def head_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.Ten
 
     x (..., K), weight (V, K), targets (...): the same loss as `cross_entropy(logits(x), targets, ...)`.
     Under autocast the matmuls run in the autocast dtype, as nn.Linear's would. `fp8` (model.fp8_head):
-    the logits' matmul takes e4m3 copies of x and the weight (where the shapes allow: multiples of 16);
-    the gradient's two matmuls stay in that dtype, so no FP8 transpose of the gradient is ever made.
+    the logits' matmul takes e4m3 copies of x and the weight, the gradient's two matmuls the e5m2 G (where the
+    shapes allow: multiples of 16).
     """
     device = x.device.type
     dtype = autocast_dtype(device, x.dtype)
