@@ -218,10 +218,11 @@ def head_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.Ten
     if loss_mask is not None:
         targets = targets.masked_fill(~loss_mask, IGNORE)
     flat = targets.reshape(-1)
-    with torch.autocast(device, enabled=False):
-        x2 = x.reshape(-1, x.size(-1))
-        fp8 = fp8 and fp8_shapes_ok(*x2.shape, weight.size(0))
-        loss = _HeadCE.apply(x2, weight, flat, float(cap), dtype, fp8)
+    # no autocast region here: _HeadCE casts its operands itself, and an autocast context inside a compiled
+    # graph keeps AOTAutograd from caching it (a second start would trace the model again)
+    x2 = x.reshape(-1, x.size(-1))
+    fp8 = fp8 and fp8_shapes_ok(*x2.shape, weight.size(0))
+    loss = _HeadCE.apply(x2, weight, flat, float(cap), dtype, fp8)
     if reduction == "none":
         return loss.view(targets.shape)
     if reduction == "sum":

@@ -65,6 +65,17 @@ def plan_length(cfg: RunConfig, plan: BatchPlan) -> int:
     return max(1, int(math.ceil((t.epochs or 1.0) * plan.steps_per_epoch)))
 
 
+
+def allow_cached_autograd_functions() -> None:
+    """Let AOTAutograd's cache keep graphs that hold our torch.autograd.Functions (the fused loss, the FP8
+    linear). By default it bypasses them, so every start traced and partitioned the model again: the
+    speedrun model with FP8 took 14.2 s to its first step from a warm cache instead of 6.1 s (H100,
+    benchmarks/records/2026-11-26-h100-session6-flash-attention.json). The Functions' forward and backward
+    are traced into the cached graph, so a change to them changes its key."""
+    import torch._functorch.config as functorch_config
+    if hasattr(functorch_config, "autograd_cache_allow_custom_autograd_functions"):  # torch 2.7+
+        functorch_config.autograd_cache_allow_custom_autograd_functions = True
+
 class StopFlag:
     """Set by SIGTERM/SIGINT/SIGUSR1; the loop agrees across ranks at the next step boundary."""
 
@@ -198,6 +209,8 @@ class Trainer:
             self.ddp = nn.parallel.DistributedDataParallel(
                 model, device_ids=[self.device.index] if self.device.type == "cuda" else None, **no_sync)
         fwd = self.ddp or model
+        if cfg.train.compile:
+            allow_cached_autograd_functions()
         self.forward = torch.compile(fwd) if cfg.train.compile else fwd
         self.vocab = vocab
         self.token_bytes = None  # per-token UTF-8 lengths for bits/byte, built at the first evaluation
