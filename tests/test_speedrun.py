@@ -245,6 +245,20 @@ def test_doc_seqlens_are_the_document_offsets():
     assert torch.equal(same, flat_doc[:, None] == flat_doc[None, :])
 
 
+def test_flash_runs_only_in_half_precision():
+    """FlashAttention has bf16/fp16 kernels only: half_precision() is what routes an fp32 forward to
+    FlexAttention, and it must also hold inside a compiled graph (autocast state is a guard there)."""
+    from trainbox.model.flash import half_precision
+    cpu = torch.device("cpu")
+    assert not half_precision(cpu, torch.float32) and half_precision(cpu, torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert half_precision(cpu, torch.float32)
+    f = torch.compile(lambda x: x * 2 if half_precision(x.device, torch.float32) else x * 3, fullgraph=True)
+    assert f(torch.ones(2)).tolist() == [3, 3]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert f(torch.ones(2)).tolist() == [2, 2]
+
+
 def test_window_pattern_keeps_every_value_embedding_read():
     # 4 layers share 2 value embeddings: layers 0 and 2 read the first, 1 and 3 the second
     with pytest.raises(Exception, match="value embeddings"):

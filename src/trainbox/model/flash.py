@@ -72,6 +72,14 @@ def require_flash(device: torch.device) -> None:
                           hint=EXTRA)
 
 
+def half_precision(device: torch.device, param_dtype: torch.dtype) -> bool:
+    """Whether attention runs in bf16/fp16 here (autocast, or half-precision weights): FlashAttention's
+    only dtypes; in fp32 the model takes FlexAttention instead."""
+    if torch.is_autocast_enabled(device.type):
+        return torch.get_autocast_dtype(device.type) in (torch.bfloat16, torch.float16)
+    return param_dtype in (torch.bfloat16, torch.float16)
+
+
 @torch.compiler.disable
 def doc_seqlens(docs: torch.Tensor) -> torch.Tensor:
     """(B, T) document ids, non-decreasing along each row -> int32 cu_seqlens over the flattened B*T tokens:

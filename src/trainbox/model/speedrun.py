@@ -38,7 +38,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from trainbox.errors import ConfigError
-from trainbox.model.flash import doc_seqlens, flash_attention, flash_available, require_flash
+from trainbox.model.flash import doc_seqlens, flash_attention, flash_available, half_precision, require_flash
 from trainbox.model.fp8 import fp8_linear, linear, mlp_fp8
 from trainbox.model.fused_ce import head_cross_entropy
 from trainbox.model.gpt import Output, cross_entropy, residual_dtype
@@ -329,10 +329,10 @@ class SpeedrunGPT(nn.Module):
             prev = caches.docs[:, pos - 1:pos] if pos > 0 else 0
             kv_docs = caches.update_docs(pos, docs + prev)
             masks = {c: sdpa_mask(docs + prev, kv_docs, pos, windows[c], unit) for c in kinds}
-        elif self.backend == "flash":
+        elif self.backend == "flash" and half_precision(idx.device, self.embed.weight.dtype):
             cu = doc_seqlens(docs)
             return {c: functools.partial(_flash_call, cu, self.window_host, 1 if c == "L" else 2) for c in kinds}
-        elif self.backend == "flex":
+        elif self.backend in ("flex", "flash"):  # flash in fp32 (it has no fp32 kernels): FlexAttention
             flex = _flex_fn()
             block_masks = {c: flex_block_mask(docs, windows[c], unit) for c in kinds}
             return {c: functools.partial(_flex_call, flex, bm) for c, bm in block_masks.items()}
