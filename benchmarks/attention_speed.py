@@ -19,12 +19,10 @@ import time
 import numpy as np
 import torch
 
+from trainbox.data.formats import read_shard
+from trainbox.data.tokenizer import GPT2_EOT as EOT
 from trainbox.model.flash import doc_seqlens, flash_attention, flash_available
 from trainbox.model.speedrun import ATTN_SCALE, _compiled_flex, flex_block_mask
-
-EOT = 50256
-HEADER_BYTES = 256 * 4  # llm.c / modded-nanogpt shard header
-
 
 def bench(fn, n: int = 20) -> float:
     for _ in range(3):
@@ -54,7 +52,7 @@ def main() -> int:
         return 1
     T, H, D = args.seq_len, 6, 128
     shard = sorted(glob.glob(f"{args.data}_train_*.bin"))[0]
-    tokens = np.fromfile(shard, dtype=np.uint16, offset=HEADER_BYTES)[: T * args.rows].astype(np.int64)
+    tokens = np.asarray(read_shard(shard)[: T * args.rows], dtype=np.int64)
     flex = _compiled_flex()
     out = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, seq_len=T, heads=H, head_dim=D, rows=[])
     ok = True

@@ -190,8 +190,8 @@ def recipe_checks(cfg: RunConfig) -> list[Check]:
                              "8.9+: L4, L40S, H100, H200); " + ("this GPU has none" if gpu else "no GPU is visible"),
                              f"drop {' and '.join(fp8)} (the matmuls then run in bf16)"))
     if cfg.model.family == "speedrun" and cfg.model.attention in ("auto", "flash"):
-        from trainbox.model.flash import EXTRA
-        hopper = gpu and torch.cuda.get_device_capability()[0] >= 9
+        from trainbox.model.flash import EXTRA, MIN_MAJOR
+        hopper = gpu and torch.cuda.get_device_capability()[0] >= MIN_MAJOR
         missing = importlib.util.find_spec("flash_attn") is None
         if cfg.model.attention == "flash" and (missing or not hopper):
             out.append(Check("needs_flash_attention", "fail", "model.attention=flash needs FlashAttention-4 on a Hopper "

@@ -27,6 +27,7 @@ import torch
 
 from trainbox.errors import ConfigError
 
+MIN_MAJOR = 9  # compute capability: FlashAttention-4's backward runs on Hopper (9.x) and Blackwell
 EXTRA = "pip install 'trainbox[flash]'  (FlashAttention-4; on CUDA 13 builds of torch: 'flash-attn-4[cu13]')"
 
 
@@ -53,23 +54,26 @@ def flash_available(device: torch.device) -> bool:
     """True on CUDA GPUs of compute capability 9.0+ (Hopper, Blackwell) with flash-attn-4 importable."""
     if device.type != "cuda" or torch.version.cuda is None:
         return False
-    if torch.cuda.get_device_capability(device)[0] < 9:
+    if torch.cuda.get_device_capability(device)[0] < MIN_MAJOR:
         return False
     return _interface() is not None
 
 
-def require_flash(device: torch.device) -> None:
-    """Raise a ConfigError saying why model.attention=flash cannot run on `device`."""
+def require_flash(device: torch.device, dtype: torch.dtype | None = None) -> None:
+    """Raise a ConfigError saying why model.attention=flash cannot run on `device` (in `dtype`, when given)."""
     if device.type != "cuda":
         raise ConfigError(f"model.attention=flash needs a CUDA GPU; this run is on {device}",
                           hint="use model.attention=auto (FlexAttention or SDPA)")
-    if torch.cuda.get_device_capability(device)[0] < 9:
+    if torch.cuda.get_device_capability(device)[0] < MIN_MAJOR:
         raise ConfigError(f"model.attention=flash needs a Hopper or Blackwell GPU (compute capability 9.0+); "
                           f"{torch.cuda.get_device_name(device)} is {torch.cuda.get_device_capability(device)}",
                           hint="use model.attention=auto (FlexAttention)")
     if _interface() is None:
         raise ConfigError("model.attention=flash needs FlashAttention-4, which is not installed (or does not load)",
                           hint=EXTRA)
+    if dtype == torch.float32:
+        raise ConfigError("model.attention=flash runs in bf16 or fp16 only; this run is in fp32",
+                          hint="use train.dtype=bf16, or model.attention=auto (FlexAttention)")
 
 
 def half_precision(device: torch.device, param_dtype: torch.dtype) -> bool:

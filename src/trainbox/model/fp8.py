@@ -1,6 +1,6 @@
 """FP8 linear layer, y = x @ w.T, for the output head (`model.fp8_head`) and the MLP projections
 (`model.fp8_mlp`) of the gpt and speedrun models. With `model.fused_loss` the head's three FP8 matmuls
-live in model/fused_ce.py, which uses `quantize` and `col_major` from here.
+live in model/fused_ce.py, on `fp8_forward` and `fp8_backward` from here.
 
 The head is the largest matmul of a small GPT: 768 x 50,304 per token, about a third of its FLOPs; the
 MLP's two projections are about half. FP8 tensor cores (compute capability 8.9+: L4, L40S, H100, H200)
@@ -55,6 +55,23 @@ def col_major(t: torch.Tensor) -> torch.Tensor:
     return t.t().contiguous().t()
 
 
+def fp8_forward(x: torch.Tensor, w: torch.Tensor):
+    """x (M, K) @ w.T (w (N, K)) from e4m3 copies -> (y in bf16, x8, xs, w8, ws): the product and what its
+    backward (fp8_backward) needs."""
+    x8, xs = quantize(x, E4M3)
+    w8, ws = quantize(w, E4M3)
+    return torch._scaled_mm(x8, w8.t(), scale_a=xs, scale_b=ws, out_dtype=torch.bfloat16), x8, xs, w8, ws
+
+
+def fp8_backward(g8: torch.Tensor, gs: torch.Tensor, x8: torch.Tensor, xs: torch.Tensor, w8: torch.Tensor,
+                 ws: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients of y = x @ w.T from the FP8 dy (g8 * gs) and FP8 operands -> (dx in bf16, dw in fp32):
+    _scaled_mm's layouts (first operand row-major, second column-major) made here once."""
+    dx = torch._scaled_mm(g8, col_major(w8), scale_a=gs, scale_b=ws, out_dtype=torch.bfloat16)
+    dw = torch._scaled_mm(g8.t().contiguous(), col_major(x8), scale_a=gs, scale_b=xs, out_dtype=torch.float32)
+    return dx, dw
+
+
 class _FP8Linear(torch.autograd.Function):
     """y = x @ w.T with e4m3 operands; the backward takes dy in e5m2 by the saved e4m3 copies.
 
@@ -65,18 +82,15 @@ class _FP8Linear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        x8, xs = quantize(x, E4M3)
-        w8, ws = quantize(w, E4M3)
-        ctx.save_for_backward(x8, xs, w8, ws)
+        y, *saved = fp8_forward(x, w)
+        ctx.save_for_backward(*saved)
         ctx.dtypes = (x.dtype, w.dtype)
-        return torch._scaled_mm(x8, w8.t(), scale_a=xs, scale_b=ws, out_dtype=torch.bfloat16)
+        return y
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
         x8, xs, w8, ws = ctx.saved_tensors
-        g8, gs = quantize(g, E5M2)
-        dx = torch._scaled_mm(g8, col_major(w8), scale_a=gs, scale_b=ws, out_dtype=torch.bfloat16)
-        dw = torch._scaled_mm(g8.t().contiguous(), col_major(x8), scale_a=gs, scale_b=xs, out_dtype=torch.float32)
+        dx, dw = fp8_backward(*quantize(g, E5M2), x8, xs, w8, ws)
         return dx.to(ctx.dtypes[0]), dw.to(ctx.dtypes[1])
 
 

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import torch
 
-from trainbox.model.fp8 import E4M3, E5M2, col_major, fp8_shapes_ok, quantize
+from trainbox.model.fp8 import E4M3, E5M2, fp8_backward, fp8_forward, fp8_shapes_ok, quantize
 from trainbox.model.layers import autocast_dtype
 
 IGNORE = -100
@@ -173,9 +173,7 @@ class _HeadCE(torch.autograd.Function):
         ctx.dtypes, ctx.fp8 = (x.dtype, w.dtype), fp8
         xc = x.to(dtype)
         if fp8:  # all three matmuls in FP8: the logits from e4m3 operands, both gradients from the e5m2 G
-            x8, xs = quantize(xc, E4M3)
-            w8, ws = quantize(w, E4M3)
-            logits = torch._scaled_mm(x8, w8.t(), scale_a=xs, scale_b=ws, out_dtype=torch.bfloat16)
+            logits, _, _, w8, ws = fp8_forward(xc, w)
             loss, grad8 = head_ce_fp8(logits.to(dtype), targets, cap)
             ctx.save_for_backward(grad8, xc, w8, ws)
             return loss
@@ -191,11 +189,9 @@ class _HeadCE(torch.autograd.Function):
             grad8, xc, w8, ws = ctx.saved_tensors
             scale = g.float()[:, None]
             inv = torch.full((), 1.0 / GRAD_SCALE, dtype=torch.float32, device=g.device)
-            dx = torch._scaled_mm(grad8, col_major(w8), scale_a=inv, scale_b=ws, out_dtype=torch.bfloat16).float() * scale
-            xg8, xgs = quantize(xc.float() * scale, E4M3)
-            dw = torch._scaled_mm(grad8.t().contiguous(), col_major(xg8), scale_a=inv, scale_b=xgs,
-                                  out_dtype=torch.float32)
-            return dx.to(ctx.dtypes[0]), dw.to(ctx.dtypes[1]), None, None, None, None
+            # the per-row upstream gradient: folded into x for dW, applied to dx after its matmul
+            dx, dw = fp8_backward(grad8, inv, *quantize(xc.float() * scale, E4M3), w8, ws)
+            return (dx.float() * scale).to(ctx.dtypes[0]), dw.to(ctx.dtypes[1]), None, None, None, None
         grad, xc, wc = ctx.saved_tensors
         acc = torch.promote_types(grad.dtype, torch.float32)
         scale = g.to(acc)[:, None]

@@ -47,10 +47,7 @@ def resolve_device(cfg: RunConfig, dist: Dist) -> tuple[torch.device, torch.dtyp
                               hint=f"drop {' and '.join(o.split('=')[0] for o in fp8)} (the matmuls then run in bf16)")
     if cfg.model.family == "speedrun" and cfg.model.attention == "flash":
         from trainbox.model.flash import require_flash
-        require_flash(device)
-        if dtype == torch.float32:
-            raise ConfigError("model.attention=flash runs in bf16 or fp16 only; this run is in fp32 (train.dtype="
-                              f"{cfg.train.dtype})", hint="use train.dtype=bf16, or model.attention=auto (FlexAttention)")
+        require_flash(device, dtype)
     return device, dtype
 
 
