@@ -98,10 +98,11 @@ class ModelSection(Section):
         None, description="speedrun: one letter per layer: L = the window, S = half of it, - = no attention "
                           "(default: L everywhere)")
     attention: Literal["auto", "flash", "flex", "sdpa"] = Field(
-        "auto", description="speedrun: attention kernel. flash: FlashAttention-4 over the documents as variable-length "
-                            "sequences (Hopper/Blackwell GPUs, pip install 'trainbox[flash]', model.window_block 1); "
-                            "flex: FlexAttention with a block mask (CUDA); sdpa: an explicit mask (any device, memory "
-                            "O(T^2)); auto: flash where it is installed and usable, else flex on CUDA, else sdpa")
+        "auto", description="gpt, moe, speedrun: attention kernel. flash: FlashAttention-4 (Hopper/Blackwell GPUs, "
+                            "pip install 'trainbox[flash]'; speedrun: the documents as variable-length sequences, "
+                            "model.window_block 1); flex (speedrun): FlexAttention with a block mask (CUDA); sdpa: "
+                            "PyTorch SDPA (speedrun: with an explicit mask, memory O(T^2)); auto: flash where it is "
+                            "installed and usable, else flex (speedrun, CUDA), else sdpa")
     eot_id: int | None = Field(None, ge=0, description="speedrun: document separator token (default: the tokenizer's)")
     fp8_head: bool = Field(False, description="gpt, speedrun: output head in FP8 (forward e4m3, gradient e5m2; needs "
                                               "FP8 tensor cores: H100, L40S)")
@@ -134,9 +135,12 @@ class ModelSection(Section):
             raise ValueError(f"model.lowp_residual applies to model.family=gpt, moe or speedrun, not {self.family}")
         if self.fused_loss and self.family not in ("gpt", "moe", "speedrun"):
             raise ValueError(f"model.fused_loss applies to model.family=gpt, moe or speedrun, not {self.family}")
-        if self.attention != "auto" and self.family != "speedrun":
-            raise ValueError(f"model.attention applies to model.family=speedrun, not {self.family}")
-        if self.attention == "flash" and self.window_block != 1:
+        if self.attention != "auto" and self.family not in ("gpt", "moe", "speedrun"):
+            raise ValueError(f"model.attention applies to model.family=gpt, moe or speedrun, not {self.family}")
+        if self.attention == "flex" and self.family != "speedrun":
+            raise ValueError(f"model.attention=flex applies to model.family=speedrun (its document masks); "
+                             f"{self.family} takes auto, flash or sdpa")
+        if self.attention == "flash" and self.family == "speedrun" and self.window_block != 1:
             raise ValueError(f"model.attention=flash counts the window in tokens; model.window_block="
                              f"{self.window_block} needs model.attention=flex (or set model.window_block=1)")
         if self.window_pattern is not None:

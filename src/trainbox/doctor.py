@@ -189,14 +189,14 @@ def recipe_checks(cfg: RunConfig) -> list[Check]:
             out.append(Check("needs_fp8", "fail", f"{' and '.join(fp8)} need FP8 tensor cores (compute capability "
                              "8.9+: L4, L40S, H100, H200); " + ("this GPU has none" if gpu else "no GPU is visible"),
                              f"drop {' and '.join(fp8)} (the matmuls then run in bf16)"))
-    if cfg.model.family == "speedrun" and cfg.model.attention in ("auto", "flash"):
+    if cfg.model.attention == "flash" or (cfg.model.family == "speedrun" and cfg.model.attention == "auto"):
         from trainbox.model.flash import EXTRA, MIN_MAJOR
         hopper = gpu and torch.cuda.get_device_capability()[0] >= MIN_MAJOR
         missing = importlib.util.find_spec("flash_attn") is None
         if cfg.model.attention == "flash" and (missing or not hopper):
             out.append(Check("needs_flash_attention", "fail", "model.attention=flash needs FlashAttention-4 on a Hopper "
                              "or Blackwell GPU: " + ("it is not installed" if missing else "this machine has none"),
-                             EXTRA if missing else "set model.attention=auto (FlexAttention)"))
+                             EXTRA if missing else "set model.attention=auto"))
         elif hopper and missing and cfg.model.window_block == 1:
             out.append(Check("flash_attention", "warn", "flash-attn-4 is not installed: attention runs in "
                              "FlexAttention (on an H100: 152 against 96 ms of attention per speedrun-124m step)", EXTRA))

@@ -1,7 +1,8 @@
 """Dense GPT-2 family (`model.family: gpt`).
 
 Architecture (GPT-2, Radford et al. 2019): learned absolute positions, pre-LayerNorm blocks, causal
-self-attention through PyTorch SDPA (FlashAttention on GPU), GELU(tanh) MLP of width 4d, final
+self-attention through PyTorch SDPA (cuDNN or FlashAttention-2 on GPU; FlashAttention-4 on Hopper and
+Blackwell GPUs where it is installed, `model.attention`), GELU(tanh) MLP of width 4d, final
 LayerNorm, output head tied to the token embedding. Parameter names map 1:1 to Hugging Face's
 GPT2LMHeadModel. The projections are nn.Linear, weights (out, in), where HF's Conv1D stores (in, out):
 `export.py` transposes them both ways. Linear is the faster layout: cuBLAS fuses the bias into the
@@ -19,6 +20,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from trainbox.model.flash import causal_qkv, flash_available, require_flash
 from trainbox.model.fp8 import linear, mlp_fp8
 from trainbox.model.fused_ce import head_cross_entropy
 from trainbox.model.layers import (KVCache, autocast_dtype, cached_attention, gelu_tanh, init_normal_,
@@ -57,10 +59,16 @@ class CausalSelfAttention(nn.Module):
         self.c_attn = nn.Linear(n_embd, 3 * n_embd, bias=bias)
         self.c_proj = nn.Linear(n_embd, n_embd, bias=bias)
         self.resid_dropout = nn.Dropout(dropout)
+        self.flash = False  # FlashAttention-4 on the packed qkv (set by GPT.set_attention)
 
     def forward(self, x: torch.Tensor, cache: KVCache | None = None, pos: int = 0) -> torch.Tensor:
         B, T, C = x.shape
-        q, k, v = self.c_attn(x).split(C, dim=2)
+        qkv = self.c_attn(x)
+        if self.flash and cache is None and qkv.dtype in (torch.bfloat16, torch.float16):
+            D = C // self.n_head
+            y = causal_qkv(qkv.view(B, T, 3, self.n_head, D), D ** -0.5)  # (B, T, H, D): c_proj reads it as is
+            return self.resid_dropout(self.c_proj(y.view(B, T, C)))
+        q, k, v = qkv.split(C, dim=2)
         # (B, T, C) -> (B, H, T, D)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
         y = cached_attention(q, k, v, cache, pos)
@@ -115,11 +123,28 @@ class GPT(nn.Module):
             self.lm_head.weight = self.transformer.wte.weight
         init_normal_(self)
         scaled_residual_init_(self, "c_proj.weight", cfg.n_layer)
+        self.attention: str | None = None  # flash or sdpa: model.attention, decided on first use from the device
+
+    def set_step(self, step: int, total: int | None = None) -> None:
+        """Called by the loop before each step, outside torch.compile: picks the attention kernel."""
+        self.set_attention(self.transformer.wte.weight.device)
+
+    def set_attention(self, device: torch.device) -> None:
+        """model.attention on `device`: flash (FlashAttention-4) or sdpa; auto takes flash where it runs."""
+        if self.attention is not None:
+            return
+        want = self.cfg.attention
+        if want == "flash":
+            require_flash(device)
+        self.attention = "flash" if want == "flash" or (want == "auto" and flash_available(device)) else "sdpa"
+        for block in self.transformer.h:
+            block.attn.flash = self.attention == "flash"
 
     def hidden(self, idx: torch.Tensor, caches: list[KVCache] | None = None, pos: int = 0) -> torch.Tensor:
         T = idx.size(1)
         if pos + T > self.block_size:
             raise ValueError(f"sequence of {pos + T} tokens exceeds the model's block_size {self.block_size}")
+        self.set_attention(idx.device)
         positions = torch.arange(pos, pos + T, device=idx.device)
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(positions))
         dtype = residual_dtype(self.cfg, idx.device.type, default=False)

@@ -45,7 +45,7 @@ def resolve_device(cfg: RunConfig, dist: Dist) -> tuple[torch.device, torch.dtyp
             raise ConfigError(f"{' and '.join(fp8)} needs a GPU with FP8 tensor cores (compute capability 8.9+: "
                               f"L4, L40S, H100, H200); this run is on {device}{name}",
                               hint=f"drop {' and '.join(o.split('=')[0] for o in fp8)} (the matmuls then run in bf16)")
-    if cfg.model.family == "speedrun" and cfg.model.attention == "flash":
+    if cfg.model.attention == "flash":
         from trainbox.model.flash import require_flash
         require_flash(device, dtype)
     return device, dtype
