@@ -107,5 +107,10 @@ def test_gpt2_125m_recipe_shape():
     model = build_model(cfg.model, cfg.model.vocab_size, cfg.data.seq_len)
     assert (cfg.model.n_layer, cfg.model.n_head, cfg.model.n_embd, cfg.data.seq_len) == (12, 12, 768, 1024)
     assert model.transformer.wte.weight.shape == (50304, 768)
-    # GPT-2 small has 124,439,808 parameters (HF's count); padding adds 47 rows of 768
+    # GPT-2 small has 124,439,808 parameters (HF's count); padding adds 47 rows of 768. The recipe leaves
+    # out the biases, as nanoGPT's reference run does: 12 layers of 2304 + 768 + 3072 + 768 + 2 * 768, and ln_f's
+    assert not cfg.model.bias
+    assert model.num_params(exclude_positions=False) == 124_439_808 + 47 * 768 - 12 * 8448 - 768
+    cfg = load_config("gpt2-125m", ["model.bias=true"])
+    model = build_model(cfg.model, cfg.model.vocab_size, cfg.data.seq_len)
     assert model.num_params(exclude_positions=False) == 124_439_808 + 47 * 768
