@@ -126,7 +126,25 @@ def test_fp8_head_is_refused_without_fp8_tensor_cores(tiny):
                              "train.device=cpu"])
     with pytest.raises(ConfigError, match=r"model.fp8_head=true needs a GPU with FP8 tensor cores .* on cpu") as err:
         Trainer(cfg)
-    assert "drop model.fp8_head" in err.value.hint
+    assert "drop model.fp8_head" in err.value.hint and "model.fp8_fallback=true" in err.value.hint
+
+
+@pytest.mark.parametrize("recipe", ["gpt2-125m", "speedrun-124m"])
+def test_fp8_recipes_fall_back_to_plain_matmuls_without_fp8(recipe, caplog):
+    """The recipes ask for FP8 where the device has it (model.fp8_fallback): on a CPU the run goes ahead with
+    the FP8 options off, and says so once; the model then has no FP8 path left."""
+    from trainbox.model.fp8 import fp8_supported
+    from trainbox.train.loop import Trainer
+
+    cfg = load_config(recipe, ["train.device=cpu"])
+    assert cfg.model.fp8_fallback and cfg.model.fp8_options
+    if fp8_supported(torch.device("cuda")) if torch.cuda.is_available() else False:
+        pytest.skip("this machine has FP8 tensor cores")
+    with caplog.at_level("WARNING", logger="trainbox"):
+        Trainer(cfg)
+    assert not cfg.model.fp8_head and cfg.model.fp8_mlp == "none" and cfg.model.fp8_options == []
+    warned = [r.getMessage() for r in caplog.records if "model.fp8_fallback" in r.getMessage()]
+    assert len(warned) == 1 and "has no FP8 tensor cores, so these matmuls run in float32" in warned[0]
 
 
 @pytest.mark.gpu

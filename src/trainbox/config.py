@@ -109,6 +109,10 @@ class ModelSection(Section):
     fp8_mlp: Literal["none", "down", "both"] = Field(
         "none", description="gpt, speedrun: MLP matmuls in FP8: the down-projection, or both projections (needs "
                             "FP8 tensor cores: H100, L40S)")
+    fp8_fallback: bool = Field(
+        False, description="gpt, speedrun: where the device has no FP8 tensor cores (a CPU, an A100), run the matmuls "
+                           "of fp8_head and fp8_mlp in bf16 instead of refusing the run (the recipes that turn FP8 on "
+                           "set it, so that they run anywhere)")
     lowp_residual: bool | None = Field(
         None, description="gpt, moe, speedrun: keep the residual stream in the autocast dtype (bf16) instead of fp32 "
                           "(default: on for speedrun, off for gpt and moe)")

@@ -186,9 +186,15 @@ def recipe_checks(cfg: RunConfig) -> list[Check]:
     if fp8:
         from trainbox.model.fp8 import fp8_supported
         if not (gpu and fp8_supported(torch.device("cuda"))):
-            out.append(Check("needs_fp8", "fail", f"{' and '.join(fp8)} need FP8 tensor cores (compute capability "
-                             "8.9+: L4, L40S, H100, H200); " + ("this GPU has none" if gpu else "no GPU is visible"),
-                             f"drop {' and '.join(fp8)} (the matmuls then run in bf16)"))
+            where = "this GPU has none" if gpu else "no GPU is visible"
+            if cfg.model.fp8_fallback:
+                out.append(Check("fp8", "warn", f"{' and '.join(fp8)} run as plain matmuls here (model.fp8_fallback): "
+                                 f"FP8 tensor cores (compute capability 8.9+) are missing, {where}",
+                                 "an L4, L40S, H100 or H200 runs them in FP8"))
+            else:
+                out.append(Check("needs_fp8", "fail", f"{' and '.join(fp8)} need FP8 tensor cores (compute capability "
+                                 "8.9+: L4, L40S, H100, H200); " + where,
+                                 f"drop {' and '.join(fp8)} (the matmuls then run in bf16), or set model.fp8_fallback=true"))
     if cfg.model.attention == "flash" or (cfg.model.family == "speedrun" and cfg.model.attention == "auto"):
         from trainbox.model.flash import EXTRA, MIN_MAJOR
         hopper = gpu and torch.cuda.get_device_capability()[0] >= MIN_MAJOR

@@ -12,6 +12,7 @@ import torch
 
 from trainbox.config import RunConfig
 from trainbox.errors import ConfigError, TrainingFailed
+from trainbox.monitor.console import log
 from trainbox.train.distributed import Dist
 
 # bf16 dense peak TFLOP/s per device, for MFU (override: train.peak_tflops)
@@ -42,9 +43,15 @@ def resolve_device(cfg: RunConfig, dist: Dist) -> tuple[torch.device, torch.dtyp
         from trainbox.model.fp8 import fp8_supported
         if not fp8_supported(device):
             name = f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""
-            raise ConfigError(f"{' and '.join(fp8)} needs a GPU with FP8 tensor cores (compute capability 8.9+: "
-                              f"L4, L40S, H100, H200); this run is on {device}{name}",
-                              hint=f"drop {' and '.join(o.split('=')[0] for o in fp8)} (the matmuls then run in bf16)")
+            if not cfg.model.fp8_fallback:
+                raise ConfigError(f"{' and '.join(fp8)} needs a GPU with FP8 tensor cores (compute capability 8.9+: "
+                                  f"L4, L40S, H100, H200); this run is on {device}{name}",
+                                  hint=f"drop {' and '.join(o.split('=')[0] for o in fp8)} (the matmuls then run in "
+                                       "bf16), or set model.fp8_fallback=true to do so only where FP8 is missing")
+            # the recipe asks for FP8 where there is FP8: plain matmuls here, said once
+            log.warning(f"{' and '.join(fp8)}: {device}{name} has no FP8 tensor cores, so these matmuls run in "
+                        f"{str(dtype).removeprefix('torch.')} (model.fp8_fallback)")
+            cfg.model.fp8_head, cfg.model.fp8_mlp = False, "none"
     if cfg.model.attention == "flash":
         from trainbox.model.flash import require_flash
         require_flash(device, dtype)

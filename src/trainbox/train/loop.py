@@ -348,7 +348,7 @@ class Trainer:
         cfg = self.cfg
         from trainbox.optim.build import lr_multiplier, set_lr
         lr = set_lr(self.optimizers, lr_multiplier(step, self.total, cfg.optim))
-        if hasattr(self.model, "set_step"):  # schedules inside the model (speedrun window warm-up)
+        if hasattr(self.model, "set_step"):  # inside the model: the speedrun window warm-up, the attention kernel
             self.model.set_step(step, self.total)
         batches = self.plan.micro_batches(step)
         accum = len(batches)
