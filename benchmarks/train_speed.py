@@ -60,11 +60,27 @@ def run_ours(recipe: str, data: str, steps: int, warmup: int, overrides: list[st
     }
 
 
-def run_nanogpt(repo: str, data_dir: str, steps: int, warmup: int, extra: list[str]) -> dict:
-    """nanoGPT's train.py on DATA_DIR/{train,val}.bin (GPT-2 124M defaults), parsed from its log."""
+NANOGPT_SEED = "torch.manual_seed(1337 + seed_offset)"  # nanoGPT's train.py fixes its seed in this line
+
+
+def seeded_script(repo: str, seed: int) -> str:
+    """A copy of nanoGPT's train.py beside it with the seed `seed` (its config has no seed key); -> its name.
+    It stays in the local peer checkout, which is never committed."""
+    text = (Path(repo) / "train.py").read_text()
+    if NANOGPT_SEED not in text:
+        raise SystemExit(f"{repo}/train.py has no line {NANOGPT_SEED!r}: cannot set nanoGPT's seed")
+    name = f"train_seed{seed}.py"
+    (Path(repo) / name).write_text(text.replace(NANOGPT_SEED, f"torch.manual_seed({seed} + seed_offset)"))
+    return name
+
+
+def run_nanogpt(repo: str, data_dir: str, steps: int, warmup: int, extra: list[str], seed: int = 1337) -> dict:
+    """nanoGPT's train.py on DATA_DIR/{train,val}.bin (GPT-2 124M defaults), parsed from its log; a seed
+    other than its own 1337 runs from a copy with that seed (seeded_script)."""
     data_root = Path(tempfile.mkdtemp(prefix="nanogpt-data-"))
     (data_root / "bench").symlink_to(Path(data_dir).resolve())
-    args = [sys.executable, "train.py", "--dataset=bench", f"--max_iters={steps}", "--eval_interval=100000",
+    script = "train.py" if seed == 1337 else seeded_script(repo, seed)
+    args = [sys.executable, script, "--dataset=bench", f"--max_iters={steps}", "--eval_interval=100000",
             "--log_interval=1", "--eval_iters=1", "--always_save_checkpoint=False", f"--out_dir={data_root / 'out'}",
             *extra]
     env = {**os.environ}
@@ -74,16 +90,20 @@ def run_nanogpt(repo: str, data_dir: str, steps: int, warmup: int, extra: list[s
         link.unlink()
     link.symlink_to(Path(data_dir).resolve())
     t0 = time.time()
-    proc = subprocess.run(args, cwd=repo, env=env, capture_output=True, text=True)
+    try:
+        proc = subprocess.run(args, cwd=repo, env=env, capture_output=True, text=True)
+    finally:
+        if script != "train.py":
+            (Path(repo) / script).unlink(missing_ok=True)
     out = proc.stdout + proc.stderr
     iters = [(int(m.group(1)), float(m.group(2)), float(m.group(3)), float(m.group(4)))
              for m in re.finditer(r"iter (\d+): loss ([\d.]+), time ([\d.]+)ms, mfu (-?[\d.]+)%", out)]
     if not iters:
-        return {"who": "nanogpt", "error": out[-2000:]}
+        return {"who": "nanogpt", "seed": seed, "error": out[-2000:]}
     times = [t for _, _, t, _ in iters][warmup:]
     evals = {int(m.group(1)): float(m.group(2))
              for m in re.finditer(r"step (\d+): train loss [\d.]+, val loss ([\d.]+)", out)}
-    return {"who": "nanogpt", "median_step_ms": statistics.median(times), "final_loss": iters[-1][1],
+    return {"who": "nanogpt", "seed": seed, "median_step_ms": statistics.median(times), "final_loss": iters[-1][1],
             "mfu_reported": iters[-1][3], "first_step_ms": iters[0][2], "wall_s": round(time.time() - t0, 1),
             "val_loss": evals.get(steps), "evals": evals}
 
@@ -98,10 +118,12 @@ def main() -> None:
     ap.add_argument("--nanogpt", help="path to a nanoGPT checkout (baseline)")
     ap.add_argument("--nanogpt-data", help="folder with nanoGPT's train.bin / val.bin")
     ap.add_argument("--nanogpt-args", default="", help='one string, e.g. "--batch_size=16 --gradient_accumulation_steps=30"')
+    ap.add_argument("--nanogpt-seed", type=int, default=1337, help="nanoGPT's seed (its train.py fixes 1337)")
     args = ap.parse_intermixed_args()
     base = None
     if args.nanogpt:  # first, while this process holds no GPU memory
-        base = run_nanogpt(args.nanogpt, args.nanogpt_data, args.steps, args.warmup, shlex.split(args.nanogpt_args))
+        base = run_nanogpt(args.nanogpt, args.nanogpt_data, args.steps, args.warmup, shlex.split(args.nanogpt_args),
+                           args.nanogpt_seed)
         print(json.dumps(base), flush=True)
     result = run_ours(args.recipe, args.data, args.steps, args.warmup, args.overrides)
     print(json.dumps(result), flush=True)

@@ -1,0 +1,109 @@
+"""Is our validation loss no worse than nanoGPT's at equal hyper-parameters? Several seeds a side, one verdict.
+
+    python benchmarks/loss_parity.py gpt2-125m --data /tmp/corpus/modded/pyc --steps 300 --seeds 1337,1,2 \
+        --nanogpt .peers/nanoGPT --nanogpt-data /tmp/corpus/nanogpt --nanogpt-seeds 1337,1338,1339 \
+        --nanogpt-args '--batch_size=16 --gradient_accumulation_steps=30 --warmup_iters=20
+                        --lr_decay_iters=300 --eval_interval=300 --eval_iters=640' optim.warmup_steps=20
+
+One pair of runs cannot answer it: after 100 steps of gpt2-125m one seed's loss differs from another's by
+up to 0.17 on either side (benchmarks/records/2026-11-26-h100-session7.json). Each side here trains once
+per seed, through benchmarks/train_speed.py: ours in its own process with run.seed=S, nanoGPT from a copy
+of its train.py with the seed replaced (it fixes torch.manual_seed(1337); the copy lives in the local
+peer checkout, never committed, and is removed after the run). Prints one JSON object: every run's
+validation loss and step time, each side's mean and standard deviation, the difference of the means
+(ours - nanoGPT) with its Welch 95% interval, and a verdict:
+
+    "no worse"      ours' mean is at most nanoGPT's;
+    "worse"         the whole interval lies above zero;
+    "inconclusive"  neither: more seeds or more steps are needed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shlex
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+# two-sided 95% quantiles of Student's t by degrees of freedom (a table: no scipy needed on the GPU machine)
+T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
+        12: 2.179, 15: 2.131, 20: 2.086, 30: 2.042, 60: 2.000}
+
+
+def t975(df: float) -> float:
+    """The 97.5% quantile of t with `df` degrees of freedom, rounded down to the table (a wider interval)."""
+    if df >= 120:
+        return 1.96
+    return T975[max(d for d in T975 if d <= max(1.0, df))]
+
+
+def compare(ours: list[float], theirs: list[float]) -> dict:
+    """Means, standard deviations, ours - theirs with a Welch 95% interval, and the verdict."""
+    if len(ours) < 2 or len(theirs) < 2:
+        raise ValueError("need at least two runs a side for a spread")
+    m1, m2 = statistics.mean(ours), statistics.mean(theirs)
+    v1, v2 = statistics.variance(ours) / len(ours), statistics.variance(theirs) / len(theirs)
+    diff, se = m1 - m2, math.sqrt(v1 + v2)
+    df = (v1 + v2) ** 2 / (v1 ** 2 / (len(ours) - 1) + v2 ** 2 / (len(theirs) - 1)) if se > 0 else float("inf")
+    half = t975(df) * se
+    verdict = "no worse" if diff <= 0 else "worse" if diff - half > 0 else "inconclusive"
+    return {"mean": {"ours": round(m1, 4), "nanogpt": round(m2, 4)},
+            "stdev": {"ours": round(statistics.stdev(ours), 4), "nanogpt": round(statistics.stdev(theirs), 4)},
+            "difference": round(diff, 4), "interval_95": [round(diff - half, 4), round(diff + half, 4)],
+            "welch_df": round(df, 1), "verdict": verdict}
+
+
+def _last_json(out: str, who: str) -> dict:
+    for line in reversed(out.splitlines()):
+        if line.startswith("{") and f'"who": "{who}"' in line:
+            return json.loads(line)
+    raise SystemExit(f"no result line from {who}:\n{out[-2000:]}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("recipe")
+    ap.add_argument("overrides", nargs="*", help="key=value for our runs (nanoGPT takes --nanogpt-args)")
+    ap.add_argument("--data", required=True, help="token-file prefix for data.path")
+    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--warmup", type=int, default=5, help="steps left out of the step-time median")
+    ap.add_argument("--seeds", default="1337,1,2", help="our seeds (run.seed), comma-separated")
+    ap.add_argument("--nanogpt", required=True, help="path to a nanoGPT checkout")
+    ap.add_argument("--nanogpt-data", required=True, help="folder with nanoGPT's train.bin / val.bin")
+    ap.add_argument("--nanogpt-seeds", default="1337,1338,1339")
+    ap.add_argument("--nanogpt-args", default="")
+    args = ap.parse_intermixed_args()
+    sys.path.insert(0, str(HERE))
+    from train_speed import run_nanogpt
+
+    warmup = min(args.warmup, args.steps // 2)
+    runs = []
+    for seed in (int(s) for s in args.nanogpt_seeds.split(",")):
+        res = run_nanogpt(args.nanogpt, args.nanogpt_data, args.steps, warmup, shlex.split(args.nanogpt_args), seed)
+        if "error" in res or res.get("val_loss") is None:
+            raise SystemExit(f"nanoGPT seed {seed} gave no validation loss at step {args.steps} "
+                             f"(set --eval_interval={args.steps} in --nanogpt-args): {res.get('error', '')[-500:]}")
+        runs.append(res)
+        print(json.dumps(res), file=sys.stderr, flush=True)
+    for seed in (int(s) for s in args.seeds.split(",")):  # each in its own process: a fresh GPU and compile state
+        cmd = [sys.executable, str(HERE / "train_speed.py"), args.recipe, "--data", args.data, "--steps",
+               str(args.steps), "--warmup", str(warmup), *args.overrides, f"run.seed={seed}"]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        res = {**_last_json(proc.stdout, "trainbox"), "seed": seed}
+        runs.append(res)
+        print(json.dumps(res), file=sys.stderr, flush=True)
+    ours = [r["val_loss"] for r in runs if r["who"] == "trainbox"]
+    theirs = [r["val_loss"] for r in runs if r["who"] == "nanogpt"]
+    print(json.dumps({"benchmark": "loss_parity", "recipe": args.recipe, "steps": args.steps,
+                      "overrides": args.overrides, "nanogpt_args": args.nanogpt_args,
+                      "runs": [{k: r.get(k) for k in ("who", "seed", "val_loss", "median_step_ms")} for r in runs],
+                      **compare(ours, theirs)}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,58 @@
+"""benchmarks/loss_parity.py's statistics and train_speed.py's seeded nanoGPT copy (the GPU runs themselves
+live in benchmarks/, not in tests)."""
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def load(name: str):
+    sys.path.insert(0, str(BENCH))
+    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_welch_interval_against_a_reference():
+    """Welch's textbook example (Wikipedia, "Welch's t-test", example 1): scipy.stats.ttest_ind(equal_var=False)
+    gives df 24.99 and the 95% interval (-3.9841, -0.3492) of the difference of means; ours rounds df down to
+    its t table, so its interval may only be as wide or a little wider."""
+    compare = load("loss_parity").compare
+    a1 = [27.5, 21.0, 19.0, 23.6, 17.0, 17.9, 16.9, 20.1, 21.9, 22.6, 23.1, 19.6, 19.0, 21.7, 21.4]
+    a2 = [27.1, 22.0, 20.8, 23.4, 23.4, 23.5, 25.8, 22.0, 24.8, 20.2, 21.9, 22.1, 22.9, 20.5, 24.4]
+    r = compare(a1, a2)
+    assert r["difference"] == pytest.approx(20.82 - 22.98667, abs=1e-4)
+    assert r["welch_df"] == pytest.approx(24.99, abs=0.06)
+    lo, hi = r["interval_95"]
+    assert lo <= -3.9841 and hi >= -0.3492
+    assert (hi - lo) <= 1.03 * (3.9841 - 0.3492)
+    assert r["verdict"] == "no worse"
+
+
+def test_verdicts():
+    compare = load("loss_parity").compare
+    # session 7, gpt2-125m after 100 steps: ours (FP8 head, 4 seeds) against nanoGPT (3 seeds)
+    r = compare([3.6496, 3.7996, 3.6878, 3.6304], [3.6476, 3.6241, 3.7056])
+    assert r["verdict"] == "inconclusive" and r["interval_95"][0] < 0 < r["interval_95"][1]
+    assert compare([3.90, 3.91, 3.92], [3.60, 3.61, 3.62])["verdict"] == "worse"
+    assert compare([3.60, 3.70], [3.65, 3.66])["verdict"] == "no worse"
+    with pytest.raises(ValueError, match="at least two runs"):
+        compare([3.6], [3.6, 3.7])
+
+
+def test_seeded_nanogpt_copy(tmp_path):
+    """nanoGPT fixes its seed in train.py: the copy changes that line only, and a script without it is
+    refused with the line it looked for."""
+    train_speed = load("train_speed")
+    text = "import torch\nseed_offset = 0\ntorch.manual_seed(1337 + seed_offset)\nprint('train')\n"
+    (tmp_path / "train.py").write_text(text)
+    name = train_speed.seeded_script(str(tmp_path), 1338)
+    assert (tmp_path / name).read_text() == text.replace("1337 + seed_offset", "1338 + seed_offset")
+    assert (tmp_path / "train.py").read_text() == text
+    (tmp_path / "train.py").write_text("import torch\ntorch.manual_seed(42)\n")
+    with pytest.raises(SystemExit, match="no line 'torch.manual_seed"):
+        train_speed.seeded_script(str(tmp_path), 7)
