@@ -19,7 +19,7 @@ def make(family: str = "gpt", **kw):
 def test_attention_on_cpu_is_sdpa_and_flash_is_refused(family):
     model = make(family)
     model.set_step(0)
-    assert model.attention == "sdpa" and not any(b.attn.flash for b in model.transformer.h)
+    assert model.backend == "sdpa" and not any(b.attn.flash for b in model.transformer.h)
     with pytest.raises(ConfigError, match="needs a CUDA GPU"):
         make(family, attention="flash").set_step(0)
 
@@ -45,7 +45,7 @@ def test_flash_matches_sdpa_on_gpu(bias):
     for attention in ("flash", "sdpa"):
         model = make(n_head=2, n_embd=256, bias=bias, attention=attention).cuda()  # heads of 128
         model.set_step(0)
-        assert model.attention == attention
+        assert model.backend == attention
         step = torch.compile(lambda i, t: model(i, t).loss)
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = step(idx[:, :-1], idx[:, 1:])

@@ -82,6 +82,16 @@ def require_flash(device: torch.device, dtype: torch.dtype | None = None) -> Non
                           hint="use train.dtype=bf16, or model.attention=auto (FlexAttention)")
 
 
+def use_flash(want: str, device: torch.device, eligible: bool = True) -> bool:
+    """model.attention=`want` on `device` -> whether to run FlashAttention-4: always for "flash" (after
+    require_flash has refused what cannot run), for "auto" where the model's setting is `eligible` and
+    flash_available; never otherwise."""
+    if want == "flash":
+        require_flash(device)
+        return True
+    return want == "auto" and eligible and flash_available(device)
+
+
 def half_precision(device: torch.device, param_dtype: torch.dtype) -> bool:
     """Whether attention runs in bf16/fp16 here (autocast, or half-precision weights): FlashAttention's
     only dtypes; in fp32 the model takes FlexAttention instead."""

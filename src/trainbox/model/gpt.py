@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from trainbox.model.flash import causal_qkv, flash_available, require_flash
+from trainbox.model.flash import causal_qkv, use_flash
 from trainbox.model.fp8 import linear, mlp_fp8
 from trainbox.model.fused_ce import head_cross_entropy
 from trainbox.model.layers import (KVCache, autocast_dtype, cached_attention, gelu_tanh, init_normal_,
@@ -123,7 +123,7 @@ class GPT(nn.Module):
             self.lm_head.weight = self.transformer.wte.weight
         init_normal_(self)
         scaled_residual_init_(self, "c_proj.weight", cfg.n_layer)
-        self.attention: str | None = None  # flash or sdpa: model.attention, decided on first use from the device
+        self.backend: str | None = None  # flash or sdpa: model.attention, decided on first use from the device
 
     def set_step(self, step: int, total: int | None = None) -> None:
         """Called by the loop before each step, outside torch.compile: picks the attention kernel."""
@@ -131,14 +131,11 @@ class GPT(nn.Module):
 
     def set_attention(self, device: torch.device) -> None:
         """model.attention on `device`: flash (FlashAttention-4) or sdpa; auto takes flash where it runs."""
-        if self.attention is not None:
+        if self.backend is not None:
             return
-        want = self.cfg.attention
-        if want == "flash":
-            require_flash(device)
-        self.attention = "flash" if want == "flash" or (want == "auto" and flash_available(device)) else "sdpa"
+        self.backend = "flash" if use_flash(self.cfg.attention, device) else "sdpa"
         for block in self.transformer.h:
-            block.attn.flash = self.attention == "flash"
+            block.attn.flash = self.backend == "flash"
 
     def hidden(self, idx: torch.Tensor, caches: list[KVCache] | None = None, pos: int = 0) -> torch.Tensor:
         T = idx.size(1)

@@ -38,7 +38,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from trainbox.errors import ConfigError
-from trainbox.model.flash import doc_seqlens, flash_attention, flash_available, half_precision, require_flash
+from trainbox.model.flash import doc_seqlens, flash_attention, half_precision, use_flash
 from trainbox.model.fp8 import fp8_linear, linear, mlp_fp8
 from trainbox.model.fused_ce import head_cross_entropy
 from trainbox.model.gpt import Output, cross_entropy, residual_dtype
@@ -294,10 +294,7 @@ class SpeedrunGPT(nn.Module):
         if self.backend is not None:
             return
         want = self.cfg.attention
-        if want == "flash":
-            require_flash(device)
-            self.backend = "flash"
-        elif want == "auto" and self.cfg.window_block == 1 and flash_available(device):
+        if use_flash(want, device, eligible=self.cfg.window_block == 1):
             self.backend = "flash"
         elif want in ("auto", "flex") and flex_available(device):
             self.backend = "flex"

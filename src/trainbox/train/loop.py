@@ -65,7 +65,6 @@ def plan_length(cfg: RunConfig, plan: BatchPlan) -> int:
     return max(1, int(math.ceil((t.epochs or 1.0) * plan.steps_per_epoch)))
 
 
-
 def allow_cached_autograd_functions() -> None:
     """Let AOTAutograd's cache keep graphs that hold our torch.autograd.Functions (the fused loss, the FP8
     linear). By default it bypasses them, so every start traced and partitioned the model again: the
@@ -75,6 +74,7 @@ def allow_cached_autograd_functions() -> None:
     import torch._functorch.config as functorch_config
     if hasattr(functorch_config, "autograd_cache_allow_custom_autograd_functions"):  # torch 2.7+
         functorch_config.autograd_cache_allow_custom_autograd_functions = True
+
 
 class StopFlag:
     """Set by SIGTERM/SIGINT/SIGUSR1; the loop agrees across ranks at the next step boundary."""
