@@ -224,6 +224,18 @@ class GroupedLinear(nn.Module):
         return _ExpertBias.apply(y, self.bias, expert) if self.bias is not None else y
 
 
+def top_k(probs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """probs.topk(k) for a handful of experts as k max-reductions, which Inductor fuses into the router's
+    softmax kernel (topk is a sort: two library kernels per layer and micro-batch)."""
+    values, ids = [], []
+    for _ in range(k):
+        v, i = probs.max(dim=-1, keepdim=True)
+        values.append(v)
+        ids.append(i)
+        probs = probs.scatter(-1, i, -1.0)  # below every probability: not chosen twice
+    return torch.cat(values, dim=-1), torch.cat(ids, dim=-1)
+
+
 class MoEFFN(nn.Module):
     """Router + top-k + capacity + experts. forward(x) -> y; `self.aux` holds this call's losses/stats."""
 
@@ -246,7 +258,7 @@ class MoEFFN(nn.Module):
         with torch.autocast(device_type=x.device.type, enabled=False):
             logits = F.linear(x.float(), self.router.weight.float())
         probs = logits.softmax(dim=-1)
-        top_p, top_e = probs.topk(self.moe.top_k, dim=-1)
+        top_p, top_e = top_k(probs, self.moe.top_k)
         gates = top_p / top_p.sum(dim=-1, keepdim=True) if self.moe.top_k > 1 else top_p
         return logits, top_e, gates
 
@@ -259,23 +271,28 @@ class MoEFFN(nn.Module):
         # assignment a = j * N + n is token n's j-th choice: this flat order is GShard's drop priority
         expert = top_e.t().reshape(-1)                                   # (k*N,)
         token = torch.arange(N, device=x.device).repeat(k)               # (k*N,)
-        counts = torch.zeros(E, dtype=torch.long, device=x.device).scatter_add_(0, expert, torch.ones_like(expert))
-        order = torch.argsort(expert, stable=True)                       # sorted by expert, priority kept
-        sorted_e = expert[order]
+        # a counting sort by expert, stable so the priority order holds within each expert: an assignment's
+        # row is its expert's start plus the number of earlier assignments to that expert (one scan over a
+        # (k*N, E) one-hot; no sort kernel, and `inverse` comes out directly)
+        seen = F.one_hot(expert, E).to(torch.int32).cumsum(0, dtype=torch.int32)  # (k*N, E) running counts
+        counts = seen[-1].long()                                         # (E,) assignments per expert
         offsets = counts.cumsum(0)
-        slot = torch.arange(k * N, device=x.device) - (offsets - counts)[sorted_e]  # rank within its expert
-        weight = gates.t().reshape(-1)[order]                            # (k*N,) fp32
+        rank = seen.gather(1, expert.unsqueeze(1)).squeeze(1).long() - 1  # rank of each assignment in its expert
+        inverse = (offsets - counts)[expert] + rank                      # assignment -> its sorted row
+        order = torch.empty_like(inverse).scatter_(0, inverse, torch.arange(k * N, device=x.device))
+        sorted_e = expert[order]
+        weight = gates.t().reshape(-1)                                   # (k*N,) fp32, assignment order
         if self.training and self.moe.capacity_factor > 0:
             capacity = int(self.moe.capacity_factor * k * N / E)
-            keep = slot < capacity
+            keep = rank < capacity
             weight = weight * keep
             dropped = 1.0 - keep.float().mean()
         else:
             dropped = torch.zeros((), device=x.device)
+        weight = weight[order]                                           # sorted order
         dtype = autocast_dtype(x.device.type, x.dtype)
         offs32 = offsets.to(torch.int32)
         src = token[order]                                               # token of each sorted row
-        inverse = torch.empty_like(order).scatter_(0, order, torch.arange(k * N, device=x.device))
         rows = _Dispatch.apply(xf.to(dtype), src, inverse, k)                                    # (k*N, C)
         h = gelu_tanh(self.c_fc(rows, offs32, sorted_e, self.use_kernel, self.fp8_up))           # (k*N, 4C)
         h = self.c_proj(h, offs32, sorted_e, self.use_kernel, self.fp8_down) * weight.unsqueeze(1)  # fp32
