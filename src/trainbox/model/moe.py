@@ -19,7 +19,7 @@ Architecture choices (Switch Transformer, GShard, MegaBlocks, Megatron-Core), al
   1.0 at perfect balance) and the router z-loss mean(logsumexp(logits)^2) (ST-MoE), each averaged
   over MoE layers, weighted by lb_loss_weight / z_loss_weight and returned as `Output.aux_loss`.
 
-Dispatch is vectorised: assignments are sorted by expert (a stable sort keeps the priority order), the
+Dispatch is vectorised: assignments are sorted by expert (a counting sort, stable: the priority order holds), the
 experts run as two grouped matmuls over the sorted rows (`torch.nn.functional.grouped_mm` /
 `torch._grouped_mm`; a loop over experts only where neither exists or the widths are not 16-byte
 aligned), and the weighted results are gathered back to token order; every index in the layer has an
