@@ -90,7 +90,7 @@ def test_compiles_in_one_graph_and_matches_eager():
 
 @pytest.mark.parametrize("kw, match", [
     (dict(family="t5", fused_loss=True), "model.fused_loss applies to"),
-    (dict(family="t5", fp8_head=True), "model.fp8_head applies to model.family=gpt, moe or speedrun")])
+    (dict(family="moe", fused_loss=True, fp8_head=True), "model.fp8_head applies to model.family=gpt or speedrun")])
 def test_config_errors(kw, match):
     with pytest.raises(ValueError, match=match):
         ModelSection(n_layer=2, n_head=2, n_embd=32, **kw)

@@ -104,13 +104,13 @@ class ModelSection(Section):
                             "PyTorch SDPA (speedrun: with an explicit mask, memory O(T^2)); auto: flash where it is "
                             "installed and usable, else flex (speedrun, CUDA), else sdpa")
     eot_id: int | None = Field(None, ge=0, description="speedrun: document separator token (default: the tokenizer's)")
-    fp8_head: bool = Field(False, description="gpt, moe, speedrun: output head in FP8 (forward e4m3, gradient e5m2; needs "
+    fp8_head: bool = Field(False, description="gpt, speedrun: output head in FP8 (forward e4m3, gradient e5m2; needs "
                                               "FP8 tensor cores: H100, L40S)")
     fp8_mlp: Literal["none", "down", "both"] = Field(
-        "none", description="gpt, moe, speedrun: MLP matmuls in FP8: the down-projection, or both projections "
-                            "(moe: of every expert, as grouped FP8 matmuls; needs FP8 tensor cores: H100, L40S)")
+        "none", description="gpt, speedrun: MLP matmuls in FP8: the down-projection, or both projections (needs "
+                            "FP8 tensor cores: H100, L40S)")
     fp8_fallback: bool = Field(
-        False, description="gpt, moe, speedrun: where the device has no FP8 tensor cores (a CPU, an A100), run the matmuls "
+        False, description="gpt, speedrun: where the device has no FP8 tensor cores (a CPU, an A100), run the matmuls "
                            "of fp8_head and fp8_mlp in bf16 instead of refusing the run (the recipes that turn FP8 on "
                            "set it, so that they run anywhere)")
     lowp_residual: bool | None = Field(
@@ -131,10 +131,10 @@ class ModelSection(Section):
     def _heads_divide_width(self) -> "ModelSection":
         if self.family in ("gpt", "moe") and self.n_embd % self.n_head:
             raise ValueError(f"model.n_embd={self.n_embd} is not divisible by model.n_head={self.n_head}")
-        if self.fp8_head and self.family not in ("gpt", "moe", "speedrun"):
-            raise ValueError(f"model.fp8_head applies to model.family=gpt, moe or speedrun, not {self.family}")
-        if self.fp8_mlp != "none" and self.family not in ("gpt", "moe", "speedrun"):
-            raise ValueError(f"model.fp8_mlp applies to model.family=gpt, moe or speedrun, not {self.family}")
+        if self.fp8_head and self.family not in ("gpt", "speedrun"):
+            raise ValueError(f"model.fp8_head applies to model.family=gpt or speedrun, not {self.family}")
+        if self.fp8_mlp != "none" and self.family not in ("gpt", "speedrun"):
+            raise ValueError(f"model.fp8_mlp applies to model.family=gpt or speedrun, not {self.family}")
         if self.lowp_residual is not None and self.family not in ("gpt", "moe", "speedrun"):
             raise ValueError(f"model.lowp_residual applies to model.family=gpt, moe or speedrun, not {self.family}")
         if self.fused_loss and self.family not in ("gpt", "moe", "speedrun"):

@@ -8,8 +8,6 @@ Architecture choices (Switch Transformer, GShard, MegaBlocks, Megatron-Core), al
 - top-k of the softmax probabilities; with k > 1 the k gates are renormalised to sum to 1 (Mixtral,
   Megatron's default), with k = 1 the gate is the raw probability, so the router still learns (Switch);
 - experts: GPT-2 MLPs (d -> 4d, GELU(tanh), 4d -> d) stored stacked, (E, in, out), Conv1D layout;
-  `model.fp8_mlp` (down or both) runs their forward and input-gradient matmuls as grouped FP8 matmuls
-  with one scale per token row and per expert column (`_FP8GroupedLinear`), the weight gradient in bf16;
 - capacity: 0 = dropless. Otherwise each expert takes at most int(capacity_factor * top_k * T / E) of
   the micro-batch's T tokens, in GShard's priority order (every token's first choice before any
   second choice, earlier tokens first); a dropped assignment contributes nothing, so a token whose
@@ -38,7 +36,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from trainbox.model.fp8 import E4M3, fp8_shapes_ok, mlp_fp8
 from trainbox.model.gpt import GPT, Output
 from trainbox.model.layers import KVCache, autocast_dtype, gelu_tanh
 
@@ -78,77 +75,6 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, use_kern
         log.warning(f"MoE experts run as a loop over experts ({reason}); slower than one grouped matmul")
     bounds = [0, *offsets.tolist()]  # the fallback needs the group sizes on the host
     return torch.cat([x[bounds[e]:bounds[e + 1]] @ w[e] for e in range(w.size(0))])
-
-
-def group_of_rows(offsets: torch.Tensor, rows: int) -> torch.Tensor:
-    """(rows,) expert id of every row, from the cumulative group ends `offsets`."""
-    return torch.searchsorted(offsets, torch.arange(rows, device=offsets.device, dtype=offsets.dtype), right=True)
-
-
-def grouped_mm_wgrad(x: torch.Tensor, g: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """The weight gradient of grouped_mm: x[rows of e]^T @ g[rows of e] for every expert e -> (E, in, out)."""
-    if x.is_cuda and x.dtype == torch.bfloat16 and _GROUPED_MM is not None:
-        return _GROUPED_MM(x.t(), g, offs=offsets)  # one kernel, the groups along the contraction
-    E, M, K = offsets.numel(), x.size(0), x.size(1)  # elsewhere: one matmul over one-hot-masked rows
-    onehot = F.one_hot(group_of_rows(offsets, M), E).to(x.dtype)
-    return ((onehot[:, :, None] * x[:, None, :]).reshape(M, E * K).t() @ g).view(E, K, -1)
-
-
-def rowwise_e4m3(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> (t / scale in float8_e4m3 (same shape, contiguous), scale (t.shape[:-1]) fp32): one scale per row
-    of the last dimension, scale = amax / 448."""
-    scale = t.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12) / torch.finfo(E4M3).max
-    return (t.float() / scale).to(E4M3).contiguous(), scale.squeeze(-1)
-
-
-def scaled_grouped_mm(a8: torch.Tensor, sa: torch.Tensor, b8: torch.Tensor, sb: torch.Tensor,
-                      offsets: torch.Tensor) -> torch.Tensor:
-    """Rows of (a8 * sa[:, None]) times (b8[e] * sb[e]) per expert, a bf16 (M, N) result: a8 (M, K) e4m3
-    row-major, b8 (E, K, N) e4m3 column-major, sa (M,), sb (E, N). One `torch._scaled_grouped_mm` on CUDA
-    (FP8 tensor cores); elsewhere `scaled_grouped_mm_reference`, the same arithmetic."""
-    if a8.is_cuda:
-        return torch._scaled_grouped_mm(a8, b8, sa, sb, offs=offsets, out_dtype=torch.bfloat16)
-    return scaled_grouped_mm_reference(a8, sa, b8, sb, offsets)
-
-
-def scaled_grouped_mm_reference(a8, sa, b8, sb, offsets) -> torch.Tensor:
-    """scaled_grouped_mm on the dequantised operands in fp32, rounded once to bf16 (traceable: no host sync)."""
-    a, b = a8.float() * sa[:, None], b8.float() * sb[:, None, :]
-    rows = b[group_of_rows(offsets, a.size(0))]                             # (M, K, N): each row's expert
-    with torch.autocast(a.device.type, enabled=False):
-        return torch.bmm(a[:, None, :], rows).squeeze(1).to(torch.bfloat16)
-
-
-class _FP8GroupedLinear(torch.autograd.Function):
-    """x (M, K) rows sorted by expert, w (E, K, N) -> bf16 grouped x @ w[e] with FP8 operands (`model.fp8_mlp`).
-
-    `torch._scaled_grouped_mm` takes e4m3 operands with one scale per row of its first operand and one per
-    column of its second ("rowwise", as torchao's FP8 MoE training and DeepSeek-V3's fine-grained scales):
-    - forward: x scaled per token row, w per (expert, output column);
-    - backward, dx = g @ w[e]^T: g in e4m3 scaled per token row (a per-row scale gives gradients the
-      range that e5m2 would, and the kernel takes e4m3 only), w scaled per (expert, input row);
-    - dw = x^T @ g per expert stays a bf16 grouped matmul: FP8 there would need scales along the tokens of
-      every group, a second quantisation of both operands for a third of the FLOPs.
-    Plain torch ops around the two library kernels, so Inductor fuses every amax and cast with its
-    neighbours (the GELU, the dispatch gather) inside the model's one graph.
-    """
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        x8, xs = rowwise_e4m3(x)
-        w8, ws = rowwise_e4m3(w.transpose(1, 2))                     # (E, N, K): scales per output column
-        ctx.save_for_backward(x, w, offsets)
-        return scaled_grouped_mm(x8, xs, w8.transpose(1, 2), ws, offsets)
-
-    @staticmethod
-    def backward(ctx, g: torch.Tensor):
-        x, w, offsets = ctx.saved_tensors
-        g = g.contiguous()
-        g8, gs = rowwise_e4m3(g)
-        wt8, wts = rowwise_e4m3(w)                                   # (E, K, N): scales per input row
-        dx = scaled_grouped_mm(g8, gs, wt8.transpose(1, 2), wts, offsets)
-        dw = grouped_mm_wgrad(x, g.to(x.dtype), offsets)
-        return dx.to(x.dtype), dw.to(w.dtype), None
 
 
 # Autograd turns an indexing `a[idx]` into a scatter-add (`index_put_(accumulate=True)`) in the backward:
@@ -215,12 +141,8 @@ class GroupedLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(num, nx, nf))
         self.bias = nn.Parameter(torch.zeros(num, nf)) if bias else None
 
-    def forward(self, x: torch.Tensor, offsets: torch.Tensor, expert: torch.Tensor, use_kernel: bool,
-                fp8: bool = False) -> torch.Tensor:
-        if fp8 and fp8_shapes_ok(x.size(0), *self.weight.shape[1:]):
-            y = _FP8GroupedLinear.apply(x, self.weight, offsets)
-        else:  # plain bf16 where the rows are not a multiple of 16 (a decode step), as fp8_linear
-            y = grouped_mm(x, self.weight.to(x.dtype), offsets, use_kernel)
+    def forward(self, x: torch.Tensor, offsets: torch.Tensor, expert: torch.Tensor, use_kernel: bool) -> torch.Tensor:
+        y = grouped_mm(x, self.weight.to(x.dtype), offsets, use_kernel)
         return _ExpertBias.apply(y, self.bias, expert) if self.bias is not None else y
 
 
@@ -239,10 +161,9 @@ def top_k(probs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 class MoEFFN(nn.Module):
     """Router + top-k + capacity + experts. forward(x) -> y; `self.aux` holds this call's losses/stats."""
 
-    def __init__(self, n_embd: int, moe, bias: bool, dropout: float, fp8: str = "none"):
+    def __init__(self, n_embd: int, moe, bias: bool, dropout: float):
         super().__init__()
         self.moe = moe
-        self.fp8_up, self.fp8_down = mlp_fp8(fp8)  # model.fp8_mlp: the experts' matmuls in FP8
         self.router = nn.Linear(n_embd, moe.num_experts, bias=False)
         self.c_fc = GroupedLinear(moe.num_experts, n_embd, 4 * n_embd, bias)
         self.c_proj = GroupedLinear(moe.num_experts, 4 * n_embd, n_embd, bias)
@@ -294,8 +215,8 @@ class MoEFFN(nn.Module):
         offs32 = offsets.to(torch.int32)
         src = token[order]                                               # token of each sorted row
         rows = _Dispatch.apply(xf.to(dtype), src, inverse, k)                                    # (k*N, C)
-        h = gelu_tanh(self.c_fc(rows, offs32, sorted_e, self.use_kernel, self.fp8_up))           # (k*N, 4C)
-        h = self.c_proj(h, offs32, sorted_e, self.use_kernel, self.fp8_down) * weight.unsqueeze(1)  # fp32
+        h = gelu_tanh(self.c_fc(rows, offs32, sorted_e, self.use_kernel))                         # (k*N, 4C)
+        h = self.c_proj(h, offs32, sorted_e, self.use_kernel) * weight.unsqueeze(1)              # (k*N, C) fp32
         y = _Combine.apply(h, src, inverse, k)                           # back to token order, sum the k
         self.aux = self._losses(logits, counts, dropped, N)
         # in the matmuls' dtype, as a Linear under autocast returns (x may be a norm's fp32 output)
@@ -317,8 +238,7 @@ class MoEGPT(GPT):
     def __init__(self, cfg, vocab_size: int, block_size: int):
         every = cfg.moe.every
         super().__init__(cfg, vocab_size, block_size,
-                         make_mlp=lambda i: MoEFFN(cfg.n_embd, cfg.moe, cfg.bias, cfg.dropout, cfg.fp8_mlp)
-                         if i % every == 0 else None)
+                         make_mlp=lambda i: MoEFFN(cfg.n_embd, cfg.moe, cfg.bias, cfg.dropout) if i % every == 0 else None)
         self.moe_layers = [(i, b.mlp) for i, b in enumerate(self.transformer.h) if isinstance(b.mlp, MoEFFN)]
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, loss_mask: torch.Tensor | None = None,
