@@ -17,7 +17,7 @@ Architecture choices (Switch Transformer, GShard, MegaBlocks, Megatron-Core), al
   1.0 at perfect balance) and the router z-loss mean(logsumexp(logits)^2) (ST-MoE), each averaged
   over MoE layers, weighted by lb_loss_weight / z_loss_weight and returned as `Output.aux_loss`.
 
-Dispatch is vectorised: assignments are sorted by expert (a counting sort, stable: the priority order holds), the
+Dispatch is vectorised: assignments are sorted by expert (a stable sort keeps the priority order), the
 experts run as two grouped matmuls over the sorted rows (`torch.nn.functional.grouped_mm` /
 `torch._grouped_mm`; a loop over experts only where neither exists or the widths are not 16-byte
 aligned), and the weighted results are gathered back to token order; every index in the layer has an
@@ -192,28 +192,23 @@ class MoEFFN(nn.Module):
         # assignment a = j * N + n is token n's j-th choice: this flat order is GShard's drop priority
         expert = top_e.t().reshape(-1)                                   # (k*N,)
         token = torch.arange(N, device=x.device).repeat(k)               # (k*N,)
-        # a counting sort by expert, stable so the priority order holds within each expert: an assignment's
-        # row is its expert's start plus the number of earlier assignments to that expert (one scan over a
-        # (k*N, E) one-hot; no sort kernel, and `inverse` comes out directly)
-        seen = F.one_hot(expert, E).to(torch.int32).cumsum(0, dtype=torch.int32)  # (k*N, E) running counts
-        counts = seen[-1].long()                                         # (E,) assignments per expert
-        offsets = counts.cumsum(0)
-        rank = seen.gather(1, expert.unsqueeze(1)).squeeze(1).long() - 1  # rank of each assignment in its expert
-        inverse = (offsets - counts)[expert] + rank                      # assignment -> its sorted row
-        order = torch.empty_like(inverse).scatter_(0, inverse, torch.arange(k * N, device=x.device))
+        counts = torch.zeros(E, dtype=torch.long, device=x.device).scatter_add_(0, expert, torch.ones_like(expert))
+        order = torch.argsort(expert, stable=True)                       # sorted by expert, priority kept
         sorted_e = expert[order]
-        weight = gates.t().reshape(-1)                                   # (k*N,) fp32, assignment order
+        offsets = counts.cumsum(0)
+        slot = torch.arange(k * N, device=x.device) - (offsets - counts)[sorted_e]  # rank within its expert
+        weight = gates.t().reshape(-1)[order]                            # (k*N,) fp32
         if self.training and self.moe.capacity_factor > 0:
             capacity = int(self.moe.capacity_factor * k * N / E)
-            keep = rank < capacity
+            keep = slot < capacity
             weight = weight * keep
             dropped = 1.0 - keep.float().mean()
         else:
             dropped = torch.zeros((), device=x.device)
-        weight = weight[order]                                           # sorted order
         dtype = autocast_dtype(x.device.type, x.dtype)
         offs32 = offsets.to(torch.int32)
         src = token[order]                                               # token of each sorted row
+        inverse = torch.empty_like(order).scatter_(0, order, torch.arange(k * N, device=x.device))
         rows = _Dispatch.apply(xf.to(dtype), src, inverse, k)                                    # (k*N, C)
         h = gelu_tanh(self.c_fc(rows, offs32, sorted_e, self.use_kernel))                         # (k*N, 4C)
         h = self.c_proj(h, offs32, sorted_e, self.use_kernel) * weight.unsqueeze(1)              # (k*N, C) fp32
