@@ -60,9 +60,9 @@ def test_doctor_fails_when_the_recipe_needs_what_is_missing(tmp_path, monkeypatc
         fp8 = checks("tiny", "model.fp8_mlp=down", "model.fp8_head=true")["needs_fp8"]
         assert fp8.status == "fail" and "drop model.fp8_head and model.fp8_mlp" in fp8.fix
         # the recipes that turn FP8 on fall back to plain matmuls without it: a warning, not a failure
-        checked = checks("gpt2-125m")
+        checked = checks("speedrun-124m")
         assert "needs_fp8" not in checked and checked["fp8"].status == "warn"
-        assert "model.fp8_head run as plain matmuls" in checked["fp8"].value
+        assert "model.fp8_head and model.fp8_mlp run as plain matmuls" in checked["fp8"].value
         flash = checks("speedrun-124m", "model.attention=flash")["needs_flash_attention"]
         assert flash.status == "fail" and "Hopper" in flash.value and "trainbox[flash]" in flash.fix
         assert "needs_flash_attention" not in checks("speedrun-124m")  # auto: FlexAttention or SDPA instead
