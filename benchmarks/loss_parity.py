@@ -16,6 +16,13 @@ validation loss and step time, each side's mean and standard deviation, the diff
     "no worse"      ours' mean is at most nanoGPT's;
     "worse"         the whole interval lies above zero;
     "inconclusive"  neither: more seeds or more steps are needed.
+
+A whole comparison rarely fits one sitting on a lent GPU (each gpt2-125m run of 200 steps takes 4-5 minutes).
+`--only ours` / `--only nanogpt` runs one side and prints each run as a JSON line; `--results FILE ...`
+then reads those lines from any number of files (other lines are skipped) and prints the comparison:
+
+    python benchmarks/loss_parity.py gpt2-125m --data ... --seeds 1 --only ours optim.warmup_steps=20 > a.jsonl
+    python benchmarks/loss_parity.py --results a.jsonl b.jsonl c.jsonl
 """
 from __future__ import annotations
 
@@ -65,44 +72,78 @@ def _last_json(out: str, who: str) -> dict:
     raise SystemExit(f"no result line from {who}:\n{out[-2000:]}")
 
 
+def read_results(paths: list[str]) -> list[dict]:
+    """The run lines ({"who": "trainbox" | "nanogpt", "val_loss": ...}) in these files, in order."""
+    runs = []
+    for path in paths:
+        for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+            try:
+                run = json.loads(line) if line.startswith("{") else None
+            except json.JSONDecodeError:
+                run = None
+            if not isinstance(run, dict) or run.get("who") not in ("trainbox", "nanogpt"):
+                continue
+            if not isinstance(run.get("val_loss"), (int, float)):
+                raise SystemExit(f"{path}:{n}: a {run['who']} run without a validation loss: {line[:300]}")
+            runs.append(run)
+    return runs
+
+
+def summary(runs: list[dict], **meta) -> dict:
+    ours = [r["val_loss"] for r in runs if r["who"] == "trainbox"]
+    theirs = [r["val_loss"] for r in runs if r["who"] == "nanogpt"]
+    if len(ours) < 2 or len(theirs) < 2:
+        raise SystemExit(f"need at least two runs a side, got {len(ours)} of ours and {len(theirs)} of nanoGPT's")
+    return {"benchmark": "loss_parity", **meta,
+            "runs": [{k: r.get(k) for k in ("who", "seed", "val_loss", "median_step_ms")} for r in runs],
+            **compare(ours, theirs)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("recipe")
+    ap.add_argument("recipe", nargs="?")
     ap.add_argument("overrides", nargs="*", help="key=value for our runs (nanoGPT takes --nanogpt-args)")
-    ap.add_argument("--data", required=True, help="token-file prefix for data.path")
+    ap.add_argument("--results", nargs="+", metavar="FILE", help="compare the run lines saved in these files")
+    ap.add_argument("--only", choices=["ours", "nanogpt"], help="run one side and print its run lines")
+    ap.add_argument("--data", help="token-file prefix for data.path")
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--warmup", type=int, default=5, help="steps left out of the step-time median")
     ap.add_argument("--seeds", default="1337,1,2", help="our seeds (run.seed), comma-separated")
-    ap.add_argument("--nanogpt", required=True, help="path to a nanoGPT checkout")
-    ap.add_argument("--nanogpt-data", required=True, help="folder with nanoGPT's train.bin / val.bin")
+    ap.add_argument("--nanogpt", help="path to a nanoGPT checkout")
+    ap.add_argument("--nanogpt-data", help="folder with nanoGPT's train.bin / val.bin")
     ap.add_argument("--nanogpt-seeds", default="1337,1338,1339")
     ap.add_argument("--nanogpt-args", default="")
     args = ap.parse_intermixed_args()
+    if args.results:
+        print(json.dumps(summary(read_results(args.results), results=args.results)))
+        return
+    need = {"recipe": args.recipe, "--data": args.data} if args.only != "nanogpt" else {}
+    if args.only != "ours":
+        need.update({"--nanogpt": args.nanogpt, "--nanogpt-data": args.nanogpt_data})
+    if missing := [k for k, v in need.items() if not v]:
+        ap.error(f"{', '.join(missing)} required (or --results FILE ... to compare saved runs)")
     sys.path.insert(0, str(HERE))
     from train_speed import run_nanogpt
 
     warmup = min(args.warmup, args.steps // 2)
     runs = []
-    for seed in (int(s) for s in args.nanogpt_seeds.split(",")):
+    for seed in (int(s) for s in args.nanogpt_seeds.split(",")) if args.only != "ours" else ():
         res = run_nanogpt(args.nanogpt, args.nanogpt_data, args.steps, warmup, shlex.split(args.nanogpt_args), seed)
         if "error" in res or res.get("val_loss") is None:
             raise SystemExit(f"nanoGPT seed {seed} gave no validation loss at step {args.steps} "
                              f"(set --eval_interval={args.steps} in --nanogpt-args): {res.get('error', '')[-500:]}")
         runs.append(res)
-        print(json.dumps(res), file=sys.stderr, flush=True)
-    for seed in (int(s) for s in args.seeds.split(",")):  # each in its own process: a fresh GPU and compile state
+        print(json.dumps(res), file=sys.stdout if args.only else sys.stderr, flush=True)
+    for seed in (int(s) for s in args.seeds.split(",")) if args.only != "nanogpt" else ():  # one process each
         cmd = [sys.executable, str(HERE / "train_speed.py"), args.recipe, "--data", args.data, "--steps",
                str(args.steps), "--warmup", str(warmup), *args.overrides, f"run.seed={seed}"]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         res = {**_last_json(proc.stdout, "trainbox"), "seed": seed}
         runs.append(res)
-        print(json.dumps(res), file=sys.stderr, flush=True)
-    ours = [r["val_loss"] for r in runs if r["who"] == "trainbox"]
-    theirs = [r["val_loss"] for r in runs if r["who"] == "nanogpt"]
-    print(json.dumps({"benchmark": "loss_parity", "recipe": args.recipe, "steps": args.steps,
-                      "overrides": args.overrides, "nanogpt_args": args.nanogpt_args,
-                      "runs": [{k: r.get(k) for k in ("who", "seed", "val_loss", "median_step_ms")} for r in runs],
-                      **compare(ours, theirs)}))
+        print(json.dumps(res), file=sys.stdout if args.only else sys.stderr, flush=True)
+    if not args.only:
+        print(json.dumps(summary(runs, recipe=args.recipe, steps=args.steps, overrides=args.overrides,
+                                 nanogpt_args=args.nanogpt_args)))
 
 
 if __name__ == "__main__":

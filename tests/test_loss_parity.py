@@ -56,3 +56,32 @@ def test_seeded_nanogpt_copy(tmp_path):
     (tmp_path / "train.py").write_text("import torch\ntorch.manual_seed(42)\n")
     with pytest.raises(SystemExit, match="no line 'torch.manual_seed"):
         train_speed.seeded_script(str(tmp_path), 7)
+
+
+def test_results_from_several_files(tmp_path):
+    """--results: the run lines of separate GPU calls (session 8, gpt2-125m after 200 steps), mixed with other
+    output, give the comparison of the whole; a run line without a validation loss is refused by file and
+    line; running needs its paths unless --results is given."""
+    import json
+    import subprocess
+
+    script = str(BENCH / "loss_parity.py")
+    ours = [{"who": "trainbox", "seed": s, "val_loss": v} for s, v in ((1337, 2.9797), (1, 3.2165), (2, 3.1406))]
+    nano = [{"who": "nanogpt", "seed": s, "val_loss": v} for s, v in ((1337, 3.0435), (1338, 2.9353))]
+    (tmp_path / "a.jsonl").write_text("installed\n" + "\n".join(json.dumps(r) for r in ours[:2]) + "\n{not json\n")
+    (tmp_path / "b.jsonl").write_text(json.dumps(ours[2]) + "\n" + "\n".join(json.dumps(r) for r in nano) + "\n")
+    out = subprocess.run([sys.executable, script, "--results", str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl")],
+                         capture_output=True, text=True, check=True).stdout
+    r = json.loads(out)
+    assert [x["seed"] for x in r["runs"]] == [1337, 1, 2, 1337, 1338]
+    assert r["mean"] == {"ours": 3.1123, "nanogpt": 2.9894} and r["verdict"] == "inconclusive"
+    assert r == {**r, **load("loss_parity").compare([x["val_loss"] for x in ours], [x["val_loss"] for x in nano])}
+
+    (tmp_path / "c.jsonl").write_text(json.dumps({"who": "nanogpt", "seed": 7, "error": "CUDA OOM"}) + "\n")
+    bad = subprocess.run([sys.executable, script, "--results", str(tmp_path / "b.jsonl"), str(tmp_path / "c.jsonl")],
+                         capture_output=True, text=True)
+    assert bad.returncode != 0 and "c.jsonl:1: a nanogpt run without a validation loss" in bad.stderr
+    few = subprocess.run([sys.executable, script, "--results", str(tmp_path / "a.jsonl")], capture_output=True, text=True)
+    assert few.returncode != 0 and "need at least two runs a side, got 2 of ours and 0 of nanoGPT's" in few.stderr
+    usage = subprocess.run([sys.executable, script, "gpt2-125m", "--only", "nanogpt"], capture_output=True, text=True)
+    assert usage.returncode == 2 and "--nanogpt, --nanogpt-data required" in usage.stderr
