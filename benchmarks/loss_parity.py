@@ -99,6 +99,13 @@ def summary(runs: list[dict], **meta) -> dict:
             **compare(ours, theirs)}
 
 
+def val_coverage(runs: list[dict], nanogpt_data: str) -> float:
+    """The share of the validation tokens our runs evaluated (the first train.eval_tokens of them, in order;
+    nanoGPT averages random windows of all of them, so anything short of all compares different text)."""
+    total = (Path(nanogpt_data) / "val.bin").stat().st_size // 2  # uint16 tokens
+    return min(r.get("val_tokens") or 0 for r in runs if r["who"] == "trainbox") / max(1, total)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("recipe", nargs="?")
@@ -142,8 +149,12 @@ def main() -> None:
         runs.append(res)
         print(json.dumps(res), file=sys.stdout if args.only else sys.stderr, flush=True)
     if not args.only:
+        cover = val_coverage(runs, args.nanogpt_data)
+        if cover < 0.95:  # a prefix of the validation text need not be as hard as the whole
+            print(f"warning: our runs evaluated {cover:.1%} of the validation tokens; nanoGPT's random windows "
+                  f"cover all of them: raise train.eval_tokens", file=sys.stderr)
         print(json.dumps(summary(runs, recipe=args.recipe, steps=args.steps, overrides=args.overrides,
-                                 nanogpt_args=args.nanogpt_args)))
+                                 nanogpt_args=args.nanogpt_args, our_val_coverage=round(cover, 4))))
 
 
 if __name__ == "__main__":
