@@ -137,7 +137,7 @@ def test_fp8_recipe_falls_back_to_plain_matmuls_without_fp8(caplog):
 
     cfg = load_config("speedrun-124m", ["train.device=cpu"])
     assert cfg.model.fp8_fallback and cfg.model.fp8_options
-    if fp8_supported(torch.device("cuda")) if torch.cuda.is_available() else False:
+    if torch.cuda.is_available() and fp8_supported(torch.device("cuda")):
         pytest.skip("this machine has FP8 tensor cores")
     with caplog.at_level("WARNING", logger="trainbox"):
         Trainer(cfg)
