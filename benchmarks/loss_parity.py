@@ -23,16 +23,24 @@ then reads those lines from any number of files (other lines are skipped) and pr
 
     python benchmarks/loss_parity.py gpt2-125m --data ... --seeds 1 --only ours optim.warmup_steps=20 > a.jsonl
     python benchmarks/loss_parity.py --results a.jsonl b.jsonl c.jsonl
+
+On a machine of several GPUs, `--gpus 0,1` runs as many seeds at once, each on its own GPU
+(CUDA_VISIBLE_DEVICES); the runs are independent, so this changes their wall time only. Every run line
+carries its training loss at every step (`losses`), to see where a high seed went wrong.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import math
+import os
+import queue
 import shlex
 import statistics
 import subprocess
 import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -106,6 +114,27 @@ def val_coverage(runs: list[dict], nanogpt_data: str) -> float:
     return min(r.get("val_tokens") or 0 for r in runs if r["who"] == "trainbox") / max(1, total)
 
 
+def run_on_gpus(jobs: list, gpus: list[str]) -> list:
+    """Call each job(env) with this process's environment, at most len(gpus) at once, each while it holds one
+    GPU (CUDA_VISIBLE_DEVICES=that GPU), which no other job holds meanwhile; results in the order of `jobs`.
+    No GPUs: one job after another in the environment as it is."""
+    if not gpus:
+        return [job({**os.environ}) for job in jobs]
+    free: queue.Queue = queue.Queue()
+    for gpu in gpus:
+        free.put(gpu)
+
+    def run(job):
+        gpu = free.get()
+        try:
+            return job({**os.environ, "CUDA_VISIBLE_DEVICES": gpu})
+        finally:
+            free.put(gpu)
+
+    with ThreadPoolExecutor(max_workers=len(gpus)) as pool:
+        return list(pool.map(run, jobs))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("recipe", nargs="?")
@@ -120,6 +149,7 @@ def main() -> None:
     ap.add_argument("--nanogpt-data", help="folder with nanoGPT's train.bin / val.bin")
     ap.add_argument("--nanogpt-seeds", default="1337,1338,1339")
     ap.add_argument("--nanogpt-args", default="")
+    ap.add_argument("--gpus", default="", help="GPU ids, comma-separated: run that many seeds at once, one per GPU")
     args = ap.parse_intermixed_args()
     if args.results:
         print(json.dumps(summary(read_results(args.results), results=args.results)))
@@ -133,21 +163,34 @@ def main() -> None:
     from train_speed import run_nanogpt
 
     warmup = min(args.warmup, args.steps // 2)
-    runs = []
-    for seed in (int(s) for s in args.nanogpt_seeds.split(",")) if args.only != "ours" else ():
-        res = run_nanogpt(args.nanogpt, args.nanogpt_data, args.steps, warmup, shlex.split(args.nanogpt_args), seed)
-        if "error" in res or res.get("val_loss") is None:
-            raise SystemExit(f"nanoGPT seed {seed} gave no validation loss at step {args.steps} "
-                             f"(set --eval_interval={args.steps} in --nanogpt-args): {res.get('error', '')[-500:]}")
-        runs.append(res)
-        print(json.dumps(res), file=sys.stdout if args.only else sys.stderr, flush=True)
-    for seed in (int(s) for s in args.seeds.split(",")) if args.only != "nanogpt" else ():  # one process each
-        cmd = [sys.executable, str(HERE / "train_speed.py"), args.recipe, "--data", args.data, "--steps",
-               str(args.steps), "--warmup", str(warmup), *args.overrides, f"run.seed={seed}"]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        res = {**_last_json(proc.stdout, "trainbox"), "seed": seed}
-        runs.append(res)
-        print(json.dumps(res), file=sys.stdout if args.only else sys.stderr, flush=True)
+    printed = threading.Lock()
+
+    def report(res: dict) -> dict:
+        with printed:
+            print(json.dumps(res), file=sys.stdout if args.only else sys.stderr, flush=True)
+        return res
+
+    def nanogpt_job(seed: int):
+        def job(env: dict) -> dict:
+            res = run_nanogpt(args.nanogpt, args.nanogpt_data, args.steps, warmup, shlex.split(args.nanogpt_args),
+                              seed, env=env)
+            if "error" in res or res.get("val_loss") is None:
+                raise SystemExit(f"nanoGPT seed {seed} gave no validation loss at step {args.steps} "
+                                 f"(set --eval_interval={args.steps} in --nanogpt-args): {res.get('error', '')[-500:]}")
+            return report(res)
+        return job
+
+    def ours_job(seed: int):
+        def job(env: dict) -> dict:  # one process each
+            cmd = [sys.executable, str(HERE / "train_speed.py"), args.recipe, "--data", args.data, "--steps",
+                   str(args.steps), "--warmup", str(warmup), *args.overrides, f"run.seed={seed}"]
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+            return report({**_last_json(proc.stdout + proc.stderr, "trainbox"), "seed": seed})
+        return job
+
+    jobs = [nanogpt_job(int(s)) for s in args.nanogpt_seeds.split(",")] if args.only != "ours" else []
+    jobs += [ours_job(int(s)) for s in args.seeds.split(",")] if args.only != "nanogpt" else []
+    runs = run_on_gpus(jobs, [g for g in args.gpus.split(",") if g])
     if not args.only:
         cover = val_coverage(runs, args.nanogpt_data)
         if cover < 0.95:  # a prefix of the validation text need not be as hard as the whole

@@ -57,6 +57,7 @@ def run_ours(recipe: str, data: str, steps: int, warmup: int, overrides: list[st
         "first_step_s": round(train[0]["time"] - start["time"], 1), "wall_s": round(time.time() - t0, 1),
         "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if torch.cuda.is_available() else None,
         "final_loss": train[-1]["loss"], "val_loss": summary.get("val_loss"), "val_tokens": summary.get("val_tokens"),
+        "losses": [round(e["loss"], 4) for e in train],  # every step's training loss: where a bad seed went wrong
     }
 
 
@@ -69,30 +70,32 @@ def seeded_script(repo: str, seed: int) -> str:
     text = (Path(repo) / "train.py").read_text()
     if NANOGPT_SEED not in text:
         raise SystemExit(f"{repo}/train.py has no line {NANOGPT_SEED!r}: cannot set nanoGPT's seed")
-    name = f"train_seed{seed}.py"
+    name = f"train_seed{seed}_{os.getpid()}.py"
     (Path(repo) / name).write_text(text.replace(NANOGPT_SEED, f"torch.manual_seed({seed} + seed_offset)"))
     return name
 
 
-def run_nanogpt(repo: str, data_dir: str, steps: int, warmup: int, extra: list[str], seed: int = 1337) -> dict:
+def run_nanogpt(repo: str, data_dir: str, steps: int, warmup: int, extra: list[str], seed: int = 1337,
+                env: dict | None = None) -> dict:
     """nanoGPT's train.py on DATA_DIR/{train,val}.bin (GPT-2 124M defaults), parsed from its log; a seed
-    other than its own 1337 runs from a copy with that seed (seeded_script)."""
-    data_root = Path(tempfile.mkdtemp(prefix="nanogpt-data-"))
-    (data_root / "bench").symlink_to(Path(data_dir).resolve())
-    script = "train.py" if seed == 1337 else seeded_script(repo, seed)
-    args = [sys.executable, script, "--dataset=bench", f"--max_iters={steps}", "--eval_interval=100000",
-            "--log_interval=1", "--eval_iters=1", "--always_save_checkpoint=False", f"--out_dir={data_root / 'out'}",
-            *extra]
-    env = {**os.environ}
-    # nanoGPT reads data/<dataset>/ relative to its own folder: point it at ours through a symlink
-    link = Path(repo) / "data" / "bench"
-    if link.is_symlink() or link.exists():
-        link.unlink()
+    other than its own 1337 runs from a copy with that seed (seeded_script). `env` (default: this process's)
+    is the run's environment, e.g. with CUDA_VISIBLE_DEVICES; several runs may share one checkout at once."""
+    out_dir = tempfile.mkdtemp(prefix="nanogpt-out-")
+    # nanoGPT reads data/<dataset>/ relative to its own folder: point it at ours through a symlink of this
+    # run's own (a shared name would be replaced under a run that is reading it)
+    dataset = f"bench-{os.getpid()}-{seed}"
+    link = Path(repo) / "data" / dataset
+    link.unlink(missing_ok=True)
     link.symlink_to(Path(data_dir).resolve())
+    script = "train.py" if seed == 1337 else seeded_script(repo, seed)
+    args = [sys.executable, script, f"--dataset={dataset}", f"--max_iters={steps}", "--eval_interval=100000",
+            "--log_interval=1", "--eval_iters=1", "--always_save_checkpoint=False", f"--out_dir={out_dir}",
+            *extra]
     t0 = time.time()
     try:
-        proc = subprocess.run(args, cwd=repo, env=env, capture_output=True, text=True)
+        proc = subprocess.run(args, cwd=repo, env=env or {**os.environ}, capture_output=True, text=True)
     finally:
+        link.unlink(missing_ok=True)
         if script != "train.py":
             (Path(repo) / script).unlink(missing_ok=True)
     out = proc.stdout + proc.stderr
@@ -105,7 +108,7 @@ def run_nanogpt(repo: str, data_dir: str, steps: int, warmup: int, extra: list[s
              for m in re.finditer(r"step (\d+): train loss [\d.]+, val loss ([\d.]+)", out)}
     return {"who": "nanogpt", "seed": seed, "median_step_ms": statistics.median(times), "final_loss": iters[-1][1],
             "mfu_reported": iters[-1][3], "first_step_ms": iters[0][2], "wall_s": round(time.time() - t0, 1),
-            "val_loss": evals.get(steps), "evals": evals}
+            "val_loss": evals.get(steps), "evals": evals, "losses": [loss for _, loss, _, _ in iters]}
 
 
 def main() -> None:

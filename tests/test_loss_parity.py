@@ -98,3 +98,77 @@ def test_val_coverage(tmp_path):
     runs = [{"who": "trainbox", "val_tokens": 960}, {"who": "trainbox", "val_tokens": 500}, {"who": "nanogpt"}]
     assert val_coverage(runs, str(tmp_path)) == 0.5
     assert val_coverage(runs[:1], str(tmp_path)) == 0.96
+
+
+def test_gpu_pool_runs_one_job_per_gpu_at_once():
+    """--gpus: as many jobs at once as GPUs, never two on one GPU, results in job order. The barrier needs two
+    jobs running at the same time: run one after another, it breaks (after its timeout) and the test fails.
+    Without GPUs the jobs get the environment as it is."""
+    import os
+    import threading
+
+    run_on_gpus = load("loss_parity").run_on_gpus
+    barrier, lock, held = threading.Barrier(2, timeout=60), threading.Lock(), set()
+
+    def job(i):
+        def run(env):
+            gpu = env["CUDA_VISIBLE_DEVICES"]
+            with lock:
+                assert gpu not in held
+                held.add(gpu)
+            barrier.wait()
+            with lock:
+                held.discard(gpu)
+            return i, gpu
+        return run
+
+    out = run_on_gpus([job(i) for i in range(4)], ["0", "1"])
+    assert [i for i, _ in out] == [0, 1, 2, 3] and {g for _, g in out} == {"0", "1"}
+    assert run_on_gpus([lambda env: env.get("CUDA_VISIBLE_DEVICES")], []) == [os.environ.get("CUDA_VISIBLE_DEVICES")]
+
+
+FAKE_NANOGPT = '''import os, pathlib, sys, time
+class torch:  # stands in for torch: this train.py only checks run_nanogpt's plumbing
+    @staticmethod
+    def manual_seed(s):
+        global SEED
+        SEED = s
+seed_offset = 0
+torch.manual_seed(1337 + seed_offset)
+args = dict(a[2:].split("=", 1) for a in sys.argv[1:] if a.startswith("--") and "=" in a)
+val = pathlib.Path("data") / args["dataset"] / "val.bin"
+before = val.read_bytes()
+marks = pathlib.Path(os.environ["MARKS"])
+(marks / str(SEED)).write_text(args["dataset"] + " " + os.environ.get("CUDA_VISIBLE_DEVICES", "-"))
+deadline = time.time() + 60
+while len(list(marks.iterdir())) < 2 and time.time() < deadline:  # wait for the other run to start
+    time.sleep(0.02)
+assert val.read_bytes() == before, "data link changed under a running job"
+for i in range(int(args["max_iters"]) + 1):
+    print(f"iter {i}: loss {10 - i}.0, time 100.0ms, mfu 40.00%")
+print(f"step {args['max_iters']}: train loss 3.0, val loss {SEED / 1000:.4f}")
+'''
+
+
+def test_nanogpt_runs_share_a_checkout_at_once(tmp_path):
+    """Two seeds of nanoGPT at once from one checkout (as --gpus runs them): each run links the data under a
+    name of its own, so neither link is replaced under the other; links and seeded copies are gone after."""
+    import os
+
+    train_speed, run_on_gpus = load("train_speed"), load("loss_parity").run_on_gpus
+    repo, data, marks = tmp_path / "nanoGPT", tmp_path / "data", tmp_path / "marks"
+    for d in (repo / "data", data, marks):
+        d.mkdir(parents=True)
+    (repo / "train.py").write_text(FAKE_NANOGPT)
+    (data / "val.bin").write_bytes(b"\x01\x00" * 8)
+    os.environ["MARKS"] = str(marks)
+    try:
+        jobs = [lambda env, s=s: train_speed.run_nanogpt(str(repo), str(data), 3, 1, [], s, env=env) for s in (1337, 1338)]
+        res = run_on_gpus(jobs, ["0", "1"])
+    finally:
+        del os.environ["MARKS"]
+    assert [r["val_loss"] for r in res] == [1.337, 1.338]
+    names, gpus = zip(*(f.read_text().split() for f in sorted(marks.iterdir())))
+    assert len(set(names)) == 2 and set(gpus) == {"0", "1"}  # a data link and a GPU of its own
+    assert [r["losses"] for r in res] == [[10.0, 9.0, 8.0, 7.0]] * 2
+    assert sorted(p.name for p in repo.iterdir()) == ["data", "train.py"] and not list((repo / "data").iterdir())
