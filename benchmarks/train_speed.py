@@ -17,6 +17,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -96,6 +97,7 @@ def run_nanogpt(repo: str, data_dir: str, steps: int, warmup: int, extra: list[s
         proc = subprocess.run(args, cwd=repo, env=env or {**os.environ}, capture_output=True, text=True)
     finally:
         link.unlink(missing_ok=True)
+        shutil.rmtree(out_dir, ignore_errors=True)  # nanoGPT's checkpoint of the final eval (1.5 GB for 124M)
         if script != "train.py":
             (Path(repo) / script).unlink(missing_ok=True)
     out = proc.stdout + proc.stderr

@@ -140,6 +140,8 @@ val = pathlib.Path("data") / args["dataset"] / "val.bin"
 before = val.read_bytes()
 marks = pathlib.Path(os.environ["MARKS"])
 (marks / str(SEED)).write_text(args["dataset"] + " " + os.environ.get("CUDA_VISIBLE_DEVICES", "-"))
+pathlib.Path(args["out_dir"]).joinpath("ckpt.pt").write_bytes(b"checkpoint")
+(marks.parent / f"out_{SEED}").write_text(args["out_dir"])
 deadline = time.time() + 60
 while len(list(marks.iterdir())) < 2 and time.time() < deadline:  # wait for the other run to start
     time.sleep(0.02)
@@ -148,6 +150,10 @@ for i in range(int(args["max_iters"]) + 1):
     print(f"iter {i}: loss {10 - i}.0, time 100.0ms, mfu 40.00%")
 print(f"step {args['max_iters']}: train loss 3.0, val loss {SEED / 1000:.4f}")
 '''
+
+
+def seen_out_dirs(marks):
+    return [f.read_text() for f in marks.parent.glob("out_*")]
 
 
 def test_nanogpt_runs_share_a_checkout_at_once(tmp_path):
@@ -172,3 +178,5 @@ def test_nanogpt_runs_share_a_checkout_at_once(tmp_path):
     assert len(set(names)) == 2 and set(gpus) == {"0", "1"}  # a data link and a GPU of its own
     assert [r["losses"] for r in res] == [[10.0, 9.0, 8.0, 7.0]] * 2
     assert sorted(p.name for p in repo.iterdir()) == ["data", "train.py"] and not list((repo / "data").iterdir())
+    out_dirs = seen_out_dirs(marks)
+    assert len(out_dirs) == 2 and not any(Path(d).exists() for d in out_dirs)  # nanoGPT's checkpoints are gone

@@ -24,9 +24,8 @@ aligned; the second takes the GELU inside its autograd function, which saves onl
 computes GELU and its derivative in one pass in the backward), and the weighted results are gathered back
 to token order; every index in the layer has an explicit gather (or one-hot matmul) backward, so no step
 runs atomic scatter-adds. Shapes never depend on the routing, so the layer compiles to one graph without
-host syncs. Dropped assignments are still computed
-with gate 0: grouped matmuls cost T * k rows whatever the balance, fewer than a capacity-padded
-E * C buffer whenever capacity_factor >= 1.
+host syncs. Dropped assignments are still computed with gate 0: grouped matmuls cost T * k rows whatever
+the balance, fewer than a capacity-padded E * C buffer whenever capacity_factor >= 1.
 
     trainbox train moe-gpt2-125m data.path=PREFIX model.moe.num_experts=64
 """
