@@ -20,8 +20,8 @@ Architecture choices (Switch Transformer, GShard, MegaBlocks, Megatron-Core), al
 Dispatch is vectorised: assignments are sorted by expert (a stable sort keeps the priority order), the
 experts run as two grouped matmuls over the sorted rows (`torch.nn.functional.grouped_mm` /
 `torch._grouped_mm`; a loop over experts only where neither exists or the widths are not 16-byte
-aligned; the second takes the GELU inside its autograd function, which saves only the pre-activation and
-computes GELU and its derivative in one pass in the backward), and the weighted results are gathered back
+aligned; the second takes the GELU inside its autograd function, whose backward is one GELU-derivative pass
+over the hidden), and the weighted results are gathered back
 to token order; every index in the layer has an explicit gather (or one-hot matmul) backward, so no step
 runs atomic scatter-adds. Shapes never depend on the routing, so the layer compiles to one graph without
 host syncs. Dropped assignments are still computed with gate 0: grouped matmuls cost T * k rows whatever
@@ -32,7 +32,6 @@ the balance, fewer than a capacity-padded E * C buffer whenever capacity_factor 
 from __future__ import annotations
 
 import logging
-import math
 
 import torch
 import torch.nn as nn
@@ -61,39 +60,35 @@ def _no_kernel_reason(x: torch.Tensor, w: torch.Tensor) -> str | None:
     return None
 
 
-def _gelu_tanh_and_grad(x: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """GELU(tanh)(x) and g * GELU'(x), from one tanh, in fp32. Written as primitive ops, not `gelu`, so that
-    the compiler does not merge it with the forward's GELU (it would then recompute that on its own): compiled,
-    it is one kernel that reads x and g once and writes both."""
-    xf = x.float()
-    c = math.sqrt(2.0 / math.pi)
-    t = torch.tanh(c * (xf + 0.044715 * xf * xf * xf))
-    d = 0.5 * (1.0 + t) + 0.5 * xf * (1.0 - t * t) * c * (1.0 + 3 * 0.044715 * xf * xf)
-    return (0.5 * xf * (1.0 + t)).to(x.dtype), (g.float() * d).to(g.dtype)
-
-
 class _GroupedMM(torch.autograd.Function):
     """grouped_mm(act(x), w) with the backward written out; act is GELU(tanh) for the experts' second linear.
 
-    Only x (the pre-activation) is saved. The backward computes dA = g @ w^T, then a = act(x) and
-    dx = dA * act'(x) together (`_gelu_tanh_and_grad`), then dw[e] = a_e^T @ g_e. With torch's own backward,
-    Inductor saved or recomputed GELU(x) for dw in a kernel of its own, besides the GELU backward: an extra
-    pass over the (k*N, 4C) hidden. moe-gpt2-125m at micro-batch 48 on an H200, same call: 1,466.0 -> 1,438.7 ms
-    per step, 39.1 -> 32.3 GiB (benchmarks/records/2026-11-26-session9.json)."""
+    Saves x (the pre-activation) and a = act(x), which the forward computes anyway as the matmul's input.
+    The backward computes dA = g @ w^T, then dx = dA * act'(x) (`gelu_backward`: one pass that reads x and dA
+    and writes dx), then dw[e] = a_e^T @ g_e. Recomputing a in the backward instead saves k*N*4C activations
+    per layer but writes a there once more. moe-gpt2-125m at micro-batch 48 on an H100, same call, with the
+    one-byte sort keys of MoEFFN.forward: 1,543.5 -> 1,520.2 ms per step, 32.3 -> 39.1 GiB
+    (benchmarks/records/2026-11-26-session10.json)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, gelu: bool) -> torch.Tensor:
-        ctx.save_for_backward(x, w, offsets)
+        a = gelu_tanh(x) if gelu else x
+        ctx.save_for_backward(x, a, w, offsets)
         ctx.gelu = gelu
-        return _GROUPED_MM(gelu_tanh(x) if gelu else x, w, offs=offsets)
+        return _GROUPED_MM(a, w, offs=offsets)
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
-        x, w, offsets = ctx.saved_tensors
+        x, a, w, offsets = ctx.saved_tensors
         g = g.contiguous()
         da = _GROUPED_MM(g, w.transpose(1, 2), offs=offsets)
-        a, dx = _gelu_tanh_and_grad(x, da) if ctx.gelu else (x, da)
-        dw = _GROUPED_MM(a.t(), g, offs=offsets) if ctx.needs_input_grad[1] else None
+        dx = torch.ops.aten.gelu_backward(da, x, approximate="tanh") if ctx.gelu else da
+        dw = None
+        if ctx.needs_input_grad[1]:  # dw[e] = a_e^T @ g_e. Compiled, the kernel's first operand is laid out
+            # transposed: a copy of a^T, or of g^T for dw = (g^T @ a)^T. Copy the narrower of the two: with
+            # a^T @ g for the second linear, the forward wrote a transposed copy of a, +43 ms per step
+            dw = (_GROUPED_MM(a.t(), g, offs=offsets) if a.size(1) <= g.size(1)
+                  else _GROUPED_MM(g.t(), a, offs=offsets).transpose(1, 2))
         return dx, dw, None, None
 
 
@@ -237,7 +232,8 @@ class MoEFFN(nn.Module):
         expert = top_e.t().reshape(-1)                                   # (k*N,)
         token = torch.arange(N, device=x.device).repeat(k)               # (k*N,)
         counts = torch.zeros(E, dtype=torch.long, device=x.device).scatter_add_(0, expert, torch.ones_like(expert))
-        order = torch.argsort(expert, stable=True)                       # sorted by expert, priority kept
+        # sorted by expert, priority kept; one-byte keys: a radix sort of one pass, not eight
+        order = torch.argsort(expert.to(torch.uint8 if E <= 256 else torch.int32), stable=True)
         sorted_e = expert[order]
         offsets = counts.cumsum(0)
         slot = torch.arange(k * N, device=x.device) - (offsets - counts)[sorted_e]  # rank within its expert
