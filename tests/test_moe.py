@@ -88,16 +88,18 @@ def test_vectorised_layer_matches_reference(cf, k, use_kernel):
 
 
 @pytest.mark.parametrize("gelu", [False, True])
-def test_grouped_linear_backward_matches_autograd(gelu):
-    """The hand-written backward of the experts' grouped matmul (dx before dw, GELU recomputed beside its
-    derivative) against autograd through F.gelu and a loop over experts, fp32, an empty expert included."""
+@pytest.mark.parametrize("n_in, n_out", [(16, 24), (24, 16)], ids=["up", "down"])
+def test_grouped_linear_backward_matches_autograd(gelu, n_in, n_out):
+    """The hand-written backward of the experts' grouped matmul (GELU output saved, its derivative applied to
+    dA; dw as a^T g where the input is the narrower side, as (g^T a)^T where it is the wider) against autograd
+    through F.gelu and a loop over experts, fp32, an empty expert included."""
     from trainbox.model.moe import grouped_mm
     torch.manual_seed(0)
     sizes = [5, 0, 11, 8]
     offsets = torch.tensor(sizes).cumsum(0).to(torch.int32)
-    x = torch.randn(sum(sizes), 16, requires_grad=True)
-    w = torch.randn(len(sizes), 16, 24, requires_grad=True)
-    g = torch.randn(sum(sizes), 24)
+    x = torch.randn(sum(sizes), n_in, requires_grad=True)
+    w = torch.randn(len(sizes), n_in, n_out, requires_grad=True)
+    g = torch.randn(sum(sizes), n_out)
     out = grouped_mm(x, w, offsets, gelu=gelu)
     dx, dw = torch.autograd.grad(out, (x, w), g)
     a = F.gelu(x, approximate="tanh") if gelu else x
