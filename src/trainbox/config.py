@@ -120,6 +120,9 @@ class ModelSection(Section):
                           "loss after 200 steps)")
     fused_loss: bool = Field(False, description="gpt, moe, speedrun: the head's matmul and the cross-entropy in one "
                                                 "function that never keeps the logits (a Triton kernel on CUDA)")
+    fused_norm: bool = Field(False, description="gpt, moe: each residual add and the LayerNorm after it as one op "
+                                                "whose backward is one pass (a Triton kernel on CUDA; torch ops "
+                                                "elsewhere). Blocks under train.activation_checkpointing run unfused")
     path: str | None = Field(None, description="hf: hub id or local folder of a Hugging Face causal LM")
     t5: T5Section = Field(default_factory=T5Section)
 
@@ -139,6 +142,8 @@ class ModelSection(Section):
             raise ValueError(f"model.fp8_mlp applies to model.family=gpt or speedrun, not {self.family}")
         if self.lowp_residual is not None and self.family not in ("gpt", "moe", "speedrun"):
             raise ValueError(f"model.lowp_residual applies to model.family=gpt, moe or speedrun, not {self.family}")
+        if self.fused_norm and self.family not in ("gpt", "moe"):
+            raise ValueError(f"model.fused_norm applies to model.family=gpt or moe, not {self.family}")
         if self.fused_loss and self.family not in ("gpt", "moe", "speedrun"):
             raise ValueError(f"model.fused_loss applies to model.family=gpt, moe or speedrun, not {self.family}")
         if self.attention != "auto" and self.family not in ("gpt", "moe", "speedrun"):

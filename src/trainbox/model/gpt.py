@@ -8,7 +8,8 @@ GPT2LMHeadModel. The projections are nn.Linear, weights (out, in), where HF's Co
 `export.py` transposes them both ways. Linear is the faster layout: cuBLAS fuses the bias into the
 matmul epilogue and the backward needs fewer transposing copies (7% less step time for gpt2-125m on an
 H100; benchmarks/records/). The vocabulary may be padded (50,257 -> 50,304) for faster matmuls;
-`export.py` slices and pads.
+`export.py` slices and pads. With model.fused_norm each residual add and the LayerNorm after it are one
+op (model/fused_norm.py), across block boundaries: same arithmetic, one-pass backward.
 
     trainbox train gpt2-125m data.path=PREFIX        # 124M GPT-2 on shard files
 """
@@ -23,6 +24,7 @@ import torch.nn.functional as F
 from trainbox.model.flash import causal_qkv, use_flash
 from trainbox.model.fp8 import linear, mlp_fp8
 from trainbox.model.fused_ce import head_cross_entropy
+from trainbox.model.fused_norm import add_layer_norm, register_inductor_fallbacks
 from trainbox.model.layers import (KVCache, autocast_dtype, cached_attention, gelu_tanh, init_normal_,
                                    scaled_residual_init_)
 
@@ -102,6 +104,13 @@ class Block(nn.Module):
         x = x + self.attn(self.ln_1(x), cache, pos)
         return x + self.mlp(self.ln_2(x))
 
+    def forward_fused(self, x: torch.Tensor, y: torch.Tensor, next_norm: nn.LayerNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """model.fused_norm: (residual x, y = ln_1(x)) -> (x after the block, next_norm of it). Each residual
+        add is one op with the norm that follows it (fused_norm.add_layer_norm), the MLP's with the next
+        block's ln_1 (or the final norm)."""
+        x, y = add_layer_norm(x, self.attn(y), self.ln_2, torch.float32 if getattr(self.mlp, "fp32_input", False) else None)
+        return add_layer_norm(x, self.mlp(y), next_norm)
+
 
 class GPT(nn.Module):
     """GPT-2. `cfg` is a ModelSection; `vocab_size` and `block_size` are already resolved."""
@@ -124,6 +133,8 @@ class GPT(nn.Module):
         init_normal_(self)
         scaled_residual_init_(self, "c_proj.weight", cfg.n_layer)
         self.backend: str | None = None  # flash or sdpa: model.attention, decided on first use from the device
+        if cfg.fused_norm:
+            register_inductor_fallbacks()
 
     def set_step(self, step: int, total: int | None = None) -> None:
         """Called by the loop before each step, outside torch.compile: picks the attention kernel."""
@@ -147,7 +158,14 @@ class GPT(nn.Module):
         dtype = residual_dtype(self.cfg, idx.device.type, default=False)
         if dtype is not None:  # model.lowp_residual: every residual add, LayerNorm read and gradient in bf16
             x = x.to(dtype)
-        for i, block in enumerate(self.transformer.h):
+        blocks = self.transformer.h
+        # activation checkpointing wraps each block's forward (train/recompute.py): those run unfused
+        if self.cfg.fused_norm and caches is None and not any("forward" in vars(b) for b in blocks):
+            y = blocks[0].ln_1(x)  # no residual add before it; compiled, it is one kernel with the embeddings' sum
+            for i, block in enumerate(blocks):
+                x, y = block.forward_fused(x, y, blocks[i + 1].ln_1 if i + 1 < len(blocks) else self.transformer.ln_f)
+            return y
+        for i, block in enumerate(blocks):
             x = block(x, caches[i] if caches else None, pos)
         return self.transformer.ln_f(x)
 

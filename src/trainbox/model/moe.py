@@ -200,6 +200,8 @@ def top_k(probs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 class MoEFFN(nn.Module):
     """Router + top-k + capacity + experts. forward(x) -> y; `self.aux` holds this call's losses/stats."""
 
+    fp32_input = True  # model.fused_norm: the norm before it returns fp32, for the fp32 router (as unfused)
+
     def __init__(self, n_embd: int, moe, bias: bool, dropout: float):
         super().__init__()
         self.moe = moe
