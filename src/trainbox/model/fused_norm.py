@@ -45,7 +45,8 @@ if triton is not None:
         rmask = rows < N
         mask = rmask[:, None] & (cols[None, :] < C)
         offs = rows.to(tl.int64)[:, None] * C + cols[None, :]
-        x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32) + tl.load(D + offs, mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+        x += tl.load(D + offs, mask=mask, other=0.0).to(tl.float32)
         x = x.to(XO.dtype.element_ty)          # x' as stored: what is normalised and what the backward reads
         tl.store(XO + offs, x, mask=mask)
         x = x.to(tl.float32)
@@ -78,7 +79,8 @@ if triton is not None:
             offs = rows.to(tl.int64)[:, None] * C + cols[None, :]
             mean = tl.load(MEAN + rows, mask=rmask, other=0.0)
             rstd = tl.load(RSTD + rows, mask=rmask, other=0.0)
-            xhat = tl.where(mask, (tl.load(XO + offs, mask=mask, other=0.0).to(tl.float32) - mean[:, None]) * rstd[:, None], 0.0)
+            xo = tl.load(XO + offs, mask=mask, other=0.0).to(tl.float32)
+            xhat = tl.where(mask, (xo - mean[:, None]) * rstd[:, None], 0.0)
             dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
             wdy = dy * w[None, :]
             c1 = tl.sum(xhat * wdy, axis=1) / C

@@ -104,11 +104,13 @@ class Block(nn.Module):
         x = x + self.attn(self.ln_1(x), cache, pos)
         return x + self.mlp(self.ln_2(x))
 
-    def forward_fused(self, x: torch.Tensor, y: torch.Tensor, next_norm: nn.LayerNorm) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_fused(self, x: torch.Tensor, y: torch.Tensor,
+                      next_norm: nn.LayerNorm) -> tuple[torch.Tensor, torch.Tensor]:
         """model.fused_norm: (residual x, y = ln_1(x)) -> (x after the block, next_norm of it). Each residual
         add is one op with the norm that follows it (fused_norm.add_layer_norm), the MLP's with the next
         block's ln_1 (or the final norm)."""
-        x, y = add_layer_norm(x, self.attn(y), self.ln_2, torch.float32 if getattr(self.mlp, "fp32_input", False) else None)
+        mlp_dtype = torch.float32 if getattr(self.mlp, "fp32_input", False) else None  # MoE: its fp32 router
+        x, y = add_layer_norm(x, self.attn(y), self.ln_2, mlp_dtype)
         return add_layer_norm(x, self.mlp(y), next_norm)
 
 
