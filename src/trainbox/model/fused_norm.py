@@ -15,7 +15,8 @@ torch adds the programs' partial sums of dw afterwards (1,056 x C floats on an H
 The forward writes x' (kept for the backward, as Inductor's graph keeps it), y in the dtype the next
 matmul reads (bf16 under autocast), and the per-row mean and 1/std (fp32). The arithmetic is torch's:
 fp32 statistics of x' as stored (a bf16 residual stream is rounded before it is normalised), biased
-variance, y rounded once.
+variance, y rounded once. With a bf16 residual stream (model.lowp_residual) g' is summed in fp32 and
+rounded once, where torch rounds the norm's gradient and then the sum.
 
 Measured (benchmarks/records/2026-11-26-session12.json, `benchmarks/profile_step.py`, SDPA attention,
 each against the same code without it in the same call): gpt2-125m 949.7 -> 930.6 ms per step on an
