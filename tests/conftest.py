@@ -1,4 +1,5 @@
-"""Shared test helpers: tiny configs (2 layers, width 32) and a CLI runner in a temp directory."""
+"""Shared test helpers: tiny configs (2 layers, width 32), a CLI runner in a temp directory, and a runner
+for check scripts that need a fresh interpreter."""
 from __future__ import annotations
 
 import os
@@ -45,3 +46,11 @@ def run_cli(*args: str, cwd: Path | None = None, env: dict | None = None, timeou
         raise AssertionError(f"trainbox {' '.join(args)} exited {proc.returncode}\n"
                              f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}")
     return proc
+
+
+def run_check_script(code: str, env: dict | None = None, timeout: float = 300) -> None:
+    """Run `code` in a fresh Python process (with `env` added to the environment); it must exit 0 and print
+    exactly "ok". For checks that need a clean process or interpreter settings (TRITON_INTERPRET=1)."""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stdout + proc.stderr

@@ -3,14 +3,11 @@ against torch's cross-entropy of the materialised logits: losses, every gradient
 the three model families, torch.compile, and the Triton kernel itself (interpreter on CPU, CUDA on GPU)."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import run_check_script
 from trainbox.config import ModelSection
 from trainbox.model.fused_ce import head_cross_entropy
 from trainbox.model.registry import build_model
@@ -187,9 +184,7 @@ print("ok")
 def test_triton_kernel_in_the_interpreter():
     """The Triton kernel itself on CPU (TRITON_INTERPRET=1), against the torch reference."""
     pytest.importorskip("triton")
-    proc = subprocess.run([sys.executable, "-c", KERNEL_CHECK], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "TRITON_INTERPRET": "1"})
-    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stdout + proc.stderr
+    run_check_script(KERNEL_CHECK, {"TRITON_INTERPRET": "1"})
 
 
 @pytest.mark.gpu

@@ -3,15 +3,12 @@ F.layer_norm: outputs, every gradient, dtypes, the model families eager and comp
 checkpointing, and the Triton kernels themselves (interpreter on CPU, CUDA on GPU)."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from conftest import run_check_script
 from trainbox.config import ModelSection, MoESection
 from trainbox.model.fused_norm import add_layer_norm
 from trainbox.model.registry import build_model
@@ -158,9 +155,7 @@ print("ok")
 def test_triton_kernels_in_the_interpreter():
     """The Triton kernels on CPU (TRITON_INTERPRET=1), against the torch reference."""
     pytest.importorskip("triton")
-    proc = subprocess.run([sys.executable, "-c", KERNEL_CHECK], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "TRITON_INTERPRET": "1"})
-    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stdout + proc.stderr
+    run_check_script(KERNEL_CHECK, {"TRITON_INTERPRET": "1"})
 
 
 @pytest.mark.gpu
@@ -220,5 +215,4 @@ def test_models_register_the_ops_with_inductor():
     process: a compile elsewhere in the session registers them implicitly). Left implicit, torch 2.11 rendered
     the IR of each call's inputs as text while compiling; through the chain of these ops that text doubles per
     layer and gpt2-125m never finished compiling (torch 2.13 renders it lazily, so the hang does not show here)."""
-    proc = subprocess.run([sys.executable, "-c", REGISTER_CHECK], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stdout + proc.stderr
+    run_check_script(REGISTER_CHECK)

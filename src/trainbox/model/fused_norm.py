@@ -214,7 +214,8 @@ add_layer_norm_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def register_inductor_fallbacks() -> None:
-    """Give Inductor trainbox's custom ops as explicit fallbacks (called where a model that uses them is built).
+    """Give Inductor the custom ops a fused_norm model chains as explicit fallbacks: this module's two and the
+    fused loss head's at the end of the chain (called where such a model is built).
 
     Left to Inductor's implicit fallback, torch < 2.13 logs each call with its inputs' IR rendered as text,
     eagerly. Through the chain of these ops (each made from the previous one's two outputs) that text
