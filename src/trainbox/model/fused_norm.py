@@ -214,8 +214,8 @@ add_layer_norm_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def register_inductor_fallbacks() -> None:
-    """Give Inductor the custom ops a fused_norm model chains as explicit fallbacks: this module's two and the
-    fused loss head's at the end of the chain (called where such a model is built).
+    """Give Inductor the custom ops a fused_norm or fused_mlp model chains as explicit fallbacks: this module's
+    two, the fused MLP's and the fused loss head's at the end of the chain (called where such a model is built).
 
     Left to Inductor's implicit fallback, torch < 2.13 logs each call with its inputs' IR rendered as text,
     eagerly. Through the chain of these ops (each made from the previous one's two outputs) that text
@@ -226,7 +226,9 @@ def register_inductor_fallbacks() -> None:
     except ImportError:  # pragma: no cover - a torch without Inductor compiles nothing
         return
     layout = getattr(lowering, "constrain_to_fx_strides", None)
-    for name in ("add_layer_norm", "add_layer_norm_bwd", "head_ce_", "head_ce_fp8"):
+    import trainbox.model.fused_ce  # noqa: F401 - the ops below register on import
+    import trainbox.model.fused_mlp  # noqa: F401
+    for name in ("add_layer_norm", "add_layer_norm_bwd", "gelu_mlp", "gelu_mlp_bwd", "head_ce_", "head_ce_fp8"):
         op = getattr(torch.ops.trainbox, name).default
         if op not in lowering.lowerings:
             lowering.make_fallback(op, layout_constraint=layout, warn=False)

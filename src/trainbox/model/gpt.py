@@ -9,12 +9,14 @@ GPT2LMHeadModel. The projections are nn.Linear, weights (out, in), where HF's Co
 matmul epilogue and the backward needs fewer transposing copies (7% less step time for gpt2-125m on an
 H100; benchmarks/records/). The vocabulary may be padded (50,257 -> 50,304) for faster matmuls;
 `export.py` slices and pads. With model.fused_norm each residual add and the LayerNorm after it are one
-op (model/fused_norm.py), across block boundaries: same arithmetic, one-pass backward.
+op (model/fused_norm.py), across block boundaries: same arithmetic, one-pass backward. With
+model.fused_mlp the MLP's GELU runs in its matmuls' epilogues (model/fused_mlp.py).
 
     trainbox train gpt2-125m data.path=PREFIX        # 124M GPT-2 on shard files
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -24,9 +26,13 @@ import torch.nn.functional as F
 from trainbox.model.flash import causal_qkv, use_flash
 from trainbox.model.fp8 import linear, mlp_fp8
 from trainbox.model.fused_ce import head_cross_entropy
+from trainbox.model.fused_mlp import EXTRA as QUACK_EXTRA
+from trainbox.model.fused_mlp import gelu_mlp, quack_available
 from trainbox.model.fused_norm import add_layer_norm, register_inductor_fallbacks
 from trainbox.model.layers import (KVCache, autocast_dtype, cached_attention, gelu_tanh, init_normal_,
                                    scaled_residual_init_)
+
+log = logging.getLogger("trainbox")
 
 
 @dataclass
@@ -79,16 +85,21 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    """GELU MLP; `fp8` (model.fp8_mlp): "down" runs the down-projection's matmul in FP8, "both" both."""
+    """GELU MLP; `fp8` (model.fp8_mlp): "down" runs the down-projection's matmul in FP8, "both" both;
+    `fused` (model.fused_mlp): the GELU in the matmuls' epilogues (model/fused_mlp.py; no biases)."""
 
-    def __init__(self, n_embd: int, bias: bool, dropout: float, fp8: str = "none"):
+    def __init__(self, n_embd: int, bias: bool, dropout: float, fp8: str = "none", fused: bool = False):
         super().__init__()
         self.c_fc = nn.Linear(n_embd, 4 * n_embd, bias=bias)
         self.c_proj = nn.Linear(4 * n_embd, n_embd, bias=bias)
         self.dropout = nn.Dropout(dropout)
         self.fp8_up, self.fp8_down = mlp_fp8(fp8)
+        self.fused = fused
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            dtype = autocast_dtype(x.device.type, x.dtype)
+            return self.dropout(gelu_mlp(x.to(dtype), self.c_fc.weight.to(dtype), self.c_proj.weight.to(dtype)))
         return self.dropout(linear(self.c_proj, gelu_tanh(linear(self.c_fc, x, self.fp8_up)), self.fp8_down))
 
 
@@ -98,7 +109,7 @@ class Block(nn.Module):
         self.ln_1 = nn.LayerNorm(cfg.n_embd, eps=1e-5, bias=cfg.bias)
         self.attn = CausalSelfAttention(cfg.n_embd, cfg.n_head, cfg.bias, cfg.dropout)
         self.ln_2 = nn.LayerNorm(cfg.n_embd, eps=1e-5, bias=cfg.bias)
-        self.mlp = mlp if mlp is not None else MLP(cfg.n_embd, cfg.bias, cfg.dropout, cfg.fp8_mlp)
+        self.mlp = mlp if mlp is not None else MLP(cfg.n_embd, cfg.bias, cfg.dropout, cfg.fp8_mlp, cfg.fused_mlp)
 
     def forward(self, x: torch.Tensor, cache: KVCache | None = None, pos: int = 0) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x), cache, pos)
@@ -135,7 +146,7 @@ class GPT(nn.Module):
         init_normal_(self)
         scaled_residual_init_(self, "c_proj.weight", cfg.n_layer)
         self.backend: str | None = None  # flash or sdpa: model.attention, decided on first use from the device
-        if cfg.fused_norm:
+        if cfg.fused_norm or cfg.fused_mlp:
             register_inductor_fallbacks()
 
     def set_step(self, step: int, total: int | None = None) -> None:
@@ -143,12 +154,20 @@ class GPT(nn.Module):
         self.set_attention(self.transformer.wte.weight.device)
 
     def set_attention(self, device: torch.device) -> None:
-        """model.attention on `device`: flash (FlashAttention-4) or sdpa; auto takes flash where it runs."""
+        """model.attention on `device`: flash (FlashAttention-4) or sdpa; auto takes flash where it runs.
+        model.fused_mlp on a GPU without QuACK's kernels: the MLP runs unfused (its op would run as torch ops,
+        slower there than the compiled graph), with a warning."""
         if self.backend is not None:
             return
         self.backend = "flash" if use_flash(self.cfg.attention, device) else "sdpa"
+        unfuse = self.cfg.fused_mlp and device.type == "cuda" and not quack_available(device)
+        if unfuse:
+            log.warning(f"model.fused_mlp: QuACK's GEMMs need a Hopper or Blackwell GPU and {QUACK_EXTRA}; "
+                        "the MLP runs unfused")
         for block in self.transformer.h:
             block.attn.flash = self.backend == "flash"
+            if unfuse and isinstance(block.mlp, MLP):
+                block.mlp.fused = False
 
     def hidden(self, idx: torch.Tensor, caches: list[KVCache] | None = None, pos: int = 0) -> torch.Tensor:
         T = idx.size(1)

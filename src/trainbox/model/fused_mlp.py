@@ -1,0 +1,125 @@
+"""GELU MLP with the activation in its matmuls' epilogues (`model.fused_mlp`).
+
+    y = GELU(x W1ᵀ) W2ᵀ        (GELU: GPT-2's tanh approximation)
+
+Compiled, the forward is a cuBLAS matmul that writes h = x W1ᵀ, then an Inductor kernel that reads h and
+writes a = GELU(h); the backward is a matmul that writes dA = g W2, then a kernel that reads dA and h and
+writes dH = dA GELU'(h). At gpt2-125m's shapes those two kernels move 1.2 GB per layer and micro-batch.
+Here the up-projection's epilogue writes h and a from the fp32 accumulator, and the backward's dA matmul
+reads h in its epilogue and writes dH and a (recomputed there for W2's gradient, so a is not kept from
+the forward): QuACK's warp-specialised GEMMs (CuTe DSL; Hopper and Blackwell GPUs; `trainbox[flash]`
+installs it with FlashAttention-4), whose epilogues overlap the next tile's main loop. The weight
+gradients and dx are cuBLAS matmuls.
+
+Measured on an H100 at gpt2-125m's shapes (49,152 x 768 -> 3,072, bf16; .tune probe, session 13):
+forward 0.380 ms against 0.566 for cuBLAS + the compiled GELU; backward (dH and a) 0.529 ms against
+0.771. In the model: benchmarks/records/.
+
+The arithmetic differs from the unfused graph only in rounding: a and dH come from the fp32 accumulator
+where the unfused graph rounds h (and dA) to bf16 first. On a CPU, on other GPUs and where QuACK is
+missing, the same function runs as torch ops (the tests' oracle). `gelu_mlp` is a custom op
+(`trainbox::gelu_mlp`, backward `trainbox::gelu_mlp_bwd`), so torch.compile keeps the model in one graph.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+EXTRA = "pip install 'trainbox[flash]'  (QuACK comes with FlashAttention-4)"
+
+
+@functools.cache
+def _quack():
+    """quack.gemm_interface, or None where it is missing or does not load."""
+    try:
+        from quack import gemm_interface
+    except Exception:  # noqa: BLE001 - a broken CUDA/CuTe install counts as missing
+        return None
+    return gemm_interface
+
+
+@functools.cache
+def _config(major: int):
+    """The GEMM tiling: on Hopper 128 x 192 ping-pong tiles in clusters of 1 x 2, the fastest in the model of
+    the four tried there (H100, session 13: 875.8 ms per step against 887.7-911.1; alone, eight tilings ran
+    within 25% of each other); QuACK's default elsewhere."""
+    if major != 9:
+        return None
+    from quack.gemm_config import GemmConfig
+    return GemmConfig(tile_m=128, tile_n=192, pingpong=True, cluster_m=1, cluster_n=2, device_capacity=9,
+                      is_dynamic_persistent=False)
+
+
+def quack_available(device: torch.device) -> bool:
+    """True on Hopper or Blackwell GPUs with QuACK importable."""
+    return (device.type == "cuda" and torch.cuda.get_device_capability(device)[0] in (9, 10)
+            and _quack() is not None)
+
+
+def _use_quack(x: torch.Tensor, w1: torch.Tensor) -> bool:
+    # 16-byte aligned rows for the kernels' TMA copies
+    return (x.dtype in (torch.bfloat16, torch.float16) and x.size(1) % 8 == 0 and w1.size(0) % 8 == 0
+            and quack_available(x.device))
+
+
+def _gelu(h: torch.Tensor) -> torch.Tensor:
+    return F.gelu(h, approximate="tanh")
+
+
+@torch.library.custom_op("trainbox::gelu_mlp", mutates_args=())
+def gelu_mlp_op(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (N, C), w1 (F, C), w2 (C, F), one dtype -> (y = GELU(x w1ᵀ) w2ᵀ (N, C), h = x w1ᵀ (N, F))."""
+    x = x.contiguous()
+    if _use_quack(x, w1):
+        cfg = _config(torch.cuda.get_device_capability(x.device)[0])
+        h, a = _quack().gemm_act(x, w1.t(), activation="gelu_tanh_approx", config=cfg, tuned=False)
+    else:
+        h = x @ w1.t()
+        a = _gelu(h)
+    return a @ w2.t(), h
+
+
+@gelu_mlp_op.register_fake
+def _(x, w1, w2):
+    return x.new_empty(x.size(0), w2.size(0)), x.new_empty(x.size(0), w1.size(0))
+
+
+@torch.library.custom_op("trainbox::gelu_mlp_bwd", mutates_args=())
+def gelu_mlp_bwd(g: torch.Tensor, x: torch.Tensor, h: torch.Tensor, w1: torch.Tensor,
+                 w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dL/dy (N, C) -> (dx, dw1, dw2)."""
+    g = g.contiguous()
+    if _use_quack(x, w1):
+        cfg = _config(torch.cuda.get_device_capability(x.device)[0])
+        dh, a = _quack().gemm_dact(g, w2, h, activation="gelu_tanh_approx", config=cfg, tuned=False)[:2]
+    else:
+        a = _gelu(h)
+        dh = torch.ops.aten.gelu_backward(g @ w2, h, approximate="tanh")
+    return dh @ w1, dh.t() @ x, g.t() @ a
+
+
+@gelu_mlp_bwd.register_fake
+def _(g, x, h, w1, w2):
+    return torch.empty_like(x), torch.empty_like(w1), torch.empty_like(w2)
+
+
+def _setup_context(ctx, inputs, output):
+    x, w1, w2 = inputs
+    ctx.save_for_backward(x, output[1], w1, w2)
+    ctx.mark_non_differentiable(output[1])
+
+
+def _backward(ctx, g, _dh):
+    x, h, w1, w2 = ctx.saved_tensors
+    return gelu_mlp_bwd(g, x, h, w1, w2)
+
+
+gelu_mlp_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def gelu_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """GELU(x w1ᵀ) w2ᵀ for x (..., C), w1 (F, C), w2 (C, F), all in x's dtype."""
+    shape = x.shape
+    return gelu_mlp_op(x.reshape(-1, shape[-1]), w1, w2)[0].view(*shape[:-1], w2.size(0))

@@ -1,0 +1,122 @@
+"""model.fused_mlp: the GELU MLP as one op (model/fused_mlp.py) against nn.Linear + F.gelu: outputs and every
+gradient, the gpt model eager and compiled, the config's refusals, and QuACK's kernels on a GPU."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from pydantic import ValidationError
+
+from trainbox.config import ModelSection
+from trainbox.model.fused_mlp import gelu_mlp
+from trainbox.model.registry import build_model
+
+
+def unfused(x, w1, w2):
+    return F.linear(F.gelu(F.linear(x, w1), approximate="tanh"), w2)
+
+
+def _grads(f, x, w1, w2, gy):
+    for t in (x, w1, w2):
+        t.grad = None
+    y = f(x, w1, w2)
+    y.backward(gy)
+    return [y.detach().clone()] + [t.grad.clone() for t in (x, w1, w2)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_outputs_and_gradients_equal_torch(dtype):
+    torch.manual_seed(0)
+    x = torch.randn(3, 7, 16).to(dtype).requires_grad_()
+    w1 = (torch.randn(64, 16) * 0.3).to(dtype).requires_grad_()
+    w2 = (torch.randn(16, 64) * 0.3).to(dtype).requires_grad_()
+    gy = torch.randn(3, 7, 16).to(dtype)
+    ours, ref = _grads(gelu_mlp, x, w1, w2, gy), _grads(unfused, x, w1, w2, gy)
+    for name, a, b in zip(["y", "dx", "dw1", "dw2"], ours, ref):
+        assert a.dtype == b.dtype == dtype and a.shape == b.shape, name
+        tol = 1e-5 if dtype == torch.float32 else 2 ** -6
+        assert (a.double() - b.double()).abs().max() <= tol * b.double().abs().max(), name
+        assert b.abs().sum() > 0, name
+
+
+def test_gradients_need_the_gelu_derivative():
+    """The reference is not vacuous: GELU' and the recomputed GELU(h) in dw2 each change the gradients."""
+    torch.manual_seed(0)
+    x, w1, w2 = torch.randn(5, 8, requires_grad=True), torch.randn(32, 8, requires_grad=True), \
+        torch.randn(8, 32, requires_grad=True)
+    gy = torch.randn(5, 8)
+    ours = _grads(gelu_mlp, x, w1, w2, gy)
+    relu = _grads(lambda a, b, c: F.linear(F.relu(F.linear(a, b)), c), x, w1, w2, gy)
+    exact = _grads(lambda a, b, c: F.linear(F.gelu(F.linear(a, b)), c), x, w1, w2, gy)
+    for a, b, c in zip(ours[1:], relu[1:], exact[1:]):
+        assert (a - b).abs().max() > 1e-2 and (a - c).abs().max() > 1e-6
+
+
+def _pair(**extra):
+    torch.manual_seed(0)
+    kw = dict(family="gpt", n_layer=2, n_head=2, n_embd=32, bias=False, dropout=0.0, **extra)
+    a = build_model(ModelSection(**kw), vocab_size=64, block_size=16)
+    b = build_model(ModelSection(**kw, fused_mlp=True), vocab_size=64, block_size=16)
+    b.load_state_dict(a.state_dict())
+    return a, b
+
+
+@pytest.mark.parametrize("fused_norm", [False, True])
+def test_model_loss_and_gradients_equal_unfused(fused_norm):
+    a, b = _pair(fused_norm=fused_norm)
+    assert all(blk.mlp.fused for blk in b.transformer.h) and not any(blk.mlp.fused for blk in a.transformer.h)
+    idx = torch.randint(0, 64, (3, 16))
+    losses = []
+    for m in (a, b):
+        loss = m(idx, idx).loss
+        loss.backward()
+        losses.append(loss.detach())
+    assert torch.allclose(losses[0], losses[1], rtol=1e-5, atol=0)
+    for (n, pa), pb in zip(a.named_parameters(), b.parameters()):
+        assert torch.allclose(pa.grad, pb.grad, rtol=1e-4, atol=1e-6), n
+
+
+def test_compiled_model_under_autocast_is_one_graph():
+    a, b = _pair(fused_norm=True)
+    idx = torch.randint(0, 64, (2, 16))
+    compiled = torch.compile(b, fullgraph=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss_c = compiled(idx, idx).loss
+        loss_a = a(idx, idx).loss
+    loss_c.backward()
+    loss_a.backward()
+    assert abs(loss_c.item() - loss_a.item()) < 2e-2 * loss_a.item()
+    for (n, pa), pb in zip(a.named_parameters(), b.parameters()):
+        scale = pa.grad.abs().max()
+        assert (pa.grad - pb.grad).abs().max() <= 0.05 * scale, n
+
+
+@pytest.mark.parametrize("kw, msg", [(dict(family="moe"), "model.family=gpt"),
+                                     (dict(bias=True), "model.bias=false"),
+                                     (dict(bias=False, fp8_mlp="down"), "model.fp8_mlp=none")])
+def test_config_refuses_what_it_cannot_fuse(kw, msg):
+    with pytest.raises(ValidationError, match=msg):
+        ModelSection(fused_mlp=True, **kw)
+
+
+@pytest.mark.gpu
+def test_quack_kernels_match_torch_on_gpu():
+    """QuACK's epilogue GEMMs at gpt2-125m's MLP shapes (one micro-batch of 49,152 tokens would be the real
+    size; 8,192 keeps the check quick), bf16: outputs and gradients against the unfused bf16 graph."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from trainbox.model.fused_mlp import quack_available
+    dev = torch.device("cuda")
+    if not quack_available(dev):
+        pytest.skip("QuACK (trainbox[flash]) on a Hopper/Blackwell GPU")
+    torch.manual_seed(0)
+    x = torch.randn(8192, 768, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    w1 = (torch.randn(3072, 768, device=dev) * 0.02).bfloat16().requires_grad_()
+    w2 = (torch.randn(768, 3072, device=dev) * 0.02).bfloat16().requires_grad_()
+    gy = torch.randn(8192, 768, device=dev, dtype=torch.bfloat16)
+    ours, ref = _grads(gelu_mlp, x, w1, w2, gy), _grads(unfused, x, w1, w2, gy)
+    x64, w164, w264 = (t.detach().double() for t in (x, w1, w2))
+    exact = _grads(unfused, x64.requires_grad_(), w164.requires_grad_(), w264.requires_grad_(), gy.double())
+    for name, a, b, e in zip(["y", "dx", "dw1", "dw2"], ours, ref, exact):
+        err_ours, err_ref = ((t.double() - e).abs().max() / e.abs().max() for t in (a, b))
+        assert err_ours <= 1.5 * err_ref + 1e-3, (name, err_ours.item(), err_ref.item())
