@@ -92,11 +92,26 @@ def test_compiled_model_under_autocast_is_one_graph():
 
 
 @pytest.mark.parametrize("kw, msg", [(dict(family="moe"), "model.family=gpt"),
-                                     (dict(bias=True), "model.bias=false"),
                                      (dict(bias=False, fp8_mlp="down"), "model.fp8_mlp=none")])
 def test_config_refuses_what_it_cannot_fuse(kw, msg):
     with pytest.raises(ValidationError, match=msg):
         ModelSection(fused_mlp=True, **kw)
+
+
+def test_mlps_with_biases_run_unfused():
+    """model.bias=true (GPT-2's own weights) with the recipe's fused_mlp: the MLP keeps its biases, unfused."""
+    torch.manual_seed(0)
+    m = build_model(ModelSection(family="gpt", n_layer=1, n_head=2, n_embd=32, bias=True, fused_mlp=True),
+                    vocab_size=64, block_size=16)
+    mlp = m.transformer.h[0].mlp
+    assert not mlp.fused and mlp.c_fc.bias is not None
+    with torch.no_grad():
+        mlp.c_fc.bias.normal_()
+        mlp.c_proj.bias.normal_()
+    x = torch.randn(2, 5, 32)
+    ref = F.linear(F.gelu(F.linear(x, mlp.c_fc.weight, mlp.c_fc.bias), approximate="tanh"), mlp.c_proj.weight,
+                   mlp.c_proj.bias)
+    assert torch.allclose(mlp(x), ref, atol=1e-6)
 
 
 @pytest.mark.gpu

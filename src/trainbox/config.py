@@ -126,7 +126,8 @@ class ModelSection(Section):
     fused_mlp: bool = Field(False, description="gpt: the MLP's GELU in its matmuls' epilogues: the up-projection "
                                                "writes GELU(h) with h, the backward's matmul applies GELU'(h) "
                                                "(QuACK's GEMMs on Hopper/Blackwell GPUs, pip install "
-                                               "'trainbox[flash]'; torch ops elsewhere). Needs model.bias=false")
+                                               "'trainbox[flash]'; torch ops elsewhere). MLPs with biases "
+                                               "(model.bias=true) run unfused")
     path: str | None = Field(None, description="hf: hub id or local folder of a Hugging Face causal LM")
     t5: T5Section = Field(default_factory=T5Section)
 
@@ -150,9 +151,9 @@ class ModelSection(Section):
             raise ValueError(f"model.fused_norm applies to model.family=gpt or moe, not {self.family}")
         if self.fused_mlp and self.family != "gpt":
             raise ValueError(f"model.fused_mlp applies to model.family=gpt, not {self.family}")
-        if self.fused_mlp and (self.bias or self.fp8_mlp != "none"):
-            raise ValueError("model.fused_mlp runs the MLP without biases and in the autocast dtype: set "
-                             "model.bias=false and model.fp8_mlp=none, or model.fused_mlp=false")
+        if self.fused_mlp and self.fp8_mlp != "none":
+            raise ValueError("model.fused_mlp runs the MLP's matmuls in the autocast dtype, model.fp8_mlp in FP8: "
+                             "set one of them off (model.fp8_mlp=none or model.fused_mlp=false)")
         if self.fused_loss and self.family not in ("gpt", "moe", "speedrun"):
             raise ValueError(f"model.fused_loss applies to model.family=gpt, moe or speedrun, not {self.family}")
         if self.attention != "auto" and self.family not in ("gpt", "moe", "speedrun"):

@@ -86,7 +86,8 @@ class CausalSelfAttention(nn.Module):
 
 class MLP(nn.Module):
     """GELU MLP; `fp8` (model.fp8_mlp): "down" runs the down-projection's matmul in FP8, "both" both;
-    `fused` (model.fused_mlp): the GELU in the matmuls' epilogues (model/fused_mlp.py; no biases)."""
+    `fused` (model.fused_mlp): the GELU in the matmuls' epilogues (model/fused_mlp.py; MLPs with biases run
+    unfused: the epilogues here add none)."""
 
     def __init__(self, n_embd: int, bias: bool, dropout: float, fp8: str = "none", fused: bool = False):
         super().__init__()
@@ -94,7 +95,7 @@ class MLP(nn.Module):
         self.c_proj = nn.Linear(4 * n_embd, n_embd, bias=bias)
         self.dropout = nn.Dropout(dropout)
         self.fp8_up, self.fp8_down = mlp_fp8(fp8)
-        self.fused = fused
+        self.fused = fused and not bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused:
