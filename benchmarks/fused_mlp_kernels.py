@@ -16,6 +16,8 @@ import torch.nn.functional as F
 from quack.gemm_config import GemmConfig
 from quack.gemm_interface import gemm_act, gemm_dact
 
+from cuda_timing import median_ms
+
 M, C, FH = 49152, 768, 3072
 TILINGS = [(128, 192, True, 1, 2), (128, 192, True, 2, 1), (128, 160, True, 2, 1), (128, 208, True, 2, 1),
            (256, 160, False, 1, 2), (256, 192, False, 2, 1), (128, 256, False, 2, 1), (256, 128, False, 2, 1)]
@@ -29,15 +31,8 @@ h = x @ w1.t()
 dA = g @ w2
 
 
-def t(f, reps=30):
-    for _ in range(3):
-        f()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record(); f(); b.record(); torch.cuda.synchronize(); ts.append(a.elapsed_time(b))
-    return round(sorted(ts)[len(ts) // 2], 4)
+def t(f):
+    return round(median_ms(f), 4)
 
 
 def rel(a, b):

@@ -6,6 +6,7 @@ the card's reachable bandwidth. Prints one JSON line; needs a CUDA GPU.
     python benchmarks/fused_norm_configs.py
 """
 import json, itertools, torch
+from cuda_timing import median_ms
 from trainbox.model import fused_norm as fn
 N, C = 49152, 768
 torch.manual_seed(0)
@@ -16,14 +17,8 @@ g = torch.randn(N, C, device="cuda")
 dy = torch.randn(N, C, device="cuda").to(torch.bfloat16)
 sms = torch.cuda.get_device_properties(0).multi_processor_count
 
-def t(f, reps=40):
-    for _ in range(3): f()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record(); f(); b.record(); torch.cuda.synchronize(); ts.append(a.elapsed_time(b))
-    return sorted(ts)[len(ts) // 2]
+def t(f):
+    return median_ms(f, reps=40)
 
 out = {"gpu": torch.cuda.get_device_name(), "sms": sms, "fwd": {}, "bwd": {}}
 out["clone_fp32_TBps"] = round(8 * N * C / t(lambda: x.clone()) / 1e9, 2)

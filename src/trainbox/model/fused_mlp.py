@@ -27,7 +27,8 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.nn.functional as F
+
+from trainbox.model.layers import gelu_tanh
 
 EXTRA = "pip install 'trainbox[flash]'  (QuACK comes with FlashAttention-4)"
 
@@ -43,11 +44,11 @@ def _quack():
 
 
 @functools.cache
-def _config(major: int):
-    """The GEMM tiling: on Hopper 128 x 192 ping-pong tiles in clusters of 1 x 2, the fastest in the model of
-    the four tried there (H100, session 13: 875.8 ms per step against 887.7-911.1; alone, eight tilings ran
-    within 25% of each other); QuACK's default elsewhere."""
-    if major != 9:
+def _config(device: torch.device):
+    """The GEMM tiling on `device`: on Hopper 128 x 192 ping-pong tiles in clusters of 1 x 2, the fastest in
+    the model of the four tried there (H100, session 13: 875.8 ms per step against 887.7-911.1; alone, eight
+    tilings ran within 25% of each other); QuACK's default elsewhere."""
+    if torch.cuda.get_device_capability(device)[0] != 9:
         return None
     from quack.gemm_config import GemmConfig
     return GemmConfig(tile_m=128, tile_n=192, pingpong=True, cluster_m=1, cluster_n=2, device_capacity=9,
@@ -66,20 +67,15 @@ def _use_quack(x: torch.Tensor, w1: torch.Tensor) -> bool:
             and quack_available(x.device))
 
 
-def _gelu(h: torch.Tensor) -> torch.Tensor:
-    return F.gelu(h, approximate="tanh")
-
-
 @torch.library.custom_op("trainbox::gelu_mlp", mutates_args=())
 def gelu_mlp_op(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x (N, C), w1 (F, C), w2 (C, F), one dtype -> (y = GELU(x w1ᵀ) w2ᵀ (N, C), h = x w1ᵀ (N, F))."""
     x = x.contiguous()
     if _use_quack(x, w1):
-        cfg = _config(torch.cuda.get_device_capability(x.device)[0])
-        h, a = _quack().gemm_act(x, w1.t(), activation="gelu_tanh_approx", config=cfg, tuned=False)
+        h, a = _quack().gemm_act(x, w1.t(), activation="gelu_tanh_approx", config=_config(x.device), tuned=False)
     else:
         h = x @ w1.t()
-        a = _gelu(h)
+        a = gelu_tanh(h)
     return a @ w2.t(), h
 
 
@@ -94,10 +90,10 @@ def gelu_mlp_bwd(g: torch.Tensor, x: torch.Tensor, h: torch.Tensor, w1: torch.Te
     """dL/dy (N, C) -> (dx, dw1, dw2)."""
     g = g.contiguous()
     if _use_quack(x, w1):
-        cfg = _config(torch.cuda.get_device_capability(x.device)[0])
-        dh, a = _quack().gemm_dact(g, w2, h, activation="gelu_tanh_approx", config=cfg, tuned=False)[:2]
+        dh, a = _quack().gemm_dact(g, w2, h, activation="gelu_tanh_approx", config=_config(x.device),
+                                   tuned=False)[:2]
     else:
-        a = _gelu(h)
+        a = gelu_tanh(h)
         dh = torch.ops.aten.gelu_backward(g @ w2, h, approximate="tanh")
     return dh @ w1, dh.t() @ x, g.t() @ a
 

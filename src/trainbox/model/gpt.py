@@ -67,7 +67,7 @@ class CausalSelfAttention(nn.Module):
         self.c_attn = nn.Linear(n_embd, 3 * n_embd, bias=bias)
         self.c_proj = nn.Linear(n_embd, n_embd, bias=bias)
         self.resid_dropout = nn.Dropout(dropout)
-        self.flash = False  # FlashAttention-4 on the packed qkv (set by GPT.set_attention)
+        self.flash = False  # FlashAttention-4 on the packed qkv (set by GPT.set_kernels)
 
     def forward(self, x: torch.Tensor, cache: KVCache | None = None, pos: int = 0) -> torch.Tensor:
         B, T, C = x.shape
@@ -152,12 +152,12 @@ class GPT(nn.Module):
 
     def set_step(self, step: int, total: int | None = None) -> None:
         """Called by the loop before each step, outside torch.compile: picks the attention kernel."""
-        self.set_attention(self.transformer.wte.weight.device)
+        self.set_kernels(self.transformer.wte.weight.device)
 
-    def set_attention(self, device: torch.device) -> None:
-        """model.attention on `device`: flash (FlashAttention-4) or sdpa; auto takes flash where it runs.
-        model.fused_mlp on a GPU without QuACK's kernels: the MLP runs unfused (its op would run as torch ops,
-        slower there than the compiled graph), with a warning."""
+    def set_kernels(self, device: torch.device) -> None:
+        """The kernels for `device`, decided once. model.attention: flash (FlashAttention-4) or sdpa; auto takes
+        flash where it runs. model.fused_mlp on a GPU without QuACK's kernels: the MLP runs unfused (the op's
+        torch path is slower there than the compiled graph), with a warning."""
         if self.backend is not None:
             return
         self.backend = "flash" if use_flash(self.cfg.attention, device) else "sdpa"
@@ -174,7 +174,7 @@ class GPT(nn.Module):
         T = idx.size(1)
         if pos + T > self.block_size:
             raise ValueError(f"sequence of {pos + T} tokens exceeds the model's block_size {self.block_size}")
-        self.set_attention(idx.device)
+        self.set_kernels(idx.device)
         positions = torch.arange(pos, pos + T, device=idx.device)
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(positions))
         dtype = residual_dtype(self.cfg, idx.device.type, default=False)
