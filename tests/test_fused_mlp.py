@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from pydantic import ValidationError
 
 from trainbox.config import ModelSection
-from trainbox.model.fused_mlp import gelu_mlp
+from trainbox.model.fused_mlp import gelu_mlp, moe_gelu_mlp
 from trainbox.model.registry import build_model
 
 
@@ -91,7 +91,7 @@ def test_compiled_model_under_autocast_is_one_graph():
         assert (pa.grad - pb.grad).abs().max() <= 0.05 * scale, n
 
 
-@pytest.mark.parametrize("kw, msg", [(dict(family="moe"), "model.family=gpt"),
+@pytest.mark.parametrize("kw, msg", [(dict(family="speedrun"), "model.family=gpt or moe"),
                                      (dict(bias=False, fp8_mlp="down"), "model.fp8_mlp=none")])
 def test_config_refuses_what_it_cannot_fuse(kw, msg):
     with pytest.raises(ValidationError, match=msg):
@@ -112,6 +112,94 @@ def test_mlps_with_biases_run_unfused():
     ref = F.linear(F.gelu(F.linear(x, mlp.c_fc.weight, mlp.c_fc.bias), approximate="tanh"), mlp.c_proj.weight,
                    mlp.c_proj.bias)
     assert torch.allclose(mlp(x), ref, atol=1e-6)
+
+
+def experts_unfused(x, w1, w2, sizes):
+    """Expert e's slice of rows through its own F.linear + GELU + F.linear, by autograd."""
+    outs, lo = [], 0
+    for e, n in enumerate(sizes):
+        outs.append(F.gelu(x[lo:lo + n] @ w1[e], approximate="tanh") @ w2[e])
+        lo += n
+    return torch.cat(outs)
+
+
+def _expert_grads(f, x, w1, w2, gy):
+    for t in (x, w1, w2):
+        t.grad = None
+    y = f(x, w1, w2)
+    y.backward(gy)
+    return [y.detach().clone()] + [t.grad.clone() for t in (x, w1, w2)]
+
+
+def _expert_inputs(sizes, C, F_, dtype, device="cpu"):
+    E, M = len(sizes), sum(sizes)
+    x = torch.randn(M, C, device=device).to(dtype).requires_grad_()
+    w1 = (torch.randn(E, C, F_, device=device) * C ** -0.5).to(dtype).requires_grad_()
+    w2 = (torch.randn(E, F_, C, device=device) * F_ ** -0.5).to(dtype).requires_grad_()
+    offsets = torch.tensor(sizes, device=device).cumsum(0).to(torch.int32)
+    return x, w1, w2, offsets, torch.randn(M, C, device=device).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_expert_op_equals_a_loop_over_experts(dtype):
+    """The MoE experts' op against per-expert linears; expert 2 gets no rows (its weight gradients are 0)."""
+    torch.manual_seed(0)
+    sizes = [5, 9, 0, 3]
+    x, w1, w2, offsets, gy = _expert_inputs(sizes, 16, 48, dtype)
+    ours = _expert_grads(lambda a, b, c: moe_gelu_mlp(a, b, c, offsets), x, w1, w2, gy)
+    ref = _expert_grads(lambda a, b, c: experts_unfused(a, b, c, sizes), x, w1, w2, gy)
+    for name, a, b in zip(["y", "dx", "dw1", "dw2"], ours, ref):
+        assert a.dtype == b.dtype == dtype and a.shape == b.shape, name
+        tol = 1e-5 if dtype == torch.float32 else 2 ** -6
+        assert (a.double() - b.double()).abs().max() <= tol * b.double().abs().max(), name
+        assert b.abs().sum() > 0, name
+    assert not ours[2][2].any() and not ours[3][2].any()
+
+
+def _moe_pair(capacity_factor, **extra):
+    torch.manual_seed(0)
+    kw = dict(family="moe", n_layer=2, n_head=2, n_embd=32, bias=False, dropout=0.0,
+              moe=dict(num_experts=4, top_k=2, capacity_factor=capacity_factor), **extra)
+    a = build_model(ModelSection(**kw), vocab_size=64, block_size=16)
+    b = build_model(ModelSection(**kw, fused_mlp=True), vocab_size=64, block_size=16)
+    b.load_state_dict(a.state_dict())
+    return a, b
+
+
+@pytest.mark.parametrize("capacity_factor", [0.0, 1.0])
+@pytest.mark.parametrize("fused_norm", [False, True])
+def test_moe_model_loss_and_gradients_equal_unfused(capacity_factor, fused_norm):
+    """model.fused_mlp in the moe family (the experts as one op) against the grouped-matmul path: loss, aux
+    loss and every gradient, the router's included; with capacity 1.0 some assignments are dropped."""
+    a, b = _moe_pair(capacity_factor, fused_norm=fused_norm)
+    assert all(m.fused for _, m in b.moe_layers) and not any(m.fused for _, m in a.moe_layers)
+    idx = torch.randint(0, 64, (3, 16))
+    outs = []
+    for m in (a, b):
+        out = m(idx, idx)
+        (out.loss + out.aux_loss).backward()
+        outs.append(out)
+    if capacity_factor:
+        assert outs[1].stats["moe.0.dropped_frac"] > 0
+    assert torch.allclose(outs[0].loss, outs[1].loss, rtol=1e-5, atol=0)
+    assert torch.allclose(outs[0].aux_loss, outs[1].aux_loss, rtol=1e-5, atol=0)
+    for (n, pa), pb in zip(a.named_parameters(), b.parameters()):
+        assert torch.allclose(pa.grad, pb.grad, rtol=1e-4, atol=1e-6), n
+
+
+def test_compiled_moe_model_under_autocast_is_one_graph():
+    a, b = _moe_pair(0.0, fused_norm=True)
+    idx = torch.randint(0, 64, (2, 16))
+    compiled = torch.compile(b, fullgraph=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss_c = compiled(idx, idx).loss
+        loss_a = a(idx, idx).loss
+    loss_c.backward()
+    loss_a.backward()
+    assert abs(loss_c.item() - loss_a.item()) < 2e-2 * loss_a.item()
+    for (n, pa), pb in zip(a.named_parameters(), b.parameters()):
+        scale = pa.grad.abs().max()
+        assert (pa.grad - pb.grad).abs().max() <= 0.05 * scale, n
 
 
 @pytest.mark.gpu
@@ -135,3 +223,28 @@ def test_quack_kernels_match_torch_on_gpu():
     for name, a, b, e in zip(["y", "dx", "dw1", "dw2"], ours, ref, exact):
         err_ours, err_ref = ((t.double() - e).abs().max() / e.abs().max() for t in (a, b))
         assert err_ours <= 1.5 * err_ref + 1e-3, (name, err_ours.item(), err_ref.item())
+
+
+@pytest.mark.gpu
+def test_quack_expert_kernels_match_torch_on_gpu():
+    """QuACK's variable-length grouped GEMMs at moe-gpt2-125m's expert shapes (768 -> 3,072 -> 768), bf16, with
+    uneven groups, one not a multiple of the tile and one empty: outputs and gradients against per-expert
+    bf16 matmuls, both measured against fp64; the empty expert's weight gradients are exactly 0."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from trainbox.model.fused_mlp import quack_available
+    dev = torch.device("cuda")
+    if not quack_available(dev):
+        pytest.skip("QuACK (trainbox[flash]) on a Hopper/Blackwell GPU")
+    torch.manual_seed(0)
+    sizes = [3000, 1, 0, 2048, 4555, 700, 128, 1760]
+    x, w1, w2, offsets, gy = _expert_inputs(sizes, 768, 3072, torch.bfloat16, dev)
+    ours = _expert_grads(lambda a, b, c: moe_gelu_mlp(a, b, c, offsets), x, w1, w2, gy)
+    ref = _expert_grads(lambda a, b, c: experts_unfused(a, b, c, sizes), x, w1, w2, gy)
+    x64, w164, w264 = (t.detach().double().requires_grad_() for t in (x, w1, w2))
+    exact = _expert_grads(lambda a, b, c: experts_unfused(a, b, c, sizes), x64, w164, w264, gy.double())
+    for name, a, b, e in zip(["y", "dx", "dw1", "dw2"], ours, ref, exact):
+        assert torch.isfinite(a).all(), name
+        err_ours, err_ref = ((t.double() - e).abs().max() / e.abs().max() for t in (a, b))
+        assert err_ours <= 1.5 * err_ref + 1e-3, (name, err_ours.item(), err_ref.item())
+    assert not ours[2][2].any() and not ours[3][2].any()

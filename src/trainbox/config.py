@@ -123,8 +123,9 @@ class ModelSection(Section):
     fused_norm: bool = Field(False, description="gpt, moe: each residual add and the LayerNorm after it as one op "
                                                 "whose backward is one pass (a Triton kernel on CUDA; torch ops "
                                                 "elsewhere). Blocks under train.activation_checkpointing run unfused")
-    fused_mlp: bool = Field(False, description="gpt: the MLP's GELU in its matmuls' epilogues: the up-projection "
-                                               "writes GELU(h) with h, the backward's matmul applies GELU'(h) "
+    fused_mlp: bool = Field(False, description="gpt, moe: the MLP's GELU in its matmuls' epilogues: the "
+                                               "up-projection writes GELU(h) with h, the backward's matmul applies "
+                                               "GELU'(h); moe: every expert matmul a grouped variable-length GEMM "
                                                "(QuACK's GEMMs on Hopper/Blackwell GPUs, pip install "
                                                "'trainbox[flash]'; torch ops elsewhere). MLPs with biases "
                                                "(model.bias=true) run unfused")
@@ -149,8 +150,8 @@ class ModelSection(Section):
             raise ValueError(f"model.lowp_residual applies to model.family=gpt, moe or speedrun, not {self.family}")
         if self.fused_norm and self.family not in ("gpt", "moe"):
             raise ValueError(f"model.fused_norm applies to model.family=gpt or moe, not {self.family}")
-        if self.fused_mlp and self.family != "gpt":
-            raise ValueError(f"model.fused_mlp applies to model.family=gpt, not {self.family}")
+        if self.fused_mlp and self.family not in ("gpt", "moe"):
+            raise ValueError(f"model.fused_mlp applies to model.family=gpt or moe, not {self.family}")
         if self.fused_mlp and self.fp8_mlp != "none":
             raise ValueError("model.fused_mlp runs the MLP's matmuls in the autocast dtype, model.fp8_mlp in FP8: "
                              "set one of them off (model.fp8_mlp=none or model.fused_mlp=false)")

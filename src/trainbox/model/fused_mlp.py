@@ -121,3 +121,91 @@ def gelu_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tenso
     """GELU(x w1ᵀ) w2ᵀ for x (..., C), w1 (F, C), w2 (C, F), all in x's dtype."""
     shape = x.shape
     return gelu_mlp_op(x.reshape(-1, shape[-1]), w1, w2)[0].view(*shape[:-1], w2.size(0))
+
+
+# The MoE experts (model/moe.py): E GELU MLPs over rows sorted by expert, expert e taking rows
+# cu[e]:cu[e+1]. On QuACK all six matmuls are its variable-length grouped GEMMs: the forward's two and the
+# backward's dA (with GELU' in the epilogue) and dx take the groups along M (cu_seqlens_m); the weight
+# gradients, a_eᵀ g_e, take them along K (cu_seqlens_k), where an expert with no rows gets a zero gradient.
+# Weights are (E, in, out), the layout of moe.GroupedLinear.
+
+
+def _groups(cu: torch.Tensor) -> list[tuple[int, int]]:
+    bounds = cu.tolist()
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+def _use_quack_experts(x: torch.Tensor, w1: torch.Tensor) -> bool:
+    return (x.dtype in (torch.bfloat16, torch.float16) and x.size(1) % 8 == 0 and w1.size(2) % 8 == 0
+            and quack_available(x.device))
+
+
+@torch.library.custom_op("trainbox::moe_gelu_mlp", mutates_args=())
+def moe_gelu_mlp_op(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+                    cu: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (M, C) sorted by expert, w1 (E, C, F), w2 (E, F, C), cu (E + 1,) int32 row offsets from 0 ->
+    (y (M, C): rows of expert e times GELU(x_e w1[e]) w2[e], h = x_e w1[e] (M, F))."""
+    x = x.contiguous()
+    if _use_quack_experts(x, w1):
+        q, cfg = _quack(), _config(x.device)
+        h, a = q.gemm_act(x, w1, activation="gelu_tanh_approx", cu_seqlens_m=cu, config=cfg, tuned=False)
+        return q.gemm(a, w2, cu_seqlens_m=cu, tuned=False), h
+    h = torch.empty(x.size(0), w1.size(2), dtype=x.dtype, device=x.device)
+    y = torch.empty_like(x)
+    for e, (lo, hi) in enumerate(_groups(cu)):
+        h[lo:hi] = x[lo:hi] @ w1[e]
+        y[lo:hi] = gelu_tanh(h[lo:hi]) @ w2[e]
+    return y, h
+
+
+@moe_gelu_mlp_op.register_fake
+def _(x, w1, w2, cu):
+    return torch.empty_like(x), x.new_empty(x.size(0), w1.size(2))
+
+
+@torch.library.custom_op("trainbox::moe_gelu_mlp_bwd", mutates_args=())
+def moe_gelu_mlp_bwd(g: torch.Tensor, x: torch.Tensor, h: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+                     cu: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dL/dy (M, C) -> (dx, dw1, dw2)."""
+    g = g.contiguous()
+    if _use_quack_experts(x, w1):
+        q, cfg = _quack(), _config(x.device)
+        dh, a = q.gemm_dact(g, w2.mT, h, activation="gelu_tanh_approx", cu_seqlens_m=cu, config=cfg,
+                            tuned=False)[:2]
+        dx = q.gemm(dh, w1.mT, cu_seqlens_m=cu, tuned=False)
+        dw1 = q.gemm(x.mT, dh, cu_seqlens_k=cu, tuned=False)
+        dw2 = q.gemm(a.mT, g, cu_seqlens_k=cu, tuned=False)
+        return dx, dw1, dw2
+    dx, dw1, dw2 = torch.empty_like(x), torch.zeros_like(w1), torch.zeros_like(w2)
+    for e, (lo, hi) in enumerate(_groups(cu)):
+        dh = torch.ops.aten.gelu_backward(g[lo:hi] @ w2[e].t(), h[lo:hi], approximate="tanh")
+        dx[lo:hi] = dh @ w1[e].t()
+        dw1[e] = x[lo:hi].t() @ dh
+        dw2[e] = gelu_tanh(h[lo:hi]).t() @ g[lo:hi]
+    return dx, dw1, dw2
+
+
+@moe_gelu_mlp_bwd.register_fake
+def _(g, x, h, w1, w2, cu):
+    return torch.empty_like(x), torch.empty_like(w1), torch.empty_like(w2)
+
+
+def _moe_setup_context(ctx, inputs, output):
+    x, w1, w2, cu = inputs
+    ctx.save_for_backward(x, output[1], w1, w2, cu)
+    ctx.mark_non_differentiable(output[1])
+
+
+def _moe_backward(ctx, g, _dh):
+    x, h, w1, w2, cu = ctx.saved_tensors
+    return (*moe_gelu_mlp_bwd(g, x, h, w1, w2, cu), None)
+
+
+moe_gelu_mlp_op.register_autograd(_moe_backward, setup_context=_moe_setup_context)
+
+
+def moe_gelu_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Expert e's rows x[offsets[e-1]:offsets[e]] through GELU(x w1[e]) w2[e]; x (M, C) in the weights' dtype,
+    w1 (E, C, F), w2 (E, F, C), offsets (E,) int32, the running row count (moe.MoEFFN)."""
+    cu = torch.cat([offsets.new_zeros(1), offsets])
+    return moe_gelu_mlp_op(x, w1, w2, cu)[0]

@@ -228,7 +228,8 @@ def register_inductor_fallbacks() -> None:
     layout = getattr(lowering, "constrain_to_fx_strides", None)
     import trainbox.model.fused_ce  # noqa: F401 - the ops below register on import
     import trainbox.model.fused_mlp  # noqa: F401
-    for name in ("add_layer_norm", "add_layer_norm_bwd", "gelu_mlp", "gelu_mlp_bwd", "head_ce_", "head_ce_fp8"):
+    for name in ("add_layer_norm", "add_layer_norm_bwd", "gelu_mlp", "gelu_mlp_bwd", "moe_gelu_mlp",
+                 "moe_gelu_mlp_bwd", "head_ce_", "head_ce_fp8"):
         op = getattr(torch.ops.trainbox, name).default
         if op not in lowering.lowerings:
             lowering.make_fallback(op, layout_constraint=layout, warn=False)

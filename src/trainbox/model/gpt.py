@@ -167,7 +167,7 @@ class GPT(nn.Module):
                         "the MLP runs unfused")
         for block in self.transformer.h:
             block.attn.flash = self.backend == "flash"
-            if unfuse and isinstance(block.mlp, MLP):
+            if unfuse and hasattr(block.mlp, "fused"):  # MLP, or MoE experts (moe.MoEFFN)
                 block.mlp.fused = False
 
     def hidden(self, idx: torch.Tensor, caches: list[KVCache] | None = None, pos: int = 0) -> torch.Tensor:

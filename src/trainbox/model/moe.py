@@ -37,6 +37,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from trainbox.model.fused_mlp import moe_gelu_mlp
 from trainbox.model.gpt import GPT, Output
 from trainbox.model.layers import KVCache, autocast_dtype, gelu_tanh
 
@@ -202,9 +203,10 @@ class MoEFFN(nn.Module):
 
     fp32_input = True  # model.fused_norm: the norm before it returns fp32, for the fp32 router (as unfused)
 
-    def __init__(self, n_embd: int, moe, bias: bool, dropout: float):
+    def __init__(self, n_embd: int, moe, bias: bool, dropout: float, fused: bool = False):
         super().__init__()
         self.moe = moe
+        self.fused = fused and not bias  # model.fused_mlp: the experts as one op (fused_mlp.moe_gelu_mlp)
         self.router = nn.Linear(n_embd, moe.num_experts, bias=False)
         self.c_fc = GroupedLinear(moe.num_experts, n_embd, 4 * n_embd, bias)
         self.c_proj = GroupedLinear(moe.num_experts, 4 * n_embd, n_embd, bias)
@@ -252,8 +254,12 @@ class MoEFFN(nn.Module):
         src = token[order]                                               # token of each sorted row
         inverse = torch.empty_like(order).scatter_(0, order, torch.arange(k * N, device=x.device))
         rows = _Dispatch.apply(xf.to(dtype), src, inverse, k)                                    # (k*N, C)
-        h = self.c_fc(rows, offs32, sorted_e, self.use_kernel)                                   # (k*N, 4C)
-        h = self.c_proj(h, offs32, sorted_e, self.use_kernel, gelu=True) * weight.unsqueeze(1)   # (k*N, C) fp32
+        if self.fused:
+            h = moe_gelu_mlp(rows, self.c_fc.weight.to(dtype), self.c_proj.weight.to(dtype), offs32)
+        else:
+            h = self.c_fc(rows, offs32, sorted_e, self.use_kernel)                               # (k*N, 4C)
+            h = self.c_proj(h, offs32, sorted_e, self.use_kernel, gelu=True)                     # (k*N, C)
+        h = h * weight.unsqueeze(1)                                      # fp32: the gates
         y = _Combine.apply(h, src, inverse, k)                           # back to token order, sum the k
         self.aux = self._losses(logits, counts, dropped, N)
         # in the matmuls' dtype, as a Linear under autocast returns (x may be a norm's fp32 output)
@@ -275,7 +281,8 @@ class MoEGPT(GPT):
     def __init__(self, cfg, vocab_size: int, block_size: int):
         every = cfg.moe.every
         super().__init__(cfg, vocab_size, block_size,
-                         make_mlp=lambda i: MoEFFN(cfg.n_embd, cfg.moe, cfg.bias, cfg.dropout) if i % every == 0 else None)
+                         make_mlp=lambda i: MoEFFN(cfg.n_embd, cfg.moe, cfg.bias, cfg.dropout, cfg.fused_mlp)
+                         if i % every == 0 else None)
         self.moe_layers = [(i, b.mlp) for i, b in enumerate(self.transformer.h) if isinstance(b.mlp, MoEFFN)]
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, loss_mask: torch.Tensor | None = None,
