@@ -25,6 +25,7 @@ with a warning, as that is faster there than this op's torch path. `gelu_mlp` is
 from __future__ import annotations
 
 import functools
+from types import SimpleNamespace
 
 import torch
 
@@ -35,12 +36,22 @@ EXTRA = "pip install 'trainbox[flash]'  (QuACK comes with FlashAttention-4)"
 
 @functools.cache
 def _quack():
-    """quack.gemm_interface, or None where it is missing or does not load."""
+    """QuACK's GEMMs (gemm, gemm_act and `dgelu`, below), or None where QuACK is missing or does not load."""
     try:
         from quack import gemm_interface
+        from quack.activation import dgelu_tanh_approx
+        from quack.epilogue.frontend import gemm_epilogue
     except Exception:  # noqa: BLE001 - a broken CUDA/CuTe install counts as missing
         return None
-    return gemm_interface
+
+    @gemm_epilogue()
+    def dgelu(acc, c):
+        """acc = dA = g W2ᵀ's tile, c = h's: writes dH = dA GELU'(h) alone. QuACK's gemm_dact also writes
+        GELU(h), which the forward has written already."""
+        dh, _ = dgelu_tanh_approx(c, acc)
+        return {"D": dh}
+
+    return SimpleNamespace(gemm=gemm_interface.gemm, gemm_act=gemm_interface.gemm_act, dgelu=dgelu)
 
 
 @functools.cache
@@ -68,50 +79,49 @@ def _use_quack(x: torch.Tensor, w1: torch.Tensor) -> bool:
 
 
 @torch.library.custom_op("trainbox::gelu_mlp", mutates_args=())
-def gelu_mlp_op(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x (N, C), w1 (F, C), w2 (C, F), one dtype -> (y = GELU(x w1ᵀ) w2ᵀ (N, C), h = x w1ᵀ (N, F))."""
+def gelu_mlp_op(x: torch.Tensor, w1: torch.Tensor,
+                w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x (N, C), w1 (F, C), w2 (C, F), one dtype -> (y = GELU(x w1ᵀ) w2ᵀ (N, C), h = x w1ᵀ, a = GELU(h))."""
     x = x.contiguous()
     if _use_quack(x, w1):
         h, a = _quack().gemm_act(x, w1.t(), activation="gelu_tanh_approx", config=_config(x.device), tuned=False)
     else:
         h = x @ w1.t()
         a = gelu_tanh(h)
-    return a @ w2.t(), h
+    return a @ w2.t(), h, a
 
 
 @gelu_mlp_op.register_fake
 def _(x, w1, w2):
-    return x.new_empty(x.size(0), w2.size(0)), x.new_empty(x.size(0), w1.size(0))
+    return x.new_empty(x.size(0), w2.size(0)), x.new_empty(x.size(0), w1.size(0)), x.new_empty(x.size(0), w1.size(0))
 
 
 @torch.library.custom_op("trainbox::gelu_mlp_bwd", mutates_args=())
-def gelu_mlp_bwd(g: torch.Tensor, x: torch.Tensor, h: torch.Tensor, w1: torch.Tensor,
+def gelu_mlp_bwd(g: torch.Tensor, x: torch.Tensor, h: torch.Tensor, a: torch.Tensor, w1: torch.Tensor,
                  w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dL/dy (N, C) -> (dx, dw1, dw2)."""
     g = g.contiguous()
     if _use_quack(x, w1):
-        dh, a = _quack().gemm_dact(g, w2, h, activation="gelu_tanh_approx", config=_config(x.device),
-                                   tuned=False)[:2]
+        dh = _quack().dgelu(g, w2, h, config=_config(x.device), tuned=False, dynamic_scheduler=False)["D"]
     else:
-        a = gelu_tanh(h)
         dh = torch.ops.aten.gelu_backward(g @ w2, h, approximate="tanh")
     return dh @ w1, dh.t() @ x, g.t() @ a
 
 
 @gelu_mlp_bwd.register_fake
-def _(g, x, h, w1, w2):
+def _(g, x, h, a, w1, w2):
     return torch.empty_like(x), torch.empty_like(w1), torch.empty_like(w2)
 
 
 def _setup_context(ctx, inputs, output):
     x, w1, w2 = inputs
-    ctx.save_for_backward(x, output[1], w1, w2)
-    ctx.mark_non_differentiable(output[1])
+    ctx.save_for_backward(x, output[1], output[2], w1, w2)
+    ctx.mark_non_differentiable(output[1], output[2])
 
 
-def _backward(ctx, g, _dh):
-    x, h, w1, w2 = ctx.saved_tensors
-    return gelu_mlp_bwd(g, x, h, w1, w2)
+def _backward(ctx, g, _dh, _da):
+    x, h, a, w1, w2 = ctx.saved_tensors
+    return gelu_mlp_bwd(g, x, h, a, w1, w2)
 
 
 gelu_mlp_op.register_autograd(_backward, setup_context=_setup_context)
@@ -142,36 +152,35 @@ def _use_quack_experts(x: torch.Tensor, w1: torch.Tensor) -> bool:
 
 @torch.library.custom_op("trainbox::moe_gelu_mlp", mutates_args=())
 def moe_gelu_mlp_op(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
-                    cu: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                    cu: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x (M, C) sorted by expert, w1 (E, C, F), w2 (E, F, C), cu (E + 1,) int32 row offsets from 0 ->
-    (y (M, C): rows of expert e times GELU(x_e w1[e]) w2[e], h = x_e w1[e] (M, F))."""
+    (y (M, C): rows of expert e times GELU(x_e w1[e]) w2[e], h = x_e w1[e] (M, F), a = GELU(h))."""
     x = x.contiguous()
     if _use_quack_experts(x, w1):
         q, cfg = _quack(), _config(x.device)
         h, a = q.gemm_act(x, w1, activation="gelu_tanh_approx", cu_seqlens_m=cu, config=cfg, tuned=False)
-        return q.gemm(a, w2, cu_seqlens_m=cu, tuned=False), h
+        return q.gemm(a, w2, cu_seqlens_m=cu, tuned=False), h, a
     h = torch.empty(x.size(0), w1.size(2), dtype=x.dtype, device=x.device)
     y = torch.empty_like(x)
     for e, (lo, hi) in enumerate(_groups(cu)):
         h[lo:hi] = x[lo:hi] @ w1[e]
         y[lo:hi] = gelu_tanh(h[lo:hi]) @ w2[e]
-    return y, h
+    return y, h, gelu_tanh(h)
 
 
 @moe_gelu_mlp_op.register_fake
 def _(x, w1, w2, cu):
-    return torch.empty_like(x), x.new_empty(x.size(0), w1.size(2))
+    return torch.empty_like(x), x.new_empty(x.size(0), w1.size(2)), x.new_empty(x.size(0), w1.size(2))
 
 
 @torch.library.custom_op("trainbox::moe_gelu_mlp_bwd", mutates_args=())
-def moe_gelu_mlp_bwd(g: torch.Tensor, x: torch.Tensor, h: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
-                     cu: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def moe_gelu_mlp_bwd(g: torch.Tensor, x: torch.Tensor, h: torch.Tensor, a: torch.Tensor, w1: torch.Tensor,
+                     w2: torch.Tensor, cu: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dL/dy (M, C) -> (dx, dw1, dw2)."""
     g = g.contiguous()
     if _use_quack_experts(x, w1):
         q, cfg = _quack(), _config(x.device)
-        dh, a = q.gemm_dact(g, w2.mT, h, activation="gelu_tanh_approx", cu_seqlens_m=cu, config=cfg,
-                            tuned=False)[:2]
+        dh = q.dgelu(g, w2.mT, h, config=cfg, tuned=False, dynamic_scheduler=False, cu_seqlens_m=cu)["D"]
         dx = q.gemm(dh, w1.mT, cu_seqlens_m=cu, tuned=False)
         dw1 = q.gemm(x.mT, dh, cu_seqlens_k=cu, tuned=False)
         dw2 = q.gemm(a.mT, g, cu_seqlens_k=cu, tuned=False)
@@ -181,24 +190,24 @@ def moe_gelu_mlp_bwd(g: torch.Tensor, x: torch.Tensor, h: torch.Tensor, w1: torc
         dh = torch.ops.aten.gelu_backward(g[lo:hi] @ w2[e].t(), h[lo:hi], approximate="tanh")
         dx[lo:hi] = dh @ w1[e].t()
         dw1[e] = x[lo:hi].t() @ dh
-        dw2[e] = gelu_tanh(h[lo:hi]).t() @ g[lo:hi]
+        dw2[e] = a[lo:hi].t() @ g[lo:hi]
     return dx, dw1, dw2
 
 
 @moe_gelu_mlp_bwd.register_fake
-def _(g, x, h, w1, w2, cu):
+def _(g, x, h, a, w1, w2, cu):
     return torch.empty_like(x), torch.empty_like(w1), torch.empty_like(w2)
 
 
 def _moe_setup_context(ctx, inputs, output):
     x, w1, w2, cu = inputs
-    ctx.save_for_backward(x, output[1], w1, w2, cu)
-    ctx.mark_non_differentiable(output[1])
+    ctx.save_for_backward(x, output[1], output[2], w1, w2, cu)
+    ctx.mark_non_differentiable(output[1], output[2])
 
 
-def _moe_backward(ctx, g, _dh):
-    x, h, w1, w2, cu = ctx.saved_tensors
-    return (*moe_gelu_mlp_bwd(g, x, h, w1, w2, cu), None)
+def _moe_backward(ctx, g, _dh, _da):
+    x, h, a, w1, w2, cu = ctx.saved_tensors
+    return (*moe_gelu_mlp_bwd(g, x, h, a, w1, w2, cu), None)
 
 
 moe_gelu_mlp_op.register_autograd(_moe_backward, setup_context=_moe_setup_context)
