@@ -139,6 +139,8 @@ def global_target_tokens(plan: BatchPlan, step: int) -> int:
 class Trainer:
     """Builds everything from a RunConfig, then `run()` trains. `dist` comes from the CLI (torchrun env)."""
 
+    _prefetched: tuple[int, list] | None = None  # (step, its micro-batches on the device), see _device_batches
+
     def __init__(self, cfg: RunConfig, dist: Dist | None = None, argv: list[str] | None = None,
                  progress: ProgressBar | None = None):
         self.cfg, self.dist, self.argv = cfg, dist or Dist(), argv or []
@@ -350,13 +352,12 @@ class Trainer:
         lr = set_lr(self.optimizers, lr_multiplier(step, self.total, cfg.optim))
         if hasattr(self.model, "set_step"):  # inside the model: the speedrun window warm-up, the attention kernel
             self.model.set_step(step, self.total)
-        batches = self.plan.micro_batches(step)
+        batches = self._device_batches(step)
         accum = len(batches)
         scale = self.dist.world / max(1, global_target_tokens(self.plan, step))
         loss_sum = torch.zeros((), device=self.device)
         for k, b in enumerate(batches):
-            x, y = self._to_device(b["x"]), self._to_device(b["y"])
-            mask = self._to_device(b["loss_mask"]) if "loss_mask" in b else None
+            x, y, mask = b["x"], b["y"], b.get("loss_mask")
             sync = self.ddp.no_sync() if self.ddp is not None and k < accum - 1 else nullcontext()
             with sync:
                 with self.autocast():
@@ -372,12 +373,31 @@ class Trainer:
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
         self.last_stats = out.stats
+        if step + 1 < self.total:  # the next step's data, sent while the GPU still runs this one
+            self._prefetched = (step + 1, self._send_batches(step + 1))
         return loss_sum, grad_norm, lr
 
-    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
-        if self.pin:
-            t = t.pin_memory()
-        return t.to(self.device, non_blocking=True)
+    def _device_batches(self, step: int) -> list[dict[str, torch.Tensor]]:
+        """This rank's micro-batches of `step` on the device: sent at the end of the previous step (before the
+        loop's host sync for logging, while the GPU still runs that step), else now."""
+        ready, self._prefetched = self._prefetched, None
+        return ready[1] if ready is not None and ready[0] == step else self._send_batches(step)
+
+    def _send_batches(self, step: int) -> list[dict[str, torch.Tensor]]:
+        """Each field of the step's micro-batches stacked into one page-locked host tensor and sent in one
+        asynchronous copy. A copy from pageable memory waits for the GPU's queue to drain (gpt2-125m's
+        x = w[:, :-1] and y = w[:, 1:] are views, which torch made contiguous in pageable memory: the host
+        blocked 167 ms per step in 8 copies on an H100)."""
+        batches = self.plan.micro_batches(step)
+        first = batches[0]
+        if any(b.keys() != first.keys() or any(b[k].shape != first[k].shape for k in b) for b in batches):
+            return [{k: v.to(self.device) for k, v in b.items()} for b in batches]  # ragged: one by one
+        fields = {}
+        for key, t in first.items():
+            host = torch.empty((len(batches), *t.shape), dtype=t.dtype, pin_memory=self.pin)
+            torch.stack([b[key] for b in batches], out=host)
+            fields[key] = host.to(self.device, non_blocking=self.pin)
+        return [{k: v[i] for k, v in fields.items()} for i in range(len(batches))]
 
     # ------------------------------------------------------------------ logging, eval, checkpoints
     def _phase(self, phase: str) -> None:
