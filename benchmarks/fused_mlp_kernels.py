@@ -1,7 +1,10 @@
-"""model.fused_mlp's two epilogue GEMMs (QuACK) against what the compiled unfused MLP runs, at gpt2-125m's
+"""model.fused_mlp's epilogue GEMMs (QuACK) against what the compiled unfused MLP runs, at gpt2-125m's
 shapes (49,152 tokens, 768 -> 3,072, bf16), for several tilings. Forward: cuBLAS h = x W1ᵀ, then Inductor's
 GELU kernel, against one GEMM writing h and GELU(h). Backward: cuBLAS dA = g W2, then Inductor's kernel
-writing dH = dA GELU'(h), against one GEMM writing dH and GELU(h). Each QuACK output is checked against
+writing dH = dA GELU'(h), against one GEMM writing dH (the model's `dgelu` epilogue; `bwd_dact` is QuACK's
+gemm_dact, which also writes GELU(h)). Then moe-gpt2-125m's experts (8 of them, 98,304 rows = 2 x 49,152
+in uneven groups): each of the six variable-length grouped GEMMs of fused_mlp.moe_gelu_mlp against
+torch._grouped_mm and the GELU kernels that the unfused experts run. Each QuACK output is checked against
 torch in fp32 (relative max error), then timed (median of 30, CUDA events). Prints one JSON line; needs a
 Hopper/Blackwell GPU and `trainbox[flash]`.
 
@@ -17,6 +20,7 @@ from quack.gemm_config import GemmConfig
 from quack.gemm_interface import gemm_act, gemm_dact
 
 from cuda_timing import median_ms
+from trainbox.model.fused_mlp import _config, _quack
 
 M, C, FH = 49152, 768, 3072
 TILINGS = [(128, 192, True, 1, 2), (128, 192, True, 2, 1), (128, 160, True, 2, 1), (128, 208, True, 2, 1),
@@ -54,10 +58,48 @@ for tm, tn, pp, cm, cn in TILINGS:
                      is_dynamic_persistent=False)
     name = f"{tm}x{tn}_{'pingpong' if pp else 'coop'}_cluster{cm}x{cn}"
     fwd = lambda: gemm_act(x, w1.t(), activation="gelu_tanh_approx", config=cfg, tuned=False)  # noqa: E731
-    bwd = lambda: gemm_dact(g, w2, h, activation="gelu_tanh_approx", config=cfg, tuned=False)  # noqa: E731
+    bwd = lambda: _quack().dgelu(g, w2, h, config=cfg, tuned=False, dynamic_scheduler=False)["D"]  # noqa: E731
+    dact = lambda: gemm_dact(g, w2, h, activation="gelu_tanh_approx", config=cfg, tuned=False)  # noqa: E731
     hq, aq = fwd()
-    dhq, aq2 = bwd()[:2]
-    out["quack"][name] = {"fwd": t(fwd), "bwd": t(bwd),
-                          "rel_err": {"h": rel(hq, h.float()), "a": rel(aq, a_ref), "dH": rel(dhq, dh_ref),
-                                      "a_bwd": rel(aq2, a_ref)}}
+    out["quack"][name] = {"fwd": t(fwd), "bwd": t(bwd), "bwd_dact": t(dact),
+                          "rel_err": {"h": rel(hq, h.float()), "a": rel(aq, a_ref), "dH": rel(bwd(), dh_ref)}}
+
+# the experts: rows sorted by expert, group sizes from a Dirichlet draw (a router's imbalance)
+E, M2 = 8, 2 * M
+sizes = (torch.distributions.Dirichlet(torch.full((E,), 4.0)).sample() * M2).long()
+sizes[-1] = M2 - sizes[:-1].sum()
+offs = sizes.cumsum(0).to(device="cuda", dtype=torch.int32)
+cu = torch.cat([offs.new_zeros(1), offs])
+xe, ge = torch.randn(M2, C, device="cuda", dtype=bf), torch.randn(M2, C, device="cuda", dtype=bf)
+w1e = (torch.randn(E, C, FH, device="cuda") * 0.02).to(bf)
+w2e = (torch.randn(E, FH, C, device="cuda") * 0.02).to(bf)
+he = torch._grouped_mm(xe, w1e, offs=offs)
+ae = gelu(he)
+dAe = torch._grouped_mm(ge, w2e.transpose(1, 2), offs=offs)
+q, cfg = _quack(), _config(torch.device("cuda"))
+exp = {"group_sizes": sizes.tolist(), "torch": {
+    "fwd_up": t(lambda: torch._grouped_mm(xe, w1e, offs=offs)), "fwd_gelu": t(lambda: gelu(he)),
+    "fwd_down": t(lambda: torch._grouped_mm(ae, w2e, offs=offs)),
+    "bwd_dA": t(lambda: torch._grouped_mm(ge, w2e.transpose(1, 2), offs=offs)),
+    "bwd_gelu_backward": t(lambda: dgelu(dAe, he)),
+    "bwd_dx": t(lambda: torch._grouped_mm(dAe, w1e.transpose(1, 2), offs=offs)),
+    "bwd_dw1": t(lambda: torch._grouped_mm(xe.t(), dAe, offs=offs)),
+    "bwd_dw2": t(lambda: torch._grouped_mm(ae.t(), ge, offs=offs))}}
+hq, aq = q.gemm_act(xe, w1e, activation="gelu_tanh_approx", cu_seqlens_m=cu, config=cfg, tuned=False)
+dhq = q.dgelu(ge, w2e.mT, he, config=cfg, tuned=False, dynamic_scheduler=False, cu_seqlens_m=cu)["D"]
+dh_e = torch.ops.aten.gelu_backward(dAe.float(), he.float(), approximate="tanh")
+exp["quack"] = {
+    "fwd_up_gelu": t(lambda: q.gemm_act(xe, w1e, activation="gelu_tanh_approx", cu_seqlens_m=cu, config=cfg,
+                                        tuned=False)),
+    "fwd_down": t(lambda: q.gemm(ae, w2e, cu_seqlens_m=cu, tuned=False)),
+    "bwd_dH": t(lambda: q.dgelu(ge, w2e.mT, he, config=cfg, tuned=False, dynamic_scheduler=False, cu_seqlens_m=cu)),
+    "bwd_dx": t(lambda: q.gemm(dAe, w1e.mT, cu_seqlens_m=cu, tuned=False)),
+    "bwd_dw1": t(lambda: q.gemm(xe.mT, dAe, cu_seqlens_k=cu, tuned=False)),
+    "bwd_dw2": t(lambda: q.gemm(ae.mT, ge, cu_seqlens_k=cu, tuned=False)),
+    "rel_err": {"h": rel(hq, he.float()), "a": rel(aq, F.gelu(he.float(), approximate="tanh")),
+                "dH": rel(dhq, dh_e), "dw2": rel(q.gemm(ae.mT, ge, cu_seqlens_k=cu, tuned=False),
+                                                 torch._grouped_mm(ae.t(), ge, offs=offs).float())}}
+for side in ("torch", "quack"):
+    exp[side]["total"] = round(sum(v for k, v in exp[side].items() if k != "rel_err"), 4)
+out["experts"] = exp
 print(json.dumps(out))

@@ -39,7 +39,7 @@ def _masked_dataset() -> TokenDataset:
     return TokenDataset([toks], SEQ, masks=[mask])
 
 
-def _step_update(ds, world, rank, micro, model_state, step=1) -> dict[str, torch.Tensor]:
+def _step_update(ds, world, rank, micro, model_state, step=1) -> tuple[dict[str, torch.Tensor], float, Trainer]:
     """Run the loop's real _train_step on one rank with SGD(lr=1): returns -gradient per parameter."""
     model, cfg = _model()
     model.load_state_dict(model_state)
@@ -54,7 +54,7 @@ def _step_update(ds, world, rank, micro, model_state, step=1) -> dict[str, torch
     t.optimizers = [opt]
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     loss, _, _ = t._train_step(step)
-    return {n: p.detach() - before[n] for n, p in model.named_parameters()}, float(loss), t.plan
+    return {n: p.detach() - before[n] for n, p in model.named_parameters()}, float(loss), t
 
 
 def test_loss_normalised_over_global_batch_independent_of_world_and_accum():
@@ -84,6 +84,31 @@ def test_loss_normalised_over_global_batch_independent_of_world_and_accum():
     assert loss1 == pytest.approx(float(ref_loss.detach()), rel=1e-6)
     assert l0 + l1 == pytest.approx(float(ref_loss.detach()), rel=1e-6)
     assert m0 + m1 == pytest.approx(float(ref_loss.detach()), rel=1e-6)
+
+
+def test_each_step_gets_its_own_batches_prefetched_or_not():
+    """The loop sends step s+1's micro-batches at the end of step s (one stacked copy per field): every step
+    trains on exactly plan.micro_batches(step), the masks included, and a batch sent for another step (a
+    resumed or stopped run) is never used; the last step sends nothing."""
+    ds = _masked_dataset()
+    t = _step_update(ds, 1, 0, 2, _model()[0].state_dict(), step=3)[2]
+    plan = t.plan
+
+    def same(got, step):
+        want = plan.micro_batches(step)
+        assert len(got) == len(want) == plan.accum
+        for g, w in zip(got, want):
+            assert g.keys() == w.keys() == {"x", "y", "loss_mask"}
+            assert all(torch.equal(g[k], w[k]) for k in w)
+
+    assert t._prefetched[0] == 4
+    same(t._prefetched[1], 4)
+    same(t._device_batches(6), 6)         # not the batches sent for step 4
+    assert t._prefetched is None
+    t._prefetched = (4, t._send_batches(4))
+    same(t._device_batches(4), 4)
+    t._train_step(t.total - 1)
+    assert t._prefetched is None
 
 
 def test_plan_length_from_steps_tokens_or_epochs():

@@ -1,4 +1,4 @@
-"""GELU MLP with the activation in its matmuls' epilogues (`model.fused_mlp`).
+"""GELU MLP with the activation in its matmuls' epilogues (`model.fused_mlp`), dense and MoE experts.
 
     y = GELU(x W1ᵀ) W2ᵀ        (GELU: GPT-2's tanh approximation)
 
@@ -6,21 +6,28 @@ Compiled, the forward is a cuBLAS matmul that writes h = x W1ᵀ, then an Induct
 writes a = GELU(h); the backward is a matmul that writes dA = g W2, then a kernel that reads dA and h and
 writes dH = dA GELU'(h). At gpt2-125m's shapes those two kernels move 1.2 GB per layer and micro-batch.
 Here the up-projection's epilogue writes h and a from the fp32 accumulator, and the backward's dA matmul
-reads h in its epilogue and writes dH and a (recomputed there for W2's gradient, so a is not kept from
-the forward): QuACK's warp-specialised GEMMs (CuTe DSL; Hopper and Blackwell GPUs; `trainbox[flash]`
-installs it with FlashAttention-4), whose epilogues overlap the next tile's main loop. The weight
-gradients and dx are cuBLAS matmuls.
+reads h in its epilogue and writes dH alone (`dgelu`, an epilogue of ours; QuACK's gemm_dact would also
+write a again, which the forward keeps instead: 0.45 against 0.53 ms per call on an H100). These are
+QuACK's warp-specialised GEMMs (CuTe DSL; Hopper and Blackwell GPUs; `trainbox[flash]` installs it with
+FlashAttention-4), whose epilogues overlap the next tile's main loop. The weight gradients and dx are
+cuBLAS matmuls.
 
-Measured on an H100 (benchmarks/records/2026-11-26-session13.json). In gpt2-125m's step the up-projection
-with its GELU takes 0.36 ms per call, where cuBLAS alone took 0.35 and the GELU kernel 0.22; the backward's
-0.53 ms, where the matmul took 0.36 and the kernel 0.30: 900.3 -> 866.0 ms per step, 22.3 -> 18.9 GiB.
-`benchmarks/fused_mlp_kernels.py` times the kernels alone.
+The MoE experts (`moe_gelu_mlp`, model/moe.py) run all six of their matmuls on QuACK's variable-length
+grouped GEMMs over the rows sorted by expert: the same two epilogues, the groups along M for the forward, dA
+and dx, along K for the weight gradients (torch._grouped_mm and two GELU kernels otherwise).
+
+Measured on an H100, each pair on one machine start (benchmarks/records/2026-11-26-session13.json and
+-session14.json). gpt2-125m: 900.3 -> 866.0 ms per step at micro-batch 48 with the op; keeping a, 849.3 ->
+845.3 ms at micro-batch 120, 44.0 -> 52.4 GiB. moe-gpt2-125m: 1,457.4 -> 1,307.2 ms with the experts' op;
+keeping a, 1,312.5 -> 1,297.1 ms, 1.53x gpt2-125m's step (was 1.72x). `benchmarks/fused_mlp_kernels.py`
+times the kernels alone.
 
 The arithmetic differs from the unfused graph only in rounding: a and dH come from the fp32 accumulator
-where the unfused graph rounds h (and dA) to bf16 first. Elsewhere (a CPU, other GPUs, no QuACK) the op
-runs as torch ops, the tests' oracle; on a GPU without QuACK's kernels GPT runs its MLP unfused instead,
-with a warning, as that is faster there than this op's torch path. `gelu_mlp` is a custom op
-(`trainbox::gelu_mlp`, backward `trainbox::gelu_mlp_bwd`), so torch.compile keeps the model in one graph.
+where the unfused graph rounds h (and dA) to bf16 first. Elsewhere (a CPU, other GPUs, no QuACK) the ops
+run as torch ops, the tests' oracle; on a GPU without QuACK's kernels GPT runs its MLPs unfused instead,
+with a warning, as that is faster there than these ops' torch paths. The ops are custom ops
+(`trainbox::gelu_mlp`, `trainbox::moe_gelu_mlp` and their backwards), so torch.compile keeps the model in
+one graph.
 """
 from __future__ import annotations
 

@@ -21,8 +21,10 @@ Dispatch is vectorised: assignments are sorted by expert (a stable sort keeps th
 experts run as two grouped matmuls over the sorted rows (`torch.nn.functional.grouped_mm` /
 `torch._grouped_mm`; a loop over experts only where neither exists or the widths are not 16-byte aligned;
 the second takes the GELU inside its autograd function, whose backward is one GELU-derivative pass over the
-hidden), and the weighted results are gathered back to token order; every index in the layer has an explicit
-gather (or one-hot matmul) backward, so no step runs atomic scatter-adds. Shapes never depend on the
+hidden; with model.fused_mlp on Hopper/Blackwell GPUs, QuACK's variable-length grouped GEMMs with the GELU
+and its derivative in their epilogues, fused_mlp.moe_gelu_mlp), and the weighted results are gathered back
+to token order; every index in the layer has an explicit gather (or one-hot matmul) backward, so no step
+runs atomic scatter-adds. Shapes never depend on the
 routing, so the layer compiles to one graph without host syncs. Dropped assignments are still computed with
 gate 0: grouped matmuls cost T * k rows whatever the balance, fewer than a capacity-padded E * C buffer
 whenever capacity_factor >= 1.
