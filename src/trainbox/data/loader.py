@@ -122,6 +122,21 @@ class BatchPlan:
         return [self.dataset.batch(mine[k * self.micro_batch:(k + 1) * self.micro_batch]) for k in range(self.accum)]
 
 
+def to_device(batches: list[dict[str, torch.Tensor]], device: torch.device,
+              pin: bool) -> list[dict[str, torch.Tensor]]:
+    """A step's micro-batches on `device`: each field of all of them stacked into one host tensor
+    (page-locked when `pin`) and sent in one asynchronous copy. A copy from pageable memory waits for the
+    GPU's queue to drain (gpt2-125m's x = w[:, :-1] and y = w[:, 1:] are views, which torch made contiguous
+    in pageable memory: the host blocked 167 ms per step in 8 copies on an H100). A BatchPlan's
+    micro-batches all have one shape."""
+    fields = {}
+    for key, t in batches[0].items():
+        host = torch.empty((len(batches), *t.shape), dtype=t.dtype, pin_memory=pin)
+        torch.stack([b[key] for b in batches], out=host)
+        fields[key] = host.to(device, non_blocking=pin)
+    return [{k: v[i] for k, v in fields.items()} for i in range(len(batches))]
+
+
 def unused_data(dataset: TokenDataset, global_batch: int) -> tuple[int, int, str | None]:
     """Data a run never trains on, said out loud rather than dropped without a word.
 

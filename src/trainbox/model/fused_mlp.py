@@ -79,9 +79,9 @@ def quack_available(device: torch.device) -> bool:
             and _quack() is not None)
 
 
-def _use_quack(x: torch.Tensor, w1: torch.Tensor) -> bool:
-    # 16-byte aligned rows for the kernels' TMA copies
-    return (x.dtype in (torch.bfloat16, torch.float16) and x.size(1) % 8 == 0 and w1.size(0) % 8 == 0
+def _use_quack(x: torch.Tensor, hidden: int) -> bool:
+    """QuACK's kernels for x (M, C) through a hidden width: half precision, 16-byte aligned rows (TMA)."""
+    return (x.dtype in (torch.bfloat16, torch.float16) and x.size(1) % 8 == 0 and hidden % 8 == 0
             and quack_available(x.device))
 
 
@@ -90,7 +90,7 @@ def gelu_mlp_op(x: torch.Tensor, w1: torch.Tensor,
                 w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x (N, C), w1 (F, C), w2 (C, F), one dtype -> (y = GELU(x w1ᵀ) w2ᵀ (N, C), h = x w1ᵀ, a = GELU(h))."""
     x = x.contiguous()
-    if _use_quack(x, w1):
+    if _use_quack(x, w1.size(0)):
         h, a = _quack().gemm_act(x, w1.t(), activation="gelu_tanh_approx", config=_config(x.device), tuned=False)
     else:
         h = x @ w1.t()
@@ -108,7 +108,7 @@ def gelu_mlp_bwd(g: torch.Tensor, x: torch.Tensor, h: torch.Tensor, a: torch.Ten
                  w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dL/dy (N, C) -> (dx, dw1, dw2)."""
     g = g.contiguous()
-    if _use_quack(x, w1):
+    if _use_quack(x, w1.size(0)):
         dh = _quack().dgelu(g, w2, h, config=_config(x.device), tuned=False, dynamic_scheduler=False)["D"]
     else:
         dh = torch.ops.aten.gelu_backward(g @ w2, h, approximate="tanh")
@@ -152,18 +152,13 @@ def _groups(cu: torch.Tensor) -> list[tuple[int, int]]:
     return list(zip(bounds[:-1], bounds[1:]))
 
 
-def _use_quack_experts(x: torch.Tensor, w1: torch.Tensor) -> bool:
-    return (x.dtype in (torch.bfloat16, torch.float16) and x.size(1) % 8 == 0 and w1.size(2) % 8 == 0
-            and quack_available(x.device))
-
-
 @torch.library.custom_op("trainbox::moe_gelu_mlp", mutates_args=())
 def moe_gelu_mlp_op(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
                     cu: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x (M, C) sorted by expert, w1 (E, C, F), w2 (E, F, C), cu (E + 1,) int32 row offsets from 0 ->
     (y (M, C): rows of expert e times GELU(x_e w1[e]) w2[e], h = x_e w1[e] (M, F), a = GELU(h))."""
     x = x.contiguous()
-    if _use_quack_experts(x, w1):
+    if _use_quack(x, w1.size(2)):
         q, cfg = _quack(), _config(x.device)
         h, a = q.gemm_act(x, w1, activation="gelu_tanh_approx", cu_seqlens_m=cu, config=cfg, tuned=False)
         return q.gemm(a, w2, cu_seqlens_m=cu, tuned=False), h, a
@@ -185,7 +180,7 @@ def moe_gelu_mlp_bwd(g: torch.Tensor, x: torch.Tensor, h: torch.Tensor, a: torch
                      w2: torch.Tensor, cu: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dL/dy (M, C) -> (dx, dw1, dw2)."""
     g = g.contiguous()
-    if _use_quack_experts(x, w1):
+    if _use_quack(x, w1.size(2)):
         q, cfg = _quack(), _config(x.device)
         dh = q.dgelu(g, w2.mT, h, config=cfg, tuned=False, dynamic_scheduler=False, cu_seqlens_m=cu)["D"]
         dx = q.gemm(dh, w1.mT, cu_seqlens_m=cu, tuned=False)

@@ -18,8 +18,8 @@ Host synchronisation. A step queues work on the device and returns device tensor
 reads are at log boundaries (`monitor.log_every`: losses, grad norm, NaN check) and the stop vote,
 which runs on a gloo group over CPU tensors (train/distributed.py).
 
-Preemption. SIGTERM / SIGINT / SIGUSR1 only set a flag; before every step all ranks vote (any rank
-flagged -> all stop), so they stop at the same step boundary, save once and return normally (exit 0).
+Preemption. SIGTERM / SIGINT / SIGUSR1 only set a flag (train/stop.py); before every step all ranks vote
+(any rank flagged -> all stop), so they stop at the same step boundary, save once and return normally (exit 0).
 A signal during an evaluation or a save is acted on at the next boundary. Under a plain `torchrun`,
 SIGTERM and SIGINT reach the workers by default; add `--signals-to-handle SIGTERM,SIGINT,SIGUSR1` for
 SIGUSR1 (Slurm `--signal`) and a `--shutdown-timeout` long enough for a save. `trainbox train --nproc`
@@ -31,7 +31,6 @@ from __future__ import annotations
 import inspect
 import math
 import signal
-import threading
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -42,7 +41,7 @@ import torch.nn as nn
 
 from trainbox import checkpoint, runs
 from trainbox.config import RunConfig, dump_yaml
-from trainbox.data.loader import BatchPlan, unused_data
+from trainbox.data.loader import BatchPlan, to_device, unused_data
 from trainbox.errors import CheckpointError, RunFinished, TrainingFailed
 from trainbox.monitor.console import ProgressBar, log
 from trainbox.monitor.sinks import build_sinks
@@ -50,9 +49,7 @@ from trainbox.monitor.state import RunState
 from trainbox.train.device import out_of_memory, peak_flops, resolve_device
 from trainbox.train.distributed import Dist
 from trainbox.train.evaluate import autocast_context, evaluate
-
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
-
+from trainbox.train.stop import StopFlag
 
 def plan_length(cfg: RunConfig, plan: BatchPlan) -> int:
     """Total optimizer steps from train.max_steps, train.max_tokens or train.epochs (default 1 epoch)."""
@@ -74,30 +71,6 @@ def allow_cached_autograd_functions() -> None:
     import torch._functorch.config as functorch_config
     if hasattr(functorch_config, "autograd_cache_allow_custom_autograd_functions"):  # torch 2.7+
         functorch_config.autograd_cache_allow_custom_autograd_functions = True
-
-
-class StopFlag:
-    """Set by SIGTERM/SIGINT/SIGUSR1; the loop agrees across ranks at the next step boundary."""
-
-    def __init__(self):
-        self.signum: int | None = None
-        self._old = {}
-
-    def install(self) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            return
-        for s in STOP_SIGNALS:
-            self._old[s] = signal.signal(s, self._handle)
-
-    def _handle(self, signum, frame) -> None:
-        if self.signum is not None and signum == signal.SIGINT:  # a second Ctrl-C stops at once
-            raise KeyboardInterrupt
-        self.signum = signum
-        log.info(f"received {signal.Signals(signum).name}: saving a checkpoint at the next step boundary")
-
-    def restore(self) -> None:
-        for s, h in self._old.items():
-            signal.signal(s, h)
 
 
 @dataclass
@@ -384,20 +357,7 @@ class Trainer:
         return ready[1] if ready is not None and ready[0] == step else self._send_batches(step)
 
     def _send_batches(self, step: int) -> list[dict[str, torch.Tensor]]:
-        """Each field of the step's micro-batches stacked into one page-locked host tensor and sent in one
-        asynchronous copy. A copy from pageable memory waits for the GPU's queue to drain (gpt2-125m's
-        x = w[:, :-1] and y = w[:, 1:] are views, which torch made contiguous in pageable memory: the host
-        blocked 167 ms per step in 8 copies on an H100)."""
-        batches = self.plan.micro_batches(step)
-        first = batches[0]
-        if any(b.keys() != first.keys() or any(b[k].shape != first[k].shape for k in b) for b in batches):
-            return [{k: v.to(self.device) for k, v in b.items()} for b in batches]  # ragged: one by one
-        fields = {}
-        for key, t in first.items():
-            host = torch.empty((len(batches), *t.shape), dtype=t.dtype, pin_memory=self.pin)
-            torch.stack([b[key] for b in batches], out=host)
-            fields[key] = host.to(self.device, non_blocking=self.pin)
-        return [{k: v[i] for k, v in fields.items()} for i in range(len(batches))]
+        return to_device(self.plan.micro_batches(step), self.device, self.pin)
 
     # ------------------------------------------------------------------ logging, eval, checkpoints
     def _phase(self, phase: str) -> None:
