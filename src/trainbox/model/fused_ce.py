@@ -28,12 +28,25 @@ from 997.8 to 978.6 ms. That version wrote G to a second tensor, which cost memo
 peak (gpt2-125m at micro-batch 48: 22.3 -> 26.7 GiB); G now overwrites the logits (not yet measured on a
 GPU). On in the gpt2-125m and speedrun-124m recipes.
 
+A summed loss (the training loop's) on an H100/H200 with QuACK installed goes through QuACK's scaled-exp
+linear cross-entropy instead (`_use_quack_lce`): per chunk of LCE_CHUNK rows, the logits GEMM's epilogue
+writes exp(z - its tile's max) in bf16 with per-tile sums and the target logit, and the dx and dW GEMMs
+form the softmax gradient in their operand loads; the forward returns the loss with dx and dW (fp32)
+computed, the backward scales them. No pass of a loss kernel over the logits, and no (tokens x vocab)
+tensor beyond one chunk's. H100, gpt2-125m's head at micro-batch 120 (122,880 rows, forward and backward):
+43.3 ms and 1.8 GiB against the Triton kernel's 54.3 ms and 13.3 GiB; the recipe's step 846.0 -> 810.0 ms
+(`benchmarks/train_speed.py`, session 15). Its dx is up to twice as far from fp64 as bf16 logits' (it keeps
+exp(z - tile max) in bf16 and the scale apart); validation loss after 200 steps stayed within the seeds'
+spread of nanoGPT's (session 15's record).
+
 With model.fp8_head all three of the head's matmuls run in FP8, as modded-nanogpt's FP8 head does: the
 logits from e4m3 copies of x and W; the kernel writes G in e5m2 at a fixed scale (head_ce_fp8: G is
 bounded by 1, so nothing needs measuring), to a new tensor of half the logits' size; dx = G W and
 dW = G^T x take that e5m2 G, the latter through one transposed copy of it made in the backward.
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -200,6 +213,44 @@ class _HeadCE(torch.autograd.Function):
         return dx.to(ctx.dtypes[0]), dw.to(ctx.dtypes[1]), None, None, None, None
 
 
+LCE_CHUNK = 8192  # rows per chunk of QuACK's linear cross-entropy (its logits buffer: LCE_CHUNK x V bf16)
+
+
+_QUACK_LCE = None  # QuACK's (scaled_exp_linear_cross_entropy, scaled_exp_lce_supported) once enabled
+
+
+@functools.cache
+def _load_quack_lce():
+    """QuACK's scaled-exp linear cross-entropy, or None where it is missing. Its forward is one custom op,
+    which gets an explicit Inductor fallback: an implicit one logs the IR of its inputs, the end of the
+    model's chain of fused ops, as text that doubles per layer (fused_norm.register_inductor_fallbacks)."""
+    try:
+        from quack.linear_cross_entropy import scaled_exp_lce_supported, scaled_exp_linear_cross_entropy
+    except Exception:  # noqa: BLE001 - a broken CUDA/CuTe install counts as missing
+        return None
+    from trainbox.model.fused_norm import inductor_fallback
+    inductor_fallback(torch.ops.quack.lce_scaled_exp_fwd.default)
+    return scaled_exp_linear_cross_entropy, scaled_exp_lce_supported
+
+
+def enable_quack_lce(device: torch.device) -> bool:
+    """Called outside torch.compile where a model with model.fused_loss meets its device: on an H100/H200 with
+    QuACK installed, a summed loss goes through QuACK's linear cross-entropy from then on (`_use_quack_lce`)."""
+    global _QUACK_LCE
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0):
+        _QUACK_LCE = _QUACK_LCE or _load_quack_lce()
+    return _QUACK_LCE is not None
+
+
+def _use_quack_lce(x: torch.Tensor, weight: torch.Tensor, reduction: str, cap: float, fp8: bool) -> bool:
+    """QuACK's scaled-exp linear cross-entropy takes the head where it applies: a summed loss (the upstream
+    gradient is one number, which its forward folds into dx and dW), no soft cap, no FP8, an H100/H200 in
+    bf16, a vocabulary that its tiles divide (50,304 does)."""
+    if reduction != "sum" or cap or fp8 or not x.is_cuda or _QUACK_LCE is None:
+        return False
+    return _QUACK_LCE[1](x, weight, LCE_CHUNK, "sum")
+
+
 def head_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, loss_mask: torch.Tensor | None,
                        cap: float = 0.0, reduction: str = "mean", fp8: bool = False) -> torch.Tensor:
     """Cross-entropy of the logits x @ weight.T (soft-capped when cap > 0) without keeping the logits.
@@ -217,6 +268,8 @@ def head_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.Ten
     # no autocast region here: _HeadCE casts its operands itself, and an autocast context inside a compiled
     # graph keeps AOTAutograd from caching it (a second start would trace the model again)
     x2 = x.reshape(-1, x.size(-1))
+    if _use_quack_lce(x2, weight, reduction, cap, fp8):
+        return _QUACK_LCE[0](x2, weight, flat, chunk_size=LCE_CHUNK, ignore_index=IGNORE, reduction="sum")
     fp8 = fp8 and fp8_shapes_ok(*x2.shape, weight.size(0))
     loss = _HeadCE.apply(x2, weight, flat, float(cap), dtype, fp8)
     if reduction == "none":

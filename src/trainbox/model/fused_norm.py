@@ -221,16 +221,21 @@ def register_inductor_fallbacks() -> None:
     eagerly. Through the chain of these ops (each made from the previous one's two outputs) that text
     doubles per layer: compiling gpt2-125m did not finish in minutes (torch 2.11). Inductor keeps the
     graph's strides for them (`constrain_to_fx_strides`), as for an implicit fallback."""
+    import trainbox.model.fused_ce  # noqa: F401 - the ops below register on import
+    import trainbox.model.fused_mlp  # noqa: F401
+    inductor_fallback(*(getattr(torch.ops.trainbox, name).default for name in (
+        "add_layer_norm", "add_layer_norm_bwd", "gelu_mlp", "gelu_mlp_bwd", "moe_gelu_mlp", "moe_gelu_mlp_bwd",
+        "head_ce_", "head_ce_fp8")))
+
+
+def inductor_fallback(*ops) -> None:
+    """Register `ops` (OpOverloads) with Inductor as explicit fallbacks, keeping the graph's strides."""
     try:
         from torch._inductor import lowering
     except ImportError:  # pragma: no cover - a torch without Inductor compiles nothing
         return
     layout = getattr(lowering, "constrain_to_fx_strides", None)
-    import trainbox.model.fused_ce  # noqa: F401 - the ops below register on import
-    import trainbox.model.fused_mlp  # noqa: F401
-    for name in ("add_layer_norm", "add_layer_norm_bwd", "gelu_mlp", "gelu_mlp_bwd", "moe_gelu_mlp",
-                 "moe_gelu_mlp_bwd", "head_ce_", "head_ce_fp8"):
-        op = getattr(torch.ops.trainbox, name).default
+    for op in ops:
         if op not in lowering.lowerings:
             lowering.make_fallback(op, layout_constraint=layout, warn=False)
 

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from trainbox.model.flash import causal_qkv, use_flash
 from trainbox.model.fp8 import linear, mlp_fp8
-from trainbox.model.fused_ce import head_cross_entropy
+from trainbox.model.fused_ce import enable_quack_lce, head_cross_entropy
 from trainbox.model.fused_mlp import EXTRA as QUACK_EXTRA
 from trainbox.model.fused_mlp import gelu_mlp, quack_available
 from trainbox.model.fused_norm import add_layer_norm, register_inductor_fallbacks
@@ -161,6 +161,8 @@ class GPT(nn.Module):
         if self.backend is not None:
             return
         self.backend = "flash" if use_flash(self.cfg.attention, device) else "sdpa"
+        if self.cfg.fused_loss:
+            enable_quack_lce(device)
         unfuse = self.cfg.fused_mlp and device.type == "cuda" and not quack_available(device)
         if unfuse:
             log.warning(f"model.fused_mlp: QuACK's GEMMs need a Hopper or Blackwell GPU and {QUACK_EXTRA}; "

@@ -334,8 +334,8 @@ class Trainer:
             sync = self.ddp.no_sync() if self.ddp is not None and k < accum - 1 else nullcontext()
             with sync:
                 with self.autocast():
-                    out = self.forward(x, y, loss_mask=mask, reduction="none")
-                    token_loss = out.loss.float().sum() * scale   # this micro-batch's share of the global mean
+                    out = self.forward(x, y, loss_mask=mask, reduction="sum")
+                    token_loss = out.loss.float() * scale   # this micro-batch's share of the global mean
                     total = token_loss if out.aux_loss is None else token_loss + out.aux_loss / accum
                 total.backward()
             loss_sum += token_loss.detach() / self.dist.world
