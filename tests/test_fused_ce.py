@@ -264,10 +264,11 @@ def test_quack_linear_cross_entropy_matches_the_kernel_on_gpu():
     kernel = run(lambda a, b: fc.head_cross_entropy(a, b, t, mask, reduction="none").sum(), torch.bfloat16)
     bf16 = run(torch_ce, torch.bfloat16)
     exact = run(torch_ce, torch.float64)
-    # QuACK keeps exp(z - its tile's max) in bf16 and the softmax's scale apart, two roundings where bf16
-    # logits have one: its dx was 1.99x as far off as theirs on an H100 (0.59% of the largest against 0.30%)
+    # QuACK keeps exp(z - its tile's max), the softmax's scale and their product in bf16, where bf16 logits
+    # round once: on an H100 its dx and dW were 1.45x and 2.07x as far from fp64 (relative RMS: 0.24% and
+    # 0.34% against 0.17%), its loss 6x closer
     for name, a, b, c, e in zip(["loss", "dx", "dw"], ours, kernel, bf16, exact):
-        err = [((v - e).abs().max() / e.abs().max()).item() for v in (a, b, c)]
+        err = [((v - e).norm() / e.norm()).item() for v in (a, b, c)]
         assert err[0] <= 2.5 * max(err[1:]), (name, "ours, Triton head, torch bf16:", err)
     compiled = torch.compile(lambda a, b: fc.head_cross_entropy(a, b, t, mask, reduction="sum"), fullgraph=True)
     for a, b in zip(run(compiled, torch.bfloat16), ours):
