@@ -157,7 +157,8 @@ class GPT(nn.Module):
     def set_kernels(self, device: torch.device) -> None:
         """The kernels for `device`, decided once. model.attention: flash (FlashAttention-4) or sdpa; auto takes
         flash where it runs. model.fused_mlp on a GPU without QuACK's kernels: the MLP runs unfused (the op's
-        torch path is slower there than the compiled graph), with a warning."""
+        torch path is slower there than the compiled graph), with a warning. model.fused_loss on an H100/H200
+        with QuACK: the loop's summed loss through QuACK's linear cross-entropy (fused_ce.enable_quack_lce)."""
         if self.backend is not None:
             return
         self.backend = "flash" if use_flash(self.cfg.attention, device) else "sdpa"
