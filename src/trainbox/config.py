@@ -119,8 +119,9 @@ class ModelSection(Section):
                           "(default: on for speedrun, off for gpt and moe; on gpt2-125m it cost +0.05 validation "
                           "loss after 200 steps)")
     fused_loss: bool = Field(False, description="gpt, moe, speedrun: the head's matmul and the cross-entropy in one "
-                                                "function that never keeps the logits (a Triton kernel on CUDA; a summed loss on an "
-                                                "H100/H200 with trainbox[flash]: QuACK's linear cross-entropy)")
+                                                "function that never keeps the logits (a Triton kernel on CUDA; "
+                                                "the loop's summed loss on an H100/H200 with trainbox[flash]: "
+                                                "QuACK's linear cross-entropy)")
     fused_norm: bool = Field(False, description="gpt, moe: each residual add and the LayerNorm after it as one op "
                                                 "whose backward is one pass (a Triton kernel on CUDA; torch ops "
                                                 "elsewhere). Blocks under train.activation_checkpointing run unfused")
