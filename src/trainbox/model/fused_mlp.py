@@ -162,12 +162,15 @@ def moe_gelu_mlp_op(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
         q, cfg = _quack(), _config(x.device)
         h, a = q.gemm_act(x, w1, activation="gelu_tanh_approx", cu_seqlens_m=cu, config=cfg, tuned=False)
         return q.gemm(a, w2, cu_seqlens_m=cu, tuned=False), h, a
+    groups = _groups(cu)
     h = torch.empty(x.size(0), w1.size(2), dtype=x.dtype, device=x.device)
-    y = torch.empty_like(x)
-    for e, (lo, hi) in enumerate(_groups(cu)):
+    for e, (lo, hi) in enumerate(groups):
         h[lo:hi] = x[lo:hi] @ w1[e]
-        y[lo:hi] = gelu_tanh(h[lo:hi]) @ w2[e]
-    return y, h, gelu_tanh(h)
+    a = gelu_tanh(h)
+    y = torch.empty_like(x)
+    for e, (lo, hi) in enumerate(groups):
+        y[lo:hi] = a[lo:hi] @ w2[e]
+    return y, h, a
 
 
 @moe_gelu_mlp_op.register_fake

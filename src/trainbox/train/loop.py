@@ -51,6 +51,7 @@ from trainbox.train.distributed import Dist
 from trainbox.train.evaluate import autocast_context, evaluate
 from trainbox.train.stop import StopFlag
 
+
 def plan_length(cfg: RunConfig, plan: BatchPlan) -> int:
     """Total optimizer steps from train.max_steps, train.max_tokens or train.epochs (default 1 epoch)."""
     t = cfg.train
