@@ -177,26 +177,26 @@ def test_training_matches_a_plain_torch_loop(tiny):
     every step's loss, lr and gradient norm, and the final weights must agree. A warm-up off by one step, a
     cosine of the wrong length, weight decay on the norms, another clip threshold or Adam eps, or a loss
     scaled 1% off each fails it."""
-    steps, warmup, lo = 9, 3, 0.1
+    steps, warmup, lr0, lo, wd, clip = 9, 3, 3e-3, 0.1, 0.1, 0.3
     cfg = load_config(None, [*tiny, "run.name=plain", f"train.max_steps={steps}", f"optim.warmup_steps={warmup}",
-                             "optim.lr=3e-3", f"optim.min_lr_ratio={lo}", "optim.schedule=cosine",
-                             "optim.weight_decay=0.1", "optim.grad_clip=0.3", "train.compile=false",
+                             f"optim.lr={lr0}", f"optim.min_lr_ratio={lo}", "optim.schedule=cosine",
+                             f"optim.weight_decay={wd}", f"optim.grad_clip={clip}", "train.compile=false",
                              "train.eval_every=0", "train.checkpoint_every=0", "train.sample_tokens=0",
                              "monitor.enabled=false", "model.dropout=0.0"])
     t = Trainer(cfg)
     t.run()
-    logged = [json.loads(line) for line in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
-    logged = {e["step"]: e for e in logged if e["event"] == "train"}
+    events = [json.loads(line) for line in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
+    logged = {e["step"]: e for e in events if e["event"] == "train"}
 
     torch.manual_seed(cfg.run.seed)   # the loop's initial weights (a different draw fails the first loss)
     ref = build_model(cfg.model, t.vocab, cfg.data.seq_len, run=cfg)
     params = list(ref.parameters())
-    opt = torch.optim.AdamW([dict(params=[p for p in params if p.dim() >= 2], weight_decay=0.1),
+    opt = torch.optim.AdamW([dict(params=[p for p in params if p.dim() >= 2], weight_decay=wd),
                              dict(params=[p for p in params if p.dim() < 2], weight_decay=0.0)],
-                            lr=3e-3, betas=tuple(cfg.optim.betas), eps=cfg.optim.eps)
+                            lr=lr0, betas=tuple(cfg.optim.betas), eps=cfg.optim.eps)
     sched = torch.optim.lr_scheduler.SequentialLR(opt, [
         torch.optim.lr_scheduler.LinearLR(opt, 1 / warmup, 1.0, total_iters=warmup - 1),
-        torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps - warmup, eta_min=lo * 3e-3)],
+        torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps - warmup, eta_min=lo * lr0)],
         milestones=[warmup])
     clipped = 0
     for step in range(steps):
@@ -208,8 +208,8 @@ def test_training_matches_a_plain_torch_loop(tiny):
             loss = F.cross_entropy(logits.view(-1, logits.size(-1)), b["y"].reshape(-1)) / len(batches)
             loss.backward()
             loss_sum += loss.item()
-        norm = float(torch.nn.utils.clip_grad_norm_(params, 0.3))
-        clipped += norm > 0.3
+        norm = float(torch.nn.utils.clip_grad_norm_(params, clip))
+        clipped += norm > clip
         opt.step()
         opt.zero_grad(set_to_none=True)
         sched.step()
