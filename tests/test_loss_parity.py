@@ -180,3 +180,25 @@ def test_nanogpt_runs_share_a_checkout_at_once(tmp_path):
     assert sorted(p.name for p in repo.iterdir()) == ["data", "train.py"] and not list((repo / "data").iterdir())
     out_dirs = seen_out_dirs(marks)
     assert len(out_dirs) == 2 and not any(Path(d).exists() for d in out_dirs)  # nanoGPT's checkpoints are gone
+
+
+def test_step_parity_pairs_runs_by_seed():
+    """benchmarks/step_parity.py's summary: each arm's per-step loss minus nanoGPT's on the same seeds, and the
+    validation losses paired by seed (same weights, same batches) with a t interval: for diffs 0.01, 0.03,
+    0.05 the mean is 0.03 and the half-width t(2) * 0.02 / sqrt(3) = 4.303 * 0.011547 = 0.0497. A seed that
+    only one arm ran is left out of the pairs."""
+    summary = load("step_parity").summary
+    runs = [{"arm": "nanogpt", "seed": s, "losses": [10.0, 8.0 + s], "val_loss": 3.0 + s} for s in (1, 2, 3)]
+    runs += [{"arm": "trainer", "seed": s, "losses": [10.0, 8.0 + s + d], "val_loss": 3.0 + s + d}
+             for s, d in ((1, 0.01), (2, 0.03), (3, 0.05), (4, 9.0))]
+    r = summary(runs)
+    assert r["minus_nanogpt"]["trainer"] == [0.0, 0.03]
+    p = r["val_minus_nanogpt"]["trainer"]
+    assert p["n"] == 3 and p["mean"] == 0.03 and p["diffs"] == [0.01, 0.03, 0.05]
+    assert p["interval_95"] == [pytest.approx(0.03 - 0.0497, abs=1e-4), pytest.approx(0.03 + 0.0497, abs=1e-4)]
+    assert p["verdict"] == "inconclusive"
+    better = summary([*runs[:3], *[{**x, "arm": "ours", "val_loss": x["val_loss"] - 0.02} for x in runs[:3]]])
+    assert better["val_minus_nanogpt"]["ours"]["verdict"] == "no worse"
+    worse = summary([*runs[:3], *[{**x, "arm": "ours", "val_loss": x["val_loss"] + 0.1 + 0.01 * x["seed"]}
+                                  for x in runs[:3]]])
+    assert worse["val_minus_nanogpt"]["ours"]["verdict"] == "worse"
