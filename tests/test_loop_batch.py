@@ -195,7 +195,7 @@ def test_training_matches_a_plain_torch_loop(tiny):
                              dict(params=[p for p in params if p.dim() < 2], weight_decay=0.0)],
                             lr=lr0, betas=tuple(cfg.optim.betas), eps=cfg.optim.eps)
     sched = torch.optim.lr_scheduler.SequentialLR(opt, [
-        torch.optim.lr_scheduler.LinearLR(opt, 1 / warmup, 1.0, total_iters=warmup - 1),
+        torch.optim.lr_scheduler.LinearLR(opt, 1 / (warmup + 1), warmup / (warmup + 1), total_iters=warmup - 1),
         torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps - warmup, eta_min=lo * lr0)],
         milestones=[warmup])
     clipped = 0
@@ -220,3 +220,28 @@ def test_training_matches_a_plain_torch_loop(tiny):
     assert clipped >= 3     # the clip really acted (on the first steps at least)
     for name, p in ref.state_dict().items():
         torch.testing.assert_close(t.model.state_dict()[name], p, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_lr_schedule_is_nanogpts_get_lr():
+    """optim.warmup_steps = nanoGPT's warmup_iters gives nanoGPT's lr at every step of a run of lr_decay_iters
+    steps (its train.py get_lr, written out here), for the 200-step comparison and for the recipe's own run.
+    The ramp (s + 1) / W that the loop had until session 17, 5% hotter over 20 steps, fails it."""
+    import math
+
+    from trainbox.config import OptimSection
+    from trainbox.optim.build import lr_multiplier
+
+    def get_lr(it, learning_rate, min_lr, warmup_iters, lr_decay_iters):   # nanoGPT's train.py
+        if it < warmup_iters:
+            return learning_rate * (it + 1) / (warmup_iters + 1)
+        if it > lr_decay_iters:
+            return min_lr
+        decay_ratio = (it - warmup_iters) / (lr_decay_iters - warmup_iters)
+        coeff = 0.5 * (1.0 + math.cos(math.pi * decay_ratio))
+        return min_lr + coeff * (learning_rate - min_lr)
+
+    for warmup, total in ((20, 200), (700, 19073), (1, 5)):
+        cfg = OptimSection(lr=6e-4, min_lr_ratio=0.1, warmup_steps=warmup, schedule="cosine")
+        for step in range(total):
+            assert cfg.lr * lr_multiplier(step, total, cfg) == pytest.approx(
+                get_lr(step, 6e-4, 6e-5, warmup, total), rel=1e-12), (warmup, total, step)

@@ -45,12 +45,17 @@ def build_optimizers(model: nn.Module, cfg: OptimSection, device: torch.device) 
 
 def lr_multiplier(step: int, total: int, cfg: OptimSection) -> float:
     """Multiplier of the base lr at `step` (0-based) of `total` steps. The warm-up is linear, (step + 1) /
-    warmup_steps, full from step warmup_steps - 1; the decay starts at step warmup_steps. nanoGPT's train.py
-    ramps one step longer, (it + 1) / (warmup_iters + 1): warmup_steps = warmup_iters + 1 here gives its lr
-    exactly through the warm-up (gpt2-125m, 21 against 20: 0.04 lower loss after 3 steps, paired by seed;
-    benchmarks/records/2026-11-27-session16.json)."""
+    (warmup_steps + 1) for steps 0 .. warmup_steps - 1, as nanoGPT's get_lr and torchtitan's warm-up; the
+    full lr comes at step warmup_steps, where the decay starts. So warmup_steps = nanoGPT's warmup_iters gives
+    its lr at every step (with its lr_decay_iters = train.max_steps).
+
+    The ramp was (step + 1) / warmup_steps until session 17, 5% hotter for 20 steps at gpt2-125m's
+    nanoGPT comparison. From the same weights and batches (benchmarks/step_parity.py, 200 steps, H200), the
+    hotter ramp ended 0.097 and 0.165 above nanoGPT on one seed (two kernel sets), where every arm on nanoGPT's
+    lr ended within 0.015 of it; on another seed all ended within 0.011
+    (benchmarks/records/2026-11-27-session17.json)."""
     if cfg.warmup_steps and step < cfg.warmup_steps:
-        return (step + 1) / cfg.warmup_steps
+        return (step + 1) / (cfg.warmup_steps + 1)
     if cfg.schedule == "constant":
         return 1.0
     lo = cfg.min_lr_ratio
