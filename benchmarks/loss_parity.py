@@ -57,6 +57,11 @@ def t975(df: float) -> float:
     return T975[max(d for d in T975 if d <= max(1.0, df))]
 
 
+def verdict(diff: float, half: float) -> str:
+    """ours - nanoGPT with the half-width of its 95% interval -> "no worse", "worse" or "inconclusive"."""
+    return "no worse" if diff <= 0 else "worse" if diff - half > 0 else "inconclusive"
+
+
 def compare(ours: list[float], theirs: list[float]) -> dict:
     """Means, standard deviations, ours - theirs with a Welch 95% interval, and the verdict."""
     if len(ours) < 2 or len(theirs) < 2:
@@ -66,11 +71,10 @@ def compare(ours: list[float], theirs: list[float]) -> dict:
     diff, se = m1 - m2, math.sqrt(v1 + v2)
     df = (v1 + v2) ** 2 / (v1 ** 2 / (len(ours) - 1) + v2 ** 2 / (len(theirs) - 1)) if se > 0 else float("inf")
     half = t975(df) * se
-    verdict = "no worse" if diff <= 0 else "worse" if diff - half > 0 else "inconclusive"
     return {"mean": {"ours": round(m1, 4), "nanogpt": round(m2, 4)},
             "stdev": {"ours": round(statistics.stdev(ours), 4), "nanogpt": round(statistics.stdev(theirs), 4)},
             "difference": round(diff, 4), "interval_95": [round(diff - half, 4), round(diff + half, 4)],
-            "welch_df": round(df, 1), "verdict": verdict}
+            "welch_df": round(df, 1), "verdict": verdict(diff, half)}
 
 
 def _last_json(out: str, who: str) -> dict:

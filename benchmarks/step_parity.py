@@ -116,16 +116,12 @@ def train_trainer(weights: dict, batches, recipe: str, overrides: list[str], arg
     """Our whole loop (trainbox.train.loop.Trainer.run) from `weights` on `batches`: the loader's micro-batches
     are replaced by the given ones, everything else (schedule, optimizer, loss scaling, clipping, compile,
     prefetch) is the loop's own. Its closing evaluation is kept as `trainer_val_loss`."""
-    import tempfile
+    from train_speed import bench_config, run_events
 
-    from trainbox.config import load_config
     from trainbox.train.loop import Trainer
 
-    tmp = tempfile.mkdtemp(prefix="step-parity-")
-    cfg = load_config(recipe, [*args.overrides, f"train.max_steps={args.steps}", "monitor.log_every=1",
-                               "train.eval_every=0", "train.checkpoint_every=0", "train.sample_tokens=0",
-                               f"train.eval_tokens={args.eval_tokens or 1}", f"run.dir={tmp}", "monitor.port=0",
-                               *overrides])
+    cfg = bench_config(recipe, args.steps, [*args.overrides, f"train.eval_tokens={args.eval_tokens or 1}",
+                                            *overrides], prefix="step-parity-")
 
     class Fed(Trainer):
         def setup(self):
@@ -138,8 +134,7 @@ def train_trainer(weights: dict, batches, recipe: str, overrides: list[str], arg
 
     trainer = Fed(cfg)
     summary = trainer.run()
-    events = [json.loads(line) for line in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
-    train = [e for e in events if e["event"] == "train"]
+    _, train = run_events(cfg)
     times = [b["time"] - a["time"] for a, b in zip(train, train[1:])]
     return ({"losses": [round(e["loss"], 5) for e in train], "grad_norms": [round(e["grad_norm"], 4) for e in train],
              "median_step_ms": round(statistics.median(times[1:] or times) * 1e3, 1),
@@ -236,7 +231,12 @@ def main() -> None:
                 if name.startswith("nanogpt"):   # nanogpt[NAME=micro=N]: another micro-batch, the same maths
                     model = NanoGPT(nano_cfg)
                     kind = "nanogpt"
-                    micro = int(overrides[0].split("=")[1]) if overrides else args.nano_micro
+                    micro = args.nano_micro
+                    if overrides:
+                        key, _, value = overrides[0].partition("=")
+                        if key != "micro" or len(overrides) > 1:
+                            raise SystemExit(f"--arm {name}: a nanoGPT arm takes micro=N alone, not {overrides}")
+                        micro = int(value)
                 else:
                     cfg = load_config(args.recipe, [*args.overrides, *overrides])
                     model = build_model(cfg.model, m.vocab_size, seq)
@@ -276,13 +276,13 @@ def summary(results: list[dict]) -> dict:
 def paired(diffs: list[float]) -> dict:
     """Mean of paired differences (same seed: same weights and batches) with its 95% t interval and
     loss_parity's verdict: "no worse" (mean <= 0), "worse" (the interval above 0) or "inconclusive"."""
-    from loss_parity import t975
+    from loss_parity import t975, verdict
     mean = statistics.mean(diffs)
     out = {"n": len(diffs), "diffs": [round(d, 4) for d in diffs], "mean": round(mean, 4)}
     if len(diffs) > 1:
         half = t975(len(diffs) - 1) * statistics.stdev(diffs) / math.sqrt(len(diffs))
         out["interval_95"] = [round(mean - half, 4), round(mean + half, 4)]
-        out["verdict"] = "no worse" if mean <= 0 else "worse" if mean - half > 0 else "inconclusive"
+        out["verdict"] = verdict(mean, half)
     return out
 
 

@@ -26,25 +26,35 @@ import time
 from pathlib import Path
 
 
+def bench_config(recipe: str, steps: int, overrides: list[str], prefix: str = "speed-"):
+    """The recipe for a measured run of `steps` steps in a temporary run directory: every step logged (one
+    host sync each, so consecutive metrics.jsonl timestamps are step times), no evaluation, checkpoint or
+    sample before the end, the monitor on a free port."""
+    from trainbox.config import load_config
+    return load_config(recipe, [f"train.max_steps={steps}", "monitor.log_every=1", "train.eval_every=0",
+                                "train.checkpoint_every=0", "train.sample_tokens=0",
+                                f"run.dir={tempfile.mkdtemp(prefix=prefix)}", "monitor.port=0", *overrides])
+
+
+def run_events(cfg) -> tuple[dict, list[dict]]:
+    """A finished run's start event and its train events (one per step), from its metrics.jsonl."""
+    events = [json.loads(line) for line in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
+    return next(e for e in events if e["event"] == "start"), [e for e in events if e["event"] == "train"]
+
+
 def run_ours(recipe: str, data: str, steps: int, warmup: int, overrides: list[str]) -> dict:
     import torch
 
-    from trainbox.config import load_config
     from trainbox.runs import _git_commit
     from trainbox.train.loop import Trainer
 
-    tmp = tempfile.mkdtemp(prefix="speed-")
-    cfg = load_config(recipe, [f"data.path={data}", f"train.max_steps={steps}", "monitor.log_every=1",
-                               "train.eval_every=0", "train.checkpoint_every=0", "train.sample_tokens=0",
-                               f"run.dir={tmp}", "monitor.port=0", *overrides])
+    cfg = bench_config(recipe, steps, [f"data.path={data}", *overrides])
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     t0 = time.time()
     trainer = Trainer(cfg)
     summary = trainer.run()   # ends with an evaluation on train.eval_tokens of validation data
-    events = [json.loads(line) for line in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
-    train = [e for e in events if e["event"] == "train"]
-    start = next(e for e in events if e["event"] == "start")
+    start, train = run_events(cfg)
     times = [b["time"] - a["time"] for a, b in zip(train, train[1:])][warmup:]
     step_s = statistics.median(times)
     tokens = cfg.train.global_batch_size * cfg.data.seq_len
