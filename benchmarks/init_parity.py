@@ -41,6 +41,7 @@ def main() -> None:
     sys.path.insert(0, str(HERE))
     from loss_parity import compare
     from model import GPT as NanoGPT, GPTConfig   # nanoGPT's model.py
+    from step_parity import nanogpt_config, nanogpt_weights
 
     from trainbox.config import load_config
     from trainbox.model.registry import build_model
@@ -52,8 +53,7 @@ def main() -> None:
     cfg = load_config("gpt2-125m", ["model.fused_norm=false", "model.fused_mlp=false", "model.fused_loss=false",
                                     f"model.n_layer={args.layers}", f"data.seq_len={args.seq}"])
     vocab = cfg.model.vocab_size
-    theirs_cfg = GPTConfig(n_layer=args.layers, n_head=cfg.model.n_head, n_embd=cfg.model.n_embd,
-                           block_size=args.seq, vocab_size=vocab, bias=False, dropout=0.0)
+    theirs_cfg = nanogpt_config(GPTConfig, cfg.model, args.seq)
     ours, theirs, same = [], [], {}
     with torch.no_grad():
         for seed in range(args.seeds):
@@ -64,9 +64,8 @@ def main() -> None:
             with contextlib.redirect_stdout(sys.stderr):   # its parameter count
                 nano = NanoGPT(theirs_cfg).eval()
             theirs.append(float(nano(x, y)[1]))
-            if seed == 0:   # 1: nanoGPT's weights in our model (its causal-mask buffers are not weights)
-                weights = {k: v for k, v in nano.state_dict().items() if not k.endswith(".attn.bias")}
-                model.load_state_dict(weights, strict=True)
+            if seed == 0:   # 1: nanoGPT's weights in our model
+                model.load_state_dict(nanogpt_weights(nano), strict=True)
                 same = {"ours": float(model(x, y).loss), "nanogpt": theirs[-1]}
     print(json.dumps({"benchmark": "init_parity", "tokens": args.rows * args.seq, "layers": args.layers,
                       "same_weights": {**same, "difference": same["ours"] - same["nanogpt"]},

@@ -53,7 +53,8 @@ def lr_multiplier(step: int, total: int, cfg: OptimSection) -> float:
     nanoGPT comparison. From the same weights and batches (benchmarks/step_parity.py, 200 steps, H200), the
     hotter ramp ended 0.097 and 0.165 above nanoGPT on one seed (two kernel sets), where every arm on nanoGPT's
     lr ended within 0.015 of it; on another seed all ended within 0.011
-    (benchmarks/records/2026-11-27-session17.json)."""
+    (benchmarks/records/2026-11-27-session17.json). With this ramp the loop ends 0.0002 below nanoGPT over 8
+    paired seeds, 95% interval +-0.054 (benchmarks/records/2026-11-27-session18.json)."""
     if cfg.warmup_steps and step < cfg.warmup_steps:
         return (step + 1) / (cfg.warmup_steps + 1)
     if cfg.schedule == "constant":
