@@ -193,3 +193,81 @@ def test_mask_must_match_its_tokens(tmp_path):
     (tmp_path / "a.mask").write_bytes(good_shard_bytes())  # a token shard where a mask belongs
     with pytest.raises(DataError, match=r"a\.mask: bad magic 20240520 at byte offset 0 .*not a mask file"):
         open_tokens(tmp_path / "a.bin")
+
+
+def open_for_training(path, fmt="auto", tokenizer="gpt2", vocab=None):
+    """The reader path of `trainbox train`: sources.open_datasets with the model's (padded) vocab."""
+    from trainbox.config import DataSection
+    from trainbox.data.sources import open_datasets
+    from trainbox.data.tokenizer import get_tokenizer
+
+    tok = get_tokenizer(tokenizer)
+    cfg = DataSection(path=str(path), tokenizer=tokenizer, seq_len=8, format=fmt)
+    return open_datasets(cfg, tok, vocab or -(-tok.vocab_size // 64) * 64)
+
+
+def test_damaged_shard_header_is_never_read_as_flat(tmp_path):
+    raw = bytearray(good_shard_bytes(20))
+    raw[0:4] = struct.pack("<i", 20240520 ^ 0x100)  # one flipped bit in the magic
+    p = corrupt(tmp_path, "x.bin", bytes(raw))
+    for fmt in ("auto", "shard"):
+        with pytest.raises(DataError, match=rf"{p}: bad magic {20240520 ^ 0x100} at byte offset 0") as e:
+            open_for_training(p, fmt)
+        assert "data.format" in str(e.value)
+    tokens, _ = open_tokens(p, "flat")  # only an explicit data.format=flat reads it as headerless tokens
+    assert len(tokens) == len(raw) // 2
+    raw[0:4] = struct.pack("<i", 123)  # any magic, when the rest of the 1024 bytes is a shard header
+    corrupt(tmp_path, "x.bin", bytes(raw))
+    with pytest.raises(DataError, match=rf"{p}: bad magic 123 at byte offset 0"):
+        open_for_training(p)
+
+
+def test_format_setting_is_honoured(tmp_path):
+    formats.write_shard(tmp_path / "s.bin", np.arange(100, dtype=np.uint16))
+    np.arange(100, dtype=np.uint16).tofile(tmp_path / "f.bin")
+    write_megatron(tmp_path / "m", [np.arange(100, dtype=np.uint16)])
+    assert len(open_for_training(tmp_path / "s.bin", "shard")[0].arrays[0]) == 100
+    assert len(open_for_training(tmp_path / "f.bin", "flat")[0].arrays[0]) == 100
+    assert len(open_for_training(tmp_path / "m", "megatron")[0].arrays[0]) == 100
+    with pytest.raises(DataError, match=rf"{tmp_path / 'f.bin'}: bad magic .* not a shard file") as e:
+        open_for_training(tmp_path / "f.bin", "shard")
+    assert "data.format=flat" in e.value.hint
+    with pytest.raises(DataError, match=rf"{tmp_path / 's.bin'}: data\.format=flat, but the file starts with the "
+                                        r"shard magic at byte offset 0") as e:
+        open_for_training(tmp_path / "s.bin", "flat")
+    assert "data.format=shard" in e.value.hint
+    with pytest.raises(DataError, match=rf"{tmp_path / 'm.bin'}: data\.format=flat, but {tmp_path / 'm.idx'} beside "
+                                        r"it makes this the tokens of a Megatron dataset") as e:
+        open_for_training(tmp_path / "m.bin", "flat")
+    assert "data.format=megatron" in e.value.hint
+    with pytest.raises(DataError, match=rf"data\.format=megatron, but {tmp_path / 's.bin'} is not a Megatron dataset"):
+        open_for_training(tmp_path / "s.bin", "megatron")
+
+
+def test_zero_byte_shard_is_an_error(tmp_path):
+    formats.write_shard(tmp_path / "x_train_000001.bin", np.arange(100, dtype=np.uint16))
+    (tmp_path / "x_train_000002.bin").write_bytes(b"")
+    with pytest.raises(DataError, match=rf"{tmp_path / 'x_train_000002.bin'}: empty file \(0 bytes\)"):
+        open_for_training(tmp_path / "x")
+    with pytest.raises(DataError, match=r"x_train_000002\.bin: empty file \(0 bytes\)"):
+        open_for_training(tmp_path / "x", "shard")
+
+
+def test_vocab_is_the_tokenizers_not_the_padded_model_vocab(tmp_path):
+    toks = np.arange(40, dtype=np.uint16)
+    toks[25] = 50300  # < 50,304 (the model's padded vocab) but >= GPT-2's 50,257
+    formats.write_shard(tmp_path / "v.bin", toks)
+    with pytest.raises(DataError, match=rf"{tmp_path / 'v.bin'}: token id 50300 at token 25 \(byte offset 1074\) "
+                                        r"is >= the vocab size 50257") as e:
+        open_for_training(tmp_path / "v.bin", vocab=50304)
+    assert "gpt2" in e.value.hint
+
+
+def test_megatron_document_indices_are_checked(tmp_path):
+    write_megatron(tmp_path / "d", DOCS)
+    idx = tmp_path / "d.idx"
+    raw = bytearray(idx.read_bytes())
+    raw[-8:] = struct.pack("<q", 9)  # the last document index must be the sequence count (4)
+    idx.write_bytes(bytes(raw))
+    with pytest.raises(DataError, match=rf"{idx}: document index 4 at byte offset {len(raw) - 8} is 9"):
+        formats.read_megatron(tmp_path / "d")

@@ -235,3 +235,87 @@ def test_killed_prepare_leaves_no_final_file(tmp_path):
         proc.communicate(timeout=60)
     assert list(tmp_path.glob("x_train_*.partial"))
     assert not list(tmp_path.glob("x_*.bin")) and not list(tmp_path.glob("x_*.idx"))  # no final name, ever
+
+
+def test_append_eod_reported_count_equals_tokens_written(corpus, tmp_path):
+    d, _ = corpus
+    for keys in (["text"], ["text", "title"]):
+        out = tmp_path / "-".join(keys) / "x"
+        st = prepare(PrepareOptions([str(d / "a.jsonl")], str(out), format="megatron", append_eod=True,
+                                    val_fraction=0.1, text_keys=keys))
+        tag = lambda split: "" if split == "train" else "_val"  # noqa: E731
+        written = {s: sum(len(formats.read_megatron(f"{out}{tag(s)}_{k}_document").tokens) for k in keys)
+                   for s in ("train", "val")}
+        assert (st.tokens, st.val_tokens) == (written["train"] + written["val"], written["val"])
+        eods = sum(int((formats.read_megatron(f"{out}_{k}_document").tokens == EOT).sum()) for k in keys)
+        assert eods >= len(keys) * (st.documents - st.val_documents)
+
+
+def test_empty_input_is_a_usage_error(tmp_path):
+    for name, content in (("empty.txt", b""), ("empty.jsonl", b""), ("blank.jsonl", b"\n\n")):
+        (tmp_path / name).write_bytes(content)
+        p = run_cli("prepare", str(tmp_path / name), "--out", str(tmp_path / "o/x"), "--quiet", check=False)
+        assert p.returncode == 2, p.stdout + p.stderr
+        assert f"{tmp_path / name}" in p.stderr and "no tokens" in p.stderr, p.stderr
+        assert not (tmp_path / "o").exists() or not list((tmp_path / "o").iterdir())
+    with pytest.raises(DataError, match="no tokens") as e:
+        prepare(PrepareOptions([str(tmp_path / "empty.txt")], str(tmp_path / "o/x")))
+    assert e.value.exit_code == 2
+
+
+def test_inspect_into_a_closed_pipe_exits_quietly(tmp_path):
+    """`trainbox inspect PREFIX --json | head -1`: far more output than a pipe holds, the reader leaves early."""
+    import subprocess
+    import sys
+
+    prefix = tmp_path / ("p" * 200)
+    for i in range(300):
+        formats.write_shard(f"{prefix}_train_{i:06d}.bin", np.arange(20, dtype=np.uint16))
+    proc = subprocess.Popen([sys.executable, "-m", "trainbox", "inspect", str(prefix), "--seq-len", "8", "--json"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout.readline().strip() == b"{"
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) in (0, 141) and err == "", err
+
+
+def test_prepared_set_is_whole_or_refused(corpus, tmp_path):
+    """prepare writes OUT.manifest.json last; readers refuse a set with a listed file missing or resized, or an
+    unlisted file among its outputs, and --overwrite replaces the set as a whole."""
+    from trainbox.config import DataSection
+    from trainbox.data.sources import resolve
+
+    d, _ = corpus
+    out = tmp_path / "x"
+    st = prepare(PrepareOptions([str(d / "a.jsonl")], str(out), shard_tokens=1000, val_docs=5))
+    manifest = json.loads((tmp_path / "x.manifest.json").read_text())
+    assert manifest["state"] == "complete" and manifest["tokenizer"] == "gpt2"
+    names = sorted(f["name"] for f in manifest["files"])
+    assert names == sorted(p.name for p in tmp_path.glob("x_*"))
+    assert sum(f["tokens"] for f in manifest["files"]) == st.tokens
+    assert str(tmp_path / "x.manifest.json") in st.files
+    tok = get_tokenizer("gpt2")
+    cfg = DataSection(path=str(out))
+    train, val = resolve(cfg, tok)
+    assert len(train) == len(names) - 1 and len(val) == 1
+
+    last = tmp_path / names[-1]
+    saved = last.read_bytes()
+    last.unlink()
+    with pytest.raises(DataError, match=rf"{last}: listed in .*x\.manifest\.json .* is missing; the prepared set is "
+                                        r"not whole"):
+        resolve(cfg, tok)
+    last.write_bytes(saved[:-2])
+    with pytest.raises(DataError, match=rf"{last}: listed in .*x\.manifest\.json with {len(saved)} bytes but has "
+                                        rf"{len(saved) - 2}"):
+        resolve(cfg, tok)
+    last.write_bytes(saved)
+    stray = tmp_path / "x_train_000099.bin"
+    formats.write_shard(stray, np.arange(10, dtype=np.uint16))
+    with pytest.raises(DataError, match=rf"{stray}: not listed in .*x\.manifest\.json"):
+        resolve(cfg, tok)
+    p = run_cli("inspect", str(out), "--seq-len", "8", check=False)
+    assert p.returncode == 1 and "x_train_000099.bin: not listed in" in p.stderr
+    prepare(PrepareOptions([str(d / "b.jsonl.gz")], str(out), overwrite=True))
+    assert sorted(p.name for p in tmp_path.glob("x*")) == ["x.manifest.json", "x_train_000001.bin"]
+    assert len(resolve(cfg, tok)[0]) == 1

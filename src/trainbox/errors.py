@@ -34,6 +34,12 @@ class CheckpointError(TrainboxError):
     """Missing or unreadable checkpoint, or a run that cannot be resumed."""
 
 
+class RunBusy(TrainboxError):
+    """Another live process holds the run directory; refused before any work."""
+
+    exit_code = 2
+
+
 class RunFinished(TrainboxError):
     """The run directory already holds a finished run; not a failure."""
 
@@ -50,3 +56,9 @@ class MissingDependency(TrainboxError):
     def __init__(self, package: str, extra: str, what: str):
         super().__init__(f"{what} needs the Python package '{package}', which is not installed",
                          hint=f"pip install 'trainbox[{extra}]'")
+
+
+class NoData(DataError):
+    """The input holds nothing to work on (no documents, no tokens); nothing was written. A usage error."""
+
+    exit_code = 2

@@ -88,6 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
     ins.add_argument("--global-batch", type=int, default=None, help="sequences per step: prints steps per epoch")
     ins.add_argument("--epochs", type=float, default=1.0)
     ins.add_argument("--tokenizer", default=None, help="count documents by its EOT and check ids against its vocab")
+    ins.add_argument("--format", choices=["auto", "shard", "megatron", "flat"], default="auto",
+                     help="which token file format to accept, as data.format (auto: detected by content)")
     ins.add_argument("--json", action="store_true", help="print the report as JSON")
     ins.set_defaults(func=cmd_inspect)
 
@@ -187,6 +189,25 @@ def _split_overrides(args) -> None:
         args.source = None
 
 
+def _stdout_closed() -> bool:
+    """Whether stdout is a pipe whose reader has gone; if so it now points at /dev/null (no error at exit)."""
+    import select
+
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # not a real file (captured output)
+        return False
+    try:
+        poll = select.poll()
+        poll.register(fd, select.POLLOUT)
+        if not any(ev & (select.POLLERR | select.POLLHUP) for _, ev in poll.poll(0)):
+            return False
+    except (AttributeError, OSError):  # no poll() here: take the broken pipe to be stdout's
+        pass
+    os.dup2(os.open(os.devnull, os.O_WRONLY), fd)
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -197,7 +218,14 @@ def main(argv: list[str] | None = None) -> int:
         args.overrides = [*env_overrides, *args.overrides]
     debug = os.environ.get("TRAINBOX_DEBUG", "") not in ("", "0")
     try:
-        return args.func(args) or 0
+        try:
+            code = args.func(args) or 0
+            sys.stdout.flush()  # a closed pipe shows here, not as an error at interpreter exit
+            return code
+        except BrokenPipeError:
+            if not _stdout_closed():
+                raise
+            return 141  # `trainbox inspect ... | head`: the reader is gone; stop quietly, as SIGPIPE would
     except TrainboxError as e:
         if debug:
             raise

@@ -60,7 +60,8 @@ def cmd_prepare(args) -> int:
 def cmd_inspect(args) -> int:
     from trainbox.data.inspect import format_report, inspect_data
 
-    report = inspect_data(args.path, args.seq_len, args.global_batch, args.epochs, args.tokenizer)
+    report = inspect_data(args.path, args.seq_len, args.global_batch, args.epochs, args.tokenizer,
+                          data_format=args.format)
     print(json.dumps(report, indent=1) if args.json else format_report(report))
     return 0
 

@@ -8,12 +8,35 @@ megatron  Megatron-LM MMIDIDX: PREFIX.idx (9-byte magic "MMIDIDX\\0\\0", uint64 
           indices) + PREFIX.bin (the tokens). A loss mask is a second MMIDIDX dataset PREFIX_mask (uint8).
 flat      nanoGPT: headerless uint16 .bin (read only)
 
+Which reader opens a path (`detect_format`, data.format):
+  shard     only shard files: the magic, version and token count of the header must fit the file's size.
+  megatron  only PREFIX.idx + PREFIX.bin pairs (the path may be PREFIX, PREFIX.bin or PREFIX.idx).
+  flat      only headerless uint16 files: a file that starts with a shard, mask or MMIDIDX magic, or a .bin
+            with a PREFIX.idx beside it, is refused.
+  auto      a Megatron pair when PREFIX.idx and PREFIX.bin exist (or the path ends in .idx); else a shard when
+            the file starts with the shard magic; else a DataError when the first bytes are a mask or MMIDIDX
+            magic, or look like a damaged shard header: a magic within 4 bits of the shard or mask magic, or
+            version 1 with a token count that fits the file's size, or the 253 reserved header ints all zero
+            together with either of those fields; else flat. A flat file is thus read only when no header
+            of a known format fits it (a shard whose first 12 bytes were zeroed reads as flat: set
+            data.format=shard to refuse it).
+A 0-byte file is a DataError in every format.
+
+Prepared output sets: `trainbox prepare` writes OUT.manifest.json (state "committing", listing the new files
+and the ones they replace) before it renames any output into place, and rewrites it with state "complete"
+(each file's name, size and token count) once every output is in place. `check_output_sets` refuses a file
+of an unfinished set, a listed file that is missing or has another size, and an unlisted file among a
+complete set's outputs. Files no manifest speaks for (downloaded shards, Megatron's own output) are read
+as they are.
+
 Readers never write into an input file (read-only memmaps) and every corruption is a DataError that
 names the file and the byte offset.
 """
 from __future__ import annotations
 
+import json
 import os
+import re
 import struct
 from array import array
 from dataclasses import dataclass
@@ -33,6 +56,10 @@ MMIDIDX_HEADER_BYTES = 9 + 8 + 1 + 8 + 8  # magic, version, dtype code, sequence
 MEGATRON_DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64,
                    7: np.float32, 8: np.uint16}
 MEGATRON_CODES = {np.dtype(v): k for k, v in MEGATRON_DTYPES.items()}
+
+FORMATS = ("auto", "shard", "megatron", "flat")
+REBUILD = "re-create it with `trainbox prepare ... --overwrite`, or download it again"
+MANIFEST_SUFFIX = ".manifest.json"
 
 
 def megatron_dtype(vocab_size: int) -> np.dtype:
@@ -66,34 +93,46 @@ def write_shard(path: str | Path, tokens: np.ndarray) -> None:
     os.replace(tmp, path)
 
 
+def file_size(path: str | Path, what: str = "token file") -> int:
+    """Size in bytes; DataError when the file is missing or empty (0 bytes holds no header and no token)."""
+    try:
+        size = Path(path).stat().st_size
+    except OSError:
+        raise DataError(f"{what} {path} does not exist", hint="check data.path, or run `trainbox prepare`") from None
+    if size == 0:
+        raise DataError(f"{path}: empty file (0 bytes); the file ends at byte offset 0, before any header or token",
+                        hint=f"{REBUILD}; remove it if it does not belong to the dataset")
+    return size
+
+
 def read_shard(path: str | Path, magic: int = SHARD_MAGIC, dtype=np.uint16) -> np.ndarray:
     """Memory-map a shard's tokens (uint16, read-only) after checking its header and size.
 
     With magic=MASK_MAGIC, dtype=uint8 it reads a `.mask` file.
     """
     path = Path(path)
-    try:
-        size = path.stat().st_size
-    except OSError:
-        raise DataError(f"token file {path} does not exist", hint="check data.path, or run `trainbox prepare`") from None
+    kind = "shard" if magic == SHARD_MAGIC else "mask"
+    size = file_size(path, f"{kind} file")
+    header = np.fromfile(path, dtype="<i4", count=min(size // 4, SHARD_HEADER_INTS))
+    if len(header) and header[0] != magic:
+        raise DataError(f"{path}: bad magic {header[0]} at byte offset 0 (expected {magic}); not a {kind} file",
+                        hint=f"{REBUILD}; a headerless nanoGPT token file is read with data.format=flat"
+                        if kind == "shard" else REBUILD)
     if size < SHARD_HEADER_BYTES:
         raise DataError(f"{path}: truncated shard header ({size} bytes, expected at least {SHARD_HEADER_BYTES}); "
-                        f"the file ends at byte offset {size}")
-    header = np.fromfile(path, dtype=np.int32, count=SHARD_HEADER_INTS)
-    if header[0] != magic:
-        raise DataError(f"{path}: bad magic {header[0]} at byte offset 0 (expected {magic}); not a "
-                        f"{'shard' if magic == SHARD_MAGIC else 'mask'} file")
+                        f"the file ends at byte offset {size}", hint=REBUILD)
     if header[1] != SHARD_VERSION:
-        raise DataError(f"{path}: unsupported shard version {header[1]} at byte offset 4 (expected {SHARD_VERSION})")
+        raise DataError(f"{path}: unsupported shard version {header[1]} at byte offset 4 (expected {SHARD_VERSION})",
+                        hint=REBUILD)
     n = int(header[2])
     if n < 0:
-        raise DataError(f"{path}: negative token count {n} at byte offset 8")
+        raise DataError(f"{path}: negative token count {n} at byte offset 8", hint=REBUILD)
     itemsize = np.dtype(dtype).itemsize
     expected = SHARD_HEADER_BYTES + itemsize * n
     if size != expected:
         raise DataError(f"{path}: header says {n} tokens ({expected} bytes) but the file has {size} bytes; "
                         f"{'truncated' if size < expected else 'trailing bytes'} from byte offset {min(size, expected)}",
-                        hint="re-create it with `trainbox prepare ... --overwrite` or re-download it")
+                        hint=REBUILD)
     if n == 0:
         return np.zeros(0, dtype=dtype)
     return np.memmap(path, dtype=dtype, mode="r", offset=SHARD_HEADER_BYTES, shape=(n,))
@@ -152,13 +191,14 @@ class MegatronWriter:
         self.bin_tmp = Path(f"{self.prefix}.bin{tmp_suffix}")
         self.idx_tmp = Path(f"{self.prefix}.idx{tmp_suffix}")
         self.lengths = array("q")  # compact: 8 bytes a document, not a Python int
-        self.current = 0
+        self.current = self.tokens = 0
         self.f = open(self.bin_tmp, "wb")
 
     def extend(self, tokens: np.ndarray) -> None:
         """Append tokens to the current document."""
         self.f.write(np.ascontiguousarray(tokens, dtype=self.dtype).tobytes())
         self.current += len(tokens)
+        self.tokens += len(tokens)
 
     def end_document(self) -> None:
         if self.current >= 2**31:
@@ -249,6 +289,18 @@ def read_megatron(prefix: str | Path) -> MegatronData:
     lengths = np.fromfile(idx, dtype="<i4", count=n_seq, offset=off)
     pointers = np.fromfile(idx, dtype="<i8", count=n_seq, offset=off + 4 * n_seq)
     doc_indices = np.fromfile(idx, dtype="<i8", count=n_doc, offset=off + 12 * n_seq)
+    neg = np.flatnonzero(lengths < 0)
+    if len(neg):
+        raise _idx_error(idx, f"sequence length {neg[0]} at byte offset {off + 4 * int(neg[0])} is {lengths[neg[0]]}")
+    ok = (doc_indices >= 0) & (doc_indices <= n_seq)  # Megatron's document_indices: 0, ..., sequence count
+    ok[1:] &= np.diff(doc_indices) >= 0
+    ok[:1] &= doc_indices[:1] == 0
+    bad = np.flatnonzero(~ok)
+    if len(bad) or n_doc == 0:
+        i = int(bad[0]) if len(bad) else 0
+        raise _idx_error(idx, f"document index {i} at byte offset {off + 12 * n_seq + 8 * i} is "
+                              f"{doc_indices[i] if n_doc else 'missing'}; document indices run from 0 up to the "
+                              f"sequence count {n_seq}, never decreasing")
     total = int(lengths.astype(np.int64).sum())
     bsize = binf.stat().st_size
     if bsize != total * dtype.itemsize:
@@ -274,12 +326,11 @@ def is_megatron_prefix(path: str | Path) -> bool:
 def read_flat(path: str | Path) -> np.ndarray:
     """nanoGPT's headerless uint16 token file, memory-mapped read-only."""
     path = Path(path)
-    if not path.is_file():
-        raise DataError(f"token file {path} does not exist")
-    size = path.stat().st_size
+    size = file_size(path)
     if size % 2:
-        raise DataError(f"{path}: odd size {size} for a uint16 token file; truncated at byte offset {size - 1}")
-    return np.memmap(path, dtype=np.uint16, mode="r") if size else np.zeros(0, dtype=np.uint16)
+        raise DataError(f"{path}: odd size {size} for a uint16 token file; truncated at byte offset {size - 1}",
+                        hint=REBUILD)
+    return np.memmap(path, dtype=np.uint16, mode="r")
 
 
 def is_shard(path: str | Path) -> bool:
@@ -288,4 +339,187 @@ def is_shard(path: str | Path) -> bool:
             head = f.read(4)
     except OSError:
         return False
-    return len(head) == 4 and int(np.frombuffer(head, dtype=np.int32)[0]) == SHARD_MAGIC
+    return len(head) == 4 and int(np.frombuffer(head, dtype="<i4")[0]) == SHARD_MAGIC
+
+
+def _damaged_shard_header(head: bytes, size: int) -> str | None:
+    """Why the first bytes of a file look like a shard (or mask) header with a wrong magic; None if they don't."""
+    ints = [int(x) for x in np.frombuffer(head[:len(head) // 4 * 4], dtype="<i4")]
+    if len(ints) < 3:
+        return None
+    if min(bin((ints[0] ^ m) & 0xFFFFFFFF).count("1") for m in (SHARD_MAGIC, MASK_MAGIC)) <= 4:
+        return "it is a few bits from the shard magic"
+    version = ints[1] == SHARD_VERSION
+    count = ints[2] >= 0 and size in (SHARD_HEADER_BYTES + 2 * ints[2], SHARD_HEADER_BYTES + ints[2])
+    if version and count:
+        return f"version {SHARD_VERSION} and the token count {ints[2]} at byte offsets 4 and 8 fit the file's size"
+    if (version or count) and len(ints) == SHARD_HEADER_INTS and not any(ints[3:]):
+        return (f"{'version 1' if version else f'the token count {ints[2]}'} and the zeroed rest of a "
+                f"{SHARD_HEADER_BYTES}-byte header fit a shard")
+    return None
+
+
+def detect_format(path: str | Path, fmt: str = "auto") -> str:
+    """'shard', 'megatron' or 'flat': the reader that opens `path` under data.format=fmt (module docstring)."""
+    path = Path(path)
+    if fmt not in FORMATS:
+        raise DataError(f"unknown token file format {fmt!r}", hint=f"data.format is one of {', '.join(FORMATS)}")
+    if fmt == "megatron" or (fmt == "auto" and (is_megatron_prefix(path) or path.suffix == ".idx")):
+        return "megatron"
+    size = file_size(path)
+    if fmt == "shard":
+        return "shard"
+    with open(path, "rb") as f:
+        head = f.read(SHARD_HEADER_BYTES)
+    magic = int(np.frombuffer(head[:4], dtype="<i4")[0]) if len(head) >= 4 else None
+    known = {SHARD_MAGIC: "shard", MASK_MAGIC: "loss-mask"}.get(magic)
+    known = known or ("MMIDIDX" if head[:9] == MMIDIDX_MAGIC else None)
+    if fmt == "flat":
+        if known:
+            raise DataError(f"{path}: data.format=flat, but the file starts with the {known} magic at byte offset 0 "
+                            f"(a flat token file has no header)",
+                            hint=f"set data.format={'megatron' if known == 'MMIDIDX' else 'shard'} (or auto)")
+        idx = path.with_suffix(".idx")
+        if path.suffix == ".bin" and idx.is_file():
+            raise DataError(f"{path}: data.format=flat, but {idx} beside it makes this the tokens of a Megatron "
+                            f"dataset", hint=f"set data.format=megatron (or auto) and data.path={path.with_suffix('')}")
+        return "flat"
+    if known == "shard":
+        return "shard"
+    if known == "loss-mask":
+        raise DataError(f"{path}: a loss mask (magic {MASK_MAGIC} at byte offset 0), not a token file",
+                        hint=f"point data.path at its tokens, {path.with_suffix('.bin')}")
+    if known == "MMIDIDX":
+        raise DataError(f"{path}: a Megatron index (magic {MMIDIDX_MAGIC!r} at byte offset 0), not a token file",
+                        hint="name the dataset by its prefix (PREFIX.idx and PREFIX.bin side by side)")
+    why = _damaged_shard_header(head, size)
+    if why:
+        raise DataError(f"{path}: bad magic {magic} at byte offset 0 (expected {SHARD_MAGIC}), but {why}: a damaged "
+                        f"shard header, so the file is not read as headerless tokens (data.format=auto)",
+                        hint=f"{REBUILD}; if it really is a headerless nanoGPT token file, set data.format=flat")
+    return "flat"
+
+
+def open_tokens(path: str | Path, fmt: str = "auto") -> tuple[np.ndarray, np.ndarray | None]:
+    """(tokens, loss mask or None) of a shard, a Megatron prefix or a flat uint16 file, memory-mapped."""
+    kind = detect_format(path, fmt)
+    if kind == "megatron":
+        data = read_megatron(path)
+        mask_prefix = f"{data.prefix}_mask"
+        mask = read_megatron(mask_prefix).tokens if is_megatron_prefix(mask_prefix) else None
+        where, tokens = f"{mask_prefix}.bin", data.tokens
+    elif kind == "shard":
+        tokens = read_shard(path)
+        mp = mask_path(path)
+        mask = read_shard_mask(mp) if mp.is_file() else None
+        where = str(mp)
+    else:
+        return read_flat(path), None
+    if mask is not None and len(mask) != len(tokens):
+        raise DataError(f"{where}: loss mask has {len(mask)} entries but {path} has {len(tokens)} tokens",
+                        hint="re-create both with `trainbox prepare ... --overwrite`")
+    return tokens, mask
+
+
+def token_file(path: str | Path) -> Path:
+    """The file holding the tokens of `path` (PREFIX.bin for a Megatron prefix), for messages."""
+    p = Path(path)
+    return Path(f"{str(p).removesuffix('.idx').removesuffix('.bin')}.bin") if is_megatron_prefix(p) else p
+
+
+# ----------------------------------------------------------------------------- prepared output sets
+
+
+def manifest_path(out: str | Path) -> Path:
+    return Path(f"{out}{MANIFEST_SUFFIX}")
+
+
+def write_manifest(path: Path, manifest: dict) -> None:
+    """Replace `path` atomically (temporary name, fsync, rename, fsync of the folder)."""
+    tmp = path.with_name(path.name + ".partial")
+    with open(tmp, "w") as f:
+        json.dump(manifest, f, indent=1)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent.resolve())
+
+
+def read_manifest(path: Path) -> dict:
+    """A prepare manifest, checked field by field; {} for a JSON file that is not one (no "trainbox_prepare")."""
+    try:
+        m = json.loads(path.read_text())
+        if not isinstance(m, dict) or "trainbox_prepare" not in m:
+            return {}
+        names = [f["name"] for f in m["files"]] + list(m.get("replaces", []))
+        if not (isinstance(m["out"], str) and m["state"] in ("committing", "complete")
+                and all(isinstance(n, str) for n in names) and all(isinstance(f["bytes"], int) for f in m["files"])):
+            raise ValueError("a field has the wrong type or value")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise DataError(f"{path}: unreadable `trainbox prepare` manifest ({type(e).__name__}: {e})",
+                        hint="re-create the dataset with `trainbox prepare ... --overwrite`") from None
+    return m
+
+
+def output_pattern(out: str, fmt: str) -> re.Pattern:
+    """File names `trainbox prepare --out .../OUT --format FMT` writes (shard or megatron)."""
+    o = re.escape(out)
+    if fmt == "megatron":
+        return re.compile(rf"{o}(_val)?_.+_document(_mask)?\.(bin|idx)")
+    return re.compile(rf"{o}_(train|val)_\d+\.(bin|mask)")
+
+
+def _physical_files(path: Path) -> list[Path]:
+    if is_megatron_prefix(path):
+        p = str(path).removesuffix(".idx").removesuffix(".bin")
+        return [Path(f"{q}.{ext}") for q in (p, f"{p}_mask") for ext in ("bin", "idx") if os.path.isfile(f"{q}.{ext}")]
+    return [path] + ([mask_path(path)] if path.suffix == ".bin" and mask_path(path).is_file() else [])
+
+
+def check_output_sets(paths: list[Path]) -> None:
+    """DataError unless every token file in `paths` that a prepare manifest speaks for is part of a whole set."""
+    manifests: dict[Path, list[tuple[Path, dict]]] = {}
+    touched: dict[Path, dict] = {}
+    for f in (q for p in paths for q in _physical_files(Path(p))):
+        folder = f.parent
+        if folder not in manifests:
+            found = [(m, read_manifest(m)) for m in sorted(folder.glob(f"*{MANIFEST_SUFFIX}"))]
+            manifests[folder] = [(m, d) for m, d in found if d]
+        listing = [(m, d) for m, d in manifests[folder] if f.name in {e["name"] for e in d["files"]}
+                   or f.name in d.get("replaces", [])]
+        owners = listing or [(m, d) for m, d in manifests[folder]
+                             if output_pattern(d["out"], d.get("format", "shard")).fullmatch(f.name)]
+        for m, d in owners:
+            if d["state"] != "complete":
+                out = folder / d["out"]
+                raise DataError(f"{f}: part of an unfinished `trainbox prepare` into {out} ({m} says "
+                                f"'{d['state']}'): the files {out}_* may mix an old and a new output set",
+                                hint=f"run the same `trainbox prepare ... --out {out} --overwrite` again")
+            if not listing:
+                raise DataError(f"{f}: not listed in {m}, though named like an output of its prepare; the file "
+                                f"does not belong to that prepared set (left over, or copied in)",
+                                hint=f"remove {f}, or re-create the set with `trainbox prepare ... --overwrite`")
+            touched[m] = d
+    for m, d in touched.items():
+        for e in d["files"]:
+            f = m.parent / e["name"]
+            size = f.stat().st_size if f.is_file() else None
+            if size != e["bytes"]:
+                has = "is missing" if size is None else f"has {size}"
+                raise DataError(f"{f}: listed in {m} with {e['bytes']} bytes but {has}; the prepared set is not "
+                                f"whole", hint=f"re-create it with `trainbox prepare ... --overwrite` (or delete {m} "
+                                               f"to read the files as they are)")
+
+
+def prepared_with(path: str | Path) -> str | None:
+    """The --tokenizer of the complete prepare manifest that lists the token file of `path`, if any."""
+    f = token_file(path)
+    for m in sorted(f.parent.glob(f"*{MANIFEST_SUFFIX}")):
+        try:
+            d = read_manifest(m)
+        except DataError:
+            continue
+        if d and d["state"] == "complete" and f.name in {e["name"] for e in d["files"]}:
+            return d.get("tokenizer")
+    return None

@@ -7,8 +7,9 @@ rule as the training loader, so the step count printed here is the one `trainbox
     samples = sum over files of (tokens - 1) // seq_len      (windows of seq_len + 1 never cross files)
     steps_per_epoch = samples // global_batch; total = ceil(epochs x steps_per_epoch)
 
-Zero steps raise the loader's own error message (data/loader.py: zero_steps_message).
-Scans are chunked, so a many-GB dataset is inspected in bounded memory.
+Zero steps raise the loader's own error message (data/loader.py: zero_steps_message). Files are opened under
+the same data.format rule and the same output-set check (a `trainbox prepare` set whose manifest is not
+complete is refused) as for training. Scans are chunked, so a many-GB dataset is inspected in bounded memory.
 """
 from __future__ import annotations
 
@@ -24,10 +25,8 @@ from trainbox.errors import DataError
 CHUNK = 1 << 24
 
 
-def file_format(path: Path) -> str:
-    if formats.is_megatron_prefix(path):
-        return "megatron"
-    return "shard" if formats.is_shard(path) else "flat"
+def file_format(path: Path, fmt: str = "auto") -> str:
+    return formats.detect_format(path, fmt)
 
 
 def scan(tokens: np.ndarray, eot: int | None) -> dict:
@@ -42,12 +41,13 @@ def scan(tokens: np.ndarray, eot: int | None) -> dict:
     return {"min_id": lo, "max_id": hi, "eot": n_eot}
 
 
-def describe_file(path: Path, eot: int | None, vocab_size: int | None) -> dict:
+def describe_file(path: Path, eot: int | None, vocab_size: int | None, data_format: str = "auto",
+                  tokenizer: str | None = None) -> dict:
     """One file's format, dtype, documents, tokens, id range and masked fraction."""
     from trainbox.data.sources import check_vocab
 
-    tokens, mask = open_tokens(path)
-    fmt = file_format(path)
+    tokens, mask = open_tokens(path, data_format)
+    fmt = file_format(path, data_format)
     info = {"path": str(path), "format": fmt, "dtype": str(tokens.dtype), "tokens": int(len(tokens))}
     info.update(scan(tokens, eot))
     if fmt == "megatron":
@@ -57,28 +57,28 @@ def describe_file(path: Path, eot: int | None, vocab_size: int | None) -> dict:
     if mask is not None:
         info["trained_tokens"] = int(sum(int(np.asarray(mask[s:s + CHUNK]).sum()) for s in range(0, len(mask), CHUNK)))
     if vocab_size is not None:
-        check_vocab(tokens, Path(f"{path}.bin") if fmt == "megatron" and Path(path).suffix != ".bin" else path,
-                    vocab_size)
+        check_vocab(tokens, formats.token_file(path), vocab_size, tokenizer=tokenizer)
     return info
 
 
 def inspect_data(path: str, seq_len: int, global_batch: int | None = None, epochs: float = 1.0,
-                 tokenizer: str | None = None, cache_dir: str | None = None) -> dict:
+                 tokenizer: str | None = None, cache_dir: str | None = None, data_format: str = "auto") -> dict:
     """A report of the train (and val) files behind `path`; DataError when an epoch would have 0 steps."""
     from trainbox.config import DataSection
     from trainbox.data.sources import resolve
     from trainbox.data.tokenizer import get_tokenizer
 
     tok = get_tokenizer(tokenizer or "gpt2")
-    cfg = DataSection(path=path, tokenizer=tokenizer or "gpt2", seq_len=max(8, seq_len), cache_dir=cache_dir)
+    cfg = DataSection(path=path, tokenizer=tokenizer or "gpt2", seq_len=max(8, seq_len), cache_dir=cache_dir,
+                      format=data_format)
     train_files, val_files = resolve(cfg, tok)
     vocab = tok.vocab_size if tokenizer else None
     report: dict = {"path": path, "seq_len": seq_len, "tokenizer": tokenizer or "gpt2 (for EOT only)"}
     for split, files in (("train", train_files), ("val", val_files)):
         if not files:
             continue
-        infos = [describe_file(f, tok.eot_id, vocab) for f in files]
-        ds = TokenDataset([open_tokens(f)[0] for f in files], seq_len, name=f"{path} ({split})")
+        infos = [describe_file(f, tok.eot_id, vocab, data_format, tokenizer) for f in files]
+        ds = TokenDataset([open_tokens(f, data_format)[0] for f in files], seq_len, name=f"{path} ({split})")
         report[split] = {"files": infos, "tokens": ds.num_tokens, "samples": ds.num_samples,
                          "documents": sum(i["documents"] for i in infos),
                          "min_id": min(i["min_id"] for i in infos if i["min_id"] is not None) if ds.num_tokens else None,

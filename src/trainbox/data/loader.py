@@ -164,27 +164,12 @@ def zero_steps_message(name: str, samples: int, seq_len: int, global_batch: int)
             f"(at most {samples}) or data.seq_len")
 
 
-def open_tokens(path: Path) -> tuple[np.ndarray, np.ndarray | None]:
-    """(tokens, loss mask or None) of a shard, a Megatron prefix or a flat uint16 file, memory-mapped."""
+def open_tokens(path: Path, fmt: str = "auto") -> tuple[np.ndarray, np.ndarray | None]:
+    """(tokens, loss mask or None) of a shard, a Megatron prefix or a flat uint16 file, memory-mapped;
+    `fmt` is data.format (auto, shard, megatron, flat: data/formats.py says what each accepts)."""
     from trainbox.data import formats
 
-    if formats.is_megatron_prefix(path):
-        data = formats.read_megatron(path)
-        mask_prefix = f"{data.prefix}_mask"
-        mask = formats.read_megatron(mask_prefix).tokens if formats.is_megatron_prefix(mask_prefix) else None
-        where = f"{mask_prefix}.bin"
-        tokens = data.tokens
-    elif formats.is_shard(path):
-        tokens = formats.read_shard(path)
-        mp = formats.mask_path(path)
-        mask = formats.read_shard_mask(mp) if mp.is_file() else None
-        where = str(mp)
-    else:
-        return formats.read_flat(path), None
-    if mask is not None and len(mask) != len(tokens):
-        raise DataError(f"{where}: loss mask has {len(mask)} entries but {path} has {len(tokens)} tokens",
-                        hint="re-create both with `trainbox prepare ... --overwrite`")
-    return tokens, mask
+    return formats.open_tokens(path, fmt)
 
 
 def eval_batches(dataset: TokenDataset, eval_tokens: int, micro_batch: int, world: int = 1, rank: int = 0):

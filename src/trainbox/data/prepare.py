@@ -12,8 +12,15 @@ Pipeline (one reader, N tokenizer processes, one writer):
 - Documents: a .txt file is one document; a JSONL line is one document per --text-key (or one chat).
   The validation split takes whole documents: the first --val-docs, or an evenly spread
   --val-fraction (document i is held out when floor((i+1)f) > floor(if)).
-- Atomic: every output is written under a temporary name and renamed only when all are complete;
-  existing outputs are replaced only with overwrite=True; an input is never opened for writing.
+- Atomic as a set: every output is written under a temporary name (NAME.partial). Once all are complete,
+  {out}.manifest.json is written with state "committing" (the new files and the old ones they replace),
+  the temporaries are renamed into place, stale outputs of the previous set and leftover temporaries
+  are removed, and the manifest is rewritten with state "complete": each file's name, size and token
+  count. Readers (data/sources.py, `trainbox inspect`) refuse a set whose manifest is not complete, so a
+  kill at any moment leaves either the previous whole set or a refused one; a rerun with --overwrite
+  replaces it. Existing outputs are replaced only with overwrite=True; an input is never opened for writing.
+- An input with no tokens at all (no documents, or only empty ones) is a NoData error (exit code 2), and
+  nothing is written.
 
 Shard output: {out}_val_000000.bin, {out}_train_000001.bin ... (EOT before each document, rolled over
 every `shard_tokens` tokens) plus `.mask` files for chat data. Megatron output: {out}_{key}_document
@@ -37,8 +44,7 @@ import numpy as np
 from trainbox.data import formats
 from trainbox.data.readers import (decode_utf8, first_record_is_chat, is_jsonl, list_input_files, parse_json_line,
                                    splits_like_gpt2, work_items)
-from trainbox.errors import DataError
-
+from trainbox.errors import DataError, NoData
 
 
 @dataclass
@@ -197,7 +203,7 @@ class ShardSink:
         self.eot, self.masked = eot, masked
         self.writer: formats.ShardWriter | None = None
         self.mask_writer: formats.ShardWriter | None = None
-        self.done: list[tuple[Path, Path]] = []
+        self.done: list[tuple[Path, Path, int]] = []  # (temporary, final name, tokens)
 
     def _open(self) -> None:
         final = Path(f"{self.out}_{self.split}_{self.index:06d}.bin")
@@ -211,7 +217,7 @@ class ShardSink:
         for w in (self.writer, self.mask_writer):
             if w is not None:
                 w.close()
-                self.done.append((w.tmp, w.final))
+                self.done.append((w.tmp, w.final, w.count))
         self.writer = self.mask_writer = None
 
     def add(self, ids: np.ndarray, mask: np.ndarray | None, starts_document: bool) -> int:
@@ -234,15 +240,16 @@ class ShardSink:
                 self._roll()
         return len(ids)
 
-    def close(self) -> list[tuple[Path, Path]]:
+    def close(self) -> list[tuple[Path, Path, int]]:
         self._roll()
         return self.done
 
-    def abort(self) -> None:
+    def abort(self) -> list[Path]:
         for w in (self.writer, self.mask_writer):
             if w is not None:
                 w.f.close()
-                self.done.append((w.tmp, w.final))
+                self.done.append((w.tmp, w.final, w.count))
+        return [tmp for tmp, _, _ in self.done]
 
 
 class MegatronSink:
@@ -257,10 +264,9 @@ class MegatronSink:
         self.open_doc = False
 
     def add_entry(self, ids_per_key: list[np.ndarray], mask: np.ndarray | None, starts_document: bool) -> int:
-        if starts_document and self.open_doc:
-            self._end()
+        """Tokens written: the entry's, plus the EODs that end the previous document."""
+        n = self._end() if starts_document and self.open_doc else 0
         self.open_doc = True
-        n = 0
         for w, ids in zip(self.writers, ids_per_key):
             w.extend(ids)
             n += len(ids)
@@ -282,33 +288,51 @@ class MegatronSink:
         self.open_doc = False
         return n
 
-    def close(self) -> tuple[int, list[tuple[Path, Path]]]:
+    def close(self) -> tuple[int, list[tuple[Path, Path, int | None]]]:
         n = self._end() if self.open_doc else 0
         done = []
         for w in self.writers + self.masks:
             w.close()
-            done += w.outputs()
+            (bin_tmp, bin_final), idx = w.outputs()
+            done += [(bin_tmp, bin_final, w.tokens), (*idx, None)]
         return n, done
 
-    def abort(self) -> list[tuple[Path, Path]]:
-        done = []
+    def abort(self) -> list[Path]:
         for w in self.writers + self.masks:
             w.f.close()
-            done += w.outputs()
-        return done
+        return [tmp for w in self.writers + self.masks for tmp, _ in w.outputs()]
 
 
 # ----------------------------------------------------------------------------- the command
 
 
-def existing_outputs(opts: PrepareOptions) -> list[Path]:
-    """Files a prepare into `opts.out` would create or replace."""
+def _output_globs(opts: PrepareOptions) -> list[str]:
     o = glob.escape(opts.out)
     if opts.format == "shard":
-        pats = [f"{o}_train_*.bin", f"{o}_val_*.bin", f"{o}_train_*.mask", f"{o}_val_*.mask"]
-    else:
-        pats = [f"{o}{tag}_{glob.escape(k)}_document{m}.{ext}" for tag in ("", "_val") for k in opts.text_keys
-                for m in ("", "_mask") for ext in ("bin", "idx")]
+        return [f"{o}_train_*.bin", f"{o}_val_*.bin", f"{o}_train_*.mask", f"{o}_val_*.mask"]
+    return [f"{o}{tag}_{glob.escape(k)}_document{m}.{ext}" for tag in ("", "_val") for k in opts.text_keys
+            for m in ("", "_mask") for ext in ("bin", "idx")]
+
+
+def existing_outputs(opts: PrepareOptions) -> list[Path]:
+    """Files a prepare into `opts.out` would create or replace: its output names, the files its manifest
+    lists (an interrupted commit's old and new ones), and the manifest itself, last."""
+    found = {Path(p) for pat in _output_globs(opts) for p in glob.glob(pat)}
+    man = formats.manifest_path(opts.out)
+    if man.is_file():
+        try:
+            m = formats.read_manifest(man)
+        except DataError:
+            m = {}
+        names = [e["name"] for e in m.get("files", [])] + m.get("replaces", [])
+        found |= {man.parent / n for n in names if (man.parent / n).is_file()}
+    return sorted(found) + ([man] if man.is_file() else [])
+
+
+def _leftover_temporaries(opts: PrepareOptions) -> list[Path]:
+    """`.partial` files of earlier prepares into `opts.out` that were killed."""
+    man = glob.escape(str(formats.manifest_path(opts.out)))
+    pats = [f"{p}.partial" for p in _output_globs(opts)] + [f"{man}.partial"]
     return sorted({Path(p) for pat in pats for p in glob.glob(pat)})
 
 
@@ -359,7 +383,7 @@ def prepare(opts: PrepareOptions, progress: Callable[[PrepareStats], None] | Non
     pool = _Pool(opts.workers, (opts.tokenizer, opts.chat_template, chat, list(opts.text_keys)))
     start, last = time.perf_counter(), 0.0
     try:
-        doc, split = -1, "train"
+        doc, split, content = -1, "train", 0
         pieces = None if splits_like_gpt2(tok) else 0
         for results, nbytes in pool.map(work_items(files, pieces)):
             if isinstance(results, tuple):  # ("error", message, hint) from a worker
@@ -370,18 +394,24 @@ def prepare(opts: PrepareOptions, progress: Callable[[PrepareStats], None] | Non
                     split = "val" if _is_val(doc, opts) else "train"
                 n = _emit(sinks[split], ids_per_key, mask, starts)
                 _count(stats, split, n, starts)
+                content += sum(len(ids) for ids in ids_per_key)
             stats.bytes_read += nbytes
             stats.seconds = time.perf_counter() - start
             if progress and stats.seconds - last >= 0.5:
                 last = stats.seconds
                 progress(stats)
-        pairs = _close_sinks(sinks, stats)
+        if content == 0:
+            names = ", ".join(map(str, files[:3])) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
+            what = f"{stats.documents} empty document(s)" if stats.documents else "no documents"
+            raise NoData(f"{names}: no tokens to write ({what}); nothing was written",
+                         hint="check the input files" + (" and --text-key" if any(map(is_jsonl, files)) else ""))
+        outputs = _close_sinks(sinks, stats)
     except BaseException:
         pool.close()
         _abort(sinks)
         raise
     pool.close()
-    _commit(pairs, opts)
+    stats.files.append(str(_commit(outputs, opts, tok)))
     if opts.write_vocab:
         stats.files += [str(p) for p in write_vocab(opts.tokenizer, Path(opts.out).parent)]
     stats.seconds = time.perf_counter() - start
@@ -418,41 +448,49 @@ def _count(stats: PrepareStats, split: str, n: int, starts: bool) -> None:
         stats.val_documents += int(starts)
 
 
-def _close_sinks(sinks: dict, stats: PrepareStats) -> list[tuple[Path, Path]]:
-    pairs = []
+def _close_sinks(sinks: dict, stats: PrepareStats) -> list[tuple[Path, Path, int | None]]:
+    outputs = []
     for split, sink in sinks.items():
         if isinstance(sink, ShardSink):
-            pairs += sink.close()
+            outputs += sink.close()
             continue
         n, done = sink.close()  # the EOD of each split's last document is counted here
         stats.tokens += n
         if split == "val":
             stats.val_tokens += n
         if split == "val" and not stats.val_documents:
-            for tmp, _ in done:  # no validation split asked for: no empty val dataset
+            for tmp, _, _ in done:  # no validation split asked for: no empty val dataset
                 tmp.unlink(missing_ok=True)
             continue
-        pairs += done
-    stats.files = [str(final) for _, final in pairs]
-    return pairs
+        outputs += done
+    stats.files = [str(final) for _, final, _ in outputs]
+    return outputs
 
 
 def _abort(sinks: dict) -> None:
     """Remove every temporary file; final names are untouched."""
     for sink in sinks.values():
-        pairs = sink.abort() if isinstance(sink, MegatronSink) else (sink.abort() or sink.done)
-        for tmp, _ in pairs:
+        for tmp in sink.abort():
             Path(tmp).unlink(missing_ok=True)
 
 
-def _commit(pairs: list[tuple[Path, Path]], opts: PrepareOptions) -> None:
-    """Rename all temporaries into place, then drop stale outputs of an earlier, larger prepare."""
-    old = set(existing_outputs(opts))
-    for tmp, final in pairs:
+def _commit(outputs: list[tuple[Path, Path, int | None]], opts: PrepareOptions, tok) -> Path:
+    """Put the new output set in place of the old one as a whole (module docstring); -> the manifest."""
+    man = formats.manifest_path(opts.out)
+    new = {final for _, final, _ in outputs}
+    old = [p for p in existing_outputs(opts) if p != man]
+    base = {"trainbox_prepare": 1, "out": man.name.removesuffix(formats.MANIFEST_SUFFIX), "format": opts.format,
+            "tokenizer": opts.tokenizer, "vocab_size": tok.vocab_size,
+            "files": [{"name": final.name, "bytes": tmp.stat().st_size, **({} if n is None else {"tokens": n})}
+                      for tmp, final, n in outputs]}
+    formats.write_manifest(man, {**base, "state": "committing", "replaces": [p.name for p in old if p not in new]})
+    for tmp, final, _ in outputs:
         os.replace(tmp, final)
-    for stale in old - {final for _, final in pairs}:
-        stale.unlink()
-    formats.fsync_dir(Path(opts.out).parent.resolve())
+    for stale in [p for p in old if p not in new] + _leftover_temporaries(opts):
+        stale.unlink(missing_ok=True)
+    formats.fsync_dir(man.parent.resolve())
+    formats.write_manifest(man, {**base, "state": "complete"})
+    return man
 
 
 def write_vocab(tokenizer: str, folder: Path) -> list[Path]:

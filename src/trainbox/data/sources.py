@@ -14,6 +14,12 @@ Accepted forms:
                            1% of the documents are held out for validation
   FILE.jsonl / FILE.txt    for model.family=hf: chat or plain-text fine-tuning data with loss masks (data/sft.py)
 Loss masks (`.mask` beside a shard, `PREFIX_mask` beside a Megatron prefix) are opened with their tokens.
+
+data.format (auto | shard | megatron | flat) picks the reader of every token file; data/formats.py gives the
+rule of each, and auto's detection by content. Raw and embedded inputs become shards (auto or shard only).
+The files of a `trainbox prepare` output set are read only when its manifest says the set is whole
+(formats.check_output_sets). Every token id is checked against the tokenizer's vocabulary (not the model's
+padded one) when a dataset is opened for training.
 """
 from __future__ import annotations
 
@@ -123,14 +129,23 @@ def _megatron_prefixes(path: str, keys: list[str]) -> tuple[list[Path], list[Pat
 
 def resolve(cfg: DataSection, tokenizer: Tokenizer) -> tuple[list[Path], list[Path]]:
     """-> (train files, val files); Megatron datasets are given by their prefix."""
-    path = cfg.path
+    path, fmt = cfg.path, cfg.format
+    raw = path.startswith("embedded:") or (_is_raw_input(path) and os.path.exists(path))
+    if raw and fmt not in ("auto", "shard"):
+        raise DataError(f"data.format={fmt}, but data.path={path} is text input, tokenized into shards",
+                        hint="drop data.format (auto) or set data.format=shard")
     if path.startswith("embedded:"):
         path = str(tokenize_embedded(path.split(":", 1)[1], tokenizer, default_cache_dir(cfg)))
-    elif _is_raw_input(path) and os.path.exists(path):
+    elif raw:
         path = prepare_into_cache(cfg)
     elif os.path.isdir(path):
         path = _folder_prefix(path)
-    meg = _megatron_prefixes(path, list(cfg.text_key))
+    meg = _megatron_prefixes(path, list(cfg.text_key)) if fmt in ("auto", "megatron") else None
+    if fmt == "megatron" and meg is None:
+        raise DataError(f"data.format=megatron, but {path} is not a Megatron dataset: no "
+                        f"{path.removesuffix('.bin').removesuffix('.idx')}.idx and .bin, nor {path}_"
+                        f"{cfg.text_key[0]}_document.idx and .bin",
+                        hint="give the prefix of PREFIX.idx / PREFIX.bin, or set data.format=auto")
     if meg is not None:
         train, val = meg
         if cfg.val_path:
@@ -148,39 +163,52 @@ def resolve(cfg: DataSection, tokenizer: Tokenizer) -> tuple[list[Path], list[Pa
                             (f" (found: {', '.join(found)})" if found else ""),
                             hint="create them with `trainbox prepare INPUT --out PREFIX`, "
                                  "or use data.path=embedded:shakespeare")
+    formats.check_output_sets(train + val)
     return train, val
 
 
 def open_datasets(cfg: DataSection, tokenizer: Tokenizer, vocab_size: int) -> tuple[TokenDataset, TokenDataset | None]:
+    """(train, val) of data.path for a model of `vocab_size` ids; token ids must be below the tokenizer's
+    vocabulary too (GPT-2: 50,257, not the padded 50,304)."""
     train_files, val_files = resolve(cfg, tokenizer)
-    train = open_dataset(train_files, cfg.seq_len, f"{cfg.path} (train)", vocab_size)
-    val = open_dataset(val_files, cfg.seq_len, f"{cfg.path} (val)", vocab_size) if val_files else None
+    limit = min(vocab_size, getattr(tokenizer, "vocab_size", None) or vocab_size)
+    name = getattr(tokenizer, "name", None) or cfg.tokenizer
+    train = open_dataset(train_files, cfg.seq_len, f"{cfg.path} (train)", limit, cfg.format, name)
+    val = open_dataset(val_files, cfg.seq_len, f"{cfg.path} (val)", limit, cfg.format, name) if val_files else None
     return train, val
 
 
-def open_dataset(files: list[Path], seq_len: int, name: str, vocab_size: int | None = None) -> TokenDataset:
+def open_dataset(files: list[Path], seq_len: int, name: str, vocab_size: int | None = None, fmt: str = "auto",
+                 tokenizer: str | None = None) -> TokenDataset:
     """Memory-map token files (and their masks) into one TokenDataset; check ids against the vocab."""
-    opened = [open_tokens(f) for f in files]
+    opened = [open_tokens(f, fmt) for f in files]
     arrays, masks = [a for a, _ in opened], [m for _, m in opened]
     if sum(len(a) for a in arrays) == 0:
         raise DataError(f"{name}: the dataset is empty (0 tokens in {', '.join(map(str, files))})",
                         hint="check the input of `trainbox prepare`")
     if vocab_size is not None:
         for arr, f in zip(arrays, files):
-            check_vocab(arr, Path(f"{f}.bin") if formats.is_megatron_prefix(f) and f.suffix != ".bin" else f, vocab_size)
+            check_vocab(arr, formats.token_file(f), vocab_size, tokenizer=tokenizer)
     return TokenDataset(arrays, seq_len, name=name, masks=masks)
 
 
-def check_vocab(arr: np.ndarray, path: Path, vocab_size: int, chunk: int = 1 << 24) -> None:
-    """DataError naming the file and byte offset of the first token id >= vocab_size (scanned in chunks)."""
+def check_vocab(arr: np.ndarray, path: Path, vocab_size: int, chunk: int = 1 << 24,
+                tokenizer: str | None = None) -> None:
+    """DataError naming the file, token index and byte offset of the first token id >= vocab_size.
+
+    One max() per chunk of the memory map; the position is searched for only in a chunk that fails."""
     for start in range(0, len(arr), chunk):
         part = np.asarray(arr[start:start + chunk])
         if len(part) and int(part.max()) >= vocab_size:
             pos = start + int(np.argmax(part >= vocab_size))
             off = _byte_offset(path, arr, pos)
+            used = formats.prepared_with(path)
+            tok = f" of tokenizer {tokenizer}" if tokenizer else ""
+            hint = (f"it was prepared with --tokenizer {used}; set data.tokenizer={used}" if used and used != tokenizer
+                    else f"the data was tokenized with another tokenizer than {tokenizer or 'this one'}; set "
+                         f"data.tokenizer to the one it was prepared with (`trainbox prepare --tokenizer`)")
             raise DataError(f"{path}: token id {int(arr[pos])} at token {pos} (byte offset {off}) is >= the "
-                            f"vocab size {vocab_size}",
-                            hint="the data was tokenized with another tokenizer; set data.tokenizer to match")
+                            f"vocab size {vocab_size}{tok}", hint=hint)
 
 
 def _byte_offset(path: Path, arr: np.ndarray, pos: int) -> int:
