@@ -5,6 +5,7 @@ pod template, and our own strict checks of the PyTorchJob and of the policies th
 from __future__ import annotations
 
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -227,10 +228,14 @@ def check_pytorchjob(job: dict, nodes: int, gpus: int, resource: str, min_nodes:
         assert {"name": "dshm", "mountPath": "/dev/shm"} in c["volumeMounts"]
         assert any("persistentVolumeClaim" in v for v in pod["volumes"])
         assert pod["terminationGracePeriodSeconds"] >= 120
+        # the monitor stays on the pod's loopback: no port, exec probes (an httpGet probe comes from the node)
+        env = {e["name"]: e.get("value") for e in c["env"]}
+        assert "monitor.host=127.0.0.1" in env["TRAINBOX_OVERRIDES"].split() and "ports" not in c
         probes = {"startupProbe", "livenessProbe"} & set(c)
         if role == "Master":  # rank 0 serves /health
             assert probes == {"startupProbe", "livenessProbe"}
-            assert all(c[p]["httpGet"]["path"] == "/health" for p in probes)
+            assert all(set(c[p]) & {"exec", "httpGet", "tcpSocket", "grpc"} == {"exec"} for p in probes)
+            assert all(c[p]["exec"]["command"] == ["trainbox", "status", "http://127.0.0.1:8080"] for p in probes)
         else:
             assert not probes
 
@@ -248,6 +253,36 @@ def test_pytorchjob_strict(tmp_path, nodes, gpus, vendor, min_nodes):
         path = tmp_path / f"podtemplate-{role}.yaml"
         path.write_text(yaml.safe_dump(tpl))
         validate([kv, "--strict", str(path)])
+
+
+def test_k8s_probe_command_reaches_the_loopback_monitor(tmp_path):
+    """The Master's exec probe, run against a monitor configured by the pod's TRAINBOX_OVERRIDES (on a free
+    port here): exit 0 while healthy, 1 once the run failed; it passes the server's Host check."""
+    from trainbox.config import load_config
+    from trainbox.monitor.server import start_server
+    from trainbox.monitor.state import RunState
+
+    files = rendered("k8s", tmp_path, nodes=2, gpus_per_node=1)
+    [c] = yaml.safe_load(files["pytorchjob.yaml"])["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"][
+        "containers"]
+    overrides = next(e["value"] for e in c["env"] if e["name"] == "TRAINBOX_OVERRIDES")
+    cfg = load_config(None, [*shlex.split(overrides), "monitor.port=0"]).monitor
+    assert cfg.host == "127.0.0.1" and not cfg.token
+    state = RunState("probe", tmp_path)
+    state.update(phase="training", step=1)
+    server = start_server(state, cfg)
+    try:
+        cmd = c["livenessProbe"]["exec"]["command"]
+        assert cmd[0] == "trainbox"
+        cmd = [sys.executable, "-m", "trainbox", *cmd[1:-1],
+               cmd[-1].replace(":8080", f":{server.httpd.server_address[1]}")]
+        ok = subprocess.run(cmd, capture_output=True, text=True)
+        assert ok.returncode == 0 and ok.stdout.startswith("healthy"), ok.stdout + ok.stderr
+        state.update(phase="failed", error="loss is nan at step 1")
+        bad = subprocess.run(cmd, capture_output=True, text=True)
+        assert bad.returncode == 1 and "nan" in bad.stdout, bad.stdout + bad.stderr
+    finally:
+        server.stop()
 
 
 def test_kubernetes_validate_rejects_a_bad_field(tmp_path):

@@ -12,12 +12,15 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
 import urllib.error
 import urllib.request
+from http.client import HTTPConnection
+from http.cookiejar import CookieJar
 from pathlib import Path
 
 import pytest
@@ -48,10 +51,17 @@ def read_status(run_dir: Path) -> dict | None:
         return None
 
 
-def http(url: str, headers: dict | None = None, method: str = "GET") -> tuple[int, dict, bytes]:
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    def redirect_request(self, *args):
+        return None
+
+
+def http(url: str, headers: dict | None = None, method: str = "GET", redirect: bool = True
+         ) -> tuple[int, dict, bytes]:
     req = urllib.request.Request(url, headers=headers or {}, method=method)
+    opener = urllib.request.build_opener(*([] if redirect else [_NoRedirect]))
     try:
-        with urllib.request.urlopen(req, timeout=10) as r:
+        with opener.open(req, timeout=10) as r:
             return r.status, dict(r.headers), r.read()
     except urllib.error.HTTPError as e:
         return e.code, dict(e.headers), e.read()
@@ -135,7 +145,9 @@ def test_token_guards_every_endpoint_but_health(live):
         assert code == 401 and headers["WWW-Authenticate"].startswith("Bearer"), path
         assert http(live.url + path, {"Authorization": "Bearer wrong"})[0] == 401, path
         assert http(live.url + path, AUTH)[0] == (404 if path == "/nosuch" else 200), path
-    assert http(live.url + "/?token=" + TOKEN)[0] == 200  # browsers open the page with ?token=
+    code, headers, _ = http(live.url + "/?token=" + TOKEN, redirect=False)  # a browser opens the page once so
+    assert code == 303 and headers["Location"] == "/" and "HttpOnly" in headers["Set-Cookie"]
+    assert http(live.url + "/metrics?token=" + TOKEN)[0] == 401  # the query token opens the dashboard only
     assert http(live.url + "/health")[0] == 200
 
 
@@ -212,9 +224,11 @@ def _chromium(url: str, profile: Path, *mode: str) -> subprocess.CompletedProces
 
 def test_dashboard_in_headless_chromium(live, tmp_path):
     """The page loads from the live run, polls it, and its three charts have points; the screenshot is
-    kept in test-artifacts/dashboard.png."""
+    kept in test-artifacts/dashboard.png. The browser opens /?token=, follows the redirect to / with the
+    cookie it got, and the page's own requests authenticate with that cookie alone."""
     url = f"{live.url}/?token={TOKEN}"
     dom = _chromium(url, tmp_path / "profile-dom", "--dump-dom").stdout
+    assert "Authorization" not in dom and TOKEN not in dom  # no token in the page: its requests carry the cookie
     points = {m[0]: int(m[1]) for m in re.findall(r'<canvas id="chart-(\w+)" data-points="(\d+)"', dom)}
     logged = read_status(live.run_dir)["step"]  # the page loaded before this was read
     assert set(points) == {"loss", "lr", "tps"}, dom[:2000]
@@ -336,6 +350,182 @@ def test_non_loopback_without_token_warns(tmp_path, data_cache):
             assert warned == warns, (host, token)
     finally:
         log.removeHandler(handler)
+
+
+# ----------------------------------------------------------------------------- hardening (in-process server, raw sockets)
+
+
+def _serve(tmp_path, timeout: float | None = None, **monitor):
+    """A monitor on a free port over a fresh RunState, with MonitorSection fields `monitor`."""
+    from trainbox.config import MonitorSection
+    from trainbox.monitor.server import MonitorServer
+    from trainbox.monitor.state import RunState
+
+    state = RunState("unit", tmp_path, total_steps=10)
+    state.update(phase="training", step=1, loss=2.5)
+    return MonitorServer(state, MonitorSection(port=0, **monitor), **({"timeout": timeout} if timeout else {}))
+
+
+def _closed_by_server(sock: socket.socket, deadline: float, trickle: bool = False) -> bool:
+    """Wait (on the socket, never a sleep) until the server closes it or `deadline` passes; with `trickle`
+    send one more header byte every 0.1 s meanwhile, as a slowloris client does."""
+    while time.monotonic() < deadline:
+        sock.settimeout(min(0.1 if trickle else 1.0, max(deadline - time.monotonic(), 0.01)))
+        try:
+            if sock.recv(1024) == b"":
+                return True
+        except TimeoutError:
+            if trickle:
+                try:
+                    sock.sendall(b"x")
+                except OSError:
+                    return True
+        except OSError:  # reset: closed too
+            return True
+    return False
+
+
+def _raw(server, path: str, headers: dict) -> tuple[int, dict, bytes]:
+    """One request through http.client with exactly these headers (Host included: no automatic one)."""
+    conn = HTTPConnection("127.0.0.1", server.httpd.server_address[1], timeout=10)
+    try:
+        conn.putrequest("GET", path, skip_host="Host" in headers, skip_accept_encoding=True)
+        for k, v in headers.items():
+            conn.putheader(k, v)
+        conn.endheaders()
+        r = conn.getresponse()
+        return r.status, {k: v for k, v in r.getheaders()}, r.read()
+    finally:
+        conn.close()
+
+
+def test_slow_and_silent_clients_are_dropped_and_others_served(tmp_path):
+    """Connections that send nothing, half a request line or trickle headers are closed once the request
+    timeout (1 s here) passes, and a normal request is answered while 20 of them hang open."""
+    timeout = 1.0
+    server = _serve(tmp_path, timeout=timeout)
+    port = server.httpd.server_address[1]
+    partial = [b"", b"GET /sta", b"GET /status HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: "]
+    slow = []
+    try:
+        opened = time.monotonic()
+        for i in range(20):
+            sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+            sock.sendall(partial[i % 3])
+            slow.append(sock)
+        code, _, body = http(server.url + "/status")
+        assert code == 200 and json.loads(body)["run_name"] == "unit"
+        for sock in slow:  # all still connected while that request was answered
+            sock.setblocking(False)
+            with pytest.raises(BlockingIOError):
+                sock.recv(1)
+        bound = opened + timeout + 2.0  # the timeout plus scheduling slack on a loaded 2-core machine
+        still_open = [i for i, sock in enumerate(slow) if not _closed_by_server(sock, bound)]
+        assert not still_open, f"connections {still_open} still open {bound - opened:.1f} s after connecting"
+        trickler = socket.create_connection(("127.0.0.1", port), timeout=5)
+        slow.append(trickler)
+        trickler.sendall(b"GET /status HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ")
+        start = time.monotonic()
+        assert _closed_by_server(trickler, start + timeout + 2.0, trickle=True), "a trickling client was kept"
+        assert http(server.url + "/health")[0] == 200
+    finally:
+        for sock in slow:
+            sock.close()
+        server.stop()
+
+
+def test_token_only_from_the_authorization_header_or_the_dashboard_cookie(tmp_path):
+    server = _serve(tmp_path, token=TOKEN)
+    try:
+        for scheme in ("Bearer", "bearer", "BEARER"):
+            assert http(server.url + "/metrics", {"Authorization": f"{scheme} {TOKEN}"})[0] == 200, scheme
+        for bad in (TOKEN, f"Basic {TOKEN}", f"Bearer {TOKEN}x", f"Bearer {TOKEN[:-1]}", "Bearer", ""):
+            assert http(server.url + "/metrics", {"Authorization": bad})[0] == 401, bad
+        for path in ("/metrics", "/status", "/history", "/index.html", "/nosuch"):
+            assert http(server.url + f"{path}?token={TOKEN}", redirect=False)[0] == 401, path
+        assert http(server.url + "/?token=wrong", redirect=False)[0] == 401
+        # the dashboard: /?token= sets an HttpOnly, SameSite=Strict cookie and redirects to / without the token
+        code, headers, _ = http(server.url + f"/?token={TOKEN}", redirect=False)
+        assert code == 303 and headers["Location"] == "/"
+        cookie = headers["Set-Cookie"]
+        attrs = {a.strip().lower() for a in cookie.split(";")[1:]}
+        assert {"httponly", "samesite=strict", "path=/"} <= attrs and TOKEN not in cookie
+        pair = cookie.split(";")[0]
+        for path in ("/", "/status", "/history?since=0"):
+            assert http(server.url + path, {"Cookie": f"other=1; {pair}"})[0] == 200, path
+        name, value = pair.split("=", 1)
+        assert http(server.url + "/status", {"Cookie": f"{name}={value[:-1]}0"})[0] == 401
+        # a browser-like client: follows the redirect with its cookie jar, then polls with the cookie only
+        jar = CookieJar()
+        opener = urllib.request.build_opener(urllib.request.HTTPCookieProcessor(jar))
+        with opener.open(server.url + f"/?token={TOKEN}", timeout=10) as r:
+            assert r.status == 200 and r.url == server.url + "/" and b"<canvas" in r.read()
+        with opener.open(server.url + "/status", timeout=10) as r:
+            assert json.loads(r.read())["run_name"] == "unit"
+        assert http(server.url + "/health")[0] == 200
+    finally:
+        server.stop()
+
+
+def test_request_log_never_holds_the_token(tmp_path):
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.DEBUG)
+    handler.emit = records.append
+    logger = logging.getLogger("trainbox.monitor.http")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    server = _serve(tmp_path, token=TOKEN)
+    try:
+        http(server.url + f"/?token={TOKEN}", redirect=False)
+        http(server.url + f"/metrics?token={TOKEN}")
+        http(server.url + f"/{TOKEN}", {"Authorization": f"Bearer {TOKEN}"})
+        with socket.create_connection(("127.0.0.1", server.httpd.server_address[1]), timeout=10) as sock:
+            sock.sendall(f"GET /?token={TOKEN}&x=1 HTTP/1.1 junk\r\n\r\n".encode())  # a malformed request line
+            assert b"400" in sock.makefile("rb").read()
+    finally:
+        server.stop()
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    lines = [r.getMessage() for r in records]
+    assert len(lines) >= 4 and any('"GET /?' in ln and " 303 " in ln for ln in lines), lines
+    assert any(" 401 " in ln for ln in lines) and any("400" in ln for ln in lines), lines
+    assert not [ln for ln in lines if TOKEN in ln], lines
+
+
+def test_loopback_without_token_rejects_foreign_host_headers(tmp_path):
+    """DNS rebinding: a page on evil.example that resolves to 127.0.0.1 sends Host: evil.example."""
+    server = _serve(tmp_path)
+    port = server.httpd.server_address[1]
+    try:
+        for host in ("evil.example", f"evil.example:{port}", "127.0.0.1.evil.example", "localhost.evil.example",
+                     "10.0.0.1", "[::2]"):
+            for path in ("/status", "/metrics", "/", "/health"):
+                code, _, body = _raw(server, path, {"Host": host})
+                assert code == 421 and b"Host" in body, (host, path, code)
+        for host in ("127.0.0.1", f"127.0.0.1:{port}", "localhost", f"LocalHost:{port}", f"[::1]:{port}", "[::1]"):
+            assert _raw(server, "/status", {"Host": host})[0] == 200, host
+    finally:
+        server.stop()
+    with_token = _serve(tmp_path, token=TOKEN)  # the token is the guard: any Host
+    try:
+        assert _raw(with_token, "/status", {"Host": "evil.example", "Authorization": f"Bearer {TOKEN}"})[0] == 200
+        assert _raw(with_token, "/status", {"Host": "evil.example"})[0] == 401
+    finally:
+        with_token.stop()
+
+
+def test_all_interfaces_without_token_answer_ip_addresses_only(tmp_path):
+    """Bound to 0.0.0.0 (containers: compose publishes the port on the host's loopback) without a token:
+    requests addressed to an IP address or a loopback name, never to a DNS name a rebinding page controls."""
+    server = _serve(tmp_path, host="0.0.0.0")
+    try:
+        for host in ("evil.example", "evil.example:8080", "gpu-node-3:8080"):
+            assert _raw(server, "/status", {"Host": host})[0] == 421, host
+        for host in ("127.0.0.1:8080", "localhost", "10.1.2.3:8080", "[fd00::5]:8080"):
+            assert _raw(server, "/status", {"Host": host})[0] == 200, host
+    finally:
+        server.stop()
 
 
 @pytest.mark.gpu

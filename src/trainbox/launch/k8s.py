@@ -5,6 +5,11 @@ and nodes-1 Workers. Each pod runs one torchrun with `nprocPerNode` processes; t
 MASTER_ADDR, MASTER_PORT and RANK (the node rank), which the container's arguments reference as
 $(VAR) and Kubernetes expands. Pods are restarted on failure and resume from the last checkpoint.
 
+The monitor listens on the pod's loopback only (monitor.host=127.0.0.1 in TRAINBOX_OVERRIDES; no token to
+manage, nothing else in the cluster reaches it): the probes are exec probes running `trainbox status`
+inside the container (an httpGet probe comes from the node and would not reach it), and the dashboard
+is reached with `kubectl port-forward`, which connects to the pod's loopback.
+
 With --min-nodes the job is elastic (elasticPolicy, Worker replicas only): torchrun takes its c10d
 rendezvous from the PET_* variables the operator sets and keeps training on min..max nodes; the data
 loader's global batches do not depend on the world size, so a resize continues the same run. Rank 0 can
@@ -15,8 +20,8 @@ from __future__ import annotations
 import copy
 
 from trainbox.config import RunConfig
-from trainbox.launch.spec import (CONFIG_MOUNT, LaunchSpec, Rendered, dump, job_name, torchrun_args, train_args,
-                                  yaml_template)
+from trainbox.launch.spec import (CONFIG_MOUNT, MONITOR_PORT, LaunchSpec, Rendered, dump, job_name, torchrun_args,
+                                  train_args, yaml_template)
 
 GPU_RESOURCE = {"nvidia": "nvidia.com/gpu", "amd": "amd.com/gpu"}
 RENDEZVOUS = ["--node-rank=$(RANK)", "--master-addr=$(MASTER_ADDR)", "--master-port=$(MASTER_PORT)"]
@@ -28,10 +33,11 @@ def _labels(name: str, component: str) -> dict:
 
 
 def _probes(container: dict) -> None:
-    """startup: up to 30 min for data preparation and compilation; liveness: a stalled step restarts."""
-    get = {"path": "/health", "port": "monitor"}
-    container["startupProbe"] = {"httpGet": get, "periodSeconds": 30, "timeoutSeconds": 10, "failureThreshold": 60}
-    container["livenessProbe"] = {"httpGet": dict(get), "periodSeconds": 30, "timeoutSeconds": 10,
+    """startup: up to 30 min for data preparation and compilation; liveness: a stalled step restarts.
+    Both run the images' HEALTHCHECK command against the loopback-bound monitor."""
+    health = {"command": ["trainbox", "status", f"http://127.0.0.1:{MONITOR_PORT}"]}
+    container["startupProbe"] = {"exec": health, "periodSeconds": 30, "timeoutSeconds": 10, "failureThreshold": 60}
+    container["livenessProbe"] = {"exec": copy.deepcopy(health), "periodSeconds": 30, "timeoutSeconds": 10,
                                   "failureThreshold": 4}
 
 
@@ -140,6 +146,7 @@ def render_k8s(spec: LaunchSpec, cfg: RunConfig) -> Rendered:
         files["pytorchjob.yaml"] = dump(pytorchjob(spec, name))
         notes = [f"needs the Kubeflow training operator; watch: kubectl {' '.join(ns)} logs -f "
                  f"{name}-master-0".replace("  ", " "),
-                 f"dashboard: kubectl port-forward pod/{name}-master-0 8080:8080, then http://127.0.0.1:8080/"]
+                 f"dashboard: kubectl port-forward pod/{name}-master-0 {MONITOR_PORT}:{MONITOR_PORT}, then "
+                 f"http://127.0.0.1:{MONITOR_PORT}/ (the monitor listens on the pod's loopback only)"]
     apply = [["kubectl", *ns, "apply", "-f", f] for f in files]
     return Rendered(files=files, apply=apply, notes=notes)

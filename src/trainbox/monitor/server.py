@@ -11,15 +11,33 @@ so it never touches the training step. /health is what Docker HEALTHCHECK and Ku
 `text/plain` or `application/openmetrics-text`, as Prometheus' scraper does. Metric names carry the
 `trainbox_` prefix and base units (seconds, bytes, ratios); counters end in `_total`.
 
-With `monitor.token` every endpoint but /health needs `Authorization: Bearer <token>`. A browser cannot
-set that header when opening a page, so `/?token=...` is accepted too; the dashboard then sends the
-header on its own requests.
+Access rules:
+
+- With `monitor.token`, every endpoint but /health needs `Authorization: Bearer <token>` (the scheme in any
+  case). The token is accepted nowhere else, with one exception: a browser cannot set that header when
+  opening a page, so `GET /?token=<token>` sets an HttpOnly, SameSite=Strict cookie (an HMAC of the token,
+  not the token) and answers 303 to `/`, leaving no token in the address bar; the dashboard and its own
+  requests then authenticate with the cookie. A query token on any other path gets 401.
+- Without a token, the Host header must name loopback (127.0.0.1, localhost, [::1], any port) when the
+  server binds loopback, and loopback or an IP address when it binds anything else (0.0.0.0 in containers):
+  a DNS-rebinding page sends its own domain name, which gets 421. A missing Host header passes.
+- A connection must deliver its whole request line and headers within `REQUEST_TIMEOUT` seconds (the
+  `timeout` argument), however slowly its bytes trickle in; then it is closed. Each reply gets as long.
+- Requests are logged at DEBUG level on the `trainbox.monitor.http` logger with query strings and the
+  token redacted.
 """
 from __future__ import annotations
 
+import hashlib
 import hmac
+import io
+import ipaddress
 import json
+import logging
+import re
+import socket
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import resources
 from urllib.parse import parse_qs, urlparse
@@ -31,7 +49,60 @@ from prometheus_client.exposition import choose_encoder
 from trainbox.monitor.console import log
 from trainbox.monitor.state import ACTIVE_PHASES, RunState, health
 
-LOOPBACK = ("127.0.0.1", "localhost", "::1")
+REQUEST_TIMEOUT = 10.0  # seconds a connection has to send its request (and the server to send the reply)
+http_log = logging.getLogger("trainbox.monitor.http")
+
+
+def _host_name(host: str) -> str:
+    """The name in a Host header, without the port or IPv6 brackets, lower case."""
+    host = host.strip().lower()
+    if host.startswith("["):
+        return host[1:host.find("]")] if "]" in host else host
+    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+
+
+def _host_port(host: str) -> str:
+    """The port in a Host header, or ''."""
+    rest = host.strip().rsplit("]", 1)[-1]  # what follows an IPv6 literal
+    port = rest.rpartition(":")[2]
+    return port if rest.count(":") == 1 and port.isdigit() else ""
+
+
+def _ip(name: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    try:
+        return ipaddress.ip_address(name)
+    except ValueError:
+        return None
+
+
+def _is_loopback(name: str) -> bool:
+    ip = _ip(name)
+    return name == "localhost" or (ip is not None and ip.is_loopback)
+
+
+class _DeadlineReader(io.RawIOBase):
+    """Socket reads that together must finish by `deadline` (time.monotonic()): each recv waits only for
+    what is left, so a client trickling one byte at a time is cut off as surely as a silent one."""
+
+    def __init__(self, sock: socket.socket):
+        self.sock, self.deadline = sock, time.monotonic()
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buf) -> int:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the request did not arrive in time")
+        self.sock.settimeout(left)
+        return self.sock.recv_into(buf)
+
+
+class _Server(ThreadingHTTPServer):
+    """One daemon thread per connection; a listen backlog that absorbs a burst of connections."""
+
+    daemon_threads = True
+    request_queue_size = 64
 
 
 def metrics_json(s: dict) -> dict:
@@ -112,26 +183,31 @@ def _dashboard_html() -> bytes:
 
 
 class MonitorServer:
-    """Serves the endpoints above from a daemon thread; `url` is where it listens."""
+    """Serves the endpoints above from a daemon thread; `url` is where it listens. `timeout`: seconds a
+    connection has to send its request line and headers (default REQUEST_TIMEOUT)."""
 
-    def __init__(self, state: RunState, cfg):
+    def __init__(self, state: RunState, cfg, timeout: float | None = None):
         self.state, self.cfg = state, cfg
+        self.timeout = REQUEST_TIMEOUT if timeout is None else timeout
+        self.loopback = _is_loopback(cfg.host)
+        # the dashboard cookie's value: derived from the token, so the cookie is not the token itself
+        self.session = (hmac.new(cfg.token.encode(), b"trainbox dashboard session", hashlib.sha256).hexdigest()
+                        if cfg.token else None)
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_Collector(state, cfg))
         handler = self._handler_class()
         try:
-            self.httpd = ThreadingHTTPServer((cfg.host, cfg.port), handler)
+            self.httpd = _Server((cfg.host, cfg.port), handler)
         except OSError as e:
             if cfg.port == 0:
                 raise
             log.warning(f"monitor port {cfg.host}:{cfg.port} is unavailable ({e.strerror}); serving on a free port "
                         f"instead (set monitor.port to choose one)")
-            self.httpd = ThreadingHTTPServer((cfg.host, 0), handler)
-        self.httpd.daemon_threads = True
+            self.httpd = _Server((cfg.host, 0), handler)
         host = cfg.host if cfg.host not in ("0.0.0.0", "::", "") else "127.0.0.1"
         host = f"[{host}]" if ":" in host else host
         self.url = f"http://{host}:{self.httpd.server_address[1]}"
-        if cfg.host not in LOOPBACK and not cfg.token:
+        if not self.loopback and not cfg.token:
             log.warning(f"monitor binds {cfg.host or '0.0.0.0'} without monitor.token: anyone who can reach port "
                         f"{self.httpd.server_address[1]} can read this run's status and metrics; "
                         f"set monitor.token=SECRET")
@@ -143,20 +219,48 @@ class MonitorServer:
         self.httpd.shutdown()
         self.httpd.server_close()
 
+    def host_allowed(self, host: str | None) -> bool:
+        """The DNS-rebinding guard (see the module docstring); a token replaces it."""
+        if self.cfg.token or host is None:
+            return True
+        name = _host_name(host)
+        return _is_loopback(name) or (not self.loopback and _ip(name) is not None)
+
+    def redact(self, text: str) -> str:
+        """`text` with query strings and the token replaced, for the request log."""
+        text = re.sub(r"\?[^\s\"']*", "?<redacted>", text)
+        return text.replace(self.cfg.token, "<redacted>") if self.cfg.token else text
+
     def _handler_class(self):
         server = self
 
         class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):  # keep the training console clean
-                pass
+            timeout = server.timeout
 
-            def _send(self, code: int, body: bytes, ctype: str, head: bool = False) -> None:
+            def setup(self):
+                super().setup()
+                self.rfile.close()  # replaced by a reader that enforces the request deadline
+                self.reader = _DeadlineReader(self.connection)
+                self.rfile = io.BufferedReader(self.reader)
+
+            def handle_one_request(self):
+                self.reader.deadline = time.monotonic() + self.timeout
+                super().handle_one_request()
+
+            def log_message(self, format, *args):  # DEBUG only: keeps the training console clean
+                if http_log.isEnabledFor(logging.DEBUG):
+                    http_log.debug("%s %s", self.address_string(), server.redact(format % args))
+
+            def _send(self, code: int, body: bytes, ctype: str, head: bool = False, headers: dict | None = None
+                      ) -> None:
                 self.send_response(code)
                 self.send_header("Content-Type", ctype)
                 self.send_header("Content-Length", str(len(body)))
                 self.send_header("Cache-Control", "no-store")
                 if code == 401:
                     self.send_header("WWW-Authenticate", 'Bearer realm="trainbox"')
+                for k, v in (headers or {}).items():
+                    self.send_header(k, v)
                 self.end_headers()
                 if not head:
                     self.wfile.write(body)
@@ -164,31 +268,58 @@ class MonitorServer:
             def _json(self, code: int, obj, head: bool = False) -> None:
                 self._send(code, json.dumps(obj, default=str).encode(), "application/json", head)
 
-            def _authorized(self, query: dict) -> bool:
+            def _cookie_name(self) -> str:
+                """One cookie per host:port the browser addressed (cookies ignore ports; runs share hosts)."""
+                port = _host_port(self.headers.get("Host", ""))
+                return f"trainbox_{port}" if port else "trainbox"
+
+            def _authorized(self) -> bool:
                 token = server.cfg.token
                 if not token:
                     return True
-                want = f"Bearer {token}".encode()
-                got = self.headers.get("Authorization", "").encode()
-                from_query = f"Bearer {query.get('token', [''])[0]}".encode()
-                return hmac.compare_digest(got, want) or hmac.compare_digest(from_query, want)
+                scheme, _, cred = self.headers.get("Authorization", "").strip().partition(" ")
+                if scheme.lower() == "bearer" and hmac.compare_digest(cred.strip().encode("latin-1", "replace"),
+                                                                      token.encode()):
+                    return True
+                name = self._cookie_name()
+                for part in self.headers.get("Cookie", "").split(";"):
+                    key, _, value = part.strip().partition("=")
+                    if key == name and hmac.compare_digest(value.encode("latin-1", "replace"),
+                                                           server.session.encode()):
+                        return True
+                return False
+
+            def _open_dashboard(self, query_token: str, head: bool) -> None:
+                """`/?token=`: the cookie for the dashboard, and a redirect that drops the token from the URL."""
+                if not hmac.compare_digest(query_token.encode(), server.cfg.token.encode()):
+                    return self._json(401, {"error": "wrong token"}, head)
+                cookie = f"{self._cookie_name()}={server.session}; HttpOnly; SameSite=Strict; Path=/"
+                self._send(303, b"", "text/plain", head, {"Location": "/", "Set-Cookie": cookie})
 
             def do_HEAD(self):
                 self.do_GET(head=True)
 
             def do_GET(self, head: bool = False):
+                self.connection.settimeout(self.timeout)  # the reply gets the whole timeout
                 url = urlparse(self.path)
                 query = parse_qs(url.query)
                 snap = server.state.snapshot()
                 cfg = server.cfg
+                if not server.host_allowed(self.headers.get("Host")):
+                    allowed = "a loopback name" if server.loopback else "a loopback name or an IP address"
+                    return self._json(421, {"error": f"Host {self.headers['Host']!r} is not allowed: without "
+                                            f"monitor.token only requests addressed to {allowed} are answered"},
+                                      head)
                 if url.path == "/health":
                     ok, reason = health(snap, cfg.stall_seconds, cfg.log_every)
                     return self._json(200 if ok else 503, {"healthy": ok, "reason": reason, "phase": snap["phase"],
                                                            "step": snap["step"], "total_steps": snap["total_steps"]},
                                       head)
-                if not self._authorized(query):
-                    return self._json(401, {"error": "this endpoint needs 'Authorization: Bearer <monitor.token>'"},
-                                      head)
+                if url.path == "/" and "token" in query and cfg.token:
+                    return self._open_dashboard(query["token"][0], head)
+                if not self._authorized():
+                    return self._json(401, {"error": "this endpoint needs 'Authorization: Bearer <monitor.token>' "
+                                            "(the dashboard: open /?token=<monitor.token>)"}, head)
                 if url.path == "/metrics":
                     if wants_prometheus(self.headers.get("Accept", "")):
                         encoder, ctype = choose_encoder(self.headers.get("Accept", ""))
@@ -211,6 +342,7 @@ class MonitorServer:
         return Handler
 
 
-def start_server(state: RunState, cfg) -> MonitorServer:
-    """Start serving `state` on cfg.host:cfg.port (a MonitorSection); returns the running server."""
-    return MonitorServer(state, cfg)
+def start_server(state: RunState, cfg, timeout: float | None = None) -> MonitorServer:
+    """Start serving `state` on cfg.host:cfg.port (a MonitorSection); returns the running server.
+    `timeout`: seconds a connection has to send its request (default REQUEST_TIMEOUT)."""
+    return MonitorServer(state, cfg, timeout)
