@@ -93,3 +93,25 @@ def test_cli_config_show_and_schema():
     assert "max_steps: 3" in shown and "family: gpt" in shown
     schema = json.loads(run_cli("config", "schema").stdout)
     assert "train" in schema["properties"] and "TrainSection" in json.dumps(schema)
+
+
+@pytest.mark.parametrize("override, names", [
+    ("run.seed=-1", "run.seed"), ("run.seed=4294967296", "run.seed"), ("optim.betas=[2,0.95]", "optim.betas"),
+    ("optim.betas=[0.9,1.0]", "optim.betas"), ("optim.eps=inf", "optim.eps"), ("optim.lr=nan", "optim.lr"),
+    ("optim.weight_decay=.inf", "optim.weight_decay"), ("model.dropout=nan", "model.dropout"),
+])
+def test_out_of_range_values_fail_before_any_work(override, names):
+    with pytest.raises(ConfigError, match=names.replace(".", r"\.")):
+        load_config("tiny", [override])
+
+
+def test_yaml_alias_bomb_is_refused_without_expanding(tmp_path):
+    """Nine levels of ten aliases would be 10^9 values once walked; the file is refused after 100,000."""
+    lines = ['a0: &a0 ["x","x","x","x","x","x","x","x","x","x"]']
+    lines += [f"a{i}: &a{i} [{','.join([f'*a{i - 1}'] * 10)}]" for i in range(1, 9)]
+    bomb = tmp_path / "bomb.yaml"
+    bomb.write_text("\n".join(lines) + "\n")
+    with pytest.raises(ConfigError, match="expands to more than 100,000 values"):
+        load_config(str(bomb))
+    with pytest.raises(ConfigError, match="expands to more than"):   # the same as an override value
+        load_config("tiny", ["train.threads={" + ", ".join(lines) + "}"])

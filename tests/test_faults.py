@@ -1,5 +1,8 @@
-"""Faults: SIGKILL at random points of a checkpoint save, a real NaN, a failed (file-too-large) save,
-keep-last-K around the checkpoint being resumed from."""
+"""Faults around checkpoints, in-process: SIGKILL at random points of a save, a real NaN, a failed (file too
+large) save, keep-last-K around the checkpoint resumed from, every kind of damaged checkpoint (named, and the
+one before it resumes), code-running pickles (never run), changed settings on resume (applied and recorded,
+or refused), a new start in an old folder, run names and planted links (nothing written outside the run).
+Real processes under signals and kills: test_faults_signals.py; token files and prepare: test_faults_data.py."""
 from __future__ import annotations
 
 import json
@@ -9,6 +12,7 @@ import random
 import resource
 import signal
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,7 +20,8 @@ from safetensors.torch import load_file
 
 from trainbox import checkpoint
 from trainbox.config import load_config
-from trainbox.errors import CheckpointError, TrainingFailed
+from conftest import run_cli
+from trainbox.errors import CheckpointError, ConfigError, RunFinished, TrainingFailed
 from trainbox.train.loop import Trainer, train
 
 
@@ -44,7 +49,6 @@ def _saver(root: str, first_step: int, conn) -> None:
         step += 1
 
 
-from pathlib import Path  # noqa: E402  (used by the forked child above)
 
 
 def _check_usable(root: Path, done_step: int) -> int:
@@ -186,3 +190,226 @@ def test_gpu_out_of_memory_names_the_micro_batch_and_what_to_do(tiny):
     assert "lower train.micro_batch_size (e.g. 256)" in err.value.hint
     status = json.loads((cfg.run_dir / "status.json").read_text())
     assert status["phase"] == "failed" and "out of memory" in status["error"]
+
+
+# ----------------------------------------------------------------------------- damaged checkpoints
+
+def _flip(path: Path, offset_from_end: int = 200) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) - offset_from_end] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+def _truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+
+
+DAMAGE = {   # kind -> (file named in the message, how)
+    "weights truncated": ("model.safetensors", _truncate),
+    "weights bit flipped": ("model.safetensors", _flip),
+    "weights missing": ("model.safetensors", lambda p: p.unlink()),
+    "optimizer garbage": ("optimizer.pt", lambda p: p.write_bytes(os.urandom(p.stat().st_size))),
+    "optimizer bit flipped": ("optimizer.pt", _flip),
+    "trainer.json broken": ("trainer.json", lambda p: p.write_text(p.read_text()[:-40])),
+    "trainer.json edited": ("trainer.json", lambda p: p.write_text(p.read_text().replace('"step": 4', '"step": 3'))),
+    "rng truncated": ("rng.pt", _truncate),
+    "rng missing": ("rng.pt", lambda p: p.unlink()),
+    "manifest not JSON": ("COMPLETE", lambda p: p.write_text("4\n")),
+    "manifest wrong size": ("model.safetensors", lambda p: p.write_text(p.read_text().replace('"bytes": ', '"bytes": 1'))),
+}
+
+
+@pytest.fixture(scope="module")
+def saved_run(tmp_path_factory, data_cache):
+    """A run of 4 steps with checkpoints at 2 and 4, and the straight 6-step run's losses."""
+    from conftest import TINY
+    root = tmp_path_factory.mktemp("damage")
+    base = [*TINY, f"run.dir={root}", f"data.cache_dir={data_cache}", "monitor.enabled=false", "train.sample_tokens=0",
+            "train.eval_every=0", "train.checkpoint_every=2"]
+    train(load_config(None, [*base, "run.name=saved", "train.max_steps=4"]))
+    train(load_config(None, [*base, "run.name=straight", "train.max_steps=6"]))
+    return root, base, _losses(root / "straight")
+
+
+def _losses(run_dir: Path) -> dict[int, float]:
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if r["event"] == "train"}
+
+
+def _copy_run(saved_run, name: str) -> Path:
+    import shutil
+    root = saved_run[0]
+    shutil.copytree(root / "saved", root / name)
+    (root / name / ".lock").unlink(missing_ok=True)
+    return root / name
+
+
+@pytest.mark.faults
+@pytest.mark.parametrize("kind", list(DAMAGE))
+def test_damaged_newest_checkpoint_is_named_and_the_one_before_resumes(saved_run, kind, caplog):
+    root, base, straight = saved_run
+    name = "d-" + kind.replace(" ", "-").replace(".", "")
+    run_dir = _copy_run(saved_run, name)
+    culprit, damage = DAMAGE[kind]
+    target = run_dir / "checkpoints" / "step_00000004"
+    damage(target / ("COMPLETE" if kind.startswith("manifest wrong") else culprit))
+    with caplog.at_level("INFO", logger="trainbox"):
+        result = train(load_config(None, [*base, f"run.name={name}", "train.max_steps=6"]))
+    assert result["step"] == 6
+    warning = next(r.getMessage() for r in caplog.records if "does not verify" in r.getMessage())
+    assert "step_00000004" in warning and culprit in warning, warning
+    assert any("resuming from" in r.getMessage() and "step_00000002" in r.getMessage() for r in caplog.records)
+    got = _losses(run_dir)
+    assert all(got[s] == straight[s] for s in (3, 4, 5, 6)), "the resumed run differs from the straight run"
+    moved = list((run_dir / "superseded").glob("*/checkpoints/step_00000004"))
+    assert len(moved) == 1, "the damaged checkpoint is set aside, not deleted"
+    for ckpt in checkpoint.list_complete(run_dir / "checkpoints"):
+        checkpoint.verify(ckpt)
+
+
+@pytest.mark.faults
+def test_no_checkpoint_verifies_stops_with_a_clear_message(saved_run):
+    root, base, _ = saved_run
+    run_dir = _copy_run(saved_run, "none-verify")
+    for step in (2, 4):
+        _flip(run_dir / "checkpoints" / f"step_{step:08d}" / "optimizer.pt")
+    with pytest.raises(CheckpointError, match=r"none of the 2 checkpoints in .* verifies.*optimizer.pt") as err:
+        train(load_config(None, [*base, "run.name=none-verify", "train.max_steps=6"]))
+    assert "run.resume=never" in err.value.hint
+    assert len(checkpoint.list_complete(run_dir / "checkpoints")) == 2, "nothing is deleted"
+
+
+class _Planted:
+    """Unpickling this runs code: it creates the file `marker`."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+@pytest.mark.faults
+@pytest.mark.parametrize("culprit", ["optimizer.pt", "rng.pt"])
+def test_code_running_pickle_in_a_checkpoint_is_refused_and_never_runs(saved_run, culprit, tmp_path):
+    root, base, _ = saved_run
+    name = "pickle-" + culprit.split(".")[0]
+    run_dir = _copy_run(saved_run, name)
+    marker = tmp_path / "code-ran"
+    ckpt = run_dir / "checkpoints" / "step_00000004"
+    torch.save([_Planted(marker)], ckpt / culprit)
+    checkpoint.write_manifest(ckpt, 4)   # the checksums agree: only safe loading stands between the file and the code
+    with pytest.raises(CheckpointError, match=rf"{culprit} cannot be loaded safely"):
+        train(load_config(None, [*base, f"run.name={name}", "train.max_steps=6"]))
+    assert not marker.exists()
+    with pytest.raises(CheckpointError, match=rf"{culprit} cannot be loaded safely"):   # given as a path too
+        train(load_config(None, [*base, "run.name=other-" + name, "train.max_steps=6", f"run.resume={ckpt}"]))
+    assert not marker.exists()
+
+
+@pytest.mark.faults
+def test_code_running_pickle_as_init_from_weights_never_runs(saved_run, tmp_path):
+    from trainbox.export import read_hf_weights
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    marker = tmp_path / "code-ran"
+    torch.save({"w": _Planted(marker)}, folder / "pytorch_model.bin")
+    with pytest.raises(CheckpointError, match=r"pytorch_model.bin cannot be loaded safely"):
+        read_hf_weights(folder)
+    assert not marker.exists()
+
+
+def test_checkpoint_loading_code_has_no_unsafe_torch_load():
+    """No torch.load(weights_only=False), no pickle, in anything that reads run, checkpoint or downloaded files."""
+    import re
+
+    import trainbox
+    src = Path(trainbox.__file__).parent
+    assert (src / "checkpoint.py").is_file()
+    offenders = [f"{p.relative_to(src)}:{i + 1}" for p in src.rglob("*.py")
+                 for i, line in enumerate(p.read_text().splitlines())
+                 if re.search(r"weights_only\s*=\s*False|pickle\.loads?\(|allow_pickle\s*=\s*True", line)]
+    assert not offenders, offenders
+
+
+# ----------------------------------------------------------------------------- changed settings on resume
+
+@pytest.mark.faults
+def test_changed_optimizer_settings_on_resume_apply_and_are_recorded(saved_run):
+    root, base, straight = saved_run
+    run_dir = _copy_run(saved_run, "new-lr")
+    cfg = load_config(None, [*base, "run.name=new-lr", "train.max_steps=6", "optim.lr=0.001", "optim.betas=[0.8,0.9]"])
+    t = Trainer(cfg)
+    t.run()
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    start = [r for r in rows if r["event"] == "start"][-1]
+    assert start["changed"] == {"optim.betas": [[0.9, 0.95], [0.8, 0.9]], "optim.lr": [0.005, 0.001],
+                                "train.max_steps": [4, 6]}
+    from trainbox.optim.build import lr_multiplier
+    lr5 = next(r["lr"] for r in rows if r["event"] == "train" and r["step"] == 5)
+    assert lr5 == pytest.approx(0.001 * lr_multiplier(4, 6, cfg.optim))
+    group = t.optimizers[0].param_groups[0]
+    assert group["betas"] == (0.8, 0.9) and group["initial_lr"] == 0.001
+    assert "lr: 0.001" in (run_dir / "config.yaml").read_text()
+    assert _losses(run_dir)[5] != straight[5]   # it really trained with the new settings
+
+
+@pytest.mark.faults
+def test_changed_model_or_data_settings_on_resume_are_refused_listing_them(saved_run, tmp_path):
+    root, base, _ = saved_run
+    _copy_run(saved_run, "changed")
+    with pytest.raises(ConfigError) as err:
+        train(load_config(None, [*base, "run.name=changed", "train.max_steps=6", "model.n_embd=64", "data.seq_len=16"]))
+    assert "data.seq_len: 32 -> 16" in err.value.message and "model.n_embd: 32 -> 64" in err.value.message
+    assert "run.name=NEW_NAME" in err.value.hint and "run.resume=never" in err.value.hint
+    proc = run_cli("train", *base, "run.name=changed", "train.max_steps=6", "run.seed=7", check=False)
+    assert proc.returncode == 2 and "run.seed: 1337 -> 7" in proc.stderr and "Traceback" not in proc.stderr
+
+
+# ----------------------------------------------------------------------------- a new start in an old folder
+
+@pytest.mark.faults
+def test_resume_never_sets_the_old_run_aside_and_keeps_the_new_one(saved_run):
+    root, base, straight = saved_run
+    run_dir = _copy_run(saved_run, "again")
+    train(load_config(None, [*base, "run.name=again", "train.max_steps=2", "run.resume=never", "train.keep_last=1"]))
+    root_ck = run_dir / "checkpoints"
+    assert [p.name for p in checkpoint.list_complete(root_ck)] == ["step_00000002"]
+    assert (root_ck / "latest").read_text().strip() == "step_00000002"
+    old = list((run_dir / "superseded").glob("*"))
+    assert len(old) == 1 and sorted(p.name for p in (old[0] / "checkpoints").iterdir()) == \
+        ["step_00000002", "step_00000004"]
+    assert sorted(_losses(old[0])) == [1, 2, 3, 4]
+    assert _losses(run_dir) == {s: straight[s] for s in (1, 2)}   # the new run's own history only
+    with pytest.raises(RunFinished, match="step 2"):   # a plain rerun continues the new run, not the old one
+        train(load_config(None, [*base, "run.name=again", "train.max_steps=2"]))
+
+
+# ----------------------------------------------------------------------------- paths stay in the run directory
+
+@pytest.mark.faults
+@pytest.mark.parametrize("name", ["..", "../x", "/abs/run", "a/b", ".hidden"])
+def test_run_names_are_one_safe_path_component(tiny, name, tmp_path):
+    proc = run_cli("train", *tiny, f"run.name={name}", "train.max_steps=1", cwd=tmp_path, check=False)
+    assert proc.returncode == 2 and "run.name" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert not (tmp_path / "config.yaml").exists() and not (tmp_path / "checkpoints").exists()
+
+
+@pytest.mark.faults
+def test_planted_symbolic_links_never_redirect_a_runs_writes(saved_run, tmp_path):
+    root, base, _ = saved_run
+    outside = tmp_path / "outside.txt"
+    outside.write_text("keep")
+    run_dir = _copy_run(saved_run, "linked")
+    (run_dir / "metrics.jsonl").unlink()
+    (run_dir / "metrics.jsonl").symlink_to(outside)
+    with pytest.raises(ConfigError, match="metrics.jsonl is a symbolic link"):
+        train(load_config(None, [*base, "run.name=linked", "train.max_steps=6"]))
+    assert outside.read_text() == "keep"
+    (root / "elsewhere").mkdir()
+    (root / "link-run").symlink_to(root / "elsewhere")
+    with pytest.raises(ConfigError, match="is a symbolic link"):
+        train(load_config(None, [*base, "run.name=link-run", "train.max_steps=2"]))
+    assert not any((root / "elsewhere").iterdir())

@@ -17,6 +17,7 @@ pytest.importorskip("transformers")
 
 import hf_tiny  # noqa: E402
 from conftest import run_cli  # noqa: E402
+from trainbox import checkpoint  # noqa: E402
 from trainbox.config import load_config  # noqa: E402
 from trainbox.errors import ConfigError  # noqa: E402
 
@@ -173,6 +174,7 @@ def test_merge_into_quantized_base_needs_force(trained, tmp_path):
     state = json.loads(meta.read_text())
     state["config"]["quant"]["load_in_4bit"] = True  # as if trained with QLoRA
     meta.write_text(json.dumps(state))
+    checkpoint.write_manifest(meta.parent, STEPS)   # the edited files are the checkpoint now
     refused = run_cli("export", str(run), "--merge", "--out", str(tmp_path / "m"), check=False)
     assert refused.returncode == 2 and "4-bit" in refused.stderr and "--force" in refused.stderr
     assert not (tmp_path / "m").exists()

@@ -1,19 +1,26 @@
-"""Atomic checkpoints with everything an exact resume needs.
+"""Atomic, verified checkpoints with everything an exact resume needs.
 
     checkpoints/step_00001000/
         model.safetensors   weights (trainable ones only for adapters; tied weights stored once)
-        optimizer.pt        state of every optimizer
+        optimizer.pt        state of every optimizer (tensors and plain values only)
         trainer.json        step, epoch, loader position, tokens seen, run ids, config, versions
-        rng.pt              python / numpy / torch CPU / CUDA RNG state of every rank
-        COMPLETE            written last
+        rng.pt              python / numpy / torch CPU / CUDA RNG state of every rank (tensors and plain values)
+        COMPLETE            written last: JSON with the step and each file's size and sha256
     checkpoints/latest      name of the newest COMPLETE checkpoint
 
 A save writes into `.tmp-step_X`, fsyncs every file, writes COMPLETE, renames the folder to `step_X`,
 fsyncs the parent and only then moves `latest` and prunes old checkpoints. A crash at any moment
 leaves the previous checkpoint untouched; loaders only ever pick folders that hold COMPLETE.
+
+Loading never runs code from a checkpoint: weights are safetensors, the `.pt` files are read with
+`torch.load(weights_only=True)`, trainer.json is JSON. `verify` checks every file against COMPLETE's sizes
+and checksums, so a truncated, overwritten or bit-flipped file is found before anything is loaded, and
+`newest_verified` falls back to the previous checkpoint that verifies.
 """
 from __future__ import annotations
 
+import errno
+import hashlib
 import json
 import os
 import random
@@ -26,24 +33,17 @@ import torch
 import torch.nn as nn
 from safetensors.torch import load_file, save_file
 
-from trainbox.data.formats import fsync_dir
 from trainbox.errors import CheckpointError
+from trainbox.files import atomic_write_text, fsync_dir
 
 STEP_RE = re.compile(r"^step_(\d{8,})$")
+FILES = ("model.safetensors", "optimizer.pt", "trainer.json", "rng.pt")
+DISK_ERRNOS = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
 
 
 def _fsync_file(path: Path) -> None:
     with open(path, "rb") as f:
         os.fsync(f.fileno())
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def model_state(model: nn.Module, trainable_only: bool = False) -> dict[str, torch.Tensor]:
@@ -62,7 +62,11 @@ def model_state(model: nn.Module, trainable_only: bool = False) -> dict[str, tor
 
 
 def rng_state() -> dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """This process's RNG states as tensors and plain values (loadable with weights_only=True)."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    state = {"python": random.getstate(), "torch": torch.get_rng_state(),
+             "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                       "has_gauss": int(has_gauss), "gauss": float(gauss)}}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
@@ -70,7 +74,8 @@ def rng_state() -> dict:
 
 def set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    n = state["numpy"]
+    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
@@ -91,6 +96,70 @@ def latest(ckpt_root: Path) -> Path | None:
     return done[-1] if done else None
 
 
+def step_of(ckpt: Path) -> int:
+    return int(STEP_RE.match(ckpt.name).group(1))
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def write_manifest(ckpt: Path, step: int) -> None:
+    """Write COMPLETE: the step and each file's size and sha256, as the files are now (fsynced)."""
+    files = {f: {"bytes": (ckpt / f).stat().st_size, "sha256": sha256(ckpt / f)} for f in FILES}
+    with open(ckpt / "COMPLETE", "w") as out:
+        out.write(json.dumps({"step": step, "files": files}, indent=1) + "\n")
+        out.flush()
+        os.fsync(out.fileno())
+
+
+def verify(ckpt: Path) -> None:
+    """Raise CheckpointError naming the first file of `ckpt` that is missing, of the wrong size, or whose sha256
+    differs from what COMPLETE recorded at save time (and a trainer.json that does not parse)."""
+    try:
+        manifest = json.loads((ckpt / "COMPLETE").read_text())
+        files, step = manifest["files"], int(manifest["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        raise CheckpointError(f"{ckpt / 'COMPLETE'} is missing or not a checkpoint manifest (JSON with each "
+                              f"file's size and sha256): the checkpoint cannot be verified") from None
+    for name in FILES:
+        if name not in files:
+            raise CheckpointError(f"{ckpt / 'COMPLETE'} lists no {name}: the checkpoint cannot be verified")
+    for name, want in files.items():
+        path = ckpt / name
+        try:
+            size = path.stat().st_size
+        except OSError:
+            raise CheckpointError(f"{path} is missing") from None
+        if size != want["bytes"]:
+            raise CheckpointError(f"{path} has {size:,} bytes, {want['bytes']:,} when it was saved "
+                                  f"({'truncated' if size < want['bytes'] else 'grown'})")
+        if sha256(path) != want["sha256"]:
+            raise CheckpointError(f"{path} differs from what was saved (sha256 mismatch): the file is damaged")
+    try:
+        saved = json.loads((ckpt / "trainer.json").read_text())["step"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{ckpt / 'trainer.json'} is unreadable: {e}") from None
+    if saved != step or (STEP_RE.match(ckpt.name) and step_of(ckpt) != step):
+        raise CheckpointError(f"{ckpt}: trainer.json says step {saved}, COMPLETE step {step}: not one checkpoint")
+
+
+def newest_verified(ckpt_root: Path) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """-> (the newest COMPLETE checkpoint that verifies, [(newer checkpoint that did not, why), ...])."""
+    skipped = []
+    for p in reversed(list_complete(ckpt_root)):
+        try:
+            verify(p)
+            return p, skipped
+        except CheckpointError as e:
+            skipped.append((p, e.message))
+    return None, skipped
+
+
 def save(ckpt_root: Path, step: int, weights: dict[str, torch.Tensor], optimizers: list, trainer: dict,
          rngs: list[dict], keep_last: int, protect: Path | None = None) -> Path:
     """Write one checkpoint atomically, point `latest` at it, keep the newest `keep_last`."""
@@ -104,10 +173,9 @@ def save(ckpt_root: Path, step: int, weights: dict[str, torch.Tensor], optimizer
         torch.save([o.state_dict() for o in optimizers], tmp / "optimizer.pt")
         torch.save(rngs, tmp / "rng.pt")
         (tmp / "trainer.json").write_text(json.dumps(trainer, indent=1, default=str))
-        for f in tmp.iterdir():
-            _fsync_file(f)
-        (tmp / "COMPLETE").write_text(f"{step}\n")
-        _fsync_file(tmp / "COMPLETE")
+        for f in FILES:
+            _fsync_file(tmp / f)
+        write_manifest(tmp, step)
         fsync_dir(tmp)
         if final.exists():  # an incomplete or older copy of the same step: out of the namespace, then gone
             stale = ckpt_root / f".del-{name}"
@@ -120,8 +188,11 @@ def save(ckpt_root: Path, step: int, weights: dict[str, torch.Tensor], optimizer
     except Exception as e:  # OSError, or torch/safetensors wrapping one (e.g. EFBIG, ENOSPC)
         shutil.rmtree(tmp, ignore_errors=True)
         why = getattr(e, "strerror", None) or str(e).splitlines()[0]
+        cause = e if isinstance(e, OSError) else e.__cause__ or e.__context__
+        disk = getattr(cause, "errno", None) in DISK_ERRNOS or any(w in str(e) for w in ("No space", "too large"))
         raise CheckpointError(f"saving checkpoint {final} failed: {why}; older checkpoints are kept",
-                              hint="free disk space (df -h) and resume with the same command") from e
+                              hint="free disk space (df -h) and resume with the same command" if disk else
+                              f"check that {ckpt_root} is writable, then resume with the same command") from e
     prune(ckpt_root, keep_last, protect)
     return final
 
@@ -143,15 +214,27 @@ def prune(ckpt_root: Path, keep_last: int, protect: Path | None = None) -> None:
             shutil.rmtree(p, ignore_errors=True)
 
 
-def resolve(path: str | Path) -> Path:
-    """A run directory, a checkpoints/ folder or a step folder -> the COMPLETE step folder."""
+def resolve(path: str | Path, on_skip=None) -> Path:
+    """A run directory, a checkpoints/ folder or a step folder -> the COMPLETE step folder that verifies.
+
+    A step folder must verify itself; in a run or checkpoints folder the newest checkpoint that verifies is
+    taken, and `on_skip(path, why)` hears of each newer one that did not."""
     p = Path(path)
     if (p / "COMPLETE").is_file():
+        verify(p)
         return p
     for root in (p / "checkpoints", p):
-        found = latest(root)
-        if found is not None:
-            return found
+        if not list_complete(root):
+            continue
+        found, skipped = newest_verified(root)
+        for bad, why in skipped:
+            if on_skip is not None:
+                on_skip(bad, why)
+        if found is None:
+            raise CheckpointError(f"none of the {len(skipped)} checkpoints in {root} verifies; the newest: "
+                                  f"{skipped[0][1]}", hint="start over with run.resume=never, or restore "
+                                  "the files from a copy")
+        return found
     if p.is_dir() and STEP_RE.match(p.name):
         raise CheckpointError(f"checkpoint {p} is incomplete (no COMPLETE marker): its save was interrupted",
                               hint=f"use an earlier one: ls {p.parent}")
@@ -160,11 +243,17 @@ def resolve(path: str | Path) -> Path:
 
 
 def load_trainer(ckpt: Path) -> dict:
-    return json.loads((ckpt / "trainer.json").read_text())
+    try:
+        return json.loads((ckpt / "trainer.json").read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{ckpt / 'trainer.json'} is unreadable: {e}") from None
 
 
 def load_weights(ckpt: Path, model: nn.Module, strict: bool = True) -> None:
-    state = load_file(str(ckpt / "model.safetensors"))
+    try:
+        state = load_file(str(ckpt / "model.safetensors"))
+    except Exception as e:  # noqa: BLE001 - SafetensorError, OSError
+        raise CheckpointError(f"{ckpt / 'model.safetensors'} is unreadable: {str(e)[:300]}") from None
     own = model.state_dict()
     # tied weights were stored once: fill the aliases from whichever name was kept
     missing = [k for k in own if k not in state]
@@ -188,14 +277,32 @@ def load_weights(ckpt: Path, model: nn.Module, strict: bool = True) -> None:
                               hint="the run's config.yaml must describe the same model")
 
 
+def _load_safe(path: Path):
+    """torch.load that only rebuilds tensors and plain values: a pickle that would run code is refused."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - UnpicklingError, RuntimeError, EOFError, ...
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"{path} cannot be loaded safely: {first[:300]}",
+                              hint="trainbox loads only tensors and plain values from checkpoints; "
+                                   "use another checkpoint") from None
+
+
 def load_optimizers(ckpt: Path, optimizers: list) -> None:
-    states = torch.load(ckpt / "optimizer.pt", map_location="cpu", weights_only=False)
-    if len(states) != len(optimizers):
-        raise CheckpointError(f"{ckpt}: holds {len(states)} optimizer states, the run has {len(optimizers)}")
+    """Load the optimizer states, then set every hyper-parameter (lr, betas, eps, weight decay, ...) back to
+    what the optimizers were built with: a changed optim.* on resume applies (see train/resume.py)."""
+    states = _load_safe(ckpt / "optimizer.pt")
+    if not isinstance(states, list) or len(states) != len(optimizers):
+        raise CheckpointError(f"{ckpt / 'optimizer.pt'}: holds {len(states) if isinstance(states, list) else 0} "
+                              f"optimizer states, the run has {len(optimizers)}")
     for opt, st in zip(optimizers, states):
+        hyper = {*opt.defaults, "initial_lr"} - {"params", "step"}   # not per-group state (Muon's step count)
+        built = [{k: v for k, v in g.items() if k in hyper} for g in opt.param_groups]
         opt.load_state_dict(st)
+        for group, hyper in zip(opt.param_groups, built):
+            group.update(hyper)
 
 
 def load_rng(ckpt: Path, rank: int) -> dict | None:
-    rngs = torch.load(ckpt / "rng.pt", map_location="cpu", weights_only=False)
+    rngs = _load_safe(ckpt / "rng.pt")
     return rngs[rank] if rank < len(rngs) else None

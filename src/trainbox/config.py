@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import re
 from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
@@ -19,15 +20,26 @@ from trainbox.errors import ConfigError
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+
+RUN_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+RUN_NAME_RULE = "one path component of letters, digits, '.', '_' and '-', starting with a letter or digit"
 
 
 class RunSection(Section):
-    name: str | None = Field(None, description="run name; defaults to the recipe name")
+    name: str | None = Field(None, description=f"run name; defaults to the recipe name. {RUN_NAME_RULE}")
     dir: str = Field("runs", description="folder that holds run directories")
-    seed: int = 1337
+    seed: int = Field(1337, ge=0, lt=2**32, description="seeds the data order, the initial weights and dropout")
     resume: str = Field("auto", description="auto (continue from latest), never, or a checkpoint path")
     init_from: str | None = Field(None, description="checkpoint or HF folder to load weights from (new run)")
+
+    @model_validator(mode="after")
+    def _name_is_one_component(self) -> "RunSection":
+        if self.name is not None and not RUN_NAME_RE.match(self.name):
+            raise ValueError(f"run.name={self.name!r} must be {RUN_NAME_RULE}: a run's files stay inside "
+                             f"run.dir/NAME (use run.dir to choose the folder)")
+        return self
 
 
 class DataSection(Section):
@@ -181,7 +193,7 @@ class OptimSection(Section):
     lr: float = Field(6e-4, gt=0)
     min_lr_ratio: float = Field(0.1, ge=0, le=1)
     weight_decay: float = Field(0.1, ge=0)
-    betas: tuple[float, float] = (0.9, 0.95)
+    betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW's moment decay rates, each in [0, 1)")
     eps: float = Field(1e-8, gt=0)
     grad_clip: float = Field(1.0, ge=0, description="0 = no clipping")
     schedule: Literal["cosine", "linear", "constant", "wsd"] = "cosine"
@@ -196,6 +208,13 @@ class OptimSection(Section):
     embed_lr: float | None = Field(None, description="muon: AdamW lr of embeddings (default lr)")
     head_lr: float | None = Field(None, description="muon: AdamW lr of the output head (default lr)")
     scalar_lr: float | None = Field(None, description="muon: AdamW lr of norms, gains and scalars (default lr)")
+
+
+    @model_validator(mode="after")
+    def _betas_in_range(self) -> "OptimSection":
+        if not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"optim.betas={list(self.betas)} must each lie in [0, 1) (e.g. [0.9, 0.95])")
+        return self
 
 
 class TrainSection(Section):
@@ -275,7 +294,10 @@ class RunConfig(Section):
 
     @property
     def run_name(self) -> str:
-        return self.run.name or self.recipe or "run"
+        """run.name, or the recipe's name made into one safe path component."""
+        if self.run.name:
+            return self.run.name
+        return re.sub(r"[^A-Za-z0-9._-]+", "-", self.recipe or "run").lstrip("._-")[:128] or "run"
 
     @property
     def run_dir(self) -> Path:
@@ -289,6 +311,25 @@ def recipe_names() -> list[str]:
     return sorted(p.name[:-5] for p in resources.files("trainbox.recipes").iterdir() if p.name.endswith(".yaml"))
 
 
+MAX_CONFIG_NODES = 100_000  # values, lists and mappings in one config file, counted through YAML aliases
+
+
+def _check_size(data: Any, where: str) -> None:
+    """Refuse documents whose aliases expand past MAX_CONFIG_NODES (a YAML "billion laughs" would exhaust
+    memory in validation); the walk stops at the limit, so it costs at most that many visits."""
+    stack, seen = [data], 0
+    while stack:
+        node = stack.pop()
+        seen += 1
+        if seen > MAX_CONFIG_NODES:
+            raise ConfigError(f"{where} expands to more than {MAX_CONFIG_NODES:,} values (YAML aliases?); "
+                              "a run config is a few hundred", hint="write the config without nested aliases")
+        if isinstance(node, dict):
+            stack.extend(node.values())
+        elif isinstance(node, (list, tuple)):
+            stack.extend(node)
+
+
 def _read_file(path: Path) -> dict:
     try:
         text = path.read_text()
@@ -300,6 +341,7 @@ def _read_file(path: Path) -> dict:
         raise ConfigError(f"{path} is not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {e}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path} must hold a mapping of config sections, not {type(data).__name__}")
+    _check_size(data, str(path))
     return data
 
 
@@ -334,9 +376,11 @@ def _looks_like_training_arguments(data: dict) -> bool:
 def parse_value(text: str) -> Any:
     """`key=value` values are YAML scalars/lists: 3 -> int, 1e-3 -> float, true -> bool, [a,b] -> list."""
     try:
-        return yaml.safe_load(text)
+        value = yaml.safe_load(text)
     except yaml.YAMLError:
         return text
+    _check_size(value, f"the override value {text[:40]!r}")
+    return value
 
 
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
@@ -382,6 +426,8 @@ def _format_error(err: ValidationError) -> str:
                 msg += f"; did you mean {', '.join((where + '.' if where else '') + c for c in close)}?"
             else:
                 msg += f"; valid keys{' in ' + where if where else ''}: {', '.join(valid)}"
+        elif e["type"] == "value_error":  # our validators' messages name their keys and values
+            msg = str(e.get("ctx", {}).get("error") or e["msg"])
         else:
             got = e.get("input")
             got_s = "" if isinstance(got, dict) else f" (got {got!r})"
@@ -402,5 +448,13 @@ def load_config(source: str | None = None, overrides: list[str] | tuple = ()) ->
     return build_config(apply_overrides(load_source(source), list(overrides)))
 
 
+def public_dict(cfg: RunConfig) -> dict:
+    """The config as JSON-able data with secrets masked (what config.yaml and checkpoints record)."""
+    data = cfg.model_dump(mode="json")
+    if data["monitor"].get("token"):
+        data["monitor"]["token"] = "***"
+    return data
+
+
 def dump_yaml(cfg: RunConfig) -> str:
-    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+    return yaml.safe_dump(public_dict(cfg), sort_keys=False)

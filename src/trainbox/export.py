@@ -95,7 +95,12 @@ def read_hf_weights(folder: Path) -> dict[str, torch.Tensor]:
         for shard in sorted(set(index["weight_map"].values())):
             state.update(load_file(str(folder / shard)))
     elif (folder / "pytorch_model.bin").is_file():
-        state = torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True)
+        try:   # tensors and plain values only: a pickle that would run code is refused
+            state = torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True)
+        except Exception as e:  # noqa: BLE001 - UnpicklingError, RuntimeError, EOFError
+            raise CheckpointError(f"{folder / 'pytorch_model.bin'} cannot be loaded safely: "
+                                  f"{str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__}",
+                                  hint="use a folder with model.safetensors") from None
     else:
         raise CheckpointError(f"{folder} has a config.json but no model.safetensors or pytorch_model.bin",
                               hint="save the model with model.save_pretrained(folder)")

@@ -20,6 +20,10 @@ def _env_int(name: str, default: int) -> int:
 def cmd_train(args) -> int:
     from trainbox.config import load_config
 
+    if args.nproc is None or args.nproc <= 1 or "LOCAL_RANK" in os.environ:
+        # from here a stop signal is kept for the loop, which acts on it before its first step
+        from trainbox.train.stop import STOP
+        STOP.install()
     cfg = load_config(args.recipe, args.overrides)
     if args.recipe and args.recipe.endswith(".json") and "LOCAL_RANK" not in os.environ:
         from trainbox.hfargs import mapping_report
@@ -28,6 +32,11 @@ def cmd_train(args) -> int:
             print(report, file=sys.stderr)
     if args.nproc and args.nproc > 1 and "LOCAL_RANK" not in os.environ:
         return _launch_torchrun(args, cfg)
+    from trainbox.runs import lock_run, unlock_run
+
+    single = _env_int("WORLD_SIZE", 1) == 1
+    if single:  # refused at once when another run holds the folder; under torchrun rank 0 locks in the trainer
+        lock_run(cfg.run_dir)
     from trainbox.monitor.console import ProgressBar, setup_logging
     from trainbox.train.distributed import Dist
     from trainbox.train.loop import train
@@ -40,7 +49,11 @@ def cmd_train(args) -> int:
         cfg.run_dir.mkdir(parents=True, exist_ok=True)
         log_file = cfg.run_dir / "train.log"
     setup_logging(log_file, console=dist.is_main, bar=bar)
-    result = train(cfg, dist, argv=["trainbox", "train", *sys.argv[2:]], progress=ProgressBar(enabled=bar))
+    try:
+        result = train(cfg, dist, argv=["trainbox", "train", *sys.argv[2:]], progress=ProgressBar(enabled=bar))
+    finally:
+        if single:
+            unlock_run(cfg.run_dir)
     if dist.is_main:
         if result.get("val_loss") is not None:
             print(f"validation: {result['val_loss']:.4f} nats/token, {result['val_bpb']:.4f} bits/byte "

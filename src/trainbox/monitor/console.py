@@ -56,6 +56,14 @@ class ProgressBar:
             self.stream.flush()
 
 
+class _AppendHandler(logging.FileHandler):
+    """train.log, opened without following a symbolic link (trainbox.files.open_append)."""
+
+    def _open(self):
+        from trainbox.files import open_append
+        return open_append(Path(self.baseFilename))
+
+
 def setup_logging(log_file: Path | None, console: bool, bar: bool) -> None:
     """Attach handlers to the trainbox logger (idempotent: replaces earlier handlers)."""
     log.setLevel(logging.INFO)
@@ -72,6 +80,6 @@ def setup_logging(log_file: Path | None, console: bool, bar: bool) -> None:
             h.addFilter(_NoProgress())
         log.addHandler(h)
     if log_file is not None:
-        fh = logging.FileHandler(log_file)
+        fh = _AppendHandler(log_file)
         fh.setFormatter(fmt)
         log.addHandler(fh)

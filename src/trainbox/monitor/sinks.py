@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from trainbox.errors import MissingDependency
+from trainbox.files import open_append
 from trainbox.monitor.console import log
 
 
@@ -20,7 +21,7 @@ class JsonlSink:
     """One JSON object per line, flushed per event so a crash loses at most the line being written."""
 
     def __init__(self, path: Path):
-        self.f = open(path, "a", buffering=1)
+        self.f = open_append(path, buffering=1)
 
     def log(self, event: dict) -> None:
         self.f.write(json.dumps(event, default=float) + "\n")

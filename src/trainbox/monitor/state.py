@@ -24,6 +24,8 @@ import threading
 import time
 from pathlib import Path
 
+from trainbox.files import atomic_write_text
+
 PHASES = ("loading", "compiling", "training", "evaluating", "checkpointing", "finished", "failed", "preempted")
 ACTIVE_PHASES = ("loading", "compiling", "training", "evaluating", "checkpointing")
 SLOW_PHASE_SECONDS = {"loading": 3600.0, "compiling": 3600.0, "evaluating": 1800.0, "checkpointing": 1800.0}
@@ -75,10 +77,7 @@ class RunState:
 
     def write_status(self, path: Path) -> None:
         """Write the snapshot to status.json atomically (temp name + rename)."""
-        data = self.snapshot()
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(data, indent=1, default=str))
-        os.replace(tmp, path)
+        atomic_write_text(path, json.dumps(self.snapshot(), indent=1, default=str), fsync=False)
 
 
 def stall_limit(snapshot: dict, configured: float | None = None, log_every: int = 1) -> float:

@@ -30,26 +30,28 @@ from __future__ import annotations
 
 import inspect
 import math
+import os
 import signal
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 import torch.nn as nn
 
 from trainbox import checkpoint, runs
-from trainbox.config import RunConfig, dump_yaml
+from trainbox.config import RunConfig, dump_yaml, public_dict
+from trainbox.files import atomic_write_text, open_append
 from trainbox.data.loader import BatchPlan, to_device, unused_data
-from trainbox.errors import CheckpointError, RunFinished, TrainingFailed
+from trainbox.errors import CheckpointError, RunBusy, TrainboxError, TrainingFailed
 from trainbox.monitor.console import ProgressBar, log
 from trainbox.monitor.sinks import build_sinks
 from trainbox.monitor.state import RunState
 from trainbox.train.device import out_of_memory, peak_flops, resolve_device
 from trainbox.train.distributed import Dist
 from trainbox.train.evaluate import autocast_context, evaluate
-from trainbox.train.stop import StopFlag
+from trainbox.train import resume
+from trainbox.train.stop import STOP
 
 
 def plan_length(cfg: RunConfig, plan: BatchPlan) -> int:
@@ -121,7 +123,8 @@ class Trainer:
         self.run_dir = cfg.run_dir
         self.ckpt_root = self.run_dir / "checkpoints"
         self.progress = progress or ProgressBar(enabled=False)
-        self.stop = StopFlag()
+        self.stop = STOP
+        self.lock = None
         self.device, self.dtype = resolve_device(cfg, self.dist)
         self.autocast = lambda: autocast_context(self.device, self.dtype)
         self.pin = self.device.type == "cuda"   # page-locked host batches: the H2D copy runs asynchronously
@@ -134,7 +137,8 @@ class Trainer:
         d.init(self.device, cfg.train.pg_timeout_s)
         if cfg.train.threads and self.device.type == "cpu":
             torch.set_num_threads(cfg.train.threads)
-        self.resume_from = self._find_resume()
+        self._lock_run_dir()
+        self.resume_from = resume.find_start(cfg, self.ckpt_root)
         self.tokenizer = build_tokenizer(cfg)
         if cfg.model.eot_id is None:  # document-masked families (speedrun) split documents at EOT
             cfg.model.eot_id = self.tokenizer.eot_id
@@ -146,12 +150,12 @@ class Trainer:
         self.plan.check_nonempty()
         self.total = plan_length(cfg, self.plan)
         self.start_step, trainer_state = 0, {}
+        self.changed = {}
         if self.resume_from is not None:
             trainer_state = checkpoint.load_trainer(self.resume_from)
             self.start_step = trainer_state["step"]
-            if self.start_step >= self.total:
-                raise RunFinished(f"run {self.run_dir} already finished at step {self.start_step} of {self.total}",
-                                  hint="start a new run with run.name=NEW_NAME (or raise train.max_steps to continue)")
+            self.changed = resume.check_changes(trainer_state.get("config", {}), cfg, self.resume_from)
+            resume.check_finished(self.start_step, self.total, trainer_state.get("total_steps"), cfg)
         torch.manual_seed(cfg.run.seed)  # identical initial weights on every rank
         model = build_model(cfg.model, vocab, cfg.model.block_size or cfg.data.seq_len, run=cfg).to(self.device)
         if cfg.run.init_from and self.resume_from is None:
@@ -193,20 +197,30 @@ class Trainer:
         self.state = RunState(cfg.run_name, self.run_dir, self.total)
         self._setup_run_files(trainer_state)
 
-    def _find_resume(self) -> Path | None:
-        r = self.cfg.run.resume
-        if r == "never":
-            return None
-        if r == "auto":
-            return checkpoint.latest(self.ckpt_root)
-        return checkpoint.resolve(r)
+    def _lock_run_dir(self) -> None:
+        """Rank 0 holds the run directory for the run's life (runs.RunLock); every rank fails if it cannot."""
+        busy = None
+        if self.dist.is_main:
+            try:
+                self.lock = runs.lock_run(self.run_dir)
+            except TrainboxError as e:
+                busy = e
+        if self.dist.any(busy is not None):
+            raise busy or RunBusy(f"run directory {self.run_dir} is in use", hint="see rank 0's message")
+        prev = self.lock.previous if self.lock else None
+        if prev and prev.get("pid") != os.getpid():
+            log.info(f"took over the lock of {self.run_dir} left by process {prev.get('pid')} on "
+                     f"{prev.get('host')}, which is gone")
 
     def _setup_run_files(self, trainer_state: dict) -> None:
         cfg, d = self.cfg, self.dist
         self.server = None
         if d.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / "config.yaml").write_text(dump_yaml(cfg))
+            moved = resume.supersede(self.run_dir, self.ckpt_root, self.resume_from)
+            if moved is not None:
+                log.info(f"the earlier history of {self.run_dir} after this start moved to {moved}")
+            atomic_write_text(self.run_dir / "config.yaml", dump_yaml(cfg), fsync=False)
             runs.write_env(self.run_dir, self.argv, self.device, d.world)
             gpu = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None
             self.state.update(step=self.start_step, tokens_seen=self.tokens_seen, gpu_name=gpu,
@@ -219,7 +233,7 @@ class Trainer:
                 self.server = start_server(self.state, cfg.monitor)
                 self.state.update(url=self.server.url)
             self.state.write_status(self.run_dir / "status.json")
-        self.sinks = build_sinks(cfg.monitor, self.run_dir, cfg.run_name, cfg.model_dump(mode="json"),
+        self.sinks = build_sinks(cfg.monitor, self.run_dir, cfg.run_name, public_dict(cfg),
                                  trainer_state.get("wandb_id"), d.is_main)
         self.flops_per_token = self.model.flops_per_token(cfg.data.seq_len)
         self.peak = peak_flops(cfg, self.device)
@@ -236,21 +250,25 @@ class Trainer:
             log.info(f"process group: {d.describe()}")
         if self.resume_from is not None:
             log.info(f"resuming from {self.resume_from} at step {self.start_step}")
+        for key, (old, new) in self.changed.items():
+            log.info(f"changed since the checkpoint, applied from step {self.start_step}: {key} {old!r} -> {new!r}")
         self.sinks.log("start", step=self.start_step, total_steps=self.total, resumed_from=str(self.resume_from or ""),
-                       world=d.world, params=n, unused_tail_tokens=tails, unused_samples_per_epoch=skipped)
+                       world=d.world, params=n, unused_tail_tokens=tails, unused_samples_per_epoch=skipped,
+                       **({"changed": {k: list(v) for k, v in self.changed.items()}} if self.changed else {}))
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> dict:
         """Train to the end (or a stop signal). Returns a summary; raises TrainingFailed on a fault."""
-        self.setup()
-        self.stop.install()
+        self.stop.install()   # a stop during setup is acted on before the first step
+        self.server, self.sinks, self.state = None, None, None
         graceful = False
         try:
+            self.setup()
             result = self._run()
             graceful = True
             return result
         except BaseException as e:
-            if self.dist.is_main:
+            if self.dist.is_main and self.state is not None and self.sinks is not None:
                 phase = "preempted" if isinstance(e, KeyboardInterrupt) else "failed"
                 self.state.update(phase=phase, error=str(e)[:500])
                 self.state.write_status(self.run_dir / "status.json")
@@ -258,11 +276,14 @@ class Trainer:
             raise
         finally:
             self.stop.restore()
-            self.sinks.close()
+            if self.sinks is not None:
+                self.sinks.close()
             self.progress.close()
             if self.server is not None:
                 self.server.stop()
             self.dist.shutdown(graceful)
+            if self.lock is not None:
+                runs.unlock_run(self.run_dir)
 
     def _run(self) -> dict:
         cfg, d = self.cfg, self.dist
@@ -275,6 +296,7 @@ class Trainer:
         self.model.train()
         self.progress.update(self.start_step, self.total, None, None, None, force=True)
         step, stopped, last_eval = self.start_step, False, None
+        lr = grad_norm = None   # of the last step taken: a stop logs the open window with them
         while step < self.total:
             if d.any(self.stop.signum is not None):  # every rank stops at the same step boundary
                 stopped = True
@@ -304,8 +326,8 @@ class Trainer:
                 self._save(step)
         if stopped:
             if window:
-                self._log_window(window, window_start, step, None, None, meter)
-            if self.last_saved_step != step:   # the same on every rank: they all save or none does
+                self._log_window(window, window_start, step, grad_norm, lr, meter)
+            if step > 0 and self.last_saved_step != step:   # the same on every rank: all save or none does
                 self._save(step)
             self._phase("preempted")
             why = signal.Signals(self.stop.signum).name if self.stop.signum else "another rank's stop signal"
@@ -399,7 +421,7 @@ class Trainer:
         extra = f" mfu {100 * mfu:.1f}%" if mfu else ""
         if self.device.type == "cuda":
             extra += f" mem {torch.cuda.max_memory_allocated(self.device) / 2**30:.1f}GiB peak"
-        log.info(f"step {step}/{self.total} loss {losses[-1]:.4f} lr {lr:.3g}"
+        log.info(f"step {step}/{self.total} loss {losses[-1]:.4f}{f' lr {lr:.3g}' if lr is not None else ''}"
                  f"{f' gnorm {gn:.3f}' if gn is not None else ''} tok/s {tok_s or 0:,.0f}{extra} eta {fmt_duration(eta)}",
                  extra={"progress": True})
         self.progress.update(step, self.total, losses[-1], tok_s, eta, force=step == self.total)
@@ -448,7 +470,7 @@ class Trainer:
                    "loader": {"step": step, "seed": self.cfg.run.seed}, "tokens_seen": self.tokens_seen,
                    "world": self.dist.world, "finished": step >= self.total,
                    "restarts": self.state.snapshot()["restarts"], "wandb_id": self.sinks.wandb_id,
-                   "config": self.cfg.model_dump(mode="json"), "versions": runs.versions()}
+                   "config": public_dict(self.cfg), "versions": runs.versions()}
         t0 = time.time()
         path = checkpoint.save(self.ckpt_root, step, self._weights(), self.optimizers, trainer, rngs,
                                self.cfg.train.keep_last, protect=self.resume_from)
@@ -467,7 +489,8 @@ class Trainer:
         from trainbox.generate import sample
         text = sample(self.model, self.tokenizer, self.cfg.train.sample_prompt, max_tokens=n, temperature=0.8,
                       top_k=50, seed=self.cfg.run.seed, device=self.device)
-        (self.run_dir / "samples.txt").open("a").write(f"--- step {self.total}\n{self.cfg.train.sample_prompt}{text}\n")
+        with open_append(self.run_dir / "samples.txt") as f:
+            f.write(f"--- step {self.total}\n{self.cfg.train.sample_prompt}{text}\n")
         self.model.train()
         return text
 

@@ -1,5 +1,10 @@
 """Stop signals for the training loop: SIGTERM / SIGINT / SIGUSR1 set a flag that the loop acts on at the
-next step boundary, agreed across ranks (train/loop.py)."""
+next step boundary, agreed across ranks (train/loop.py).
+
+`STOP` is the process's one flag. The CLI installs it before its heavy imports, so a signal that arrives while
+the run starts is kept and acted on before the first step; the trainer installs it again (a no-op then) and
+restores the previous handlers, clearing the flag, when the run ends.
+"""
 from __future__ import annotations
 
 import signal
@@ -15,10 +20,10 @@ class StopFlag:
 
     def __init__(self):
         self.signum: int | None = None
-        self._old = {}
+        self._old: dict = {}
 
     def install(self) -> None:
-        if threading.current_thread() is not threading.main_thread():
+        if self._old or threading.current_thread() is not threading.main_thread():
             return
         for s in STOP_SIGNALS:
             self._old[s] = signal.signal(s, self._handle)
@@ -32,3 +37,8 @@ class StopFlag:
     def restore(self) -> None:
         for s, h in self._old.items():
             signal.signal(s, h)
+        self._old = {}
+        self.signum = None
+
+
+STOP = StopFlag()

@@ -1,0 +1,165 @@
+"""Where a run starts: the checkpoint it resumes from, what changed since it was saved, and the history a new
+start replaces.
+
+    run.resume=auto    the newest checkpoint of the run that verifies (checkpoint.verify); a damaged newer one
+                       is named in the log and set aside. When checkpoints exist but none verifies, the run
+                       stops: starting over silently would throw the run away.
+    run.resume=PATH    that step folder (it must verify), or the newest that verifies under a run folder.
+    run.resume=never   a new run in this folder.
+
+A start replaces the history after its step: checkpoints newer than the resumed one and metrics.jsonl lines
+of later steps (all of them for a new start) move to RUN/superseded/<time>/, so keep-last-K never weighs the
+old run's higher steps against the new run's, metrics.jsonl holds each step once, and nothing is deleted.
+
+Changed settings on resume (`compare`): those that change no maths (logging, intervals, kernels' memory
+layout, micro-batch size) pass silently; optimizer and schedule settings and the numerics switches apply
+from the resumed step on and are listed in the log and the run's `start` event; anything that defines the
+model, the data or the batch order is refused with the list of differences.
+"""
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+from trainbox import checkpoint
+from trainbox.config import RunConfig
+from trainbox.errors import ConfigError
+from trainbox.files import atomic_write_text
+from trainbox.monitor.console import log
+
+# keys that never change what a step computes
+RUNTIME = ("recipe", "run.name", "run.dir", "run.resume", "run.init_from", "monitor.", "data.cache_dir",
+           "data.num_workers", "train.device", "train.threads", "train.pg_timeout_s", "train.sample_tokens",
+           "train.sample_prompt", "train.compile", "train.peak_tflops", "train.eval_every", "train.eval_tokens",
+           "train.checkpoint_every", "train.keep_last", "train.activation_checkpointing", "train.micro_batch_size",
+           "lora.gradient_checkpointing")
+# keys whose new value applies from the resumed step on
+APPLIED = ("optim.", "train.max_steps", "train.max_tokens", "train.epochs", "train.dtype", "model.dropout",
+           "model.moe.lb_loss_weight", "model.moe.z_loss_weight", "model.moe.jitter_eps",
+           "model.moe.capacity_factor", "model.attention", "model.fused_loss", "model.fused_norm",
+           "model.fused_mlp", "model.fp8_head", "model.fp8_mlp", "model.fp8_fallback", "model.lowp_residual",
+           "model.window_warmup_steps")
+REFUSED_ALWAYS = ("optim.name",)
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[prefix + k] = tuple(v) if isinstance(v, list) else v
+    return out
+
+
+def _matches(key: str, rules: tuple) -> bool:
+    return any(key == r or (r.endswith(".") and key.startswith(r)) for r in rules)
+
+
+def compare(saved: dict, cfg: RunConfig) -> tuple[dict, dict]:
+    """-> (applied, refused): dotted key -> (value at save time, value now), for the keys that differ."""
+    old, new = _flat(saved), _flat(cfg.model_dump(mode="json"))
+    applied, refused = {}, {}
+    for key in sorted(set(old) | set(new)):
+        a, b = old.get(key), new.get(key)
+        if a == b or (_matches(key, RUNTIME) and not _matches(key, REFUSED_ALWAYS)):
+            continue
+        if _matches(key, APPLIED) and not _matches(key, REFUSED_ALWAYS):
+            applied[key] = (a, b)
+        else:
+            refused[key] = (a, b)
+    return applied, refused
+
+
+def check_changes(saved: dict, cfg: RunConfig, ckpt: Path) -> dict:
+    """Refuse a resume whose model, data or batch settings differ from the checkpoint's; return the applied
+    changes (key -> (old, new))."""
+    applied, refused = compare(saved, cfg)
+    if refused:
+        lines = "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in list(refused.items())[:8])
+        more = f" (and {len(refused) - 8} more)" if len(refused) > 8 else ""
+        raise ConfigError(f"run {cfg.run_dir} was trained with other settings than these; {ckpt} differs in "
+                          f"{lines}{more}",
+                          hint="start a new run with run.name=NEW_NAME, or start this one over with "
+                               "run.resume=never (its files move to superseded/), or resume with the saved "
+                               f"settings (see {cfg.run_dir / 'config.yaml'})")
+    return applied
+
+
+def find_start(cfg: RunConfig, ckpt_root: Path) -> Path | None:
+    """The checkpoint this run resumes from (None: a new start), by run.resume (see the module docstring)."""
+    r = cfg.run.resume
+    if r == "never":
+        return None
+
+    def skip(path: Path, why: str) -> None:
+        log.info(f"warning: checkpoint {path.name} does not verify ({why}); trying the one before")
+
+    if r == "auto":
+        if not checkpoint.list_complete(ckpt_root):
+            return None
+        return checkpoint.resolve(ckpt_root, on_skip=skip)
+    return checkpoint.resolve(r, on_skip=skip)
+
+
+def _split_metrics(metrics: Path, after: int) -> str | None:
+    """The lines of metrics.jsonl that belong to the history up to step `after` (None: all of them do)."""
+    import json
+    lines = metrics.read_text().splitlines(keepends=True)
+    kept = []
+    for line in lines:
+        try:
+            step = json.loads(line).get("step")
+        except ValueError:   # a line cut by a crash
+            continue
+        if step is None or step <= after:
+            kept.append(line)
+    return None if len(kept) == len(lines) else "".join(kept)
+
+
+def supersede(run_dir: Path, ckpt_root: Path, start: Path | None) -> Path | None:
+    """Move the history after `start` to run_dir/superseded/<time>/ and return that folder (None: nothing to
+    move): the checkpoints of later steps, and metrics.jsonl when it holds later steps (a copy of the lines up
+    to the start stays in place). A new start (None) moves every checkpoint and the whole metrics.jsonl."""
+    if start is None:
+        after = 0
+    elif start.parent == ckpt_root:
+        after = checkpoint.step_of(start)
+    else:   # resumed from another run's checkpoint: this run's own history is all superseded
+        after = -1
+    doomed = [p for p in ckpt_root.glob("step_*") if p.is_dir() and checkpoint.STEP_RE.match(p.name)
+              and checkpoint.step_of(p) > after and p != start] if ckpt_root.is_dir() else []
+    metrics = run_dir / "metrics.jsonl"
+    kept = None
+    if metrics.exists():
+        kept = "" if after <= 0 else _split_metrics(metrics, after)
+    if not doomed and kept is None:
+        return None
+    dest = run_dir / "superseded" / time.strftime("%Y%m%d-%H%M%S")
+    while dest.exists():
+        dest = dest.with_name(dest.name + "+")
+    (dest / "checkpoints").mkdir(parents=True)
+    for p in sorted(doomed):
+        os.replace(p, dest / "checkpoints" / p.name)
+    if kept is not None:
+        os.replace(metrics, dest / "metrics.jsonl")
+        if kept:
+            atomic_write_text(metrics, kept)
+    pointer = ckpt_root / "latest"
+    if pointer.exists() and not (ckpt_root / pointer.read_text().strip()).is_dir():
+        if start is not None and start.parent == ckpt_root:
+            atomic_write_text(pointer, start.name + "\n")
+        else:
+            pointer.unlink()
+    return dest
+
+
+def check_finished(step: int, total: int, saved_total: int | None, cfg: RunConfig) -> None:
+    """Raise RunFinished when the checkpoint is at or past the run's planned length."""
+    from trainbox.errors import RunFinished
+    if step < total:
+        return
+    how = f"train.max_steps={total} now" if saved_total != total else f"of {total}"
+    raise RunFinished(f"run {cfg.run_dir} already finished: it is at step {step} ({how})",
+                      hint="start a new run with run.name=NEW_NAME, or raise train.max_steps to continue this one")

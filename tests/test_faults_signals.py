@@ -1,0 +1,288 @@
+"""Fault injection on real `trainbox train` processes with the tiny recipe's own settings: 600 steps, a log
+line every 20 steps, evaluation and a checkpoint every 300 (only the model is smaller, so a run takes
+seconds). Nothing may be lost:
+
+- SIGTERM, SIGINT and SIGUSR1, each at 10+ moments of one run (seeded random moments, the first step, an
+  evaluation, a checkpoint save), the run resumed after each: every stop exits 0 with a verified checkpoint at
+  the step it names, and the per-step losses of the whole chain equal an uninterrupted run's bit for bit;
+- the same through `trainbox train --nproc 2` (torchrun, gloo);
+- SIGKILL at seeded random moments: the run resumes from its newest checkpoint and every logged loss, the
+  re-run steps' included, equals the uninterrupted run's;
+- a second run on the same run directory is refused naming the holder's pid; a lock left by a gone process
+  is taken over.
+
+A moment inside the first step, an evaluation or a save is hit exactly by a wrapper that signals the process
+itself when the loop reaches that function (`_hooked`); the other moments are signals from outside.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from trainbox import checkpoint
+
+pytestmark = pytest.mark.faults
+
+# the tiny recipe as shipped, with a smaller model and evaluation (not its intervals)
+SMALL = ["model.n_layer=1", "model.n_head=2", "model.n_embd=32", "data.seq_len=32", "train.global_batch_size=8",
+         "train.micro_batch_size=8", "train.eval_tokens=8192", "train.sample_tokens=0", "monitor.port=0"]
+TOTAL, EVAL_AT = 600, 300
+ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+
+HOOK = r"""
+import os, signal, sys
+import trainbox.checkpoint as ckpt
+import trainbox.train.loop as loop
+sig, where, at = getattr(signal, sys.argv[1]), sys.argv[2], int(sys.argv[3])
+fire = lambda: os.kill(os.getpid(), sig)
+if where == "step":      # while the step that ends at `at` runs
+    step = loop.Trainer._train_step
+    loop.Trainer._train_step = lambda self, s: (fire() if s + 1 == at else None, step(self, s))[1]
+elif where == "eval":    # while the evaluation at step `at` runs
+    evaluate = loop.evaluate
+    loop.evaluate = lambda *a, **k: (fire(), evaluate(*a, **k))[1]
+elif where == "save":    # while the checkpoint of step `at` is written
+    save = ckpt.save
+    ckpt.save = lambda root, s, *a, **k: (fire() if s == at else None, save(root, s, *a, **k))[1]
+from trainbox.cli import main
+sys.exit(main(sys.argv[4:]))
+"""
+
+
+def _args(root: Path, cache: Path, name: str, *extra: str) -> list[str]:
+    return ["train", "tiny", *SMALL, f"run.dir={root}", f"run.name={name}", f"data.cache_dir={cache}",
+            "train.threads=1", *extra]
+
+
+class Segment:
+    """One `trainbox train` process of a chain, its output in a file (a full pipe would block it)."""
+
+    def __init__(self, args: list[str], log: Path, hook: tuple[str, str, int] | None = None):
+        self.log = log
+        cmd = [sys.executable, "-c", HOOK, *map(str, hook), *args] if hook else [sys.executable, "-m", "trainbox",
+                                                                               *args]
+        self.out = open(log, "w")
+        self.t0 = time.time()
+        self.proc = subprocess.Popen(cmd, stdout=self.out, stderr=subprocess.STDOUT, env=ENV)
+
+    def wait(self, timeout: float = 240) -> tuple[int, str]:
+        code = self.proc.wait(timeout=timeout)
+        self.out.close()
+        return code, self.log.read_text()
+
+
+def _status(run_dir: Path) -> dict:
+    try:
+        return json.loads((run_dir / "status.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _wait_training(seg: Segment, run_dir: Path, timeout: float = 120) -> bool:
+    """Until this segment's run (rank 0 under torchrun) reports its loop running (False: it ended first)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        s = _status(run_dir)
+        if s.get("started_at", 0) >= seg.t0 and s.get("phase") in ("training", "evaluating", "checkpointing"):
+            return True
+        if seg.proc.poll() is not None:
+            return False
+        time.sleep(0.01)
+    raise AssertionError(f"{run_dir}: no training phase within {timeout}s\n{seg.log.read_text()}")
+
+
+def _losses(run_dir: Path) -> list[tuple[int, float]]:
+    return [(e["step"], e["loss"]) for e in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+            if e["event"] == "train"]
+
+
+def _check_stop(code: int, out: str, run_dir: Path, after: int, torchrun: bool = False) -> int:
+    """A graceful stop: exit 0, 'stopped at step N', a checkpoint of step N that verifies. Returns N.
+    (torchrun's agent prints its own SignalException traceback when it passes a signal on.)"""
+    assert code == 0, out
+    assert "unexpected error" not in out and (torchrun or "Traceback" not in out), out
+    line = next((x for x in out.splitlines() if "stopped at step" in x), None)
+    assert line is not None, out
+    step = int(line.split("stopped at step ")[1].split()[0])
+    assert step > after, (step, after, out)
+    ckpt = checkpoint.latest(run_dir / "checkpoints")
+    assert ckpt is not None and checkpoint.step_of(ckpt) == step, (ckpt, step)
+    checkpoint.verify(ckpt)
+    return step
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("faults")
+
+
+@pytest.fixture(scope="module")
+def cache(data_cache) -> Path:
+    return data_cache
+
+
+@pytest.fixture(scope="module")
+def reference(root, cache) -> dict:
+    """The uninterrupted run: step -> loss, and its training speed (steps per second)."""
+    t0 = time.time()
+    code, out = Segment(_args(root, cache, "reference"), root / "reference.log").wait()
+    assert code == 0, out
+    losses = _losses(root / "reference")
+    assert [s for s, _ in losses] == list(range(1, TOTAL + 1))
+    events = [json.loads(x) for x in (root / "reference" / "metrics.jsonl").read_text().splitlines()]
+    start = next(e["time"] for e in events if e["event"] == "start")
+    end = next(e["time"] for e in events if e["event"] == "train" and e["step"] == TOTAL)
+    return {"losses": dict(losses), "steps_per_s": TOTAL / max(end - start, 1e-3), "seconds": time.time() - t0}
+
+
+def _signal_chain(root: Path, cache: Path, reference: dict, sig: str, hook_at_eval: str, seed: int,
+                  extra: tuple[str, ...] = ()) -> list[int]:
+    """Stop one run with `sig` at the first step, at the evaluation or the save of step 300, then at seeded
+    random moments until 10 stops, resuming after each; finish it and compare every step's loss."""
+    name = f"chain-{sig.lower()}"
+    run_dir = root / name
+    rnd = random.Random(seed)
+    stops: list[int] = []
+    logs = root / f"{name}-logs"
+    logs.mkdir()
+    hooks = [("step", 1), (hook_at_eval, EVAL_AT)]
+    while len(stops) < 10:
+        k = len(stops)
+        after = stops[-1] if stops else 0
+        if k < len(hooks):
+            where, at = hooks[k]
+            seg = Segment(_args(root, cache, name, *extra), logs / f"{k}.log", hook=(sig, where, at))
+        else:
+            seg = Segment(_args(root, cache, name, *extra), logs / f"{k}.log")
+            if not _wait_training(seg, run_dir):
+                raise AssertionError(f"{sig}: the run ended before stop {k + 1}\n{seg.log.read_text()}")
+            # a moment 1-20 steps into this segment's training, at the reference run's pace
+            time.sleep(rnd.uniform(1, 20) / reference["steps_per_s"])
+            seg.proc.send_signal(getattr(signal, sig))
+        code, out = seg.wait()
+        stops.append(_check_stop(code, out, run_dir, after))
+        if k < len(hooks):
+            assert stops[-1] == hooks[k][1], (sig, hooks[k], stops)
+        assert f"received {sig}" in out, out
+    code, out = Segment(_args(root, cache, name, *extra), logs / "last.log").wait()
+    assert code == 0 and "stopped" not in out, out
+    got = _losses(run_dir)
+    assert [s for s, _ in got] == list(range(1, TOTAL + 1)), "a step was logged twice or never"
+    assert dict(got) == reference["losses"], sig
+    return stops
+
+
+def test_stop_signals_at_any_moment_lose_nothing_and_resume_bit_identically(root, cache, reference):
+    """10 stops per signal, each resumed; SIGUSR1's run logs every 7 steps, the others every 20 (the recipe)."""
+    chains = {"SIGTERM": ("save", 11, ()), "SIGINT": ("eval", 12, ()),
+              "SIGUSR1": ("save", 13, ("monitor.log_every=7",))}
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        futures = {sig: pool.submit(_signal_chain, root, cache, reference, sig, where, seed, extra)
+                   for sig, (where, seed, extra) in chains.items()}
+        stops = {sig: f.result() for sig, f in futures.items()}
+    for sig, steps in stops.items():
+        assert len(steps) == 10 and steps[:2] == [1, EVAL_AT], (sig, steps)
+
+
+def test_stop_signals_under_torchrun_lose_nothing(root, cache, reference):
+    """`trainbox train --nproc 2`: each signal to the launcher stops both ranks at one step with a checkpoint;
+    the resumed chain matches an uninterrupted 2-process run bit for bit."""
+    name, ref_name = "torchrun-chain", "torchrun-reference"
+    nproc = ["train", "--nproc", "2"]
+    two = lambda n: [*nproc, *_args(root, cache, n, "train.micro_batch_size=4")[1:]]  # noqa: E731 - 8 = 4 x 2
+    ref_code, ref_out = Segment(two(ref_name), root / "torchrun-reference.log").wait()
+    assert ref_code == 0, ref_out
+    run_dir, rnd, stops = root / name, random.Random(21), []
+    for k, sig in enumerate(("SIGTERM", "SIGINT", "SIGUSR1")):
+        seg = Segment(two(name), root / f"torchrun-{k}.log")
+        assert _wait_training(seg, run_dir)
+        time.sleep(rnd.uniform(5, 60) / reference["steps_per_s"])
+        seg.proc.send_signal(getattr(signal, sig))
+        code, out = seg.wait()
+        stops.append(_check_stop(code, out, run_dir, stops[-1] if stops else 0, torchrun=True))
+        assert out.count("stopped at step") == 1, out   # rank 0 reports; the launcher adds no second failure
+    code, out = Segment(two(name), root / "torchrun-last.log").wait()
+    assert code == 0, out
+    got = _losses(run_dir)
+    assert [s for s, _ in got] == list(range(1, TOTAL + 1))
+    assert got == _losses(root / ref_name)
+
+
+def test_sigkill_at_random_moments_resumes_from_the_newest_checkpoint(root, cache, reference):
+    """SIGKILL 4 times at seeded moments (before and after the checkpoint of step 300); each restart resumes
+    from the newest checkpoint. metrics.jsonl ends with each step once, equal to the straight run's, and the
+    lines of the lost steps, moved to superseded/, equal it too (the re-run computed the same losses)."""
+    name, run_dir, rnd = "killed", root / "killed", random.Random(31)
+    for k in range(4):
+        seg = Segment(_args(root, cache, name), root / f"killed-{k}.log")
+        if not _wait_training(seg, run_dir):
+            break
+        time.sleep(rnd.uniform(30, 250) / reference["steps_per_s"])
+        seg.proc.kill()
+        seg.wait()
+        ckpt = checkpoint.latest(run_dir / "checkpoints")
+        if ckpt is not None:
+            checkpoint.verify(ckpt)
+    code, out = Segment(_args(root, cache, name), root / "killed-last.log").wait()
+    assert code == 0, out
+    got = _losses(run_dir)
+    assert [s for s, _ in got] == list(range(1, TOTAL + 1))
+    assert dict(got) == reference["losses"]
+    lost = [x for p in (run_dir / "superseded").glob("*/metrics.jsonl") for x in _losses(p.parent)]
+    assert lost, "no kill landed after a logged step: nothing was re-run"
+    assert all(v == reference["losses"][s] for s, v in lost)
+
+
+def test_second_run_on_a_run_directory_is_refused_and_a_stale_lock_is_taken(root, cache, reference):
+    name, run_dir = "locked", root / "locked"
+    first = Segment(_args(root, cache, name), root / "locked-first.log")
+    assert _wait_training(first, run_dir)
+    second = Segment(_args(root, cache, name), root / "locked-second.log")
+    code, out = second.wait()
+    assert code == 2, out
+    assert f"run directory {run_dir} is in use by process {first.proc.pid}" in out, out
+    code, out = first.wait()
+    assert code == 0, out
+    assert [s for s, _ in _losses(run_dir)] == list(range(1, TOTAL + 1))   # nothing interleaved
+    log = (run_dir / "train.log").read_text()
+    assert "in use" not in log   # the refused run wrote nothing into the running one's files
+    assert _losses(run_dir) == sorted(reference["losses"].items())
+
+    # a lock file left by a process that is gone (another host, a dead pid) is taken over
+    stale = {"pid": 2**22 + 17, "host": "elsewhere", "started_at": time.time() - 60, "command": ["trainbox"]}
+    (run_dir / ".lock").write_text(json.dumps(stale))
+    code, out = Segment(_args(root, cache, name, "train.max_steps=610"), root / "locked-third.log").wait()
+    assert code == 0, out
+    assert f"left by process {stale['pid']} on elsewhere, which is gone" in out, out
+    assert _losses(run_dir)[-1][0] == 610
+    assert (run_dir / ".lock").read_text() == ""   # released at the end
+
+
+def test_a_lock_holder_is_seen_from_another_thread_of_the_same_host(tmp_path):
+    """The lock is the kernel's: a second open file description is refused while the first holds it."""
+    from trainbox.errors import RunBusy
+    from trainbox.runs import RunLock
+    a = RunLock(tmp_path / "r").acquire()
+    errors = []
+
+    def other():
+        try:
+            RunLock(tmp_path / "r").acquire()
+        except RunBusy as e:
+            errors.append(e.message)
+    t = threading.Thread(target=other)
+    t.start()
+    t.join()
+    assert errors and f"process {os.getpid()}" in errors[0]
+    a.release()
+    RunLock(tmp_path / "r").acquire().release()
