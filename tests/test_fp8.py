@@ -1,4 +1,4 @@
-"""FP8 head (model/fp8.py): the arithmetic against the fp32 product, dynamic scaling, the fallback, one
+"""FP8 head (kernels/fp8.py): the arithmetic against the fp32 product, dynamic scaling, the fallback, one
 compiled graph, the speedrun wiring, and the clear refusal where no FP8 tensor cores exist."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 
 from trainbox.config import ModelSection, load_config
 from trainbox.errors import ConfigError
-from trainbox.model.fp8 import fp8_linear
+from trainbox.kernels.fp8 import fp8_linear
 from trainbox.model.registry import build_model
 
 
@@ -131,8 +131,8 @@ def test_fp8_head_is_refused_without_fp8_tensor_cores(tiny):
 
 def test_fp8_recipe_falls_back_to_plain_matmuls_without_fp8(caplog):
     """speedrun-124m asks for FP8 where the device has it (model.fp8_fallback): on a CPU the run goes ahead
-    with the FP8 options off, and says so once; the model then has no FP8 path left."""
-    from trainbox.model.fp8 import fp8_supported
+    with the FP8 options off in the resolved config, and says so once; the model then has no FP8 path left."""
+    from trainbox.kernels.fp8 import fp8_supported
     from trainbox.train.loop import Trainer
 
     cfg = load_config("speedrun-124m", ["train.device=cpu"])
@@ -140,8 +140,9 @@ def test_fp8_recipe_falls_back_to_plain_matmuls_without_fp8(caplog):
     if torch.cuda.is_available() and fp8_supported(torch.device("cuda")):
         pytest.skip("this machine has FP8 tensor cores")
     with caplog.at_level("WARNING", logger="trainbox"):
-        Trainer(cfg)
-    assert not cfg.model.fp8_head and cfg.model.fp8_mlp == "none" and cfg.model.fp8_options == []
+        resolved = Trainer(cfg).cfg
+    assert not resolved.model.fp8_head and resolved.model.fp8_mlp == "none" and resolved.model.fp8_options == []
+    assert cfg.model.fp8_head and cfg.model.fp8_options, "the config the user gave is never changed"
     warned = [r.getMessage() for r in caplog.records if "model.fp8_fallback" in r.getMessage()]
     assert len(warned) == 1 and "has no FP8 tensor cores, so these matmuls run in float32" in warned[0]
 

@@ -1,4 +1,4 @@
-"""model.fused_loss: the head's matmul and the (soft-capped) cross-entropy in one function (model/fused_ce.py)
+"""model.fused_loss: the head's matmul and the (soft-capped) cross-entropy in one function (kernels/fused_ce.py)
 against torch's cross-entropy of the materialised logits: losses, every gradient, every reduction, masks,
 the three model families, torch.compile, and the Triton kernel itself (interpreter on CPU, CUDA on GPU)."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from conftest import run_check_script
 from trainbox.config import ModelSection
-from trainbox.model.fused_ce import head_cross_entropy
+from trainbox.kernels.fused_ce import head_cross_entropy
 from trainbox.model.registry import build_model
 
 
@@ -116,8 +116,8 @@ def test_fp8_head_gradients_are_the_fp8_products(cap):
     """The FP8 head's backward: G is the exact dloss/dlogits rounded once to e5m2 at GRAD_SCALE, and dx, dW are
     exactly the products of the dequantised FP8 operands (dx = diag(g) G W8, dW = G^T q(diag(g) x)), up to
     fp32 accumulation and dx's bf16 output: a wrong transpose, scale or operand fails by orders of magnitude."""
-    from trainbox.model import fused_ce as fc
-    from trainbox.model.fp8 import E4M3, quantize
+    from trainbox.kernels import fused_ce as fc
+    from trainbox.kernels.fp8 import E4M3, quantize
     g = torch.Generator().manual_seed(0)
     M, K, V = 32, 64, 160
     x, w = torch.randn(M, K, generator=g), torch.randn(V, K, generator=g) * 0.3
@@ -162,7 +162,7 @@ def test_models_pass_fp8_head_to_the_fused_loss(family):
 
 KERNEL_CHECK = r"""
 import torch
-from trainbox.model import fused_ce as fc
+from trainbox.kernels import fused_ce as fc
 torch.manual_seed(0)
 for cap, V in ((0.0, 300), (15.0, 300), (0.0, 100)):
     M = 6                                          # V not a multiple of the block (a masked tail), or below it
@@ -193,7 +193,7 @@ def test_cuda_kernel_at_the_real_shape():
     speedrun model's loss with and without the fusion."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    from trainbox.model import fused_ce as fc
+    from trainbox.kernels import fused_ce as fc
     g = torch.Generator(device="cuda").manual_seed(0)
     z = (torch.randn(4096, 50304, device="cuda", generator=g) * 3).to(torch.bfloat16)
     t = torch.randint(0, 50304, (4096,), device="cuda", generator=g)
@@ -241,14 +241,14 @@ def test_quack_linear_cross_entropy_matches_the_kernel_on_gpu():
     or the Triton head's, with masked rows, over more rows than one chunk; the same compiled in one graph."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    from trainbox.model import fused_ce as fc
+    from trainbox.kernels import fused_ce as fc
     torch.manual_seed(0)
     M, K, V = 2 * fc.LCE_CHUNK + 384, 768, 50304
     x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
     w = (torch.randn(V, K, device="cuda") * 0.05).to(torch.bfloat16)
     t = torch.randint(0, V, (M,), device="cuda")
     mask = torch.rand(M, device="cuda") > 0.1
-    if not (fc.enable_quack_lce(x.device) and fc._use_quack_lce(x, w, "sum", 0.0, False)):
+    if not (fc.quack_lce_available(x.device) and fc._use_quack_lce(x, w, "sum", 0.0, False)):
         pytest.skip("QuACK (trainbox[flash]) on an H100/H200")
 
     def run(f, dtype):

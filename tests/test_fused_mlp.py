@@ -1,4 +1,4 @@
-"""model.fused_mlp: the GELU MLP as one op (model/fused_mlp.py) against nn.Linear + F.gelu: outputs and every
+"""model.fused_mlp: the GELU MLP as one op (kernels/fused_mlp.py) against nn.Linear + F.gelu: outputs and every
 gradient, the gpt model eager and compiled, the config's refusals, and QuACK's kernels on a GPU."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from pydantic import ValidationError
 
 from trainbox.config import ModelSection
-from trainbox.model.fused_mlp import gelu_mlp, moe_gelu_mlp
+from trainbox.kernels.fused_mlp import gelu_mlp, moe_gelu_mlp
 from trainbox.model.registry import build_model
 
 
@@ -47,7 +47,7 @@ def _assert_no_worse(ours, ref, exact):
 def _quack_device() -> torch.device:
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    from trainbox.model.fused_mlp import quack_available
+    from trainbox.kernels.fused_mlp import quack_available
     dev = torch.device("cuda")
     if not quack_available(dev):
         pytest.skip("QuACK (trainbox[flash]) on a Hopper/Blackwell GPU")

@@ -1,4 +1,4 @@
-"""model.fused_norm: residual add + LayerNorm as one op (model/fused_norm.py) against torch's add and
+"""model.fused_norm: residual add + LayerNorm as one op (kernels/fused_norm.py) against torch's add and
 F.layer_norm: outputs, every gradient, dtypes, the model families eager and compiled, activation
 checkpointing, and the Triton kernels themselves (interpreter on CPU, CUDA on GPU)."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from conftest import run_check_script
 from trainbox.config import ModelSection, MoESection
-from trainbox.model.fused_norm import add_layer_norm
+from trainbox.kernels.fused_norm import add_layer_norm
 from trainbox.model.registry import build_model
 from trainbox.train.recompute import apply_activation_checkpointing
 
@@ -115,7 +115,7 @@ def test_config_refuses_other_families():
 KERNEL_CHECK = r"""
 import torch
 import triton.runtime.interpreter as ti
-from trainbox.model import fused_norm as fn
+from trainbox.kernels import fused_norm as fn
 
 # Triton 3.6's interpreter turns a runtime loop bound into an index with int(array of shape (1,)), which
 # numpy >= 2.3 refuses; give it the scalar
@@ -164,7 +164,7 @@ def test_cuda_kernels_at_the_real_shape():
     same op's torch path on the same inputs, and the compiled gpt model fused and unfused."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    from trainbox.model import fused_norm as fn
+    from trainbox.kernels import fused_norm as fn
     torch.manual_seed(0)
     N, C = 49152, 768
     x, d = torch.randn(N, C, device="cuda") * 2, torch.randn(N, C, device="cuda").to(torch.bfloat16)

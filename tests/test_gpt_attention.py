@@ -36,7 +36,7 @@ def test_flash_matches_sdpa_on_gpu(bias):
     qkv projection's through the one (B, T, 3, H, D) gradient the kernel writes, its bias included)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    from trainbox.model.flash import flash_available
+    from trainbox.kernels.flash import flash_available
     if not flash_available(torch.device("cuda")):
         pytest.skip("needs flash-attn-4 and a Hopper or Blackwell GPU")
     g = torch.Generator().manual_seed(0)

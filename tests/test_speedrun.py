@@ -230,7 +230,7 @@ def test_attention_backend_on_cpu():
 def test_doc_seqlens_are_the_document_offsets():
     """cu_seqlens for FlashAttention: every document start in the flattened batch (each row starts one,
     documents never cross rows), then B*T; the windows reach no further than `allowed` lets them."""
-    from trainbox.model.flash import doc_seqlens
+    from trainbox.kernels.flash import doc_seqlens
     idx = tokens(T=40)
     idx[0, [0, 7, 8, 30]] = EOT
     idx[1, [39]] = EOT
@@ -248,7 +248,7 @@ def test_doc_seqlens_are_the_document_offsets():
 def test_flash_runs_only_in_half_precision():
     """FlashAttention has bf16/fp16 kernels only: half_precision() is what routes an fp32 forward to
     FlexAttention, and it must also hold inside a compiled graph (autocast state is a guard there)."""
-    from trainbox.model.flash import half_precision
+    from trainbox.kernels.flash import half_precision
     cpu = torch.device("cpu")
     assert not half_precision(cpu, torch.float32) and half_precision(cpu, torch.bfloat16)
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -397,7 +397,7 @@ def test_flash_check_script_on_gpu():
     in bf16, and a 64K-token row (benchmarks/flex_check.py --backend flash)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    from trainbox.model.flash import flash_available
+    from trainbox.kernels.flash import flash_available
     if not flash_available(torch.device("cuda")):
         pytest.skip("needs flash-attn-4 and a Hopper or Blackwell GPU")
     import json

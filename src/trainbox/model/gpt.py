@@ -9,8 +9,8 @@ GPT2LMHeadModel. The projections are nn.Linear, weights (out, in), where HF's Co
 matmul epilogue and the backward needs fewer transposing copies (7% less step time for gpt2-125m on an
 H100; benchmarks/records/). The vocabulary may be padded (50,257 -> 50,304) for faster matmuls;
 `export.py` slices and pads. With model.fused_norm each residual add and the LayerNorm after it are one
-op (model/fused_norm.py), across block boundaries: same arithmetic, one-pass backward. With
-model.fused_mlp the MLP's GELU runs in its matmuls' epilogues (model/fused_mlp.py).
+op (kernels/fused_norm.py), across block boundaries: same arithmetic, one-pass backward. With
+model.fused_mlp the MLP's GELU runs in its matmuls' epilogues (kernels/fused_mlp.py).
 
     trainbox train gpt2-125m data.path=PREFIX        # 124M GPT-2 on shard files
 """
@@ -23,12 +23,14 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from trainbox.model.flash import causal_qkv, use_flash
-from trainbox.model.fp8 import linear, mlp_fp8
-from trainbox.model.fused_ce import enable_quack_lce, head_cross_entropy
-from trainbox.model.fused_mlp import EXTRA as QUACK_EXTRA
-from trainbox.model.fused_mlp import gelu_mlp, quack_available
-from trainbox.model.fused_norm import add_layer_norm, register_inductor_fallbacks
+from trainbox.kernels.flash import causal_qkv
+from trainbox.kernels.fp8 import linear, mlp_fp8
+from trainbox.kernels.choice import KernelPlan, choose
+from trainbox.kernels.fused_ce import head_cross_entropy
+from trainbox.kernels.fused_mlp import EXTRA as QUACK_EXTRA
+from trainbox.kernels.fused_mlp import gelu_mlp
+from trainbox.kernels.fused_norm import add_layer_norm
+from trainbox.kernels.ops import register_inductor_fallbacks
 from trainbox.model.layers import (KVCache, autocast_dtype, cached_attention, gelu_tanh, init_normal_,
                                    scaled_residual_init_)
 
@@ -86,7 +88,7 @@ class CausalSelfAttention(nn.Module):
 
 class MLP(nn.Module):
     """GELU MLP; `fp8` (model.fp8_mlp): "down" runs the down-projection's matmul in FP8, "both" both;
-    `fused` (model.fused_mlp): the GELU in the matmuls' epilogues (model/fused_mlp.py; MLPs with biases run
+    `fused` (model.fused_mlp): the GELU in the matmuls' epilogues (kernels/fused_mlp.py; MLPs with biases run
     unfused: the epilogues here add none)."""
 
     def __init__(self, n_embd: int, bias: bool, dropout: float, fp8: str = "none", fused: bool = False):
@@ -147,6 +149,7 @@ class GPT(nn.Module):
         init_normal_(self)
         scaled_residual_init_(self, "c_proj.weight", cfg.n_layer)
         self.backend: str | None = None  # flash or sdpa: model.attention, decided on first use from the device
+        self.kernels: KernelPlan | None = None
         if cfg.fused_norm or cfg.fused_mlp:
             register_inductor_fallbacks()
 
@@ -154,24 +157,23 @@ class GPT(nn.Module):
         """Called by the loop before each step, outside torch.compile: picks the attention kernel."""
         self.set_kernels(self.transformer.wte.weight.device)
 
-    def set_kernels(self, device: torch.device) -> None:
-        """The kernels for `device`, decided once. model.attention: flash (FlashAttention-4) or sdpa; auto takes
-        flash where it runs. model.fused_mlp on a GPU without QuACK's kernels: the MLP runs unfused (the op's
-        torch path is slower there than the compiled graph), with a warning. model.fused_loss on an H100/H200
-        with QuACK: the loop's summed loss through QuACK's linear cross-entropy (fused_ce.enable_quack_lce)."""
-        if self.backend is not None:
-            return
-        self.backend = "flash" if use_flash(self.cfg.attention, device) else "sdpa"
-        if self.cfg.fused_loss:
-            enable_quack_lce(device)
-        unfuse = self.cfg.fused_mlp and device.type == "cuda" and not quack_available(device)
-        if unfuse:
+    def set_kernels(self, device: torch.device) -> KernelPlan:
+        """The kernels for `device`, decided once (kernels.choice.choose): attention flash or sdpa; model.fused_mlp
+        on a GPU without QuACK's kernels runs unfused (the op's torch path is slower there than the compiled
+        graph), with a warning; model.fused_loss on an H100/H200 with QuACK takes the loop's summed loss through
+        QuACK's linear cross-entropy."""
+        if self.kernels is not None:
+            return self.kernels
+        self.kernels = plan = choose(self.cfg, device)
+        self.backend = plan.attention
+        if plan.fused_mlp == "unfused":
             log.warning(f"model.fused_mlp: QuACK's GEMMs need a Hopper or Blackwell GPU and {QUACK_EXTRA}; "
                         "the MLP runs unfused")
         for block in self.transformer.h:
-            block.attn.flash = self.backend == "flash"
-            if unfuse and hasattr(block.mlp, "fused"):  # MLP, or MoE experts (moe.MoEFFN)
+            block.attn.flash = plan.attention == "flash"
+            if plan.fused_mlp == "unfused" and hasattr(block.mlp, "fused"):  # MLP, or MoE experts (moe.MoEFFN)
                 block.mlp.fused = False
+        return plan
 
     def hidden(self, idx: torch.Tensor, caches: list[KVCache] | None = None, pos: int = 0) -> torch.Tensor:
         T = idx.size(1)

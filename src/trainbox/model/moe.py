@@ -39,7 +39,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from trainbox.model.fused_mlp import moe_gelu_mlp
+from trainbox.kernels.fused_mlp import moe_gelu_mlp
 from trainbox.model.gpt import GPT, Output
 from trainbox.model.layers import KVCache, autocast_dtype, gelu_tanh
 

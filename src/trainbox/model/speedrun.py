@@ -38,9 +38,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from trainbox.errors import ConfigError
-from trainbox.model.flash import doc_seqlens, flash_attention, half_precision, use_flash
-from trainbox.model.fp8 import fp8_linear, linear, mlp_fp8
-from trainbox.model.fused_ce import head_cross_entropy
+from trainbox.kernels.choice import KernelPlan, choose
+from trainbox.kernels.flash import doc_seqlens, flash_attention, half_precision
+from trainbox.kernels.fp8 import fp8_linear, linear, mlp_fp8
+from trainbox.kernels.fused_ce import head_cross_entropy
 from trainbox.model.gpt import Output, cross_entropy, residual_dtype
 from trainbox.model.layers import DocKVCaches, KVCache, RMSNorm, Rotary
 from trainbox.monitor.console import log
@@ -147,17 +148,6 @@ def _flex_fn():
     return _compiled_flex()
 
 
-def flex_available(device: torch.device) -> bool:
-    """FlexAttention runs on CUDA GPUs of compute capability 8.0+ (Triton kernels)."""
-    if device.type != "cuda":
-        return False
-    try:
-        import torch.nn.attention.flex_attention  # noqa: F401
-    except ImportError:
-        return False
-    return torch.cuda.get_device_capability(device) >= (8, 0)
-
-
 # ----------------------------------------------------------------------------- blocks
 
 
@@ -260,6 +250,7 @@ class SpeedrunGPT(nn.Module):
         self.register_buffer("window", torch.tensor(cfg.window, dtype=torch.int32), persistent=False)
         self.window_host = torch.tensor(cfg.window)  # the same on the CPU, read by the FlashAttention op
         self.backend: str | None = None  # flash, flex or sdpa: model.attention, decided on first use from the device
+        self.kernels: KernelPlan | None = None
         self._init_weights()
 
     def _init_weights(self) -> None:
@@ -288,22 +279,19 @@ class SpeedrunGPT(nn.Module):
         window = self.window_at(step, total)
         self.window.fill_(window)
         self.window_host.fill_(window)
-        self._resolve_backend(self.window.device)
+        self.set_kernels(self.window.device)
 
-    def _resolve_backend(self, device: torch.device) -> None:
-        if self.backend is not None:
-            return
-        want = self.cfg.attention
-        if use_flash(want, device, eligible=self.cfg.window_block == 1):
-            self.backend = "flash"
-        elif want in ("auto", "flex") and flex_available(device):
-            self.backend = "flex"
-        else:
-            self.backend = "sdpa"
-            if want != "sdpa":
-                log.warning(f"speedrun: FlexAttention is not available on {device} (it needs a CUDA GPU of compute "
+    def set_kernels(self, device: torch.device) -> KernelPlan:
+        """The kernels for `device`, decided once (kernels.choice.choose): attention flash, flex or sdpa."""
+        if self.kernels is not None:
+            return self.kernels
+        self.kernels = plan = choose(self.cfg, device)
+        self.backend = plan.attention
+        if plan.attention == "sdpa" and self.cfg.attention != "sdpa":
+            log.warning(f"speedrun: FlexAttention is not available on {device} (it needs a CUDA GPU of compute "
                             "capability 8.0+); attention runs through SDPA with an explicit mask (same maths, "
                             "slower, memory O(T^2))")
+        return plan
 
     def value_embed_index(self, layer: int) -> int | None:
         """The first and the last k layers share the k value embeddings (layer 0 and layer L-k use ve 0)."""
@@ -341,7 +329,7 @@ class SpeedrunGPT(nn.Module):
         T = idx.size(1)
         if pos + T > self.block_size:
             raise ValueError(f"sequence of {pos + T} tokens exceeds the model's block_size {self.block_size}")
-        self._resolve_backend(idx.device)
+        self.set_kernels(idx.device)
         attend = self._attend_fns(idx, caches, pos)
         device = idx.device.type
         # under autocast the residual stream lives in the autocast dtype (model.lowp_residual, on by default

@@ -20,7 +20,9 @@ PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "GH200": 989.0, "A10
                "MI300X": 1307.0, "MI325X": 1307.0, "MI250X": 383.0, "L40S": 362.0, "A10G": 125.0, "4090": 165.0}
 
 
-def resolve_device(cfg: RunConfig, dist: Dist) -> tuple[torch.device, torch.dtype]:
+def resolve_device(cfg: RunConfig, dist: Dist) -> tuple[torch.device, torch.dtype, RunConfig]:
+    """-> (device, dtype, the config resolved for them): a new RunConfig where something had to change (FP8
+    matmuls as plain ones under model.fp8_fallback); `cfg` itself is never changed."""
     want = cfg.train.device
     if want == "auto":
         want = "cuda" if torch.cuda.is_available() else "cpu"
@@ -40,7 +42,7 @@ def resolve_device(cfg: RunConfig, dist: Dist) -> tuple[torch.device, torch.dtyp
                           hint="use train.dtype=auto or train.dtype=fp32")
     fp8 = cfg.model.fp8_options
     if fp8:
-        from trainbox.model.fp8 import fp8_supported
+        from trainbox.kernels.fp8 import fp8_supported
         if not fp8_supported(device):
             name = f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""
             if not cfg.model.fp8_fallback:
@@ -51,11 +53,11 @@ def resolve_device(cfg: RunConfig, dist: Dist) -> tuple[torch.device, torch.dtyp
             # the recipe asks for FP8 where there is FP8: plain matmuls here, said once
             log.warning(f"{' and '.join(fp8)}: {device}{name} has no FP8 tensor cores, so these matmuls run in "
                         f"{str(dtype).removeprefix('torch.')} (model.fp8_fallback)")
-            cfg.model.fp8_head, cfg.model.fp8_mlp = False, "none"
+            cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"fp8_head": False, "fp8_mlp": "none"})})
     if cfg.model.attention == "flash":
-        from trainbox.model.flash import require_flash
+        from trainbox.kernels.flash import require_flash
         require_flash(device, dtype)
-    return device, dtype
+    return device, dtype, cfg
 
 
 def peak_flops(cfg: RunConfig, device: torch.device) -> float | None:

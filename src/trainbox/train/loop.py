@@ -42,6 +42,7 @@ import torch.nn as nn
 from trainbox import checkpoint, runs
 from trainbox.config import RunConfig, dump_yaml, public_dict
 from trainbox.files import atomic_write_text, open_append
+from trainbox.kernels.choice import choose
 from trainbox.data.loader import BatchPlan, to_device, unused_data
 from trainbox.errors import CheckpointError, RunBusy, TrainboxError, TrainingFailed
 from trainbox.monitor.console import ProgressBar, log
@@ -119,13 +120,13 @@ class Trainer:
 
     def __init__(self, cfg: RunConfig, dist: Dist | None = None, argv: list[str] | None = None,
                  progress: ProgressBar | None = None):
-        self.cfg, self.dist, self.argv = cfg, dist or Dist(), argv or []
+        self.dist, self.argv = dist or Dist(), argv or []
         self.run_dir = cfg.run_dir
         self.ckpt_root = self.run_dir / "checkpoints"
         self.progress = progress or ProgressBar(enabled=False)
         self.stop = STOP
         self.lock = None
-        self.device, self.dtype = resolve_device(cfg, self.dist)
+        self.device, self.dtype, self.cfg = resolve_device(cfg, self.dist)   # the given config is never changed
         self.autocast = lambda: autocast_context(self.device, self.dtype)
         self.pin = self.device.type == "cuda"   # page-locked host batches: the H2D copy runs asynchronously
 
@@ -141,7 +142,7 @@ class Trainer:
         self.resume_from = resume.find_start(cfg, self.ckpt_root)
         self.tokenizer = build_tokenizer(cfg)
         if cfg.model.eot_id is None:  # document-masked families (speedrun) split documents at EOT
-            cfg.model.eot_id = self.tokenizer.eot_id
+            cfg = self.cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"eot_id": self.tokenizer.eot_id})})
         vocab = model_vocab_size(cfg.model, self.tokenizer.vocab_size)
         self.train_data, self.val_data = adapt_datasets(cfg, self.tokenizer, vocab,
                                                         *open_datasets(cfg, self.tokenizer, vocab))
@@ -162,6 +163,7 @@ class Trainer:
             from trainbox.export import load_init_weights  # our checkpoint or a Hugging Face GPT-2 folder
             load_init_weights(cfg.run.init_from, model, cfg.model)
         self.model = model
+        self.kernels = choose(cfg.model, self.device)   # the models ask the same function when they meet the device
         if cfg.train.activation_checkpointing != "none":
             from trainbox.train.recompute import apply_activation_checkpointing
             apply_activation_checkpointing(model, cfg.train.activation_checkpointing)
@@ -221,7 +223,7 @@ class Trainer:
             if moved is not None:
                 log.info(f"the earlier history of {self.run_dir} after this start moved to {moved}")
             atomic_write_text(self.run_dir / "config.yaml", dump_yaml(cfg), fsync=False)
-            runs.write_env(self.run_dir, self.argv, self.device, d.world)
+            runs.write_env(self.run_dir, self.argv, self.device, d.world, kernels=self.kernels.as_dict())
             gpu = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None
             self.state.update(step=self.start_step, tokens_seen=self.tokens_seen, gpu_name=gpu,
                               gpu_count=d.world if gpu else 0, cuda_available=torch.cuda.is_available(),
@@ -246,6 +248,7 @@ class Trainer:
         tails, skipped, unused = unused_data(self.train_data, cfg.train.global_batch_size)
         if unused:
             log.info(unused)
+        log.info(f"kernels: {self.kernels.describe()}")
         if d.enabled:
             log.info(f"process group: {d.describe()}")
         if self.resume_from is not None:
@@ -254,6 +257,7 @@ class Trainer:
             log.info(f"changed since the checkpoint, applied from step {self.start_step}: {key} {old!r} -> {new!r}")
         self.sinks.log("start", step=self.start_step, total_steps=self.total, resumed_from=str(self.resume_from or ""),
                        world=d.world, params=n, unused_tail_tokens=tails, unused_samples_per_epoch=skipped,
+                       kernels=self.kernels.as_dict(),
                        **({"changed": {k: list(v) for k, v in self.changed.items()}} if self.changed else {}))
 
     # ------------------------------------------------------------------ the loop

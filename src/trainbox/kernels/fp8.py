@@ -1,6 +1,6 @@
 """FP8 linear layer, y = x @ w.T, for the output head (`model.fp8_head`) and the MLP projections
 (`model.fp8_mlp`) of the gpt and speedrun models. With `model.fused_loss` the head's three FP8 matmuls
-live in model/fused_ce.py, on `fp8_forward` and `fp8_backward` from here.
+live in kernels/fused_ce.py, on `fp8_forward` and `fp8_backward` from here.
 
 The head is the largest matmul of a small GPT: 768 x 50,304 per token, about a third of its FLOPs; the
 MLP's two projections are about half. FP8 tensor cores (compute capability 8.9+: L4, L40S, H100, H200)

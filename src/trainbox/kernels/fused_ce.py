@@ -51,7 +51,7 @@ import functools
 
 import torch
 
-from trainbox.model.fp8 import E4M3, E5M2, fp8_backward, fp8_forward, fp8_shapes_ok, quantize
+from trainbox.kernels.fp8 import E4M3, E5M2, fp8_backward, fp8_forward, fp8_shapes_ok, quantize
 from trainbox.model.layers import autocast_dtype
 
 IGNORE = -100
@@ -224,23 +224,24 @@ _QUACK_LCE = None  # QuACK's (scaled_exp_linear_cross_entropy, scaled_exp_lce_su
 def _load_quack_lce():
     """QuACK's scaled-exp linear cross-entropy, or None where it is missing. Its forward is one custom op,
     which gets an explicit Inductor fallback: an implicit one logs the IR of its inputs, the end of the
-    model's chain of fused ops, as text that doubles per layer (fused_norm.register_inductor_fallbacks)."""
+    model's chain of fused ops, as text that doubles per layer (kernels/ops.py)."""
     try:
         from quack.linear_cross_entropy import scaled_exp_lce_supported, scaled_exp_linear_cross_entropy
     except Exception:  # noqa: BLE001 - a broken CUDA/CuTe install counts as missing
         return None
-    from trainbox.model.fused_norm import inductor_fallback
+    from trainbox.kernels.ops import inductor_fallback
     inductor_fallback(torch.ops.quack.lce_scaled_exp_fwd.default)
     return scaled_exp_linear_cross_entropy, scaled_exp_lce_supported
 
 
-def enable_quack_lce(device: torch.device) -> bool:
-    """Called outside torch.compile where a model with model.fused_loss meets its device: on an H100/H200 with
-    QuACK installed, a summed loss goes through QuACK's linear cross-entropy from then on (`_use_quack_lce`)."""
+def quack_lce_available(device: torch.device) -> bool:
+    """Whether QuACK's linear cross-entropy runs on `device` (an H100/H200 with QuACK installed). Asked outside
+    torch.compile (kernels.choice): where it runs, a summed loss goes through it from then on (`_use_quack_lce`)."""
     global _QUACK_LCE
     if device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0):
         _QUACK_LCE = _QUACK_LCE or _load_quack_lce()
-    return _QUACK_LCE is not None
+        return _QUACK_LCE is not None
+    return False
 
 
 def _use_quack_lce(x: torch.Tensor, weight: torch.Tensor, reduction: str, cap: float, fp8: bool) -> bool:

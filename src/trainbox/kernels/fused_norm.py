@@ -213,33 +213,6 @@ def _backward(ctx, g, dy, _mean, _rstd):
 add_layer_norm_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-def register_inductor_fallbacks() -> None:
-    """Give Inductor the custom ops a fused_norm or fused_mlp model chains as explicit fallbacks: this module's
-    two, the fused MLP's and the fused loss head's at the end of the chain (called where such a model is built).
-
-    Left to Inductor's implicit fallback, torch < 2.13 logs each call with its inputs' IR rendered as text,
-    eagerly. Through the chain of these ops (each made from the previous one's two outputs) that text
-    doubles per layer: compiling gpt2-125m did not finish in minutes (torch 2.11). Inductor keeps the
-    graph's strides for them (`constrain_to_fx_strides`), as for an implicit fallback."""
-    import trainbox.model.fused_ce  # noqa: F401 - the ops below register on import
-    import trainbox.model.fused_mlp  # noqa: F401
-    inductor_fallback(*(getattr(torch.ops.trainbox, name).default for name in (
-        "add_layer_norm", "add_layer_norm_bwd", "gelu_mlp", "gelu_mlp_bwd", "moe_gelu_mlp", "moe_gelu_mlp_bwd",
-        "head_ce_", "head_ce_fp8")))
-
-
-def inductor_fallback(*ops) -> None:
-    """Register `ops` (OpOverloads) with Inductor as explicit fallbacks, keeping the graph's strides."""
-    try:
-        from torch._inductor import lowering
-    except ImportError:  # pragma: no cover - a torch without Inductor compiles nothing
-        return
-    layout = getattr(lowering, "constrain_to_fx_strides", None)
-    for op in ops:
-        if op not in lowering.lowerings:
-            lowering.make_fallback(op, layout_constraint=layout, warn=False)
-
-
 def add_layer_norm(x: torch.Tensor, d: torch.Tensor, norm: torch.nn.LayerNorm,
                    out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(x + d, norm(x + d)) for x, d (..., C): the sum in x's dtype, the norm in `out_dtype` (default d's)."""

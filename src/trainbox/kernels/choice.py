@@ -1,0 +1,94 @@
+"""Which kernel runs each part of a model on a device: decided in one place.
+
+`choose(model_cfg, device)` returns a KernelPlan. The models ask it once, when they first meet their device
+(GPT.set_kernels, SpeedrunGPT's backend); the trainer asks it when it builds the model and records the plan in
+env.json and the run's start event; `trainbox doctor RECIPE` prints it for the machine it runs on.
+
+    attention   flash  FlashAttention-4 (model.attention=flash, or auto where `trainbox[flash]` runs: Hopper or
+                       Blackwell; speedrun only with model.window_block=1)
+                flex   FlexAttention with a block mask (speedrun on a CUDA GPU of compute capability 8.0+)
+                sdpa   PyTorch's scaled_dot_product_attention (speedrun: with an explicit mask, memory O(T^2))
+                hf     the Hugging Face model's own (model.family=hf)
+    fused_loss  quack  QuACK's linear cross-entropy for the loop's summed loss (H100/H200 with QuACK), Triton
+                       otherwise on CUDA; torch: the same function in torch ops (CPU); off
+    fused_norm  triton (CUDA) or torch; off
+    fused_mlp   quack  QuACK's GEMMs with the GELU in their epilogues (Hopper/Blackwell with QuACK); torch (CPU);
+                unfused (a GPU without QuACK: plain linears, faster there than the op's torch path); off
+    fp8         fp8 (FP8 tensor cores), bf16 (model.fp8_fallback where they are missing), off
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class KernelPlan:
+    attention: str
+    fused_loss: str
+    fused_norm: str
+    fused_mlp: str
+    fp8: str
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    def describe(self) -> str:
+        return ", ".join(f"{k} {v}" for k, v in asdict(self).items())
+
+
+def flex_available(device: torch.device) -> bool:
+    """FlexAttention runs on CUDA GPUs of compute capability 8.0+ (Triton kernels)."""
+    if device.type != "cuda":
+        return False
+    try:
+        import torch.nn.attention.flex_attention  # noqa: F401
+    except ImportError:
+        return False
+    return torch.cuda.get_device_capability(device) >= (8, 0)
+
+
+def _attention(cfg, device: torch.device) -> str:
+    from trainbox.kernels.flash import use_flash
+    if cfg.family == "hf":
+        return "hf"
+    if cfg.family == "t5":
+        return "sdpa"
+    if cfg.family == "speedrun":
+        if use_flash(cfg.attention, device, eligible=cfg.window_block == 1):
+            return "flash"
+        return "flex" if cfg.attention in ("auto", "flex") and flex_available(device) else "sdpa"
+    return "flash" if use_flash(cfg.attention, device) else "sdpa"
+
+
+def _fused_loss(cfg, device: torch.device) -> str:
+    if not cfg.fused_loss:
+        return "off"
+    if device.type != "cuda":
+        return "torch"
+    from trainbox.kernels.fused_ce import quack_lce_available
+    return "quack" if quack_lce_available(device) else "triton"
+
+
+def _fused_mlp(cfg, device: torch.device) -> str:
+    if not cfg.fused_mlp:
+        return "off"
+    if device.type != "cuda":
+        return "torch"
+    from trainbox.kernels.fused_mlp import quack_available
+    return "quack" if quack_available(device) else "unfused"
+
+
+def _fp8(cfg, device: torch.device) -> str:
+    if not cfg.fp8_options:
+        return "off"
+    from trainbox.kernels.fp8 import fp8_supported
+    return "fp8" if fp8_supported(device) else "bf16"
+
+
+def choose(cfg, device: torch.device) -> KernelPlan:
+    """The kernels a model of ModelSection `cfg` runs on `device` (raises where model.attention=flash cannot run)."""
+    return KernelPlan(attention=_attention(cfg, device), fused_loss=_fused_loss(cfg, device),
+                      fused_norm="off" if not cfg.fused_norm else ("triton" if device.type == "cuda" else "torch"),
+                      fused_mlp=_fused_mlp(cfg, device), fp8=_fp8(cfg, device))

@@ -1,0 +1,34 @@
+"""The custom ops of trainbox's kernels and their compiler fallbacks, registered in one place.
+
+Each kernel module defines its ops with `torch.library.custom_op` in the `trainbox` namespace (the ops exist
+once the module is imported). Inductor gets them as explicit fallbacks here: left to its implicit fallback,
+torch < 2.13 logs each call with its inputs' IR rendered as text, eagerly, and through a chain of these ops
+(each made from the previous one's outputs) that text doubles per layer, so compiling gpt2-125m did not
+finish. Inductor keeps the graph's strides for them (`constrain_to_fx_strides`), as for an implicit fallback.
+"""
+from __future__ import annotations
+
+import torch
+
+CHAINED_OPS = ("add_layer_norm", "add_layer_norm_bwd", "gelu_mlp", "gelu_mlp_bwd", "moe_gelu_mlp", "moe_gelu_mlp_bwd",
+               "head_ce_", "head_ce_fp8")
+
+
+def register_inductor_fallbacks() -> None:
+    """Register the ops a fused_norm / fused_mlp / fused_loss model chains (called where such a model is built)."""
+    import trainbox.kernels.fused_ce  # noqa: F401 - the ops register on import
+    import trainbox.kernels.fused_mlp  # noqa: F401
+    import trainbox.kernels.fused_norm  # noqa: F401
+    inductor_fallback(*(getattr(torch.ops.trainbox, name).default for name in CHAINED_OPS))
+
+
+def inductor_fallback(*ops) -> None:
+    """Register `ops` (OpOverloads) with Inductor as explicit fallbacks, keeping the graph's strides."""
+    try:
+        from torch._inductor import lowering
+    except ImportError:  # pragma: no cover - a torch without Inductor compiles nothing
+        return
+    layout = getattr(lowering, "constrain_to_fx_strides", None)
+    for op in ops:
+        if op not in lowering.lowerings:
+            lowering.make_fallback(op, layout_constraint=layout, warn=False)
