@@ -19,6 +19,7 @@ from typing import Mapping
 import torch
 
 from trainbox.config import RunConfig
+from trainbox.kernels.ops import compile_cache_dir
 
 GiB = 2**30
 
@@ -122,7 +123,7 @@ def flex_attention_status(capability: tuple[int, int]) -> tuple[bool, str]:
 
 def storage_checks(env: Mapping[str, str], run_dir: Path) -> list[Check]:
     out = []
-    for name, path in (("inductor_cache", Path(env.get("TORCHINDUCTOR_CACHE_DIR") or inductor_cache_dir())),
+    for name, path in (("inductor_cache", Path(env.get("TORCHINDUCTOR_CACHE_DIR") or compile_cache_dir())),
                        ("triton_cache", Path(env.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache"))):
         size = _size(path) if path.is_dir() else 0
         writable = os.access(path if path.exists() else _existing_parent(path), os.W_OK)
@@ -141,20 +142,6 @@ def storage_checks(env: Mapping[str, str], run_dir: Path) -> list[Check]:
                      "checkpoints of a 124M model take ~1.5 GiB each (keep_last of them): free space or "
                      "move run.dir" if free < 20 * GiB else ""))
     return out
-
-
-def inductor_cache_dir() -> str:
-    """Inductor's default cache folder (moved between torch releases; the fallback is its documented default)."""
-    try:
-        from torch._inductor.runtime.cache_dir_utils import cache_dir
-    except ImportError:
-        try:
-            from torch._inductor.runtime.runtime_utils import cache_dir
-        except ImportError:
-            import getpass
-            import tempfile
-            return os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}")
-    return cache_dir()
 
 
 def _existing_parent(path: Path) -> Path:

@@ -50,6 +50,13 @@ class TrainingFailed(TrainboxError):
     """The run stopped on a fault (NaN/inf loss, failed save); the last good checkpoint is kept."""
 
 
+def require(package: str, extra: str, what: str) -> None:
+    """Raise MissingDependency when `package` (of the `extra`) is not installed; `what` names what needs it."""
+    import importlib.util
+    if importlib.util.find_spec(package) is None:
+        raise MissingDependency(package, extra, what)
+
+
 class MissingDependency(TrainboxError):
     """An optional extra is needed (transformers, peft, bitsandbytes, wandb, ...)."""
 

@@ -37,6 +37,7 @@ def cmd_train(args) -> int:
     single = _env_int("WORLD_SIZE", 1) == 1
     if single:  # refused at once when another run holds the folder; under torchrun rank 0 locks in the trainer
         lock_run(cfg.run_dir)
+    _kernel_cache_env()
     from trainbox.monitor.console import ProgressBar, setup_logging
     from trainbox.train.distributed import Dist
     from trainbox.train.loop import train
@@ -64,6 +65,17 @@ def cmd_train(args) -> int:
     if dist.enabled:
         _exit_worker()
     return 0
+
+
+def _kernel_cache_env() -> None:
+    """FlashAttention-4 compiles its kernels at first use (about 8 s on an H100) and keeps them on disk only when
+    asked to, through two variables it reads at import: ask, in a folder beside Inductor's cache (the containers
+    mount /cache/compile), so that a second start loads them as it loads Inductor's kernels. Values the user set
+    win."""
+    os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "1")
+    if "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR" not in os.environ:
+        from trainbox.kernels.ops import compile_cache_dir
+        os.environ["FLASH_ATTENTION_CUTE_DSL_CACHE_DIR"] = str(Path(compile_cache_dir()).parent / "flash_attention_cute")
 
 
 def _exit_worker() -> None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -35,7 +36,9 @@ import numpy as np
 from trainbox.config import DataSection
 from trainbox.data.loader import TokenDataset
 from trainbox.errors import ConfigError, DataError
-from trainbox.monitor.console import log
+
+log = logging.getLogger("trainbox")
+
 
 BUILTIN_TEMPLATES = ("chatml",)
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
@@ -69,7 +72,7 @@ class HFModelTokenizer:
 
 def load_hf_tokenizer(spec: str) -> HFModelTokenizer:
     """A model's tokenizer from a hub id or a folder (tokenizer.json, tokenizer_config.json, ...)."""
-    from trainbox.model.hf import require
+    from trainbox.errors import require
     require("transformers", "finetune", "the tokenizer of a Hugging Face model")
     from transformers import AutoTokenizer
     try:

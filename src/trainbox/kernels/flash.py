@@ -26,8 +26,6 @@ projection's backward reads it as it is, where SDPA's three gradients are first 
 from __future__ import annotations
 
 import functools
-import os
-from pathlib import Path
 
 import torch
 
@@ -39,16 +37,9 @@ EXTRA = "pip install 'trainbox[flash]'  (FlashAttention-4; on CUDA 13 builds of 
 
 @functools.cache
 def _interface():
-    """flash_attn.cute.interface, or None when the package is missing or fails to load.
-
-    FlashAttention-4 compiles its kernels at first use (about 8 s on an H100) and keeps them on disk only
-    when asked to: ask, in a folder beside Inductor's cache (the containers mount /cache/compile), so that
-    a second start loads them as it loads Inductor's kernels. Both variables are read at import; values
-    the user set win."""
-    os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "1")
-    if "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR" not in os.environ:
-        from trainbox.doctor import inductor_cache_dir
-        os.environ["FLASH_ATTENTION_CUTE_DSL_CACHE_DIR"] = str(Path(inductor_cache_dir()).parent / "flash_attention_cute")
+    """flash_attn.cute.interface, or None when the package is missing or fails to load. (FlashAttention-4
+    keeps its compiled kernels on disk when FLASH_ATTENTION_CUTE_DSL_CACHE_* ask it to: `trainbox train`
+    sets them, see cli/train.py.)"""
     try:
         from flash_attn.cute import interface
     except Exception:  # noqa: BLE001 - ImportError, or a CUDA/DSL library that does not load here

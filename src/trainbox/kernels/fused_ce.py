@@ -51,8 +51,15 @@ import functools
 
 import torch
 
-from trainbox.kernels.fp8 import E4M3, E5M2, fp8_backward, fp8_forward, fp8_shapes_ok, quantize
-from trainbox.model.layers import autocast_dtype
+from trainbox.kernels.fp8 import (
+    E4M3,
+    E5M2,
+    fp8_backward,
+    fp8_forward,
+    fp8_shapes_ok,
+    quantize,
+)
+from trainbox.kernels.ops import autocast_dtype
 
 IGNORE = -100
 GRAD_SCALE = 2.0 ** 15  # FP8 head: dloss/dlogits (in [-1, 1]) is stored in e5m2 times this (head_ce_fp8)
@@ -226,7 +233,10 @@ def _load_quack_lce():
     which gets an explicit Inductor fallback: an implicit one logs the IR of its inputs, the end of the
     model's chain of fused ops, as text that doubles per layer (kernels/ops.py)."""
     try:
-        from quack.linear_cross_entropy import scaled_exp_lce_supported, scaled_exp_linear_cross_entropy
+        from quack.linear_cross_entropy import (
+            scaled_exp_lce_supported,
+            scaled_exp_linear_cross_entropy,
+        )
     except Exception:  # noqa: BLE001 - a broken CUDA/CuTe install counts as missing
         return None
     from trainbox.kernels.ops import inductor_fallback

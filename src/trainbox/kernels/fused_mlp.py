@@ -36,7 +36,7 @@ from types import SimpleNamespace
 
 import torch
 
-from trainbox.model.layers import gelu_tanh
+from trainbox.kernels.ops import gelu_tanh
 
 EXTRA = "pip install 'trainbox[flash]'  (QuACK comes with FlashAttention-4)"
 

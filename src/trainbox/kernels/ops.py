@@ -10,6 +10,32 @@ from __future__ import annotations
 
 import torch
 
+
+def autocast_dtype(device_type: str, default: torch.dtype | None) -> torch.dtype | None:
+    """The dtype matmuls run in under autocast on `device_type`, else `default`."""
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else default
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """GPT-2's gelu ("gelu_new" in Hugging Face): the tanh approximation."""
+    return torch.nn.functional.gelu(x, approximate="tanh")
+
+
+def compile_cache_dir() -> str:
+    """Inductor's default cache folder (moved between torch releases; the fallback is its documented default)."""
+    try:
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+    except ImportError:
+        try:
+            from torch._inductor.runtime.runtime_utils import cache_dir
+        except ImportError:
+            import getpass
+            import os
+            import tempfile
+            return os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}")
+    return cache_dir()
+
+
 CHAINED_OPS = ("add_layer_norm", "add_layer_norm_bwd", "gelu_mlp", "gelu_mlp_bwd", "moe_gelu_mlp", "moe_gelu_mlp_bwd",
                "head_ce_", "head_ce_fp8")
 

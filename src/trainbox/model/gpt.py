@@ -23,16 +23,22 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from trainbox.kernels.choice import KernelPlan, choose
 from trainbox.kernels.flash import causal_qkv
 from trainbox.kernels.fp8 import linear, mlp_fp8
-from trainbox.kernels.choice import KernelPlan, choose
 from trainbox.kernels.fused_ce import head_cross_entropy
 from trainbox.kernels.fused_mlp import EXTRA as QUACK_EXTRA
 from trainbox.kernels.fused_mlp import gelu_mlp
 from trainbox.kernels.fused_norm import add_layer_norm
 from trainbox.kernels.ops import register_inductor_fallbacks
-from trainbox.model.layers import (KVCache, autocast_dtype, cached_attention, gelu_tanh, init_normal_,
-                                   scaled_residual_init_)
+from trainbox.model.layers import (
+    KVCache,
+    autocast_dtype,
+    cached_attention,
+    gelu_tanh,
+    init_normal_,
+    scaled_residual_init_,
+)
 
 log = logging.getLogger("trainbox")
 

@@ -26,15 +26,10 @@ import importlib.util
 import torch
 import torch.nn as nn
 
-from trainbox.errors import ConfigError, MissingDependency
+from trainbox.errors import ConfigError, require
 from trainbox.model.gpt import Output, cross_entropy
 
 USES_RUN_CONFIG = True  # registry: build() receives the whole RunConfig (lora, quant, train sections)
-
-
-def require(package: str, extra: str, what: str) -> None:
-    if importlib.util.find_spec(package) is None:
-        raise MissingDependency(package, extra, what)
 
 
 def check_quant_support(quant) -> None:

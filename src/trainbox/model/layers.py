@@ -10,10 +10,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-
-def autocast_dtype(device_type: str, default: torch.dtype | None) -> torch.dtype | None:
-    """The dtype matmuls run in under autocast on `device_type`, else `default`."""
-    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else default
+from trainbox.kernels.ops import autocast_dtype, gelu_tanh  # noqa: F401 - the models' shared helpers
 
 
 class RMSNorm(nn.Module):
@@ -58,11 +55,6 @@ def cached_attention(q, k, v, cache: KVCache | None, pos: int) -> torch.Tensor:
         return F.scaled_dot_product_attention(q, k, v)
     mask = torch.ones(t, s, dtype=torch.bool, device=q.device).tril(diagonal=s - t)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-
-
-def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
-    """GPT-2's gelu ("gelu_new" in Hugging Face): the tanh approximation."""
-    return F.gelu(x, approximate="tanh")
 
 
 def init_normal_(module: nn.Module, std: float = 0.02) -> None:

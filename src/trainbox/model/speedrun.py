@@ -32,6 +32,7 @@ cache that remembers each key's document, so windows and document boundaries hol
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch
 import torch.nn as nn
@@ -44,7 +45,9 @@ from trainbox.kernels.fp8 import fp8_linear, linear, mlp_fp8
 from trainbox.kernels.fused_ce import head_cross_entropy
 from trainbox.model.gpt import Output, cross_entropy, residual_dtype
 from trainbox.model.layers import DocKVCaches, KVCache, RMSNorm, Rotary
-from trainbox.monitor.console import log
+
+log = logging.getLogger("trainbox")
+
 
 ATTN_SCALE = 0.12          # modded-nanogpt's attention scale for QK-normed heads of 128
 MIN_WINDOW = 128           # window at step 0 of the warm-up
