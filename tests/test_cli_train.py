@@ -19,7 +19,7 @@ def test_train_writes_run_dir_then_resumes_and_generates(tmp_path, tiny):
     run_dir = tmp_path / "runs" / "tiny"
     assert "bits/byte" in out.stdout and "--- sample ---" in out.stdout
 
-    # the run directory is exactly DESIGN.md section 3
+    # the run directory as the README lists it
     cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
     assert cfg["train"]["max_steps"] == 6 and cfg["model"]["n_embd"] == 32 and cfg["recipe"] == "tiny"
     env = json.loads((run_dir / "env.json").read_text())

@@ -1,4 +1,4 @@
-"""Token file formats: round trips, the Megatron .idx byte layout (DESIGN.md section 4, and Megatron-LM's
+"""Token file formats: round trips, the Megatron .idx byte layout (data/formats.py, and Megatron-LM's
 own reader/writer when megatron-core is installed), and every corrupt-input error."""
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ def test_flat_round_trip(tmp_path):
 
 
 def test_megatron_idx_bytes_field_by_field(tmp_path):
-    """The layout of DESIGN.md section 4, decoded by hand with struct."""
+    """The layout of data/formats.py's docstring, decoded by hand with struct."""
     write_megatron(tmp_path / "d", DOCS)
     raw = (tmp_path / "d.idx").read_bytes()
     assert raw[:9] == b"MMIDIDX\x00\x00"

@@ -144,7 +144,7 @@ def test_epoch_checkpoints_and_fixed_eval_slice(tmp_path, tiny):
 
 def test_unused_data_is_counted_and_said():
     """File tails shorter than a window and the samples past the last full global batch of an epoch are
-    reported (DESIGN: nothing is dropped without a word); exact data reports nothing."""
+    reported (nothing is dropped without a word); exact data reports nothing."""
     from trainbox.data.loader import unused_data
 
     files = [np.zeros(n, dtype=np.uint16) for n in (100, 37, 5)]   # 6, 2 and 0 windows of 16 (+1 target)
@@ -225,7 +225,7 @@ def test_training_matches_a_plain_torch_loop(tiny):
 def test_lr_schedule_is_nanogpts_get_lr():
     """optim.warmup_steps = nanoGPT's warmup_iters gives nanoGPT's lr at every step of a run of lr_decay_iters
     steps (its train.py get_lr, written out here), for the 200-step comparison and for the recipe's own run.
-    The ramp (s + 1) / W that the loop had until session 17, 5% hotter over 20 steps, fails it."""
+    The ramp (s + 1) / W, 5% hotter over 20 steps, fails it."""
     import math
 
     from trainbox.config import OptimSection

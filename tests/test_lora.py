@@ -1,4 +1,4 @@
-"""LoRA / QLoRA fine-tuning of Hugging Face models (issue 7), on tiny random HF models built here.
+"""LoRA / QLoRA fine-tuning of Hugging Face models, on tiny random HF models built here.
 
 References: the saved base folder (frozen weights), PEFT's own PeftModel.from_pretrained, transformers'
 own greedy `generate`, and an uninterrupted run (exact resume).

@@ -189,7 +189,7 @@ def _flops(run) -> float:
     return build_model(cfg.model, vocab, cfg.data.seq_len).flops_per_token(cfg.data.seq_len)
 
 
-def test_recipe_and_issue_command_validate():
+def test_recipe_and_moe_overrides_validate():
     cfg = load_config("moe-gpt2-125m", ["model.moe.num_experts=128", "model.moe.capacity_factor=2",
                                         "model.moe.top_k=2", "model.moe.lb_loss_weight=0.05",
                                         "train.micro_batch_size=16"])

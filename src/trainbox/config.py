@@ -117,8 +117,8 @@ class ModelSection(Section):
                             "installed and usable, else flex (speedrun, CUDA), else sdpa")
     eot_id: int | None = Field(None, ge=0, description="speedrun: document separator token (default: the tokenizer's)")
     fp8_head: bool = Field(False, description="gpt, speedrun: output head in FP8 (forward e4m3, gradient e5m2; needs "
-                                              "FP8 tensor cores: H100, L40S). Faster, not free: on gpt2-125m it cost "
-                                              "+0.07 validation loss after 200 steps")
+                                              "FP8 tensor cores: H100, L40S). Faster, not free: on gpt2-125m it costs "
+                                              "+0.07 validation loss after 200 steps (docs/performance.md)")
     fp8_mlp: Literal["none", "down", "both"] = Field(
         "none", description="gpt, speedrun: MLP matmuls in FP8: the down-projection, or both projections (needs "
                             "FP8 tensor cores: H100, L40S)")
@@ -128,8 +128,8 @@ class ModelSection(Section):
                            "set it, so that they run anywhere)")
     lowp_residual: bool | None = Field(
         None, description="gpt, moe, speedrun: keep the residual stream in the autocast dtype (bf16) instead of fp32 "
-                          "(default: on for speedrun, off for gpt and moe; on gpt2-125m it cost +0.05 validation "
-                          "loss after 200 steps)")
+                          "(default: on for speedrun, off for gpt and moe; on gpt2-125m it costs +0.05 validation "
+                          "loss after 200 steps, docs/performance.md)")
     fused_loss: bool = Field(False, description="gpt, moe, speedrun: the head's matmul and the cross-entropy in one "
                                                 "function that never keeps the logits (a Triton kernel on CUDA; "
                                                 "the loop's summed loss on an H100/H200 with trainbox[flash]: "

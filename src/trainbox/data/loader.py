@@ -1,4 +1,4 @@
-"""Deterministic, resumable, world-size-independent batches (DESIGN.md section 4).
+"""Deterministic, resumable, world-size-independent batches (docs/architecture.md, "From config to step").
 
 A sample is a packed window of `seq_len + 1` tokens over one token file; an epoch is one pass over all
 samples in a seeded permutation. The global batch at step `s` is a pure function of (seed, s):
@@ -126,9 +126,9 @@ def to_device(batches: list[dict[str, torch.Tensor]], device: torch.device,
               pin: bool) -> list[dict[str, torch.Tensor]]:
     """A step's micro-batches on `device`: each field of all of them stacked into one host tensor
     (page-locked when `pin`) and sent in one asynchronous copy. A copy from pageable memory waits for the
-    GPU's queue to drain (gpt2-125m's x = w[:, :-1] and y = w[:, 1:] are views, which torch made contiguous
-    in pageable memory: the host blocked 167 ms per step in 8 copies on an H100). A BatchPlan's
-    micro-batches all have one shape."""
+    GPU's queue to drain (x = w[:, :-1] and y = w[:, 1:] are views, which torch would make contiguous in
+    pageable memory: one blocking copy per field and micro-batch). A BatchPlan's micro-batches all have one
+    shape."""
     fields = {}
     for key, t in batches[0].items():
         host = torch.empty((len(batches), *t.shape), dtype=t.dtype, pin_memory=pin)

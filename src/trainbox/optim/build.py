@@ -49,12 +49,9 @@ def lr_multiplier(step: int, total: int, cfg: OptimSection) -> float:
     full lr comes at step warmup_steps, where the decay starts. So warmup_steps = nanoGPT's warmup_iters gives
     its lr at every step (with its lr_decay_iters = train.max_steps).
 
-    The ramp was (step + 1) / warmup_steps until session 17, 5% hotter for 20 steps at gpt2-125m's
-    nanoGPT comparison. From the same weights and batches (benchmarks/step_parity.py, 200 steps, H200), the
-    hotter ramp ended 0.097 and 0.165 above nanoGPT on one seed (two kernel sets), where every arm on nanoGPT's
-    lr ended within 0.015 of it; on another seed all ended within 0.011
-    (benchmarks/records/2026-11-27-session17.json). With this ramp the loop ends 0.0002 below nanoGPT over 8
-    paired seeds, 95% interval +-0.054 (benchmarks/records/2026-11-27-session18.json)."""
+    The warm-up matters at gpt2-125m's nanoGPT comparison: a ramp of (step + 1) / warmup_steps, 5% hotter over
+    20 steps, ends up to 0.165 above nanoGPT after 200 steps on one seed (H200); with this ramp the loop is "no
+    worse" than nanoGPT over 8 paired seeds (docs/performance.md)."""
     if cfg.warmup_steps and step < cfg.warmup_steps:
         return (step + 1) / (cfg.warmup_steps + 1)
     if cfg.schedule == "constant":
