@@ -2,12 +2,13 @@
 report how long each run spent compiling (the containers keep these directories on a volume, so only the
 first run of an image should pay for compilation). Needs a GPU for a meaningful number.
 
-    python benchmarks/compile_cache.py speedrun-124m train.max_steps=20 --cache /tmp/tb-compile-cache
+    python benchmarks/compile_cache.py speedrun-124m train.max_steps=20 --cache /tmp/tb-compile-cache [--record]
 
 Compile time of a run = wall time of its first optimizer step (where torch.compile traces, lowers and
 autotunes; the loop's "compiling" phase) minus the median time of its later steps. Both runs start from a
 fresh run directory (resume=never) with an EMPTY cache directory for the first run. Prints one JSON object:
-{"first_compile_s", "second_compile_s", "speedup", ...}; the issue asks for speedup >= 3.
+{"first_compile_s", "second_compile_s", "speedup", ...}, then the result record (common.Result: the second run
+measured, the cold first run its baseline); --record also writes it to benchmarks/records/.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import common
 
 def first_step_and_median(metrics: Path) -> tuple[float, float, float]:
     """Timestamps of the step events in metrics.jsonl -> (time to the first step from the loop's start,
@@ -62,7 +64,9 @@ def main() -> int:
     p.add_argument("recipe", nargs="?", default="speedrun-124m")
     p.add_argument("overrides", nargs="*", default=["train.max_steps=20"])
     p.add_argument("--cache", type=Path, default=None, help="cache directory (emptied first; default: a temp dir)")
-    args = p.parse_args()
+    p.add_argument("--record", action="store_true", help="write the result record to benchmarks/records/")
+    p.add_argument("--what", help="the record's slug (default: RECIPE-compile-cache)")
+    args = p.parse_intermixed_args()
     cache = args.cache or Path(tempfile.mkdtemp(prefix="tb-compile-cache-"))
     shutil.rmtree(cache, ignore_errors=True)
     cache.mkdir(parents=True)
@@ -70,11 +74,17 @@ def main() -> int:
         first = one_run(args.recipe, args.overrides, Path(runs), cache, "cold")
         second = one_run(args.recipe, args.overrides, Path(runs), cache, "warm")
     size = sum(f.stat().st_size for f in cache.rglob("*") if f.is_file())
-    print(json.dumps({"recipe": args.recipe, "overrides": args.overrides, "cache_dir": str(cache),
-                      "cache_mib": round(size / 2**20, 1), "first_compile_s": first["compile_s"],
-                      "second_compile_s": second["compile_s"],
-                      "speedup": round(first["compile_s"] / max(second["compile_s"], 1e-6), 2),
-                      "first": first, "second": second}, indent=1))
+    result = {"recipe": args.recipe, "overrides": args.overrides, "cache_dir": str(cache),
+              "cache_mib": round(size / 2**20, 1), "first_compile_s": first["compile_s"],
+              "second_compile_s": second["compile_s"],
+              "speedup": round(first["compile_s"] / max(second["compile_s"], 1e-6), 2),
+              "first": first, "second": second}
+    print(json.dumps(result, indent=1))
+    common.emit(common.Result(
+        tool="compile_cache", what=args.what or f"{args.recipe}-compile-cache", gpu=common.gpu_info(),
+        software=common.software(), recipe=args.recipe, overrides=args.overrides,
+        metrics={k: v for k, v in result.items() if k not in ("recipe", "overrides")},
+        baseline={"name": "cold start (empty cache)", "command": None, "metrics": first}), args.record)
     return 0
 
 

@@ -1,6 +1,6 @@
 """GPU checks of the training loop (run on a 2-GPU machine; prints one JSON object).
 
-    python benchmarks/ddp_check.py DATA_PREFIX [--out DIR] [--steps 100] [--global-batch 128]
+    python benchmarks/ddp_check.py DATA_PREFIX [--out DIR] [--steps 100] [--global-batch 128] [--record]
 
 1. world-size invariance: gpt2-125m for --steps steps on 2 GPUs (`trainbox train --nproc 2`) against
    1 GPU with the same global batch (so twice the accumulation). Both consume the same global batches;
@@ -10,7 +10,8 @@
    copy of that step-20 checkpoint and continues to 40; per-step losses of 21..40 are compared.
 
 DATA_PREFIX is a token-file prefix (PREFIX_train_*.bin, optionally PREFIX_val_*.bin), e.g. FineWeb shards
-from `trainbox data fineweb`. Never part of the test suite.
+from `trainbox data fineweb`. Never part of the test suite. The output is the result record (common.Result: the
+2-GPU run measured, the 1-GPU run its baseline); --record also writes it to benchmarks/records/.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ import sys
 import time
 from pathlib import Path
 
+import common
 
 RECIPE = ["gpt2-125m"]
 
@@ -74,6 +76,8 @@ def main() -> None:
     p.add_argument("--recipe", default="gpt2-125m", help="(a CPU smoke test of this script uses tiny)")
     p.add_argument("--set", nargs="*", default=[], help="extra key=value overrides")
     p.add_argument("--no-resume", action="store_true", help="skip check 2 (speed and invariance only)")
+    p.add_argument("--record", action="store_true", help="write the result record to benchmarks/records/")
+    p.add_argument("--what", help="the record's slug (default: RECIPE-ddp-scaling)")
     args = p.parse_args()
     RECIPE[0] = args.recipe
     out = Path(args.out).resolve()
@@ -102,6 +106,7 @@ def main() -> None:
     if args.no_resume:
         print(json.dumps(report, indent=1))
         (out / "ddp_check.json").write_text(json.dumps(report, indent=1))
+        emit(report, args)
         return
     run_train(out, "straight", 2, [*common, "train.max_steps=40", "train.checkpoint_every=20",
                                    "train.keep_last=5"], out / "straight.log")
@@ -115,6 +120,18 @@ def main() -> None:
     report["gpu_exact_resume"] = compare(train_events(out / "straight"), resumed)
     print(json.dumps(report, indent=1))
     (out / "ddp_check.json").write_text(json.dumps(report, indent=1))
+    emit(report, args)
+
+
+def emit(report: dict, args) -> None:
+    """The result record: 2 GPUs measured, 1 GPU with the same global batch its baseline."""
+    inv = report["world_size_invariance"]
+    common.emit(common.Result(
+        tool="ddp_check", what=args.what or f"{args.recipe}-ddp-scaling", gpu=common.gpu_info(),
+        software=common.software(), recipe=args.recipe, overrides=args.set, metrics=report,
+        baseline={"name": "1 GPU, same global batch", "command": None,
+                  "metrics": {"tokens_per_s": inv["tokens_per_s_1gpu"], "step_time_s": inv["step_time_s_1gpu"],
+                              "accum": inv["accum_1gpu"]}}), args.record)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """LoRA / QLoRA throughput and peak memory: trainbox's loop vs a plain transformers Trainer + PEFT script.
 
-    python benchmarks/lora_speed.py --out lora_speed.json                  # H100: bf16 LoRA and 4-bit QLoRA
+    python benchmarks/lora_speed.py --record                               # H100: bf16 LoRA and 4-bit QLoRA
     python benchmarks/lora_speed.py --size small --steps 10 --modes lora   # quick check of the script
 
 Both sides train the SAME model (a Llama-style config with random weights, ~0.5B parameters by default,
@@ -9,8 +9,9 @@ saved to a folder once), on the SAME token windows, with the same micro batch, s
 bf16 base (or NF4 + double quantisation + bf16 compute for QLoRA), fused AdamW, lr 2e-4, and `--steps`
 optimizer steps. Each (implementation, mode) runs in its own process so peak memory
 (torch.cuda.max_memory_allocated) is not shared. tokens/s is measured after `--warmup` steps.
-Prints one JSON object (and writes it to --out) with each run and the ratio ours / Trainer per mode.
-Needs: trainbox[finetune,quant] and a CUDA GPU. Not part of the test suite.
+Prints one JSON object (and writes it to --out) with each run and the ratio ours / Trainer per mode, then the
+result record (common.Result: ours measured, the Trainer its baseline); --record also writes it to
+benchmarks/records/. Needs: trainbox[finetune,quant] and a CUDA GPU. Not part of the test suite.
 """
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import common
 
 SIZES = {  # ~0.5B (Qwen2.5-0.5B-like widths, 32k vocab) and a tiny one for checking the script
     "0.5b": dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16,
@@ -123,7 +126,8 @@ def run_trainer(root: Path, a) -> dict:
     model = AutoModelForCausalLM.from_pretrained(root / f"model-{a.size}", **kwargs)
     gc = {"use_reentrant": False}
     if a.mode == "qlora":
-        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=True, gradient_checkpointing_kwargs=gc)
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=True,
+                                                gradient_checkpointing_kwargs=gc)
     model = get_peft_model(model, LoraConfig(r=LORA["r"], lora_alpha=LORA["alpha"], lora_dropout=LORA["dropout"],
                                              target_modules="all-linear", task_type="CAUSAL_LM"))
     times: dict[int, float] = {}
@@ -138,7 +142,8 @@ def run_trainer(root: Path, a) -> dict:
                              per_device_train_batch_size=a.micro_batch, gradient_accumulation_steps=a.accum,
                              max_steps=a.steps, learning_rate=2e-4, lr_scheduler_type="cosine", bf16=cuda,
                              gradient_checkpointing=True, gradient_checkpointing_kwargs=gc,
-                             optim="adamw_torch_fused" if cuda else "adamw_torch", logging_steps=a.warmup, save_strategy="no", report_to=[],
+                             optim="adamw_torch_fused" if cuda else "adamw_torch", logging_steps=a.warmup,
+                             save_strategy="no", report_to=[],
                              dataloader_num_workers=2, seed=0, disable_tqdm=True)
     trainer = Trainer(model=model, args=args, train_dataset=dataset, data_collator=default_data_collator,
                       callbacks=[Clock()])
@@ -159,6 +164,7 @@ def main() -> int:
     p.add_argument("--accum", type=int, default=1)
     p.add_argument("--root", default="/tmp/trainbox-lora-bench")
     p.add_argument("--out", default=None)
+    p.add_argument("--record", action="store_true", help="write the result record to benchmarks/records/")
     p.add_argument("--set", nargs="*", default=[], help="extra overrides for our run (e.g. train.compile=true)")
     p.add_argument("--worker", choices=["ours", "trainer"], help=argparse.SUPPRESS)
     p.add_argument("--mode", choices=["lora", "qlora"], help=argparse.SUPPRESS)
@@ -171,7 +177,8 @@ def main() -> int:
     import torch
     root.mkdir(parents=True, exist_ok=True)
     make_assets(root, a.size, a.seq_len, n_windows=max(4 * a.steps * a.micro_batch * a.accum, 64))
-    report = {"device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu", "torch": torch.__version__, "size": a.size,
+    report = {"device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+              "torch": torch.__version__, "size": a.size,
               "seq_len": a.seq_len, "micro_batch": a.micro_batch, "accum": a.accum, "steps": a.steps,
               "warmup": a.warmup, "lora": LORA, "ours_overrides": a.set, "runs": {}, "ratio": {}}
     for mode in a.modes.split(","):
@@ -191,6 +198,15 @@ def main() -> int:
     print(text)
     if a.out:
         Path(a.out).write_text(text + "\n")
+    modes = a.modes.split(",")
+    runs = report["runs"]
+    common.emit(common.Result(
+        tool="lora_speed", what=f"lora-{a.size}-speed", gpu=common.gpu_info(),
+        software=common.software("transformers", "peft", "bitsandbytes"), recipe="lora", overrides=a.set,
+        metrics={**{k: v for k, v in report.items() if k not in ("device", "torch", "runs")},
+                 **{m: runs.get(f"ours-{m}") for m in modes}},
+        baseline={"name": "transformers Trainer + PEFT", "command": None,
+                  "metrics": {m: runs.get(f"trainer-{m}") for m in modes}}), a.record)
     return 0
 
 

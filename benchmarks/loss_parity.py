@@ -5,13 +5,13 @@
         --nanogpt-args '--batch_size=16 --gradient_accumulation_steps=30 --warmup_iters=20
                         --lr_decay_iters=300 --eval_interval=300 --eval_iters=640' optim.warmup_steps=20
 
-One pair of runs cannot answer it: after 100 steps of gpt2-125m one seed's loss differs from another's by
-up to 0.17 on either side (benchmarks/records/2026-11-26-h100-session7.json). Each side here trains once
-per seed, through benchmarks/train_speed.py: ours in its own process with run.seed=S, nanoGPT from a copy
-of its train.py with the seed replaced (it fixes torch.manual_seed(1337); the copy lives in the local
-peer checkout, never committed, and is removed after the run). Prints one JSON object: every run's
-validation loss and step time, each side's mean and standard deviation, the difference of the means
-(ours - nanoGPT) with its Welch 95% interval, and a verdict:
+One pair of runs cannot answer it: after 200 steps of gpt2-125m nanoGPT's own validation loss ranges from 2.97
+to 3.29 over 8 seeds (benchmarks/records/2026-11-27-4xh200-gpt2-125m-step-parity.json). Each side here trains
+once per seed, through benchmarks/train_speed.py: ours in its own process with run.seed=S, nanoGPT from a copy of
+its train.py with the seed replaced (it fixes torch.manual_seed(1337); the copy lives in the local peer checkout,
+never committed, and is removed after the run). Prints one JSON object: every run's validation loss and step
+time, each side's mean and standard deviation, the difference of the means (ours - nanoGPT) with its Welch 95%
+interval, and a verdict:
 
     "no worse"      ours' mean is at most nanoGPT's;
     "worse"         the whole interval lies above zero;
@@ -19,10 +19,11 @@ validation loss and step time, each side's mean and standard deviation, the diff
 
 A whole comparison rarely fits one sitting on a lent GPU (each gpt2-125m run of 200 steps takes 4-5 minutes).
 `--only ours` / `--only nanogpt` runs one side and prints each run as a JSON line; `--results FILE ...`
-then reads those lines from any number of files (other lines are skipped) and prints the comparison:
+then reads the runs from any number of files (JSON lines, other lines skipped, or records) and prints the
+comparison. `--record` writes the runs (and the comparison, when there is one) as a record in benchmarks/records/:
 
     python benchmarks/loss_parity.py gpt2-125m --data ... --seeds 1 --only ours optim.warmup_steps=20 > a.jsonl
-    python benchmarks/loss_parity.py --results a.jsonl b.jsonl c.jsonl
+    python benchmarks/loss_parity.py --results a.jsonl b.jsonl c.jsonl --record
 
 On a machine of several GPUs, `--gpus 0,1` runs as many seeds at once, each on its own GPU
 (CUDA_VISIBLE_DEVICES); the runs are independent, so this changes their wall time only. Every run line
@@ -43,23 +44,10 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import common
+from common import run_nanogpt, t975, verdict
+
 HERE = Path(__file__).resolve().parent
-
-# two-sided 95% quantiles of Student's t by degrees of freedom (a table: no scipy needed on the GPU machine)
-T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
-        12: 2.179, 15: 2.131, 20: 2.086, 30: 2.042, 60: 2.000}
-
-
-def t975(df: float) -> float:
-    """The 97.5% quantile of t with `df` degrees of freedom, rounded down to the table (a wider interval)."""
-    if df >= 120:
-        return 1.96
-    return T975[max(d for d in T975 if d <= max(1.0, df))]
-
-
-def verdict(diff: float, half: float) -> str:
-    """ours - nanoGPT with the half-width of its 95% interval -> "no worse", "worse" or "inconclusive"."""
-    return "no worse" if diff <= 0 else "worse" if diff - half > 0 else "inconclusive"
 
 
 def compare(ours: list[float], theirs: list[float]) -> dict:
@@ -85,19 +73,15 @@ def _last_json(out: str, who: str) -> dict:
 
 
 def read_results(paths: list[str]) -> list[dict]:
-    """The run lines ({"who": "trainbox" | "nanogpt", "val_loss": ...}) in these files, in order."""
+    """The run lines ({"who": "trainbox" | "nanogpt", "val_loss": ...}) in these files (JSON lines or records), in
+    order."""
     runs = []
-    for path in paths:
-        for n, line in enumerate(Path(path).read_text().splitlines(), 1):
-            try:
-                run = json.loads(line) if line.startswith("{") else None
-            except json.JSONDecodeError:
-                run = None
-            if not isinstance(run, dict) or run.get("who") not in ("trainbox", "nanogpt"):
-                continue
-            if not isinstance(run.get("val_loss"), (int, float)):
-                raise SystemExit(f"{path}:{n}: a {run['who']} run without a validation loss: {line[:300]}")
-            runs.append(run)
+    for where, run in common.read_runs(paths):
+        if run.get("who") not in ("trainbox", "nanogpt"):
+            continue
+        if not isinstance(run.get("val_loss"), (int, float)):
+            raise SystemExit(f"{where}: a {run['who']} run without a validation loss: {json.dumps(run)[:300]}")
+        runs.append(run)
     return runs
 
 
@@ -154,18 +138,21 @@ def main() -> None:
     ap.add_argument("--nanogpt-seeds", default="1337,1338,1339")
     ap.add_argument("--nanogpt-args", default="")
     ap.add_argument("--gpus", default="", help="GPU ids, comma-separated: run that many seeds at once, one per GPU")
+    ap.add_argument("--record", action="store_true", help="write the runs (and comparison) to benchmarks/records/")
+    ap.add_argument("--what", help="the record's slug (default: RECIPE-loss-parity)")
     args = ap.parse_intermixed_args()
     if args.results:
-        print(json.dumps(summary(read_results(args.results), results=args.results)))
+        runs = read_results(args.results)
+        print(json.dumps(summary(runs, results=args.results)))
+        if args.record:
+            recipe = args.recipe or next((r["recipe"] for r in runs if r.get("recipe")), None)
+            record(runs, recipe, args, common.measured_where(args.results))
         return
     need = {"recipe": args.recipe, "--data": args.data} if args.only != "nanogpt" else {}
     if args.only != "ours":
         need.update({"--nanogpt": args.nanogpt, "--nanogpt-data": args.nanogpt_data})
     if missing := [k for k, v in need.items() if not v]:
         ap.error(f"{', '.join(missing)} required (or --results FILE ... to compare saved runs)")
-    sys.path.insert(0, str(HERE))
-    from train_speed import run_nanogpt
-
     warmup = min(args.warmup, args.steps // 2)
     printed = threading.Lock()
 
@@ -202,6 +189,25 @@ def main() -> None:
                   f"cover all of them: raise train.eval_tokens", file=sys.stderr)
         print(json.dumps(summary(runs, recipe=args.recipe, steps=args.steps, overrides=args.overrides,
                                  nanogpt_args=args.nanogpt_args, our_val_coverage=round(cover, 4))))
+    if args.record:
+        record(runs, args.recipe, args)
+
+
+def record(runs: list[dict], recipe: str | None, args, where: dict | None = None) -> None:
+    """The runs (every line, per-step losses included) and, with two or more a side, their comparison, as a result
+    record in benchmarks/records/; nanoGPT's runs are the baseline. `where`: Result fields of the machine the runs
+    ran on (default: this one)."""
+    where = where or {"gpu": common.gpu_info(), "software": common.software()}
+    sides = {who: [r for r in runs if r["who"] == who] for who in ("trainbox", "nanogpt")}
+    both = all(len(v) >= 2 for v in sides.values())
+    comparison = {k: v for k, v in summary(runs).items() if k not in ("benchmark", "runs")} if both else None
+    nano = [r["val_loss"] for r in sides["nanogpt"]]
+    common.emit(common.Result(
+        tool="loss_parity", what=args.what or f"{recipe or 'nanogpt'}-loss-parity", **where,
+        recipe=recipe, overrides=list(args.overrides),
+        baseline={"name": "nanoGPT train.py", "command": f"train.py {args.nanogpt_args}".strip(),
+                  "metrics": {"seeds": [r["seed"] for r in sides["nanogpt"]], "val_loss": nano}} if nano else None,
+        metrics={"comparison": comparison, "runs": runs}), record=True)
 
 
 if __name__ == "__main__":

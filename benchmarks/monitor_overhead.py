@@ -11,7 +11,8 @@ and "polled" (a separate process plays a dashboard plus a Prometheus scraper: ev
 /health, /status, /history?since=N and /metrics). Trials cycle through the modes (off, polled, off,
 polled, ...) so drift in machine load hits all alike. Step time is the median over logged windows after
 --warmup steps (from metrics.jsonl timestamps), so an epoch-end checkpoint does not count. The overhead
-of each mode is against the first one. Prints one JSON object.
+of each mode is against the first one. Prints one JSON object, then the result record (common.Result: the last
+mode measured, the first its baseline); --record also writes it to benchmarks/records/.
 """
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ import statistics
 import subprocess
 import sys
 import tempfile
+
+import common
 
 PRESETS = {
     "cpu": ["model.n_layer=4", "model.n_head=4", "model.n_embd=128", "data.seq_len=128",
@@ -44,7 +47,8 @@ while True:
         for path, accept in (("/health", "*/*"), ("/status", "*/*"), (f"/history?since={since}", "*/*"),
                              ("/metrics", "text/plain;version=0.0.4")):
             t = time.perf_counter()
-            body = urllib.request.urlopen(urllib.request.Request(url + path, headers={"Accept": accept}), timeout=5).read()
+            req = urllib.request.Request(url + path, headers={"Accept": accept})
+            body = urllib.request.urlopen(req, timeout=5).read()
             lat.append(time.perf_counter() - t)
             if path.startswith("/history"):
                 pts = json.loads(body); since = max([since] + [p["step"] for p in pts])
@@ -93,11 +97,13 @@ def main() -> None:
     ap.add_argument("--poll-ms", type=float, default=100.0)
     ap.add_argument("--rounds", type=int, default=3, help="trials per mode")
     ap.add_argument("--threads", type=int, default=None, help="CPU threads for training (train.threads)")
+    ap.add_argument("--record", action="store_true", help="write the result record to benchmarks/records/")
+    ap.add_argument("--what", help="the record's slug (default: RECIPE-monitor-overhead)")
     args = ap.parse_args()
     import torch
 
-    model = [f"data.path={args.data}"] if args.recipe else [*PRESETS[args.preset], "data.tokenizer=embedded:shakespeare-bpe",
-                                                            "optim.warmup_steps=10"]
+    model = [f"data.path={args.data}"] if args.recipe else [
+        *PRESETS[args.preset], "data.tokenizer=embedded:shakespeare-bpe", "optim.warmup_steps=10"]
     overrides = [*model, f"train.device={args.device}", f"train.max_steps={args.steps}", "train.eval_every=0",
                  "train.checkpoint_every=0", "train.sample_tokens=0", "train.eval_tokens=4096",
                  f"monitor.log_every={args.log_every}", "monitor.port=0", "monitor.progress=lines",
@@ -114,14 +120,21 @@ def main() -> None:
     med = {m: statistics.median(v) for m, v in steps.items()}
     base = med[modes[0]]
     device = torch.cuda.get_device_name() if torch.cuda.is_available() and args.device != "cpu" else "cpu"
-    print(json.dumps({
+    result = {
         "benchmark": "monitor_overhead", "device": device, "torch": torch.__version__,
         "recipe": args.recipe or f"preset {args.preset}", "overrides": overrides, "threads": torch.get_num_threads(),
         "steps": args.steps, "warmup": args.warmup, "poll_ms": args.poll_ms,
         "step_ms": {m: [round(x, 3) for x in v] for m, v in steps.items()},
         "median_step_ms": {m: round(x, 3) for m, x in med.items()}, "client": clients,
-        "overhead_pct_vs_" + modes[0]: {m: round(100 * (x - base) / base, 2) for m, x in med.items() if m != modes[0]}},
-        indent=1))
+        "overhead_pct_vs_" + modes[0]: {m: round(100 * (x - base) / base, 2) for m, x in med.items() if m != modes[0]}}
+    print(json.dumps(result, indent=1))
+    common.emit(common.Result(
+        tool="monitor_overhead", what=args.what or f"{args.recipe or 'preset-' + args.preset}-monitor-overhead",
+        gpu=common.gpu_info() if device != "cpu" else None, software=common.software(), recipe=args.recipe,
+        overrides=overrides, metrics={k: v for k, v in result.items() if k not in ("benchmark", "device", "torch")},
+        baseline={"name": f"monitor mode {modes[0]}", "command": None,
+                  "metrics": {"median_step_ms": round(base, 3), "step_ms": [round(x, 3) for x in steps[modes[0]]]}}),
+        args.record)
 
 
 if __name__ == "__main__":

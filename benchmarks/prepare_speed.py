@@ -1,15 +1,16 @@
 """Tokens/s of `trainbox prepare` (1 and 2 workers) against a plain single-process tiktoken loop.
 
     PYTHONPATH=src python benchmarks/prepare_speed.py            # ~50 MB of text, prints JSON
-    PYTHONPATH=src python benchmarks/prepare_speed.py --mb 10
+    PYTHONPATH=src python benchmarks/prepare_speed.py --mb 10 --record
 
 The text is assembled locally from the embedded Shakespeare corpus: paragraphs of every work, shuffled
 with a different seed for each copy, grouped into ~8 KB documents of one JSONL file, until the file holds
 --mb megabytes. `prepare` is timed end to end as a user runs it (`python -m trainbox prepare`: start-up,
 reading and parsing the JSONL, tokenizing, writing the shards). The baseline is the loop a user would
-write first: `enc.encode_ordinary(text)` for each document already in memory, one process. The target
-of issue 3: 2 workers >= 1.6x the plain loop. Wall-clock ratios need a quiet machine with 2 free cores;
-the CPU seconds of each run are printed too, as they do not depend on other load.
+write first: `enc.encode_ordinary(text)` for each document already in memory, one process. The target: 2
+workers >= 1.6x the plain loop. Wall-clock ratios need a quiet machine with 2 free cores; the CPU seconds of each
+run are printed too, as they do not depend on other load. The result record (common.Result, the plain loop its
+baseline) follows the JSON; --record also writes it to benchmarks/records/.
 """
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+import common
 
 
 def assemble(path: Path, megabytes: float, doc_bytes: int = 8192) -> int:
@@ -51,7 +54,7 @@ def assemble(path: Path, megabytes: float, doc_bytes: int = 8192) -> int:
     return docs
 
 
-def plain_loop(path: Path) -> tuple[int, float]:
+def plain_loop(path: Path) -> tuple[int, float, float]:
     from trainbox.data.tokenizer import get_tokenizer
 
     enc = get_tokenizer("gpt2").enc
@@ -80,6 +83,7 @@ def main() -> None:
     ap.add_argument("--mb", type=float, default=50.0, help="megabytes of JSONL text")
     ap.add_argument("--dir", default=None, help="work folder (default: a temporary one)")
     ap.add_argument("--repeat", type=int, default=3, help="runs of each; the fastest is reported")
+    ap.add_argument("--record", action="store_true", help="write the result record to benchmarks/records/")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         tmp = Path(tmp)
@@ -97,7 +101,7 @@ def main() -> None:
         written = sum(len(np.memmap(f, dtype=np.uint16, mode="r", offset=1024)) for f in (tmp / "w2").glob("*.bin"))
         same = all((tmp / "w1" / f.name).read_bytes() == f.read_bytes() for f in (tmp / "w2").glob("*.bin"))
         plain, one, two = tokens / plain_s, tokens / times[1], tokens / times[2]
-        print(json.dumps({
+        result = {
             "text_mb": round(data.stat().st_size / 1e6, 1), "documents": docs, "tokens": tokens, "repeat": args.repeat,
             "tokens_written": written, "outputs_identical_1_vs_2_workers": same,
             "plain_tiktoken_encode_ordinary_tokens_per_s": round(plain),
@@ -108,13 +112,20 @@ def main() -> None:
             "cpu_s_plain": round(plain_cpu, 2), "cpu_s_prepare_1_worker": round(runs[1][1], 2),
             "cpu_s_prepare_2_workers": round(runs[2][1], 2),
             # CPU seconds / wall seconds: the cores a run actually got (2.0 at best on a quiet 2-core machine)
-            "cores_used_plain": round(plain_cpu / plain_s, 2), "cores_used_prepare_1_worker": round(runs[1][1] / runs[1][0], 2),
+            "cores_used_plain": round(plain_cpu / plain_s, 2),
+            "cores_used_prepare_1_worker": round(runs[1][1] / runs[1][0], 2),
             "cores_used_prepare_2_workers": round(runs[2][1] / runs[2][0], 2),
             # an upper bound for 2 free cores: all CPU work of the 2-worker run spread evenly (start-up is serial)
             "upper_bound_ratio_2_workers_vs_plain_on_2_free_cores": round(plain_cpu / (runs[2][1] / 2), 3),
             "peak_rss_mib_any_process": round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024),
             "cpu_count": os.cpu_count(), "load_average_1min": round(os.getloadavg()[0], 2),
-        }, indent=1))
+        }
+        print(json.dumps(result, indent=1))
+    common.emit(common.Result(
+        tool="prepare_speed", what="prepare-speed", metrics=result,
+        baseline={"name": "plain tiktoken encode_ordinary loop, one process", "command": None,
+                  "metrics": {"tokens_per_s": result["plain_tiktoken_encode_ordinary_tokens_per_s"],
+                              "cpu_s": result["cpu_s_plain"]}}), args.record)
 
 
 if __name__ == "__main__":

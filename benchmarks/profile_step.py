@@ -1,7 +1,7 @@
 """Where a training step's GPU time goes: kernels grouped by kind, as one JSON line.
 
     python benchmarks/profile_step.py gpt2-125m --data /tmp/corpus/modded/pyc [key=value ...]
-    python benchmarks/profile_step.py gpt2-125m --data PREFIX --sdpa cudnn train.micro_batch_size=32
+    python benchmarks/profile_step.py gpt2-125m --data PREFIX --sdpa cudnn train.micro_batch_size=32 --record
 
 Builds the real Trainer, runs `--warmup` optimizer steps (compilation), times `--steps` more with the
 device synchronised only at their ends, then records `--profile` steps under torch.profiler. Prints:
@@ -9,7 +9,8 @@ step ms, tokens/s, MFU, the share of GPU time per kind (matmul, attention, fused
 (Triton), optimizer, copies, communication, other), the GPU-busy fraction of the step, the top
 kernels in ms per step, and the GPU's idle time inside the profiled steps with its largest gaps (the
 kernels on either side and the host ops that ran meanwhile: where the host, not the GPU, set the pace).
-`--sdpa` pins PyTorch's attention backend for the whole run (tracing included).
+`--sdpa` pins PyTorch's attention backend for the whole run (tracing included). The output is the result
+record (common.Result); --record also writes it to benchmarks/records/.
 """
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ import tempfile
 import time
 from collections import defaultdict
 from contextlib import nullcontext
+
+import common
 
 KINDS = [  # first match wins
     ("attention", r"flash|fmha|attn|attention|sdpa|cudnn"),
@@ -74,6 +77,8 @@ def main() -> None:
     ap.add_argument("--profile", type=int, default=2)
     ap.add_argument("--sdpa", choices=["default", "flash", "cudnn", "efficient", "math"], default="default")
     ap.add_argument("--top", type=int, default=15)
+    ap.add_argument("--record", action="store_true", help="write the result record to benchmarks/records/")
+    ap.add_argument("--what", help="the record's slug (default: RECIPE-profile)")
     args = ap.parse_intermixed_args()
 
     import torch
@@ -99,21 +104,21 @@ def main() -> None:
     with ctx:
         t0 = time.time()
         for _ in range(args.warmup):
-            loss, _, _ = trainer._train_step(step)
+            loss, _, _ = trainer.train_step(step)
             step += 1
         loss.item()
         warm_s = time.time() - t0
         sync()
         t0 = time.time()
         for _ in range(args.steps):
-            loss, _, _ = trainer._train_step(step)
+            loss, _, _ = trainer.train_step(step)
             step += 1
         sync()
         step_s = (time.time() - t0) / args.steps
         with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]) as prof:
             t1 = time.time()
             for _ in range(args.profile):
-                trainer._train_step(step)
+                trainer.train_step(step)
                 step += 1
             sync()
             prof_s = (time.time() - t1) / args.profile
@@ -123,7 +128,8 @@ def main() -> None:
     for evt in prof.key_averages():
         on_gpu = evt.device_type == torch.autograd.DeviceType.CUDA
         if evt.key.startswith("Optimizer.step#") and on_gpu:
-            optimizer_ms[evt.key.split("#")[1].split(".")[0]] = round(evt.self_device_time_total / 1e3 / args.profile, 1)
+            name = evt.key.split("#")[1].split(".")[0]
+            optimizer_ms[name] = round(evt.self_device_time_total / 1e3 / args.profile, 1)
         if cuda and (not on_gpu or evt.key.startswith(("Optimizer.", "ProfilerStep"))):
             continue  # CPU-side ops and GPU-side annotations: only kernels are counted
         us = getattr(evt, "self_device_time_total", None)
@@ -151,18 +157,24 @@ def main() -> None:
         except Exception as e:  # noqa: BLE001
             idle = {"idle_gaps_error": repr(e)[:300]}
     mfu = trainer.flops_per_token * tokens / step_s / trainer.peak if trainer.peak else None
-    print(json.dumps({
+    result = {
         "recipe": args.recipe, "overrides": args.overrides, "sdpa": args.sdpa,
         "gpu": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__, "tokens_per_step": tokens,
         "warmup_s": round(warm_s, 1), "step_ms": round(step_s * 1e3, 1), "tokens_per_s": round(tokens / step_s),
-        "mfu": round(mfu, 4) if mfu else None, "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
+        "mfu": round(mfu, 4) if mfu else None,
+        "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
         "profiled_step_ms": round(prof_s * 1e3, 1), "gpu_busy_ms": round(busy, 1),
         "optimizer_gpu_ms": optimizer_ms,
         "share": {k: round(v / busy, 4) for k, v in sorted(per_kind.items(), key=lambda kv: -kv[1])},
         "ms_per_kind": {k: round(v, 1) for k, v in sorted(per_kind.items(), key=lambda kv: -kv[1])},
         "top_kernels_ms_per_step": [[round(ms, 2), n, name] for ms, n, name in kernels[:args.top]],
         **idle,
-    }), flush=True)
+    }
+    print(json.dumps(result), flush=True)
+    common.emit(common.Result(
+        tool="profile_step", what=args.what or f"{args.recipe}-profile", gpu=common.gpu_info(),
+        software=common.software(), recipe=args.recipe, overrides=args.overrides,
+        metrics={k: v for k, v in result.items() if k not in ("recipe", "overrides", "gpu", "torch")}), args.record)
     trainer.dist.shutdown(True)
 
 

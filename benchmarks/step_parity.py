@@ -3,14 +3,14 @@
     python benchmarks/step_parity.py gpt2-125m --nanogpt .peers/nanoGPT --data /tmp/corpus/nanogpt/train.bin \
         --val /tmp/corpus/nanogpt/val.bin --eval-tokens 10485760 --steps 200 --seeds 1,2 \
         --arm nanogpt --arm trainer=data.path=/tmp/corpus/modded/pyc,optim.warmup_steps=20
-    python benchmarks/step_parity.py --results a.jsonl b.jsonl     # the summary of earlier run lines
+    python benchmarks/step_parity.py --results a.json b.jsonl [--record]   # the summary of earlier runs
 
-loss_parity.py compares whole runs from each side's own seeds; their spread (about 0.1 after 200 steps)
-hides a systematic difference unless many seeds run. Here every arm of a seed starts from one
-initialisation (nanoGPT's model.py, seeded; its weights loaded into ours) and trains `--steps` steps on
-the same batches (random windows of the flat token file, as nanoGPT's get_batch draws them, from numpy's
-generator seeded with (seed, step)), at the recipe's hyper-parameters (lr, min_lr_ratio, weight decay,
-betas, eps, clip; global batch and sequence length). The arms:
+loss_parity.py compares whole runs from each side's own seeds; their spread (nanoGPT's validation loss after
+200 steps ranges from 2.97 to 3.29 over 8 seeds) hides a systematic difference unless many seeds run. Here
+every arm of a seed starts from one initialisation (nanoGPT's model.py, seeded; its weights loaded into ours)
+and trains `--steps` steps on the same batches (random windows of the flat token file, as nanoGPT's get_batch
+draws them, from numpy's generator seeded with (seed, step)), at the recipe's hyper-parameters (lr,
+min_lr_ratio, weight decay, betas, eps, clip; global batch and sequence length). The arms:
 
     nanogpt[N=micro=M]   nanoGPT's GPT in a loop written as its train.py runs it: lr of step s from its
                          get_lr (warm-up --warmup, cosine to min_lr over --steps), AdamW (fused on CUDA)
@@ -29,16 +29,17 @@ over the global batch) and gradient norm before clipping and, with --val, the lo
 windows through our loader). A summary line follows: per arm, the mean loss of each step over seeds, its
 difference from nanoGPT's, and the paired differences of the validation losses.
 
-Measured: through 10 steps our model stays within 0.003 of nanoGPT's loss over the first 6 (the step-3
-spike included) and within 0.015 over 10, with or without our kernels (session 17, 6 seeds). After 200
-steps the arms of a seed part between steps 20 and 60 and end up to 0.09 apart either way, as nanoGPT
-does against itself at another micro-batch (up to 0.064); over 8 seeds our whole loop ends 0.0002 below
-nanoGPT, 95% interval +-0.054 (benchmarks/records/2026-11-27-session18.json, 4x H200). Our loop's old
-warm-up, 5% hotter for 20 steps, ended 0.097 and 0.165 higher on one seed (session17.json).
+`--record` writes the run lines and the summary as one record in benchmarks/records/ (the runs of several calls:
+run each with --record, then `--results RECORD ... --record`). Measured on H200s: through 10 steps our model
+stays within 0.003 of nanoGPT's loss over the first 6 steps and within 0.015 over 10, with or without our kernels
+(6 seeds; benchmarks/records/2026-11-27-2xh200-gpt2-125m-step-parity-10-steps.json). After 200 steps the arms of a
+seed part between steps 20 and 60 and end up to 0.09 apart either way, as nanoGPT does against itself at another
+micro-batch (up to 0.064); over 8 seeds our whole loop ends 0.0002 below nanoGPT, 95% interval +-0.054
+(benchmarks/records/2026-11-27-4xh200-gpt2-125m-step-parity.json).
 
 nanoGPT's code is present locally (a checkout's model.py), never committed. `--device cpu` with a tiny
 model (model.n_layer=2 ... and --no-compile; trainer arms also train.device=cpu train.dtype=fp32
-train.compile=false) checks the script itself: there every arm agrees to 1e-5.
+train.compile=false) checks the script itself: there the arms agree to 1e-5 at every step.
 """
 from __future__ import annotations
 
@@ -53,6 +54,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+import common
+from common import bench_config, paired, run_events
 
 
 def nanogpt_lr(it: int, lr: float, min_lr: float, warmup: int, decay: int) -> float:
@@ -129,8 +133,6 @@ def train_trainer(weights: dict, batches, recipe: str, overrides: list[str], arg
     """Our whole loop (trainbox.train.loop.Trainer.run) from `weights` on `batches`: the loader's micro-batches
     are replaced by the given ones, everything else (schedule, optimizer, loss scaling, clipping, compile,
     prefetch) is the loop's own. Its closing evaluation is kept as `trainer_val_loss`."""
-    from train_speed import bench_config, run_events
-
     from trainbox.train.loop import Trainer
 
     cfg = bench_config(recipe, args.steps, [*args.overrides, f"train.eval_tokens={args.eval_tokens or 1}",
@@ -181,7 +183,7 @@ def parse_arm(text: str) -> tuple[str, list[str]]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("recipe", nargs="?")
-    ap.add_argument("--results", nargs="+", help="only summarise the run lines in these files")
+    ap.add_argument("--results", nargs="+", help="only summarise the runs in these records or JSON-lines files")
     ap.add_argument("--nanogpt", help="path to a nanoGPT checkout (its model.py)")
     ap.add_argument("--data", help="a flat uint16 token file, e.g. nanoGPT's train.bin")
     ap.add_argument("--steps", type=int, default=10)
@@ -190,16 +192,22 @@ def main() -> None:
                     help="nanogpt, or NAME[=key=value,...]: our model with those overrides (default: nanogpt, ours)")
     ap.add_argument("--nano-micro", type=int, default=16, help="nanoGPT's micro-batch (its reference run: 16)")
     ap.add_argument("--warmup", type=int, default=20, help="nanoGPT's warmup_iters (its lr_decay_iters: --steps)")
-    ap.add_argument("--val", help="a flat uint16 validation file (nanoGPT's val.bin): every arm's loss on it at the end")
+    ap.add_argument("--val",
+                    help="a flat uint16 validation file (nanoGPT's val.bin): every arm's loss on it at the end")
     ap.add_argument("--eval-tokens", type=int, default=0, help="tokens of --val to evaluate, from its start")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--no-compile", dest="compile", action="store_false")
+    ap.add_argument("--record", action="store_true", help="write the runs and their summary to benchmarks/records/")
+    ap.add_argument("--what", help="the record's slug (default: RECIPE-step-parity)")
     ap.add_argument("overrides", nargs="*", help="key=value for every one of our arms (and the shapes of both)")
     args = ap.parse_intermixed_args()
-    sys.path.insert(0, str(Path(__file__).resolve().parent))   # loss_parity, train_speed
     if args.results:
-        runs = [json.loads(line) for f in args.results for line in open(f) if '"arm"' in line]
+        runs = [run for _, run in common.read_runs(args.results) if "arm" in run]
         print(json.dumps(summary(runs)))
+        if args.record:
+            recipe = args.recipe or next((json.loads(Path(f).read_text()).get("recipe") for f in args.results
+                                          if f.endswith(".json")), None)
+            record(runs, recipe, args, common.measured_where(args.results))
         return
     if not (args.recipe and args.nanogpt and args.data):
         ap.error("a recipe, --nanogpt and --data are needed (or --results)")
@@ -207,7 +215,7 @@ def main() -> None:
     from model import GPT as NanoGPT, GPTConfig   # nanoGPT's model.py
 
     from trainbox.config import load_config
-    from trainbox.model.registry import build_model
+    from trainbox.model.spec import build_model
     from trainbox.train.loop import allow_cached_autograd_functions
 
     device = torch.device(args.device)
@@ -264,6 +272,26 @@ def main() -> None:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     print(json.dumps(summary(results)))
+    if args.record:
+        record(results, args.recipe, args)
+
+
+def record(runs: list[dict], recipe: str | None, args, where: dict | None = None) -> None:
+    """The runs and their summary as a result record in benchmarks/records/; the nanogpt arm is the baseline.
+    `where`: Result fields of the machine the runs ran on (default: this one)."""
+    where = where or {"gpu": common.gpu_info(), "software": common.software()}
+    nano = [r for r in runs if r["arm"] == "nanogpt"]
+    vals = [r["val_loss"] for r in nano if "val_loss" in r]
+    baseline = None if not nano else {
+        "name": "nanogpt arm: nanoGPT's model.py in its train.py loop", "command": None,
+        "metrics": {"seeds": [r["seed"] for r in nano], "mean_val_loss": round(statistics.mean(vals), 4) if vals
+                    else None, "median_step_ms": [r.get("median_step_ms") for r in nano]}}
+    common.emit(common.Result(
+        tool="step_parity", what=args.what or f"{recipe}-step-parity", **where,
+        recipe=recipe, overrides=list(args.overrides),
+        metrics={"steps": max(len(r["losses"]) for r in runs), "arms": list(dict.fromkeys(r["arm"] for r in runs)),
+                 "seeds": sorted({r["seed"] for r in runs}), "summary": summary(runs), "runs": runs},
+        baseline=baseline), record=True)
 
 
 def summary(results: list[dict]) -> dict:
@@ -280,19 +308,6 @@ def summary(results: list[dict]) -> dict:
             for n in names if n != "nanogpt"}
         out["val_minus_nanogpt"] = {n: paired([v - vals["nanogpt"][s] for s, v in vals[n].items()
                                                if s in vals["nanogpt"]]) for n in names if n != "nanogpt" and vals[n]}
-    return out
-
-
-def paired(diffs: list[float]) -> dict:
-    """Mean of paired differences (same seed: same weights and batches) with its 95% t interval and
-    loss_parity's verdict: "no worse" (mean <= 0), "worse" (the interval above 0) or "inconclusive"."""
-    from loss_parity import t975, verdict
-    mean = statistics.mean(diffs)
-    out = {"n": len(diffs), "diffs": [round(d, 4) for d in diffs], "mean": round(mean, 4)}
-    if len(diffs) > 1:
-        half = t975(len(diffs) - 1) * statistics.stdev(diffs) / math.sqrt(len(diffs))
-        out["interval_95"] = [round(mean - half, 4), round(mean + half, 4)]
-        out["verdict"] = verdict(mean, half)
     return out
 
 

@@ -4,10 +4,12 @@ Both train the same model (HF's copy starts from our initial weights), on the sa
 batches (trainbox's loader + data/spans.py), with the same fused AdamW, gradient clipping and bf16
 autocast; only the model code (and optionally torch.compile of ours) differs. Tokens are encoder
 input tokens (data.seq_len per example; each example also has its decoder targets); MFU counts the
-encoder and decoder FLOPs (T5.flops_per_token) against the GPU's bf16 dense peak. Prints one JSON.
+encoder and decoder FLOPs (T5.flops_per_token) against the GPU's bf16 dense peak. Prints one JSON object, then
+the result record (common.Result: ours measured, transformers its baseline); --record also writes it to
+benchmarks/records/.
 
-    CORPUS_DIR=/tmp/corpus python make_corpus.py               # the benchmark corpus (shared/bench)
-    python benchmarks/t5_speed.py --data /tmp/corpus/modded/pyc --recipe t5-base --steps 100 --compile
+    python benchmarks/make_corpus.py --out /tmp/corpus                  # the benchmark corpus
+    python benchmarks/t5_speed.py --data /tmp/corpus/modded/pyc --recipe t5-base --steps 110 --compile --record
     python benchmarks/t5_speed.py --data /tmp/corpus/modded/pyc --trainer   # + `trainbox train`
 
 Not part of the tests; needs `transformers` and a CUDA GPU (`--device cpu` with tiny `--set` overrides is
@@ -23,11 +25,12 @@ import time
 
 import torch
 
+import common
 from trainbox.config import load_config
 from trainbox.data.loader import BatchPlan
 from trainbox.data.sources import open_datasets
 from trainbox.data.tokenizer import get_tokenizer
-from trainbox.model.registry import adapt_datasets, build_model, model_vocab_size
+from trainbox.model.spec import adapt_datasets, build_model, model_vocab_size
 from trainbox.model.t5 import hf_config
 from trainbox.optim.build import adamw_groups, make_adamw
 from trainbox.train.device import PEAK_TFLOPS
@@ -128,6 +131,7 @@ def main() -> None:
     ap.add_argument("--hf-attn", default=None, help="transformers attn_implementation (default: its own choice)")
     ap.add_argument("--trainer", action="store_true", help="also time the real `trainbox train` loop")
     ap.add_argument("--out", default=None, help="also write the JSON here")
+    ap.add_argument("--record", action="store_true", help="write the result record to benchmarks/records/")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--set", nargs="*", default=[], help="extra config overrides (key=value)")
     args = ap.parse_args()
@@ -177,6 +181,13 @@ def main() -> None:
     if args.out:
         with open(args.out, "w") as f:
             f.write(text + "\n")
+    common.emit(common.Result(
+        tool="t5_speed", what=f"{args.recipe}-speed", gpu=common.gpu_info() if device.type == "cuda" else None,
+        software=common.software("transformers"), recipe=args.recipe, overrides=overrides,
+        metrics={**{k: v for k, v in report.items() if k not in ("device", "torch", "recipe", "results")},
+                 "results": [r for r in report["results"] if not r["name"].startswith("transformers")]},
+        baseline={"name": hf_res[0]["name"], "command": None, "metrics": hf_res[0]} if hf_res else None),
+        args.record)
 
 
 def hf_config_for(cfg, vocab: int, tok):

@@ -1,4 +1,4 @@
-"""Validation loss after a fixed training time, ours and modded-nanogpt's, as JSON lines (issue 10, item 2).
+"""Validation loss after a fixed training time, ours and modded-nanogpt's record script, as JSON lines and a record.
 
     python benchmarks/time_to_loss.py speedrun-124m --data /tmp/corpus/modded/pyc --steps 295 [key=value ...]
     python benchmarks/time_to_loss.py speedrun-124m --data /tmp/corpus/modded/pyc --steps 0 \
@@ -20,7 +20,8 @@ The peer is a record script (code present locally, never committed) run as
 environment: PEER_TRAIN and PEER_VAL (glob patterns relative to the data folder, which is its working
 directory), PEER_STEPS and PEER_VAL_EVERY=0. The script must read them (a local patch of the record
 script does); its closing "step:N/N val_loss:... train_time:...ms" line is parsed. Runs of both sides
-rarely fit one 10-minute device call; pass --steps 0 or --peer-steps 0 to run one side.
+rarely fit one 10-minute device call; pass --steps 0 or --peer-steps 0 to run one side. The last output is the
+result record (common.Result, the peer as its baseline); --record also writes it to benchmarks/records/.
 """
 from __future__ import annotations
 
@@ -33,6 +34,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import common
+
 TIMED_FROM = 10   # modded-nanogpt's scripts reset their clock at the end of step 10
 
 
@@ -40,11 +43,11 @@ def run_ours(recipe: str, data: str, steps: int, overrides: list[str]) -> dict:
     import torch
 
     from trainbox.config import load_config
-    from trainbox.runs import _git_commit
     from trainbox.train.loop import Trainer
 
     if steps <= TIMED_FROM or steps % 10:
-        raise SystemExit(f"--steps must be a multiple of 10 above {TIMED_FROM} (the logged windows bound the timed steps)")
+        raise SystemExit(f"--steps must be a multiple of 10 above {TIMED_FROM} "
+                         "(the logged windows bound the timed steps)")
     tmp = tempfile.mkdtemp(prefix="ttl-")
     cfg = load_config(recipe, [f"data.path={data}", f"train.max_steps={steps}", "monitor.log_every=10",
                                "train.eval_every=0", "train.checkpoint_every=0", "train.sample_tokens=0",
@@ -55,7 +58,7 @@ def run_ours(recipe: str, data: str, steps: int, overrides: list[str]) -> dict:
     train_s = logged[steps] - logged[TIMED_FROM]
     return {"who": "trainbox", "recipe": recipe, "overrides": overrides, "steps": steps,
             "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-            "torch": torch.__version__, "commit": _git_commit(),
+            "torch": torch.__version__, "commit": common.git_state()[0],
             "tokens": steps * cfg.train.global_batch_size * cfg.data.seq_len,
             "train_time_s": round(train_s, 2), "step_avg_ms": round(1e3 * train_s / (steps - TIMED_FROM), 2),
             "val_loss": summary.get("val_loss"), "val_tokens": summary.get("val_tokens"),
@@ -97,11 +100,27 @@ def main() -> None:
     ap.add_argument("--steps", type=int, required=True, help="our optimizer steps (0: skip ours)")
     ap.add_argument("--peer", help="a modded-nanogpt record script that reads PEER_* from the environment")
     ap.add_argument("--peer-steps", type=int, default=0)
+    ap.add_argument("--record", action="store_true", help="write the result record to benchmarks/records/")
+    ap.add_argument("--what", help="the record's slug (default: RECIPE-time-to-loss, or peer-time-to-loss)")
     args = ap.parse_intermixed_args()
+    peer = ours = None
     if args.peer and args.peer_steps:   # first, while this process holds no GPU memory
-        print(json.dumps(run_peer(args.peer, args.data, args.peer_steps)), flush=True)
+        peer = run_peer(args.peer, args.data, args.peer_steps)
+        print(json.dumps(peer), flush=True)
     if args.steps:
-        print(json.dumps(run_ours(args.recipe, args.data, args.steps, args.overrides)), flush=True)
+        ours = run_ours(args.recipe, args.data, args.steps, args.overrides)
+        print(json.dumps(ours), flush=True)
+    if ours is None and peer is None:
+        return
+    skip = ("who", "recipe", "gpu", "torch", "commit", "overrides")
+    peer_command = f"torchrun --standalone --nproc_per_node 1 {args.peer}"
+    common.emit(common.Result(
+        tool="time_to_loss", what=args.what or (f"{args.recipe}-time-to-loss" if ours else "peer-time-to-loss"),
+        gpu=common.gpu_info(), software=common.software(), recipe=args.recipe if ours else None,
+        overrides=args.overrides if ours else [],
+        metrics={k: v for k, v in (ours or peer).items() if k not in skip},
+        baseline={"name": f"record script {Path(args.peer).name}", "command": peer_command, "metrics": peer}
+        if ours and peer else None), args.record)
 
 
 if __name__ == "__main__":

@@ -110,11 +110,11 @@ class PoisonAt(Trainer):
         super().__init__(cfg)
         self.n = n
 
-    def _train_step(self, step: int):
+    def train_step(self, step: int):
         if step + 1 == self.n:
             with torch.no_grad():
                 self.model.transformer.h[0].mlp.c_fc.weight[0, 0] = float("inf")
-        return super()._train_step(step)
+        return super().train_step(step)
 
 
 def test_nan_loss_stops_naming_the_step_and_keeps_last_good_checkpoint(tiny):
@@ -154,8 +154,8 @@ def test_failed_save_keeps_older_checkpoints(tiny):
 
 
 class StopAfter4(Trainer):
-    def _train_step(self, step: int):
-        out = super()._train_step(step)
+    def train_step(self, step: int):
+        out = super().train_step(step)
         if step + 1 == 4:
             self.stop.signum = signal.SIGTERM
         return out
@@ -163,7 +163,7 @@ class StopAfter4(Trainer):
 
 def _model_for(cfg):
     from trainbox.data.tokenizer import get_tokenizer
-    from trainbox.model.registry import build_model, pad_vocab
+    from trainbox.model.spec import build_model, pad_vocab
     return build_model(cfg.model, pad_vocab(get_tokenizer(cfg.data.tokenizer).vocab_size), cfg.data.seq_len)
 
 

@@ -46,8 +46,8 @@ import trainbox.train.loop as loop
 sig, where, at = getattr(signal, sys.argv[1]), sys.argv[2], int(sys.argv[3])
 fire = lambda: os.kill(os.getpid(), sig)
 if where == "step":      # while the step that ends at `at` runs
-    step = loop.Trainer._train_step
-    loop.Trainer._train_step = lambda self, s: (fire() if s + 1 == at else None, step(self, s))[1]
+    step = loop.Trainer.train_step
+    loop.Trainer.train_step = lambda self, s: (fire() if s + 1 == at else None, step(self, s))[1]
 elif where == "eval":    # while the evaluation at step `at` runs
     evaluate = loop.evaluate
     loop.evaluate = lambda *a, **k: (fire(), evaluate(*a, **k))[1]

@@ -7,7 +7,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from trainbox.config import load_config
-from trainbox.model.registry import build_model
+from trainbox.model.spec import build_model
 from trainbox.train.device import PEAK_TFLOPS
 
 

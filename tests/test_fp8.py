@@ -8,7 +8,7 @@ import torch
 from trainbox.config import ModelSection, load_config
 from trainbox.errors import ConfigError
 from trainbox.kernels.fp8 import fp8_linear
-from trainbox.model.registry import build_model
+from trainbox.model.spec import build_model
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from conftest import run_check_script
 from trainbox.config import ModelSection
 from trainbox.kernels.fused_ce import head_cross_entropy
-from trainbox.model.registry import build_model
+from trainbox.model.spec import build_model
 
 
 def unfused(x, w, t, mask, cap, reduction):

@@ -8,7 +8,7 @@ from conftest import run_cli
 from trainbox.config import load_config
 from trainbox.errors import ConfigError
 from trainbox.export import load_init_weights, write_tokenizer
-from trainbox.model.registry import build_model
+from trainbox.model.spec import build_model
 
 transformers = pytest.importorskip("transformers")
 

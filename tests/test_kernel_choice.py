@@ -10,7 +10,7 @@ import torch
 from conftest import run_cli
 from trainbox.config import load_config
 from trainbox.kernels.choice import choose
-from trainbox.model.registry import build_model
+from trainbox.model.spec import build_model
 from trainbox.train.loop import train
 
 

@@ -1,7 +1,7 @@
 """Batch maths of the loop: loss normalisation over the global batch, a whole run against a plain torch loop,
 run length, checkpoint and eval cadence.
 
-The normalisation test compares the loop's real `_train_step` (1 process with 4 micro-batches, 2 ranks
+The normalisation test compares the loop's real `train_step` (1 process with 4 micro-batches, 2 ranks
 with 2 and 1 micro-batches, DDP's averaging done by hand) with an obviously-correct reference: one
 forward over the whole global batch, mean over every unmasked target token. The loss masks make the
 micro-batches uneven, which is where a mean of per-micro-batch means goes wrong (that gives gradients
@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from trainbox.config import load_config
 from trainbox.data.loader import BatchPlan, TokenDataset
-from trainbox.model.registry import build_model
+from trainbox.model.spec import build_model, family
 from trainbox.train.distributed import Dist
 from trainbox.train.loop import Trainer, global_target_tokens, plan_length, train
 
@@ -41,20 +41,20 @@ def _masked_dataset() -> TokenDataset:
 
 
 def _step_update(ds, world, rank, micro, model_state, step=1) -> tuple[dict[str, torch.Tensor], float, Trainer]:
-    """Run the loop's real _train_step on one rank with SGD(lr=1): returns -gradient per parameter."""
+    """Run the loop's real train_step on one rank with SGD(lr=1): returns -gradient per parameter."""
     model, cfg = _model()
     model.load_state_dict(model_state)
     t = Trainer.__new__(Trainer)
     cfg.optim.grad_clip, cfg.optim.warmup_steps, cfg.optim.schedule = 0.0, 0, "constant"
     t.cfg, t.dist, t.device, t.pin, t.ddp = cfg, Dist(rank=rank, world=world), torch.device("cpu"), False, None
-    t.model, t.forward, t.total = model, model, 10
+    t.model, t.forward, t.total, t.family, t._prefetched = model, model, 10, family(cfg.model.family), None
     t.autocast = lambda: torch.autocast("cpu", enabled=False)
     t.plan = BatchPlan(ds, GLOBAL, micro, world, rank, seed=5)
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
     opt.param_groups[0]["initial_lr"] = 1.0
     t.optimizers = [opt]
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    loss, _, _ = t._train_step(step)
+    loss, _, _ = t.train_step(step)
     return {n: p.detach() - before[n] for n, p in model.named_parameters()}, float(loss), t
 
 
@@ -108,7 +108,7 @@ def test_each_step_gets_its_own_batches_prefetched_or_not():
     assert t._prefetched is None
     t._prefetched = (4, t._send_batches(4))
     same(t._device_batches(4), 4)
-    t._train_step(t.total - 1)
+    t.train_step(t.total - 1)
     assert t._prefetched is None
 
 

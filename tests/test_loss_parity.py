@@ -35,7 +35,7 @@ def test_welch_interval_against_a_reference():
 
 def test_verdicts():
     compare = load("loss_parity").compare
-    # session 7, gpt2-125m after 100 steps: ours (FP8 head, 4 seeds) against nanoGPT (3 seeds)
+    # measured values, gpt2-125m after 100 steps: ours (FP8 head, 4 seeds) against nanoGPT (3 seeds)
     r = compare([3.6496, 3.7996, 3.6878, 3.6304], [3.6476, 3.6241, 3.7056])
     assert r["verdict"] == "inconclusive" and r["interval_95"][0] < 0 < r["interval_95"][1]
     assert compare([3.90, 3.91, 3.92], [3.60, 3.61, 3.62])["verdict"] == "worse"
@@ -59,7 +59,7 @@ def test_seeded_nanogpt_copy(tmp_path):
 
 
 def test_results_from_several_files(tmp_path):
-    """--results: the run lines of separate GPU calls (session 8, gpt2-125m after 200 steps), mixed with other
+    """--results: the run lines of separate GPU calls (measured, gpt2-125m after 200 steps), mixed with other
     output, give the comparison of the whole; a run line without a validation loss is refused by file and
     line; running needs its paths unless --results is given."""
     import json

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from conftest import run_cli
 from trainbox.config import MoESection, load_config
 from trainbox.model.moe import MoEFFN
-from trainbox.model.registry import build_model
+from trainbox.model.spec import build_model
 
 
 def reference_moe(m: MoEFFN, x: torch.Tensor):
@@ -184,7 +184,7 @@ def _flops(run) -> float:
     from trainbox.config import build_config
     cfg = build_config(yaml.safe_load((run / "config.yaml").read_text()))
     from trainbox.data.tokenizer import get_tokenizer
-    from trainbox.model.registry import pad_vocab
+    from trainbox.model.spec import pad_vocab
     vocab = cfg.model.vocab_size or pad_vocab(get_tokenizer(cfg.data.tokenizer).vocab_size)
     return build_model(cfg.model, vocab, cfg.data.seq_len).flops_per_token(cfg.data.seq_len)
 
@@ -208,19 +208,3 @@ def test_layer_traces_as_one_graph_in_bf16():
         got = compiled(x)
     assert got.dtype == want.dtype and torch.equal(got, want)
     assert m.aux["tokens_per_expert"].sum() == 2 * 24
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_grouped_kernel_matches_loop_on_cuda_bf16():
-    import importlib.util
-    import sys
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_models_check.py"
-    spec = importlib.util.spec_from_file_location("gpu_models_check", path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_models_check"] = mod
-    spec.loader.exec_module(mod)
-    result = mod.grouped_vs_loop()
-    assert result["ok"], result

@@ -283,11 +283,11 @@ def test_stall_is_detected_and_clears(tmp_path, data_cache):
     gate = threading.Event()
 
     class HangingTrainer(Trainer):
-        def _train_step(self, step):
+        def train_step(self, step):
             if step == 5:
                 self.hung_at = time.time()
                 gate.wait(120)
-            return super()._train_step(step)
+            return super().train_step(step)
 
     cfg = _cfg(tmp_path, data_cache, "train.max_steps=10", "train.eval_every=0", "monitor.stall_seconds=1.5")
     trainer = HangingTrainer(cfg)

@@ -11,7 +11,7 @@ import torch
 
 from trainbox import checkpoint
 from trainbox.config import load_config
-from trainbox.model.registry import build_model
+from trainbox.model.spec import build_model
 from trainbox.monitor.console import ProgressBar
 from trainbox.train.loop import Trainer, train
 
@@ -34,8 +34,8 @@ class StopAfter(Trainer):
         super().__init__(cfg, **kw)
         self.n = n
 
-    def _train_step(self, step: int):
-        out = super()._train_step(step)
+    def train_step(self, step: int):
+        out = super().train_step(step)
         if step + 1 == self.n:
             self.stop.signum = signal.SIGTERM
         return out

@@ -11,7 +11,7 @@ import torch
 
 from conftest import run_cli
 from trainbox.config import ModelSection, load_config
-from trainbox.model.registry import model_vocab_size
+from trainbox.model.spec import model_vocab_size
 from trainbox.model.t5 import T5, relative_position_bucket, to_hf
 
 transformers = pytest.importorskip("transformers")
@@ -195,7 +195,7 @@ def test_t5_batches_do_not_depend_on_world_size(tiny):
     from trainbox.data.loader import BatchPlan
     from trainbox.data.sources import open_datasets
     from trainbox.data.tokenizer import get_tokenizer
-    from trainbox.model.registry import adapt_datasets
+    from trainbox.model.spec import adapt_datasets
 
     cfg = load_config("tiny", [*tiny, *T5_TINY, "train.global_batch_size=4"])
     tok = get_tokenizer(cfg.data.tokenizer)
@@ -235,7 +235,7 @@ def test_explicit_vocab_without_room_for_sentinels_is_a_config_error(tiny):
     from trainbox.data.sources import open_datasets
     from trainbox.data.tokenizer import get_tokenizer
     from trainbox.errors import ConfigError
-    from trainbox.model.registry import adapt_datasets
+    from trainbox.model.spec import adapt_datasets
 
     cfg = load_config("tiny", [*tiny, *T5_TINY, "model.vocab_size=2048"])
     tok = get_tokenizer(cfg.data.tokenizer)

@@ -149,7 +149,7 @@ def export_hf(run: str | Path, out: str | Path, force: bool = False) -> Path:
     """Write a run's (or checkpoint's) weights as a Hugging Face GPT2LMHeadModel folder; returns it."""
     from trainbox.config import build_config
     from trainbox.data.tokenizer import get_tokenizer
-    from trainbox.model.registry import build_model, pad_vocab
+    from trainbox.model.spec import build_model, pad_vocab
 
     ckpt = checkpoint.resolve(run)
     cfg = build_config(checkpoint.load_trainer(ckpt)["config"])
@@ -244,3 +244,29 @@ def _tokenizer_file(spec: str) -> Path:
 
 def _write_json(path: Path, obj: dict) -> None:
     path.write_text(json.dumps(obj, indent=2) + "\n")
+
+
+def _no_merge(path: str, merge: bool) -> None:
+    if merge:
+        raise ConfigError(f"--merge applies to LoRA runs (model.family=hf); {path} is not one")
+
+
+def export_cli(path: str, out: str, merge: bool = False, force: bool = False) -> list[str]:
+    """`trainbox export` of a gpt run: a GPT2LMHeadModel folder."""
+    _no_merge(path, merge)
+    written = export_hf(path, out, force=force)
+    return [f"wrote {written} (Hugging Face format: config.json, model.safetensors, tokenizer)"]
+
+
+def export_t5_cli(path: str, out: str, merge: bool = False, force: bool = False) -> list[str]:
+    """`trainbox export` of a t5 run: a T5ForConditionalGeneration folder."""
+    from trainbox.generate import load_for_inference
+    from trainbox.model.t5 import to_hf
+
+    _no_merge(path, merge)
+    model, tok, _ = load_for_inference(path)
+    target = Path(out)
+    if target.exists() and any(target.iterdir()) and not force:
+        raise ConfigError(f"{target} exists and is not empty", hint="choose another --out or pass --force")
+    to_hf(model, target, eos_token_id=tok.eot_id)
+    return [f"wrote {target} (Hugging Face T5ForConditionalGeneration: config.json, model.safetensors)"]

@@ -81,3 +81,13 @@ def export_lora_hf(path: str | Path, out: str | Path, merge: bool = False, force
     log.info(f"exported {kind} of {ckpt} to {out} ({dt})")
     return {"checkpoint": str(ckpt), "out": str(out), "kind": kind, "dtype": dt, "base": cfg.model.path,
             "merged": merge}
+
+
+def export_cli(path: str, out: str, merge: bool = False, force: bool = False) -> list[str]:
+    """`trainbox export` of a LoRA run: the PEFT adapter, or the model with the adapter merged (--merge)."""
+    res = export_lora_hf(checkpoint.resolve(path), out, merge=merge, force=force)
+    lines = [f"wrote {res['kind']} ({res['dtype']}) to {res['out']} from {res['checkpoint']}"]
+    if not res["merged"]:
+        lines.append(f"load it with: PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained({res['base']!r}), "
+                     f"{res['out']!r})")
+    return lines

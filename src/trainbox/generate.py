@@ -14,7 +14,7 @@ import torch
 from trainbox import checkpoint
 from trainbox.config import RunConfig, build_config
 from trainbox.data.tokenizer import Tokenizer
-from trainbox.model.registry import build_model, build_tokenizer, model_vocab_size
+from trainbox.model.spec import build_model, build_tokenizer, model_vocab_size
 
 
 def filter_logits(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None) -> torch.Tensor:

@@ -6,8 +6,6 @@ import os
 import sys
 from pathlib import Path
 
-from trainbox.errors import ConfigError
-
 
 def _env_int(name: str, default: int) -> int:
     value = os.environ.get(name)
@@ -150,10 +148,11 @@ def cmd_generate(args) -> int:
     import torch
 
     from trainbox.generate import load_for_inference, sample
+    from trainbox.model.spec import family
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     model, tokenizer, cfg = load_for_inference(args.path, device)
-    if cfg.model.family == "t5":  # encoder-decoder: print what the model fills in for each sentinel
+    if family(cfg.model.family).generate == "spans":  # encoder-decoder: what the model fills in for each sentinel
         from trainbox.data.spans import fill_prompt
         from trainbox.generate import fill_spans
         spans = fill_spans(model, tokenizer, args.prompt, max_tokens=args.max_tokens, temperature=args.temperature,
@@ -174,35 +173,13 @@ def cmd_generate(args) -> int:
 def cmd_export(args) -> int:
     from trainbox import checkpoint
     from trainbox.config import build_config
+    from trainbox.model.spec import family
 
     ckpt = checkpoint.resolve(args.path)
-    family = build_config(checkpoint.load_trainer(ckpt)["config"]).model.family
-    if family == "hf":  # LoRA / QLoRA runs: PEFT adapter, or the merged model with --merge
-        from trainbox.export_lora import export_lora_hf
-        out = args.out or str(Path(args.path.rstrip("/")).name + ("-merged" if args.merge else "-hf"))
-        res = export_lora_hf(ckpt, out, merge=args.merge, force=args.force)
-        print(f"wrote {res['kind']} ({res['dtype']}) to {res['out']} from {res['checkpoint']}")
-        if not res["merged"]:
-            print(f"load it with: PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained({res['base']!r}), "
-                  f"{res['out']!r})")
-        return 0
-    if args.merge:
-        raise ConfigError(f"--merge applies to LoRA runs; {ckpt} is a model.family={family} run")
-    if family == "t5":  # T5ForConditionalGeneration folder
-        from trainbox.generate import load_for_inference
-        from trainbox.model.t5 import to_hf
-
-        model, tok, _ = load_for_inference(ckpt)
-        out = Path(args.out or str(Path(args.path.rstrip("/")).name + "-hf"))
-        if out.exists() and any(out.iterdir()) and not args.force:
-            raise ConfigError(f"{out} exists and is not empty", hint="choose another --out or pass --force")
-        to_hf(model, out, eos_token_id=tok.eot_id)
-        print(f"wrote {out} (Hugging Face T5ForConditionalGeneration: config.json, model.safetensors)")
-        return 0
-    from trainbox.export import export_hf
-
-    out = export_hf(args.path, args.out or str(Path(args.path.rstrip("/")).name + "-hf"), force=args.force)
-    print(f"wrote {out} (Hugging Face format: config.json, model.safetensors, tokenizer)")
+    spec = family(build_config(checkpoint.load_trainer(ckpt)["config"]).model.family)
+    out = args.out or str(Path(args.path.rstrip("/")).name + ("-merged" if args.merge else "-hf"))
+    for line in spec.exporter()(args.path, out, merge=args.merge, force=args.force):
+        print(line)
     return 0
 
 

@@ -7,10 +7,8 @@ document inside the window. FlashAttention's variable-length kernels take exactl
 sequences (cu_seqlens, their offsets in the flattened batch) and the window as (window - 1, 0) with
 causal masking, i.e. `allowed()` with model.window_block = 1. No mask is built or evaluated per block,
 and no block is partial at a document's edge, which is where FlexAttention spends its time on short
-documents. Measured on an H100 (benchmarks/records/2026-11-26-h100-session6-flash-attention.json), forward
-and backward of one 64K-token row of the benchmark corpus, 6 heads of 128: 1.81 ms against FlexAttention's
-2.82 ms at window 1,792, 1.56 against 2.19 at 896; speedrun-124m's step at 393,216 tokens went from 763.5
-to 719.9 ms (attention 151.6 -> 96.0 ms per step).
+documents. Forward and backward of one 64K-token speedrun attention layer take 1.81 ms against compiled
+FlexAttention's 2.82 ms at window 1,792 (H100; docs/performance.md).
 
 The kernels are FlashAttention-4's CuTe DSL port of FlashAttention-3 (the `flash-attn-4` package), which
 compiles them at first use. They are wrapped here as two torch custom ops with fake implementations, so

@@ -22,23 +22,18 @@ custom op `trainbox::head_ce_`, which writes G over the logits (they are dead on
 torch.compile keeps the model in one graph and the head holds one (tokens x vocab) tensor, not two. Rows whose target is
 -100 (masked) get loss 0 and a zero gradient.
 
-Measured on an H100 (benchmarks/records, session 4): the kernel takes 54 ms per speedrun-124m step where
-the compiled unfused forward and backward took 69 ms (step 827.5 -> 820.2 ms), and gpt2-125m's step went
-from 997.8 to 978.6 ms. That version wrote G to a second tensor, which cost memory where the head is the
-peak (gpt2-125m at micro-batch 48: 22.3 -> 26.7 GiB); G now overwrites the logits (not yet measured on a
-GPU). On in the gpt2-125m and speedrun-124m recipes.
+On in the gpt2-125m, moe-gpt2-125m and speedrun-124m recipes.
 
 A summed loss (the training loop's) on an H100/H200 with QuACK installed goes through QuACK's scaled-exp
 linear cross-entropy instead (`_use_quack_lce`): per chunk of LCE_CHUNK rows, the logits GEMM's epilogue
 writes exp(z - its tile's max) in bf16 with per-tile sums and the target logit, and the dx and dW GEMMs
 form the softmax gradient in their operand loads; the forward returns the loss with dx and dW (fp32)
 computed, the backward scales them. No pass of a loss kernel over the logits, and no (tokens x vocab)
-tensor beyond one chunk's. H100, gpt2-125m's head at micro-batch 120 (122,880 rows, forward and backward):
-43.3 ms and 1.8 GiB against the Triton kernel's 54.3 ms and 13.3 GiB; the recipe's step 846.0 -> 810.0 ms
-(`benchmarks/train_speed.py`, session 15). It keeps exp(z - tile max), the softmax's scale and their product
-in bf16, where bf16 logits round once: its dx and dW are 1.45x and 2.07x as far from fp64 (relative RMS, 0.24%
-and 0.34%) as torch's bf16 logits with F.cross_entropy, its loss 6x closer. Validation loss after 200 steps on
-the same seeds: 2.979, 3.209, 3.094 against 2.980, 3.217, 3.141 with the Triton kernel (session 15's record).
+tensor beyond one chunk's: gpt2-125m's step takes 810.0 ms against 846.0 ms with the Triton kernel (H100;
+docs/performance.md). It keeps exp(z - tile max), the softmax's scale and their product in bf16, where bf16
+logits round once, so its dx and dW are further from fp64 than torch's bf16 logits with F.cross_entropy and
+its loss is closer (tests/test_fused_ce.py compares the three). The gpt2-125m recipe with it matches nanoGPT's
+validation loss after 200 steps (docs/performance.md, quality parity).
 
 With model.fp8_head all three of the head's matmuls run in FP8, as modded-nanogpt's FP8 head does: the
 logits from e4m3 copies of x and W; the kernel writes G in e5m2 at a fixed scale (head_ce_fp8: G is

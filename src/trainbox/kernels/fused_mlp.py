@@ -16,11 +16,8 @@ The MoE experts (`moe_gelu_mlp`, model/moe.py) run all six of their matmuls on Q
 grouped GEMMs over the rows sorted by expert: the same two epilogues, the groups along M for the forward, dA
 and dx, along K for the weight gradients (torch._grouped_mm and two GELU kernels otherwise).
 
-Measured on an H100, each pair on one machine start (benchmarks/records/2026-11-26-session13.json and
--session14.json). gpt2-125m: 900.3 -> 866.0 ms per step at micro-batch 48 with the op; keeping a, 849.3 ->
-845.3 ms at micro-batch 120, 44.0 -> 52.4 GiB. moe-gpt2-125m: 1,457.4 -> 1,307.2 ms with the experts' op;
-keeping a, 1,312.5 -> 1,297.1 ms, 1.53x gpt2-125m's step (was 1.72x). `benchmarks/fused_mlp_kernels.py`
-times the kernels alone.
+On an H100 gpt2-125m's step at micro-batch 48 takes 866.0 ms with the op against 900.3 ms without it, and
+moe-gpt2-125m's 1,307.2 ms with the experts' op against 1,457.4 ms (docs/performance.md).
 
 The arithmetic differs from the unfused graph only in rounding: a and dH come from the fp32 accumulator
 where the unfused graph rounds h (and dA) to bf16 first. Elsewhere (a CPU, other GPUs, no QuACK) the ops
@@ -63,9 +60,9 @@ def _quack():
 
 @functools.cache
 def _config(device: torch.device):
-    """The GEMM tiling on `device`: on Hopper 128 x 192 ping-pong tiles in clusters of 1 x 2, the fastest in
-    the model of the four tried there (H100, session 13: 875.8 ms per step against 887.7-911.1; alone, eight
-    tilings ran within 25% of each other); QuACK's default elsewhere."""
+    """The GEMM tiling on `device`: on Hopper 128 x 192 ping-pong tiles in clusters of 1 x 2, the fastest of
+    four inside the training step on an H100 (timed alone, the tilings rank otherwise; docs/performance.md);
+    QuACK's default elsewhere."""
     if torch.cuda.get_device_capability(device)[0] != 9:
         return None
     from quack.gemm_config import GemmConfig

@@ -3,7 +3,7 @@
 Each kernel module defines its ops with `torch.library.custom_op` in the `trainbox` namespace (the ops exist
 once the module is imported). Inductor gets them as explicit fallbacks here: left to its implicit fallback,
 torch < 2.13 logs each call with its inputs' IR rendered as text, eagerly, and through a chain of these ops
-(each made from the previous one's outputs) that text doubles per layer, so compiling gpt2-125m did not
+(each made from the previous one's outputs) that text doubles per layer, so compiling gpt2-125m would not
 finish. Inductor keeps the graph's strides for them (`constrain_to_fx_strides`), as for an implicit fallback.
 """
 from __future__ import annotations

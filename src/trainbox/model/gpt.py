@@ -6,11 +6,11 @@ Blackwell GPUs where it is installed, `model.attention`), GELU(tanh) MLP of widt
 LayerNorm, output head tied to the token embedding. Parameter names map 1:1 to Hugging Face's
 GPT2LMHeadModel. The projections are nn.Linear, weights (out, in), where HF's Conv1D stores (in, out):
 `export.py` transposes them both ways. Linear is the faster layout: cuBLAS fuses the bias into the
-matmul epilogue and the backward needs fewer transposing copies (7% less step time for gpt2-125m on an
-H100; benchmarks/records/). The vocabulary may be padded (50,257 -> 50,304) for faster matmuls;
-`export.py` slices and pads. With model.fused_norm each residual add and the LayerNorm after it are one
-op (kernels/fused_norm.py), across block boundaries: same arithmetic, one-pass backward. With
-model.fused_mlp the MLP's GELU runs in its matmuls' epilogues (kernels/fused_mlp.py).
+matmul epilogue and the backward needs fewer transposing copies. The vocabulary may be padded
+(50,257 -> 50,304) for faster matmuls; `export.py` slices and pads. With model.fused_norm each residual
+add and the LayerNorm after it are one op (kernels/fused_norm.py), across block boundaries: same
+arithmetic, one-pass backward. With model.fused_mlp the MLP's GELU runs in its matmuls' epilogues
+(kernels/fused_mlp.py).
 
     trainbox train gpt2-125m data.path=PREFIX        # 124M GPT-2 on shard files
 """

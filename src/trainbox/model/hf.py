@@ -29,7 +29,6 @@ import torch.nn as nn
 from trainbox.errors import ConfigError, require
 from trainbox.model.gpt import Output, cross_entropy
 
-USES_RUN_CONFIG = True  # registry: build() receives the whole RunConfig (lora, quant, train sections)
 
 
 def check_quant_support(quant) -> None:

@@ -80,8 +80,7 @@ class Rotary(nn.Module):
     max_len x D/2 fp32: 32 MiB for 64K positions of heads of 128) and sliced per call; without it the
     angles are computed per call. The tables matter on the GPU: fused into the q/k norm kernels, the
     per-call form evaluates a cos and a sin for every element of q and k, in every layer, forward and
-    backward; the table form reads them (speedrun-124m on an H100: those kernels went from 53 to 32 ms
-    per 393,216-token step).
+    backward; the table form reads them.
     """
 
     def __init__(self, head_dim: int, base: float = 10000.0, max_len: int | None = None):

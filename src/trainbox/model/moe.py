@@ -68,10 +68,8 @@ class _GroupedMM(torch.autograd.Function):
 
     Saves x (the pre-activation) and a = act(x), which the forward computes anyway as the matmul's input.
     The backward computes dA = g @ w^T, then dx = dA * act'(x) (`gelu_backward`: one pass that reads x and dA
-    and writes dx), then dw[e] = a_e^T @ g_e. Recomputing a in the backward instead saves k*N*4C activations
-    per layer but writes a there once more. moe-gpt2-125m at micro-batch 48 on an H100, same call, with the
-    one-byte sort keys of MoEFFN.forward: 1,543.5 -> 1,520.2 ms per step, 32.3 -> 39.1 GiB
-    (benchmarks/records/2026-11-26-session10.json)."""
+    and writes dx), then dw[e] = a_e^T @ g_e. Recomputing a in the backward instead would save k*N*4C
+    activations per layer but write a there once more: saving a is the faster of the two on an H100."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, gelu: bool) -> torch.Tensor:
@@ -89,7 +87,7 @@ class _GroupedMM(torch.autograd.Function):
         dw = None
         if ctx.needs_input_grad[1]:  # dw[e] = a_e^T @ g_e. Compiled, the kernel's first operand is laid out
             # transposed: a copy of a^T, or of g^T for dw = (g^T @ a)^T. Copy the narrower of the two: with
-            # a^T @ g for the second linear, the forward wrote a transposed copy of a, +43 ms per step
+            # a^T @ g for the second linear, the forward would write a transposed copy of a
             dw = (_GROUPED_MM(a.t(), g, offs=offsets) if a.size(1) <= g.size(1)
                   else _GROUPED_MM(g.t(), a, offs=offsets).transpose(1, 2))
         return dx, dw, None, None
@@ -119,7 +117,7 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, use_kern
 
 # Autograd turns an indexing `a[idx]` into a scatter-add (`index_put_(accumulate=True)`) in the backward:
 # one atomic add per element. For the expert biases that is k*N rows landing on E rows, and the atomics
-# contend; on an H100 they made up a fifth of moe-gpt2-125m's step. The three functions below state the
+# contend (on an H100 they would make up a fifth of moe-gpt2-125m's step). The three functions below state the
 # backward of each index in the layer explicitly, as gathers and a matmul, with no atomics.
 
 

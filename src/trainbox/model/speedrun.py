@@ -22,10 +22,13 @@ Architecture choices (modded-nanogpt records of late 2024 / early 2025, Keller J
 
 RoPE positions count from the start of the row, not of the document (as in modded-nanogpt).
 
-On CUDA (compute capability >= 8.0) attention runs through FlexAttention block masks, built per batch
-at the level of 128-token blocks, which skip the masked-out blocks; elsewhere it runs through SDPA with
-the same rule as an explicit boolean mask (one logged warning). Generation uses the SDPA path with a KV
-cache that remembers each key's document, so windows and document boundaries hold while decoding.
+With model.attention=flash, or auto on a Hopper or Blackwell GPU with FlashAttention-4 installed and
+model.window_block=1, attention runs through FlashAttention-4's variable-length kernels in bf16/fp16
+(kernels/flash.py, kernels/choice.py). Otherwise, on CUDA (compute capability >= 8.0), it runs through
+FlexAttention block masks, built per batch at the level of 128-token blocks, which skip the masked-out
+blocks; elsewhere it runs through SDPA with the same rule as an explicit boolean mask (one logged
+warning). Generation uses the SDPA path with a KV cache that remembers each key's document, so windows
+and document boundaries hold while decoding.
 
     trainbox train speedrun-124m data.path=data/fineweb      # 124M, Muon, on FineWeb shards
 """
@@ -86,9 +89,9 @@ def flex_block_mask(docs: torch.Tensor, window: torch.Tensor, unit: int = 1, blo
     """FlexAttention BlockMask for a (B, T) batch of document ids (training: queries == keys).
 
     Built outside any torch.compile graph (one cheap graph break at the top of the model): traced
-    into the model's graph, torch 2.11 computed the backward's transposed block indices wrongly and
-    the value gradients came out 10^5 times too large (benchmarks/flex_check.py --compile caught it);
-    built eagerly and passed in, flex's compiled forward and backward match SDPA.
+    into the model's graph, torch 2.11 computes the backward's transposed block indices wrongly and
+    the value gradients come out 10^5 times too large; built eagerly and passed in, flex's compiled
+    forward and backward match SDPA.
 
     Built at the level of 128 x 128 blocks from each block's first/last position and document, so it
     costs O((T/128)^2) and never materialises the T x T mask (modded-nanogpt trains on 64K-token rows).

@@ -28,53 +28,31 @@ passes both and forwards its own signals.
 
 from __future__ import annotations
 
-import inspect
 import math
 import os
 import signal
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
-import torch.nn as nn
 
 from trainbox import checkpoint, runs
 from trainbox.config import RunConfig, dump_yaml, public_dict
-from trainbox.files import atomic_write_text, open_append
-from trainbox.kernels.choice import choose
 from trainbox.data.loader import BatchPlan, to_device, unused_data
 from trainbox.errors import CheckpointError, RunBusy, TrainboxError, TrainingFailed
+from trainbox.files import atomic_write_text, open_append
+from trainbox.model.spec import family
 from trainbox.monitor.console import ProgressBar, log
 from trainbox.monitor.sinks import build_sinks
 from trainbox.monitor.state import RunState
+from trainbox.train import resume
+from trainbox.train.build import build_data, build_model_side, plan_length  # noqa: F401 - plan_length: tests
 from trainbox.train.device import out_of_memory, peak_flops, resolve_device
 from trainbox.train.distributed import Dist
 from trainbox.train.evaluate import autocast_context, evaluate
-from trainbox.train import resume
 from trainbox.train.stop import STOP
-
-
-def plan_length(cfg: RunConfig, plan: BatchPlan) -> int:
-    """Total optimizer steps from train.max_steps, train.max_tokens or train.epochs (default 1 epoch)."""
-    t = cfg.train
-    tokens_per_step = t.global_batch_size * cfg.data.seq_len
-    if t.max_steps is not None:
-        return t.max_steps
-    if t.max_tokens is not None:
-        return max(1, t.max_tokens // tokens_per_step)
-    return max(1, int(math.ceil((t.epochs or 1.0) * plan.steps_per_epoch)))
-
-
-def allow_cached_autograd_functions() -> None:
-    """Let AOTAutograd's cache keep graphs that hold our torch.autograd.Functions (the fused loss, the FP8
-    linear). By default it bypasses them, so every start traced and partitioned the model again: the
-    speedrun model with FP8 took 14.2 s to its first step from a warm cache instead of 6.1 s (H100,
-    benchmarks/records/2026-11-26-h100-session6-flash-attention.json). The Functions' forward and backward
-    are traced into the cached graph, so a change to them changes its key."""
-    import torch._functorch.config as functorch_config
-    if hasattr(functorch_config, "autograd_cache_allow_custom_autograd_functions"):  # torch 2.7+
-        functorch_config.autograd_cache_allow_custom_autograd_functions = True
 
 
 @dataclass
@@ -116,8 +94,6 @@ def global_target_tokens(plan: BatchPlan, step: int) -> int:
 class Trainer:
     """Builds everything from a RunConfig, then `run()` trains. `dist` comes from the CLI (torchrun env)."""
 
-    _prefetched: tuple[int, list] | None = None  # (step, its micro-batches on the device), see _device_batches
-
     def __init__(self, cfg: RunConfig, dist: Dist | None = None, argv: list[str] | None = None,
                  progress: ProgressBar | None = None):
         self.dist, self.argv = dist or Dist(), argv or []
@@ -125,77 +101,52 @@ class Trainer:
         self.ckpt_root = self.run_dir / "checkpoints"
         self.progress = progress or ProgressBar(enabled=False)
         self.stop = STOP
-        self.lock = None
         self.device, self.dtype, self.cfg = resolve_device(cfg, self.dist)   # the given config is never changed
         self.autocast = lambda: autocast_context(self.device, self.dtype)
         self.pin = self.device.type == "cuda"   # page-locked host batches: the H2D copy runs asynchronously
+        self.family = family(cfg.model.family)
+        # set by setup(), from the config (train/build.py) and the checkpoint resumed from (train/resume.py)
+        self.lock: runs.RunLock | None = None
+        self.resume_from: Path | None = None
+        self.tokenizer = self.train_data = self.val_data = self.plan = None
+        self.vocab = self.total = self.start_step = self.tokens_seen = 0
+        self.changed: dict = {}
+        self.model = self.kernels = self.ddp = self.forward = None
+        self.optimizers: list = []
+        self.last_saved_step: int | None = None
+        self.token_bytes = None  # per-token UTF-8 lengths for bits/byte, built at the first evaluation
+        self.state: RunState | None = None
+        self.server = self.sinks = None
+        self.last_stats: dict = {}
+        self._prefetched: tuple[int, list] | None = None  # (step, its micro-batches on the device)
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
-        from trainbox.model.registry import adapt_datasets, build_model, build_tokenizer, model_vocab_size, open_datasets
-
-        cfg, d = self.cfg, self.dist
-        d.init(self.device, cfg.train.pg_timeout_s)
-        if cfg.train.threads and self.device.type == "cpu":
-            torch.set_num_threads(cfg.train.threads)
+        d = self.dist
+        d.init(self.device, self.cfg.train.pg_timeout_s)
+        if self.cfg.train.threads and self.device.type == "cpu":
+            torch.set_num_threads(self.cfg.train.threads)
         self._lock_run_dir()
-        self.resume_from = resume.find_start(cfg, self.ckpt_root)
-        self.tokenizer = build_tokenizer(cfg)
-        if cfg.model.eot_id is None:  # document-masked families (speedrun) split documents at EOT
-            cfg = self.cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"eot_id": self.tokenizer.eot_id})})
-        vocab = model_vocab_size(cfg.model, self.tokenizer.vocab_size)
-        self.train_data, self.val_data = adapt_datasets(cfg, self.tokenizer, vocab,
-                                                        *open_datasets(cfg, self.tokenizer, vocab))
-        self.plan = BatchPlan(self.train_data, cfg.train.global_batch_size, cfg.train.micro_batch_size,
-                              d.world, d.rank, cfg.run.seed)
-        self.plan.check_nonempty()
-        self.total = plan_length(cfg, self.plan)
-        self.start_step, trainer_state = 0, {}
-        self.changed = {}
-        if self.resume_from is not None:
+        self.resume_from = resume.find_start(self.cfg, self.ckpt_root)
+        data = build_data(self.cfg, d)
+        cfg = self.cfg = data.cfg
+        self.tokenizer, self.vocab, self.train_data, self.val_data = data.tokenizer, data.vocab, data.train, data.val
+        self.plan, self.total = data.plan, data.total
+        trainer_state = {}
+        if self.resume_from is not None:   # checked before any model is built
             trainer_state = checkpoint.load_trainer(self.resume_from)
             self.start_step = trainer_state["step"]
             self.changed = resume.check_changes(trainer_state.get("config", {}), cfg, self.resume_from)
             resume.check_finished(self.start_step, self.total, trainer_state.get("total_steps"), cfg)
-        torch.manual_seed(cfg.run.seed)  # identical initial weights on every rank
-        model = build_model(cfg.model, vocab, cfg.model.block_size or cfg.data.seq_len, run=cfg).to(self.device)
-        if cfg.run.init_from and self.resume_from is None:
-            from trainbox.export import load_init_weights  # our checkpoint or a Hugging Face GPT-2 folder
-            load_init_weights(cfg.run.init_from, model, cfg.model)
-        self.model = model
-        self.kernels = choose(cfg.model, self.device)   # the models ask the same function when they meet the device
-        if cfg.train.activation_checkpointing != "none":
-            from trainbox.train.recompute import apply_activation_checkpointing
-            apply_activation_checkpointing(model, cfg.train.activation_checkpointing)
-        from trainbox.optim.build import build_optimizers
-        self.optimizers = build_optimizers(model, cfg.optim, self.device)
+        built = build_model_side(cfg, self.vocab, self.device, d, init_weights=self.resume_from is None)
+        self.model, self.kernels, self.optimizers = built.model, built.kernels, built.optimizers
+        self.ddp, self.forward = built.ddp, built.forward
         if self.resume_from is not None:
-            checkpoint.load_weights(self.resume_from, model)
-            checkpoint.load_optimizers(self.resume_from, self.optimizers)
-            rng = checkpoint.load_rng(self.resume_from, d.rank)
-            if rng is not None and trainer_state.get("world") == d.world:
-                checkpoint.set_rng_state(rng)
-            else:
-                torch.manual_seed(cfg.run.seed + 1000 * d.rank + self.start_step)
+            resume.restore(self.resume_from, self.model, self.optimizers, trainer_state, d.rank, d.world, cfg.run.seed)
+            self.last_saved_step = self.start_step
         else:
             torch.manual_seed(cfg.run.seed + 1000 * d.rank)  # dropout differs per rank, init did not
         self.tokens_seen = trainer_state.get("tokens_seen", 0)
-        self.last_saved_step = self.start_step if self.resume_from is not None else None
-        self.ddp = None
-        if d.enabled:
-            # no buffer broadcast before every forward: every buffer of our models is a constant (RoPE
-            # tables) or set identically on every rank (the speedrun window, by set_step). torch 2.13 renamed
-            # the switch (broadcast_buffers -> forward_sync_buffers); older torch has only the first
-            ddp_args = inspect.signature(nn.parallel.DistributedDataParallel).parameters
-            no_sync = {"forward_sync_buffers" if "forward_sync_buffers" in ddp_args else "broadcast_buffers": False}
-            self.ddp = nn.parallel.DistributedDataParallel(
-                model, device_ids=[self.device.index] if self.device.type == "cuda" else None, **no_sync)
-        fwd = self.ddp or model
-        if cfg.train.compile:
-            allow_cached_autograd_functions()
-        self.forward = torch.compile(fwd) if cfg.train.compile else fwd
-        self.vocab = vocab
-        self.token_bytes = None  # per-token UTF-8 lengths for bits/byte, built at the first evaluation
         self.state = RunState(cfg.run_name, self.run_dir, self.total)
         self._setup_run_files(trainer_state)
 
@@ -264,7 +215,6 @@ class Trainer:
     def run(self) -> dict:
         """Train to the end (or a stop signal). Returns a summary; raises TrainingFailed on a fault."""
         self.stop.install()   # a stop during setup is acted on before the first step
-        self.server, self.sinks, self.state = None, None, None
         graceful = False
         try:
             self.setup()
@@ -306,7 +256,7 @@ class Trainer:
                 stopped = True
                 break
             try:
-                loss, grad_norm, lr = self._train_step(step)
+                loss, grad_norm, lr = self.train_step(step)
             except torch.cuda.OutOfMemoryError as e:
                 raise out_of_memory(e, step + 1, cfg.train.micro_batch_size, self.device,
                                     checkpoint.latest(self.ckpt_root)) from None
@@ -345,12 +295,12 @@ class Trainer:
         return {"step": step, "total": self.total, "stopped": False, "sample": sample,
                 "run_dir": str(self.run_dir), **(last_eval or {})}
 
-    def _train_step(self, step: int):
+    def train_step(self, step: int):
         """One optimizer step over the global batch; returns device tensors (no host sync)."""
         cfg = self.cfg
         from trainbox.optim.build import lr_multiplier, set_lr
         lr = set_lr(self.optimizers, lr_multiplier(step, self.total, cfg.optim))
-        if hasattr(self.model, "set_step"):  # inside the model: the speedrun window warm-up, the attention kernel
+        if self.family.steps:  # inside the model: the speedrun window warm-up, the attention kernel
             self.model.set_step(step, self.total)
         batches = self._device_batches(step)
         accum = len(batches)
@@ -431,13 +381,13 @@ class Trainer:
         self.progress.update(step, self.total, losses[-1], tok_s, eta, force=step == self.total)
 
     def _stats(self) -> dict:
-        stats = getattr(self, "last_stats", None) or {}
+        stats = self.last_stats or {}
         return {k: (v.tolist() if isinstance(v, torch.Tensor) else v) for k, v in stats.items()}
 
     def _evaluate(self, step: int) -> dict:
         self._phase("evaluating")
-        if hasattr(self.model, "set_step"):  # evaluate with the window of `step` (the final one at the end), as
-            self.model.set_step(step, self.total)  # the record scripts do; the next training step sets its own
+        if self.family.steps:  # evaluate with the window of `step` (the final one at the end), as the record
+            self.model.set_step(step, self.total)  # scripts do; the next training step sets its own
         if self.token_bytes is None:
             pad = [0] * (self.vocab - self.tokenizer.vocab_size)
             self.token_bytes = torch.tensor(self.tokenizer.token_bytes() + pad, dtype=torch.int32, device=self.device)
@@ -488,7 +438,7 @@ class Trainer:
 
     def _final_sample(self) -> str | None:
         n = self.cfg.train.sample_tokens
-        if not n or not self.dist.is_main or not hasattr(self.model, "make_caches"):
+        if not n or not self.dist.is_main or self.family.generate != "causal":
             return None
         from trainbox.generate import sample
         text = sample(self.model, self.tokenizer, self.cfg.train.sample_prompt, max_tokens=n, temperature=0.8,

@@ -163,3 +163,16 @@ def check_finished(step: int, total: int, saved_total: int | None, cfg: RunConfi
     how = f"train.max_steps={total} now" if saved_total != total else f"of {total}"
     raise RunFinished(f"run {cfg.run_dir} already finished: it is at step {step} ({how})",
                       hint="start a new run with run.name=NEW_NAME, or raise train.max_steps to continue this one")
+
+
+def restore(ckpt: Path, model, optimizers: list, trainer_state: dict, rank: int, world: int, seed: int) -> None:
+    """Load weights, optimizer states and this rank's RNG from `ckpt` (reseeded by step when the world size
+    changed: the RNG streams of other ranks do not carry over)."""
+    import torch
+    checkpoint.load_weights(ckpt, model)
+    checkpoint.load_optimizers(ckpt, optimizers)
+    rng = checkpoint.load_rng(ckpt, rank)
+    if rng is not None and trainer_state.get("world") == world:
+        checkpoint.set_rng_state(rng)
+    else:
+        torch.manual_seed(seed + 1000 * rank + trainer_state["step"])

@@ -1,0 +1,394 @@
+"""What the benchmark tools share: the result record (one schema for every file in benchmarks/records/), reading
+run lines back from records or JSON-lines files, the measured-run configuration of the Trainer, the statistics of
+the two parity tools, and a CUDA-event timer.
+
+A tool builds a `Result` and calls `emit(result, record=args.record)`: it prints the record as JSON and, when asked,
+writes it to benchmarks/records/DATE-HARDWARE-WHAT.json (`hardware` is `cpu`, `h100`, `2xh200`, ...). The tools
+import only this module from beside them (`import common`: a script's folder is on its import path).
+
+    python -c "import common; print(common.RESULT_FIELDS)"      # the schema, run from benchmarks/
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import json
+import math
+import os
+import re
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from importlib import metadata
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+RECORDS = HERE / "records"
+
+# Optional packages whose presence changes which kernels a run uses: their versions are part of what was measured.
+KERNEL_PACKAGES = ("flash-attn-4", "quack-kernels")
+
+
+# ----------------------------------------------------------------------------------------------- the record
+
+@dataclasses.dataclass(kw_only=True)
+class Result:
+    """One measurement, as every benchmark writes it. `metrics` and a baseline's `metrics` hold the tool's own
+    figures; the other fields say where, with what and how it was measured."""
+    date: str = ""                          # ISO date of the measurement (default: today)
+    tool: str                               # the benchmark that measured it: its file name without .py
+    what: str                               # what was measured, a slug that ends the file name: gpt2-125m-train-speed
+    gpu: dict | None = None                 # {"name", "count"}; None on a CPU-only run
+    torch: str = ""
+    commit: str | None = None               # `git rev-parse HEAD` of the working tree that ran
+    dirty: bool | None = None               # the working tree had changes against that commit
+    software: dict = dataclasses.field(default_factory=dict)   # versions of KERNEL_PACKAGES and tool-specific ones
+    recipe: str | None = None
+    overrides: list = dataclasses.field(default_factory=list)
+    command: str = ""                       # the command line that produced it
+    notes: str = ""
+    superseded_by: str | None = None        # file name of the record that measures this again with newer code
+    baseline: dict | None = None            # {"name", "command", "metrics"} of a baseline that ran side by side
+    metrics: dict
+
+    def __post_init__(self) -> None:
+        if not self.date:
+            self.date = dt.date.today().isoformat()
+        if not self.command:
+            self.command = command_line()
+        if not self.torch:
+            self.torch = torch_version()
+        if self.commit is None and self.dirty is None:
+            self.commit, self.dirty = git_state()
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def file_name(self) -> str:
+        return f"{self.date}-{hardware(self.gpu)}-{self.what}.json"
+
+
+# every field of a record and the JSON types it may hold: `Result` and this table are the schema, and
+# tests/test_bench_records.py holds every file in benchmarks/records/ to it
+RESULT_FIELDS: dict[str, tuple[type, ...]] = {
+    "date": (str,), "tool": (str,), "what": (str,), "gpu": (dict, type(None)), "torch": (str,),
+    "commit": (str, type(None)), "dirty": (bool, type(None)), "software": (dict,), "recipe": (str, type(None)),
+    "overrides": (list,), "command": (str,), "notes": (str,), "superseded_by": (str, type(None)),
+    "baseline": (dict, type(None)), "metrics": (dict,),
+}
+assert list(RESULT_FIELDS) == [f.name for f in dataclasses.fields(Result)]
+BASELINE_FIELDS = {"name": (str,), "command": (str, type(None)), "metrics": (dict,)}
+NAME_RE = re.compile(r"^(\d{4}-\d{2}-\d{2})-(cpu|(?:\d+x)?[a-z0-9]+)-([a-z0-9][a-z0-9.-]*)\.json$")
+SLUG_RE = re.compile(r"^[a-z0-9][a-z0-9.-]*$")
+
+
+def validate(record: dict, file_name: str | None = None) -> list[str]:
+    """What is wrong with `record` (and its file name) against the schema; [] when nothing is."""
+    errors = [f"missing field {k!r}" for k in RESULT_FIELDS if k not in record]
+    errors += [f"unknown field {k!r}" for k in record if k not in RESULT_FIELDS]
+    for k, types in RESULT_FIELDS.items():
+        if k in record and not isinstance(record[k], types):
+            errors.append(f"{k!r} is {type(record[k]).__name__}, not {' or '.join(t.__name__ for t in types)}")
+    if errors:
+        return errors
+    if not re.fullmatch(r"\d{4}-\d{2}-\d{2}", record["date"]):
+        errors.append(f"date {record['date']!r} is not YYYY-MM-DD")
+    if not SLUG_RE.match(record["what"]) or "session" in record["what"]:
+        errors.append(f"what {record['what']!r} is not a slug of what was measured")
+    if record["gpu"] is not None and not (isinstance(record["gpu"].get("name"), str) and
+                                          isinstance(record["gpu"].get("count"), int) and record["gpu"]["count"] > 0):
+        errors.append(f"gpu {record['gpu']!r} is not {{'name': str, 'count': int > 0}}")
+    if not all(isinstance(o, str) and "=" in o for o in record["overrides"]):
+        errors.append("overrides are not all key=value strings")
+    if record["commit"] is not None and not re.fullmatch(r"[0-9a-f]{40}", record["commit"]):
+        errors.append(f"commit {record['commit']!r} is not a full 40-hex commit")
+    if record["baseline"] is not None:
+        base = record["baseline"]
+        errors += [f"baseline.{k} missing or not {types[0].__name__}" for k, types in BASELINE_FIELDS.items()
+                   if not isinstance(base.get(k, ...), types)]
+        errors += [f"unknown field baseline.{k}" for k in base if k not in BASELINE_FIELDS]
+    if file_name is not None:
+        m = NAME_RE.match(file_name)
+        if not m:
+            errors.append(f"file name {file_name!r} is not DATE-HARDWARE-WHAT.json")
+        elif (m.group(1), m.group(2)) != (record["date"], hardware(record["gpu"])) or \
+                not m.group(3).startswith(record["what"]):
+            errors.append(f"file name {file_name!r} does not say {record['date']}-{hardware(record['gpu'])}-"
+                          f"{record['what']}")
+    return errors
+
+
+# ----------------------------------------------------------------------------------------------- where it ran
+
+def hardware(gpu: dict | None) -> str:
+    """The file name's hardware part: cpu, h100, 2xh200, ..."""
+    if gpu is None:
+        return "cpu"
+    words = [w for w in re.split(r"[\s_]+", gpu["name"]) if w.upper() not in ("NVIDIA", "AMD", "GEFORCE", "RTX")]
+    model = next((w for w in words if re.search(r"\d", w)), words[0] if words else "gpu")
+    model = re.sub(r"[^a-z0-9]", "", model.split("-")[0].lower()) or "gpu"
+    return f"{gpu['count']}x{model}" if gpu["count"] > 1 else model
+
+
+def gpu_info() -> dict | None:
+    """{"name", "count"} of this machine's CUDA GPUs, None without any."""
+    import torch
+    if not torch.cuda.is_available():
+        return None
+    return {"name": torch.cuda.get_device_name(0), "count": torch.cuda.device_count()}
+
+
+def torch_version() -> str:
+    try:
+        return metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        return ""
+
+
+def git_state(repo: Path = REPO) -> tuple[str | None, bool | None]:
+    """(HEAD of the working tree the benchmarks run from, whether that tree has changes); (None, None) outside git."""
+    try:
+        head = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
+        status = subprocess.run(["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no"],
+                                capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None, None
+    if head.returncode or status.returncode:
+        return None, None
+    return head.stdout.strip(), bool(status.stdout.strip())
+
+
+def software(*extra: str) -> dict:
+    """Installed versions of KERNEL_PACKAGES and of `extra` packages (absent ones are left out)."""
+    out = {}
+    for name in (*KERNEL_PACKAGES, *extra):
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            pass
+    return out
+
+
+def command_line(argv: list[str] | None = None, cwd: Path | None = None) -> str:
+    """This process's command line, from the repository root: `python benchmarks/x.py ...`, or `cd DIR && python
+    ...` when it ran from another folder."""
+    line = shlex.join(["python", *(sys.argv if argv is None else argv)])
+    cwd = (cwd or Path.cwd()).resolve()
+    if cwd == REPO:
+        return line
+    return f"cd {shlex.quote(str(cwd.relative_to(REPO)) if cwd.is_relative_to(REPO) else str(cwd))} && {line}"
+
+
+# ----------------------------------------------------------------------------------------------- writing, reading
+
+def dumps(obj, indent: int = 0) -> str:
+    """JSON with one key per line and lists of plain values on one line (per-step losses stay readable)."""
+    pad, inner = " " * indent, " " * (indent + 1)
+    if isinstance(obj, dict) and obj:
+        items = [f"{inner}{json.dumps(str(k))}: {dumps(v, indent + 1)}" for k, v in obj.items()]
+        return "{\n" + ",\n".join(items) + f"\n{pad}}}"
+    if isinstance(obj, list) and any(isinstance(v, (dict, list)) for v in obj):
+        return "[\n" + ",\n".join(f"{inner}{dumps(v, indent + 1)}" for v in obj) + f"\n{pad}]"
+    return json.dumps(obj)
+
+
+def write(result: Result, directory: Path = RECORDS) -> Path:
+    """Write the record to DIRECTORY/DATE-HARDWARE-WHAT.json (never over another: -2, -3, ... are added)."""
+    problems = validate(result.to_dict())
+    if problems:
+        raise ValueError(f"record {result.what!r} does not fit the schema: {'; '.join(problems)}")
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / result.file_name()
+    n = 1
+    while path.exists():
+        n += 1
+        path = directory / f"{result.date}-{hardware(result.gpu)}-{result.what}-{n}.json"
+    path.write_text(dumps(result.to_dict()) + "\n")
+    return path
+
+
+def emit(result: Result, record: bool = False, directory: Path = RECORDS) -> Path | None:
+    """Print the record as JSON; with `record`, also write it under `directory` and say where."""
+    print(dumps(result.to_dict()), flush=True)
+    if not record:
+        return None
+    path = write(result, directory)
+    print(f"record: {path.relative_to(REPO) if path.is_relative_to(REPO) else path}", file=sys.stderr)
+    return path
+
+
+def load_records(directory: Path = RECORDS) -> list[tuple[Path, dict]]:
+    """Every record (*.json) in `directory`, by file name."""
+    return [(p, json.loads(p.read_text())) for p in sorted(directory.glob("*.json"))]
+
+
+def is_record(obj) -> bool:
+    return isinstance(obj, dict) and "tool" in obj and "metrics" in obj and "what" in obj
+
+
+def read_runs(paths: list[str]) -> list[tuple[str, dict]]:
+    """The run lines in these files, in order, each with where it stands ("FILE:LINE" or "FILE:runs[i]"): a record
+    contributes its metrics["runs"], any other file its lines that parse as JSON objects (others are skipped)."""
+    runs = []
+    for path in paths:
+        text = Path(path).read_text()
+        try:
+            whole = json.loads(text)
+        except json.JSONDecodeError:
+            whole = None
+        if is_record(whole):
+            runs += [(f"{path}:runs[{i}]", r) for i, r in enumerate(whole["metrics"].get("runs", []))]
+            continue
+        for n, line in enumerate(text.splitlines(), 1):
+            try:
+                run = json.loads(line) if line.startswith("{") else None
+            except json.JSONDecodeError:
+                run = None
+            if isinstance(run, dict):
+                runs.append((f"{path}:{n}", run))
+    return runs
+
+
+def measured_where(paths: list[str]) -> dict:
+    """Result fields (date, gpu, torch, commit, dirty, software) for a record that combines the runs in `paths`:
+    from the records among them (the newest for date, torch and commit; the most GPUs), else the GPU that the
+    run lines name; {} when neither says (the record then describes this machine)."""
+    records = [r for r in (json.loads(Path(p).read_text()) if p.endswith(".json") else None for p in paths)
+               if is_record(r)]
+    if records:
+        newest = max(records, key=lambda r: r["date"])
+        gpus = [r["gpu"] for r in records if r["gpu"]]
+        return {"date": newest["date"], "gpu": max(gpus, key=lambda g: g["count"]) if gpus else None,
+                "torch": newest["torch"], "commit": newest["commit"], "dirty": newest["dirty"],
+                "software": newest["software"]}
+    runs = [r for _, r in read_runs(paths)]
+    names = [n for n in (r.get("gpu") or r.get("device") for r in runs) if isinstance(n, str) and n != "cpu"]
+    commits = [c for c in (r.get("commit") for r in runs) if isinstance(c, str) and re.fullmatch(r"[0-9a-f]{40}", c)]
+    if not names:
+        return {}
+    return {"gpu": {"name": max(set(names), key=names.count), "count": 1}, "software": {},
+            **({"commit": max(set(commits), key=commits.count), "dirty": None} if commits else {})}
+
+
+# ----------------------------------------------------------------------------------------------- measured runs
+
+def bench_config(recipe: str, steps: int, overrides: list[str], prefix: str = "speed-"):
+    """The recipe for a measured run of `steps` steps in a temporary run directory: every step logged (one
+    host sync each, so consecutive metrics.jsonl timestamps are step times), no evaluation, checkpoint or
+    sample before the end, the monitor on a free port."""
+    from trainbox.config import load_config
+    return load_config(recipe, [f"train.max_steps={steps}", "monitor.log_every=1", "train.eval_every=0",
+                                "train.checkpoint_every=0", "train.sample_tokens=0",
+                                f"run.dir={tempfile.mkdtemp(prefix=prefix)}", "monitor.port=0", *overrides])
+
+
+def run_events(cfg) -> tuple[dict, list[dict]]:
+    """A finished run's start event and its train events (one per step), from its metrics.jsonl."""
+    events = [json.loads(line) for line in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
+    return next(e for e in events if e["event"] == "start"), [e for e in events if e["event"] == "train"]
+
+
+NANOGPT_SEED = "torch.manual_seed(1337 + seed_offset)"  # nanoGPT's train.py fixes its seed in this line
+
+
+def seeded_script(repo: str, seed: int) -> str:
+    """A copy of nanoGPT's train.py beside it with the seed `seed` (its config has no seed key); -> its name.
+    It stays in the local peer checkout, which is never committed."""
+    text = (Path(repo) / "train.py").read_text()
+    if NANOGPT_SEED not in text:
+        raise SystemExit(f"{repo}/train.py has no line {NANOGPT_SEED!r}: cannot set nanoGPT's seed")
+    name = f"train_seed{seed}_{os.getpid()}.py"
+    (Path(repo) / name).write_text(text.replace(NANOGPT_SEED, f"torch.manual_seed({seed} + seed_offset)"))
+    return name
+
+
+def run_nanogpt(repo: str, data_dir: str, steps: int, warmup: int, extra: list[str], seed: int = 1337,
+                env: dict | None = None) -> dict:
+    """nanoGPT's train.py on DATA_DIR/{train,val}.bin (GPT-2 124M defaults), parsed from its log; a seed
+    other than its own 1337 runs from a copy with that seed (seeded_script). `env` (default: this process's)
+    is the run's environment, e.g. with CUDA_VISIBLE_DEVICES; several runs may share one checkout at once."""
+    out_dir = tempfile.mkdtemp(prefix="nanogpt-out-")
+    # nanoGPT reads data/<dataset>/ relative to its own folder: point it at ours through a symlink of this
+    # run's own (a shared name would be replaced under a run that is reading it)
+    dataset = f"bench-{os.getpid()}-{seed}"
+    link = Path(repo) / "data" / dataset
+    link.unlink(missing_ok=True)
+    link.symlink_to(Path(data_dir).resolve())
+    script = "train.py" if seed == 1337 else seeded_script(repo, seed)
+    args = [sys.executable, script, f"--dataset={dataset}", f"--max_iters={steps}", "--eval_interval=100000",
+            "--log_interval=1", "--eval_iters=1", "--always_save_checkpoint=False", f"--out_dir={out_dir}",
+            *extra]
+    t0 = time.time()
+    try:
+        proc = subprocess.run(args, cwd=repo, env=env or {**os.environ}, capture_output=True, text=True)
+    finally:
+        link.unlink(missing_ok=True)
+        shutil.rmtree(out_dir, ignore_errors=True)  # nanoGPT's checkpoint of the final eval (1.5 GB for 124M)
+        if script != "train.py":
+            (Path(repo) / script).unlink(missing_ok=True)
+    out = proc.stdout + proc.stderr
+    iters = [(int(m.group(1)), float(m.group(2)), float(m.group(3)), float(m.group(4)))
+             for m in re.finditer(r"iter (\d+): loss ([\d.]+), time ([\d.]+)ms, mfu (-?[\d.]+)%", out)]
+    if not iters:
+        return {"who": "nanogpt", "seed": seed, "error": out[-2000:]}
+    times = [t for _, _, t, _ in iters][warmup:]
+    evals = {int(m.group(1)): float(m.group(2))
+             for m in re.finditer(r"step (\d+): train loss [\d.]+, val loss ([\d.]+)", out)}
+    return {"who": "nanogpt", "seed": seed, "median_step_ms": statistics.median(times), "final_loss": iters[-1][1],
+            "mfu_reported": iters[-1][3], "first_step_ms": iters[0][2], "wall_s": round(time.time() - t0, 1),
+            "val_loss": evals.get(steps), "evals": evals, "losses": [loss for _, loss, _, _ in iters]}
+
+
+# ----------------------------------------------------------------------------------------------- statistics
+
+# two-sided 95% quantiles of Student's t by degrees of freedom (a table: no scipy needed on the GPU machine)
+T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
+        12: 2.179, 15: 2.131, 20: 2.086, 30: 2.042, 60: 2.000}
+
+
+def t975(df: float) -> float:
+    """The 97.5% quantile of t with `df` degrees of freedom, rounded down to the table (a wider interval)."""
+    if df >= 120:
+        return 1.96
+    return T975[max(d for d in T975 if d <= max(1.0, df))]
+
+
+def verdict(diff: float, half: float) -> str:
+    """ours - nanoGPT with the half-width of its 95% interval -> "no worse", "worse" or "inconclusive"."""
+    return "no worse" if diff <= 0 else "worse" if diff - half > 0 else "inconclusive"
+
+
+def paired(diffs: list[float]) -> dict:
+    """Mean of paired differences (same seed: same weights and batches) with its 95% t interval and the verdict:
+    "no worse" (mean <= 0), "worse" (the interval above 0) or "inconclusive"."""
+    mean = statistics.mean(diffs)
+    out = {"n": len(diffs), "diffs": [round(d, 4) for d in diffs], "mean": round(mean, 4)}
+    if len(diffs) > 1:
+        half = t975(len(diffs) - 1) * statistics.stdev(diffs) / math.sqrt(len(diffs))
+        out["interval_95"] = [round(mean - half, 4), round(mean + half, 4)]
+        out["verdict"] = verdict(mean, half)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------- GPU timing
+
+def median_ms(f, reps: int = 30, warmup: int = 3) -> float:
+    """Median over `reps` of one call of f, each timed alone between CUDA events (L2 left warm), in ms."""
+    import torch
+    for _ in range(warmup):
+        f()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        f()
+        b.record()
+        torch.cuda.synchronize()
+        ts.append(a.elapsed_time(b))
+    return sorted(ts)[len(ts) // 2]

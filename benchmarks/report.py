@@ -1,0 +1,351 @@
+"""docs/performance.md from the result records in benchmarks/records/: the current figure of each measurement.
+
+    python benchmarks/report.py                 # writes docs/performance.md
+    python benchmarks/report.py --out FILE      # writes FILE instead
+
+One table per area. A measurement is a tool, a recipe, its overrides, the hardware and the kernel packages
+installed; of several records of one measurement the newest is shown, and a record with `superseded_by` set is
+left out. The conclusions of finished experiments (their scripts and records live in git history) are kept
+here, in FINISHED. tests/test_bench_records.py checks that docs/performance.md is what this script writes.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+from pathlib import Path
+
+import common
+
+DOC = common.REPO / "docs" / "performance.md"
+LINK = "../benchmarks/records/"   # from docs/ to the records
+
+AREAS = ["Single-GPU speed against peers", "Multi-GPU scaling", "Mixture of Experts", "Speedrun", "Fine-tuning",
+         "T5", "Quality parity", "CPU"]
+
+# (what, conclusion, where it was measured: a record kept in benchmarks/records/, or the commits that hold it)
+FINISHED = [
+    ("attention_speed.py", "FlashAttention-4's variable-length kernels run one 64K-token speedrun attention layer "
+     "forward and backward in 1.81 ms against 2.82 ms for compiled FlexAttention with 128-token window blocks "
+     "(window 1,792, H100), so `model.attention=auto` takes FlashAttention-4 wherever flash-attn-4 is installed.",
+     "acd29fe"),
+    ("fused_norm_configs.py", "Of 20 forward and 48 backward launch configurations of the fused add+LayerNorm "
+     "kernels at gpt2-125m's 49,152 x 768, the fastest (0.151 and 0.220 ms on an H200, 3.0 and 2.7 TB/s where a "
+     "copy of x runs at 3.7) are 4K elements over 2 warps per forward program and 2K over 4 warps per backward "
+     "program, which `model.fused_norm` uses.", "bb0d7a0"),
+    ("model.fused_norm", "Each residual add and the LayerNorm after it as one op with a one-pass backward took "
+     "gpt2-125m's step from 949.7 to 930.6 ms on an H100 and from 917.9 to 909.3 ms on an H200 (SDPA attention, "
+     "same call).", "bb0d7a0"),
+    ("gemm_gelu_epilogue.py", "Triton GEMMs with the tanh-GELU (or its derivative) in their epilogue lost to "
+     "cuBLAS and a separate GELU kernel at gpt2-125m's MLP shape on an H100 (forward 0.748 against 0.525 ms, "
+     "backward 0.929 against 0.651 ms), so `model.fused_mlp` uses QuACK's epilogue GEMMs instead.",
+     "bb0d7a0"),
+    ("model.fused_mlp", "The MLP's GELU and its derivative in QuACK's GEMM epilogues took gpt2-125m's step from "
+     "900.3 to 866.0 ms at micro-batch 48 on an H100 (FlashAttention-4, same call), and the experts' six matmuls "
+     "on QuACK's variable-length grouped GEMMs took moe-gpt2-125m's from 1,457.4 to 1,307.2 ms.",
+     "d7ef6ac adc5bb5"),
+    ("fused_mlp_kernels.py", "Alone, QuACK's GEMM tilings rank otherwise than inside the training step (256 x 160 "
+     "cooperative fastest alone, 128 x 192 ping-pong in the step, H100), so `model.fused_mlp`'s tiling was chosen "
+     "by step time.", "d7ef6ac"),
+    ("grouped_mm_layouts.py", "torch's grouped GEMM runs moe-gpt2-125m's expert matmuls at 545-640 TFLOP/s where "
+     "a dense matmul of the same FLOPs reaches 680-725 (H100); the weights' (experts, in, out) layout is the "
+     "faster for the forward and input gradient together, and Inductor's Triton grouped template is no faster.",
+     "b228e24"),
+    ("FP8 experts", "FP8 expert matmuls (grouped e4m3 GEMMs with per-row scales) made moe-gpt2-125m's step slower "
+     "on an H100 (1,435.9 ms with model.fp8_mlp=both, 1,446.6 with down, against 1,412.7 in bf16, same call): the "
+     "quantisation kernels cost more than the matmuls saved, so the experts run in bf16.", "7199d6b"),
+    ("model.fused_loss head", "QuACK's linear cross-entropy for the loss head took gpt2-125m's step from 846.0 to "
+     "810.0 ms and its peak memory from 52.4 to 41.9 GiB against trainbox's Triton head kernel (H100, same call).",
+     "aca80fc"),
+    ("numerics of gpt2-125m", "After 200 steps (seed 1337, H100) a bf16 residual stream cost +0.052 validation "
+     "loss and the FP8 head +0.073 (both +0.111) for steps of 896, 873 and 826 ms against 933 ms, so the gpt2 "
+     "recipes keep nanoGPT's numerics (fp32 residual stream, bf16 head).",
+     "ac1248d"),
+    ("init_parity.py", "At initialisation gpt2-125m is nanoGPT's model: nanoGPT's weights in ours give its loss to "
+     "1e-5 (the GELU's tanh form), and 16 draws of each side's initialisation give mean losses 0.010 apart (95% "
+     "interval -0.159 to 0.180; CPU).", "4684d78"),
+    ("learning-rate warm-up", "A warm-up of lr (s+1)/W, 5% above nanoGPT's (s+1)/(W+1) over 20 steps, ended 0.097 "
+     "and 0.165 above nanoGPT after 200 steps on one of two seeds (H200), so the loop's warm-up is nanoGPT's.",
+     "2026-11-27-2xh200-gpt2-125m-step-parity-warmup.json"),
+]
+
+
+# ----------------------------------------------------------------------------------------------- formatting
+
+def kilo(v: float) -> str:
+    if v >= 1e6:
+        return f"{v / 1e6:,.2f}M"
+    return f"{v / 1e3:.1f}k" if v < 1e5 else f"{v / 1e3:,.0f}k"
+
+
+def ms(v: float) -> str:
+    return f"{v:,.1f} ms"
+
+
+def gib(v: float | None) -> str:
+    return f"{v:.1f} GiB" if v is not None else "memory not measured"
+
+
+def speed(m: dict, tokens_key: str = "tokens_per_s", ms_key: str = "median_step_ms") -> str:
+    parts = [f"{kilo(m[tokens_key])} tokens/s"]
+    if m.get(ms_key):
+        parts[0] += f" ({ms(m[ms_key])}/step)"
+    if m.get("mfu"):
+        parts.append(f"{m['mfu']:.1%} MFU")
+    if m.get("peak_mem_gib") is not None:
+        parts.append(gib(m["peak_mem_gib"]))
+    return ", ".join(parts)
+
+
+# ----------------------------------------------------------------------------------------------- rows per tool
+# each returns [(label suffix, ours, baseline, ratio)]
+
+def train_speed(rec: dict) -> list[tuple]:
+    m, b = rec["metrics"], rec["baseline"]
+    ours = speed(m) + (f", val loss {m['val_loss']:.3f}" if m.get("val_loss") else "")
+    if not b:
+        return [("", ours, "—", "—")]
+    bm = b["metrics"]
+    base = f"{b['name']}: {ms(bm['median_step_ms'])}/step"
+    if bm.get("recipe") and bm["recipe"] != rec["recipe"]:
+        ratio = f"{m['median_step_ms'] / bm['median_step_ms']:.2f}x the {bm['recipe']} step time"
+    else:
+        ratio = f"{bm['median_step_ms'] / m['median_step_ms']:.2f}x"
+    return [("", ours, base, ratio)]
+
+
+def profile_step(rec: dict) -> list[tuple]:
+    return [("", speed(rec["metrics"], ms_key="step_ms"), "—", "—")]
+
+
+def time_to_loss(rec: dict) -> list[tuple]:
+    m, b = rec["metrics"], rec["baseline"]
+    ours = f"val loss {m['val_loss']:.4f} after {m['train_time_s']:.1f} s ({m['steps']} steps)"
+    if not b:
+        return [("", ours, "—", "—")]
+    bm = b["metrics"]
+    base = f"{b['name']}: {bm['val_loss']:.4f} after {bm['train_time_s']:.1f} s ({bm['steps']} steps)"
+    return [("", ours, base, f"{m['val_loss'] - bm['val_loss']:+.4f} val loss")]
+
+
+def compile_cache(rec: dict) -> list[tuple]:
+    m = rec["metrics"]
+    key = "launch_to_first_step_s" if "launch_to_first_step_s" in m["second"] else "first_step_s"
+    first, second = m["first"], m["second"]
+    ours = f"second start: first step done {second[key]:.1f} s after launch (compiling {second['compile_s']:.1f} s)"
+    base = f"cold start: {first[key]:.1f} s (compiling {first['compile_s']:.1f} s)"
+    return [("", ours, base, f"{first[key] / second[key]:.1f}x faster start")]
+
+
+def monitor_overhead(rec: dict) -> list[tuple]:
+    m = rec["metrics"]
+    modes = list(m["median_step_ms"])
+    key = next(k for k in m if k.startswith("overhead_pct_vs_"))
+    rows = []
+    for mode in modes[1:]:
+        ours = f"{ms(m['median_step_ms'][mode])}/step, monitor {mode} (a client every {m['poll_ms']:.0f} ms)"
+        base = f"monitor {modes[0]}: {ms(m['median_step_ms'][modes[0]])}/step"
+        rows.append((f" ({mode})" if len(modes) > 2 else "", ours, base, f"{m[key][mode]:+.2f}% step time"))
+    return rows
+
+
+def ddp_check(rec: dict) -> list[tuple]:
+    w = rec["metrics"]["world_size_invariance"]
+    ours = f"{kilo(w['tokens_per_s_2gpu'])} tokens/s on 2 GPUs ({ms(w['step_time_s_2gpu'] * 1e3)}/step)"
+    base = f"1 GPU, same global batch: {kilo(w['tokens_per_s_1gpu'])} ({ms(w['step_time_s_1gpu'] * 1e3)}/step)"
+    ratio = f"{w['speedup_2gpu']:.2f}x; per-step losses within {w['max_abs_diff']:.3f} of 1 GPU's"
+    return [("", ours, base, ratio)]
+
+
+def lora_speed(rec: dict) -> list[tuple]:
+    m, b = rec["metrics"], rec["baseline"]
+    rows = []
+    for mode in ("lora", "qlora"):
+        if not (m.get(mode) and b and b["metrics"].get(mode)):
+            continue
+        o, t = m[mode], b["metrics"][mode]
+        rows.append((f" ({'LoRA' if mode == 'lora' else 'QLoRA'})",
+                     f"{kilo(o['tokens_per_s'])} tokens/s, {gib(o['peak_memory_gib'])}",
+                     f"{b['name']}: {kilo(t['tokens_per_s'])} tokens/s, {gib(t['peak_memory_gib'])}",
+                     f"{o['tokens_per_s'] / t['tokens_per_s']:.2f}x"))
+    return rows
+
+
+def t5_speed(rec: dict) -> list[tuple]:
+    o, b = rec["metrics"]["results"][0], rec["baseline"]
+    ours = (f"{kilo(o['tokens_per_s'])} tokens/s, {o['mfu']:.1%} MFU, "
+            f"{gib(o.get('max_memory_allocated_gib'))}")
+    if not b:
+        return [("", ours, "—", "—")]
+    t = b["metrics"]
+    base = f"{b['name']}: {kilo(t['tokens_per_s'])} tokens/s, {gib(t.get('max_memory_allocated_gib'))}"
+    return [("", ours, base, f"{o['tokens_per_s'] / t['tokens_per_s']:.2f}x")]
+
+
+def step_parity(rec: dict) -> list[tuple]:
+    m = rec["metrics"]
+    runs = m["runs"]
+    nano = {r["seed"]: r for r in runs if r["arm"] == "nanogpt"}
+    rows = []
+    for arm in m["arms"]:
+        if arm == "nanogpt":
+            continue
+        mine = [r for r in runs if r["arm"] == arm and r["seed"] in nano]
+        paired = m["summary"].get("val_minus_nanogpt", {}).get(arm)
+        if paired:
+            ours = (f"{arm}: val loss {statistics.mean(r['val_loss'] for r in mine):.4f} after {m['steps']} steps, "
+                    f"{paired['n']} seeds")
+            base = f"nanoGPT, same seeds: {statistics.mean(nano[r['seed']]['val_loss'] for r in mine):.4f}"
+            ratio = f"paired difference {paired['mean']:+.4f}"
+            if "interval_95" in paired:
+                lo, hi = paired["interval_95"]
+                ratio += f" (95% interval {lo:+.3f} to {hi:+.3f}): {paired['verdict']}"
+        else:
+            diffs = [[abs(a - b) for a, b in zip(r["losses"], nano[r["seed"]]["losses"])] for r in mine]
+            ours = (f"{arm}: training loss within {max(max(d[:6]) for d in diffs):.4f} of nanoGPT's over steps 0-5, "
+                    f"{max(max(d) for d in diffs):.4f} over {m['steps']} steps ({len(mine)} seeds)")
+            base = "nanoGPT from the same weights on the same batches"
+            ratio = "—"
+        rows.append((f" ({arm})", ours, base, ratio))
+    return rows
+
+
+def loss_parity(rec: dict) -> list[tuple]:
+    c = rec["metrics"].get("comparison")
+    if not c:
+        return [("", f"{len(rec['metrics']['runs'])} runs", "—", "—")]
+    lo, hi = c["interval_95"]
+    return [("", f"val loss {c['mean']['ours']:.4f} (stdev {c['stdev']['ours']:.3f})",
+             f"nanoGPT: {c['mean']['nanogpt']:.4f} (stdev {c['stdev']['nanogpt']:.3f})",
+             f"{c['difference']:+.4f} (95% interval {lo:+.3f} to {hi:+.3f}): {c['verdict']}")]
+
+
+def prepare_speed(rec: dict) -> list[tuple]:
+    m, b = rec["metrics"], rec["baseline"]
+    ours = (f"{kilo(m['prepare_2_workers_tokens_per_s'])} tokens/s with 2 workers "
+            f"({kilo(m['prepare_1_worker_tokens_per_s'])} with 1)")
+    base = f"{b['name']}: {kilo(b['metrics']['tokens_per_s'])} tokens/s" if b else "—"
+    return [("", ours, base, f"{m['ratio_2_workers_vs_plain']:.2f}x with 2 workers")]
+
+
+def make_corpus(rec: dict) -> list[tuple]:
+    m, b = rec["metrics"], rec["baseline"]
+
+    def streams(s: dict) -> str:
+        return (f"train {s['train_tokens']:,} tokens (sha256 {s['sha256_train'][:12]}), "
+                f"val {s['val_tokens']:,} ({s['sha256_val'][:12]})")
+    if not b:
+        return [("", streams(m), "—", "—")]
+    return [("", streams(m), f"{b['name']}: {streams(b['metrics'])}",
+             "identical streams" if m["identical_streams"] else "the streams differ")]
+
+
+def trainbox_train(rec: dict) -> list[tuple]:
+    m, b = rec["metrics"], rec["baseline"]
+    ours = f"{m['wall_s']:.1f} s, {m['val_bits_per_byte']:.4f} bits per byte"
+    if not b:
+        return [("", ours, "—", "—")]
+    bm = b["metrics"]
+    return [("", ours, f"{b['name']}: {bm['wall_s']:.1f} s, {bm['val_bits_per_byte']:.4f} bits per byte",
+             f"{bm['wall_s'] / m['wall_s']:.2f}x")]
+
+
+def generic(rec: dict) -> list[tuple]:
+    scalars = [f"{k} {v}" for k, v in rec["metrics"].items() if isinstance(v, (int, float, str))][:4]
+    return [("", ", ".join(scalars) or "—", rec["baseline"]["name"] if rec["baseline"] else "—", "—")]
+
+
+ROWS = {"train_speed": train_speed, "profile_step": profile_step, "time_to_loss": time_to_loss,
+        "compile_cache": compile_cache, "monitor_overhead": monitor_overhead, "ddp_check": ddp_check,
+        "lora_speed": lora_speed, "t5_speed": t5_speed, "step_parity": step_parity, "loss_parity": loss_parity,
+        "prepare_speed": prepare_speed, "make_corpus": make_corpus, "trainbox-train": trainbox_train}
+
+
+# ----------------------------------------------------------------------------------------------- the page
+
+def area(rec: dict) -> str:
+    recipe = rec["recipe"] or ""
+    if rec["tool"] in ("step_parity", "loss_parity"):
+        return "Quality parity"
+    if rec["tool"] == "ddp_check":
+        return "Multi-GPU scaling"
+    if rec["gpu"] is None:
+        return "CPU"
+    if rec["tool"] == "lora_speed":
+        return "Fine-tuning"
+    if rec["tool"] == "t5_speed" or recipe.startswith("t5"):
+        return "T5"
+    if recipe.startswith("moe"):
+        return "Mixture of Experts"
+    if recipe.startswith("speedrun"):
+        return "Speedrun"
+    return "Single-GPU speed against peers"
+
+
+def measurement(rec: dict) -> tuple:
+    """What a record measures: two records with the same key measure the same thing."""
+    return (rec["tool"], rec["recipe"], tuple(rec["overrides"]), common.hardware(rec["gpu"]),
+            tuple(sorted((k, v) for k, v in rec["software"].items() if k in common.KERNEL_PACKAGES)))
+
+
+def current(records: list[tuple[Path, dict]]) -> list[tuple[Path, dict]]:
+    """The newest record of each measurement, records that are superseded left out, by file name."""
+    newest: dict[tuple, tuple[Path, dict]] = {}
+    for path, rec in records:
+        if rec["superseded_by"]:
+            continue
+        key = measurement(rec)
+        if key not in newest or (rec["date"], path.name) > (newest[key][1]["date"], newest[key][0].name):
+            newest[key] = (path, rec)
+    return sorted(newest.values(), key=lambda pr: pr[0].name)
+
+
+def gpu_text(gpu: dict | None) -> str:
+    if gpu is None:
+        return "CPU"
+    return f"{gpu['count']}x {gpu['name']}" if gpu["count"] > 1 else gpu["name"]
+
+
+def cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def render(records: list[tuple[Path, dict]]) -> str:
+    shown = current(records)
+    out = ["# Performance", "",
+           "Generated by `python benchmarks/report.py` from the result records in `benchmarks/records/`; do not "
+           "edit by hand. Each row is the newest record of one measurement (tool, recipe, overrides, hardware and "
+           "kernel packages); the record holds its command, commit, software and every figure the tool printed, "
+           "and `benchmarks/README.md` lists the tools. Ratios are the baseline's step time over ours (our speed "
+           "relative to the baseline) unless the row says otherwise.", ""]
+    for name in AREAS:
+        rows = []
+        for path, rec in shown:
+            if area(rec) != name:
+                continue
+            for suffix, ours, base, ratio in ROWS.get(rec["tool"], generic)(rec):
+                what = f"`{rec['what']}`{suffix}, {rec['tool']}"
+                rows.append(f"| {cell(what)} | {cell(ours)} | {cell(base)} | {cell(ratio)} | {gpu_text(rec['gpu'])} "
+                            f"| [{path.name}]({LINK}{path.name}) |")
+        if not rows:
+            continue
+        out += [f"## {name}", "", "| what | ours | baseline | ratio | GPU | record |", "|---|---|---|---|---|---|",
+                *rows, ""]
+    out += ["## Finished experiments", "",
+            "Experiments whose outcome is now part of the code; their scripts and records are in git history.", ""]
+    for what, conclusion, source in FINISHED:
+        where = f"[{source}]({LINK}{source})" if source.endswith(".json") else f"`git show {source}`"
+        out.append(f"- **{what}**: {conclusion} ({where})")
+    return "\n".join(out) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=DOC, help="the page to write (default: docs/performance.md)")
+    ap.add_argument("--records", type=Path, default=common.RECORDS, help="the folder of records")
+    args = ap.parse_args()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(render(common.load_records(args.records)))
+
+
+if __name__ == "__main__":
+    main()

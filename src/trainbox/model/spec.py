@@ -1,0 +1,121 @@
+"""Model families: one typed spec each, in one table (FAMILIES). The trainer, `generate` and `export` ask a
+family's spec; nothing else branches on family names.
+
+A family's module defines `build(cfg, vocab_size, block_size[, run])` returning an nn.Module whose forward is
+`forward(idx, targets=None, loss_mask=None, caches=None, pos=0, reduction="mean") -> Output` and which has
+`num_params` and `flops_per_token`. The spec says what else the family brings:
+
+    needs_run      build() also takes the whole RunConfig as `run=` (hf: LoRA, quantisation)
+    own_tokenizer  the module's tokenizer(run) (hf: the model's own), else data.tokenizer
+    extra_ids      the module's extra_ids(cfg): ids above the tokenizer's (t5: sentinels, decoder start)
+    own_datasets   the module's open_datasets(run, tokenizer, vocab) (hf: chat/text JSONL -> SFT windows)
+    adapts_data    the module's adapt_dataset(...) turns packed windows into its examples (t5: span corruption)
+    steps          the model takes set_step(step, total) before each step (the kernel choice, speedrun's window)
+    generate       causal (sampling with a KV cache), spans (t5: fill <extra_id_K> markers)
+    export         what `trainbox export --format hf` writes, and the function that writes it
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+import torch.nn as nn
+
+from trainbox.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    module: str
+    generate: str = "causal"
+    export: tuple[str, str] | None = ("GPT2LMHeadModel", "trainbox.export:export_cli")   # (what, module:function)
+    needs_run: bool = False
+    own_tokenizer: bool = False
+    extra_ids: bool = False
+    own_datasets: bool = False
+    adapts_data: bool = False
+    steps: bool = False
+
+    def load(self):
+        try:
+            return importlib.import_module(self.module)
+        except ModuleNotFoundError as e:
+            if e.name == self.module:
+                raise ConfigError(f"model.family={self.name!r} is not available in this version of trainbox") from None
+            raise
+
+    def exporter(self):
+        """The function `trainbox export` calls: (path, out, merge, force) -> the lines saying what it wrote."""
+        if self.export is None:
+            raise ConfigError(f"model.family={self.name} has no Hugging Face model class to export to",
+                              hint="the run's checkpoints (safetensors) are its portable form; generate with "
+                                   "`trainbox generate RUN`")
+        module, name = self.export[1].split(":")
+        return getattr(importlib.import_module(module), name)
+
+
+FAMILIES = {f.name: f for f in (
+    Family("gpt", "trainbox.model.gpt", steps=True),
+    Family("moe", "trainbox.model.moe", steps=True, export=None),
+    Family("speedrun", "trainbox.model.speedrun", steps=True, export=None),
+    Family("t5", "trainbox.model.t5", generate="spans", extra_ids=True, adapts_data=True,
+           export=("T5ForConditionalGeneration", "trainbox.export:export_t5_cli")),
+    Family("hf", "trainbox.model.hf", needs_run=True, own_tokenizer=True, own_datasets=True,
+           export=("PEFT adapter or merged model", "trainbox.export_lora:export_cli")),
+)}
+
+
+def family(name: str) -> Family:
+    spec = FAMILIES.get(name)
+    if spec is None:
+        raise ConfigError(f"model.family={name!r} is not one of {', '.join(FAMILIES)}")
+    return spec
+
+
+def pad_vocab(n: int, multiple: int = 64) -> int:
+    """Round the vocabulary up for faster matmuls (GPT-2: 50,257 -> 50,304)."""
+    return -(-n // multiple) * multiple
+
+
+def build_model(cfg, vocab_size: int, block_size: int, run=None) -> nn.Module:
+    """`cfg` is the ModelSection; `run` the whole RunConfig, passed to families that need it."""
+    spec = family(cfg.family)
+    if spec.needs_run:
+        return spec.load().build(cfg, vocab_size, block_size, run=run)
+    return spec.load().build(cfg, vocab_size, block_size)
+
+
+def build_tokenizer(run):
+    """The family's own tokenizer where it has one (hf), else `data.tokenizer`."""
+    from trainbox.data.tokenizer import get_tokenizer
+
+    spec = family(run.model.family)
+    return spec.load().tokenizer(run) if spec.own_tokenizer else get_tokenizer(run.data.tokenizer)
+
+
+def model_vocab_size(cfg, tokenizer_vocab: int) -> int:
+    """model.vocab_size, or the tokenizer's plus the family's extra ids (t5 sentinels), padded."""
+    if cfg.vocab_size:
+        return cfg.vocab_size
+    spec = family(cfg.family)
+    return pad_vocab(tokenizer_vocab + (spec.load().extra_ids(cfg) if spec.extra_ids else 0))
+
+
+def open_datasets(run, tokenizer, vocab_size: int):
+    """(train, val) datasets: the family's own reader where it has one, else data.path's token files."""
+    spec = family(run.model.family)
+    if spec.own_datasets:
+        return spec.load().open_datasets(run, tokenizer, vocab_size)
+    from trainbox.data.sources import open_datasets as open_token_datasets
+    return open_token_datasets(run.data, tokenizer, vocab_size)
+
+
+def adapt_datasets(cfg, tokenizer, vocab_size: int, train, val):
+    """Families whose examples are not next-token windows (t5) turn the packed datasets into theirs."""
+    spec = family(cfg.model.family)
+    if not spec.adapts_data:
+        return train, val
+    adapt = spec.load().adapt_dataset
+    return (adapt(cfg, tokenizer, train, vocab_size, "train"),
+            adapt(cfg, tokenizer, val, vocab_size, "val") if val is not None else None)

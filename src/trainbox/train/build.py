@@ -1,0 +1,108 @@
+"""Building a run from its resolved config: the data side (tokenizer, datasets, batch plan, length) and the model
+side (model, kernel plan, activation checkpointing, optimizers, DDP, torch.compile). train/loop.py calls these
+in that order, with the resume checks between them (train/resume.py), so a run that cannot resume fails before
+any model is built."""
+from __future__ import annotations
+
+import inspect
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from trainbox.config import RunConfig
+from trainbox.data.loader import BatchPlan
+from trainbox.kernels.choice import KernelPlan, choose
+from trainbox.model.spec import (
+    adapt_datasets,
+    build_model,
+    build_tokenizer,
+    model_vocab_size,
+    open_datasets,
+)
+from trainbox.optim.build import build_optimizers
+from trainbox.train.distributed import Dist
+
+
+def plan_length(cfg: RunConfig, plan: BatchPlan) -> int:
+    """Total optimizer steps from train.max_steps, train.max_tokens or train.epochs (default 1 epoch)."""
+    t = cfg.train
+    tokens_per_step = t.global_batch_size * cfg.data.seq_len
+    if t.max_steps is not None:
+        return t.max_steps
+    if t.max_tokens is not None:
+        return max(1, t.max_tokens // tokens_per_step)
+    return max(1, int(math.ceil((t.epochs or 1.0) * plan.steps_per_epoch)))
+
+
+@dataclass
+class RunData:
+    cfg: RunConfig          # resolved: model.eot_id filled in from the tokenizer where the config left it open
+    tokenizer: object
+    vocab: int              # the model's vocabulary (the tokenizer's, plus the family's extra ids, padded)
+    train: object
+    val: object | None
+    plan: BatchPlan
+    total: int
+
+
+def build_data(cfg: RunConfig, dist: Dist) -> RunData:
+    tokenizer = build_tokenizer(cfg)
+    if cfg.model.eot_id is None:  # document-masked families (speedrun) split documents at EOT
+        cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"eot_id": tokenizer.eot_id})})
+    vocab = model_vocab_size(cfg.model, tokenizer.vocab_size)
+    train, val = adapt_datasets(cfg, tokenizer, vocab, *open_datasets(cfg, tokenizer, vocab))
+    plan = BatchPlan(train, cfg.train.global_batch_size, cfg.train.micro_batch_size, dist.world, dist.rank,
+                     cfg.run.seed)
+    plan.check_nonempty()
+    return RunData(cfg, tokenizer, vocab, train, val, plan, plan_length(cfg, plan))
+
+
+@dataclass
+class RunModel:
+    model: nn.Module
+    kernels: KernelPlan
+    optimizers: list
+    ddp: nn.parallel.DistributedDataParallel | None
+    forward: object         # what a step calls: the model, under DDP and torch.compile as configured
+
+
+def build_model_side(cfg: RunConfig, vocab: int, device: torch.device, dist: Dist, init_weights: bool) -> RunModel:
+    """The same initial weights on every rank (seeded before building); `init_weights`: load run.init_from."""
+    torch.manual_seed(cfg.run.seed)
+    model = build_model(cfg.model, vocab, cfg.model.block_size or cfg.data.seq_len, run=cfg).to(device)
+    if init_weights and cfg.run.init_from:
+        from trainbox.export import (
+            load_init_weights,  # our checkpoint or a Hugging Face GPT-2 folder
+        )
+        load_init_weights(cfg.run.init_from, model, cfg.model)
+    kernels = choose(cfg.model, device)   # the models ask the same function when they meet the device
+    if cfg.train.activation_checkpointing != "none":
+        from trainbox.train.recompute import apply_activation_checkpointing
+        apply_activation_checkpointing(model, cfg.train.activation_checkpointing)
+    optimizers = build_optimizers(model, cfg.optim, device)
+    ddp = None
+    if dist.enabled:
+        # no buffer broadcast before every forward: every buffer of our models is a constant (RoPE tables) or
+        # set identically on every rank (the speedrun window, by set_step). torch 2.13 renamed the switch
+        # (broadcast_buffers -> forward_sync_buffers); older torch has only the first
+        ddp_args = inspect.signature(nn.parallel.DistributedDataParallel).parameters
+        no_sync = {"forward_sync_buffers" if "forward_sync_buffers" in ddp_args else "broadcast_buffers": False}
+        ddp = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
+                                                  **no_sync)
+    forward = ddp or model
+    if cfg.train.compile:
+        allow_cached_autograd_functions()
+        forward = torch.compile(forward)
+    return RunModel(model, kernels, optimizers, ddp, forward)
+
+
+def allow_cached_autograd_functions() -> None:
+    """Let AOTAutograd's cache keep graphs that hold our torch.autograd.Functions (the fused loss, the FP8
+    linear). By default it bypasses them, so every start traced and partitioned the model again (see
+    docs/performance.md, compile cache). The Functions' forward and backward are traced into the cached
+    graph, so a change to them changes its key."""
+    import torch._functorch.config as functorch_config
+    if hasattr(functorch_config, "autograd_cache_allow_custom_autograd_functions"):  # torch 2.7+
+        functorch_config.autograd_cache_allow_custom_autograd_functions = True
