@@ -25,6 +25,7 @@ from pathlib import Path
 
 import common
 
+
 def first_step_and_median(metrics: Path) -> tuple[float, float, float]:
     """Timestamps of the step events in metrics.jsonl -> (time to the first step from the loop's start,
     median step, the first step's end as a wall-clock time)."""

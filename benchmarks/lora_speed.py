@@ -107,8 +107,14 @@ def run_trainer(root: Path, a) -> dict:
     import numpy as np
     import torch
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
-    from transformers import (AutoModelForCausalLM, BitsAndBytesConfig, Trainer, TrainerCallback,
-                              TrainingArguments, default_data_collator)
+    from transformers import (
+        AutoModelForCausalLM,
+        BitsAndBytesConfig,
+        Trainer,
+        TrainerCallback,
+        TrainingArguments,
+        default_data_collator,
+    )
 
     from trainbox.data.formats import read_shard
 

@@ -38,9 +38,8 @@ import time
 from multiprocessing import Pool
 from pathlib import Path
 
-import numpy as np
-
 import common
+import numpy as np
 
 EOT = 50256
 SEED = 1337

@@ -24,9 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
-
 import common
+import numpy as np
 
 
 def assemble(path: Path, megabytes: float, doc_bytes: int = 8192) -> int:

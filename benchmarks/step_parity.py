@@ -52,10 +52,9 @@ import sys
 import time
 from pathlib import Path
 
+import common
 import numpy as np
 import torch
-
-import common
 from common import bench_config, paired, run_events
 
 
@@ -212,7 +211,8 @@ def main() -> None:
     if not (args.recipe and args.nanogpt and args.data):
         ap.error("a recipe, --nanogpt and --data are needed (or --results)")
     sys.path.insert(0, str(Path(args.nanogpt).resolve()))
-    from model import GPT as NanoGPT, GPTConfig   # nanoGPT's model.py
+    from model import GPT as NanoGPT  # nanoGPT's model.py
+    from model import GPTConfig
 
     from trainbox.config import load_config
     from trainbox.model.spec import build_model

@@ -23,9 +23,9 @@ import math
 import tempfile
 import time
 
+import common
 import torch
 
-import common
 from trainbox.config import load_config
 from trainbox.data.loader import BatchPlan
 from trainbox.data.sources import open_datasets

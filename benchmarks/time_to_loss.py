@@ -67,9 +67,8 @@ def run_ours(recipe: str, data: str, steps: int, overrides: list[str]) -> dict:
 
 def parse_peer_log(text: str) -> dict:
     """The closing validation line of a modded-nanogpt record script's output."""
-    m = None
-    for m in re.finditer(r"step:(\d+)/(\d+) val_loss:([\d.]+) train_time:(\d+)ms step_avg:([\d.]+)ms", text):
-        pass
+    matches = list(re.finditer(r"step:(\d+)/(\d+) val_loss:([\d.]+) train_time:(\d+)ms step_avg:([\d.]+)ms", text))
+    m = matches[-1] if matches else None
     if m is None or m.group(1) != m.group(2):
         raise ValueError("no closing 'step:N/N val_loss:...' line in the peer's output")
     return {"steps": int(m.group(1)), "val_loss": float(m.group(3)), "train_time_s": int(m.group(4)) / 1e3,

@@ -4,7 +4,6 @@ from __future__ import annotations
 import json
 
 import yaml
-
 from conftest import run_cli
 
 
@@ -34,7 +33,8 @@ def test_train_writes_run_dir_then_resumes_and_generates(tmp_path, tiny):
     assert ckpts == ["latest", "step_00000006"], ckpts  # keep_last=1 pruned step 3
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_00000006"
     step_dir = run_dir / "checkpoints" / "step_00000006"
-    assert {p.name for p in step_dir.iterdir()} == {"COMPLETE", "model.safetensors", "optimizer.pt", "rng.pt", "trainer.json"}
+    assert {p.name for p in step_dir.iterdir()} == {"COMPLETE", "model.safetensors", "optimizer.pt", "rng.pt",
+                                                    "trainer.json"}
     trainer = json.loads((step_dir / "trainer.json").read_text())
     assert trainer["step"] == 6 and trainer["loader"]["step"] == 6 and trainer["finished"]
 

@@ -34,7 +34,8 @@ def test_second_start_loads_the_autograd_graphs(tmp_path):
     """The speedrun model with the fused loss and FP8 (torch.autograd.Functions in the graph): the first
     process saves its forward/backward graph, the second loads it (AOTAutograd cache hit, no bypass) and
     computes the same loss and gradients."""
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"), "TRITON_CACHE_DIR": str(tmp_path / "triton")}
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
+           "TRITON_CACHE_DIR": str(tmp_path / "triton")}
     runs = []
     for _ in range(2):
         proc = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, timeout=600, env=env)

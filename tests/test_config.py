@@ -4,8 +4,8 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from conftest import run_cli
+
 from trainbox.config import RunConfig, load_config, recipe_names
 from trainbox.errors import ConfigError
 

@@ -20,7 +20,8 @@ MESSAGES = [{"role": "system", "content": "You are terse."},
             {"role": "assistant", "content": "Blue."},
             {"role": "user", "content": "Another?"},
             {"role": "assistant", "content": "Green, or perhaps red."}]
-SHAREGPT = {"conversations": [{"from": "system", "value": "You are terse."}, {"from": "human", "value": "Name a colour."},
+SHAREGPT = {"conversations": [{"from": "system", "value": "You are terse."},
+                              {"from": "human", "value": "Name a colour."},
                               {"from": "gpt", "value": "Blue."}, {"from": "human", "value": "Another?"},
                               {"from": "gpt", "value": "Green, or perhaps red."}]}
 ZEPHYR = ("{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}{{ eos_token }}\n"

@@ -105,7 +105,8 @@ def good_shard_bytes(n=10) -> bytes:
 @pytest.mark.parametrize("case, pattern", [
     ("magic", r"x\.bin: bad magic 7 at byte offset 0"),
     ("version", r"x\.bin: unsupported shard version 3 at byte offset 4"),
-    ("truncated", r"x\.bin: header says 10 tokens \(1044 bytes\) but the file has 1040 bytes; truncated from byte offset 1040"),
+    ("truncated", r"x\.bin: header says 10 tokens \(1044 bytes\) but the file has 1040 bytes; "
+                  r"truncated from byte offset 1040"),
     ("short_header", r"x\.bin: truncated shard header \(100 bytes.*byte offset 100"),
 ])
 def test_corrupt_shard(tmp_path, case, pattern):
@@ -156,7 +157,8 @@ def test_corrupt_megatron(tmp_path, case, pattern):
 
 def test_vocab_and_empty_errors(tmp_path):
     formats.write_shard(tmp_path / "v.bin", np.array([1, 2, 60000, 3], dtype=np.uint16))
-    with pytest.raises(DataError, match=r"v\.bin: token id 60000 at token 2 \(byte offset 1028\) is >= the vocab size 50257"):
+    with pytest.raises(DataError,
+                       match=r"v\.bin: token id 60000 at token 2 \(byte offset 1028\) is >= the vocab size 50257"):
         open_dataset([tmp_path / "v.bin"], 2, "v", vocab_size=50257)
     write_megatron(tmp_path / "m", [np.array([4, 70], dtype=np.uint16)])
     with pytest.raises(DataError, match=r"m\.bin: token id 70 at token 1 \(byte offset 2\)"):

@@ -12,7 +12,6 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np
 import pytest
-
 from conftest import run_cli
 
 PREFIX = "/datasets/kjj0/fineweb10B-gpt2/resolve/main/"

@@ -9,9 +9,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from conftest import run_cli
-from trainbox.data import formats, readers as prep
+
+from trainbox.data import formats
+from trainbox.data import readers as prep
 from trainbox.data.prepare import PrepareOptions, prepare
 from trainbox.data.tokenizer import get_tokenizer
 from trainbox.errors import DataError
@@ -21,7 +22,8 @@ EOT = 50256
 
 def make_docs(n=300, seed=0):
     rng = np.random.default_rng(seed)
-    words = ["the", "quick", "brown", "fox", "jumps", "émigré", "naïve", "über", "42", "don't", "\n", "  ", "日本", "<|endoftext|>"]
+    words = ["the", "quick", "brown", "fox", "jumps", "émigré", "naïve", "über", "42", "don't", "\n", "  ", "日本",
+             "<|endoftext|>"]
     return [f"Doc {i}: " + " ".join(rng.choice(words, size=int(rng.integers(1, 60)))) for i in range(n)]
 
 
@@ -84,7 +86,8 @@ def test_large_txt_is_read_in_pieces_with_the_same_tokens(tmp_path, monkeypatch)
     bpe = get_tokenizer("embedded:shakespeare-bpe")  # a `tokenizers` byte-level BPE: pieces are safe too
     assert prep.splits_like_gpt2(bpe)
     prepare(PrepareOptions([str(tmp_path / "big.txt")], str(tmp_path / "h/x"), tokenizer="embedded:shakespeare-bpe"))
-    assert np.array_equal(formats.read_shard(tmp_path / "h/x_train_000001.bin"), [bpe.eot_id] + hf_ordinary("embedded:shakespeare-bpe", text))
+    assert np.array_equal(formats.read_shard(tmp_path / "h/x_train_000001.bin"),
+                          [bpe.eot_id] + hf_ordinary("embedded:shakespeare-bpe", text))
 
 
 def test_no_pieces_for_tokenizers_that_add_a_prefix_space(tmp_path):

@@ -12,8 +12,8 @@ import sys
 
 import pytest
 import yaml
-
 from conftest import REPO, run_cli
+
 from trainbox.launch import LaunchSpec, render
 from trainbox.launch.image import build_commands, dockerfile_args
 from trainbox.launch.k8s import pod_templates_of
@@ -114,7 +114,8 @@ def test_image_build_commands_spell_the_stack():
 def test_launch_image_dry_run_prints_only():
     proc = run_cli("launch", "image", "--registry", "r.io/x", "--tag", "t", "--push", "--dry-run",
                    "--context", str(REPO))
-    assert proc.stdout.startswith("docker buildx build --file docker/Dockerfile ") and "r.io/x/trainbox:t" in proc.stdout
+    assert (proc.stdout.startswith("docker buildx build --file docker/Dockerfile ")
+            and "r.io/x/trainbox:t" in proc.stdout)
 
 
 # ----------------------------------------------------------------------------- shell

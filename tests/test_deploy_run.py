@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from conftest import REPO, TINY
+
 from trainbox.launch import LaunchSpec, render
 
 

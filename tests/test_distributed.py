@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import TINY
+
 from trainbox import checkpoint
 from trainbox.config import load_config
 from trainbox.train.loop import Trainer, train

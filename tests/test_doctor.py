@@ -8,7 +8,6 @@ import shutil
 
 import pytest
 import torch
-
 from conftest import run_cli
 
 

@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import run_cli
 from safetensors.torch import load_file
 
 from trainbox import checkpoint
 from trainbox.config import load_config
-from conftest import run_cli
 from trainbox.errors import CheckpointError, ConfigError, RunFinished, TrainingFailed
 from trainbox.train.loop import Trainer, train
 
@@ -75,7 +75,7 @@ def test_sigkill_at_random_points_of_a_save_leaves_a_usable_checkpoint(tmp_path)
     rnd = random.Random(1234)
     next_step, done = 1, 0
     kills, mid_save = 0, 0
-    for trial in range(14):
+    for _trial in range(14):
         parent, child = ctx.Pipe()
         proc = ctx.Process(target=_saver, args=(str(root), next_step, child))
         proc.start()
@@ -217,7 +217,8 @@ DAMAGE = {   # kind -> (file named in the message, how)
     "rng truncated": ("rng.pt", _truncate),
     "rng missing": ("rng.pt", lambda p: p.unlink()),
     "manifest not JSON": ("COMPLETE", lambda p: p.write_text("4\n")),
-    "manifest wrong size": ("model.safetensors", lambda p: p.write_text(p.read_text().replace('"bytes": ', '"bytes": 1'))),
+    "manifest wrong size": ("model.safetensors",
+                            lambda p: p.write_text(p.read_text().replace('"bytes": ', '"bytes": 1'))),
 }
 
 

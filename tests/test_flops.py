@@ -35,4 +35,5 @@ def test_flops_per_token_matches_counted_flops(family, extra):
 
 
 def test_peak_table():
-    assert (PEAK_TFLOPS["H100"], PEAK_TFLOPS["H200"], PEAK_TFLOPS["A100"], PEAK_TFLOPS["MI300X"]) == (989, 989, 312, 1307)
+    assert ((PEAK_TFLOPS["H100"], PEAK_TFLOPS["H200"], PEAK_TFLOPS["A100"], PEAK_TFLOPS["MI300X"])
+            == (989, 989, 312, 1307))

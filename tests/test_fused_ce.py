@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-
 from conftest import run_check_script
+
 from trainbox.config import ModelSection
 from trainbox.kernels.fused_ce import head_cross_entropy
 from trainbox.model.spec import build_model
@@ -207,7 +207,8 @@ def test_cuda_kernel_at_the_real_shape():
         if torch.cuda.get_device_capability() >= (8, 9):  # the FP8 head's G: e5m2 at GRAD_SCALE
             loss8, g8 = fc.head_ce_fp8(z, t, cap)
             torch.testing.assert_close(loss8, ref_loss, rtol=1e-5, atol=1e-4)
-            want = (fc._reference(z.float(), t, cap)[1] * fc.GRAD_SCALE).to(torch.float8_e5m2)  # one rounding, as the kernel
+            # one rounding, as the kernel
+            want = (fc._reference(z.float(), t, cap)[1] * fc.GRAD_SCALE).to(torch.float8_e5m2)
             assert (g8.view(torch.uint8) != want.view(torch.uint8)).float().mean() < 1e-3  # ties of fp32 rounding
             assert (g8.float() - want.float()).abs().max() <= 2 ** -2 * fc.GRAD_SCALE * ref_grad.float().abs().max()
     losses = []

@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
 from conftest import run_check_script
+
 from trainbox.config import ModelSection, MoESection
 from trainbox.kernels.fused_norm import add_layer_norm
 from trainbox.model.spec import build_model
@@ -202,7 +202,8 @@ from torch._inductor.lowering import lowerings
 from trainbox.config import ModelSection
 from trainbox.model import gpt  # defines the ops (fused_norm, fused_ce)
 from trainbox.model.spec import build_model
-ops = [getattr(torch.ops.trainbox, n).default for n in ("add_layer_norm", "add_layer_norm_bwd", "head_ce_", "head_ce_fp8")]
+ops = [getattr(torch.ops.trainbox, n).default
+       for n in ("add_layer_norm", "add_layer_norm_bwd", "head_ce_", "head_ce_fp8")]
 assert not any(op in lowerings for op in ops)
 build_model(ModelSection(family="gpt", n_layer=1, n_head=2, n_embd=64, fused_norm=True), 128, 32)
 assert all(op in lowerings for op in ops)

@@ -46,7 +46,7 @@ def test_flash_matches_sdpa_on_gpu(bias):
         model = make(n_head=2, n_embd=256, bias=bias, attention=attention).cuda()  # heads of 128
         model.set_step(0)
         assert model.backend == attention
-        step = torch.compile(lambda i, t: model(i, t).loss)
+        step = torch.compile(lambda i, t, model=model: model(i, t).loss)
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = step(idx[:, :-1], idx[:, 1:])
         loss.backward()

@@ -18,7 +18,6 @@ import sys
 
 import pytest
 import torch
-
 from conftest import REPO, run_cli
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import run_cli
+
 from trainbox.config import load_config
 from trainbox.errors import ConfigError
 from trainbox.export import load_init_weights, write_tokenizer

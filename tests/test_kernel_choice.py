@@ -6,8 +6,8 @@ import json
 
 import pytest
 import torch
-
 from conftest import run_cli
+
 from trainbox.config import load_config
 from trainbox.kernels.choice import choose
 from trainbox.model.spec import build_model

@@ -128,9 +128,10 @@ def test_epoch_checkpoints_and_fixed_eval_slice(tmp_path, tiny):
     train_bin, val_bin = tmp_path / "train.bin", tmp_path / "val.bin"
     rng.integers(0, 500, size=31 * 32 + 1).astype(np.uint16).tofile(train_bin)   # 31 samples: 3 steps/epoch
     rng.integers(0, 500, size=4000).astype(np.uint16).tofile(val_bin)
-    cfg = load_config(None, [*tiny, f"data.path={train_bin}", f"data.val_path={val_bin}", "train.epochs=2", "train.max_steps=null",
-                             "train.checkpoint_every=4", "train.eval_every=2", "train.keep_last=10",
-                             "train.eval_tokens=640", "monitor.enabled=false", "train.sample_tokens=0"])
+    cfg = load_config(None, [*tiny, f"data.path={train_bin}", f"data.val_path={val_bin}", "train.epochs=2",
+                             "train.max_steps=null", "train.checkpoint_every=4", "train.eval_every=2",
+                             "train.keep_last=10", "train.eval_tokens=640", "monitor.enabled=false",
+                             "train.sample_tokens=0"])
     result = train(cfg)
     assert result["step"] == 6
     ckpts = sorted(p.name for p in (cfg.run_dir / "checkpoints").glob("step_*"))
@@ -152,7 +153,8 @@ def test_unused_data_is_counted_and_said():
     tails, skipped, msg = unused_data(ds, global_batch=3)
     assert (tails, skipped) == ((100 - 97) + (37 - 33) + 5, 8 % 3)
     assert msg == ("train: not trained on: 12 tokens (8.5%) at the ends of 3 file(s) do not fill a window of 16 "
-                   "tokens; 2 of 8 samples per epoch fall beyond the last full global batch of 3 (a different 2 each epoch)")
+                   "tokens; 2 of 8 samples per epoch fall beyond the last full global batch of 3 "
+                   "(a different 2 each epoch)")
     assert unused_data(TokenDataset([np.zeros(4 * 16 + 1, dtype=np.uint16)], 16), global_batch=2) == (0, 0, None)
 
 

@@ -17,6 +17,7 @@ pytest.importorskip("transformers")
 
 import hf_tiny  # noqa: E402
 from conftest import run_cli  # noqa: E402
+
 from trainbox import checkpoint  # noqa: E402
 from trainbox.config import load_config  # noqa: E402
 from trainbox.errors import ConfigError  # noqa: E402
@@ -207,7 +208,8 @@ TA_JSON = {"model_name": "MODEL", "per_device_train_batch_size": 4, "gradient_ac
 def test_training_arguments_json_is_mapped_printed_and_trains(trained, tmp_path):
     root, model_dir, _ = trained
     cfg_file = tmp_path / "sft.json"
-    cfg_file.write_text(json.dumps({**TA_JSON, "model_name": str(model_dir), "output_dir": str(tmp_path / "out" / "ta")}))
+    cfg_file.write_text(json.dumps({**TA_JSON, "model_name": str(model_dir),
+                                    "output_dir": str(tmp_path / "out" / "ta")}))
     cfg = load_config(str(cfg_file))
     assert (cfg.model.family, cfg.model.path) == ("hf", str(model_dir))
     assert (cfg.train.micro_batch_size, cfg.train.global_batch_size, cfg.train.max_steps) == (4, 8, 3)
@@ -245,7 +247,8 @@ def test_end_to_end_from_a_pretrained_trainbox_gpt(tmp_path, tiny):
     from trainbox.train.loop import train
 
     # positions must cover the fine-tuning windows (data.seq_len=48 in lora_args)
-    train(load_config("tiny", [*tiny, "data.seq_len=64", "train.max_steps=4", "train.sample_tokens=0", "train.eval_every=0"]))
+    train(load_config("tiny", [*tiny, "data.seq_len=64", "train.max_steps=4", "train.sample_tokens=0",
+                               "train.eval_every=0"]))
     exporter(tmp_path / "runs" / "tiny", tmp_path / "gpt-hf")
     hf_tiny.make_chat_file(tmp_path / "chat.jsonl")
     root = tmp_path

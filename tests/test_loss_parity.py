@@ -81,7 +81,8 @@ def test_results_from_several_files(tmp_path):
     bad = subprocess.run([sys.executable, script, "--results", str(tmp_path / "b.jsonl"), str(tmp_path / "c.jsonl")],
                          capture_output=True, text=True)
     assert bad.returncode != 0 and "c.jsonl:1: a nanogpt run without a validation loss" in bad.stderr
-    few = subprocess.run([sys.executable, script, "--results", str(tmp_path / "a.jsonl")], capture_output=True, text=True)
+    few = subprocess.run([sys.executable, script, "--results", str(tmp_path / "a.jsonl")],
+                         capture_output=True, text=True)
     assert few.returncode != 0 and "need at least two runs a side, got 2 of ours and 0 of nanoGPT's" in few.stderr
     usage = subprocess.run([sys.executable, script, "gpt2-125m", "--only", "nanogpt"], capture_output=True, text=True)
     assert usage.returncode == 2 and "--nanogpt, --nanogpt-data required" in usage.stderr
@@ -169,7 +170,8 @@ def test_nanogpt_runs_share_a_checkout_at_once(tmp_path):
     (data / "val.bin").write_bytes(b"\x01\x00" * 8)
     os.environ["MARKS"] = str(marks)
     try:
-        jobs = [lambda env, s=s: train_speed.run_nanogpt(str(repo), str(data), 3, 1, [], s, env=env) for s in (1337, 1338)]
+        jobs = [lambda env, s=s: train_speed.run_nanogpt(str(repo), str(data), 3, 1, [], s, env=env)
+                for s in (1337, 1338)]
         res = run_on_gpus(jobs, ["0", "1"])
     finally:
         del os.environ["MARKS"]

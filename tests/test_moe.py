@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-
 from conftest import run_cli
+
 from trainbox.config import MoESection, load_config
 from trainbox.model.moe import MoEFFN
 from trainbox.model.spec import build_model

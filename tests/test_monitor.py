@@ -24,10 +24,10 @@ from http.cookiejar import CookieJar
 from pathlib import Path
 
 import pytest
+from conftest import REPO, TINY, run_cli
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
 from prometheus_client.parser import text_string_to_metric_families as parse_prometheus
 
-from conftest import REPO, TINY, run_cli
 from trainbox.monitor import state as st
 
 TOKEN = "s3cret-token"
@@ -86,7 +86,8 @@ class LiveRun:
         if self.proc.poll() is not None:
             raise AssertionError(f"run exited early:\n{(self.root.parent / f'{self.name}.out').read_text()}")
         s = read_status(self.run_dir)
-        return s if s and s.get("url") and s["step"] >= min_step and (s.get("val_loss") is not None or not want_eval) else None
+        ready = s and s.get("url") and s["step"] >= min_step and (s.get("val_loss") is not None or not want_eval)
+        return s if ready else None
 
     def stop(self, sig=signal.SIGTERM) -> int:
         if self.proc.poll() is None:
@@ -352,7 +353,7 @@ def test_non_loopback_without_token_warns(tmp_path, data_cache):
         log.removeHandler(handler)
 
 
-# ----------------------------------------------------------------------------- hardening (in-process server, raw sockets)
+# ------------------------------------------------------------------------- hardening (in-process server, raw sockets)
 
 
 def _serve(tmp_path, timeout: float | None = None, **monitor):

@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 import torch.multiprocessing as mp
-
 from conftest import run_cli
+
 from trainbox.config import ModelSection, OptimSection
 from trainbox.errors import ConfigError
 from trainbox.model.spec import build_model

@@ -10,9 +10,9 @@ import sys
 import time
 
 import pytest
-
 from conftest import run_cli
 from test_monitor import LiveRun, read_status, wait_for
+
 from trainbox import cli, runs
 
 

@@ -5,8 +5,17 @@ import numpy as np
 import pytest
 import torch
 
-from trainbox.data.spans import (SpanCorruption, corrupt, encode_with_sentinels, fill_prompt, noise_mask,
-                                 sentinel_id, span_lengths, split_spans, uncorrupt)
+from trainbox.data.spans import (
+    SpanCorruption,
+    corrupt,
+    encode_with_sentinels,
+    fill_prompt,
+    noise_mask,
+    sentinel_id,
+    span_lengths,
+    split_spans,
+    uncorrupt,
+)
 from trainbox.errors import ConfigError
 
 V, S, EOS = 1000, 100, 0

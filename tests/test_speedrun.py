@@ -353,8 +353,9 @@ def test_flex_path_forward_equals_sdpa_path(autocast):
     import contextlib
     import warnings
 
-    import trainbox.model.speedrun as speedrun
     from torch.nn.attention.flex_attention import flex_attention
+
+    import trainbox.model.speedrun as speedrun
     model = make(window=200, n_layer=2, block_size=384)
     idx = tokens(T=384)
     idx[0, 150] = idx[1, 300] = EOT

@@ -8,8 +8,8 @@ import json
 import numpy as np
 import pytest
 import torch
-
 from conftest import run_cli
+
 from trainbox.config import ModelSection, load_config
 from trainbox.model.spec import model_vocab_size
 from trainbox.model.t5 import T5, relative_position_bucket, to_hf

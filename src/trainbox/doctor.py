@@ -58,7 +58,8 @@ def platform_checks() -> list[Check]:
     tv = torch.__version__.split("+")[0]
     major_minor = tuple(int(x) for x in tv.split(".")[:2])
     out.append(Check("torch", "ok" if major_minor >= (2, 5) else "warn", torch.__version__,
-                     "" if major_minor >= (2, 5) else "FlexAttention and compile need torch >= 2.5: pip install -U torch"))
+                     "" if major_minor >= (2, 5)
+                     else "FlexAttention and compile need torch >= 2.5: pip install -U torch"))
     if torch.version.hip:
         out.append(Check("rocm", "ok", torch.version.hip))
     elif torch.version.cuda:
@@ -181,14 +182,16 @@ def recipe_checks(cfg: RunConfig) -> list[Check]:
             else:
                 out.append(Check("needs_fp8", "fail", f"{' and '.join(fp8)} need FP8 tensor cores (compute capability "
                                  "8.9+: L4, L40S, H100, H200); " + where,
-                                 f"drop {' and '.join(fp8)} (the matmuls then run in bf16), or set model.fp8_fallback=true"))
+                                 f"drop {' and '.join(fp8)} (the matmuls then run in bf16), "
+                                 "or set model.fp8_fallback=true"))
     if cfg.model.attention == "flash" or (cfg.model.family == "speedrun" and cfg.model.attention == "auto"):
         from trainbox.kernels.flash import EXTRA, MIN_MAJOR
         hopper = gpu and torch.cuda.get_device_capability()[0] >= MIN_MAJOR
         missing = importlib.util.find_spec("flash_attn") is None
         if cfg.model.attention == "flash" and (missing or not hopper):
-            out.append(Check("needs_flash_attention", "fail", "model.attention=flash needs FlashAttention-4 on a Hopper "
-                             "or Blackwell GPU: " + ("it is not installed" if missing else "this machine has none"),
+            out.append(Check("needs_flash_attention", "fail",
+                             "model.attention=flash needs FlashAttention-4 on a Hopper or Blackwell GPU: "
+                             + ("it is not installed" if missing else "this machine has none"),
                              EXTRA if missing else "set model.attention=auto"))
         elif hopper and missing and cfg.model.window_block == 1:
             out.append(Check("flash_attention", "warn", "flash-attn-4 is not installed: attention runs in "

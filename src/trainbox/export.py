@@ -169,7 +169,8 @@ def export_hf(run: str | Path, out: str | Path, force: bool = False) -> Path:
     try:
         save_file(hf_state(model, tokenizer.vocab_size), str(tmp / "model.safetensors"), metadata={"format": "pt"})
         _write_json(tmp / "config.json", hf_config(cfg.model, tokenizer, block))
-        _write_json(tmp / "generation_config.json", {"bos_token_id": tokenizer.eot_id, "eos_token_id": tokenizer.eot_id})
+        _write_json(tmp / "generation_config.json",
+                    {"bos_token_id": tokenizer.eot_id, "eos_token_id": tokenizer.eot_id})
         write_tokenizer(tokenizer, cfg.data.tokenizer, tmp, block)
         if out.exists():
             shutil.rmtree(out)

@@ -259,8 +259,8 @@ def run_info(run_dir: Path, now: float | None = None) -> dict:
         local = s.get("host") in (None, socket.gethostname())
         if local and s.get("pid") and not pid_alive(int(s["pid"]), s.get("started_at")):
             ok, state = False, "crashed"
-            reason = (f"crashed: process {s['pid']} on {s.get('host')} is gone without a final status (last phase {phase}, "
-                      f"step {s.get('step')}/{s.get('total_steps')})")
+            reason = (f"crashed: process {s['pid']} on {s.get('host')} is gone without a final status "
+                      f"(last phase {phase}, step {s.get('step')}/{s.get('total_steps')})")
         else:
             state = "running" if ok else "stalled"
     else:

@@ -18,7 +18,6 @@ from trainbox.cli.ops import cmd_doctor, cmd_launch, cmd_logs, cmd_plot, cmd_run
 from trainbox.cli.train import cmd_config, cmd_export, cmd_generate, cmd_tokenizer, cmd_train
 from trainbox.errors import TrainboxError
 
-
 # ----------------------------------------------------------------------------- parser
 
 

@@ -6,9 +6,6 @@ import os
 import sys
 from pathlib import Path
 
-
-
-
 # ----------------------------------------------------------------------------- prepare, inspect, data
 
 

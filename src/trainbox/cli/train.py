@@ -73,7 +73,8 @@ def _kernel_cache_env() -> None:
     os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "1")
     if "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR" not in os.environ:
         from trainbox.kernels.ops import compile_cache_dir
-        os.environ["FLASH_ATTENTION_CUTE_DSL_CACHE_DIR"] = str(Path(compile_cache_dir()).parent / "flash_attention_cute")
+        os.environ["FLASH_ATTENTION_CUTE_DSL_CACHE_DIR"] = str(
+            Path(compile_cache_dir()).parent / "flash_attention_cute")
 
 
 def _exit_worker() -> None:

@@ -131,7 +131,8 @@ def read_shard(path: str | Path, magic: int = SHARD_MAGIC, dtype=np.uint16) -> n
     expected = SHARD_HEADER_BYTES + itemsize * n
     if size != expected:
         raise DataError(f"{path}: header says {n} tokens ({expected} bytes) but the file has {size} bytes; "
-                        f"{'truncated' if size < expected else 'trailing bytes'} from byte offset {min(size, expected)}",
+                        f"{'truncated' if size < expected else 'trailing bytes'} "
+                        f"from byte offset {min(size, expected)}",
                         hint=REBUILD)
     if n == 0:
         return np.zeros(0, dtype=dtype)

@@ -81,8 +81,10 @@ def inspect_data(path: str, seq_len: int, global_batch: int | None = None, epoch
         ds = TokenDataset([open_tokens(f, data_format)[0] for f in files], seq_len, name=f"{path} ({split})")
         report[split] = {"files": infos, "tokens": ds.num_tokens, "samples": ds.num_samples,
                          "documents": sum(i["documents"] for i in infos),
-                         "min_id": min(i["min_id"] for i in infos if i["min_id"] is not None) if ds.num_tokens else None,
-                         "max_id": max(i["max_id"] for i in infos if i["max_id"] is not None) if ds.num_tokens else None}
+                         "min_id": (min(i["min_id"] for i in infos if i["min_id"] is not None)
+                                    if ds.num_tokens else None),
+                         "max_id": (max(i["max_id"] for i in infos if i["max_id"] is not None)
+                                    if ds.num_tokens else None)}
         if ds.num_tokens == 0:
             raise DataError(f"{path} ({split}): the dataset is empty ({', '.join(map(str, files))})")
     if global_batch is not None:

@@ -89,10 +89,11 @@ class BatchPlan:
     def __post_init__(self):
         per_rank, rem = divmod(self.global_batch, self.world)
         if rem or per_rank % self.micro_batch:
+            unit = self.micro_batch * self.world
             raise ConfigError(
                 f"train.global_batch_size={self.global_batch} must be a multiple of "
                 f"train.micro_batch_size x processes = {self.micro_batch} x {self.world}",
-                hint=f"e.g. train.global_batch_size={self.micro_batch * self.world * max(1, round(self.global_batch / (self.micro_batch * self.world)))}")
+                hint=f"e.g. train.global_batch_size={unit * max(1, round(self.global_batch / unit))}")
         self.accum = per_rank // self.micro_batch
         self._perm_epoch, self._perm = -1, None
 

@@ -42,8 +42,15 @@ from typing import Callable, Iterator
 import numpy as np
 
 from trainbox.data import formats
-from trainbox.data.readers import (decode_utf8, first_record_is_chat, is_jsonl, list_input_files, parse_json_line,
-                                   splits_like_gpt2, work_items)
+from trainbox.data.readers import (
+    decode_utf8,
+    first_record_is_chat,
+    is_jsonl,
+    list_input_files,
+    parse_json_line,
+    splits_like_gpt2,
+    work_items,
+)
 from trainbox.errors import DataError, NoData
 
 
@@ -428,7 +435,8 @@ def _total_bytes(files: list[Path]) -> int | None:
 
 def _make_sinks(opts: PrepareOptions, tok, chat: bool) -> dict:
     if opts.format == "shard":
-        return {s: ShardSink(opts.out, s, i, opts.shard_tokens, tok.eot_id, chat) for s, i in (("val", 0), ("train", 1))}
+        return {s: ShardSink(opts.out, s, i, opts.shard_tokens, tok.eot_id, chat)
+                for s, i in (("val", 0), ("train", 1))}
     dtype = formats.megatron_dtype(tok.vocab_size)
     eod = tok.eot_id if opts.append_eod else None
     return {s: MegatronSink(opts.out, s, opts.text_keys, dtype, eod, chat) for s in ("val", "train")}

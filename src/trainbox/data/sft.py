@@ -79,7 +79,8 @@ def load_hf_tokenizer(spec: str) -> HFModelTokenizer:
         tok = AutoTokenizer.from_pretrained(spec)
     except (OSError, ValueError) as e:
         raise DataError(f"cannot load the tokenizer of {spec}: {str(e).splitlines()[0]}",
-                        hint="model.path (or data.tokenizer) must be a folder with tokenizer files, or a hub id") from None
+                        hint="model.path (or data.tokenizer) must be a folder with tokenizer files, "
+                             "or a hub id") from None
     return HFModelTokenizer(tok, spec)
 
 

@@ -9,9 +9,9 @@ Accepted forms:
                            validation is data.val_path or the sibling `{out}_val_{key}_document`
   OUT                      the --out of `trainbox prepare --format megatron`: {OUT}_{key}_document (train)
                            and {OUT}_val_{key}_document (validation)
-  TEXT or JSONL input      (pretraining families)       .txt / .jsonl / .jsonl.gz files or a folder of them: prepared once into the cache
-                           (keyed by the files' paths, sizes and mtimes, the tokenizer and the text keys);
-                           1% of the documents are held out for validation
+  TEXT or JSONL input      (pretraining families) .txt / .jsonl / .jsonl.gz files or a folder of them: prepared
+                           once into the cache (keyed by the files' paths, sizes and mtimes, the tokenizer and
+                           the text keys); 1% of the documents are held out for validation
   FILE.jsonl / FILE.txt    for model.family=hf: chat or plain-text fine-tuning data with loss masks (data/sft.py)
 Loss masks (`.mask` beside a shard, `PREFIX_mask` beside a Megatron prefix) are opened with their tokens.
 
@@ -51,14 +51,16 @@ def tokenize_embedded(corpus: str, tokenizer: Tokenizer, cache: Path) -> Path:
 
     if corpus != embedded.CORPUS:
         raise DataError(f"no embedded corpus '{corpus}'", hint=f"use embedded:{embedded.CORPUS}")
-    key = hashlib.sha256(f"{corpus}|{tokenizer.name}|{tokenizer.vocab_size}|{embedded.VAL_WORKS}".encode()).hexdigest()[:12]
+    key = hashlib.sha256(
+        f"{corpus}|{tokenizer.name}|{tokenizer.vocab_size}|{embedded.VAL_WORKS}".encode()).hexdigest()[:12]
     out = cache / f"{corpus}-{key}"
     prefix = out / corpus
     if not (out / "COMPLETE").exists():
         out.mkdir(parents=True, exist_ok=True)
         for split, index in (("val", 0), ("train", 1)):
             docs = embedded.split(split)
-            ids = tokenizer.encode_batch(docs) if hasattr(tokenizer, "encode_batch") else [tokenizer.encode(d) for d in docs]
+            ids = (tokenizer.encode_batch(docs) if hasattr(tokenizer, "encode_batch")
+                   else [tokenizer.encode(d) for d in docs])
             stream = np.concatenate([np.concatenate([[tokenizer.eot_id], d]) for d in ids]).astype(np.uint16)
             write_shard(f"{prefix}_{split}_{index:06d}.bin", stream)
         (out / "COMPLETE").write_text(tokenizer.name + "\n")

@@ -85,7 +85,8 @@ class HFTokenizer:
         if eot is None:
             raise DataError(f"tokenizer {file} has no end-of-text token (<|endoftext|>, </s> or <eos>)")
         self.eot_id = eot
-        self._special = {i for t, i in vocab.items() if t in {a.content for a in self.tok.get_added_tokens_decoder().values()}}
+        self._special = {i for t, i in vocab.items()
+                         if t in {a.content for a in self.tok.get_added_tokens_decoder().values()}}
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False).ids
@@ -120,7 +121,8 @@ def get_tokenizer(spec: str) -> Tokenizer:
 
 def train_bpe(texts: Iterable[str], vocab_size: int, out: str | Path) -> Path:
     """Train a byte-level BPE (GPT-2 style pre-tokenization) with <|endoftext|> as its only special token."""
-    from tokenizers import Tokenizer as _Tok, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer as _Tok
+    from tokenizers import decoders, models, pre_tokenizers, trainers
 
     if vocab_size < 257:
         raise DataError(f"vocab size {vocab_size} is too small for a byte-level BPE (needs >= 257)")

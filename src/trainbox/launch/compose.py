@@ -2,7 +2,16 @@
 from __future__ import annotations
 
 from trainbox.config import RunConfig
-from trainbox.launch.spec import CONFIG_MOUNT, MONITOR_PORT, LaunchSpec, Rendered, dump, job_name, torchrun_args, yaml_template
+from trainbox.launch.spec import (
+    CONFIG_MOUNT,
+    MONITOR_PORT,
+    LaunchSpec,
+    Rendered,
+    dump,
+    job_name,
+    torchrun_args,
+    yaml_template,
+)
 
 
 def _gib_to_docker(size: str) -> str:

@@ -20,8 +20,17 @@ from __future__ import annotations
 import copy
 
 from trainbox.config import RunConfig
-from trainbox.launch.spec import (CONFIG_MOUNT, MONITOR_PORT, LaunchSpec, Rendered, dump, job_name, torchrun_args,
-                                  train_args, yaml_template)
+from trainbox.launch.spec import (
+    CONFIG_MOUNT,
+    MONITOR_PORT,
+    LaunchSpec,
+    Rendered,
+    dump,
+    job_name,
+    torchrun_args,
+    train_args,
+    yaml_template,
+)
 
 GPU_RESOURCE = {"nvidia": "nvidia.com/gpu", "amd": "amd.com/gpu"}
 RENDEZVOUS = ["--node-rank=$(RANK)", "--master-addr=$(MASTER_ADDR)", "--master-port=$(MASTER_PORT)"]

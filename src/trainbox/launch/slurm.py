@@ -53,7 +53,8 @@ def render_slurm(spec: LaunchSpec, cfg: RunConfig) -> Rendered:
     text = Template(template("sbatch.sh")).substitute(
         run_name=cfg.run_name, job_name=name, script=script, nodes=spec.nodes, gpus=spec.gpus_per_node,
         cpus=spec.cpus, time=spec.time, extra_directives="\n".join(directives),
-        workdir=shlex.quote(str(spec.project_dir)), workdir_raw=spec.project_dir, exports="\n".join(exports), rdzv_port=RDZV_PORT,
+        workdir=shlex.quote(str(spec.project_dir)), workdir_raw=spec.project_dir, exports="\n".join(exports),
+        rdzv_port=RDZV_PORT,
         train_command="\n".join(f"    {_shell_word(a)}" for a in train_command(spec)),
         srun_flags=srun_flags, status_file=shlex.quote(str(status)))
     return Rendered(files={script: text}, apply=[["sbatch", script]],

@@ -30,7 +30,6 @@ from trainbox.errors import ConfigError, require
 from trainbox.model.gpt import Output, cross_entropy
 
 
-
 def check_quant_support(quant) -> None:
     """Raise before any model is loaded when 4/8-bit loading cannot run here, naming everything missing."""
     mode = "load_in_4bit" if quant.load_in_4bit else "load_in_8bit" if quant.load_in_8bit else None
@@ -170,7 +169,8 @@ def wrap_lora(base: nn.Module, lora, quantized: bool) -> nn.Module:
         return get_peft_model(base, lora_config(lora))
     except ValueError as e:
         raise ConfigError(f"lora.target_modules={lora.target_modules!r}: {e}",
-                          hint='use "all-linear", or names of the model\'s nn.Linear layers such as [q_proj, v_proj]') from None
+                          hint='use "all-linear", or names of the model\'s nn.Linear layers '
+                               'such as [q_proj, v_proj]') from None
 
 
 def build_hf(run, dtype=None, quantize: bool = True) -> HFCausalLM:

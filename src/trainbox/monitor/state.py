@@ -113,5 +113,6 @@ def health(snapshot: dict, configured: float | None = None, log_every: int = 1,
     age = now - snapshot.get("heartbeat", now)
     limit = stall_limit(snapshot, configured, log_every)
     if age > limit:
-        return False, f"stalled: no progress for {age:.0f}s in phase {phase} at step {step}/{total} (limit {limit:.0f}s)"
+        return False, (f"stalled: no progress for {age:.0f}s in phase {phase} at step {step}/{total} "
+                       f"(limit {limit:.0f}s)")
     return True, f"{phase} step {step}/{total}"

@@ -75,4 +75,5 @@ def out_of_memory(e: Exception, step: int, micro_batch: int, device: torch.devic
         f"GPU out of memory in step {step} at train.micro_batch_size={micro_batch} "
         f"(peak {torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB): {str(e).splitlines()[0]}",
         hint=f"lower train.micro_batch_size (e.g. {max(1, micro_batch // 2)}): the global batch and the maths of a "
-             f"step stay the same, only the accumulation grows; the last good checkpoint is {last_checkpoint or 'none'}")
+             "step stay the same, only the accumulation grows; "
+             f"the last good checkpoint is {last_checkpoint or 'none'}")

@@ -360,8 +360,9 @@ class Trainer:
         if not self.dist.is_main:
             return
         for i, v in enumerate(losses):
-            self.sinks.log("train", step=first_step + i + 1, loss=v, **({"lr": lr, "grad_norm": gn, "tokens_per_s": tok_s,
-                           "mfu": mfu, "tokens": self.tokens_seen} if i == len(losses) - 1 else {}),
+            self.sinks.log("train", step=first_step + i + 1, loss=v,
+                           **({"lr": lr, "grad_norm": gn, "tokens_per_s": tok_s,
+                               "mfu": mfu, "tokens": self.tokens_seen} if i == len(losses) - 1 else {}),
                            **(self._stats() if i == len(losses) - 1 else {}))
         mem = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
         self.state.update(step=step, loss=losses[-1], lr=lr, grad_norm=gn, tokens_per_s=tok_s, mfu=mfu, eta_s=eta,
@@ -369,14 +370,16 @@ class Trainer:
                           step_time_s=per_step, gpu_memory_allocated=mem,
                           steps_this_process=step - meter.first_step,
                           tokens_this_process=(step - meter.first_step) * meter.tokens_per_step)
-        self.state.add_point({"step": step, "loss": losses[-1], "lr": lr, "tokens_per_s": tok_s, "tokens": self.tokens_seen})
+        self.state.add_point({"step": step, "loss": losses[-1], "lr": lr, "tokens_per_s": tok_s,
+                              "tokens": self.tokens_seen})
         self.state.write_status(self.run_dir / "status.json")
         from trainbox.monitor.console import fmt_duration
         extra = f" mfu {100 * mfu:.1f}%" if mfu else ""
         if self.device.type == "cuda":
             extra += f" mem {torch.cuda.max_memory_allocated(self.device) / 2**30:.1f}GiB peak"
         log.info(f"step {step}/{self.total} loss {losses[-1]:.4f}{f' lr {lr:.3g}' if lr is not None else ''}"
-                 f"{f' gnorm {gn:.3f}' if gn is not None else ''} tok/s {tok_s or 0:,.0f}{extra} eta {fmt_duration(eta)}",
+                 f"{f' gnorm {gn:.3f}' if gn is not None else ''} tok/s {tok_s or 0:,.0f}{extra} "
+                 f"eta {fmt_duration(eta)}",
                  extra={"progress": True})
         self.progress.update(step, self.total, losses[-1], tok_s, eta, force=step == self.total)
 
