@@ -216,7 +216,7 @@ def main() -> None:
 
     from trainbox.config import load_config
     from trainbox.model.spec import build_model
-    from trainbox.train.loop import allow_cached_autograd_functions
+    from trainbox.train.build import allow_cached_autograd_functions
 
     device = torch.device(args.device)
     if args.compile:

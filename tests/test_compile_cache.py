@@ -14,7 +14,7 @@ import json, sys, torch
 from torch._dynamo.utils import counters
 from trainbox.config import ModelSection
 from trainbox.model.spec import build_model
-from trainbox.train.loop import allow_cached_autograd_functions
+from trainbox.train.build import allow_cached_autograd_functions
 allow_cached_autograd_functions()
 torch.manual_seed(0)
 cfg = ModelSection(family="speedrun", n_layer=2, n_embd=64, n_head=2, head_dim=32, window=32, eot_id=0,

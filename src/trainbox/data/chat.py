@@ -107,6 +107,29 @@ class ChatTemplate:
         return [(t, trained) for t, trained in out if t]
 
 
+def render_spans(template: ChatTemplate, messages: list[dict], where: str = "record"
+                 ) -> tuple[str, list[tuple[int, int]]]:
+    """The rendered conversation and the character spans of its assistant output (for tokenizers that map
+    tokens back to characters)."""
+    text, spans = "", []
+    for piece, trained in template.spans(messages, where):
+        if trained:
+            spans.append((len(text), len(text) + len(piece)))
+        text += piece
+    return text, spans
+
+
+def tokenizer_template(hf, name: str) -> ChatTemplate | None:
+    """The chat template of a loaded Hugging Face tokenizer (its `chat_template`), if it has one."""
+    source = getattr(hf, "chat_template", None)
+    if isinstance(source, dict):   # named templates: take "default"
+        source = source.get("default")
+    if not source:
+        return None
+    return ChatTemplate(source, name, bos_token=getattr(hf, "bos_token", None) or "",
+                        eos_token=getattr(hf, "eos_token", None) or "")
+
+
 def encode_chat(template: ChatTemplate, tokenizer, messages: list[dict], where: str = "record"
                 ) -> tuple[list[int], list[int]]:
     """-> (token ids, loss mask of 0/1), the mask 1 exactly on assistant tokens."""

@@ -7,12 +7,12 @@ Rows: `{"messages": [{"role": "user", "content": ...}, {"role": "assistant", ...
 `{"conversations": [{"from": "human", "value": ...}, ...]}` (ShareGPT), or plain text under one of
 `data.text_key` (default "text"). A `.txt` file is one plain-text document.
 
-- Chat rows are rendered with the tokenizer's own chat template (transformers `apply_chat_template`), or
-  with the built-in `chatml` when `data.chat_template: chatml` (needed when the tokenizer has none).
+- Chat rows go through data/chat.py, the one chat pipeline (`trainbox prepare` uses it too): roles and
+  ShareGPT speakers, the tokenizer's own chat template rendered as transformers renders it, or the built-in
+  `chatml` when `data.chat_template: chatml` (needed when the tokenizer has none), and the assistant spans.
   The loss mask is 1 on assistant tokens only (content plus the end-of-turn marker, so the model learns
-  to stop): each assistant turn's characters are found by rendering the conversation up to that turn
-  with and without it, and tokens overlapping those characters are marked (offsets from the fast
-  tokenizer). Plain text is trained on every token and ends with the end-of-text token.
+  to stop); tokens overlapping those characters are marked (offsets from the fast tokenizer). Plain text
+  is trained on every token and ends with the end-of-text token.
 - `data.packing: true` concatenates examples into one stream cut into `data.seq_len` windows (attention
   may cross examples, as in most packed SFT). `false` gives each example its own window: truncated to
   `data.seq_len` tokens and padded with mask-0 end-of-text tokens.
@@ -20,7 +20,7 @@ Rows: `{"messages": [{"role": "user", "content": ...}, {"role": "assistant", ...
   `TokenDataset` memory-maps, in `data.cache_dir`, keyed by the input file, tokenizer and settings, and
   written atomically (temp name + rename, COMPLETE last).
 
-This module is kept apart from `prepare.py`/`chat.py` on purpose: it is the LoRA path's data step.
+This module is the LoRA path's data step: windows and masks for a Hugging Face model's tokenizer.
 """
 from __future__ import annotations
 
@@ -34,15 +34,22 @@ from typing import Iterable, Iterator
 import numpy as np
 
 from trainbox.config import DataSection
+from trainbox.data.chat import (
+    BUILTIN,
+    CHATML,
+    ChatTemplate,
+    is_chat_record,
+    messages_of,
+    render_spans,
+    tokenizer_template,
+)
 from trainbox.data.loader import TokenDataset
 from trainbox.errors import ConfigError, DataError
 
 log = logging.getLogger("trainbox")
 
 
-BUILTIN_TEMPLATES = ("chatml",)
-SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
-                  "system": "system", "tool": "tool"}
+BUILTIN_TEMPLATES = tuple(BUILTIN)
 
 
 class HFModelTokenizer:
@@ -87,37 +94,6 @@ def load_hf_tokenizer(spec: str) -> HFModelTokenizer:
 # ----------------------------------------------------------------------------- rendering
 
 
-def chatml(messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
-    """Built-in ChatML: text and the character spans of assistant turns (content, <|im_end|> and newline,
-    the whole turn after its header, as the span found for a model's own template)."""
-    text, spans = "", []
-    for m in messages:
-        head = f"<|im_start|>{m['role']}\n"
-        body = f"{m['content']}<|im_end|>\n"
-        if m["role"] == "assistant":
-            spans.append((len(text) + len(head), len(text) + len(head) + len(body)))
-        text += head + body
-    return text, spans
-
-
-def with_model_template(hf, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
-    """Render with the tokenizer's template; assistant spans by rendering each prefix with and without it."""
-    def render(msgs, gen):
-        return hf.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen) if msgs else ""
-
-    full, spans = render(messages, False), []
-    for i, m in enumerate(messages):
-        if m["role"] != "assistant":
-            continue
-        before, upto = render(messages[:i], True), render(messages[:i + 1], False)
-        if not (full.startswith(upto) and upto.startswith(before)):
-            raise DataError("the tokenizer's chat template renders earlier turns differently once later turns "
-                            "follow, so assistant tokens cannot be located",
-                            hint="use the built-in template: data.chat_template=chatml")
-        spans.append((len(before), len(upto)))
-    return full, spans
-
-
 def tokenize_spans(tok, text: str, spans: list[tuple[int, int]]) -> tuple[list[int], list[int]]:
     """Token ids of `text` and a 0/1 mask: 1 where a token overlaps one of `spans`."""
     hf = getattr(tok, "hf", None)
@@ -135,38 +111,26 @@ def tokenize_spans(tok, text: str, spans: list[tuple[int, int]]) -> tuple[list[i
     return ids, mask
 
 
-def messages_of(row: dict, where: str) -> list[dict] | None:
-    if "messages" in row:
-        msgs = row["messages"]
-    elif "conversations" in row:
-        msgs = [{"role": SHAREGPT_ROLES.get(m.get("from"), m.get("from")), "content": m.get("value")}
-                for m in row["conversations"]]
-    else:
-        return None
-    if not isinstance(msgs, list) or not all(isinstance(m, dict) and "role" in m and isinstance(m.get("content"), str)
-                                             for m in msgs):
-        raise DataError(f"{where}: messages must be a list of {{role, content}} objects with string content")
-    return msgs
-
-
 def encode_row(row: dict, tok, template: str | None, text_keys: list[str], where: str) -> tuple[list[int], list[int]]:
-    """One JSONL row -> (ids, loss mask)."""
-    msgs = messages_of(row, where)
-    if msgs is None:
+    """One JSONL row -> (ids, loss mask). Chat rows go through data/chat.py (roles, ShareGPT, templates, the
+    assistant spans), the one chat pipeline of trainbox; a fast tokenizer then maps the spans to tokens by
+    character offsets."""
+    if not is_chat_record(row):
         key = next((k for k in text_keys if isinstance(row.get(k), str)), None)
         if key is None:
             raise DataError(f"{where}: a row needs 'messages', 'conversations' or one of the text keys "
                             f"{text_keys} (found keys {sorted(row)[:8]})", hint="set data.text_key=[KEY]")
         ids = tok.encode(row[key]) + [tok.eot_id]
         return ids, [1] * len(ids)
+    msgs = messages_of(row, where)
     if template == "chatml":
-        text, spans = chatml(msgs)
+        chat = ChatTemplate(CHATML, "chatml")
     else:
-        hf = getattr(tok, "hf", None)
-        if hf is None or not getattr(hf, "chat_template", None):
+        chat = tokenizer_template(getattr(tok, "hf", None), tok.name)
+        if chat is None:
             raise DataError(f"{where}: chat data, but the tokenizer {tok.name} has no chat template",
                             hint="use the built-in one: data.chat_template=chatml")
-        text, spans = with_model_template(hf, msgs)
+    text, spans = render_spans(chat, msgs, where)
     return tokenize_spans(tok, text, spans)
 
 
