@@ -20,7 +20,7 @@ from trainbox.config import load_config
 from trainbox.data.loader import BatchPlan, TokenDataset
 from trainbox.model.spec import build_model, family
 from trainbox.train.distributed import Dist
-from trainbox.train.loop import Trainer, global_target_tokens, plan_length, train
+from trainbox.train.loop import Trainer, plan_length, train
 
 SEQ, VOCAB, GLOBAL = 16, 64, 8
 
@@ -70,7 +70,7 @@ def test_loss_normalised_over_global_batch_independent_of_world_and_accum():
     ref_loss = F.cross_entropy(logits.view(-1, VOCAB), targets.view(-1), ignore_index=-100)
     ref_loss.backward()
     ref = {n: -p.grad for n, p in model.named_parameters()}
-    assert global_target_tokens(plan, 1) == int(b["loss_mask"].sum())
+    assert plan.target_tokens(1) == int(b["loss_mask"].sum())
 
     one, loss1, _ = _step_update(ds, 1, 0, 2, state)              # 1 process, accumulation 4
     r0, l0, _ = _step_update(ds, 2, 0, 2, state)                  # 2 ranks, accumulation 2

@@ -101,6 +101,13 @@ class BatchPlan:
     def steps_per_epoch(self) -> int:
         return self.dataset.num_samples // self.global_batch
 
+    def target_tokens(self, step: int) -> int:
+        """Target tokens that carry loss in the global batch of `step` (the same number on every rank)."""
+        ds = self.dataset
+        if ds.masks is None:
+            return self.global_batch * ds.seq_len
+        return int(sum(int(ds.window(int(i))[1][1:].sum()) for i in self.global_indices(step)))
+
     def check_nonempty(self) -> None:
         if self.steps_per_epoch == 0:
             raise DataError(zero_steps_message(self.dataset.name, self.dataset.num_samples,

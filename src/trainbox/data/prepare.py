@@ -29,25 +29,21 @@ first text key's dataset.
 """
 from __future__ import annotations
 
-import collections
 import glob
-import multiprocessing as mp
 import os
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 import numpy as np
 
-from trainbox.data import formats
+from trainbox.data import formats, manifest
+from trainbox.data.encode import EncodePool
 from trainbox.data.readers import (
-    decode_utf8,
     first_record_is_chat,
     is_jsonl,
     list_input_files,
-    parse_json_line,
     splits_like_gpt2,
     work_items,
 )
@@ -86,113 +82,6 @@ class PrepareStats:
     seconds: float = 0.0
     files: list[str] = field(default_factory=list)
     masked: bool = False
-
-
-# ----------------------------------------------------------------------------- tokenizing (worker side)
-
-_WORKER: dict = {}
-
-
-def _init_worker(tokenizer_spec: str, chat_template: str | None, chat: bool, keys: list[str]) -> None:
-    from trainbox.data.tokenizer import get_tokenizer
-
-    _WORKER.update(tok=get_tokenizer(tokenizer_spec), chat=chat, keys=keys)
-    if chat:
-        from trainbox.data.chat import load_template
-        _WORKER["template"] = load_template(tokenizer_spec, chat_template)
-
-
-def _parse(entry: tuple) -> tuple:
-    if entry[0] == "json":
-        return parse_json_line(entry[1], entry[2], entry[3], _WORKER["keys"], _WORKER["chat"])
-    return "text", [decode_utf8(entry[1], entry[3], entry[4])], entry[2]
-
-
-def _encode_item(item: list) -> list | tuple:
-    """Parse and tokenize one work item -> per entry (starts_document, [ids per key], mask or None).
-
-    A DataError comes back as ("error", message, hint): exceptions lose their hint when pickled.
-    """
-    try:
-        return _encode_parsed([_parse(e) for e in item])
-    except DataError as e:
-        return ("error", e.message, e.hint)
-
-
-def _encode_parsed(item: list) -> list:
-    tok = _WORKER["tok"]
-    dtype = np.uint16 if tok.vocab_size <= 65536 else np.int32
-    out: list = [None] * len(item)
-    plain = [(i, e) for i, e in enumerate(item) if e[0] == "text"]
-    if plain:
-        flat = [t for _, e in plain for t in e[1]]
-        ids = _encode_texts(tok, flat)
-        j = 0
-        for i, e in plain:
-            k = len(e[1])
-            out[i] = (e[2], [np.asarray(x).astype(dtype, copy=False) for x in ids[j:j + k]], None)
-            j += k
-    for i, e in enumerate(item):
-        if e[0] == "chat":
-            from trainbox.data.chat import encode_chat
-            ids, mask = encode_chat(_WORKER["template"], tok, e[1], e[2])
-            out[i] = (True, [np.asarray(ids, dtype=dtype)], np.asarray(mask, dtype=np.uint8))
-    return out
-
-
-def _encode_texts(tok, texts: list[str]) -> list:
-    """Token ids of ordinary text (special-token strings are plain text, as in encode_ordinary)."""
-    enc = getattr(tok, "enc", None)
-    if enc is not None and hasattr(enc, "encode_to_numpy"):
-        # tiktoken straight into a numpy buffer: no Python int per token. With no special token allowed
-        # and none disallowed, `encode` is exactly `encode_ordinary`. A plain loop, not
-        # encode_ordinary_batch, which starts a thread pool per call: the parallelism is the processes.
-        return [enc.encode_to_numpy(t, allowed_special=set(), disallowed_special=()) for t in texts]
-    hf = getattr(tok, "tok", None)
-    if hf is not None and hasattr(hf, "encode_special_tokens"):
-        # `tokenizers` matches added tokens even in plain text; a literal "<|endoftext|>" in a web page must
-        # not become a document boundary, so special-token strings are encoded as text here (and the
-        # shared tokenizer is restored for chat rendering and other users).
-        before, hf.encode_special_tokens = hf.encode_special_tokens, True
-        try:
-            return [e.ids for e in hf.encode_batch(texts, add_special_tokens=False)]
-        finally:
-            hf.encode_special_tokens = before
-    return [tok.encode(t) for t in texts]
-
-
-class _Pool:
-    """Ordered, bounded map: at most `depth` items in flight (Pool.imap would read the whole input)."""
-
-    def __init__(self, workers: int, initargs: tuple):
-        self.pool = None
-        if workers > 1:
-            ctx = mp.get_context("fork" if sys.platform.startswith("linux") else "spawn")
-            self.pool = ctx.Pool(workers, initializer=_init_worker, initargs=initargs)
-        else:
-            _init_worker(*initargs)
-        self.depth = 2 * workers + 2
-
-    def map(self, items: Iterator) -> Iterator:
-        if self.pool is None:
-            for item, meta in items:
-                yield _encode_item(item), meta
-            return
-        pending: collections.deque = collections.deque()
-        for item, meta in items:
-            pending.append((self.pool.apply_async(_encode_item, (item,)), meta))
-            # hand on finished results at once (progress, and a slow input such as a pipe keeps flowing)
-            while pending and (len(pending) >= self.depth or pending[0][0].ready()):
-                res, m = pending.popleft()
-                yield res.get(), m
-        while pending:
-            res, m = pending.popleft()
-            yield res.get(), m
-
-    def close(self) -> None:
-        if self.pool is not None:
-            self.pool.terminate()
-            self.pool.join()
 
 
 # ----------------------------------------------------------------------------- writing
@@ -325,10 +214,10 @@ def existing_outputs(opts: PrepareOptions) -> list[Path]:
     """Files a prepare into `opts.out` would create or replace: its output names, the files its manifest
     lists (an interrupted commit's old and new ones), and the manifest itself, last."""
     found = {Path(p) for pat in _output_globs(opts) for p in glob.glob(pat)}
-    man = formats.manifest_path(opts.out)
+    man = manifest.manifest_path(opts.out)
     if man.is_file():
         try:
-            m = formats.read_manifest(man)
+            m = manifest.read_manifest(man)
         except DataError:
             m = {}
         names = [e["name"] for e in m.get("files", [])] + m.get("replaces", [])
@@ -338,7 +227,7 @@ def existing_outputs(opts: PrepareOptions) -> list[Path]:
 
 def _leftover_temporaries(opts: PrepareOptions) -> list[Path]:
     """`.partial` files of earlier prepares into `opts.out` that were killed."""
-    man = glob.escape(str(formats.manifest_path(opts.out)))
+    man = glob.escape(str(manifest.manifest_path(opts.out)))
     pats = [f"{p}.partial" for p in _output_globs(opts)] + [f"{man}.partial"]
     return sorted({Path(p) for pat in pats for p in glob.glob(pat)})
 
@@ -387,7 +276,7 @@ def prepare(opts: PrepareOptions, progress: Callable[[PrepareStats], None] | Non
                         hint="use --format megatron")
     stats = PrepareStats(masked=chat, total_bytes=_total_bytes(files))
     sinks = _make_sinks(opts, tok, chat)
-    pool = _Pool(opts.workers, (opts.tokenizer, opts.chat_template, chat, list(opts.text_keys)))
+    pool = EncodePool(opts.workers, (opts.tokenizer, opts.chat_template, chat, list(opts.text_keys)))
     start, last = time.perf_counter(), 0.0
     try:
         doc, split, content = -1, "train", 0
@@ -484,20 +373,20 @@ def _abort(sinks: dict) -> None:
 
 def _commit(outputs: list[tuple[Path, Path, int | None]], opts: PrepareOptions, tok) -> Path:
     """Put the new output set in place of the old one as a whole (module docstring); -> the manifest."""
-    man = formats.manifest_path(opts.out)
+    man = manifest.manifest_path(opts.out)
     new = {final for _, final, _ in outputs}
     old = [p for p in existing_outputs(opts) if p != man]
-    base = {"trainbox_prepare": 1, "out": man.name.removesuffix(formats.MANIFEST_SUFFIX), "format": opts.format,
+    base = {"trainbox_prepare": 1, "out": man.name.removesuffix(manifest.MANIFEST_SUFFIX), "format": opts.format,
             "tokenizer": opts.tokenizer, "vocab_size": tok.vocab_size,
             "files": [{"name": final.name, "bytes": tmp.stat().st_size, **({} if n is None else {"tokens": n})}
                       for tmp, final, n in outputs]}
-    formats.write_manifest(man, {**base, "state": "committing", "replaces": [p.name for p in old if p not in new]})
+    manifest.write_manifest(man, {**base, "state": "committing", "replaces": [p.name for p in old if p not in new]})
     for tmp, final, _ in outputs:
         os.replace(tmp, final)
     for stale in [p for p in old if p not in new] + _leftover_temporaries(opts):
         stale.unlink(missing_ok=True)
     formats.fsync_dir(man.parent.resolve())
-    formats.write_manifest(man, {**base, "state": "complete"})
+    manifest.write_manifest(man, {**base, "state": "complete"})
     return man
 
 

@@ -18,7 +18,7 @@ Loss masks (`.mask` beside a shard, `PREFIX_mask` beside a Megatron prefix) are 
 data.format (auto | shard | megatron | flat) picks the reader of every token file; data/formats.py gives the
 rule of each, and auto's detection by content. Raw and embedded inputs become shards (auto or shard only).
 The files of a `trainbox prepare` output set are read only when its manifest says the set is whole
-(formats.check_output_sets). Every token id is checked against the tokenizer's vocabulary (not the model's
+(manifest.check_output_sets). Every token id is checked against the tokenizer's vocabulary (not the model's
 padded one) when a dataset is opened for training.
 """
 from __future__ import annotations
@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from trainbox.config import DataSection
-from trainbox.data import formats
+from trainbox.data import formats, manifest
 from trainbox.data.formats import write_shard
 from trainbox.data.loader import TokenDataset, open_tokens
 from trainbox.data.tokenizer import Tokenizer
@@ -165,7 +165,7 @@ def resolve(cfg: DataSection, tokenizer: Tokenizer) -> tuple[list[Path], list[Pa
                             (f" (found: {', '.join(found)})" if found else ""),
                             hint="create them with `trainbox prepare INPUT --out PREFIX`, "
                                  "or use data.path=embedded:shakespeare")
-    formats.check_output_sets(train + val)
+    manifest.check_output_sets(train + val)
     return train, val
 
 
@@ -204,7 +204,7 @@ def check_vocab(arr: np.ndarray, path: Path, vocab_size: int, chunk: int = 1 << 
         if len(part) and int(part.max()) >= vocab_size:
             pos = start + int(np.argmax(part >= vocab_size))
             off = _byte_offset(path, arr, pos)
-            used = formats.prepared_with(path)
+            used = manifest.prepared_with(path)
             tok = f" of tokenizer {tokenizer}" if tokenizer else ""
             hint = (f"it was prepared with --tokenizer {used}; set data.tokenizer={used}" if used and used != tokenizer
                     else f"the data was tokenized with another tokenizer than {tokenizer or 'this one'}; set "

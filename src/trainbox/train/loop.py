@@ -33,18 +33,18 @@ import os
 import signal
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from trainbox import checkpoint, runs
 from trainbox.config import RunConfig, dump_yaml, public_dict
-from trainbox.data.loader import BatchPlan, to_device, unused_data
+from trainbox.data.loader import to_device, unused_data
 from trainbox.errors import CheckpointError, RunBusy, TrainboxError, TrainingFailed
 from trainbox.files import atomic_write_text, open_append
 from trainbox.model.spec import family
 from trainbox.monitor.console import ProgressBar, log
+from trainbox.monitor.meter import Meter
 from trainbox.monitor.sinks import build_sinks
 from trainbox.monitor.state import RunState
 from trainbox.train import resume
@@ -53,42 +53,6 @@ from trainbox.train.device import out_of_memory, peak_flops, resolve_device
 from trainbox.train.distributed import Dist
 from trainbox.train.evaluate import autocast_context, evaluate
 from trainbox.train.stop import STOP
-
-
-@dataclass
-class Meter:
-    """Throughput and ETA counted over this process's steps only (a resume starts a new meter)."""
-
-    tokens_per_step: int
-    first_step: int
-    t0: float = field(default_factory=time.time)
-    t_ready: float | None = None   # end of the first step (compilation excluded from rates)
-    step_ready: int = 0
-    last_t: float = 0.0
-    last_step: int = 0
-
-    def step_done(self, step: int) -> None:
-        if self.t_ready is None:
-            self.t_ready, self.step_ready = time.time(), step
-            self.last_t, self.last_step = self.t_ready, step
-
-    def window(self, step: int) -> tuple[float | None, float | None]:
-        """-> (tokens/s over the window since the last call, seconds per step since ready)."""
-        now = time.time()
-        tok_s = None
-        if step > self.last_step and self.t_ready is not None:
-            tok_s = (step - self.last_step) * self.tokens_per_step / max(now - self.last_t, 1e-9)
-            self.last_t, self.last_step = now, step
-        per_step = (now - self.t_ready) / (step - self.step_ready) if self.t_ready and step > self.step_ready else None
-        return tok_s, per_step
-
-
-def global_target_tokens(plan: BatchPlan, step: int) -> int:
-    """Target tokens that carry loss in the global batch of `step` (the same number on every rank)."""
-    ds = plan.dataset
-    if ds.masks is None:
-        return plan.global_batch * ds.seq_len
-    return int(sum(int(ds.window(int(i))[1][1:].sum()) for i in plan.global_indices(step)))
 
 
 class Trainer:
@@ -304,7 +268,7 @@ class Trainer:
             self.model.set_step(step, self.total)
         batches = self._device_batches(step)
         accum = len(batches)
-        scale = self.dist.world / max(1, global_target_tokens(self.plan, step))
+        scale = self.dist.world / max(1, self.plan.target_tokens(step))
         loss_sum = torch.zeros((), device=self.device)
         for k, b in enumerate(batches):
             x, y, mask = b["x"], b["y"], b.get("loss_mask")

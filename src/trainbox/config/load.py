@@ -1,0 +1,168 @@
+"""Loading a RunConfig: recipe name or YAML/JSON file -> dict -> dotted key=value overrides -> validated RunConfig,
+with one message per wrong key (the closest valid keys named) before any work starts."""
+from __future__ import annotations
+
+import difflib
+import json
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from trainbox.config.schema import RunConfig
+from trainbox.errors import ConfigError
+
+
+def recipe_names() -> list[str]:
+    return sorted(p.name[:-5] for p in resources.files("trainbox.recipes").iterdir() if p.name.endswith(".yaml"))
+
+
+MAX_CONFIG_NODES = 100_000  # values, lists and mappings in one config file, counted through YAML aliases
+
+
+def _check_size(data: Any, where: str) -> None:
+    """Refuse documents whose aliases expand past MAX_CONFIG_NODES (a YAML "billion laughs" would exhaust
+    memory in validation); the walk stops at the limit, so it costs at most that many visits."""
+    stack, seen = [data], 0
+    while stack:
+        node = stack.pop()
+        seen += 1
+        if seen > MAX_CONFIG_NODES:
+            raise ConfigError(f"{where} expands to more than {MAX_CONFIG_NODES:,} values (YAML aliases?); "
+                              "a run config is a few hundred", hint="write the config without nested aliases")
+        if isinstance(node, dict):
+            stack.extend(node.values())
+        elif isinstance(node, (list, tuple)):
+            stack.extend(node)
+
+
+def _read_file(path: Path) -> dict:
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
+    try:
+        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except (json.JSONDecodeError, yaml.YAMLError) as e:
+        raise ConfigError(f"{path} is not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} must hold a mapping of config sections, not {type(data).__name__}")
+    _check_size(data, str(path))
+    return data
+
+
+def load_source(source: str | None) -> dict:
+    """A recipe name (`tiny`), or a path to a YAML/JSON file. Returns the raw dict."""
+    source = source or "tiny"
+    path = Path(source)
+    if path.suffix in (".yaml", ".yml", ".json") or path.exists():
+        if not path.is_file():
+            raise ConfigError(f"config file {source} does not exist",
+                              hint=f"recipes: {', '.join(recipe_names())}")
+        data = _read_file(path)
+        if path.suffix == ".json" and _looks_like_training_arguments(data):
+            from trainbox.hfargs import map_training_arguments
+            data = map_training_arguments(data)
+        data.setdefault("recipe", path.stem)
+        return data
+    if source not in recipe_names():
+        close = difflib.get_close_matches(source, recipe_names(), n=3)
+        raise ConfigError(f"unknown recipe '{source}'" + (f"; did you mean {', '.join(close)}?" if close else ""),
+                          hint=f"recipes: {', '.join(recipe_names())}; or pass a path to a .yaml/.json file")
+    data = yaml.safe_load(resources.files("trainbox.recipes").joinpath(f"{source}.yaml").read_text()) or {}
+    data["recipe"] = source
+    return data
+
+
+def _looks_like_training_arguments(data: dict) -> bool:
+    return bool(data) and not (set(data) & set(RunConfig.model_fields)) and (
+        "model_name" in data or "per_device_train_batch_size" in data)
+
+
+def parse_value(text: str) -> Any:
+    """`key=value` values are YAML scalars/lists: 3 -> int, 1e-3 -> float, true -> bool, [a,b] -> list."""
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+    _check_size(value, f"the override value {text[:40]!r}")
+    return value
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override '{item}' is not of the form key=value",
+                              hint="e.g. trainbox train tiny train.max_steps=50 model.n_layer=2")
+        key, value = item.split("=", 1)
+        parts = key.strip().split(".")
+        node = data
+        for i, part in enumerate(parts[:-1]):
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                raise ConfigError(f"override '{key}': '{'.'.join(parts[:i + 1])}' is a value, not a section")
+            node = child
+        node[parts[-1]] = parse_value(value)
+    return data
+
+
+def _fields_at(loc: tuple) -> list[str]:
+    model: Any = RunConfig
+    for part in loc:
+        field = getattr(model, "model_fields", {}).get(part)
+        if field is None:
+            return []
+        model = field.annotation
+    return list(getattr(model, "model_fields", {}))
+
+
+def _format_error(err: ValidationError) -> str:
+    messages = []
+    for e in err.errors():
+        loc = tuple(str(p) for p in e["loc"])
+        key = ".".join(loc) or "config"
+        if e["type"] == "extra_forbidden":
+            valid = _fields_at(loc[:-1])
+            close = difflib.get_close_matches(loc[-1], valid, n=3, cutoff=0.5)
+            where = ".".join(loc[:-1])
+            msg = f"unknown config key '{key}'"
+            if close:
+                msg += f"; did you mean {', '.join((where + '.' if where else '') + c for c in close)}?"
+            else:
+                msg += f"; valid keys{' in ' + where if where else ''}: {', '.join(valid)}"
+        elif e["type"] == "value_error":  # our validators' messages name their keys and values
+            msg = str(e.get("ctx", {}).get("error") or e["msg"])
+        else:
+            got = e.get("input")
+            got_s = "" if isinstance(got, dict) else f" (got {got!r})"
+            msg = f"{key}: {e['msg']}{got_s}"
+        messages.append(msg)
+    return "; ".join(messages)
+
+
+def build_config(data: dict) -> RunConfig:
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_format_error(e), hint="trainbox config schema lists every key") from None
+
+
+def load_config(source: str | None = None, overrides: list[str] | tuple = ()) -> RunConfig:
+    """Recipe name or file, plus dotted overrides -> validated RunConfig."""
+    return build_config(apply_overrides(load_source(source), list(overrides)))
+
+
+def public_dict(cfg: RunConfig) -> dict:
+    """The config as JSON-able data with secrets masked (what config.yaml and checkpoints record)."""
+    data = cfg.model_dump(mode="json")
+    if data["monitor"].get("token"):
+        data["monitor"]["token"] = "***"
+    return data
+
+
+def dump_yaml(cfg: RunConfig) -> str:
+    return yaml.safe_dump(public_dict(cfg), sort_keys=False)
