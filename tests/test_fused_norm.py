@@ -213,7 +213,7 @@ print("ok")
 
 def test_models_register_the_ops_with_inductor():
     """Building a fused_norm model gives Inductor trainbox's custom ops as explicit fallbacks (in a fresh
-    process: a compile elsewhere in the session registers them implicitly). Left implicit, torch 2.11 rendered
+    process: a compile elsewhere in the session registers them implicitly). Left implicit, torch 2.11 renders
     the IR of each call's inputs as text while compiling; through the chain of these ops that text doubles per
-    layer and gpt2-125m never finished compiling (torch 2.13 renders it lazily, so the hang does not show here)."""
+    layer and gpt2-125m does not finish compiling (torch 2.13 renders it lazily, so no hang shows here)."""
     run_check_script(REGISTER_CHECK)
