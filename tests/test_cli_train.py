@@ -67,3 +67,17 @@ def test_generate_errors_on_missing_checkpoint(tmp_path):
 def test_nproc_flag_help_lists_examples():
     out = run_cli("train", "--help").stdout
     assert "examples:" in out and "trainbox train gpt2-125m" in out
+
+
+def test_nproc_picks_a_micro_batch_that_keeps_the_recipes_global_batch(tmp_path, data_cache):
+    """tiny's micro-batch equals its global batch (32): on 2 processes trainbox trains 16 x 1 x 2, says so once,
+    and refuses a given micro-batch that cannot hold with one message before any worker starts."""
+    small = ["model.n_layer=1", "model.n_head=2", "model.n_embd=32", "data.seq_len=32", "train.max_steps=2",
+             "train.eval_tokens=2048", "train.sample_tokens=0", "monitor.port=0", f"run.dir={tmp_path}",
+             f"data.cache_dir={data_cache}"]
+    proc = run_cli("train", "--nproc", "2", "tiny", *small)
+    assert proc.stderr.count("train.micro_batch_size=16 on 2 processes") == 1, proc.stderr
+    assert "global batch 32 = 16 x 1 accum x 2" in (tmp_path / "tiny" / "train.log").read_text()
+    bad = run_cli("train", "--nproc", "2", "tiny", *small, "train.micro_batch_size=12", "run.name=bad", check=False)
+    assert bad.returncode == 2 and bad.stderr.count("train.micro_batch_size=12 does not divide") == 1, bad.stderr
+    assert "launching" not in bad.stderr and not (tmp_path / "bad").exists()

@@ -115,3 +115,10 @@ def test_yaml_alias_bomb_is_refused_without_expanding(tmp_path):
         load_config(str(bomb))
     with pytest.raises(ConfigError, match="expands to more than"):   # the same as an override value
         load_config("tiny", ["train.threads={" + ", ".join(lines) + "}"])
+
+
+def test_an_option_that_names_a_config_key_points_at_the_dotted_form():
+    proc = run_cli("train", "tiny", "--max-steps", "5", check=False)
+    assert proc.returncode == 2 and "train.max_steps=5" in proc.stderr, proc.stderr
+    proc = run_cli("train", "--lr=0.1", check=False)
+    assert proc.returncode == 2 and "optim.lr=0.1" in proc.stderr, proc.stderr

@@ -1,6 +1,8 @@
 """Dense GPT <-> Hugging Face GPT2LMHeadModel: same logits both ways (transformers is the reference)."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from conftest import run_cli
@@ -77,6 +79,10 @@ def test_hf_to_train_to_export_round_trip(tiny, tmp_path):
             "train.eval_every=0", "run.name=parity")
     run = tmp_path / "runs" / "parity"
     run_cli("export", str(run), "--format", "hf", "--out", str(tmp_path / "hf_out"))
+    umask = os.umask(0)
+    os.umask(umask)   # an exported folder is for others: files get the umask's mode, not safetensors' 0600
+    assert {f.name: f.stat().st_mode & 0o777 for f in (tmp_path / "hf_out").iterdir()} == \
+        {f.name: 0o666 & ~umask for f in (tmp_path / "hf_out").iterdir()}
     hf_out = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf_out").eval()
     ours, tok, _ = load_for_inference(run)
     idx = torch.randint(0, 2048, (2, 32))

@@ -546,3 +546,38 @@ def test_gpu_fields_on_a_cuda_run(tmp_path, data_cache):
         assert prom["trainbox_gpu_memory_allocated_bytes"] > 0
     finally:
         run.stop()
+
+
+def test_a_busy_port_that_was_asked_for_is_an_error_and_the_default_moves(tmp_path):
+    """monitor.port given by the user and held by another process: one clear error (probes depend on it); the
+    default port moves to a free one with a warning."""
+    import socket as socketlib
+
+    from trainbox.config import load_config
+    from trainbox.errors import ConfigError
+    from trainbox.monitor.server import start_server
+    from trainbox.monitor.state import RunState
+
+    holder = socketlib.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    port = holder.getsockname()[1]
+    try:
+        asked = load_config("tiny", [f"monitor.port={port}"]).monitor
+        with pytest.raises(ConfigError, match=rf"monitor.port={port} on 127.0.0.1 is unavailable"):
+            start_server(RunState("r", tmp_path, 1), asked)
+    finally:
+        holder.close()
+    default = load_config("tiny").monitor   # port 8080, not asked for: made busy here unless it already is
+    busy = socketlib.socket()
+    try:
+        busy.bind(("127.0.0.1", default.port))
+        busy.listen()
+    except OSError:
+        pass
+    try:
+        server = start_server(RunState("r", tmp_path, 1), default)
+        assert not server.url.endswith(f":{default.port}")
+        server.stop()
+    finally:
+        busy.close()

@@ -26,6 +26,7 @@ from safetensors.torch import load_file, save_file
 
 from trainbox import checkpoint
 from trainbox.errors import CheckpointError, ConfigError
+from trainbox.files import default_modes
 
 SKIP_SUFFIXES = (".attn.bias", ".attn.masked_bias")  # causal-mask buffers of older transformers versions
 CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
@@ -174,6 +175,7 @@ def export_hf(run: str | Path, out: str | Path, force: bool = False) -> Path:
         write_tokenizer(tokenizer, cfg.data.tokenizer, tmp, block)
         if out.exists():
             shutil.rmtree(out)
+        default_modes(tmp)
         os.replace(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -270,4 +272,5 @@ def export_t5_cli(path: str, out: str, merge: bool = False, force: bool = False)
     if target.exists() and any(target.iterdir()) and not force:
         raise ConfigError(f"{target} exists and is not empty", hint="choose another --out or pass --force")
     to_hf(model, target, eos_token_id=tok.eot_id)
+    default_modes(target)
     return [f"wrote {target} (Hugging Face T5ForConditionalGeneration: config.json, model.safetensors)"]

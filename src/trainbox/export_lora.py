@@ -86,6 +86,8 @@ def export_lora_hf(path: str | Path, out: str | Path, merge: bool = False, force
 def export_cli(path: str, out: str, merge: bool = False, force: bool = False) -> list[str]:
     """`trainbox export` of a LoRA run: the PEFT adapter, or the model with the adapter merged (--merge)."""
     res = export_lora_hf(checkpoint.resolve(path), out, merge=merge, force=force)
+    from trainbox.files import default_modes
+    default_modes(Path(res["out"]))
     lines = [f"wrote {res['kind']} ({res['dtype']}) to {res['out']} from {res['checkpoint']}"]
     if not res["merged"]:
         lines.append(f"load it with: PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained({res['base']!r}), "

@@ -40,3 +40,13 @@ def open_append(path: Path, buffering: int = -1):
     """Open a text file for appending; refuses (OSError ELOOP) when `path` is a symbolic link."""
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     return os.fdopen(fd, "a", buffering=buffering, encoding="utf-8")
+
+
+def default_modes(folder: Path) -> None:
+    """Give every file under `folder` the mode a new file gets under the process umask (0644 under 022):
+    safetensors writes 0600, which a model folder meant for others must not keep."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for p in Path(folder).rglob("*"):
+        if p.is_file() and not p.is_symlink():
+            os.chmod(p, 0o666 & ~umask)

@@ -21,8 +21,36 @@ from trainbox.errors import TrainboxError
 # ----------------------------------------------------------------------------- parser
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a pointer to the dotted config key when an unknown --option names one (--max-steps 5 ->
+    train.max_steps=5)."""
+
+    def error(self, message: str):
+        if "unrecognized arguments:" in message:
+            words = message.split("unrecognized arguments:", 1)[1].split()
+            hints = [_config_key_for(w, words[i + 1] if i + 1 < len(words) else None) for i, w in enumerate(words)]
+            hints = [h for h in hints if h]
+            if hints:
+                message += "; config settings are dotted key=value arguments: " + " ".join(hints)
+        super().error(message)
+
+
+def _config_key_for(option: str, value: str | None) -> str | None:
+    if not option.startswith("--"):
+        return None
+    name, _, inline = option[2:].partition("=")
+    name = name.replace("-", "_")
+    from trainbox.config import RunConfig
+    for section, field in RunConfig.model_fields.items():
+        fields = getattr(field.annotation, "model_fields", {})
+        if name in fields:
+            v = inline or (value if value is not None and not value.startswith("--") else "VALUE")
+            return f"{section}.{name}={v}"
+    return None
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="trainbox", description="Train language models: data, pretraining, "
+    p = _Parser(prog="trainbox", description="Train language models: data, pretraining, "
                                 "fine-tuning, monitoring, deployment.")
     p.add_argument("--version", action="version", version=_version())
     sub = p.add_subparsers(dest="verb", required=True, metavar="VERB")

@@ -6,6 +6,8 @@ import os
 import sys
 from pathlib import Path
 
+from trainbox.errors import ConfigError
+
 
 def _env_int(name: str, default: int) -> int:
     value = os.environ.get(name)
@@ -29,7 +31,8 @@ def cmd_train(args) -> int:
         if report:
             print(report, file=sys.stderr)
     if args.nproc and args.nproc > 1 and "LOCAL_RANK" not in os.environ:
-        return _launch_torchrun(args, cfg)
+        extra = _micro_batch_for(cfg, args.nproc, args.overrides)
+        return _launch_torchrun(args, cfg, extra)
     from trainbox.runs import lock_run, unlock_run
 
     single = _env_int("WORLD_SIZE", 1) == 1
@@ -92,7 +95,34 @@ def _exit_worker() -> None:
     os._exit(0)
 
 
-def _launch_torchrun(args, cfg) -> int:
+def _micro_batch_for(cfg, nproc: int, overrides: list[str]) -> list[str]:
+    """The override that makes the global batch hold on `nproc` processes: when train.micro_batch_size was not
+    given on the command line, the largest micro-batch up to the recipe's own with global = micro x accumulation
+    x processes; a given one that cannot hold is refused here, once, before any worker starts."""
+    t = cfg.train
+    given = any(o.split("=", 1)[0].strip() == "train.micro_batch_size" for o in overrides)
+    per_rank, rem = divmod(t.global_batch_size, nproc)
+    if rem:
+        raise ConfigError(f"train.global_batch_size={t.global_batch_size} does not split over {nproc} processes",
+                          hint=f"use --nproc with a divisor of {t.global_batch_size}, or set "
+                               f"train.global_batch_size to a multiple of {nproc}")
+    if given:
+        if per_rank % t.micro_batch_size:
+            raise ConfigError(f"train.micro_batch_size={t.micro_batch_size} does not divide the "
+                              f"{per_rank} sequences per process of train.global_batch_size="
+                              f"{t.global_batch_size} over {nproc} processes",
+                              hint="drop train.micro_batch_size (trainbox then picks one that fits) or give a "
+                                   f"divisor of {per_rank}")
+        return []
+    micro = max(m for m in range(1, min(t.micro_batch_size, per_rank) + 1) if per_rank % m == 0)
+    if micro == t.micro_batch_size:
+        return []
+    print(f"train.micro_batch_size={micro} on {nproc} processes (the recipe's {t.micro_batch_size} does not divide "
+          f"the {per_rank} sequences per process); the global batch stays {t.global_batch_size}", file=sys.stderr)
+    return [f"train.micro_batch_size={micro}"]
+
+
+def _launch_torchrun(args, cfg, extra_overrides: list[str] = ()) -> int:
     """`trainbox train --nproc N ...` re-runs itself under torchrun (standalone rendezvous).
 
     torchrun runs in its own session, so a terminal Ctrl-C reaches only this launcher, which forwards
@@ -113,7 +143,7 @@ def _launch_torchrun(args, cfg) -> int:
     if "--shutdown-timeout" in known:
         extra.append(f"--shutdown-timeout={cfg.train.pg_timeout_s}")  # time for the ranks to save before SIGKILL
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}", *extra,
-           "-m", "trainbox", "train", *([args.recipe] if args.recipe else []), *args.overrides]
+           "-m", "trainbox", "train", *([args.recipe] if args.recipe else []), *args.overrides, *extra_overrides]
     print("launching: " + " ".join(cmd), file=sys.stderr)
     started = time.time()
     proc = subprocess.Popen(cmd, start_new_session=True)

@@ -201,6 +201,11 @@ class MonitorServer:
         except OSError as e:
             if cfg.port == 0:
                 raise
+            if "port" in cfg.model_fields_set:   # asked for by the user: probes and links depend on it
+                from trainbox.errors import ConfigError
+                raise ConfigError(f"monitor.port={cfg.port} on {cfg.host} is unavailable ({e.strerror})",
+                                  hint="stop what holds it, choose another monitor.port, or monitor.port=0 "
+                                       "for a free one") from None
             log.warning(f"monitor port {cfg.host}:{cfg.port} is unavailable ({e.strerror}); serving on a free port "
                         f"instead (set monitor.port to choose one)")
             self.httpd = _Server((cfg.host, 0), handler)
