@@ -69,3 +69,7 @@ class NoData(DataError):
     """The input holds nothing to work on (no documents, no tokens); nothing was written. A usage error."""
 
     exit_code = 2
+
+
+class RunNotRunning(TrainboxError):
+    """`trainbox stop` of a run with no live process here: stopped, crashed, failed, or on another host."""

@@ -68,7 +68,7 @@ def write_env(run_dir: Path, argv: list[str], device: torch.device, world: int, 
 
 LOCK_NAME = ".lock"
 RUN_FILES = (LOCK_NAME, "checkpoints", "superseded", "config.yaml", "env.json", "train.log", "metrics.jsonl",
-             "status.json", "samples.txt", "loss.png", "tensorboard")
+             "status.json", "samples.txt", "loss.png", "tensorboard", "console.log", "launcher.pid")
 REMOTE_STALE_SECONDS = 600.0  # lock files without kernel locks: another host's holder is gone after this quiet
 _held: dict[str, "RunLock"] = {}
 
@@ -374,3 +374,97 @@ def runs_table(infos: list[dict], now: float | None = None) -> list[list[str]]:
                      _ago(now - r["heartbeat"]) if r.get("heartbeat") else "-",
                      detail if len(detail) <= 70 else detail[:67] + "..."])
     return rows
+
+
+# ----------------------------------------------------------------------------- stopping a run
+#
+# `trainbox stop` signals the process that owns the run: for `trainbox train --nproc N` the launcher, which
+# records itself (and torchrun's pid, the leader of torchrun's own process group) in RUN/launcher.pid and
+# forwards the signal once to torchrun and so to every rank; otherwise the process named in status.json (a
+# single process, or rank 0 of a torchrun job started by hand, whose stop flag the ranks agree on at the next
+# step boundary), or, before status.json exists, the holder named in RUN/.lock.
+
+LAUNCHER_NAME = "launcher.pid"
+
+
+def write_launcher(run_dir: Path, torchrun_pid: int, started_at: float) -> None:
+    """RUN/launcher.pid for `trainbox stop`: this launcher's pid, host, start time and torchrun's pid."""
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
+    atomic_write_text(Path(run_dir) / LAUNCHER_NAME, json.dumps(
+        {"pid": os.getpid(), "host": socket.gethostname(), "started_at": started_at, "torchrun_pid": torchrun_pid}),
+        fsync=False)
+
+
+def clear_launcher(run_dir: Path) -> None:
+    """Remove RUN/launcher.pid when it names this process (the launch is over)."""
+    path = Path(run_dir) / LAUNCHER_NAME
+    if (_read_json(path) or {}).get("pid") == os.getpid():
+        path.unlink(missing_ok=True)
+
+
+def _live(record: dict | None) -> bool:
+    return bool(record and record.get("pid") and record.get("host") == socket.gethostname()
+                and pid_alive(int(record["pid"]), record.get("started_at")))
+
+
+def run_target(run_dir: Path) -> dict:
+    """The live process to signal for stopping `run_dir`: {"pid", "host", "started_at", "kind" ("launcher",
+    "process" or "starting"), "group" (a process group to SIGKILL with it, or None), "wait" (every pid whose
+    exit ends the run here)}.
+
+    Raises RunFinished (exit 0) for a finished run, RunNotRunning for a run with no live process here (naming
+    its state and last step) or one whose process runs on another host."""
+    from trainbox.errors import RunFinished, RunNotRunning
+
+    run_dir = Path(run_dir)
+    status = _read_json(run_dir / "status.json")
+    launcher = _read_json(run_dir / LAUNCHER_NAME)
+    holder = None
+    try:
+        holder = json.loads((run_dir / LOCK_NAME).read_text() or "null")
+    except (OSError, ValueError):
+        pass
+    waits = [r for r in (launcher, status, holder) if _live(r)]
+    wait = sorted({(int(r["pid"]), r.get("started_at")) for r in waits})
+    if _live(launcher):
+        return {**launcher, "kind": "launcher", "group": launcher.get("torchrun_pid"), "wait": wait}
+    info = run_info(run_dir) if status is not None else None
+    if info is not None and info["state"] in ("running", "stalled") and info.get("host") not in (
+            None, socket.gethostname()):
+        raise RunNotRunning(f"run {run_dir} runs on host {info['host']} (process {info.get('pid')}), not on "
+                            f"this host ({socket.gethostname()})",
+                            hint=f"run `trainbox stop {run_dir}` on {info['host']}, or "
+                                 f"kill -TERM {info.get('pid')} there")
+    if _live(status):  # running, or ending (a final status is written before the process exits)
+        return {"pid": int(status["pid"]), "host": status.get("host"), "started_at": status.get("started_at"),
+                "kind": "process", "group": None, "wait": wait}
+    if _live(holder):  # started, but status.json is not written yet (or is an earlier run's)
+        return {**holder, "kind": "starting", "group": None, "wait": wait}
+    if info is None:
+        raise RunNotRunning(f"run {run_dir} has no live process and no status.json: it never started here",
+                            hint=f"see its log: trainbox logs {run_dir}")
+    step = latest_checkpoint_step(run_dir)
+    where = f"step {info.get('step')}/{info.get('total_steps')}" + (
+        f", newest checkpoint at step {step}" if step is not None else ", no checkpoint")
+    if info["state"] == "finished":
+        raise RunFinished(f"run {run_dir} already finished ({where}); nothing to stop")
+    raise RunNotRunning(f"run {run_dir} is not running: {info['state']} ({where})",
+                        hint=f"continue it with the command that started it (trainbox logs {run_dir} shows why it "
+                             "ended)" if info["state"] != "running" else None)
+
+
+def latest_checkpoint_step(run_dir: Path) -> int | None:
+    from trainbox import checkpoint
+    ckpt = checkpoint.latest(Path(run_dir) / "checkpoints")
+    return checkpoint.step_of(ckpt) if ckpt is not None else None
+
+
+def wait_exit(pids: list[tuple[int, float | None]], timeout: float, poll_s: float = 0.2) -> bool:
+    """Poll until none of `pids` ((pid, started_at) pairs) is alive, at most `timeout` seconds; True if all
+    exited."""
+    deadline = time.monotonic() + max(0.0, timeout)
+    while any(pid_alive(p, t) for p, t in pids):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(poll_s)
+    return True

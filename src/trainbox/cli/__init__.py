@@ -14,7 +14,7 @@ import textwrap
 
 from trainbox.cli.data import cmd_data, cmd_inspect, cmd_prepare
 from trainbox.cli.epilogs import EPILOGS
-from trainbox.cli.ops import cmd_doctor, cmd_launch, cmd_logs, cmd_plot, cmd_runs, cmd_status
+from trainbox.cli.ops import cmd_attach, cmd_doctor, cmd_launch, cmd_logs, cmd_plot, cmd_runs, cmd_status, cmd_stop
 from trainbox.cli.train import cmd_config, cmd_export, cmd_generate, cmd_tokenizer, cmd_train
 from trainbox.errors import TrainboxError
 
@@ -63,6 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("recipe", nargs="?", help="recipe name or config file (.yaml/.json); default tiny")
     t.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.max_steps=50")
     t.add_argument("--nproc", type=int, default=None, help="start N processes through torchrun")
+    t.add_argument("--detach", action="store_true", help="run in the background, in its own session (output in "
+                   "RUN/train.log and RUN/console.log); prints the run directory, monitor URL and how to stop it")
     t.set_defaults(func=cmd_train)
 
     g = verb("generate", "sample text from a run or checkpoint")
@@ -184,6 +186,19 @@ def build_parser() -> argparse.ArgumentParser:
     lg.add_argument("-n", "--tail", type=int, default=None, help="only the last N lines")
     lg.add_argument("--root", default="runs", help="folder holding run directories (default runs)")
     lg.set_defaults(func=cmd_logs)
+
+    at = verb("attach", "follow a run's log until the run ends (Ctrl-C detaches; the run goes on)")
+    at.add_argument("run", help="run directory, or run name under --root")
+    at.add_argument("-n", "--tail", type=int, default=None, help="start with only the last N lines")
+    at.add_argument("--root", default="runs", help="folder holding run directories (default runs)")
+    at.set_defaults(func=cmd_attach)
+
+    sp = verb("stop", "stop a run gracefully: SIGTERM, a checkpoint at the next step, wait for the exit")
+    sp.add_argument("run", help="run directory, or run name under --root")
+    sp.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the exit (default 600)")
+    sp.add_argument("--now", action="store_true", help="SIGKILL when --timeout passes (at once with --timeout 0)")
+    sp.add_argument("--root", default="runs", help="folder holding run directories (default runs)")
+    sp.set_defaults(func=cmd_stop)
 
     st = verb("status", "health check of a run or a monitor URL (exit 0 healthy, 1 not)")
     st.add_argument("target", help="run directory, run name under --root, or http://HOST:PORT")

@@ -6,6 +6,8 @@ EPILOGS = {
           trainbox train                                   # recipe tiny on the embedded Shakespeare corpus
           trainbox train gpt2-125m data.path=data/fineweb train.max_steps=5000
           trainbox train --nproc 2 tiny train.max_steps=50 # two processes through torchrun
+          trainbox train tiny --detach                     # in the background: prints the run directory, the
+                                                           # monitor URL and the logs / attach / stop commands
           torchrun --nproc_per_node 8 --signals-to-handle SIGTERM,SIGINT,SIGUSR1 -m trainbox train gpt2-125m
                                                            # SIGUSR1 (Slurm --signal) also stops cleanly
         """,
@@ -76,6 +78,24 @@ EPILOGS = {
           trainbox logs tiny                               # runs/tiny/train.log
           trainbox logs runs/gpt2-125m -f                  # follow until the run ends
           trainbox logs tiny --tail 20
+        """,
+    "attach": """
+        prints train.log and follows it until the run ends (like `trainbox logs RUN -f`), then its state;
+        Ctrl-C leaves the run going.
+        examples:
+          trainbox attach tiny                             # runs/tiny, e.g. after `trainbox train tiny --detach`
+          trainbox attach runs/gpt2-125m --tail 20
+        """,
+    "stop": """
+        SIGTERM to the run's process (for `train --nproc N`, its launcher, which forwards it to every rank):
+        every rank saves a checkpoint at the next step boundary and exits; then waits (--timeout) and prints
+        "stopped at step N". The same train command resumes it. Exit status: 0 when stopped or already
+        finished; 1 when it is not running (crashed, failed or stopped before), still running after
+        --timeout, or runs on another host (stop it there).
+        examples:
+          trainbox stop tiny                               # runs/tiny: graceful, waits up to 600 s
+          trainbox stop runs/gpt2-125m --timeout 120 --now # SIGKILL if not gone after 120 s
+          trainbox stop tiny --now --timeout 0             # SIGKILL at once (resumes from the last checkpoint)
         """,
     "status": """
         exit status 0 when healthy (running with fresh progress, or finished), 1 otherwise, with one

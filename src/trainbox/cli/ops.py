@@ -1,4 +1,4 @@
-"""Verbs for operations: launch (compose / k8s / slurm / image), doctor, runs, logs, status, plot."""
+"""Verbs for operations: launch (compose / k8s / slurm / image), doctor, runs, logs, attach, stop, status, plot."""
 from __future__ import annotations
 
 import json
@@ -103,6 +103,90 @@ def cmd_logs(args) -> int:
             sys.stdout.flush()
     except (KeyboardInterrupt, BrokenPipeError):
         pass
+    return 0
+
+
+def cmd_attach(args) -> int:
+    """Follow a run's train.log until the run ends (Ctrl-C leaves the run going), then say how it ended."""
+    from trainbox.runs import follow_log, resolve_run, run_info
+
+    run_dir = resolve_run(args.run, Path(args.root))
+    try:
+        for line in follow_log(run_dir, True, args.tail):
+            sys.stdout.write(line)
+            sys.stdout.flush()
+    except KeyboardInterrupt:
+        print(f"detached from {run_dir}; the run goes on (trainbox stop {run_dir} stops it)", file=sys.stderr)
+        return 0
+    except BrokenPipeError:
+        return 0
+    try:
+        info = run_info(run_dir)
+        print(f"run {info['name']}: {info['state']} at step {info.get('step')}/{info.get('total_steps')}",
+              file=sys.stderr)
+    except TrainboxError:
+        pass
+    return 0
+
+
+def cmd_stop(args) -> int:
+    """SIGTERM to the run's process (a --nproc run's launcher), wait for it to exit, report the step it saved;
+    --now: SIGKILL after --timeout."""
+    import signal
+    import socket
+
+    from trainbox import checkpoint
+    from trainbox.runs import pid_alive, resolve_run, run_info, run_target, wait_exit
+
+    run_dir = resolve_run(args.run, Path(args.root))
+    target = run_target(run_dir)  # RunFinished (exit 0) / RunNotRunning (exit 1) when there is nothing to stop
+    pid = int(target["pid"])
+    what = {"launcher": "torchrun launcher", "process": "process", "starting": "starting process"}[target["kind"]]
+    graceful = not (args.now and args.timeout <= 0)
+    if graceful:
+        print(f"stopping {run_dir}: SIGTERM to {what} {pid} on {socket.gethostname()} (a checkpoint at the next "
+              "step boundary)", file=sys.stderr)
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    done = graceful and wait_exit(target["wait"], args.timeout)
+    if not done:
+        if not args.now:
+            print(f"{run_dir}: still running after {args.timeout:g} s (process {pid}); wait longer with "
+                  f"--timeout, or kill it with --now (no checkpoint of the current step)", file=sys.stderr)
+            return 1
+        print(f"killing {run_dir}: SIGKILL to {what} {pid}", file=sys.stderr)
+        group = target.get("group")
+        for p, started in target["wait"]:
+            if pid_alive(p, started):
+                try:
+                    os.kill(p, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        if group:
+            try:
+                os.killpg(int(group), signal.SIGKILL)  # torchrun and its workers (torchrun's own group)
+            except (ProcessLookupError, PermissionError):
+                pass
+        wait_exit(target["wait"], 10.0)
+    ckpt = checkpoint.latest(run_dir / "checkpoints")
+    step = checkpoint.step_of(ckpt) if ckpt is not None else None
+    try:
+        info = run_info(run_dir)
+        state, total = info["state"], info.get("total_steps")
+    except TrainboxError:
+        state, total = "stopped", None
+    if done and state == "finished":
+        print(f"finished at step {info.get('step')}/{total} before the stop took effect"
+              + (f"; checkpoint {ckpt}" if ckpt else ""))
+    elif done and step is not None:
+        print(f"stopped at step {step}" + (f"/{total}" if total else "") + f" ({state}); checkpoint {ckpt}")
+        print("continue with the command that started it (trainbox train ... resumes from the checkpoint)")
+    elif done:
+        print(f"stopped ({state}) before the first checkpoint; the same train command starts it again")
+    else:
+        print("killed; newest checkpoint: " + (f"step {step} ({ckpt})" if ckpt else "none"))
     return 0
 
 

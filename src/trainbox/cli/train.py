@@ -20,6 +20,8 @@ def _env_int(name: str, default: int) -> int:
 def cmd_train(args) -> int:
     from trainbox.config import load_config
 
+    if getattr(args, "detach", False) and "LOCAL_RANK" not in os.environ:
+        return _detach(args, load_config(args.recipe, args.overrides))
     if args.nproc is None or args.nproc <= 1 or "LOCAL_RANK" in os.environ:
         # from here a stop signal is kept for the loop, which acts on it before its first step
         from trainbox.train.stop import STOP
@@ -146,7 +148,10 @@ def _launch_torchrun(args, cfg, extra_overrides: list[str] = ()) -> int:
            "-m", "trainbox", "train", *([args.recipe] if args.recipe else []), *args.overrides, *extra_overrides]
     print("launching: " + " ".join(cmd), file=sys.stderr)
     started = time.time()
+    from trainbox.runs import clear_launcher, write_launcher
+
     proc = subprocess.Popen(cmd, start_new_session=True)
+    write_launcher(cfg.run_dir, proc.pid, started)  # `trainbox stop` signals this launcher, which forwards
     forwarded: list[int] = []
 
     def forward(signum, frame):
@@ -159,6 +164,7 @@ def _launch_torchrun(args, cfg, extra_overrides: list[str] = ()) -> int:
     finally:
         for s, h in old.items():
             signal.signal(s, h)
+        clear_launcher(cfg.run_dir)
     if forwarded and code != 0:
         status = cfg.run_dir / "status.json"
         try:   # written by this launch's rank 0, not left over from an earlier one
@@ -170,6 +176,61 @@ def _launch_torchrun(args, cfg, extra_overrides: list[str] = ()) -> int:
                   "to continue", file=sys.stderr)
             return 0
     return code
+
+
+DETACH_WAIT_S = 60.0  # how long `train --detach` waits for the new process's monitor URL
+
+
+def _detach(args, cfg) -> int:
+    """`trainbox train ... --detach`: the same command, without --detach, in a new session (no terminal: stdin
+    from /dev/null, its console output appended to RUN/console.log; the run's own log is RUN/train.log as
+    always). Prints the run directory, its monitor URL once status.json of the new process shows one (up to
+    DETACH_WAIT_S), and the commands to follow and stop it, then returns. A process that ends first (a busy or
+    finished run, a config error) has its exit status and last console lines passed on."""
+    import subprocess
+    import time
+
+    run_dir = cfg.run_dir
+    run_dir.mkdir(parents=True, exist_ok=True)
+    argv = [sys.executable, "-m", "trainbox", "train", *([args.recipe] if args.recipe else []), *args.overrides,
+            *([f"--nproc={args.nproc}"] if args.nproc else [])]
+    env = {k: v for k, v in os.environ.items() if k != "TRAINBOX_OVERRIDES"}  # already in args.overrides
+    env["PYTHONUNBUFFERED"] = "1"
+    console = run_dir / "console.log"
+    from trainbox.files import open_append
+
+    with open_append(console) as out:  # refuses a planted symbolic link
+        offset = out.tell()
+        started = time.time()
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=out, env=env,
+                                start_new_session=True, close_fds=True)
+    url, code = None, None
+    deadline = time.monotonic() + DETACH_WAIT_S
+    while time.monotonic() < deadline:
+        code = proc.poll()
+        if code is not None:
+            break
+        try:
+            s = json.loads((run_dir / "status.json").read_text())
+        except (OSError, ValueError):
+            s = {}
+        if (s.get("started_at") or 0) >= started - 1 and s.get("url"):
+            url = s["url"]
+            break
+        time.sleep(0.2)
+    if code is not None:  # ended before it served: say why, as the foreground command would have
+        with open(console, encoding="utf-8", errors="replace") as f:
+            f.seek(offset)
+            tail = f.read().splitlines()[-15:]
+        print("\n".join(tail), file=sys.stderr)
+        print(f"the detached run ended at once (exit {code}); its output is in {console}", file=sys.stderr)
+        return code
+    print(f"detached: process {proc.pid}, run directory {run_dir}")
+    print(f"monitor:  {url}" if url else f"monitor:  starting (no URL after {DETACH_WAIT_S:.0f} s; "
+          f"trainbox status {run_dir})")
+    print(f"follow:   trainbox logs {run_dir} -f    (or: trainbox attach {run_dir})")
+    print(f"stop:     trainbox stop {run_dir}       (saves a checkpoint; the same train command resumes)")
+    return 0
 
 
 # ----------------------------------------------------------------------------- generate

@@ -1,0 +1,173 @@
+"""Run management on real detached processes: `trainbox train --detach` returns at once with the run directory
+and the commands to follow and stop it, `trainbox runs` lists the detached run as running, `trainbox attach`
+follows it and returns when it ends, `trainbox stop` ends it with a checkpoint at the step it reports, and the
+same train command resumes it to the end; the same through `--nproc 2` (the launcher is what is stopped);
+stopping a run that is not running is refused with the reason.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from trainbox import checkpoint
+from trainbox.runs import pid_alive
+
+pytestmark = pytest.mark.faults
+
+# the tiny recipe with a smaller model and evaluation (as tests/test_faults_signals.py), long enough to stop
+SMALL = ["model.n_layer=1", "model.n_head=2", "model.n_embd=32", "data.seq_len=32", "train.global_batch_size=8",
+         "train.micro_batch_size=4", "train.eval_tokens=8192", "train.sample_tokens=0", "monitor.port=0",
+         "train.threads=1", "train.max_steps=800"]
+ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+
+
+def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "trainbox", *args], capture_output=True, text=True, env=ENV,
+                          timeout=timeout)
+
+
+def _train_args(root: Path, cache: Path, *extra: str) -> list[str]:
+    return ["train", "tiny", *SMALL, f"run.dir={root}", f"data.cache_dir={cache}", *extra]
+
+
+def _status(run: Path) -> dict:
+    try:
+        return json.loads((run / "status.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _wait_for_step(run: Path, step: int, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        s = _status(run)
+        if s.get("phase") == "training" and (s.get("step") or 0) >= step:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"{run} did not reach step {step}: {_status(run)}")
+
+
+def _detach(root: Path, cache: Path, *extra: str) -> tuple[Path, str]:
+    t0 = time.monotonic()
+    p = _cli(*_train_args(root, cache, *extra), "--detach")
+    took = time.monotonic() - t0
+    assert p.returncode == 0, p.stdout + p.stderr
+    run = root / "tiny"
+    assert f"run directory {run}" in p.stdout
+    assert re.search(r"monitor:\s+http://127\.0\.0\.1:\d+", p.stdout), p.stdout
+    assert f"trainbox logs {run} -f" in p.stdout and f"trainbox attach {run}" in p.stdout
+    assert f"trainbox stop {run}" in p.stdout
+    assert took < 45, f"--detach took {took:.1f} s"
+    return run, p.stdout
+
+
+def _assert_stopped_at_checkpoint(run: Path, out: str) -> int:
+    m = re.search(r"stopped at step (\d+)", out)
+    assert m, out
+    step = int(m.group(1))
+    ckpt = checkpoint.latest(run / "checkpoints")
+    assert ckpt is not None and checkpoint.step_of(ckpt) == step, (ckpt, out)
+    checkpoint.verify(ckpt)
+    s = _status(run)
+    assert s["phase"] == "preempted" and s["step"] == step, s
+    return step
+
+
+def test_detach_runs_attach_stop_resume(tmp_path, data_cache):
+    root = tmp_path / "runs"
+    run, _ = _detach(root, data_cache)
+    pid = int(_status(run).get("pid") or 0)
+    assert pid and pid != os.getpid()
+
+    listed = _cli("runs", str(root))
+    assert listed.returncode == 0
+    row = next(line for line in listed.stdout.splitlines() if line.startswith("tiny "))
+    assert row.split()[1] == "running", listed.stdout
+
+    attach = subprocess.Popen([sys.executable, "-m", "trainbox", "attach", str(run)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=ENV)
+    _wait_for_step(run, 40)
+    stop = _cli("stop", str(run), "--timeout", "60")
+    assert stop.returncode == 0, stop.stdout + stop.stderr
+    step = _assert_stopped_at_checkpoint(run, stop.stdout)
+    assert 40 <= step < 800
+    assert not pid_alive(pid), f"process {pid} still runs after trainbox stop"  # (a zombie counts as gone)
+
+    out, err = attach.communicate(timeout=30)  # attach returns by itself once the run has ended
+    assert attach.returncode == 0, err
+    assert "received SIGTERM" in out and f"preempted at step {step}" in err, (out[-500:], err)
+
+    again = _cli("stop", str(run))  # stopped already: nothing to stop, and why
+    assert again.returncode == 1 and "is not running: preempted" in again.stderr, again.stderr
+
+    resumed = _cli(*_train_args(root, data_cache), timeout=180)  # the same command resumes to the end
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
+    assert re.search(rf"resuming from \S+step_0*{step} at step {step}\b", (run / "train.log").read_text())
+    assert _status(run)["phase"] == "finished" and _status(run)["step"] == 800
+    finished = _cli("stop", "tiny", "--root", str(root))
+    assert finished.returncode == 0 and "already finished" in finished.stderr, finished.stderr
+
+
+def test_detach_nproc_stops_through_the_launcher(tmp_path, data_cache):
+    root = tmp_path / "runs"
+    run, _ = _detach(root, data_cache, "--nproc", "2")
+    launcher = json.loads((run / "launcher.pid").read_text())
+    assert launcher["host"] == socket.gethostname() and launcher["pid"] != _status(run)["pid"]
+    _wait_for_step(run, 20)
+    stop = _cli("stop", str(run), "--timeout", "90")
+    assert stop.returncode == 0, stop.stdout + stop.stderr
+    assert f"torchrun launcher {launcher['pid']}" in stop.stderr
+    _assert_stopped_at_checkpoint(run, stop.stdout)
+    assert not (run / "launcher.pid").exists()  # the launcher removes it as it ends
+    assert "stopped on SIGTERM with a checkpoint" in (run / "console.log").read_text()
+
+
+def _fake_run(root: Path, name: str, **status) -> Path:
+    run = root / name
+    run.mkdir(parents=True)
+    now = time.time()
+    (run / "status.json").write_text(json.dumps({"run_name": name, "step": 7, "total_steps": 10, "started_at": now,
+                                                 "heartbeat": now, **status}))
+    return run
+
+
+def test_stop_refuses_runs_that_are_not_running_here(tmp_path, capsys):
+    from trainbox.cli import main
+
+    def stop(*args: str) -> tuple[int, str]:
+        code = main(["stop", *args])
+        return code, capsys.readouterr().err
+
+    root = tmp_path / "runs"
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    crashed = _fake_run(root, "crashed", phase="training", pid=dead.pid, host=socket.gethostname())
+    code, err = stop(str(crashed))
+    assert code == 1 and "is not running: crashed" in err, err
+
+    elsewhere = _fake_run(root, "elsewhere", phase="training", pid=1234, host="another-host")
+    code, err = stop(str(elsewhere))
+    assert code == 1 and "runs on host another-host" in err and "not on this host" in err, err
+
+    _fake_run(root, "done", phase="finished", pid=dead.pid, host=socket.gethostname(), step=10)
+    code, err = stop("done", "--root", str(root))
+    assert code == 0 and "already finished" in err, err
+
+    code, err = stop("nothing", "--root", str(root))
+    assert code == 1 and "no run 'nothing'" in err, err
+
+
+def test_help_of_the_new_verbs_has_examples():
+    for verb in ("stop", "attach"):
+        p = _cli(verb, "--help")
+        assert p.returncode == 0 and "examples:" in p.stdout and f"trainbox {verb} tiny" in p.stdout
+    p = _cli("train", "--help")
+    assert "--detach" in p.stdout and "trainbox train tiny --detach" in p.stdout
