@@ -91,7 +91,7 @@ def test_cli_config_errors_exit_2_without_traceback(tmp_path):
 def test_cli_config_show_and_schema():
     shown = run_cli("config", "show", "tiny", "train.max_steps=3").stdout
     assert "max_steps: 3" in shown and "family: gpt" in shown
-    schema = json.loads(run_cli("config", "schema").stdout)
+    schema = json.loads(run_cli("config", "schema", "--json").stdout)
     assert "train" in schema["properties"] and "TrainSection" in json.dumps(schema)
 
 

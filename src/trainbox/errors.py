@@ -60,9 +60,9 @@ def require(package: str, extra: str, what: str) -> None:
 class MissingDependency(TrainboxError):
     """An optional extra is needed (transformers, peft, bitsandbytes, wandb, ...)."""
 
-    def __init__(self, package: str, extra: str, what: str):
+    def __init__(self, package: str, extra: str, what: str, hint: str | None = None):
         super().__init__(f"{what} needs the Python package '{package}', which is not installed",
-                         hint=f"pip install 'trainbox[{extra}]'")
+                         hint=hint or f"pip install 'trainbox[{extra}]'")
 
 
 class NoData(DataError):

@@ -4,7 +4,7 @@ One figure, two panels: loss against optimizer steps and against training tokens
 with different batch sizes or sequence lengths fairly). Training loss is a solid line, validation loss
 a dashed line with markers, one colour per run. A resumed run appends to metrics.jsonl and may log some
 steps twice (those after its last checkpoint); the later value wins, as it is the one the run kept.
-Needs matplotlib (`pip install 'trainbox[plot]'`), imported only here and only when plotting.
+matplotlib is a core dependency, imported only here and only when plotting.
 """
 from __future__ import annotations
 
@@ -60,7 +60,9 @@ def _pyplot():
     try:
         import matplotlib
     except ImportError:
-        raise MissingDependency("matplotlib", "plot", "plotting loss curves") from None
+        raise MissingDependency("matplotlib", "plot", "plotting loss curves",
+                                hint="pip install 'matplotlib>=3.7' (a trainbox dependency: "
+                                     "this environment lost it)") from None
     matplotlib.use("Agg")  # files only: no display needed (containers, CI)
     import matplotlib.pyplot as plt
     return plt

@@ -14,7 +14,17 @@ import textwrap
 
 from trainbox.cli.data import cmd_data, cmd_inspect, cmd_prepare
 from trainbox.cli.epilogs import EPILOGS
-from trainbox.cli.ops import cmd_attach, cmd_doctor, cmd_launch, cmd_logs, cmd_plot, cmd_runs, cmd_status, cmd_stop
+from trainbox.cli.ops import (
+    cmd_attach,
+    cmd_dashboard,
+    cmd_doctor,
+    cmd_launch,
+    cmd_logs,
+    cmd_plot,
+    cmd_runs,
+    cmd_status,
+    cmd_stop,
+)
 from trainbox.cli.train import cmd_config, cmd_export, cmd_generate, cmd_tokenizer, cmd_train
 from trainbox.errors import TrainboxError
 
@@ -89,6 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = verb("config", "show, validate or describe the config")
     c.add_argument("action", choices=["show", "schema", "validate"])
+    c.add_argument("--json", action="store_true", help="schema: the JSON Schema instead of the list of keys")
     c.add_argument("source", nargs="?", help="recipe name or config file")
     c.add_argument("overrides", nargs="*")
     c.set_defaults(func=cmd_config)
@@ -211,6 +222,14 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--out", default="loss.png", help="PNG to write (default loss.png)")
     pl.add_argument("--root", default="runs", help="folder holding run directories (default runs)")
     pl.set_defaults(func=cmd_plot)
+
+    db = verb("dashboard", "serve a run's dashboard from its files (a finished run, or one on another machine)")
+    db.add_argument("run", help="run directory, or run name under --root")
+    db.add_argument("--port", type=int, default=None, help="port (default 8080, or a free one when it is busy; "
+                    "0: a free one)")
+    db.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    db.add_argument("--root", default="runs", help="folder holding run directories (default runs)")
+    db.set_defaults(func=cmd_dashboard)
     return p
 
 

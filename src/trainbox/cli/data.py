@@ -50,8 +50,19 @@ def cmd_prepare(args) -> int:
           f"{st.tokens / secs:,.0f} tokens/s" + ("; loss mask on assistant tokens" if st.masked else ""))
     for f in st.files:
         print(f"  {f}")
-    print(f"train on it with: trainbox train data.path={args.out} data.tokenizer={args.tokenizer}")
+    print(f"train on it with: {train_hint(args.out, args.tokenizer)}")
     return 0
+
+
+def train_hint(out: str, tokenizer: str) -> str:
+    """The `trainbox train` command for data written to `out`: a run of its own, named after `out` (the
+    default run, tiny, would resume, or refuse data it was not started on)."""
+    import re
+    import shlex
+
+    name = re.sub(r"[^A-Za-z0-9._-]+", "-", Path(out).name).lstrip("._-")[:128] or "data"
+    return " ".join(shlex.quote(a) for a in ("trainbox", "train", f"data.path={out}", f"data.tokenizer={tokenizer}",
+                                             f"run.name={name}"))
 
 
 def cmd_inspect(args) -> int:

@@ -29,7 +29,8 @@ EPILOGS = {
     "config": """
         examples:
           trainbox config show tiny train.max_steps=50     # the resolved config as YAML
-          trainbox config schema                           # JSON schema of every key
+          trainbox config schema                           # every key: type, default, description
+          trainbox config schema --json                    # the JSON Schema
           trainbox config validate my_run.yaml             # exit 2 with the offending key if invalid
         """,
     "prepare": """
@@ -109,5 +110,12 @@ EPILOGS = {
         examples:
           trainbox plot runs/tiny                          # writes loss.png in the current folder
           trainbox plot runs/a runs/b --out compare.png    # train and val loss vs steps and vs tokens
+        """,
+    "dashboard": """
+        the same page and endpoints (/status /history /metrics /health) as a live run's monitor, filled
+        from the run's status.json and metrics.jsonl and refreshed when they change; Ctrl-C stops it.
+        examples:
+          trainbox dashboard tiny                          # http://127.0.0.1:8080/ (a free port if busy)
+          trainbox dashboard runs/wider --port 8090
         """,
 }

@@ -1,4 +1,5 @@
-"""Verbs for operations: launch (compose / k8s / slurm / image), doctor, runs, logs, attach, stop, status, plot."""
+"""Verbs for operations: launch (compose / k8s / slurm / image), doctor, runs, logs, attach, stop, status, plot,
+dashboard."""
 from __future__ import annotations
 
 import json
@@ -211,4 +212,59 @@ def cmd_plot(args) -> int:
 
     out = plot_runs([resolve_run(r, Path(args.root)) for r in args.runs], Path(args.out))
     print(f"wrote {out}")
+    return 0
+
+
+def cmd_dashboard(args) -> int:
+    """Serve a run's dashboard from its files (metrics.jsonl, status.json) with the live run's server and
+    page; the files are read again when they change, so a run still training elsewhere stays current."""
+    import time
+
+    import yaml
+
+    from trainbox.config.schema import MonitorSection
+    from trainbox.monitor.server import start_server
+    from trainbox.monitor.state import RunState
+    from trainbox.runs import resolve_run
+
+    run_dir = resolve_run(args.run, Path(args.root))
+    try:
+        mon = (yaml.safe_load((run_dir / "config.yaml").read_text()) or {}).get("monitor") or {}
+    except (OSError, yaml.YAMLError):
+        mon = {}
+    settings = {"host": args.host, "log_every": int(mon.get("log_every") or 1),
+                "stall_seconds": mon.get("stall_seconds")}
+    if args.port is not None:  # asked for: a busy port is an error; by default 8080, else a free one
+        settings["port"] = args.port
+    cfg = MonitorSection(**settings)
+    state = RunState(run_dir.name, run_dir)
+    files = [run_dir / "status.json", run_dir / "metrics.jsonl"]
+
+    def stamp() -> list:
+        out = []
+        for f in files:
+            try:
+                st = f.stat()
+                out.append((st.st_mtime_ns, st.st_size))
+            except OSError:  # not written yet, or being replaced
+                out.append(None)
+        return out
+
+    seen = stamp()
+    state.load_files(run_dir)
+    server = start_server(state, cfg)
+    snap = state.snapshot()
+    print(f"dashboard of {run_dir} ({snap['phase']}, step {snap['step']}/{snap['total_steps']}): {server.url}/ "
+          f"(Ctrl-C to stop)", flush=True)
+    try:
+        while True:
+            time.sleep(2.0)
+            now = stamp()
+            if now != seen:
+                seen = now
+                state.load_files(run_dir)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.stop()
     return 0

@@ -282,7 +282,10 @@ def cmd_config(args) -> int:
     from trainbox.config import RunConfig, dump_yaml, load_config
 
     if args.action == "schema":
-        print(json.dumps(RunConfig.model_json_schema(), indent=1))
+        if args.json:
+            print(json.dumps(RunConfig.model_json_schema(), indent=1))
+        else:
+            _print_keys()
         return 0
     cfg = load_config(args.source, args.overrides)
     if args.action == "show":
@@ -290,6 +293,25 @@ def cmd_config(args) -> int:
     else:
         print(f"{args.source or 'tiny'}: valid")
     return 0
+
+
+def _print_keys() -> None:
+    """`config schema`: one line per key (dotted name, type, default, description), grouped by section."""
+    from trainbox.config.schema import describe_keys
+
+    rows = describe_keys()
+    kw = max(len(r[0]) for r in rows)
+    tw = min(32, max(len(r[1]) for r in rows))
+    dw = min(24, max(len(r[2]) for r in rows))
+    print("every config key: set one with a dotted override (trainbox train tiny train.max_steps=50) or in a "
+          "recipe file;\n`trainbox config show RECIPE` prints a recipe's values, --json the JSON Schema")
+    section = None
+    for key, type_s, default, desc in rows:
+        top = key.split(".")[0] if "." in key else ""
+        if top != section:
+            section = top
+            print(f"\n{top or 'top level'}:")
+        print(f"  {key:<{kw}}  {type_s:<{tw}}  = {default:<{dw}}  {desc}".rstrip())
 
 
 # ----------------------------------------------------------------------------- tokenizer

@@ -76,8 +76,8 @@ class WandbSink:
 
 
 class LossPlotSink:
-    """Writes loss.png from metrics.jsonl when the run ends (finished, failed or preempted). Needs the
-    `plot` extra; without matplotlib the run says so once and carries on."""
+    """Writes loss.png from metrics.jsonl when the run ends (finished, failed or preempted). matplotlib is a
+    core dependency; an environment without it gets one line saying so, and the run carries on."""
 
     def __init__(self, run_dir: Path):
         self.run_dir = run_dir

@@ -75,6 +75,37 @@ class RunState:
         with self._lock:
             return [p for p in self.history if p.get("step", 0) >= since]
 
+    def load_files(self, run_dir: Path) -> None:
+        """Replace the state with what `run_dir` holds: status.json's snapshot, and history points from
+        metrics.jsonl's train and eval events (the points the live run's add_point made; a step logged twice
+        by a resumed run keeps its later value). For `trainbox dashboard` on a finished or remote run."""
+        run_dir = Path(run_dir)
+        try:
+            status = json.loads((run_dir / "status.json").read_text())
+        except (OSError, ValueError):
+            status = {}
+        points: dict[tuple[str, int], dict] = {}
+        try:
+            lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+        except OSError:
+            lines = []
+        for line in lines:
+            try:
+                ev = json.loads(line)
+            except ValueError:  # a line cut short by a crash
+                continue
+            kind, step = ev.get("event"), ev.get("step")
+            if not isinstance(step, int):
+                continue
+            keys = {"train": ("loss", "lr", "tokens_per_s", "tokens"), "eval": ("val_loss", "tokens")}.get(kind)
+            if keys and ev.get(keys[0]) is not None:
+                points[(kind, step)] = {"step": step, **{k: ev[k] for k in keys if ev.get(k) is not None}}
+        with self._lock:
+            self._s.update({k: v for k, v in status.items() if k in self._s})
+            self.history = []
+        for _, point in sorted(points.items(), key=lambda kv: (kv[0][1], kv[0][0] == "eval")):
+            self.add_point(point)
+
     def write_status(self, path: Path) -> None:
         """Write the snapshot to status.json atomically (temp name + rename)."""
         atomic_write_text(path, json.dumps(self.snapshot(), indent=1, default=str), fsync=False)
