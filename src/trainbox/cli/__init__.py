@@ -271,7 +271,12 @@ def _stdout_closed() -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, rest = parser.parse_known_args(argv)
+    # overrides may also follow an option (`train tiny --detach train.max_steps=5`): argparse leaves those over
+    if rest and hasattr(args, "overrides") and all("=" in r and not r.startswith("-") for r in rest):
+        args.overrides = [*args.overrides, *rest]
+    elif rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     _split_overrides(args)
     # TRAINBOX_OVERRIDES (set by the container images: monitor.host=0.0.0.0) come before the command line's
     env_overrides = shlex.split(os.environ.get("TRAINBOX_OVERRIDES", ""))
