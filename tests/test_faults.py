@@ -184,7 +184,7 @@ def test_gpu_out_of_memory_names_the_micro_batch_and_what_to_do(tiny):
     which setting to lower, not a raw allocator traceback."""
     cfg = _cfg(tiny, "run.name=oom", "data.tokenizer=gpt2", "data.seq_len=1024",
                "train.global_batch_size=512", "train.micro_batch_size=512", "train.max_steps=1",
-               "train.device=cuda")
+               "train.device=cuda", "train.memory_check=false")   # the pre-flight check would refuse it
     with pytest.raises(TrainingFailed, match=r"out of memory in step 1 at train.micro_batch_size=512") as err:
         train(cfg)
     assert "lower train.micro_batch_size (e.g. 256)" in err.value.hint

@@ -165,6 +165,11 @@ def recipe_checks(cfg: RunConfig) -> list[Check]:
     """What this run needs; `fail` when it is missing here."""
     out = []
     gpu = torch.cuda.is_available()
+    if cfg.requires_gpu and cfg.train.device == "auto" and not gpu:
+        name = cfg.recipe or "this config"
+        out.append(Check("needs_gpu", "fail", f"{name} is made for a GPU (requires_gpu) and no GPU is visible",
+                         f"run on a GPU machine, or try it small on this CPU: trainbox train {name} train.device=cpu "
+                         "train.compile=false train.micro_batch_size=4 data.seq_len=256"))
     if cfg.train.device.startswith("cuda") and not gpu:
         out.append(Check("needs_gpu", "fail", f"train.device={cfg.train.device} but no GPU is visible",
                          "run on a GPU machine, or set train.device=auto"))

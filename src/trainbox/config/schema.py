@@ -228,6 +228,9 @@ class TrainSection(Section):
     sample_prompt: str = "\n"
     threads: int | None = Field(None, ge=1, description="CPU threads (default: all cores)")
     peak_tflops: float | None = Field(None, gt=0, description="per-device peak for MFU (default: from the GPU name)")
+    memory_check: bool = Field(True, description="before the model is built, refuse a run whose estimated memory "
+                                                 "(train/memory.py: weights, gradients, optimizer state, activations, "
+                                                 "logits) exceeds what the device has free")
 
 
 class MonitorSection(Section):
@@ -266,6 +269,8 @@ class RunConfig(Section):
     """The whole run. `trainbox config schema` lists its keys (describe_keys); `--json` prints the JSON schema."""
 
     recipe: str | None = Field(None, description="recipe this config came from")
+    requires_gpu: bool = Field(False, description="the recipe is made for a GPU: without one it is refused unless "
+                                                  "train.device=cpu is given (then the memory check decides)")
     run: RunSection = Field(default_factory=RunSection)
     data: DataSection = Field(default_factory=DataSection)
     model: ModelSection = Field(default_factory=ModelSection)

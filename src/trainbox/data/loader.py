@@ -110,8 +110,10 @@ class BatchPlan:
 
     def check_nonempty(self) -> None:
         if self.steps_per_epoch == 0:
-            raise DataError(zero_steps_message(self.dataset.name, self.dataset.num_samples,
-                                               self.dataset.seq_len, self.global_batch))
+            d = self.dataset
+            longest = max((len(a) for a in d.arrays), default=0)
+            raise DataError(zero_steps_message(d.name, d.num_samples, d.seq_len, self.global_batch,
+                                               tokens=d.num_tokens, longest=longest))
 
     def permutation(self, epoch: int) -> np.ndarray:
         if epoch != self._perm_epoch:
@@ -166,9 +168,16 @@ def unused_data(dataset: TokenDataset, global_batch: int) -> tuple[int, int, str
     return tails, skipped, f"{dataset.name}: not trained on: " + "; ".join(parts)
 
 
-def zero_steps_message(name: str, samples: int, seq_len: int, global_batch: int) -> str:
-    return (f"{name}: {samples} samples of {seq_len} tokens is fewer than one global batch of {global_batch} "
-            f"sequences, so an epoch has 0 steps. Add more data, or lower train.global_batch_size "
+def zero_steps_message(name: str, samples: int, seq_len: int, global_batch: int, tokens: int | None = None,
+                       longest: int | None = None) -> str:
+    if samples == 0:   # not one window: the sequence length is the setting to change
+        held = f" holds {tokens:,} tokens" + (f" (the longest file {longest:,})" if longest is not None else "") \
+            if tokens is not None else " holds"
+        at_most = f" (at most {longest - 1} here)" if longest and longest > 8 else ""
+        return (f"{name}: the training data{held}, fewer than one sample of data.seq_len={seq_len} (+1) tokens, "
+                f"so an epoch has 0 steps. Lower data.seq_len{at_most}, or add more training data")
+    return (f"{name}: {samples} samples of data.seq_len={seq_len} tokens is fewer than one global batch of "
+            f"{global_batch} sequences, so an epoch has 0 steps. Add more data, or lower train.global_batch_size "
             f"(at most {samples}) or data.seq_len")
 
 

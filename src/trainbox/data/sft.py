@@ -77,9 +77,25 @@ class HFModelTokenizer:
         return [0 if i in special else len(p.encode("utf-8")) for i, p in enumerate(pieces)]
 
 
+# a local folder holds a tokenizer when it has one of these (vocab.json and merges.txt together)
+TOKENIZER_FILES = (("tokenizer.json",), ("tokenizer_config.json",), ("vocab.json", "merges.txt"), ("tokenizer.model",))
+
+
+def check_tokenizer_folder(spec: str) -> None:
+    """Refuse a local folder without tokenizer files: transformers would read it as an empty tokenizer (every
+    text encodes to no tokens)."""
+    folder = Path(spec).expanduser()
+    if folder.is_dir() and not any(all((folder / f).is_file() for f in group) for group in TOKENIZER_FILES):
+        looked = ", ".join(" + ".join(g) for g in TOKENIZER_FILES)
+        raise DataError(f"{folder} has no tokenizer files (looked for {looked})",
+                        hint="copy the model's tokenizer files into the folder (save_pretrained of its tokenizer "
+                             "writes them), or point data.tokenizer at a folder or hub id that has them")
+
+
 def load_hf_tokenizer(spec: str) -> HFModelTokenizer:
     """A model's tokenizer from a hub id or a folder (tokenizer.json, tokenizer_config.json, ...)."""
     from trainbox.errors import require
+    check_tokenizer_folder(spec)
     require("transformers", "finetune", "the tokenizer of a Hugging Face model")
     from transformers import AutoTokenizer
     try:

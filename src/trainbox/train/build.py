@@ -13,6 +13,7 @@ import torch.nn as nn
 
 from trainbox.config import RunConfig
 from trainbox.data.loader import BatchPlan
+from trainbox.errors import DataError
 from trainbox.kernels.choice import KernelPlan, choose
 from trainbox.model.spec import (
     adapt_datasets,
@@ -56,7 +57,20 @@ def build_data(cfg: RunConfig, dist: Dist) -> RunData:
     plan = BatchPlan(train, cfg.train.global_batch_size, cfg.train.micro_batch_size, dist.world, dist.rank,
                      cfg.run.seed)
     plan.check_nonempty()
+    check_validation(val)   # evaluation runs at the end of every run that has validation data
     return RunData(cfg, tokenizer, vocab, train, val, plan, plan_length(cfg, plan))
+
+
+def check_validation(val) -> None:
+    """Refuse validation data without one complete sample at data.seq_len now, not after training."""
+    if val is None or getattr(val, "num_samples", 1) > 0:
+        return
+    longest = max((len(a) for a in val.arrays), default=0)
+    raise DataError(f"{val.name}: the validation data holds {val.num_tokens:,} tokens (the longest file "
+                    f"{longest:,}), fewer than one sample of data.seq_len={val.seq_len} (+1) tokens, so the run "
+                    "could not be evaluated",
+                    hint=(f"lower data.seq_len (at most {longest - 1} here), or " if longest > 8 else "")
+                    + "give more validation data (data.val_path, or a larger input to prepare)")
 
 
 @dataclass

@@ -1,8 +1,9 @@
 """The device a run trains on: which one, in which dtype, what the config asks of it, and its peak FLOP/s.
 
 Everything here fails before any work with a ConfigError that names the setting (a bf16 run on a CPU,
-an FP8 head without FP8 tensor cores), except a CUDA out-of-memory, which can only show in a step and
-is turned into one TrainingFailed that says which setting to lower.
+an FP8 head without FP8 tensor cores, a GPU recipe on a machine without one), except an out-of-memory in a
+step or an evaluation (CUDA's, or a CPU allocation that fails), which is turned into one TrainingFailed
+that says which setting to lower. The memory a run needs is checked before that, in train/memory.py.
 """
 from __future__ import annotations
 
@@ -25,6 +26,8 @@ def resolve_device(cfg: RunConfig, dist: Dist) -> tuple[torch.device, torch.dtyp
     matmuls as plain ones under model.fp8_fallback); `cfg` itself is never changed."""
     want = cfg.train.device
     if want == "auto":
+        if cfg.requires_gpu and not torch.cuda.is_available():
+            raise gpu_recipe_on_cpu(cfg)
         want = "cuda" if torch.cuda.is_available() else "cpu"
     if want.startswith("cuda"):
         if not torch.cuda.is_available():
@@ -69,11 +72,36 @@ def peak_flops(cfg: RunConfig, device: torch.device) -> float | None:
     return next((v * 1e12 for k, v in PEAK_TFLOPS.items() if k in name), None)
 
 
+def gpu_recipe_on_cpu(cfg: RunConfig) -> ConfigError:
+    name = cfg.recipe or "this config"
+    return ConfigError(
+        f"{name} is made for a GPU (requires_gpu) and no CUDA GPU is visible on this machine",
+        hint=f"run it on a GPU machine (`trainbox doctor {name}` says what is missing), or try it small on this CPU: "
+             f"trainbox train {name} train.device=cpu train.compile=false train.micro_batch_size=4 data.seq_len=256 "
+             "(and model.n_layer / model.n_embd to shrink the model); the memory check then says whether it fits")
+
+
+# the messages of a CPU allocation that fails (c10's DefaultCPUAllocator; "not enough memory" on Windows)
+CPU_OOM = ("DefaultCPUAllocator: can't allocate memory", "not enough memory")
+
+
+def is_out_of_memory(e: BaseException) -> bool:
+    """A CUDA out-of-memory, or a CPU allocation that failed."""
+    return isinstance(e, torch.cuda.OutOfMemoryError) or (
+        isinstance(e, RuntimeError) and any(m in str(e) for m in CPU_OOM))
+
+
 def out_of_memory(e: Exception, step: int, micro_batch: int, device: torch.device,
-                  last_checkpoint: Path | None) -> TrainingFailed:
+                  last_checkpoint: Path | None, during: str = "step") -> TrainingFailed:
+    if device.type == "cuda":
+        what, peak = "GPU out of memory", torch.cuda.max_memory_allocated(device)
+    else:
+        import resource
+        what, peak = "out of memory (RAM)", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return TrainingFailed(
-        f"GPU out of memory in step {step} at train.micro_batch_size={micro_batch} "
-        f"(peak {torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB): {str(e).splitlines()[0]}",
+        f"{what} in {during} {step} at train.micro_batch_size={micro_batch} "
+        f"(peak {peak / 2**30:.1f} GiB): {str(e).splitlines()[0]}",
         hint=f"lower train.micro_batch_size (e.g. {max(1, micro_batch // 2)}): the global batch and the maths of a "
-             "step stay the same, only the accumulation grows; "
+             "step stay the same, only the accumulation grows; or lower data.seq_len, set "
+             "train.activation_checkpointing=full, or train a smaller model; "
              f"the last good checkpoint is {last_checkpoint or 'none'}")

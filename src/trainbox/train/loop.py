@@ -49,9 +49,10 @@ from trainbox.monitor.sinks import build_sinks
 from trainbox.monitor.state import RunState
 from trainbox.train import resume
 from trainbox.train.build import build_data, build_model_side, plan_length  # noqa: F401 - plan_length: tests
-from trainbox.train.device import out_of_memory, peak_flops, resolve_device
+from trainbox.train.device import is_out_of_memory, out_of_memory, peak_flops, resolve_device
 from trainbox.train.distributed import Dist
 from trainbox.train.evaluate import autocast_context, evaluate
+from trainbox.train.memory import check_memory
 from trainbox.train.stop import STOP
 
 
@@ -96,6 +97,7 @@ class Trainer:
         cfg = self.cfg = data.cfg
         self.tokenizer, self.vocab, self.train_data, self.val_data = data.tokenizer, data.vocab, data.train, data.val
         self.plan, self.total = data.plan, data.total
+        check_memory(cfg, self.vocab, self.device, self.dtype)   # before any weight is allocated
         trainer_state = {}
         if self.resume_from is not None:   # checked before any model is built
             trainer_state = checkpoint.load_trainer(self.resume_from)
@@ -221,7 +223,9 @@ class Trainer:
                 break
             try:
                 loss, grad_norm, lr = self.train_step(step)
-            except torch.cuda.OutOfMemoryError as e:
+            except RuntimeError as e:   # torch.cuda.OutOfMemoryError is one; a CPU allocation failure is another
+                if not is_out_of_memory(e):
+                    raise
                 raise out_of_memory(e, step + 1, cfg.train.micro_batch_size, self.device,
                                     checkpoint.latest(self.ckpt_root)) from None
             step += 1
@@ -358,9 +362,15 @@ class Trainer:
         if self.token_bytes is None:
             pad = [0] * (self.vocab - self.tokenizer.vocab_size)
             self.token_bytes = torch.tensor(self.tokenizer.token_bytes() + pad, dtype=torch.int32, device=self.device)
-        res = evaluate(self.forward if not self.cfg.train.compile else self.model, self.val_data,
-                       self.cfg.train.eval_tokens, self.cfg.train.micro_batch_size, self.token_bytes,
-                       self.device, self.autocast, self.dist)
+        try:
+            res = evaluate(self.forward if not self.cfg.train.compile else self.model, self.val_data,
+                           self.cfg.train.eval_tokens, self.cfg.train.micro_batch_size, self.token_bytes,
+                           self.device, self.autocast, self.dist)
+        except RuntimeError as e:
+            if not is_out_of_memory(e):
+                raise
+            raise out_of_memory(e, step, self.cfg.train.micro_batch_size, self.device,
+                                checkpoint.latest(self.ckpt_root), during="the evaluation after step") from None
         res["step"] = step
         if self.dist.is_main:
             self.sinks.log("eval", **res, tokens=self.tokens_seen)

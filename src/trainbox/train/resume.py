@@ -29,11 +29,11 @@ from trainbox.files import atomic_write_text
 from trainbox.monitor.console import log
 
 # keys that never change what a step computes
-RUNTIME = ("recipe", "run.name", "run.dir", "run.resume", "run.init_from", "monitor.", "data.cache_dir",
-           "data.num_workers", "train.device", "train.threads", "train.pg_timeout_s", "train.sample_tokens",
-           "train.sample_prompt", "train.compile", "train.peak_tflops", "train.eval_every", "train.eval_tokens",
-           "train.checkpoint_every", "train.keep_last", "train.activation_checkpointing", "train.micro_batch_size",
-           "lora.gradient_checkpointing")
+RUNTIME = ("recipe", "requires_gpu", "run.name", "run.dir", "run.resume", "run.init_from", "monitor.",
+           "data.cache_dir", "data.num_workers", "train.device", "train.threads", "train.pg_timeout_s",
+           "train.sample_tokens", "train.sample_prompt", "train.compile", "train.peak_tflops", "train.memory_check",
+           "train.eval_every", "train.eval_tokens", "train.checkpoint_every", "train.keep_last",
+           "train.activation_checkpointing", "train.micro_batch_size", "lora.gradient_checkpointing")
 # keys whose new value applies from the resumed step on
 APPLIED = ("optim.", "train.max_steps", "train.max_tokens", "train.epochs", "train.dtype", "model.dropout",
            "model.moe.lb_loss_weight", "model.moe.z_loss_weight", "model.moe.jitter_eps",
