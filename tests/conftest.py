@@ -54,3 +54,15 @@ def run_check_script(code: str, env: dict | None = None, timeout: float = 300) -
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, **(env or {})})
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stdout + proc.stderr
+
+
+def load_benchmark(name: str):
+    """Import benchmarks/NAME.py (with benchmarks/ on sys.path, for its `common` module)."""
+    import importlib.util
+    bench = REPO / "benchmarks"
+    sys.path.insert(0, str(bench))
+    spec = importlib.util.spec_from_file_location(name, bench / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module   # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module

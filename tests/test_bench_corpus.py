@@ -3,7 +3,6 @@ small generated folder: which files count, their order, the token streams and th
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import os
 import random
@@ -13,20 +12,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import load_benchmark
 
 REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "benchmarks"
 ASSETS = REPO / "src" / "trainbox" / "assets"
 EOT = 50256
-
-
-def load(name: str):
-    sys.path.insert(0, str(BENCH))
-    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module   # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
 
 
 def gpt2():
@@ -113,7 +104,7 @@ def test_build_follows_the_recipe(tree, tmp_path, train_cap, max_doc):
     """val then train from the shuffled unique files, each document EOT-first, the train stream stopped after the
     document that reaches its cap (or at the last file), shards of shard_tokens with the remainder in the last,
     the same streams as nanoGPT's flat files, and their sha256 in stats.json."""
-    make_corpus = load("make_corpus")
+    make_corpus = load_benchmark("make_corpus")
     want_val, want_train = expected(tree, train_cap=train_cap, val_cap=1500, max_doc=max_doc)
     stats = make_corpus.build(tmp_path, [str(tree)], train_tokens=train_cap, val_tokens=1500, shard_tokens=1000,
                               max_doc_tokens=max_doc, workers=1)
@@ -139,7 +130,7 @@ def test_build_follows_the_recipe(tree, tmp_path, train_cap, max_doc):
 def test_cli_checks_another_build(tree, tmp_path):
     """The command line with --roots and two workers builds the same streams as build() in one process, and
     --check-against prints a record saying so (exit 0)."""
-    make_corpus = load("make_corpus")
+    make_corpus = load_benchmark("make_corpus")
     make_corpus.build(tmp_path / "a", [str(tree)], 2500, 1500, 1000, 0, 1)
     proc = subprocess.run([sys.executable, str(BENCH / "make_corpus.py"), "--roots", str(tree), "--out",
                            str(tmp_path / "b"), "--train-tokens", "2500", "--val-tokens", "1500", "--shard-tokens",

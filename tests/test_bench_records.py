@@ -3,13 +3,13 @@ the benchmarks' imports, and docs/performance.md as benchmarks/report.py writes 
 from __future__ import annotations
 
 import ast
-import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import load_benchmark
 
 REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "benchmarks"
@@ -17,20 +17,11 @@ RECORDS = BENCH / "records"
 DOC = REPO / "docs" / "performance.md"
 
 
-def load(name: str):
-    sys.path.insert(0, str(BENCH))
-    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module   # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.parametrize("path", sorted(RECORDS.iterdir()), ids=lambda p: p.name)
 def test_record_fits_the_schema(path):
     """Every file is a JSON record with exactly the schema's fields and types, named DATE-HARDWARE-WHAT.json after
     its own date, GPU and slug; a superseded record names a record that exists."""
-    common = load("common")
+    common = load_benchmark("common")
     assert path.suffix == ".json", f"{path.name}: records are single JSON files"
     record = json.loads(path.read_text())
     assert common.validate(record, path.name) == []
@@ -39,7 +30,7 @@ def test_record_fits_the_schema(path):
 
 
 def test_schema_refuses_old_shapes_and_names(tmp_path):
-    common = load("common")
+    common = load_benchmark("common")
     old = {"date": "2026-11-26", "gpu": "NVIDIA H100 80GB HBM3", "command": "python benchmarks/x.py",
            "result": {"step_ms": 1.0}}
     problems = common.validate(old)
@@ -64,7 +55,7 @@ def test_schema_refuses_old_shapes_and_names(tmp_path):
 
 def test_parity_tools_read_their_records():
     """The per-seed runs kept in records are what loss_parity.py and step_parity.py --results read."""
-    loss_parity, step_parity, common = load("loss_parity"), load("step_parity"), load("common")
+    loss_parity, step_parity, common = (load_benchmark(n) for n in ("loss_parity", "step_parity", "common"))
     runs = loss_parity.read_results([str(RECORDS / "2026-11-27-h100-gpt2-125m-loss-parity.json"),
                                      str(RECORDS / "2026-11-27-2xh200-gpt2-125m-loss-parity.json")])
     assert [r["who"] for r in runs].count("trainbox") == 7 and [r["who"] for r in runs].count("nanogpt") == 6

@@ -271,7 +271,7 @@ def test_second_run_on_a_run_directory_is_refused_and_a_stale_lock_is_taken(root
 def test_a_lock_holder_is_seen_from_another_thread_of_the_same_host(tmp_path):
     """The lock is the kernel's: a second open file description is refused while the first holds it."""
     from trainbox.errors import RunBusy
-    from trainbox.runs import RunLock
+    from trainbox.lock import RunLock
     a = RunLock(tmp_path / "r").acquire()
     errors = []
 

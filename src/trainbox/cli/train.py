@@ -35,7 +35,7 @@ def cmd_train(args) -> int:
     if args.nproc and args.nproc > 1 and "LOCAL_RANK" not in os.environ:
         extra = _micro_batch_for(cfg, args.nproc, args.overrides)
         return _launch_torchrun(args, cfg, extra)
-    from trainbox.runs import lock_run, unlock_run
+    from trainbox.lock import lock_run, unlock_run
 
     single = _env_int("WORLD_SIZE", 1) == 1
     if single:  # refused at once when another run holds the folder; under torchrun rank 0 locks in the trainer

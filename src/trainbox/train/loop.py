@@ -42,6 +42,7 @@ from trainbox.config import RunConfig, dump_yaml, public_dict
 from trainbox.data.loader import to_device, unused_data
 from trainbox.errors import CheckpointError, RunBusy, TrainboxError, TrainingFailed
 from trainbox.files import atomic_write_text, open_append
+from trainbox.lock import RunLock, lock_run, unlock_run
 from trainbox.model.spec import family
 from trainbox.monitor.console import ProgressBar, log
 from trainbox.monitor.meter import Meter
@@ -71,7 +72,7 @@ class Trainer:
         self.pin = self.device.type == "cuda"   # page-locked host batches: the H2D copy runs asynchronously
         self.family = family(cfg.model.family)
         # set by setup(), from the config (train/build.py) and the checkpoint resumed from (train/resume.py)
-        self.lock: runs.RunLock | None = None
+        self.lock: RunLock | None = None
         self.resume_from: Path | None = None
         self.tokenizer = self.train_data = self.val_data = self.plan = None
         self.vocab = self.total = self.start_step = self.tokens_seen = 0
@@ -117,11 +118,11 @@ class Trainer:
         self._setup_run_files(trainer_state)
 
     def _lock_run_dir(self) -> None:
-        """Rank 0 holds the run directory for the run's life (runs.RunLock); every rank fails if it cannot."""
+        """Rank 0 holds the run directory for the run's life (RunLock); every rank fails if it cannot."""
         busy = None
         if self.dist.is_main:
             try:
-                self.lock = runs.lock_run(self.run_dir)
+                self.lock = lock_run(self.run_dir)
             except TrainboxError as e:
                 busy = e
         if self.dist.any(busy is not None):
@@ -203,7 +204,7 @@ class Trainer:
                 self.server.stop()
             self.dist.shutdown(graceful)
             if self.lock is not None:
-                runs.unlock_run(self.run_dir)
+                unlock_run(self.run_dir)
 
     def _run(self) -> dict:
         cfg, d = self.cfg, self.dist
