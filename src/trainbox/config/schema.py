@@ -53,6 +53,8 @@ class MoESection(Section):
     z_loss_weight: float = Field(0.0, ge=0)
     jitter_eps: float = Field(0.0, ge=0)
     every: int = Field(1, ge=1, description="every k-th block's MLP is an MoE FFN")
+    expert_parallel: int = Field(1, ge=1, description="split the experts over this many ranks (all-to-all "
+                                                      "dispatch); 1 = every rank holds every expert")
 
     @model_validator(mode="after")
     def _top_k_le_experts(self) -> "MoESection":
@@ -218,6 +220,11 @@ class TrainSection(Section):
     checkpoint_every: int = Field(1000, ge=0, description="0 = only at epoch ends and the end")
     keep_last: int = Field(3, ge=1)
     compile: bool = False
+    parallel: Literal["ddp", "fsdp"] = Field(
+        "ddp", description="ddp: every rank holds the whole model; fsdp: parameters, gradients and optimizer "
+                           "state sharded over the ranks of a node (FSDP2), replicated across nodes (HSDP)")
+    reshard_after_forward: bool = Field(True, description="fsdp: free gathered parameters after each block's "
+                                                          "forward (less memory, one more all-gather)")
     activation_checkpointing: Literal["none", "selective", "full"] = Field(
         "none", description="recompute in the backward to save memory: selective = keep matmul and attention "
                             "outputs, recompute the elementwise ops; full = keep only each block's input")
