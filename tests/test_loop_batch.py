@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from trainbox.config import load_config
 from trainbox.data.loader import BatchPlan, TokenDataset
 from trainbox.model.spec import build_model, family
+from trainbox.parallel.ddp import DataParallel
 from trainbox.train.distributed import Dist
 from trainbox.train.loop import Trainer, plan_length, train
 
@@ -46,8 +47,9 @@ def _step_update(ds, world, rank, micro, model_state, step=1) -> tuple[dict[str,
     model.load_state_dict(model_state)
     t = Trainer.__new__(Trainer)
     cfg.optim.grad_clip, cfg.optim.warmup_steps, cfg.optim.schedule = 0.0, 0, "constant"
-    t.cfg, t.dist, t.device, t.pin, t.ddp = cfg, Dist(rank=rank, world=world), torch.device("cpu"), False, None
+    t.cfg, t.dist, t.device, t.pin = cfg, Dist(rank=rank, world=world), torch.device("cpu"), False
     t.model, t.forward, t.total, t.family, t._prefetched = model, model, 10, family(cfg.model.family), None
+    t.parallel = DataParallel(model, Dist(), t.device)   # one process: the model as it is
     t.autocast = lambda: torch.autocast("cpu", enabled=False)
     t.plan = BatchPlan(ds, GLOBAL, micro, world, rank, seed=5)
     opt = torch.optim.SGD(model.parameters(), lr=1.0)

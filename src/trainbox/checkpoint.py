@@ -19,6 +19,7 @@ and checksums, so a truncated, overwritten or bit-flipped file is found before a
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -38,6 +39,8 @@ from trainbox.files import atomic_write_text, fsync_dir
 
 STEP_RE = re.compile(r"^step_(\d{8,})$")
 FILES = ("model.safetensors", "optimizer.pt", "trainer.json", "rng.pt")
+SHARDED_DIR = "state"   # torch.distributed.checkpoint folder of a sharded checkpoint: weights and optimizer state
+SHARDED_FILES = (f"{SHARDED_DIR}/.metadata", "trainer.json", "rng.pt")
 DISK_ERRNOS = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
 
 
@@ -108,14 +111,27 @@ def sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def files_of(ckpt: Path) -> list[str]:
+    """Every file of a checkpoint folder but COMPLETE, as paths relative to it (sharded: `state/...`)."""
+    return sorted(str(p.relative_to(ckpt)) for p in ckpt.rglob("*") if p.is_file() and p.name != "COMPLETE")
+
+
+def is_sharded(ckpt: Path) -> bool:
+    """A checkpoint written by torch.distributed.checkpoint (train.parallel=fsdp): `state/` instead of
+    model.safetensors + optimizer.pt."""
+    return (ckpt / SHARDED_DIR / ".metadata").is_file()
+
+
 def write_manifest(ckpt: Path, step: int) -> None:
     """Write COMPLETE: the step and each file's size and sha256, as the files are now (fsynced)."""
     from concurrent.futures import ThreadPoolExecutor
-    with ThreadPoolExecutor(len(FILES)) as pool:   # hashlib releases the GIL: the files hash side by side
-        digests = dict(zip(FILES, pool.map(lambda f: sha256(ckpt / f), FILES)))
-    files = {f: {"bytes": (ckpt / f).stat().st_size, "sha256": digests[f]} for f in FILES}
+    names = files_of(ckpt)
+    with ThreadPoolExecutor(min(8, len(names))) as pool:   # hashlib releases the GIL: the files hash side by side
+        digests = dict(zip(names, pool.map(lambda f: sha256(ckpt / f), names)))
+    files = {f: {"bytes": (ckpt / f).stat().st_size, "sha256": digests[f]} for f in names}
+    layout = "sharded" if is_sharded(ckpt) else "single"
     with open(ckpt / "COMPLETE", "w") as out:
-        out.write(json.dumps({"step": step, "files": files}, indent=1) + "\n")
+        out.write(json.dumps({"step": step, "layout": layout, "files": files}, indent=1) + "\n")
         out.flush()
         os.fsync(out.fileno())
 
@@ -126,10 +142,11 @@ def verify(ckpt: Path) -> None:
     try:
         manifest = json.loads((ckpt / "COMPLETE").read_text())
         files, step = manifest["files"], int(manifest["step"])
+        required = SHARDED_FILES if manifest.get("layout") == "sharded" else FILES
     except (OSError, ValueError, KeyError, TypeError):
         raise CheckpointError(f"{ckpt / 'COMPLETE'} is missing or not a checkpoint manifest (JSON with each "
                               f"file's size and sha256): the checkpoint cannot be verified") from None
-    for name in FILES:
+    for name in required:
         if name not in files:
             raise CheckpointError(f"{ckpt / 'COMPLETE'} lists no {name}: the checkpoint cannot be verified")
     for name, want in files.items():
@@ -166,20 +183,41 @@ def newest_verified(ckpt_root: Path) -> tuple[Path | None, list[tuple[Path, str]
 def save(ckpt_root: Path, step: int, weights: dict[str, torch.Tensor], optimizers: list, trainer: dict,
          rngs: list[dict], keep_last: int, protect: Path | None = None) -> Path:
     """Write one checkpoint atomically, point `latest` at it, keep the newest `keep_last`."""
-    ckpt_root.mkdir(parents=True, exist_ok=True)
-    name = f"step_{step:08d}"
-    final, tmp = ckpt_root / name, ckpt_root / f".tmp-{name}"
-    shutil.rmtree(tmp, ignore_errors=True)
+    tmp = staging_dir(ckpt_root, step)
     try:
-        tmp.mkdir()
         save_file(weights, str(tmp / "model.safetensors"), metadata={"step": str(step)})
         torch.save([o.state_dict() for o in optimizers], tmp / "optimizer.pt")
-        torch.save(rngs, tmp / "rng.pt")
-        (tmp / "trainer.json").write_text(json.dumps(trainer, indent=1, default=str))
-        for f in FILES:
+        write_small(tmp, trainer, rngs)
+    except Exception as e:  # OSError, or torch/safetensors wrapping one (e.g. EFBIG, ENOSPC)
+        raise save_failed(e, tmp, ckpt_root / tmp.name.removeprefix(".tmp-"), ckpt_root) from e
+    return publish(tmp, ckpt_root, step, keep_last, protect)
+
+
+def staging_dir(ckpt_root: Path, step: int) -> Path:
+    """A fresh, empty `.tmp-step_X` folder: a save writes there and `publish` renames it."""
+    ckpt_root.mkdir(parents=True, exist_ok=True)
+    tmp = ckpt_root / f".tmp-step_{step:08d}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    return tmp
+
+
+def write_small(tmp: Path, trainer: dict, rngs: list[dict]) -> None:
+    torch.save(rngs, tmp / "rng.pt")
+    (tmp / "trainer.json").write_text(json.dumps(trainer, indent=1, default=str))
+
+
+def publish(tmp: Path, ckpt_root: Path, step: int, keep_last: int, protect: Path | None = None) -> Path:
+    """Make a fully written staging folder the checkpoint of `step`: fsync every file, write COMPLETE, rename
+    to `step_X`, fsync the parent, move `latest`, prune. A crash at any moment leaves the previous one intact."""
+    name = f"step_{step:08d}"
+    final = ckpt_root / name
+    try:
+        for f in files_of(tmp):
             _fsync_file(tmp / f)
         write_manifest(tmp, step)
-        fsync_dir(tmp)
+        for d in {tmp, *(p for p in tmp.rglob("*") if p.is_dir())}:
+            fsync_dir(d)
         if final.exists():  # an incomplete or older copy of the same step: out of the namespace, then gone
             stale = ckpt_root / f".del-{name}"
             shutil.rmtree(stale, ignore_errors=True)
@@ -188,16 +226,21 @@ def save(ckpt_root: Path, step: int, weights: dict[str, torch.Tensor], optimizer
         os.replace(tmp, final)
         fsync_dir(ckpt_root)
         atomic_write_text(ckpt_root / "latest", name + "\n")
-    except Exception as e:  # OSError, or torch/safetensors wrapping one (e.g. EFBIG, ENOSPC)
-        shutil.rmtree(tmp, ignore_errors=True)
-        why = getattr(e, "strerror", None) or str(e).splitlines()[0]
-        cause = e if isinstance(e, OSError) else e.__cause__ or e.__context__
-        disk = getattr(cause, "errno", None) in DISK_ERRNOS or any(w in str(e) for w in ("No space", "too large"))
-        raise CheckpointError(f"saving checkpoint {final} failed: {why}; older checkpoints are kept",
-                              hint="free disk space (df -h) and resume with the same command" if disk else
-                              f"check that {ckpt_root} is writable, then resume with the same command") from e
+    except Exception as e:  # noqa: BLE001 - reported as one CheckpointError
+        raise save_failed(e, tmp, final, ckpt_root) from e
     prune(ckpt_root, keep_last, protect)
     return final
+
+
+def save_failed(e: Exception, tmp: Path, final: Path, ckpt_root: Path) -> CheckpointError:
+    """The error of a failed save (its staging folder removed): says "free disk space" only for a full disk."""
+    shutil.rmtree(tmp, ignore_errors=True)
+    why = getattr(e, "strerror", None) or str(e).splitlines()[0]
+    cause = e if isinstance(e, OSError) else e.__cause__ or e.__context__
+    disk = getattr(cause, "errno", None) in DISK_ERRNOS or any(w in str(e) for w in ("No space", "too large"))
+    return CheckpointError(f"saving checkpoint {final} failed: {why}; older checkpoints are kept",
+                           hint="free disk space (df -h) and resume with the same command" if disk else
+                           f"check that {ckpt_root} is writable, then resume with the same command")
 
 
 def prune(ckpt_root: Path, keep_last: int, protect: Path | None = None) -> None:
@@ -253,6 +296,11 @@ def load_trainer(ckpt: Path) -> dict:
 
 
 def load_weights(ckpt: Path, model: nn.Module, strict: bool = True) -> None:
+    """The checkpoint's weights into `model` (a plain or an FSDP-sharded module), whichever layout it has."""
+    if is_sharded(ckpt) or _is_fsdp(model):
+        from trainbox.parallel.dcp import load_state
+        load_state(ckpt, model, None)
+        return
     try:
         state = load_file(str(ckpt / "model.safetensors"))
     except Exception as e:  # noqa: BLE001 - SafetensorError, OSError
@@ -280,6 +328,11 @@ def load_weights(ckpt: Path, model: nn.Module, strict: bool = True) -> None:
                               hint="the run's config.yaml must describe the same model")
 
 
+def _is_fsdp(model: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+    return isinstance(model, FSDPModule)
+
+
 def _load_safe(path: Path):
     """torch.load that only rebuilds tensors and plain values: a pickle that would run code is refused."""
     try:
@@ -294,15 +347,27 @@ def _load_safe(path: Path):
 def load_optimizers(ckpt: Path, optimizers: list) -> None:
     """Load the optimizer states, then set every hyper-parameter (lr, betas, eps, weight decay, ...) back to
     what the optimizers were built with: a changed optim.* on resume applies (see train/resume.py)."""
+    if is_sharded(ckpt):
+        raise CheckpointError(f"{ckpt} is sharded: load it with trainbox.parallel.dcp.load_state")
     states = _load_safe(ckpt / "optimizer.pt")
     if not isinstance(states, list) or len(states) != len(optimizers):
         raise CheckpointError(f"{ckpt / 'optimizer.pt'}: holds {len(states) if isinstance(states, list) else 0} "
                               f"optimizer states, the run has {len(optimizers)}")
-    for opt, st in zip(optimizers, states):
+    with keep_hyperparameters(optimizers):
+        for opt, st in zip(optimizers, states):
+            opt.load_state_dict(st)
+
+
+@contextlib.contextmanager
+def keep_hyperparameters(optimizers: list):
+    """Loading optimizer state inside this keeps every group's hyper-parameters as the optimizers were built."""
+    built = []
+    for opt in optimizers:
         hyper = {*opt.defaults, "initial_lr"} - {"params", "step"}   # not per-group state (Muon's step count)
-        built = [{k: v for k, v in g.items() if k in hyper} for g in opt.param_groups]
-        opt.load_state_dict(st)
-        for group, hyper in zip(opt.param_groups, built):
+        built.append([{k: v for k, v in g.items() if k in hyper} for g in opt.param_groups])
+    yield
+    for opt, groups in zip(optimizers, built):
+        for group, hyper in zip(opt.param_groups, groups):
             group.update(hyper)
 
 

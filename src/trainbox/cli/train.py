@@ -45,7 +45,8 @@ def cmd_train(args) -> int:
     from trainbox.train.distributed import Dist
     from trainbox.train.loop import train
 
-    dist = Dist(rank=_env_int("RANK", 0), world=_env_int("WORLD_SIZE", 1), local_rank=_env_int("LOCAL_RANK", 0))
+    dist = Dist(rank=_env_int("RANK", 0), world=_env_int("WORLD_SIZE", 1), local_rank=_env_int("LOCAL_RANK", 0),
+                local_world=_env_int("LOCAL_WORLD_SIZE", 0))
     mode = cfg.monitor.progress
     bar = dist.is_main and (mode == "bar" or (mode == "auto" and sys.stderr.isatty()))
     log_file = None

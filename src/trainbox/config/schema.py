@@ -294,6 +294,19 @@ class RunConfig(Section):
                              f"to model.family=hf: use lora.gradient_checkpointing (Hugging Face's own)")
         return self
 
+    @model_validator(mode="after")
+    def _sharding_applies(self) -> "RunConfig":
+        if self.train.parallel != "fsdp":
+            return self
+        if self.model.family == "hf":
+            raise ValueError("train.parallel=fsdp does not apply to model.family=hf (LoRA trains small adapters on "
+                             "a frozen base): use train.parallel=ddp")
+        if self.optim.name == "muon":
+            raise ValueError("optim.name=muon with train.parallel=fsdp: Muon orthogonalises whole matrices, which "
+                             "FSDP splits over the ranks; use train.parallel=ddp (the speedrun models fit one GPU) "
+                             "or optim.name=adamw")
+        return self
+
     @property
     def run_name(self) -> str:
         """run.name, or the recipe's name made into one safe path component."""

@@ -4,7 +4,6 @@ in that order, with the resume checks between them (train/resume.py), so a run t
 any model is built."""
 from __future__ import annotations
 
-import inspect
 import math
 from dataclasses import dataclass
 
@@ -78,12 +77,13 @@ class RunModel:
     model: nn.Module
     kernels: KernelPlan
     optimizers: list
-    ddp: nn.parallel.DistributedDataParallel | None
-    forward: object         # what a step calls: the model, under DDP and torch.compile as configured
+    parallel: object        # DataParallel (parallel/ddp.py) or ShardedParallel (parallel/fsdp.py)
 
 
-def build_model_side(cfg: RunConfig, vocab: int, device: torch.device, dist: Dist, init_weights: bool) -> RunModel:
-    """The same initial weights on every rank (seeded before building); `init_weights`: load run.init_from."""
+def build_model_side(cfg: RunConfig, vocab: int, device: torch.device, dist: Dist, init_weights: bool,
+                     dtype: torch.dtype = torch.float32) -> RunModel:
+    """The same initial weights on every rank (seeded before building); `init_weights`: load run.init_from.
+    Under fsdp the model is sharded before the optimizers are built, so their state is sharded too."""
     torch.manual_seed(cfg.run.seed)
     model = build_model(cfg.model, vocab, cfg.model.block_size or cfg.data.seq_len, run=cfg).to(device)
     if init_weights and cfg.run.init_from:
@@ -95,21 +95,18 @@ def build_model_side(cfg: RunConfig, vocab: int, device: torch.device, dist: Dis
     if cfg.train.activation_checkpointing != "none":
         from trainbox.train.recompute import apply_activation_checkpointing
         apply_activation_checkpointing(model, cfg.train.activation_checkpointing)
-    optimizers = build_optimizers(model, cfg.optim, device)
-    ddp = None
-    if dist.enabled:
-        # no buffer broadcast before every forward: every buffer of our models is a constant (RoPE tables) or
-        # set identically on every rank (the speedrun window, by set_step). torch 2.13 renamed the switch
-        # (broadcast_buffers -> forward_sync_buffers); older torch has only the first
-        ddp_args = inspect.signature(nn.parallel.DistributedDataParallel).parameters
-        no_sync = {"forward_sync_buffers" if "forward_sync_buffers" in ddp_args else "broadcast_buffers": False}
-        ddp = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
-                                                  **no_sync)
-    forward = ddp or model
     if cfg.train.compile:
         allow_cached_autograd_functions()
-        forward = torch.compile(forward)
-    return RunModel(model, kernels, optimizers, ddp, forward)
+    if cfg.train.parallel == "fsdp":
+        from trainbox.parallel.fsdp import ShardedParallel
+        parallel = ShardedParallel(model, dist, device, dtype, cfg.train.reshard_after_forward, cfg.train.compile)
+    else:
+        from trainbox.parallel.ddp import DataParallel
+        parallel = DataParallel(model, dist, device)
+        if cfg.train.compile:
+            parallel.compile()
+    optimizers = build_optimizers(model, cfg.optim, device)
+    return RunModel(model, kernels, optimizers, parallel)
 
 
 def allow_cached_autograd_functions() -> None:

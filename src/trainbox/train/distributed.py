@@ -27,12 +27,16 @@ class Dist:
     rank: int = 0
     world: int = 1
     local_rank: int = 0
+    local_world: int = 0      # processes on this node (torchrun's LOCAL_WORLD_SIZE); 0: all of them
     ctrl: object = field(default=None, repr=False)   # gloo group for host-side votes (None: default group)
     timeout_s: int | None = None
 
     @property
     def enabled(self) -> bool:
         return self.world > 1
+
+    def __post_init__(self):
+        self.local_world = self.local_world or self.world
 
     @property
     def is_main(self) -> bool:

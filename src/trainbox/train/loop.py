@@ -32,7 +32,6 @@ import math
 import os
 import signal
 import time
-from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -77,9 +76,10 @@ class Trainer:
         self.tokenizer = self.train_data = self.val_data = self.plan = None
         self.vocab = self.total = self.start_step = self.tokens_seen = 0
         self.changed: dict = {}
-        self.model = self.kernels = self.ddp = self.forward = None
+        self.model = self.kernels = self.parallel = self.forward = None
         self.optimizers: list = []
         self.last_saved_step: int | None = None
+        self.saver = None        # parallel/dcp.py AsyncSaver of a sharded run
         self.token_bytes = None  # per-token UTF-8 lengths for bits/byte, built at the first evaluation
         self.state: RunState | None = None
         self.server = self.sinks = None
@@ -105,9 +105,13 @@ class Trainer:
             self.start_step = trainer_state["step"]
             self.changed = resume.check_changes(trainer_state.get("config", {}), cfg, self.resume_from)
             resume.check_finished(self.start_step, self.total, trainer_state.get("total_steps"), cfg)
-        built = build_model_side(cfg, self.vocab, self.device, d, init_weights=self.resume_from is None)
+        built = build_model_side(cfg, self.vocab, self.device, d, init_weights=self.resume_from is None,
+                                 dtype=self.dtype)
         self.model, self.kernels, self.optimizers = built.model, built.kernels, built.optimizers
-        self.ddp, self.forward = built.ddp, built.forward
+        self.parallel, self.forward = built.parallel, built.parallel.forward
+        if self.parallel.sharded:
+            from trainbox.parallel.dcp import AsyncSaver
+            self.saver = AsyncSaver(self.ckpt_root, d, cfg.train.keep_last, self.resume_from, self.device)
         if self.resume_from is not None:
             resume.restore(self.resume_from, self.model, self.optimizers, trainer_state, d.rank, d.world, cfg.run.seed)
             self.last_saved_step = self.start_step
@@ -197,6 +201,8 @@ class Trainer:
             raise
         finally:
             self.stop.restore()
+            if self.saver is not None:
+                self.saver.close()
             if self.sinks is not None:
                 self.sinks.close()
             self.progress.close()
@@ -252,6 +258,7 @@ class Trainer:
                 self._log_window(window, window_start, step, grad_norm, lr, meter)
             if step > 0 and self.last_saved_step != step:   # the same on every rank: all save or none does
                 self._save(step)
+            self._saves_published(wait=True)
             self._phase("preempted")
             why = signal.Signals(self.stop.signum).name if self.stop.signum else "another rank's stop signal"
             log.info(f"stopped at step {step} on {why}; "
@@ -260,6 +267,7 @@ class Trainer:
         if self.val_data is not None and (last_eval is None or last_eval["step"] != step):
             last_eval = self._evaluate(step)
         sample = self._final_sample()
+        self._saves_published(wait=True)
         self._phase("finished")
         return {"step": step, "total": self.total, "stopped": False, "sample": sample,
                 "run_dir": str(self.run_dir), **(last_eval or {})}
@@ -277,16 +285,14 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.device)
         for k, b in enumerate(batches):
             x, y, mask = b["x"], b["y"], b.get("loss_mask")
-            sync = self.ddp.no_sync() if self.ddp is not None and k < accum - 1 else nullcontext()
-            with sync:
+            with self.parallel.micro_batch(k, accum):
                 with self.autocast():
                     out = self.forward(x, y, loss_mask=mask, reduction="sum")
                     token_loss = out.loss.float() * scale   # this micro-batch's share of the global mean
                     total = token_loss if out.aux_loss is None else token_loss + out.aux_loss / accum
                 total.backward()
             loss_sum += token_loss.detach() / self.dist.world
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.optim.grad_clip) if cfg.optim.grad_clip > 0 else None
+        grad_norm = self.parallel.clip(cfg.optim.grad_clip)
         for opt in self.optimizers:
             opt.step()
         for opt in self.optimizers:
@@ -312,6 +318,7 @@ class Trainer:
             self.state.write_status(self.run_dir / "status.json")
 
     def _log_window(self, window, first_step, step, grad_norm, lr, meter: Meter) -> None:
+        self._saves_published()
         if not window:
             return
         losses = torch.stack(window).float()
@@ -382,14 +389,27 @@ class Trainer:
         return res
 
     def _save(self, step: int) -> None:
-        """Rank 0 writes the checkpoint; every rank learns whether it worked and fails together if not."""
+        """Rank 0 writes the checkpoint (sharded runs: every rank its shards, in the background); every rank
+        learns whether it worked and fails together if not."""
         self._phase("checkpointing")
         self.last_saved_step = step
         rngs = self.dist.gather_objects(checkpoint.rng_state())
+        if self.saver is not None:
+            waited = self.saver.start(step, self.model, self.optimizers,
+                                      self._trainer_state(step) if self.dist.is_main else None, rngs)
+            if self.dist.is_main:
+                log.info(f"checkpoint of step {step} is being written in the background "
+                         f"(training waited {waited:.2f}s for it)")
+            self._phase("training")
+            return
         error: CheckpointError | None = None
         if self.dist.is_main:
             try:
-                self._write_checkpoint(step, rngs)
+                t0 = time.time()
+                path = checkpoint.save(self.ckpt_root, step, self._weights(), self.optimizers,
+                                       self._trainer_state(step), rngs, self.cfg.train.keep_last,
+                                       protect=self.resume_from)
+                self._saved(step, path, time.time() - t0)
             except CheckpointError as e:
                 error = e
         if self.dist.any(error is not None):   # also the barrier: others wait while rank 0 writes
@@ -397,30 +417,44 @@ class Trainer:
                                            "older checkpoints are kept", hint="see rank 0's log")
         self._phase("training")
 
-    def _write_checkpoint(self, step: int, rngs: list[dict]) -> None:
-        trainer = {"step": step, "total_steps": self.total, "epoch": step / self.plan.steps_per_epoch,
-                   "loader": {"step": step, "seed": self.cfg.run.seed}, "tokens_seen": self.tokens_seen,
-                   "world": self.dist.world, "finished": step >= self.total,
-                   "restarts": self.state.snapshot()["restarts"], "wandb_id": self.sinks.wandb_id,
-                   "config": public_dict(self.cfg), "versions": runs.versions()}
-        t0 = time.time()
-        path = checkpoint.save(self.ckpt_root, step, self._weights(), self.optimizers, trainer, rngs,
-                               self.cfg.train.keep_last, protect=self.resume_from)
+    def _saves_published(self, wait: bool = False) -> None:
+        """Log the background saves that rank 0 has published; `wait`: first wait for the one in flight."""
+        if self.saver is None:
+            return
+        if wait:
+            self.saver.wait()
+        done = self.saver.finished() if self.dist.is_main else None
+        if done is not None:
+            self._saved(checkpoint.step_of(done[0]), done[0], done[1])
+
+    def _saved(self, step: int, path: Path, seconds: float) -> None:
         snap = self.state.snapshot()
         self.state.update(last_checkpoint=path.name, checkpoints_saved=snap["checkpoints_saved"] + 1)
-        self.sinks.log("checkpoint", step=step, path=str(path), seconds=round(time.time() - t0, 3))
-        log.info(f"checkpoint {path} ({time.time() - t0:.1f}s)")
+        self.sinks.log("checkpoint", step=step, path=str(path), seconds=round(seconds, 3))
+        log.info(f"checkpoint {path} ({seconds:.1f}s)")
+
+    def _trainer_state(self, step: int) -> dict:
+        return {"step": step, "total_steps": self.total, "epoch": step / self.plan.steps_per_epoch,
+                "loader": {"step": step, "seed": self.cfg.run.seed}, "tokens_seen": self.tokens_seen,
+                "world": self.dist.world, "finished": step >= self.total,
+                "restarts": self.state.snapshot()["restarts"], "wandb_id": self.sinks.wandb_id,
+                "config": public_dict(self.cfg), "versions": runs.versions(), "parallel": self.parallel.name}
 
     def _weights(self) -> dict:
         return checkpoint.model_state(self.model, trainable_only=getattr(self.model, "adapter_only", False))
 
     def _final_sample(self) -> str | None:
+        """The end-of-run sample, by rank 0; a sharded model needs every rank in its forward (each samples the
+        same tokens: the same seed)."""
         n = self.cfg.train.sample_tokens
-        if not n or not self.dist.is_main or self.family.generate != "causal":
+        if not n or self.family.generate != "causal" or not (self.dist.is_main or self.parallel.sharded):
             return None
         from trainbox.generate import sample
         text = sample(self.model, self.tokenizer, self.cfg.train.sample_prompt, max_tokens=n, temperature=0.8,
                       top_k=50, seed=self.cfg.run.seed, device=self.device)
+        if not self.dist.is_main:
+            self.model.train()
+            return None
         with open_append(self.run_dir / "samples.txt") as f:
             f.write(f"--- step {self.total}\n{self.cfg.train.sample_prompt}{text}\n")
         self.model.train()

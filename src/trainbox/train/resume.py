@@ -32,7 +32,8 @@ from trainbox.monitor.console import log
 RUNTIME = ("recipe", "requires_gpu", "run.name", "run.dir", "run.resume", "run.init_from", "monitor.",
            "data.cache_dir", "data.num_workers", "train.device", "train.threads", "train.pg_timeout_s",
            "train.sample_tokens", "train.sample_prompt", "train.compile", "train.peak_tflops", "train.memory_check",
-           "train.eval_every", "train.eval_tokens", "train.checkpoint_every", "train.keep_last",
+           "train.eval_every", "train.eval_tokens", "train.parallel", "train.reshard_after_forward",
+           "model.moe.expert_parallel", "train.checkpoint_every", "train.keep_last",
            "train.activation_checkpointing", "train.micro_batch_size", "lora.gradient_checkpointing")
 # keys whose new value applies from the resumed step on
 APPLIED = ("optim.", "train.max_steps", "train.max_tokens", "train.epochs", "train.dtype", "model.dropout",
@@ -169,8 +170,13 @@ def restore(ckpt: Path, model, optimizers: list, trainer_state: dict, rank: int,
     """Load weights, optimizer states and this rank's RNG from `ckpt` (reseeded by step when the world size
     changed: the RNG streams of other ranks do not carry over)."""
     import torch
-    checkpoint.load_weights(ckpt, model)
-    checkpoint.load_optimizers(ckpt, optimizers)
+    from torch.distributed.fsdp import FSDPModule
+    if checkpoint.is_sharded(ckpt) or isinstance(model, FSDPModule):
+        from trainbox.parallel.dcp import load_state  # resharded to this run's layout
+        load_state(ckpt, model, optimizers)
+    else:
+        checkpoint.load_weights(ckpt, model)
+        checkpoint.load_optimizers(ckpt, optimizers)
     rng = checkpoint.load_rng(ckpt, rank)
     if rng is not None and trainer_state.get("world") == world:
         checkpoint.set_rng_state(rng)

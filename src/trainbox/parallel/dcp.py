@@ -1,0 +1,252 @@
+"""Sharded, asynchronous checkpoints with torch.distributed.checkpoint (DCP), for `train.parallel=fsdp`.
+
+    checkpoints/step_00001000/
+        state/              DCP: .metadata + one __R_0.distcp file per rank (weights and optimizer state)
+        trainer.json        as in every checkpoint (checkpoint.py)
+        rng.pt
+        COMPLETE            written last, over every file (state/ included)
+
+A save (`AsyncSaver.start`) stages this rank's shards into host memory, which is the only time training
+waits, and then writes them in a background thread while training goes on. The collectives of the write
+use a gloo group of their own, so they never interleave with the training's. When the write has finished on
+every rank (DCP's coordinator writes `.metadata` after all ranks report), rank 0 publishes the folder in a
+background thread exactly like a single-file save (checkpoint.publish: fsync, COMPLETE with checksums,
+atomic rename, `latest`, keep-last-K). One save is in flight at a time: the next save and the end of the run
+wait for it. A crash or SIGKILL during the write leaves only a `.tmp-step_X` folder; the previous checkpoint
+stays the newest COMPLETE one.
+
+Loading (`load_state`) goes through the same DCP reader for any layout: an FSDP model on any number of ranks,
+or a plain model on one process (`trainbox export`, `generate`, a DDP resume), since DCP reshards on load.
+Nothing from the checkpoint is unpickled as code: `.metadata` is read by an unpickler that rebuilds only
+DCP's metadata classes, and non-tensor values by `torch.load(weights_only=True)`.
+"""
+from __future__ import annotations
+
+import io
+import pickle
+import threading
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as tdist
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from trainbox import checkpoint
+from trainbox.errors import CheckpointError
+from trainbox.train.distributed import Dist
+
+
+def state_dict(model: nn.Module, optimizers: list | None) -> dict:
+    """{"model": ..., "optim": ...} keyed by parameter names: the same keys for FSDP and plain modules."""
+    out = {"model": get_model_state_dict(model)}
+    if optimizers:
+        out["optim"] = get_optimizer_state_dict(model, optimizers)
+    return out
+
+
+class AsyncSaver:
+    """One sharded save in flight at a time; rank 0 publishes it when every rank has written its shards."""
+
+    def __init__(self, ckpt_root: Path, dist: Dist, keep_last: int, protect: Path | None, device: torch.device):
+        self.root, self.dist, self.keep_last, self.protect = ckpt_root, dist, keep_last, protect
+        self.group = tdist.new_group(backend="gloo") if dist.enabled else None
+        self.stager = _stager(device)
+        self.future = self.publisher = None
+        self.step: int | None = None
+        self.error: BaseException | None = None
+        self.done: tuple[Path, float] | None = None   # (published folder, seconds from start to publish)
+
+    def start(self, step: int, model: nn.Module, optimizers: list, trainer: dict | None, rngs: list) -> float:
+        """Stage this rank's shards and start writing them; returns the seconds training waited."""
+        t0 = time.perf_counter()
+        self.wait()
+        tmp = self.root / f".tmp-step_{step:08d}"
+        failed = None
+        if self.dist.is_main:
+            try:
+                tmp = checkpoint.staging_dir(self.root, step)
+                checkpoint.write_small(tmp, trainer, rngs)
+            except Exception as e:  # noqa: BLE001 - OSError, or torch.save wrapping one
+                failed = checkpoint.save_failed(e, tmp, self.root / f"step_{step:08d}", self.root)
+        if self.dist.any(failed is not None):   # also the barrier: the folder exists before any rank writes
+            raise failed or CheckpointError(f"rank 0 failed to start the checkpoint of step {step}",
+                                            hint="see rank 0's log")
+        state = state_dict(model, optimizers)
+        kwargs = {"async_stager": self.stager} if self.stager is not None else {}
+        self.future = dcp.async_save(state, checkpoint_id=str(tmp / checkpoint.SHARDED_DIR),
+                                     process_group=self.group, **kwargs)
+        self.step, self.error, self.done = step, None, None
+        if self.dist.is_main:
+            self.publisher = threading.Thread(target=self._publish, args=(tmp, step, t0), daemon=False,
+                                              name=f"publish-step-{step}")
+            self.publisher.start()
+        return time.perf_counter() - t0
+
+    def _publish(self, tmp: Path, step: int, t0: float) -> None:
+        try:
+            self.future.result()
+            path = checkpoint.publish(tmp, self.root, step, self.keep_last, self.protect)
+            self.done = (path, time.perf_counter() - t0)
+        except BaseException as e:  # noqa: BLE001 - re-raised by wait() on every rank
+            self.error = e
+
+    def finished(self) -> tuple[Path, float] | None:
+        """Rank 0: the save that has been published since the last call, once (for the log)."""
+        if self.publisher is not None and not self.publisher.is_alive() and self.done is not None:
+            done, self.done = self.done, None
+            return done
+        return None
+
+    def wait(self) -> None:
+        """Block until the save in flight is published; raise CheckpointError on every rank if it failed."""
+        if self.future is None:
+            return
+        error = None
+        try:
+            self.future.result()
+        except BaseException as e:  # noqa: BLE001
+            error = e
+        if self.publisher is not None:
+            self.publisher.join()
+            error = error or self.error
+        step, self.future, self.publisher = self.step, None, None
+        if self.dist.any(error is not None):
+            if isinstance(error, CheckpointError):
+                raise error
+            why = str(error).splitlines()[0][:300] if error else "see rank 0's log"
+            raise CheckpointError(f"the checkpoint of step {step} failed: {why}; older checkpoints are kept",
+                                  hint=f"check that {self.root} is writable and has space, then resume")
+
+    def close(self) -> None:
+        if self.stager is not None:
+            self.stager.close()
+            self.stager = None
+
+
+def _stager(device: torch.device):
+    """Stage into page-locked host buffers kept across saves (a fast device-to-host copy) where torch has it."""
+    try:
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+    except ImportError:
+        return None
+    cuda = device.type == "cuda"
+    return DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False,
+                                        use_non_blocking_copy=cuda))
+
+
+# ---------------------------------------------------------------------------------------------- loading
+_SAFE_MODULES = ("torch.distributed.checkpoint.",)
+_SAFE_GLOBALS = {("torch", "Size"), ("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset"),
+                 ("builtins", "slice"), ("torch", "device"), ("torch.serialization", "_get_layout"),
+                 ("pathlib", "PosixPath")}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Rebuilds DCP's metadata (dataclasses of torch.distributed.checkpoint, dtypes, sizes) and nothing else."""
+
+    def find_class(self, module: str, name: str):
+        if module.startswith(_SAFE_MODULES) or (module, name) in _SAFE_GLOBALS or (
+                module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout,
+                                                                              torch.memory_format))):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not part of a checkpoint's metadata")
+
+
+class _SafeReader(FileSystemReader):
+    def read_metadata(self, *args, **kwargs):
+        from torch.distributed.checkpoint.metadata import StorageMeta
+        path = Path(self.path) / ".metadata"
+        try:
+            with open(path, "rb") as f:
+                metadata = _MetadataUnpickler(f).load()
+        except (OSError, pickle.UnpicklingError, EOFError, AttributeError, ValueError) as e:
+            raise CheckpointError(f"{path} cannot be loaded safely: {e}") from None
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = getattr(self, "load_id", None)
+        return metadata
+
+
+class _SafePlanner(DefaultLoadPlanner):
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        obj = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            from torch.distributed.checkpoint._nested_dict import set_element  # the default planner's own helper
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
+
+
+def load_state(ckpt: Path, model: nn.Module, optimizers: list | None) -> None:
+    """Load a checkpoint's weights (and optimizer state when `optimizers` is given) into `model`, resharding
+    from the layout it was saved with to the model's. The optimizers keep the hyper-parameters they were built
+    with (a changed optim.* applies, see train/resume.py)."""
+    if not checkpoint.is_sharded(ckpt):
+        _load_single(ckpt, model, optimizers)
+        return
+    reader = _SafeReader(str(ckpt / checkpoint.SHARDED_DIR))
+    reader.read_metadata()   # a damaged or unsafe .metadata is named here, before DCP's collectives
+    state = state_dict(model, optimizers)
+    try:
+        dcp.load(state, checkpoint_id=str(ckpt / checkpoint.SHARDED_DIR), storage_reader=reader,
+                 planner=_SafePlanner())
+    except CheckpointError:
+        raise
+    except Exception as e:  # noqa: BLE001 - DCP's CheckpointException: missing keys, size mismatch, ...
+        first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"checkpoint {ckpt} does not match the model: {first}",
+                              hint="the run's config.yaml must describe the same model; start a new run with "
+                                   "run.name=NEW_NAME (or run.resume=never) to change it") from None
+    set_model_state_dict(model, state["model"])
+    if optimizers:
+        with checkpoint.keep_hyperparameters(optimizers):
+            set_optimizer_state_dict(model, optimizers, state["optim"])
+
+
+def _load_single(ckpt: Path, model: nn.Module, optimizers: list | None) -> None:
+    """A single-file checkpoint (model.safetensors + optimizer.pt) into a sharded model: every rank reads the
+    full tensors and keeps its shard."""
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+    full = StateDictOptions(full_state_dict=True)
+    weights = load_file(str(ckpt / "model.safetensors"))
+    names = list(get_model_state_dict(model).keys())
+    for name in names:   # tied weights were stored once
+        if name not in weights:
+            alias = _tied_alias(model, name, weights)
+            if alias is not None:
+                weights[name] = weights[alias]
+    set_model_state_dict(model, weights, options=full)
+    if not optimizers:
+        return
+    states = checkpoint._load_safe(ckpt / "optimizer.pt")
+    if not isinstance(states, list) or len(states) != len(optimizers):
+        raise CheckpointError(f"{ckpt / 'optimizer.pt'}: holds a different number of optimizer states than the run")
+    fqn = {id(p): n for n, p in model.named_parameters()}
+    with checkpoint.keep_hyperparameters(optimizers):
+        for opt, st in zip(optimizers, states):
+            order = [fqn[id(p)] for g in opt.param_groups for p in g["params"]]
+            saved = [i for g in st["param_groups"] for i in g["params"]]
+            groups = [{**{k: v for k, v in g.items() if k != "params"},
+                       "params": [order[saved.index(i)] for i in g["params"]]} for g in st["param_groups"]]
+            osd = {"state": {order[saved.index(i)]: s for i, s in st["state"].items()}, "param_groups": groups}
+            set_optimizer_state_dict(model, opt, osd, options=full)
+
+
+def _tied_alias(model: nn.Module, name: str, weights: dict) -> str | None:
+    params = dict(model.named_parameters(remove_duplicate=False))
+    target = params.get(name)
+    for other, p in params.items():
+        if other != name and p is target and other in weights:
+            return other
+    return None

@@ -1,0 +1,44 @@
+"""Data parallelism with DistributedDataParallel (`train.parallel=ddp`, the default): every rank holds the whole
+model, gradients are averaged over the ranks in the backward. On one process the model runs as it is."""
+from __future__ import annotations
+
+import inspect
+from contextlib import nullcontext
+
+import torch
+import torch.nn as nn
+
+from trainbox.train.distributed import Dist
+
+
+class DataParallel:
+    """The strategy object the loop talks to: `forward`, `micro_batch(k, accum)`, `clip(max_norm)`."""
+
+    name = "ddp"
+    sharded = False
+
+    def __init__(self, model: nn.Module, dist: Dist, device: torch.device):
+        self.model, self.ddp = model, None
+        if dist.enabled:
+            # no buffer broadcast before every forward: every buffer of our models is a constant (RoPE tables) or
+            # set identically on every rank (the speedrun window, by set_step). torch 2.13 renamed the switch
+            # (broadcast_buffers -> forward_sync_buffers); older torch has only the first
+            args = inspect.signature(nn.parallel.DistributedDataParallel).parameters
+            no_sync = {"forward_sync_buffers" if "forward_sync_buffers" in args else "broadcast_buffers": False}
+            self.ddp = nn.parallel.DistributedDataParallel(
+                model, device_ids=[device.index] if device.type == "cuda" else None, **no_sync)
+        self.forward = self.ddp or model
+
+    def compile(self) -> None:
+        """torch.compile over the whole forward (DDP's bucketing stays outside the graph)."""
+        self.forward = torch.compile(self.forward)
+
+    def micro_batch(self, k: int, accum: int):
+        """Gradients are averaged over ranks only in the last micro-batch's backward."""
+        return self.ddp.no_sync() if self.ddp is not None and k < accum - 1 else nullcontext()
+
+    def clip(self, max_norm: float) -> torch.Tensor | None:
+        if max_norm <= 0:
+            return None
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
