@@ -49,7 +49,9 @@ def test_doctor_fails_when_the_recipe_needs_what_is_missing(tmp_path, monkeypatc
         return {c.name: c for c in run_checks({}, load_config(args[0], args[1:]))}
 
     assert checks("tiny")["recipe"].status == "ok"  # embedded corpus: everything is here
-    missing = checks("gpt2-125m")["needs_data"]  # data/fineweb does not exist in tmp_path
+    fetched = checks("gpt2-125m")["data"]  # data/fineweb does not exist in tmp_path: train downloads it
+    assert fetched.status == "ok" and "1 validation + 94 training shards" in fetched.value
+    missing = checks("gpt2-125m", "data.download=false")["needs_data"]
     assert missing.status == "fail" and "trainbox data fineweb" in missing.fix
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "fineweb_train_000001.bin").write_bytes(b"")
@@ -67,7 +69,7 @@ def test_doctor_fails_when_the_recipe_needs_what_is_missing(tmp_path, monkeypatc
         assert "needs_flash_attention" not in checks("speedrun-124m")  # auto: FlexAttention or SDPA instead
     assert "needs_fp8" not in checks("tiny")
     # the CLI exits 1 and names the missing piece and its fix
-    proc = run_cli("doctor", "gpt2-125m", "data.path=nowhere/x", cwd=tmp_path, check=False)
+    proc = run_cli("doctor", "gpt2-125m", "data.path=nowhere/x", "data.download=false", cwd=tmp_path, check=False)
     assert proc.returncode == 1 and "FAIL  needs_data" in proc.stdout and "-> trainbox data fineweb" in proc.stdout
 
 

@@ -214,15 +214,35 @@ def recipe_checks(cfg: RunConfig) -> list[Check]:
     for pkg, extra, needed in packages:
         if needed and importlib.util.find_spec(pkg) is None:
             out.append(Check(f"needs_{pkg}", "fail", f"{pkg} is not installed", f"pip install 'trainbox[{extra}]'"))
-    path = cfg.data.path
-    if not path.startswith("embedded:") and not glob.glob(glob.escape(path) + "*"):
-        out.append(Check("needs_data", "fail", f"data.path={path}: no such file or token-file prefix",
-                         "trainbox data fineweb --shards N (pre-tokenized FineWeb), or trainbox prepare INPUT --out "
-                         f"{path}, or set data.path"))
-    if not out:
+    out += data_checks(cfg)
+    if all(c.status == "ok" for c in out):
         out.append(Check("recipe", "ok", f"{cfg.recipe or 'config'}: everything it needs is here"))
     out.append(kernel_check(cfg))
     return out
+
+
+def data_checks(cfg: RunConfig) -> list[Check]:
+    """A missing data.path fails, unless `train` downloads it (data.source, data.download)."""
+    from trainbox.data.hub import SOURCES, download_target, plan_shards, run_samples
+    from trainbox.errors import DataError
+
+    d, t = cfg.data, cfg.train
+    if d.path.startswith("embedded:") or glob.glob(glob.escape(d.path) + "*"):
+        return []
+    if download_target(d.path, d.source, d.download) is not None:
+        source = SOURCES[d.source]
+        try:
+            shards = plan_shards(source, run_samples(t.global_batch_size, d.seq_len, t.max_steps, t.max_tokens),
+                                 d.seq_len, {})
+        except DataError as e:  # the run reads more than the dataset holds
+            return [Check("needs_data", "fail", e.message, e.hint or "")]
+        size = (shards + len(source.val_files)) * 2 * source.tokens_per_shard
+        return [Check("data", "ok", f"data.path={d.path} is missing: `trainbox train` downloads {d.source} into it "
+                      f"({len(source.val_files)} validation + {shards} training shards, about {_fmt(size)})")]
+    return [Check("needs_data", "fail", f"data.path={d.path}: no such file or token-file prefix",
+                  "trainbox data fineweb --shards N (pre-tokenized FineWeb), or trainbox prepare INPUT --out "
+                  f"{d.path}, or set data.path" + ("" if d.download or not d.source else
+                                                   f" (data.download=true fetches {d.source})"))]
 
 
 def kernel_check(cfg: RunConfig) -> Check:

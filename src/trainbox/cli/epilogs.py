@@ -47,8 +47,9 @@ EPILOGS = {
         """,
     "data": """
         examples:
+          trainbox data download gpt2-125m                          # what `trainbox train gpt2-125m` reads
+          trainbox data download speedrun-124m train.max_steps=100  # fewer steps, fewer shards
           trainbox data fineweb --shards 8 --out data/fineweb       # 800M GPT-2 tokens + the val shard
-          trainbox data fineweb --shards 1 --out data/fineweb       # re-run: complete files are skipped
           HF_ENDPOINT=http://mirror:8080 trainbox data fineweb --shards 2 --out data/fineweb
         """,
     "tokenizer": """
