@@ -14,6 +14,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np
 import pytest
+import torch
 from conftest import TINY, run_cli
 
 PREFIX = "/datasets/kjj0/fineweb10B-gpt2/resolve/main/"
@@ -205,3 +206,6 @@ def test_no_network_fails_fast_and_leaves_no_folder(hub, tmp_path):
     p = run_cli("train", *args, "data.download=false", env=env(hub), check=False)
     assert p.returncode == 1 and "no token files" in p.stderr and hub.log == []
     assert not (tmp_path / "data").exists()
+    if not torch.cuda.is_available():   # a GPU recipe on this CPU is refused before its download, not after it
+        p = run_cli("train", *[a for a in args if a != "train.device=cpu"], env=env(hub), check=False)
+        assert p.returncode == 2 and "made for a GPU" in p.stderr and hub.log == []
