@@ -88,6 +88,9 @@ def gpu_checks() -> list[Check]:
     fp8 = all(fp8_supported(torch.device("cuda", i)) for i in range(len(caps)))
     out.append(Check("fp8", "ok", "yes (model.fp8_head, model.fp8_mlp)" if fp8 else
                      "no: model.fp8_head and model.fp8_mlp need compute capability 8.9+ (L4, L40S, H100, H200)"))
+    fast = flash_check(min(caps), flash_importable())
+    if fast is not None:
+        out.append(fast)
     flex, why = flex_attention_status(min(caps))
     out.append(Check("flex_attention", "ok" if flex else "warn", "yes" if flex else f"no ({why})",
                      "" if flex else "attention falls back to SDPA (slower for sliding windows)"))
@@ -96,6 +99,33 @@ def gpu_checks() -> list[Check]:
     out.append(Check("nccl", "ok" if nccl else "warn", version,
                      "" if nccl else "multi-GPU runs need NCCL (RCCL on ROCm): use an official torch build"))
     return out
+
+
+# gpt2-125m on one H100 against nanoGPT's train.py (1,053.8 ms per step): with the `flash` extra, and with neither
+# of its packages loading (SDPA attention, the Triton fused loss, an unfused MLP)
+FLASH_SPEED = ("1.30x", "benchmarks/records/2026-11-27-h100-gpt2-125m-train-speed.json")
+PLAIN_SPEED = ("1.15x", "benchmarks/records/2026-11-27-h100-gpt2-125m-step-time-vs-70ca097.json")
+
+
+def flash_importable() -> bool:
+    """Whether the `flash` extra loads here: FlashAttention-4 and QuACK (both, as the recipes use them)."""
+    from trainbox.kernels.flash import _interface
+    from trainbox.kernels.fused_mlp import _quack
+    return _interface() is not None and _quack() is not None
+
+
+def flash_check(capability: tuple[int, int], importable: bool) -> Check | None:
+    """The `flash` extra on a GPU of `capability`: on Hopper (9.x) and Blackwell (10.x), where its kernels run, ok
+    when it loads and otherwise a warning with what it costs; None on other GPUs."""
+    if capability[0] not in (9, 10):
+        return None
+    from trainbox.kernels.flash import EXTRA
+    if importable:
+        return Check("flash", "ok", f"flash-attn-4 and quack-kernels load: attention, MLP and loss run their kernels "
+                     f"(gpt2-125m on an H100: {FLASH_SPEED[0]} nanoGPT's speed, {FLASH_SPEED[1]})")
+    return Check("flash", "warn", f"the `flash` extra does not load on this compute capability {capability[0]}."
+                 f"{capability[1]} GPU: gpt2-125m runs at {PLAIN_SPEED[0]} nanoGPT's speed on an H100 without it "
+                 f"({PLAIN_SPEED[1]}) and {FLASH_SPEED[0]} with it ({FLASH_SPEED[1]})", EXTRA)
 
 
 def flex_attention_status(capability: tuple[int, int]) -> tuple[bool, str]:
