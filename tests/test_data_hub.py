@@ -198,8 +198,8 @@ def test_no_network_fails_fast_and_leaves_no_folder(hub, tmp_path):
     p = run_cli("train", *args, env={"HF_ENDPOINT": f"http://127.0.0.1:{port}", "HF_HUB_OFFLINE": "0"}, check=False)
     assert time.monotonic() - start < 30
     assert p.returncode == 1, p.stderr
-    assert (f"data.path={tmp_path / 'data' / 'fineweb'} is missing and downloading data.source=fineweb10B-gpt2 into "
-            f"it failed: cannot fetch fineweb_val_000000.bin from http://127.0.0.1:{port}/datasets/kjj0/"
+    assert (f"data.path={tmp_path / 'data' / 'fineweb'}: downloading data.source=fineweb10B-gpt2 into it failed: "
+            f"cannot fetch fineweb_val_000000.bin from http://127.0.0.1:{port}/datasets/kjj0/"
             "fineweb10B-gpt2/resolve/main/fineweb_val_000000.bin: ConnectionRefusedError") in p.stderr
     assert "trainbox data download gpt2-125m" in p.stderr and "data.download=false" in p.stderr
     assert list(tmp_path.iterdir()) == []   # neither data/fineweb nor data/, nor a run directory

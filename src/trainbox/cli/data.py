@@ -125,8 +125,7 @@ def fetch_run_data(cfg, recipe: str | None, main: bool = True) -> list[Path] | N
         paths = ensure_source(d.path, d.source, d.download, samples, d.seq_len, hub,
                               on_plan=(lambda line: print(line, file=sys.stderr, flush=True)) if main else None)
     except DataError as e:
-        raise DataError(f"data.path={d.path} is missing and downloading data.source={d.source} into it failed: "
-                        f"{e.message}",
+        raise DataError(f"data.path={d.path}: downloading data.source={d.source} into it failed: {e.message}",
                         hint=(f"{e.hint}; or " if e.hint else "") + "point data.path at local token shards, fetch "
                              f"them ahead with `trainbox data download {recipe or 'RECIPE'} [key=value ...]`, or set "
                              "data.download=false") from None
