@@ -1,5 +1,7 @@
-"""`trainbox data fineweb` against a local HTTP server that answers the hub's resolve URLs (HF_ENDPOINT):
-download, skip complete files, header/size verification, and resuming a download killed half-way."""
+"""Downloads against a local HTTP server that answers the hub's resolve URLs (HF_ENDPOINT): `trainbox data
+fineweb` (download, skip complete files, header/size verification, resuming a download killed half-way) and
+`trainbox train` with data.source (exactly the shards its steps read, a dropped connection resumed by Range,
+a top-up for a longer run, a refused connection failing fast without leaving a folder, data.download=false)."""
 from __future__ import annotations
 
 import os
@@ -12,7 +14,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np
 import pytest
-from conftest import run_cli
+import torch
+from conftest import TINY, run_cli
 
 PREFIX = "/datasets/kjj0/fineweb10B-gpt2/resolve/main/"
 
@@ -24,10 +27,12 @@ def shard_bytes(n: int, seed: int) -> bytes:
 
 
 class Hub:
-    """Serves `files`; logs (method, name, Range); `stall[name] = k` sends k bytes of the next GET then waits."""
+    """Serves `files`; logs (method, name, Range) and the Authorization headers; `stall[name] = k` sends k bytes
+    of the next GET then waits; `drop[name] = k` sends k bytes of it then closes the connection."""
 
     def __init__(self, files: dict[str, bytes]):
         self.files, self.log, self.stall, self.release = files, [], {}, threading.Event()
+        self.drop, self.auth = {}, []
         hub = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -38,6 +43,7 @@ class Hub:
                 data = hub.files.get(name)
                 rng = self.headers.get("Range")
                 hub.log.append((self.command, name, rng))
+                hub.auth.append(self.headers.get("Authorization"))
                 if data is None:
                     self.send_error(404)
                     return None, 0
@@ -62,6 +68,9 @@ class Hub:
                     return
                 cut = hub.stall.pop(name, None)
                 try:
+                    if name in hub.drop:
+                        self.wfile.write(data[start:hub.drop.pop(name)])
+                        return
                     if cut is not None:
                         self.wfile.write(data[start:cut])
                         self.wfile.flush()
@@ -143,3 +152,60 @@ def test_killed_download_resumes_with_range(hub, tmp_path):
     assert ("fineweb_val_000000.bin", f"bytes={have}-") in hub.gets()
     assert (tmp_path / "fineweb_val_000000.bin").read_bytes() == big
     assert not part.exists()
+
+
+# ----------------------------------------------------------------------------- train with data.source
+
+TINY_GPT2 = [a for a in TINY if not a.startswith("data.tokenizer=")] + [
+    "data.tokenizer=gpt2", "data.source=fineweb10B-gpt2", "train.eval_tokens=256"]
+
+
+def test_train_downloads_the_shards_its_steps_read(hub, tmp_path):
+    """seq_len 32, global batch 8, 6 steps: 48 windows. Shard 1 (1,000 tokens) gives 31, so shard 2 (800: 24) is
+    needed too, and shard 3 is not: the plan follows the headers, not the nominal 100M tokens. Shard 1's
+    connection drops after 700 bytes and the download continues from there with a Range request."""
+    hub.files.update({"fineweb_train_000001.bin": shard_bytes(1000, 1), "fineweb_train_000002.bin": shard_bytes(800, 2),
+                      "fineweb_train_000003.bin": shard_bytes(1200, 3)})
+    hub.drop["fineweb_train_000001.bin"] = 700
+    data = tmp_path / "data" / "fw"
+    args = [*TINY_GPT2, f"data.path={data}", f"run.dir={tmp_path / 'runs'}"]
+    p = run_cli("train", *args, "train.max_steps=6", env={**env(hub), "HF_TOKEN": "tok"})
+    names = ["fineweb_val_000000.bin", "fineweb_train_000001.bin", "fineweb_train_000002.bin"]
+    assert hub.gets() == [(names[0], None), (names[1], None), (names[1], "bytes=700-"), (names[2], None)]
+    assert hub.auth == ["Bearer tok"] * 4
+    assert sorted(f.name for f in data.iterdir()) == sorted([".trainbox-source", *names])
+    for n in names:
+        assert (data / n).read_bytes() == hub.files[n]
+    assert f"data: {data} holds 0 of the 2 files this run reads" in p.stderr   # the nominal plan: 1 shard
+    assert "MB/s" in p.stderr and "validation:" in p.stdout
+    # a longer run on the same folder fetches only what it adds: 9 steps read 72 windows, 31 + 24 + 37
+    hub.log.clear()
+    p = run_cli("data", "download", *args, "train.max_steps=9", env=env(hub))
+    assert hub.gets() == [("fineweb_train_000003.bin", None)]
+    assert "4 file(s) in" in p.stdout
+
+
+def test_no_network_fails_fast_and_leaves_no_folder(hub, tmp_path):
+    """A refused connection (a closed port) ends `train` at once with what, where and what to do, and removes the
+    folders it made; with data.download=false nothing is fetched and the missing path is the usual error."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]   # closed once the block ends: connections are refused
+    args = ["gpt2-125m", "train.device=cpu", f"data.path={tmp_path / 'data' / 'fineweb'}",
+            f"run.dir={tmp_path / 'runs'}"]
+    start = time.monotonic()
+    p = run_cli("train", *args, env={"HF_ENDPOINT": f"http://127.0.0.1:{port}", "HF_HUB_OFFLINE": "0"}, check=False)
+    assert time.monotonic() - start < 30
+    assert p.returncode == 1, p.stderr
+    assert (f"data.path={tmp_path / 'data' / 'fineweb'}: downloading data.source=fineweb10B-gpt2 into it failed: "
+            f"cannot fetch fineweb_val_000000.bin from http://127.0.0.1:{port}/datasets/kjj0/"
+            "fineweb10B-gpt2/resolve/main/fineweb_val_000000.bin: ConnectionRefusedError") in p.stderr
+    assert "trainbox data download gpt2-125m" in p.stderr and "data.download=false" in p.stderr
+    assert list(tmp_path.iterdir()) == []   # neither data/fineweb nor data/, nor a run directory
+    p = run_cli("train", *args, "data.download=false", env=env(hub), check=False)
+    assert p.returncode == 1 and "no token files" in p.stderr and hub.log == []
+    assert not (tmp_path / "data").exists()
+    if not torch.cuda.is_available():   # a GPU recipe on this CPU is refused before its download, not after it
+        p = run_cli("train", *[a for a in args if a != "train.device=cpu"], env=env(hub), check=False)
+        assert p.returncode == 2 and "made for a GPU" in p.stderr and hub.log == []

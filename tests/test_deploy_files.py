@@ -111,6 +111,43 @@ def test_image_build_commands_spell_the_stack():
     assert "docker/Dockerfile.rocm" in cmd and "--load" in cmd
 
 
+def test_image_stack_is_the_measured_one_everywhere():
+    """The Dockerfiles' build arguments are the one place the image stacks are pinned. The CUDA one is the stack of
+    the H100 record the doctor cites (torch and its CUDA build, flash-attn-4, quack-kernels) and of pyproject's
+    `flash` extra; every image tag written in the docs, compose.yaml and the CLI's messages spells one of the two
+    stacks; docs/deploy.md's table states them."""
+    import json
+
+    import tomllib
+
+    from trainbox.doctor import FLASH_SPEED
+    from trainbox.launch.image import image_tag
+
+    cuda, rocm = dockerfile_args(DOCKERFILES[0]), dockerfile_args(DOCKERFILES[1])
+    record = json.loads((REPO / FLASH_SPEED[1]).read_text())
+    assert record["torch"] == f"{cuda['TORCH_VERSION']}+{cuda['TORCH_CUDA']}"
+    assert cuda["CUDA_VERSION"].startswith(f"{cuda['TORCH_CUDA'][2:4]}.{cuda['TORCH_CUDA'][4:]}.")
+    assert record["software"] == {"flash-attn-4": cuda["FLASH_ATTN_4_VERSION"],
+                                  "quack-kernels": cuda["QUACK_KERNELS_VERSION"]}
+    assert "flash" in cuda["EXTRAS"].split(",")
+    flash = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["flash"]
+    assert flash == [f"flash-attn-4>={cuda['FLASH_ATTN_4_VERSION']}", f"quack-kernels>={cuda['QUACK_KERNELS_VERSION']}"]
+    tags = {image_tag(cuda["TRAINBOX_VERSION"], cuda, rocm=False), image_tag(rocm["TRAINBOX_VERSION"], rocm, rocm=True)}
+    files = [REPO / "README.md", REPO / "docs" / "deploy.md", REPO / "compose.yaml", *DOCKERFILES,
+             REPO / "src" / "trainbox" / "cli" / "epilogs.py", REPO / "src" / "trainbox" / "launch" / "spec.py"]
+    written = {f.name: set(re.findall(r"trainbox:\d[\w.]*-(?:cu\d+|rocm[\d.]+)-torch[\d.]+", f.read_text()))
+               for f in files}
+    assert all(found <= tags for found in written.values()), written
+    assert written["compose.yaml"] == written["deploy.md"] == tags
+    deploy = (REPO / "docs" / "deploy.md").read_text()
+    for stated in (f"nvidia/cuda:{cuda['CUDA_VERSION']}-base-ubuntu{cuda['UBUNTU_VERSION']}",
+                   f"{cuda['TORCH_VERSION']} (`{cuda['TORCH_CUDA']}` wheels)",
+                   f"flash-attn-4 {cuda['FLASH_ATTN_4_VERSION']}", f"quack-kernels {cuda['QUACK_KERNELS_VERSION']}",
+                   f"rocm/pytorch:rocm{rocm['ROCM_VERSION']}_ubuntu{rocm['UBUNTU_VERSION']}_py{rocm['PYTHON_VERSION']}"
+                   f"_pytorch_release_{rocm['TORCH_VERSION']}", f"the base image's {rocm['TORCH_VERSION']}"):
+        assert stated in deploy, stated
+
+
 def test_launch_image_dry_run_prints_only():
     proc = run_cli("launch", "image", "--registry", "r.io/x", "--tag", "t", "--push", "--dry-run",
                    "--context", str(REPO))

@@ -49,7 +49,9 @@ def test_doctor_fails_when_the_recipe_needs_what_is_missing(tmp_path, monkeypatc
         return {c.name: c for c in run_checks({}, load_config(args[0], args[1:]))}
 
     assert checks("tiny")["recipe"].status == "ok"  # embedded corpus: everything is here
-    missing = checks("gpt2-125m")["needs_data"]  # data/fineweb does not exist in tmp_path
+    fetched = checks("gpt2-125m")["data"]  # data/fineweb does not exist in tmp_path: train downloads it
+    assert fetched.status == "ok" and "1 validation + 94 training shards" in fetched.value
+    missing = checks("gpt2-125m", "data.download=false")["needs_data"]
     assert missing.status == "fail" and "trainbox data fineweb" in missing.fix
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "fineweb_train_000001.bin").write_bytes(b"")
@@ -67,8 +69,33 @@ def test_doctor_fails_when_the_recipe_needs_what_is_missing(tmp_path, monkeypatc
         assert "needs_flash_attention" not in checks("speedrun-124m")  # auto: FlexAttention or SDPA instead
     assert "needs_fp8" not in checks("tiny")
     # the CLI exits 1 and names the missing piece and its fix
-    proc = run_cli("doctor", "gpt2-125m", "data.path=nowhere/x", cwd=tmp_path, check=False)
+    proc = run_cli("doctor", "gpt2-125m", "data.path=nowhere/x", "data.download=false", cwd=tmp_path, check=False)
     assert proc.returncode == 1 and "FAIL  needs_data" in proc.stdout and "-> trainbox data fineweb" in proc.stdout
+
+
+def test_flash_extra_advice_names_its_cost_and_records():
+    """The decision is a function of (compute capability, whether the extra loads); its figures are the records'."""
+    from conftest import REPO
+
+    from trainbox.doctor import FLASH_SPEED, PLAIN_SPEED, flash_check
+
+    for cap in ((9, 0), (10, 0)):
+        warn = flash_check(cap, importable=False)
+        assert warn.status == "warn" and "trainbox[flash]" in warn.fix and f"capability {cap[0]}.{cap[1]}" in warn.value
+        assert (f"runs at {PLAIN_SPEED[0]} nanoGPT's speed on an H100 without it ({PLAIN_SPEED[1]}) and "
+                f"{FLASH_SPEED[0]} with it ({FLASH_SPEED[1]})") in warn.value
+        assert flash_check(cap, importable=True).status == "ok"
+    for cap in ((8, 0), (8, 9), (7, 5), (12, 0)):   # no FlashAttention-4 kernels there: nothing to say
+        assert flash_check(cap, importable=False) is None
+    # the figures are the records' own: gpt2-125m on one H100 against the same nanoGPT step time
+    fast = json.loads((REPO / FLASH_SPEED[1]).read_text())
+    plain = json.loads((REPO / PLAIN_SPEED[1]).read_text())
+    nanogpt_ms = fast["baseline"]["metrics"]["median_step_ms"]
+    assert fast["recipe"] == plain["recipe"] == "gpt2-125m"
+    assert fast["gpu"] == plain["gpu"] == {"name": "NVIDIA H100 80GB HBM3", "count": 1}
+    assert "flash-attn-4" in fast["software"] and "did not import" in plain["notes"]
+    assert f"{nanogpt_ms / fast['metrics']['median_step_ms']:.2f}x" == FLASH_SPEED[0]
+    assert f"{nanogpt_ms / plain['metrics']['median_step_ms']:.2f}x" == PLAIN_SPEED[0]
 
 
 @pytest.mark.gpu
@@ -87,3 +114,6 @@ def test_doctor_on_gpu():
     fp8 = torch.version.cuda is not None and torch.cuda.get_device_capability(0) >= (8, 9)
     assert checks["fp8"].value.startswith("yes" if fp8 else "no")
     assert checks["nccl"].status == "ok"
+    from trainbox.doctor import flash_importable
+    if torch.cuda.get_device_capability(0)[0] in (9, 10):   # Hopper, Blackwell: the flash extra, said either way
+        assert checks["flash"].status == ("ok" if flash_importable() else "warn")

@@ -17,7 +17,9 @@ from conftest import REPO, TINY, run_cli
 SKIP = {
     "pip install": "network: installs packages",
     "trainbox data fineweb": "network: downloads FineWeb shards from the Hugging Face hub",
-    "trainbox train gpt2-125m": "trains on the FineWeb download (data.path=data/fineweb/...); fp8_head needs an H100",
+    "trainbox data download": "network: downloads FineWeb shards from the Hugging Face hub",
+    "trainbox train gpt2-125m": "downloads FineWeb (tests/test_data_hub.py runs that against a local server); "
+                                "a GPU recipe; fp8_head needs an H100",
     "trainbox train --nproc 8": "eight processes (GPUs) and a data.path left as `...`",
     "trainbox train lora": "network: downloads Qwen/Qwen2.5-0.5B from the hub, and chat.jsonl is the user's",
     "trainbox export runs/lora": "needs the lora run above",

@@ -88,6 +88,9 @@ def gpu_checks() -> list[Check]:
     fp8 = all(fp8_supported(torch.device("cuda", i)) for i in range(len(caps)))
     out.append(Check("fp8", "ok", "yes (model.fp8_head, model.fp8_mlp)" if fp8 else
                      "no: model.fp8_head and model.fp8_mlp need compute capability 8.9+ (L4, L40S, H100, H200)"))
+    fast = flash_check(min(caps), flash_importable())
+    if fast is not None:
+        out.append(fast)
     flex, why = flex_attention_status(min(caps))
     out.append(Check("flex_attention", "ok" if flex else "warn", "yes" if flex else f"no ({why})",
                      "" if flex else "attention falls back to SDPA (slower for sliding windows)"))
@@ -96,6 +99,33 @@ def gpu_checks() -> list[Check]:
     out.append(Check("nccl", "ok" if nccl else "warn", version,
                      "" if nccl else "multi-GPU runs need NCCL (RCCL on ROCm): use an official torch build"))
     return out
+
+
+# gpt2-125m on one H100 against nanoGPT's train.py (1,053.8 ms per step): with the `flash` extra, and with neither
+# of its packages loading (SDPA attention, the Triton fused loss, an unfused MLP)
+FLASH_SPEED = ("1.30x", "benchmarks/records/2026-11-27-h100-gpt2-125m-train-speed.json")
+PLAIN_SPEED = ("1.15x", "benchmarks/records/2026-11-27-h100-gpt2-125m-step-time-vs-70ca097.json")
+
+
+def flash_importable() -> bool:
+    """Whether the `flash` extra loads here: FlashAttention-4 and QuACK (both, as the recipes use them)."""
+    from trainbox.kernels.flash import _interface
+    from trainbox.kernels.fused_mlp import _quack
+    return _interface() is not None and _quack() is not None
+
+
+def flash_check(capability: tuple[int, int], importable: bool) -> Check | None:
+    """The `flash` extra on a GPU of `capability`: on Hopper (9.x) and Blackwell (10.x), where its kernels run, ok
+    when it loads and otherwise a warning with what it costs; None on other GPUs."""
+    if capability[0] not in (9, 10):
+        return None
+    from trainbox.kernels.flash import EXTRA
+    if importable:
+        return Check("flash", "ok", f"flash-attn-4 and quack-kernels load: attention, MLP and loss run their kernels "
+                     f"(gpt2-125m on an H100: {FLASH_SPEED[0]} nanoGPT's speed, {FLASH_SPEED[1]})")
+    return Check("flash", "warn", f"the `flash` extra does not load on this compute capability {capability[0]}."
+                 f"{capability[1]} GPU: gpt2-125m runs at {PLAIN_SPEED[0]} nanoGPT's speed on an H100 without it "
+                 f"({PLAIN_SPEED[1]}) and {FLASH_SPEED[0]} with it ({FLASH_SPEED[1]})", EXTRA)
 
 
 def flex_attention_status(capability: tuple[int, int]) -> tuple[bool, str]:
@@ -214,15 +244,35 @@ def recipe_checks(cfg: RunConfig) -> list[Check]:
     for pkg, extra, needed in packages:
         if needed and importlib.util.find_spec(pkg) is None:
             out.append(Check(f"needs_{pkg}", "fail", f"{pkg} is not installed", f"pip install 'trainbox[{extra}]'"))
-    path = cfg.data.path
-    if not path.startswith("embedded:") and not glob.glob(glob.escape(path) + "*"):
-        out.append(Check("needs_data", "fail", f"data.path={path}: no such file or token-file prefix",
-                         "trainbox data fineweb --shards N (pre-tokenized FineWeb), or trainbox prepare INPUT --out "
-                         f"{path}, or set data.path"))
-    if not out:
+    out += data_checks(cfg)
+    if all(c.status == "ok" for c in out):
         out.append(Check("recipe", "ok", f"{cfg.recipe or 'config'}: everything it needs is here"))
     out.append(kernel_check(cfg))
     return out
+
+
+def data_checks(cfg: RunConfig) -> list[Check]:
+    """A missing data.path fails, unless `train` downloads it (data.source, data.download)."""
+    from trainbox.data.hub import SOURCES, download_target, plan_shards, run_samples
+    from trainbox.errors import DataError
+
+    d, t = cfg.data, cfg.train
+    if d.path.startswith("embedded:") or glob.glob(glob.escape(d.path) + "*"):
+        return []
+    if download_target(d.path, d.source, d.download) is not None:
+        source = SOURCES[d.source]
+        try:
+            shards = plan_shards(source, run_samples(t.global_batch_size, d.seq_len, t.max_steps, t.max_tokens),
+                                 d.seq_len, {})
+        except DataError as e:  # the run reads more than the dataset holds
+            return [Check("needs_data", "fail", e.message, e.hint or "")]
+        size = (shards + len(source.val_files)) * 2 * source.tokens_per_shard
+        return [Check("data", "ok", f"data.path={d.path} is missing: `trainbox train` downloads {d.source} into it "
+                      f"({len(source.val_files)} validation + {shards} training shards, about {_fmt(size)})")]
+    return [Check("needs_data", "fail", f"data.path={d.path}: no such file or token-file prefix",
+                  "trainbox data fineweb --shards N (pre-tokenized FineWeb), or trainbox prepare INPUT --out "
+                  f"{d.path}, or set data.path" + ("" if d.download or not d.source else
+                                                   f" (data.download=true fetches {d.source})"))]
 
 
 def kernel_check(cfg: RunConfig) -> Check:

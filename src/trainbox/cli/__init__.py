@@ -133,11 +133,18 @@ def build_parser() -> argparse.ArgumentParser:
     ins.add_argument("--json", action="store_true", help="print the report as JSON")
     ins.set_defaults(func=cmd_inspect)
 
-    da = verb("data", "download datasets")
-    da.add_argument("dataset", choices=["fineweb"], help="fineweb: kjj0/fineweb10B-gpt2 GPT-2 shards")
-    da.add_argument("--shards", type=int, required=True, help="training shards (100M tokens each) + the val shard")
-    da.add_argument("--out", default="data/fineweb", help="output folder")
-    da.add_argument("--revision", default=None, help="dataset revision (branch, tag or commit)")
+    da = verb("data", "download datasets (HF_ENDPOINT, HF_TOKEN and HF_HUB_OFFLINE apply; downloads resume)")
+    das = da.add_subparsers(dest="dataset", required=True, metavar="DATASET")
+    fw = das.add_parser("fineweb", help="kjj0/fineweb10B-gpt2 GPT-2 shards into a folder",
+                        description="the validation shard and N training shards of kjj0/fineweb10B-gpt2")
+    fw.add_argument("--shards", type=int, required=True, help="training shards (100M tokens each) + the val shard")
+    fw.add_argument("--out", default="data/fineweb", help="output folder")
+    fw.add_argument("--revision", default=None, help="dataset revision (branch, tag or commit)")
+    dd = das.add_parser("download", help="what `trainbox train RECIPE ...` would download (its data.source)",
+                        description="download the data.source files a run reads into its data.path, as `trainbox "
+                        "train` does when data.path is missing (for a cluster: before the job starts)")
+    dd.add_argument("recipe", nargs="?", help="recipe name or config file")
+    dd.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.max_steps=50")
     da.set_defaults(func=cmd_data)
 
     k = verb("tokenizer", "train a byte-level BPE tokenizer")

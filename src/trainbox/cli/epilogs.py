@@ -47,8 +47,9 @@ EPILOGS = {
         """,
     "data": """
         examples:
+          trainbox data download gpt2-125m                          # what `trainbox train gpt2-125m` reads
+          trainbox data download speedrun-124m train.max_steps=100  # fewer steps, fewer shards
           trainbox data fineweb --shards 8 --out data/fineweb       # 800M GPT-2 tokens + the val shard
-          trainbox data fineweb --shards 1 --out data/fineweb       # re-run: complete files are skipped
           HF_ENDPOINT=http://mirror:8080 trainbox data fineweb --shards 2 --out data/fineweb
         """,
     "tokenizer": """
@@ -58,7 +59,7 @@ EPILOGS = {
         """,
     "launch": """
         examples:
-          trainbox launch compose gpt2-125m --image ghcr.io/me/trainbox:0.1.0-cu128-torch2.8.0 --gpus-per-node 8
+          trainbox launch compose gpt2-125m --image ghcr.io/me/trainbox:0.1.0-cu130-torch2.11.0 --gpus-per-node 8
           trainbox launch k8s gpt2-125m train.max_steps=5000 --image IMG --nodes 2 --gpus-per-node 8 --apply
           trainbox launch slurm gpt2-125m --nodes 4 --gpus-per-node 8 --partition gpu --time 48:00:00
           trainbox launch image --registry ghcr.io/me --tag latest --push --dry-run

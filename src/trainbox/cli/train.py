@@ -32,9 +32,21 @@ def cmd_train(args) -> int:
         report = mapping_report(args.recipe)
         if report:
             print(report, file=sys.stderr)
+    from trainbox.cli.data import fetch_run_data
+    from trainbox.data.hub import download_target
+
+    if download_target(cfg.data.path, cfg.data.source, cfg.data.download) and cfg.requires_gpu \
+            and cfg.train.device == "auto":   # a GPU recipe on a CPU is refused before its download, not after
+        import torch
+        if not torch.cuda.is_available():
+            from trainbox.train.device import gpu_recipe_on_cpu
+            raise gpu_recipe_on_cpu(cfg)
     if args.nproc and args.nproc > 1 and "LOCAL_RANK" not in os.environ:
         extra = _micro_batch_for(cfg, args.nproc, args.overrides)
+        fetch_run_data(cfg, args.recipe)   # once, before any worker starts
         return _launch_torchrun(args, cfg, extra)
+    # under a torchrun started elsewhere, the download folder's lock lets one process per machine fetch
+    fetch_run_data(cfg, args.recipe, main=_env_int("RANK", 0) == 0)
     from trainbox.lock import lock_run, unlock_run
 
     single = _env_int("WORLD_SIZE", 1) == 1

@@ -43,6 +43,12 @@ class DataSection(Section):
     packing: bool = True
     cache_dir: str | None = Field(None, description="where tokenized data is cached (default ~/.cache/trainbox)")
     num_workers: int = Field(1, ge=0, description="tokenizer worker processes for raw-text inputs")
+    source: Literal["fineweb10B-gpt2"] | None = Field(
+        None, description="a pre-tokenized dataset on the Hugging Face Hub that `train` downloads into the folder "
+        "data.path when that does not exist: fineweb10B-gpt2 (kjj0/fineweb10B-gpt2, GPT-2 token shards of 100M "
+        "tokens): the validation shard and the training shards the run's steps read")
+    download: bool = Field(True, description="download data.source when data.path is missing (false: a missing "
+                                             "data.path is an error)")
 
 
 class MoESection(Section):

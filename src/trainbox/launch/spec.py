@@ -58,7 +58,7 @@ class LaunchSpec:
             raise ConfigError("docker compose runs on one host: --nodes must be 1",
                               hint="use trainbox launch k8s or trainbox launch slurm for several nodes")
         if self.target in ("compose", "k8s") and not self.image:
-            raise ConfigError(f"launch {self.target} needs --image (e.g. ghcr.io/me/trainbox:0.1.0-cu128-torch2.8.0)",
+            raise ConfigError(f"launch {self.target} needs --image (e.g. ghcr.io/me/trainbox:0.1.0-cu130-torch2.11.0)",
                               hint="build one with: trainbox launch image --registry REGISTRY --tag TAG")
         if self.min_nodes is not None and (self.target != "k8s" or not 1 <= self.min_nodes <= self.nodes):
             raise ConfigError(f"--min-nodes {self.min_nodes}: elastic jobs are for k8s, with 1 <= min-nodes <= "
