@@ -199,7 +199,7 @@ def load_state(ckpt: Path, model: nn.Module, optimizers: list | None) -> None:
     state = state_dict(model, optimizers)
     try:
         dcp.load(state, checkpoint_id=str(ckpt / checkpoint.SHARDED_DIR), storage_reader=reader,
-                 planner=_SafePlanner())
+                 planner=_SafePlanner(), no_dist=not (tdist.is_available() and tdist.is_initialized()))
     except CheckpointError:
         raise
     except Exception as e:  # noqa: BLE001 - DCP's CheckpointException: missing keys, size mismatch, ...

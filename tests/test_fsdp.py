@@ -1,0 +1,118 @@
+"""FSDP2 (`train.parallel=fsdp`) and its sharded asynchronous checkpoints, on CPU under gloo through real torchrun.
+
+One chain of runs of the tiny recipe in fp32 against one uninterrupted single-process run (the reference):
+2 processes with FSDP, resumed on 4 processes from its step-3 checkpoint, that resumed on 2 processes and on
+one plain process from its step-6 checkpoint. Every step's loss and gradient norm must equal the reference's
+within 1e-5: sharding, gradient accumulation, clipping over the sharded norm and resharding a checkpoint to
+another world size change no maths. Then `export` and `generate` read a sharded checkpoint.
+"""
+from __future__ import annotations
+
+import json
+import pickle
+import shutil
+
+import pytest
+import torch
+from conftest import run_cli
+
+from trainbox import checkpoint
+from trainbox.config import load_config
+from trainbox.errors import CheckpointError
+from trainbox.train.loop import train
+
+STEPS = ["train.max_steps=9", "train.checkpoint_every=3", "train.keep_last=3", "train.dtype=fp32",
+         "monitor.enabled=false", "train.micro_batch_size=2", "train.eval_tokens=512"]
+
+
+def _losses(run_dir) -> dict[int, tuple[float, float | None]]:
+    out = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        e = json.loads(line)
+        if e.get("event") == "train":
+            out[e["step"]] = (e["loss"], e.get("grad_norm"))
+    return out
+
+
+def _same(got: dict, ref: dict, steps) -> None:
+    for s in steps:
+        assert got[s][0] == pytest.approx(ref[s][0], abs=1e-5), (s, got[s], ref[s])
+        if got[s][1] is not None:
+            assert got[s][1] == pytest.approx(ref[s][1], abs=1e-5), (s, got[s], ref[s])
+
+
+@pytest.fixture(scope="module")
+def chain(tmp_path_factory, data_cache):
+    from conftest import TINY
+    root = tmp_path_factory.mktemp("fsdp")
+    base = ["tiny", *TINY, *STEPS, f"run.dir={root}", f"data.cache_dir={data_cache}"]
+    train(load_config("tiny", [*base[1:], "run.name=ref"]))
+    run_cli("train", "--nproc", "2", *base, "run.name=two", "train.parallel=fsdp")
+    two = root / "two" / "checkpoints"
+    run_cli("train", "--nproc", "4", *base, "run.name=four", "train.parallel=fsdp",
+            f"run.resume={two / 'step_00000003'}")
+    four = root / "four" / "checkpoints" / "step_00000006"
+    run_cli("train", "--nproc", "2", *base, "run.name=back", "train.parallel=fsdp", f"run.resume={four}")
+    train(load_config("tiny", [*base[1:], "run.name=one", f"run.resume={four}"]))
+    return root
+
+
+def test_fsdp_steps_equal_one_process_and_reshard_on_resume(chain):
+    ref = _losses(chain / "ref")
+    _same(_losses(chain / "two"), ref, range(1, 10))       # 2 processes, accumulation 2
+    _same(_losses(chain / "four"), ref, range(4, 10))      # 2 -> 4 processes
+    _same(_losses(chain / "back"), ref, range(7, 10))      # 4 -> 2
+    _same(_losses(chain / "one"), ref, range(7, 10))       # 4 -> one plain process
+
+
+def test_sharded_checkpoint_layout_is_verified(chain):
+    ckpt = chain / "four" / "checkpoints" / "step_00000006"
+    manifest = json.loads((ckpt / "COMPLETE").read_text())
+    assert manifest["layout"] == "sharded"
+    assert {"state/.metadata", "trainer.json", "rng.pt"} <= set(manifest["files"])
+    assert sum(f.startswith("state/__") for f in manifest["files"]) == 4    # one shard file per rank
+    checkpoint.verify(ckpt)
+    assert checkpoint.latest(chain / "four" / "checkpoints") == chain / "four" / "checkpoints" / "step_00000009"
+    assert not list((chain / "four" / "checkpoints").glob(".tmp-*"))
+    # a flipped byte in a shard is found before anything is loaded
+    damaged = chain / "damaged"
+    shutil.copytree(ckpt, damaged)
+    shard = next((damaged / "state").glob("__1_*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="sha256"):
+        checkpoint.verify(damaged)
+
+
+def test_sharded_weights_load_into_a_plain_model_and_export(chain, tmp_path):
+    from trainbox.generate import load_for_inference
+    sharded, _, _ = load_for_inference(chain / "two" / "checkpoints" / "step_00000009")
+    single, _, _ = load_for_inference(chain / "ref" / "checkpoints" / "step_00000009")
+    ref = single.state_dict()
+    for name, t in sharded.state_dict().items():
+        assert torch.allclose(t, ref[name], atol=1e-5), name
+    out = run_cli("generate", str(chain / "two"), "--max-tokens", "5", "--seed", "1", "--prompt", "ROMEO:")
+    assert out.stdout.startswith("ROMEO:") and len(out.stdout.strip()) > len("ROMEO:")
+    from trainbox.export import export_hf
+    export_hf(chain / "two", tmp_path / "hf")
+    from safetensors.torch import load_file
+    exported = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    wte = exported["transformer.wte.weight"]
+    assert torch.allclose(wte, ref["transformer.wte.weight"][: wte.shape[0]], atol=1e-5)
+
+
+def test_metadata_that_would_run_code_is_refused(chain, tmp_path):
+    import os
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("touch " + str(tmp_path / "pwned"),))
+
+    ckpt = tmp_path / "step_00000009"
+    shutil.copytree(chain / "two" / "checkpoints" / "step_00000009", ckpt)
+    (ckpt / "state" / ".metadata").write_bytes(pickle.dumps(Evil()))
+    from trainbox.parallel.dcp import load_state
+    with pytest.raises(CheckpointError, match="cannot be loaded safely"):
+        load_state(ckpt, torch.nn.Linear(2, 2), None)
+    assert not (tmp_path / "pwned").exists()
