@@ -1,10 +1,11 @@
 """FSDP2 (`train.parallel=fsdp`) and its sharded asynchronous checkpoints, on CPU under gloo through real torchrun.
 
 One chain of runs of the tiny recipe in fp32 against one uninterrupted single-process run (the reference):
-2 processes with FSDP, resumed on 4 processes from its step-3 checkpoint, that resumed on 2 processes and on
-one plain process from its step-6 checkpoint. Every step's loss and gradient norm must equal the reference's
-within 1e-5: sharding, gradient accumulation, clipping over the sharded norm and resharding a checkpoint to
-another world size change no maths. Then `export` and `generate` read a sharded checkpoint.
+2 processes with FSDP (blocks kept gathered between micro-batches), resumed on 4 processes from its step-3
+checkpoint, that resumed on 2 processes (with selective activation checkpointing) and on one plain process
+from its step-6 checkpoint. Every step's loss and gradient norm must equal the reference's within 1e-5:
+sharding, gradient accumulation, clipping over the sharded norm and resharding a checkpoint to another world
+size change no maths. Then `export` and `generate` read a sharded checkpoint.
 """
 from __future__ import annotations
 
@@ -47,12 +48,13 @@ def chain(tmp_path_factory, data_cache):
     root = tmp_path_factory.mktemp("fsdp")
     base = ["tiny", *TINY, *STEPS, f"run.dir={root}", f"data.cache_dir={data_cache}"]
     train(load_config("tiny", [*base[1:], "run.name=ref"]))
-    run_cli("train", "--nproc", "2", *base, "run.name=two", "train.parallel=fsdp")
+    run_cli("train", "--nproc", "2", *base, "run.name=two", "train.parallel=fsdp", "train.reshard_after_forward=false")
     two = root / "two" / "checkpoints"
     run_cli("train", "--nproc", "4", *base, "run.name=four", "train.parallel=fsdp",
             f"run.resume={two / 'step_00000003'}")
     four = root / "four" / "checkpoints" / "step_00000006"
-    run_cli("train", "--nproc", "2", *base, "run.name=back", "train.parallel=fsdp", f"run.resume={four}")
+    run_cli("train", "--nproc", "2", *base, "run.name=back", "train.parallel=fsdp", f"run.resume={four}",
+            "train.activation_checkpointing=selective")
     train(load_config("tiny", [*base[1:], "run.name=one", f"run.resume={four}"]))
     return root
 
