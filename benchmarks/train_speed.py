@@ -2,6 +2,8 @@
 
     python benchmarks/train_speed.py gpt2-125m --data /tmp/corpus/modded/pyc --steps 30 [key=value ...]
     python benchmarks/train_speed.py gpt2-125m --data ... --nanogpt /path/to/nanoGPT --nanogpt-data DIR --record
+    python benchmarks/train_speed.py gpt2-125m --data ... --nproc 2 train.parallel=fsdp --baseline-overrides \
+        train.parallel=ddp --record          # two of our own configurations side by side
 
 Runs the real loop (trainbox.train.loop.Trainer) with monitor.log_every=1, so every step ends in one
 host sync and the metrics.jsonl timestamps of consecutive steps are step times. Prints: GPU, torch,
@@ -18,37 +20,56 @@ import argparse
 import json
 import shlex
 import statistics
+import subprocess
+import sys
 import time
 
 import common
 from common import bench_config, run_events, run_nanogpt, seeded_script  # noqa: F401 (seeded_script: tests)
 
 
-def run_ours(recipe: str, data: str, steps: int, warmup: int, overrides: list[str]) -> dict:
+def run_ours(recipe: str, data: str, steps: int, warmup: int, overrides: list[str], nproc: int = 1) -> dict:
     import torch
 
     from trainbox.train.loop import Trainer
 
     cfg = bench_config(recipe, steps, [f"data.path={data}", *overrides])
-    if torch.cuda.is_available():
-        torch.cuda.reset_peak_memory_stats()
     t0 = time.time()
-    trainer = Trainer(cfg)
-    summary = trainer.run()   # ends with an evaluation on train.eval_tokens of validation data
+    if nproc > 1:   # `trainbox train --nproc N` as a user runs it; the figures come back from metrics.jsonl
+        args = [f"{k}={v}" for k, v in (("train.max_steps", steps), ("monitor.log_every", 1), ("train.eval_every", 0),
+                                        ("train.checkpoint_every", 0), ("train.sample_tokens", 0),
+                                        ("run.dir", cfg.run.dir), ("monitor.port", 0))]
+        subprocess.run([sys.executable, "-m", "trainbox", "train", "--nproc", str(nproc), recipe, *args,
+                        f"data.path={data}", *overrides], check=True)
+        summary = {}
+        for line in (cfg.run_dir / "metrics.jsonl").read_text().splitlines():
+            e = json.loads(line)
+            if e.get("event") == "eval":
+                summary = {"val_loss": e["val_loss"], "val_tokens": e.get("val_tokens")}
+        flops_per_token = peak = None
+    else:
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+        trainer = Trainer(cfg)
+        summary = trainer.run()   # ends with an evaluation on train.eval_tokens of validation data
+        flops_per_token, peak = trainer.flops_per_token, trainer.peak
     start, train = run_events(cfg)
+    flops_per_token = start.get("flops_per_token", flops_per_token)
+    peak = start.get("peak_flops", peak)
     times = [b["time"] - a["time"] for a, b in zip(train, train[1:])][warmup:]
     step_s = statistics.median(times)
     tokens = cfg.train.global_batch_size * cfg.data.seq_len
-    peak = trainer.peak
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    mem = [e["peak_mem_gib"] for e in train if "peak_mem_gib" in e]
     return {
         "who": "trainbox", "recipe": recipe, "gpu": gpu, "torch": torch.__version__, "commit": common.git_state()[0],
-        "overrides": overrides, "tokens_per_step": tokens, "steps": steps, "median_step_ms": round(step_s * 1e3, 2),
-        "tokens_per_s": round(tokens / step_s),
-        "mfu": round(trainer.flops_per_token * tokens / step_s / peak, 4) if peak else None,
-        "flops_per_token": trainer.flops_per_token,
+        "overrides": overrides, "nproc": nproc, "tokens_per_step": tokens, "steps": steps,
+        "median_step_ms": round(step_s * 1e3, 2), "tokens_per_s": round(tokens / step_s),
+        "tokens_per_s_per_gpu": round(tokens / step_s / nproc),
+        "mfu": round(flops_per_token * tokens / step_s / (peak * nproc), 4) if peak else None,
+        "flops_per_token": flops_per_token,
         "first_step_s": round(train[0]["time"] - start["time"], 1), "wall_s": round(time.time() - t0, 1),
-        "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if torch.cuda.is_available() else None,
+        "peak_mem_gib": max(mem) if mem else None,   # rank 0's
         "final_loss": train[-1]["loss"], "val_loss": summary.get("val_loss"), "val_tokens": summary.get("val_tokens"),
         "losses": [round(e["loss"], 4) for e in train],  # every step's training loss: where a bad seed went wrong
     }
@@ -66,6 +87,9 @@ def main() -> None:
     ap.add_argument("--nanogpt-args", default="",
                     help='one string, e.g. "--batch_size=16 --gradient_accumulation_steps=30"')
     ap.add_argument("--nanogpt-seed", type=int, default=1337, help="nanoGPT's seed (its train.py fixes 1337)")
+    ap.add_argument("--nproc", type=int, default=1, help="processes (GPUs): `trainbox train --nproc N`")
+    ap.add_argument("--baseline-overrides", help='our own run with these overrides instead as the baseline, one '
+                                                 'string, e.g. "train.parallel=ddp" (same machine, same call)')
     ap.add_argument("--record", action="store_true", help="write the result record to benchmarks/records/")
     ap.add_argument("--what", help="the record's slug (default: RECIPE-train-speed)")
     args = ap.parse_intermixed_args()
@@ -74,17 +98,24 @@ def main() -> None:
         base = run_nanogpt(args.nanogpt, args.nanogpt_data, args.steps, args.warmup, shlex.split(args.nanogpt_args),
                            args.nanogpt_seed)
         print(json.dumps(base), flush=True)
-    result = run_ours(args.recipe, args.data, args.steps, args.warmup, args.overrides)
+    if args.baseline_overrides is not None:
+        base = run_ours(args.recipe, args.data, args.steps, args.warmup,
+                        [*args.overrides, *shlex.split(args.baseline_overrides)], args.nproc)
+        print(json.dumps(base), flush=True)
+    result = run_ours(args.recipe, args.data, args.steps, args.warmup, args.overrides, args.nproc)
     print(json.dumps(result), flush=True)
     if base is not None:
         if "median_step_ms" in base:
-            print(json.dumps({"speedup_vs_nanogpt": round(base["median_step_ms"] / result["median_step_ms"], 3)}))
+            name = "baseline" if args.baseline_overrides is not None else "nanogpt"
+            print(json.dumps({f"speedup_vs_{name}": round(base["median_step_ms"] / result["median_step_ms"], 3)}))
     skip = ("who", "recipe", "gpu", "torch", "commit", "overrides")
     common.emit(common.Result(
         tool="train_speed", what=args.what or f"{args.recipe}-train-speed", gpu=common.gpu_info(),
         software=common.software(), recipe=args.recipe, overrides=args.overrides,
         metrics={k: v for k, v in result.items() if k not in skip},
         baseline=None if base is None else {
+            "name": "trainbox", "command": f"{args.recipe} {' '.join(args.overrides)} {args.baseline_overrides}",
+            "metrics": {k: v for k, v in base.items() if k != "who"}} if args.baseline_overrides is not None else {
             "name": "nanoGPT train.py", "command": f"train.py {args.nanogpt_args}".strip(),
             "metrics": {k: v for k, v in base.items() if k != "who"}}), args.record)
 

@@ -179,6 +179,7 @@ class Trainer:
             log.info(f"changed since the checkpoint, applied from step {self.start_step}: {key} {old!r} -> {new!r}")
         self.sinks.log("start", step=self.start_step, total_steps=self.total, resumed_from=str(self.resume_from or ""),
                        world=d.world, params=n, unused_tail_tokens=tails, unused_samples_per_epoch=skipped,
+                       flops_per_token=self.flops_per_token, peak_flops=self.peak, parallel=self.parallel.name,
                        kernels=self.kernels.as_dict(),
                        **({"changed": {k: list(v) for k, v in self.changed.items()}} if self.changed else {}))
 
@@ -335,11 +336,11 @@ class Trainer:
         gn = float(grad_norm) if grad_norm is not None else None
         if not self.dist.is_main:
             return
+        peak_mem = torch.cuda.max_memory_allocated(self.device) / 2**30 if self.device.type == "cuda" else None
+        last = {"lr": lr, "grad_norm": gn, "tokens_per_s": tok_s, "mfu": mfu, "tokens": self.tokens_seen,
+                **({"peak_mem_gib": round(peak_mem, 3)} if peak_mem is not None else {}), **self._stats()}
         for i, v in enumerate(losses):
-            self.sinks.log("train", step=first_step + i + 1, loss=v,
-                           **({"lr": lr, "grad_norm": gn, "tokens_per_s": tok_s,
-                               "mfu": mfu, "tokens": self.tokens_seen} if i == len(losses) - 1 else {}),
-                           **(self._stats() if i == len(losses) - 1 else {}))
+            self.sinks.log("train", step=first_step + i + 1, loss=v, **(last if i == len(losses) - 1 else {}))
         mem = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
         self.state.update(step=step, loss=losses[-1], lr=lr, grad_norm=gn, tokens_per_s=tok_s, mfu=mfu, eta_s=eta,
                           epoch=(step - 1) // self.plan.steps_per_epoch, tokens_seen=self.tokens_seen,
@@ -351,8 +352,8 @@ class Trainer:
         self.state.write_status(self.run_dir / "status.json")
         from trainbox.monitor.console import fmt_duration
         extra = f" mfu {100 * mfu:.1f}%" if mfu else ""
-        if self.device.type == "cuda":
-            extra += f" mem {torch.cuda.max_memory_allocated(self.device) / 2**30:.1f}GiB peak"
+        if peak_mem is not None:
+            extra += f" mem {peak_mem:.1f}GiB peak"
         log.info(f"step {step}/{self.total} loss {losses[-1]:.4f}{f' lr {lr:.3g}' if lr is not None else ''}"
                  f"{f' gnorm {gn:.3f}' if gn is not None else ''} tok/s {tok_s or 0:,.0f}{extra} "
                  f"eta {fmt_duration(eta)}",
