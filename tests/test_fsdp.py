@@ -118,3 +118,30 @@ def test_metadata_that_would_run_code_is_refused(chain, tmp_path):
     with pytest.raises(CheckpointError, match="cannot be loaded safely"):
         load_state(ckpt, torch.nn.Linear(2, 2), None)
     assert not (tmp_path / "pwned").exists()
+
+
+def test_hsdp_mesh_shards_inside_a_node_and_replicates_across():
+    from trainbox.parallel.fsdp import mesh_shape
+    assert mesh_shape(2, 2) == (2,)            # one node: shard over all
+    assert mesh_shape(8, 4) == (2, 4)          # two nodes of 4: (replicate, shard)
+    assert mesh_shape(6, 4) == (6,)            # uneven nodes: plain sharding over all ranks
+
+
+def test_launchers_and_doctor_carry_the_strategy(tmp_path):
+    from trainbox.doctor import parallel_checks
+    out = run_cli("launch", "slurm", "gpt2-125m", "train.parallel=fsdp", "--nodes", "2", "--gpus-per-node", "4",
+                  "--out", str(tmp_path), cwd=tmp_path)
+    script = (tmp_path / "gpt2-125m.sbatch").read_text()
+    assert "train.parallel=fsdp" in script and "--nproc-per-node=4" in script, out.stdout
+    cfg = load_config("gpt2-125m", ["train.parallel=fsdp"])
+    assert [c.status for c in parallel_checks(cfg, 1)] == ["warn"]      # one GPU shards nothing
+    assert [c.status for c in parallel_checks(cfg, 8)] == ["ok"]
+    assert parallel_checks(load_config("gpt2-125m", []), 8) == []
+
+
+def test_strategy_refusals_name_the_way_out():
+    from trainbox.errors import ConfigError
+    with pytest.raises(ConfigError, match="Muon orthogonalises whole matrices"):
+        load_config("speedrun-124m", ["train.parallel=fsdp"])
+    with pytest.raises(ConfigError, match="use train.parallel=ddp"):
+        load_config("lora", ["train.parallel=fsdp", "model.path=x"])

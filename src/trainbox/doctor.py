@@ -245,6 +245,7 @@ def recipe_checks(cfg: RunConfig) -> list[Check]:
         if needed and importlib.util.find_spec(pkg) is None:
             out.append(Check(f"needs_{pkg}", "fail", f"{pkg} is not installed", f"pip install 'trainbox[{extra}]'"))
     out += data_checks(cfg)
+    out += parallel_checks(cfg, torch.cuda.device_count() if gpu else 0)
     if all(c.status == "ok" for c in out):
         out.append(Check("recipe", "ok", f"{cfg.recipe or 'config'}: everything it needs is here"))
     out.append(kernel_check(cfg))
@@ -273,6 +274,32 @@ def data_checks(cfg: RunConfig) -> list[Check]:
                   "trainbox data fineweb --shards N (pre-tokenized FineWeb), or trainbox prepare INPUT --out "
                   f"{d.path}, or set data.path" + ("" if d.download or not d.source else
                                                    f" (data.download=true fetches {d.source})"))]
+
+
+def parallel_checks(cfg: RunConfig, gpus: int) -> list[Check]:
+    """What train.parallel needs: FSDP2 and torch.distributed.checkpoint in this torch, a backend, several GPUs."""
+    import torch.distributed as dist
+    if not dist.is_available():
+        return [Check("needs_distributed", "fail", "this torch build has no torch.distributed",
+                      "install an official torch wheel")] if cfg.train.parallel == "fsdp" else []
+    if gpus and not dist.is_nccl_available():
+        return [Check("needs_nccl", "fail", "torch has no NCCL backend for the GPUs", "install a CUDA torch wheel")]
+    if cfg.train.parallel != "fsdp":
+        return []
+    try:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict  # noqa: F401
+        from torch.distributed.fsdp import fully_shard  # noqa: F401
+    except ImportError:
+        return [Check("needs_fsdp2", "fail", f"train.parallel=fsdp needs FSDP2 (torch.distributed.fsdp.fully_shard); "
+                      f"torch {torch.__version__} lacks it", "pip install 'torch>=2.6'")]
+    if gpus == 1:
+        return [Check("parallel", "warn", "train.parallel=fsdp on one GPU shards nothing (the whole model, its "
+                      "gradients and optimizer state stay on it)", "launch on several GPUs: trainbox train --nproc N "
+                      "..., or use train.parallel=ddp")]
+    where = f"{gpus} GPUs here: --nproc {gpus}" if gpus else "CPU processes under gloo: --nproc N"
+    return [Check("parallel", "ok", f"train.parallel=fsdp: parameters, gradients and optimizer state are split over "
+                  f"the processes of each node (HSDP across nodes), checkpoints are sharded and written in the "
+                  f"background ({where})")]
 
 
 def kernel_check(cfg: RunConfig) -> Check:
