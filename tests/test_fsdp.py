@@ -134,9 +134,10 @@ def test_launchers_and_doctor_carry_the_strategy(tmp_path):
     script = (tmp_path / "gpt2-125m.sbatch").read_text()
     assert "train.parallel=fsdp" in script and "--nproc-per-node=4" in script, out.stdout
     cfg = load_config("gpt2-125m", ["train.parallel=fsdp"])
-    assert [c.status for c in parallel_checks(cfg, 1)] == ["warn"]      # one GPU shards nothing
-    assert [c.status for c in parallel_checks(cfg, 8)] == ["ok"]
-    assert parallel_checks(load_config("gpt2-125m", []), 8) == []
+    assert [c.status for c in parallel_checks(cfg, 1, nccl=True)] == ["warn"]      # one GPU shards nothing
+    assert [c.status for c in parallel_checks(cfg, 8, nccl=True)] == ["ok"]
+    assert [c.name for c in parallel_checks(cfg, 8, nccl=False)] == ["needs_nccl"]
+    assert parallel_checks(load_config("gpt2-125m", []), 8, nccl=True) == []
 
 
 def test_strategy_refusals_name_the_way_out():

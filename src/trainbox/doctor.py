@@ -276,13 +276,13 @@ def data_checks(cfg: RunConfig) -> list[Check]:
                                                    f" (data.download=true fetches {d.source})"))]
 
 
-def parallel_checks(cfg: RunConfig, gpus: int) -> list[Check]:
+def parallel_checks(cfg: RunConfig, gpus: int, nccl: bool | None = None) -> list[Check]:
     """What train.parallel needs: FSDP2 and torch.distributed.checkpoint in this torch, a backend, several GPUs."""
     import torch.distributed as dist
     if not dist.is_available():
         return [Check("needs_distributed", "fail", "this torch build has no torch.distributed",
                       "install an official torch wheel")] if cfg.train.parallel == "fsdp" else []
-    if gpus and not dist.is_nccl_available():
+    if gpus and not (dist.is_nccl_available() if nccl is None else nccl):
         return [Check("needs_nccl", "fail", "torch has no NCCL backend for the GPUs", "install a CUDA torch wheel")]
     if cfg.train.parallel != "fsdp":
         return []
