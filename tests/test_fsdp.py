@@ -3,9 +3,10 @@
 One chain of runs of the tiny recipe in fp32 against one uninterrupted single-process run (the reference):
 2 processes with FSDP (blocks kept gathered between micro-batches), resumed on 4 processes from its step-3
 checkpoint, that resumed on 2 processes (with selective activation checkpointing) and on one plain process
-from its step-6 checkpoint. Every step's loss and gradient norm must equal the reference's within 1e-5:
-sharding, gradient accumulation, clipping over the sharded norm and resharding a checkpoint to another world
-size change no maths. Then `export` and `generate` read a sharded checkpoint.
+from its step-6 checkpoint; and the reference's own step-6 checkpoint resumed under FSDP. Every step's loss
+and gradient norm must equal the reference's within 1e-5: sharding, gradient accumulation, clipping over the
+sharded norm and resharding a checkpoint to another world size change no maths. Then `export` and
+`generate` read a sharded checkpoint.
 """
 from __future__ import annotations
 
@@ -56,6 +57,8 @@ def chain(tmp_path_factory, data_cache):
     run_cli("train", "--nproc", "2", *base, "run.name=back", "train.parallel=fsdp", f"run.resume={four}",
             "train.activation_checkpointing=selective")
     train(load_config("tiny", [*base[1:], "run.name=one", f"run.resume={four}"]))
+    single = root / "ref" / "checkpoints" / "step_00000006"
+    run_cli("train", "--nproc", "2", *base, "run.name=mixed", "train.parallel=fsdp", f"run.resume={single}")
     return root
 
 
@@ -65,6 +68,7 @@ def test_fsdp_steps_equal_one_process_and_reshard_on_resume(chain):
     _same(_losses(chain / "four"), ref, range(4, 10))      # 2 -> 4 processes
     _same(_losses(chain / "back"), ref, range(7, 10))      # 4 -> 2
     _same(_losses(chain / "one"), ref, range(7, 10))       # 4 -> one plain process
+    _same(_losses(chain / "mixed"), ref, range(7, 10))     # a single-file checkpoint -> fsdp on 2
 
 
 def test_sharded_checkpoint_layout_is_verified(chain):
