@@ -235,7 +235,8 @@ def write_tokenizer(tokenizer, spec: str, folder: Path, block: int) -> None:
         klass = "GPT2Tokenizer"
     else:
         shutil.copyfile(_tokenizer_file(spec), folder / "tokenizer.json")
-        eot = tokenizer.tok.id_to_token(tokenizer.eot_id)
+        eot = (tokenizer.tok.id_to_token(tokenizer.eot_id) if hasattr(tokenizer, "tok")   # tokenizers' or transformers'
+               else tokenizer.hf.convert_ids_to_tokens(tokenizer.eot_id))
         klass = "PreTrainedTokenizerFast"
     _write_json(folder / "tokenizer_config.json", {"tokenizer_class": klass, "bos_token": eot, "eos_token": eot,
                                                    "unk_token": eot, "model_max_length": block,
