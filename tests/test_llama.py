@@ -58,7 +58,8 @@ def logits(model, idx: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_import_matches_hf_and_export_loads_back(tmp_path, arch):
     hf = hf_model(arch)
-    hf.save_pretrained(tmp_path / "in")
+    hf.save_pretrained(tmp_path / "in", **({"max_shard_size": "20KB"} if arch == "qwen2" else {}))
+    assert (tmp_path / "in" / "model.safetensors.index.json").is_file() == (arch == "qwen2")   # sharded: qwen2
     ours, run = ours_from(tmp_path / "in")
     assert (run.model.llama.qkv_bias, run.model.llama.tie_embeddings) == ((False, False) if arch == "llama"
                                                                           else (True, True))
@@ -78,6 +79,9 @@ def test_import_matches_hf_and_export_loads_back(tmp_path, arch):
     assert type(back).__name__ == ("LlamaForCausalLM" if arch == "llama" else "Qwen2ForCausalLM")
     with torch.no_grad():
         assert (back(idx).logits - want).abs().max() < 1e-4
+    again, _ = ours_from(tmp_path / "out")   # our config.json (rope_theta + rope_scaling) read back
+    with torch.no_grad():
+        assert (logits(again, idx) - want).abs().max() < 1e-4
     if arch == "llama":   # the scaling is what makes the logits agree: plain RoPE does not
         ours.cfg = ours.cfg.model_copy(update={"llama": ours.cfg.llama.model_copy(
             update={"rope_scaling": RopeScalingSection()})})
@@ -114,6 +118,8 @@ def test_folder_errors_name_the_setting(tmp_path):
         load_init_weights(tmp_path / "llama", build_model(run.model, 128, 32), run.model)
     with pytest.raises(ConfigError, match="sft needs model.path"):
         resolve_model(load_config("sft"))
+    with pytest.raises(ConfigError, match="'model.nope' is not a config key"):
+        build_config({"required": ["model.nope"]})
 
 
 def test_recipes_have_the_llama_shapes():

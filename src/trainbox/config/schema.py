@@ -128,7 +128,8 @@ class ModelSection(Section):
     block_size: int | None = Field(None, description="positions the model supports (default data.seq_len)")
     dropout: float = Field(0.0, ge=0, lt=1)
     bias: bool = True
-    tie_embeddings: bool = True
+    tie_embeddings: bool = Field(True, description="gpt, moe: the output head shares the token embedding (llama: "
+                                                   "model.llama.tie_embeddings)")
     moe: MoESection = Field(default_factory=MoESection)
     logit_softcap: float = Field(15.0, ge=0, description="speedrun: tanh soft-cap of the logits (0 = off)")
     window: int = Field(1792, ge=1, description="speedrun: final attention window (tokens)")
