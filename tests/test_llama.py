@@ -5,6 +5,7 @@ data (`trainbox train sft`) with the loss on assistant tokens only."""
 from __future__ import annotations
 
 import json
+import signal
 
 import numpy as np
 import pytest
@@ -53,6 +54,24 @@ def ours_from(folder, **model):
 
 def logits(model, idx: torch.Tensor) -> torch.Tensor:
     return model.lm_head(model.hidden(idx))
+
+
+def stop_after(n: int):
+    """A Trainer whose stop flag is raised after step `n`, as the SIGTERM handler raises it."""
+    from trainbox.train.loop import Trainer
+
+    class StopAfter(Trainer):
+        def train_step(self, step: int):
+            out = super().train_step(step)
+            if step + 1 == n:
+                self.stop.signum = signal.SIGTERM
+            return out
+    return StopAfter
+
+
+def train_losses(run_dir) -> list[float]:
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in rows if r["event"] == "train"]
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
@@ -145,8 +164,7 @@ def test_trains_generates_and_exports(tiny, tmp_path, capsys):
                              "train.max_steps=24", "train.eval_every=0", "monitor.enabled=false", "run.name=llama",
                              "train.activation_checkpointing=selective", "train.threads=1"])
     result = train(cfg)
-    rows = [json.loads(x) for x in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
-    loss = [r["loss"] for r in rows if r["event"] == "train"]
+    loss = train_losses(cfg.run_dir)
     assert len(loss) == 24 and sum(loss[-4:]) < sum(loss[:4]) - 1.0
     assert result["sample"] is not None and (cfg.run_dir / "samples.txt").is_file()
     capsys.readouterr()
@@ -177,13 +195,21 @@ def test_sft_fine_tunes_every_weight_of_a_qwen2_folder(tmp_path, capsys):
     hf.config.eos_token_id = tok.eos_token_id
     hf.save_pretrained(base)
     chats = hf_tiny.make_chat_file(tmp_path / "chat.jsonl", n=24)
-    cfg = load_config("sft", [f"model.path={base}", f"data.path={chats}", "data.seq_len=48",
-                              f"run.dir={tmp_path / 'runs'}", f"data.cache_dir={tmp_path / 'cache'}",
-                              "train.global_batch_size=4", "train.micro_batch_size=2", "train.max_steps=4",
-                              "optim.lr=1e-3", "optim.warmup_steps=0", "train.sample_tokens=0",
-                              "monitor.enabled=false", "train.threads=1"])
+    def sft(name: str):
+        return load_config("sft", [f"model.path={base}", f"data.path={chats}", "data.seq_len=48", f"run.name={name}",
+                                   f"run.dir={tmp_path / 'runs'}", f"data.cache_dir={tmp_path / 'cache'}",
+                                   "train.global_batch_size=4", "train.micro_batch_size=2", "train.max_steps=4",
+                                   "optim.lr=1e-3", "optim.warmup_steps=0", "train.sample_tokens=0",
+                                   "monitor.enabled=false", "train.threads=1"])
+
+    cfg = sft("sft")
     trainer = Trainer(cfg)
     trainer.run()
+    # cut after step 2 (as SIGTERM does) and resumed with the same command: the straight run's losses exactly
+    cut = sft("cut")
+    assert stop_after(2)(cut).run()["step"] == 2
+    Trainer(cut).run()
+    assert train_losses(cut.run_dir) == train_losses(cfg.run_dir) and len(train_losses(cfg.run_dir)) == 4
     # the loss mask covers the assistant answers and their end-of-turn marker, nothing else
     ids, mask = np.asarray(trainer.train_data.arrays[0]), np.asarray(trainer.train_data.masks[0]).astype(bool)
     cuts = [0, *(np.flatnonzero(np.diff(mask.astype(np.int8))) + 1), len(ids)]

@@ -12,9 +12,10 @@ unless `model.llama.tie_embeddings`. No biases, except Qwen2's on q, k and v (`m
 RoPE rotates the two halves of each head against each other (Hugging Face's rotate_half convention), so
 q_proj and k_proj load from and export to Hugging Face folders as they are, with no permutation of their
 rows. Llama 3.1's frequency scaling (`model.llama.rope_scaling.rope_type=llama3`) stretches the low
-frequencies. The angles are computed once per forward from the positions (no tables to keep in
-buffers). Attention is PyTorch SDPA (FlashAttention-2 or cuDNN on a GPU) with enable_gqa; the loss goes
-through the fused head + cross-entropy with `model.fused_loss`, as in the gpt family.
+frequencies. The angles are computed once per forward from the positions, for all layers (no tables kept
+in buffers, so a model built on the meta device needs nothing recomputed). Attention is PyTorch SDPA with
+enable_gqa (k and v are never repeated in memory); with `model.fused_loss` the head and the cross-entropy
+are one function that never keeps the logits, as in the gpt family.
 
 Each block is one module of `model.layers` (`checkpoint_units()`): activation checkpointing and
 per-block sharding wrap them. With `model.path` set, the run takes its shape, tokenizer and initial
