@@ -92,7 +92,7 @@ def test_run_that_does_not_fit_is_refused_before_the_model(tmp_path, data_cache)
 def test_gpu_recipe_on_cpu():
     from trainbox.doctor import recipe_checks
     from trainbox.train.device import resolve_device
-    for name in ("gpt2-125m", "moe-gpt2-125m", "speedrun-124m", "speedrun-350m", "t5-base"):
+    for name in ("gpt2-125m", "moe-gpt2-125m", "speedrun-124m", "speedrun-350m", "t5-base", "llama-1b", "llama-8b"):
         cfg = load_config(name)
         assert cfg.requires_gpu
         with pytest.raises(ConfigError) as e:
@@ -100,7 +100,7 @@ def test_gpu_recipe_on_cpu():
         assert "made for a GPU" in str(e.value) and f"trainbox train {name} train.device=cpu" in e.value.hint
     device, _, _ = resolve_device(load_config("speedrun-124m", ["train.device=cpu"]), Dist())
     assert device.type == "cpu"   # asked for explicitly: the memory check decides
-    assert not load_config("tiny").requires_gpu and not load_config("t5-small").requires_gpu
+    assert not any(load_config(name).requires_gpu for name in ("tiny", "t5-small", "sft"))
     checks = {c.name: c for c in recipe_checks(load_config("speedrun-124m"))}
     assert checks["needs_gpu"].status == "fail" and "made for a GPU" in checks["needs_gpu"].value
     assert "needs_gpu" not in {c.name for c in recipe_checks(load_config("speedrun-124m", ["train.device=cpu"]))}

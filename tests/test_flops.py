@@ -13,7 +13,8 @@ from trainbox.train.device import PEAK_TFLOPS
 
 @pytest.mark.parametrize("family,extra", [("gpt", []), ("moe", ["model.moe.num_experts=8", "model.moe.top_k=2"]),
                                           ("moe", ["model.moe.num_experts=4", "model.moe.top_k=1",
-                                                   "model.moe.every=2"])])
+                                                   "model.moe.every=2"]),
+                                          ("llama", ["model.llama.n_kv_head=1", "model.llama.intermediate_size=64"])])
 def test_flops_per_token_matches_counted_flops(family, extra):
     """6N + 12 L d T is what the matmuls cost: attention counted in full by the math SDPA path, MoE
     counting only the top_k experts each token visits (the loop-over-experts path, which is aten.mm)."""

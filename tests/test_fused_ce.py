@@ -41,7 +41,8 @@ def test_loss_and_gradients_equal_torch(cap, reduction):
 
 
 @pytest.mark.parametrize("family, extra", [("gpt", {}), ("moe", {}),
-                                           ("speedrun", dict(head_dim=16, eot_id=0, window=16))])
+                                           ("speedrun", dict(head_dim=16, eot_id=0, window=16)),
+                                           ("llama", dict(llama=dict(n_kv_head=1, intermediate_size=64)))])
 def test_model_families_equal_the_unfused_head(family, extra):
     runs = []
     for fused in (False, True):

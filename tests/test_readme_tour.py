@@ -24,6 +24,9 @@ SKIP = {
     "trainbox train lora": "network: downloads Qwen/Qwen2.5-0.5B from the hub, and chat.jsonl is the user's",
     "trainbox export runs/lora": "needs the lora run above",
     "trainbox export runs/gpt2-125m": "needs the gpt2-125m run above",
+    "trainbox train sft": "needs a local Qwen2.5-0.5B folder and the user's chat.jsonl",
+    "trainbox export runs/sft": "needs the sft run above",
+    "trainbox train llama-1b": "a GPU recipe, on the FineWeb download",
     "docker compose": "needs docker and the image",
     "trainbox doctor speedrun-124m": "exits 1 by design where there is no CUDA GPU (speedrun needs one)",
 }

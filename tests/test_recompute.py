@@ -22,6 +22,7 @@ FAMILIES = {
     "moe": dict(family="moe", n_layer=2, n_head=2, n_embd=32),
     "speedrun": dict(family="speedrun", n_layer=2, n_head=2, n_embd=32, head_dim=16, window=8, eot_id=0),
     "t5": dict(family="t5", n_layer=2, n_head=2, n_embd=32),
+    "llama": dict(family="llama", n_layer=2, n_head=2, n_embd=32, llama=dict(n_kv_head=1, intermediate_size=64)),
 }
 VOCAB = {"t5": 160}  # T5's vocabulary ends with its 100 sentinels
 

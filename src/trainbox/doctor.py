@@ -238,7 +238,8 @@ def recipe_checks(cfg: RunConfig) -> list[Check]:
     if cfg.train.compile and gpu and importlib.util.find_spec("triton") is None:
         out.append(Check("needs_triton", "fail", "train.compile=true on GPU but triton is missing",
                          "pip install triton (it comes with the official torch wheels)"))
-    packages = [("transformers", "finetune", cfg.model.family == "hf"), ("peft", "finetune", cfg.model.family == "hf"),
+    hf_tokenizer = cfg.model.family == "hf" or (cfg.model.family == "llama" and bool(cfg.model.path))
+    packages = [("transformers", "finetune", hf_tokenizer), ("peft", "finetune", cfg.model.family == "hf"),
                 ("bitsandbytes", "quant", cfg.quant.load_in_4bit or cfg.quant.load_in_8bit),
                 ("tensorboard", "tracking", cfg.monitor.tensorboard), ("wandb", "tracking", cfg.monitor.wandb)]
     for pkg, extra, needed in packages:

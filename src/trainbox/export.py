@@ -29,6 +29,8 @@ from trainbox.errors import CheckpointError, ConfigError
 from trainbox.files import default_modes
 
 SKIP_SUFFIXES = (".attn.bias", ".attn.masked_bias")  # causal-mask buffers of older transformers versions
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json")
 CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 
 
@@ -38,9 +40,11 @@ def is_hf_folder(path: str | Path) -> bool:
 
 
 def load_init_weights(path: str | Path, model: nn.Module, cfg) -> None:
-    """`run.init_from`: a Hugging Face GPT-2 folder or one of our run directories / checkpoints."""
+    """`run.init_from`: a Hugging Face folder (the family's importer: GPT-2 here, Llama / Qwen2 in
+    model/llama_hf.py) or one of our run directories / checkpoints."""
+    from trainbox.model.spec import family
     if is_hf_folder(path):
-        load_hf_gpt2(path, model, cfg)
+        family(cfg.family).hf_importer()(path, model, cfg)
     else:
         checkpoint.load_weights(checkpoint.resolve(path), model)
 
@@ -52,7 +56,9 @@ def check_hf_config(hf: dict, cfg, vocab_size: int, block_size: int, where: str)
     """Raise ConfigError naming the first `model.*` key that disagrees with the folder's config.json."""
     if hf.get("model_type") != "gpt2":
         raise ConfigError(f"run.init_from={where} holds a '{hf.get('model_type')}' model; only GPT-2 folders "
-                          f"load into model.family=gpt", hint="for other causal LMs use model.family=hf model.path=...")
+                          f"load into model.family=gpt", hint="Llama and Qwen2 folders: model.family=llama (full "
+                                                                  "fine-tuning: trainbox train sft model.path=...); "
+                                                                  "other causal LMs: model.family=hf model.path=...")
     if cfg.family != "gpt":
         raise ConfigError(f"run.init_from={where} is a GPT-2 folder but model.family={cfg.family}",
                           hint="use model.family=gpt")
@@ -229,7 +235,8 @@ def write_tokenizer(tokenizer, spec: str, folder: Path, block: int) -> None:
         klass = "GPT2Tokenizer"
     else:
         shutil.copyfile(_tokenizer_file(spec), folder / "tokenizer.json")
-        eot = tokenizer.tok.id_to_token(tokenizer.eot_id)
+        eot = (tokenizer.tok.id_to_token(tokenizer.eot_id) if hasattr(tokenizer, "tok")   # tokenizers' or transformers'
+               else tokenizer.hf.convert_ids_to_tokens(tokenizer.eot_id))
         klass = "PreTrainedTokenizerFast"
     _write_json(folder / "tokenizer_config.json", {"tokenizer_class": klass, "bos_token": eot, "eos_token": eot,
                                                    "unk_token": eot, "model_max_length": block,
@@ -259,6 +266,41 @@ def export_cli(path: str, out: str, merge: bool = False, force: bool = False) ->
     _no_merge(path, merge)
     written = export_hf(path, out, force=force)
     return [f"wrote {written} (Hugging Face format: config.json, model.safetensors, tokenizer)"]
+
+
+def export_llama_cli(path: str, out: str, merge: bool = False, force: bool = False) -> list[str]:
+    """`trainbox export` of a llama run: a LlamaForCausalLM (or, with q/k/v biases, Qwen2ForCausalLM) folder with
+    the run's tokenizer: the files of its tokenizer folder (model.path's) copied, else written as for gpt."""
+    from trainbox.generate import load_for_inference
+    from trainbox.model.llama import tokenizer_spec
+    from trainbox.model.llama_hf import write_hf
+
+    _no_merge(path, merge)
+    out = Path(out)
+    if out.exists() and any(out.iterdir()) and not force:
+        raise ConfigError(f"--out {out} exists and is not empty", hint="choose another folder or pass --force")
+    model, tokenizer, cfg = load_for_inference(path)
+    block = cfg.model.block_size or cfg.data.seq_len
+    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        arch = write_hf(model, cfg.model, tmp, tokenizer.eot_id, block)
+        spec = Path(tokenizer_spec(cfg))
+        if (spec / "tokenizer_config.json").is_file():  # a Hugging Face tokenizer folder: its files as they are
+            for name in TOKENIZER_FILES:
+                if (spec / name).is_file():
+                    shutil.copyfile(spec / name, tmp / name)
+        else:
+            write_tokenizer(tokenizer, cfg.data.tokenizer, tmp, block)
+        if out.exists():
+            shutil.rmtree(out)
+        default_modes(tmp)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return [f"wrote {out} (Hugging Face {arch}: config.json, model.safetensors, tokenizer)"]
 
 
 def export_t5_cli(path: str, out: str, merge: bool = False, force: bool = False) -> list[str]:

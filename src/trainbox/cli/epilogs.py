@@ -6,6 +6,7 @@ EPILOGS = {
           trainbox train                                   # recipe tiny on the embedded Shakespeare corpus
           trainbox train gpt2-125m data.path=data/fineweb train.max_steps=5000
           trainbox train --nproc 2 tiny train.max_steps=50 # two processes through torchrun
+          trainbox train sft model.path=./Qwen2.5-0.5B data.path=chat.jsonl   # every weight of a Llama / Qwen2
           trainbox train tiny --detach                     # in the background: prints the run directory, the
                                                            # monitor URL and the logs / attach / stop commands
           torchrun --nproc_per_node 8 --signals-to-handle SIGTERM,SIGINT,SIGUSR1 -m trainbox train gpt2-125m
@@ -25,6 +26,7 @@ EPILOGS = {
           trainbox export runs/lora --format hf --out lora-adapter       # PEFT adapter (PeftModel.from_pretrained)
           trainbox export runs/lora --format hf --merge --out lora-merged  # base + adapter, base precision
           trainbox export runs/qlora --format hf --merge --force --out merged  # QLoRA: merge into a bf16 base
+          trainbox export runs/sft --format hf --out tuned   # llama: LlamaForCausalLM / Qwen2ForCausalLM + tokenizer
         """,
     "config": """
         examples:

@@ -8,6 +8,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from trainbox.errors import ConfigError
+
 
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
@@ -83,17 +85,57 @@ class T5Section(Section):
     mean_noise_span_length: float = Field(3.0, ge=1, description="mean length of a masked span")
 
 
+class RopeScalingSection(Section):
+    """RoPE frequency scaling for long contexts (`model.llama.rope_scaling`), as Hugging Face's rope_scaling."""
+
+    rope_type: Literal["none", "llama3"] = Field(
+        "none", description="llama3: Llama 3.1's scaling (low frequencies divided by factor, high ones kept, "
+                            "a smooth ramp between); none: plain RoPE")
+    factor: float = Field(8.0, ge=1, description="llama3: how much the low frequencies are stretched")
+    low_freq_factor: float = Field(1.0, gt=0, description="llama3: wavelengths above original / this are scaled")
+    high_freq_factor: float = Field(4.0, gt=0, description="llama3: wavelengths below original / this are kept")
+    original_max_position_embeddings: int = Field(8192, ge=1, description="llama3: the context length the model "
+                                                                           "was pretrained at")
+
+    @model_validator(mode="after")
+    def _high_above_low(self) -> "RopeScalingSection":
+        if self.high_freq_factor <= self.low_freq_factor:
+            raise ValueError(f"model.llama.rope_scaling.high_freq_factor={self.high_freq_factor} must exceed "
+                             f"low_freq_factor={self.low_freq_factor}")
+        return self
+
+
+class LlamaSection(Section):
+    """Llama / Qwen2 options (`model.family: llama`); model.n_layer, n_head, n_embd and head_dim give the shape."""
+
+    n_kv_head: int | None = Field(None, ge=1, description="key/value heads of grouped-query attention (default "
+                                                          "model.n_head); model.n_head must be a multiple of it")
+    intermediate_size: int | None = Field(None, ge=1, description="SwiGLU hidden width (default 8/3 x model.n_embd "
+                                                                  "rounded up to a multiple of 256, as Llama's)")
+    rope_theta: float = Field(500000.0, gt=0, description="RoPE base (Llama 3: 500000; Llama 2, Qwen2: 10000 or "
+                                                          "1000000)")
+    rope_scaling: RopeScalingSection = Field(default_factory=RopeScalingSection)
+    rms_norm_eps: float = Field(1e-5, gt=0)
+    qkv_bias: bool = Field(False, description="biases on the q, k and v projections (Qwen2; exported as "
+                                              "Qwen2ForCausalLM)")
+    tie_embeddings: bool = Field(False, description="the output head shares the token embedding (Llama 3.2 1B "
+                                                    "and 3B, small Qwen2 models); model.tie_embeddings is the "
+                                                    "gpt family's")
+
+
 class ModelSection(Section):
-    family: Literal["gpt", "moe", "speedrun", "t5", "hf"] = "gpt"
+    family: Literal["gpt", "moe", "speedrun", "t5", "hf", "llama"] = "gpt"
     n_layer: int = Field(12, ge=1)
     n_head: int = Field(12, ge=1)
     n_embd: int = Field(768, ge=8)
-    head_dim: int | None = Field(None, description="speedrun: width of one head (default n_embd // n_head)")
+    head_dim: int | None = Field(None, ge=1, description="speedrun, llama: width of one head (default n_embd // "
+                                                          "n_head)")
     vocab_size: int | None = Field(None, description="default: the tokenizer's, padded to a multiple of 64")
     block_size: int | None = Field(None, description="positions the model supports (default data.seq_len)")
     dropout: float = Field(0.0, ge=0, lt=1)
     bias: bool = True
-    tie_embeddings: bool = True
+    tie_embeddings: bool = Field(True, description="gpt, moe: the output head shares the token embedding (llama: "
+                                                   "model.llama.tie_embeddings)")
     moe: MoESection = Field(default_factory=MoESection)
     logit_softcap: float = Field(15.0, ge=0, description="speedrun: tanh soft-cap of the logits (0 = off)")
     window: int = Field(1792, ge=1, description="speedrun: final attention window (tokens)")
@@ -128,8 +170,8 @@ class ModelSection(Section):
         None, description="gpt, moe, speedrun: keep the residual stream in the autocast dtype (bf16) instead of fp32 "
                           "(default: on for speedrun, off for gpt and moe; on gpt2-125m it costs +0.05 validation "
                           "loss after 200 steps, docs/performance.md)")
-    fused_loss: bool = Field(False, description="gpt, moe, speedrun: the head's matmul and the cross-entropy in one "
-                                                "function that never keeps the logits (a Triton kernel on CUDA; "
+    fused_loss: bool = Field(False, description="gpt, moe, speedrun, llama: the head's matmul and the cross-entropy "
+                                                "in one function that never keeps the logits (a Triton kernel on CUDA; "
                                                 "the loop's summed loss on an H100/H200 with trainbox[flash]: "
                                                 "QuACK's linear cross-entropy)")
     fused_norm: bool = Field(False, description="gpt, moe: each residual add and the LayerNorm after it as one op "
@@ -141,8 +183,11 @@ class ModelSection(Section):
                                                "(QuACK's GEMMs on Hopper/Blackwell GPUs, pip install "
                                                "'trainbox[flash]'; torch ops elsewhere). MLPs with biases "
                                                "(model.bias=true) run unfused")
-    path: str | None = Field(None, description="hf: hub id or local folder of a Hugging Face causal LM")
+    path: str | None = Field(None, description="hf: hub id or local folder of a Hugging Face causal LM; llama: a "
+                                               "local Llama or Qwen2 folder that gives the run its shape, "
+                                               "tokenizer and initial weights (full fine-tuning)")
     t5: T5Section = Field(default_factory=T5Section)
+    llama: LlamaSection = Field(default_factory=LlamaSection)
 
     @property
     def fp8_options(self) -> list[str]:
@@ -152,8 +197,14 @@ class ModelSection(Section):
 
     @model_validator(mode="after")
     def _heads_divide_width(self) -> "ModelSection":
-        if self.family in ("gpt", "moe") and self.n_embd % self.n_head:
+        if (self.family in ("gpt", "moe") or (self.family == "llama" and self.head_dim is None)) \
+                and self.n_embd % self.n_head:
             raise ValueError(f"model.n_embd={self.n_embd} is not divisible by model.n_head={self.n_head}")
+        if self.family == "llama" and self.n_head % (self.llama.n_kv_head or self.n_head):
+            raise ValueError(f"model.n_head={self.n_head} is not a multiple of model.llama.n_kv_head="
+                             f"{self.llama.n_kv_head}")
+        if self.family == "llama" and self.dropout:
+            raise ValueError("model.dropout does not apply to model.family=llama (Llama trains without dropout)")
         if self.fp8_head and self.family not in ("gpt", "speedrun"):
             raise ValueError(f"model.fp8_head applies to model.family=gpt or speedrun, not {self.family}")
         if self.fp8_mlp != "none" and self.family not in ("gpt", "speedrun"):
@@ -167,8 +218,8 @@ class ModelSection(Section):
         if self.fused_mlp and self.fp8_mlp != "none":
             raise ValueError("model.fused_mlp runs the MLP's matmuls in the autocast dtype, model.fp8_mlp in FP8: "
                              "set one of them off (model.fp8_mlp=none or model.fused_mlp=false)")
-        if self.fused_loss and self.family not in ("gpt", "moe", "speedrun"):
-            raise ValueError(f"model.fused_loss applies to model.family=gpt, moe or speedrun, not {self.family}")
+        if self.fused_loss and self.family not in ("gpt", "moe", "speedrun", "llama"):
+            raise ValueError(f"model.fused_loss applies to model.family=gpt, moe, speedrun or llama, not {self.family}")
         if self.attention != "auto" and self.family not in ("gpt", "moe", "speedrun"):
             raise ValueError(f"model.attention applies to model.family=gpt, moe or speedrun, not {self.family}")
         if self.attention == "flex" and self.family != "speedrun":
@@ -284,6 +335,8 @@ class RunConfig(Section):
     recipe: str | None = Field(None, description="recipe this config came from")
     requires_gpu: bool = Field(False, description="the recipe is made for a GPU: without one it is refused unless "
                                                   "train.device=cpu is given (then the memory check decides)")
+    required: list[str] = Field(default_factory=list, description="keys the recipe needs given (e.g. [model.path]), "
+                                                                  "checked when a run starts")
     run: RunSection = Field(default_factory=RunSection)
     data: DataSection = Field(default_factory=DataSection)
     model: ModelSection = Field(default_factory=ModelSection)
@@ -312,6 +365,29 @@ class RunConfig(Section):
                              "FSDP splits over the ranks; use train.parallel=ddp (the speedrun models fit one GPU) "
                              "or optim.name=adamw")
         return self
+
+    def _required_keys_exist(self) -> "RunConfig":
+        for key in self.required:
+            node = self
+            for part in key.split("."):
+                if not isinstance(node, BaseModel) or part not in type(node).model_fields:
+                    raise ValueError(f"required: {key!r} is not a config key")
+                node = getattr(node, part)
+        return self
+
+    def check_required(self) -> None:
+        """Raise ConfigError naming the `required` keys this config leaves unset (null or empty)."""
+        missing = []
+        for key in self.required:
+            node = self
+            for part in key.split("."):
+                node = getattr(node, part)
+            if node is None or node == "" or node == []:
+                missing.append(key)
+        if missing:
+            raise ConfigError(f"{self.recipe or 'this config'} needs {' and '.join(missing)}",
+                              hint="give " + " ".join(f"{k}=..." for k in missing) + " (see `trainbox config show "
+                                   f"{self.recipe or 'FILE'}` for what the recipe sets)")
 
     @property
     def run_name(self) -> str:

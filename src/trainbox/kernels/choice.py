@@ -53,7 +53,7 @@ def _attention(cfg, device: torch.device) -> str:
     from trainbox.kernels.flash import use_flash
     if cfg.family == "hf":
         return "hf"
-    if cfg.family == "t5":
+    if cfg.family in ("t5", "llama"):
         return "sdpa"
     if cfg.family == "speedrun":
         if use_flash(cfg.attention, device, eligible=cfg.window_block == 1):

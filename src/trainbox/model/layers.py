@@ -41,20 +41,32 @@ class KVCache(nn.Module):
         return self.k[:, :, :pos + t], self.v[:, :, :pos + t]
 
 
+SDPA_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")  # torch 2.5+
+
+
 def cached_attention(q, k, v, cache: KVCache | None, pos: int) -> torch.Tensor:
     """Causal SDPA over (B, H, T, D) tensors, appending k/v to the cache when one is given.
 
     With a cache, the T new queries sit at positions pos..pos+T-1 and see every cached key up to their
-    own position, so prefill (T > 1) and one-token decode (T = 1) are the same code.
+    own position, so prefill (T > 1) and one-token decode (T = 1) are the same code. Keys and values with
+    fewer heads than the queries (grouped-query attention: each serves H_q / H_kv query heads) go through
+    SDPA's enable_gqa, or are repeated where torch lacks it.
     """
+    if cache is not None:
+        k, v = cache.update(pos, k, v)
+    gqa = {}
+    if k.size(1) != q.size(1):
+        if SDPA_GQA:
+            gqa = {"enable_gqa": True}
+        else:
+            k, v = (t.repeat_interleave(q.size(1) // k.size(1), dim=1) for t in (k, v))
     if cache is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    k, v = cache.update(pos, k, v)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, **gqa)
     t, s = q.size(2), k.size(2)
     if t == 1:
-        return F.scaled_dot_product_attention(q, k, v)
+        return F.scaled_dot_product_attention(q, k, v, **gqa)
     mask = torch.ones(t, s, dtype=torch.bool, device=q.device).tril(diagonal=s - t)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **gqa)
 
 
 def init_normal_(module: nn.Module, std: float = 0.02) -> None:

@@ -6,13 +6,20 @@ A family's module defines `build(cfg, vocab_size, block_size[, run])` returning 
 `num_params` and `flops_per_token`. The spec says what else the family brings:
 
     needs_run      build() also takes the whole RunConfig as `run=` (hf: LoRA, quantisation)
-    own_tokenizer  the module's tokenizer(run) (hf: the model's own), else data.tokenizer
+    resolves       the module's resolve(run) completes the run config before anything is built (llama with
+                   model.path: the folder's shape, vocabulary and run.init_from)
+    own_tokenizer  the module's tokenizer(run) (hf, llama with model.path: the model's own), else data.tokenizer
     extra_ids      the module's extra_ids(cfg): ids above the tokenizer's (t5: sentinels, decoder start)
-    own_datasets   the module's open_datasets(run, tokenizer, vocab) (hf: chat/text JSONL -> SFT windows)
+    own_datasets   the module's open_datasets(run, tokenizer, vocab) (hf, llama with model.path: chat/text JSONL
+                   -> SFT windows)
     adapts_data    the module's adapt_dataset(...) turns packed windows into its examples (t5: span corruption)
     steps          the model takes set_step(step, total) before each step (the kernel choice, speedrun's window)
     generate       causal (sampling with a KV cache), spans (t5: fill <extra_id_K> markers)
     export         what `trainbox export --format hf` writes, and the function that writes it
+    hf_import      the function that loads a Hugging Face folder given as run.init_from (module:function)
+
+A hook that applies to some runs of a family only (llama's with model.path) falls back to the default
+behaviour inside the module, so the table stays a plain declaration.
 """
 from __future__ import annotations
 
@@ -30,7 +37,9 @@ class Family:
     module: str
     generate: str = "causal"
     export: tuple[str, str] | None = ("GPT2LMHeadModel", "trainbox.export:export_cli")   # (what, module:function)
+    hf_import: str = "trainbox.export:load_hf_gpt2"
     needs_run: bool = False
+    resolves: bool = False
     own_tokenizer: bool = False
     extra_ids: bool = False
     own_datasets: bool = False
@@ -51,8 +60,16 @@ class Family:
             raise ConfigError(f"model.family={self.name} has no Hugging Face model class to export to",
                               hint="the run's checkpoints (safetensors) are its portable form; generate with "
                                    "`trainbox generate RUN`")
-        module, name = self.export[1].split(":")
-        return getattr(importlib.import_module(module), name)
+        return _function(self.export[1])
+
+    def hf_importer(self):
+        """The function `run.init_from=HF_FOLDER` calls: (folder, model, model section) -> None."""
+        return _function(self.hf_import)
+
+
+def _function(path: str):
+    module, name = path.split(":")
+    return getattr(importlib.import_module(module), name)
 
 
 FAMILIES = {f.name: f for f in (
@@ -63,6 +80,9 @@ FAMILIES = {f.name: f for f in (
            export=("T5ForConditionalGeneration", "trainbox.export:export_t5_cli")),
     Family("hf", "trainbox.model.hf", needs_run=True, own_tokenizer=True, own_datasets=True,
            export=("PEFT adapter or merged model", "trainbox.export_lora:export_cli")),
+    Family("llama", "trainbox.model.llama", resolves=True, own_tokenizer=True, own_datasets=True,
+           export=("LlamaForCausalLM or Qwen2ForCausalLM", "trainbox.export:export_llama_cli"),
+           hf_import="trainbox.model.llama_hf:load_hf"),
 )}
 
 
@@ -76,6 +96,15 @@ def family(name: str) -> Family:
 def pad_vocab(n: int, multiple: int = 64) -> int:
     """Round the vocabulary up for faster matmuls (GPT-2: 50,257 -> 50,304)."""
     return -(-n // multiple) * multiple
+
+
+def resolve_model(run):
+    """The run config completed for its model before anything is built: the keys the recipe requires are
+    checked, then the family resolves what it takes from elsewhere (llama with model.path: the folder's shape,
+    vocabulary and initial weights). A new config; the given one is not changed."""
+    run.check_required()
+    spec = family(run.model.family)
+    return spec.load().resolve(run) if spec.resolves else run
 
 
 def build_model(cfg, vocab_size: int, block_size: int, run=None) -> nn.Module:

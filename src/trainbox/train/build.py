@@ -20,6 +20,7 @@ from trainbox.model.spec import (
     build_tokenizer,
     model_vocab_size,
     open_datasets,
+    resolve_model,
 )
 from trainbox.optim.build import build_optimizers
 from trainbox.train.distributed import Dist
@@ -48,6 +49,7 @@ class RunData:
 
 
 def build_data(cfg: RunConfig, dist: Dist) -> RunData:
+    cfg = resolve_model(cfg)  # required keys; the family's resolution (llama: model.path's shape and weights)
     tokenizer = build_tokenizer(cfg)
     if cfg.model.eot_id is None:  # document-masked families (speedrun) split documents at EOT
         cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"eot_id": tokenizer.eot_id})})

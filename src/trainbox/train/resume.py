@@ -29,7 +29,7 @@ from trainbox.files import atomic_write_text
 from trainbox.monitor.console import log
 
 # keys that never change what a step computes
-RUNTIME = ("recipe", "requires_gpu", "run.name", "run.dir", "run.resume", "run.init_from", "monitor.",
+RUNTIME = ("recipe", "requires_gpu", "required", "run.name", "run.dir", "run.resume", "run.init_from", "monitor.",
            "data.cache_dir", "data.num_workers", "train.device", "train.threads", "train.pg_timeout_s",
            "train.sample_tokens", "train.sample_prompt", "train.compile", "train.peak_tflops", "train.memory_check",
            "train.eval_every", "train.eval_tokens", "train.parallel", "train.reshard_after_forward",

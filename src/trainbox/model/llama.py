@@ -1,0 +1,222 @@
+"""Llama family (`model.family: llama`): Llama 2/3 and Qwen2 models, parameter names as Hugging Face's
+LlamaForCausalLM and Qwen2ForCausalLM.
+
+    trainbox train llama-1b data.path=PREFIX                        # Llama 3.2 1B shape, random init
+    trainbox train sft model.path=FOLDER data.path=chat.jsonl       # full fine-tuning of a HF folder
+
+Architecture (Touvron et al. 2023, Llama 3 2024): token embedding; pre-RMSNorm blocks of grouped-query
+attention (`model.llama.n_kv_head` key/value heads, each shared by n_head / n_kv_head query heads) with
+rotary positions, and a SwiGLU MLP, down(silu(gate(x)) * up(x)); a final RMSNorm; an output head, untied
+unless `model.llama.tie_embeddings`. No biases, except Qwen2's on q, k and v (`model.llama.qkv_bias`).
+
+RoPE rotates the two halves of each head against each other (Hugging Face's rotate_half convention), so
+q_proj and k_proj load from and export to Hugging Face folders as they are, with no permutation of their
+rows. Llama 3.1's frequency scaling (`model.llama.rope_scaling.rope_type=llama3`) stretches the low
+frequencies. The angles are computed once per forward from the positions, for all layers (no tables kept
+in buffers, so a model built on the meta device needs nothing recomputed). Attention is PyTorch SDPA with
+enable_gqa (k and v are never repeated in memory); with `model.fused_loss` the head and the cross-entropy
+are one function that never keeps the logits, as in the gpt family.
+
+Each block is one module of `model.layers` (`checkpoint_units()`): activation checkpointing and
+per-block sharding wrap them. With `model.path` set, the run takes its shape, tokenizer and initial
+weights from that Hugging Face folder and reads chat JSONL through the fine-tuning data path (data/sft.py)
+with assistant-only loss: `resolve`, `tokenizer` and `open_datasets` below; without it they are those of
+every pretraining family. Conversion to and from Hugging Face folders: model/llama_hf.py.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from trainbox.kernels.fused_ce import head_cross_entropy
+from trainbox.model.gpt import Output, cross_entropy
+from trainbox.model.layers import KVCache, RMSNorm, cached_attention, init_normal_, scaled_residual_init_
+
+
+def intermediate_size(cfg) -> int:
+    """model.llama.intermediate_size, or Llama's rule: 8/3 x n_embd rounded up to a multiple of 256."""
+    return cfg.llama.intermediate_size or 256 * math.ceil(int(8 * cfg.n_embd / 3) / 256)
+
+
+def head_dim(cfg) -> int:
+    return cfg.head_dim or cfg.n_embd // cfg.n_head
+
+
+def rope_frequencies(dim: int, theta: float, scaling, device=None) -> torch.Tensor:
+    """The (dim / 2,) inverse frequencies of RoPE, with Llama 3.1's scaling when scaling.rope_type is llama3:
+    wavelengths longer than original / low_freq_factor are stretched by `factor`, shorter than original /
+    high_freq_factor kept, and those between interpolated smoothly (as Hugging Face's llama3 rope)."""
+    inv = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim)
+    if scaling.rope_type == "none":
+        return inv
+    old, lo, hi = scaling.original_max_position_embeddings, scaling.low_freq_factor, scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > old / lo, inv / scaling.factor, inv)
+    smooth = (old / wavelen - lo) / (hi - lo)
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = (wavelen >= old / hi) & (wavelen <= old / lo)
+    return torch.where(medium, smoothed, scaled)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate (B, H, T, D) by the (T, D/2) angles: the first half of each head against the second (rotate_half)."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, n_embd: int, n_head: int, n_kv_head: int, head_dim: int, qkv_bias: bool):
+        super().__init__()
+        self.n_head, self.n_kv_head, self.head_dim = n_head, n_kv_head, head_dim
+        self.q_proj = nn.Linear(n_embd, n_head * head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(n_embd, n_kv_head * head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(n_embd, n_kv_head * head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(n_head * head_dim, n_embd, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None = None,
+                pos: int = 0) -> torch.Tensor:
+        B, T, _ = x.shape
+        # (B, T, H * D) -> (B, H, T, D)
+        q = self.q_proj(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        y = cached_attention(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, cache, pos)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim))
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, n_embd: int, hidden: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(n_embd, hidden, bias=False)
+        self.up_proj = nn.Linear(n_embd, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, n_embd, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    """One transformer layer: x + attn(norm(x)), then + mlp(norm(x))."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        lc = cfg.llama
+        self.input_layernorm = RMSNorm(cfg.n_embd, lc.rms_norm_eps)
+        self.self_attn = Attention(cfg.n_embd, cfg.n_head, lc.n_kv_head or cfg.n_head, head_dim(cfg), lc.qkv_bias)
+        self.post_attention_layernorm = RMSNorm(cfg.n_embd, lc.rms_norm_eps)
+        self.mlp = MLP(cfg.n_embd, intermediate_size(cfg))
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None = None,
+                pos: int = 0) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, pos)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Llama(nn.Module):
+    """Llama / Qwen2. `cfg` is a ModelSection; `vocab_size` and `block_size` are already resolved."""
+
+    family = "llama"
+
+    def __init__(self, cfg, vocab_size: int, block_size: int):
+        super().__init__()
+        self.cfg, self.vocab_size, self.block_size = cfg, vocab_size, block_size
+        self.model = nn.ModuleDict(dict(
+            embed_tokens=nn.Embedding(vocab_size, cfg.n_embd),
+            layers=nn.ModuleList([Block(cfg) for _ in range(cfg.n_layer)]),
+            norm=RMSNorm(cfg.n_embd, cfg.llama.rms_norm_eps),
+        ))
+        self.lm_head = nn.Linear(cfg.n_embd, vocab_size, bias=False)
+        if cfg.llama.tie_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        init_normal_(self)
+        scaled_residual_init_(self, "o_proj.weight", cfg.n_layer)
+        scaled_residual_init_(self, "down_proj.weight", cfg.n_layer)
+
+    def rope(self, pos: int, T: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of positions pos..pos+T-1, (T, head_dim / 2) in fp32, shared by every layer."""
+        lc = self.cfg.llama
+        inv = rope_frequencies(head_dim(self.cfg), lc.rope_theta, lc.rope_scaling, device)
+        angles = torch.outer(torch.arange(pos, pos + T, device=device, dtype=torch.float32), inv)
+        return angles.cos(), angles.sin()
+
+    def hidden(self, idx: torch.Tensor, caches: list[KVCache] | None = None, pos: int = 0) -> torch.Tensor:
+        cos, sin = self.rope(pos, idx.size(1), idx.device)
+        x = self.model.embed_tokens(idx)
+        for i, block in enumerate(self.model.layers):
+            x = block(x, cos, sin, caches[i] if caches else None, pos)
+        return self.model.norm(x)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, loss_mask: torch.Tensor | None = None,
+                caches: list[KVCache] | None = None, pos: int = 0, reduction: str = "mean") -> Output:
+        x = self.hidden(idx, caches, pos)
+        if targets is None:  # inference: only the last position's logits are needed
+            return Output(logits=self.lm_head(x[:, -1:, :]))
+        if self.cfg.fused_loss:
+            loss = head_cross_entropy(x, self.lm_head.weight, targets, loss_mask, 0.0, reduction)
+        else:
+            loss = cross_entropy(self.lm_head(x), targets, loss_mask, reduction)
+        return Output(loss=loss)
+
+    def checkpoint_units(self) -> list[nn.Module]:
+        """The blocks that train.activation_checkpointing wraps (and per-block sharding shards)."""
+        return list(self.model.layers)
+
+    def make_caches(self, batch: int, max_len: int, dtype, device) -> list[KVCache]:
+        kv = self.cfg.llama.n_kv_head or self.cfg.n_head
+        return [KVCache(batch, kv, max_len, head_dim(self.cfg), dtype, device) for _ in range(self.cfg.n_layer)]
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token as torchtitan counts them (get_nparams_and_flops): 6 x the parameters other
+        than the token embedding (a tied head, being the embedding, is not counted), plus 12 * L * H * D * T for
+        attention (the full T x T score matrix, causal masking not subtracted)."""
+        non_embedding = self.num_params() - self.model.embed_tokens.weight.numel()
+        return 6 * non_embedding + 12 * self.cfg.n_layer * self.cfg.n_head * head_dim(self.cfg) * seq_len
+
+
+def build(cfg, vocab_size: int, block_size: int) -> Llama:
+    return Llama(cfg, vocab_size, block_size)
+
+
+# ----------------------------------------------------------------------------- model.path: a Hugging Face folder
+
+
+def resolve(run):
+    """With model.path: the run's shape, vocabulary and run.init_from from the folder (model/llama_hf.py)."""
+    if not run.model.path:
+        return run
+    from trainbox.model.llama_hf import resolve_from_folder
+    return resolve_from_folder(run)
+
+
+def tokenizer_spec(run) -> str:
+    """Where the run's tokenizer comes from: data.tokenizer, or model.path's folder when data.tokenizer is the
+    default (gpt2)."""
+    return run.model.path if run.model.path and run.data.tokenizer == "gpt2" else run.data.tokenizer
+
+
+def tokenizer(run):
+    """model.path's own tokenizer (transformers, with its chat template), else data.tokenizer as for every
+    pretraining family."""
+    if not run.model.path:
+        from trainbox.data.tokenizer import get_tokenizer
+        return get_tokenizer(run.data.tokenizer)
+    from trainbox.data.sft import load_hf_tokenizer
+    return load_hf_tokenizer(tokenizer_spec(run))
+
+
+def open_datasets(run, tokenizer, vocab_size: int):
+    """With model.path: chat / text JSONL through the fine-tuning path (data/sft.py, loss on assistant tokens
+    only), as model.family=hf reads it; else data.path's token files or text."""
+    if run.model.path:
+        from trainbox.model.hf import open_datasets as open_finetuning_datasets
+        return open_finetuning_datasets(run, tokenizer, vocab_size)
+    from trainbox.data.sources import open_datasets as open_token_datasets
+    return open_token_datasets(run.data, tokenizer, vocab_size)

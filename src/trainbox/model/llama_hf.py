@@ -1,0 +1,245 @@
+"""Hugging Face Llama and Qwen2 folders <-> the llama family (`model.family: llama`), both directions.
+
+    trainbox train sft model.path=FOLDER data.path=chat.jsonl     # shape, tokenizer and weights from FOLDER
+    trainbox train llama-1b run.init_from=FOLDER                  # weights only; the recipe's shape must match
+    trainbox export runs/sft --format hf --out hf/                # LlamaForCausalLM (Qwen2ForCausalLM: qkv_bias)
+
+Our parameter names are Hugging Face's and our RoPE uses its rotate_half convention, so the weights copy
+across unchanged: no renames, no permutation of q_proj / k_proj rows. What the conversion does: it reads
+config.json into the model section (`shape`: both the `rope_theta` + `rope_scaling` keys of transformers 4
+and the `rope_parameters` of transformers 5; written back in the first form, which both read), refuses what
+the family does not implement (other activations, sliding windows, biases beyond Qwen2's q/k/v, other RoPE
+scalings), pads the vocabulary rows when ours is larger, and fills a tied head from the embedding.
+Weights come from model.safetensors or a sharded model.safetensors.index.json.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+from safetensors.torch import load_file, save_file
+
+from trainbox.errors import CheckpointError, ConfigError
+
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def read_config(folder: str | Path, key: str) -> dict:
+    """FOLDER/config.json of a Llama or Qwen2 model; `key` names the setting that gave the folder."""
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"{key}={folder}: no config.json there; model.family=llama reads a local Hugging Face "
+                          "folder", hint="download it first (huggingface-cli download ID --local-dir DIR) and "
+                                         "pass DIR")
+    hf = json.loads(path.read_text())
+    if hf.get("model_type") not in ARCHITECTURES:
+        raise ConfigError(f"{key}={folder} holds a {hf.get('model_type')!r} model; model.family=llama supports "
+                          f"model_type llama (LlamaForCausalLM) and qwen2 (Qwen2ForCausalLM)",
+                          hint="GPT-2 folders load into model.family=gpt (run.init_from); other causal LMs "
+                               "fine-tune with LoRA: trainbox train lora model.path=...")
+    return hf
+
+
+def shape(hf: dict, where: str) -> dict:
+    """A Llama / Qwen2 config.json as our model keys (dotted) -> values; refuses what we do not implement."""
+    refused = [(hf.get("hidden_act", "silu") == "silu", f"hidden_act={hf.get('hidden_act')} (ours is silu)"),
+               (not hf.get("attention_bias", False), "attention_bias=true (biases on every attention projection)"),
+               (not hf.get("mlp_bias", False), "mlp_bias=true"),
+               (not hf.get("use_sliding_window", False), "use_sliding_window=true")]
+    for ok, what in refused:
+        if not ok:
+            raise ConfigError(f"{where}/config.json has {what}, which model.family=llama does not implement")
+    rope = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
+    rope_type = rope.get("rope_type", rope.get("type")) or "default"
+    if rope_type not in ("default", "llama3"):
+        raise ConfigError(f"{where}/config.json has RoPE scaling {rope_type!r}; model.family=llama implements "
+                          "llama3 scaling and plain RoPE")
+    n_embd, n_head = hf["hidden_size"], hf["num_attention_heads"]
+    out = {"model.n_layer": hf["num_hidden_layers"], "model.n_head": n_head, "model.n_embd": n_embd,
+           "model.head_dim": hf.get("head_dim") or n_embd // n_head,
+           "model.llama.n_kv_head": hf.get("num_key_value_heads") or n_head,
+           "model.llama.intermediate_size": hf["intermediate_size"],
+           "model.llama.rope_theta": float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+           "model.llama.rms_norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
+           "model.llama.qkv_bias": hf["model_type"] == "qwen2",
+           "model.llama.tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
+           "model.llama.rope_scaling.rope_type": "llama3" if rope_type == "llama3" else "none"}
+    if rope_type == "llama3":
+        out.update({f"model.llama.rope_scaling.{k}": (int if k.startswith("original") else float)(rope[k])
+                    for k in ROPE_KEYS})
+    return out
+
+
+def ours(cfg) -> dict:
+    """The model section's effective values under the keys of `shape` (defaults filled in)."""
+    from trainbox.model.llama import head_dim, intermediate_size
+    lc, rs = cfg.llama, cfg.llama.rope_scaling
+    out = {"model.n_layer": cfg.n_layer, "model.n_head": cfg.n_head, "model.n_embd": cfg.n_embd,
+           "model.head_dim": head_dim(cfg), "model.llama.n_kv_head": lc.n_kv_head or cfg.n_head,
+           "model.llama.intermediate_size": intermediate_size(cfg), "model.llama.rope_theta": lc.rope_theta,
+           "model.llama.rms_norm_eps": lc.rms_norm_eps, "model.llama.qkv_bias": lc.qkv_bias,
+           "model.llama.tie_embeddings": lc.tie_embeddings, "model.llama.rope_scaling.rope_type": rs.rope_type}
+    if rs.rope_type == "llama3":
+        out.update({f"model.llama.rope_scaling.{k}": getattr(rs, k) for k in ROPE_KEYS})
+    return out
+
+
+def _same(a, b) -> bool:
+    return abs(a - b) <= 1e-9 * max(abs(a), abs(b)) if isinstance(a, float) or isinstance(b, float) else a == b
+
+
+def _text(v) -> str:
+    return str(v).lower() if isinstance(v, bool) else str(v)
+
+
+def _explicit(model, key: str) -> bool:
+    """Whether the config sets the dotted model key (`model.llama.n_kv_head`) rather than leaving its default."""
+    *sections, name = key.split(".")[1:]
+    node = model
+    for part in sections:
+        if part not in node.model_fields_set:
+            return False
+        node = getattr(node, part)
+    return name in node.model_fields_set
+
+
+def _set(data: dict, key: str, value) -> None:
+    *sections, name = key.split(".")[1:]
+    for part in sections:
+        data = data[part]
+    data[name] = value
+
+
+def resolve_from_folder(run):
+    """model.path: the model section takes the folder's shape and vocabulary, run.init_from the folder (unless
+    set). A shape key the config sets to another value than the folder's is refused."""
+    folder = run.model.path
+    hf = read_config(folder, "model.path")
+    theirs, mine = shape(hf, folder), ours(run.model)
+    for key, value in theirs.items():
+        if _explicit(run.model, key) and not _same(mine.get(key), value):
+            raise ConfigError(f"{key}={_text(mine.get(key))} but {folder}/config.json gives {_text(value)}",
+                              hint=f"leave {key} unset: model.path gives the model its shape")
+    if run.model.vocab_size is not None and run.model.vocab_size < hf["vocab_size"]:
+        raise ConfigError(f"model.vocab_size={run.model.vocab_size} is smaller than {folder}'s {hf['vocab_size']}",
+                          hint="leave model.vocab_size unset")
+    data = run.model.model_dump()
+    for key, value in theirs.items():
+        _set(data, key, value)
+    data["vocab_size"] = run.model.vocab_size or hf["vocab_size"]
+    model = type(run.model).model_validate(data)
+    return run.model_copy(update={"model": model,
+                                  "run": run.run.model_copy(update={"init_from": run.run.init_from or folder})})
+
+
+# ----------------------------------------------------------------------------- weights in
+
+
+def read_weights(folder: Path) -> dict[str, torch.Tensor]:
+    """model.safetensors or the shards of model.safetensors.index.json; keys under HF's LlamaForCausalLM names."""
+    if (folder / "model.safetensors").is_file():
+        state = load_file(str(folder / "model.safetensors"))
+    elif (folder / "model.safetensors.index.json").is_file():
+        index = json.loads((folder / "model.safetensors.index.json").read_text())
+        state = {}
+        for shard in sorted(set(index["weight_map"].values())):
+            state.update(load_file(str(folder / shard)))
+    else:
+        raise CheckpointError(f"{folder} has a config.json but no model.safetensors (or its sharded index)",
+                              hint="save the model with model.save_pretrained(folder) (safetensors)")
+    # a LlamaModel without its head stores its keys without the "model." prefix; old ones keep RoPE tables
+    return {k if k.startswith(("model.", "lm_head.")) else f"model.{k}": v for k, v in state.items()
+            if not k.endswith("rotary_emb.inv_freq")}
+
+
+def load_hf(folder: str | Path, model: nn.Module, cfg) -> None:
+    """`run.init_from` of a Llama / Qwen2 folder: its config must match the model section; weights copied,
+    the vocabulary padded with zero rows where ours is larger."""
+    folder = Path(folder)
+    hf = read_config(folder, "run.init_from")
+    for key, value in shape(hf, str(folder)).items():
+        mine = ours(cfg).get(key)
+        if not _same(mine, value):
+            raise ConfigError(f"{key}={_text(mine)} but run.init_from={folder} has {_text(value)} in its config.json",
+                              hint=f"set {key}={_text(value)}, or use model.path={folder}, which takes the shape "
+                                   "from the folder")
+    if model.vocab_size < hf["vocab_size"]:
+        raise ConfigError(f"run.init_from={folder} has vocab_size={hf['vocab_size']}, more than our {model.vocab_size}",
+                          hint=f"use the folder's tokenizer (data.tokenizer={folder}) or set "
+                               f"model.vocab_size={hf['vocab_size']}")
+    state = read_weights(folder)
+    if cfg.llama.tie_embeddings:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    own = model.state_dict()
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        if name in state and state[name].shape[0] < own[name].shape[0]:
+            pad = state[name].new_zeros(own[name].shape[0] - state[name].shape[0], state[name].shape[1])
+            state[name] = torch.cat([state[name], pad])
+    wrong = [f"{k} {tuple(state[k].shape)} vs ours {tuple(v.shape)}" for k, v in own.items()
+             if k in state and state[k].shape != v.shape]
+    missing = [k for k in own if k not in state]
+    unexpected = [k for k in state if k not in own]
+    if wrong or missing or unexpected:
+        raise CheckpointError(f"{folder} does not map onto our llama model: shapes {wrong[:3]}, missing {missing[:3]}, "
+                              f"unexpected {unexpected[:3]}", hint="the folder must hold a LlamaForCausalLM or "
+                                                                  "Qwen2ForCausalLM")
+    with torch.no_grad():
+        for k, v in own.items():
+            v.copy_(state[k])
+
+
+# ----------------------------------------------------------------------------- weights out
+
+
+def hf_config(cfg, vocab: int, block: int, source: dict | None = None) -> dict:
+    """config.json for our model section: Qwen2ForCausalLM with q/k/v biases, else LlamaForCausalLM. Token ids
+    and the context length come from `source` (the config.json of model.path) where there is one."""
+    from trainbox.model.llama import head_dim, intermediate_size
+    lc, rs = cfg.llama, cfg.llama.rope_scaling
+    model_type = "qwen2" if lc.qkv_bias else "llama"
+    scaling = None
+    context = block
+    if rs.rope_type == "llama3":
+        scaling = {"rope_type": "llama3", **{k: getattr(rs, k) for k in ROPE_KEYS}}
+        context = max(block, int(rs.original_max_position_embeddings * rs.factor))
+    out = {"architectures": [ARCHITECTURES[model_type]], "model_type": model_type, "vocab_size": vocab,
+           "hidden_size": cfg.n_embd, "intermediate_size": intermediate_size(cfg),
+           "num_hidden_layers": cfg.n_layer, "num_attention_heads": cfg.n_head,
+           "num_key_value_heads": lc.n_kv_head or cfg.n_head, "head_dim": head_dim(cfg), "hidden_act": "silu",
+           "max_position_embeddings": context, "rms_norm_eps": lc.rms_norm_eps, "rope_theta": lc.rope_theta,
+           "rope_scaling": scaling, "tie_word_embeddings": lc.tie_embeddings, "initializer_range": 0.02,
+           "attention_dropout": 0.0, "use_cache": True, "dtype": "float32"}
+    if model_type == "llama":
+        out.update(attention_bias=False, mlp_bias=False)
+    else:
+        out.update(use_sliding_window=False)
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id", "max_position_embeddings"):
+        if source and source.get(key) is not None:
+            out[key] = source[key]
+    return out
+
+
+def hf_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Our weights under their (Hugging Face) names in fp32; a tied head is left out (transformers re-ties it)."""
+    return {k: v.detach().float().cpu().contiguous() for k, v in model.state_dict().items()
+            if not (k == "lm_head.weight" and model.cfg.llama.tie_embeddings)}
+
+
+def write_hf(model: nn.Module, cfg, folder: Path, eot_id: int, block: int) -> str:
+    """model.safetensors, config.json and generation_config.json into `folder`; returns the architecture."""
+    source_dir = Path(cfg.path) if cfg.path else None
+    source = json.loads((source_dir / "config.json").read_text()) if source_dir and \
+        (source_dir / "config.json").is_file() else {"bos_token_id": eot_id, "eos_token_id": eot_id}
+    config = hf_config(cfg, model.vocab_size, block, source)
+    save_file(hf_state(model), str(folder / "model.safetensors"), metadata={"format": "pt"})
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    generation = source_dir / "generation_config.json" if source_dir else None
+    if generation is not None and generation.is_file():
+        (folder / "generation_config.json").write_text(generation.read_text())
+    else:
+        (folder / "generation_config.json").write_text(json.dumps(
+            {"bos_token_id": config.get("bos_token_id"), "eos_token_id": config.get("eos_token_id")}, indent=2) + "\n")
+    return config["architectures"][0]

@@ -1,0 +1,232 @@
+"""model.family=llama against Hugging Face's LlamaForCausalLM and Qwen2ForCausalLM (transformers is the
+reference): logits and gradients after import, Llama 3 RoPE scaling, grouped-query attention, the KV cache,
+export loaded back by transformers, a short training run, and full fine-tuning of a Qwen2 folder on chat
+data (`trainbox train sft`) with the loss on assistant tokens only."""
+from __future__ import annotations
+
+import json
+import signal
+
+import numpy as np
+import pytest
+import torch
+
+from trainbox.cli import main
+from trainbox.config import build_config, load_config
+from trainbox.config.schema import RopeScalingSection
+from trainbox.errors import ConfigError
+from trainbox.export import load_init_weights
+from trainbox.model.llama_hf import resolve_from_folder, write_hf
+from trainbox.model.spec import build_model, resolve_model
+
+transformers = pytest.importorskip("transformers")
+import hf_tiny  # noqa: E402
+
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 16}
+
+
+def hf_model(arch: str, vocab: int = 100, seed: int = 0, **kw):
+    """A 2-layer model with 4 query heads sharing 2 key/value heads; every weight random (norms and biases too).
+    llama: Llama 3 RoPE scaling over an original 16-token context, untied head; qwen2: q/k/v biases, tied."""
+    torch.manual_seed(seed)
+    shape = dict(vocab_size=vocab, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6, **kw)
+    if arch == "llama":
+        cfg = transformers.LlamaConfig(rope_theta=10000.0, rope_scaling=LLAMA3, tie_word_embeddings=False, **shape)
+        model = transformers.LlamaForCausalLM(cfg)
+    else:
+        cfg = transformers.Qwen2Config(rope_theta=1000.0, tie_word_embeddings=True, **shape)
+        model = transformers.Qwen2ForCausalLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    return model.eval()
+
+
+def ours_from(folder, **model):
+    """Our model as `model.path=FOLDER` builds it: the folder's shape, then its weights."""
+    run = resolve_from_folder(build_config({"model": {"family": "llama", "path": str(folder), **model}}))
+    m = build_model(run.model, run.model.vocab_size, 64)
+    load_init_weights(run.run.init_from, m, run.model)
+    return m.eval(), run
+
+
+def logits(model, idx: torch.Tensor) -> torch.Tensor:
+    return model.lm_head(model.hidden(idx))
+
+
+def stop_after(n: int):
+    """A Trainer whose stop flag is raised after step `n`, as the SIGTERM handler raises it."""
+    from trainbox.train.loop import Trainer
+
+    class StopAfter(Trainer):
+        def train_step(self, step: int):
+            out = super().train_step(step)
+            if step + 1 == n:
+                self.stop.signum = signal.SIGTERM
+            return out
+    return StopAfter
+
+
+def train_losses(run_dir) -> list[float]:
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in rows if r["event"] == "train"]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_import_matches_hf_and_export_loads_back(tmp_path, arch):
+    hf = hf_model(arch)
+    hf.save_pretrained(tmp_path / "in", **({"max_shard_size": "20KB"} if arch == "qwen2" else {}))
+    assert (tmp_path / "in" / "model.safetensors.index.json").is_file() == (arch == "qwen2")   # sharded: qwen2
+    ours, run = ours_from(tmp_path / "in")
+    assert (run.model.llama.qkv_bias, run.model.llama.tie_embeddings) == ((False, False) if arch == "llama"
+                                                                          else (True, True))
+    idx = torch.randint(0, 100, (2, 40))   # 40 positions > 16: llama3 scaling's stretched frequencies matter
+    with torch.no_grad():
+        want = hf(idx).logits
+        assert (logits(ours, idx) - want).abs().max() < 1e-4
+    hf(idx, labels=idx).loss.backward()    # HF shifts the labels itself
+    ours(idx[:, :-1], idx[:, 1:]).loss.backward()
+    hf_grads = dict(hf.named_parameters())
+    for name, p in ours.named_parameters():
+        torch.testing.assert_close(p.grad, hf_grads[name].grad, rtol=1e-4, atol=1e-6, msg=name)
+    assert len(hf_grads) == len(dict(ours.named_parameters()))
+
+    write_hf(ours, run.model, (tmp_path / "out").mkdir() or tmp_path / "out", eot_id=0, block=64)
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert type(back).__name__ == ("LlamaForCausalLM" if arch == "llama" else "Qwen2ForCausalLM")
+    with torch.no_grad():
+        assert (back(idx).logits - want).abs().max() < 1e-4
+    again, _ = ours_from(tmp_path / "out")   # our config.json (rope_theta + rope_scaling) read back
+    with torch.no_grad():
+        assert (logits(again, idx) - want).abs().max() < 1e-4
+    if arch == "llama":   # the scaling is what makes the logits agree: plain RoPE does not
+        ours.cfg = ours.cfg.model_copy(update={"llama": ours.cfg.llama.model_copy(
+            update={"rope_scaling": RopeScalingSection()})})
+        with torch.no_grad():
+            assert (logits(ours, idx) - want).abs().max() > 1e-3
+
+
+def test_kv_cache_decoding_equals_the_full_forward():
+    torch.manual_seed(0)
+    cfg = build_config({"model": {"family": "llama", "n_layer": 2, "n_head": 4, "n_embd": 32,
+                                  "llama": {"n_kv_head": 1, "intermediate_size": 64}}}).model
+    model = build_model(cfg, 64, 32).eval()
+    idx = torch.randint(0, 64, (2, 12))
+    with torch.no_grad():
+        full = logits(model, idx)
+        caches = model.make_caches(2, 12, torch.float32, "cpu")
+        steps = [model(idx[:, :5], caches=caches, pos=0).logits]   # prefill, then one token at a time
+        steps += [model(idx[:, t:t + 1], caches=caches, pos=t).logits for t in range(5, 12)]
+    torch.testing.assert_close(torch.cat(steps, 1), full[:, 4:], rtol=1e-5, atol=1e-5)
+
+
+def test_folder_errors_name_the_setting(tmp_path):
+    hf_model("llama").save_pretrained(tmp_path / "llama")
+    transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2)).save_pretrained(
+        tmp_path / "gpt2")
+    with pytest.raises(ConfigError, match="'gpt2' model; model.family=llama supports model_type llama .* qwen2"):
+        ours_from(tmp_path / "gpt2")
+    with pytest.raises(ConfigError, match="model.n_layer=3 but .* gives 2") as e:
+        ours_from(tmp_path / "llama", n_layer=3)
+    assert "leave model.n_layer unset" in e.value.hint
+    run = build_config({"model": {"family": "llama", "n_layer": 2, "n_head": 4, "n_embd": 32,
+                                  "llama": {"n_kv_head": 4, "intermediate_size": 48}}})
+    with pytest.raises(ConfigError, match="model.llama.n_kv_head=4 but run.init_from=.* has 2"):
+        load_init_weights(tmp_path / "llama", build_model(run.model, 128, 32), run.model)
+    with pytest.raises(ConfigError, match="sft needs model.path"):
+        resolve_model(load_config("sft"))
+    with pytest.raises(ConfigError, match="'model.nope' is not a config key"):
+        build_config({"required": ["model.nope"]})
+
+
+def test_recipes_have_the_llama_shapes():
+    """Llama 3.2 1B and Llama 3.1 8B have 1,235,814,400 and 8,030,261,248 parameters with Llama 3's vocabulary."""
+    for recipe, count in (("llama-1b", 1_235_814_400), ("llama-8b", 8_030_261_248)):
+        cfg = load_config(recipe)
+        assert cfg.requires_gpu and cfg.data.seq_len == 8192 and cfg.train.compile
+        assert cfg.train.activation_checkpointing == "selective"
+        with torch.device("meta"):
+            model = build_model(cfg.model, 128_256, cfg.data.seq_len)
+        assert model.num_params() == count
+        attention = 12 * cfg.model.n_layer * cfg.model.n_embd * 8192
+        assert model.flops_per_token(8192) == 6 * (count - 128_256 * cfg.model.n_embd) + attention
+
+
+def test_trains_generates_and_exports(tiny, tmp_path, capsys):
+    from trainbox.data.tokenizer import get_tokenizer
+    from trainbox.generate import load_for_inference
+    from trainbox.train.loop import train
+
+    cfg = load_config(None, [*tiny, "model.family=llama", "model.n_head=4", "model.llama.n_kv_head=2",
+                             "model.llama.intermediate_size=64", "model.llama.rope_theta=10000", "optim.lr=3e-3",
+                             "train.max_steps=24", "train.eval_every=0", "monitor.enabled=false", "run.name=llama",
+                             "train.activation_checkpointing=selective", "train.threads=1"])
+    result = train(cfg)
+    loss = train_losses(cfg.run_dir)
+    assert len(loss) == 24 and sum(loss[-4:]) < sum(loss[:4]) - 1.0
+    assert result["sample"] is not None and (cfg.run_dir / "samples.txt").is_file()
+    capsys.readouterr()
+    assert main(["generate", str(cfg.run_dir), "--prompt", "ROMEO:", "--max-tokens", "12", "--seed", "1"]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("ROMEO:") and len(text) > len("ROMEO:\n")
+
+    assert main(["export", str(cfg.run_dir), "--format", "hf", "--out", str(tmp_path / "hf")]) == 0
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    assert type(hf).__name__ == "LlamaForCausalLM"
+    ours, tok, _ = load_for_inference(cfg.run_dir)
+    idx = torch.randint(0, tok.vocab_size, (2, 32))
+    with torch.no_grad():
+        assert (hf(idx).logits - logits(ours, idx)).abs().max() < 1e-4
+    hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    line = "ROMEO:\nWhat light through yonder window breaks?"
+    assert hf_tok(line)["input_ids"] == get_tokenizer("embedded:shakespeare-bpe").encode(line)
+
+
+def test_sft_fine_tunes_every_weight_of_a_qwen2_folder(tmp_path, capsys):
+    """`trainbox train sft model.path=FOLDER data.path=chat.jsonl`, then export: transformers loads the result."""
+    from trainbox.generate import load_for_inference
+    from trainbox.train.loop import Trainer
+
+    base = tmp_path / "base"
+    tok = hf_tiny.make_tokenizer(base)
+    hf = hf_model("qwen2", vocab=len(tok))
+    hf.config.eos_token_id = tok.eos_token_id
+    hf.save_pretrained(base)
+    chats = hf_tiny.make_chat_file(tmp_path / "chat.jsonl", n=24)
+    def sft(name: str):
+        return load_config("sft", [f"model.path={base}", f"data.path={chats}", "data.seq_len=48", f"run.name={name}",
+                                   f"run.dir={tmp_path / 'runs'}", f"data.cache_dir={tmp_path / 'cache'}",
+                                   "train.global_batch_size=4", "train.micro_batch_size=2", "train.max_steps=4",
+                                   "optim.lr=1e-3", "optim.warmup_steps=0", "train.sample_tokens=0",
+                                   "monitor.enabled=false", "train.threads=1"])
+
+    cfg = sft("sft")
+    trainer = Trainer(cfg)
+    trainer.run()
+    # cut after step 2 (as SIGTERM does) and resumed with the same command: the straight run's losses exactly
+    cut = sft("cut")
+    assert stop_after(2)(cut).run()["step"] == 2
+    Trainer(cut).run()
+    assert train_losses(cut.run_dir) == train_losses(cfg.run_dir) and len(train_losses(cfg.run_dir)) == 4
+    # the loss mask covers the assistant answers and their end-of-turn marker, nothing else
+    ids, mask = np.asarray(trainer.train_data.arrays[0]), np.asarray(trainer.train_data.masks[0]).astype(bool)
+    cuts = [0, *(np.flatnonzero(np.diff(mask.astype(np.int8))) + 1), len(ids)]
+    trained = [tok.decode(ids[a:b].tolist()) for a, b in zip(cuts, cuts[1:]) if mask[a]]
+    answers = [json.loads(x)["messages"][-1]["content"] for x in chats.read_text().splitlines()]
+    assert trained == [f"{a}<|im_end|>\n" for a in answers]
+    # every weight moved away from the folder's
+    fresh = dict(hf.named_parameters())
+    for name, p in trainer.model.named_parameters():
+        assert not torch.allclose(p.detach(), fresh[name].detach(), atol=1e-5), name
+
+    assert main(["export", str(cfg.run_dir), "--format", "hf", "--out", str(tmp_path / "hf")]) == 0
+    out = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    assert type(out).__name__ == "Qwen2ForCausalLM"
+    ours, _, _ = load_for_inference(cfg.run_dir)
+    idx = torch.randint(0, len(tok), (2, 32))
+    with torch.no_grad():
+        assert (out(idx).logits - logits(ours, idx)).abs().max() < 1e-4
+    exported = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    assert exported.chat_template == tok.chat_template and exported.eos_token == tok.eos_token
