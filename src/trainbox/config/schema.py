@@ -366,6 +366,7 @@ class RunConfig(Section):
                              "or optim.name=adamw")
         return self
 
+    @model_validator(mode="after")
     def _required_keys_exist(self) -> "RunConfig":
         for key in self.required:
             node = self
