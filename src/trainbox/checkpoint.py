@@ -165,7 +165,8 @@ def newest_verified(ckpt_root: Path) -> tuple[Path | None, list[tuple[Path, str]
 
 def save(ckpt_root: Path, step: int, weights: dict[str, torch.Tensor], optimizers: list, trainer: dict,
          rngs: list[dict], keep_last: int, protect: Path | None = None) -> Path:
-    """Write one checkpoint atomically, point `latest` at it, keep the newest `keep_last`."""
+    """Write one checkpoint atomically, point `latest` at it, keep the newest `keep_last`. `optimizers`: the
+    optimizers or their state dicts."""
     ckpt_root.mkdir(parents=True, exist_ok=True)
     name = f"step_{step:08d}"
     final, tmp = ckpt_root / name, ckpt_root / f".tmp-{name}"
@@ -173,7 +174,7 @@ def save(ckpt_root: Path, step: int, weights: dict[str, torch.Tensor], optimizer
     try:
         tmp.mkdir()
         save_file(weights, str(tmp / "model.safetensors"), metadata={"step": str(step)})
-        torch.save([o.state_dict() for o in optimizers], tmp / "optimizer.pt")
+        torch.save([o if isinstance(o, dict) else o.state_dict() for o in optimizers], tmp / "optimizer.pt")
         torch.save(rngs, tmp / "rng.pt")
         (tmp / "trainer.json").write_text(json.dumps(trainer, indent=1, default=str))
         for f in FILES:
@@ -252,11 +253,14 @@ def load_trainer(ckpt: Path) -> dict:
         raise CheckpointError(f"{ckpt / 'trainer.json'} is unreadable: {e}") from None
 
 
-def load_weights(ckpt: Path, model: nn.Module, strict: bool = True) -> None:
+def load_weights(ckpt: Path, model: nn.Module, strict: bool = True, adapt=None) -> None:
+    """Load `ckpt`'s weights into `model`; `adapt(state) -> state` first (expert parallelism: this rank's shard)."""
     try:
         state = load_file(str(ckpt / "model.safetensors"))
     except Exception as e:  # noqa: BLE001 - SafetensorError, OSError
         raise CheckpointError(f"{ckpt / 'model.safetensors'} is unreadable: {str(e)[:300]}") from None
+    if adapt is not None:
+        state = adapt(state)
     own = model.state_dict()
     # tied weights were stored once: fill the aliases from whichever name was kept
     missing = [k for k in own if k not in state]
@@ -291,13 +295,16 @@ def _load_safe(path: Path):
                                    "use another checkpoint") from None
 
 
-def load_optimizers(ckpt: Path, optimizers: list) -> None:
+def load_optimizers(ckpt: Path, optimizers: list, adapt=None) -> None:
     """Load the optimizer states, then set every hyper-parameter (lr, betas, eps, weight decay, ...) back to
-    what the optimizers were built with: a changed optim.* on resume applies (see train/resume.py)."""
+    what the optimizers were built with: a changed optim.* on resume applies (see train/resume.py). `adapt(states)
+    -> states` runs first (expert parallelism: this rank's shard)."""
     states = _load_safe(ckpt / "optimizer.pt")
     if not isinstance(states, list) or len(states) != len(optimizers):
         raise CheckpointError(f"{ckpt / 'optimizer.pt'}: holds {len(states) if isinstance(states, list) else 0} "
                               f"optimizer states, the run has {len(optimizers)}")
+    if adapt is not None:
+        states = adapt(states)
     for opt, st in zip(optimizers, states):
         hyper = {*opt.defaults, "initial_lr"} - {"params", "step"}   # not per-group state (Muon's step count)
         built = [{k: v for k, v in g.items() if k in hyper} for g in opt.param_groups]

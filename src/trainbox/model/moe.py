@@ -212,6 +212,7 @@ class MoEFFN(nn.Module):
         self.c_proj = GroupedLinear(moe.num_experts, 4 * n_embd, n_embd, bias)
         self.dropout = nn.Dropout(dropout)
         self.use_kernel = True  # tests switch to the loop-over-experts path
+        self.parallel = None    # set by trainbox.parallel.expert.shard_experts: this rank holds a shard of the experts
         self.aux: dict[str, torch.Tensor] = {}
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -242,28 +243,36 @@ class MoEFFN(nn.Module):
         offsets = counts.cumsum(0)
         slot = torch.arange(k * N, device=x.device) - (offsets - counts)[sorted_e]  # rank within its expert
         weight = gates.t().reshape(-1)[order]                            # (k*N,) fp32
+        keep, kept = None, counts
         if self.training and self.moe.capacity_factor > 0:
             capacity = int(self.moe.capacity_factor * k * N / E)
-            keep = slot < capacity
+            keep = slot < capacity                     # the first `capacity` rows of each expert's group
+            kept = counts.clamp(max=capacity)
             weight = weight * keep
             dropped = 1.0 - keep.float().mean()
         else:
             dropped = torch.zeros((), device=x.device)
         dtype = autocast_dtype(x.device.type, x.dtype)
-        offs32 = offsets.to(torch.int32)
         src = token[order]                                               # token of each sorted row
         inverse = torch.empty_like(order).scatter_(0, order, torch.arange(k * N, device=x.device))
         rows = _Dispatch.apply(xf.to(dtype), src, inverse, k)                                    # (k*N, C)
-        if self.fused:
-            h = moe_gelu_mlp(rows, self.c_fc.weight.to(dtype), self.c_proj.weight.to(dtype), offs32)
+        if self.parallel is not None:  # expert parallelism (trainbox.parallel.expert): experts on other ranks too
+            h = self.parallel.experts(self, rows, kept, keep)
         else:
-            h = self.c_fc(rows, offs32, sorted_e, self.use_kernel)                               # (k*N, 4C)
-            h = self.c_proj(h, offs32, sorted_e, self.use_kernel, gelu=True)                     # (k*N, C)
+            h = self.experts(rows, offsets.to(torch.int32), sorted_e)
         h = h * weight.unsqueeze(1)                                      # fp32: the gates
         y = _Combine.apply(h, src, inverse, k)                           # back to token order, sum the k
         self.aux = self._losses(logits, counts, dropped, N)
         # in the matmuls' dtype, as a Linear under autocast returns (x may be a norm's fp32 output)
         return self.dropout(y.to(dtype).view(B, T, C))
+
+    def experts(self, rows: torch.Tensor, offsets: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
+        """Rows sorted by expert (`offsets`: int32 cumulative row counts, `expert`: each row's index into this
+        module's experts) -> each row through its expert's MLP."""
+        if self.fused:
+            return moe_gelu_mlp(rows, self.c_fc.weight.to(rows.dtype), self.c_proj.weight.to(rows.dtype), offsets)
+        h = self.c_fc(rows, offsets, expert, self.use_kernel)                                   # (rows, 4C)
+        return self.c_proj(h, offsets, expert, self.use_kernel, gelu=True)                      # (rows, C)
 
     def _losses(self, logits: torch.Tensor, counts: torch.Tensor, dropped: torch.Tensor, N: int) -> dict:
         E, k = self.moe.num_experts, self.moe.top_k
@@ -301,6 +310,12 @@ class MoEGPT(GPT):
             stats[f"moe.{i}.dropped_frac"] = a["dropped"]
         return Output(loss=loss, aux_loss=self.cfg.moe.lb_loss_weight * balance + self.cfg.moe.z_loss_weight * z,
                       stats=stats)
+
+    def num_params(self, exclude_positions: bool = True) -> int:
+        """Parameters of the whole model, the experts other ranks hold under expert parallelism included."""
+        held = sum(m.c_fc.weight.size(0) for _, m in self.moe_layers)
+        missing = len(self.moe_layers) * self.cfg.moe.num_experts - held
+        return super().num_params(exclude_positions) + missing * self.expert_params()
 
     def expert_params(self) -> int:
         """Parameters of one expert (both linears, with biases), the same in every MoE layer."""

@@ -23,6 +23,7 @@ from trainbox.model.spec import (
     open_datasets,
 )
 from trainbox.optim.build import build_optimizers
+from trainbox.parallel import expert
 from trainbox.train.distributed import Dist
 
 
@@ -49,6 +50,7 @@ class RunData:
 
 
 def build_data(cfg: RunConfig, dist: Dist) -> RunData:
+    expert.check(cfg, dist.world)   # model.moe.expert_parallel against the world size, before any work
     tokenizer = build_tokenizer(cfg)
     if cfg.model.eot_id is None:  # document-masked families (speedrun) split documents at EOT
         cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"eot_id": tokenizer.eot_id})})
@@ -85,12 +87,14 @@ class RunModel:
 def build_model_side(cfg: RunConfig, vocab: int, device: torch.device, dist: Dist, init_weights: bool) -> RunModel:
     """The same initial weights on every rank (seeded before building); `init_weights`: load run.init_from."""
     torch.manual_seed(cfg.run.seed)
-    model = build_model(cfg.model, vocab, cfg.model.block_size or cfg.data.seq_len, run=cfg).to(device)
+    model = build_model(cfg.model, vocab, cfg.model.block_size or cfg.data.seq_len, run=cfg)
     if init_weights and cfg.run.init_from:
         from trainbox.export import (
             load_init_weights,  # our checkpoint or a Hugging Face GPT-2 folder
         )
         load_init_weights(cfg.run.init_from, model, cfg.model)
+    expert.shard_experts(model, cfg, dist, device)   # expert parallelism: this rank's experts only, DDP told
+    model = model.to(device)
     kernels = choose(cfg.model, device)   # the models ask the same function when they meet the device
     if cfg.train.activation_checkpointing != "none":
         from trainbox.train.recompute import apply_activation_checkpointing

@@ -48,6 +48,7 @@ from trainbox.monitor.console import ProgressBar, log
 from trainbox.monitor.meter import Meter
 from trainbox.monitor.sinks import build_sinks
 from trainbox.monitor.state import RunState
+from trainbox.parallel import expert
 from trainbox.train import resume
 from trainbox.train.build import build_data, build_model_side, plan_length  # noqa: F401 - plan_length: tests
 from trainbox.train.device import is_out_of_memory, out_of_memory, peak_flops, resolve_device
@@ -285,8 +286,9 @@ class Trainer:
                     total = token_loss if out.aux_loss is None else token_loss + out.aux_loss / accum
                 total.backward()
             loss_sum += token_loss.detach() / self.dist.world
+        expert.sync_grads(self.model)   # expert parallelism: each shard's gradient over its replicas (else a no-op)
         params = [p for p in self.model.parameters() if p.grad is not None]
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.optim.grad_clip) if cfg.optim.grad_clip > 0 else None
+        grad_norm = expert.clip_grad_norm_(self.model, params, cfg.optim.grad_clip) if cfg.optim.grad_clip > 0 else None
         for opt in self.optimizers:
             opt.step()
         for opt in self.optimizers:
@@ -386,10 +388,11 @@ class Trainer:
         self._phase("checkpointing")
         self.last_saved_step = step
         rngs = self.dist.gather_objects(checkpoint.rng_state())
+        full = expert.full_state(self.model, self.optimizers)   # expert parallelism: every expert, on rank 0
         error: CheckpointError | None = None
         if self.dist.is_main:
             try:
-                self._write_checkpoint(step, rngs)
+                self._write_checkpoint(step, rngs, full)
             except CheckpointError as e:
                 error = e
         if self.dist.any(error is not None):   # also the barrier: others wait while rank 0 writes
@@ -397,14 +400,15 @@ class Trainer:
                                            "older checkpoints are kept", hint="see rank 0's log")
         self._phase("training")
 
-    def _write_checkpoint(self, step: int, rngs: list[dict]) -> None:
+    def _write_checkpoint(self, step: int, rngs: list[dict], full: tuple | None = None) -> None:
         trainer = {"step": step, "total_steps": self.total, "epoch": step / self.plan.steps_per_epoch,
                    "loader": {"step": step, "seed": self.cfg.run.seed}, "tokens_seen": self.tokens_seen,
                    "world": self.dist.world, "finished": step >= self.total,
                    "restarts": self.state.snapshot()["restarts"], "wandb_id": self.sinks.wandb_id,
                    "config": public_dict(self.cfg), "versions": runs.versions()}
         t0 = time.time()
-        path = checkpoint.save(self.ckpt_root, step, self._weights(), self.optimizers, trainer, rngs,
+        weights, optimizers = full or (self._weights(), self.optimizers)
+        path = checkpoint.save(self.ckpt_root, step, weights, optimizers, trainer, rngs,
                                self.cfg.train.keep_last, protect=self.resume_from)
         snap = self.state.snapshot()
         self.state.update(last_checkpoint=path.name, checkpoints_saved=snap["checkpoints_saved"] + 1)
@@ -417,6 +421,10 @@ class Trainer:
     def _final_sample(self) -> str | None:
         n = self.cfg.train.sample_tokens
         if not n or not self.dist.is_main or self.family.generate != "causal":
+            return None
+        if getattr(self.model, "expert_shard", None) is not None:   # a sample would need every rank's experts
+            log.info("no end-of-run sample: the experts are spread over the ranks; `trainbox generate` samples "
+                     "from the checkpoint")
             return None
         from trainbox.generate import sample
         text = sample(self.model, self.tokenizer, self.cfg.train.sample_prompt, max_tokens=n, temperature=0.8,

@@ -27,13 +27,15 @@ from trainbox.config import RunConfig
 from trainbox.errors import ConfigError
 from trainbox.files import atomic_write_text
 from trainbox.monitor.console import log
+from trainbox.parallel import expert
 
 # keys that never change what a step computes
 RUNTIME = ("recipe", "requires_gpu", "run.name", "run.dir", "run.resume", "run.init_from", "monitor.",
            "data.cache_dir", "data.num_workers", "train.device", "train.threads", "train.pg_timeout_s",
            "train.sample_tokens", "train.sample_prompt", "train.compile", "train.peak_tflops", "train.memory_check",
            "train.eval_every", "train.eval_tokens", "train.checkpoint_every", "train.keep_last",
-           "train.activation_checkpointing", "train.micro_batch_size", "lora.gradient_checkpointing")
+           "train.activation_checkpointing", "train.micro_batch_size", "lora.gradient_checkpointing",
+           "model.moe.expert_parallel")
 # keys whose new value applies from the resumed step on
 APPLIED = ("optim.", "train.max_steps", "train.max_tokens", "train.epochs", "train.dtype", "model.dropout",
            "model.moe.lb_loss_weight", "model.moe.z_loss_weight", "model.moe.jitter_eps",
@@ -169,8 +171,9 @@ def restore(ckpt: Path, model, optimizers: list, trainer_state: dict, rank: int,
     """Load weights, optimizer states and this rank's RNG from `ckpt` (reseeded by step when the world size
     changed: the RNG streams of other ranks do not carry over)."""
     import torch
-    checkpoint.load_weights(ckpt, model)
-    checkpoint.load_optimizers(ckpt, optimizers)
+    # checkpoints hold every expert: under expert parallelism this rank keeps its shard
+    checkpoint.load_weights(ckpt, model, adapt=lambda state: expert.shard_state(model, state))
+    checkpoint.load_optimizers(ckpt, optimizers, adapt=lambda st: expert.shard_optimizer_states(model, optimizers, st))
     rng = checkpoint.load_rng(ckpt, rank)
     if rng is not None and trainer_state.get("world") == world:
         checkpoint.set_rng_state(rng)
