@@ -5,7 +5,9 @@ builds the model as the trainer does (train/build.py: shard_experts, DDP) and th
 same seed, then checks against the single process: an MoE layer's output (and against test_moe's slow per-token
 reference), the hidden states, the token and auxiliary losses of this rank's micro-batch, every gradient after
 the loop's loss scaling, expert sync and clipping, the clipped norm, the parameters after an AdamW step, and the
-checkpoint state gathered to rank 0 (weights and optimizer state in the unsharded layout). Prints "ok" on rank 0.
+checkpoint state gathered to rank 0 (weights and optimizer state in the unsharded layout). Then, given run
+overrides after `--train`, it trains that run on the same process group (one torchrun launch for both).
+Prints "ok" on rank 0.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from trainbox.config import load_config  # noqa: E402
 from trainbox.parallel import expert  # noqa: E402
 from trainbox.train.build import build_model_side  # noqa: E402
 from trainbox.train.distributed import Dist  # noqa: E402
+from trainbox.train.loop import train  # noqa: E402
 
 VOCAB, B, T, TOL = 128, 2, 16, dict(atol=1e-5, rtol=1e-5)
 
@@ -89,7 +92,7 @@ def check_case(d: Dist, n: int, cf: float, batches: list[tuple[torch.Tensor, tor
     ref_grads = {k: v.grad for k, v in ref_model.named_parameters()}
     for name, p in model.named_parameters():
         want = shard.cut(ref_grads[name]) if shard and name in shard.params else ref_grads[name]
-        torch.testing.assert_close(p.grad, want, **TOL, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(p.grad, want, **TOL, msg=lambda m, name=name: f"{name}: {m}")
     opt.step(), ref_opt.step()
     for name, p in model.named_parameters():
         want = shard.cut(own[name]) if shard and name in shard.params else own[name]
@@ -126,7 +129,10 @@ def main() -> None:
         if d.world % n == 0:
             for cf in (0.0, 0.5):
                 check_case(d, n, cf, batches)
-    d.shutdown()
+    if "--train" in sys.argv:
+        train(load_config(None, sys.argv[sys.argv.index("--train") + 1:]), d)   # shuts the process group down
+    else:
+        d.shutdown()
     if d.rank == 0:
         print("ok")
 

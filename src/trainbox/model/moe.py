@@ -33,7 +33,9 @@ whenever capacity_factor >= 1.
 """
 from __future__ import annotations
 
+import json
 import logging
+from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -334,3 +336,48 @@ class MoEGPT(GPT):
 
 def build(cfg, vocab_size: int, block_size: int) -> MoEGPT:
     return MoEGPT(cfg, vocab_size, block_size)
+
+
+# Hugging Face transformers has no GPT-2 MoE class: `trainbox export RUN --format hf` of an moe run writes this
+# family's own folder, config.json + model.safetensors (+ the tokenizer), and `from_pretrained` reads it.
+FORMAT = "trainbox-moe"
+
+
+def save_pretrained(model: MoEGPT, folder: str | Path) -> None:
+    """config.json (the model section, vocabulary and block size) and model.safetensors (our parameter names,
+    fp32, every expert, the tied head stored once) into `folder`."""
+    from safetensors.torch import save_file
+
+    from trainbox.checkpoint import model_state
+    folder = Path(folder)
+    section = model.cfg.model_dump(mode="json")
+    section["moe"]["expert_parallel"] = 1
+    config = {"format": FORMAT, "loader": "trainbox.model.moe.from_pretrained", "vocab_size": model.vocab_size,
+              "block_size": model.block_size, "model": section}
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    state = {k: v.float() for k, v in model_state(model).items()}
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+
+def from_pretrained(folder: str | Path, device: str | torch.device = "cpu") -> MoEGPT:
+    """The model in a folder written by `trainbox export RUN --format hf` of an moe run, in eval mode:
+
+        from trainbox.model.moe import from_pretrained
+        model = from_pretrained("runs/moe-hf")
+        logits = model(idx).logits        # (batch, 1, vocab): the next token's; model(idx, targets).loss
+    """
+    from trainbox.checkpoint import load_weights
+    from trainbox.config import ModelSection
+    from trainbox.errors import CheckpointError
+    folder = Path(folder)
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{folder / 'config.json'} is unreadable: {e}") from None
+    if config.get("format") != FORMAT:
+        raise CheckpointError(f"{folder} is not a trainbox MoE folder (config.json format "
+                              f"{config.get('format')!r}, expected {FORMAT!r})",
+                              hint="write one with `trainbox export RUN --format hf` of a model.family=moe run")
+    model = MoEGPT(ModelSection(**config["model"]), config["vocab_size"], config["block_size"])
+    load_weights(folder, model)
+    return model.to(device).eval()
