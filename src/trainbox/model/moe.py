@@ -29,6 +29,11 @@ routing, so the layer compiles to one graph without host syncs. Dropped assignme
 gate 0: grouped matmuls cost T * k rows whatever the balance, fewer than a capacity-padded E * C buffer
 whenever capacity_factor >= 1.
 
+With `model.moe.expert_parallel` > 1 a rank holds a shard of the experts and `MoEFFN.parallel` runs them across
+ranks (trainbox/parallel/expert.py); routing, drops and losses stay this rank's own. Hugging Face has no GPT-2
+MoE class: `trainbox export RUN --format hf` writes this family's own folder (`save_pretrained`), which
+`from_pretrained` loads.
+
     trainbox train moe-gpt2-125m data.path=PREFIX model.moe.num_experts=64
 """
 from __future__ import annotations
