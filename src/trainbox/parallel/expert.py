@@ -27,6 +27,7 @@ shard, so a checkpoint resumes under any expert_parallel and world size.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -34,6 +35,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from trainbox.errors import ConfigError
+
+log = logging.getLogger("trainbox")  # the library logger
 
 
 def check(cfg, world: int) -> None:
@@ -108,7 +111,7 @@ class ExpertShard:
 
 
 class _AllToAll(torch.autograd.Function):
-    """all_to_all_single with uneven splits; the backward sends the gradients back the same way."""
+    """all_to_all_single with uneven splits; the backward is the exchange the other way (splits swapped)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
@@ -132,7 +135,7 @@ def shard_experts(model: nn.Module, cfg, dist_info, device: torch.device) -> Exp
     """Keep this rank's shard of every MoE layer's experts (model.moe.expert_parallel > 1), hand DDP the names it
     must ignore, and return the shard (also `model.expert_shard`); None when every rank holds every expert."""
     n = cfg.model.moe.expert_parallel
-    if n == 1 or cfg.model.family != "moe":
+    if n == 1:
         return None
     check(cfg, dist_info.world)
     from torch.distributed.device_mesh import init_device_mesh
@@ -160,6 +163,16 @@ def shard_experts(model: nn.Module, cfg, dist_info, device: torch.device) -> Exp
 
 def _shard(model: nn.Module) -> ExpertShard | None:
     return getattr(model, "expert_shard", None)
+
+
+def whole(model: nn.Module) -> bool:
+    """Whether this rank holds every expert and so can run the model alone (the end-of-run sample, which runs on
+    rank 0 only); says why not when it cannot."""
+    if _shard(model) is None:
+        return True
+    log.info("no end-of-run sample: the experts are spread over the ranks; `trainbox generate RUN` samples from "
+             "the checkpoint, which holds them all")
+    return False
 
 
 # ----------------------------------------------------------------------------- gradients

@@ -420,11 +420,7 @@ class Trainer:
 
     def _final_sample(self) -> str | None:
         n = self.cfg.train.sample_tokens
-        if not n or not self.dist.is_main or self.family.generate != "causal":
-            return None
-        if getattr(self.model, "expert_shard", None) is not None:   # a sample would need every rank's experts
-            log.info("no end-of-run sample: the experts are spread over the ranks; `trainbox generate` samples "
-                     "from the checkpoint")
+        if not n or not self.dist.is_main or self.family.generate != "causal" or not expert.whole(self.model):
             return None
         from trainbox.generate import sample
         text = sample(self.model, self.tokenizer, self.cfg.train.sample_prompt, max_tokens=n, temperature=0.8,
