@@ -186,7 +186,7 @@ def save(ckpt_root: Path, step: int, weights: dict[str, torch.Tensor], optimizer
     tmp = staging_dir(ckpt_root, step)
     try:
         save_file(weights, str(tmp / "model.safetensors"), metadata={"step": str(step)})
-        torch.save([o.state_dict() for o in optimizers], tmp / "optimizer.pt")
+        torch.save([o if isinstance(o, dict) else o.state_dict() for o in optimizers], tmp / "optimizer.pt")
         write_small(tmp, trainer, rngs)
     except Exception as e:  # OSError, or torch/safetensors wrapping one (e.g. EFBIG, ENOSPC)
         raise save_failed(e, tmp, ckpt_root / tmp.name.removeprefix(".tmp-"), ckpt_root) from e
@@ -295,8 +295,9 @@ def load_trainer(ckpt: Path) -> dict:
         raise CheckpointError(f"{ckpt / 'trainer.json'} is unreadable: {e}") from None
 
 
-def load_weights(ckpt: Path, model: nn.Module, strict: bool = True) -> None:
-    """The checkpoint's weights into `model` (a plain or an FSDP-sharded module), whichever layout it has."""
+def load_weights(ckpt: Path, model: nn.Module, strict: bool = True, adapt=None) -> None:
+    """The checkpoint's weights into `model` (a plain or an FSDP-sharded module), whichever layout it has;
+    `adapt(state) -> state` first (expert parallelism: this rank's shard)."""
     if is_sharded(ckpt) or _is_fsdp(model):
         from trainbox.parallel.dcp import load_state
         load_state(ckpt, model, None)
@@ -305,6 +306,8 @@ def load_weights(ckpt: Path, model: nn.Module, strict: bool = True) -> None:
         state = load_file(str(ckpt / "model.safetensors"))
     except Exception as e:  # noqa: BLE001 - SafetensorError, OSError
         raise CheckpointError(f"{ckpt / 'model.safetensors'} is unreadable: {str(e)[:300]}") from None
+    if adapt is not None:
+        state = adapt(state)
     own = model.state_dict()
     # tied weights were stored once: fill the aliases from whichever name was kept
     missing = [k for k in own if k not in state]
@@ -344,15 +347,18 @@ def _load_safe(path: Path):
                                    "use another checkpoint") from None
 
 
-def load_optimizers(ckpt: Path, optimizers: list) -> None:
+def load_optimizers(ckpt: Path, optimizers: list, adapt=None) -> None:
     """Load the optimizer states, then set every hyper-parameter (lr, betas, eps, weight decay, ...) back to
-    what the optimizers were built with: a changed optim.* on resume applies (see train/resume.py)."""
+    what the optimizers were built with: a changed optim.* on resume applies (see train/resume.py). `adapt(states)
+    -> states` runs first (expert parallelism: this rank's shard)."""
     if is_sharded(ckpt):
         raise CheckpointError(f"{ckpt} is sharded: load it with trainbox.parallel.dcp.load_state")
     states = _load_safe(ckpt / "optimizer.pt")
     if not isinstance(states, list) or len(states) != len(optimizers):
         raise CheckpointError(f"{ckpt / 'optimizer.pt'}: holds {len(states) if isinstance(states, list) else 0} "
                               f"optimizer states, the run has {len(optimizers)}")
+    if adapt is not None:
+        states = adapt(states)
     with keep_hyperparameters(optimizers):
         for opt, st in zip(optimizers, states):
             opt.load_state_dict(st)

@@ -316,3 +316,32 @@ def export_t5_cli(path: str, out: str, merge: bool = False, force: bool = False)
     to_hf(model, target, eos_token_id=tok.eot_id)
     default_modes(target)
     return [f"wrote {target} (Hugging Face T5ForConditionalGeneration: config.json, model.safetensors)"]
+
+
+def export_moe_cli(path: str, out: str, merge: bool = False, force: bool = False) -> list[str]:
+    """`trainbox export` of an moe run. Hugging Face transformers has no GPT-2 MoE class, so the folder is the
+    family's own (model/moe.py: save_pretrained): config.json, model.safetensors and the tokenizer, loaded by
+    `trainbox.model.moe.from_pretrained(folder)`."""
+    from trainbox.generate import load_for_inference
+    from trainbox.model.moe import save_pretrained
+
+    _no_merge(path, merge)
+    model, tok, cfg = load_for_inference(path)
+    target = Path(out)
+    if target.exists() and any(target.iterdir()) and not force:
+        raise ConfigError(f"--out {target} exists and is not empty", hint="choose another folder or pass --force")
+    tmp = target.with_name(f".{target.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        save_pretrained(model, tmp)
+        write_tokenizer(tok, cfg.data.tokenizer, tmp, model.block_size)
+        if target.exists():
+            shutil.rmtree(target)
+        default_modes(tmp)
+        os.replace(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return [f"wrote {target} (trainbox MoE format: config.json, model.safetensors, tokenizer); Hugging Face "
+            f"transformers has no GPT-2 MoE class: load it with trainbox.model.moe.from_pretrained({str(target)!r})"]

@@ -190,11 +190,17 @@ def open_tokens(path: Path, fmt: str = "auto") -> tuple[np.ndarray, np.ndarray |
 
 
 def eval_batches(dataset: TokenDataset, eval_tokens: int, micro_batch: int, world: int = 1, rank: int = 0):
-    """The fixed validation slice: the first eval_tokens // seq_len samples, split among ranks."""
+    """The fixed validation slice: the first eval_tokens // seq_len samples, split among ranks. Every rank yields
+    as many batches as rank 0 (expert parallelism needs every rank in every forward): a rank whose share ends
+    first pads with a batch whose loss mask is all False."""
     n = min(dataset.num_samples, max(1, eval_tokens // dataset.seq_len))
     if n == 0:
         raise DataError(f"{dataset.name}: validation data holds no complete sample of {dataset.seq_len + 1} tokens",
                         hint="add validation data or lower data.seq_len")
     ids = np.arange(n)[rank::world]
-    for k in range(0, len(ids), micro_batch):
-        yield dataset.batch(ids[k:k + micro_batch])
+    for k in range(0, len(range(0, n, world)), micro_batch):
+        if k < len(ids):
+            yield dataset.batch(ids[k:k + micro_batch])
+        else:
+            pad = dataset.batch(np.arange(min(micro_batch, n)))
+            yield {**pad, "loss_mask": torch.zeros_like(pad["y"], dtype=torch.bool)}

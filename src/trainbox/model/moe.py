@@ -29,11 +29,18 @@ routing, so the layer compiles to one graph without host syncs. Dropped assignme
 gate 0: grouped matmuls cost T * k rows whatever the balance, fewer than a capacity-padded E * C buffer
 whenever capacity_factor >= 1.
 
+With `model.moe.expert_parallel` > 1 a rank holds a shard of the experts and `MoEFFN.parallel` runs them across
+ranks (trainbox/parallel/expert.py); routing, drops and losses stay this rank's own. Hugging Face has no GPT-2
+MoE class: `trainbox export RUN --format hf` writes this family's own folder (`save_pretrained`), which
+`from_pretrained` loads.
+
     trainbox train moe-gpt2-125m data.path=PREFIX model.moe.num_experts=64
 """
 from __future__ import annotations
 
+import json
 import logging
+from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -212,6 +219,7 @@ class MoEFFN(nn.Module):
         self.c_proj = GroupedLinear(moe.num_experts, 4 * n_embd, n_embd, bias)
         self.dropout = nn.Dropout(dropout)
         self.use_kernel = True  # tests switch to the loop-over-experts path
+        self.parallel = None    # set by trainbox.parallel.expert.shard_experts: this rank holds a shard of the experts
         self.aux: dict[str, torch.Tensor] = {}
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -242,28 +250,36 @@ class MoEFFN(nn.Module):
         offsets = counts.cumsum(0)
         slot = torch.arange(k * N, device=x.device) - (offsets - counts)[sorted_e]  # rank within its expert
         weight = gates.t().reshape(-1)[order]                            # (k*N,) fp32
+        keep, kept = None, counts
         if self.training and self.moe.capacity_factor > 0:
             capacity = int(self.moe.capacity_factor * k * N / E)
-            keep = slot < capacity
+            keep = slot < capacity                     # the first `capacity` rows of each expert's group
+            kept = counts.clamp(max=capacity)
             weight = weight * keep
             dropped = 1.0 - keep.float().mean()
         else:
             dropped = torch.zeros((), device=x.device)
         dtype = autocast_dtype(x.device.type, x.dtype)
-        offs32 = offsets.to(torch.int32)
         src = token[order]                                               # token of each sorted row
         inverse = torch.empty_like(order).scatter_(0, order, torch.arange(k * N, device=x.device))
         rows = _Dispatch.apply(xf.to(dtype), src, inverse, k)                                    # (k*N, C)
-        if self.fused:
-            h = moe_gelu_mlp(rows, self.c_fc.weight.to(dtype), self.c_proj.weight.to(dtype), offs32)
+        if self.parallel is not None:  # expert parallelism (trainbox.parallel.expert): experts on other ranks too
+            h = self.parallel.experts(self, rows, kept, keep)
         else:
-            h = self.c_fc(rows, offs32, sorted_e, self.use_kernel)                               # (k*N, 4C)
-            h = self.c_proj(h, offs32, sorted_e, self.use_kernel, gelu=True)                     # (k*N, C)
+            h = self.experts(rows, offsets.to(torch.int32), sorted_e)
         h = h * weight.unsqueeze(1)                                      # fp32: the gates
         y = _Combine.apply(h, src, inverse, k)                           # back to token order, sum the k
         self.aux = self._losses(logits, counts, dropped, N)
         # in the matmuls' dtype, as a Linear under autocast returns (x may be a norm's fp32 output)
         return self.dropout(y.to(dtype).view(B, T, C))
+
+    def experts(self, rows: torch.Tensor, offsets: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
+        """Rows sorted by expert (`offsets`: int32 cumulative row counts, `expert`: each row's index into this
+        module's experts) -> each row through its expert's MLP."""
+        if self.fused:
+            return moe_gelu_mlp(rows, self.c_fc.weight.to(rows.dtype), self.c_proj.weight.to(rows.dtype), offsets)
+        h = self.c_fc(rows, offsets, expert, self.use_kernel)                                   # (rows, 4C)
+        return self.c_proj(h, offsets, expert, self.use_kernel, gelu=True)                      # (rows, C)
 
     def _losses(self, logits: torch.Tensor, counts: torch.Tensor, dropped: torch.Tensor, N: int) -> dict:
         E, k = self.moe.num_experts, self.moe.top_k
@@ -302,6 +318,12 @@ class MoEGPT(GPT):
         return Output(loss=loss, aux_loss=self.cfg.moe.lb_loss_weight * balance + self.cfg.moe.z_loss_weight * z,
                       stats=stats)
 
+    def num_params(self, exclude_positions: bool = True) -> int:
+        """Parameters of the whole model, the experts other ranks hold under expert parallelism included."""
+        held = sum(m.c_fc.weight.size(0) for _, m in self.moe_layers)
+        missing = len(self.moe_layers) * self.cfg.moe.num_experts - held
+        return super().num_params(exclude_positions) + missing * self.expert_params()
+
     def expert_params(self) -> int:
         """Parameters of one expert (both linears, with biases), the same in every MoE layer."""
         m = self.moe_layers[0][1]
@@ -319,3 +341,48 @@ class MoEGPT(GPT):
 
 def build(cfg, vocab_size: int, block_size: int) -> MoEGPT:
     return MoEGPT(cfg, vocab_size, block_size)
+
+
+# Hugging Face transformers has no GPT-2 MoE class: `trainbox export RUN --format hf` of an moe run writes this
+# family's own folder, config.json + model.safetensors (+ the tokenizer), and `from_pretrained` reads it.
+FORMAT = "trainbox-moe"
+
+
+def save_pretrained(model: MoEGPT, folder: str | Path) -> None:
+    """config.json (the model section, vocabulary and block size) and model.safetensors (our parameter names,
+    fp32, every expert, the tied head stored once) into `folder`."""
+    from safetensors.torch import save_file
+
+    from trainbox.checkpoint import model_state
+    folder = Path(folder)
+    section = model.cfg.model_dump(mode="json")
+    section["moe"]["expert_parallel"] = 1
+    config = {"format": FORMAT, "loader": "trainbox.model.moe.from_pretrained", "vocab_size": model.vocab_size,
+              "block_size": model.block_size, "model": section}
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    state = {k: v.float() for k, v in model_state(model).items()}
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+
+def from_pretrained(folder: str | Path, device: str | torch.device = "cpu") -> MoEGPT:
+    """The model in a folder written by `trainbox export RUN --format hf` of an moe run, in eval mode:
+
+        from trainbox.model.moe import from_pretrained
+        model = from_pretrained("runs/moe-hf")
+        logits = model(idx).logits        # (batch, 1, vocab): the next token's; model(idx, targets).loss
+    """
+    from trainbox.checkpoint import load_weights
+    from trainbox.config import ModelSection
+    from trainbox.errors import CheckpointError
+    folder = Path(folder)
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{folder / 'config.json'} is unreadable: {e}") from None
+    if config.get("format") != FORMAT:
+        raise CheckpointError(f"{folder} is not a trainbox MoE folder (config.json format "
+                              f"{config.get('format')!r}, expected {FORMAT!r})",
+                              hint="write one with `trainbox export RUN --format hf` of a model.family=moe run")
+    model = MoEGPT(ModelSection(**config["model"]), config["vocab_size"], config["block_size"])
+    load_weights(folder, model)
+    return model.to(device).eval()

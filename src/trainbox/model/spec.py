@@ -74,7 +74,8 @@ def _function(path: str):
 
 FAMILIES = {f.name: f for f in (
     Family("gpt", "trainbox.model.gpt", steps=True),
-    Family("moe", "trainbox.model.moe", steps=True, export=None),
+    Family("moe", "trainbox.model.moe", steps=True,   # transformers has no GPT-2 MoE class: trainbox's own folder
+           export=("trainbox MoE folder (trainbox.model.moe.from_pretrained)", "trainbox.export:export_moe_cli")),
     Family("speedrun", "trainbox.model.speedrun", steps=True, export=None),
     Family("t5", "trainbox.model.t5", generate="spans", extra_ids=True, adapts_data=True,
            export=("T5ForConditionalGeneration", "trainbox.export:export_t5_cli")),

@@ -1,5 +1,8 @@
 """Data parallelism with DistributedDataParallel (`train.parallel=ddp`, the default): every rank holds the whole
-model, gradients are averaged over the ranks in the backward. On one process the model runs as it is."""
+model, gradients are averaged over the ranks in the backward. On one process the model runs as it is.
+
+With expert parallelism (`model.moe.expert_parallel`, parallel/expert.py) DDP averages the dense parameters
+only; the expert shards are reduced over the ranks that hold the same shard before clipping."""
 from __future__ import annotations
 
 import inspect
@@ -8,6 +11,7 @@ from contextlib import nullcontext
 import torch
 import torch.nn as nn
 
+from trainbox.parallel import expert
 from trainbox.train.distributed import Dist
 
 
@@ -15,10 +19,11 @@ class DataParallel:
     """The strategy object the loop talks to: `forward`, `micro_batch(k, accum)`, `clip(max_norm)`."""
 
     name = "ddp"
-    sharded = False
+    sharded = False   # checkpoints: one file set, written by rank 0
 
     def __init__(self, model: nn.Module, dist: Dist, device: torch.device):
         self.model, self.ddp = model, None
+        self.collective = not expert.whole(model)   # a forward needs every rank (experts spread over them)
         if dist.enabled:
             # no buffer broadcast before every forward: every buffer of our models is a constant (RoPE tables) or
             # set identically on every rank (the speedrun window, by set_step). torch 2.13 renamed the switch
@@ -38,7 +43,10 @@ class DataParallel:
         return self.ddp.no_sync() if self.ddp is not None and k < accum - 1 else nullcontext()
 
     def clip(self, max_norm: float) -> torch.Tensor | None:
+        """After the last backward: reduce the expert shards' gradients (expert parallelism), then clip by the
+        norm of the whole gradient."""
+        expert.sync_grads(self.model)
         if max_norm <= 0:
             return None
         params = [p for p in self.model.parameters() if p.grad is not None]
-        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+        return expert.clip_grad_norm_(self.model, params, max_norm)

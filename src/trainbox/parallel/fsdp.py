@@ -50,7 +50,8 @@ class ShardedParallel:
     """The strategy object the loop talks to: `forward`, `micro_batch(k, accum)`, `clip(max_norm)`."""
 
     name = "fsdp"
-    sharded = True
+    sharded = True      # checkpoints: every rank writes its shards (parallel/dcp.py)
+    collective = True   # a forward needs every rank (the blocks' all-gathers)
 
     def __init__(self, model: nn.Module, dist: Dist, device: torch.device, dtype: torch.dtype,
                  reshard_after_forward: bool, compile: bool):

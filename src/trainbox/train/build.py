@@ -23,6 +23,7 @@ from trainbox.model.spec import (
     resolve_model,
 )
 from trainbox.optim.build import build_optimizers
+from trainbox.parallel import expert
 from trainbox.train.distributed import Dist
 
 
@@ -50,6 +51,7 @@ class RunData:
 
 def build_data(cfg: RunConfig, dist: Dist) -> RunData:
     cfg = resolve_model(cfg)  # required keys; the family's resolution (llama: model.path's shape and weights)
+    expert.check(cfg, dist.world)   # model.moe.expert_parallel against the world size, before any work
     tokenizer = build_tokenizer(cfg)
     if cfg.model.eot_id is None:  # document-masked families (speedrun) split documents at EOT
         cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"eot_id": tokenizer.eot_id})})
@@ -87,12 +89,14 @@ def build_model_side(cfg: RunConfig, vocab: int, device: torch.device, dist: Dis
     """The same initial weights on every rank (seeded before building); `init_weights`: load run.init_from.
     Under fsdp the model is sharded before the optimizers are built, so their state is sharded too."""
     torch.manual_seed(cfg.run.seed)
-    model = build_model(cfg.model, vocab, cfg.model.block_size or cfg.data.seq_len, run=cfg).to(device)
+    model = build_model(cfg.model, vocab, cfg.model.block_size or cfg.data.seq_len, run=cfg)
     if init_weights and cfg.run.init_from:
         from trainbox.export import (
             load_init_weights,  # our checkpoint or a Hugging Face GPT-2 folder
         )
         load_init_weights(cfg.run.init_from, model, cfg.model)
+    expert.shard_experts(model, cfg, dist, device)   # expert parallelism: this rank's experts only, DDP told
+    model = model.to(device)
     kernels = choose(cfg.model, device)   # the models ask the same function when they meet the device
     if cfg.train.activation_checkpointing != "none":
         from trainbox.train.recompute import apply_activation_checkpointing

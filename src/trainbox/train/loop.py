@@ -47,6 +47,7 @@ from trainbox.monitor.console import ProgressBar, log
 from trainbox.monitor.meter import Meter
 from trainbox.monitor.sinks import build_sinks
 from trainbox.monitor.state import RunState
+from trainbox.parallel import expert
 from trainbox.train import resume
 from trainbox.train.build import build_data, build_model_side, plan_length  # noqa: F401 - plan_length: tests
 from trainbox.train.device import is_out_of_memory, out_of_memory, peak_flops, resolve_device
@@ -403,11 +404,13 @@ class Trainer:
                          f"(training waited {waited:.2f}s for it)")
             self._phase("training")
             return
+        full = expert.full_state(self.model, self.optimizers)   # expert parallelism: every expert, on rank 0
         error: CheckpointError | None = None
         if self.dist.is_main:
             try:
                 t0 = time.time()
-                path = checkpoint.save(self.ckpt_root, step, self._weights(), self.optimizers,
+                weights, optimizers = full or (self._weights(), self.optimizers)
+                path = checkpoint.save(self.ckpt_root, step, weights, optimizers,
                                        self._trainer_state(step), rngs, self.cfg.train.keep_last,
                                        protect=self.resume_from)
                 self._saved(step, path, time.time() - t0)
@@ -445,10 +448,10 @@ class Trainer:
         return checkpoint.model_state(self.model, trainable_only=getattr(self.model, "adapter_only", False))
 
     def _final_sample(self) -> str | None:
-        """The end-of-run sample, by rank 0; a sharded model needs every rank in its forward (each samples the
-        same tokens: the same seed)."""
+        """The end-of-run sample, by rank 0; a model spread over the ranks (fsdp, expert parallelism) needs every
+        rank in its forward (each samples the same tokens: the same seed)."""
         n = self.cfg.train.sample_tokens
-        if not n or self.family.generate != "causal" or not (self.dist.is_main or self.parallel.sharded):
+        if not n or self.family.generate != "causal" or not (self.dist.is_main or self.parallel.collective):
             return None
         from trainbox.generate import sample
         text = sample(self.model, self.tokenizer, self.cfg.train.sample_prompt, max_tokens=n, temperature=0.8,

@@ -1,7 +1,8 @@
 """How much memory a run needs on its device, estimated from the config before any weight is allocated, and
 the pre-flight check that refuses a run that does not fit (`train.memory_check`).
 
-    parameters   counted exactly from a build on the meta device (no storage), fp32: 4 bytes each
+    parameters   counted exactly from a build on the meta device (no storage), fp32: 4 bytes each; one rank's
+                 share of the experts under model.moe.expert_parallel
     gradients    4 bytes per parameter
     optimizer    AdamW: 2 fp32 moments (8 bytes) per parameter; Muon: 1 momentum (4 bytes) per matrix it owns,
                  AdamW's 8 for the rest (embeddings, head, scalars)
@@ -54,12 +55,16 @@ class MemoryEstimate:
 
 
 def count_parameters(cfg: RunConfig, vocab: int) -> tuple[int, int]:
-    """(all parameters, those Muon would own) of the run's model, built on the meta device (no memory)."""
+    """(parameters one rank holds, those Muon would own) of the run's model, built on the meta device (no memory);
+    under model.moe.expert_parallel a rank holds its share of the experts."""
     from trainbox.model.spec import build_model
     with torch.device("meta"):
         model = build_model(cfg.model, vocab, cfg.model.block_size or cfg.data.seq_len, run=cfg)
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     n = sum(p.numel() for _, p in params)
+    if cfg.model.family == "moe" and cfg.model.moe.expert_parallel > 1:   # a rank holds 1/expert_parallel of them
+        experts = model.expert_params() * len(model.moe_layers) * cfg.model.moe.num_experts
+        n -= experts - experts // cfg.model.moe.expert_parallel
     muon = 0
     if cfg.optim.name == "muon":
         from trainbox.optim.muon import split_params

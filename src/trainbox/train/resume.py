@@ -27,6 +27,7 @@ from trainbox.config import RunConfig
 from trainbox.errors import ConfigError
 from trainbox.files import atomic_write_text
 from trainbox.monitor.console import log
+from trainbox.parallel import expert
 
 # keys that never change what a step computes
 RUNTIME = ("recipe", "requires_gpu", "required", "run.name", "run.dir", "run.resume", "run.init_from", "monitor.",
@@ -175,8 +176,10 @@ def restore(ckpt: Path, model, optimizers: list, trainer_state: dict, rank: int,
         from trainbox.parallel.dcp import load_state  # resharded to this run's layout
         load_state(ckpt, model, optimizers)
     else:
-        checkpoint.load_weights(ckpt, model)
-        checkpoint.load_optimizers(ckpt, optimizers)
+        # checkpoints hold every expert: under expert parallelism this rank keeps its shard
+        checkpoint.load_weights(ckpt, model, adapt=lambda state: expert.shard_state(model, state))
+        checkpoint.load_optimizers(ckpt, optimizers,
+                                   adapt=lambda st: expert.shard_optimizer_states(model, optimizers, st))
     rng = checkpoint.load_rng(ckpt, rank)
     if rng is not None and trainer_state.get("world") == world:
         checkpoint.set_rng_state(rng)

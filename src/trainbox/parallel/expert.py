@@ -1,0 +1,297 @@
+"""Expert parallelism (`model.moe.expert_parallel=N`): the experts of every MoE layer split over N ranks.
+
+    trainbox train --nproc 2 moe-gpt2-125m model.moe.num_experts=128 model.moe.expert_parallel=2
+
+Layout. A DeviceMesh of shape (world / N, N): dimension "expert" is a group of N consecutive ranks, and the
+rank at position s of its group holds experts [s * E/N, (s + 1) * E/N) of every MoE layer; dimension
+"expert_replica" joins the ranks that hold the same shard. Everything else (attention, embeddings, norms, the
+routers) stays whole on every rank.
+
+Tokens. Every rank routes its own micro-batch exactly as one process does (model/moe.py: top-k, the GShard
+capacity order, the balance and z losses), so routing, drops and losses depend on neither N nor the world size.
+Its assignment rows, sorted by expert and so by owner (dropped rows left out), go to their owners in one
+all-to-all with uneven splits (the row counts per expert go first: an all-to-all of E integers and one host
+read for the split sizes); the owner regroups the rows by local expert, runs its experts as grouped matmuls and
+sends the results back with the reverse all-to-all. Both exchanges are autograd functions whose backward is
+the exchange the other way. The dispatch is not overlapped with compute: on CPU (gloo) there is nothing to
+measure it by.
+
+Gradients. DDP averages the dense gradients over all ranks and leaves the expert parameters alone; after the
+last backward of a step `sync_grads` sums each shard's gradient over its replicas and divides by the world size:
+DDP's average, for parameters whose gradient already holds the contributions of every rank of the expert group.
+`clip_grad_norm_` clips by the norm of the whole model, each expert counted once.
+
+Checkpoints hold the unsharded model: `full_state` gathers the shards (weights and optimizer state) to rank 0
+in the layout of an unsharded model, `shard_state` / `shard_optimizer_states` cut a loaded one to this rank's
+shard, so a checkpoint resumes under any expert_parallel and world size.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from trainbox.errors import ConfigError
+
+log = logging.getLogger("trainbox")  # the library logger
+
+
+def check(cfg, world: int) -> None:
+    """Refuse an expert_parallel setting this run cannot use, before any work."""
+    n = cfg.model.moe.expert_parallel
+    if n == 1:
+        return
+    where = f"model.moe.expert_parallel={n}"
+    if cfg.model.family != "moe":
+        raise ConfigError(f"{where} applies to model.family=moe, not {cfg.model.family}",
+                          hint="drop model.moe.expert_parallel or set model.family=moe")
+    if cfg.model.moe.num_experts % n:
+        raise ConfigError(f"{where} does not divide model.moe.num_experts={cfg.model.moe.num_experts}",
+                          hint="choose a divisor of the number of experts")
+    if world % n:
+        raise ConfigError(f"{where} does not divide the run's {world} process(es)",
+                          hint=f"run on a multiple of {n} processes (trainbox train --nproc {n} ...)")
+    if cfg.train.parallel != "ddp":
+        raise ConfigError(f"{where} runs with train.parallel=ddp (the dense parameters data-parallel), not "
+                          f"train.parallel={cfg.train.parallel}", hint="set train.parallel=ddp")
+    if cfg.optim.name == "muon":
+        raise ConfigError(f"{where} runs with optim.name=adamw: Muon's distributed step expects every rank to "
+                          "hold the same parameters", hint="set optim.name=adamw")
+
+
+@dataclass
+class ExpertShard:
+    """This rank's place in the expert layout, and the exchange that runs an MoE layer's experts."""
+
+    size: int                   # N: ranks in an expert group
+    index: int                  # this rank's position in its group: which shard it holds
+    num_experts: int            # E of a whole layer
+    world: int
+    group: object               # the N ranks of this rank's expert group
+    replicas: object | None     # the world / N ranks holding the same shard (None when world == N)
+    params: dict[str, nn.Parameter] = field(default_factory=dict)   # sharded parameters by name
+
+    @property
+    def local(self) -> int:
+        return self.num_experts // self.size
+
+    def cut(self, t: torch.Tensor) -> torch.Tensor:
+        """This rank's experts of a full (E, ...) tensor."""
+        return t[self.index * self.local:(self.index + 1) * self.local]
+
+    def experts(self, m, rows: torch.Tensor, kept: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+        """MoEFFN's experts across the group: rows (k*N, C) sorted by expert, `kept` rows per expert (E,), `keep`
+        the kept-row mask (None: dropless) -> each row through its expert (zero for a dropped row)."""
+        S, El = self.size, self.local
+        idx = keep.nonzero().squeeze(1) if keep is not None else None
+        send = rows if idx is None else rows[idx]
+        recv = torch.empty_like(kept)
+        dist.all_to_all_single(recv, kept.contiguous(), group=self.group)   # rows for my experts, per source
+        c = recv.view(S, El)                            # c[s, e]: rows from source s for local expert e
+        out_rows, in_rows = torch.stack([c.sum(1), kept.view(S, El).sum(1)]).tolist()   # the host read
+        got = _AllToAll.apply(send, out_rows, in_rows, self.group)   # by source, then by expert within a source
+        # regroup by local expert: block (e, s) of the grouped rows starts at start[s, e] of what arrived
+        total = sum(out_rows)
+        flat = c.reshape(-1)
+        start = (flat.cumsum(0) - flat).view(S, El).t().reshape(-1)
+        sizes = c.t().reshape(-1)
+        perm = torch.repeat_interleave(start - (sizes.cumsum(0) - sizes), sizes, output_size=total)
+        perm = perm + torch.arange(total, device=perm.device)
+        per_expert = c.sum(0)
+        ids = torch.repeat_interleave(torch.arange(El, device=perm.device), per_expert, output_size=total)
+        h = m.experts(got[perm], per_expert.cumsum(0).to(torch.int32), ids)
+        back = torch.empty_like(perm).scatter_(0, perm, torch.arange(total, device=perm.device))
+        h = _AllToAll.apply(h[back], in_rows, out_rows, self.group)
+        if idx is None:
+            return h
+        return h.new_zeros(rows.size(0), h.size(1)).index_copy(0, idx, h)
+
+
+class _AllToAll(torch.autograd.Function):
+    """all_to_all_single with uneven splits; the backward is the exchange the other way (splits swapped)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        out = x.new_empty(sum(out_splits), *x.shape[1:])
+        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        out_splits, in_splits = ctx.splits
+        grad = g.new_empty(sum(in_splits), *g.shape[1:])
+        dist.all_to_all_single(grad, g.contiguous(), in_splits, out_splits, group=ctx.group)
+        return grad, None, None, None
+
+
+# ----------------------------------------------------------------------------- building
+
+
+def shard_experts(model: nn.Module, cfg, dist_info, device: torch.device) -> ExpertShard | None:
+    """Keep this rank's shard of every MoE layer's experts (model.moe.expert_parallel > 1), hand DDP the names it
+    must ignore, and return the shard (also `model.expert_shard`); None when every rank holds every expert."""
+    n = cfg.model.moe.expert_parallel
+    if n == 1:
+        return None
+    check(cfg, dist_info.world)
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh(device.type, (dist_info.world // n, n), mesh_dim_names=("expert_replica", "expert"))
+    shard = ExpertShard(size=n, index=dist_info.rank % n, num_experts=cfg.model.moe.num_experts,
+                        world=dist_info.world, group=mesh.get_group("expert"),
+                        replicas=mesh.get_group("expert_replica") if dist_info.world > n else None)
+    from trainbox.model.moe import MoEFFN
+    for name, m in model.named_modules():
+        if isinstance(m, MoEFFN):
+            for lin_name in ("c_fc", "c_proj"):
+                lin = getattr(m, lin_name)
+                for pname in ("weight", "bias"):
+                    p = getattr(lin, pname)
+                    if p is None:
+                        continue
+                    new = nn.Parameter(shard.cut(p.detach()).clone(), requires_grad=p.requires_grad)
+                    setattr(lin, pname, new)
+                    shard.params[f"{name}.{lin_name}.{pname}"] = new
+            m.parallel = shard
+    nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, list(shard.params))
+    model.expert_shard = shard
+    return shard
+
+
+def _shard(model: nn.Module) -> ExpertShard | None:
+    return getattr(model, "expert_shard", None)
+
+
+def whole(model: nn.Module) -> bool:
+    """Whether this rank holds every expert and so can run the model alone (else every rank of its expert group
+    takes part in each forward: the end-of-run sample runs on all ranks)."""
+    return _shard(model) is None
+
+
+# ----------------------------------------------------------------------------- gradients
+
+
+def sync_grads(model: nn.Module) -> None:
+    """After a step's last backward: each expert shard's gradient summed over its replicas, divided by the world
+    size. A no-op without expert parallelism."""
+    shard = _shard(model)
+    if shard is None:
+        return
+    grads = []
+    for p in shard.params.values():
+        if p.grad is None:   # every rank takes part in the reduction, with or without rows for its experts
+            p.grad = torch.zeros_like(p)
+        grads.append(p.grad)
+    if shard.replicas is not None:
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=shard.replicas)
+        for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+            g.copy_(part.view_as(g))
+    for g in grads:
+        g.div_(shard.world)
+
+
+def clip_grad_norm_(model: nn.Module, params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """torch.nn.utils.clip_grad_norm_ over the whole model: with expert parallelism, the norm counts the dense
+    gradients (the same on every rank) once and every expert shard once."""
+    shard = _shard(model)
+    if shard is None:
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+    experts = {id(p) for p in shard.params.values()}
+    grads = [p.grad for p in params if p.grad is not None]
+    dense = [g for p, g in zip(params, grads) if id(p) not in experts]
+    sharded = [g for p, g in zip(params, grads) if id(p) in experts]
+
+    def sq(gs):
+        return torch.stack([torch.linalg.vector_norm(g.float()) ** 2 for g in gs]).sum() if gs \
+            else torch.zeros((), device=grads[0].device)
+
+    expert_sq = sq(sharded)
+    dist.all_reduce(expert_sq, group=shard.group)     # the group holds every shard once
+    total = (sq(dense) + expert_sq).sqrt()
+    coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    for g in grads:
+        g.mul_(coef.to(g.dtype))
+    return total
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+
+def _indices(opt: torch.optim.Optimizer) -> dict[int, int]:
+    """id(parameter) -> its index in the optimizer's state_dict (torch numbers them in group order)."""
+    out: dict[int, int] = {}
+    for group in opt.param_groups:
+        for p in group["params"]:
+            out.setdefault(id(p), len(out))
+    return out
+
+
+def full_state(model: nn.Module, optimizers: list) -> tuple[dict, list] | None:
+    """Collective over the first expert group (ranks 0 .. N-1; the others return at once). On rank 0: the model's
+    weights (as checkpoint.model_state returns them) and the optimizers' state dicts, every expert tensor whole as
+    in an unsharded model; None on the other ranks, and without expert parallelism."""
+    shard = _shard(model)
+    if shard is None or dist.get_rank() >= shard.size:
+        return None
+    root = dist.get_rank() == 0
+
+    def gather(t: torch.Tensor) -> torch.Tensor | None:
+        parts = [torch.empty_like(t) for _ in range(shard.size)] if root else None
+        dist.gather(t.contiguous(), parts, dst=0, group=shard.group)
+        return torch.cat(parts).cpu() if root else None
+
+    from trainbox.checkpoint import model_state
+    weights = model_state(model) if root else None
+    for name, p in shard.params.items():
+        full = gather(p.detach())
+        if root:
+            weights[name] = full
+    states = []
+    for opt in optimizers:
+        sd = opt.state_dict() if root else None
+        index = _indices(opt)
+        own = opt.state
+        for p in shard.params.values():
+            if id(p) not in index:
+                continue
+            for key in sorted(k for k, v in own.get(p, {}).items() if _is_expert_state(v, p)):
+                full = gather(own[p][key])
+                if root:
+                    i = index[id(p)]
+                    sd["state"][i] = {**sd["state"][i], key: full}
+        states.append(sd)
+    return (weights, states) if root else None
+
+
+def _is_expert_state(v, p: nn.Parameter) -> bool:
+    return isinstance(v, torch.Tensor) and v.dim() == p.dim() and v.shape[1:] == p.shape[1:]
+
+
+def shard_state(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A full (unsharded) model state dict cut to this rank's experts; unchanged without expert parallelism."""
+    shard = _shard(model)
+    if shard is None:
+        return state
+    return {k: shard.cut(v) if k in shard.params and v.size(0) == shard.num_experts else v for k, v in state.items()}
+
+
+def shard_optimizer_states(model: nn.Module, optimizers: list, states: list) -> list:
+    """Optimizer state dicts of an unsharded model cut to this rank's experts."""
+    shard = _shard(model)
+    if shard is None:
+        return states
+    out = []
+    for opt, sd in zip(optimizers, states):
+        index = _indices(opt)
+        sd = {**sd, "state": dict(sd["state"])}
+        for p in shard.params.values():
+            i = index.get(id(p))
+            if i in sd["state"]:
+                sd["state"][i] = {k: shard.cut(v) if _is_expert_state(v, p) and v.size(0) == shard.num_experts
+                                  else v for k, v in sd["state"][i].items()}
+        out.append(sd)
+    return out

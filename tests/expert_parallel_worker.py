@@ -1,0 +1,141 @@
+"""One rank of tests/test_expert_parallel.py's torchrun job (gloo, CPU, fp32). Not collected by pytest.
+
+For expert_parallel N in {1, 2, 4} (those dividing the world size) and dropless / capacity routing, every rank
+builds the model as the trainer does (train/build.py: shard_experts, DDP) and the single-process model from the
+same seed, then checks against the single process: an MoE layer's output (and against test_moe's slow per-token
+reference), the hidden states, the token and auxiliary losses of this rank's micro-batch, every gradient after
+the loop's loss scaling, expert sync and clipping, the clipped norm, the parameters after an AdamW step, and the
+checkpoint state gathered to rank 0 (weights and optimizer state in the unsharded layout). Then, given run
+overrides after `--train`, it trains that run on the same process group (one torchrun launch for both).
+Prints "ok" on rank 0.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_moe import reference_moe  # noqa: E402 - the slow per-token MoE
+
+from trainbox.config import load_config  # noqa: E402
+from trainbox.parallel import expert  # noqa: E402
+from trainbox.train.build import build_model_side  # noqa: E402
+from trainbox.train.distributed import Dist  # noqa: E402
+from trainbox.train.loop import train  # noqa: E402
+
+VOCAB, B, T, TOL = 128, 2, 16, dict(atol=1e-5, rtol=1e-5)
+
+
+def config(n: int, cf: float):
+    return load_config("tiny", [
+        "model.family=moe", "model.n_layer=3", "model.n_head=2", "model.n_embd=32", "model.moe.num_experts=4",
+        "model.moe.every=2", "model.moe.top_k=2", f"model.moe.capacity_factor={cf}", "model.moe.lb_loss_weight=0.5",
+        "model.moe.z_loss_weight=0.1", f"model.moe.expert_parallel={n}", "train.device=cpu", "optim.lr=0.01",
+        "optim.grad_clip=0.05", "optim.warmup_steps=0"])
+
+
+def loss_of(out, scale: float, accum: int) -> torch.Tensor:
+    """The loop's per-micro-batch loss (train/loop.py: train_step)."""
+    return out.loss * scale + out.aux_loss / accum
+
+
+def check_case(d: Dist, n: int, cf: float, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    cpu = torch.device("cpu")
+    cfg, W, r = config(n, cf), d.world, d.rank
+    ep = build_model_side(cfg, VOCAB, cpu, d, init_weights=True)
+    ref = build_model_side(config(1, cf), VOCAB, cpu, Dist(), init_weights=True)
+    model, opt, ref_model, ref_opt = ep.model, ep.optimizers[0], ref.model, ref.optimizers[0]
+    shard = getattr(model, "expert_shard", None)
+    assert (shard is not None) == (n > 1) and (n == 1 or shard.params)
+    own = {k: v for k, v in ref_model.named_parameters()}
+    for name, p in model.named_parameters():   # the same initial weights; experts cut to this rank's shard
+        want = shard.cut(own[name]) if shard and name in shard.params else own[name]
+        assert torch.equal(p, want), name
+    model.train(), ref_model.train()
+    tokens = W * B * T
+    x, y = batches[r]
+
+    # one MoE layer against the vectorised single process and the slow per-token reference
+    layer, ref_layer = model.transformer.h[0].mlp, ref_model.transformer.h[0].mlp
+    h = torch.randn(B, T, 32, generator=torch.Generator().manual_seed(r))
+    with torch.no_grad():
+        got, want = layer(h), ref_layer(h)
+        slow, balance, z, counts, dropped = reference_moe(ref_layer, h)
+    torch.testing.assert_close(got, want, **TOL)
+    torch.testing.assert_close(got, slow, **TOL)
+    torch.testing.assert_close(layer.aux["balance"], balance, **TOL)
+    assert layer.aux["tokens_per_expert"].tolist() == counts.tolist()
+    assert abs(float(layer.aux["dropped"]) - dropped) < 1e-6
+    if cf:
+        assert dropped > 0.05, "the capacity case must drop assignments"
+    with torch.no_grad():
+        torch.testing.assert_close(model.hidden(x), ref_model.hidden(x), **TOL)
+
+    # a training step as the loop takes it: W ranks of one micro-batch each, against one process over all W
+    out = ep.forward(x, y, reduction="sum")
+    loss_of(out, W / tokens, 1).backward()
+    expert.sync_grads(model)
+    params = [p for p in model.parameters() if p.grad is not None]
+    norm = expert.clip_grad_norm_(model, params, cfg.optim.grad_clip)
+    for i, (xi, yi) in enumerate(batches):
+        ref_out = ref_model(xi, yi, reduction="sum")
+        loss_of(ref_out, 1 / tokens, W).backward()
+        if i == r:
+            torch.testing.assert_close(out.loss, ref_out.loss, **TOL)
+            torch.testing.assert_close(out.aux_loss, ref_out.aux_loss, **TOL)
+    ref_norm = torch.nn.utils.clip_grad_norm_(list(ref_model.parameters()), cfg.optim.grad_clip)
+    torch.testing.assert_close(norm, ref_norm, **TOL)
+    assert float(norm) > cfg.optim.grad_clip, "the case must clip"
+    ref_grads = {k: v.grad for k, v in ref_model.named_parameters()}
+    for name, p in model.named_parameters():
+        want = shard.cut(ref_grads[name]) if shard and name in shard.params else ref_grads[name]
+        torch.testing.assert_close(p.grad, want, **TOL, msg=lambda m, name=name: f"{name}: {m}")
+    opt.step(), ref_opt.step()
+    for name, p in model.named_parameters():
+        want = shard.cut(own[name]) if shard and name in shard.params else own[name]
+        torch.testing.assert_close(p, want, **TOL)
+
+    # the checkpoint's view: every expert, in the unsharded layout, on rank 0
+    full = expert.full_state(model, ep.optimizers)
+    if shard is not None and r == 0:
+        weights, (opt_state,) = full
+        for name, t in ref_model.state_dict().items():
+            if name in weights:
+                torch.testing.assert_close(weights[name], t, **TOL)
+        ref_state = ref_opt.state_dict()["state"]
+        assert opt_state["state"].keys() == ref_state.keys()
+        for i, st in ref_state.items():
+            for key, v in st.items():
+                torch.testing.assert_close(opt_state["state"][i][key], v, **TOL)
+        cut = expert.shard_optimizer_states(model, ep.optimizers, [opt_state])[0]
+        for p in shard.params.values():
+            i = expert._indices(opt)[id(p)]
+            torch.testing.assert_close(cut["state"][i]["exp_avg"], opt.state[p]["exp_avg"])
+    else:
+        assert full is None
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    d = Dist(rank=int(os.environ["RANK"]), world=int(os.environ["WORLD_SIZE"]))
+    d.init(torch.device("cpu"), 120)
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randint(0, VOCAB, (B, T), generator=g), torch.randint(0, VOCAB, (B, T), generator=g))
+               for _ in range(d.world)]
+    for n in (1, 2, 4):
+        if d.world % n == 0:
+            for cf in (0.0, 0.5):
+                check_case(d, n, cf, batches)
+    if "--train" in sys.argv:
+        train(load_config(None, sys.argv[sys.argv.index("--train") + 1:]), d)   # shuts the process group down
+    else:
+        d.shutdown()
+    if d.rank == 0:
+        print("ok")
+
+
+if __name__ == "__main__":
+    main()
