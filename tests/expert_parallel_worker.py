@@ -75,11 +75,9 @@ def check_case(d: Dist, n: int, cf: float, batches: list[tuple[torch.Tensor, tor
         torch.testing.assert_close(model.hidden(x), ref_model.hidden(x), **TOL)
 
     # a training step as the loop takes it: W ranks of one micro-batch each, against one process over all W
-    out = ep.forward(x, y, reduction="sum")
+    out = ep.parallel.forward(x, y, reduction="sum")
     loss_of(out, W / tokens, 1).backward()
-    expert.sync_grads(model)
-    params = [p for p in model.parameters() if p.grad is not None]
-    norm = expert.clip_grad_norm_(model, params, cfg.optim.grad_clip)
+    norm = ep.parallel.clip(cfg.optim.grad_clip)   # the loop's call: expert shards reduced, then clipped
     for i, (xi, yi) in enumerate(batches):
         ref_out = ref_model(xi, yi, reduction="sum")
         loss_of(ref_out, 1 / tokens, W).backward()

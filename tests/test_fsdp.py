@@ -150,3 +150,22 @@ def test_strategy_refusals_name_the_way_out():
         load_config("speedrun-124m", ["train.parallel=fsdp"])
     with pytest.raises(ConfigError, match="use train.parallel=ddp"):
         load_config("lora", ["train.parallel=fsdp", "model.path=x"])
+
+
+def test_float8_converts_the_blocks_linears_and_is_refused_without_fp8_cores():
+    pytest.importorskip("torchao", reason="the float8 extra (torchao) is part of the test install")
+    from trainbox.errors import ConfigError
+    from trainbox.kernels import float8
+    from trainbox.model.spec import build_model
+    cfg = load_config("llama-1b", ["model.n_layer=2", "model.n_embd=64", "model.n_head=4", "model.llama.n_kv_head=2",
+                                   "model.llama.intermediate_size=96", "data.seq_len=32", "model.vocab_size=128"])
+    model = build_model(cfg.model, 128, 32)
+    swapped = float8.convert(model, fsdp=True)
+    kinds = {name: type(m).__name__ for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    assert swapped == 2 * 7   # q, k, v, o, gate, up, down in each block
+    assert all(k == "Float8Linear" for n, k in kinds.items() if ".layers." in n), kinds
+    assert kinds["lm_head"] == "Linear"   # the head keeps its precision
+    with pytest.raises(ConfigError, match="FP8 tensor cores"):
+        float8.require_float8(torch.device("cpu"))
+    with pytest.raises(ConfigError, match="FP8 tensor cores"):
+        train(load_config("tiny", ["train.float8=true", "train.device=cpu"]))

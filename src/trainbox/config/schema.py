@@ -280,6 +280,9 @@ class TrainSection(Section):
     parallel: Literal["ddp", "fsdp"] = Field(
         "ddp", description="ddp: every rank holds the whole model; fsdp: parameters, gradients and optimizer "
                            "state sharded over the ranks of a node (FSDP2), replicated across nodes (HSDP)")
+    float8: bool = Field(False, description="the blocks' linear layers train with float8 matmuls through torchao "
+                                            "(FP8 tensor cores: H100, H200, L40S, Blackwell); under fsdp also "
+                                            "float8 all-gathers")
     reshard_after_forward: bool = Field(True, description="fsdp: free gathered parameters after each block's "
                                                           "forward (less memory, one more all-gather)")
     activation_checkpointing: Literal["none", "selective", "full"] = Field(

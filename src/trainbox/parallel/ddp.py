@@ -42,6 +42,9 @@ class DataParallel:
         """Gradients are averaged over ranks only in the last micro-batch's backward."""
         return self.ddp.no_sync() if self.ddp is not None and k < accum - 1 else nullcontext()
 
+    def after_step(self) -> None:
+        """Nothing to do after the optimizer step."""
+
     def clip(self, max_norm: float) -> torch.Tensor | None:
         """After the last backward: reduce the expert shards' gradients (expert parallelism), then clip by the
         norm of the whole gradient."""

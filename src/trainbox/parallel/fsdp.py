@@ -54,7 +54,7 @@ class ShardedParallel:
     collective = True   # a forward needs every rank (the blocks' all-gathers)
 
     def __init__(self, model: nn.Module, dist: Dist, device: torch.device, dtype: torch.dtype,
-                 reshard_after_forward: bool, compile: bool):
+                 reshard_after_forward: bool, compile: bool, float8: bool = False):
         shape = mesh_shape(dist.world, dist.local_world)
         names = ("shard",) if len(shape) == 1 else ("replicate", "shard")
         self.mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
@@ -69,6 +69,13 @@ class ShardedParallel:
                         reshard_after_forward=reshard_after_forward and i < len(blocks) - 1)
         fully_shard(model, mesh=self.mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
         self.model = self.forward = model
+        self.float8 = float8
+
+    def after_step(self) -> None:
+        """After the optimizer step: with float8 all-gathers, every weight's scale in one all-reduce."""
+        if self.float8:
+            from trainbox.kernels.float8 import after_step
+            after_step(self.model)
 
     def compile(self) -> None:
         """Blocks were compiled before sharding; the rest of the model runs eagerly."""

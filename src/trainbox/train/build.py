@@ -98,6 +98,9 @@ def build_model_side(cfg: RunConfig, vocab: int, device: torch.device, dist: Dis
     expert.shard_experts(model, cfg, dist, device)   # expert parallelism: this rank's experts only, DDP told
     model = model.to(device)
     kernels = choose(cfg.model, device)   # the models ask the same function when they meet the device
+    if cfg.train.float8:
+        from trainbox.kernels import float8
+        float8.convert(model, fsdp=cfg.train.parallel == "fsdp")
     if cfg.train.activation_checkpointing != "none":
         from trainbox.train.recompute import apply_activation_checkpointing
         apply_activation_checkpointing(model, cfg.train.activation_checkpointing)
@@ -105,7 +108,8 @@ def build_model_side(cfg: RunConfig, vocab: int, device: torch.device, dist: Dis
         allow_cached_autograd_functions()
     if cfg.train.parallel == "fsdp":
         from trainbox.parallel.fsdp import ShardedParallel
-        parallel = ShardedParallel(model, dist, device, dtype, cfg.train.reshard_after_forward, cfg.train.compile)
+        parallel = ShardedParallel(model, dist, device, dtype, cfg.train.reshard_after_forward, cfg.train.compile,
+                                   float8=cfg.train.float8)
     else:
         from trainbox.parallel.ddp import DataParallel
         parallel = DataParallel(model, dist, device)

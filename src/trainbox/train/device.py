@@ -57,6 +57,9 @@ def resolve_device(cfg: RunConfig, dist: Dist) -> tuple[torch.device, torch.dtyp
             log.warning(f"{' and '.join(fp8)}: {device}{name} has no FP8 tensor cores, so these matmuls run in "
                         f"{str(dtype).removeprefix('torch.')} (model.fp8_fallback)")
             cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"fp8_head": False, "fp8_mlp": "none"})})
+    if cfg.train.float8:
+        from trainbox.kernels.float8 import require_float8
+        require_float8(device)
     if cfg.model.attention == "flash":
         from trainbox.kernels.flash import require_flash
         require_flash(device, dtype)

@@ -297,6 +297,7 @@ class Trainer:
         grad_norm = self.parallel.clip(cfg.optim.grad_clip)
         for opt in self.optimizers:
             opt.step()
+        self.parallel.after_step()
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
         self.last_stats = out.stats

@@ -37,7 +37,8 @@ RUNTIME = ("recipe", "requires_gpu", "required", "run.name", "run.dir", "run.res
            "model.moe.expert_parallel", "train.checkpoint_every", "train.keep_last",
            "train.activation_checkpointing", "train.micro_batch_size", "lora.gradient_checkpointing")
 # keys whose new value applies from the resumed step on
-APPLIED = ("optim.", "train.max_steps", "train.max_tokens", "train.epochs", "train.dtype", "model.dropout",
+APPLIED = ("optim.", "train.max_steps", "train.max_tokens", "train.epochs", "train.dtype", "train.float8",
+           "model.dropout",
            "model.moe.lb_loss_weight", "model.moe.z_loss_weight", "model.moe.jitter_eps",
            "model.moe.capacity_factor", "model.attention", "model.fused_loss", "model.fused_norm",
            "model.fused_mlp", "model.fp8_head", "model.fp8_mlp", "model.fp8_fallback", "model.lowp_residual",
