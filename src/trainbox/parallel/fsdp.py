@@ -63,8 +63,8 @@ class ShardedParallel:
         blocks = units(model)
         self.reshard_after_forward = reshard_after_forward
         for i, block in enumerate(blocks):
-            if compile:
-                block.compile()   # in place: parameter names (and so checkpoints) do not change
+            if compile:   # the block's forward only: FSDP's hooks run around it, outside the graph
+                block.forward = torch.compile(block.forward)   # parameter names (so checkpoints) do not change
             fully_shard(block, mesh=self.mesh, mp_policy=policy,
                         reshard_after_forward=reshard_after_forward and i < len(blocks) - 1)
         fully_shard(model, mesh=self.mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
