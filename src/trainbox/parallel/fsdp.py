@@ -67,7 +67,9 @@ class ShardedParallel:
                 block.forward = torch.compile(block.forward)   # parameter names (so checkpoints) do not change
             fully_shard(block, mesh=self.mesh, mp_policy=policy,
                         reshard_after_forward=reshard_after_forward and i < len(blocks) - 1)
-        fully_shard(model, mesh=self.mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+        # the root (embeddings, final norm, head) stays gathered from forward to backward: the head is needed
+        # again at once, and the fused loss keeps it for its backward
+        fully_shard(model, mesh=self.mesh, mp_policy=policy, reshard_after_forward=False)
         self.model = self.forward = model
         self.float8 = float8
 
