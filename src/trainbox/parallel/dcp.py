@@ -57,10 +57,9 @@ def state_dict(model: nn.Module, optimizers: list | None) -> dict:
 class AsyncSaver:
     """One sharded save in flight at a time; rank 0 publishes it when every rank has written its shards."""
 
-    def __init__(self, ckpt_root: Path, dist: Dist, keep_last: int, protect: Path | None, device: torch.device):
+    def __init__(self, ckpt_root: Path, dist: Dist, keep_last: int, protect: Path | None):
         self.root, self.dist, self.keep_last, self.protect = ckpt_root, dist, keep_last, protect
         self.group = tdist.new_group(backend="gloo") if dist.enabled else None
-        self.stager = _stager(device)
         self.future = self.publisher = None
         self.step: int | None = None
         self.error: BaseException | None = None
@@ -82,9 +81,9 @@ class AsyncSaver:
             raise failed or CheckpointError(f"rank 0 failed to start the checkpoint of step {step}",
                                             hint="see rank 0's log")
         state = state_dict(model, optimizers)
-        kwargs = {"async_stager": self.stager} if self.stager is not None else {}
-        self.future = dcp.async_save(state, checkpoint_id=str(tmp / checkpoint.SHARDED_DIR),
-                                     process_group=self.group, **kwargs)
+        # DCP's default stager (a fresh one per save: one kept across saves fails on its second staging of an
+        # optimizer state in torch 2.11) copies the shards to host memory before this returns
+        self.future = dcp.async_save(state, checkpoint_id=str(tmp / checkpoint.SHARDED_DIR), process_group=self.group)
         self.step, self.error, self.done = step, None, None
         if self.dist.is_main:
             self.publisher = threading.Thread(target=self._publish, args=(tmp, step, t0), daemon=False,
@@ -127,21 +126,6 @@ class AsyncSaver:
             raise CheckpointError(f"the checkpoint of step {step} failed: {why}; older checkpoints are kept",
                                   hint=f"check that {self.root} is writable and has space, then resume")
 
-    def close(self) -> None:
-        if self.stager is not None:
-            self.stager.close()
-            self.stager = None
-
-
-def _stager(device: torch.device):
-    """Stage into page-locked host buffers kept across saves (a fast device-to-host copy) where torch has it."""
-    try:
-        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-    except ImportError:
-        return None
-    cuda = device.type == "cuda"
-    return DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False,
-                                        use_non_blocking_copy=cuda))
 
 
 # ---------------------------------------------------------------------------------------------- loading

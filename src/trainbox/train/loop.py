@@ -112,7 +112,7 @@ class Trainer:
         self.parallel, self.forward = built.parallel, built.parallel.forward
         if self.parallel.sharded:
             from trainbox.parallel.dcp import AsyncSaver
-            self.saver = AsyncSaver(self.ckpt_root, d, cfg.train.keep_last, self.resume_from, self.device)
+            self.saver = AsyncSaver(self.ckpt_root, d, cfg.train.keep_last, self.resume_from)
         if self.resume_from is not None:
             resume.restore(self.resume_from, self.model, self.optimizers, trainer_state, d.rank, d.world, cfg.run.seed)
             self.last_saved_step = self.start_step
@@ -203,8 +203,6 @@ class Trainer:
             raise
         finally:
             self.stop.restore()
-            if self.saver is not None:
-                self.saver.close()
             if self.sinks is not None:
                 self.sinks.close()
             self.progress.close()
