@@ -1,0 +1,309 @@
+"""The memory plan of a run: bytes per GPU by component, whether it fits, and what would make it fit.
+
+    trainbox plan moe-gpt2-125m model.moe.num_experts=128 --gpu H100 --nproc 2
+
+One model of a run's memory, used by `trainbox plan`, `trainbox doctor RECIPE` and the pre-flight check of
+`trainbox train` (train/memory.py). Per GPU, for a layout (train.parallel ddp or fsdp over --nproc ranks,
+model.moe.expert_parallel):
+
+    parameters     fp32 master weights (4 bytes each): whole under ddp, 1/N under fsdp; experts 1/E under
+                   expert parallelism (E ranks hold disjoint experts); frozen weights as built (LoRA bases)
+    gradients      fp32, one per trainable parameter held (sharded like the parameters)
+    optimizer      AdamW: two fp32 moments (8 bytes); Muon: one momentum (4) for the matrices it owns
+    activations    plan/activations.py: what the blocks, the head and the loss keep for the backward of one
+                   micro-batch (by activation-checkpointing mode, dtype, attention kernel, fused loss), the
+                   16-bit weight copies autocast keeps, and the largest transient on top at the peak
+    communication  ddp: the gradient buckets (a second fp32 copy of the gradients, DDP's default); fsdp: the
+                   bf16 blocks gathered in flight (two, or all of them with train.reshard_after_forward=false)
+                   plus the root's, and two blocks' fp32 reduce-scatter buffers; expert parallelism: one
+                   layer's all-to-all send and receive buffers (k x tokens rows each way, the mean routing)
+    overhead       outside PyTorch's allocator: the CUDA context (CONTEXT), NCCL's buffers with several
+                   ranks (NCCL), and the caching allocator's slack (FRAGMENTATION of the peak)
+
+`peak_allocated` (all but the overhead) is what `torch.cuda.max_memory_allocated()` reports during training;
+`total` is what the GPU must hold. The prediction aims at 15% of the measured peak (MARGIN): a run is said
+not to fit when its total exceeds the GPU's memory, and the pre-flight check refuses a run only when even
+total x (1 - MARGIN) exceeds the free memory.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, replace
+
+from trainbox.config import RunConfig
+from trainbox.errors import ConfigError
+from trainbox.plan.activations import Activations, Kernels, Widths, family_activations, weight_copy_bytes
+from trainbox.plan.count import ParamCount, count_parameters
+from trainbox.plan.gpus import GPUS, GiB, Target, gpu, local_cpu, local_gpu, sized
+
+MARGIN = 0.15
+CONTEXT = int(0.5 * GiB)       # CUDA context, cuBLAS and cuDNN workspaces
+NCCL = int(0.5 * GiB)          # NCCL's own buffers with several ranks
+FRAGMENTATION = 0.08           # allocator slack: reserved beyond allocated at the peak
+MODES = ("none", "selective", "full")
+
+__all__ = ["GPUS", "MARGIN", "Layout", "Memory", "Plan", "Suggestion", "Target", "gpu", "local_cpu", "local_gpu",
+           "make_plan", "sized", "ParamCount", "Activations", "Kernels"]
+
+
+@dataclass(frozen=True)
+class Layout:
+    parallel: str = "ddp"              # ddp or fsdp
+    nproc: int = 1
+    expert_parallel: int = 1
+    reshard_after_forward: bool = True
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Bytes on one GPU."""
+    params: int
+    gradients: int
+    optimizer: int
+    activations: int
+    comm: int
+    overhead: int
+
+    @property
+    def peak_allocated(self) -> int:
+        return self.params + self.gradients + self.optimizer + self.activations + self.comm
+
+    @property
+    def total(self) -> int:
+        return self.peak_allocated + self.overhead
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "peak_allocated": self.peak_allocated, "total": self.total}
+
+
+@dataclass(frozen=True)
+class Suggestion:
+    """A change under which the run fits: config overrides, the number of GPUs, and the total per GPU."""
+    what: str
+    overrides: tuple[str, ...]
+    nproc: int
+    total: int
+
+    def command(self, recipe: str | None) -> str:
+        nproc = f" --nproc {self.nproc}" if self.nproc > 1 else ""
+        return f"{recipe or 'CONFIG'} {' '.join(self.overrides)}{nproc}".replace("  ", " ").strip()
+
+
+@dataclass(frozen=True)
+class Plan:
+    recipe: str | None
+    target: Target
+    layout: Layout
+    micro_batch: int
+    seq_len: int
+    dtype: str
+    compiled: bool
+    checkpointing: str
+    kernels: Kernels
+    counts: ParamCount
+    memory: Memory
+    activations: Activations
+    suggestions: tuple[Suggestion, ...] = field(default=())
+
+    @property
+    def fits(self) -> bool:
+        return self.memory.total <= self.target.memory
+
+    def as_dict(self) -> dict:
+        return {"recipe": self.recipe, "gpu": {"name": self.target.name, "memory": self.target.memory,
+                                               "local": self.target.local},
+                "layout": asdict(self.layout), "micro_batch": self.micro_batch, "seq_len": self.seq_len,
+                "dtype": self.dtype, "compiled": self.compiled, "activation_checkpointing": self.checkpointing,
+                "kernels": asdict(self.kernels), "parameters": self.counts.as_dict(),
+                "memory": self.memory.as_dict(), "activations": self.activations.as_dict(),
+                "fits": self.fits, "margin": MARGIN,
+                "suggestions": [{**asdict(s), "command": s.command(self.recipe)} for s in self.suggestions]}
+
+
+# ----------------------------------------------------------------------------- kernels and widths
+
+
+def assumed_kernels(cfg: RunConfig, target: Target, flash: bool) -> Kernels:
+    """The kernels a run would get on `target`: asked of kernels.choice on this machine's own device, else
+    assumed from the GPU's generation (`flash`: trainbox[flash] is installed there)."""
+    import torch
+
+    from trainbox.kernels.choice import choose
+    m = cfg.model
+    if target.local:
+        plan = choose(m, torch.device("cuda" if target.cuda else "cpu"))
+        return Kernels(plan.attention, plan.fused_loss, plan.fused_mlp, plan.fp8, target.cuda)
+    fl = flash and target.hopper
+    if m.family == "hf":
+        attention = "hf"
+    elif m.family == "t5":
+        attention = "sdpa"
+    elif m.family == "speedrun":
+        attention = "flash" if (fl and m.window_block == 1 and m.attention in ("auto", "flash")) else "flex"
+        attention = "sdpa" if m.attention == "sdpa" else attention
+    else:
+        attention = "flash" if fl and m.attention in ("auto", "flash") else "sdpa"
+    loss = "off" if not m.fused_loss else ("quack" if flash and target.lce else "triton")
+    mlp = "off" if not m.fused_mlp else ("quack" if fl else "unfused")
+    fp8 = "off" if not m.fp8_options else ("fp8" if target.fp8 else "bf16")
+    return Kernels(attention, loss, mlp, fp8, True)
+
+
+def dtype_bytes(cfg: RunConfig, target: Target) -> tuple[str, int]:
+    want = cfg.train.dtype
+    if not target.cuda:
+        return "fp32", 4
+    if want == "auto":
+        want = "bf16"
+    return want, 4 if want == "fp32" else 2
+
+
+# ----------------------------------------------------------------------------- memory of one layout
+
+
+def memory(cfg: RunConfig, counts: ParamCount, vocab: int, target: Target, layout: Layout, micro: int, mode: str,
+           kernels: Kernels) -> tuple[Memory, Activations]:
+    m, world, ep = cfg.model, layout.nproc, layout.expert_parallel
+    _, a = dtype_bytes(cfg, target)
+    fsdp = layout.parallel == "fsdp"
+    lowp = m.lowp_residual if m.lowp_residual is not None else m.family == "speedrun"
+    r = a if (fsdp or lowp) else 4
+    compiled = cfg.train.compile
+    widths = Widths(a=a, r=r, cuda=target.cuda)
+    held = counts.dense + counts.expert / ep                    # trainable parameters a rank computes with
+    shard = world if fsdp else 1
+    # ... and keeps: fsdp shards the dense ones over all ranks, a rank's experts over the world / ep that share them
+    local = counts.trainable / world if fsdp else held
+    muon = counts.muon * local / max(1, counts.trainable)
+    acts = family_activations(cfg, counts, vocab, micro, mode, widths, kernels, compiled)
+    copies = 0 if fsdp else weight_copy_bytes(counts, widths, mode, compiled, False)
+    if copies and counts.expert and ep > 1:
+        copies = int(copies * (counts.matmul - counts.expert + counts.expert / ep) / counts.matmul)
+    acts = replace(acts, weight_copies=copies)
+    comm = 0.0
+    if world > 1 and not fsdp:
+        comm += 4 * held                                        # DDP's gradient buckets
+    if fsdp:
+        unit = (counts.largest_block - counts.expert / max(1, counts.n_blocks)
+                + counts.expert / ep / max(1, counts.n_blocks))
+        gathered = (2 * unit if layout.reshard_after_forward else held - counts.root) + counts.root
+        comm += 2 * gathered + 2 * 4 * unit                     # bf16 gathered weights; fp32 reduce-scatter inputs
+    if ep > 1 and m.family == "moe":
+        comm += 4 * m.moe.top_k * micro * cfg.data.seq_len * m.n_embd * a   # dispatch and combine, both ways
+    params = 4 * local + counts.frozen_bytes / shard
+    overhead = 0
+    peak = params + 4 * local + 4 * muon + 8 * (local - muon) + acts.peak + comm
+    if target.cuda:
+        overhead = CONTEXT + (NCCL if world > 1 else 0) + FRAGMENTATION * peak
+    mem = Memory(params=int(params), gradients=int(4 * local), optimizer=int(4 * muon + 8 * (local - muon)),
+                 activations=acts.peak, comm=int(comm), overhead=int(overhead))
+    return mem, acts
+
+
+# ----------------------------------------------------------------------------- the plan
+
+
+def check_layout(cfg: RunConfig, layout: Layout) -> None:
+    ep, n = layout.expert_parallel, layout.nproc
+    if n < 1:
+        raise ConfigError(f"--nproc {n}: the number of GPUs must be at least 1")
+    if ep > 1:
+        if cfg.model.family != "moe":
+            raise ConfigError(f"model.moe.expert_parallel={ep} applies to model.family=moe, not {cfg.model.family}")
+        if n % ep:
+            raise ConfigError(f"model.moe.expert_parallel={ep} does not divide the {n} GPUs (--nproc {n})",
+                              hint=f"use --nproc {ep * max(1, n // ep)} or an expert-parallel degree dividing {n}")
+        if cfg.model.moe.num_experts % ep:
+            raise ConfigError(f"model.moe.expert_parallel={ep} does not divide model.moe.num_experts="
+                              f"{cfg.model.moe.num_experts}")
+
+
+def make_plan(cfg: RunConfig, vocab: int, target: Target, nproc: int = 1, kernels: Kernels | None = None,
+              flash: bool = False, suggest: bool = True) -> Plan:
+    """The plan of `cfg` on `nproc` GPUs like `target` (`kernels`: what runs, else assumed_kernels)."""
+    t = cfg.train
+    ep = cfg.model.moe.expert_parallel if cfg.model.family == "moe" else 1
+    layout = Layout(t.parallel, nproc, ep, t.reshard_after_forward)
+    check_layout(cfg, layout)
+    counts = count_parameters(cfg, vocab)
+    kernels = kernels or assumed_kernels(cfg, target, flash)
+    mode = t.activation_checkpointing
+    if cfg.model.family == "hf":
+        mode = "full" if cfg.lora.gradient_checkpointing else "none"
+    mem, acts = memory(cfg, counts, vocab, target, layout, t.micro_batch_size, mode, kernels)
+    plan = Plan(cfg.recipe, target, layout, t.micro_batch_size, cfg.data.seq_len, dtype_bytes(cfg, target)[0],
+                t.compile, mode, kernels, counts, mem, acts)
+    if suggest and not plan.fits:
+        plan = replace(plan, suggestions=tuple(suggestions(cfg, vocab, plan)))
+    return plan
+
+
+def _fits(cfg, vocab, plan: Plan, layout: Layout, micro: int, mode: str) -> int | None:
+    """Total per GPU when it fits, else None."""
+    mem, _ = memory(cfg, plan.counts, vocab, plan.target, layout, micro, mode, plan.kernels)
+    return mem.total if mem.total <= plan.target.memory else None
+
+
+def micro_batches(cfg: RunConfig, nproc: int) -> list[int]:
+    """Micro-batch sizes the batch plan accepts on `nproc` ranks (dividing each rank's share), largest first."""
+    share = cfg.train.global_batch_size // nproc if cfg.train.global_batch_size % nproc == 0 else 0
+    return [b for b in range(share, 0, -1) if share % b == 0] if share else list(range(cfg.train.micro_batch_size,
+                                                                                         0, -1))
+
+
+def suggestions(cfg: RunConfig, vocab: int, plan: Plan) -> list[Suggestion]:
+    """What would fit, cheapest change first: a smaller micro-batch, activation checkpointing, fsdp, expert
+    parallelism, more GPUs."""
+    out: list[Suggestion] = []
+    lay, micro, mode = plan.layout, plan.micro_batch, plan.checkpointing
+    fam = cfg.model.family
+    for b in micro_batches(cfg, lay.nproc):
+        if b < micro and (total := _fits(cfg, vocab, plan, lay, b, mode)):
+            out.append(Suggestion("micro-batch", (f"train.micro_batch_size={b}",), lay.nproc, total))
+            break
+    if fam != "hf":
+        for m in MODES[MODES.index(mode) + 1:]:
+            if total := _fits(cfg, vocab, plan, lay, micro, m):
+                out.append(Suggestion("activation checkpointing", (f"train.activation_checkpointing={m}",),
+                                      lay.nproc, total))
+                break
+    if lay.parallel == "ddp" and lay.nproc > 1:
+        fsdp = replace(lay, parallel="fsdp")
+        if total := _fits(cfg, vocab, plan, fsdp, micro, mode):
+            out.append(Suggestion("fsdp", ("train.parallel=fsdp",), lay.nproc, total))
+    experts = cfg.model.moe.num_experts if fam == "moe" else 1
+    if experts > 1:
+        for ep in range(lay.expert_parallel + 1, lay.nproc + 1):
+            if lay.nproc % ep or experts % ep:
+                continue
+            for parallel in dict.fromkeys((lay.parallel, "fsdp")):
+                if total := _fits(cfg, vocab, plan, replace(lay, expert_parallel=ep, parallel=parallel), micro, mode):
+                    over = (f"model.moe.expert_parallel={ep}",) + (("train.parallel=fsdp",) if parallel != lay.parallel
+                                                                  else ())
+                    out.append(Suggestion("expert parallelism", over, lay.nproc, total))
+                    break
+            else:
+                continue
+            break
+    for n in (2, 4, 8, 16, 32, 64):
+        if n <= lay.nproc:
+            continue
+        options = [(replace(lay, nproc=n), ())]
+        if lay.parallel == "ddp":
+            options.append((replace(lay, nproc=n, parallel="fsdp"), ("train.parallel=fsdp",)))
+        for ep in (e for e in range(2, n + 1) if experts % e == 0 and n % e == 0 and experts > 1):
+            options.append((replace(lay, nproc=n, expert_parallel=ep), (f"model.moe.expert_parallel={ep}",)))
+            options.append((replace(lay, nproc=n, expert_parallel=ep, parallel="fsdp"),
+                            (f"model.moe.expert_parallel={ep}", "train.parallel=fsdp")))
+        fitting = [(total, over) for layout, over in options
+                   if (total := _fits(cfg, vocab, plan, layout, micro, mode)) and
+                   cfg.train.global_batch_size % (micro * n) == 0]
+        if fitting:
+            total, over = fitting[0]
+            out.append(Suggestion("more GPUs", over, n, total))
+            break
+    return out
+
+
+def ceil_gib(n: float) -> str:
+    return f"{math.ceil(n / GiB * 10) / 10:.1f} GiB"

@@ -1,0 +1,161 @@
+"""Parameters of a run's model, counted exactly from a build on the meta device (shapes, no storage), and
+split the ways the memory plan needs: trainable or frozen, expert or dense, owned by Muon or by AdamW, inside
+the transformer blocks (the units that FSDP shards and activation checkpointing wraps) or outside them.
+
+No family needs a parameter formula here: whatever `model.spec.build_model` builds is counted. A parameter is
+an expert parameter when it lives in a `model.moe.GroupedLinear` (the stacked experts) or under a module path
+component holding "expert" (other MoE layouts); the router is dense.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn as nn
+
+from trainbox.config import RunConfig
+
+
+@dataclass(frozen=True)
+class Shapes:
+    """The widths of one transformer block, read from the built model (decoder families without a formula of
+    their own: their attention and MLP projections, by Hugging Face's Llama names where they exist)."""
+    d: int              # model width
+    q: int              # query (and attention output) width: heads x head width
+    kv: int             # key (= value) width; < q under grouped-query attention
+    ffn: int            # MLP hidden width
+    gated: bool         # SwiGLU-style MLP (gate, up, down) rather than up, down
+    heads: int
+
+
+@dataclass(frozen=True)
+class ParamCount:
+    total: int          # every parameter, tied ones once
+    trainable: int      # requires_grad: these get gradients and optimizer state
+    expert: int         # trainable parameters inside MoE experts (split over model.moe.expert_parallel ranks)
+    muon: int           # trainable parameters Muon owns (optim.name=muon): one fp32 momentum each
+    blocks: int         # parameters inside the transformer blocks (all of them)
+    largest_block: int  # the largest block: one FSDP unit, gathered whole
+    n_blocks: int
+    frozen_bytes: int   # bytes of the frozen parameters as built (Hugging Face bases: bf16 on a GPU)
+    matmul: int         # trainable weights that matmuls read (autocast keeps a 16-bit copy of each)
+    blocks_matmul: int  # of those, the ones inside the blocks
+    shapes: Shapes | None = None
+
+    @property
+    def dense(self) -> int:
+        """Trainable parameters outside the experts."""
+        return self.trainable - self.expert
+
+    @property
+    def root(self) -> int:
+        """Parameters outside the blocks: embeddings, final norm, head."""
+        return self.total - self.blocks
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def blocks_of(model: nn.Module) -> list[nn.Module]:
+    """The model's transformer blocks: the family's checkpoint_units(), else its longest ModuleList."""
+    units = getattr(model, "checkpoint_units", None)
+    if callable(units):
+        return list(units())
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
+    return list(max(lists, key=len)) if lists else []
+
+
+def _is_expert(name: str, module_path: list[nn.Module]) -> bool:
+    from trainbox.model.moe import GroupedLinear
+    if any(isinstance(m, GroupedLinear) for m in module_path):
+        return True
+    return any("expert" in part.lower() for part in name.split(".")[:-1])
+
+
+def _named_with_modules(model: nn.Module):
+    """(name, parameter, [modules from the root to its owner]) for every parameter, tied ones once."""
+    seen: set[int] = set()
+
+    def walk(module: nn.Module, prefix: str, path: list[nn.Module]):
+        for pname, p in module.named_parameters(recurse=False):
+            if p is not None and id(p) not in seen:
+                seen.add(id(p))
+                yield f"{prefix}{pname}", p, [*path, module]
+        for cname, child in module.named_children():
+            yield from walk(child, f"{prefix}{cname}.", [*path, module])
+
+    yield from walk(model, "", [])
+
+
+def shapes_of(block: nn.Module, cfg) -> Shapes:
+    """A block's widths by Hugging Face's Llama names (q_proj, k_proj, gate_proj, up_proj, ...), or by the
+    config's n_embd / n_head and an MLP of 4 x n_embd where those names are missing."""
+    lin = {name.rsplit(".", 1)[-1]: m for name, m in block.named_modules() if isinstance(m, nn.Linear)}
+    d = cfg.n_embd
+    q = lin["q_proj"].out_features if "q_proj" in lin else d
+    kv = lin["k_proj"].out_features if "k_proj" in lin else q
+    if "up_proj" in lin:
+        ffn, gated = lin["up_proj"].out_features, "gate_proj" in lin
+    else:
+        ffn, gated = 4 * d, False
+    if "q_proj" in lin:
+        d = lin["q_proj"].in_features
+    heads = cfg.n_head
+    hf = getattr(getattr(block, "self_attn", None), "config", None)
+    if hf is not None:
+        heads = getattr(hf, "num_attention_heads", heads)
+    return Shapes(d=d, q=q, kv=kv, ffn=ffn, gated=gated, heads=heads)
+
+
+def build_meta(cfg: RunConfig, vocab: int) -> nn.Module:
+    """The run's model on the meta device, with every expert present (model.moe.expert_parallel=1)."""
+    from trainbox.model.spec import build_model
+    model_cfg = cfg.model.model_copy(update={"moe": cfg.model.moe.model_copy(update={"expert_parallel": 1}),
+                                             "eot_id": cfg.model.eot_id if cfg.model.eot_id is not None else 0})
+    run = cfg.model_copy(update={"model": model_cfg})
+    with torch.device("meta"):
+        return build_model(model_cfg, vocab, model_cfg.block_size or cfg.data.seq_len, run=run)
+
+
+@functools.lru_cache(maxsize=32)
+def _count_cached(cfg_json: str, vocab: int) -> ParamCount:
+    return _count(RunConfig.model_validate_json(cfg_json), vocab)
+
+
+def count_parameters(cfg: RunConfig, vocab: int) -> ParamCount:
+    """The parameters of the run's model (cached per config: the suggestions ask the same model many times)."""
+    keep = cfg.model_copy(update={"train": cfg.train.model_copy(update={"micro_batch_size": 1})})
+    return _count_cached(keep.model_dump_json(), vocab)
+
+
+def _count(cfg: RunConfig, vocab: int) -> ParamCount:
+    model = build_meta(cfg, vocab)
+    params = list(_named_with_modules(model))
+    trainable = [(n, p, path) for n, p, path in params if p.requires_grad]
+    muon = 0
+    if cfg.optim.name == "muon":
+        from trainbox.optim.muon import split_params
+        muon = sum(p.numel() for _, p in split_params(model, [(n, p) for n, p, _ in trainable])["muon"])
+    blocks = blocks_of(model)
+    sizes = [sum(p.numel() for p in b.parameters()) for b in blocks]
+    in_blocks = {id(p) for b in blocks for p in b.parameters()}
+    matmul = _matmul_weights(model)
+    shapes = shapes_of(blocks[0], cfg.model) if blocks else None
+    return ParamCount(
+        total=sum(p.numel() for _, p, _ in params),
+        trainable=sum(p.numel() for _, p, _ in trainable),
+        expert=sum(p.numel() for n, p, path in trainable if _is_expert(n, path)),
+        muon=muon, blocks=sum(sizes), largest_block=max(sizes, default=0), n_blocks=len(blocks),
+        frozen_bytes=sum(p.numel() * p.element_size() for _, p, _ in params if not p.requires_grad),
+        matmul=sum(p.numel() for p in matmul.values() if p.requires_grad),
+        blocks_matmul=sum(p.numel() for i, p in matmul.items() if p.requires_grad and i in in_blocks),
+        shapes=shapes)
+
+
+def _matmul_weights(model: nn.Module) -> dict[int, nn.Parameter]:
+    """The weights matmuls read: those of linear layers (and stacked experts) and an output head tied to an
+    embedding; embedding tables read by lookup alone are not among them."""
+    from trainbox.model.moe import GroupedLinear
+    out = {id(m.weight): m.weight for m in model.modules() if isinstance(m, (nn.Linear, GroupedLinear))}
+    return {i: p for i, p in out.items() if p.dim() >= 2}
