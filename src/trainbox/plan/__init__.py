@@ -27,7 +27,6 @@ total x (1 - MARGIN) exceeds the free memory.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, field, replace
 
 from trainbox.config import RunConfig
@@ -84,9 +83,12 @@ class Suggestion:
     nproc: int
     total: int
 
-    def command(self, recipe: str | None) -> str:
-        nproc = f" --nproc {self.nproc}" if self.nproc > 1 else ""
-        return f"{recipe or 'CONFIG'} {' '.join(self.overrides)}{nproc}".replace("  ", " ").strip()
+    def command(self, recipe: str | None, overrides: list[str] | tuple[str, ...] = ()) -> str:
+        """`trainbox train` with the run's own overrides, those of the same keys replaced by this change's."""
+        mine = {o.split("=", 1)[0] for o in self.overrides}
+        words = [recipe or "CONFIG", *(o for o in overrides if o.split("=", 1)[0] not in mine), *self.overrides]
+        nproc = ["--nproc", str(self.nproc)] if self.nproc > 1 else []
+        return " ".join(["trainbox", "train", *words, *nproc])
 
 
 @dataclass(frozen=True)
@@ -117,7 +119,7 @@ class Plan:
                 "kernels": asdict(self.kernels), "parameters": self.counts.as_dict(),
                 "memory": self.memory.as_dict(), "activations": self.activations.as_dict(),
                 "fits": self.fits, "margin": MARGIN,
-                "suggestions": [{**asdict(s), "command": s.command(self.recipe)} for s in self.suggestions]}
+                "suggestions": [asdict(s) for s in self.suggestions]}
 
 
 # ----------------------------------------------------------------------------- kernels and widths
@@ -168,15 +170,14 @@ def memory(cfg: RunConfig, counts: ParamCount, vocab: int, target: Target, layou
     fsdp = layout.parallel == "fsdp"
     lowp = m.lowp_residual if m.lowp_residual is not None else m.family == "speedrun"
     r = a if (fsdp or lowp) else 4
-    compiled = cfg.train.compile
-    widths = Widths(a=a, r=r, cuda=target.cuda)
+    widths = Widths(a=a, r=r, cuda=target.cuda, compiled=cfg.train.compile)
     held = counts.dense + counts.expert / ep                    # trainable parameters a rank computes with
     shard = world if fsdp else 1
     # ... and keeps: fsdp shards the dense ones over all ranks, a rank's experts over the world / ep that share them
     local = counts.trainable / world if fsdp else held
     muon = counts.muon * local / max(1, counts.trainable)
-    acts = family_activations(cfg, counts, vocab, micro, mode, widths, kernels, compiled)
-    copies = 0 if fsdp else weight_copy_bytes(counts, widths, mode, compiled, False)
+    acts = family_activations(cfg, counts, vocab, micro, mode, widths, kernels, autocast_copies=not fsdp)
+    copies = 0 if fsdp else weight_copy_bytes(counts, widths, mode)
     if copies and counts.expert and ep > 1:
         copies = int(copies * (counts.matmul - counts.expert + counts.expert / ep) / counts.matmul)
     acts = replace(acts, weight_copies=copies)
@@ -190,7 +191,8 @@ def memory(cfg: RunConfig, counts: ParamCount, vocab: int, target: Target, layou
         comm += 2 * gathered + 2 * 4 * unit                     # bf16 gathered weights; fp32 reduce-scatter inputs
     if ep > 1 and m.family == "moe":
         comm += 4 * m.moe.top_k * micro * cfg.data.seq_len * m.n_embd * a   # dispatch and combine, both ways
-    params = 4 * local + counts.frozen_bytes / shard
+    frozen = counts.frozen * (0.5625 if cfg.quant.load_in_4bit else 1 if cfg.quant.load_in_8bit else a)
+    params = 4 * local + frozen / shard          # frozen bases: bf16 on a GPU (NF4: 4.5 bits with its scales)
     overhead = 0
     peak = params + 4 * local + 4 * muon + 8 * (local - muon) + acts.peak + comm
     if target.cuda:
@@ -238,72 +240,125 @@ def make_plan(cfg: RunConfig, vocab: int, target: Target, nproc: int = 1, kernel
     return plan
 
 
-def _fits(cfg, vocab, plan: Plan, layout: Layout, micro: int, mode: str) -> int | None:
-    """Total per GPU when it fits, else None."""
-    mem, _ = memory(cfg, plan.counts, vocab, plan.target, layout, micro, mode, plan.kernels)
-    return mem.total if mem.total <= plan.target.memory else None
+def micro_batches(cfg: RunConfig, nproc: int, upto: int) -> list[int]:
+    """Micro-batch sizes up to `upto` that the batch plan accepts on `nproc` ranks (each dividing a rank's share
+    of train.global_batch_size), largest first."""
+    g = cfg.train.global_batch_size
+    if g % nproc:
+        return []
+    share = g // nproc
+    return [b for b in range(min(upto, share), 0, -1) if share % b == 0]
 
 
-def micro_batches(cfg: RunConfig, nproc: int) -> list[int]:
-    """Micro-batch sizes the batch plan accepts on `nproc` ranks (dividing each rank's share), largest first."""
-    share = cfg.train.global_batch_size // nproc if cfg.train.global_batch_size % nproc == 0 else 0
-    return [b for b in range(share, 0, -1) if share % b == 0] if share else list(range(cfg.train.micro_batch_size,
-                                                                                         0, -1))
+class _Search:
+    """Memory of variants of one plan (same model, same GPU): which fit, at which micro-batch."""
+
+    def __init__(self, cfg: RunConfig, vocab: int, plan: Plan):
+        self.cfg, self.vocab, self.plan = cfg, vocab, plan
+
+    def total(self, layout: Layout, micro: int, mode: str) -> int:
+        return memory(self.cfg, self.plan.counts, self.vocab, self.plan.target, layout, micro, mode,
+                      self.plan.kernels)[0].total
+
+    def largest(self, layout: Layout, mode: str, same_micro: bool = False) -> tuple[int, int] | None:
+        """(micro-batch, total) of the largest micro-batch (up to the plan's) that fits, or None."""
+        micro = self.plan.micro_batch
+        sizes = micro_batches(self.cfg, layout.nproc, micro)
+        for b in sizes[:1] if same_micro else sizes:
+            if (total := self.total(layout, b, mode)) <= self.plan.target.memory:
+                return b, total
+        return None
+
+    def suggest(self, what: str, layout: Layout, mode: str, overrides: tuple[str, ...],
+                same_micro: bool = False) -> Suggestion | None:
+        found = self.largest(layout, mode, same_micro)
+        if found is None:
+            return None
+        micro, total = found
+        if micro != self.plan.micro_batch:
+            overrides = (*overrides, f"train.micro_batch_size={micro}")
+        if mode != self.plan.checkpointing:
+            overrides = (*overrides, f"train.activation_checkpointing={mode}")
+        return Suggestion(what, overrides, layout.nproc, total)
 
 
-def suggestions(cfg: RunConfig, vocab: int, plan: Plan) -> list[Suggestion]:
-    """What would fit, cheapest change first: a smaller micro-batch, activation checkpointing, fsdp, expert
-    parallelism, more GPUs."""
-    out: list[Suggestion] = []
-    lay, micro, mode = plan.layout, plan.micro_batch, plan.checkpointing
-    fam = cfg.model.family
-    for b in micro_batches(cfg, lay.nproc):
-        if b < micro and (total := _fits(cfg, vocab, plan, lay, b, mode)):
-            out.append(Suggestion("micro-batch", (f"train.micro_batch_size={b}",), lay.nproc, total))
-            break
-    if fam != "hf":
-        for m in MODES[MODES.index(mode) + 1:]:
-            if total := _fits(cfg, vocab, plan, lay, micro, m):
-                out.append(Suggestion("activation checkpointing", (f"train.activation_checkpointing={m}",),
-                                      lay.nproc, total))
-                break
-    if lay.parallel == "ddp" and lay.nproc > 1:
-        fsdp = replace(lay, parallel="fsdp")
-        if total := _fits(cfg, vocab, plan, fsdp, micro, mode):
-            out.append(Suggestion("fsdp", ("train.parallel=fsdp",), lay.nproc, total))
-    experts = cfg.model.moe.num_experts if fam == "moe" else 1
-    if experts > 1:
-        for ep in range(lay.expert_parallel + 1, lay.nproc + 1):
-            if lay.nproc % ep or experts % ep:
-                continue
-            for parallel in dict.fromkeys((lay.parallel, "fsdp")):
-                if total := _fits(cfg, vocab, plan, replace(lay, expert_parallel=ep, parallel=parallel), micro, mode):
-                    over = (f"model.moe.expert_parallel={ep}",) + (("train.parallel=fsdp",) if parallel != lay.parallel
-                                                                  else ())
-                    out.append(Suggestion("expert parallelism", over, lay.nproc, total))
-                    break
-            else:
-                continue
-            break
-    for n in (2, 4, 8, 16, 32, 64):
-        if n <= lay.nproc:
-            continue
-        options = [(replace(lay, nproc=n), ())]
-        if lay.parallel == "ddp":
-            options.append((replace(lay, nproc=n, parallel="fsdp"), ("train.parallel=fsdp",)))
-        for ep in (e for e in range(2, n + 1) if experts % e == 0 and n % e == 0 and experts > 1):
-            options.append((replace(lay, nproc=n, expert_parallel=ep), (f"model.moe.expert_parallel={ep}",)))
-            options.append((replace(lay, nproc=n, expert_parallel=ep, parallel="fsdp"),
-                            (f"model.moe.expert_parallel={ep}", "train.parallel=fsdp")))
-        fitting = [(total, over) for layout, over in options
-                   if (total := _fits(cfg, vocab, plan, layout, micro, mode)) and
-                   cfg.train.global_batch_size % (micro * n) == 0]
-        if fitting:
-            total, over = fitting[0]
-            out.append(Suggestion("more GPUs", over, n, total))
-            break
+def _layouts(cfg: RunConfig, base: Layout, n: int) -> list[tuple[Layout, tuple[str, ...]]]:
+    """The layouts on n GPUs, simplest first: as configured, fsdp, then each expert-parallel degree."""
+    out = [(replace(base, nproc=n), ())]
+    if base.parallel == "ddp" and n > 1:
+        out.append((replace(base, nproc=n, parallel="fsdp"), ("train.parallel=fsdp",)))
+    experts = cfg.model.moe.num_experts if cfg.model.family == "moe" else 1
+    for ep in range(base.expert_parallel + 1, n + 1):
+        if experts % ep == 0 and n % ep == 0:
+            over = (f"model.moe.expert_parallel={ep}",)
+            out.append((replace(base, nproc=n, expert_parallel=ep), over))
+            if base.parallel == "ddp":
+                fsdp = replace(base, nproc=n, expert_parallel=ep, parallel="fsdp")
+                out.append((fsdp, (*over, "train.parallel=fsdp")))
     return out
 
 
-def ceil_gib(n: float) -> str:
-    return f"{math.ceil(n / GiB * 10) / 10:.1f} GiB"
+def suggestions(cfg: RunConfig, vocab: int, plan: Plan) -> list[Suggestion]:
+    """What would fit, one of each kind: the largest micro-batch; an activation-checkpointing mode; fsdp; an
+    expert-parallel degree (on these GPUs, with the largest micro-batch that then fits); more GPUs (the fewest,
+    with the simplest layout, mode and largest micro-batch that fit)."""
+    search, lay, mode = _Search(cfg, vocab, plan), plan.layout, plan.checkpointing
+    modes = (mode, *(MODES[MODES.index(mode) + 1:] if cfg.model.family != "hf" else ()))
+
+    def first(what: str, options, modes=modes, same_micro=False) -> Suggestion | None:
+        return next((s for m in modes for layout, over in options
+                     if (s := search.suggest(what, layout, m, over, same_micro))), None)
+
+    here = _layouts(cfg, lay, lay.nproc)[1:]
+    out = [search.suggest("micro-batch", lay, mode, ()),
+           first("activation checkpointing", [(lay, ())], modes[1:], same_micro=True),
+           first("fsdp", [(x, o) for x, o in here if x.expert_parallel == lay.expert_parallel]),
+           first("expert parallelism", [(x, o) for x, o in here if x.expert_parallel != lay.expert_parallel])]
+    for n in (2, 4, 8, 16, 32, 64):   # the fewest GPUs that fit; for an MoE also its best expert-parallel layout
+        if n <= lay.nproc:
+            continue
+        options = _layouts(cfg, lay, n)
+        found = first("more GPUs", options)
+        if found:
+            out.append(found)
+            if not any(o.startswith("model.moe.expert_parallel") for o in found.overrides):
+                out.append(first("more GPUs, experts split",
+                                 [x for x in options if x[0].expert_parallel > lay.expert_parallel]))
+            break
+    return [s for s in out if s is not None]
+
+
+def run_vocab(cfg: RunConfig) -> int:
+    """The model's vocabulary: model.vocab_size, else the tokenizer's plus the family's extra ids, padded."""
+    if cfg.model.vocab_size or cfg.model.family == "hf":
+        return cfg.model.vocab_size or 0
+    from trainbox.model.spec import build_tokenizer, model_vocab_size
+    return model_vocab_size(cfg.model, build_tokenizer(cfg).vocab_size)
+
+
+def plan_target(cfg: RunConfig, gpu_name: str | None = None, gpu_mem: float | None = None) -> Target:
+    """The device to plan for: a GPU named (--gpu), one of gpu_mem GiB (--gpu-mem), else the one the run would
+    train on here: this machine's GPU, or its CPU where train.device says so or there is no GPU."""
+    if gpu_name and gpu_mem:
+        raise ConfigError("--gpu and --gpu-mem both name the GPU to plan for: give one of them")
+    if gpu_name:
+        return gpu(gpu_name)
+    if gpu_mem:
+        return sized(gpu_mem)
+    device = cfg.train.device
+    found = local_gpu() if device != "cpu" else None
+    if found is not None:
+        return found
+    if device.startswith("cuda") or (cfg.requires_gpu and device == "auto"):
+        name = cfg.recipe or "CONFIG"
+        raise ConfigError(f"{name} trains on a GPU and this machine has none: say which GPU to plan for",
+                          hint=f"trainbox plan {name} --gpu H100 (or --gpu-mem 80); {', '.join(GPUS)} are known; "
+                               "train.device=cpu plans it on this CPU")
+    return local_cpu()
+
+
+def plan_run(cfg: RunConfig, nproc: int = 1, gpu_name: str | None = None, gpu_mem: float | None = None,
+             flash: bool = False) -> Plan:
+    """The plan `trainbox plan` prints: `cfg` on `nproc` GPUs of plan_target's kind (`flash`: assume
+    trainbox[flash] on a named GPU)."""
+    return make_plan(cfg, run_vocab(cfg), plan_target(cfg, gpu_name, gpu_mem), nproc, flash=flash)

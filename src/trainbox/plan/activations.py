@@ -27,7 +27,6 @@ factor 1 to 1% (docs/architecture.md, the memory plan).
 """
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass
 
 from trainbox.plan.count import ParamCount
@@ -99,18 +98,26 @@ class Block:
 
 @dataclass(frozen=True)
 class Widths:
-    a: int      # matmul operands
-    r: int      # residual stream
+    a: int              # matmul operands
+    r: int              # residual stream
     cuda: bool
+    compiled: bool = False
 
-    @property
-    def norm_casts(self) -> int:
-        """Copies autocast makes of an fp32 norm output that feeds n matmuls: one per matmul (autocast caches
-        only leaf tensors), none in fp32."""
-        return 1 if self.a == 4 else 0
+    def casts(self, n: int) -> int:
+        """Copies autocast makes of a norm's output that n matmuls read: one each where the norm's output is
+        fp32 and the matmuls 16-bit (autocast caches casts of weights only), else the output itself."""
+        return n if self.a != 4 and (self.cuda or self.r == 4) else 1
+
+    def rms(self, d: int, weighted: bool, r_in: int | None = None) -> float:
+        """What an RMSNorm keeps: F.rms_norm computes in fp32 and keeps its input upcast (the input itself
+        when it is fp32), the rstd, and with a weight the normalised fp32 input; compiled, the input as it is
+        and the rstd (Inductor recomputes the rest)."""
+        if self.compiled:
+            return (r_in or self.r) * d + 4
+        return 4 * d + 4 + (4 * d if weighted else 0)
 
 
-def gpt_attention(b: Block, d: int, heads: int, w: Widths, kern: Kernels) -> None:
+def gpt_attention(b: Block, d: int, heads: int, w: Widths) -> None:
     """LayerNorm -> c_attn -> causal attention -> c_proj (gpt.CausalSelfAttention)."""
     a = w.a
     b.inp(w.r * d)                 # ln_1 input (the block's input)
@@ -123,7 +130,7 @@ def gpt_attention(b: Block, d: int, heads: int, w: Widths, kern: Kernels) -> Non
 
 def gpt_block(d: int, heads: int, w: Widths, kern: Kernels, bias: bool, moe=None) -> Block:
     b = Block(kern.attn_saved_by_selective)
-    gpt_attention(b, d, heads, w, kern)
+    gpt_attention(b, d, heads, w)
     a = w.a
     b.keep(w.r * d + 8)            # ln_2 input, mean, rstd
     if moe is not None:
@@ -131,7 +138,7 @@ def gpt_block(d: int, heads: int, w: Widths, kern: Kernels, bias: bool, moe=None
         return b
     b.keep(a * d)                  # ln_2 output (c_fc's input)
     fused = kern.fused_mlp in ("quack", "torch") and not bias   # one custom op: selective recomputes it
-    b.mm(4 * a * d, keep=True) if not fused else b.keep(4 * a * d)   # h = c_fc(x), kept by GELU
+    b.mm(4 * a * d) if not fused else b.keep(4 * a * d)         # h = c_fc(x), kept by the GELU
     b.keep(4 * a * d)              # GELU(h), c_proj's input
     if not fused:
         b.mm(a * d, keep=False)    # c_proj output
@@ -147,7 +154,7 @@ def moe_ffn(b: Block, d: int, moe, w: Widths, kern: Kernels, bias: bool) -> None
     b.keep(k * (8 + 4 + 8 + 16) + 4)   # top-k ids, gates, the sort order, dispatch/combine indices
     b.keep(k * a * d)              # dispatched rows (c_fc's input)
     fused = kern.fused_mlp in ("quack", "torch") and not bias
-    b.mm(4 * k * a * d, keep=True) if not fused else b.keep(4 * k * a * d)   # h, kept by the GELU
+    b.mm(4 * k * a * d) if not fused else b.keep(4 * k * a * d)   # h, kept by the GELU
     b.keep(4 * k * a * d)          # GELU(h)
     b.mm(k * a * d) if not fused else b.keep(k * a * d)   # expert outputs, kept by the gate multiply
     b.keep(4 * k)                  # the gates, in fp32
@@ -160,18 +167,17 @@ def speedrun_block(d: int, heads: int, hd: int, T: int, letter: str, w: Widths, 
     a = w.a
     b = Block(kern.attn_saved_by_selective)
     b.inp(w.r * d)                 # x, kept by the lambdas' product (x0 is shared by every block)
-    b.keep(w.r * d + 4)            # the mixed x, the norm's input, and its rstd
+    b.keep(w.rms(d, False))        # the mixed x, as the norm keeps it, and its rstd
+    up8, down8 = fp8 == "both", fp8 in ("down", "both")
     if letter != "-":
-        up8 = fp8 == "both"
         b.keep(d if up8 else a * d)            # norm output, the fused qkv matmul's input
         b.mm(3 * a * hd)                       # q, k, v (QK-norm keeps q and k; the value mix keeps v)
-        b.keep(8 * heads)                      # QK-norm rstd of q and k
+        b.keep(8 * heads + (8 * hd if a != 4 and not w.compiled else 0))   # QK-norm: rstd (and fp32 q, k)
         b.attn(4 * a * hd + 4 * heads)         # rotated q and k, mixed v, output; log-sum-exp
-        if kern.attention == "sdpa":           # an explicit document/window mask, T per query, in q's dtype
-            b.keep((4 if not w.cuda else a) * T)
+        if kern.attention == "sdpa":           # the document/window mask, T keys per query, in q's dtype
+            b.keep(a * T)
         b.mm(a * d, keep=False)                # c_proj output
-        b.keep(w.r * d + 4)                    # the MLP norm's input (x after attention) and rstd
-    down8, up8 = fp8 in ("down", "both"), fp8 == "both"
+        b.keep(w.rms(d, False))                # the MLP norm's input (x after attention), rstd
     b.keep(d if up8 else a * d)                # MLP norm output, c_fc's input
     b.mm(4 * a * d, keep=False)                # h = c_fc(x)
     b.keep(4 * a * d)                          # relu(h), kept by relu and by the square
@@ -184,27 +190,26 @@ def t5_blocks(d: int, heads: int, inner: int, ffn: int, S: int, T: int, w: Width
               ) -> tuple[Block, Block, Block]:
     """(encoder block per encoder token, decoder block per decoder token, the decoder's cross-attention keys
     and values per encoder token). On a CPU the encoder and decoder self-attention take the math path (the
-    position bias needs its gradient); the cross-attention has no mask."""
-    a, casts = w.a, w.norm_casts
-    math_attn = not w.cuda
+    position bias needs its gradient): fp32 copies of q, k, v and the output, and the probabilities."""
+    a = w.a
 
     def self_attention(b: Block, length: int) -> None:
         b.inp(w.r * d)                         # the norm's input (the block's input)
-        b.keep(4)                              # rstd
-        b.keep((3 if casts == 0 else 1) * a * d)   # norm output, cast once per projection under autocast
-        if math_attn:                          # scores by bmm: copies of q, k, v, the probabilities
-            b.mm(3 * a * inner, keep=False)
-            b.keep(4 * 4 * inner + 4 * heads * length)   # fp32 (the bias is fp32): q, k, v, output
-            b.mm(4 * heads * length, keep=False)          # scores (bmm)
-            b.mm(4 * inner, keep=False)                   # probabilities @ v (bmm)
+        b.keep(w.rms(d, True) - w.r * d)       # the rest the norm keeps
+        b.keep(w.casts(3) * a * d)             # norm output, cast once per projection under autocast
+        if not w.cuda:
+            b.mm(3 * a * inner, keep=False)    # q, k, v
+            b.keep(3 * 4 * inner + 4 * heads * length)  # fp32 (the bias is): q, k, v, probabilities
+            b.keep(a * inner)                  # the output, o's input
+            b.mm(4 * heads * length + 4 * inner, keep=False)   # the two bmm outputs
         else:
             b.mm(3 * a * inner)                # q, k, v, kept by the attention
             b.attn(a * inner + 4 * heads)      # output and log-sum-exp
         b.mm(a * d, keep=False)                # o output
 
     def feed_forward(b: Block) -> None:
-        b.keep(w.r * d + 4)                    # norm input, rstd
-        b.keep((2 if casts == 0 else 1) * a * d)   # norm output (wi_0's and wi_1's inputs)
+        b.keep(w.rms(d, True))                 # norm input (x after attention), what the norm keeps
+        b.keep(w.casts(2) * a * d)             # norm output (wi_0's and wi_1's inputs)
         b.mm(a * ffn)                          # wi_0 x, kept by the GELU
         b.keep(a * ffn)                        # GELU(wi_0 x)
         b.mm(a * ffn)                          # wi_1 x
@@ -216,32 +221,31 @@ def t5_blocks(d: int, heads: int, inner: int, ffn: int, S: int, T: int, w: Width
     feed_forward(enc)
     dec = Block(kern.attn_saved_by_selective)
     self_attention(dec, T)
-    dec.keep(w.r * d + 4)                      # cross-attention norm input, rstd
+    dec.keep(w.rms(d, True))                   # cross-attention norm
     dec.keep(a * d)                            # its output, q's input
     dec.mm(a * inner)                          # q
     dec.attn(a * inner + 4 * heads)            # output, log-sum-exp
     dec.mm(a * d, keep=False)                  # o output
     feed_forward(dec)
     cross = Block(kern.attn_saved_by_selective)
-    cross.keep((2 if casts == 0 else 0) * a * d)   # the encoder output cast for k and for v
+    cross.keep((w.casts(2) if w.casts(2) > 1 else 0) * a * d)   # the encoder output cast for k and for v
     cross.mm(2 * a * inner)                    # k, v
     return enc, dec, cross
 
 
-def decoder_block(shapes, w: Widths, kern: Kernels, hf_norm: bool) -> Block:
+def decoder_block(shapes, w: Widths, kern: Kernels) -> Block:
     """A Llama-style block: RMSNorm, q/k/v (grouped-query), RoPE, attention, o; RMSNorm, SwiGLU (or a plain
-    two-matmul MLP). `hf_norm`: Hugging Face's RMSNorm, which keeps an fp32 copy of its input too."""
+    two-matmul MLP)."""
     a, d = w.a, shapes.d
     b = Block(kern.attn_saved_by_selective)
-    norm_extra = 4 * d if hf_norm and w.r != 4 else 0
     b.inp(w.r * d)
-    b.keep(4 + norm_extra)
-    b.keep((3 if w.norm_casts == 0 and w.r != a else 1) * a * d)
+    b.keep(w.rms(d, True) - w.r * d)
+    b.keep(w.casts(3) * a * d)
     b.mm(a * (shapes.q + 2 * shapes.kv), keep=False)   # q, k, v (RoPE makes new q and k)
     b.attn(a * (2 * shapes.q + 2 * shapes.kv) + 4 * shapes.heads)   # rotated q, k; v; output; lse
     b.mm(a * d, keep=False)
-    b.keep(w.r * d + 4 + norm_extra)
-    b.keep((2 if shapes.gated and w.norm_casts == 0 and w.r != a else 1) * a * d)
+    b.keep(w.rms(d, True))
+    b.keep(w.casts(2 if shapes.gated else 1) * a * d)
     if shapes.gated:
         b.mm(2 * a * shapes.ffn)               # gate (kept by SiLU) and up (kept by the product)
         b.keep(2 * a * shapes.ffn)             # SiLU(gate), the product (down's input)
@@ -263,8 +267,8 @@ def head_bytes(tokens: int, d: int, vocab: int, w: Widths, kern: Kernels, softca
             return tokens * (vocab + d), tokens * vocab * 2
         # the logits, overwritten by their gradient, and the head's input; the torch path's work copies
         extra = 0 if kern.fused_loss == "triton" else 2 * tokens * vocab * 4
-        return tokens * (vocab * a + (a * d if a != 4 else 0)), extra
-    head_input = tokens * (a * d if a != 4 else 0)
+        return tokens * (vocab * a + a * d), extra
+    head_input = tokens * a * d     # the final norm's output (cast for the head under autocast)
     if compiled:   # Inductor fuses the cap, log-softmax and loss: the logits kept, their gradient written once
         return tokens * (vocab * a + 4) + head_input, tokens * vocab * (a + 1)
     # plain: fp32 log-probabilities kept (the soft cap keeps its sigmoid too); the backward's fp32 gradients
@@ -273,22 +277,22 @@ def head_bytes(tokens: int, d: int, vocab: int, w: Widths, kern: Kernels, softca
 
 
 def family_activations(cfg, counts: ParamCount, vocab: int, micro: int, mode: str, w: Widths, kern: Kernels,
-                       compiled: bool) -> Activations:
-    """One micro-batch of `micro` sequences of data.seq_len tokens, on one GPU."""
+                       autocast_copies: bool = True) -> Activations:
+    """One micro-batch of `micro` sequences of data.seq_len tokens, on one GPU. `autocast_copies`: the weights
+    are fp32 and autocast casts them (else they are used as they are: fp32 runs, FSDP's bf16 parameters)."""
     m, T = cfg.model, cfg.data.seq_len
     B, fam = micro, m.family
     N = B * T
     d = m.n_embd
     head_tokens, softcap, fp8_head = N, False, m.fp8_head and kern.fp8 == "fp8"
     fp8_mlp = m.fp8_mlp if kern.fp8 == "fp8" else "none"
-    recompute = 0.0
     if fam in ("gpt", "moe"):
         every = m.moe.every if fam == "moe" else 0
         per_layer = [gpt_block(d, m.n_head, w, kern, m.bias, m.moe if fam == "moe" and i % every == 0 else None)
                      for i in range(m.n_layer)]
         blocks = N * sum(b.bytes(mode) for b in per_layer)
         recompute = N * max(b.none for b in per_layer)
-        other = N * (16 + w.r * d + 8)                 # ids and positions; the final norm's input and stats
+        other = N * (8 + w.r * d + 8) + 8 * T          # token ids, positions; the final norm's input and stats
     elif fam == "speedrun":
         hd = m.n_head * (m.head_dim or d // m.n_head)
         pattern = m.window_pattern or "L" * m.n_layer
@@ -296,9 +300,10 @@ def family_activations(cfg, counts: ParamCount, vocab: int, micro: int, mode: st
         blocks = N * sum(b.bytes(mode) for b in per_layer)
         recompute = N * max(b.none for b in per_layer)
         n_ve = min(3, max(1, m.n_layer // 2))
-        # ids; embedding output and the norm's rstd; x0; value embeddings; the first decoder block's skip;
-        # the final norm's input and rstd
-        other = N * (8 + 4 * d + 4 + w.r * d * (1 if w.r != 4 else 0) + n_ve * w.a * hd + w.r * d + w.r * d + 4)
+        # ids; the embedding's norm (fp32); value embeddings; the first decoder block's skip; the final norm
+        other = N * (8 + w.rms(d, False, 4) + n_ve * w.a * hd + w.r * d + w.rms(d, False))
+        if mode == "none" and not (autocast_copies and w.a != 4):   # q, k, v weights concatenated per call
+            other += 3 * hd * d * w.a * sum(c != "-" for c in pattern)
         softcap = m.logit_softcap > 0
     elif fam == "t5":
         from trainbox.data.spans import span_lengths
@@ -310,24 +315,25 @@ def family_activations(cfg, counts: ParamCount, vocab: int, micro: int, mode: st
         cross_mode = cross.bytes(mode) if mode != "full" else 0
         blocks = B * (m.n_layer * T * enc.bytes(mode) + n_dec * (dec * dec_b.bytes(mode) + T * cross_mode))
         recompute = B * max(T * enc.none, dec * dec_b.none + T * cross.none)
-        bias = (4 if not w.cuda else w.a) * m.n_head * (T * T * (m.n_layer if w.cuda else 0)
-                                                        + dec * dec * (n_dec if w.cuda else 0))
-        # ids (both stacks); bucket ids; the encoder's final norm (input, rstd, output: the cross-attention's
-        # memory, shared by every decoder block); the decoder's final norm; the bias copies (GPU)
-        other = (B * (T + dec) * 8 + 8 * (T * T + dec * dec) + B * T * (w.r * d + 4 + 4 * d)
-                 + B * dec * (w.r * d + 4) + bias)
+        if mode == "none":   # each layer's copy of the position bias in q's dtype (on a GPU)
+            bias = w.a * m.n_head * (T * T * m.n_layer + dec * dec * n_dec) if w.cuda else 0
+        else:                # the blocks' inputs: each stack's fp32 bias, and the encoder output
+            bias = 4 * m.n_head * (T * T + dec * dec) + (B * T * 4 * d if w.a != 4 else 0)
+        # ids of both stacks, the targets; bucket ids; the encoder's final norm and, in fp32, its output (the
+        # memory every decoder block reads); the decoder's final norm
+        other = (B * (T + 2 * dec) * 8 + 8 * (T * T + dec * dec) + B * T * (w.rms(d, True) + (4 * d if w.a == 4 else 0))
+                 + B * dec * w.rms(d, True) + bias)
         head_tokens = B * dec
     else:   # llama and Hugging Face causal LMs: the decoder block from the model's own widths
         s = counts.shapes
-        blk = decoder_block(s, w, kern, hf_norm=fam == "hf")
-        layers = counts.n_blocks
-        blocks = N * layers * blk.bytes(mode)
+        blk = decoder_block(s, w, kern)
+        blocks = N * counts.n_blocks * blk.bytes(mode)
         recompute = N * blk.none
-        other = N * (8 + w.r * d + 4)
         d = s.d
-    if compiled:
+        other = N * (8 + w.rms(d, True))
+    if w.compiled:
         blocks *= COMPILE_FACTOR.get(fam, 1.0)
-    head_saved, head_transient = head_bytes(head_tokens, d, vocab, w, kern, softcap, fp8_head, compiled)
+    head_saved, head_transient = head_bytes(head_tokens, d, vocab, w, kern, softcap, fp8_head, w.compiled)
     # one block's backward: the gradient of its largest intermediates, and under recomputation the block itself
     widest = 4 * d * (m.moe.top_k if fam == "moe" else 1)
     workspace = 2 * w.a * head_tokens * widest + (recompute if mode != "none" else 0)
@@ -335,18 +341,12 @@ def family_activations(cfg, counts: ParamCount, vocab: int, micro: int, mode: st
                        transient=int(max(head_transient, workspace)))
 
 
-def weight_copy_bytes(counts: ParamCount, w: Widths, mode: str, compiled: bool, fp8: bool) -> int:
+def weight_copy_bytes(counts: ParamCount, w: Widths, mode: str) -> int:
     """16-bit copies of the matmul weights that autocast makes and the backward keeps: 2 bytes per weight in
     matrices (not embedding tables: a lookup casts nothing), none when the weights are already 16-bit (FSDP)
-    or in fp32 runs. Under activation checkpointing a compiled model recomputes the casts inside the blocks."""
+    or in fp32 runs. Activation checkpointing recomputes the casts inside the blocks."""
     if w.a == 4 or counts.matmul == 0:
         return 0
-    n = counts.matmul if mode == "none" or not compiled else counts.matmul - counts.blocks_matmul
-    return int(n * (1 if fp8 else w.a))
+    return int((counts.matmul if mode == "none" else counts.matmul - counts.blocks_matmul) * w.a)
 
 
-def ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-__all__ = ["Activations", "Kernels", "Widths", "family_activations", "weight_copy_bytes", "math"]

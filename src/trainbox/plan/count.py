@@ -38,7 +38,7 @@ class ParamCount:
     blocks: int         # parameters inside the transformer blocks (all of them)
     largest_block: int  # the largest block: one FSDP unit, gathered whole
     n_blocks: int
-    frozen_bytes: int   # bytes of the frozen parameters as built (Hugging Face bases: bf16 on a GPU)
+    frozen: int         # frozen parameters (a LoRA run's base)
     matmul: int         # trainable weights that matmuls read (autocast keeps a 16-bit copy of each)
     blocks_matmul: int  # of those, the ones inside the blocks
     shapes: Shapes | None = None
@@ -91,7 +91,8 @@ def _named_with_modules(model: nn.Module):
 def shapes_of(block: nn.Module, cfg) -> Shapes:
     """A block's widths by Hugging Face's Llama names (q_proj, k_proj, gate_proj, up_proj, ...), or by the
     config's n_embd / n_head and an MLP of 4 x n_embd where those names are missing."""
-    lin = {name.rsplit(".", 1)[-1]: m for name, m in block.named_modules() if isinstance(m, nn.Linear)}
+    lin = {name.replace(".base_layer", "").rsplit(".", 1)[-1]: m for name, m in block.named_modules()
+           if isinstance(m, nn.Linear)}   # (a LoRA-wrapped projection keeps its linear as base_layer)
     d = cfg.n_embd
     q = lin["q_proj"].out_features if "q_proj" in lin else d
     kv = lin["k_proj"].out_features if "k_proj" in lin else q
@@ -108,12 +109,34 @@ def shapes_of(block: nn.Module, cfg) -> Shapes:
     return Shapes(d=d, q=q, kv=kv, ffn=ffn, gated=gated, heads=heads)
 
 
+def build_hf_meta(cfg: RunConfig) -> nn.Module:
+    """A Hugging Face model from its config alone (no weights read), with the run's LoRA adapters."""
+    from trainbox.errors import ConfigError, require
+    from trainbox.model.hf import wrap_lora
+    require("transformers", "finetune", "model.family=hf")
+    from transformers import AutoConfig, AutoModelForCausalLM
+    if not cfg.model.path:
+        raise ConfigError("model.family=hf needs model.path (a hub id or a local model folder)")
+    try:
+        conf = AutoConfig.from_pretrained(cfg.model.path)
+    except OSError as e:
+        raise ConfigError(f"model.path={cfg.model.path}: no model config to plan from ({str(e).splitlines()[0]})",
+                          hint="pass a local folder holding config.json, or a hub id already in the cache") from None
+    with torch.device("meta"):
+        base = AutoModelForCausalLM.from_config(conf)
+    return wrap_lora(base, cfg.lora, quantized=False)
+
+
 def build_meta(cfg: RunConfig, vocab: int) -> nn.Module:
-    """The run's model on the meta device, with every expert present (model.moe.expert_parallel=1)."""
+    """The run's model on the meta device, with every expert present (model.moe.expert_parallel=1). The fused
+    kernels' switches are off: they change no parameter, and their compiler registrations take seconds."""
     from trainbox.model.spec import build_model
     model_cfg = cfg.model.model_copy(update={"moe": cfg.model.moe.model_copy(update={"expert_parallel": 1}),
-                                             "eot_id": cfg.model.eot_id if cfg.model.eot_id is not None else 0})
+                                             "eot_id": cfg.model.eot_id if cfg.model.eot_id is not None else 0,
+                                             "fused_norm": False, "fused_mlp": False})
     run = cfg.model_copy(update={"model": model_cfg})
+    if cfg.model.family == "hf":
+        return build_hf_meta(run)
     with torch.device("meta"):
         return build_model(model_cfg, vocab, model_cfg.block_size or cfg.data.seq_len, run=run)
 
@@ -147,7 +170,7 @@ def _count(cfg: RunConfig, vocab: int) -> ParamCount:
         trainable=sum(p.numel() for _, p, _ in trainable),
         expert=sum(p.numel() for n, p, path in trainable if _is_expert(n, path)),
         muon=muon, blocks=sum(sizes), largest_block=max(sizes, default=0), n_blocks=len(blocks),
-        frozen_bytes=sum(p.numel() * p.element_size() for _, p, _ in params if not p.requires_grad),
+        frozen=sum(p.numel() for _, p, _ in params if not p.requires_grad),
         matmul=sum(p.numel() for p in matmul.values() if p.requires_grad),
         blocks_matmul=sum(p.numel() for i, p in matmul.items() if p.requires_grad and i in in_blocks),
         shapes=shapes)
