@@ -40,6 +40,7 @@ CONTEXT = int(0.5 * GiB)       # CUDA context, cuBLAS and cuDNN workspaces
 NCCL = int(0.5 * GiB)          # NCCL's own buffers with several ranks
 FRAGMENTATION = 0.08           # allocator slack: reserved beyond allocated at the peak
 MODES = ("none", "selective", "full")
+BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 __all__ = ["GPUS", "MARGIN", "Layout", "Memory", "Plan", "Suggestion", "Target", "gpu", "local_cpu", "local_gpu",
            "make_plan", "sized", "ParamCount", "Activations", "Kernels"]
@@ -157,16 +158,16 @@ def dtype_bytes(cfg: RunConfig, target: Target) -> tuple[str, int]:
         return "fp32", 4
     if want == "auto":
         want = "bf16"
-    return want, 4 if want == "fp32" else 2
+    return want, BYTES[want]
 
 
 # ----------------------------------------------------------------------------- memory of one layout
 
 
 def memory(cfg: RunConfig, counts: ParamCount, vocab: int, target: Target, layout: Layout, micro: int, mode: str,
-           kernels: Kernels) -> tuple[Memory, Activations]:
+           kernels: Kernels, a: int) -> tuple[Memory, Activations]:
+    """Bytes on one GPU of `layout`, at micro-batch `micro`, checkpointing `mode`, `a`-byte matmul operands."""
     m, world, ep = cfg.model, layout.nproc, layout.expert_parallel
-    _, a = dtype_bytes(cfg, target)
     fsdp = layout.parallel == "fsdp"
     lowp = m.lowp_residual if m.lowp_residual is not None else m.family == "speedrun"
     r = a if (fsdp or lowp) else 4
@@ -221,8 +222,9 @@ def check_layout(cfg: RunConfig, layout: Layout) -> None:
 
 
 def make_plan(cfg: RunConfig, vocab: int, target: Target, nproc: int = 1, kernels: Kernels | None = None,
-              flash: bool = False, suggest: bool = True) -> Plan:
-    """The plan of `cfg` on `nproc` GPUs like `target` (`kernels`: what runs, else assumed_kernels)."""
+              flash: bool = False, suggest: bool = True, dtype: str | None = None) -> Plan:
+    """The plan of `cfg` on `nproc` GPUs like `target` (`kernels`: what runs, else assumed_kernels; `dtype`:
+    bf16, fp16 or fp32 as the run resolved it, else from train.dtype and the target)."""
     t = cfg.train
     ep = cfg.model.moe.expert_parallel if cfg.model.family == "moe" else 1
     layout = Layout(t.parallel, nproc, ep, t.reshard_after_forward)
@@ -232,9 +234,10 @@ def make_plan(cfg: RunConfig, vocab: int, target: Target, nproc: int = 1, kernel
     mode = t.activation_checkpointing
     if cfg.model.family == "hf":
         mode = "full" if cfg.lora.gradient_checkpointing else "none"
-    mem, acts = memory(cfg, counts, vocab, target, layout, t.micro_batch_size, mode, kernels)
-    plan = Plan(cfg.recipe, target, layout, t.micro_batch_size, cfg.data.seq_len, dtype_bytes(cfg, target)[0],
-                t.compile, mode, kernels, counts, mem, acts)
+    dtype = dtype or dtype_bytes(cfg, target)[0]
+    mem, acts = memory(cfg, counts, vocab, target, layout, t.micro_batch_size, mode, kernels, BYTES[dtype])
+    plan = Plan(cfg.recipe, target, layout, t.micro_batch_size, cfg.data.seq_len, dtype, t.compile, mode, kernels,
+                counts, mem, acts)
     if suggest and not plan.fits:
         plan = replace(plan, suggestions=tuple(suggestions(cfg, vocab, plan)))
     return plan
@@ -258,7 +261,7 @@ class _Search:
 
     def total(self, layout: Layout, micro: int, mode: str) -> int:
         return memory(self.cfg, self.plan.counts, self.vocab, self.plan.target, layout, micro, mode,
-                      self.plan.kernels)[0].total
+                      self.plan.kernels, BYTES[self.plan.dtype])[0].total
 
     def largest(self, layout: Layout, mode: str, same_micro: bool = False) -> tuple[int, int] | None:
         """(micro-batch, total) of the largest micro-batch (up to the plan's) that fits, or None."""
@@ -309,11 +312,13 @@ def suggestions(cfg: RunConfig, vocab: int, plan: Plan) -> list[Suggestion]:
         return next((s for m in modes for layout, over in options
                      if (s := search.suggest(what, layout, m, over, same_micro))), None)
 
-    here = _layouts(cfg, lay, lay.nproc)[1:]
     out = [search.suggest("micro-batch", lay, mode, ()),
-           first("activation checkpointing", [(lay, ())], modes[1:], same_micro=True),
-           first("fsdp", [(x, o) for x, o in here if x.expert_parallel == lay.expert_parallel]),
-           first("expert parallelism", [(x, o) for x, o in here if x.expert_parallel != lay.expert_parallel])]
+           first("activation checkpointing", [(lay, ())], modes[1:], same_micro=True)]
+    if not plan.target.cuda:   # processes on one machine share its RAM: sharding or more of them does not help
+        return [s for s in out if s is not None]
+    here = _layouts(cfg, lay, lay.nproc)[1:]
+    out += [first("fsdp", [(x, o) for x, o in here if x.expert_parallel == lay.expert_parallel]),
+            first("expert parallelism", [(x, o) for x, o in here if x.expert_parallel != lay.expert_parallel])]
     for n in (2, 4, 8, 16, 32, 64):   # the fewest GPUs that fit; for an MoE also its best expert-parallel layout
         if n <= lay.nproc:
             continue
