@@ -65,11 +65,16 @@ def test_parameter_counts_at_full_size_without_allocating():
     assert counts.total == gpt.total - 12 * 2 * 768 * 3072 + counts.expert + 12 * 768 * 128
 
 
-def test_hugging_face_model_counted_from_its_config(tmp_path):
+@pytest.fixture(scope="module")
+def hf_llama(tmp_path_factory):
+    """A tiny Llama folder (hf_tiny: 2 layers, width 32, random weights)."""
     sys.path.insert(0, str(REPO / "tests"))
     import hf_tiny
-    hf_tiny.make_model(tmp_path / "base")
-    cfg = load_config("lora", [f"model.path={tmp_path / 'base'}", "train.device=cpu"])
+    return hf_tiny.make_model(tmp_path_factory.mktemp("hf") / "base")
+
+
+def test_hugging_face_model_counted_from_its_config(hf_llama):
+    cfg = load_config("lora", [f"model.path={hf_llama}", "train.device=cpu"])
     counts = count_parameters(cfg, 0)
     model = build_model(cfg.model, 0, 0, run=cfg)
     assert counts.total == sum(p.numel() for p in model.parameters())
@@ -135,6 +140,25 @@ def test_activation_formulas_equal_what_autograd_keeps(family, mode):
     counts = count_parameters(cfg, 512)
     bf16 = family_activations(cfg, counts, 512, 3, mode, widths, kernels)
     assert bf16.saved + weight_copy_bytes(counts, widths, mode) == pytest.approx(measure(cfg, mode, True), rel=0.01)
+
+
+def test_lora_activations_equal_what_autograd_keeps(hf_llama):
+    """A Hugging Face Llama under LoRA (frozen base, adapters with dropout) takes the Llama-style block."""
+    cfg = load_config("lora", [f"model.path={hf_llama}", "train.device=cpu", "lora.gradient_checkpointing=false",
+                               "data.seq_len=64", "train.micro_batch_size=3"])
+    model = build_model(cfg.model, 0, 0, run=cfg)
+    x = torch.randint(1, 300, (3, 64))
+    skip = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()] if t is not None}
+    seen: dict[int, int] = {}
+
+    def add(t: torch.Tensor) -> torch.Tensor:
+        if t.untyped_storage().data_ptr() not in skip:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(add, lambda t: t):
+        model(x, x, reduction="sum")
+    assert make_plan(cfg, 0, local_cpu()).activations.saved == pytest.approx(sum(seen.values()), rel=0.02)
 
 
 # ----------------------------------------------------------------------------- GPU records
@@ -242,3 +266,11 @@ def test_plan_text(capsys):
     for row in ("parameters", "gradients", "optimizer state", "activations", "communication", "overhead", "total"):
         assert f"\n  {row} " in out
     assert "fsdp over 2 GPUs" in out and "fits:" in out
+
+
+def test_doctor_shows_the_plan_for_this_machine():
+    from trainbox.doctor import memory_check
+    ok = memory_check(load_config("tiny", ["train.device=cpu"]))
+    assert ok.status == "ok" and "fits" in ok.value and "trainbox plan tiny" in ok.value
+    big = ["train.device=cpu", "data.seq_len=4096", "model.n_layer=48", "model.n_embd=2048", "model.n_head=16"]
+    assert memory_check(load_config("tiny", big)).status == "fail"   # 0.8 TB of activations

@@ -170,7 +170,7 @@ def memory(cfg: RunConfig, counts: ParamCount, vocab: int, target: Target, layou
     m, world, ep = cfg.model, layout.nproc, layout.expert_parallel
     fsdp = layout.parallel == "fsdp"
     lowp = m.lowp_residual if m.lowp_residual is not None else m.family == "speedrun"
-    r = a if (fsdp or lowp) else 4
+    r = a if (fsdp or lowp or m.family == "hf") else 4   # (a Hugging Face base is bf16 on a GPU)
     widths = Widths(a=a, r=r, cuda=target.cuda, compiled=cfg.train.compile)
     held = counts.dense + counts.expert / ep                    # trainable parameters a rank computes with
     shard = world if fsdp else 1

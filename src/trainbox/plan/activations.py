@@ -233,26 +233,33 @@ def t5_blocks(d: int, heads: int, inner: int, ffn: int, S: int, T: int, w: Width
     return enc, dec, cross
 
 
-def decoder_block(shapes, w: Widths, kern: Kernels) -> Block:
+def decoder_block(shapes, w: Widths, kern: Kernels, frozen: bool = False, lora_dropout: bool = False) -> Block:
     """A Llama-style block: RMSNorm, q/k/v (grouped-query), RoPE, attention, o; RMSNorm, SwiGLU (or a plain
-    two-matmul MLP)."""
+    two-matmul MLP). `frozen`: the projections' weights are frozen (LoRA), so they keep no inputs; the adapters
+    keep theirs (dropped out copies under lora.dropout) and their rank-r products."""
     a, d = w.a, shapes.d
     b = Block(kern.attn_saved_by_selective)
     b.inp(w.r * d)
     b.keep(w.rms(d, True) - w.r * d)
-    b.keep(w.casts(3) * a * d)
+    if not frozen:
+        b.keep(w.casts(3) * a * d)             # the norm's output, q's, k's and v's input
     b.mm(a * (shapes.q + 2 * shapes.kv), keep=False)   # q, k, v (RoPE makes new q and k)
     b.attn(a * (2 * shapes.q + 2 * shapes.kv) + 4 * shapes.heads)   # rotated q, k; v; output; lse
     b.mm(a * d, keep=False)
     b.keep(w.rms(d, True))
-    b.keep(w.casts(2 if shapes.gated else 1) * a * d)
+    if not frozen:
+        b.keep(w.casts(2 if shapes.gated else 1) * a * d)
     if shapes.gated:
         b.mm(2 * a * shapes.ffn)               # gate (kept by SiLU) and up (kept by the product)
-        b.keep(2 * a * shapes.ffn)             # SiLU(gate), the product (down's input)
+        b.keep(a * shapes.ffn)                 # SiLU(gate)
     else:
         b.mm(a * shapes.ffn)
-        b.keep(a * shapes.ffn)
+    if not frozen:
+        b.keep(a * shapes.ffn)                 # the product (or the activation): down's input
     b.mm(a * d, keep=False)
+    if shapes.lora_in:   # dropout's output and its mask (bool on a GPU, the input's dtype on a CPU)
+        mask = (1 if w.cuda else a) if lora_dropout else 0
+        b.keep(shapes.lora_in * ((a if lora_dropout or not frozen else 0) + mask) + shapes.lora_r * a)
     return b
 
 
@@ -326,7 +333,7 @@ def family_activations(cfg, counts: ParamCount, vocab: int, micro: int, mode: st
         head_tokens = B * dec
     else:   # llama and Hugging Face causal LMs: the decoder block from the model's own widths
         s = counts.shapes
-        blk = decoder_block(s, w, kern)
+        blk = decoder_block(s, w, kern, frozen=counts.frozen > 0, lora_dropout=cfg.lora.dropout > 0)
         blocks = N * counts.n_blocks * blk.bytes(mode)
         recompute = N * blk.none
         d = s.d

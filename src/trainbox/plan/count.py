@@ -27,6 +27,12 @@ class Shapes:
     ffn: int            # MLP hidden width
     gated: bool         # SwiGLU-style MLP (gate, up, down) rather than up, down
     heads: int
+    lora_in: int = 0    # LoRA: the input widths of the adapted projections, summed
+    lora_r: int = 0     # ... and their ranks, summed
+
+
+# the names of a block's projections: Hugging Face's Llama (q_proj, ...) and torchtitan's (wq, w1, ...)
+NAMES = {"q": ("q_proj", "wq"), "k": ("k_proj", "wk"), "gate": ("gate_proj", "w1"), "up": ("up_proj", "w3")}
 
 
 @dataclass(frozen=True)
@@ -89,24 +95,30 @@ def _named_with_modules(model: nn.Module):
 
 
 def shapes_of(block: nn.Module, cfg) -> Shapes:
-    """A block's widths by Hugging Face's Llama names (q_proj, k_proj, gate_proj, up_proj, ...), or by the
-    config's n_embd / n_head and an MLP of 4 x n_embd where those names are missing."""
-    lin = {name.replace(".base_layer", "").rsplit(".", 1)[-1]: m for name, m in block.named_modules()
-           if isinstance(m, nn.Linear)}   # (a LoRA-wrapped projection keeps its linear as base_layer)
-    d = cfg.n_embd
-    q = lin["q_proj"].out_features if "q_proj" in lin else d
-    kv = lin["k_proj"].out_features if "k_proj" in lin else q
-    if "up_proj" in lin:
-        ffn, gated = lin["up_proj"].out_features, "gate_proj" in lin
-    else:
-        ffn, gated = 4 * d, False
-    if "q_proj" in lin:
-        d = lin["q_proj"].in_features
+    """A block's widths by its projections' names (NAMES), or by the config's n_embd / n_head and an MLP of
+    4 x n_embd where those names are missing."""
+    lin: dict[str, nn.Linear] = {}
+    lora_in = lora_r = 0
+    for name, m in block.named_modules():
+        if isinstance(m, nn.Linear) and ".lora_" not in name:   # a LoRA-wrapped projection: its base_layer
+            lin[name.replace(".base_layer", "").rsplit(".", 1)[-1]] = m
+        base = getattr(m, "base_layer", None)
+        if isinstance(base, nn.Linear) and hasattr(m, "lora_A"):
+            lora_in += base.in_features
+            lora_r += sum(a.out_features for a in m.lora_A.values())
+
+    def find(kind: str) -> nn.Linear | None:
+        return next((lin[n] for n in NAMES[kind] if n in lin), None)
+
+    q, k, gate, up = find("q"), find("k"), find("gate"), find("up")
+    d = q.in_features if q is not None else cfg.n_embd
     heads = cfg.n_head
     hf = getattr(getattr(block, "self_attn", None), "config", None)
     if hf is not None:
         heads = getattr(hf, "num_attention_heads", heads)
-    return Shapes(d=d, q=q, kv=kv, ffn=ffn, gated=gated, heads=heads)
+    return Shapes(d=d, q=q.out_features if q is not None else d, kv=(k or q).out_features if (k or q) else d,
+                  ffn=up.out_features if up is not None else 4 * d, gated=gate is not None and up is not None,
+                  heads=heads, lora_in=lora_in, lora_r=lora_r)
 
 
 def build_hf_meta(cfg: RunConfig) -> nn.Module:
