@@ -128,7 +128,8 @@ def build_hf_meta(cfg: RunConfig) -> nn.Module:
     require("transformers", "finetune", "model.family=hf")
     from transformers import AutoConfig, AutoModelForCausalLM
     if not cfg.model.path:
-        raise ConfigError("model.family=hf needs model.path (a hub id or a local model folder)")
+        raise ConfigError("model.family=hf needs model.path (a hub id or a local model folder)",
+                          hint=f"e.g. trainbox plan {cfg.recipe or 'lora'} model.path=Qwen/Qwen2.5-0.5B")
     try:
         conf = AutoConfig.from_pretrained(cfg.model.path)
     except OSError as e:
