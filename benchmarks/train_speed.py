@@ -6,7 +6,8 @@
 Runs the real loop (trainbox.train.loop.Trainer) with monitor.log_every=1, so every step ends in one
 host sync and the metrics.jsonl timestamps of consecutive steps are step times. Prints: GPU, torch,
 commit, recipe, tokens per step, median step ms after warm-up, tokens/s, MFU, compile (first-step)
-seconds, peak memory, and the validation loss of the run's closing evaluation (train.eval_tokens).
+seconds, peak memory next to the memory plan's prediction of it (trainbox.plan, for this device and its
+kernels), and the validation loss of the run's closing evaluation (train.eval_tokens).
 With --nanogpt it also runs nanoGPT's train.py (code present locally, never committed) on the same
 token stream and prints its line (step time and validation loss), parsed from nanoGPT's own log. The last
 output is the result record (common.Result, nanoGPT as its baseline); --record also writes it to
@@ -49,9 +50,18 @@ def run_ours(recipe: str, data: str, steps: int, warmup: int, overrides: list[st
         "flops_per_token": trainer.flops_per_token,
         "first_step_s": round(train[0]["time"] - start["time"], 1), "wall_s": round(time.time() - t0, 1),
         "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if torch.cuda.is_available() else None,
+        "plan_peak_gib": round(planned_peak(trainer) / 2**30, 2),
         "final_loss": train[-1]["loss"], "val_loss": summary.get("val_loss"), "val_tokens": summary.get("val_tokens"),
         "losses": [round(e["loss"], 4) for e in train],  # every step's training loss: where a bad seed went wrong
     }
+
+
+def planned_peak(trainer) -> int:
+    """The memory plan's peak_allocated for this run on its device (what max_memory_allocated should show)."""
+    from trainbox.train.memory import device_plan
+    plan = device_plan(trainer.cfg, trainer.vocab, trainer.device, trainer.dtype, free=2**60,
+                       world=trainer.dist.world)
+    return plan.memory.peak_allocated
 
 
 def main() -> None:
