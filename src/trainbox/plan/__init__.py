@@ -14,9 +14,10 @@ model.moe.expert_parallel):
                    micro-batch (by activation-checkpointing mode, dtype, attention kernel, fused loss), the
                    16-bit weight copies autocast keeps, and the largest transient on top at the peak
     communication  ddp: the gradient buckets (a second fp32 copy of the gradients, DDP's default); fsdp: the
-                   bf16 blocks gathered in flight (two, or all of them with train.reshard_after_forward=false)
-                   plus the root's, and two blocks' fp32 reduce-scatter buffers; expert parallelism: one
-                   layer's all-to-all send and receive buffers (k x tokens rows each way, the mean routing)
+                   bf16 blocks gathered in flight (two, or all of them with train.reshard_after_forward=false),
+                   the root (embeddings, head) gathered with its bf16 gradients through the backward, a block's
+                   bf16 gradients and two fp32 reduce-scatter inputs; expert parallelism: one layer's
+                   all-to-all send and receive buffers (k x tokens rows each way, at the mean routing)
     overhead       outside PyTorch's allocator: the CUDA context (CONTEXT), NCCL's buffers with several
                    ranks (NCCL), and the caching allocator's slack (FRAGMENTATION of the peak)
 
@@ -188,8 +189,10 @@ def memory(cfg: RunConfig, counts: ParamCount, vocab: int, target: Target, layou
     if fsdp:
         unit = (counts.largest_block - counts.expert / max(1, counts.n_blocks)
                 + counts.expert / ep / max(1, counts.n_blocks))
-        gathered = (2 * unit if layout.reshard_after_forward else held - counts.root) + counts.root
-        comm += 2 * gathered + 2 * 4 * unit                     # bf16 gathered weights; fp32 reduce-scatter inputs
+        # bf16 weights gathered: two blocks in flight (or all of them) and the root, which stays gathered with its
+        # bf16 gradients through the backward; a block's bf16 gradients and two fp32 reduce-scatter inputs
+        gathered = 2 * (2 * unit + counts.root) if layout.reshard_after_forward else 2 * held
+        comm += gathered + 2 * counts.root + (2 + 2 * 4) * unit
     if ep > 1 and m.family == "moe":
         comm += 4 * m.moe.top_k * micro * cfg.data.seq_len * m.n_embd * a   # dispatch and combine, both ways
     frozen = counts.frozen * (0.5625 if cfg.quant.load_in_4bit else 1 if cfg.quant.load_in_8bit else a)

@@ -271,13 +271,15 @@ def head_bytes(tokens: int, d: int, vocab: int, w: Widths, kern: Kernels, softca
                compiled: bool) -> tuple[int, int]:
     """(saved, transient) bytes of the final norm's output, the head and the loss over `tokens` targets."""
     a = w.a
-    if kern.fused_loss == "quack":   # dx and dW computed in the forward, in fp32; one chunk of logits at a time
+    # QuACK's linear cross-entropy takes the loss where it applies: no soft cap, no FP8 head (fused_ce.py); dx and
+    # dW computed in the forward, in fp32, one chunk of logits at a time. Elsewhere the Triton kernel runs.
+    if kern.fused_loss == "quack" and not softcap and not fp8:
         return tokens * (4 * d) + vocab * d * 4, min(tokens, LOSS_CHUNK) * vocab * 2
-    if kern.fused_loss in ("triton", "torch"):
+    if kern.fused_loss in ("quack", "triton", "torch"):
         if fp8:                      # the e5m2 gradient kept; bf16 logits while it is written
             return tokens * (vocab + d), tokens * vocab * 2
         # the logits, overwritten by their gradient, and the head's input; the torch path's work copies
-        extra = 0 if kern.fused_loss == "triton" else 2 * tokens * vocab * 4
+        extra = 2 * tokens * vocab * 4 if kern.fused_loss == "torch" else 0
         return tokens * (vocab * a + a * d), extra
     head_input = tokens * a * d     # the final norm's output (cast for the head under autocast)
     if compiled:   # Inductor fuses the cap, log-softmax and loss: the logits kept, their gradient written once
