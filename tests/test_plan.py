@@ -173,7 +173,8 @@ RECORDS = [
     ("2026-11-27-h100-speedrun-124m-step-time-vs-70ca097.json", [], ("flex", "triton", "off", "fp8")),
     ("2026-11-26-h100-speedrun-124m-bf16-profile.json", ["model.fp8_head=false", "model.fp8_mlp=none"],
      ("flash", "triton", "off", "off")),
-    ("2026-11-26-h100-speedrun-350m-profile.json", [], ("flash", "off", "off", "off")),
+    ("2026-11-26-h100-speedrun-124m-fp8-mlp-both-profile.json", [], ("flash", "quack", "off", "fp8")),  # no QuACK:
+    ("2026-11-26-h100-speedrun-350m-profile.json", [], ("flash", "off", "off", "off")),                  # soft cap
 ]
 
 
