@@ -8,7 +8,8 @@
 Runs the real loop (trainbox.train.loop.Trainer) with monitor.log_every=1, so every step ends in one
 host sync and the metrics.jsonl timestamps of consecutive steps are step times. Prints: GPU, torch,
 commit, recipe, tokens per step, median step ms after warm-up, tokens/s, MFU, compile (first-step)
-seconds, peak memory, and the validation loss of the run's closing evaluation (train.eval_tokens).
+seconds, peak memory next to the memory plan's prediction of it (trainbox.plan, for this device and its
+kernels), and the validation loss of the run's closing evaluation (train.eval_tokens).
 With --nanogpt it also runs nanoGPT's train.py (code present locally, never committed) on the same
 token stream and prints its line (step time and validation loss), parsed from nanoGPT's own log. The last
 output is the result record (common.Result, nanoGPT as its baseline); --record also writes it to
@@ -70,9 +71,16 @@ def run_ours(recipe: str, data: str, steps: int, warmup: int, overrides: list[st
         "flops_per_token": flops_per_token,
         "first_step_s": round(train[0]["time"] - start["time"], 1), "wall_s": round(time.time() - t0, 1),
         "peak_mem_gib": max(mem) if mem else None,   # rank 0's
+        "plan_peak_gib": round(planned_peak(cfg, nproc) / 2**30, 2) if torch.cuda.is_available() else None,
         "final_loss": train[-1]["loss"], "val_loss": summary.get("val_loss"), "val_tokens": summary.get("val_tokens"),
         "losses": [round(e["loss"], 4) for e in train],  # every step's training loss: where a bad seed went wrong
     }
+
+
+def planned_peak(cfg, nproc: int) -> int:
+    """The memory plan's peak_allocated for this run on this machine's GPU (what max_memory_allocated shows)."""
+    from trainbox.plan import make_plan, plan_target, run_vocab
+    return make_plan(cfg, run_vocab(cfg), plan_target(cfg), nproc).memory.peak_allocated
 
 
 def main() -> None:

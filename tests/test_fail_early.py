@@ -5,6 +5,7 @@ model folder without tokenizer files."""
 from __future__ import annotations
 
 import json
+import math
 import time
 
 import pytest
@@ -48,26 +49,29 @@ def test_training_data_without_a_sample_names_seq_len(tiny, small_corpus):
     assert "Lower data.seq_len (at most" in msg and "(at most 0)" not in msg
 
 
-def test_memory_estimate_and_check():
-    from trainbox.train.memory import check_memory, estimate
+def test_memory_check_refuses_beyond_the_plans_margin():
+    """The pre-flight check refuses a run whose plan (trainbox.plan) exceeds the free memory by more than the
+    plan's margin, says what would fit, and is off with train.memory_check=false."""
+    from trainbox.plan import MARGIN
+    from trainbox.train.memory import check_memory
     cfg = load_config("tiny", ["train.device=cpu", "model.n_layer=2", "model.n_embd=32", "model.n_head=2",
                                "data.seq_len=32", "train.micro_batch_size=4", "train.global_batch_size=8"])
-    est = estimate(cfg, 1024)
-    n = est.n_params
-    assert est.params == est.gradients == 4 * n and est.optimizer == 8 * n   # AdamW: 2 fp32 moments
-    assert est.activations == 4 * 32 * 2 * 32 * 34 * 2                     # fp32: twice the 16-bit 34 bytes
-    assert est.logits == 4 * 32 * 1024 * 4 * 2
-    assert check_memory(cfg, 1024, torch.device("cpu"), torch.float32, free=10 * est.total) is not None
+    cpu = torch.device("cpu")
+    plan = check_memory(cfg, 1024, cpu, torch.float32, free=10**12)
+    total = plan.memory.total
+    n = plan.counts.total
+    assert plan.memory.params == plan.memory.gradients == 4 * n and plan.memory.optimizer == 8 * n   # AdamW
+    assert check_memory(cfg, 1024, cpu, torch.float32, free=total) is not None
+    low = math.ceil(total * (1 - MARGIN))     # the low end of the plan's margin
+    assert check_memory(cfg, 1024, cpu, torch.float32, free=low) is not None
     with pytest.raises(ConfigError) as e:
-        check_memory(cfg, 1024, torch.device("cpu"), torch.float32, free=est.total - 1)
+        check_memory(cfg, 1024, cpu, torch.float32, free=low - 1)
     assert "train.micro_batch_size" in e.value.hint and "train.memory_check=false" in e.value.hint
     off = cfg.model_copy(update={"train": cfg.train.model_copy(update={"memory_check": False})})
-    assert check_memory(off, 1024, torch.device("cpu"), torch.float32, free=1) is None
+    assert check_memory(off, 1024, cpu, torch.float32, free=1) is None
     muon = load_config("tiny", ["optim.name=muon", "model.n_layer=2", "model.n_embd=32", "model.n_head=2"])
-    m = estimate(muon, 1024)
-    assert 4 * m.n_params < m.optimizer < 8 * m.n_params   # Muon's matrices keep one momentum, the rest two
-    full = cfg.model_copy(update={"train": cfg.train.model_copy(update={"activation_checkpointing": "full"})})
-    assert estimate(full, 1024).activations < est.activations
+    m = check_memory(muon, 1024, cpu, torch.float32, free=10**12)
+    assert 4 * m.counts.total < m.memory.optimizer < 8 * m.counts.total   # Muon's matrices keep one momentum
 
 
 def test_run_that_does_not_fit_is_refused_before_the_model(tmp_path, data_cache):

@@ -247,10 +247,13 @@ def recipe_checks(cfg: RunConfig) -> list[Check]:
             out.append(Check(f"needs_{pkg}", "fail", f"{pkg} is not installed", f"pip install 'trainbox[{extra}]'"))
     out += data_checks(cfg)
     out += parallel_checks(cfg, torch.cuda.device_count() if gpu else 0)
+    memory = memory_check(cfg)
+    if memory is not None and memory.status == "fail":
+        out.append(memory)
     if all(c.status == "ok" for c in out):
         out.append(Check("recipe", "ok", f"{cfg.recipe or 'config'}: everything it needs is here"))
     out.append(kernel_check(cfg))
-    return out
+    return out + ([memory] if memory is not None and memory.status == "ok" else [])
 
 
 def data_checks(cfg: RunConfig) -> list[Check]:
@@ -312,6 +315,25 @@ def kernel_check(cfg: RunConfig) -> Check:
         return Check("kernels", "ok", choose(cfg.model, device).describe())
     except TrainboxError as e:
         return Check("kernels", "fail", e.message, e.hint or "")
+
+
+def memory_check(cfg: RunConfig) -> Check | None:
+    """The run's memory plan on this machine's GPU (or its RAM for a CPU run); `trainbox plan` prints it whole.
+    None where there is nothing to plan for: a GPU recipe without a GPU (needs_gpu says so), a Hugging Face model
+    (its size is in its folder, read by `trainbox plan`)."""
+    from trainbox.errors import TrainboxError
+    from trainbox.plan import plan_run
+    if cfg.model.family == "hf":
+        return None
+    try:
+        plan = plan_run(cfg)
+    except TrainboxError:
+        return None
+    per = f" per GPU ({plan.target.name})" if plan.target.cuda else " of RAM"
+    value = (f"{plan.memory.total / GiB:.1f} of {plan.target.gib:.1f} GiB{per} at micro-batch {plan.micro_batch}: "
+             f"{'fits' if plan.fits else 'does not fit'} (trainbox plan {cfg.recipe or 'CONFIG'} shows the plan)")
+    fix = plan.suggestions[0].command(cfg.recipe) if plan.suggestions else ""
+    return Check("memory", "ok" if plan.fits else "fail", value, fix)
 
 
 def run_checks(env: Mapping[str, str], cfg: RunConfig | None = None) -> list[Check]:

@@ -20,6 +20,7 @@ from trainbox.cli.ops import (
     cmd_doctor,
     cmd_launch,
     cmd_logs,
+    cmd_plan,
     cmd_plot,
     cmd_runs,
     cmd_status,
@@ -187,6 +188,19 @@ def build_parser() -> argparse.ArgumentParser:
     la.add_argument("--platform", default="linux/amd64", help="image: target platform")
     la.add_argument("--context", default=".", help="image: repository root (build context)")
     la.set_defaults(func=cmd_launch)
+
+    pn = verb("plan", "memory per GPU of a run (parameters, gradients, optimizer state, activations, "
+                      "communication, overhead), whether it fits, and what would; exit 1 when it does not fit")
+    pn.add_argument("recipe", nargs="?", help="recipe name or config file (.yaml/.json); default tiny")
+    pn.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.micro_batch_size=32")
+    pn.add_argument("--nproc", type=int, default=1, help="GPUs the run is spread over (default 1)")
+    pn.add_argument("--gpu", default=None, help="the GPU to plan for: H100, H200, A100-80GB, A100-40GB, L40S, "
+                    "MI300X, ... (default: this machine's)")
+    pn.add_argument("--gpu-mem", type=float, default=None, help="or the memory of one GPU, in GiB")
+    pn.add_argument("--flash", action="store_true", help="with --gpu: trainbox[flash] is installed there "
+                    "(FlashAttention-4 and QuACK's kernels on Hopper and Blackwell GPUs)")
+    pn.add_argument("--json", action="store_true", help="the plan as JSON")
+    pn.set_defaults(func=cmd_plan)
 
     d = verb("doctor", "report the environment: torch, CUDA/ROCm, GPUs, bf16, FlexAttention, caches, disk")
     d.add_argument("recipe", nargs="?", help="also check what this recipe or config file needs")

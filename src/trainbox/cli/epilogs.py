@@ -66,6 +66,12 @@ EPILOGS = {
           trainbox launch slurm gpt2-125m --nodes 4 --gpus-per-node 8 --partition gpu --time 48:00:00
           trainbox launch image --registry ghcr.io/me --tag latest --push --dry-run
         """,
+    "plan": """
+        examples:
+          trainbox plan gpt2-125m --gpu H100                # memory per GPU by component, and the verdict
+          trainbox plan moe-gpt2-125m model.moe.num_experts=128 --gpu H100 --nproc 2   # does not fit: what would
+          trainbox plan gpt2-125m train.parallel=fsdp --nproc 2 --json                  # this machine's GPUs, JSON
+        """,
     "doctor": """
         examples:
           trainbox doctor                                  # this machine: torch, GPUs, bf16, caches, disk

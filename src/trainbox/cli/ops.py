@@ -1,5 +1,5 @@
-"""Verbs for operations: launch (compose / k8s / slurm / image), doctor, runs, logs, attach, stop, status, plot,
-dashboard."""
+"""Verbs for operations: launch (compose / k8s / slurm / image), plan, doctor, runs, logs, attach, stop, status,
+plot, dashboard."""
 from __future__ import annotations
 
 import json
@@ -52,7 +52,24 @@ def _launch_image(args) -> int:
     return 0 if args.dry_run else run_commands(commands, context)
 
 
-# ----------------------------------------------------------------------------- doctor
+# ----------------------------------------------------------------------------- plan, doctor
+
+
+def cmd_plan(args) -> int:
+    from trainbox.config import load_config
+    from trainbox.plan import plan_run
+    from trainbox.plan.report import format_plan
+
+    cfg = load_config(args.recipe, args.overrides)
+    plan = plan_run(cfg, args.nproc, args.gpu, args.gpu_mem, args.flash)
+    if args.json:
+        data = plan.as_dict()
+        for s, row in zip(plan.suggestions, data["suggestions"]):
+            row["command"] = s.command(cfg.recipe, args.overrides)
+        print(json.dumps(data, indent=1))
+    else:
+        print(format_plan(plan, args.overrides))
+    return 0 if plan.fits else 1
 
 
 def cmd_doctor(args) -> int:

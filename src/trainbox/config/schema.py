@@ -295,9 +295,10 @@ class TrainSection(Section):
     sample_prompt: str = "\n"
     threads: int | None = Field(None, ge=1, description="CPU threads (default: all cores)")
     peak_tflops: float | None = Field(None, gt=0, description="per-device peak for MFU (default: from the GPU name)")
-    memory_check: bool = Field(True, description="before the model is built, refuse a run whose estimated memory "
-                                                 "(train/memory.py: weights, gradients, optimizer state, activations, "
-                                                 "logits) exceeds what the device has free")
+    memory_check: bool = Field(True, description="before the model is built, refuse a run whose memory plan "
+                                                 "(`trainbox plan`: weights, gradients, optimizer state, "
+                                                 "activations, communication, overhead) exceeds what the device "
+                                                 "has free by more than the plan's error margin")
 
 
 class MonitorSection(Section):

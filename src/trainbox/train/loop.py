@@ -99,7 +99,7 @@ class Trainer:
         cfg = self.cfg = data.cfg
         self.tokenizer, self.vocab, self.train_data, self.val_data = data.tokenizer, data.vocab, data.train, data.val
         self.plan, self.total = data.plan, data.total
-        check_memory(cfg, self.vocab, self.device, self.dtype)   # before any weight is allocated
+        check_memory(cfg, self.vocab, self.device, self.dtype, world=d.world)   # before any weight is allocated
         trainer_state = {}
         if self.resume_from is not None:   # checked before any model is built
             trainer_state = checkpoint.load_trainer(self.resume_from)

@@ -1,0 +1,372 @@
+"""The memory plan of a run: bytes per GPU by component, whether it fits, and what would make it fit.
+
+    trainbox plan moe-gpt2-125m model.moe.num_experts=128 --gpu H100 --nproc 2
+
+One model of a run's memory, used by `trainbox plan`, `trainbox doctor RECIPE` and the pre-flight check of
+`trainbox train` (train/memory.py). Per GPU, for a layout (train.parallel ddp or fsdp over --nproc ranks,
+model.moe.expert_parallel):
+
+    parameters     fp32 master weights (4 bytes each): whole under ddp, 1/N under fsdp; experts 1/E under
+                   expert parallelism (E ranks hold disjoint experts); frozen weights as built (LoRA bases)
+    gradients      fp32, one per trainable parameter held (sharded like the parameters)
+    optimizer      AdamW: two fp32 moments (8 bytes); Muon: one momentum (4) for the matrices it owns
+    activations    plan/activations.py: what the blocks, the head and the loss keep for the backward of one
+                   micro-batch (by activation-checkpointing mode, dtype, attention kernel, fused loss), the
+                   16-bit weight copies autocast keeps, and the largest transient on top at the peak
+    communication  ddp: the gradient buckets (a second fp32 copy of the gradients, DDP's default); fsdp: the
+                   bf16 blocks gathered in flight (two, or all of them with train.reshard_after_forward=false),
+                   the root (embeddings, head) gathered with its bf16 gradients through the backward, a block's
+                   bf16 gradients and two fp32 reduce-scatter inputs; expert parallelism: one layer's
+                   all-to-all send and receive buffers (k x tokens rows each way, at the mean routing)
+    overhead       outside PyTorch's allocator: the CUDA context (CONTEXT), NCCL's buffers with several
+                   ranks (NCCL), and the caching allocator's slack (FRAGMENTATION of the peak)
+
+`peak_allocated` (all but the overhead) is what `torch.cuda.max_memory_allocated()` reports during training;
+`total` is what the GPU must hold. The prediction aims at 15% of the measured peak (MARGIN): a run is said
+not to fit when its total exceeds the GPU's memory, and the pre-flight check refuses a run only when even
+total x (1 - MARGIN) exceeds the free memory.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, replace
+
+from trainbox.config import RunConfig
+from trainbox.errors import ConfigError
+from trainbox.plan.activations import Activations, Kernels, Widths, family_activations, weight_copy_bytes
+from trainbox.plan.count import ParamCount, count_parameters
+from trainbox.plan.gpus import GPUS, GiB, Target, gpu, local_cpu, local_gpu, sized
+
+MARGIN = 0.15
+CONTEXT = int(0.5 * GiB)       # CUDA context, cuBLAS and cuDNN workspaces
+NCCL = int(0.5 * GiB)          # NCCL's own buffers with several ranks
+FRAGMENTATION = 0.08           # allocator slack: reserved beyond allocated at the peak
+MODES = ("none", "selective", "full")
+BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+__all__ = ["GPUS", "MARGIN", "Layout", "Memory", "Plan", "Suggestion", "Target", "gpu", "local_cpu", "local_gpu",
+           "make_plan", "sized", "ParamCount", "Activations", "Kernels"]
+
+
+@dataclass(frozen=True)
+class Layout:
+    parallel: str = "ddp"              # ddp or fsdp
+    nproc: int = 1
+    expert_parallel: int = 1
+    reshard_after_forward: bool = True
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Bytes on one GPU."""
+    params: int
+    gradients: int
+    optimizer: int
+    activations: int
+    comm: int
+    overhead: int
+
+    @property
+    def peak_allocated(self) -> int:
+        return self.params + self.gradients + self.optimizer + self.activations + self.comm
+
+    @property
+    def total(self) -> int:
+        return self.peak_allocated + self.overhead
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "peak_allocated": self.peak_allocated, "total": self.total}
+
+
+@dataclass(frozen=True)
+class Suggestion:
+    """A change under which the run fits: config overrides, the number of GPUs, and the total per GPU."""
+    what: str
+    overrides: tuple[str, ...]
+    nproc: int
+    total: int
+
+    def command(self, recipe: str | None, overrides: list[str] | tuple[str, ...] = ()) -> str:
+        """`trainbox train` with the run's own overrides, those of the same keys replaced by this change's."""
+        mine = {o.split("=", 1)[0] for o in self.overrides}
+        words = [recipe or "CONFIG", *(o for o in overrides if o.split("=", 1)[0] not in mine), *self.overrides]
+        nproc = ["--nproc", str(self.nproc)] if self.nproc > 1 else []
+        return " ".join(["trainbox", "train", *words, *nproc])
+
+
+@dataclass(frozen=True)
+class Plan:
+    recipe: str | None
+    target: Target
+    layout: Layout
+    micro_batch: int
+    seq_len: int
+    dtype: str
+    compiled: bool
+    checkpointing: str
+    kernels: Kernels
+    counts: ParamCount
+    memory: Memory
+    activations: Activations
+    suggestions: tuple[Suggestion, ...] = field(default=())
+
+    @property
+    def fits(self) -> bool:
+        return self.memory.total <= self.target.memory
+
+    def as_dict(self) -> dict:
+        return {"recipe": self.recipe, "gpu": {"name": self.target.name, "memory": self.target.memory,
+                                               "local": self.target.local},
+                "layout": asdict(self.layout), "micro_batch": self.micro_batch, "seq_len": self.seq_len,
+                "dtype": self.dtype, "compiled": self.compiled, "activation_checkpointing": self.checkpointing,
+                "kernels": asdict(self.kernels), "parameters": self.counts.as_dict(),
+                "memory": self.memory.as_dict(), "activations": self.activations.as_dict(),
+                "fits": self.fits, "margin": MARGIN,
+                "suggestions": [asdict(s) for s in self.suggestions]}
+
+
+# ----------------------------------------------------------------------------- kernels and widths
+
+
+def assumed_kernels(cfg: RunConfig, target: Target, flash: bool) -> Kernels:
+    """The kernels a run would get on `target`: asked of kernels.choice on this machine's own device, else
+    assumed from the GPU's generation (`flash`: trainbox[flash] is installed there)."""
+    import torch
+
+    from trainbox.kernels.choice import choose
+    m = cfg.model
+    if target.local:
+        plan = choose(m, torch.device("cuda" if target.cuda else "cpu"))
+        return Kernels(plan.attention, plan.fused_loss, plan.fused_mlp, plan.fp8, target.cuda)
+    fl = flash and target.hopper
+    if m.family == "hf":
+        attention = "hf"
+    elif m.family == "t5":
+        attention = "sdpa"
+    elif m.family == "speedrun":
+        attention = "flash" if (fl and m.window_block == 1 and m.attention in ("auto", "flash")) else "flex"
+        attention = "sdpa" if m.attention == "sdpa" else attention
+    else:
+        attention = "flash" if fl and m.attention in ("auto", "flash") else "sdpa"
+    loss = "off" if not m.fused_loss else ("quack" if flash and target.lce else "triton")
+    mlp = "off" if not m.fused_mlp else ("quack" if fl else "unfused")
+    fp8 = "off" if not m.fp8_options else ("fp8" if target.fp8 else "bf16")
+    return Kernels(attention, loss, mlp, fp8, True)
+
+
+def dtype_bytes(cfg: RunConfig, target: Target) -> tuple[str, int]:
+    want = cfg.train.dtype
+    if not target.cuda:
+        return "fp32", 4
+    if want == "auto":
+        want = "bf16"
+    return want, BYTES[want]
+
+
+# ----------------------------------------------------------------------------- memory of one layout
+
+
+def memory(cfg: RunConfig, counts: ParamCount, vocab: int, target: Target, layout: Layout, micro: int, mode: str,
+           kernels: Kernels, a: int) -> tuple[Memory, Activations]:
+    """Bytes on one GPU of `layout`, at micro-batch `micro`, checkpointing `mode`, `a`-byte matmul operands."""
+    m, world, ep = cfg.model, layout.nproc, layout.expert_parallel
+    fsdp = layout.parallel == "fsdp"
+    lowp = m.lowp_residual if m.lowp_residual is not None else m.family == "speedrun"
+    r = a if (fsdp or lowp or m.family == "hf") else 4   # (a Hugging Face base is bf16 on a GPU)
+    widths = Widths(a=a, r=r, cuda=target.cuda, compiled=cfg.train.compile)
+    held = counts.dense + counts.expert / ep                    # trainable parameters a rank computes with
+    shard = world if fsdp else 1
+    # ... and keeps: fsdp shards the dense ones over all ranks, a rank's experts over the world / ep that share them
+    local = counts.trainable / world if fsdp else held
+    muon = counts.muon * local / max(1, counts.trainable)
+    acts = family_activations(cfg, counts, vocab, micro, mode, widths, kernels, autocast_copies=not fsdp)
+    copies = 0 if fsdp else weight_copy_bytes(counts, widths, mode)
+    if copies and counts.expert and ep > 1:
+        copies = int(copies * (counts.matmul - counts.expert + counts.expert / ep) / counts.matmul)
+    acts = replace(acts, weight_copies=copies)
+    comm = 0.0
+    if world > 1 and not fsdp:
+        comm += 4 * held                                        # DDP's gradient buckets
+    if fsdp:
+        unit = (counts.largest_block - counts.expert / max(1, counts.n_blocks)
+                + counts.expert / ep / max(1, counts.n_blocks))
+        # bf16 weights gathered: two blocks in flight (or all of them) and the root, which stays gathered with its
+        # bf16 gradients through the backward; a block's bf16 gradients and two fp32 reduce-scatter inputs
+        gathered = 2 * (2 * unit + counts.root) if layout.reshard_after_forward else 2 * held
+        comm += gathered + 2 * counts.root + (2 + 2 * 4) * unit
+    if ep > 1 and m.family == "moe":
+        comm += 4 * m.moe.top_k * micro * cfg.data.seq_len * m.n_embd * a   # dispatch and combine, both ways
+    frozen = counts.frozen * (0.5625 if cfg.quant.load_in_4bit else 1 if cfg.quant.load_in_8bit else a)
+    params = 4 * local + frozen / shard          # frozen bases: bf16 on a GPU (NF4: 4.5 bits with its scales)
+    overhead = 0
+    peak = params + 4 * local + 4 * muon + 8 * (local - muon) + acts.peak + comm
+    if target.cuda:
+        overhead = CONTEXT + (NCCL if world > 1 else 0) + FRAGMENTATION * peak
+    mem = Memory(params=int(params), gradients=int(4 * local), optimizer=int(4 * muon + 8 * (local - muon)),
+                 activations=acts.peak, comm=int(comm), overhead=int(overhead))
+    return mem, acts
+
+
+# ----------------------------------------------------------------------------- the plan
+
+
+def check_layout(cfg: RunConfig, layout: Layout) -> None:
+    ep, n = layout.expert_parallel, layout.nproc
+    if n < 1:
+        raise ConfigError(f"--nproc {n}: the number of GPUs must be at least 1")
+    if ep > 1:
+        if cfg.model.family != "moe":
+            raise ConfigError(f"model.moe.expert_parallel={ep} applies to model.family=moe, not {cfg.model.family}")
+        if n % ep:
+            raise ConfigError(f"model.moe.expert_parallel={ep} does not divide the {n} GPUs (--nproc {n})",
+                              hint=f"use --nproc {ep * max(1, n // ep)} or an expert-parallel degree dividing {n}")
+        if cfg.model.moe.num_experts % ep:
+            raise ConfigError(f"model.moe.expert_parallel={ep} does not divide model.moe.num_experts="
+                              f"{cfg.model.moe.num_experts}")
+
+
+def make_plan(cfg: RunConfig, vocab: int, target: Target, nproc: int = 1, kernels: Kernels | None = None,
+              flash: bool = False, suggest: bool = True, dtype: str | None = None) -> Plan:
+    """The plan of `cfg` on `nproc` GPUs like `target` (`kernels`: what runs, else assumed_kernels; `dtype`:
+    bf16, fp16 or fp32 as the run resolved it, else from train.dtype and the target)."""
+    t = cfg.train
+    ep = cfg.model.moe.expert_parallel if cfg.model.family == "moe" else 1
+    layout = Layout(t.parallel, nproc, ep, t.reshard_after_forward)
+    check_layout(cfg, layout)
+    counts = count_parameters(cfg, vocab)
+    kernels = kernels or assumed_kernels(cfg, target, flash)
+    mode = t.activation_checkpointing
+    if cfg.model.family == "hf":
+        mode = "full" if cfg.lora.gradient_checkpointing else "none"
+    dtype = dtype or dtype_bytes(cfg, target)[0]
+    mem, acts = memory(cfg, counts, vocab, target, layout, t.micro_batch_size, mode, kernels, BYTES[dtype])
+    plan = Plan(cfg.recipe, target, layout, t.micro_batch_size, cfg.data.seq_len, dtype, t.compile, mode, kernels,
+                counts, mem, acts)
+    if suggest and not plan.fits:
+        plan = replace(plan, suggestions=tuple(suggestions(cfg, vocab, plan)))
+    return plan
+
+
+def micro_batches(cfg: RunConfig, nproc: int, upto: int) -> list[int]:
+    """Micro-batch sizes up to `upto` that the batch plan accepts on `nproc` ranks (each dividing a rank's share
+    of train.global_batch_size), largest first."""
+    g = cfg.train.global_batch_size
+    if g % nproc:
+        return []
+    share = g // nproc
+    return [b for b in range(min(upto, share), 0, -1) if share % b == 0]
+
+
+class _Search:
+    """Memory of variants of one plan (same model, same GPU): which fit, at which micro-batch."""
+
+    def __init__(self, cfg: RunConfig, vocab: int, plan: Plan):
+        self.cfg, self.vocab, self.plan = cfg, vocab, plan
+
+    def total(self, layout: Layout, micro: int, mode: str) -> int:
+        return memory(self.cfg, self.plan.counts, self.vocab, self.plan.target, layout, micro, mode,
+                      self.plan.kernels, BYTES[self.plan.dtype])[0].total
+
+    def largest(self, layout: Layout, mode: str, same_micro: bool = False) -> tuple[int, int] | None:
+        """(micro-batch, total) of the largest micro-batch (up to the plan's) that fits, or None."""
+        micro = self.plan.micro_batch
+        sizes = micro_batches(self.cfg, layout.nproc, micro)
+        for b in sizes[:1] if same_micro else sizes:
+            if (total := self.total(layout, b, mode)) <= self.plan.target.memory:
+                return b, total
+        return None
+
+    def suggest(self, what: str, layout: Layout, mode: str, overrides: tuple[str, ...],
+                same_micro: bool = False) -> Suggestion | None:
+        found = self.largest(layout, mode, same_micro)
+        if found is None:
+            return None
+        micro, total = found
+        if micro != self.plan.micro_batch:
+            overrides = (*overrides, f"train.micro_batch_size={micro}")
+        if mode != self.plan.checkpointing:
+            overrides = (*overrides, f"train.activation_checkpointing={mode}")
+        return Suggestion(what, overrides, layout.nproc, total)
+
+
+def _layouts(cfg: RunConfig, base: Layout, n: int) -> list[tuple[Layout, tuple[str, ...]]]:
+    """The layouts on n GPUs, simplest first: as configured, fsdp, then each expert-parallel degree."""
+    out = [(replace(base, nproc=n), ())]
+    if base.parallel == "ddp" and n > 1:
+        out.append((replace(base, nproc=n, parallel="fsdp"), ("train.parallel=fsdp",)))
+    experts = cfg.model.moe.num_experts if cfg.model.family == "moe" else 1
+    for ep in range(base.expert_parallel + 1, n + 1):
+        if experts % ep == 0 and n % ep == 0:
+            over = (f"model.moe.expert_parallel={ep}",)
+            out.append((replace(base, nproc=n, expert_parallel=ep), over))
+            if base.parallel == "ddp":
+                fsdp = replace(base, nproc=n, expert_parallel=ep, parallel="fsdp")
+                out.append((fsdp, (*over, "train.parallel=fsdp")))
+    return out
+
+
+def suggestions(cfg: RunConfig, vocab: int, plan: Plan) -> list[Suggestion]:
+    """What would fit, one of each kind: the largest micro-batch; an activation-checkpointing mode; fsdp; an
+    expert-parallel degree (on these GPUs, with the largest micro-batch that then fits); more GPUs (the fewest,
+    with the simplest layout, mode and largest micro-batch that fit)."""
+    search, lay, mode = _Search(cfg, vocab, plan), plan.layout, plan.checkpointing
+    modes = (mode, *(MODES[MODES.index(mode) + 1:] if cfg.model.family != "hf" else ()))
+
+    def first(what: str, options, modes=modes, same_micro=False) -> Suggestion | None:
+        return next((s for m in modes for layout, over in options
+                     if (s := search.suggest(what, layout, m, over, same_micro))), None)
+
+    out = [search.suggest("micro-batch", lay, mode, ()),
+           first("activation checkpointing", [(lay, ())], modes[1:], same_micro=True)]
+    if not plan.target.cuda:   # processes on one machine share its RAM: sharding or more of them does not help
+        return [s for s in out if s is not None]
+    here = _layouts(cfg, lay, lay.nproc)[1:]
+    out += [first("fsdp", [(x, o) for x, o in here if x.expert_parallel == lay.expert_parallel]),
+            first("expert parallelism", [(x, o) for x, o in here if x.expert_parallel != lay.expert_parallel])]
+    for n in (2, 4, 8, 16, 32, 64):   # the fewest GPUs that fit; for an MoE also its best expert-parallel layout
+        if n <= lay.nproc:
+            continue
+        options = _layouts(cfg, lay, n)
+        found = first("more GPUs", options)
+        if found:
+            out.append(found)
+            if not any(o.startswith("model.moe.expert_parallel") for o in found.overrides):
+                out.append(first("more GPUs, experts split",
+                                 [x for x in options if x[0].expert_parallel > lay.expert_parallel]))
+            break
+    return [s for s in out if s is not None]
+
+
+def run_vocab(cfg: RunConfig) -> int:
+    """The model's vocabulary: model.vocab_size, else the tokenizer's plus the family's extra ids, padded."""
+    if cfg.model.vocab_size or cfg.model.family == "hf":
+        return cfg.model.vocab_size or 0
+    from trainbox.model.spec import build_tokenizer, model_vocab_size
+    return model_vocab_size(cfg.model, build_tokenizer(cfg).vocab_size)
+
+
+def plan_target(cfg: RunConfig, gpu_name: str | None = None, gpu_mem: float | None = None) -> Target:
+    """The device to plan for: a GPU named (--gpu), one of gpu_mem GiB (--gpu-mem), else the one the run would
+    train on here: this machine's GPU, or its CPU where train.device says so or there is no GPU."""
+    if gpu_name and gpu_mem:
+        raise ConfigError("--gpu and --gpu-mem both name the GPU to plan for: give one of them")
+    if gpu_name:
+        return gpu(gpu_name)
+    if gpu_mem:
+        return sized(gpu_mem)
+    device = cfg.train.device
+    found = local_gpu() if device != "cpu" else None
+    if found is not None:
+        return found
+    if device.startswith("cuda") or (cfg.requires_gpu and device == "auto"):
+        name = cfg.recipe or "CONFIG"
+        raise ConfigError(f"{name} trains on a GPU and this machine has none: say which GPU to plan for",
+                          hint=f"trainbox plan {name} --gpu H100 (or --gpu-mem 80); {', '.join(GPUS)} are known; "
+                               "train.device=cpu plans it on this CPU")
+    return local_cpu()
+
+
+def plan_run(cfg: RunConfig, nproc: int = 1, gpu_name: str | None = None, gpu_mem: float | None = None,
+             flash: bool = False) -> Plan:
+    """The plan `trainbox plan` prints: `cfg` on `nproc` GPUs of plan_target's kind (`flash`: assume
+    trainbox[flash] on a named GPU)."""
+    return make_plan(cfg, run_vocab(cfg), plan_target(cfg, gpu_name, gpu_mem), nproc, flash=flash)

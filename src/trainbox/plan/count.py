@@ -1,0 +1,197 @@
+"""Parameters of a run's model, counted exactly from a build on the meta device (shapes, no storage), and
+split the ways the memory plan needs: trainable or frozen, expert or dense, owned by Muon or by AdamW, inside
+the transformer blocks (the units that FSDP shards and activation checkpointing wraps) or outside them.
+
+No family needs a parameter formula here: whatever `model.spec.build_model` builds is counted. A parameter is
+an expert parameter when it lives in a `model.moe.GroupedLinear` (the stacked experts) or under a module path
+component holding "expert" (other MoE layouts); the router is dense.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn as nn
+
+from trainbox.config import RunConfig
+
+
+@dataclass(frozen=True)
+class Shapes:
+    """The widths of one transformer block, read from the built model (decoder families without a formula of
+    their own: their attention and MLP projections, by Hugging Face's Llama names where they exist)."""
+    d: int              # model width
+    q: int              # query (and attention output) width: heads x head width
+    kv: int             # key (= value) width; < q under grouped-query attention
+    ffn: int            # MLP hidden width
+    gated: bool         # SwiGLU-style MLP (gate, up, down) rather than up, down
+    heads: int
+    lora_in: int = 0    # LoRA: the input widths of the adapted projections, summed
+    lora_r: int = 0     # ... and their ranks, summed
+
+
+# the names of a block's projections: Hugging Face's Llama (q_proj, ...) and torchtitan's (wq, w1, ...)
+NAMES = {"q": ("q_proj", "wq"), "k": ("k_proj", "wk"), "gate": ("gate_proj", "w1"), "up": ("up_proj", "w3")}
+
+
+@dataclass(frozen=True)
+class ParamCount:
+    total: int          # every parameter, tied ones once
+    trainable: int      # requires_grad: these get gradients and optimizer state
+    expert: int         # trainable parameters inside MoE experts (split over model.moe.expert_parallel ranks)
+    muon: int           # trainable parameters Muon owns (optim.name=muon): one fp32 momentum each
+    blocks: int         # parameters inside the transformer blocks (all of them)
+    largest_block: int  # the largest block: one FSDP unit, gathered whole
+    n_blocks: int
+    frozen: int         # frozen parameters (a LoRA run's base)
+    matmul: int         # trainable weights that matmuls read (autocast keeps a 16-bit copy of each)
+    blocks_matmul: int  # of those, the ones inside the blocks
+    shapes: Shapes | None = None
+
+    @property
+    def dense(self) -> int:
+        """Trainable parameters outside the experts."""
+        return self.trainable - self.expert
+
+    @property
+    def root(self) -> int:
+        """Parameters outside the blocks: embeddings, final norm, head."""
+        return self.total - self.blocks
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def blocks_of(model: nn.Module) -> list[nn.Module]:
+    """The model's transformer blocks: the family's checkpoint_units(), else its longest ModuleList."""
+    units = getattr(model, "checkpoint_units", None)
+    if callable(units):
+        return list(units())
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
+    return list(max(lists, key=len)) if lists else []
+
+
+def _is_expert(name: str, module_path: list[nn.Module]) -> bool:
+    from trainbox.model.moe import GroupedLinear
+    if any(isinstance(m, GroupedLinear) for m in module_path):
+        return True
+    return any("expert" in part.lower() for part in name.split(".")[:-1])
+
+
+def _named_with_modules(model: nn.Module):
+    """(name, parameter, [modules from the root to its owner]) for every parameter, tied ones once."""
+    seen: set[int] = set()
+
+    def walk(module: nn.Module, prefix: str, path: list[nn.Module]):
+        for pname, p in module.named_parameters(recurse=False):
+            if p is not None and id(p) not in seen:
+                seen.add(id(p))
+                yield f"{prefix}{pname}", p, [*path, module]
+        for cname, child in module.named_children():
+            yield from walk(child, f"{prefix}{cname}.", [*path, module])
+
+    yield from walk(model, "", [])
+
+
+def shapes_of(block: nn.Module, cfg) -> Shapes:
+    """A block's widths by its projections' names (NAMES), or by the config's n_embd / n_head and an MLP of
+    4 x n_embd where those names are missing."""
+    lin: dict[str, nn.Linear] = {}
+    lora_in = lora_r = 0
+    for name, m in block.named_modules():
+        if isinstance(m, nn.Linear) and ".lora_" not in name:   # a LoRA-wrapped projection: its base_layer
+            lin[name.replace(".base_layer", "").rsplit(".", 1)[-1]] = m
+        base = getattr(m, "base_layer", None)
+        if isinstance(base, nn.Linear) and hasattr(m, "lora_A"):
+            lora_in += base.in_features
+            lora_r += sum(a.out_features for a in m.lora_A.values())
+
+    def find(kind: str) -> nn.Linear | None:
+        return next((lin[n] for n in NAMES[kind] if n in lin), None)
+
+    q, k, gate, up = find("q"), find("k"), find("gate"), find("up")
+    d = q.in_features if q is not None else cfg.n_embd
+    heads = cfg.n_head
+    hf = getattr(getattr(block, "self_attn", None), "config", None)
+    if hf is not None:
+        heads = getattr(hf, "num_attention_heads", heads)
+    return Shapes(d=d, q=q.out_features if q is not None else d, kv=(k or q).out_features if (k or q) else d,
+                  ffn=up.out_features if up is not None else 4 * d, gated=gate is not None and up is not None,
+                  heads=heads, lora_in=lora_in, lora_r=lora_r)
+
+
+def build_hf_meta(cfg: RunConfig) -> nn.Module:
+    """A Hugging Face model from its config alone (no weights read), with the run's LoRA adapters."""
+    from trainbox.errors import ConfigError, require
+    from trainbox.model.hf import wrap_lora
+    require("transformers", "finetune", "model.family=hf")
+    from transformers import AutoConfig, AutoModelForCausalLM
+    if not cfg.model.path:
+        raise ConfigError("model.family=hf needs model.path (a hub id or a local model folder)",
+                          hint=f"e.g. trainbox plan {cfg.recipe or 'lora'} model.path=Qwen/Qwen2.5-0.5B")
+    try:
+        conf = AutoConfig.from_pretrained(cfg.model.path)
+    except OSError as e:
+        raise ConfigError(f"model.path={cfg.model.path}: no model config to plan from ({str(e).splitlines()[0]})",
+                          hint="pass a local folder holding config.json, or a hub id already in the cache") from None
+    with torch.device("meta"):
+        base = AutoModelForCausalLM.from_config(conf)
+    return wrap_lora(base, cfg.lora, quantized=False)
+
+
+def build_meta(cfg: RunConfig, vocab: int) -> nn.Module:
+    """The run's model on the meta device, with every expert present (model.moe.expert_parallel=1). The fused
+    kernels' switches are off: they change no parameter, and their compiler registrations take seconds."""
+    from trainbox.model.spec import build_model
+    model_cfg = cfg.model.model_copy(update={"moe": cfg.model.moe.model_copy(update={"expert_parallel": 1}),
+                                             "eot_id": cfg.model.eot_id if cfg.model.eot_id is not None else 0,
+                                             "fused_norm": False, "fused_mlp": False})
+    run = cfg.model_copy(update={"model": model_cfg})
+    if cfg.model.family == "hf":
+        return build_hf_meta(run)
+    with torch.device("meta"):
+        return build_model(model_cfg, vocab, model_cfg.block_size or cfg.data.seq_len, run=run)
+
+
+@functools.lru_cache(maxsize=32)
+def _count_cached(cfg_json: str, vocab: int) -> ParamCount:
+    return _count(RunConfig.model_validate_json(cfg_json), vocab)
+
+
+def count_parameters(cfg: RunConfig, vocab: int) -> ParamCount:
+    """The parameters of the run's model (cached per config: the suggestions ask the same model many times)."""
+    keep = cfg.model_copy(update={"train": cfg.train.model_copy(update={"micro_batch_size": 1})})
+    return _count_cached(keep.model_dump_json(), vocab)
+
+
+def _count(cfg: RunConfig, vocab: int) -> ParamCount:
+    model = build_meta(cfg, vocab)
+    params = list(_named_with_modules(model))
+    trainable = [(n, p, path) for n, p, path in params if p.requires_grad]
+    muon = 0
+    if cfg.optim.name == "muon":
+        from trainbox.optim.muon import split_params
+        muon = sum(p.numel() for _, p in split_params(model, [(n, p) for n, p, _ in trainable])["muon"])
+    blocks = blocks_of(model)
+    sizes = [sum(p.numel() for p in b.parameters()) for b in blocks]
+    in_blocks = {id(p) for b in blocks for p in b.parameters()}
+    matmul = _matmul_weights(model)
+    shapes = shapes_of(blocks[0], cfg.model) if blocks else None
+    return ParamCount(
+        total=sum(p.numel() for _, p, _ in params),
+        trainable=sum(p.numel() for _, p, _ in trainable),
+        expert=sum(p.numel() for n, p, path in trainable if _is_expert(n, path)),
+        muon=muon, blocks=sum(sizes), largest_block=max(sizes, default=0), n_blocks=len(blocks),
+        frozen=sum(p.numel() for _, p, _ in params if not p.requires_grad),
+        matmul=sum(p.numel() for p in matmul.values() if p.requires_grad),
+        blocks_matmul=sum(p.numel() for i, p in matmul.items() if p.requires_grad and i in in_blocks),
+        shapes=shapes)
+
+
+def _matmul_weights(model: nn.Module) -> dict[int, nn.Parameter]:
+    """The weights matmuls read: those of linear layers (and stacked experts) and an output head tied to an
+    embedding; embedding tables read by lookup alone are not among them."""
+    from trainbox.model.moe import GroupedLinear
+    out = {id(m.weight): m.weight for m in model.modules() if isinstance(m, (nn.Linear, GroupedLinear))}
+    return {i: p for i, p in out.items() if p.dim() >= 2}

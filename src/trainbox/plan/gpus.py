@@ -1,0 +1,91 @@
+"""The devices a plan is made for: a table of GPUs by name, the local GPU, this machine's RAM, or a given size.
+
+Memory is what `torch.cuda.get_device_properties(i).total_memory` reports for the card (a little below the
+marketing figure: an "80 GB" H100 shows 79.1 GiB). `hopper` marks the cards where `trainbox[flash]` runs
+FlashAttention-4 and QuACK's kernels, `fp8` those with FP8 tensor cores, `lce` those where QuACK's linear
+cross-entropy runs (compute capability 9.0).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from trainbox.errors import ConfigError
+
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str
+    memory: int            # bytes of one device
+    cuda: bool = True      # a GPU (else this machine's CPU and RAM)
+    hopper: bool = False
+    fp8: bool = False
+    lce: bool = False
+    local: bool = False    # the device this process sees (kernels are then asked, not assumed)
+
+    @property
+    def gib(self) -> float:
+        return self.memory / GiB
+
+
+def _gpu(name: str, gib: float, hopper: bool = False, fp8: bool = False, lce: bool = False) -> Target:
+    return Target(name, int(gib * GiB), hopper=hopper, fp8=fp8, lce=lce)
+
+
+GPUS = {t.name: t for t in (
+    _gpu("H100", 79.1, hopper=True, fp8=True, lce=True),        # H100 SXM 80 GB
+    _gpu("H100-NVL", 93.1, hopper=True, fp8=True, lce=True),
+    _gpu("H200", 139.8, hopper=True, fp8=True, lce=True),
+    _gpu("GH200", 94.5, hopper=True, fp8=True, lce=True),
+    _gpu("B200", 178.4, hopper=True, fp8=True),
+    _gpu("A100-80GB", 79.2),
+    _gpu("A100-40GB", 39.4),
+    _gpu("L40S", 44.4, fp8=True),
+    _gpu("L4", 22.0, fp8=True),
+    _gpu("A10G", 22.0),
+    _gpu("RTX4090", 23.6, fp8=True),
+    _gpu("MI300X", 191.5),
+    _gpu("MI325X", 255.5),
+)}
+
+
+def gpu(name: str) -> Target:
+    """A GPU of the table by name (case and '-' / '_' / spaces ignored: h100, a100_80gb, 'RTX 4090')."""
+    key = name.upper().replace("_", "-").replace(" ", "")
+    found = {k.replace("-", ""): t for k, t in GPUS.items()}.get(key.replace("-", ""))
+    if found is None:
+        raise ConfigError(f"--gpu {name}: not a GPU this plan knows ({', '.join(GPUS)})",
+                          hint="name one of them, or give the memory of one GPU with --gpu-mem GiB")
+    return found
+
+
+def sized(gib: float) -> Target:
+    """A GPU of `gib` GiB about which nothing else is known (kernels as on a GPU without trainbox[flash])."""
+    if not gib > 0:
+        raise ConfigError(f"--gpu-mem {gib}: the memory of one GPU in GiB must be positive")
+    return Target(f"{gib:g} GiB GPU", int(gib * GiB))
+
+
+def local_gpu() -> Target | None:
+    """The GPU this process would train on (device 0), or None without one."""
+    import torch
+    if not torch.cuda.is_available():
+        return None
+    props = torch.cuda.get_device_properties(0)
+    cap = (props.major, props.minor)
+    return Target(props.name, int(props.total_memory), hopper=cap >= (9, 0), fp8=cap >= (8, 9), lce=cap == (9, 0),
+                  local=True)
+
+
+def local_cpu() -> Target:
+    """This machine's CPU, with its RAM (MemTotal) as the memory."""
+    total = 0
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    total = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return Target("CPU (RAM)", total, cuda=False, local=True)

@@ -1,0 +1,75 @@
+"""The plan as text: what `trainbox plan` and `trainbox doctor RECIPE` print (the CLI does the printing)."""
+from __future__ import annotations
+
+from trainbox.plan import MARGIN, Plan
+from trainbox.plan.gpus import GiB
+
+OPTIMIZER = {"adamw": "AdamW: two fp32 moments", "muon": "Muon: one fp32 momentum (matrices), AdamW's two (rest)"}
+
+
+def _gib(n: float) -> str:
+    return f"{n / GiB:.2f}"
+
+
+def _m(n: float) -> str:
+    return f"{n / 1e6:,.1f}M"
+
+
+def layout_text(plan: Plan) -> str:
+    lay = plan.layout
+    if not plan.target.cuda:
+        return "one process on this CPU" if lay.nproc == 1 else f"{lay.parallel} over {lay.nproc} CPU processes"
+    text = f"{lay.parallel} over {lay.nproc} GPUs" if lay.nproc > 1 else "one GPU"
+    if lay.parallel == "fsdp":
+        text += f" (parameters, gradients and optimizer state 1/{lay.nproc} per GPU; " \
+                f"reshard_after_forward={str(lay.reshard_after_forward).lower()})"
+    if plan.counts.expert:
+        text += f"; experts 1/{lay.expert_parallel} per GPU" if lay.expert_parallel > 1 else \
+            "; every expert on every GPU"
+    return text
+
+
+def format_plan(plan: Plan, overrides: list[str] | tuple[str, ...] = ()) -> str:
+    """The plan as a table per GPU, the verdict, and what would fit."""
+    t, c, mem, acts, k = plan.target, plan.counts, plan.memory, plan.activations, plan.kernels
+    lay = plan.layout
+    gpus = f"{lay.nproc} x {t.name}" if lay.nproc > 1 else t.name
+    origin = "this machine" if t.local else "assumed"
+    lines = [f"{plan.recipe or 'config'} on {gpus} ({t.gib:.1f} GiB each, {origin})" if t.cuda else
+             f"{plan.recipe or 'config'} on this CPU ({t.gib:.1f} GiB of RAM)",
+             f"  layout       {layout_text(plan)}",
+             f"  batch        micro-batch {plan.micro_batch} x {plan.seq_len:,} tokens, {plan.dtype}, "
+             f"{'compiled' if plan.compiled else 'eager'}, activation checkpointing {plan.checkpointing}",
+             f"  kernels      attention {k.attention}, fused loss {k.fused_loss}, fused MLP {k.fused_mlp}, fp8 {k.fp8}"
+             + ("" if t.local or not t.hopper or k.attention == "flash" else
+                " (--flash: as with trainbox[flash] installed there)"),
+             f"  parameters   {_m(c.total)}" + (f" ({_m(c.expert)} in experts, {_m(c.total - c.expert)} dense)"
+                                                if c.expert else "")
+             + (f", {_m(c.trainable)} trainable" if c.frozen else ""),
+             "",
+             f"  {'per GPU' if t.cuda else 'memory':<22}{'GiB':>8}"]
+    comm = {"ddp": "DDP's gradient buckets", "fsdp": "gathered blocks, reduce-scatter buffers"}[lay.parallel]
+    if lay.expert_parallel > 1:
+        comm += ", all-to-all buffers"
+    rows = [("parameters", mem.params, "fp32" + (", bf16 frozen base" if c.frozen else "")),
+            ("gradients", mem.gradients, "fp32"),
+            ("optimizer state", mem.optimizer, OPTIMIZER.get("muon" if c.muon else "adamw")),
+            ("activations", mem.activations,
+             f"blocks {_gib(acts.blocks)}, head and loss {_gib(acts.other)}, weight copies "
+             f"{_gib(acts.weight_copies)}, transient {_gib(acts.transient)}"),
+            ("communication", mem.comm, comm if mem.comm else ""),
+            ("peak allocated", mem.peak_allocated, "torch.cuda.max_memory_allocated() during training"
+             if t.cuda else ""),
+            ("overhead", mem.overhead, "CUDA context, NCCL, allocator slack" if t.cuda else ""),
+            ("total", mem.total, f"of {t.gib:.1f} GiB")]
+    lines += [f"  {name:<22}{_gib(n):>8}   {note}".rstrip() for name, n, note in rows]
+    verdict = "fits" if plan.fits else "does not fit"
+    lines += ["", f"{verdict}: {mem.total / GiB:.1f} of {t.gib:.1f} GiB{' per GPU' if t.cuda else ''} "
+                  f"(the prediction aims at {MARGIN:.0%} of the measured peak)"]
+    if plan.suggestions:
+        lines += ["", "what would fit (GiB per GPU):"]
+        lines += [f"  {s.total / GiB:6.1f}  {s.what:<26}{s.command(plan.recipe, overrides)}" for s in plan.suggestions]
+    elif not plan.fits:
+        lines += ["", "nothing tried fits: a smaller model (model.n_layer, model.n_embd), a shorter data.seq_len, "
+                      "or a GPU with more memory"]
+    return "\n".join(lines)

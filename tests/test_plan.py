@@ -1,0 +1,277 @@
+"""The memory plan (trainbox.plan, `trainbox plan`): parameter counts equal the built models', the activation
+formulas equal what autograd really keeps (saved-tensor hooks plus the selective policy's cache, in real
+forwards), the predictions stay within the plan's margin of the GPU peaks in benchmarks/records/, and the
+fit / does-not-fit verdicts and their suggestions hold when applied."""
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+from conftest import REPO, run_cli
+
+import trainbox.train.recompute as recompute
+from trainbox.config import load_config
+from trainbox.errors import ConfigError
+from trainbox.kernels.choice import choose
+from trainbox.model.spec import build_model
+from trainbox.plan import MARGIN, gpu, local_cpu, make_plan, run_vocab
+from trainbox.plan.activations import Kernels, Widths, family_activations, weight_copy_bytes
+from trainbox.plan.count import count_parameters
+from trainbox.plan.gpus import GiB
+
+SMALL = ["data.tokenizer=embedded:shakespeare-bpe", "model.n_head=4", "model.n_embd=64", "data.seq_len=64",
+         "model.n_layer=2", "model.vocab_size=512"]
+FAMILIES = {"gpt": [], "moe": ["model.moe.num_experts=4", "model.bias=false"],
+            "speedrun": ["model.eot_id=0", "model.head_dim=16", "model.n_layer=4"], "t5": []}
+MOE_128 = ["model.moe.num_experts=128", "model.moe.top_k=2", "model.moe.capacity_factor=2"]
+
+
+def small(family: str, *extra: str):
+    return load_config("tiny", [*SMALL, f"model.family={family}", *FAMILIES[family], *extra])
+
+
+# ----------------------------------------------------------------------------- parameters
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_parameter_counts_equal_the_built_model(family):
+    from trainbox.model.moe import GroupedLinear
+    from trainbox.optim.muon import split_params
+    cfg = small(family, "optim.name=muon" if family == "speedrun" else "optim.name=adamw")
+    counts = count_parameters(cfg, 512)
+    model = build_model(cfg.model, 512, cfg.data.seq_len)
+    params = dict(model.named_parameters())
+    assert counts.total == counts.trainable == sum(p.numel() for p in params.values())
+    experts = sum(p.numel() for m in model.modules() if isinstance(m, GroupedLinear) for p in m.parameters())
+    assert counts.expert == experts and (experts > 0) == (family == "moe")
+    blocks = model.checkpoint_units()
+    assert counts.n_blocks == len(blocks)
+    assert counts.blocks == sum(p.numel() for b in blocks for p in b.parameters())
+    if family == "speedrun":
+        assert counts.muon == sum(p.numel() for _, p in split_params(model, list(params.items()))["muon"]) > 0
+
+
+def test_parameter_counts_at_full_size_without_allocating():
+    """The 128-expert moe-gpt2-125m: 7.3B parameters counted on the meta device; the experts are 12 layers x 128
+    experts x two 768 x 3072 matrices."""
+    cfg = load_config("moe-gpt2-125m", MOE_128)
+    counts = count_parameters(cfg, run_vocab(cfg))
+    assert counts.expert == 12 * 128 * 2 * 768 * 3072
+    dense = load_config("gpt2-125m")
+    gpt = count_parameters(dense, run_vocab(dense))
+    # the same model less its 12 dense MLPs, plus the experts and 12 routers of 768 x 128
+    assert counts.total == gpt.total - 12 * 2 * 768 * 3072 + counts.expert + 12 * 768 * 128
+
+
+@pytest.fixture(scope="module")
+def hf_llama(tmp_path_factory):
+    """A tiny Llama folder (hf_tiny: 2 layers, width 32, random weights)."""
+    sys.path.insert(0, str(REPO / "tests"))
+    import hf_tiny
+    return hf_tiny.make_model(tmp_path_factory.mktemp("hf") / "base")
+
+
+def test_hugging_face_model_counted_from_its_config(hf_llama):
+    cfg = load_config("lora", [f"model.path={hf_llama}", "train.device=cpu"])
+    counts = count_parameters(cfg, 0)
+    model = build_model(cfg.model, 0, 0, run=cfg)
+    assert counts.total == sum(p.numel() for p in model.parameters())
+    assert counts.trainable == sum(p.numel() for p in model.parameters() if p.requires_grad) > 0
+    assert counts.shapes.gated and counts.shapes.d == 32 and counts.shapes.ffn == 64
+
+
+# ----------------------------------------------------------------------------- activations
+
+
+def measure(cfg, mode: str, bf16: bool, batch: int = 3) -> int:
+    """Bytes autograd keeps for the backward after a forward of `batch` sequences: every tensor the saved-tensor
+    hooks see, and what the selective-checkpointing policy caches, by storage, parameters and buffers left out."""
+    caches = []
+    real = recompute.create_selective_checkpoint_contexts
+
+    def recording(policy, *args, **kwargs):   # the policy's cache, observed: the real contexts are returned
+        forward, recomputing = real(policy, *args, **kwargs)
+        caches.append(forward.storage)
+        return forward, recomputing
+
+    torch.manual_seed(0)
+    model = build_model(cfg.model, 512, cfg.data.seq_len)
+    skip = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()] if t is not None}
+    seen: dict[int, int] = {}
+
+    def add(t: torch.Tensor) -> torch.Tensor:
+        st = t.untyped_storage()
+        if st.data_ptr() not in skip:
+            seen[st.data_ptr()] = max(seen.get(st.data_ptr(), 0), st.nbytes())
+        return t
+
+    x = torch.randint(1, 300, (batch, cfg.data.seq_len))
+    y = torch.randint(1, 300, (batch, 14 if cfg.model.family == "t5" else cfg.data.seq_len))  # t5: 64 -> 14 targets
+    recompute.create_selective_checkpoint_contexts = recording
+    try:
+        recompute.apply_activation_checkpointing(model, mode)
+        with torch.autograd.graph.saved_tensors_hooks(add, lambda t: t):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                model(x, y, reduction="sum")
+    finally:
+        recompute.create_selective_checkpoint_contexts = real
+    for cache in caches:
+        for outputs in cache.values():
+            for out in outputs.values():
+                for wrapped in out if isinstance(out, (tuple, list)) else [out]:
+                    if isinstance(getattr(wrapped, "val", None), torch.Tensor):
+                        add(wrapped.val)
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("mode", ["none", "selective", "full"])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_activation_formulas_equal_what_autograd_keeps(family, mode):
+    """fp32 as a CPU run trains (the plan as `trainbox plan` makes it here), and under bf16 autocast (the
+    formulas' 16-bit widths), within 1% of the bytes really kept; gpt with its fused loss."""
+    cfg = small(family, f"train.activation_checkpointing={mode}", "train.micro_batch_size=3",
+                *(["model.fused_loss=true"] if family == "gpt" else []))
+    assert make_plan(cfg, 512, local_cpu()).activations.saved == pytest.approx(measure(cfg, mode, False), rel=0.01)
+    k = choose(cfg.model, torch.device("cpu"))
+    kernels = Kernels(k.attention, k.fused_loss, k.fused_mlp, k.fp8, cuda=False)
+    widths = Widths(a=2, r=2 if family == "speedrun" else 4, cuda=False)   # speedrun: a bf16 residual stream
+    counts = count_parameters(cfg, 512)
+    bf16 = family_activations(cfg, counts, 512, 3, mode, widths, kernels)
+    assert bf16.saved + weight_copy_bytes(counts, widths, mode) == pytest.approx(measure(cfg, mode, True), rel=0.01)
+
+
+def test_lora_activations_equal_what_autograd_keeps(hf_llama):
+    """A Hugging Face Llama under LoRA (frozen base, adapters with dropout) takes the Llama-style block."""
+    cfg = load_config("lora", [f"model.path={hf_llama}", "train.device=cpu", "lora.gradient_checkpointing=false",
+                               "data.seq_len=64", "train.micro_batch_size=3"])
+    model = build_model(cfg.model, 0, 0, run=cfg)
+    x = torch.randint(1, 300, (3, 64))
+    skip = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()] if t is not None}
+    seen: dict[int, int] = {}
+
+    def add(t: torch.Tensor) -> torch.Tensor:
+        if t.untyped_storage().data_ptr() not in skip:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(add, lambda t: t):
+        model(x, x, reduction="sum")
+    assert make_plan(cfg, 0, local_cpu()).activations.saved == pytest.approx(sum(seen.values()), rel=0.02)
+
+
+# ----------------------------------------------------------------------------- GPU records
+
+
+# (record file, overrides, kernels that ran: attention, fused loss, fused MLP, fp8)
+RECORDS = [
+    ("2026-11-27-h100-gpt2-125m-train-speed.json", [], ("flash", "quack", "quack", "off")),
+    ("2026-11-27-h100-gpt2-125m-step-time-vs-70ca097.json", [], ("sdpa", "triton", "unfused", "off")),
+    ("2026-11-27-h100-moe-gpt2-125m-train-speed.json", [], ("flash", "quack", "quack", "off")),
+    ("2026-11-27-h100-moe-gpt2-125m-step-time-vs-70ca097.json", [], ("sdpa", "triton", "unfused", "off")),
+    ("2026-11-27-h100-speedrun-124m-step-time-vs-70ca097.json", [], ("flex", "triton", "off", "fp8")),
+    ("2026-11-26-h100-speedrun-124m-bf16-profile.json", ["model.fp8_head=false", "model.fp8_mlp=none"],
+     ("flash", "triton", "off", "off")),
+    ("2026-11-26-h100-speedrun-124m-fp8-mlp-both-profile.json", [], ("flash", "quack", "off", "fp8")),  # no QuACK:
+    ("2026-11-26-h100-speedrun-350m-profile.json", [], ("flash", "off", "off", "off")),                  # soft cap
+]
+
+
+@pytest.mark.parametrize("record, extra, ran", RECORDS, ids=[r[0][11:-5] for r in RECORDS])
+def test_prediction_within_the_margin_of_measured_gpu_peaks(record, extra, ran):
+    """torch.cuda.max_memory_allocated of the recipes on an H100 (benchmarks/records/) against peak_allocated."""
+    rec = json.loads((REPO / "benchmarks" / "records" / record).read_text())
+    cfg = load_config(rec["recipe"], [*rec["overrides"], *extra])
+    plan = make_plan(cfg, run_vocab(cfg), gpu("H100"), kernels=Kernels(*ran, cuda=True))
+    measured = rec["metrics"]["peak_mem_gib"] * GiB
+    assert abs(plan.memory.peak_allocated / measured - 1) < MARGIN, plan.memory
+
+
+def test_t5_prediction_within_the_margin_of_its_measured_step():
+    rec = json.loads((REPO / "benchmarks/records/2026-11-26-h100-t5-base-speed.json").read_text())
+    ours = rec["metrics"]["results"][0]   # trainbox's T5, compiled, one micro-batch of 32 per step
+    cfg = load_config("t5-base", ["train.micro_batch_size=32", "train.global_batch_size=32"])
+    plan = make_plan(cfg, run_vocab(cfg), gpu("H100"), kernels=Kernels("sdpa", "off", "off", "off", cuda=True))
+    assert abs(plan.memory.peak_allocated / (ours["max_memory_allocated_gib"] * GiB) - 1) < MARGIN
+
+
+# ----------------------------------------------------------------------------- layouts, verdicts, suggestions
+
+
+def test_layouts_shard_what_they_claim():
+    cfg = load_config("moe-gpt2-125m", MOE_128)
+    vocab = run_vocab(cfg)
+    c = count_parameters(cfg, vocab)
+    ddp = make_plan(cfg, vocab, gpu("H200"), nproc=2, suggest=False).memory
+    assert ddp.params == 4 * c.trainable and ddp.optimizer == 8 * c.trainable and ddp.comm >= 4 * c.trainable
+    fsdp = make_plan(load_config("moe-gpt2-125m", [*MOE_128, "train.parallel=fsdp"]), vocab, gpu("H200"), nproc=2,
+                     suggest=False).memory
+    assert fsdp.params == 4 * c.trainable // 2 and fsdp.gradients == fsdp.params
+    ep = make_plan(load_config("moe-gpt2-125m", [*MOE_128, "model.moe.expert_parallel=2"]), vocab, gpu("H200"),
+                   nproc=2, suggest=False).memory
+    assert ep.params == 4 * (c.dense + c.expert // 2)
+    with pytest.raises(ConfigError, match="does not divide"):
+        make_plan(load_config("moe-gpt2-125m", [*MOE_128, "model.moe.expert_parallel=4"]), vocab, gpu("H100"),
+                  nproc=2)
+
+
+def test_verdicts_and_suggestions_that_fit_when_applied():
+    dense = load_config("gpt2-125m")
+    assert make_plan(dense, run_vocab(dense), gpu("H100")).fits
+    cfg = load_config("moe-gpt2-125m", MOE_128)
+    vocab = run_vocab(cfg)
+    one = make_plan(cfg, vocab, gpu("H100"))
+    assert not one.fits and one.memory.total > 100 * GiB   # 7.3B parameters: 16 bytes each before activations
+    two = make_plan(cfg, vocab, gpu("H100"), nproc=2)
+    assert not two.fits
+    kinds = {s.what for s in [*one.suggestions, *two.suggestions]}
+    assert "expert parallelism" in kinds or "fsdp" in kinds
+    for plan in (one, two):
+        for s in plan.suggestions:   # each suggestion, applied, fits
+            applied = make_plan(load_config("moe-gpt2-125m", [*MOE_128, *s.overrides]), vocab, gpu("H100"),
+                                nproc=s.nproc, suggest=False)
+            assert applied.fits and applied.memory.total == s.total, s
+    big = load_config("gpt2-125m", ["train.micro_batch_size=240", "train.global_batch_size=480"])
+    plan = make_plan(big, vocab, gpu("A100-40GB"))
+    micro = next(s for s in plan.suggestions if s.what == "micro-batch")
+    size = int(micro.overrides[0].split("=")[1])
+    larger = min(b for b in range(size + 1, 241) if 480 % b == 0)   # the next size the batch plan accepts
+    assert not make_plan(load_config("gpt2-125m", ["train.global_batch_size=480", f"train.micro_batch_size={larger}"]),
+                         vocab, gpu("A100-40GB"), suggest=False).fits
+
+
+def test_gpu_names():
+    assert gpu("h100").name == "H100" and gpu("a100_80gb").name == "A100-80GB" and gpu("MI300X").gib > 190
+    with pytest.raises(ConfigError, match="H100"):
+        gpu("V100")
+
+
+# ----------------------------------------------------------------------------- the command line
+
+
+def test_plan_command(tmp_path):
+    proc = run_cli("plan", "moe-gpt2-125m", *MOE_128, "--gpu", "H100", "--json", cwd=tmp_path, check=False)
+    assert proc.returncode == 1, proc.stderr   # does not fit
+    plan = json.loads(proc.stdout)
+    assert not plan["fits"] and plan["gpu"]["name"] == "H100" and plan["parameters"]["expert"] > 7e9
+    assert plan["memory"]["total"] > plan["memory"]["peak_allocated"] > 79 * GiB
+    assert all(s["command"].startswith("trainbox train moe-gpt2-125m model.moe.num_experts=128")
+               and f"--nproc {s['nproc']}" in s["command"] for s in plan["suggestions"])
+
+
+def test_plan_text(capsys):
+    from trainbox.cli import main
+    assert main(["plan", "gpt2-125m", "--gpu", "H100", "--nproc", "2", "train.parallel=fsdp"]) == 0
+    out = capsys.readouterr().out
+    for row in ("parameters", "gradients", "optimizer state", "activations", "communication", "overhead", "total"):
+        assert f"\n  {row} " in out
+    assert "fsdp over 2 GPUs" in out and "fits:" in out
+
+
+def test_doctor_shows_the_plan_for_this_machine():
+    from trainbox.doctor import memory_check
+    ok = memory_check(load_config("tiny", ["train.device=cpu"]))
+    assert ok.status == "ok" and "fits" in ok.value and "trainbox plan tiny" in ok.value
+    big = ["train.device=cpu", "data.seq_len=4096", "model.n_layer=48", "model.n_embd=2048", "model.n_head=16"]
+    assert memory_check(load_config("tiny", big)).status == "fail"   # 0.8 TB of activations
