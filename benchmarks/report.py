@@ -19,8 +19,8 @@ import common
 DOC = common.REPO / "docs" / "performance.md"
 LINK = "../benchmarks/records/"   # from docs/ to the records
 
-AREAS = ["Single-GPU speed against peers", "Multi-GPU scaling", "Mixture of Experts", "Speedrun", "Fine-tuning",
-         "T5", "Quality parity", "CPU"]
+AREAS = ["Single-GPU speed against peers", "Multi-GPU scaling", "Sharded training", "Mixture of Experts", "Speedrun",
+         "Fine-tuning", "T5", "Quality parity", "CPU"]
 
 # (what, conclusion, where it was measured: a record kept in benchmarks/records/, or the commits that hold it)
 FINISHED = [
@@ -268,6 +268,8 @@ def area(rec: dict) -> str:
         return "Quality parity"
     if rec["tool"] == "ddp_check":
         return "Multi-GPU scaling"
+    if "train.parallel=fsdp" in (rec.get("overrides") or []):
+        return "Sharded training"
     if rec["gpu"] is None:
         return "CPU"
     if rec["tool"] == "lora_speed":

@@ -26,7 +26,9 @@ SKIP = {
     "trainbox export runs/gpt2-125m": "needs the gpt2-125m run above",
     "trainbox train sft": "needs a local Qwen2.5-0.5B folder and the user's chat.jsonl",
     "trainbox export runs/sft": "needs the sft run above",
-    "trainbox train llama-1b": "a GPU recipe, on the FineWeb download",
+    "trainbox train llama-1b": "a GPU recipe on eight GPUs, on the FineWeb download",
+    "trainbox train moe-gpt2-125m": "a GPU recipe on two GPUs, on the FineWeb download (tests/test_expert_parallel.py "
+                                    "runs expert parallelism under gloo)",
     "docker compose": "needs docker and the image",
     "trainbox doctor speedrun-124m": "exits 1 by design where there is no CUDA GPU (speedrun needs one)",
 }
