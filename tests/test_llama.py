@@ -10,6 +10,7 @@ import signal
 import numpy as np
 import pytest
 import torch
+from conftest import run_cli
 
 from trainbox.cli import main
 from trainbox.config import build_config, load_config
@@ -195,12 +196,15 @@ def test_sft_fine_tunes_every_weight_of_a_qwen2_folder(tmp_path, capsys):
     hf.config.eos_token_id = tok.eos_token_id
     hf.save_pretrained(base)
     chats = hf_tiny.make_chat_file(tmp_path / "chat.jsonl", n=24)
+    def args(name: str) -> list[str]:
+        return [f"model.path={base}", f"data.path={chats}", "data.seq_len=48", f"run.name={name}",
+                f"run.dir={tmp_path / 'runs'}", f"data.cache_dir={tmp_path / 'cache'}",
+                "train.global_batch_size=4", "train.micro_batch_size=2", "train.max_steps=4",
+                "optim.lr=1e-3", "optim.warmup_steps=0", "train.sample_tokens=0",
+                "monitor.enabled=false", "train.threads=1"]
+
     def sft(name: str):
-        return load_config("sft", [f"model.path={base}", f"data.path={chats}", "data.seq_len=48", f"run.name={name}",
-                                   f"run.dir={tmp_path / 'runs'}", f"data.cache_dir={tmp_path / 'cache'}",
-                                   "train.global_batch_size=4", "train.micro_batch_size=2", "train.max_steps=4",
-                                   "optim.lr=1e-3", "optim.warmup_steps=0", "train.sample_tokens=0",
-                                   "monitor.enabled=false", "train.threads=1"])
+        return load_config("sft", args(name))
 
     cfg = sft("sft")
     trainer = Trainer(cfg)
@@ -210,6 +214,10 @@ def test_sft_fine_tunes_every_weight_of_a_qwen2_folder(tmp_path, capsys):
     assert stop_after(2)(cut).run()["step"] == 2
     Trainer(cut).run()
     assert train_losses(cut.run_dir) == train_losses(cfg.run_dir) and len(train_losses(cfg.run_dir)) == 4
+    # under FSDP on 2 processes (gloo): the same losses, and its sharded checkpoint exports the same model
+    run_cli("train", "--nproc", "2", "sft", *args("fsdp"), "train.parallel=fsdp", "train.dtype=fp32")
+    sharded = train_losses(tmp_path / "runs" / "fsdp")
+    assert len(sharded) == 4 and all(abs(a - b) < 1e-5 for a, b in zip(sharded, train_losses(cfg.run_dir)))
     # the loss mask covers the assistant answers and their end-of-turn marker, nothing else
     ids, mask = np.asarray(trainer.train_data.arrays[0]), np.asarray(trainer.train_data.masks[0]).astype(bool)
     cuts = [0, *(np.flatnonzero(np.diff(mask.astype(np.int8))) + 1), len(ids)]
@@ -228,5 +236,9 @@ def test_sft_fine_tunes_every_weight_of_a_qwen2_folder(tmp_path, capsys):
     idx = torch.randint(0, len(tok), (2, 32))
     with torch.no_grad():
         assert (out(idx).logits - logits(ours, idx)).abs().max() < 1e-4
+    assert main(["export", str(tmp_path / "runs" / "fsdp"), "--format", "hf", "--out", str(tmp_path / "hf2")]) == 0
+    out2 = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf2").eval()
+    with torch.no_grad():
+        assert (out2(idx).logits - out(idx).logits).abs().max() < 1e-4
     exported = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
     assert exported.chat_template == tok.chat_template and exported.eos_token == tok.eos_token
