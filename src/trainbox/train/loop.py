@@ -31,7 +31,6 @@ from __future__ import annotations
 import math
 import os
 import signal
-import time
 from pathlib import Path
 
 import torch
@@ -39,7 +38,7 @@ import torch
 from trainbox import checkpoint, runs
 from trainbox.config import RunConfig, dump_yaml, public_dict
 from trainbox.data.loader import to_device, unused_data
-from trainbox.errors import CheckpointError, RunBusy, TrainboxError, TrainingFailed
+from trainbox.errors import RunBusy, TrainboxError, TrainingFailed
 from trainbox.files import atomic_write_text, open_append
 from trainbox.lock import RunLock, lock_run, unlock_run
 from trainbox.model.spec import family
@@ -47,17 +46,17 @@ from trainbox.monitor.console import ProgressBar, log
 from trainbox.monitor.meter import Meter
 from trainbox.monitor.sinks import build_sinks
 from trainbox.monitor.state import RunState
-from trainbox.parallel import expert
 from trainbox.train import resume
 from trainbox.train.build import build_data, build_model_side, plan_length  # noqa: F401 - plan_length: tests
 from trainbox.train.device import is_out_of_memory, out_of_memory, peak_flops, resolve_device
 from trainbox.train.distributed import Dist
 from trainbox.train.evaluate import autocast_context, evaluate
 from trainbox.train.memory import check_memory
+from trainbox.train.saving import Checkpointing
 from trainbox.train.stop import STOP
 
 
-class Trainer:
+class Trainer(Checkpointing):
     """Builds everything from a RunConfig, then `run()` trains. `dist` comes from the CLI (torchrun env)."""
 
     def __init__(self, cfg: RunConfig, dist: Dist | None = None, argv: list[str] | None = None,
@@ -388,63 +387,6 @@ class Trainer:
             log.info(f"eval step {step}: val loss {res['val_loss']:.4f} nats/token, {res['val_bpb']:.4f} bits/byte")
         self._phase("training")
         return res
-
-    def _save(self, step: int) -> None:
-        """Rank 0 writes the checkpoint (sharded runs: every rank its shards, in the background); every rank
-        learns whether it worked and fails together if not."""
-        self._phase("checkpointing")
-        self.last_saved_step = step
-        rngs = self.dist.gather_objects(checkpoint.rng_state())
-        if self.saver is not None:
-            waited = self.saver.start(step, self.model, self.optimizers,
-                                      self._trainer_state(step) if self.dist.is_main else None, rngs)
-            if self.dist.is_main:
-                log.info(f"checkpoint of step {step} is being written in the background "
-                         f"(training waited {waited:.2f}s for it)")
-            self._phase("training")
-            return
-        full = expert.full_state(self.model, self.optimizers)   # expert parallelism: every expert, on rank 0
-        error: CheckpointError | None = None
-        if self.dist.is_main:
-            try:
-                t0 = time.time()
-                weights, optimizers = full or (self._weights(), self.optimizers)
-                path = checkpoint.save(self.ckpt_root, step, weights, optimizers,
-                                       self._trainer_state(step), rngs, self.cfg.train.keep_last,
-                                       protect=self.resume_from)
-                self._saved(step, path, time.time() - t0)
-            except CheckpointError as e:
-                error = e
-        if self.dist.any(error is not None):   # also the barrier: others wait while rank 0 writes
-            raise error or CheckpointError(f"rank 0 failed to save the checkpoint of step {step}; "
-                                           "older checkpoints are kept", hint="see rank 0's log")
-        self._phase("training")
-
-    def _saves_published(self, wait: bool = False) -> None:
-        """Log the background saves that rank 0 has published; `wait`: first wait for the one in flight."""
-        if self.saver is None:
-            return
-        if wait:
-            self.saver.wait()
-        done = self.saver.finished() if self.dist.is_main else None
-        if done is not None:
-            self._saved(checkpoint.step_of(done[0]), done[0], done[1])
-
-    def _saved(self, step: int, path: Path, seconds: float) -> None:
-        snap = self.state.snapshot()
-        self.state.update(last_checkpoint=path.name, checkpoints_saved=snap["checkpoints_saved"] + 1)
-        self.sinks.log("checkpoint", step=step, path=str(path), seconds=round(seconds, 3))
-        log.info(f"checkpoint {path} ({seconds:.1f}s)")
-
-    def _trainer_state(self, step: int) -> dict:
-        return {"step": step, "total_steps": self.total, "epoch": step / self.plan.steps_per_epoch,
-                "loader": {"step": step, "seed": self.cfg.run.seed}, "tokens_seen": self.tokens_seen,
-                "world": self.dist.world, "finished": step >= self.total,
-                "restarts": self.state.snapshot()["restarts"], "wandb_id": self.sinks.wandb_id,
-                "config": public_dict(self.cfg), "versions": runs.versions(), "parallel": self.parallel.name}
-
-    def _weights(self) -> dict:
-        return checkpoint.model_state(self.model, trainable_only=getattr(self.model, "adapter_only", False))
 
     def _final_sample(self) -> str | None:
         """The end-of-run sample, by rank 0; a model spread over the ranks (fsdp, expert parallelism) needs every
