@@ -169,3 +169,49 @@ def test_float8_converts_the_blocks_linears_and_is_refused_without_fp8_cores():
         float8.require_float8(torch.device("cpu"))
     with pytest.raises(ConfigError, match="FP8 tensor cores"):
         train(load_config("tiny", ["train.float8=true", "train.device=cpu"]))
+
+
+KILL_HOOK = r"""
+import os, signal, sys
+import trainbox.checkpoint as ckpt
+from torch.distributed.checkpoint import FileSystemWriter
+where, step = sys.argv[1], f"step_{int(sys.argv[2]):08d}"
+kill = lambda: os.killpg(os.getpgid(0), signal.SIGKILL)    # the whole job: torchrun's agent and every rank
+if where == "write":     # a rank starts writing its shards of that step, in the background
+    write = FileSystemWriter.write_data
+    FileSystemWriter.write_data = lambda self, *a, **k: (kill() if step in str(self.path) else None,
+                                                         write(self, *a, **k))[1]
+else:                    # every rank has written; rank 0 is about to publish the folder
+    publish = ckpt.publish
+    ckpt.publish = lambda tmp, *a, **k: (kill() if step in tmp.name else None, publish(tmp, *a, **k))[1]
+from trainbox.cli import main
+sys.exit(main(sys.argv[3:]))
+"""
+
+
+@pytest.mark.faults
+@pytest.mark.parametrize("where", ["write", "publish"])
+def test_sigkill_during_an_async_save_keeps_the_previous_checkpoint(chain, tmp_path, data_cache, where):
+    """SIGKILL to the whole torchrun job while the shards of step 6 are written in the background, or just
+    before rank 0 publishes them: the step-3 checkpoint stays the newest that verifies, and the same command
+    resumes from it to the reference's losses."""
+    import subprocess
+    import sys
+
+    from conftest import TINY
+    hook = tmp_path / "hook.py"
+    hook.write_text(KILL_HOOK)
+    args = ["train", "tiny", *TINY, *STEPS, f"run.dir={tmp_path}", f"data.cache_dir={data_cache}", "run.name=k",
+            "train.parallel=fsdp"]
+    job = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                          str(hook), where, "6", *args], capture_output=True, text=True, timeout=300,
+                         start_new_session=True)
+    assert job.returncode != 0, job.stdout + job.stderr
+    root = tmp_path / "k" / "checkpoints"
+    newest, skipped = checkpoint.newest_verified(root)
+    assert newest == root / "step_00000003" and not skipped, (newest, skipped, job.stdout[-2000:])
+    assert (root / ".tmp-step_00000006").is_dir()             # the unfinished save, never published
+    run_cli("train", "--nproc", "2", *args[1:])
+    got, ref = _losses(tmp_path / "k"), _losses(chain / "ref")
+    _same(got, ref, range(1, 10))
+    assert checkpoint.latest(root) == root / "step_00000009" and not list(root.glob(".tmp-*"))
