@@ -150,6 +150,8 @@ def test_strategy_refusals_name_the_way_out():
         load_config("speedrun-124m", ["train.parallel=fsdp"])
     with pytest.raises(ConfigError, match="use train.parallel=ddp"):
         load_config("lora", ["train.parallel=fsdp", "model.path=x"])
+    with pytest.raises(ConfigError, match="relative position bias"):
+        load_config("t5-small", ["train.parallel=fsdp"])
 
 
 def test_float8_converts_the_blocks_linears_and_is_refused_without_fp8_cores():
@@ -215,3 +217,14 @@ def test_sigkill_during_an_async_save_keeps_the_previous_checkpoint(chain, tmp_p
     got, ref = _losses(tmp_path / "k"), _losses(chain / "ref")
     _same(got, ref, range(1, 10))
     assert checkpoint.latest(root) == root / "step_00000009" and not list(root.glob(".tmp-*"))
+
+
+def test_moe_under_fsdp_equals_one_process(tmp_path, data_cache):
+    """The MoE family's blocks (router, experts, auxiliary losses) sharded by FSDP: the same steps."""
+    from conftest import TINY
+    base = [*TINY, "model.family=moe", "model.moe.num_experts=4", "train.max_steps=4", "train.dtype=fp32",
+            "train.micro_batch_size=2", "monitor.enabled=false", "train.eval_tokens=512", "train.sample_tokens=0",
+            f"run.dir={tmp_path}", f"data.cache_dir={data_cache}"]
+    train(load_config("tiny", [*base, "run.name=one"]))
+    run_cli("train", "--nproc", "2", "tiny", *base, "run.name=two", "train.parallel=fsdp")
+    _same(_losses(tmp_path / "two"), _losses(tmp_path / "one"), range(1, 5))

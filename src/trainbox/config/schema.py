@@ -364,6 +364,10 @@ class RunConfig(Section):
         if self.model.family == "hf":
             raise ValueError("train.parallel=fsdp does not apply to model.family=hf (LoRA trains small adapters on "
                              "a frozen base): use train.parallel=ddp")
+        if self.model.family == "t5":
+            raise ValueError("train.parallel=fsdp does not apply to model.family=t5: its relative position bias "
+                             "lives in the first block and every block reads it, so it cannot be sharded per "
+                             "block; use train.parallel=ddp (t5-base fits one GPU)")
         if self.optim.name == "muon":
             raise ValueError("optim.name=muon with train.parallel=fsdp: Muon orthogonalises whole matrices, which "
                              "FSDP splits over the ranks; use train.parallel=ddp (the speedrun models fit one GPU) "
