@@ -75,7 +75,7 @@ def test_memory_check_refuses_beyond_the_plans_margin():
 
 
 def test_run_that_does_not_fit_is_refused_before_the_model(tmp_path, data_cache):
-    """gpt2-125m at its micro-batch of 120 on this CPU (24 GB) used to grow until the kernel killed it."""
+    """gpt2-125m at its micro-batch of 120 on a 24 GB CPU machine would grow until the kernel killed it: refused."""
     corpus = tmp_path / "corpus.jsonl"   # ~190k GPT-2 tokens: one global batch of 120 x 1024, and validation
     corpus.write_text("".join(json.dumps({"text": f"Line {i}: to be or not to be, that is the question. " * 5}) + "\n"
                               for i in range(3000)))
