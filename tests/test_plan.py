@@ -16,6 +16,7 @@ from trainbox.config import load_config
 from trainbox.errors import ConfigError
 from trainbox.kernels.choice import choose
 from trainbox.model.spec import build_model
+from trainbox.parallel import expert
 from trainbox.plan import MARGIN, gpu, local_cpu, make_plan, run_vocab
 from trainbox.plan.activations import Kernels, Widths, family_activations, weight_copy_bytes
 from trainbox.plan.count import count_parameters
@@ -229,8 +230,9 @@ def test_verdicts_and_suggestions_that_fit_when_applied():
     assert "expert parallelism" in kinds or "fsdp" in kinds
     for plan in (one, two):
         for s in plan.suggestions:   # each suggestion, applied, fits
-            applied = make_plan(load_config("moe-gpt2-125m", [*MOE_128, *s.overrides]), vocab, gpu("H100"),
-                                nproc=s.nproc, suggest=False)
+            applied_cfg = load_config("moe-gpt2-125m", [*MOE_128, *s.overrides])
+            expert.check(applied_cfg, s.nproc)   # a layout the trainer runs (no expert parallelism under fsdp)
+            applied = make_plan(applied_cfg, vocab, gpu("H100"), nproc=s.nproc, suggest=False)
             assert applied.fits and applied.memory.total == s.total, s
     big = load_config("gpt2-125m", ["train.micro_batch_size=240", "train.global_batch_size=480"])
     plan = make_plan(big, vocab, gpu("A100-40GB"))

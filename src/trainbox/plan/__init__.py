@@ -214,6 +214,9 @@ def check_layout(cfg: RunConfig, layout: Layout) -> None:
     if n < 1:
         raise ConfigError(f"--nproc {n}: the number of GPUs must be at least 1")
     if ep > 1:
+        if layout.parallel == "fsdp":
+            raise ConfigError(f"model.moe.expert_parallel={ep} runs with train.parallel=ddp (the dense parameters "
+                              "data-parallel), not fsdp", hint="drop train.parallel=fsdp, or model.moe.expert_parallel")
         if cfg.model.family != "moe":
             raise ConfigError(f"model.moe.expert_parallel={ep} applies to model.family=moe, not {cfg.model.family}")
         if n % ep:
@@ -289,7 +292,8 @@ class _Search:
 
 
 def _layouts(cfg: RunConfig, base: Layout, n: int) -> list[tuple[Layout, tuple[str, ...]]]:
-    """The layouts on n GPUs, simplest first: as configured, fsdp, then each expert-parallel degree."""
+    """The layouts on n GPUs the trainer runs, simplest first: as configured, fsdp, then each expert-parallel
+    degree (with ddp: expert parallelism does not combine with fsdp)."""
     out = [(replace(base, nproc=n), ())]
     if base.parallel == "ddp" and n > 1:
         out.append((replace(base, nproc=n, parallel="fsdp"), ("train.parallel=fsdp",)))
@@ -297,10 +301,8 @@ def _layouts(cfg: RunConfig, base: Layout, n: int) -> list[tuple[Layout, tuple[s
     for ep in range(base.expert_parallel + 1, n + 1):
         if experts % ep == 0 and n % ep == 0:
             over = (f"model.moe.expert_parallel={ep}",)
-            out.append((replace(base, nproc=n, expert_parallel=ep), over))
-            if base.parallel == "ddp":
-                fsdp = replace(base, nproc=n, expert_parallel=ep, parallel="fsdp")
-                out.append((fsdp, (*over, "train.parallel=fsdp")))
+            if base.parallel == "ddp":   # expert parallelism runs with ddp for the dense part (parallel/expert.py)
+                out.append((replace(base, nproc=n, expert_parallel=ep), over))
     return out
 
 
