@@ -282,9 +282,13 @@ def bench_config(recipe: str, steps: int, overrides: list[str], prefix: str = "s
     host sync each, so consecutive metrics.jsonl timestamps are step times), no evaluation, checkpoint or
     sample before the end, the monitor on a free port."""
     from trainbox.config import load_config
-    return load_config(recipe, [f"train.max_steps={steps}", "monitor.log_every=1", "train.eval_every=0",
-                                "train.checkpoint_every=0", "train.sample_tokens=0",
-                                f"run.dir={tempfile.mkdtemp(prefix=prefix)}", "monitor.port=0", *overrides])
+    return load_config(recipe, bench_overrides(steps, tempfile.mkdtemp(prefix=prefix), overrides))
+
+
+def bench_overrides(steps: int, run_dir: str, overrides: list[str]) -> list[str]:
+    """bench_config's overrides, for a run launched as a command (`trainbox train --nproc N`)."""
+    return [f"train.max_steps={steps}", "monitor.log_every=1", "train.eval_every=0", "train.checkpoint_every=0",
+            "train.sample_tokens=0", f"run.dir={run_dir}", "monitor.port=0", *overrides]
 
 
 def run_events(cfg) -> tuple[dict, list[dict]]:

@@ -26,7 +26,7 @@ import sys
 import time
 
 import common
-from common import bench_config, run_events, run_nanogpt, seeded_script  # noqa: F401 (seeded_script: tests)
+from common import bench_config, bench_overrides, run_events, run_nanogpt, seeded_script  # noqa: F401 (seeded_script: tests)
 
 
 def run_ours(recipe: str, data: str, steps: int, warmup: int, overrides: list[str], nproc: int = 1) -> dict:
@@ -37,11 +37,8 @@ def run_ours(recipe: str, data: str, steps: int, warmup: int, overrides: list[st
     cfg = bench_config(recipe, steps, [f"data.path={data}", *overrides])
     t0 = time.time()
     if nproc > 1:   # `trainbox train --nproc N` as a user runs it; the figures come back from metrics.jsonl
-        args = [f"{k}={v}" for k, v in (("train.max_steps", steps), ("monitor.log_every", 1), ("train.eval_every", 0),
-                                        ("train.checkpoint_every", 0), ("train.sample_tokens", 0),
-                                        ("run.dir", cfg.run.dir), ("monitor.port", 0))]
-        subprocess.run([sys.executable, "-m", "trainbox", "train", "--nproc", str(nproc), recipe, *args,
-                        f"data.path={data}", *overrides], check=True)
+        args = bench_overrides(steps, cfg.run.dir, [f"data.path={data}", *overrides])
+        subprocess.run([sys.executable, "-m", "trainbox", "train", "--nproc", str(nproc), recipe, *args], check=True)
         summary = {}
         for line in (cfg.run_dir / "metrics.jsonl").read_text().splitlines():
             e = json.loads(line)

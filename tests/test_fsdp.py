@@ -16,13 +16,15 @@ import shutil
 
 import pytest
 import torch
-from conftest import run_cli
+from conftest import TINY, run_cli
 
 from trainbox import checkpoint
 from trainbox.config import load_config
 from trainbox.errors import CheckpointError
 from trainbox.train.loop import train
 
+# the tiny recipe's own logging interval (20 steps): windows close at the checkpoints every 3 steps
+OWN = [o for o in TINY if not o.startswith("monitor.log_every")]
 STEPS = ["train.max_steps=9", "train.checkpoint_every=3", "train.keep_last=3", "train.dtype=fp32",
          "monitor.enabled=false", "train.micro_batch_size=2", "train.eval_tokens=512"]
 
@@ -45,9 +47,8 @@ def _same(got: dict, ref: dict, steps) -> None:
 
 @pytest.fixture(scope="module")
 def chain(tmp_path_factory, data_cache):
-    from conftest import TINY
     root = tmp_path_factory.mktemp("fsdp")
-    base = ["tiny", *TINY, *STEPS, f"run.dir={root}", f"data.cache_dir={data_cache}"]
+    base = ["tiny", *OWN, *STEPS, f"run.dir={root}", f"data.cache_dir={data_cache}"]
     train(load_config("tiny", [*base[1:], "run.name=ref"]))
     run_cli("train", "--nproc", "2", *base, "run.name=two", "train.parallel=fsdp", "train.reshard_after_forward=false")
     two = root / "two" / "checkpoints"
@@ -72,6 +73,8 @@ def test_fsdp_steps_equal_one_process_and_reshard_on_resume(chain):
 
 
 def test_sharded_checkpoint_layout_is_verified(chain):
+    events = [json.loads(x) for x in (chain / "two" / "metrics.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in events if e["event"] == "checkpoint"] == [3, 6, 9]   # each save logged once
     ckpt = chain / "four" / "checkpoints" / "step_00000006"
     manifest = json.loads((ckpt / "COMPLETE").read_text())
     assert manifest["layout"] == "sharded"
@@ -200,10 +203,9 @@ def test_sigkill_during_an_async_save_keeps_the_previous_checkpoint(chain, tmp_p
     import subprocess
     import sys
 
-    from conftest import TINY
     hook = tmp_path / "hook.py"
     hook.write_text(KILL_HOOK)
-    args = ["train", "tiny", *TINY, *STEPS, f"run.dir={tmp_path}", f"data.cache_dir={data_cache}", "run.name=k",
+    args = ["train", "tiny", *OWN, *STEPS, f"run.dir={tmp_path}", f"data.cache_dir={data_cache}", "run.name=k",
             "train.parallel=fsdp"]
     job = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                           str(hook), where, "6", *args], capture_output=True, text=True, timeout=300,
@@ -221,8 +223,7 @@ def test_sigkill_during_an_async_save_keeps_the_previous_checkpoint(chain, tmp_p
 
 def test_moe_under_fsdp_equals_one_process(tmp_path, data_cache):
     """The MoE family's blocks (router, experts, auxiliary losses) sharded by FSDP: the same steps."""
-    from conftest import TINY
-    base = [*TINY, "model.family=moe", "model.moe.num_experts=4", "train.max_steps=4", "train.dtype=fp32",
+    base = [*OWN, "model.family=moe", "model.moe.num_experts=4", "train.max_steps=4", "train.dtype=fp32",
             "train.micro_batch_size=2", "monitor.enabled=false", "train.eval_tokens=512", "train.sample_tokens=0",
             f"run.dir={tmp_path}", f"data.cache_dir={data_cache}"]
     train(load_config("tiny", [*base, "run.name=one"]))

@@ -336,7 +336,7 @@ def _is_fsdp(model: nn.Module) -> bool:
     return isinstance(model, FSDPModule)
 
 
-def _load_safe(path: Path):
+def load_safe(path: Path):
     """torch.load that only rebuilds tensors and plain values: a pickle that would run code is refused."""
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
@@ -353,7 +353,7 @@ def load_optimizers(ckpt: Path, optimizers: list, adapt=None) -> None:
     -> states` runs first (expert parallelism: this rank's shard)."""
     if is_sharded(ckpt):
         raise CheckpointError(f"{ckpt} is sharded: load it with trainbox.parallel.dcp.load_state")
-    states = _load_safe(ckpt / "optimizer.pt")
+    states = load_safe(ckpt / "optimizer.pt")
     if not isinstance(states, list) or len(states) != len(optimizers):
         raise CheckpointError(f"{ckpt / 'optimizer.pt'}: holds {len(states) if isinstance(states, list) else 0} "
                               f"optimizer states, the run has {len(optimizers)}")
@@ -378,5 +378,5 @@ def keep_hyperparameters(optimizers: list):
 
 
 def load_rng(ckpt: Path, rank: int) -> dict | None:
-    rngs = _load_safe(ckpt / "rng.pt")
+    rngs = load_safe(ckpt / "rng.pt")
     return rngs[rank] if rank < len(rngs) else None

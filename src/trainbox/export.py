@@ -15,6 +15,7 @@ Needs only model, checkpoint and tokenizer code; transformers itself is not requ
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -93,7 +94,19 @@ def check_hf_config(hf: dict, cfg, vocab_size: int, block_size: int, where: str)
 
 
 def read_hf_weights(folder: Path) -> dict[str, torch.Tensor]:
-    """model.safetensors, sharded safetensors (with their index) or pytorch_model.bin, keys normalised."""
+    """A GPT-2 folder's weights under GPT2LMHeadModel's names (read_hf_state), the attention masks left out."""
+    out = {}
+    for k, v in read_hf_state(folder).items():
+        if k.endswith(SKIP_SUFFIXES):
+            continue
+        # GPT2Model (no LM head) checkpoints, such as OpenAI's original upload, lack the "transformer." prefix
+        out[k if k.startswith(("transformer.", "lm_head.")) else f"transformer.{k}"] = v
+    return out
+
+
+def read_hf_state(folder: Path) -> dict[str, torch.Tensor]:
+    """A Hugging Face folder's tensors as saved: model.safetensors, sharded safetensors (with their index) or
+    pytorch_model.bin (tensors and plain values only)."""
     if (folder / "model.safetensors").is_file():
         state = load_file(str(folder / "model.safetensors"))
     elif (folder / "model.safetensors.index.json").is_file():
@@ -111,13 +124,7 @@ def read_hf_weights(folder: Path) -> dict[str, torch.Tensor]:
     else:
         raise CheckpointError(f"{folder} has a config.json but no model.safetensors or pytorch_model.bin",
                               hint="save the model with model.save_pretrained(folder)")
-    out = {}
-    for k, v in state.items():
-        if k.endswith(SKIP_SUFFIXES):
-            continue
-        # GPT2Model (no LM head) checkpoints, such as OpenAI's original upload, lack the "transformer." prefix
-        out[k if k.startswith(("transformer.", "lm_head.")) else f"transformer.{k}"] = v
-    return out
+    return state
 
 
 def load_hf_gpt2(folder: str | Path, model: nn.Module, cfg) -> None:
@@ -164,21 +171,35 @@ def export_hf(run: str | Path, out: str | Path, force: bool = False) -> Path:
         raise ConfigError(f"{ckpt} is a model.family={cfg.model.family} run; --format hf exports the dense GPT "
                           f"family (GPT2LMHeadModel)", hint="export a model.family=gpt run")
     out = Path(out)
-    if out.exists() and any(out.iterdir()) and not force:
-        raise ConfigError(f"--out {out} exists and is not empty", hint="choose another folder or pass --force")
+    check_out(out, force)
     tokenizer = get_tokenizer(cfg.data.tokenizer)
     block = cfg.model.block_size or cfg.data.seq_len
     model = build_model(cfg.model, cfg.model.vocab_size or pad_vocab(tokenizer.vocab_size), block)
     checkpoint.load_weights(ckpt, model)
-    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
+    with staged(out) as tmp:
         save_file(hf_state(model, tokenizer.vocab_size), str(tmp / "model.safetensors"), metadata={"format": "pt"})
         _write_json(tmp / "config.json", hf_config(cfg.model, tokenizer, block))
         _write_json(tmp / "generation_config.json",
                     {"bos_token_id": tokenizer.eot_id, "eos_token_id": tokenizer.eot_id})
         write_tokenizer(tokenizer, cfg.data.tokenizer, tmp, block)
+    return out
+
+
+def check_out(out: Path, force: bool) -> None:
+    """Refuse to write into a folder that holds files, unless --force."""
+    if out.exists() and any(out.iterdir()) and not force:
+        raise ConfigError(f"--out {out} exists and is not empty", hint="choose another folder or pass --force")
+
+
+@contextlib.contextmanager
+def staged(out: Path):
+    """A fresh staging folder beside `out` that replaces `out` (files readable by all) when the block succeeds;
+    on any error it is removed and `out` stays as it was."""
+    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        yield tmp
         if out.exists():
             shutil.rmtree(out)
         default_modes(tmp)
@@ -186,7 +207,6 @@ def export_hf(run: str | Path, out: str | Path, force: bool = False) -> Path:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return out
 
 
 def hf_state(model: nn.Module, vocab: int) -> dict[str, torch.Tensor]:
@@ -277,14 +297,10 @@ def export_llama_cli(path: str, out: str, merge: bool = False, force: bool = Fal
 
     _no_merge(path, merge)
     out = Path(out)
-    if out.exists() and any(out.iterdir()) and not force:
-        raise ConfigError(f"--out {out} exists and is not empty", hint="choose another folder or pass --force")
+    check_out(out, force)
     model, tokenizer, cfg = load_for_inference(path)
     block = cfg.model.block_size or cfg.data.seq_len
-    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
+    with staged(out) as tmp:
         arch = write_hf(model, cfg.model, tmp, tokenizer.eot_id, block)
         spec = Path(tokenizer_spec(cfg))
         if (spec / "tokenizer_config.json").is_file():  # a Hugging Face tokenizer folder: its files as they are
@@ -293,13 +309,6 @@ def export_llama_cli(path: str, out: str, merge: bool = False, force: bool = Fal
                     shutil.copyfile(spec / name, tmp / name)
         else:
             write_tokenizer(tokenizer, cfg.data.tokenizer, tmp, block)
-        if out.exists():
-            shutil.rmtree(out)
-        default_modes(tmp)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return [f"wrote {out} (Hugging Face {arch}: config.json, model.safetensors, tokenizer)"]
 
 
@@ -328,20 +337,9 @@ def export_moe_cli(path: str, out: str, merge: bool = False, force: bool = False
     _no_merge(path, merge)
     model, tok, cfg = load_for_inference(path)
     target = Path(out)
-    if target.exists() and any(target.iterdir()) and not force:
-        raise ConfigError(f"--out {target} exists and is not empty", hint="choose another folder or pass --force")
-    tmp = target.with_name(f".{target.name}.tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
+    check_out(target, force)
+    with staged(target) as tmp:
         save_pretrained(model, tmp)
         write_tokenizer(tok, cfg.data.tokenizer, tmp, model.block_size)
-        if target.exists():
-            shutil.rmtree(target)
-        default_modes(tmp)
-        os.replace(tmp, target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return [f"wrote {target} (trainbox MoE format: config.json, model.safetensors, tokenizer); Hugging Face "
             f"transformers has no GPT-2 MoE class: load it with trainbox.model.moe.from_pretrained({str(target)!r})"]

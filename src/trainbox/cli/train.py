@@ -310,7 +310,7 @@ def cmd_config(args) -> int:
 
 def _print_keys() -> None:
     """`config schema`: one line per key (dotted name, type, default, description), grouped by section."""
-    from trainbox.config.schema import describe_keys
+    from trainbox.config.describe import describe_keys
 
     rows = describe_keys()
     kw = max(len(r[0]) for r in rows)

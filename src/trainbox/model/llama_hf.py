@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 import torch.nn as nn
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from trainbox.errors import CheckpointError, ConfigError
 
@@ -139,17 +139,9 @@ def resolve_from_folder(run):
 
 
 def read_weights(folder: Path) -> dict[str, torch.Tensor]:
-    """model.safetensors or the shards of model.safetensors.index.json; keys under HF's LlamaForCausalLM names."""
-    if (folder / "model.safetensors").is_file():
-        state = load_file(str(folder / "model.safetensors"))
-    elif (folder / "model.safetensors.index.json").is_file():
-        index = json.loads((folder / "model.safetensors.index.json").read_text())
-        state = {}
-        for shard in sorted(set(index["weight_map"].values())):
-            state.update(load_file(str(folder / shard)))
-    else:
-        raise CheckpointError(f"{folder} has a config.json but no model.safetensors (or its sharded index)",
-                              hint="save the model with model.save_pretrained(folder) (safetensors)")
+    """The folder's weights (export.read_hf_state) under HF's LlamaForCausalLM names."""
+    from trainbox.export import read_hf_state
+    state = read_hf_state(folder)
     # a LlamaModel without its head stores its keys without the "model." prefix; old ones keep RoPE tables
     return {k if k.startswith(("model.", "lm_head.")) else f"model.{k}": v for k, v in state.items()
             if not k.endswith("rotary_emb.inv_freq")}

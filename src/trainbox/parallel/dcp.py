@@ -84,7 +84,7 @@ class AsyncSaver:
         # DCP's default stager (a fresh one per save: one kept across saves fails on its second staging of an
         # optimizer state in torch 2.11) copies the shards to host memory before this returns
         self.future = dcp.async_save(state, checkpoint_id=str(tmp / checkpoint.SHARDED_DIR), process_group=self.group)
-        self.step, self.error, self.done = step, None, None
+        self.step, self.error = step, None
         if self.dist.is_main:
             self.publisher = threading.Thread(target=self._publish, args=(tmp, step, t0), daemon=False,
                                               name=f"publish-step-{step}")
@@ -100,11 +100,10 @@ class AsyncSaver:
             self.error = e
 
     def finished(self) -> tuple[Path, float] | None:
-        """Rank 0: the save that has been published since the last call, once (for the log)."""
-        if self.publisher is not None and not self.publisher.is_alive() and self.done is not None:
-            done, self.done = self.done, None
-            return done
-        return None
+        """Rank 0: the save that has been published since the last call, once (for the log). `done` is set as
+        the publisher's last act, so a value here is a finished publish."""
+        done, self.done = self.done, None
+        return done
 
     def wait(self) -> None:
         """Block until the save in flight is published; raise CheckpointError on every rank if it failed."""
@@ -213,7 +212,7 @@ def _load_single(ckpt: Path, model: nn.Module, optimizers: list | None) -> None:
     set_model_state_dict(model, weights, options=full)
     if not optimizers:
         return
-    states = checkpoint._load_safe(ckpt / "optimizer.pt")
+    states = checkpoint.load_safe(ckpt / "optimizer.pt")
     if not isinstance(states, list) or len(states) != len(optimizers):
         raise CheckpointError(f"{ckpt / 'optimizer.pt'}: holds a different number of optimizer states than the run")
     fqn = {id(p): n for n, p in model.named_parameters()}

@@ -25,6 +25,7 @@ class Checkpointing:
         self.last_saved_step = step
         rngs = self.dist.gather_objects(checkpoint.rng_state())
         if self.saver is not None:
+            self._saves_published(wait=True)   # the previous save, finished and logged first
             waited = self.saver.start(step, self.model, self.optimizers,
                                       self._trainer_state(step) if self.dist.is_main else None, rngs)
             if self.dist.is_main:
