@@ -9,7 +9,7 @@ Runs the real loop (trainbox.train.loop.Trainer) with monitor.log_every=1, so ev
 host sync and the metrics.jsonl timestamps of consecutive steps are step times. Prints: GPU, torch,
 commit, recipe, tokens per step, median step ms after warm-up, tokens/s, MFU, compile (first-step)
 seconds, peak memory next to the memory plan's prediction of it (trainbox.plan, for this device and its
-kernels), and the validation loss of the run's closing evaluation (train.eval_tokens).
+kernels), what each checkpoint added to the step time around it, and the validation loss of the run's closing evaluation (train.eval_tokens).
 With --nanogpt it also runs nanoGPT's train.py (code present locally, never committed) on the same
 token stream and prints its line (step time and validation loss), parsed from nanoGPT's own log. The last
 output is the result record (common.Result, nanoGPT as its baseline); --record also writes it to
@@ -59,6 +59,12 @@ def run_ours(recipe: str, data: str, steps: int, warmup: int, overrides: list[st
     tokens = cfg.train.global_batch_size * cfg.data.seq_len
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     mem = [e["peak_mem_gib"] for e in train if "peak_mem_gib" in e]
+    every, t_of = cfg.train.checkpoint_every, {e["step"]: e["time"] for e in train}
+    around = {}   # a save at step s: the longer of the two step times around it, less the median step
+    for s in sorted(t_of):
+        if every and s % every == 0 and s < steps and {s - 1, s, s + 1} <= t_of.keys():
+            longest = max(t_of[s] - t_of[s - 1], t_of[s + 1] - t_of[s])
+            around[s] = round((longest - step_s) * 1e3, 1)
     return {
         "who": "trainbox", "recipe": recipe, "gpu": gpu, "torch": torch.__version__, "commit": common.git_state()[0],
         "overrides": overrides, "nproc": nproc, "tokens_per_step": tokens, "steps": steps,
@@ -69,6 +75,7 @@ def run_ours(recipe: str, data: str, steps: int, warmup: int, overrides: list[st
         "first_step_s": round(train[0]["time"] - start["time"], 1), "wall_s": round(time.time() - t0, 1),
         "peak_mem_gib": max(mem) if mem else None,   # rank 0's
         "plan_peak_gib": round(planned_peak(cfg, nproc) / 2**30, 2) if torch.cuda.is_available() else None,
+        "save_block_ms": around,   # per checkpoint step: what the save added to the step time around it
         "final_loss": train[-1]["loss"], "val_loss": summary.get("val_loss"), "val_tokens": summary.get("val_tokens"),
         "losses": [round(e["loss"], 4) for e in train],  # every step's training loss: where a bad seed went wrong
     }

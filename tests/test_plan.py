@@ -25,7 +25,8 @@ from trainbox.plan.gpus import GiB
 SMALL = ["data.tokenizer=embedded:shakespeare-bpe", "model.n_head=4", "model.n_embd=64", "data.seq_len=64",
          "model.n_layer=2", "model.vocab_size=512"]
 FAMILIES = {"gpt": [], "moe": ["model.moe.num_experts=4", "model.bias=false"],
-            "speedrun": ["model.eot_id=0", "model.head_dim=16", "model.n_layer=4"], "t5": []}
+            "speedrun": ["model.eot_id=0", "model.head_dim=16", "model.n_layer=4"], "t5": [],
+            "llama": ["model.llama.n_kv_head=2", "model.llama.intermediate_size=160"]}
 MOE_128 = ["model.moe.num_experts=128", "model.moe.top_k=2", "model.moe.capacity_factor=2"]
 
 

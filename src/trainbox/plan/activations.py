@@ -7,9 +7,9 @@ them (the comments name the op that saves each). `Block` tags each one with when
     keep  kept without recomputation only (norm inputs and outputs, activation-function outputs, indices)
     mm    a matmul output: kept by mode none where the next op saves it (keep=True), and always by selective
           (its policy saves the outputs of matmuls: train/recompute.py)
-    attn  what the attention kernel saves (q, k, v, output, log-sum-exp): kept by none; by selective only where
-          the kernel is one of the ops its policy saves (SDPA and FlexAttention on CUDA; not FlashAttention-4's
-          custom op, nor the CPU's SDPA kernels, which are recomputed)
+    attn  the attention kernel's output and log-sum-exp: kept by none; by selective where the kernel is one of
+          the ops its policy saves (SDPA and FlexAttention; not FlashAttention-4's custom op, which is
+          recomputed). The kernel's inputs (q, k, v) are tagged by what makes them.
 
 Widths: `a` bytes for matmul operands (2 under bf16/fp16 autocast, 4 in fp32), `r` bytes for the residual
 stream (4: fp32, or `a` with model.lowp_residual and under FSDP's bf16 parameters). Norm statistics and
@@ -50,7 +50,7 @@ class Kernels:
 
     @property
     def attn_saved_by_selective(self) -> bool:
-        return self.cuda and self.attention in ("sdpa", "flex", "hf")
+        return self.attention in ("sdpa", "flex", "hf")
 
 
 @dataclass(frozen=True)
@@ -177,7 +177,8 @@ def speedrun_block(d: int, heads: int, hd: int, T: int, letter: str, w: Widths, 
         b.keep(d if up8 else a * d)            # norm output, the fused qkv matmul's input
         b.mm(3 * a * hd)                       # q, k, v (QK-norm keeps q and k; the value mix keeps v)
         b.keep(8 * heads + (8 * hd if a != 4 and not w.compiled else 0))   # QK-norm: rstd (and fp32 q, k)
-        b.attn(4 * a * hd + 4 * heads)         # rotated q and k, mixed v, output; log-sum-exp
+        b.keep(3 * a * hd)                     # the attention's inputs: rotated q and k, mixed v
+        b.attn(a * hd + 4 * heads)             # its output and log-sum-exp
         if kern.attention == "sdpa":           # the document/window mask, T keys per query, in q's dtype
             b.keep(a * T)
         b.mm(a * d, keep=False)                # c_proj output
@@ -248,7 +249,10 @@ def decoder_block(shapes, w: Widths, kern: Kernels, frozen: bool = False, lora_d
     if not frozen:
         b.keep(w.casts(3) * a * d)             # the norm's output, q's, k's and v's input
     b.mm(a * (shapes.q + 2 * shapes.kv), keep=False)   # q, k, v (RoPE makes new q and k)
-    b.attn(a * (2 * shapes.q + 2 * shapes.kv) + 4 * shapes.heads)   # rotated q, k; v; output; lse
+    b.keep(a * (shapes.q + 2 * shapes.kv))     # the attention's inputs: rotated q and k, v
+    b.attn(a * shapes.q + 4 * shapes.heads)    # its output and log-sum-exp
+    if not frozen:
+        b.keep(a * shapes.q)                   # the output made contiguous: o's input
     b.mm(a * d, keep=False)
     b.keep(w.rms(d, True))
     if not frozen:

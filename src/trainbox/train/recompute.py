@@ -34,7 +34,8 @@ def _saved_ops() -> frozenset:
     aten = torch.ops.aten
     names = ["mm", "addmm", "bmm", "_grouped_mm", "_scaled_mm", "_scaled_dot_product_flash_attention",
              "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
-             "_flash_attention_forward", "_efficient_attention_forward"]
+             "_flash_attention_forward", "_efficient_attention_forward",
+             "_scaled_dot_product_flash_attention_for_cpu"]
     ops = {getattr(aten, n).default for n in names if hasattr(aten, n)}
     flex = getattr(torch.ops.higher_order, "flex_attention", None)  # the speedrun family's attention on GPU
     return frozenset(ops | ({flex} if flex is not None else set()))

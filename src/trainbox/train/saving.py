@@ -25,12 +25,14 @@ class Checkpointing:
         self.last_saved_step = step
         rngs = self.dist.gather_objects(checkpoint.rng_state())
         if self.saver is not None:
+            t0 = time.perf_counter()
             self._saves_published(wait=True)   # the previous save, finished and logged first
-            waited = self.saver.start(step, self.model, self.optimizers,
+            staged = self.saver.start(step, self.model, self.optimizers,
                                       self._trainer_state(step) if self.dist.is_main else None, rngs)
             if self.dist.is_main:
-                log.info(f"checkpoint of step {step} is being written in the background "
-                         f"(training waited {waited:.2f}s for it)")
+                waited = time.perf_counter() - t0
+                log.info(f"checkpoint of step {step} is being written in the background (training waited "
+                         f"{waited:.2f}s: {staged:.2f}s staging, {waited - staged:.2f}s for the previous save)")
             self._phase("training")
             return
         full = expert.full_state(self.model, self.optimizers)   # expert parallelism: every expert, on rank 0
