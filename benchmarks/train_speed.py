@@ -9,7 +9,8 @@ Runs the real loop (trainbox.train.loop.Trainer) with monitor.log_every=1, so ev
 host sync and the metrics.jsonl timestamps of consecutive steps are step times. Prints: GPU, torch,
 commit, recipe, tokens per step, median step ms after warm-up, tokens/s, MFU, compile (first-step)
 seconds, peak memory next to the memory plan's prediction of it (trainbox.plan, for this device and its
-kernels), what each checkpoint added to the step time around it, and the validation loss of the run's closing evaluation (train.eval_tokens).
+kernels), what each checkpoint added to the step time around it, and the validation loss of the run's
+closing evaluation (train.eval_tokens).
 With --nanogpt it also runs nanoGPT's train.py (code present locally, never committed) on the same
 token stream and prints its line (step time and validation loss), parsed from nanoGPT's own log. The last
 output is the result record (common.Result, nanoGPT as its baseline); --record also writes it to
