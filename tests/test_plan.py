@@ -213,6 +213,7 @@ def test_layouts_shard_what_they_claim():
     ep = make_plan(load_config("moe-gpt2-125m", [*MOE_128, "model.moe.expert_parallel=2"]), vocab, gpu("H200"),
                    nproc=2, suggest=False).memory
     assert ep.params == 4 * (c.dense + c.expert // 2)
+    assert ep.comm < 4 * c.dense + 4 * 2 * 48 * 1024 * 768 * 2 * 1.01   # buckets of the dense part, all-to-all
     with pytest.raises(ConfigError, match="does not divide"):
         make_plan(load_config("moe-gpt2-125m", [*MOE_128, "model.moe.expert_parallel=4"]), vocab, gpu("H100"),
                   nproc=2)
@@ -229,9 +230,12 @@ def test_verdicts_and_suggestions_that_fit_when_applied():
     assert not two.fits
     kinds = {s.what for s in [*one.suggestions, *two.suggestions]}
     assert "expert parallelism" in kinds or "fsdp" in kinds
-    for plan in (one, two):
-        for s in plan.suggestions:   # each suggestion, applied, fits
-            applied_cfg = load_config("moe-gpt2-125m", [*MOE_128, *s.overrides])
+    split = load_config("moe-gpt2-125m", [*MOE_128, "model.moe.expert_parallel=2"])   # given by the user
+    ep2 = make_plan(split, vocab, gpu("H100"), nproc=2)
+    assert not ep2.fits and ep2.suggestions
+    for plan, given in ((one, []), (two, []), (ep2, ["model.moe.expert_parallel=2"])):
+        for s in plan.suggestions:   # each suggestion, applied over the user's overrides, fits
+            applied_cfg = load_config("moe-gpt2-125m", [*MOE_128, *given, *s.overrides])
             expert.check(applied_cfg, s.nproc)   # a layout the trainer runs (no expert parallelism under fsdp)
             applied = make_plan(applied_cfg, vocab, gpu("H100"), nproc=s.nproc, suggest=False)
             assert applied.fits and applied.memory.total == s.total, s

@@ -13,7 +13,8 @@ model.moe.expert_parallel):
     activations    plan/activations.py: what the blocks, the head and the loss keep for the backward of one
                    micro-batch (by activation-checkpointing mode, dtype, attention kernel, fused loss), the
                    16-bit weight copies autocast keeps, and the largest transient on top at the peak
-    communication  ddp: the gradient buckets (a second fp32 copy of the gradients, DDP's default); fsdp: the
+    communication  ddp: the gradient buckets (a second fp32 copy of the gradients DDP reduces, DDP's default;
+                   under expert parallelism the dense ones only, the experts are outside DDP); fsdp: the
                    bf16 blocks gathered in flight (two, or all of them with train.reshard_after_forward=false),
                    the root (embeddings, head) gathered with its bf16 gradients through the backward, a block's
                    bf16 gradients and two fp32 reduce-scatter inputs; expert parallelism: one layer's
@@ -184,8 +185,8 @@ def memory(cfg: RunConfig, counts: ParamCount, vocab: int, target: Target, layou
         copies = int(copies * (counts.matmul - counts.expert + counts.expert / ep) / counts.matmul)
     acts = replace(acts, weight_copies=copies)
     comm = 0.0
-    if world > 1 and not fsdp:
-        comm += 4 * held                                        # DDP's gradient buckets
+    if world > 1 and not fsdp:   # DDP's gradient buckets: the dense parameters only under expert parallelism
+        comm += 4 * (counts.dense if ep > 1 else held)
     if fsdp:
         unit = (counts.largest_block - counts.expert / max(1, counts.n_blocks)
                 + counts.expert / ep / max(1, counts.n_blocks))
@@ -295,7 +296,7 @@ def _layouts(cfg: RunConfig, base: Layout, n: int) -> list[tuple[Layout, tuple[s
     """The layouts on n GPUs the trainer runs, simplest first: as configured, fsdp, then each expert-parallel
     degree (with ddp: expert parallelism does not combine with fsdp)."""
     out = [(replace(base, nproc=n), ())]
-    if base.parallel == "ddp" and n > 1:
+    if base.parallel == "ddp" and n > 1 and base.expert_parallel == 1:
         out.append((replace(base, nproc=n, parallel="fsdp"), ("train.parallel=fsdp",)))
     experts = cfg.model.moe.num_experts if cfg.model.family == "moe" else 1
     for ep in range(base.expert_parallel + 1, n + 1):

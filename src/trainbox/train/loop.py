@@ -335,9 +335,11 @@ class Trainer(Checkpointing):
         gn = float(grad_norm) if grad_norm is not None else None
         if not self.dist.is_main:
             return
-        peak_mem = torch.cuda.max_memory_allocated(self.device) / 2**30 if self.device.type == "cuda" else None
+        cuda = self.device.type == "cuda"   # peaks: what tensors held, and what the caching allocator reserved
+        peaks = {"peak_mem_gib": round(torch.cuda.max_memory_allocated(self.device) / 2**30, 3),
+                 "peak_reserved_gib": round(torch.cuda.max_memory_reserved(self.device) / 2**30, 3)} if cuda else {}
         last = {"lr": lr, "grad_norm": gn, "tokens_per_s": tok_s, "mfu": mfu, "tokens": self.tokens_seen,
-                **({"peak_mem_gib": round(peak_mem, 3)} if peak_mem is not None else {}), **self._stats()}
+                **peaks, **self._stats()}
         for i, v in enumerate(losses):
             self.sinks.log("train", step=first_step + i + 1, loss=v, **(last if i == len(losses) - 1 else {}))
         mem = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
