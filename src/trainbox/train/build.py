@@ -87,9 +87,13 @@ class RunModel:
 def build_model_side(cfg: RunConfig, vocab: int, device: torch.device, dist: Dist, init_weights: bool,
                      dtype: torch.dtype = torch.float32) -> RunModel:
     """The same initial weights on every rank (seeded before building); `init_weights`: load run.init_from.
-    Under fsdp the model is sharded before the optimizers are built, so their state is sharded too."""
+    Under fsdp the model is sharded before the optimizers are built, so their state is sharded too, and on a GPU
+    it is built there (its random initialisation on the CPU takes minutes at billions of parameters; the GPU's
+    generator gives other, equally distributed, initial weights than the CPU's)."""
     torch.manual_seed(cfg.run.seed)
-    model = build_model(cfg.model, vocab, cfg.model.block_size or cfg.data.seq_len, run=cfg)
+    on = device if cfg.train.parallel == "fsdp" and device.type == "cuda" else torch.device("cpu")
+    with on:
+        model = build_model(cfg.model, vocab, cfg.model.block_size or cfg.data.seq_len, run=cfg)
     if init_weights and cfg.run.init_from:
         from trainbox.export import (
             load_init_weights,  # our checkpoint or a Hugging Face GPT-2 folder

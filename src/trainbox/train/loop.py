@@ -353,8 +353,8 @@ class Trainer(Checkpointing):
         self.state.write_status(self.run_dir / "status.json")
         from trainbox.monitor.console import fmt_duration
         extra = f" mfu {100 * mfu:.1f}%" if mfu else ""
-        if peak_mem is not None:
-            extra += f" mem {peak_mem:.1f}GiB peak"
+        if peaks:
+            extra += f" mem {peaks['peak_mem_gib']:.1f}GiB peak"
         log.info(f"step {step}/{self.total} loss {losses[-1]:.4f}{f' lr {lr:.3g}' if lr is not None else ''}"
                  f"{f' gnorm {gn:.3f}' if gn is not None else ''} tok/s {tok_s or 0:,.0f}{extra} "
                  f"eta {fmt_duration(eta)}",
