@@ -57,13 +57,20 @@ def state_dict(model: nn.Module, optimizers: list | None) -> dict:
 
 
 def pinned_stager():
-    """On a GPU, a stager that copies into pinned host buffers made by the first save and reused by every later
-    one (the shards keep their shapes), so a save costs training one device-to-host copy and no allocation.
-    Elsewhere None: DCP's default stager, a fresh host copy per save."""
+    """On a GPU, a stager that copies into pinned host buffers, reused by every save (the shards keep their
+    shapes), so a save costs training one device-to-host copy and no allocation. Elsewhere None: DCP's default
+    stager, a fresh host copy per save."""
     if not torch.cuda.is_available() or "async_stager" not in inspect.signature(dcp.async_save).parameters:
         return None
     from torch.distributed.checkpoint.staging import BlockingAsyncStager
     return BlockingAsyncStager(cache_staged_state_dict=True)
+
+
+def _pin_like(state: dict, stager) -> None:
+    """The stager's host buffers for `state`, allocated (and pinned) ahead of the first save."""
+    # the function the stager itself calls on its first stage()
+    from torch.distributed._state_dict_utils import _create_cpu_state_dict
+    stager.state_dict_cache = _create_cpu_state_dict(state, pin_memory=True)
 
 
 class AsyncSaver:
@@ -77,11 +84,33 @@ class AsyncSaver:
         self.error: BaseException | None = None
         self.done: tuple[Path, float] | None = None   # (published folder, seconds from start to publish)
         self.stager = pinned_stager()
+        self.pinning: threading.Thread | None = None
+
+    def prepare(self, model: nn.Module, optimizers: list) -> None:
+        """After the first step (the optimizer state exists): allocate the pinned host buffers in a background
+        thread while training goes on. Pinning tens of GiB takes up to a minute, which the first save would
+        otherwise wait for. Where it fails, the first save allocates them."""
+        if self.stager is None or self.pinning is not None:
+            return
+        state = state_dict(model, optimizers)   # references and shapes, read here; only allocation is threaded
+        device = torch.cuda.current_device()
+
+        def pin():
+            try:
+                torch.cuda.set_device(device)   # this rank's GPU (not a context on GPU 0)
+                _pin_like(state, self.stager)
+            except Exception:  # noqa: BLE001 - the stager then allocates at the first save
+                self.stager.state_dict_cache = None
+
+        self.pinning = threading.Thread(target=pin, daemon=True, name="pin-checkpoint-buffers")
+        self.pinning.start()
 
     def start(self, step: int, model: nn.Module, optimizers: list, trainer: dict | None, rngs: list) -> float:
         """Stage this rank's shards and start writing them; returns the seconds training waited."""
         t0 = time.perf_counter()
         self.wait()
+        if self.pinning is not None:   # the buffers, if their allocation is still under way
+            self.pinning.join()
         tmp = self.root / f".tmp-step_{step:08d}"
         failed = None
         if self.dist.is_main:

@@ -238,8 +238,11 @@ class Trainer(Checkpointing):
             self.tokens_seen += cfg.train.global_batch_size * cfg.data.seq_len
             window.append(loss)
             meter.step_done(step)
-            if step == self.start_step + 1 and cfg.train.compile:
-                self._phase("training")
+            if step == self.start_step + 1:
+                if cfg.train.compile:
+                    self._phase("training")
+                if self.saver is not None:
+                    self.saver.prepare(self.model, self.optimizers)   # the save's host buffers, in the background
             end_of_epoch = step % self.plan.steps_per_epoch == 0
             do_eval = self.val_data is not None and cfg.train.eval_every and step % cfg.train.eval_every == 0
             do_save = step == self.total or end_of_epoch or (cfg.train.checkpoint_every
