@@ -268,8 +268,10 @@ def area(rec: dict) -> str:
         return "Quality parity"
     if rec["tool"] == "ddp_check":
         return "Multi-GPU scaling"
-    if "train.parallel=fsdp" in (rec.get("overrides") or []):
+    if "train.parallel=fsdp" in (rec.get("overrides") or []) or recipe.startswith("llama"):
         return "Sharded training"
+    if rec["tool"] == "train_speed" and (rec["metrics"].get("nproc") or 1) > 1 and not recipe.startswith("moe"):
+        return "Multi-GPU scaling"
     if rec["gpu"] is None:
         return "CPU"
     if rec["tool"] == "lora_speed":

@@ -177,15 +177,21 @@ RECORDS = [
      ("flash", "triton", "off", "off")),
     ("2026-11-26-h100-speedrun-124m-fp8-mlp-both-profile.json", [], ("flash", "quack", "off", "fp8")),  # no QuACK:
     ("2026-11-26-h100-speedrun-350m-profile.json", [], ("flash", "off", "off", "off")),                  # soft cap
+    ("2026-11-27-2xh200-gpt2-125m-scaling-2gpu.json", [], ("sdpa", "triton", "unfused", "off")),
+    ("2026-11-27-4xh200-gpt2-125m-scaling-4gpu.json", [], ("sdpa", "triton", "unfused", "off")),
+    ("2026-11-27-2xh200-llama-1b-fsdp-2gpu-bf16-async-save.json", [], ("sdpa", "triton", "off", "off")),
+    ("2026-11-27-4xh200-llama-8b-fsdp-4gpu-bf16.json", [], ("sdpa", "triton", "off", "off")),
 ]
 
 
 @pytest.mark.parametrize("record, extra, ran", RECORDS, ids=[r[0][11:-5] for r in RECORDS])
 def test_prediction_within_the_margin_of_measured_gpu_peaks(record, extra, ran):
-    """torch.cuda.max_memory_allocated of the recipes on an H100 (benchmarks/records/) against peak_allocated."""
+    """torch.cuda.max_memory_allocated of the recipes on H100s and H200s (benchmarks/records/, rank 0's on several
+    GPUs) against peak_allocated."""
     rec = json.loads((REPO / "benchmarks" / "records" / record).read_text())
     cfg = load_config(rec["recipe"], [*rec["overrides"], *extra])
-    plan = make_plan(cfg, run_vocab(cfg), gpu("H100"), kernels=Kernels(*ran, cuda=True))
+    card = gpu("H200" if "H200" in rec["gpu"]["name"] else "H100")
+    plan = make_plan(cfg, run_vocab(cfg), card, rec["metrics"].get("nproc", 1), kernels=Kernels(*ran, cuda=True))
     measured = rec["metrics"]["peak_mem_gib"] * GiB
     assert abs(plan.memory.peak_allocated / measured - 1) < MARGIN, plan.memory
 

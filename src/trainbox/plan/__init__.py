@@ -8,7 +8,8 @@ model.moe.expert_parallel):
 
     parameters     fp32 master weights (4 bytes each): whole under ddp, 1/N under fsdp; experts 1/E under
                    expert parallelism (E ranks hold disjoint experts); frozen weights as built (LoRA bases)
-    gradients      fp32, one per trainable parameter held (sharded like the parameters)
+    gradients      fp32, one per trainable parameter held (sharded like the parameters), at the peak only where
+                   the step has several micro-batches (the earlier ones' gradients are kept through the last)
     optimizer      AdamW: two fp32 moments (8 bytes); Muon: one momentum (4) for the matrices it owns
     activations    plan/activations.py: what the blocks, the head and the loss keep for the backward of one
                    micro-batch (by activation-checkpointing mode, dtype, attention kernel, fused loss), the
@@ -199,10 +200,15 @@ def memory(cfg: RunConfig, counts: ParamCount, vocab: int, target: Target, layou
     frozen = counts.frozen * (0.5625 if cfg.quant.load_in_4bit else 1 if cfg.quant.load_in_8bit else a)
     params = 4 * local + frozen / shard          # frozen bases: bf16 on a GPU (NF4: 4.5 bits with its scales)
     overhead = 0
-    peak = params + 4 * local + 4 * muon + 8 * (local - muon) + acts.peak + comm
+    # the peak is at the start of the last micro-batch's backward: gradients are there only where earlier
+    # micro-batches of the step left them (the loop sets them to None after each step), or where the
+    # activations are smaller than they are (then the end of the backward is the peak)
+    accum = -(-cfg.train.global_batch_size // (micro * world))
+    grads = 4 * local if accum > 1 or acts.peak < 4 * local else 0
+    peak = params + grads + 4 * muon + 8 * (local - muon) + acts.peak + comm
     if target.cuda:
         overhead = CONTEXT + (NCCL if world > 1 else 0) + FRAGMENTATION * peak
-    mem = Memory(params=int(params), gradients=int(4 * local), optimizer=int(4 * muon + 8 * (local - muon)),
+    mem = Memory(params=int(params), gradients=int(grads), optimizer=int(4 * muon + 8 * (local - muon)),
                  activations=acts.peak, comm=int(comm), overhead=int(overhead))
     return mem, acts
 

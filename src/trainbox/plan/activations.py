@@ -5,8 +5,10 @@ them (the comments name the op that saves each). `Block` tags each one with when
 
     inp   the block's input: kept in every mode (train.activation_checkpointing=full keeps only these)
     keep  kept without recomputation only (norm inputs and outputs, activation-function outputs, indices)
-    mm    a matmul output: kept by mode none where the next op saves it (keep=True), and always by selective
-          (its policy saves the outputs of matmuls: train/recompute.py)
+    mm    a matmul output: kept by mode none where the next op saves it (keep=True); by selective always in
+          eager mode (its policy caches the outputs of matmuls: train/recompute.py) and, compiled, unless it only
+          feeds a residual sum (residual=True): the partitioner saves a must-save output only where the backward
+          reads it (the compiled Llama peaks in benchmarks/records/ agree)
     attn  the attention kernel's output and log-sum-exp: kept by none; by selective where the kernel is one of
           the ops its policy saves (SDPA and FlexAttention; not FlashAttention-4's custom op, which is
           recomputed). The kernel's inputs (q, k, v) are tagged by what makes them.
@@ -76,9 +78,9 @@ class Activations:
 class Block:
     """Per-token bytes of one block, by mode (see the module docstring for the tags)."""
 
-    def __init__(self, attn_saved: bool):
+    def __init__(self, attn_saved: bool, compiled: bool = False):
         self.none = self.selective = self.inputs = 0.0
-        self.attn_saved = attn_saved
+        self.attn_saved, self.compiled = attn_saved, compiled
 
     def inp(self, n: float) -> None:
         self.none += n
@@ -88,9 +90,9 @@ class Block:
     def keep(self, n: float) -> None:
         self.none += n
 
-    def mm(self, n: float, keep: bool = True) -> None:
+    def mm(self, n: float, keep: bool = True, residual: bool = False) -> None:
         self.none += n if keep else 0
-        self.selective += n
+        self.selective += 0 if residual and self.compiled else n
 
     def attn(self, n: float) -> None:
         self.none += n
@@ -129,11 +131,11 @@ def gpt_attention(b: Block, d: int, heads: int, w: Widths) -> None:
     b.keep(a * d)                  # ln_1 output, cast for c_attn
     b.mm(3 * a * d)                # qkv, kept by the attention (q, k, v are views of it)
     b.attn(a * d + 4 * heads)      # attention output (c_proj's input) and log-sum-exp
-    b.mm(a * d, keep=False)        # c_proj output
+    b.mm(a * d, keep=False, residual=True)        # c_proj output
 
 
 def gpt_block(d: int, heads: int, w: Widths, kern: Kernels, bias: bool, moe=None) -> Block:
-    b = Block(kern.attn_saved_by_selective)
+    b = Block(kern.attn_saved_by_selective, w.compiled)
     gpt_attention(b, d, heads, w)
     a = w.a
     b.keep(w.r * d + 8)            # ln_2 input, mean, rstd
@@ -145,7 +147,7 @@ def gpt_block(d: int, heads: int, w: Widths, kern: Kernels, bias: bool, moe=None
     b.mm(4 * a * d) if not fused else b.keep(4 * a * d)         # h = c_fc(x), kept by the GELU
     b.keep(4 * a * d)              # GELU(h), c_proj's input
     if not fused:
-        b.mm(a * d, keep=False)    # c_proj output
+        b.mm(a * d, keep=False, residual=True)    # c_proj output
     return b
 
 
@@ -169,7 +171,7 @@ def moe_ffn(b: Block, d: int, moe, w: Widths, kern: Kernels, bias: bool) -> None
 def speedrun_block(d: int, heads: int, hd: int, T: int, letter: str, w: Widths, kern: Kernels, fp8: str) -> Block:
     """x = l0 x + l1 x0; x += attn(norm x) (QK-norm, RoPE, value mixing); x += relu(c_fc norm x)^2 c_proj."""
     a = w.a
-    b = Block(kern.attn_saved_by_selective)
+    b = Block(kern.attn_saved_by_selective, w.compiled)
     b.inp(w.r * d)                 # x, kept by the lambdas' product (x0 is shared by every block)
     b.keep(w.rms(d, False))        # the mixed x, as the norm keeps it, and its rstd
     up8, down8 = fp8 == "both", fp8 in ("down", "both")
@@ -181,13 +183,13 @@ def speedrun_block(d: int, heads: int, hd: int, T: int, letter: str, w: Widths, 
         b.attn(a * hd + 4 * heads)             # its output and log-sum-exp
         if kern.attention == "sdpa":           # the document/window mask, T keys per query, in q's dtype
             b.keep(a * T)
-        b.mm(a * d, keep=False)                # c_proj output
+        b.mm(a * d, keep=False, residual=True)                # c_proj output
         b.keep(w.rms(d, False))                # the MLP norm's input (x after attention), rstd
     b.keep(d if up8 else a * d)                # MLP norm output, c_fc's input
     b.mm(4 * a * d, keep=False)                # h = c_fc(x)
     b.keep(4 * a * d)                          # relu(h), kept by relu and by the square
     b.keep(4 * (1 if down8 else a) * d)        # relu(h)^2, c_proj's input (an e4m3 copy under fp8_mlp)
-    b.mm(a * d, keep=False)                    # c_proj output
+    b.mm(a * d, keep=False, residual=True)                    # c_proj output
     return b
 
 
@@ -210,7 +212,7 @@ def t5_blocks(d: int, heads: int, inner: int, ffn: int, S: int, T: int, w: Width
         else:
             b.mm(3 * a * inner)                # q, k, v, kept by the attention
             b.attn(a * inner + 4 * heads)      # output and log-sum-exp
-        b.mm(a * d, keep=False)                # o output
+        b.mm(a * d, keep=False, residual=True)                # o output
 
     def feed_forward(b: Block) -> None:
         b.keep(w.rms(d, True))                 # norm input (x after attention), what the norm keeps
@@ -219,20 +221,20 @@ def t5_blocks(d: int, heads: int, inner: int, ffn: int, S: int, T: int, w: Width
         b.keep(a * ffn)                        # GELU(wi_0 x)
         b.mm(a * ffn)                          # wi_1 x
         b.keep(a * ffn)                        # the product, wo's input
-        b.mm(a * d, keep=False)                # wo output
+        b.mm(a * d, keep=False, residual=True)                # wo output
 
-    enc = Block(kern.attn_saved_by_selective)
+    enc = Block(kern.attn_saved_by_selective, w.compiled)
     self_attention(enc, S)
     feed_forward(enc)
-    dec = Block(kern.attn_saved_by_selective)
+    dec = Block(kern.attn_saved_by_selective, w.compiled)
     self_attention(dec, T)
     dec.keep(w.rms(d, True))                   # cross-attention norm
     dec.keep(a * d)                            # its output, q's input
     dec.mm(a * inner)                          # q
     dec.attn(a * inner + 4 * heads)            # output, log-sum-exp
-    dec.mm(a * d, keep=False)                  # o output
+    dec.mm(a * d, keep=False, residual=True)                  # o output
     feed_forward(dec)
-    cross = Block(kern.attn_saved_by_selective)
+    cross = Block(kern.attn_saved_by_selective, w.compiled)
     cross.keep((w.casts(2) if w.casts(2) > 1 else 0) * a * d)   # the encoder output cast for k and for v
     cross.mm(2 * a * inner)                    # k, v
     return enc, dec, cross
@@ -243,7 +245,7 @@ def decoder_block(shapes, w: Widths, kern: Kernels, frozen: bool = False, lora_d
     two-matmul MLP). `frozen`: the projections' weights are frozen (LoRA), so they keep no inputs; the adapters
     keep theirs (dropped out copies under lora.dropout) and their rank-r products."""
     a, d = w.a, shapes.d
-    b = Block(kern.attn_saved_by_selective)
+    b = Block(kern.attn_saved_by_selective, w.compiled)
     b.inp(w.r * d)
     b.keep(w.rms(d, True) - w.r * d)
     if not frozen:
@@ -253,7 +255,7 @@ def decoder_block(shapes, w: Widths, kern: Kernels, frozen: bool = False, lora_d
     b.attn(a * shapes.q + 4 * shapes.heads)    # its output and log-sum-exp
     if not frozen:
         b.keep(a * shapes.q)                   # the output made contiguous: o's input
-    b.mm(a * d, keep=False)
+    b.mm(a * d, keep=False, residual=True)
     b.keep(w.rms(d, True))
     if not frozen:
         b.keep(w.casts(2 if shapes.gated else 1) * a * d)
@@ -264,7 +266,7 @@ def decoder_block(shapes, w: Widths, kern: Kernels, frozen: bool = False, lora_d
         b.mm(a * shapes.ffn)
     if not frozen:
         b.keep(a * shapes.ffn)                 # the product (or the activation): down's input
-    b.mm(a * d, keep=False)
+    b.mm(a * d, keep=False, residual=True)
     if shapes.lora_in:   # dropout's output and its mask (bool on a GPU, the input's dtype on a CPU)
         mask = (1 if w.cuda else a) if lora_dropout else 0
         b.keep(shapes.lora_in * ((a if lora_dropout or not frozen else 0) + mask) + shapes.lora_r * a)

@@ -52,7 +52,8 @@ def format_plan(plan: Plan, overrides: list[str] | tuple[str, ...] = ()) -> str:
     if lay.expert_parallel > 1:
         comm += ", all-to-all buffers"
     rows = [("parameters", mem.params, "fp32" + (", bf16 frozen base" if c.frozen else "")),
-            ("gradients", mem.gradients, "fp32"),
+            ("gradients", mem.gradients, "fp32" if mem.gradients else
+             "none at the peak: one micro-batch a step, gradients are made in its backward"),
             ("optimizer state", mem.optimizer, OPTIMIZER.get("muon" if c.muon else "adamw")),
             ("activations", mem.activations,
              f"blocks {_gib(acts.blocks)}, head and loss {_gib(acts.other)}, weight copies "
