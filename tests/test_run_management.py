@@ -171,3 +171,25 @@ def test_help_of_the_new_verbs_has_examples():
         assert p.returncode == 0 and "examples:" in p.stdout and f"trainbox {verb} tiny" in p.stdout
     p = _cli("train", "--help")
     assert "--detach" in p.stdout and "trainbox train tiny --detach" in p.stdout
+
+
+def test_the_launcher_finds_torchruns_workers():
+    """Where torchrun would SIGKILL its workers 30 s after a stop signal, the launcher signals the workers it
+    finds as torchrun's children: here two children of a real shell, and none of a process without any."""
+    from trainbox.cli.train import workers
+    shell = subprocess.Popen(["sh", "-c", "sleep 30 & sleep 30 & wait"])
+    try:
+        found: list[int] = []
+        for _ in range(100):   # the shell starts its children at once; wait until /proc lists both
+            found = workers(shell.pid)
+            if len(found) == 2:
+                break
+            time.sleep(0.05)
+        assert len(found) == 2
+        assert all(Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].endswith(b"sleep") for pid in found)
+        assert workers(found[0]) == [] and workers(2**22 + 1) == []
+    finally:
+        for pid in workers(shell.pid):
+            os.kill(pid, 9)
+        shell.kill()
+        shell.wait()

@@ -143,7 +143,8 @@ def _launch_torchrun(args, cfg, extra_overrides: list[str] = ()) -> int:
     torchrun runs in its own session, so a terminal Ctrl-C reaches only this launcher, which forwards
     SIGTERM / SIGINT / SIGUSR1 exactly once; torchrun (told to handle SIGUSR1 too) passes it to every
     worker, the workers agree on a step boundary, save and exit 0. torchrun itself then exits non-zero
-    (it re-raises the signal), so a stop that left the run "preempted" is reported as success."""
+    (it re-raises the signal), so a stop that left the run "preempted" is reported as success. Where torchrun
+    would SIGKILL the workers 30 s after the signal (no --shutdown-timeout), the workers are signalled directly."""
     import signal
     import subprocess
     import time
@@ -152,7 +153,10 @@ def _launch_torchrun(args, cfg, extra_overrides: list[str] = ()) -> int:
     from torch.distributed.run import get_args_parser
 
     known = {o for action in get_args_parser()._actions for o in action.option_strings}
-    extra = []  # flags of newer torchruns (older ones pass SIGTERM/SIGINT only, and wait 30 s before SIGKILL)
+    # torchruns without --shutdown-timeout SIGKILL the workers 30 s after passing a signal on, which cuts a
+    # large checkpoint short: there the launcher signals the workers themselves, and torchrun sees them finish
+    direct = "--shutdown-timeout" not in known
+    extra = []  # flags of newer torchruns (older ones pass SIGTERM/SIGINT only)
     if "--signals-to-handle" in known:
         extra.append("--signals-to-handle=" + ",".join(s.name for s in (*stops, signal.SIGHUP, signal.SIGQUIT)))
     if "--shutdown-timeout" in known:
@@ -169,7 +173,11 @@ def _launch_torchrun(args, cfg, extra_overrides: list[str] = ()) -> int:
 
     def forward(signum, frame):
         forwarded.append(signum)
-        proc.send_signal(signum)
+        for pid in (workers(proc.pid) if direct else []) or [proc.pid]:
+            try:
+                os.kill(pid, signum)
+            except ProcessLookupError:   # a worker that has just exited
+                pass
 
     old = {s: signal.signal(s, forward) for s in stops}
     try:
@@ -189,6 +197,14 @@ def _launch_torchrun(args, cfg, extra_overrides: list[str] = ()) -> int:
                   "to continue", file=sys.stderr)
             return 0
     return code
+
+
+def workers(pid: int) -> list[int]:
+    """The processes `pid` started (torchrun's workers), from /proc; [] where /proc does not list them."""
+    try:
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except (OSError, ValueError):
+        return []
 
 
 DETACH_WAIT_S = 60.0  # how long `train --detach` waits for the new process's monitor URL
