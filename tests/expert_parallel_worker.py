@@ -5,8 +5,9 @@ builds the model as the trainer does (train/build.py: shard_experts, DDP) and th
 same seed, then checks against the single process: an MoE layer's output (and against test_moe's slow per-token
 reference), the hidden states, the token and auxiliary losses of this rank's micro-batch, every gradient after
 the loop's loss scaling, expert sync and clipping, the clipped norm, the parameters after an AdamW step, and the
-checkpoint state gathered to rank 0 (weights and optimizer state in the unsharded layout). Then, given run
-overrides after `--train`, it trains that run on the same process group (one torchrun launch for both).
+checkpoint state (dcp.state_dict: expert shards as DTensors whose whole is the unsharded weights and optimizer
+state). Then, given run overrides after `--train`, it trains that run on the same process group (one torchrun
+launch for both).
 Prints "ok" on rank 0.
 """
 from __future__ import annotations
@@ -96,24 +97,25 @@ def check_case(d: Dist, n: int, cf: float, batches: list[tuple[torch.Tensor, tor
         want = shard.cut(own[name]) if shard and name in shard.params else own[name]
         torch.testing.assert_close(p, want, **TOL)
 
-    # the checkpoint's view: every expert, in the unsharded layout, on rank 0
-    full = expert.full_state(model, ep.optimizers)
-    if shard is not None and r == 0:
-        weights, (opt_state,) = full
-        for name, t in ref_model.state_dict().items():
-            if name in weights:
-                torch.testing.assert_close(weights[name], t, **TOL)
-        ref_state = ref_opt.state_dict()["state"]
-        assert opt_state["state"].keys() == ref_state.keys()
-        for i, st in ref_state.items():
-            for key, v in st.items():
-                torch.testing.assert_close(opt_state["state"][i][key], v, **TOL)
-        cut = expert.shard_optimizer_states(model, ep.optimizers, [opt_state])[0]
-        for p in shard.params.values():
-            i = expert._indices(opt)[id(p)]
-            torch.testing.assert_close(cut["state"][i]["exp_avg"], opt.state[p]["exp_avg"])
-    else:
-        assert full is None
+    # the checkpoint's view (parallel/dcp.py): every expert tensor a DTensor whose whole is the unsharded model's
+    from trainbox.parallel import dcp
+    state = dcp.state_dict(model, ep.optimizers)
+    ref_state = ref_opt.state_dict()["state"]
+    index = {name: expert._indices(ref_opt)[id(p)] for name, p in ref_model.named_parameters()}
+    for name, t in ref_model.state_dict().items():
+        got = state["model"][name]
+        if shard is not None and name in shard.params:
+            assert got.placements and tuple(got.shape) == tuple(t.shape), name
+            got = got.full_tensor()
+        torch.testing.assert_close(got, t, **TOL)
+    for name, st in state["optim"]["state"].items():
+        for key, v in ref_state[index[name]].items():
+            got = st[key].full_tensor() if hasattr(st[key], "full_tensor") else st[key]
+            torch.testing.assert_close(got, v, **TOL, msg=lambda m, name=name, key=key: f"{name} {key}: {m}")
+    expert.as_local(model, state)   # and back: this rank's shards, the optimizer's own tensors
+    if shard is not None:
+        for name, p in shard.params.items():
+            assert state["optim"]["state"][name]["exp_avg"].shape == p.shape
 
 
 def main() -> None:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY
+from conftest import TINY, run_cli
 from safetensors.torch import load_file
 
 from trainbox.config import load_config
@@ -70,8 +70,13 @@ def test_layouts_match_one_process_and_resume_on_fewer_processes_continues_exact
     starts = [e for e in got if e["event"] == "start"]
     assert [(e["world"], e["resumed_from"].endswith("step_00000002")) for e in starts] == [(4, False), (2, True)]
     assert max(e["moe.0.dropped_frac"] for e in got if e["event"] == "train") > 0, "the capacity must drop"
-    # the checkpoints hold the whole model, whatever the layout that saved them
-    final = [load_file(runs / r / "checkpoints" / "step_00000004" / "model.safetensors") for r in ("one", "ep")]
+    # the expert-parallel run's checkpoints are sharded (each rank wrote its experts); `trainbox export` reads the
+    # whole model from them, equal to the single-process run's checkpoint
+    ckpt = runs / "ep" / "checkpoints" / "step_00000004"
+    assert json.loads((ckpt / "COMPLETE").read_text())["layout"] == "sharded"
+    run_cli("export", str(ckpt), "--out", str(runs / "ep-export"))
+    final = [load_file(runs / "one" / "checkpoints" / "step_00000004" / "model.safetensors"),
+             load_file(runs / "ep-export" / "model.safetensors")]
     assert final[0].keys() == final[1].keys()
     for k in final[0]:
         torch.testing.assert_close(final[1][k], final[0][k], atol=1e-5, rtol=1e-4, msg=lambda m, k=k: f"{k}: {m}")

@@ -1,4 +1,5 @@
-"""Sharded, asynchronous checkpoints with torch.distributed.checkpoint (DCP), for `train.parallel=fsdp`.
+"""Sharded, asynchronous checkpoints with torch.distributed.checkpoint (DCP), for `train.parallel=fsdp` and
+expert parallelism (`model.moe.expert_parallel`: each rank writes its experts, the dense part is written once).
 
     checkpoints/step_00001000/
         state/              DCP: .metadata + __R_K.distcp files, several per rank (weights and optimizer state)
@@ -46,15 +47,17 @@ from torch.distributed.checkpoint.state_dict import (
 
 from trainbox import checkpoint
 from trainbox.errors import CheckpointError
+from trainbox.parallel import expert
 from trainbox.train.distributed import Dist
 
 
 def state_dict(model: nn.Module, optimizers: list | None) -> dict:
-    """{"model": ..., "optim": ...} keyed by parameter names: the same keys for FSDP and plain modules."""
+    """{"model": ..., "optim": ...} keyed by parameter names: the same keys for FSDP, expert-parallel and plain
+    modules (expert shards as DTensors over the expert mesh, parallel/expert.py)."""
     out = {"model": get_model_state_dict(model)}
     if optimizers:
         out["optim"] = get_optimizer_state_dict(model, optimizers)
-    return out
+    return expert.as_global(model, out)
 
 
 def pinned_stager():
@@ -237,6 +240,7 @@ def load_state(ckpt: Path, model: nn.Module, optimizers: list | None) -> None:
         raise CheckpointError(f"checkpoint {ckpt} does not match the model: {first}",
                               hint="the run's config.yaml must describe the same model; start a new run with "
                                    "run.name=NEW_NAME (or run.resume=never) to change it") from None
+    expert.as_local(model, state)
     set_model_state_dict(model, state["model"])
     if optimizers:
         with checkpoint.keep_hyperparameters(optimizers):

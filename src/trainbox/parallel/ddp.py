@@ -19,11 +19,11 @@ class DataParallel:
     """The strategy object the loop talks to: `forward`, `micro_batch(k, accum)`, `clip(max_norm)`."""
 
     name = "ddp"
-    sharded = False   # checkpoints: one file set, written by rank 0
 
     def __init__(self, model: nn.Module, dist: Dist, device: torch.device):
         self.model, self.ddp = model, None
         self.collective = not expert.whole(model)   # a forward needs every rank (experts spread over them)
+        self.sharded = self.collective   # expert shards: every rank writes its own (parallel/dcp.py)
         if dist.enabled:
             # no buffer broadcast before every forward: every buffer of our models is a constant (RoPE tables) or
             # set identically on every rank (the speedrun window, by set_step). torch 2.13 renamed the switch

@@ -73,6 +73,7 @@ class ExpertShard:
     group: object               # the N ranks of this rank's expert group
     replicas: object | None     # the world / N ranks holding the same shard (None when world == N)
     params: dict[str, nn.Parameter] = field(default_factory=dict)   # sharded parameters by name
+    mesh: object = None         # (expert_replica, expert) DeviceMesh: checkpoints see each shard's place in it
 
     @property
     def local(self) -> int:
@@ -142,7 +143,7 @@ def shard_experts(model: nn.Module, cfg, dist_info, device: torch.device) -> Exp
     mesh = init_device_mesh(device.type, (dist_info.world // n, n), mesh_dim_names=("expert_replica", "expert"))
     shard = ExpertShard(size=n, index=dist_info.rank % n, num_experts=cfg.model.moe.num_experts,
                         world=dist_info.world, group=mesh.get_group("expert"),
-                        replicas=mesh.get_group("expert_replica") if dist_info.world > n else None)
+                        replicas=mesh.get_group("expert_replica") if dist_info.world > n else None, mesh=mesh)
     from trainbox.model.moe import MoEFFN
     for name, m in model.named_modules():
         if isinstance(m, MoEFFN):
@@ -230,41 +231,44 @@ def _indices(opt: torch.optim.Optimizer) -> dict[int, int]:
     return out
 
 
-def full_state(model: nn.Module, optimizers: list) -> tuple[dict, list] | None:
-    """Collective over the first expert group (ranks 0 .. N-1; the others return at once). On rank 0: the model's
-    weights (as checkpoint.model_state returns them) and the optimizers' state dicts, every expert tensor whole as
-    in an unsharded model; None on the other ranks, and without expert parallelism."""
+def as_global(model: nn.Module, state: dict) -> dict:
+    """Expert parallelism: the expert shards of `state` ({"model": ..., "optim": ...} keyed by parameter name, as
+    parallel/dcp.py builds it) as DTensors over the expert mesh: dimension 0 of the whole (E, ...) tensor split
+    over an expert group, replicated across groups. torch.distributed.checkpoint then writes each shard once
+    and loads into any expert-parallel degree, world size or a plain model. Unchanged without expert
+    parallelism."""
     shard = _shard(model)
-    if shard is None or dist.get_rank() >= shard.size:
-        return None
-    root = dist.get_rank() == 0
+    if shard is None:
+        return state
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    place = [Replicate(), Shard(0)]
 
-    def gather(t: torch.Tensor) -> torch.Tensor | None:
-        parts = [torch.empty_like(t) for _ in range(shard.size)] if root else None
-        dist.gather(t.contiguous(), parts, dst=0, group=shard.group)
-        return torch.cat(parts).cpu() if root else None
+    def wrap(t: torch.Tensor) -> torch.Tensor:
+        return DTensor.from_local(t, shard.mesh, place, run_check=False)
 
-    from trainbox.checkpoint import model_state
-    weights = model_state(model) if root else None
-    for name, p in shard.params.items():
-        full = gather(p.detach())
-        if root:
-            weights[name] = full
-    states = []
-    for opt in optimizers:
-        sd = opt.state_dict() if root else None
-        index = _indices(opt)
-        own = opt.state
-        for p in shard.params.values():
-            if id(p) not in index:
-                continue
-            for key in sorted(k for k, v in own.get(p, {}).items() if _is_expert_state(v, p)):
-                full = gather(own[p][key])
-                if root:
-                    i = index[id(p)]
-                    sd["state"][i] = {**sd["state"][i], key: full}
-        states.append(sd)
-    return (weights, states) if root else None
+    _map_experts(shard, state, wrap)
+    return state
+
+
+def as_local(model: nn.Module, state: dict) -> dict:
+    """as_global undone (after a load): each expert entry this rank's shard again."""
+    shard = _shard(model)
+    if shard is not None:
+        _map_experts(shard, state, lambda t: t.to_local())
+    return state
+
+
+def _map_experts(shard: ExpertShard, state: dict, fn) -> None:
+    weights = state["model"]
+    for name in shard.params:
+        if name in weights:
+            weights[name] = fn(weights[name])
+    for name, st in state.get("optim", {}).get("state", {}).items():
+        p = shard.params.get(name)
+        if p is not None:
+            for key, v in st.items():
+                if _is_expert_state(v, p) or getattr(v, "placements", None) is not None:
+                    st[key] = fn(v)
 
 
 def _is_expert_state(v, p: nn.Parameter) -> bool:

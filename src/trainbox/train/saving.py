@@ -1,8 +1,7 @@
 """The loop's checkpoints (a part of train/loop.py's Trainer): when a step saves, every rank learns whether the
 save worked and fails with it if not. Single-file checkpoints are written by rank 0 (checkpoint.save); sharded
-ones (train.parallel=fsdp) by every rank in the background (parallel/dcp.py AsyncSaver), logged once rank 0 has
-published them. Under expert parallelism the experts are first gathered to rank 0 (parallel/expert.py), so every
-checkpoint holds the whole model."""
+ones (train.parallel=fsdp, expert parallelism) by every rank in the background (parallel/dcp.py AsyncSaver),
+logged once rank 0 has published them."""
 from __future__ import annotations
 
 import time
@@ -12,7 +11,6 @@ from trainbox import checkpoint, runs
 from trainbox.config import public_dict
 from trainbox.errors import CheckpointError
 from trainbox.monitor.console import log
-from trainbox.parallel import expert
 
 
 class Checkpointing:
@@ -35,13 +33,11 @@ class Checkpointing:
                          f"{waited:.2f}s: {staged:.2f}s staging, {waited - staged:.2f}s for the previous save)")
             self._phase("training")
             return
-        full = expert.full_state(self.model, self.optimizers)   # expert parallelism: every expert, on rank 0
         error: CheckpointError | None = None
         if self.dist.is_main:
             try:
                 t0 = time.time()
-                weights, optimizers = full or (self._weights(), self.optimizers)
-                path = checkpoint.save(self.ckpt_root, step, weights, optimizers,
+                path = checkpoint.save(self.ckpt_root, step, self._weights(), self.optimizers,
                                        self._trainer_state(step), rngs, self.cfg.train.keep_last,
                                        protect=self.resume_from)
                 self._saved(step, path, time.time() - t0)
