@@ -2,13 +2,16 @@
 
     python benchmarks/profile_step.py gpt2-125m --data /tmp/corpus/modded/pyc [key=value ...]
     python benchmarks/profile_step.py gpt2-125m --data PREFIX --sdpa cudnn train.micro_batch_size=32 --record
+    torchrun --standalone --nproc_per_node 2 benchmarks/profile_step.py llama-1b --data PREFIX train.parallel=fsdp
 
 Builds the real Trainer, runs `--warmup` optimizer steps (compilation), times `--steps` more with the
 device synchronised only at their ends, then records `--profile` steps under torch.profiler. Prints:
 step ms, tokens/s, MFU, the share of GPU time per kind (matmul, attention, fused elementwise
 (Triton), optimizer, copies, communication, other), the GPU-busy fraction of the step, the top
 kernels in ms per step, and the GPU's idle time inside the profiled steps with its largest gaps (the
-kernels on either side and the host ops that ran meanwhile: where the host, not the GPU, set the pace).
+kernels on either side and the host ops that ran meanwhile: where the host, not the GPU, set the pace),
+and how much of the communication kernels' time ran under other kernels (hidden) or alone (exposed).
+Under torchrun every rank trains and profiles the same steps and rank 0 reports.
 `--sdpa` pins PyTorch's attention backend for the whole run (tracing included). The output is the result
 record (common.Result); --record also writes it to benchmarks/records/.
 """
@@ -16,11 +19,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import tempfile
 import time
 from collections import defaultdict
 from contextlib import nullcontext
+from pathlib import Path
 
 import common
 
@@ -67,6 +72,34 @@ def idle_gaps(kernels: list[tuple[float, float, str]], host: list[tuple[float, f
     return sum(g[0] for g in gaps), out
 
 
+def _union(intervals: list[tuple[float, float]]) -> list[list[float]]:
+    out: list[list[float]] = []
+    for start, end in sorted(intervals):
+        if out and start <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], end)
+        else:
+            out.append([start, end])
+    return out
+
+
+def communication_overlap(kernels: list[tuple[float, float, str]]) -> dict[str, float]:
+    """Of the GPU time of communication kernels (NCCL: FSDP's all-gathers and reduce-scatters, DDP's all-reduces,
+    expert parallelism's all-to-alls), how much ran while other kernels ran (hidden) and how much alone
+    (exposed: the step waited for it). kernels: (start_us, end_us, name) of GPU kernels. -> microseconds."""
+    comm = _union([(s, e) for s, e, n in kernels if kind_of(n) == "communication"])
+    work = _union([(s, e) for s, e, n in kernels if kind_of(n) != "communication"])
+    hidden, i, j = 0.0, 0, 0
+    while i < len(comm) and j < len(work):   # the two sorted, disjoint lists intersected
+        hidden += max(0.0, min(comm[i][1], work[j][1]) - max(comm[i][0], work[j][0]))
+        if comm[i][1] < work[j][1]:
+            i += 1
+        else:
+            j += 1
+    total = sum(e - s for s, e in comm)
+    return {"compute_us": sum(e - s for s, e in work), "comm_us": total, "comm_hidden_us": hidden,
+            "comm_exposed_us": total - hidden}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("recipe")
@@ -86,15 +119,22 @@ def main() -> None:
     from torch.profiler import ProfilerActivity, profile
 
     from trainbox.config import load_config
+    from trainbox.train.distributed import Dist
     from trainbox.train.loop import Trainer
 
     backend = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
                "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}.get(args.sdpa)
     ctx = sdpa_kernel([backend]) if backend is not None else nullcontext()
+    env = {k: int(os.environ.get(k, d)) for k, d in (("RANK", 0), ("WORLD_SIZE", 1), ("LOCAL_RANK", 0),
+                                                      ("LOCAL_WORLD_SIZE", 0))}
+    dist = Dist(rank=env["RANK"], world=env["WORLD_SIZE"], local_rank=env["LOCAL_RANK"],
+                local_world=env["LOCAL_WORLD_SIZE"])
+    # one run directory for every rank (torchrun gives them one run id)
+    run_dir = Path(tempfile.gettempdir()) / f"prof-{os.environ.get('TORCHELASTIC_RUN_ID', os.getpid())}"
     cfg = load_config(args.recipe, [f"data.path={args.data}", "train.eval_every=0", "train.checkpoint_every=0",
-                                    "train.sample_tokens=0", "monitor.enabled=false",
-                                    f"run.dir={tempfile.mkdtemp(prefix='prof-')}", *args.overrides])
-    trainer = Trainer(cfg)
+                                    "train.sample_tokens=0", "monitor.enabled=false", f"run.dir={run_dir}",
+                                    *args.overrides])
+    trainer = Trainer(cfg, dist=dist)
     cuda = torch.cuda.is_available()
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     trainer.setup()
@@ -153,7 +193,9 @@ def main() -> None:
                     if e.device_type == torch.autograd.DeviceType.CPU and e.cpu_parent is None
                     and not e.name.startswith("ProfilerStep")]
             idle_us, gaps = idle_gaps(gpu, host)
-            idle = {"gpu_idle_ms_per_step": round(idle_us / 1e3 / args.profile, 1), "largest_gaps": gaps}
+            split = {k.replace("_us", "_ms_per_step"): round(v / 1e3 / args.profile, 1)
+                     for k, v in communication_overlap(gpu).items()}
+            idle = {"gpu_idle_ms_per_step": round(idle_us / 1e3 / args.profile, 1), **split, "largest_gaps": gaps}
         except Exception as e:  # noqa: BLE001
             idle = {"idle_gaps_error": repr(e)[:300]}
     mfu = trainer.flops_per_token * tokens / step_s / trainer.peak if trainer.peak else None
@@ -170,6 +212,9 @@ def main() -> None:
         "top_kernels_ms_per_step": [[round(ms, 2), n, name] for ms, n, name in kernels[:args.top]],
         **idle,
     }
+    if not dist.is_main:   # every rank ran and profiled the same steps; rank 0 reports its own
+        trainer.dist.shutdown(True)
+        return
     print(json.dumps(result), flush=True)
     common.emit(common.Result(
         tool="profile_step", what=args.what or f"{args.recipe}-profile", gpu=common.gpu_info(),

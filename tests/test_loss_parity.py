@@ -1,5 +1,5 @@
-"""benchmarks/loss_parity.py's statistics and train_speed.py's seeded nanoGPT copy (the GPU runs themselves
-live in benchmarks/, not in tests)."""
+"""benchmarks/loss_parity.py's statistics, train_speed.py's seeded nanoGPT copy and profile_step.py's split of
+communication time (the GPU runs themselves live in benchmarks/, not in tests)."""
 import importlib.util
 import sys
 from pathlib import Path
@@ -204,3 +204,13 @@ def test_step_parity_pairs_runs_by_seed():
     worse = summary([*runs[:3], *[{**x, "arm": "ours", "val_loss": x["val_loss"] + 0.1 + 0.01 * x["seed"]}
                                   for x in runs[:3]]])
     assert worse["val_minus_nanogpt"]["ours"]["verdict"] == "worse"
+
+
+def test_profile_splits_communication_into_hidden_and_exposed():
+    """profile_step.py's overlap arithmetic on a hand-made timeline (microseconds): an all-gather 0-10 under a
+    matmul 5-8 and an attention kernel 9-20 is hidden for 3 + 1 and exposed for 6; a reduce-scatter 25-30 with
+    nothing beside it is exposed whole; overlapping kernels of one kind count once."""
+    split = load("profile_step").communication_overlap([
+        (0, 10, "ncclDevKernel_AllGather_RING_LL"), (5, 8, "sm90_xmma_gemm_bf16"), (9, 20, "flash_fwd_kernel"),
+        (6, 7, "triton_poi_fused_add"), (25, 30, "ncclDevKernel_ReduceScatter_RING_LL")])
+    assert split == {"compute_us": 14, "comm_us": 15, "comm_hidden_us": 4, "comm_exposed_us": 11}
