@@ -7,13 +7,13 @@ expert parallelism (`model.moe.expert_parallel`: each rank writes its experts, t
         rng.pt
         COMPLETE            written last, over every file (state/ included)
 
-A save (`AsyncSaver.start`) stages this rank's shards into host memory (on a GPU, pinned buffers that the
-first save allocates and later saves reuse), which is the only time training waits unless the previous save
-is still being written, and then writes them in a background thread while training goes on. The collectives
-of the write use a gloo group of their own, so they never interleave with the training's. When the write has finished on
-every rank (DCP's coordinator writes `.metadata` after all ranks report), rank 0 publishes the folder in a
-background thread exactly like a single-file save (checkpoint.publish: fsync, COMPLETE with checksums,
-atomic rename, `latest`, keep-last-K). One save is in flight at a time: the next save and the end of the run
+A save (`AsyncSaver.start`) stages this rank's shards into host memory (on a GPU, pinned buffers that a
+background thread allocates after the first step and every save reuses), which is the only time training
+waits unless the previous save is still being written, and then writes them from background threads while
+training goes on. The collectives of the write use a gloo group of their own, so they never interleave with
+the training's. When the write has finished on every rank (DCP's coordinator writes `.metadata` after all
+ranks report), rank 0 publishes the folder in a background thread exactly like a single-file save
+(checkpoint.publish: fsync, COMPLETE with checksums, atomic rename, `latest`, keep-last-K). One save is in flight at a time: the next save and the end of the run
 wait for it. A crash or SIGKILL during the write leaves only a `.tmp-step_X` folder; the previous checkpoint
 stays the newest COMPLETE one.
 
