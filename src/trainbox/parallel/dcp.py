@@ -13,9 +13,9 @@ waits unless the previous save is still being written, and then writes them from
 training goes on. The collectives of the write use a gloo group of their own, so they never interleave with
 the training's. When the write has finished on every rank (DCP's coordinator writes `.metadata` after all
 ranks report), rank 0 publishes the folder in a background thread exactly like a single-file save
-(checkpoint.publish: fsync, COMPLETE with checksums, atomic rename, `latest`, keep-last-K). One save is in flight at a time: the next save and the end of the run
-wait for it. A crash or SIGKILL during the write leaves only a `.tmp-step_X` folder; the previous checkpoint
-stays the newest COMPLETE one.
+(checkpoint.publish: fsync, COMPLETE with checksums, atomic rename, `latest`, keep-last-K). One save is in
+flight at a time: the next save and the end of the run wait for it. A crash or SIGKILL during the write leaves
+only a `.tmp-step_X` folder; the previous checkpoint stays the newest COMPLETE one.
 
 Loading (`load_state`) goes through the same DCP reader for any layout: an FSDP model on any number of ranks,
 or a plain model on one process (`trainbox export`, `generate`, a DDP resume), since DCP reshards on load.
