@@ -131,7 +131,7 @@ def gpt_attention(b: Block, d: int, heads: int, w: Widths) -> None:
     b.keep(a * d)                  # ln_1 output, cast for c_attn
     b.mm(3 * a * d)                # qkv, kept by the attention (q, k, v are views of it)
     b.attn(a * d + 4 * heads)      # attention output (c_proj's input) and log-sum-exp
-    b.mm(a * d, keep=False, residual=True)        # c_proj output
+    b.mm(a * d, keep=False, residual=True)   # c_proj output
 
 
 def gpt_block(d: int, heads: int, w: Widths, kern: Kernels, bias: bool, moe=None) -> Block:
@@ -147,7 +147,7 @@ def gpt_block(d: int, heads: int, w: Widths, kern: Kernels, bias: bool, moe=None
     b.mm(4 * a * d) if not fused else b.keep(4 * a * d)         # h = c_fc(x), kept by the GELU
     b.keep(4 * a * d)              # GELU(h), c_proj's input
     if not fused:
-        b.mm(a * d, keep=False, residual=True)    # c_proj output
+        b.mm(a * d, keep=False, residual=True)   # c_proj output
     return b
 
 
@@ -183,13 +183,13 @@ def speedrun_block(d: int, heads: int, hd: int, T: int, letter: str, w: Widths, 
         b.attn(a * hd + 4 * heads)             # its output and log-sum-exp
         if kern.attention == "sdpa":           # the document/window mask, T keys per query, in q's dtype
             b.keep(a * T)
-        b.mm(a * d, keep=False, residual=True)                # c_proj output
+        b.mm(a * d, keep=False, residual=True)   # c_proj output
         b.keep(w.rms(d, False))                # the MLP norm's input (x after attention), rstd
     b.keep(d if up8 else a * d)                # MLP norm output, c_fc's input
     b.mm(4 * a * d, keep=False)                # h = c_fc(x)
     b.keep(4 * a * d)                          # relu(h), kept by relu and by the square
     b.keep(4 * (1 if down8 else a) * d)        # relu(h)^2, c_proj's input (an e4m3 copy under fp8_mlp)
-    b.mm(a * d, keep=False, residual=True)                    # c_proj output
+    b.mm(a * d, keep=False, residual=True)   # c_proj output
     return b
 
 
@@ -212,7 +212,7 @@ def t5_blocks(d: int, heads: int, inner: int, ffn: int, S: int, T: int, w: Width
         else:
             b.mm(3 * a * inner)                # q, k, v, kept by the attention
             b.attn(a * inner + 4 * heads)      # output and log-sum-exp
-        b.mm(a * d, keep=False, residual=True)                # o output
+        b.mm(a * d, keep=False, residual=True)   # o output
 
     def feed_forward(b: Block) -> None:
         b.keep(w.rms(d, True))                 # norm input (x after attention), what the norm keeps
@@ -221,7 +221,7 @@ def t5_blocks(d: int, heads: int, inner: int, ffn: int, S: int, T: int, w: Width
         b.keep(a * ffn)                        # GELU(wi_0 x)
         b.mm(a * ffn)                          # wi_1 x
         b.keep(a * ffn)                        # the product, wo's input
-        b.mm(a * d, keep=False, residual=True)                # wo output
+        b.mm(a * d, keep=False, residual=True)   # wo output
 
     enc = Block(kern.attn_saved_by_selective, w.compiled)
     self_attention(enc, S)
@@ -232,7 +232,7 @@ def t5_blocks(d: int, heads: int, inner: int, ffn: int, S: int, T: int, w: Width
     dec.keep(a * d)                            # its output, q's input
     dec.mm(a * inner)                          # q
     dec.attn(a * inner + 4 * heads)            # output, log-sum-exp
-    dec.mm(a * d, keep=False, residual=True)                  # o output
+    dec.mm(a * d, keep=False, residual=True)   # o output
     feed_forward(dec)
     cross = Block(kern.attn_saved_by_selective, w.compiled)
     cross.keep((w.casts(2) if w.casts(2) > 1 else 0) * a * d)   # the encoder output cast for k and for v
