@@ -286,3 +286,18 @@ def test_a_lock_holder_is_seen_from_another_thread_of_the_same_host(tmp_path):
     assert errors and f"process {os.getpid()}" in errors[0]
     a.release()
     RunLock(tmp_path / "r").acquire().release()
+
+
+def test_a_run_without_checkpoints_writes_none_and_a_stop_says_it_cannot_continue(tmp_path, cache):
+    """train.checkpoints=false (benchmarks, throwaway runs): no save at the recipe's intervals, at the end, or on
+    a stop signal, which still ends the run cleanly at a step boundary."""
+    done = Segment(_args(tmp_path, cache, "done", "train.max_steps=6", "train.checkpoint_every=2",
+                         "train.checkpoints=false"), tmp_path / "done.log")
+    code, out = done.wait()
+    assert code == 0 and not (tmp_path / "done" / "checkpoints").exists(), out
+    assert [s for s, _ in _losses(tmp_path / "done")] == [1, 2, 3, 4, 5, 6]
+    stop = Segment(_args(tmp_path, cache, "stop", "train.max_steps=6", "train.checkpoint_every=2",
+                         "train.checkpoints=false"), tmp_path / "stop.log", hook=("SIGTERM", "step", 3))
+    code, out = stop.wait()
+    assert code == 0 and "stopped at step 3" in out and "cannot be continued" in out, out
+    assert not (tmp_path / "stop" / "checkpoints").exists()

@@ -275,6 +275,8 @@ class TrainSection(Section):
     eval_every: int = Field(250, ge=0, description="0 = only at the end")
     eval_tokens: int = Field(1_048_576, ge=1, description="tokens of the fixed validation slice")
     checkpoint_every: int = Field(1000, ge=0, description="0 = only at epoch ends and the end")
+    checkpoints: bool = Field(True, description="false: no checkpoint at all (benchmarks, throwaway runs); a stop "
+                                                "signal then ends the run without one, and it cannot be resumed")
     keep_last: int = Field(3, ge=1)
     compile: bool = False
     parallel: Literal["ddp", "fsdp"] = Field(

@@ -109,7 +109,7 @@ class Trainer(Checkpointing):
                                  dtype=self.dtype)
         self.model, self.kernels, self.optimizers = built.model, built.kernels, built.optimizers
         self.parallel, self.forward = built.parallel, built.parallel.forward
-        if self.parallel.sharded:
+        if self.parallel.sharded and cfg.train.checkpoints:
             from trainbox.parallel.dcp import AsyncSaver
             self.saver = AsyncSaver(self.ckpt_root, d, cfg.train.keep_last, self.resume_from)
         if self.resume_from is not None:
@@ -245,10 +245,10 @@ class Trainer(Checkpointing):
                     self.saver.prepare(self.model, self.optimizers)   # the save's host buffers, in the background
             end_of_epoch = step % self.plan.steps_per_epoch == 0
             do_eval = self.val_data is not None and cfg.train.eval_every and step % cfg.train.eval_every == 0
-            do_save = step == self.total or end_of_epoch or (cfg.train.checkpoint_every
-                                                             and step % cfg.train.checkpoint_every == 0)
+            do_save = cfg.train.checkpoints and (step == self.total or end_of_epoch or (
+                cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0))
             # the NaN check runs on every logged window: flush before eval/save so bad weights are never saved
-            if step % every == 0 or do_eval or do_save:
+            if step % every == 0 or do_eval or do_save or step == self.total:
                 self._log_window(window, window_start, step, grad_norm, lr, meter)
                 window, window_start = [], step
             if do_eval:
@@ -258,13 +258,15 @@ class Trainer(Checkpointing):
         if stopped:
             if window:
                 self._log_window(window, window_start, step, grad_norm, lr, meter)
-            if step > 0 and self.last_saved_step != step:   # the same on every rank: all save or none does
+            saves = cfg.train.checkpoints
+            if saves and step > 0 and self.last_saved_step != step:   # the same on every rank: all save or none
                 self._save(step)
             self._saves_published(wait=True)
             self._phase("preempted")
             why = signal.Signals(self.stop.signum).name if self.stop.signum else "another rank's stop signal"
-            log.info(f"stopped at step {step} on {why}; "
-                     f"run `trainbox train` again with the same arguments to continue")
+            log.info(f"stopped at step {step} on {why}; " + (
+                "run `trainbox train` again with the same arguments to continue" if saves else
+                "no checkpoint was written (train.checkpoints=false), so the run cannot be continued"))
             return {"step": step, "total": self.total, "stopped": True, "sample": None, "run_dir": str(self.run_dir)}
         if self.val_data is not None and (last_eval is None or last_eval["step"] != step):
             last_eval = self._evaluate(step)
