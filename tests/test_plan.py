@@ -137,7 +137,7 @@ def test_activation_formulas_equal_what_autograd_keeps(family, mode):
                 *(["model.fused_loss=true"] if family == "gpt" else []))
     assert make_plan(cfg, 512, local_cpu()).activations.saved == pytest.approx(measure(cfg, mode, False), rel=0.01)
     k = choose(cfg.model, torch.device("cpu"))
-    kernels = Kernels(k.attention, k.fused_loss, k.fused_mlp, k.fp8, cuda=False)
+    kernels = Kernels(k.attention, k.fused_loss, k.fused_mlp, k.fp8)
     widths = Widths(a=2, r=2 if family == "speedrun" else 4, cuda=False)   # speedrun: a bf16 residual stream
     counts = count_parameters(cfg, 512)
     bf16 = family_activations(cfg, counts, 512, 3, mode, widths, kernels)
@@ -191,7 +191,7 @@ def test_prediction_within_the_margin_of_measured_gpu_peaks(record, extra, ran):
     rec = json.loads((REPO / "benchmarks" / "records" / record).read_text())
     cfg = load_config(rec["recipe"], [*rec["overrides"], *extra])
     card = gpu("H200" if "H200" in rec["gpu"]["name"] else "H100")
-    plan = make_plan(cfg, run_vocab(cfg), card, rec["metrics"].get("nproc", 1), kernels=Kernels(*ran, cuda=True))
+    plan = make_plan(cfg, run_vocab(cfg), card, rec["metrics"].get("nproc", 1), kernels=Kernels(*ran))
     measured = rec["metrics"]["peak_mem_gib"] * GiB
     assert abs(plan.memory.peak_allocated / measured - 1) < MARGIN, plan.memory
 
@@ -200,7 +200,7 @@ def test_t5_prediction_within_the_margin_of_its_measured_step():
     rec = json.loads((REPO / "benchmarks/records/2026-11-26-h100-t5-base-speed.json").read_text())
     ours = rec["metrics"]["results"][0]   # trainbox's T5, compiled, one micro-batch of 32 per step
     cfg = load_config("t5-base", ["train.micro_batch_size=32", "train.global_batch_size=32"])
-    plan = make_plan(cfg, run_vocab(cfg), gpu("H100"), kernels=Kernels("sdpa", "off", "off", "off", cuda=True))
+    plan = make_plan(cfg, run_vocab(cfg), gpu("H100"), kernels=Kernels("sdpa", "off", "off", "off"))
     assert abs(plan.memory.peak_allocated / (ours["max_memory_allocated_gib"] * GiB) - 1) < MARGIN
 
 

@@ -133,24 +133,32 @@ def load_hf_gpt2(folder: str | Path, model: nn.Module, cfg) -> None:
     hf = json.loads((folder / "config.json").read_text())
     check_hf_config(hf, cfg, model.vocab_size, model.block_size, str(folder))
     state = read_hf_weights(folder)
-    own = model.state_dict()
-    for name in ("transformer.wte.weight", "lm_head.weight"):
-        if name in state and state[name].shape[0] < own[name].shape[0]:
-            pad = state[name].new_zeros(own[name].shape[0] - state[name].shape[0], state[name].shape[1])
-            state[name] = torch.cat([state[name], pad])
     state["transformer.wpe.weight"] = state["transformer.wpe.weight"][:model.block_size]
     for k in state:
         if k.endswith(CONV1D_WEIGHTS):
             state[k] = state[k].t()
     if cfg.tie_embeddings:
         state["lm_head.weight"] = state["transformer.wte.weight"]
+    copy_mapped(model, state, ("transformer.wte.weight", "lm_head.weight"), folder, "our GPT",
+                "the folder must hold a GPT2LMHeadModel")
+
+
+def copy_mapped(model: nn.Module, state: dict[str, torch.Tensor], vocab_rows: tuple[str, ...], folder: Path,
+                what: str, hint: str) -> None:
+    """Copy a Hugging Face folder's weights, already under our names, into `model`: the `vocab_rows` tensors
+    padded with zero rows to our (padded) vocabulary; any other difference of names or shapes is refused."""
+    own = model.state_dict()
+    for name in vocab_rows:
+        if name in state and state[name].shape[0] < own[name].shape[0]:
+            pad = state[name].new_zeros(own[name].shape[0] - state[name].shape[0], state[name].shape[1])
+            state[name] = torch.cat([state[name], pad])
     wrong = [f"{k} {tuple(state[k].shape)} vs ours {tuple(v.shape)}" for k, v in own.items()
              if k in state and state[k].shape != v.shape]
     missing = [k for k in own if k not in state]
     unexpected = [k for k in state if k not in own]
     if wrong or missing or unexpected:
-        raise CheckpointError(f"{folder} does not map onto our GPT: shapes {wrong[:3]}, missing {missing[:3]}, "
-                              f"unexpected {unexpected[:3]}", hint="the folder must hold a GPT2LMHeadModel")
+        raise CheckpointError(f"{folder} does not map onto {what}: shapes {wrong[:3]}, missing {missing[:3]}, "
+                              f"unexpected {unexpected[:3]}", hint=hint)
     with torch.no_grad():
         for k, v in own.items():
             v.copy_(state[k])

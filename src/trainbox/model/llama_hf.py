@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 from safetensors.torch import save_file
 
-from trainbox.errors import CheckpointError, ConfigError
+from trainbox.errors import ConfigError
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
@@ -165,22 +165,9 @@ def load_hf(folder: str | Path, model: nn.Module, cfg) -> None:
     state = read_weights(folder)
     if cfg.llama.tie_embeddings:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
-    own = model.state_dict()
-    for name in ("model.embed_tokens.weight", "lm_head.weight"):
-        if name in state and state[name].shape[0] < own[name].shape[0]:
-            pad = state[name].new_zeros(own[name].shape[0] - state[name].shape[0], state[name].shape[1])
-            state[name] = torch.cat([state[name], pad])
-    wrong = [f"{k} {tuple(state[k].shape)} vs ours {tuple(v.shape)}" for k, v in own.items()
-             if k in state and state[k].shape != v.shape]
-    missing = [k for k in own if k not in state]
-    unexpected = [k for k in state if k not in own]
-    if wrong or missing or unexpected:
-        raise CheckpointError(f"{folder} does not map onto our llama model: shapes {wrong[:3]}, missing {missing[:3]}, "
-                              f"unexpected {unexpected[:3]}", hint="the folder must hold a LlamaForCausalLM or "
-                                                                  "Qwen2ForCausalLM")
-    with torch.no_grad():
-        for k, v in own.items():
-            v.copy_(state[k])
+    from trainbox.export import copy_mapped
+    copy_mapped(model, state, ("model.embed_tokens.weight", "lm_head.weight"), folder, "our llama model",
+                "the folder must hold a LlamaForCausalLM or Qwen2ForCausalLM")
 
 
 # ----------------------------------------------------------------------------- weights out

@@ -138,7 +138,7 @@ def assumed_kernels(cfg: RunConfig, target: Target, flash: bool) -> Kernels:
     m = cfg.model
     if target.local:
         plan = choose(m, torch.device("cuda" if target.cuda else "cpu"))
-        return Kernels(plan.attention, plan.fused_loss, plan.fused_mlp, plan.fp8, target.cuda)
+        return Kernels(plan.attention, plan.fused_loss, plan.fused_mlp, plan.fp8)
     fl = flash and target.hopper
     if m.family == "hf":
         attention = "hf"
@@ -152,7 +152,7 @@ def assumed_kernels(cfg: RunConfig, target: Target, flash: bool) -> Kernels:
     loss = "off" if not m.fused_loss else ("quack" if flash and target.lce else "triton")
     mlp = "off" if not m.fused_mlp else ("quack" if fl else "unfused")
     fp8 = "off" if not m.fp8_options else ("fp8" if target.fp8 else "bf16")
-    return Kernels(attention, loss, mlp, fp8, True)
+    return Kernels(attention, loss, mlp, fp8)
 
 
 def dtype_bytes(cfg: RunConfig, target: Target) -> tuple[str, int]:

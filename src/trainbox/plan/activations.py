@@ -43,12 +43,11 @@ LOSS_CHUNK = 8192                                  # QuACK's linear cross-entrop
 
 @dataclass(frozen=True)
 class Kernels:
-    """What runs, as far as memory goes: a KernelPlan seen from the plan, plus the device kind."""
+    """What runs, as far as memory goes: a KernelPlan seen from the plan."""
     attention: str          # flash (FlashAttention-4), flex, sdpa, hf
     fused_loss: str         # quack, triton, torch, off
     fused_mlp: str          # quack, torch, unfused, off
     fp8: str                # fp8, bf16, off
-    cuda: bool
 
     @property
     def attn_saved_by_selective(self) -> bool:

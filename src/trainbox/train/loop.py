@@ -29,34 +29,33 @@ passes both and forwards its own signals.
 from __future__ import annotations
 
 import math
-import os
 import signal
 from pathlib import Path
 
 import torch
 
-from trainbox import checkpoint, runs
-from trainbox.config import RunConfig, dump_yaml, public_dict
-from trainbox.data.loader import to_device, unused_data
-from trainbox.errors import RunBusy, TrainboxError, TrainingFailed
-from trainbox.files import atomic_write_text, open_append
-from trainbox.lock import RunLock, lock_run, unlock_run
+from trainbox import checkpoint
+from trainbox.config import RunConfig
+from trainbox.data.loader import to_device
+from trainbox.errors import TrainingFailed
+from trainbox.files import open_append
+from trainbox.lock import RunLock, unlock_run
 from trainbox.model.spec import family
 from trainbox.monitor.console import ProgressBar, log
 from trainbox.monitor.meter import Meter
-from trainbox.monitor.sinks import build_sinks
 from trainbox.monitor.state import RunState
 from trainbox.train import resume
 from trainbox.train.build import build_data, build_model_side, plan_length  # noqa: F401 - plan_length: tests
-from trainbox.train.device import is_out_of_memory, out_of_memory, peak_flops, resolve_device
+from trainbox.train.device import is_out_of_memory, out_of_memory, resolve_device
 from trainbox.train.distributed import Dist
 from trainbox.train.evaluate import autocast_context, evaluate
 from trainbox.train.memory import check_memory
+from trainbox.train.run_files import RunFiles
 from trainbox.train.saving import Checkpointing
 from trainbox.train.stop import STOP
 
 
-class Trainer(Checkpointing):
+class Trainer(RunFiles, Checkpointing):
     """Builds everything from a RunConfig, then `run()` trains. `dist` comes from the CLI (torchrun env)."""
 
     def __init__(self, cfg: RunConfig, dist: Dist | None = None, argv: list[str] | None = None,
@@ -120,68 +119,6 @@ class Trainer(Checkpointing):
         self.tokens_seen = trainer_state.get("tokens_seen", 0)
         self.state = RunState(cfg.run_name, self.run_dir, self.total)
         self._setup_run_files(trainer_state)
-
-    def _lock_run_dir(self) -> None:
-        """Rank 0 holds the run directory for the run's life (RunLock); every rank fails if it cannot."""
-        busy = None
-        if self.dist.is_main:
-            try:
-                self.lock = lock_run(self.run_dir)
-            except TrainboxError as e:
-                busy = e
-        if self.dist.any(busy is not None):
-            raise busy or RunBusy(f"run directory {self.run_dir} is in use", hint="see rank 0's message")
-        prev = self.lock.previous if self.lock else None
-        if prev and prev.get("pid") != os.getpid():
-            log.info(f"took over the lock of {self.run_dir} left by process {prev.get('pid')} on "
-                     f"{prev.get('host')}, which is gone")
-
-    def _setup_run_files(self, trainer_state: dict) -> None:
-        cfg, d = self.cfg, self.dist
-        self.server = None
-        if d.is_main:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            moved = resume.supersede(self.run_dir, self.ckpt_root, self.resume_from)
-            if moved is not None:
-                log.info(f"the earlier history of {self.run_dir} after this start moved to {moved}")
-            atomic_write_text(self.run_dir / "config.yaml", dump_yaml(cfg), fsync=False)
-            runs.write_env(self.run_dir, self.argv, self.device, d.world, kernels=self.kernels.as_dict())
-            gpu = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None
-            self.state.update(step=self.start_step, tokens_seen=self.tokens_seen, gpu_name=gpu,
-                              gpu_count=d.world if gpu else 0, cuda_available=torch.cuda.is_available(),
-                              resumed_from=str(self.resume_from) if self.resume_from else None,
-                              restarts=trainer_state.get("restarts", -1) + 1 if trainer_state else 0,
-                              epoch=self.start_step // self.plan.steps_per_epoch)
-            if cfg.monitor.enabled:
-                from trainbox.monitor.server import start_server
-                self.server = start_server(self.state, cfg.monitor)
-                self.state.update(url=self.server.url)
-            self.state.write_status(self.run_dir / "status.json")
-        self.sinks = build_sinks(cfg.monitor, self.run_dir, cfg.run_name, public_dict(cfg),
-                                 trainer_state.get("wandb_id"), d.is_main)
-        self.flops_per_token = self.model.flops_per_token(cfg.data.seq_len)
-        self.peak = peak_flops(cfg, self.device)
-        n = sum(p.numel() for p in self.model.parameters())
-        log.info(f"run {cfg.run_name}: {cfg.model.family} model, {n / 1e6:.2f}M parameters, device {self.device} "
-                 f"({str(self.dtype).replace('torch.', '')}), {d.world} process(es)")
-        log.info(f"data: {self.train_data.num_tokens:,} train tokens, {self.train_data.num_samples:,} samples of "
-                 f"{cfg.data.seq_len}; global batch {cfg.train.global_batch_size} = {cfg.train.micro_batch_size} "
-                 f"x {self.plan.accum} accum x {d.world}; {self.plan.steps_per_epoch} steps/epoch, {self.total} steps")
-        tails, skipped, unused = unused_data(self.train_data, cfg.train.global_batch_size)
-        if unused:
-            log.info(unused)
-        log.info(f"kernels: {self.kernels.describe()}")
-        if d.enabled:
-            log.info(f"process group: {d.describe()}")
-        if self.resume_from is not None:
-            log.info(f"resuming from {self.resume_from} at step {self.start_step}")
-        for key, (old, new) in self.changed.items():
-            log.info(f"changed since the checkpoint, applied from step {self.start_step}: {key} {old!r} -> {new!r}")
-        self.sinks.log("start", step=self.start_step, total_steps=self.total, resumed_from=str(self.resume_from or ""),
-                       world=d.world, params=n, unused_tail_tokens=tails, unused_samples_per_epoch=skipped,
-                       flops_per_token=self.flops_per_token, peak_flops=self.peak, parallel=self.parallel.name,
-                       kernels=self.kernels.as_dict(),
-                       **({"changed": {k: list(v) for k, v in self.changed.items()}} if self.changed else {}))
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> dict:

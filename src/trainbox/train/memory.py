@@ -47,7 +47,7 @@ def device_plan(cfg: RunConfig, vocab: int, device: torch.device, dtype: torch.d
     else:
         target = Target("CPU (RAM)", free, cuda=False, local=True)
     k = choose(cfg.model, device)
-    kernels = Kernels(k.attention, k.fused_loss, k.fused_mlp, k.fp8, cuda)
+    kernels = Kernels(k.attention, k.fused_loss, k.fused_mlp, k.fp8)
     return make_plan(cfg, vocab, target, world, kernels=kernels, dtype=DTYPES.get(dtype, "fp32"))
 
 
