@@ -222,8 +222,10 @@ def test_sigkill_during_an_async_save_keeps_the_previous_checkpoint(chain, tmp_p
 
 
 def test_moe_under_fsdp_equals_one_process(tmp_path, data_cache):
-    """The MoE family's blocks (router, experts, auxiliary losses) sharded by FSDP: the same steps."""
-    base = [*OWN, "model.family=moe", "model.moe.num_experts=4", "train.max_steps=4", "train.dtype=fp32",
+    """The MoE family's blocks (router, experts, auxiliary losses) sharded by FSDP: the same steps. With the
+    moe recipe's fused residual norms, which the sharded model runs per block (eager, as on a CPU)."""
+    base = [*OWN, "model.family=moe", "model.moe.num_experts=4", "model.fused_norm=true", "train.max_steps=4",
+            "train.dtype=fp32",
             "train.micro_batch_size=2", "monitor.enabled=false", "train.eval_tokens=512", "train.sample_tokens=0",
             f"run.dir={tmp_path}", f"data.cache_dir={data_cache}"]
     train(load_config("tiny", [*base, "run.name=one"]))

@@ -23,6 +23,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+try:
+    from torch.distributed.fsdp import FSDPModule
+except ImportError:  # torch 2.5
+    from torch.distributed._composable.fsdp import FSDPModule
+
 from trainbox.kernels.choice import KernelPlan, choose
 from trainbox.kernels.flash import causal_qkv
 from trainbox.kernels.fp8 import linear, mlp_fp8
@@ -192,8 +197,10 @@ class GPT(nn.Module):
         if dtype is not None:  # model.lowp_residual: every residual add, LayerNorm read and gradient in bf16
             x = x.to(dtype)
         blocks = self.transformer.h
-        # activation checkpointing wraps each block's forward (train/recompute.py): those run unfused
-        if self.cfg.fused_norm and caches is None and not any("forward" in vars(b) for b in blocks):
+        # activation checkpointing wraps each block's forward (train/recompute.py), and FSDP gathers a block's
+        # weights around its forward only, while the fused path calls the next block's ln_1: those run unfused
+        if (self.cfg.fused_norm and caches is None
+                and not any("forward" in vars(b) or isinstance(b, FSDPModule) for b in blocks)):
             y = blocks[0].ln_1(x)  # no residual add before it; compiled, it is one kernel with the embeddings' sum
             for i, block in enumerate(blocks):
                 x, y = block.forward_fused(x, y, blocks[i + 1].ln_1 if i + 1 < len(blocks) else self.transformer.ln_f)
