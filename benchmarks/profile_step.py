@@ -198,11 +198,13 @@ def main() -> None:
             idle = {"gpu_idle_ms_per_step": round(idle_us / 1e3 / args.profile, 1), **split, "largest_gaps": gaps}
         except Exception as e:  # noqa: BLE001
             idle = {"idle_gaps_error": repr(e)[:300]}
-    mfu = trainer.flops_per_token * tokens / step_s / trainer.peak if trainer.peak else None
+    # tokens: the global batch, computed by dist.world GPUs
+    mfu = trainer.flops_per_token * tokens / step_s / (trainer.peak * dist.world) if trainer.peak else None
     result = {
         "recipe": args.recipe, "overrides": args.overrides, "sdpa": args.sdpa,
         "gpu": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__, "tokens_per_step": tokens,
         "warmup_s": round(warm_s, 1), "step_ms": round(step_s * 1e3, 1), "tokens_per_s": round(tokens / step_s),
+        "tokens_per_s_per_gpu": round(tokens / step_s / dist.world),
         "mfu": round(mfu, 4) if mfu else None,
         "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
         "profiled_step_ms": round(prof_s * 1e3, 1), "gpu_busy_ms": round(busy, 1),

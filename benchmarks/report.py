@@ -106,7 +106,9 @@ def train_speed(rec: dict) -> list[tuple]:
         return [("", ours, "—", "—")]
     bm = b["metrics"]
     base = f"{b['name']}: {ms(bm['median_step_ms'])}/step"
-    if bm.get("recipe") and bm["recipe"] != rec["recipe"]:
+    if "per_gpu_vs_baseline" in m:   # another model on another GPU count: tokens/s per GPU against its
+        ratio = f"{m['per_gpu_vs_baseline']:.2f}x its tokens/s per GPU"
+    elif bm.get("recipe") and bm["recipe"] != rec["recipe"]:
         ratio = f"{m['median_step_ms'] / bm['median_step_ms']:.2f}x the {bm['recipe']} step time"
     else:
         ratio = f"{bm['median_step_ms'] / m['median_step_ms']:.2f}x"
@@ -286,9 +288,11 @@ def area(rec: dict) -> str:
 
 
 def measurement(rec: dict) -> tuple:
-    """What a record measures: two records with the same key measure the same thing."""
+    """What a record measures: two records with the same key measure the same thing (against the same
+    baseline: a run against an older commit is not the same measurement as one against nanoGPT)."""
     return (rec["tool"], rec["recipe"], tuple(rec["overrides"]), common.hardware(rec["gpu"]),
-            tuple(sorted((k, v) for k, v in rec["software"].items() if k in common.KERNEL_PACKAGES)))
+            tuple(sorted((k, v) for k, v in rec["software"].items() if k in common.KERNEL_PACKAGES)),
+            (rec["baseline"] or {}).get("name"))
 
 
 def current(records: list[tuple[Path, dict]]) -> list[tuple[Path, dict]]:

@@ -181,6 +181,10 @@ RECORDS = [
     ("2026-11-27-4xh200-gpt2-125m-scaling-4gpu.json", [], ("sdpa", "triton", "unfused", "off")),
     ("2026-11-27-2xh200-llama-1b-fsdp-2gpu-bf16-async-save.json", [], ("sdpa", "triton", "off", "off")),
     ("2026-11-27-4xh200-llama-8b-fsdp-4gpu-bf16.json", [], ("sdpa", "triton", "off", "off")),
+    ("2026-11-27-2xh200-llama-8b-fsdp-2gpu-bf16.json", [], ("sdpa", "triton", "off", "off")),
+    ("2026-11-27-2xh200-llama-1b-fsdp-2gpu-float8-200-seed1.json", [], ("sdpa", "triton", "off", "off")),
+    ("2026-11-27-2xh200-gpt2-125m-fsdp-vs-ddp-2gpu.json", [], ("sdpa", "triton", "unfused", "off")),
+    ("2026-11-27-h200-moe-gpt2-125m-1gpu-baseline.json", [], ("sdpa", "triton", "unfused", "off")),
 ]
 
 
@@ -279,7 +283,10 @@ def test_plan_text(capsys):
     out = capsys.readouterr().out
     for row in ("parameters", "gradients", "optimizer state", "activations", "communication", "overhead", "total"):
         assert f"\n  {row} " in out
-    assert "fsdp over 2 GPUs" in out and "fits:" in out
+    assert "fsdp over 2 GPUs" in out and "fits:" in out and "experts:" not in out
+    assert main(["plan", "moe-gpt2-125m", *MOE_128, "model.moe.expert_parallel=2", "--gpu", "H200", "--nproc", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "experts 1/2 per GPU" in out and "the capacity drops are not sent" in out
 
 
 def test_doctor_shows_the_plan_for_this_machine():

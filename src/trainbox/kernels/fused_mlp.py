@@ -29,12 +29,14 @@ one graph.
 from __future__ import annotations
 
 import functools
+import logging
 from types import SimpleNamespace
 
 import torch
 
 from trainbox.kernels.ops import gelu_tanh
 
+log = logging.getLogger("trainbox")  # the library logger
 EXTRA = "pip install 'trainbox[flash]'  (QuACK comes with FlashAttention-4)"
 
 
@@ -45,15 +47,20 @@ def _quack():
         from quack import gemm_interface
         from quack.activation import dgelu_tanh_approx
         from quack.epilogue.frontend import gemm_epilogue
-    except Exception:  # noqa: BLE001 - a broken CUDA/CuTe install counts as missing
-        return None
 
-    @gemm_epilogue()
-    def dgelu(acc, c):
-        """acc = dA = g W2ᵀ's tile, c = h's: writes dH = dA GELU'(h) alone. QuACK's gemm_dact also writes
-        GELU(h), which the forward has written already."""
-        dh, _ = dgelu_tanh_approx(c, acc)
-        return {"D": dh}
+        @gemm_epilogue()
+        def dgelu(acc, c):
+            """acc = dA = g W2ᵀ's tile, c = h's: writes dH = dA GELU'(h) alone. QuACK's gemm_dact also writes
+            GELU(h), which the forward has written already."""
+            dh, _ = dgelu_tanh_approx(c, acc)
+            return {"D": dh}
+    except ImportError:
+        return None
+    except Exception as e:  # noqa: BLE001 - a broken CUDA/CuTe install counts as missing, with its reason
+        # (QuACK fingerprints an epilogue's dependencies, and refuses CuTe's own unless they are installed in a
+        # site-packages folder: a `pip install --target` elsewhere fails here)
+        log.warning(f"QuACK does not load ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})")
+        return None
 
     return SimpleNamespace(gemm=gemm_interface.gemm, gemm_act=gemm_interface.gemm_act, dgelu=dgelu)
 

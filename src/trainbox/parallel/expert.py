@@ -21,9 +21,11 @@ last backward of a step `sync_grads` sums each shard's gradient over its replica
 DDP's average, for parameters whose gradient already holds the contributions of every rank of the expert group.
 `clip_grad_norm_` clips by the norm of the whole model, each expert counted once.
 
-Checkpoints hold the unsharded model: `full_state` gathers the shards (weights and optimizer state) to rank 0
-in the layout of an unsharded model, `shard_state` / `shard_optimizer_states` cut a loaded one to this rank's
-shard, so a checkpoint resumes under any expert_parallel and world size.
+Checkpoints are sharded (parallel/dcp.py): `as_global` presents each rank's expert shard (weights and optimizer
+state) as a DTensor of the whole stacked tensor over the expert mesh, [Replicate, Shard(0)], so every rank writes
+its own experts and DCP reshards on load (`as_local` takes this rank's rows back) to any expert_parallel and world
+size. A single-file checkpoint of an unsharded run is cut to this rank's shard by `shard_state` and
+`shard_optimizer_states`.
 """
 from __future__ import annotations
 

@@ -110,6 +110,7 @@ class Plan:
     memory: Memory
     activations: Activations
     suggestions: tuple[Suggestion, ...] = field(default=())
+    drops_unsent: bool = False   # expert parallelism with a capacity: dropped assignments are not sent
 
     @property
     def fits(self) -> bool:
@@ -250,7 +251,7 @@ def make_plan(cfg: RunConfig, vocab: int, target: Target, nproc: int = 1, kernel
     dtype = dtype or dtype_bytes(cfg, target)[0]
     mem, acts = memory(cfg, counts, vocab, target, layout, t.micro_batch_size, mode, kernels, BYTES[dtype])
     plan = Plan(cfg.recipe, target, layout, t.micro_batch_size, cfg.data.seq_len, dtype, t.compile, mode, kernels,
-                counts, mem, acts)
+                counts, mem, acts, drops_unsent=ep > 1 and cfg.model.moe.capacity_factor > 0)
     if suggest and not plan.fits:
         plan = replace(plan, suggestions=tuple(suggestions(cfg, vocab, plan)))
     return plan

@@ -67,6 +67,9 @@ def format_plan(plan: Plan, overrides: list[str] | tuple[str, ...] = ()) -> str:
     verdict = "fits" if plan.fits else "does not fit"
     lines += ["", f"{verdict}: {mem.total / GiB:.1f} of {t.gib:.1f} GiB{' per GPU' if t.cuda else ''} "
                   f"(the prediction aims at {MARGIN:.0%} of the measured peak)"]
+    if plan.drops_unsent:
+        lines += ["experts: every routed assignment counted; under expert parallelism the ones the capacity drops "
+                  "are not sent, so a step whose router drops assignments holds less"]
     if plan.suggestions:
         lines += ["", "what would fit (GiB per GPU):"]
         lines += [f"  {s.total / GiB:6.1f}  {s.what:<26}{s.command(plan.recipe, overrides)}" for s in plan.suggestions]
