@@ -80,7 +80,18 @@ def run_ours(recipe: str, data: str, steps: int, warmup: int, overrides: list[st
         "save_block_ms": around,   # per checkpoint step: what the save added to the step time around it
         "final_loss": train[-1]["loss"], "val_loss": summary.get("val_loss"), "val_tokens": summary.get("val_tokens"),
         "losses": [round(e["loss"], 4) for e in train],  # every step's training loss: where a bad seed went wrong
+        **dropped(train),
     }
+
+
+def dropped(train: list[dict]) -> dict:
+    """An MoE run with a capacity: the share of assignments dropped per logged step, averaged over the MoE layers
+    (rank 0's micro-batch; expert parallelism leaves dropped rows out of the exchange, and so out of memory)."""
+    per_step = [statistics.mean(v for k, v in e.items() if k.startswith("moe.") and k.endswith(".dropped_frac"))
+                for e in train if any(k.endswith(".dropped_frac") for k in e)]
+    if not per_step or not any(per_step):
+        return {}
+    return {"moe_dropped_frac": [round(f, 4) for f in per_step]}
 
 
 def planned_peak(cfg, nproc: int) -> int:

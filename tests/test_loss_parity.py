@@ -1,5 +1,5 @@
 """benchmarks/loss_parity.py's statistics, train_speed.py's seeded nanoGPT copy and profile_step.py's split of
-communication time (the GPU runs themselves live in benchmarks/, not in tests)."""
+communication time, train_speed.py's MoE drop rate (the GPU runs themselves live in benchmarks/, not in tests)."""
 import importlib.util
 import sys
 from pathlib import Path
@@ -214,3 +214,14 @@ def test_profile_splits_communication_into_hidden_and_exposed():
         (0, 10, "ncclDevKernel_AllGather_RING_LL"), (5, 8, "sm90_xmma_gemm_bf16"), (9, 20, "flash_fwd_kernel"),
         (6, 7, "triton_poi_fused_add"), (25, 30, "ncclDevKernel_ReduceScatter_RING_LL")])
     assert split == {"compute_us": 14, "comm_us": 15, "comm_hidden_us": 4, "comm_exposed_us": 11}
+
+
+def test_train_speed_reports_the_moe_drop_rate_per_step():
+    """train_speed's `moe_dropped_frac`: each logged step's dropped share averaged over the MoE layers; nothing
+    for a dropless or dense run."""
+    dropped = load("train_speed").dropped
+    train = [{"step": 1, "loss": 9.0, "moe.0.dropped_frac": 0.30, "moe.2.dropped_frac": 0.10},
+             {"step": 2, "loss": 8.0, "moe.0.dropped_frac": 0.05, "moe.2.dropped_frac": 0.0}]
+    assert dropped(train) == {"moe_dropped_frac": [0.2, 0.025]}
+    assert dropped([{"step": 1, "loss": 9.0, "moe.0.dropped_frac": 0.0}]) == {}
+    assert dropped([{"step": 1, "loss": 9.0, "grad_norm": 1.0}]) == {}

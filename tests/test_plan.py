@@ -284,7 +284,8 @@ def test_plan_text(capsys):
     for row in ("parameters", "gradients", "optimizer state", "activations", "communication", "overhead", "total"):
         assert f"\n  {row} " in out
     assert "fsdp over 2 GPUs" in out and "fits:" in out and "experts:" not in out
-    assert main(["plan", "moe-gpt2-125m", *MOE_128, "model.moe.expert_parallel=2", "--gpu", "H200", "--nproc", "2"]) == 0
+    ep2 = ["model.moe.expert_parallel=2", "--gpu", "H200", "--nproc", "2"]
+    assert main(["plan", "moe-gpt2-125m", *MOE_128, *ep2]) == 0
     out = capsys.readouterr().out
     assert "experts 1/2 per GPU" in out and "the capacity drops are not sent" in out
 
