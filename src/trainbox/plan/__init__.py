@@ -241,7 +241,7 @@ def make_plan(cfg: RunConfig, vocab: int, target: Target, nproc: int = 1, kernel
     bf16, fp16 or fp32 as the run resolved it, else from train.dtype and the target)."""
     t = cfg.train
     ep = cfg.model.moe.expert_parallel if cfg.model.family == "moe" else 1
-    layout = Layout(t.parallel, nproc, ep, t.reshard_after_forward)
+    layout = Layout(t.parallel if nproc > 1 else "ddp", nproc, ep, t.reshard_after_forward)   # one: whole
     check_layout(cfg, layout)
     counts = count_parameters(cfg, vocab)
     kernels = kernels or assumed_kernels(cfg, target, flash)

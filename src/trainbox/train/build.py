@@ -4,6 +4,7 @@ in that order, with the resume checks between them (train/resume.py), so a run t
 any model is built."""
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 
@@ -25,6 +26,8 @@ from trainbox.model.spec import (
 from trainbox.optim.build import build_optimizers
 from trainbox.parallel import expert
 from trainbox.train.distributed import Dist
+
+log = logging.getLogger("trainbox")  # the library logger
 
 
 def plan_length(cfg: RunConfig, plan: BatchPlan) -> int:
@@ -91,7 +94,13 @@ def build_model_side(cfg: RunConfig, vocab: int, device: torch.device, dist: Dis
     it is built there (its random initialisation on the CPU takes minutes at billions of parameters; the GPU's
     generator gives other, equally distributed, initial weights than the CPU's)."""
     torch.manual_seed(cfg.run.seed)
-    on = device if cfg.train.parallel == "fsdp" and device.type == "cuda" else torch.device("cpu")
+    # fsdp on one process has nothing to shard: the model runs whole, as under ddp (checkpoints in one file; a
+    # sharded checkpoint of a larger world resumes into it)
+    sharded = cfg.train.parallel == "fsdp" and dist.world > 1
+    if cfg.train.parallel == "fsdp" and not sharded:
+        log.warning("train.parallel=fsdp on one process shards nothing: the model runs whole, as under ddp "
+                    "(launch several with trainbox train --nproc N)")
+    on = device if sharded and device.type == "cuda" else torch.device("cpu")
     with on:
         model = build_model(cfg.model, vocab, cfg.model.block_size or cfg.data.seq_len, run=cfg)
     if init_weights and cfg.run.init_from:
@@ -104,13 +113,13 @@ def build_model_side(cfg: RunConfig, vocab: int, device: torch.device, dist: Dis
     kernels = choose(cfg.model, device)   # the models ask the same function when they meet the device
     if cfg.train.float8:
         from trainbox.kernels import float8
-        float8.convert(model, fsdp=cfg.train.parallel == "fsdp")
+        float8.convert(model, fsdp=sharded)
     if cfg.train.activation_checkpointing != "none":
         from trainbox.train.recompute import apply_activation_checkpointing
         apply_activation_checkpointing(model, cfg.train.activation_checkpointing)
     if cfg.train.compile:
         allow_cached_autograd_functions()
-    if cfg.train.parallel == "fsdp":
+    if sharded:
         from trainbox.parallel.fsdp import ShardedParallel
         parallel = ShardedParallel(model, dist, device, dtype, cfg.train.reshard_after_forward, cfg.train.compile,
                                    float8=cfg.train.float8)
