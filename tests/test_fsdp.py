@@ -3,10 +3,10 @@
 One chain of runs of the tiny recipe in fp32 against one uninterrupted single-process run (the reference):
 2 processes with FSDP (blocks kept gathered between micro-batches), resumed on 4 processes from its step-3
 checkpoint, that resumed on 2 processes (with selective activation checkpointing) and, by the same command, on
-one process from its step-6 checkpoint (nothing to shard there: the model runs whole); and the reference's own step-6 checkpoint resumed under FSDP. Every step's loss
-and gradient norm must equal the reference's within 1e-5: sharding, gradient accumulation, clipping over the
-sharded norm and resharding a checkpoint to another world size change no maths. Then `export` and
-`generate` read a sharded checkpoint.
+one process from its step-6 checkpoint (nothing to shard there: the model runs whole); and the reference's own
+step-6 checkpoint resumed under FSDP. Every step's loss and gradient norm must equal the reference's within
+1e-5: sharding, gradient accumulation, clipping over the sharded norm and resharding a checkpoint to another
+world size change no maths. Then `export` and `generate` read a sharded checkpoint.
 """
 from __future__ import annotations
 
