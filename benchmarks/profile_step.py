@@ -125,10 +125,7 @@ def main() -> None:
     backend = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
                "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}.get(args.sdpa)
     ctx = sdpa_kernel([backend]) if backend is not None else nullcontext()
-    env = {k: int(os.environ.get(k, d)) for k, d in (("RANK", 0), ("WORLD_SIZE", 1), ("LOCAL_RANK", 0),
-                                                      ("LOCAL_WORLD_SIZE", 0))}
-    dist = Dist(rank=env["RANK"], world=env["WORLD_SIZE"], local_rank=env["LOCAL_RANK"],
-                local_world=env["LOCAL_WORLD_SIZE"])
+    dist = Dist.from_env(os.environ)
     # one run directory for every rank (torchrun gives them one run id)
     run_dir = Path(tempfile.gettempdir()) / f"prof-{os.environ.get('TORCHELASTIC_RUN_ID', os.getpid())}"
     cfg = load_config(args.recipe, [f"data.path={args.data}", "train.eval_every=0", "train.checkpoint_every=0",

@@ -8,12 +8,6 @@ from pathlib import Path
 
 from trainbox.errors import ConfigError
 
-
-def _env_int(name: str, default: int) -> int:
-    value = os.environ.get(name)
-    return int(value) if value not in (None, "") else default
-
-
 # ----------------------------------------------------------------------------- train
 
 
@@ -45,20 +39,19 @@ def cmd_train(args) -> int:
         extra = _micro_batch_for(cfg, args.nproc, args.overrides)
         fetch_run_data(cfg, args.recipe)   # once, before any worker starts
         return _launch_torchrun(args, cfg, extra)
+    from trainbox.train.distributed import Dist
+    dist = Dist.from_env(os.environ)
     # under a torchrun started elsewhere, the download folder's lock lets one process per machine fetch
-    fetch_run_data(cfg, args.recipe, main=_env_int("RANK", 0) == 0)
+    fetch_run_data(cfg, args.recipe, main=dist.is_main)
     from trainbox.lock import lock_run, unlock_run
 
-    single = _env_int("WORLD_SIZE", 1) == 1
+    single = dist.world == 1
     if single:  # refused at once when another run holds the folder; under torchrun rank 0 locks in the trainer
         lock_run(cfg.run_dir)
     _kernel_cache_env()
     from trainbox.monitor.console import ProgressBar, setup_logging
-    from trainbox.train.distributed import Dist
     from trainbox.train.loop import train
 
-    dist = Dist(rank=_env_int("RANK", 0), world=_env_int("WORLD_SIZE", 1), local_rank=_env_int("LOCAL_RANK", 0),
-                local_world=_env_int("LOCAL_WORLD_SIZE", 0))
     mode = cfg.monitor.progress
     bar = dist.is_main and (mode == "bar" or (mode == "auto" and sys.stderr.isatty()))
     log_file = None

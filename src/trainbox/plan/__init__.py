@@ -34,6 +34,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 from trainbox.config import RunConfig
 from trainbox.errors import ConfigError
+from trainbox.parallel import shards
 from trainbox.plan.activations import Activations, Kernels, Widths, family_activations, weight_copy_bytes
 from trainbox.plan.count import ParamCount, count_parameters
 from trainbox.plan.gpus import GPUS, GiB, Target, gpu, local_cpu, local_gpu, sized
@@ -241,7 +242,7 @@ def make_plan(cfg: RunConfig, vocab: int, target: Target, nproc: int = 1, kernel
     bf16, fp16 or fp32 as the run resolved it, else from train.dtype and the target)."""
     t = cfg.train
     ep = cfg.model.moe.expert_parallel if cfg.model.family == "moe" else 1
-    layout = Layout(t.parallel if nproc > 1 else "ddp", nproc, ep, t.reshard_after_forward)   # one: whole
+    layout = Layout("fsdp" if shards(t.parallel, nproc) else "ddp", nproc, ep, t.reshard_after_forward)
     check_layout(cfg, layout)
     counts = count_parameters(cfg, vocab)
     kernels = kernels or assumed_kernels(cfg, target, flash)

@@ -24,7 +24,7 @@ from trainbox.model.spec import (
     resolve_model,
 )
 from trainbox.optim.build import build_optimizers
-from trainbox.parallel import expert
+from trainbox.parallel import expert, shards
 from trainbox.train.distributed import Dist
 
 log = logging.getLogger("trainbox")  # the library logger
@@ -94,9 +94,7 @@ def build_model_side(cfg: RunConfig, vocab: int, device: torch.device, dist: Dis
     it is built there (its random initialisation on the CPU takes minutes at billions of parameters; the GPU's
     generator gives other, equally distributed, initial weights than the CPU's)."""
     torch.manual_seed(cfg.run.seed)
-    # fsdp on one process has nothing to shard: the model runs whole, as under ddp (checkpoints in one file; a
-    # sharded checkpoint of a larger world resumes into it)
-    sharded = cfg.train.parallel == "fsdp" and dist.world > 1
+    sharded = shards(cfg.train.parallel, dist.world)   # (a sharded checkpoint of a larger world resumes unsharded)
     if cfg.train.parallel == "fsdp" and not sharded:
         log.warning("train.parallel=fsdp on one process shards nothing: the model runs whole, as under ddp "
                     "(launch several with trainbox train --nproc N)")

@@ -38,6 +38,16 @@ class Dist:
     def __post_init__(self):
         self.local_world = self.local_world or self.world
 
+    @classmethod
+    def from_env(cls, env) -> "Dist":
+        """From torchrun's RANK / WORLD_SIZE / LOCAL_RANK / LOCAL_WORLD_SIZE in `env` (a mapping the caller
+        passes, os.environ in the CLI); one process where they are absent."""
+        def get(name: str, default: int) -> int:
+            value = env.get(name)
+            return int(value) if value not in (None, "") else default
+        return cls(rank=get("RANK", 0), world=get("WORLD_SIZE", 1), local_rank=get("LOCAL_RANK", 0),
+                   local_world=get("LOCAL_WORLD_SIZE", 0))
+
     @property
     def is_main(self) -> bool:
         return self.rank == 0
