@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from trainbox.data import formats
+from trainbox.data import megatron
 from trainbox.data.chat import ChatTemplate, encode_chat, load_template, messages_of
 from trainbox.data.loader import TokenDataset, open_tokens
 from trainbox.data.prepare import PrepareOptions, prepare
@@ -87,7 +87,7 @@ def test_prepare_chat_jsonl_writes_masks_the_loader_serves(tmp_path):
             assert np.array_equal(mask, [0] + m + [0] + m)
         else:
             assert np.array_equal(tokens, ids + ids) and np.array_equal(mask, m + m)
-            assert formats.read_megatron(f"{out}_text_document_mask").lengths.tolist() == [len(ids)] * 2
+            assert megatron.read_megatron(f"{out}_text_document_mask").lengths.tolist() == [len(ids)] * 2
         batch = TokenDataset([tokens], 16, masks=[mask]).batch([0, 1])
         want = np.stack([np.asarray(mask[1:17]), np.asarray(mask[17:33])]).astype(bool)
         assert np.array_equal(batch["loss_mask"].numpy(), want)

@@ -9,7 +9,7 @@ import warnings
 import numpy as np
 import pytest
 
-from trainbox.data import formats
+from trainbox.data import formats, megatron
 from trainbox.data.loader import TokenDataset, open_tokens
 from trainbox.data.sources import open_dataset
 from trainbox.errors import DataError
@@ -18,7 +18,7 @@ DOCS = [np.array(d, dtype=np.uint16) for d in ([5, 6, 7], [9], [], [1, 2, 3, 4, 
 
 
 def write_megatron(prefix, docs, dtype=np.uint16):
-    w = formats.MegatronWriter(prefix, dtype, ".partial")
+    w = megatron.MegatronWriter(prefix, dtype, ".partial")
     for d in docs:
         w.add_document(d)
     w.close()
@@ -62,9 +62,9 @@ def test_megatron_idx_bytes_field_by_field(tmp_path):
     assert list(struct.unpack_from("<5q", raw, off + 48)) == [0, 1, 2, 3, 4]
     assert len(raw) == off + 48 + 40
     assert (tmp_path / "d.bin").read_bytes() == np.concatenate(DOCS).astype("<u2").tobytes()
-    data = formats.read_megatron(tmp_path / "d")
+    data = megatron.read_megatron(tmp_path / "d")
     assert data.num_documents == 4 and np.array_equal(data.tokens, np.concatenate(DOCS))
-    assert formats.megatron_dtype(50257) == np.uint16 and formats.megatron_dtype(65500) == np.int32
+    assert megatron.megatron_dtype(50257) == np.uint16 and megatron.megatron_dtype(65500) == np.int32
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -152,7 +152,7 @@ def test_corrupt_megatron(tmp_path, case, pattern):
     if case == "bin_short":
         binf.write_bytes(binf.read_bytes()[:-2])
     with pytest.raises(DataError, match=pattern):
-        formats.read_megatron(tmp_path / "d")
+        megatron.read_megatron(tmp_path / "d")
 
 
 def test_vocab_and_empty_errors(tmp_path):
@@ -272,4 +272,4 @@ def test_megatron_document_indices_are_checked(tmp_path):
     raw[-8:] = struct.pack("<q", 9)  # the last document index must be the sequence count (4)
     idx.write_bytes(bytes(raw))
     with pytest.raises(DataError, match=rf"{idx}: document index 4 at byte offset {len(raw) - 8} is 9"):
-        formats.read_megatron(tmp_path / "d")
+        megatron.read_megatron(tmp_path / "d")

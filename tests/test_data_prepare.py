@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from conftest import run_cli
 
-from trainbox.data import formats
+from trainbox.data import formats, megatron
 from trainbox.data import readers as prep
 from trainbox.data.prepare import PrepareOptions, prepare
 from trainbox.data.tokenizer import get_tokenizer
@@ -115,8 +115,8 @@ def test_txt_folder_megatron_append_eod_and_vocab(tmp_path):
     assert st.documents == 5 and st.val_documents == 1
     enc = get_tokenizer("gpt2").enc
     ref = [enc.encode_ordinary(p.read_text()) + [EOT] for p in order]
-    train = formats.read_megatron(tmp_path / "o/x_text_document")
-    val = formats.read_megatron(tmp_path / "o/x_val_text_document")
+    train = megatron.read_megatron(tmp_path / "o/x_text_document")
+    val = megatron.read_megatron(tmp_path / "o/x_val_text_document")
     assert val.lengths.tolist() == [len(ref[0])] and np.array_equal(val.tokens, ref[0])
     assert train.lengths.tolist() == [len(r) for r in ref[1:]] and np.array_equal(train.tokens, np.concatenate(ref[1:]))
     from trainbox.data.tokenizer import asset_path
@@ -128,9 +128,9 @@ def test_several_json_keys_megatron(corpus, tmp_path):
     d, docs = corpus
     prepare(PrepareOptions([str(d / "a.jsonl")], str(tmp_path / "x"), format="megatron", text_keys=["text", "title"]))
     enc = get_tokenizer("gpt2").enc
-    title = formats.read_megatron(tmp_path / "x_title_document")
+    title = megatron.read_megatron(tmp_path / "x_title_document")
     assert title.lengths.tolist() == [len(enc.encode_ordinary(t[:7])) for t in docs[:200]]
-    assert formats.read_megatron(tmp_path / "x_text_document").num_documents == 200
+    assert megatron.read_megatron(tmp_path / "x_text_document").num_documents == 200
 
 
 def test_overwrite_and_atomic_outputs(corpus, tmp_path):
@@ -247,10 +247,10 @@ def test_append_eod_reported_count_equals_tokens_written(corpus, tmp_path):
         st = prepare(PrepareOptions([str(d / "a.jsonl")], str(out), format="megatron", append_eod=True,
                                     val_fraction=0.1, text_keys=keys))
         tag = lambda split: "" if split == "train" else "_val"  # noqa: E731
-        written = {s: sum(len(formats.read_megatron(f"{out}{tag(s)}_{k}_document").tokens) for k in keys)
+        written = {s: sum(len(megatron.read_megatron(f"{out}{tag(s)}_{k}_document").tokens) for k in keys)
                    for s in ("train", "val")}
         assert (st.tokens, st.val_tokens) == (written["train"] + written["val"], written["val"])
-        eods = sum(int((formats.read_megatron(f"{out}_{k}_document").tokens == EOT).sum()) for k in keys)
+        eods = sum(int((megatron.read_megatron(f"{out}_{k}_document").tokens == EOT).sum()) for k in keys)
         assert eods >= len(keys) * (st.documents - st.val_documents)
 
 

@@ -21,6 +21,7 @@ import pytest
 
 from trainbox.config import DataSection
 from trainbox.data import formats
+from trainbox.data import megatron as mmidx
 from trainbox.data.prepare import PrepareOptions, prepare
 from trainbox.data.sources import open_datasets
 from trainbox.data.tokenizer import get_tokenizer
@@ -167,7 +168,7 @@ TOKENS = np.arange(100, 140, dtype=np.uint16)
 
 
 def megatron(tmp_path, tokens=TOKENS, dtype=np.uint16):
-    w = formats.MegatronWriter(tmp_path / "d", dtype, ".partial")
+    w = mmidx.MegatronWriter(tmp_path / "d", dtype, ".partial")
     w.add_document(tokens[:15])
     w.add_document(tokens[15:])
     w.close()

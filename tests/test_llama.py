@@ -14,7 +14,7 @@ from conftest import run_cli
 
 from trainbox.cli import main
 from trainbox.config import build_config, load_config
-from trainbox.config.schema import RopeScalingSection
+from trainbox.config.families import RopeScalingSection
 from trainbox.errors import ConfigError
 from trainbox.export import load_init_weights
 from trainbox.model.llama_hf import resolve_from_folder, write_hf

@@ -4,6 +4,7 @@ Flow: recipe name or file (YAML/JSON) -> dict -> dotted `key=value` overrides ->
 Every section owns the settings of one component; a wrong key or type fails here, before any work,
 with a message that names the exact dotted key and the closest valid keys.
 """
+from trainbox.config.families import MoESection, Section, T5Section  # noqa: F401
 from trainbox.config.load import (  # noqa: F401
     apply_overrides,
     build_config,
@@ -18,13 +19,10 @@ from trainbox.config.schema import (  # noqa: F401
     DataSection,
     LoraSection,
     ModelSection,
-    MoESection,
     MonitorSection,
     OptimSection,
     QuantSection,
     RunConfig,
     RunSection,
-    Section,
-    T5Section,
     TrainSection,
 )

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from trainbox.data import formats
+from trainbox.data import formats, megatron
 from trainbox.data.loader import TokenDataset, open_tokens, zero_steps_message
 from trainbox.errors import DataError
 
@@ -51,7 +51,7 @@ def describe_file(path: Path, eot: int | None, vocab_size: int | None, data_form
     info = {"path": str(path), "format": fmt, "dtype": str(tokens.dtype), "tokens": int(len(tokens))}
     info.update(scan(tokens, eot))
     if fmt == "megatron":
-        info["documents"] = formats.read_megatron(path).num_documents
+        info["documents"] = megatron.read_megatron(path).num_documents
     else:  # shards and flat files put EOT before (or between) documents
         info["documents"] = info["eot"]
     if mask is not None:

@@ -14,7 +14,8 @@ import os
 import re
 from pathlib import Path
 
-from trainbox.data.formats import is_megatron_prefix, mask_path, token_file
+from trainbox.data.formats import mask_path, token_file
+from trainbox.data.megatron import is_megatron_prefix
 from trainbox.errors import DataError
 from trainbox.files import fsync_dir
 

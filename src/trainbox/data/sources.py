@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from trainbox.config import DataSection
-from trainbox.data import formats, manifest
+from trainbox.data import formats, manifest, megatron
 from trainbox.data.formats import write_shard
 from trainbox.data.loader import TokenDataset, open_tokens
 from trainbox.data.tokenizer import Tokenizer
@@ -117,15 +117,15 @@ def prepare_into_cache(cfg: DataSection, progress=None) -> str:
 
 def _megatron_prefixes(path: str, keys: list[str]) -> tuple[list[Path], list[Path]] | None:
     """Train/val prefixes for a Megatron prefix or a `prepare --format megatron` --out; None if neither."""
-    if formats.is_megatron_prefix(path):
+    if megatron.is_megatron_prefix(path):
         p = Path(path.removesuffix(".idx").removesuffix(".bin"))
         val = [p.with_name(f"{p.name[:-len(f'_{k}_document')]}_val_{k}_document") for k in keys
                if p.name.endswith(f"_{k}_document")]
-        return [p], [v for v in val if formats.is_megatron_prefix(v)]
-    train = [Path(f"{path}_{k}_document") for k in keys if formats.is_megatron_prefix(f"{path}_{k}_document")]
+        return [p], [v for v in val if megatron.is_megatron_prefix(v)]
+    train = [Path(f"{path}_{k}_document") for k in keys if megatron.is_megatron_prefix(f"{path}_{k}_document")]
     if not train:
         return None
-    val = [Path(f"{path}_val_{k}_document") for k in keys if formats.is_megatron_prefix(f"{path}_val_{k}_document")]
+    val = [Path(f"{path}_val_{k}_document") for k in keys if megatron.is_megatron_prefix(f"{path}_val_{k}_document")]
     return train, val
 
 
