@@ -166,6 +166,10 @@ class Llama(nn.Module):
         """The blocks that train.activation_checkpointing wraps (and per-block sharding shards)."""
         return list(self.model.layers)
 
+    def embedding_units(self) -> list[nn.Module]:
+        """The token table when it is not the head's weight: FSDP shards it as its own unit (parallel/fsdp.py)."""
+        return [] if self.cfg.llama.tie_embeddings else [self.model.embed_tokens]
+
     def make_caches(self, batch: int, max_len: int, dtype, device) -> list[KVCache]:
         kv = self.cfg.llama.n_kv_head or self.cfg.n_head
         return [KVCache(batch, kv, max_len, head_dim(self.cfg), dtype, device) for _ in range(self.cfg.n_layer)]

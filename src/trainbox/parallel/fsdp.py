@@ -6,10 +6,11 @@ split over the ranks, and each block's parameters are all-gathered just before i
 - The mesh: one dimension over all ranks on one node; across nodes a 2-D mesh (replicate, shard), HSDP:
   parameters are sharded inside a node (fast links) and replicated across nodes, so the all-gathers of the
   forward and backward stay inside a node and only one all-reduce of the gradient shards crosses nodes.
-- Units: every block the family lists in `checkpoint_units()` is one `fully_shard` unit, the root holds the
-  rest (embeddings, final norm, head). The last block keeps its parameters gathered after the forward (the
-  backward needs them at once); `train.reshard_after_forward=false` keeps every block gathered (less traffic,
-  more memory), and then also keeps them gathered between the micro-batches of one step.
+- Units: every block the family lists in `checkpoint_units()` is one `fully_shard` unit, an untied token table
+  (`embedding_units()`) another, and the root holds the rest (final norm, head, a tied table). The last block
+  keeps its parameters gathered after the forward (the backward needs them at once);
+  `train.reshard_after_forward=false` keeps every block gathered (less traffic, more memory), and then also
+  keeps them gathered between the micro-batches of one step.
 - Precision: on bf16 runs the gathered parameters are bf16 and gradients are reduced in fp32; the sharded
   parameters and the optimizer state stay fp32.
 - torch.compile compiles each block (before sharding), as torchtitan does: FSDP's hooks stay outside the graphs.
@@ -28,6 +29,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from trainbox.errors import ConfigError
+from trainbox.parallel import apart
 from trainbox.train.distributed import Dist
 
 
@@ -67,7 +69,9 @@ class ShardedParallel:
                 block.forward = torch.compile(block.forward)   # parameter names (so checkpoints) do not change
             fully_shard(block, mesh=self.mesh, mp_policy=policy,
                         reshard_after_forward=reshard_after_forward and i < len(blocks) - 1)
-        # the root (embeddings, final norm, head) stays gathered from forward to backward: the head is needed
+        for table in apart(model):   # gathered for the lookup and for its gradient at the end of the backward
+            fully_shard(table, mesh=self.mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+        # the root (final norm, head, a tied table) stays gathered from forward to backward: the head is needed
         # again at once, and the fused loss keeps it for its backward
         fully_shard(model, mesh=self.mesh, mp_policy=policy, reshard_after_forward=False)
         self.model = self.forward = model

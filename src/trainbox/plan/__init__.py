@@ -17,8 +17,9 @@ model.moe.expert_parallel):
     communication  ddp: the gradient buckets (a second fp32 copy of the gradients DDP reduces, DDP's default;
                    under expert parallelism the dense ones only, the experts are outside DDP); fsdp: the
                    bf16 blocks gathered in flight (two, or all of them with train.reshard_after_forward=false),
-                   the root (embeddings, head) gathered with its bf16 gradients through the backward, a block's
-                   bf16 gradients and two fp32 reduce-scatter inputs; expert parallelism: one layer's
+                   the root (head, final norm, a tied table; an untied table is a unit apart) gathered with
+                   its bf16 gradients through the backward, a block's bf16 gradients and two fp32
+                   reduce-scatter inputs; expert parallelism: one layer's
                    all-to-all send and receive buffers (k x tokens rows each way, at the mean routing)
     overhead       outside PyTorch's allocator: the CUDA context (CONTEXT), NCCL's buffers with several
                    ranks (NCCL), and the caching allocator's slack (FRAGMENTATION of the peak)

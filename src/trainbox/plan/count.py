@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 
 from trainbox.config import RunConfig
+from trainbox.parallel import apart
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,7 @@ class ParamCount:
     frozen: int         # frozen parameters (a LoRA run's base)
     matmul: int         # trainable weights that matmuls read (autocast keeps a 16-bit copy of each)
     blocks_matmul: int  # of those, the ones inside the blocks
+    apart: int = 0      # outside the blocks in FSDP units of their own (parallel/fsdp.apart: an untied table)
     shapes: Shapes | None = None
 
     @property
@@ -56,8 +58,8 @@ class ParamCount:
 
     @property
     def root(self) -> int:
-        """Parameters outside the blocks: embeddings, final norm, head."""
-        return self.total - self.blocks
+        """Parameters outside the blocks and the units apart: final norm, head, a tied table, other embeddings."""
+        return self.total - self.blocks - self.apart
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -186,7 +188,7 @@ def _count(cfg: RunConfig, vocab: int) -> ParamCount:
         frozen=sum(p.numel() for _, p, _ in params if not p.requires_grad),
         matmul=sum(p.numel() for p in matmul.values() if p.requires_grad),
         blocks_matmul=sum(p.numel() for i, p in matmul.items() if p.requires_grad and i in in_blocks),
-        shapes=shapes)
+        apart=sum(p.numel() for m in apart(model) for p in m.parameters()), shapes=shapes)
 
 
 def _matmul_weights(model: nn.Module) -> dict[int, nn.Parameter]:
