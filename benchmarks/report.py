@@ -251,6 +251,14 @@ def trainbox_train(rec: dict) -> list[tuple]:
              f"{bm['wall_s'] / m['wall_s']:.2f}x")]
 
 
+def resume_check(rec: dict) -> list[tuple]:
+    m = rec["metrics"]
+    ours = (f"resumed from step {m['cut']} on {m['resume_nproc']} GPU(s): loss within {m['max_abs_diff']:.4f} "
+            f"(mean {m['mean_abs_diff']:.5f}) over {m['steps_compared']} steps")
+    base = (f"the uninterrupted run on {m['nproc']} GPU(s); its loss moves {m['step_to_step_change']:.3f} a step")
+    return [("", ours, base, "—")]
+
+
 def generic(rec: dict) -> list[tuple]:
     scalars = [f"{k} {v}" for k, v in rec["metrics"].items() if isinstance(v, (int, float, str))][:4]
     return [("", ", ".join(scalars) or "—", rec["baseline"]["name"] if rec["baseline"] else "—", "—")]
@@ -259,7 +267,8 @@ def generic(rec: dict) -> list[tuple]:
 ROWS = {"train_speed": train_speed, "profile_step": profile_step, "time_to_loss": time_to_loss,
         "compile_cache": compile_cache, "monitor_overhead": monitor_overhead, "ddp_check": ddp_check,
         "lora_speed": lora_speed, "t5_speed": t5_speed, "step_parity": step_parity, "loss_parity": loss_parity,
-        "prepare_speed": prepare_speed, "make_corpus": make_corpus, "trainbox-train": trainbox_train}
+        "prepare_speed": prepare_speed, "make_corpus": make_corpus, "trainbox-train": trainbox_train,
+        "resume_check": resume_check}
 
 
 # ----------------------------------------------------------------------------------------------- the page

@@ -66,6 +66,17 @@ def test_parity_tools_read_their_records():
     assert paired == json.loads(record.read_text())["metrics"]["summary"]["val_minus_nanogpt"]["trainer"]
 
 
+def test_resume_check_reads_the_steps_after_the_cut_from_its_record():
+    """resume_check.py's comparison, recomputed from the curves its GPU record keeps, equals the record's."""
+    resume_check = load_benchmark("resume_check")
+    m = json.loads((RECORDS / "2026-11-27-2xh200-llama-1b-fsdp-resume-2-to-1.json").read_text())["metrics"]
+    after = range(m["cut"] + 1, m["steps"] + 1)
+    got = resume_check.compare(dict(zip(after, m["straight"])), dict(zip(after, m["resumed"])), m["cut"], m["steps"])
+    assert got == pytest.approx({k: m[k] for k in got}) and 0 < got["max_abs_diff"] < 0.01 * got["step_to_step_change"]
+    with pytest.raises(SystemExit, match="no step after the cut"):
+        resume_check.compare({1: 1.0, 2: 1.0}, {1: 1.0, 2: 1.0}, 2, 4)
+
+
 def test_benchmarks_import_public_names_and_only_common():
     """A benchmark imports trainbox's public names only, and of its neighbours only common.py."""
     tools = {p.stem for p in BENCH.glob("*.py")}

@@ -231,3 +231,21 @@ def test_moe_under_fsdp_equals_one_process(tmp_path, data_cache):
     train(load_config("tiny", [*base, "run.name=one"]))
     run_cli("train", "--nproc", "2", "tiny", *base, "run.name=two", "train.parallel=fsdp")
     _same(_losses(tmp_path / "two"), _losses(tmp_path / "one"), range(1, 5))
+
+
+def test_llama_with_an_untied_table_under_fsdp_equals_one_process(tmp_path, data_cache):
+    """Llama with its own head: the token table is an FSDP unit of its own (gathered for the lookup and again
+    for its gradient), the root holds the final norm and the head. The same steps as one process."""
+    from trainbox.model.spec import build_model
+    from trainbox.parallel import apart
+    llama = ["model.family=llama", "model.llama.n_kv_head=2", "model.llama.intermediate_size=96"]
+    for tied, units in (("false", 1), ("true", 0)):
+        cfg = load_config("tiny", [*llama, f"model.llama.tie_embeddings={tied}"])
+        model = build_model(cfg.model, 128, 32)
+        assert [type(m).__name__ for m in apart(model)] == ["Embedding"] * units
+    base = [*OWN, *llama, "model.llama.tie_embeddings=false", "train.max_steps=4", "train.dtype=fp32",
+            "train.micro_batch_size=2", "monitor.enabled=false", "train.eval_tokens=512", "train.sample_tokens=0",
+            f"run.dir={tmp_path}", f"data.cache_dir={data_cache}"]
+    train(load_config("tiny", [*base, "run.name=one"]))
+    run_cli("train", "--nproc", "2", "tiny", *base, "run.name=two", "train.parallel=fsdp")
+    _same(_losses(tmp_path / "two"), _losses(tmp_path / "one"), range(1, 5))

@@ -185,6 +185,8 @@ RECORDS = [
     ("2026-11-27-2xh200-llama-1b-fsdp-2gpu-float8-200-seed1.json", [], ("sdpa", "triton", "off", "off")),
     ("2026-11-27-2xh200-gpt2-125m-fsdp-vs-ddp-2gpu.json", [], ("sdpa", "triton", "unfused", "off")),
     ("2026-11-27-h200-moe-gpt2-125m-1gpu-baseline.json", [], ("sdpa", "triton", "unfused", "off")),
+    ("2026-11-27-2xh200-llama-1b-fsdp-2gpu-bf16-table-apart.json", [], ("sdpa", "triton", "off", "off")),
+    ("2026-11-27-2xh200-llama-8b-fsdp-2gpu-bf16-table-apart.json", [], ("sdpa", "triton", "off", "off")),
 ]
 
 
