@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import yaml
 from conftest import run_cli
@@ -23,6 +24,9 @@ def test_train_writes_run_dir_then_resumes_and_generates(tmp_path, tiny):
     assert cfg["train"]["max_steps"] == 6 and cfg["model"]["n_embd"] == 32 and cfg["recipe"] == "tiny"
     env = json.loads((run_dir / "env.json").read_text())
     assert env["torch"] and env["python"] and "train" in env["command"]
+    # the caching allocator with expandable segments unless the user chose (set before CUDA starts)
+    mine = os.environ.get("PYTORCH_ALLOC_CONF") or os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
+    assert env["allocator"] == (mine or "expandable_segments:True")
     status = json.loads((run_dir / "status.json").read_text())
     assert status["phase"] == "finished" and status["step"] == 6 and status["total_steps"] == 6
     assert [e["step"] for e in _events(run_dir)] == [1, 2, 3, 4, 5, 6]
@@ -43,7 +47,9 @@ def test_train_writes_run_dir_then_resumes_and_generates(tmp_path, tiny):
     assert "already finished" in again.stderr and "run.name=" in again.stderr
 
     # more steps: resumes from latest and continues the step count
-    run_cli("train", "tiny", *args, "train.max_steps=9", cwd=tmp_path)
+    run_cli("train", "tiny", *args, "train.max_steps=9", cwd=tmp_path,
+            env={"PYTORCH_ALLOC_CONF": "garbage_collection_threshold:0.9"})
+    assert json.loads((run_dir / "env.json").read_text())["allocator"] == "garbage_collection_threshold:0.9"
     assert [e["step"] for e in _events(run_dir)] == [1, 2, 3, 4, 5, 6, 7, 8, 9]
     assert "resuming from" in (run_dir / "train.log").read_text()
     starts = _events(run_dir, "start")

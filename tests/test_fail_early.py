@@ -58,7 +58,7 @@ def test_memory_check_refuses_beyond_the_plans_margin():
                                "data.seq_len=32", "train.micro_batch_size=4", "train.global_batch_size=8"])
     cpu = torch.device("cpu")
     plan = check_memory(cfg, 1024, cpu, torch.float32, free=10**12)
-    total = plan.memory.total
+    total = plan.memory.needed
     n = plan.counts.total
     assert plan.memory.params == plan.memory.gradients == 4 * n and plan.memory.optimizer == 8 * n   # AdamW
     assert check_memory(cfg, 1024, cpu, torch.float32, free=total) is not None

@@ -17,7 +17,7 @@ from trainbox.errors import ConfigError
 from trainbox.kernels.choice import choose
 from trainbox.model.spec import build_model
 from trainbox.parallel import expert
-from trainbox.plan import MARGIN, gpu, local_cpu, make_plan, run_vocab
+from trainbox.plan import CONTEXT, MARGIN, NCCL, gpu, local_cpu, make_plan, run_vocab
 from trainbox.plan.activations import Kernels, Widths, family_activations, weight_copy_bytes
 from trainbox.plan.count import count_parameters
 from trainbox.plan.gpus import GiB
@@ -193,13 +193,19 @@ RECORDS = [
 @pytest.mark.parametrize("record, extra, ran", RECORDS, ids=[r[0][11:-5] for r in RECORDS])
 def test_prediction_within_the_margin_of_measured_gpu_peaks(record, extra, ran):
     """torch.cuda.max_memory_allocated of the recipes on H100s and H200s (benchmarks/records/, rank 0's on several
-    GPUs) against peak_allocated."""
+    GPUs) against peak_allocated; where the record has it, max_memory_reserved with the CUDA context (and NCCL's
+    buffers on several GPUs) against the total, at or above it: the total is what the pre-flight check holds
+    against the free memory (under fsdp it holds FSDP's stream pools, 4.2 GiB of llama-1b's 30.5 reserved)."""
     rec = json.loads((REPO / "benchmarks" / "records" / record).read_text())
     cfg = load_config(rec["recipe"], [*rec["overrides"], *extra])
     card = gpu("H200" if "H200" in rec["gpu"]["name"] else "H100")
-    plan = make_plan(cfg, run_vocab(cfg), card, rec["metrics"].get("nproc", 1), kernels=Kernels(*ran))
+    nproc = rec["metrics"].get("nproc", 1)
+    plan = make_plan(cfg, run_vocab(cfg), card, nproc, kernels=Kernels(*ran))
     measured = rec["metrics"]["peak_mem_gib"] * GiB
     assert abs(plan.memory.peak_allocated / measured - 1) < MARGIN, plan.memory
+    if rec["metrics"].get("peak_reserved_gib"):
+        held = rec["metrics"]["peak_reserved_gib"] * GiB + CONTEXT + (NCCL if nproc > 1 else 0)
+        assert 0 <= plan.memory.total / held - 1 < MARGIN, plan.memory
 
 
 def test_t5_prediction_within_the_margin_of_its_measured_step():
@@ -250,7 +256,7 @@ def test_verdicts_and_suggestions_that_fit_when_applied():
             applied_cfg = load_config("moe-gpt2-125m", [*MOE_128, *given, *s.overrides])
             expert.check(applied_cfg, s.nproc)   # a layout the trainer runs (no expert parallelism under fsdp)
             applied = make_plan(applied_cfg, vocab, gpu("H100"), nproc=s.nproc, suggest=False)
-            assert applied.fits and applied.memory.total == s.total, s
+            assert applied.fits and applied.memory.needed == s.total, s
     big = load_config("gpt2-125m", ["train.micro_batch_size=240", "train.global_batch_size=480"])
     plan = make_plan(big, vocab, gpu("A100-40GB"))
     micro = next(s for s in plan.suggestions if s.what == "micro-batch")
@@ -283,7 +289,8 @@ def test_plan_text(capsys):
     from trainbox.cli import main
     assert main(["plan", "gpt2-125m", "--gpu", "H100", "--nproc", "2", "train.parallel=fsdp"]) == 0
     out = capsys.readouterr().out
-    for row in ("parameters", "gradients", "optimizer state", "activations", "communication", "overhead", "total"):
+    for row in ("parameters", "gradients", "optimizer state", "activations", "communication", "overhead", "needed",
+                "+ FSDP's pools"):
         assert f"\n  {row} " in out
     assert "fsdp over 2 GPUs" in out and "fits:" in out and "experts:" not in out
     ep2 = ["model.moe.expert_parallel=2", "--gpu", "H200", "--nproc", "2"]

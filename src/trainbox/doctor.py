@@ -330,7 +330,7 @@ def memory_check(cfg: RunConfig) -> Check | None:
     except TrainboxError:
         return None
     per = f" per GPU ({plan.target.name})" if plan.target.cuda else " of RAM"
-    value = (f"{plan.memory.total / GiB:.1f} of {plan.target.gib:.1f} GiB{per} at micro-batch {plan.micro_batch}: "
+    value = (f"{plan.memory.needed / GiB:.1f} of {plan.target.gib:.1f} GiB{per} at micro-batch {plan.micro_batch}: "
              f"{'fits' if plan.fits else 'does not fit'} (trainbox plan {cfg.recipe or 'CONFIG'} shows the plan)")
     fix = plan.suggestions[0].command(cfg.recipe) if plan.suggestions else ""
     return Check("memory", "ok" if plan.fits else "fail", value, fix)

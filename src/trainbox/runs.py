@@ -50,6 +50,7 @@ def environment(device: torch.device | None = None, world: int = 1) -> dict:
         "gpus": gpus, "device": str(device) if device else None, "world_size": world,
         "host": socket.gethostname(), "platform": platform.platform(), "cpu_count": os.cpu_count(),
         "git_commit": _git_commit(), "command": sys.argv if not hasattr(sys, "ps1") else [],
+        "allocator": os.environ.get("PYTORCH_ALLOC_CONF") or os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
     }
 
 

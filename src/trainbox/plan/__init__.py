@@ -23,11 +23,18 @@ model.moe.expert_parallel):
                    all-to-all send and receive buffers (k x tokens rows each way, at the mean routing)
     overhead       outside PyTorch's allocator: the CUDA context (CONTEXT), NCCL's buffers with several
                    ranks (NCCL), and the caching allocator's slack (FRAGMENTATION of the peak)
+    pools          under fsdp, the allocator pools of FSDP's two side streams, which the default stream does
+                   not reuse while memory is ample: the reduce-scatter stream's, where the fp32 gradient shards
+                   are made (beyond the peak where one micro-batch a step leaves no gradients there), and the
+                   all-gather stream's, two gathered blocks and the root with the units apart in bf16
+                   (benchmarks/records/*-table-apart.json). Under pressure the allocator frees them and retries
 
-`peak_allocated` (all but the overhead) is what `torch.cuda.max_memory_allocated()` reports during training;
-`total` is what the GPU must hold. The prediction aims at 15% of the measured peak (MARGIN): a run is said
-not to fit when its total exceeds the GPU's memory, and the pre-flight check refuses a run only when even
-total x (1 - MARGIN) exceeds the free memory.
+`peak_allocated` (all but the overhead and the pools) is what `torch.cuda.max_memory_allocated()` reports
+during training; `needed` adds the overhead: what the run must have; `total` adds the pools: what the GPU
+holds while memory is ample (`torch.cuda.max_memory_reserved()` with the context and NCCL's buffers). The
+prediction aims at 15% of the measured peak (MARGIN): a run is said not to fit when what it needs exceeds
+the GPU's memory, and the pre-flight check refuses a run only when even needed x (1 - MARGIN) exceeds the
+free memory.
 """
 from __future__ import annotations
 
@@ -47,8 +54,8 @@ FRAGMENTATION = 0.08           # allocator slack: reserved beyond allocated at t
 MODES = ("none", "selective", "full")
 BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
-__all__ = ["GPUS", "MARGIN", "Layout", "Memory", "Plan", "Suggestion", "Target", "gpu", "local_cpu", "local_gpu",
-           "make_plan", "sized", "ParamCount", "Activations", "Kernels"]
+__all__ = ["CONTEXT", "GPUS", "MARGIN", "NCCL", "Layout", "Memory", "Plan", "Suggestion", "Target", "gpu",
+           "local_cpu", "local_gpu", "make_plan", "sized", "ParamCount", "Activations", "Kernels"]
 
 
 @dataclass(frozen=True)
@@ -68,22 +75,29 @@ class Memory:
     activations: int
     comm: int
     overhead: int
+    pools: int = 0      # FSDP's side-stream pools: held while memory is ample, given back under pressure
 
     @property
     def peak_allocated(self) -> int:
         return self.params + self.gradients + self.optimizer + self.activations + self.comm
 
     @property
-    def total(self) -> int:
+    def needed(self) -> int:
+        """What the run must have: the fit verdict, the suggestions and the pre-flight check hold this."""
         return self.peak_allocated + self.overhead
 
+    @property
+    def total(self) -> int:
+        """What the GPU holds while memory is ample: max_memory_reserved() with the context and NCCL."""
+        return self.needed + self.pools
+
     def as_dict(self) -> dict:
-        return {**asdict(self), "peak_allocated": self.peak_allocated, "total": self.total}
+        return {**asdict(self), "peak_allocated": self.peak_allocated, "needed": self.needed, "total": self.total}
 
 
 @dataclass(frozen=True)
 class Suggestion:
-    """A change under which the run fits: config overrides, the number of GPUs, and the total per GPU."""
+    """A change under which the run fits: config overrides, the number of GPUs, and what it needs per GPU."""
     what: str
     overrides: tuple[str, ...]
     nproc: int
@@ -116,7 +130,7 @@ class Plan:
 
     @property
     def fits(self) -> bool:
-        return self.memory.total <= self.target.memory
+        return self.memory.needed <= self.target.memory
 
     def as_dict(self) -> dict:
         return {"recipe": self.recipe, "gpu": {"name": self.target.name, "memory": self.target.memory,
@@ -202,7 +216,7 @@ def memory(cfg: RunConfig, counts: ParamCount, vocab: int, target: Target, layou
         comm += 4 * m.moe.top_k * micro * cfg.data.seq_len * m.n_embd * a   # dispatch and combine, both ways
     frozen = counts.frozen * (0.5625 if cfg.quant.load_in_4bit else 1 if cfg.quant.load_in_8bit else a)
     params = 4 * local + frozen / shard          # frozen bases: bf16 on a GPU (NF4: 4.5 bits with its scales)
-    overhead = 0
+    overhead = pools = 0
     # the peak is at the start of the last micro-batch's backward: gradients are there only where earlier
     # micro-batches of the step left them (the loop sets them to None after each step), or where the
     # activations are smaller than they are (then the end of the backward is the peak)
@@ -211,8 +225,10 @@ def memory(cfg: RunConfig, counts: ParamCount, vocab: int, target: Target, layou
     peak = params + grads + 4 * muon + 8 * (local - muon) + acts.peak + comm
     if target.cuda:
         overhead = CONTEXT + (NCCL if world > 1 else 0) + FRAGMENTATION * peak
+        if fsdp:
+            pools = (0 if grads else 4 * local) + 2 * (2 * unit + counts.root + counts.apart)
     mem = Memory(params=int(params), gradients=int(grads), optimizer=int(4 * muon + 8 * (local - muon)),
-                 activations=acts.peak, comm=int(comm), overhead=int(overhead))
+                 activations=acts.peak, comm=int(comm), overhead=int(overhead), pools=int(pools))
     return mem, acts
 
 
@@ -277,7 +293,7 @@ class _Search:
 
     def total(self, layout: Layout, micro: int, mode: str) -> int:
         return memory(self.cfg, self.plan.counts, self.vocab, self.plan.target, layout, micro, mode,
-                      self.plan.kernels, BYTES[self.plan.dtype])[0].total
+                      self.plan.kernels, BYTES[self.plan.dtype])[0].needed
 
     def largest(self, layout: Layout, mode: str, same_micro: bool = False) -> tuple[int, int] | None:
         """(micro-batch, total) of the largest micro-batch (up to the plan's) that fits, or None."""

@@ -62,10 +62,13 @@ def format_plan(plan: Plan, overrides: list[str] | tuple[str, ...] = ()) -> str:
             ("peak allocated", mem.peak_allocated, "torch.cuda.max_memory_allocated() during training"
              if t.cuda else ""),
             ("overhead", mem.overhead, "CUDA context, NCCL, allocator slack" if t.cuda else ""),
-            ("total", mem.total, f"of {t.gib:.1f} GiB")]
+            ("needed", mem.needed, f"of {t.gib:.1f} GiB")]
+    if mem.pools:
+        rows.append(("+ FSDP's pools", mem.pools, f"side-stream pools held while memory is ample (total "
+                                                  f"{_gib(mem.total).strip()} GiB), given back under pressure"))
     lines += [f"  {name:<22}{_gib(n):>8}   {note}".rstrip() for name, n, note in rows]
     verdict = "fits" if plan.fits else "does not fit"
-    lines += ["", f"{verdict}: {mem.total / GiB:.1f} of {t.gib:.1f} GiB{' per GPU' if t.cuda else ''} "
+    lines += ["", f"{verdict}: {mem.needed / GiB:.1f} of {t.gib:.1f} GiB{' per GPU' if t.cuda else ''} "
                   f"(the prediction aims at {MARGIN:.0%} of the measured peak)"]
     if plan.drops_unsent:
         lines += ["experts: every routed assignment counted; under expert parallelism the ones the capacity drops "

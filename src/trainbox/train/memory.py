@@ -1,7 +1,7 @@
 """The pre-flight memory check (`train.memory_check`): before any weight is allocated, the run's memory plan
 (trainbox.plan: parameters, gradients, optimizer state, activations, communication, overhead per device) is
 held against what the device has free: MemAvailable of /proc/meminfo on a CPU, torch.cuda.mem_get_info on a
-GPU. A run is refused when even the low end of the plan's error margin, total x (1 - plan.MARGIN), exceeds
+GPU. A run is refused when even the low end of the plan's error margin, needed x (1 - plan.MARGIN), exceeds
 it; the message says what would fit. Hugging Face models (model.family=hf) are not checked here: their size
 is only known once their folder is read (`trainbox plan` counts them from their config).
 """
@@ -62,7 +62,7 @@ def check_memory(cfg: RunConfig, vocab: int, device: torch.device, dtype: torch.
         return None
     plan = device_plan(cfg, vocab, device, dtype, free, world)
     mem = plan.memory
-    if mem.total * (1 - MARGIN) <= free:
+    if mem.needed * (1 - MARGIN) <= free:
         return plan
     t = cfg.train
     where = "this machine's available RAM" if device.type == "cpu" else f"free on {device}"
@@ -80,7 +80,7 @@ def check_memory(cfg: RunConfig, vocab: int, device: torch.device, dtype: torch.
     if more:
         fixes.append(f"spread it over --nproc {more[0].nproc} ({' '.join(more[0].overrides) or 'as it is'})")
     raise ConfigError(
-        f"this run needs about {gib(mem.total)} on {device} ({plan.counts.total / 1e6:.1f}M parameters: weights "
+        f"this run needs about {gib(mem.needed)} on {device} ({plan.counts.total / 1e6:.1f}M parameters: weights "
         f"{gib(mem.params)}, gradients {gib(mem.gradients)}, optimizer state {gib(mem.optimizer)}; activations "
         f"{gib(mem.activations)} at train.micro_batch_size={t.micro_batch_size}, data.seq_len={cfg.data.seq_len}"
         + (f"; communication {gib(mem.comm)}" if mem.comm else "")

@@ -1,0 +1,71 @@
+"""Full fine-tuning (recipe sft) of a Hugging Face Llama folder under FSDP on two GPUs, compiled in bf16: the
+assistant-only loss falls, and the sharded run exports a folder that transformers loads and that computes our
+logits.
+
+The folder is a Llama 3.2 1B-shaped model (width 2048, 32 query and 8 key/value heads, SwiGLU 8192, Llama 3
+RoPE scaling, untied head) with 4 layers and random weights, and a small offline BPE tokenizer with a ChatML
+template (tests/hf_tiny.py): nothing is downloaded. The chats are arithmetic (the answer is a function of the
+question), so the loss can fall within a few dozen steps.
+
+    python -m pytest -q -m gpu tests/test_gpu_sft.py          # on a machine with 2 or more GPUs
+"""
+from __future__ import annotations
+
+import json
+import statistics
+
+import hf_tiny
+import pytest
+import torch
+from conftest import run_cli
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")]
+
+SHAPE = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=4, num_attention_heads=32,
+             num_key_value_heads=8, max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0,
+             rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                           "original_max_position_embeddings": 8192}, tie_word_embeddings=False)
+
+
+def llama_folder(folder, vocab: int = 512):
+    transformers = pytest.importorskip("transformers", reason="trainbox[hf] (transformers) is needed")
+    tok = hf_tiny.make_tokenizer(folder, vocab)
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=len(tok), eos_token_id=tok.eos_token_id,
+                                   bos_token_id=tok.eos_token_id, **SHAPE)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(folder)
+    return folder
+
+
+def test_full_fine_tuning_under_fsdp_on_two_gpus_exports_what_transformers_loads(tmp_path):
+    transformers = pytest.importorskip("transformers", reason="trainbox[hf] (transformers) is needed")
+    from trainbox.cli import main
+    from trainbox.generate import load_for_inference
+
+    base = llama_folder(tmp_path / "base")
+    chats = hf_tiny.make_chat_file(tmp_path / "chat.jsonl", n=4000)
+    run_cli("train", "--nproc", "2", "sft", f"model.path={base}", f"data.path={chats}", "train.parallel=fsdp",
+            "data.seq_len=512", "train.global_batch_size=16", "train.micro_batch_size=4", "train.max_steps=40",
+            "train.epochs=10", "optim.lr=3e-4", "optim.warmup_steps=5", "train.dtype=bf16", "train.compile=true",
+            "train.checkpoint_every=20", "train.sample_tokens=0", "monitor.enabled=false", "monitor.log_every=1",
+            f"run.dir={tmp_path / 'runs'}", "run.name=sft", f"data.cache_dir={tmp_path / 'cache'}", timeout=1200)
+    run = tmp_path / "runs" / "sft"
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in rows if r.get("event") == "train"]
+    assert len(losses) == 40, losses
+    assert statistics.mean(losses[-5:]) < statistics.mean(losses[:5]) - 0.5, losses
+
+    assert main(["export", str(run), "--format", "hf", "--out", str(tmp_path / "tuned")]) == 0
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "tuned", torch_dtype=torch.float32)
+    assert type(theirs).__name__ == "LlamaForCausalLM"
+    ours, _, _ = load_for_inference(run, device="cuda")
+    theirs = theirs.cuda().eval()
+    idx = torch.randint(0, theirs.config.vocab_size, (2, 64), device="cuda")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    with torch.no_grad():
+        want = theirs(idx).logits
+        got = ours.lm_head(ours.hidden(idx))
+    assert (got - want).abs().max() < 1e-3 * want.abs().max()
+    fresh = transformers.AutoModelForCausalLM.from_pretrained(base, torch_dtype=torch.float32).cuda()
+    with torch.no_grad():   # and the export is the tuned model, not the folder it started from
+        assert (fresh(idx).logits - want).abs().max() > 10 * (got - want).abs().max()
