@@ -81,8 +81,8 @@ def cmd_train(args) -> int:
 def _allocator_env() -> None:
     """PyTorch's caching allocator with expandable segments: memory freed by one phase of a step is reused by the
     next whatever the sizes, where fixed segments fragment (the GPU figures in docs/performance.md were measured
-    so; reserved stays within 1% of allocated under ddp). Read when CUDA starts, so set before any work, and
-    inherited by torchrun's workers. A value the user set wins; ROCm builds keep their own default."""
+    so). Read when CUDA starts, so set before any work, and inherited by torchrun's workers. A value the user
+    set wins; ROCm builds keep their own default."""
     if "PYTORCH_ALLOC_CONF" in os.environ or "PYTORCH_CUDA_ALLOC_CONF" in os.environ:
         return
     import torch
