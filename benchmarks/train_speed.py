@@ -74,7 +74,7 @@ def run_ours(recipe: str, data: str, steps: int, warmup: int, overrides: list[st
         "mfu": round(flops_per_token * tokens / step_s / (peak * nproc), 4) if peak else None,
         "flops_per_token": flops_per_token,
         "first_step_s": round(train[0]["time"] - start["time"], 1), "wall_s": round(time.time() - t0, 1),
-        "peak_mem_gib": max(mem) if mem else None,   # rank 0's
+        "peak_mem_gib": max(mem) if mem else None,   # the fullest rank's
         "peak_reserved_gib": max((e["peak_reserved_gib"] for e in train if "peak_reserved_gib" in e), default=None),
         "plan_peak_gib": round(planned_peak(cfg, nproc) / 2**30, 2) if torch.cuda.is_available() else None,
         "save_block_ms": around,   # per checkpoint step: what the save added to the step time around it

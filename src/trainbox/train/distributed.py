@@ -89,6 +89,12 @@ class Dist:
             dist.all_reduce(t, op=dist.ReduceOp.SUM)
         return t
 
+    def all_reduce_max(self, t: torch.Tensor) -> torch.Tensor:
+        """Largest over ranks on the tensor's own device (main backend)."""
+        if self.enabled:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t
+
     def any(self, flag: bool) -> bool:
         """True on every rank if it is True on any rank (stop votes, failed saves). Host-only: never
         touches the GPU, so calling it every step adds no device synchronisation."""

@@ -275,11 +275,15 @@ class Trainer(RunFiles, Checkpointing):
         eta = per_step * (self.total - step) if per_step else None
         mfu = tok_s * self.flops_per_token / (self.peak * self.dist.world) if tok_s and self.peak else None
         gn = float(grad_norm) if grad_norm is not None else None
+        peaks = {}
+        if self.device.type == "cuda":   # what tensors held and what the allocator reserved, on the fullest rank
+            # (under expert parallelism each rank's experts get their own share of the tokens)
+            top = torch.tensor([torch.cuda.max_memory_allocated(self.device),
+                                torch.cuda.max_memory_reserved(self.device)], dtype=torch.float64, device=self.device)
+            held, reserved = self.dist.all_reduce_max(top).tolist()
+            peaks = {"peak_mem_gib": round(held / 2**30, 3), "peak_reserved_gib": round(reserved / 2**30, 3)}
         if not self.dist.is_main:
             return
-        cuda = self.device.type == "cuda"   # peaks: what tensors held, and what the caching allocator reserved
-        peaks = {"peak_mem_gib": round(torch.cuda.max_memory_allocated(self.device) / 2**30, 3),
-                 "peak_reserved_gib": round(torch.cuda.max_memory_reserved(self.device) / 2**30, 3)} if cuda else {}
         last = {"lr": lr, "grad_norm": gn, "tokens_per_s": tok_s, "mfu": mfu, "tokens": self.tokens_seen,
                 **peaks, **self._stats()}
         for i, v in enumerate(losses):
