@@ -56,7 +56,7 @@ def test_full_fine_tuning_under_fsdp_on_two_gpus_exports_what_transformers_loads
     assert statistics.mean(losses[-5:]) < statistics.mean(losses[:5]) - 0.5, losses
 
     assert main(["export", str(run), "--format", "hf", "--out", str(tmp_path / "tuned")]) == 0
-    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "tuned", torch_dtype=torch.float32)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "tuned", dtype=torch.float32)
     assert type(theirs).__name__ == "LlamaForCausalLM"
     ours, _, _ = load_for_inference(run, device="cuda")
     theirs = theirs.cuda().eval()
@@ -66,6 +66,6 @@ def test_full_fine_tuning_under_fsdp_on_two_gpus_exports_what_transformers_loads
         want = theirs(idx).logits
         got = ours.lm_head(ours.hidden(idx))
     assert (got - want).abs().max() < 1e-3 * want.abs().max()
-    fresh = transformers.AutoModelForCausalLM.from_pretrained(base, torch_dtype=torch.float32).cuda()
+    fresh = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).cuda()
     with torch.no_grad():   # and the export is the tuned model, not the folder it started from
         assert (fresh(idx).logits - want).abs().max() > 10 * (got - want).abs().max()
