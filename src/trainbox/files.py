@@ -21,6 +21,11 @@ def fsync_dir(path: Path) -> None:
 
 def atomic_write_text(path: Path, text: str, fsync: bool = True) -> None:
     """Replace `path` with `text` in one rename; readers see the old or the new file, never a part."""
+    atomic_write_bytes(path, text.encode("utf-8"), fsync)
+
+
+def atomic_write_bytes(path: Path, data: bytes, fsync: bool = True) -> None:
+    """Replace `path` with `data` in one rename; readers see the old or the new file, never a part."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
@@ -28,8 +33,8 @@ def atomic_write_text(path: Path, text: str, fsync: bool = True) -> None:
     except FileNotFoundError:
         pass
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.write(text)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
         if fsync:
             f.flush()
             os.fsync(f.fileno())

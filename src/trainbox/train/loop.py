@@ -79,6 +79,7 @@ class Trainer(RunFiles, Checkpointing):
         self.optimizers: list = []
         self.last_saved_step: int | None = None
         self.saver = None        # parallel/dcp.py AsyncSaver of a sharded run
+        self.snapshot = None     # monitor/memory_snapshot.py, through step monitor.memory_snapshot
         self.token_bytes = None  # per-token UTF-8 lengths for bits/byte, built at the first evaluation
         self.state: RunState | None = None
         self.server = self.sinks = None
@@ -98,6 +99,9 @@ class Trainer(RunFiles, Checkpointing):
         self.tokenizer, self.vocab, self.train_data, self.val_data = data.tokenizer, data.vocab, data.train, data.val
         self.plan, self.total = data.plan, data.total
         check_memory(cfg, self.vocab, self.device, self.dtype, world=d.world)   # before any weight is allocated
+        if cfg.monitor.memory_snapshot:   # from before the first weight to the end of step N
+            from trainbox.monitor.memory_snapshot import MemorySnapshot
+            self.snapshot = MemorySnapshot(cfg.monitor.memory_snapshot, self.run_dir, d.rank, self.device)
         trainer_state = {}
         if self.resume_from is not None:   # checked before any model is built
             trainer_state = checkpoint.load_trainer(self.resume_from)
@@ -173,6 +177,8 @@ class Trainer(RunFiles, Checkpointing):
                                     checkpoint.latest(self.ckpt_root)) from None
             step += 1
             self.tokens_seen += cfg.train.global_batch_size * cfg.data.seq_len
+            if self.snapshot is not None and self.snapshot.after_step(step - self.start_step):
+                self.snapshot = None
             window.append(loss)
             meter.step_done(step)
             if step == self.start_step + 1:
