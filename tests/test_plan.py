@@ -256,7 +256,7 @@ def test_verdicts_and_suggestions_that_fit_when_applied():
             applied_cfg = load_config("moe-gpt2-125m", [*MOE_128, *given, *s.overrides])
             expert.check(applied_cfg, s.nproc)   # a layout the trainer runs (no expert parallelism under fsdp)
             applied = make_plan(applied_cfg, vocab, gpu("H100"), nproc=s.nproc, suggest=False)
-            assert applied.fits and applied.memory.needed == s.total, s
+            assert applied.fits and applied.memory.needed == s.needed, s
     big = load_config("gpt2-125m", ["train.micro_batch_size=240", "train.global_batch_size=480"])
     plan = make_plan(big, vocab, gpu("A100-40GB"))
     micro = next(s for s in plan.suggestions if s.what == "micro-batch")

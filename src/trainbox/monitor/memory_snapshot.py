@@ -23,7 +23,6 @@ from pathlib import Path
 
 import torch
 
-from trainbox.errors import ConfigError
 from trainbox.files import atomic_write_bytes, atomic_write_text
 
 GiB = 2 ** 30
@@ -92,9 +91,7 @@ class MemorySnapshot:
     """Records from construction; `after_step(step)` writes the files and stops once `step` reaches the last."""
 
     def __init__(self, steps: int, run_dir: Path, rank: int, device: torch.device):
-        if device.type != "cuda":
-            raise ConfigError(f"monitor.memory_snapshot={steps} records CUDA's caching allocator; this run is on "
-                              f"{device.type}", hint="drop monitor.memory_snapshot, or run on a CUDA GPU")
+        """On a CUDA `device` (train/device.py refuses the option elsewhere, before any work)."""
         self.last, self.run_dir, self.rank, self.device = steps, Path(run_dir), rank, device
         torch.cuda.memory._record_memory_history(max_entries=MAX_ENTRIES, context="alloc", stacks="python")
 

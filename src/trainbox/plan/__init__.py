@@ -101,7 +101,7 @@ class Suggestion:
     what: str
     overrides: tuple[str, ...]
     nproc: int
-    total: int
+    needed: int
 
     def command(self, recipe: str | None, overrides: list[str] | tuple[str, ...] = ()) -> str:
         """`trainbox train` with the run's own overrides, those of the same keys replaced by this change's."""
@@ -291,17 +291,17 @@ class _Search:
     def __init__(self, cfg: RunConfig, vocab: int, plan: Plan):
         self.cfg, self.vocab, self.plan = cfg, vocab, plan
 
-    def total(self, layout: Layout, micro: int, mode: str) -> int:
+    def needed(self, layout: Layout, micro: int, mode: str) -> int:
         return memory(self.cfg, self.plan.counts, self.vocab, self.plan.target, layout, micro, mode,
                       self.plan.kernels, BYTES[self.plan.dtype])[0].needed
 
     def largest(self, layout: Layout, mode: str, same_micro: bool = False) -> tuple[int, int] | None:
-        """(micro-batch, total) of the largest micro-batch (up to the plan's) that fits, or None."""
+        """(micro-batch, needed) of the largest micro-batch (up to the plan's) that fits, or None."""
         micro = self.plan.micro_batch
         sizes = micro_batches(self.cfg, layout.nproc, micro)
         for b in sizes[:1] if same_micro else sizes:
-            if (total := self.total(layout, b, mode)) <= self.plan.target.memory:
-                return b, total
+            if (needed := self.needed(layout, b, mode)) <= self.plan.target.memory:
+                return b, needed
         return None
 
     def suggest(self, what: str, layout: Layout, mode: str, overrides: tuple[str, ...],
@@ -309,12 +309,12 @@ class _Search:
         found = self.largest(layout, mode, same_micro)
         if found is None:
             return None
-        micro, total = found
+        micro, needed = found
         if micro != self.plan.micro_batch:
             overrides = (*overrides, f"train.micro_batch_size={micro}")
         if mode != self.plan.checkpointing:
             overrides = (*overrides, f"train.activation_checkpointing={mode}")
-        return Suggestion(what, overrides, layout.nproc, total)
+        return Suggestion(what, overrides, layout.nproc, needed)
 
 
 def _layouts(cfg: RunConfig, base: Layout, n: int) -> list[tuple[Layout, tuple[str, ...]]]:

@@ -75,7 +75,7 @@ def format_plan(plan: Plan, overrides: list[str] | tuple[str, ...] = ()) -> str:
                   "are not sent, so a step whose router drops assignments holds less"]
     if plan.suggestions:
         lines += ["", "what would fit (GiB per GPU):"]
-        lines += [f"  {s.total / GiB:6.1f}  {s.what:<26}{s.command(plan.recipe, overrides)}" for s in plan.suggestions]
+        lines += [f"  {s.needed / GiB:6.1f}  {s.what:<26}{s.command(plan.recipe, overrides)}" for s in plan.suggestions]
     elif not plan.fits:
         lines += ["", "nothing tried fits: a smaller model (model.n_layer, model.n_embd), a shorter data.seq_len, "
                       "or a GPU with more memory"]

@@ -121,8 +121,6 @@ def build_model_side(cfg: RunConfig, vocab: int, device: torch.device, dist: Dis
         from trainbox.parallel.fsdp import ShardedParallel
         parallel = ShardedParallel(model, dist, device, dtype, cfg.train.reshard_after_forward, cfg.train.compile,
                                    float8=cfg.train.float8)
-        if device.type == "cuda":   # the whole model was built here: hand its unsharded memory back to the GPU
-            torch.cuda.empty_cache()
     else:
         from trainbox.parallel.ddp import DataParallel
         parallel = DataParallel(model, dist, device)

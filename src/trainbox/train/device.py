@@ -63,6 +63,9 @@ def resolve_device(cfg: RunConfig, dist: Dist) -> tuple[torch.device, torch.dtyp
     if cfg.model.attention == "flash":
         from trainbox.kernels.flash import require_flash
         require_flash(device, dtype)
+    if cfg.monitor.memory_snapshot and device.type != "cuda":
+        raise ConfigError(f"monitor.memory_snapshot={cfg.monitor.memory_snapshot} records CUDA's caching allocator; "
+                          f"this run is on {device.type}", hint="drop monitor.memory_snapshot, or run on a CUDA GPU")
     return device, dtype, cfg
 
 
