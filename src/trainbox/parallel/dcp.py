@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import inspect
 import io
+import logging
 import os
 import pickle
 import threading
@@ -50,6 +51,8 @@ from trainbox.errors import CheckpointError
 from trainbox.parallel import expert
 from trainbox.train.distributed import Dist
 
+log = logging.getLogger("trainbox")  # the library logger
+
 
 def state_dict(model: nn.Module, optimizers: list | None) -> dict:
     """{"model": ..., "optim": ...} keyed by parameter names: the same keys for FSDP, expert-parallel and plain
@@ -68,6 +71,18 @@ def pinned_stager():
         return None
     from torch.distributed.checkpoint.staging import BlockingAsyncStager
     return BlockingAsyncStager(cache_staged_state_dict=True)
+
+
+def _tensors(state):
+    """Every tensor of a nested state dict."""
+    if isinstance(state, torch.Tensor):
+        yield state
+    elif isinstance(state, dict):
+        for v in state.values():
+            yield from _tensors(v)
+    elif isinstance(state, (list, tuple)):
+        for v in state:
+            yield from _tensors(v)
 
 
 def _pin_like(state: dict, stager) -> None:
@@ -102,8 +117,13 @@ class AsyncSaver:
 
         def pin():
             try:
+                t0 = time.perf_counter()
                 torch.cuda.set_device(device)   # this rank's GPU (not a context on GPU 0)
                 _pin_like(state, self.stager)
+                if self.dist.is_main:
+                    gib = sum(t.numel() * t.element_size() for t in _tensors(self.stager.state_dict_cache)) / 2**30
+                    log.info(f"checkpoint staging buffers pinned: {gib:.1f} GiB of host memory per rank in "
+                             f"{time.perf_counter() - t0:.1f}s (a save before then waits for the rest)")
             except Exception:  # noqa: BLE001 - the stager then allocates at the first save
                 self.stager.state_dict_cache = None
 
