@@ -8,7 +8,9 @@ as a user runs it), then resumes that checkpoint on --resume-nproc processes wit
 `run.resume=` (a sharded checkpoint is resharded to the new world size on load). Prints one JSON object: both
 runs' training losses after the cut, their largest and mean absolute difference, and, as the scale that
 difference is read against, the mean absolute change of the uninterrupted run's loss from one step to the next
-(the step-to-step noise of the batches). On a CPU in fp32 the difference is zero to rounding
+(the step-to-step noise of the batches). --resume-override changes the resumed run only, e.g. its expert layout
+(`--nproc 4 --resume-nproc 2 model.moe.expert_parallel=4 --resume-override model.moe.expert_parallel=2`).
+On a CPU in fp32 the difference is zero to rounding
 (tests/test_fsdp.py holds it to 1e-5); on a GPU in bf16 nondeterministic kernels and a different reduction
 order make it small but not zero, and the record keeps both curves to judge it by.
 """
@@ -59,6 +61,9 @@ def main() -> None:
     ap.add_argument("--resume-nproc", type=int, default=1, help="processes of the resumed run")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--cut", type=int, default=20, help="the step whose checkpoint is resumed")
+    ap.add_argument("--resume-override", action="append", default=[], metavar="KEY=VALUE",
+                    help="an override of the resumed run only, repeatable (model.moe.expert_parallel=2: a new "
+                         "expert layout)")
     ap.add_argument("--record", action="store_true", help="write the result record to benchmarks/records/")
     ap.add_argument("--what", help="the record's slug (default: RECIPE-resume-NPROC-to-RESUME_NPROC)")
     args = ap.parse_intermixed_args()
@@ -71,11 +76,13 @@ def main() -> None:
                        f"run.dir={root}", *args.overrides]
         train(args.recipe, args.nproc, [*common_args, "run.name=straight"])
         cut = root / "straight" / "checkpoints" / f"step_{args.cut:08d}"
-        train(args.recipe, args.resume_nproc, [*common_args, "run.name=resumed", f"run.resume={cut}"])
+        train(args.recipe, args.resume_nproc, [*common_args, "run.name=resumed", f"run.resume={cut}",
+                                              *args.resume_override])
         result = compare(losses(root / "straight"), losses(root / "resumed"), args.cut, args.steps)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    result = {"nproc": args.nproc, "resume_nproc": args.resume_nproc, "steps": args.steps, "cut": args.cut, **result}
+    result = {"nproc": args.nproc, "resume_nproc": args.resume_nproc, "steps": args.steps, "cut": args.cut,
+              "resume_overrides": args.resume_override, **result}
     print(json.dumps(result), flush=True)
     common.emit(common.Result(
         tool="resume_check", what=args.what or f"{args.recipe}-resume-{args.nproc}-to-{args.resume_nproc}",
