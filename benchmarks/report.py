@@ -93,6 +93,8 @@ def speed(m: dict, tokens_key: str = "tokens_per_s", ms_key: str = "median_step_
         parts.append(f"{m['mfu']:.1%} MFU")
     if m.get("peak_mem_gib") is not None:
         parts.append(gib(m["peak_mem_gib"]))
+    if m.get("peak_reserved_gib") is not None:
+        parts[-1] += f" ({gib(m['peak_reserved_gib'])} reserved)"
     return ", ".join(parts)
 
 
@@ -105,7 +107,8 @@ def train_speed(rec: dict) -> list[tuple]:
     if not b:
         return [("", ours, "—", "—")]
     bm = b["metrics"]
-    base = f"{b['name']}: {ms(bm['median_step_ms'])}/step"
+    base = f"{b['name']}: {ms(bm['median_step_ms'])}/step" + (
+        f", {gib(bm['peak_memory_reserved_gib'])} reserved" if bm.get("peak_memory_reserved_gib") else "")
     if "per_gpu_vs_baseline" in m:   # another model on another GPU count: tokens/s per GPU against its
         ratio = f"{m['per_gpu_vs_baseline']:.2f}x its tokens/s per GPU"
     elif bm.get("recipe") and bm["recipe"] != rec["recipe"]:

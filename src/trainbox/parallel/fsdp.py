@@ -11,6 +11,12 @@ split over the ranks, and each block's parameters are all-gathered just before i
   keeps its parameters gathered after the forward (the backward needs them at once);
   `train.reshard_after_forward=false` keeps every block gathered (less traffic, more memory), and then also
   keeps them gathered between the micro-batches of one step.
+- Gradient memory: FSDP reduce-scatters each unit's gradient on a side stream, and the caching allocator
+  keeps what a stream allocated in that stream's own pool. The sharded gradients (fp32: one rank's share of
+  4 bytes a parameter) would then sit in a pool that the forward's activations cannot use, so the peak of the
+  forward and the peak of the backward would add up in reserved memory. On one node (no HSDP all-reduce
+  stream) they are allocated in the compute stream's pool instead (`_GradsOnComputeStream`), and the reserved
+  memory is the larger of the two peaks, not their sum.
 - Precision: on bf16 runs the gathered parameters are bf16 and gradients are reduced in fp32; the sharded
   parameters and the optimizer state stay fp32.
 - torch.compile compiles each block (before sharding), as torchtitan does: FSDP's hooks stay outside the graphs.
@@ -74,6 +80,7 @@ class ShardedParallel:
         # the root (final norm, head, a tied table) stays gathered from forward to backward: the head is needed
         # again at once, and the fused loss keeps it for its backward
         fully_shard(model, mesh=self.mesh, mp_policy=policy, reshard_after_forward=False)
+        self.grads_on_compute_stream = device.type == "cuda" and len(shape) == 1 and _grads_on_compute_stream(model)
         self.model = self.forward = model
         self.float8 = float8
 
@@ -100,3 +107,57 @@ class ShardedParallel:
         params = [p for p in self.model.parameters() if p.grad is not None]
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
         return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+
+def compute_pool_grads_available() -> bool:
+    """Whether this torch lets FSDP's reduce-scatter allocate its output (FSDPModule.set_custom_reduce_scatter)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+        from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter  # noqa: F401
+    except ImportError:
+        return False
+    return hasattr(FSDPModule, "set_custom_reduce_scatter")
+
+
+def _grads_on_compute_stream(model: nn.Module) -> bool:
+    """Every FSDP unit of `model` reduce-scatters into memory of the compute stream's pool (see the module
+    docstring); False where this torch has no custom reduce-scatter hook (the gradients stay in the side
+    stream's pool, which is correct, only larger)."""
+    if not compute_pool_grads_available():
+        return False
+    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+    mods = [m for m in model.modules() if hasattr(m, "set_custom_reduce_scatter")]
+    if not mods:
+        return False
+    comm = _compute_stream_reduce_scatter(ReduceScatter)(torch.cuda.current_stream())
+    for m in mods:
+        m.set_custom_reduce_scatter(comm)
+    return True
+
+
+def _compute_stream_reduce_scatter(base: type):
+    class GradsOnComputeStream(base):
+        """FSDP's reduce-scatter, with its output (the sharded gradients) taken from the compute stream's pool.
+
+        Safe because FSDP makes the reduce-scatter stream wait for the compute stream just before it allocates
+        the output, so no block the compute stream freed can still be in use there; and the output is marked
+        as used on the reduce-scatter stream (`record_stream`), so when it is freed the allocator hands it out
+        again only after that stream's work on it is done."""
+
+        def __init__(self, compute: torch.cuda.Stream):
+            self.compute = compute
+
+        def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+            here = torch.cuda.current_stream(device)
+            if here == self.compute:   # the reduce-scatter input, copied in on the compute stream
+                return torch.empty(*size, dtype=dtype, device=device)
+            with torch.cuda.stream(self.compute):
+                out = torch.empty(*size, dtype=dtype, device=device)
+            out.record_stream(here)
+            return out
+
+        def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group, op, async_op: bool = False):
+            return torch.distributed.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group,
+                                                           async_op=async_op)
+
+    return GradsOnComputeStream
