@@ -23,11 +23,13 @@ model.moe.expert_parallel):
                    all-to-all send and receive buffers (k x tokens rows each way, at the mean routing)
     overhead       outside PyTorch's allocator: the CUDA context (CONTEXT), NCCL's buffers with several
                    ranks (NCCL), and the caching allocator's slack (FRAGMENTATION of the peak)
-    pools          under fsdp, the allocator pools of FSDP's two side streams, which the default stream does
-                   not reuse while memory is ample: the reduce-scatter stream's, where the fp32 gradient shards
-                   are made (beyond the peak where one micro-batch a step leaves no gradients there), and the
-                   all-gather stream's, two gathered blocks and the root with the units apart in bf16
-                   (benchmarks/records/*-table-apart.json). Under pressure the allocator frees them and retries
+    pools          under fsdp, the allocator pool of FSDP's all-gather stream, which the default stream does
+                   not reuse while memory is ample: two gathered blocks and the root with the units apart in
+                   bf16. The fp32 gradient shards are reduce-scattered into the compute stream's pool
+                   (parallel/fsdp.py); where they cannot be (HSDP across nodes, a torch without FSDP's custom
+                   reduce-scatter) the reduce-scatter stream's pool holds them too, beyond the peak where one
+                   micro-batch a step leaves no gradients there (benchmarks/records/*-table-apart.json). Under
+                   pressure the allocator frees the pools and retries
 
 `peak_allocated` (all but the overhead and the pools) is what `torch.cuda.max_memory_allocated()` reports
 during training; `needed` adds the overhead: what the run must have; `total` adds the pools: what the GPU
@@ -64,6 +66,7 @@ class Layout:
     nproc: int = 1
     expert_parallel: int = 1
     reshard_after_forward: bool = True
+    side_stream_grads: bool = False    # fsdp: gradient shards in the reduce-scatter stream's own pool (HSDP, old torch)
 
 
 @dataclass(frozen=True)
@@ -191,7 +194,7 @@ def memory(cfg: RunConfig, counts: ParamCount, vocab: int, target: Target, layou
     fsdp = layout.parallel == "fsdp"
     lowp = m.lowp_residual if m.lowp_residual is not None else m.family == "speedrun"
     r = a if (fsdp or lowp or m.family == "hf") else 4   # (a Hugging Face base is bf16 on a GPU)
-    widths = Widths(a=a, r=r, cuda=target.cuda, compiled=cfg.train.compile)
+    widths = Widths(a=a, r=r, cuda=target.cuda, compiled=cfg.train.compile, expert_parallel=ep)
     held = counts.dense + counts.expert / ep                    # trainable parameters a rank computes with
     shard = world if fsdp else 1
     # ... and keeps: fsdp shards the dense ones over all ranks, a rank's experts over the world / ep that share them
@@ -226,7 +229,8 @@ def memory(cfg: RunConfig, counts: ParamCount, vocab: int, target: Target, layou
     if target.cuda:
         overhead = CONTEXT + (NCCL if world > 1 else 0) + FRAGMENTATION * peak
         if fsdp:
-            pools = (0 if grads else 4 * local) + 2 * (2 * unit + counts.root + counts.apart)
+            pools = (4 * local if layout.side_stream_grads and not grads else 0) \
+                + 2 * (2 * unit + counts.root + counts.apart)
     mem = Memory(params=int(params), gradients=int(grads), optimizer=int(4 * muon + 8 * (local - muon)),
                  activations=acts.peak, comm=int(comm), overhead=int(overhead), pools=int(pools))
     return mem, acts
@@ -254,12 +258,18 @@ def check_layout(cfg: RunConfig, layout: Layout) -> None:
 
 
 def make_plan(cfg: RunConfig, vocab: int, target: Target, nproc: int = 1, kernels: Kernels | None = None,
-              flash: bool = False, suggest: bool = True, dtype: str | None = None) -> Plan:
-    """The plan of `cfg` on `nproc` GPUs like `target` (`kernels`: what runs, else assumed_kernels; `dtype`:
-    bf16, fp16 or fp32 as the run resolved it, else from train.dtype and the target)."""
+              flash: bool = False, suggest: bool = True, dtype: str | None = None,
+              side_stream_grads: bool | None = None) -> Plan:
+    """The plan of `cfg` on `nproc` GPUs of one node like `target` (`kernels`: what runs, else assumed_kernels;
+    `dtype`: bf16, fp16 or fp32 as the run resolved it, else from train.dtype and the target;
+    `side_stream_grads`: whether FSDP's gradient shards keep a pool of their own, else as this torch does)."""
     t = cfg.train
     ep = cfg.model.moe.expert_parallel if cfg.model.family == "moe" else 1
-    layout = Layout("fsdp" if shards(t.parallel, nproc) else "ddp", nproc, ep, t.reshard_after_forward)
+    if side_stream_grads is None:
+        from trainbox.parallel.fsdp import compute_pool_grads_available
+        side_stream_grads = not compute_pool_grads_available()
+    layout = Layout("fsdp" if shards(t.parallel, nproc) else "ddp", nproc, ep, t.reshard_after_forward,
+                    side_stream_grads)
     check_layout(cfg, layout)
     counts = count_parameters(cfg, vocab)
     kernels = kernels or assumed_kernels(cfg, target, flash)

@@ -107,6 +107,7 @@ class Widths:
     r: int              # residual stream
     cuda: bool
     compiled: bool = False
+    expert_parallel: int = 1   # ranks the experts are split over
 
     def casts(self, n: int) -> int:
         """Copies autocast makes of a norm's output that n matmuls read: one each where the norm's output is
@@ -160,7 +161,11 @@ def moe_ffn(b: Block, d: int, moe, w: Widths, kern: Kernels, bias: bool) -> None
     b.keep(k * a * d)              # dispatched rows (c_fc's input)
     fused = kern.fused_mlp in ("quack", "torch") and not bias
     b.mm(4 * k * a * d) if not fused else b.keep(4 * k * a * d)   # h, kept by the GELU
-    b.keep(4 * k * a * d)          # GELU(h)
+    if not (w.expert_parallel > 1 and w.compiled and not fused):
+        # GELU(h); under expert parallelism the experts run in a graph of their own after the exchange's host
+        # read, where the compiler recomputes it in the backward (measured: 2026-11-27-2xh200-moe-gpt2-125m-ep2-
+        # vs-ddp-memory.json, every rank's allocator history)
+        b.keep(4 * k * a * d)
     b.mm(k * a * d) if not fused else b.keep(k * a * d)   # expert outputs, kept by the gate multiply
     b.keep(4 * k)                  # the gates, in fp32
     if bias:
