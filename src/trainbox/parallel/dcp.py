@@ -164,7 +164,10 @@ class AsyncSaver:
     def _publish(self, tmp: Path, step: int, t0: float) -> None:
         try:
             self.future.result()
+            written = time.perf_counter()
             path = checkpoint.publish(tmp, self.root, step, self.keep_last, self.protect)
+            log.info(f"checkpoint of step {step}: shards written {written - t0:.1f}s after the save began, "
+                     f"published (fsync, checksums, rename) in {time.perf_counter() - written:.1f}s")
             self.done = (path, time.perf_counter() - t0)
         except BaseException as e:  # noqa: BLE001 - re-raised by wait() on every rank
             self.error = e
