@@ -15,7 +15,7 @@ split over the ranks, and each block's parameters are all-gathered just before i
   keeps what a stream allocated in that stream's own pool. The sharded gradients (fp32: one rank's share of
   4 bytes a parameter) would then sit in a pool that the forward's activations cannot use, so the peak of the
   forward and the peak of the backward would add up in reserved memory. On one node (no HSDP all-reduce
-  stream) they are allocated in the compute stream's pool instead (`_GradsOnComputeStream`), and the reserved
+  stream) they are allocated in the compute stream's pool instead (`GradsOnComputeStream`), and the reserved
   memory is the larger of the two peaks, not their sum.
 - Precision: on bf16 runs the gathered parameters are bf16 and gradients are reduced in fp32; the sharded
   parameters and the optimizer state stay fp32.
@@ -80,7 +80,8 @@ class ShardedParallel:
         # the root (final norm, head, a tied table) stays gathered from forward to backward: the head is needed
         # again at once, and the fused loss keeps it for its backward
         fully_shard(model, mesh=self.mesh, mp_policy=policy, reshard_after_forward=False)
-        self.grads_on_compute_stream = device.type == "cuda" and len(shape) == 1 and _grads_on_compute_stream(model)
+        if device.type == "cuda" and len(shape) == 1:
+            _grads_on_compute_stream(model)
         self.model = self.forward = model
         self.float8 = float8
 
