@@ -107,14 +107,16 @@ def _losses(run_dir: Path) -> list[tuple[int, float]]:
 
 
 def _check_stop(code: int, out: str, run_dir: Path, after: int, torchrun: bool = False) -> int:
-    """A graceful stop: exit 0, 'stopped at step N', a checkpoint of step N that verifies. Returns N.
-    (torchrun's agent prints its own SignalException traceback when it passes a signal on.)"""
+    """A graceful stop: exit 0, 'stopped at step N', a checkpoint of step N that verifies. Returns N, which is
+    past `after` (the step the segment resumed from) or equal to it: a signal that arrives before the segment's
+    first step stops the run where it resumed, which loses nothing either. (torchrun's agent prints its own
+    SignalException traceback when it passes a signal on.)"""
     assert code == 0, out
     assert "unexpected error" not in out and (torchrun or "Traceback" not in out), out
     line = next((x for x in out.splitlines() if "stopped at step" in x), None)
     assert line is not None, out
     step = int(line.split("stopped at step ")[1].split()[0])
-    assert step > after, (step, after, out)
+    assert step >= after, (step, after, out)
     ckpt = checkpoint.latest(run_dir / "checkpoints")
     assert ckpt is not None and checkpoint.step_of(ckpt) == step, (ckpt, step)
     checkpoint.verify(ckpt)
