@@ -64,7 +64,9 @@ def format_plan(plan: Plan, overrides: list[str] | tuple[str, ...] = ()) -> str:
             ("overhead", mem.overhead, "CUDA context, NCCL, allocator slack" if t.cuda else ""),
             ("needed", mem.needed, f"of {t.gib:.1f} GiB")]
     if mem.pools:
-        rows.append(("+ FSDP's pools", mem.pools, f"side-stream pools held while memory is ample (total "
+        which = "the all-gather and reduce-scatter streams' pools" if plan.layout.side_stream_grads \
+            else "the all-gather stream's pool"
+        rows.append(("+ FSDP's pools", mem.pools, f"{which}, held while memory is ample (total "
                                                   f"{_gib(mem.total).strip()} GiB), given back under pressure"))
     lines += [f"  {name:<22}{_gib(n):>8}   {note}".rstrip() for name, n, note in rows]
     verdict = "fits" if plan.fits else "does not fit"
