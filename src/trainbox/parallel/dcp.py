@@ -45,6 +45,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.utils._pytree import tree_leaves
 
 from trainbox import checkpoint
 from trainbox.errors import CheckpointError
@@ -71,18 +72,6 @@ def pinned_stager():
         return None
     from torch.distributed.checkpoint.staging import BlockingAsyncStager
     return BlockingAsyncStager(cache_staged_state_dict=True)
-
-
-def _tensors(state):
-    """Every tensor of a nested state dict."""
-    if isinstance(state, torch.Tensor):
-        yield state
-    elif isinstance(state, dict):
-        for v in state.values():
-            yield from _tensors(v)
-    elif isinstance(state, (list, tuple)):
-        for v in state:
-            yield from _tensors(v)
 
 
 def _pin_like(state: dict, stager) -> None:
@@ -121,7 +110,8 @@ class AsyncSaver:
                 torch.cuda.set_device(device)   # this rank's GPU (not a context on GPU 0)
                 _pin_like(state, self.stager)
                 if self.dist.is_main:
-                    gib = sum(t.numel() * t.element_size() for t in _tensors(self.stager.state_dict_cache)) / 2**30
+                    gib = sum(t.nbytes for t in tree_leaves(self.stager.state_dict_cache)
+                              if isinstance(t, torch.Tensor)) / 2**30
                     log.info(f"checkpoint staging buffers pinned: {gib:.1f} GiB of host memory per rank in "
                              f"{time.perf_counter() - t0:.1f}s (a save before then waits for the rest)")
             except Exception:  # noqa: BLE001 - the stager then allocates at the first save

@@ -38,6 +38,11 @@ from trainbox.errors import ConfigError
 from trainbox.parallel import apart
 from trainbox.train.distributed import Dist
 
+try:   # FSDP's interface for a custom reduce-scatter, in a private module; older torch has none
+    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+except ImportError:
+    ReduceScatter = object
+
 
 def mesh_shape(world: int, local_world: int) -> tuple[int, ...]:
     """(shard,) on one node, (replicate, shard) across nodes (HSDP)."""
@@ -112,53 +117,41 @@ class ShardedParallel:
 
 def compute_pool_grads_available() -> bool:
     """Whether this torch lets FSDP's reduce-scatter allocate its output (FSDPModule.set_custom_reduce_scatter)."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-        from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter  # noqa: F401
-    except ImportError:
-        return False
-    return hasattr(FSDPModule, "set_custom_reduce_scatter")
+    from torch.distributed.fsdp import FSDPModule
+    return ReduceScatter is not object and hasattr(FSDPModule, "set_custom_reduce_scatter")
 
 
-def _grads_on_compute_stream(model: nn.Module) -> bool:
+def _grads_on_compute_stream(model: nn.Module) -> None:
     """Every FSDP unit of `model` reduce-scatters into memory of the compute stream's pool (see the module
-    docstring); False where this torch has no custom reduce-scatter hook (the gradients stay in the side
-    stream's pool, which is correct, only larger)."""
-    if not compute_pool_grads_available():
-        return False
-    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
-    mods = [m for m in model.modules() if hasattr(m, "set_custom_reduce_scatter")]
-    if not mods:
-        return False
-    comm = _compute_stream_reduce_scatter(ReduceScatter)(torch.cuda.current_stream())
-    for m in mods:
-        m.set_custom_reduce_scatter(comm)
-    return True
+    docstring). Where this torch has no custom reduce-scatter hook the gradients stay in the side stream's
+    pool, which is correct, only larger."""
+    if compute_pool_grads_available():
+        comm = GradsOnComputeStream(torch.cuda.current_stream())
+        for m in model.modules():
+            if hasattr(m, "set_custom_reduce_scatter"):
+                m.set_custom_reduce_scatter(comm)
 
 
-def _compute_stream_reduce_scatter(base: type):
-    class GradsOnComputeStream(base):
-        """FSDP's reduce-scatter, with its output (the sharded gradients) taken from the compute stream's pool.
+class GradsOnComputeStream(ReduceScatter):
+    """FSDP's reduce-scatter, with its output (the sharded gradients) taken from the compute stream's pool.
 
-        Safe because FSDP makes the reduce-scatter stream wait for the compute stream just before it allocates
-        the output, so no block the compute stream freed can still be in use there; and the output is marked
-        as used on the reduce-scatter stream (`record_stream`), so when it is freed the allocator hands it out
-        again only after that stream's work on it is done."""
+    Safe because FSDP makes the reduce-scatter stream wait for the compute stream just before it allocates the
+    output, so no block the compute stream freed can still be in use there; and the output is marked as used on
+    the reduce-scatter stream (`record_stream`), so when it is freed the allocator hands it out again only after
+    that stream's work on it is done."""
 
-        def __init__(self, compute: torch.cuda.Stream):
-            self.compute = compute
+    def __init__(self, compute: torch.cuda.Stream):
+        self.compute = compute
 
-        def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-            here = torch.cuda.current_stream(device)
-            if here == self.compute:   # the reduce-scatter input, copied in on the compute stream
-                return torch.empty(*size, dtype=dtype, device=device)
-            with torch.cuda.stream(self.compute):
-                out = torch.empty(*size, dtype=dtype, device=device)
-            out.record_stream(here)
-            return out
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        here = torch.cuda.current_stream(device)
+        if here == self.compute:   # the reduce-scatter input, copied in on the compute stream
+            return torch.empty(*size, dtype=dtype, device=device)
+        with torch.cuda.stream(self.compute):
+            out = torch.empty(*size, dtype=dtype, device=device)
+        out.record_stream(here)
+        return out
 
-        def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group, op, async_op: bool = False):
-            return torch.distributed.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group,
-                                                           async_op=async_op)
-
-    return GradsOnComputeStream
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group, op, async_op: bool = False):
+        return torch.distributed.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group,
+                                                       async_op=async_op)

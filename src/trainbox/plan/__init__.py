@@ -281,97 +281,9 @@ def make_plan(cfg: RunConfig, vocab: int, target: Target, nproc: int = 1, kernel
     plan = Plan(cfg.recipe, target, layout, t.micro_batch_size, cfg.data.seq_len, dtype, t.compile, mode, kernels,
                 counts, mem, acts, drops_unsent=ep > 1 and cfg.model.moe.capacity_factor > 0)
     if suggest and not plan.fits:
+        from trainbox.plan.suggest import suggestions
         plan = replace(plan, suggestions=tuple(suggestions(cfg, vocab, plan)))
     return plan
-
-
-def micro_batches(cfg: RunConfig, nproc: int, upto: int) -> list[int]:
-    """Micro-batch sizes up to `upto` that the batch plan accepts on `nproc` ranks (each dividing a rank's share
-    of train.global_batch_size), largest first."""
-    g = cfg.train.global_batch_size
-    if g % nproc:
-        return []
-    share = g // nproc
-    return [b for b in range(min(upto, share), 0, -1) if share % b == 0]
-
-
-class _Search:
-    """Memory of variants of one plan (same model, same GPU): which fit, at which micro-batch."""
-
-    def __init__(self, cfg: RunConfig, vocab: int, plan: Plan):
-        self.cfg, self.vocab, self.plan = cfg, vocab, plan
-
-    def needed(self, layout: Layout, micro: int, mode: str) -> int:
-        return memory(self.cfg, self.plan.counts, self.vocab, self.plan.target, layout, micro, mode,
-                      self.plan.kernels, BYTES[self.plan.dtype])[0].needed
-
-    def largest(self, layout: Layout, mode: str, same_micro: bool = False) -> tuple[int, int] | None:
-        """(micro-batch, needed) of the largest micro-batch (up to the plan's) that fits, or None."""
-        micro = self.plan.micro_batch
-        sizes = micro_batches(self.cfg, layout.nproc, micro)
-        for b in sizes[:1] if same_micro else sizes:
-            if (needed := self.needed(layout, b, mode)) <= self.plan.target.memory:
-                return b, needed
-        return None
-
-    def suggest(self, what: str, layout: Layout, mode: str, overrides: tuple[str, ...],
-                same_micro: bool = False) -> Suggestion | None:
-        found = self.largest(layout, mode, same_micro)
-        if found is None:
-            return None
-        micro, needed = found
-        if micro != self.plan.micro_batch:
-            overrides = (*overrides, f"train.micro_batch_size={micro}")
-        if mode != self.plan.checkpointing:
-            overrides = (*overrides, f"train.activation_checkpointing={mode}")
-        return Suggestion(what, overrides, layout.nproc, needed)
-
-
-def _layouts(cfg: RunConfig, base: Layout, n: int) -> list[tuple[Layout, tuple[str, ...]]]:
-    """The layouts on n GPUs the trainer runs, simplest first: as configured, fsdp, then each expert-parallel
-    degree (with ddp: expert parallelism does not combine with fsdp)."""
-    out = [(replace(base, nproc=n), ())]
-    if base.parallel == "ddp" and n > 1 and base.expert_parallel == 1:
-        out.append((replace(base, nproc=n, parallel="fsdp"), ("train.parallel=fsdp",)))
-    experts = cfg.model.moe.num_experts if cfg.model.family == "moe" else 1
-    for ep in range(base.expert_parallel + 1, n + 1):
-        if experts % ep == 0 and n % ep == 0:
-            over = (f"model.moe.expert_parallel={ep}",)
-            if base.parallel == "ddp":   # expert parallelism runs with ddp for the dense part (parallel/expert.py)
-                out.append((replace(base, nproc=n, expert_parallel=ep), over))
-    return out
-
-
-def suggestions(cfg: RunConfig, vocab: int, plan: Plan) -> list[Suggestion]:
-    """What would fit, one of each kind: the largest micro-batch; an activation-checkpointing mode; fsdp; an
-    expert-parallel degree (on these GPUs, with the largest micro-batch that then fits); more GPUs (the fewest,
-    with the simplest layout, mode and largest micro-batch that fit)."""
-    search, lay, mode = _Search(cfg, vocab, plan), plan.layout, plan.checkpointing
-    modes = (mode, *(MODES[MODES.index(mode) + 1:] if cfg.model.family != "hf" else ()))
-
-    def first(what: str, options, modes=modes, same_micro=False) -> Suggestion | None:
-        return next((s for m in modes for layout, over in options
-                     if (s := search.suggest(what, layout, m, over, same_micro))), None)
-
-    out = [search.suggest("micro-batch", lay, mode, ()),
-           first("activation checkpointing", [(lay, ())], modes[1:], same_micro=True)]
-    if not plan.target.cuda:   # processes on one machine share its RAM: sharding or more of them does not help
-        return [s for s in out if s is not None]
-    here = _layouts(cfg, lay, lay.nproc)[1:]
-    out += [first("fsdp", [(x, o) for x, o in here if x.expert_parallel == lay.expert_parallel]),
-            first("expert parallelism", [(x, o) for x, o in here if x.expert_parallel != lay.expert_parallel])]
-    for n in (2, 4, 8, 16, 32, 64):   # the fewest GPUs that fit; for an MoE also its best expert-parallel layout
-        if n <= lay.nproc:
-            continue
-        options = _layouts(cfg, lay, n)
-        found = first("more GPUs", options)
-        if found:
-            out.append(found)
-            if not any(o.startswith("model.moe.expert_parallel") for o in found.overrides):
-                out.append(first("more GPUs, experts split",
-                                 [x for x in options if x[0].expert_parallel > lay.expert_parallel]))
-            break
-    return [s for s in out if s is not None]
 
 
 def run_vocab(cfg: RunConfig) -> int:

@@ -89,20 +89,19 @@ class Dist:
             dist.all_reduce(t, op=dist.ReduceOp.SUM)
         return t
 
-    def all_reduce_max(self, t: torch.Tensor) -> torch.Tensor:
-        """Largest over ranks on the tensor's own device (main backend)."""
-        if self.enabled:
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return t
+    def max_over_ranks(self, values: list[float]) -> list[float]:
+        """Each value's largest over ranks, on every rank. Host-only (the control group): never touches the
+        GPU, so it adds no device synchronisation."""
+        if not self.enabled:
+            return list(values)
+        t = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.ctrl)
+        return t.tolist()
 
     def any(self, flag: bool) -> bool:
-        """True on every rank if it is True on any rank (stop votes, failed saves). Host-only: never
-        touches the GPU, so calling it every step adds no device synchronisation."""
-        if not self.enabled:
-            return flag
-        t = torch.tensor([1 if flag else 0], dtype=torch.int32)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.ctrl)
-        return bool(t.item())
+        """True on every rank if it is True on any rank (stop votes, failed saves); host-only, so calling it
+        every step costs no device synchronisation."""
+        return self.max_over_ranks([1.0 if flag else 0.0])[0] > 0
 
     def gather_objects(self, obj) -> list:
         """Every rank's `obj`, in rank order, on every rank (over the control group)."""

@@ -284,9 +284,8 @@ class Trainer(RunFiles, Checkpointing):
         peaks = {}
         if self.device.type == "cuda":   # what tensors held and what the allocator reserved, on the fullest rank
             # (under expert parallelism each rank's experts get their own share of the tokens)
-            top = torch.tensor([torch.cuda.max_memory_allocated(self.device),
-                                torch.cuda.max_memory_reserved(self.device)], dtype=torch.float64, device=self.device)
-            held, reserved = self.dist.all_reduce_max(top).tolist()
+            held, reserved = self.dist.max_over_ranks([torch.cuda.max_memory_allocated(self.device),
+                                                       torch.cuda.max_memory_reserved(self.device)])
             peaks = {"peak_mem_gib": round(held / 2**30, 3), "peak_reserved_gib": round(reserved / 2**30, 3)}
         if not self.dist.is_main:
             return
