@@ -45,6 +45,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_leaves
 
 from trainbox import checkpoint
@@ -81,6 +82,12 @@ def _pin_like(state: dict, stager) -> None:
     stager.state_dict_cache = _create_cpu_state_dict(state, pin_memory=True)
 
 
+def host_bytes(state: dict) -> int:
+    """The bytes this rank holds for `state`: a DTensor counts its local shard (its nbytes is the global size)."""
+    return sum((t.to_local() if isinstance(t, DTensor) else t).nbytes
+               for t in tree_leaves(state) if isinstance(t, torch.Tensor))
+
+
 class AsyncSaver:
     """One sharded save in flight at a time; rank 0 publishes it when every rank has written its shards."""
 
@@ -110,8 +117,7 @@ class AsyncSaver:
                 torch.cuda.set_device(device)   # this rank's GPU (not a context on GPU 0)
                 _pin_like(state, self.stager)
                 if self.dist.is_main:
-                    gib = sum(t.nbytes for t in tree_leaves(self.stager.state_dict_cache)
-                              if isinstance(t, torch.Tensor)) / 2**30
+                    gib = host_bytes(self.stager.state_dict_cache) / 2**30
                     log.info(f"checkpoint staging buffers pinned: {gib:.1f} GiB of host memory per rank in "
                              f"{time.perf_counter() - t0:.1f}s (a save before then waits for the rest)")
             except Exception:  # noqa: BLE001 - the stager then allocates at the first save
