@@ -12,6 +12,7 @@ Prints "ok" on rank 0.
 """
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from pathlib import Path
@@ -135,6 +136,7 @@ def main() -> None:
             for cf in (0.0, 0.5):
                 check_case(d, n, cf, batches)
     if "--train" in sys.argv:
+        logging.basicConfig(level=logging.INFO, format="%(message)s")   # the library's log on stderr
         train(load_config(None, sys.argv[sys.argv.index("--train") + 1:]), d)   # shuts the process group down
     else:
         d.shutdown()

@@ -32,13 +32,14 @@ MOE = ["model.family=moe", "model.moe.num_experts=4", "model.moe.top_k=2", "mode
        "model.moe.lb_loss_weight=0.05", "model.moe.z_loss_weight=0.01"]
 
 
-def _launch(nproc: int, run_overrides: list[str]) -> None:
+def _launch(nproc: int, run_overrides: list[str]) -> str:
     src = str(HERE.parent / "src")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                            str(HERE / "expert_parallel_worker.py"), "--train", *run_overrides],
                           capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stdout[-3000:] + proc.stderr[-6000:]
+    return proc.stderr
 
 
 @pytest.fixture(scope="module")
@@ -50,8 +51,9 @@ def runs(tmp_path_factory, data_cache) -> Path:
             "train.pg_timeout_s=60"]   # 10 validation samples: the ranks hold 3, 3, 2 and 2 of them
     train(load_config(None, [*base, "run.name=one", "train.max_steps=4"]))
     _launch(4, [*base, "run.name=ep", "train.max_steps=2", "model.moe.expert_parallel=4"])
-    _launch(2, [*base, "run.name=ep", "train.max_steps=4", "model.moe.expert_parallel=2",
-                "train.activation_checkpointing=selective"])
+    log = _launch(2, [*base, "run.name=ep", "train.max_steps=4", "model.moe.expert_parallel=2",
+                      "train.activation_checkpointing=selective"])
+    (root / "ep-launch.log").write_text(log)
     return root
 
 
@@ -70,6 +72,9 @@ def test_layouts_match_one_process_and_resume_on_fewer_processes_continues_exact
     starts = [e for e in got if e["event"] == "start"]
     assert [(e["world"], e["resumed_from"].endswith("step_00000002")) for e in starts] == [(4, False), (2, True)]
     assert max(e["moe.0.dropped_frac"] for e in got if e["event"] == "train") > 0, "the capacity must drop"
+    # on 2 processes a rank takes 2 micro-batches of 2 a step: the log names the one micro-batch of 4 that fits
+    log = (runs / "ep-launch.log").read_text()
+    assert "expert parallelism: 2 micro-batches a step" in log and "train.micro_batch_size=4 fits" in log
     # the expert-parallel run's checkpoints are sharded (each rank wrote its experts); `trainbox export` reads the
     # whole model from them, equal to the single-process run's checkpoint
     ckpt = runs / "ep" / "checkpoints" / "step_00000004"

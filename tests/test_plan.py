@@ -293,6 +293,40 @@ def test_verdicts_and_suggestions_that_fit_when_applied():
                          vocab, gpu("A100-40GB"), suggest=False).fits
 
 
+def test_expert_parallel_plan_names_the_largest_micro_batch_that_fits():
+    """Under expert parallelism each micro-batch exchanges its tokens per MoE layer: the plan names the largest
+    micro-batch that fits (up to one a step), and it fits when applied; none without expert parallelism, or
+    where the plan's micro-batch is already the largest that fits."""
+    ep4 = load_config("moe-gpt2-125m", [*MOE_128, "model.moe.expert_parallel=4", "train.micro_batch_size=40"])
+    vocab = run_vocab(ep4)
+    plan = make_plan(ep4, vocab, gpu("H200"), nproc=4)
+    f = plan.fewer_exchanges
+    assert plan.accumulation == 3 and f.overrides == ("train.micro_batch_size=120",) and f.nproc == 4
+    applied = make_plan(load_config("moe-gpt2-125m", [*MOE_128, "model.moe.expert_parallel=4", *f.overrides]),
+                        vocab, gpu("H200"), nproc=4, suggest=False)
+    assert applied.fits and applied.memory.needed == f.needed and applied.accumulation == 1
+    on_h100 = make_plan(ep4, vocab, gpu("H100"), nproc=4).fewer_exchanges   # 120 does not fit 80 GB; 60 does
+    assert on_h100.overrides == ("train.micro_batch_size=60",) and on_h100.needed <= gpu("H100").memory
+    assert make_plan(load_config("moe-gpt2-125m", [*MOE_128, "model.moe.expert_parallel=4",
+                                                   "train.micro_batch_size=60"]),
+                     vocab, gpu("H100"), nproc=4).fewer_exchanges is None   # already the largest that fits
+    dense = load_config("moe-gpt2-125m", ["train.micro_batch_size=40"])
+    assert make_plan(dense, run_vocab(dense), gpu("H200"), nproc=4).fewer_exchanges is None
+
+
+def test_micro_batch_on_n_processes():
+    """The micro-batch `train --nproc N` and `plan --nproc N` both use: the recipe's where it divides a rank's
+    share of the global batch, else the largest below it that does; a given one that does not is refused."""
+    from trainbox.config.batch import micro_batch_on
+    cfg = load_config("moe-gpt2-125m")   # global batch 480, micro-batch 48
+    assert [micro_batch_on(cfg, n, given=False) for n in (1, 2, 4, 8)] == [48, 48, 40, 30]
+    assert micro_batch_on(cfg, 2, given=True) == 48
+    with pytest.raises(ConfigError, match="does not divide the 120 sequences per process"):
+        micro_batch_on(cfg, 4, given=True)
+    with pytest.raises(ConfigError, match="does not split over 7 processes"):
+        micro_batch_on(cfg, 7, given=False)
+
+
 def test_gpu_names():
     assert gpu("h100").name == "H100" and gpu("a100_80gb").name == "A100-80GB" and gpu("MI300X").gib > 190
     with pytest.raises(ConfigError, match="H100"):
@@ -324,6 +358,13 @@ def test_plan_text(capsys):
     assert main(["plan", "moe-gpt2-125m", *MOE_128, *ep2]) == 0
     out = capsys.readouterr().out
     assert "experts 1/2 per GPU" in out and "the capacity drops are not sent" in out
+    # on 4 GPUs the recipe's micro-batch 48 does not divide a rank's 120 sequences: the plan shows the 40 that
+    # `trainbox train --nproc 4` picks, and the micro-batch that exchanges once a step
+    assert main(["plan", "moe-gpt2-125m", *MOE_128, "model.moe.expert_parallel=4", "--gpu", "H200",
+                 "--nproc", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "micro-batch 40 x 1,024 tokens" in out and "3 micro-batches a step" in out
+    assert "train.micro_batch_size=120 --nproc 4" in out
 
 
 def test_doctor_shows_the_plan_for_this_machine():

@@ -61,14 +61,21 @@ def cmd_plan(args) -> int:
     from trainbox.plan.report import format_plan
 
     cfg = load_config(args.recipe, args.overrides)
+    overrides = list(args.overrides)
+    if args.nproc > 1:   # the micro-batch `trainbox train --nproc N` would pick
+        from trainbox.config.batch import given_on_command_line, micro_batch_on
+        micro = micro_batch_on(cfg, args.nproc, given_on_command_line(overrides))
+        if micro != cfg.train.micro_batch_size:
+            overrides.append(f"train.micro_batch_size={micro}")
+            cfg = load_config(args.recipe, overrides)
     plan = plan_run(cfg, args.nproc, args.gpu, args.gpu_mem, args.flash)
     if args.json:
         data = plan.as_dict()
         for s, row in zip(plan.suggestions, data["suggestions"]):
-            row["command"] = s.command(cfg.recipe, args.overrides)
+            row["command"] = s.command(cfg.recipe, overrides)
         print(json.dumps(data, indent=1))
     else:
-        print(format_plan(plan, args.overrides))
+        print(format_plan(plan, overrides))
     return 0 if plan.fits else 1
 
 

@@ -6,8 +6,6 @@ import os
 import sys
 from pathlib import Path
 
-from trainbox.errors import ConfigError
-
 # ----------------------------------------------------------------------------- train
 
 
@@ -118,29 +116,16 @@ def _exit_worker() -> None:
 
 
 def _micro_batch_for(cfg, nproc: int, overrides: list[str]) -> list[str]:
-    """The override that makes the global batch hold on `nproc` processes: when train.micro_batch_size was not
-    given on the command line, the largest micro-batch up to the recipe's own with global = micro x accumulation
-    x processes; a given one that cannot hold is refused here, once, before any worker starts."""
+    """The override that makes the global batch hold on `nproc` processes (config/batch.py), refused here, once,
+    before any worker starts, where none can."""
+    from trainbox.config.batch import given_on_command_line, micro_batch_on
     t = cfg.train
-    given = any(o.split("=", 1)[0].strip() == "train.micro_batch_size" for o in overrides)
-    per_rank, rem = divmod(t.global_batch_size, nproc)
-    if rem:
-        raise ConfigError(f"train.global_batch_size={t.global_batch_size} does not split over {nproc} processes",
-                          hint=f"use --nproc with a divisor of {t.global_batch_size}, or set "
-                               f"train.global_batch_size to a multiple of {nproc}")
-    if given:
-        if per_rank % t.micro_batch_size:
-            raise ConfigError(f"train.micro_batch_size={t.micro_batch_size} does not divide the "
-                              f"{per_rank} sequences per process of train.global_batch_size="
-                              f"{t.global_batch_size} over {nproc} processes",
-                              hint="drop train.micro_batch_size (trainbox then picks one that fits) or give a "
-                                   f"divisor of {per_rank}")
-        return []
-    micro = max(m for m in range(1, min(t.micro_batch_size, per_rank) + 1) if per_rank % m == 0)
+    micro = micro_batch_on(cfg, nproc, given_on_command_line(overrides))
     if micro == t.micro_batch_size:
         return []
     print(f"train.micro_batch_size={micro} on {nproc} processes (the recipe's {t.micro_batch_size} does not divide "
-          f"the {per_rank} sequences per process); the global batch stays {t.global_batch_size}", file=sys.stderr)
+          f"the {t.global_batch_size // nproc} sequences per process); the global batch stays "
+          f"{t.global_batch_size}", file=sys.stderr)
     return [f"train.micro_batch_size={micro}"]
 
 

@@ -130,6 +130,10 @@ class Plan:
     activations: Activations
     suggestions: tuple[Suggestion, ...] = field(default=())
     drops_unsent: bool = False   # expert parallelism with a capacity: dropped assignments are not sent
+    # expert parallelism with several micro-batches a step: the largest micro-batch that fits, which cuts the
+    # all-to-all exchanges and host reads of a step (one of each per MoE layer and micro-batch)
+    fewer_exchanges: Suggestion | None = None
+    accumulation: int = 1   # micro-batches a step on each rank
 
     @property
     def fits(self) -> bool:
@@ -143,7 +147,8 @@ class Plan:
                 "kernels": asdict(self.kernels), "parameters": self.counts.as_dict(),
                 "memory": self.memory.as_dict(), "activations": self.activations.as_dict(),
                 "fits": self.fits, "margin": MARGIN,
-                "suggestions": [asdict(s) for s in self.suggestions]}
+                "accumulation": self.accumulation, "suggestions": [asdict(s) for s in self.suggestions],
+                "fewer_exchanges": asdict(self.fewer_exchanges) if self.fewer_exchanges else None}
 
 
 # ----------------------------------------------------------------------------- kernels and widths
@@ -279,10 +284,14 @@ def make_plan(cfg: RunConfig, vocab: int, target: Target, nproc: int = 1, kernel
     dtype = dtype or dtype_bytes(cfg, target)[0]
     mem, acts = memory(cfg, counts, vocab, target, layout, t.micro_batch_size, mode, kernels, BYTES[dtype])
     plan = Plan(cfg.recipe, target, layout, t.micro_batch_size, cfg.data.seq_len, dtype, t.compile, mode, kernels,
-                counts, mem, acts, drops_unsent=ep > 1 and cfg.model.moe.capacity_factor > 0)
+                counts, mem, acts, drops_unsent=ep > 1 and cfg.model.moe.capacity_factor > 0,
+                accumulation=max(1, t.global_batch_size // (t.micro_batch_size * nproc)))
     if suggest and not plan.fits:
         from trainbox.plan.suggest import suggestions
         plan = replace(plan, suggestions=tuple(suggestions(cfg, vocab, plan)))
+    elif suggest and ep > 1:
+        from trainbox.plan.suggest import fewer_exchanges
+        plan = replace(plan, fewer_exchanges=fewer_exchanges(cfg, vocab, plan))
     return plan
 
 

@@ -75,6 +75,12 @@ def format_plan(plan: Plan, overrides: list[str] | tuple[str, ...] = ()) -> str:
     if plan.drops_unsent:
         lines += ["experts: every routed assignment counted; under expert parallelism the ones the capacity drops "
                   "are not sent, so a step whose router drops assignments holds less"]
+    if (f := plan.fewer_exchanges) is not None:
+        lines += ["", f"expert parallelism: {plan.accumulation} micro-batches a step, each with an all-to-all "
+                      "exchange and a host read of its split sizes per MoE layer, both ways; fewer, larger ones "
+                      "exchange less often (GiB per GPU):",
+                  f"  {f.needed / GiB:6.1f}  micro-batch {f.overrides[0].split('=')[1]:<13}"
+                  f"{f.command(plan.recipe, overrides)}"]
     if plan.suggestions:
         lines += ["", "what would fit (GiB per GPU):"]
         lines += [f"  {s.needed / GiB:6.1f}  {s.what:<26}{s.command(plan.recipe, overrides)}" for s in plan.suggestions]

@@ -1,5 +1,6 @@
 """What would make a plan fit (`Plan.suggestions`): the largest micro-batch, an activation-checkpointing mode,
-fsdp, an expert-parallel degree, or more GPUs, each checked with the same memory model as the plan itself."""
+fsdp, an expert-parallel degree, or more GPUs, each checked with the same memory model as the plan itself; and,
+under expert parallelism, the largest micro-batch that fits (`Plan.fewer_exchanges`)."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -95,3 +96,17 @@ def suggestions(cfg: RunConfig, vocab: int, plan: Plan) -> list[Suggestion]:
                                  [x for x in options if x[0].expert_parallel > lay.expert_parallel]))
             break
     return [s for s in out if s is not None]
+
+
+def fewer_exchanges(cfg: RunConfig, vocab: int, plan: Plan) -> Suggestion | None:
+    """Under expert parallelism every micro-batch exchanges its tokens with an all-to-all per MoE layer, after a
+    host read of the split sizes, both ways: the largest micro-batch that fits (up to one a step) where it is
+    larger than the plan's, else None."""
+    lay = plan.layout
+    search = _Search(cfg, vocab, plan)
+    for b in micro_batches(cfg, lay.nproc, cfg.train.global_batch_size):
+        if b <= plan.micro_batch:
+            return None
+        if (needed := search.needed(lay, b, plan.checkpointing)) <= plan.target.memory:
+            return Suggestion("fewer exchanges", (f"train.micro_batch_size={b}",), lay.nproc, needed)
+    return None
