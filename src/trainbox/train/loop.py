@@ -98,12 +98,11 @@ class Trainer(RunFiles, Checkpointing):
         cfg = self.cfg = data.cfg
         self.tokenizer, self.vocab, self.train_data, self.val_data = data.tokenizer, data.vocab, data.train, data.val
         self.plan, self.total = data.plan, data.total
-        plan = check_memory(cfg, self.vocab, self.device, self.dtype, world=d.world)   # before any weight exists
-        if plan is not None and plan.fewer_exchanges is not None and d.is_main:
-            f = plan.fewer_exchanges
-            log.info(f"expert parallelism: {plan.accumulation} micro-batches a step, each with its own all-to-all "
+        mem_plan = check_memory(cfg, self.vocab, self.device, self.dtype, world=d.world)   # before any weight exists
+        if mem_plan is not None and (f := mem_plan.fewer_exchanges) is not None and d.is_main:
+            log.info(f"expert parallelism: {mem_plan.accumulation} micro-batches a step, each with its own all-to-all "
                      f"exchanges; {f.overrides[0]} fits by the memory plan ({f.needed / 2**30:.1f} GiB of "
-                     f"{plan.target.memory / 2**30:.1f} free) and exchanges less often")
+                     f"{mem_plan.target.memory / 2**30:.1f} free) and exchanges less often")
         if cfg.monitor.memory_snapshot:   # from before the first weight to the end of step N
             from trainbox.monitor.memory_snapshot import MemorySnapshot
             self.snapshot = MemorySnapshot(cfg.monitor.memory_snapshot, self.run_dir, d.rank, self.device)
