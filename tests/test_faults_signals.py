@@ -196,28 +196,177 @@ def test_stop_signals_at_any_moment_lose_nothing_and_resume_bit_identically(root
         assert len(steps) == 10 and steps[:2] == [1, EVAL_AT], (sig, steps)
 
 
-def test_stop_signals_under_torchrun_lose_nothing(root, cache, reference):
+def _two(root: Path, cache: Path, name: str, *extra: str) -> list[str]:
+    """`trainbox train --nproc 2` with the same global batch (8 = 4 x 2)."""
+    return ["train", "--nproc", "2", *_args(root, cache, name, "train.micro_batch_size=4", *extra)[1:]]
+
+
+@pytest.fixture(scope="module")
+def torchrun_reference(root, cache) -> list[tuple[int, float]]:
+    """The uninterrupted 2-process run: (step, loss) of every step."""
+    code, out = Segment(_two(root, cache, "torchrun-reference"), root / "torchrun-reference.log").wait()
+    assert code == 0, out
+    return _losses(root / "torchrun-reference")
+
+
+def test_stop_signals_under_torchrun_lose_nothing(root, cache, reference, torchrun_reference):
     """`trainbox train --nproc 2`: each signal to the launcher stops both ranks at one step with a checkpoint;
-    the resumed chain matches an uninterrupted 2-process run bit for bit."""
-    name, ref_name = "torchrun-chain", "torchrun-reference"
-    nproc = ["train", "--nproc", "2"]
-    two = lambda n: [*nproc, *_args(root, cache, n, "train.micro_batch_size=4")[1:]]  # noqa: E731 - 8 = 4 x 2
-    ref_code, ref_out = Segment(two(ref_name), root / "torchrun-reference.log").wait()
-    assert ref_code == 0, ref_out
+    the resumed chain matches an uninterrupted 2-process run bit for bit. The launcher passes the signal to the
+    workers, so torchrun ends as they do (exit 0) and prints no traceback."""
+    name = "torchrun-chain"
     run_dir, rnd, stops = root / name, random.Random(21), []
     for k, sig in enumerate(("SIGTERM", "SIGINT", "SIGUSR1")):
-        seg = Segment(two(name), root / f"torchrun-{k}.log")
+        seg = Segment(_two(root, cache, name), root / f"torchrun-{k}.log")
         assert _wait_training(seg, run_dir)
         time.sleep(rnd.uniform(5, 60) / reference["steps_per_s"])
         seg.proc.send_signal(getattr(signal, sig))
         code, out = seg.wait()
-        stops.append(_check_stop(code, out, run_dir, stops[-1] if stops else 0, torchrun=True))
+        stops.append(_check_stop(code, out, run_dir, stops[-1] if stops else 0))
         assert out.count("stopped at step") == 1, out   # rank 0 reports; the launcher adds no second failure
-    code, out = Segment(two(name), root / "torchrun-last.log").wait()
+        assert "SignalException" not in out and "Traceback" not in out, out
+    code, out = Segment(_two(root, cache, name), root / "torchrun-last.log").wait()
     assert code == 0, out
     got = _losses(run_dir)
     assert [s for s, _ in got] == list(range(1, TOTAL + 1))
-    assert got == _losses(root / ref_name)
+    assert got == torchrun_reference
+
+
+def _signal_at(cmd: list[str], log: Path, sig: str, delay: float) -> tuple[int, str, int | None]:
+    """Start `trainbox CMD`, send `sig` `delay` seconds after the start, wait for the end. A --detach front that
+    has already handed the run over ("detached: process P") has ended: the signal goes to P, the run itself.
+    Returns (the front's exit status, its output, P or None)."""
+    seg = Segment(cmd, log)
+    while seg.proc.poll() is None and time.time() < seg.t0 + delay:
+        time.sleep(0.005)
+    if seg.proc.poll() is None:
+        seg.proc.send_signal(getattr(signal, sig))
+        return (*seg.wait(), None)
+    code, out = seg.wait()   # only --detach returns on its own, once the run is handed over
+    assert code == 0 and "detached: process" in out, out
+    run = int(out.split("detached: process ")[1].split(",")[0])
+    while time.time() < seg.t0 + delay:
+        time.sleep(0.005)
+    os.kill(run, getattr(signal, sig))
+    while _pid_running(run):   # a child of no one here: it ends by itself
+        time.sleep(0.05)
+    return code, out, run
+
+
+def _pid_running(pid: int) -> bool:
+    from trainbox.runs import pid_alive
+    return pid_alive(pid)
+
+
+@pytest.mark.parametrize("mode", ["one", "nproc", "detach"])
+def test_a_stop_signal_at_any_moment_from_the_start_is_graceful(tmp_path, cache, mode):
+    """SIGTERM, SIGINT and SIGUSR1 at seeded random moments 0.05-10 s after `trainbox train` starts (the tiny
+    recipe as shipped), alone, under --nproc 2 and through --detach: whether it lands while Python imports torch,
+    while the run is set up or while it trains, the process ends with exit 0 and one line saying what happened:
+    "stopped before the first step; nothing to save", or "stopped at step N" with a checkpoint of step N that
+    verifies. Never a signal's default exit (143, 130, 138) or a traceback."""
+    rnd = random.Random({"one": 41, "nproc": 42, "detach": 43}[mode])
+    strata = [(0.05, 1.0), (1.0, 4.0), (4.0, 10.0)]   # every signal once in each part of the start
+    rnd.shuffle(strata)
+    for sig, (lo, hi) in zip(("SIGTERM", "SIGINT", "SIGUSR1"), strata):
+        name = f"{mode}-{sig.lower()}"
+        cmd = ["train", "tiny", f"run.dir={tmp_path}", f"run.name={name}", f"data.cache_dir={cache}",
+               "train.threads=1", "monitor.port=0"]
+        if mode == "nproc":
+            cmd[1:1] = ["--nproc", "2"]
+        if mode == "detach":
+            cmd.append("--detach")
+        delay = rnd.uniform(lo, hi)
+        code, out, run = _signal_at(cmd, tmp_path / f"{name}.log", sig, delay)
+        run_dir = tmp_path / name
+        where = f"{mode} {sig} at {delay:.2f} s"
+        if run is not None:   # the run took the signal itself: its own output is in console.log
+            out = (run_dir / "console.log").read_text()
+            assert _status(run_dir).get("phase") == "preempted", (where, out)
+        assert code == 0, (where, out)
+        assert "Traceback" not in out and "unexpected error" not in out, (where, out)
+        ckpt = checkpoint.latest(run_dir / "checkpoints")
+        if "stopped before the first step; nothing to save" in out:
+            assert ckpt is None and "stopped at step" not in out, (where, out)
+        else:
+            line = next((x for x in out.splitlines() if "stopped at step" in x), None)
+            assert line is not None, (where, out)
+            step = int(line.split("stopped at step ")[1].split()[0].rstrip(":;"))
+            assert ckpt is not None and checkpoint.step_of(ckpt) == step, (where, ckpt, out)
+            checkpoint.verify(ckpt)
+
+
+def test_a_second_ctrl_c_while_the_run_starts_stops_at_once(tmp_path, cache):
+    seg = Segment(["train", "tiny", f"run.dir={tmp_path}", "run.name=twice", f"data.cache_dir={cache}"],
+                  tmp_path / "twice.log")
+    for at in (0.1, 0.3):
+        while time.time() < seg.t0 + at:
+            time.sleep(0.005)
+        seg.proc.send_signal(signal.SIGINT)
+    code, out = seg.wait()
+    assert code == 130 and out.strip().splitlines()[-1] == "interrupted", out
+
+
+def _workers_of(launcher: int) -> list[int]:
+    from trainbox.cli.train import workers
+    return [w for t in workers(launcher) for w in workers(t)]
+
+
+def _kill_launcher(launcher: int, run_dir: Path, timeout: float = 60) -> tuple[int, float]:
+    """SIGKILL the `--nproc` launcher `launcher`; wait until its workers have ended. Returns (the step of the
+    newest checkpoint, seconds from the kill until no worker was left)."""
+    workers = _workers_of(launcher)
+    assert len(workers) == 2, workers
+    os.kill(launcher, signal.SIGKILL)
+    killed = time.time()
+    while any(_pid_running(w) for w in workers):
+        assert time.time() - killed < timeout, f"workers {workers} still run {timeout}s after their launcher died"
+        time.sleep(0.02)
+    gone = time.time() - killed
+    from trainbox.lock import RunLock
+    RunLock(run_dir).acquire().release()   # free again
+    ckpt = checkpoint.latest(run_dir / "checkpoints")
+    checkpoint.verify(ckpt)
+    return checkpoint.step_of(ckpt), gone
+
+
+def test_a_killed_launcher_leaves_no_workers_and_the_run_resumes_exactly(root, cache, reference, torchrun_reference):
+    """SIGKILL of `trainbox train --nproc 2` (and then of its --detach form) at a seeded moment: the workers see
+    their launcher gone, stop at the next step boundary with a checkpoint and release the run directory within
+    seconds; while one launch runs, another is refused in one message (exit 2) before torchrun starts; the
+    relaunched chain ends with every step's loss equal to an uninterrupted 2-process run's."""
+    name, rnd = "orphans", random.Random(51)
+    run_dir = root / name
+    seg = Segment(_two(root, cache, name), root / "orphans-0.log")
+    assert _wait_training(seg, run_dir)
+    time.sleep(rnd.uniform(5, 60) / reference["steps_per_s"])
+    first, gone = _kill_launcher(seg.proc.pid, run_dir)
+    seg.wait()
+    assert gone < 15, gone
+    assert "the launcher (process" in (run_dir / "train.log").read_text()
+
+    front = Segment([*_two(root, cache, name), "--detach"], root / "orphans-1.log")
+    code, out = front.wait()
+    assert code == 0 and "detached: process" in out, out
+    launcher = int(out.split("detached: process ")[1].split(",")[0])
+    busy = Segment(_two(root, cache, name), root / "orphans-busy.log")
+    code, out = busy.wait()
+    assert code == 2 and "is in use by process" in out and "launching" not in out and "Traceback" not in out, out
+    _wait_for_step(run_dir, first + 5)
+    second, gone = _kill_launcher(launcher, run_dir)
+    assert second > first and gone < 15, (first, second, gone)
+
+    code, out = Segment(_two(root, cache, name), root / "orphans-last.log").wait()
+    assert code == 0, out
+    got = _losses(run_dir)
+    assert [s for s, _ in got] == list(range(1, TOTAL + 1))
+    assert got == torchrun_reference
+
+
+def _wait_for_step(run_dir: Path, step: int, timeout: float = 120) -> None:
+    deadline = time.time() + timeout
+    while _status(run_dir).get("step", 0) < step:
+        assert time.time() < deadline, f"{run_dir} did not reach step {step}"
+        time.sleep(0.02)
 
 
 def test_sigkill_at_random_moments_resumes_from_the_newest_checkpoint(root, cache, reference):

@@ -47,8 +47,8 @@ class RunLock:
                f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(holder.get('started_at', 0)))})"
                if holder else "another process")
         raise RunBusy(f"run directory {self.run_dir} is in use by {who}",
-                      hint=f"wait for it, stop it (kill -TERM {holder.get('pid')} on {holder.get('host')})"
-                           if holder else "wait for it, or choose another run.name")
+                      hint=f"wait for it, or stop it: trainbox stop {self.run_dir} (on {holder.get('host')}), or "
+                           "choose another run.name" if holder else "wait for it, or choose another run.name")
 
     def _alive_without_flock(self, holder: dict | None) -> bool:
         if not holder or holder.get("pid") == os.getpid() and holder.get("host") == socket.gethostname():

@@ -86,6 +86,18 @@ def _boot_time() -> float | None:
     return None
 
 
+def catches_signal(pid: int, signum: int) -> bool:
+    """Whether process `pid` has a handler installed for `signum` (SigCgt in /proc/PID/status); False when it
+    has none yet, is gone or /proc does not say."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("SigCgt:"):
+                return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
+    except (OSError, ValueError):
+        pass
+    return False
+
+
 def pid_alive(pid: int, started_at: float | None = None) -> bool:
     """True when `pid` runs and (on Linux) is not a zombie nor a newer process that reused the pid."""
     try:

@@ -6,6 +6,8 @@ import os
 import sys
 from pathlib import Path
 
+from trainbox.train.stop import BEFORE_FIRST_STEP, STOP, STOP_SIGNALS, stop_when_gone  # armed by cli.main
+
 # ----------------------------------------------------------------------------- train
 
 
@@ -13,15 +15,17 @@ def cmd_train(args) -> int:
     from trainbox.config import load_config
 
     _allocator_env()
-
-    if getattr(args, "detach", False) and "LOCAL_RANK" not in os.environ:
+    worker = "LOCAL_RANK" in os.environ
+    if worker:   # a torchrun worker stops (and saves) when its torchrun or `trainbox train --nproc` launcher ends
+        stop_when_gone(os.getppid(), "torchrun")
+        if os.environ.get("TRAINBOX_LAUNCHER_PID"):
+            stop_when_gone(int(os.environ["TRAINBOX_LAUNCHER_PID"]), "the launcher")
+    if getattr(args, "detach", False) and not worker:
         return _detach(args, load_config(args.recipe, args.overrides))
-    if args.nproc is None or args.nproc <= 1 or "LOCAL_RANK" in os.environ:
-        # from here a stop signal is kept for the loop, which acts on it before its first step
-        from trainbox.train.stop import STOP
-        STOP.install()
     cfg = load_config(args.recipe, args.overrides)
-    if args.recipe and args.recipe.endswith(".json") and "LOCAL_RANK" not in os.environ:
+    if STOP.requested and not worker:   # workers agree on stopping in the loop, all at one step boundary
+        return _stopped_before_start()
+    if args.recipe and args.recipe.endswith(".json") and not worker:
         from trainbox.hfargs import mapping_report
         report = mapping_report(args.recipe)
         if report:
@@ -35,7 +39,7 @@ def cmd_train(args) -> int:
         if not torch.cuda.is_available():
             from trainbox.train.device import gpu_recipe_on_cpu
             raise gpu_recipe_on_cpu(cfg)
-    if args.nproc and args.nproc > 1 and "LOCAL_RANK" not in os.environ:
+    if args.nproc and args.nproc > 1 and not worker:
         extra = _micro_batch_for(cfg, args.nproc, args.overrides)
         fetch_run_data(cfg, args.recipe)   # once, before any worker starts
         return _launch_torchrun(args, cfg, extra)
@@ -43,6 +47,8 @@ def cmd_train(args) -> int:
     dist = Dist.from_env(os.environ)
     # under a torchrun started elsewhere, the download folder's lock lets one process per machine fetch
     fetch_run_data(cfg, args.recipe, main=dist.is_main)
+    if STOP.requested and not worker:
+        return _stopped_before_start()
     from trainbox.lock import lock_run, unlock_run
 
     single = dist.world == 1
@@ -64,7 +70,7 @@ def cmd_train(args) -> int:
     finally:
         if single:
             unlock_run(cfg.run_dir)
-    if dist.is_main:
+    if dist.is_main and not (result.get("stopped") and result["step"] == 0):   # that stop said it in one line
         if result.get("val_loss") is not None:
             print(f"validation: {result['val_loss']:.4f} nats/token, {result['val_bpb']:.4f} bits/byte "
                   f"({result['val_tokens']:,} tokens)")
@@ -73,6 +79,11 @@ def cmd_train(args) -> int:
         print(f"run directory: {result['run_dir']}")
     if dist.enabled:
         _exit_worker()
+    return 0
+
+
+def _stopped_before_start() -> int:
+    print(BEFORE_FIRST_STEP, file=sys.stderr)
     return 0
 
 
@@ -132,63 +143,92 @@ def _micro_batch_for(cfg, nproc: int, overrides: list[str]) -> list[str]:
 def _launch_torchrun(args, cfg, extra_overrides: list[str] = ()) -> int:
     """`trainbox train --nproc N ...` re-runs itself under torchrun (standalone rendezvous).
 
-    torchrun runs in its own session, so a terminal Ctrl-C reaches only this launcher, which forwards
-    SIGTERM / SIGINT / SIGUSR1 exactly once; torchrun (told to handle SIGUSR1 too) passes it to every
-    worker, the workers agree on a step boundary, save and exit 0. torchrun itself then exits non-zero
-    (it re-raises the signal), so a stop that left the run "preempted" is reported as success. Where torchrun
-    would SIGKILL the workers 30 s after the signal (no --shutdown-timeout), the workers are signalled directly."""
+    A run directory that a live process holds is refused here, in one line, before torchrun starts. torchrun
+    runs in its own session, so a terminal Ctrl-C reaches only this launcher, which passes each SIGTERM / SIGINT /
+    SIGUSR1 to every worker itself, once the workers have installed their stop handler (a worker still starting
+    Python would be killed by the signal's default action): the workers agree on a step boundary, save and exit
+    0, and torchrun, which saw no signal, exits 0 with them. The workers learn this launcher's pid
+    (TRAINBOX_LAUNCHER_PID) and stop in the same way when it ends, however it ends (SIGKILL included), so no
+    worker trains on unsupervised; where /proc does not list the workers, the signal goes to torchrun, which
+    passes it on."""
     import signal
     import subprocess
     import time
 
-    stops = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
     from torch.distributed.run import get_args_parser
 
+    from trainbox.lock import RunLock
+    from trainbox.runs import catches_signal, clear_launcher, write_launcher
+
+    RunLock(cfg.run_dir).acquire().release()   # a live holder: RunBusy (exit 2), before any worker starts
+    if STOP.requested:
+        return _stopped_before_start()
     known = {o for action in get_args_parser()._actions for o in action.option_strings}
-    # torchruns without --shutdown-timeout SIGKILL the workers 30 s after passing a signal on, which cuts a
-    # large checkpoint short: there the launcher signals the workers themselves, and torchrun sees them finish
-    direct = "--shutdown-timeout" not in known
-    extra = []  # flags of newer torchruns (older ones pass SIGTERM/SIGINT only)
+    extra = []  # flags of newer torchruns: the signals a `kill` of torchrun itself passes on, time to save
     if "--signals-to-handle" in known:
-        extra.append("--signals-to-handle=" + ",".join(s.name for s in (*stops, signal.SIGHUP, signal.SIGQUIT)))
+        extra.append("--signals-to-handle=" + ",".join(s.name for s in (*STOP_SIGNALS, signal.SIGHUP, signal.SIGQUIT)))
     if "--shutdown-timeout" in known:
         extra.append(f"--shutdown-timeout={cfg.train.pg_timeout_s}")  # time for the ranks to save before SIGKILL
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}", *extra,
            "-m", "trainbox", "train", *([args.recipe] if args.recipe else []), *args.overrides, *extra_overrides]
     print("launching: " + " ".join(cmd), file=sys.stderr)
     started = time.time()
-    from trainbox.runs import clear_launcher, write_launcher
+    pending = [STOP.signum] if STOP.signum is not None else []
 
-    proc = subprocess.Popen(cmd, start_new_session=True)
-    write_launcher(cfg.run_dir, proc.pid, started)  # `trainbox stop` signals this launcher, which forwards
+    def note(signum, frame):
+        pending.append(signum)
+
+    old = {s: signal.signal(s, note) for s in STOP_SIGNALS}   # from here this launcher's own handler
+    proc = subprocess.Popen(cmd, start_new_session=True,
+                            env={**os.environ, "TRAINBOX_LAUNCHER_PID": str(os.getpid())})
+    write_launcher(cfg.run_dir, proc.pid, started)  # `trainbox stop` signals this launcher, which passes it on
     forwarded: list[int] = []
-
-    def forward(signum, frame):
-        forwarded.append(signum)
-        for pid in (workers(proc.pid) if direct else []) or [proc.pid]:
-            try:
-                os.kill(pid, signum)
-            except ProcessLookupError:   # a worker that has just exited
-                pass
-
-    old = {s: signal.signal(s, forward) for s in stops}
     try:
-        code = proc.wait()
+        while True:
+            try:
+                code = proc.wait(timeout=0.1)
+                break
+            except subprocess.TimeoutExpired:
+                pass
+            if not pending:
+                continue
+            kids = workers(proc.pid)
+            if not kids and not Path(f"/proc/{proc.pid}").exists():   # no /proc here: torchrun passes it on
+                targets = [proc.pid]
+            elif len(kids) == args.nproc and all(catches_signal(k, signal.SIGTERM) for k in kids):
+                targets = kids
+            else:
+                continue   # the workers are still starting: the signal waits for their handlers
+            for signum in pending:
+                for pid in targets:
+                    try:
+                        os.kill(pid, signum)
+                    except ProcessLookupError:   # a worker that has just exited
+                        pass
+            forwarded += pending
+            pending.clear()
     finally:
         for s, h in old.items():
             signal.signal(s, h)
         clear_launcher(cfg.run_dir)
     if forwarded and code != 0:
-        status = cfg.run_dir / "status.json"
-        try:   # written by this launch's rank 0, not left over from an earlier one
-            phase = json.loads(status.read_text()).get("phase") if status.stat().st_mtime >= started else None
-        except (OSError, ValueError):
-            phase = None
-        if phase == "preempted":
-            print(f"stopped on {signal.Signals(forwarded[0]).name} with a checkpoint; run the same command "
-                  "to continue", file=sys.stderr)
+        if _read_status(cfg.run_dir, started).get("phase") == "preempted":
+            print(f"stopped on {signal.Signals(forwarded[0]).name}; run the same command to continue",
+                  file=sys.stderr)
             return 0
+    if not forwarded and pending:   # torchrun ended before its workers could take the signal
+        print(BEFORE_FIRST_STEP if code == 0 else f"stopped on {signal.Signals(pending[0]).name} (exit {code})",
+              file=sys.stderr)
     return code
+
+
+def _read_status(run_dir: Path, since: float) -> dict:
+    """RUN/status.json when this launch's process wrote it (not left over from an earlier one), else {}."""
+    status = run_dir / "status.json"
+    try:
+        return json.loads(status.read_text()) if status.stat().st_mtime >= since else {}
+    except (OSError, ValueError):
+        return {}
 
 
 def workers(pid: int) -> list[int]:
@@ -207,10 +247,16 @@ def _detach(args, cfg) -> int:
     from /dev/null, its console output appended to RUN/console.log; the run's own log is RUN/train.log as
     always). Prints the run directory, its monitor URL once status.json of the new process shows one (up to
     DETACH_WAIT_S), and the commands to follow and stop it, then returns. A process that ends first (a busy or
-    finished run, a config error) has its exit status and last console lines passed on."""
+    finished run, a config error) has its exit status and last console lines passed on. A stop signal while it
+    waits stops the new process too (the run was not handed over yet), as it would have stopped this one."""
+    import signal
     import subprocess
     import time
 
+    from trainbox.runs import catches_signal
+
+    if STOP.requested:
+        return _stopped_before_start()
     run_dir = cfg.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
     argv = [sys.executable, "-m", "trainbox", "train", *([args.recipe] if args.recipe else []), *args.overrides,
@@ -225,20 +271,31 @@ def _detach(args, cfg) -> int:
         started = time.time()
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=out, env=env,
                                 start_new_session=True, close_fds=True)
-    url, code = None, None
+    url, code, forwarded = None, None, None
     deadline = time.monotonic() + DETACH_WAIT_S
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline or forwarded:
         code = proc.poll()
         if code is not None:
             break
-        try:
-            s = json.loads((run_dir / "status.json").read_text())
-        except (OSError, ValueError):
-            s = {}
-        if (s.get("started_at") or 0) >= started - 1 and s.get("url"):
-            url = s["url"]
-            break
+        if STOP.requested and forwarded is None and (catches_signal(proc.pid, signal.SIGTERM)
+                                                     or not Path(f"/proc/{proc.pid}").exists()):
+            forwarded = STOP.signum   # once its handler is in place: a starting Python would just be killed
+            os.kill(proc.pid, forwarded)
+        if forwarded is None:
+            try:
+                s = json.loads((run_dir / "status.json").read_text())
+            except (OSError, ValueError):
+                s = {}
+            if (s.get("started_at") or 0) >= started - 1 and s.get("url"):
+                url = s["url"]
+                break
         time.sleep(0.2)
+    if forwarded is not None and code == 0:
+        status = _read_status(run_dir, started)
+        step = status.get("step") if status.get("phase") == "preempted" else None
+        print(f"stopped at step {step} on {signal.Signals(forwarded).name}; run the same command to continue"
+              if step else BEFORE_FIRST_STEP, file=sys.stderr)
+        return 0
     if code is not None:  # ended before it served: say why, as the foreground command would have
         with open(console, encoding="utf-8", errors="replace") as f:
             f.seek(offset)

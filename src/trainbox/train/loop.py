@@ -20,16 +20,15 @@ which runs on a gloo group over CPU tensors (train/distributed.py).
 
 Preemption. SIGTERM / SIGINT / SIGUSR1 only set a flag (train/stop.py); before every step all ranks vote
 (any rank flagged -> all stop), so they stop at the same step boundary, save once and return normally (exit 0).
-A signal during an evaluation or a save is acted on at the next boundary. Under a plain `torchrun`,
-SIGTERM and SIGINT reach the workers by default; add `--signals-to-handle SIGTERM,SIGINT,SIGUSR1` for
-SIGUSR1 (Slurm `--signal`) and a `--shutdown-timeout` long enough for a save. `trainbox train --nproc`
-passes both and forwards its own signals.
+A signal during an evaluation or a save is acted on at the next boundary; one before the first step ends the
+run with nothing to save. Under a plain `torchrun`, SIGTERM and SIGINT reach the workers by default; add
+`--signals-to-handle SIGTERM,SIGINT,SIGUSR1` for SIGUSR1 (Slurm `--signal`) and a `--shutdown-timeout` long
+enough for a save. `trainbox train --nproc` signals its workers itself (cli/train.py).
 """
 
 from __future__ import annotations
 
 import math
-import signal
 from pathlib import Path
 
 import torch
@@ -52,7 +51,7 @@ from trainbox.train.evaluate import autocast_context, evaluate
 from trainbox.train.memory import check_memory
 from trainbox.train.run_files import RunFiles
 from trainbox.train.saving import Checkpointing
-from trainbox.train.stop import STOP
+from trainbox.train.stop import BEFORE_FIRST_STEP, STOP
 
 
 class Trainer(RunFiles, Checkpointing):
@@ -131,7 +130,7 @@ class Trainer(RunFiles, Checkpointing):
     # ------------------------------------------------------------------ the loop
     def run(self) -> dict:
         """Train to the end (or a stop signal). Returns a summary; raises TrainingFailed on a fault."""
-        self.stop.install()   # a stop during setup is acted on before the first step
+        self.stop.install()   # (the CLI installed it first) a stop during setup is acted on before the first step
         graceful = False
         try:
             self.setup()
@@ -169,9 +168,10 @@ class Trainer(RunFiles, Checkpointing):
         step, stopped, last_eval = self.start_step, False, None
         lr = grad_norm = None   # of the last step taken: a stop logs the open window with them
         while step < self.total:
-            if d.any(self.stop.signum is not None):  # every rank stops at the same step boundary
+            if d.any(self.stop.requested):  # every rank stops at the same step boundary
                 stopped = True
                 break
+            self.stop.announce = True   # from here a signal is logged as it arrives
             try:
                 loss, grad_norm, lr = self.train_step(step)
             except RuntimeError as e:   # torch.cuda.OutOfMemoryError is one; a CPU allocation failure is another
@@ -210,10 +210,13 @@ class Trainer(RunFiles, Checkpointing):
                 self._save(step)
             self._saves_published(wait=True)
             self._phase("preempted")
-            why = signal.Signals(self.stop.signum).name if self.stop.signum else "another rank's stop signal"
-            log.info(f"stopped at step {step} on {why}; " + (
-                "run `trainbox train` again with the same arguments to continue" if saves else
-                "no checkpoint was written (train.checkpoints=false), so the run cannot be continued"))
+            why = f" on {self.stop.why()}" if self.stop.signum or not self.stop.reason else f": {self.stop.why()}"
+            if step == 0:
+                log.info(BEFORE_FIRST_STEP)
+            else:
+                log.info(f"stopped at step {step}{why}; " + (
+                    "run `trainbox train` again with the same arguments to continue" if saves else
+                    "no checkpoint was written (train.checkpoints=false), so the run cannot be continued"))
             return {"step": step, "total": self.total, "stopped": True, "sample": None, "run_dir": str(self.run_dir)}
         if self.val_data is not None and (last_eval is None or last_eval["step"] != step):
             last_eval = self._evaluate(step)

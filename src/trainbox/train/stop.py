@@ -1,44 +1,117 @@
-"""Stop signals for the training loop: SIGTERM / SIGINT / SIGUSR1 set a flag that the loop acts on at the
-next step boundary, agreed across ranks (train/loop.py).
+"""Stop requests for the training loop: SIGTERM / SIGINT / SIGUSR1, or the end of the process that supervises a
+worker, set a flag that the loop acts on at the next step boundary, agreed across ranks (train/loop.py).
 
-`STOP` is the process's one flag. The CLI installs it before its heavy imports, so a signal that arrives while
-the run starts is kept and acted on before the first step; the trainer installs it again (a no-op then) and
-restores the previous handlers, clearing the flag, when the run ends.
+`STOP` is the process's one flag. `trainbox train` installs it before its heavy imports (cli/__init__.py), so a
+signal that arrives while the run starts is kept: before the first step the run ends with "stopped before the
+first step; nothing to save" and exit 0. Until the loop runs, a signal is only noted (the loop, or the CLI
+before it, says what it did); from the first step boundary on, each is logged as it arrives. A second SIGINT
+stops at once (KeyboardInterrupt, exit 130). The handlers are restored, and the flag cleared, when the command
+ends.
+
+`stop_when_gone(pid, who)` asks for a stop once another process ends: a torchrun worker watches its launcher and
+its torchrun, so a launcher killed with SIGKILL leaves no workers training unsupervised; they save and exit.
 """
 from __future__ import annotations
 
+import os
+import select
 import signal
 import threading
+import time
 
 from trainbox.monitor.console import log
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+BEFORE_FIRST_STEP = "stopped before the first step; nothing to save"
 
 
 class StopFlag:
-    """Set by SIGTERM/SIGINT/SIGUSR1; the loop agrees across ranks at the next step boundary."""
+    """Set by SIGTERM/SIGINT/SIGUSR1 or `request`; the loop agrees across ranks at the next step boundary."""
 
     def __init__(self):
         self.signum: int | None = None
+        self.reason: str | None = None   # a stop asked for without a signal (the supervising process is gone)
+        self.announce = False            # the loop runs: log each signal as it arrives
         self._old: dict = {}
+        self._depth = 0
+
+    @property
+    def requested(self) -> bool:
+        return self.signum is not None or self.reason is not None
+
+    def why(self) -> str:
+        if self.signum is not None:
+            return signal.Signals(self.signum).name
+        return self.reason or "another rank's stop request"
 
     def install(self) -> None:
-        if self._old or threading.current_thread() is not threading.main_thread():
+        """Install the handlers (nested: the CLI, then the trainer; the outermost `restore` undoes them)."""
+        if threading.current_thread() is not threading.main_thread():
             return
-        for s in STOP_SIGNALS:
-            self._old[s] = signal.signal(s, self._handle)
+        self._depth += 1
+        if not self._old:
+            for s in STOP_SIGNALS:
+                self._old[s] = signal.signal(s, self._handle)
 
     def _handle(self, signum, frame) -> None:
         if self.signum is not None and signum == signal.SIGINT:  # a second Ctrl-C stops at once
             raise KeyboardInterrupt
         self.signum = signum
-        log.info(f"received {signal.Signals(signum).name}: saving a checkpoint at the next step boundary")
+        if self.announce:
+            log.info(f"received {signal.Signals(signum).name}: saving a checkpoint at the next step boundary")
+
+    def request(self, reason: str) -> None:
+        """A stop without a signal (from any thread): acted on like SIGTERM."""
+        if self.reason is None:
+            self.reason = reason
+            if self.announce:
+                log.info(f"{reason}: saving a checkpoint at the next step boundary")
 
     def restore(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        self._depth = max(0, self._depth - 1)
+        if self._depth:
+            return
         for s, h in self._old.items():
             signal.signal(s, h)
         self._old = {}
-        self.signum = None
+        self.signum = self.reason = None
+        self.announce = False
 
 
 STOP = StopFlag()
+
+
+def stop_when_gone(pid: int, who: str, flag: StopFlag = STOP) -> None:
+    """Request a stop on `flag` once process `pid` has ended ("{who} (process {pid}) is gone"). A pidfd where Linux
+    has one (the wait costs nothing and a reused pid cannot fool it), else a check each second."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        flag.request(f"{who} (process {pid}) is gone")
+        return
+    except (AttributeError, OSError):   # no pidfd_open here (macOS, Linux before 5.3)
+        fd = None
+
+    def wait() -> None:
+        if fd is not None:
+            select.select([fd], [], [])   # readable once the process has ended
+            os.close(fd)
+        else:
+            while _alive(pid):
+                time.sleep(1.0)
+        flag.request(f"{who} (process {pid}) is gone")
+
+    threading.Thread(target=wait, name=f"trainbox-watch-{pid}", daemon=True).start()
+
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:   # exists, owned by someone else
+        return True
+    return True

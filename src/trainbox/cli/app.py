@@ -1,0 +1,329 @@
+"""The parser and the dispatch of the command line: one function per verb (cli/train.py, cli/data.py,
+cli/ops.py); `run` turns a library error into one short message and an exit code, with a traceback only when
+TRAINBOX_DEBUG=1. The entry point is `trainbox.cli.main`, which arms the stop signals first."""
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+import textwrap
+
+from trainbox.cli.data import cmd_data, cmd_inspect, cmd_prepare
+from trainbox.cli.epilogs import EPILOGS
+from trainbox.cli.ops import (
+    cmd_attach,
+    cmd_dashboard,
+    cmd_doctor,
+    cmd_launch,
+    cmd_logs,
+    cmd_plan,
+    cmd_plot,
+    cmd_runs,
+    cmd_status,
+    cmd_stop,
+)
+from trainbox.cli.train import cmd_config, cmd_export, cmd_generate, cmd_tokenizer, cmd_train
+from trainbox.errors import TrainboxError
+
+# ----------------------------------------------------------------------------- parser
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a pointer to the dotted config key when an unknown --option names one (--max-steps 5 ->
+    train.max_steps=5)."""
+
+    def error(self, message: str):
+        if "unrecognized arguments:" in message:
+            words = message.split("unrecognized arguments:", 1)[1].split()
+            hints = [_config_key_for(w, words[i + 1] if i + 1 < len(words) else None) for i, w in enumerate(words)]
+            hints = [h for h in hints if h]
+            if hints:
+                message += "; config settings are dotted key=value arguments: " + " ".join(hints)
+        super().error(message)
+
+
+def _config_key_for(option: str, value: str | None) -> str | None:
+    if not option.startswith("--"):
+        return None
+    name, _, inline = option[2:].partition("=")
+    name = name.replace("-", "_")
+    from trainbox.config import RunConfig
+    for section, field in RunConfig.model_fields.items():
+        fields = getattr(field.annotation, "model_fields", {})
+        if name in fields:
+            v = inline or (value if value is not None and not value.startswith("--") else "VALUE")
+            return f"{section}.{name}={v}"
+    return None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="trainbox", description="Train language models: data, pretraining, "
+                                "fine-tuning, monitoring, deployment.")
+    p.add_argument("--version", action="version", version=_version())
+    sub = p.add_subparsers(dest="verb", required=True, metavar="VERB")
+
+    def verb(name: str, help: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=help, description=help, epilog=textwrap.dedent(EPILOGS.get(name, "")),
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+
+    t = verb("train", "train a model (no arguments: recipe tiny on the embedded corpus)")
+    t.add_argument("recipe", nargs="?", help="recipe name or config file (.yaml/.json); default tiny")
+    t.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.max_steps=50")
+    t.add_argument("--nproc", type=int, default=None, help="start N processes through torchrun")
+    t.add_argument("--detach", action="store_true", help="run in the background, in its own session (output in "
+                   "RUN/train.log and RUN/console.log); prints the run directory, monitor URL and how to stop it")
+    t.set_defaults(func=cmd_train)
+
+    g = verb("generate", "sample text from a run or checkpoint")
+    g.add_argument("path", help="run directory or checkpoint folder")
+    g.add_argument("--prompt", default="\n")
+    g.add_argument("--max-tokens", type=int, default=100)
+    g.add_argument("--temperature", type=float, default=0.8)
+    g.add_argument("--top-k", type=int, default=None)
+    g.add_argument("--top-p", type=float, default=None)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--device", default=None)
+    g.set_defaults(func=cmd_generate)
+
+    e = verb("export", "write a run or checkpoint in Hugging Face format (LoRA: adapter, or merged with --merge)")
+    e.add_argument("path", help="run directory or checkpoint folder")
+    e.add_argument("--format", choices=["hf"], default="hf", help="hf: safetensors model folder (or PEFT adapter)")
+    e.add_argument("--out", default=None, help="output folder (default: RUN-hf, or RUN-merged with --merge)")
+    e.add_argument("--merge", action="store_true", help="LoRA: fold the adapter into the base and save the model")
+    e.add_argument("--force", action="store_true",
+                   help="replace an existing --out; LoRA: merge even into a 4/8-bit base (reloaded in bf16)")
+    e.set_defaults(func=cmd_export)
+
+    c = verb("config", "show, validate or describe the config")
+    c.add_argument("action", choices=["show", "schema", "validate"])
+    c.add_argument("--json", action="store_true", help="schema: the JSON Schema instead of the list of keys")
+    c.add_argument("source", nargs="?", help="recipe name or config file")
+    c.add_argument("overrides", nargs="*")
+    c.set_defaults(func=cmd_config)
+
+    pr = verb("prepare", "tokenize text / JSONL / chat JSONL into shard or Megatron token files")
+    pr.add_argument("inputs", nargs="+", help=".txt (one document each), .jsonl, .jsonl.gz, or folders of them")
+    pr.add_argument("--out", required=True, help="output prefix, e.g. data/corpus")
+    pr.add_argument("--tokenizer", default="gpt2", help="gpt2, embedded:shakespeare-bpe, tokenizer.json or folder")
+    pr.add_argument("--format", choices=["shard", "megatron"], default="shard")
+    pr.add_argument("--text-key", action="append", help="JSONL field(s) holding text (repeatable; default text)")
+    pr.add_argument("--chat-template", default=None, help="chatml or a .jinja file (default: the tokenizer's, "
+                    "else chatml)")
+    pr.add_argument("--workers", type=int, default=1, help="tokenizer processes (output identical for any N)")
+    pr.add_argument("--shard-tokens", type=int, default=100_000_000, help="tokens per shard")
+    pr.add_argument("--val-docs", type=int, default=0, help="hold out the first N documents for validation")
+    pr.add_argument("--val-fraction", type=float, default=0.0, help="hold out this fraction of documents")
+    pr.add_argument("--append-eod", action="store_true", help="megatron: end-of-document token after each document")
+    pr.add_argument("--write-vocab", action="store_true", help="write gpt2-vocab.json and gpt2-merges.txt beside")
+    pr.add_argument("--overwrite", action="store_true", help="replace existing outputs")
+    pr.add_argument("--quiet", action="store_true", help="no progress line")
+    pr.set_defaults(func=cmd_prepare)
+
+    ins = verb("inspect", "documents, tokens, samples and steps of a token dataset")
+    ins.add_argument("path", help="token file, Megatron prefix, shard prefix or folder")
+    ins.add_argument("--seq-len", type=int, default=1024)
+    ins.add_argument("--global-batch", type=int, default=None, help="sequences per step: prints steps per epoch")
+    ins.add_argument("--epochs", type=float, default=1.0)
+    ins.add_argument("--tokenizer", default=None, help="count documents by its EOT and check ids against its vocab")
+    ins.add_argument("--format", choices=["auto", "shard", "megatron", "flat"], default="auto",
+                     help="which token file format to accept, as data.format (auto: detected by content)")
+    ins.add_argument("--json", action="store_true", help="print the report as JSON")
+    ins.set_defaults(func=cmd_inspect)
+
+    da = verb("data", "download datasets (HF_ENDPOINT, HF_TOKEN and HF_HUB_OFFLINE apply; downloads resume)")
+    das = da.add_subparsers(dest="dataset", required=True, metavar="DATASET")
+    fw = das.add_parser("fineweb", help="kjj0/fineweb10B-gpt2 GPT-2 shards into a folder",
+                        description="the validation shard and N training shards of kjj0/fineweb10B-gpt2")
+    fw.add_argument("--shards", type=int, required=True, help="training shards (100M tokens each) + the val shard")
+    fw.add_argument("--out", default="data/fineweb", help="output folder")
+    fw.add_argument("--revision", default=None, help="dataset revision (branch, tag or commit)")
+    dd = das.add_parser("download", help="what `trainbox train RECIPE ...` would download (its data.source)",
+                        description="download the data.source files a run reads into its data.path, as `trainbox "
+                        "train` does when data.path is missing (for a cluster: before the job starts)")
+    dd.add_argument("recipe", nargs="?", help="recipe name or config file")
+    dd.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.max_steps=50")
+    da.set_defaults(func=cmd_data)
+
+    k = verb("tokenizer", "train a byte-level BPE tokenizer")
+    k.add_argument("action", choices=["train"])
+    k.add_argument("files", nargs="+", help="text files or folders (or embedded:shakespeare)")
+    k.add_argument("--vocab-size", type=int, required=True)
+    k.add_argument("--out", required=True, help="output folder (tokenizer.json) or .json path")
+    k.set_defaults(func=cmd_tokenizer)
+
+    la = verb("launch", "render (and apply) Docker Compose, Kubernetes or Slurm files for a run; build images")
+    la.add_argument("target", choices=["compose", "k8s", "slurm", "image"])
+    la.add_argument("recipe", nargs="?", help="recipe name (or, for slurm, a config file on a shared filesystem)")
+    la.add_argument("overrides", nargs="*", help="dotted overrides passed to trainbox train")
+    la.add_argument("--image", help="container image (compose, k8s; slurm: run in it through pyxis)")
+    la.add_argument("--nodes", type=int, default=1)
+    la.add_argument("--min-nodes", type=int, help="k8s: elastic job (elasticPolicy) on min-nodes..nodes nodes")
+    la.add_argument("--gpus-per-node", type=int, default=1, help="processes (GPUs) per node")
+    la.add_argument("--gpu-vendor", choices=["nvidia", "amd"], default="nvidia")
+    la.add_argument("--out", help="folder for the files (default deploy/RUN-TARGET)")
+    la.add_argument("--apply", action="store_true", help="run docker compose up / kubectl apply / sbatch")
+    la.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
+    la.add_argument("--workspace", action="store_true", help="k8s: a dev-workspace Pod instead of a PyTorchJob")
+    la.add_argument("--namespace", help="k8s namespace")
+    la.add_argument("--runs-pvc", default="trainbox-runs", help="k8s claim for runs and caches")
+    la.add_argument("--data-pvc", default="trainbox-data", help="k8s claim for token files")
+    la.add_argument("--storage", default="100Gi", help="k8s size of each claim")
+    la.add_argument("--storage-class", help="k8s storage class (must offer ReadWriteMany for several nodes)")
+    la.add_argument("--cpus", type=int, default=16, help="CPU cores per node")
+    la.add_argument("--memory", default="64Gi", help="memory per node")
+    la.add_argument("--shm", default="16Gi", help="/dev/shm size")
+    la.add_argument("--time", default="24:00:00", help="slurm time limit")
+    la.add_argument("--partition", help="slurm partition")
+    la.add_argument("--account", help="slurm account")
+    la.add_argument("--port", type=int, default=8080, help="compose: host port (127.0.0.1 only) of the dashboard")
+    la.add_argument("--registry", help="image: registry prefix, e.g. ghcr.io/me")
+    la.add_argument("--tag", help="image: an extra tag besides the stack tag")
+    la.add_argument("--rocm", action="store_true", help="image: build docker/Dockerfile.rocm")
+    la.add_argument("--push", action="store_true", help="image: push after building")
+    la.add_argument("--build-arg", action="append", default=[], help="image: NAME=VALUE (e.g. TORCH_VERSION=2.9.0)")
+    la.add_argument("--platform", default="linux/amd64", help="image: target platform")
+    la.add_argument("--context", default=".", help="image: repository root (build context)")
+    la.set_defaults(func=cmd_launch)
+
+    pn = verb("plan", "memory per GPU of a run (parameters, gradients, optimizer state, activations, "
+                      "communication, overhead), whether it fits, and what would; exit 1 when it does not fit")
+    pn.add_argument("recipe", nargs="?", help="recipe name or config file (.yaml/.json); default tiny")
+    pn.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.micro_batch_size=32")
+    pn.add_argument("--nproc", type=int, default=1, help="GPUs the run is spread over (default 1)")
+    pn.add_argument("--gpu", default=None, help="the GPU to plan for: H100, H200, A100-80GB, A100-40GB, L40S, "
+                    "MI300X, ... (default: this machine's)")
+    pn.add_argument("--gpu-mem", type=float, default=None, help="or the memory of one GPU, in GiB")
+    pn.add_argument("--flash", action="store_true", help="with --gpu: trainbox[flash] is installed there "
+                    "(FlashAttention-4 and QuACK's kernels on Hopper and Blackwell GPUs)")
+    pn.add_argument("--json", action="store_true", help="the plan as JSON")
+    pn.set_defaults(func=cmd_plan)
+
+    d = verb("doctor", "report the environment: torch, CUDA/ROCm, GPUs, bf16, FlexAttention, caches, disk")
+    d.add_argument("recipe", nargs="?", help="also check what this recipe or config file needs")
+    d.add_argument("overrides", nargs="*")
+    d.add_argument("--json", action="store_true", help="machine-readable report")
+    d.set_defaults(func=cmd_doctor)
+    r = verb("runs", "list runs and their state, like docker ps")
+    r.add_argument("dir", nargs="?", default="runs", help="folder holding run directories (default runs)")
+    r.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    r.set_defaults(func=cmd_runs)
+
+    lg = verb("logs", "print or follow a run's train.log")
+    lg.add_argument("run", help="run directory, or run name under --root")
+    lg.add_argument("-f", "--follow", action="store_true", help="keep printing new lines until the run ends")
+    lg.add_argument("-n", "--tail", type=int, default=None, help="only the last N lines")
+    lg.add_argument("--root", default="runs", help="folder holding run directories (default runs)")
+    lg.set_defaults(func=cmd_logs)
+
+    at = verb("attach", "follow a run's log until the run ends (Ctrl-C detaches; the run goes on)")
+    at.add_argument("run", help="run directory, or run name under --root")
+    at.add_argument("-n", "--tail", type=int, default=None, help="start with only the last N lines")
+    at.add_argument("--root", default="runs", help="folder holding run directories (default runs)")
+    at.set_defaults(func=cmd_attach)
+
+    sp = verb("stop", "stop a run gracefully: SIGTERM, a checkpoint at the next step, wait for the exit")
+    sp.add_argument("run", help="run directory, or run name under --root")
+    sp.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the exit (default 600)")
+    sp.add_argument("--now", action="store_true", help="SIGKILL when --timeout passes (at once with --timeout 0)")
+    sp.add_argument("--root", default="runs", help="folder holding run directories (default runs)")
+    sp.set_defaults(func=cmd_stop)
+
+    st = verb("status", "health check of a run or a monitor URL (exit 0 healthy, 1 not)")
+    st.add_argument("target", help="run directory, run name under --root, or http://HOST:PORT")
+    st.add_argument("--root", default="runs", help="folder holding run directories (default runs)")
+    st.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for a URL (default 5)")
+    st.set_defaults(func=cmd_status)
+
+    pl = verb("plot", "plot runs' train and validation loss against steps and tokens (PNG)")
+    pl.add_argument("runs", nargs="+", help="run directories or names under --root")
+    pl.add_argument("--out", default="loss.png", help="PNG to write (default loss.png)")
+    pl.add_argument("--root", default="runs", help="folder holding run directories (default runs)")
+    pl.set_defaults(func=cmd_plot)
+
+    db = verb("dashboard", "serve a run's dashboard from its files (a finished run, or one on another machine)")
+    db.add_argument("run", help="run directory, or run name under --root")
+    db.add_argument("--port", type=int, default=None, help="port (default 8080, or a free one when it is busy; "
+                    "0: a free one)")
+    db.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    db.add_argument("--root", default="runs", help="folder holding run directories (default runs)")
+    db.set_defaults(func=cmd_dashboard)
+    return p
+
+
+def _version() -> str:
+    import trainbox
+    return f"trainbox {trainbox.__version__}"
+
+
+def _split_overrides(args) -> None:
+    """`trainbox train train.max_steps=5` : a first positional with '=' is an override, not a recipe."""
+    rec = getattr(args, "recipe", None) if hasattr(args, "recipe") else None
+    if rec and "=" in rec:
+        args.overrides = [rec, *args.overrides]
+        args.recipe = None
+    src = getattr(args, "source", None)
+    if src and "=" in src:
+        args.overrides = [src, *args.overrides]
+        args.source = None
+
+
+def _stdout_closed() -> bool:
+    """Whether stdout is a pipe whose reader has gone; if so it now points at /dev/null (no error at exit)."""
+    import select
+
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # not a real file (captured output)
+        return False
+    try:
+        poll = select.poll()
+        poll.register(fd, select.POLLOUT)
+        if not any(ev & (select.POLLERR | select.POLLHUP) for _, ev in poll.poll(0)):
+            return False
+    except (AttributeError, OSError):  # no poll() here: take the broken pipe to be stdout's
+        pass
+    os.dup2(os.open(os.devnull, os.O_WRONLY), fd)
+    return True
+
+
+def run(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    # overrides may also follow an option (`train tiny --detach train.max_steps=5`): argparse leaves those over
+    if rest and hasattr(args, "overrides") and all("=" in r and not r.startswith("-") for r in rest):
+        args.overrides = [*args.overrides, *rest]
+    elif rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    _split_overrides(args)
+    # TRAINBOX_OVERRIDES (set by the container images: monitor.host=0.0.0.0) come before the command line's
+    env_overrides = shlex.split(os.environ.get("TRAINBOX_OVERRIDES", ""))
+    if env_overrides and hasattr(args, "overrides"):
+        args.overrides = [*env_overrides, *args.overrides]
+    debug = os.environ.get("TRAINBOX_DEBUG", "") not in ("", "0")
+    try:
+        try:
+            code = args.func(args) or 0
+            sys.stdout.flush()  # a closed pipe shows here, not as an error at interpreter exit
+            return code
+        except BrokenPipeError:
+            if not _stdout_closed():
+                raise
+            return 141  # `trainbox inspect ... | head`: the reader is gone; stop quietly, as SIGPIPE would
+    except TrainboxError as e:
+        if debug:
+            raise
+        print(f"trainbox {args.verb}: {e.message}", file=sys.stderr)
+        if e.hint:
+            print(f"  -> {e.hint}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # an unexpected bug: one line, and how to see the traceback
+        if debug:
+            raise
+        print(f"trainbox {args.verb}: unexpected error: {type(e).__name__}: {e}\n"
+              f"  -> run again with TRAINBOX_DEBUG=1 for the traceback", file=sys.stderr)
+        return 1
+
