@@ -31,7 +31,7 @@ from trainbox.data.loader import BatchPlan
 from trainbox.data.sources import open_datasets
 from trainbox.data.tokenizer import get_tokenizer
 from trainbox.model.spec import adapt_datasets, build_model, model_vocab_size
-from trainbox.model.t5 import hf_config
+from trainbox.model.t5.hf import hf_config
 from trainbox.optim.build import adamw_groups, make_adamw
 from trainbox.train.device import PEAK_TFLOPS
 
@@ -191,7 +191,7 @@ def main() -> None:
 
 
 def hf_config_for(cfg, vocab: int, tok):
-    from trainbox.model.t5 import T5
+    from trainbox.model.t5.model import T5
 
     with torch.device("meta"):
         shell = T5(cfg.model, vocab, cfg.data.seq_len)

@@ -312,7 +312,7 @@ def test_code_running_pickle_in_a_checkpoint_is_refused_and_never_runs(saved_run
 
 @pytest.mark.faults
 def test_code_running_pickle_as_init_from_weights_never_runs(saved_run, tmp_path):
-    from trainbox.export import read_hf_weights
+    from trainbox.model.gpt.hf import read_hf_weights
     folder = tmp_path / "hf"
     folder.mkdir()
     marker = tmp_path / "code-ran"

@@ -95,7 +95,7 @@ def test_sharded_checkpoint_layout_is_verified(chain):
 
 
 def test_sharded_weights_load_into_a_plain_model_and_export(chain, tmp_path):
-    from trainbox.generate import load_for_inference
+    from trainbox.model.load import load_for_inference
     sharded, _, _ = load_for_inference(chain / "two" / "checkpoints" / "step_00000009")
     single, _, _ = load_for_inference(chain / "ref" / "checkpoints" / "step_00000009")
     ref = single.state_dict()
@@ -103,7 +103,7 @@ def test_sharded_weights_load_into_a_plain_model_and_export(chain, tmp_path):
         assert torch.allclose(t, ref[name], atol=1e-5), name
     out = run_cli("generate", str(chain / "two"), "--max-tokens", "5", "--seed", "1", "--prompt", "ROMEO:")
     assert out.stdout.startswith("ROMEO:") and len(out.stdout.strip()) > len("ROMEO:")
-    from trainbox.export import export_hf
+    from trainbox.model.gpt.hf import export_hf
     export_hf(chain / "two", tmp_path / "hf")
     from safetensors.torch import load_file
     exported = load_file(str(tmp_path / "hf" / "model.safetensors"))

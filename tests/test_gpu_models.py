@@ -63,8 +63,8 @@ def test_family_trains_compiled_in_bf16(name, corpus, tmp_path):
 
 def test_grouped_moe_layer_matches_the_loop_in_bf16():
     """The MoE layer's grouped-matmul path against its loop over experts: output, input and weight gradients."""
-    from trainbox.config import MoESection
-    from trainbox.model.moe import MoEFFN
+    from trainbox.model.moe.config import MoESection
+    from trainbox.model.moe.model import MoEFFN
 
     torch.manual_seed(0)
     layer = MoEFFN(768, MoESection(num_experts=8, top_k=2), bias=True, dropout=0.0).cuda()

@@ -40,7 +40,7 @@ def llama_folder(folder, vocab: int = 512):
 def test_full_fine_tuning_under_fsdp_on_two_gpus_exports_what_transformers_loads(tmp_path):
     transformers = pytest.importorskip("transformers", reason="trainbox[hf] (transformers) is needed")
     from trainbox.cli import main
-    from trainbox.generate import load_for_inference
+    from trainbox.model.load import load_for_inference
 
     base = llama_folder(tmp_path / "base")
     chats = hf_tiny.make_chat_file(tmp_path / "chat.jsonl", n=4000)

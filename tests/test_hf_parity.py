@@ -9,7 +9,8 @@ from conftest import run_cli
 
 from trainbox.config import load_config
 from trainbox.errors import ConfigError
-from trainbox.export import load_init_weights, write_tokenizer
+from trainbox.model.hf_folder import write_tokenizer
+from trainbox.model.load import load_init_weights
 from trainbox.model.spec import build_model
 
 transformers = pytest.importorskip("transformers")
@@ -71,7 +72,7 @@ def test_init_from_hf_folder_checks_the_model_section(tmp_path):
 def test_hf_to_train_to_export_round_trip(tiny, tmp_path):
     """HF folder -> `train run.init_from` -> `export --format hf` -> transformers: same logits throughout."""
     from trainbox.data.tokenizer import get_tokenizer
-    from trainbox.generate import load_for_inference
+    from trainbox.model.load import load_for_inference
 
     hf_in = _hf_model(vocab=2048, seed=1)  # the tiny fixture's embedded tokenizer has 2,048 ids
     hf_in.save_pretrained(tmp_path / "hf_in")

@@ -11,6 +11,7 @@ from conftest import run_cli
 from trainbox.config import load_config
 from trainbox.kernels.choice import choose
 from trainbox.model.spec import build_model
+from trainbox.model.spec import family as family_spec
 from trainbox.train.loop import train
 
 
@@ -26,7 +27,7 @@ def test_the_run_records_what_the_model_runs(tiny, family, extra, attention):
     env = json.loads((cfg.run_dir / "env.json").read_text())
     start = next(json.loads(x) for x in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()
                  if json.loads(x)["event"] == "start")
-    want = choose(cfg.model, torch.device("cpu")).as_dict()
+    want = choose(cfg.model, torch.device("cpu"), family_spec(cfg.model.family)).as_dict()
     assert env["kernels"] == start["kernels"] == want and want["attention"] == attention
     if family == "gpt":
         assert want == {"attention": "sdpa", "fused_loss": "torch", "fused_norm": "torch", "fused_mlp": "torch",
@@ -39,4 +40,4 @@ def test_doctor_prints_the_same_choice(tiny):
     out = run_cli("doctor", "tiny", "model.fused_loss=true", check=False).stdout
     line = next(x for x in out.splitlines() if " kernels " in f" {x} ")
     cfg = load_config("tiny", ["model.fused_loss=true"])
-    assert choose(cfg.model, torch.device("cpu")).describe() in line
+    assert choose(cfg.model, torch.device("cpu"), family_spec(cfg.model.family)).describe() in line

@@ -14,10 +14,10 @@ from conftest import run_cli
 
 from trainbox.cli import main
 from trainbox.config import build_config, load_config
-from trainbox.config.families import RopeScalingSection
 from trainbox.errors import ConfigError
-from trainbox.export import load_init_weights
-from trainbox.model.llama_hf import resolve_from_folder, write_hf
+from trainbox.model.llama.config import RopeScalingSection
+from trainbox.model.llama.hf import resolve_from_folder, write_hf
+from trainbox.model.load import load_init_weights
 from trainbox.model.spec import build_model, resolve_model
 
 transformers = pytest.importorskip("transformers")
@@ -157,7 +157,7 @@ def test_recipes_have_the_llama_shapes():
 
 def test_trains_generates_and_exports(tiny, tmp_path, capsys):
     from trainbox.data.tokenizer import get_tokenizer
-    from trainbox.generate import load_for_inference
+    from trainbox.model.load import load_for_inference
     from trainbox.train.loop import train
 
     cfg = load_config(None, [*tiny, "model.family=llama", "model.n_head=4", "model.llama.n_kv_head=2",
@@ -187,7 +187,7 @@ def test_trains_generates_and_exports(tiny, tmp_path, capsys):
 
 def test_sft_fine_tunes_every_weight_of_a_qwen2_folder(tmp_path, capsys):
     """`trainbox train sft model.path=FOLDER data.path=chat.jsonl`, then export: transformers loads the result."""
-    from trainbox.generate import load_for_inference
+    from trainbox.model.load import load_for_inference
     from trainbox.train.loop import Trainer
 
     base = tmp_path / "base"

@@ -139,8 +139,9 @@ def test_export_adapter_and_merge_match_base_plus_adapter(trained, tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from trainbox.export_lora import export_lora_hf
-    from trainbox.generate import load_for_inference, sample
+    from trainbox.generate import sample
+    from trainbox.model.hf.hf import export_lora_hf
+    from trainbox.model.load import load_for_inference
 
     root, model_dir, _ = trained
     ours, tok, _ = load_for_inference(root / "runs" / "a")  # base + adapter from the checkpoint
@@ -179,7 +180,7 @@ def test_merge_into_quantized_base_needs_force(trained, tmp_path):
     refused = run_cli("export", str(run), "--merge", "--out", str(tmp_path / "m"), check=False)
     assert refused.returncode == 2 and "4-bit" in refused.stderr and "--force" in refused.stderr
     assert not (tmp_path / "m").exists()
-    from trainbox.export_lora import export_lora_hf
+    from trainbox.model.hf.hf import export_lora_hf
     assert export_lora_hf(run, tmp_path / "m", merge=True, force=True)["dtype"] == "bfloat16"
     cfg = json.loads((tmp_path / "m" / "config.json").read_text())
     assert cfg.get("dtype", cfg.get("torch_dtype")) == "bfloat16"
@@ -194,7 +195,7 @@ def test_qlora_without_cuda_fails_before_loading(trained, tmp_path):
     assert "quant.load_in_4bit" in proc.stderr and "CUDA" in proc.stderr
     assert "bitsandbytes" in proc.stderr or __import__("importlib").util.find_spec("bitsandbytes")
     assert not (root / "runs" / "q" / "checkpoints").exists()
-    from trainbox.model.hf import build_hf  # the builder refuses too, before reading any weights
+    from trainbox.model.hf.model import build_hf  # the builder refuses too, before reading any weights
     with pytest.raises(ConfigError, match="CUDA"):
         build_hf(load_config("lora", [*args[:1], "model.path=/nonexistent", "quant.load_in_8bit=true"]))
 
@@ -235,15 +236,13 @@ def test_training_arguments_unknown_key_is_a_config_error(tmp_path):
 
 
 def test_end_to_end_from_a_pretrained_trainbox_gpt(tmp_path, tiny):
-    """Issue 7 part 7: pretrain a tiny trainbox GPT, export it to HF, LoRA it, merge, generate."""
-    export = pytest.importorskip("trainbox.export", reason="needs the GPT exporter (trainbox.export) of the moe branch")
-    exporter = getattr(export, "export_hf", None)
-    if exporter is None:
-        pytest.skip("trainbox.export has no export_hf(run, out) for GPT runs yet")
+    """Pretrain a tiny trainbox GPT, export it to HF, LoRA it, merge, generate."""
     from transformers import AutoModelForCausalLM
 
-    from trainbox.export_lora import export_lora_hf
-    from trainbox.generate import load_for_inference, sample
+    from trainbox.generate import sample
+    from trainbox.model.gpt.hf import export_hf as exporter
+    from trainbox.model.hf.hf import export_lora_hf
+    from trainbox.model.load import load_for_inference
     from trainbox.train.loop import train
 
     # positions must cover the fine-tuning windows (data.seq_len=48 in lora_args)

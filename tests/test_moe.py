@@ -9,8 +9,9 @@ import torch
 import torch.nn.functional as F
 from conftest import run_cli
 
-from trainbox.config import MoESection, load_config
-from trainbox.model.moe import MoEFFN
+from trainbox.config import load_config
+from trainbox.model.moe.config import MoESection
+from trainbox.model.moe.model import MoEFFN
 from trainbox.model.spec import build_model
 
 
@@ -93,7 +94,7 @@ def test_grouped_linear_backward_matches_autograd(gelu, n_in, n_out):
     """The hand-written backward of the experts' grouped matmul (GELU output saved, its derivative applied to
     dA; dw as a^T g where the input is the narrower side, as (g^T a)^T where it is the wider) against autograd
     through F.gelu and a loop over experts, fp32, an empty expert included."""
-    from trainbox.model.moe import grouped_mm
+    from trainbox.model.moe.model import grouped_mm
     torch.manual_seed(0)
     sizes = [5, 0, 11, 8]
     offsets = torch.tensor(sizes).cumsum(0).to(torch.int32)
@@ -176,9 +177,9 @@ def test_cli_train_logs_moe_stats_and_generates(tiny, tmp_path):
     assert out.stdout.startswith("ROMEO:") and len(out.stdout) > len("ROMEO:")
     # no Hugging Face class to export to: the family's own folder, read back by its documented loader
     out = run_cli("export", str(run), "--format", "hf", "--out", str(tmp_path / "hf"))
-    assert "trainbox.model.moe.from_pretrained" in out.stdout
-    from trainbox.generate import load_for_inference
-    from trainbox.model.moe import from_pretrained
+    assert "trainbox.model.moe.hf.from_pretrained" in out.stdout
+    from trainbox.model.load import load_for_inference
+    from trainbox.model.moe.hf import from_pretrained
     exported, trained = from_pretrained(tmp_path / "hf"), load_for_inference(run)[0].eval()
     idx = torch.randint(0, 100, (2, 16))
     assert torch.equal(exported(idx).logits, trained(idx).logits)

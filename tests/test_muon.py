@@ -178,7 +178,7 @@ def test_cli_speedrun_with_muon_trains_and_generates(tiny, tmp_path):
     out = run_cli("generate", str(tmp_path / "runs" / "sr"), "--prompt", "ROMEO:", "--max-tokens", "16",
                   "--temperature", "0", cwd=tmp_path)
     # the CLI's KV-cached greedy decode equals greedy decoding by full forward passes without a cache
-    from trainbox.generate import load_for_inference
+    from trainbox.model.load import load_for_inference
     model, tok, _ = load_for_inference(tmp_path / "runs" / "sr")
     ids = tok.encode("ROMEO:")
     with torch.no_grad():

@@ -17,6 +17,7 @@ from trainbox.config import load_config
 from trainbox.errors import ConfigError
 from trainbox.kernels.choice import choose
 from trainbox.model.spec import build_model
+from trainbox.model.spec import family as family_spec
 from trainbox.parallel import expert
 from trainbox.plan import CONTEXT, MARGIN, NCCL, gpu, local_cpu, make_plan, run_vocab
 from trainbox.plan.activations import Kernels, Widths, family_activations, weight_copy_bytes
@@ -40,7 +41,7 @@ def small(family: str, *extra: str):
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_parameter_counts_equal_the_built_model(family):
-    from trainbox.model.moe import GroupedLinear
+    from trainbox.model.moe.model import GroupedLinear
     from trainbox.optim.muon import split_params
     cfg = small(family, "optim.name=muon" if family == "speedrun" else "optim.name=adamw")
     counts = count_parameters(cfg, 512)
@@ -137,7 +138,7 @@ def test_activation_formulas_equal_what_autograd_keeps(family, mode):
     cfg = small(family, f"train.activation_checkpointing={mode}", "train.micro_batch_size=3",
                 *(["model.fused_loss=true"] if family == "gpt" else []))
     assert make_plan(cfg, 512, local_cpu()).activations.saved == pytest.approx(measure(cfg, mode, False), rel=0.01)
-    k = choose(cfg.model, torch.device("cpu"))
+    k = choose(cfg.model, torch.device("cpu"), family_spec(cfg.model.family))
     kernels = Kernels(k.attention, k.fused_loss, k.fused_mlp, k.fp8)
     widths = Widths(a=2, r=2 if family == "speedrun" else 4, cuda=False)   # speedrun: a bf16 residual stream
     counts = count_parameters(cfg, 512)

@@ -61,7 +61,7 @@ def test_speedrun_recipe_resumes_bit_identically(tiny):
 def test_speedrun_window_warms_up_over_the_run_when_null(tiny, monkeypatch):
     """model.window_warmup_steps=null: the loop hands the model its total, so over 20 steps the window grows
     from 128 to 128 + (256 - 128) * 19 / 20 = 249; the closing evaluation uses the full 256."""
-    from trainbox.model.speedrun import SpeedrunGPT
+    from trainbox.model.speedrun.model import SpeedrunGPT
 
     windows = []
     set_step = SpeedrunGPT.set_step

@@ -12,7 +12,8 @@ from conftest import run_cli
 
 from trainbox.config import ModelSection, load_config
 from trainbox.model.spec import model_vocab_size
-from trainbox.model.t5 import T5, relative_position_bucket, to_hf
+from trainbox.model.t5.hf import to_hf
+from trainbox.model.t5.model import T5, relative_position_bucket
 
 transformers = pytest.importorskip("transformers")
 
@@ -180,7 +181,7 @@ def test_t5_trains_resumes_exactly_runs_under_torchrun_and_fills_spans(tmp_path,
     # the trained checkpoint exports to a folder transformers loads with the same outputs
     from transformers import T5ForConditionalGeneration
 
-    from trainbox.generate import load_for_inference
+    from trainbox.model.load import load_for_inference
     model, tok, _ = load_for_inference(run_a)
     hf = T5ForConditionalGeneration.from_pretrained(to_hf(model, tmp_path / "hf", tok.eot_id)).eval()
     x, y = torch.randint(0, tok.vocab_size, (2, 32)), torch.randint(0, tok.vocab_size, (2, 9))

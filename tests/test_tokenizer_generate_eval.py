@@ -11,7 +11,8 @@ from trainbox.data import embedded
 from trainbox.data.loader import TokenDataset
 from trainbox.data.tokenizer import asset_path, get_tokenizer
 from trainbox.generate import filter_logits, sample
-from trainbox.model.gpt import GPT, Output
+from trainbox.model.gpt.model import GPT
+from trainbox.model.layers import Output
 from trainbox.train.distributed import Dist
 from trainbox.train.evaluate import evaluate
 

@@ -20,6 +20,7 @@ import torch
 
 from trainbox.config import RunConfig
 from trainbox.kernels.ops import compile_cache_dir
+from trainbox.model.spec import family
 
 GiB = 2**30
 
@@ -219,7 +220,10 @@ def recipe_checks(cfg: RunConfig) -> list[Check]:
                                  "8.9+: L4, L40S, H100, H200); " + where,
                                  f"drop {' and '.join(fp8)} (the matmuls then run in bf16), "
                                  "or set model.fp8_fallback=true"))
-    if cfg.model.attention == "flash" or (cfg.model.family == "speedrun" and cfg.model.attention == "auto"):
+    spec = family(cfg.model.family)
+    eligible = "flash" in spec.attention and (spec.flash_eligible is None or spec.flash_eligible(cfg.model))
+    if cfg.model.attention == "flash" or (cfg.model.attention == "auto" and eligible):
+        from trainbox.kernels.choice import attention_on
         from trainbox.kernels.flash import EXTRA, MIN_MAJOR
         hopper = gpu and torch.cuda.get_device_capability()[0] >= MIN_MAJOR
         missing = importlib.util.find_spec("flash_attn") is None
@@ -228,22 +232,22 @@ def recipe_checks(cfg: RunConfig) -> list[Check]:
                              "model.attention=flash needs FlashAttention-4 on a Hopper or Blackwell GPU: "
                              + ("it is not installed" if missing else "this machine has none"),
                              EXTRA if missing else "set model.attention=auto"))
-        elif hopper and missing and cfg.model.window_block == 1:
-            out.append(Check("flash_attention", "warn", "flash-attn-4 is not installed: attention runs in "
-                             "FlexAttention (a speedrun attention layer on an H100: 2.82 against 1.81 ms with "
-                             "FlashAttention-4; docs/performance.md)", EXTRA))
+        elif hopper and missing:
+            instead = attention_on(spec, cfg.model, flash=False, flex=True)
+            out.append(Check("flash_attention", "warn", f"flash-attn-4 is not installed: attention runs in {instead} "
+                             "(FlashAttention-4 is faster on this GPU: docs/performance.md)", EXTRA))
     if cfg.train.compile and shutil.which("cc") is None and shutil.which("gcc") is None:
         out.append(Check("needs_compiler", "fail", "train.compile=true but no C compiler (cc/gcc) is on PATH",
                          "apt-get install gcc python3-dev, or set train.compile=false"))
     if cfg.train.compile and gpu and importlib.util.find_spec("triton") is None:
         out.append(Check("needs_triton", "fail", "train.compile=true on GPU but triton is missing",
                          "pip install triton (it comes with the official torch wheels)"))
-    hf_tokenizer = cfg.model.family == "hf" or (cfg.model.family == "llama" and bool(cfg.model.path))
-    packages = [("transformers", "finetune", hf_tokenizer), ("peft", "finetune", cfg.model.family == "hf"),
+    packages = [*((pkg, extra, True) for pkg, extra in spec.packages),
+                ("transformers", "finetune", bool(cfg.model.path)),   # a Hugging Face folder: its tokenizer
                 ("bitsandbytes", "quant", cfg.quant.load_in_4bit or cfg.quant.load_in_8bit),
                 ("tensorboard", "tracking", cfg.monitor.tensorboard), ("wandb", "tracking", cfg.monitor.wandb)]
-    for pkg, extra, needed in packages:
-        if needed and importlib.util.find_spec(pkg) is None:
+    for pkg, extra in dict.fromkeys((pkg, extra) for pkg, extra, needed in packages if needed):
+        if importlib.util.find_spec(pkg) is None:
             out.append(Check(f"needs_{pkg}", "fail", f"{pkg} is not installed", f"pip install 'trainbox[{extra}]'"))
     out += data_checks(cfg)
     out += parallel_checks(cfg, torch.cuda.device_count() if gpu else 0)
@@ -312,7 +316,7 @@ def kernel_check(cfg: RunConfig) -> Check:
     from trainbox.kernels.choice import choose
     device = torch.device("cuda" if torch.cuda.is_available() and cfg.train.device != "cpu" else "cpu")
     try:
-        return Check("kernels", "ok", choose(cfg.model, device).describe())
+        return Check("kernels", "ok", choose(cfg.model, device, family(cfg.model.family)).describe())
     except TrainboxError as e:
         return Check("kernels", "fail", e.message, e.hint or "")
 
@@ -323,7 +327,7 @@ def memory_check(cfg: RunConfig) -> Check | None:
     (its size is in its folder, read by `trainbox plan`)."""
     from trainbox.errors import TrainboxError
     from trainbox.plan import plan_run
-    if cfg.model.family == "hf":
+    if family(cfg.model.family).hook("build_meta") is not None:
         return None
     try:
         plan = plan_run(cfg)

@@ -7,14 +7,9 @@ same device gives the same text: sampling draws from one seeded torch.Generator.
 """
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
-from trainbox import checkpoint
-from trainbox.config import RunConfig, build_config
 from trainbox.data.tokenizer import Tokenizer
-from trainbox.model.spec import build_model, build_tokenizer, model_vocab_size
 
 
 def filter_logits(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None) -> torch.Tensor:
@@ -63,17 +58,6 @@ def sample(model, tokenizer: Tokenizer, prompt: str, max_tokens: int = 100, temp
         out.append(token)
         x = nxt
     return tokenizer.decode(out)
-
-
-def load_for_inference(path: str | Path, device: str | torch.device = "cpu"):
-    """Run directory or checkpoint -> (model, tokenizer, config) ready to sample."""
-    ckpt = checkpoint.resolve(path)
-    cfg: RunConfig = build_config(checkpoint.load_trainer(ckpt)["config"])
-    tokenizer = build_tokenizer(cfg)
-    vocab = model_vocab_size(cfg.model, tokenizer.vocab_size)
-    model = build_model(cfg.model, vocab, cfg.model.block_size or cfg.data.seq_len, run=cfg)
-    checkpoint.load_weights(ckpt, model)
-    return model.to(device), tokenizer, cfg
 
 
 # ----------------------------------------------------------------------------- encoder-decoder (t5)

@@ -317,7 +317,8 @@ def _detach(args, cfg) -> int:
 def cmd_generate(args) -> int:
     import torch
 
-    from trainbox.generate import load_for_inference, sample
+    from trainbox.generate import sample
+    from trainbox.model.load import load_for_inference
     from trainbox.model.spec import family
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -341,14 +342,9 @@ def cmd_generate(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from trainbox import checkpoint
-    from trainbox.config import build_config
-    from trainbox.model.spec import family
+    from trainbox.export import export
 
-    ckpt = checkpoint.resolve(args.path)
-    spec = family(build_config(checkpoint.load_trainer(ckpt)["config"]).model.family)
-    out = args.out or str(Path(args.path.rstrip("/")).name + ("-merged" if args.merge else "-hf"))
-    for line in spec.exporter()(args.path, out, merge=args.merge, force=args.force):
+    for line in export(args.path, args.out, merge=args.merge, force=args.force):
         print(line)
     return 0
 

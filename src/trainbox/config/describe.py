@@ -10,6 +10,7 @@ from typing import Literal
 from pydantic import BaseModel
 
 from trainbox.config.schema import RunConfig
+from trainbox.model.spec import OPTIONS, either, families, which
 
 
 def _type_name(tp) -> str:
@@ -52,8 +53,18 @@ def describe_keys(model: type[BaseModel] = None, prefix: str = "") -> list[tuple
         type_s = _type_name(tp)
         bounds = _bounds(field.metadata)
         rows.append((key, f"{type_s} ({bounds})" if bounds else type_s, _default_text(default),
-                     field.description or ""))
+                     _with_families(key, field.description or "")))
     return rows
+
+
+def _with_families(key: str, description: str) -> str:
+    """A generic model option's description, with the families that read it (asked of each family)."""
+    name = key.removeprefix("model.")
+    if key == "model.family":
+        return f"{description}: " + "; ".join(f"{n}, {f.summary}" for n, f in families().items())
+    if name not in OPTIONS:
+        return description
+    return f"[{either(which(lambda f: f.supports(name)))}] {description}"
 
 
 def _default_text(value) -> str:

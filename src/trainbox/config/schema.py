@@ -1,16 +1,18 @@
 """The RunConfig tree: one pydantic section per component (extra="forbid", validated on assignment, no
-infinities or NaNs), and the cross-field rules. The model families' own sections: config/families.py. Loading
-and error messages: config/load.py."""
+infinities or NaNs), and the cross-field rules. The model section is assembled from the families: each family's own
+section (model/<family>/config.py) is a key of it, and what a family reads or refuses is asked of the family
+object (model/spec.py), never of its name. Loading and error messages: config/load.py."""
 from __future__ import annotations
 
 import re
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, Field, create_model, field_validator, model_validator
 
-from trainbox.config.families import LlamaSection, MoESection, Section, T5Section
+from trainbox.config.families import Section
 from trainbox.errors import ConfigError
+from trainbox.model.spec import OPTIONS, either, families, family, which
 
 RUN_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 RUN_NAME_RULE = "one path component of letters, digits, '.', '_' and '-', starting with a letter or digit"
@@ -50,71 +52,70 @@ class DataSection(Section):
                                              "data.path is an error)")
 
 
-class ModelSection(Section):
-    family: Literal["gpt", "moe", "speedrun", "t5", "hf", "llama"] = "gpt"
+class ModelBase(Section):
+    """The model section's generic keys; ModelSection adds each family's own section (model.<family>)."""
+
+    family: str = Field("gpt", description="the model family (a folder of src/trainbox/model)")
     n_layer: int = Field(12, ge=1)
     n_head: int = Field(12, ge=1)
     n_embd: int = Field(768, ge=8)
-    head_dim: int | None = Field(None, ge=1, description="speedrun, llama: width of one head (default n_embd // "
+    head_dim: int | None = Field(None, ge=1, description="width of one head (default n_embd // "
                                                           "n_head)")
     vocab_size: int | None = Field(None, description="default: the tokenizer's, padded to a multiple of 64")
     block_size: int | None = Field(None, description="positions the model supports (default data.seq_len)")
-    dropout: float = Field(0.0, ge=0, lt=1)
-    bias: bool = True
-    tie_embeddings: bool = Field(True, description="gpt, moe: the output head shares the token embedding (llama: "
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout probability in the blocks")
+    bias: bool = Field(True, description="biases in the linear layers and norms (GPT-2's)")
+    tie_embeddings: bool = Field(True, description="the output head shares the token embedding (llama: "
                                                    "model.llama.tie_embeddings)")
-    moe: MoESection = Field(default_factory=MoESection)
-    logit_softcap: float = Field(15.0, ge=0, description="speedrun: tanh soft-cap of the logits (0 = off)")
-    window: int = Field(1792, ge=1, description="speedrun: final attention window (tokens)")
+    logit_softcap: float = Field(15.0, ge=0, description="tanh soft-cap of the logits (0 = off)")
+    window: int = Field(1792, ge=1, description="final attention window (tokens)")
     window_warmup_steps: int | None = Field(
-        0, ge=0, description="speedrun: steps over which the window grows (0: none; null: the whole run, "
+        0, ge=0, description="steps over which the window grows (0: none; null: the whole run, "
                              "whatever train.max_steps is)")
-    window_block: int = Field(1, ge=1, description="speedrun: the window counts blocks of this many tokens: a query "
+    window_block: int = Field(1, ge=1, description="the window counts blocks of this many tokens: a query "
                               "sees its own block and those starting fewer than `window` tokens before it (1: "
                               "exactly the last `window` tokens; 128: modded-nanogpt's block-wise windows, faster "
                               "FlexAttention masks)")
     window_pattern: str | None = Field(
-        None, description="speedrun: one letter per layer: L = the window, S = half of it, - = no attention "
+        None, description="one letter per layer: L = the window, S = half of it, - = no attention "
                           "(default: L everywhere)")
     attention: Literal["auto", "flash", "flex", "sdpa"] = Field(
-        "auto", description="gpt, moe, speedrun: attention kernel. flash: FlashAttention-4 (Hopper/Blackwell GPUs, "
+        "auto", description="attention kernel. flash: FlashAttention-4 (Hopper/Blackwell GPUs, "
                             "pip install 'trainbox[flash]'; speedrun: the documents as variable-length sequences, "
                             "model.window_block 1); flex (speedrun): FlexAttention with a block mask (CUDA); sdpa: "
                             "PyTorch SDPA (speedrun: with an explicit mask, memory O(T^2)); auto: flash where it is "
                             "installed and usable, else flex (speedrun, CUDA), else sdpa")
-    eot_id: int | None = Field(None, ge=0, description="speedrun: document separator token (default: the tokenizer's)")
-    fp8_head: bool = Field(False, description="gpt, speedrun: output head in FP8 (forward e4m3, gradient e5m2; needs "
-                                              "FP8 tensor cores: H100, L40S). Faster, not free: on gpt2-125m it costs "
-                                              "+0.07 validation loss after 200 steps (docs/performance.md)")
+    eot_id: int | None = Field(None, ge=0, description="document separator token (default: the tokenizer's)")
+    fp8_head: bool = Field(False, description="output head in FP8 (forward e4m3, gradient e5m2; needs FP8 tensor "
+                                              "cores: H100, L40S). Faster, not free: it costs validation loss "
+                                              "(docs/performance.md)")
     fp8_mlp: Literal["none", "down", "both"] = Field(
-        "none", description="gpt, speedrun: MLP matmuls in FP8: the down-projection, or both projections (needs "
+        "none", description="MLP matmuls in FP8: the down-projection, or both projections (needs "
                             "FP8 tensor cores: H100, L40S)")
     fp8_fallback: bool = Field(
-        False, description="gpt, speedrun: where the device has no FP8 tensor cores (a CPU, an A100), run the matmuls "
+        False, description="where the device has no FP8 tensor cores (a CPU, an A100), run the matmuls "
                            "of fp8_head and fp8_mlp in bf16 instead of refusing the run (the recipes that turn FP8 on "
                            "set it, so that they run anywhere)")
     lowp_residual: bool | None = Field(
-        None, description="gpt, moe, speedrun: keep the residual stream in the autocast dtype (bf16) instead of fp32 "
-                          "(default: on for speedrun, off for gpt and moe; on gpt2-125m it costs +0.05 validation "
-                          "loss after 200 steps, docs/performance.md)")
-    fused_loss: bool = Field(False, description="gpt, moe, speedrun, llama: the head's matmul and the cross-entropy "
+        None, description="keep the residual stream in the autocast dtype (bf16) instead of fp32 "
+                          "(default: the family's; it costs validation loss where the family's default is off, "
+                          "docs/performance.md)")
+    fused_loss: bool = Field(False, description="the head's matmul and the cross-entropy "
                                                 "in one function that never keeps the logits (a Triton kernel on CUDA; "
                                                 "the loop's summed loss on an H100/H200 with trainbox[flash]: "
                                                 "QuACK's linear cross-entropy)")
-    fused_norm: bool = Field(False, description="gpt, moe: each residual add and the LayerNorm after it as one op "
+    fused_norm: bool = Field(False, description="each residual add and the LayerNorm after it as one op "
                                                 "whose backward is one pass (a Triton kernel on CUDA; torch ops "
                                                 "elsewhere). Blocks under train.activation_checkpointing run unfused")
-    fused_mlp: bool = Field(False, description="gpt, moe: the MLP's GELU in its matmuls' epilogues: the "
+    fused_mlp: bool = Field(False, description="the MLP's GELU in its matmuls' epilogues: the "
                                                "up-projection writes GELU(h) with h, the backward's matmul applies "
                                                "GELU'(h); moe: every expert matmul a grouped variable-length GEMM "
                                                "(QuACK's GEMMs on Hopper/Blackwell GPUs, pip install "
                                                "'trainbox[flash]'; torch ops elsewhere). MLPs with biases "
                                                "(model.bias=true) run unfused")
-    path: str | None = Field(None, description="hf: hub id or local folder of a Hugging Face causal LM; llama: a "
+    path: str | None = Field(None, description="hub id or local folder of a Hugging Face causal LM; llama: a "
                                                "local Llama or Qwen2 folder that gives the run its shape, "
                                                "tokenizer and initial weights (full fine-tuning)")
-    t5: T5Section = Field(default_factory=T5Section)
-    llama: LlamaSection = Field(default_factory=LlamaSection)
 
     @property
     def fp8_options(self) -> list[str]:
@@ -122,46 +123,46 @@ class ModelSection(Section):
         return [o for o, on in (("model.fp8_head=true", self.fp8_head),
                                 (f"model.fp8_mlp={self.fp8_mlp}", self.fp8_mlp != "none")) if on]
 
+    @field_validator("family")
+    @classmethod
+    def _known_family(cls, name: str) -> str:
+        if name not in families():
+            raise ValueError(f"model.family={name!r} is not one of {', '.join(families())}")
+        return name
+
     @model_validator(mode="after")
-    def _heads_divide_width(self) -> "ModelSection":
-        if (self.family in ("gpt", "moe") or (self.family == "llama" and self.head_dim is None)) \
-                and self.n_embd % self.n_head:
-            raise ValueError(f"model.n_embd={self.n_embd} is not divisible by model.n_head={self.n_head}")
-        if self.family == "llama" and self.n_head % (self.llama.n_kv_head or self.n_head):
-            raise ValueError(f"model.n_head={self.n_head} is not a multiple of model.llama.n_kv_head="
-                             f"{self.llama.n_kv_head}")
-        if self.family == "llama" and self.dropout:
-            raise ValueError("model.dropout does not apply to model.family=llama (Llama trains without dropout)")
-        if self.fp8_head and self.family not in ("gpt", "speedrun"):
-            raise ValueError(f"model.fp8_head applies to model.family=gpt or speedrun, not {self.family}")
-        if self.fp8_mlp != "none" and self.family not in ("gpt", "speedrun"):
-            raise ValueError(f"model.fp8_mlp applies to model.family=gpt or speedrun, not {self.family}")
-        if self.lowp_residual is not None and self.family not in ("gpt", "moe", "speedrun"):
-            raise ValueError(f"model.lowp_residual applies to model.family=gpt, moe or speedrun, not {self.family}")
-        if self.fused_norm and self.family not in ("gpt", "moe"):
-            raise ValueError(f"model.fused_norm applies to model.family=gpt or moe, not {self.family}")
-        if self.fused_mlp and self.family not in ("gpt", "moe"):
-            raise ValueError(f"model.fused_mlp applies to model.family=gpt or moe, not {self.family}")
+    def _family_rules(self) -> "ModelBase":
+        """What the family does not read is refused where it is set away from its default, and the family's own
+        rules hold (model/<family>/config.py)."""
+        spec = family(self.family)
+        fields = type(self).model_fields
+        for name in OPTIONS:
+            if not spec.supports(name) and getattr(self, name) != fields[name].default:
+                users = which(lambda f, name=name: f.supports(name))
+                raise ValueError(f"model.{name} applies to model.family={either(users)}, not {self.family}")
+        if self.attention not in ("auto", *spec.attention):
+            users = which(lambda f: self.attention in f.attention)
+            raise ValueError(f"model.attention={self.attention} applies to model.family={either(users)}; "
+                             f"{self.family} takes {', '.join(('auto', *spec.attention))}")
+        for other in families().values():
+            if other.section is None or other is spec:
+                continue
+            given = getattr(self, other.name).model_dump(exclude_defaults=True)
+            if given:
+                raise ValueError(f"model.{other.name}.{next(iter(given))} applies to model.family={other.name}, "
+                                 f"not {self.family}")
         if self.fused_mlp and self.fp8_mlp != "none":
             raise ValueError("model.fused_mlp runs the MLP's matmuls in the autocast dtype, model.fp8_mlp in FP8: "
                              "set one of them off (model.fp8_mlp=none or model.fused_mlp=false)")
-        if self.fused_loss and self.family not in ("gpt", "moe", "speedrun", "llama"):
-            raise ValueError(f"model.fused_loss applies to model.family=gpt, moe, speedrun or llama, not {self.family}")
-        if self.attention != "auto" and self.family not in ("gpt", "moe", "speedrun"):
-            raise ValueError(f"model.attention applies to model.family=gpt, moe or speedrun, not {self.family}")
-        if self.attention == "flex" and self.family != "speedrun":
-            raise ValueError(f"model.attention=flex applies to model.family=speedrun (its document masks); "
-                             f"{self.family} takes auto, flash or sdpa")
-        if self.attention == "flash" and self.family == "speedrun" and self.window_block != 1:
-            raise ValueError(f"model.attention=flash counts the window in tokens; model.window_block="
-                             f"{self.window_block} needs model.attention=flex (or set model.window_block=1)")
-        if self.window_pattern is not None:
-            if self.family != "speedrun":
-                raise ValueError(f"model.window_pattern applies to model.family=speedrun, not {self.family}")
-            if len(self.window_pattern) != self.n_layer or set(self.window_pattern) - set("LS-"):
-                raise ValueError(f"model.window_pattern={self.window_pattern!r} must have one letter per layer "
-                                 f"({self.n_layer}), each L (long window), S (short) or - (no attention)")
+        if spec.check is not None:
+            spec.check(self)
         return self
+
+
+ModelSection = create_model(
+    "ModelSection", __base__=ModelBase, __doc__="The model: its family, shape and options (model.*).",
+    **{f.name: (f.section, Field(default_factory=f.section, description=f"model.family={f.name}: its own options"))
+       for f in families().values() if f.section is not None})
 
 
 class OptimSection(Section):
@@ -283,22 +284,19 @@ class RunConfig(Section):
 
     @model_validator(mode="after")
     def _recompute_applies(self) -> "RunConfig":
-        if self.model.family == "hf" and self.train.activation_checkpointing != "none":
+        why = family(self.model.family).recompute
+        if why and self.train.activation_checkpointing != "none":
             raise ValueError(f"train.activation_checkpointing={self.train.activation_checkpointing} does not apply "
-                             f"to model.family=hf: use lora.gradient_checkpointing (Hugging Face's own)")
+                             f"to model.family={self.model.family}: {why}")
         return self
 
     @model_validator(mode="after")
     def _sharding_applies(self) -> "RunConfig":
         if self.train.parallel != "fsdp":
             return self
-        if self.model.family == "hf":
-            raise ValueError("train.parallel=fsdp does not apply to model.family=hf (LoRA trains small adapters on "
-                             "a frozen base): use train.parallel=ddp")
-        if self.model.family == "t5":
-            raise ValueError("train.parallel=fsdp does not apply to model.family=t5: its relative position bias "
-                             "lives in the first block and every block reads it, so it cannot be sharded per "
-                             "block; use train.parallel=ddp (t5-base fits one GPU)")
+        why = family(self.model.family).fsdp
+        if why:
+            raise ValueError(f"train.parallel=fsdp does not apply to model.family={self.model.family}: {why}")
         if self.optim.name == "muon":
             raise ValueError("optim.name=muon with train.parallel=fsdp: Muon orthogonalises whole matrices, which "
                              "FSDP splits over the ranks; use train.parallel=ddp (the speedrun models fit one GPU) "

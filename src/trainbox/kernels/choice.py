@@ -1,14 +1,16 @@
 """Which kernel runs each part of a model on a device: decided in one place.
 
-`choose(model_cfg, device)` returns a KernelPlan. The models ask it once, when they first meet their device
-(GPT.set_kernels, SpeedrunGPT's backend); the trainer asks it when it builds the model and records the plan in
-env.json and the run's start event; `trainbox doctor RECIPE` prints it for the machine it runs on.
+`choose(model_cfg, device, spec)` returns a KernelPlan; `spec` is the model family (model/spec.py), which says
+which attention kernels it can run. The models ask it once, when they first meet their device (GPT.set_kernels,
+SpeedrunGPT's backend); the trainer asks it when it builds the model and records the plan in env.json and the
+run's start event; `trainbox doctor RECIPE` prints it for the machine it runs on, and the memory plan asks
+`attention_on` for a GPU it is not running on.
 
     attention   flash  FlashAttention-4 (model.attention=flash, or auto where `trainbox[flash]` runs: Hopper or
                        Blackwell; speedrun only with model.window_block=1)
                 flex   FlexAttention with a block mask (speedrun on a CUDA GPU of compute capability 8.0+)
                 sdpa   PyTorch's scaled_dot_product_attention (speedrun: with an explicit mask, memory O(T^2))
-                hf     the Hugging Face model's own (model.family=hf)
+                or the family's own (`Family.own_attention`: hf, the Hugging Face model's)
     fused_loss  quack  QuACK's linear cross-entropy for the loop's summed loss (H100/H200 with QuACK), Triton
                        otherwise on CUDA; torch: the same function in torch ops (CPU); off
     fused_norm  triton (CUDA) or torch; off
@@ -49,17 +51,25 @@ def flex_available(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) >= (8, 0)
 
 
-def _attention(cfg, device: torch.device) -> str:
-    from trainbox.kernels.flash import use_flash
-    if cfg.family == "hf":
-        return "hf"
-    if cfg.family in ("t5", "llama"):
-        return "sdpa"
-    if cfg.family == "speedrun":
-        if use_flash(cfg.attention, device, eligible=cfg.window_block == 1):
-            return "flash"
-        return "flex" if cfg.attention in ("auto", "flex") and flex_available(device) else "sdpa"
-    return "flash" if use_flash(cfg.attention, device) else "sdpa"
+def attention_on(spec, cfg, flash: bool, flex: bool) -> str:
+    """The attention kernel family `spec` runs for model section `cfg` where FlashAttention-4 (`flash`) and
+    FlexAttention (`flex`) can run or not: the first the family lists that model.attention allows and that runs."""
+    if not spec.attention:
+        return spec.own_attention
+    eligible = spec.flash_eligible(cfg) if spec.flash_eligible else True
+    if "flash" in spec.attention and flash and eligible and cfg.attention in ("auto", "flash"):
+        return "flash"
+    if "flex" in spec.attention and flex and cfg.attention in ("auto", "flex"):
+        return "flex"
+    return "sdpa"
+
+
+def _attention(cfg, device: torch.device, spec) -> str:
+    from trainbox.kernels.flash import flash_available, require_flash
+    if cfg.attention == "flash":
+        require_flash(device)   # refuses, saying why, where it cannot run
+    return attention_on(spec, cfg, flash=cfg.attention == "flash" or flash_available(device),
+                        flex=flex_available(device))
 
 
 def _fused_loss(cfg, device: torch.device) -> str:
@@ -87,8 +97,9 @@ def _fp8(cfg, device: torch.device) -> str:
     return "fp8" if fp8_supported(device) else "bf16"
 
 
-def choose(cfg, device: torch.device) -> KernelPlan:
-    """The kernels a model of ModelSection `cfg` runs on `device` (raises where model.attention=flash cannot run)."""
-    return KernelPlan(attention=_attention(cfg, device), fused_loss=_fused_loss(cfg, device),
+def choose(cfg, device: torch.device, spec) -> KernelPlan:
+    """The kernels a model of ModelSection `cfg` and family `spec` runs on `device` (raises where
+    model.attention=flash cannot run)."""
+    return KernelPlan(attention=_attention(cfg, device, spec), fused_loss=_fused_loss(cfg, device),
                       fused_norm="off" if not cfg.fused_norm else ("triton" if device.type == "cuda" else "torch"),
                       fused_mlp=_fused_mlp(cfg, device), fp8=_fp8(cfg, device))

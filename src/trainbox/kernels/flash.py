@@ -7,8 +7,7 @@ document inside the window. FlashAttention's variable-length kernels take exactl
 sequences (cu_seqlens, their offsets in the flattened batch) and the window as (window - 1, 0) with
 causal masking, i.e. `model/doc_mask.allowed()` with model.window_block = 1. No mask is built or evaluated
 per block, and no block is partial at a document's edge, which is where FlexAttention spends its time on short
-documents. Forward and backward of one 64K-token speedrun attention layer take 1.81 ms against compiled
-FlexAttention's 2.82 ms at window 1,792 (H100; docs/performance.md).
+documents (docs/performance.md has the measured step times).
 
 The kernels are FlashAttention-4's CuTe DSL port of FlashAttention-3 (the `flash-attn-4` package), which
 compiles them at first use. They are wrapped here as two torch custom ops with fake implementations, so
@@ -19,7 +18,7 @@ and without a device synchronisation.
 The gpt family (`causal_qkv`) hands the kernels q, k and v as strided views of its fused qkv projection,
 (B, T, 3, H, D), and the backward writes dq, dk and dv into one (B, T, 3, H, D) gradient: the qkv
 projection's backward reads it as it is, where SDPA's three gradients are first concatenated (a copy of
-3C per token per layer; 17.7 ms of gpt2-125m's step on an H100).
+3C per token per layer).
 """
 from __future__ import annotations
 

@@ -28,12 +28,12 @@ A summed loss (the training loop's) on an H100/H200 with QuACK installed goes th
 linear cross-entropy instead (`_use_quack_lce`): per chunk of LCE_CHUNK rows, the logits GEMM's epilogue
 writes exp(z - its tile's max) in bf16 with per-tile sums and the target logit, and the dx and dW GEMMs
 form the softmax gradient in their operand loads; the forward returns the loss with dx and dW (fp32)
-computed, the backward scales them. No pass of a loss kernel over the logits, and no (tokens x vocab)
-tensor beyond one chunk's: gpt2-125m's step takes 810.0 ms against 846.0 ms with the Triton kernel (H100;
-docs/performance.md). It keeps exp(z - tile max), the softmax's scale and their product in bf16, where bf16
-logits round once, so its dx and dW are further from fp64 than torch's bf16 logits with F.cross_entropy and
-its loss is closer (tests/test_fused_ce.py compares the three). The gpt2-125m recipe with it matches nanoGPT's
-validation loss after 200 steps (docs/performance.md, quality parity).
+computed, the backward scales them. No pass of a loss kernel over the logits, and no (tokens x vocab) tensor
+beyond one chunk's (docs/performance.md has the step times with each kernel). It keeps exp(z - tile max), the
+softmax's scale and their product in bf16, where bf16 logits round once, so its dx and dW are further from fp64
+than torch's bf16 logits with F.cross_entropy and its loss is closer (tests/test_fused_ce.py compares the three).
+The gpt2-125m recipe with it matches nanoGPT's validation loss after 200 steps (docs/performance.md, quality
+parity).
 
 With model.fp8_head all three of the head's matmuls run in FP8, as modded-nanogpt's FP8 head does: the
 logits from e4m3 copies of x and W; the kernel writes G in e5m2 at a fixed scale (head_ce_fp8: G is

@@ -18,8 +18,7 @@ fp32 statistics of x' as stored (a bf16 residual stream is rounded before it is 
 variance, y rounded once. With a bf16 residual stream (model.lowp_residual) g' is summed in fp32 and
 rounded once, where torch rounds the norm's gradient and then the sum.
 
-With SDPA attention gpt2-125m's step takes 930.6 ms with the op against 949.7 ms without it in the same
-call (H100; docs/performance.md).
+docs/performance.md has gpt2-125m's step time with and without the op.
 
 `add_layer_norm` is a custom op (`trainbox::add_layer_norm`, its backward `trainbox::add_layer_norm_bwd`),
 so torch.compile keeps the model in one graph around it. On CUDA the kernels are Triton; elsewhere, and
@@ -101,8 +100,7 @@ if triton is not None:
 def _blocks(C: int) -> tuple[int, int, int, int, int]:
     """(BLOCK_C, forward BLOCK_M and warps, backward BLOCK_M and warps): a row padded to a power of two;
     4K elements over 2 warps per forward program, 2K over 4 warps per backward program. The fastest
-    of 20 forward and 48 backward launch configurations at gpt2-125m's 49,152 x 768 (H200: 0.151 and
-    0.220 ms, 3.0 and 2.7 TB/s, where a copy of x runs at 3.7; docs/performance.md)."""
+    of 20 forward and 48 backward launch configurations at gpt2-125m's 49,152 x 768 on an H200."""
     block_c = triton.next_power_of_2(C)
     fwd_m, bwd_m = max(1, 4096 // block_c), max(1, 2048 // block_c)
     return block_c, fwd_m, max(2, block_c * fwd_m // 2048), bwd_m, max(4, block_c * bwd_m // 512)

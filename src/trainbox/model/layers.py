@@ -1,10 +1,12 @@
 """Shared blocks. Model families compose these; none of them knows about training.
 
-KVCache is the one key/value cache used by generation.
+KVCache is the one key/value cache used by generation; Output is what every family's forward returns, and
+cross_entropy the one token loss (fp32, masked targets excluded).
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
@@ -131,3 +133,28 @@ class DocKVCaches(list):
         """Store the (B, T) ids of positions pos.. and return the ids of every position up to them."""
         self.docs[:, pos:pos + docs.size(1)] = docs
         return self.docs[:, :pos + docs.size(1)]
+
+
+@dataclass
+class Output:
+    loss: torch.Tensor | None = None          # mean cross-entropy over (unmasked) target tokens
+    logits: torch.Tensor | None = None
+    aux_loss: torch.Tensor | None = None      # extra training loss (MoE balance); added by the loop
+    stats: dict = field(default_factory=dict)  # detached scalars/tensors for logging
+
+
+def residual_dtype(cfg, device: str, default: bool) -> torch.dtype | None:
+    """The dtype to cast the embeddings to (model.lowp_residual, `default` when unset): the autocast dtype
+    under autocast, else None (leave the residual stream in the weights' dtype)."""
+    on = default if cfg.lowp_residual is None else cfg.lowp_residual
+    return autocast_dtype(device, None) if on else None
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, loss_mask: torch.Tensor | None,
+                  reduction: str = "mean") -> torch.Tensor:
+    """Token cross-entropy in fp32; masked-out targets (loss_mask False) contribute nothing."""
+    if loss_mask is not None:
+        targets = targets.masked_fill(~loss_mask, -100)
+    loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1),
+                           ignore_index=-100, reduction=reduction)
+    return loss.view(targets.shape) if reduction == "none" else loss

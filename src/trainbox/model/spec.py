@@ -1,97 +1,135 @@
-"""Model families: one typed spec each, in one table (FAMILIES). The trainer, `generate` and `export` ask a
-family's spec; nothing else branches on family names.
+"""Model families: one folder each, `model/<name>/`, declared by the `FAMILY` object of its `__init__.py`.
 
-A family's module defines `build(cfg, vocab_size, block_size[, run])` returning an nn.Module whose forward is
-`forward(idx, targets=None, loss_mask=None, caches=None, pos=0, reduction="mean") -> Output` and which has
-`num_params` and `flops_per_token`. The spec says what else the family brings:
+A family's folder holds
 
-    needs_run      build() also takes the whole RunConfig as `run=` (hf: LoRA, quantisation)
-    resolves       the module's resolve(run) completes the run config before anything is built (llama with
-                   model.path: the folder's shape, vocabulary and run.init_from)
-    own_tokenizer  the module's tokenizer(run) (hf, llama with model.path: the model's own), else data.tokenizer
-    extra_ids      the module's extra_ids(cfg): ids above the tokenizer's (t5: sentinels, decoder start)
-    own_datasets   the module's open_datasets(run, tokenizer, vocab) (hf, llama with model.path: chat/text JSONL
-                   -> SFT windows)
-    adapts_data    the module's adapt_dataset(...) turns packed windows into its examples (t5: span corruption)
-    steps          the model takes set_step(step, total) before each step (the kernel choice, speedrun's window)
-    generate       causal (sampling with a KV cache), spans (t5: fill <extra_id_K> markers)
-    export         what `trainbox export --format hf` writes, and the function that writes it
-    hf_import      the function that loads a Hugging Face folder given as run.init_from (module:function)
+    __init__.py   FAMILY = Family(...): what the family is and supports (light: no torch), read by config
+                  validation, the memory plan, the kernel choice, `doctor` and `export`
+    config.py     its config section (model.<name>) and its own rules on the model section, where it has them
+    model.py      the torch module: build(cfg, vocab_size, block_size, run=None) -> nn.Module, whose forward is
+                  forward(idx, targets=None, loss_mask=None, caches=None, pos=0, reduction="mean") -> Output and
+                  which has num_params() and flops_per_token(seq_len); optional hooks, used where present:
+                  resolve(run) (complete the run config before anything is built), tokenizer(run) (the model's
+                  own), extra_ids(cfg) (ids above the tokenizer's), open_datasets(run, tokenizer, vocab) (its own
+                  examples), adapt_dataset(cfg, tokenizer, dataset, vocab, split) (examples from packed windows),
+                  build_meta(run) (the model on the meta device, for the plan)
+    hf.py         its Hugging Face mapping: export(path, out, merge, force) -> lines, import_hf(folder, model, cfg)
+    memory.py     what one micro-batch's forward keeps for the backward, for the plan: activations(...)
 
-A hook that applies to some runs of a family only (llama's with model.path) falls back to the default
-behaviour inside the module, so the table stays a plain declaration.
+Nothing outside model/ compares family names: it asks the family object (`family(name)`). The families are
+found by listing model/'s sub-packages; `register` adds one defined elsewhere (a plugin, a test).
 """
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
-
-import torch.nn as nn
+import pkgutil
+from dataclasses import dataclass, field
+from typing import Callable
 
 from trainbox.errors import ConfigError
+
+# the generic model.* options a family may read beyond its shape (model.n_layer, n_head, n_embd, vocab_size,
+# block_size); config validation refuses the ones a family does not list when they are set away from their default
+OPTIONS = ("attention", "fused_loss", "fused_norm", "fused_mlp", "fp8_head", "fp8_mlp", "lowp_residual",
+           "logit_softcap", "window", "window_warmup_steps", "window_block", "window_pattern", "eot_id", "head_dim",
+           "dropout", "bias", "tie_embeddings", "path")
 
 
 @dataclass(frozen=True)
 class Family:
+    """What a family is and supports; its code is loaded only when it is used (`load`, `hf`, `memory`)."""
+
     name: str
-    module: str
-    generate: str = "causal"
-    export: tuple[str, str] | None = ("GPT2LMHeadModel", "trainbox.export:export_cli")   # (what, module:function)
-    hf_import: str = "trainbox.export:load_hf_gpt2"
-    needs_run: bool = False
-    resolves: bool = False
-    own_tokenizer: bool = False
-    extra_ids: bool = False
-    own_datasets: bool = False
-    adapts_data: bool = False
-    steps: bool = False
+    summary: str                          # one line: the architecture
+    module: str                           # the torch module (build and the optional hooks)
+    hf_module: str | None = None          # its Hugging Face mapping (export, import_hf)
+    memory_module: str | None = None      # its activation formula for the plan
+    section: type | None = None           # its config section class, at model.<name>
+    check: Callable | None = None         # its own rules: check(model_section) raises ValueError
+    options: frozenset = frozenset()      # the generic model.* options it reads (OPTIONS)
+    attention: tuple[str, ...] = ()       # the kernels model.attention may name (flash, flex, sdpa); ()=its own
+    own_attention: str = "sdpa"           # the attention it runs where model.attention does not apply
+    flash_eligible: Callable | None = None   # flash_eligible(model_section): FlashAttention-4 fits its masks
+    experts: bool = False                 # expert layers: model.moe.expert_parallel applies
+    fsdp: str | None = None               # why train.parallel=fsdp cannot shard it (None: it can)
+    recompute: str | None = None          # why train.activation_checkpointing does not apply (None: it does)
+    lowp_residual: bool = False           # the residual stream in the autocast dtype unless model.lowp_residual
+    generate: str = "causal"              # causal (sampling with a KV cache) or spans (t5: fill sentinels)
+    export: str | None = None             # what `trainbox export --format hf` writes (None: nothing)
+    steps: bool = False                   # the model takes set_step(step, total) before each step
+    packages: tuple[tuple[str, str], ...] = ()   # (package, extra) it needs to train (`doctor`)
+    flavours: dict = field(default_factory=dict)  # read-only notes shown by `config schema` (unused by code)
 
     def load(self):
-        try:
-            return importlib.import_module(self.module)
-        except ModuleNotFoundError as e:
-            if e.name == self.module:
-                raise ConfigError(f"model.family={self.name!r} is not available in this version of trainbox") from None
-            raise
+        """Its torch module."""
+        return _module(self.module, self.name)
 
-    def exporter(self):
-        """The function `trainbox export` calls: (path, out, merge, force) -> the lines saying what it wrote."""
-        if self.export is None:
+    def hf(self):
+        """Its Hugging Face mapping (raises ConfigError where it has none)."""
+        if self.hf_module is None:
             raise ConfigError(f"model.family={self.name} has no Hugging Face model class to export to",
                               hint="the run's checkpoints (safetensors) are its portable form; generate with "
                                    "`trainbox generate RUN`")
-        return _function(self.export[1])
+        return _module(self.hf_module, self.name)
 
-    def hf_importer(self):
-        """The function `run.init_from=HF_FOLDER` calls: (folder, model, model section) -> None."""
-        return _function(self.hf_import)
+    def memory(self):
+        return _module(self.memory_module, self.name) if self.memory_module else None
+
+    def supports(self, option: str) -> bool:
+        return option in self.options
+
+    def hook(self, name: str):
+        """The torch module's optional hook `name`, or None."""
+        return getattr(self.load(), name, None)
 
 
-def _function(path: str):
-    module, name = path.split(":")
-    return getattr(importlib.import_module(module), name)
+def _module(path: str, family_name: str):
+    try:
+        return importlib.import_module(path)
+    except ModuleNotFoundError as e:
+        if e.name == path:
+            raise ConfigError(f"model.family={family_name!r}: {path} is not available in this version of "
+                              f"trainbox") from None
+        raise
 
 
-FAMILIES = {f.name: f for f in (
-    Family("gpt", "trainbox.model.gpt", steps=True),
-    Family("moe", "trainbox.model.moe", steps=True,   # transformers has no GPT-2 MoE class: trainbox's own folder
-           export=("trainbox MoE folder (trainbox.model.moe.from_pretrained)", "trainbox.export:export_moe_cli")),
-    Family("speedrun", "trainbox.model.speedrun", steps=True, export=None),
-    Family("t5", "trainbox.model.t5", generate="spans", extra_ids=True, adapts_data=True,
-           export=("T5ForConditionalGeneration", "trainbox.export:export_t5_cli")),
-    Family("hf", "trainbox.model.hf", needs_run=True, own_tokenizer=True, own_datasets=True,
-           export=("PEFT adapter or merged model", "trainbox.export_lora:export_cli")),
-    Family("llama", "trainbox.model.llama", resolves=True, own_tokenizer=True, own_datasets=True,
-           export=("LlamaForCausalLM or Qwen2ForCausalLM", "trainbox.export:export_llama_cli"),
-           hf_import="trainbox.model.llama_hf:load_hf"),
-)}
+_REGISTRY: dict[str, Family] = {}
+
+
+def families() -> dict[str, Family]:
+    """Every family, by name: model/'s sub-packages (each declares FAMILY) and those registered."""
+    if not _REGISTRY:
+        import trainbox.model as package
+        for info in sorted(pkgutil.iter_modules(package.__path__), key=lambda i: i.name):
+            if info.ispkg:
+                declared = getattr(importlib.import_module(f"{package.__name__}.{info.name}"), "FAMILY", None)
+                if isinstance(declared, Family):
+                    _REGISTRY.setdefault(declared.name, declared)
+    return _REGISTRY
+
+
+def register(spec: Family) -> None:
+    """Add a family defined outside model/ (its `module` must be importable); a name taken is refused."""
+    known = families()
+    if spec.name in known and known[spec.name] is not spec:
+        raise ConfigError(f"model family {spec.name!r} is already registered")
+    known[spec.name] = spec
 
 
 def family(name: str) -> Family:
-    spec = FAMILIES.get(name)
+    spec = families().get(name)
     if spec is None:
-        raise ConfigError(f"model.family={name!r} is not one of {', '.join(FAMILIES)}")
+        raise ConfigError(f"model.family={name!r} is not one of {', '.join(families())}")
     return spec
+
+
+def which(test: Callable[[Family], bool]) -> list[str]:
+    """The names of the families for which `test` holds (for messages: "applies to model.family=gpt or moe")."""
+    return [n for n, f in families().items() if test(f)]
+
+
+def either(names: list[str]) -> str:
+    """gpt / gpt or moe / gpt, moe or speedrun."""
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
 
 
 def pad_vocab(n: int, multiple: int = 64) -> int:
@@ -104,48 +142,44 @@ def resolve_model(run):
     checked, then the family resolves what it takes from elsewhere (llama with model.path: the folder's shape,
     vocabulary and initial weights). A new config; the given one is not changed."""
     run.check_required()
-    spec = family(run.model.family)
-    return spec.load().resolve(run) if spec.resolves else run
+    resolve = family(run.model.family).hook("resolve")
+    return resolve(run) if resolve is not None else run
 
 
-def build_model(cfg, vocab_size: int, block_size: int, run=None) -> nn.Module:
-    """`cfg` is the ModelSection; `run` the whole RunConfig, passed to families that need it."""
-    spec = family(cfg.family)
-    if spec.needs_run:
-        return spec.load().build(cfg, vocab_size, block_size, run=run)
-    return spec.load().build(cfg, vocab_size, block_size)
+def build_model(cfg, vocab_size: int, block_size: int, run=None):
+    """`cfg` is the ModelSection; `run` the whole RunConfig, which some families read (hf: LoRA, quantisation)."""
+    return family(cfg.family).load().build(cfg, vocab_size, block_size, run=run)
 
 
 def build_tokenizer(run):
-    """The family's own tokenizer where it has one (hf), else `data.tokenizer`."""
-    from trainbox.data.tokenizer import get_tokenizer
+    """The family's own tokenizer where it has one (hf, llama with model.path), else `data.tokenizer`."""
+    from trainbox.data.tokenizer import get_tokenizer  # heavy: tiktoken / tokenizers
 
-    spec = family(run.model.family)
-    return spec.load().tokenizer(run) if spec.own_tokenizer else get_tokenizer(run.data.tokenizer)
+    own = family(run.model.family).hook("tokenizer")
+    return own(run) if own is not None else get_tokenizer(run.data.tokenizer)
 
 
 def model_vocab_size(cfg, tokenizer_vocab: int) -> int:
     """model.vocab_size, or the tokenizer's plus the family's extra ids (t5 sentinels), padded."""
     if cfg.vocab_size:
         return cfg.vocab_size
-    spec = family(cfg.family)
-    return pad_vocab(tokenizer_vocab + (spec.load().extra_ids(cfg) if spec.extra_ids else 0))
+    extra = family(cfg.family).hook("extra_ids")
+    return pad_vocab(tokenizer_vocab + (extra(cfg) if extra is not None else 0))
 
 
 def open_datasets(run, tokenizer, vocab_size: int):
     """(train, val) datasets: the family's own reader where it has one, else data.path's token files."""
-    spec = family(run.model.family)
-    if spec.own_datasets:
-        return spec.load().open_datasets(run, tokenizer, vocab_size)
-    from trainbox.data.sources import open_datasets as open_token_datasets
+    own = family(run.model.family).hook("open_datasets")
+    if own is not None:
+        return own(run, tokenizer, vocab_size)
+    from trainbox.data.sources import open_datasets as open_token_datasets  # heavy: numpy, torch
     return open_token_datasets(run.data, tokenizer, vocab_size)
 
 
 def adapt_datasets(cfg, tokenizer, vocab_size: int, train, val):
     """Families whose examples are not next-token windows (t5) turn the packed datasets into theirs."""
-    spec = family(cfg.model.family)
-    if not spec.adapts_data:
+    adapt = family(cfg.model.family).hook("adapt_dataset")
+    if adapt is None:
         return train, val
-    adapt = spec.load().adapt_dataset
     return (adapt(cfg, tokenizer, train, vocab_size, "train"),
             adapt(cfg, tokenizer, val, vocab_size, "val") if val is not None else None)

@@ -37,6 +37,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from trainbox.errors import ConfigError
+from trainbox.model.moe.model import MoEFFN
+from trainbox.model.spec import family
 
 log = logging.getLogger("trainbox")  # the library logger
 
@@ -47,7 +49,7 @@ def check(cfg, world: int) -> None:
     if n == 1:
         return
     where = f"model.moe.expert_parallel={n}"
-    if cfg.model.family != "moe":
+    if not family(cfg.model.family).experts:
         raise ConfigError(f"{where} applies to model.family=moe, not {cfg.model.family}",
                           hint="drop model.moe.expert_parallel or set model.family=moe")
     if cfg.model.moe.num_experts % n:
@@ -146,7 +148,6 @@ def shard_experts(model: nn.Module, cfg, dist_info, device: torch.device) -> Exp
     shard = ExpertShard(size=n, index=dist_info.rank % n, num_experts=cfg.model.moe.num_experts,
                         world=dist_info.world, group=mesh.get_group("expert"),
                         replicas=mesh.get_group("expert_replica") if dist_info.world > n else None, mesh=mesh)
-    from trainbox.model.moe import MoEFFN
     for name, m in model.named_modules():
         if isinstance(m, MoEFFN):
             for lin_name in ("c_fc", "c_proj"):

@@ -44,6 +44,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 from trainbox.config import RunConfig
 from trainbox.errors import ConfigError
+from trainbox.model.spec import build_tokenizer, family, model_vocab_size
 from trainbox.parallel import shards
 from trainbox.plan.activations import Activations, Kernels, Widths, family_activations, weight_copy_bytes
 from trainbox.plan.count import ParamCount, count_parameters
@@ -159,21 +160,13 @@ def assumed_kernels(cfg: RunConfig, target: Target, flash: bool) -> Kernels:
     assumed from the GPU's generation (`flash`: trainbox[flash] is installed there)."""
     import torch
 
-    from trainbox.kernels.choice import choose
-    m = cfg.model
+    from trainbox.kernels.choice import attention_on, choose
+    m, spec = cfg.model, family(cfg.model.family)
     if target.local:
-        plan = choose(m, torch.device("cuda" if target.cuda else "cpu"))
+        plan = choose(m, torch.device("cuda" if target.cuda else "cpu"), spec)
         return Kernels(plan.attention, plan.fused_loss, plan.fused_mlp, plan.fp8)
     fl = flash and target.hopper
-    if m.family == "hf":
-        attention = "hf"
-    elif m.family == "t5":
-        attention = "sdpa"
-    elif m.family == "speedrun":
-        attention = "flash" if (fl and m.window_block == 1 and m.attention in ("auto", "flash")) else "flex"
-        attention = "sdpa" if m.attention == "sdpa" else attention
-    else:
-        attention = "flash" if fl and m.attention in ("auto", "flash") else "sdpa"
+    attention = attention_on(spec, m, flash=fl, flex=True)   # FlexAttention runs on every GPU of the table
     loss = "off" if not m.fused_loss else ("quack" if flash and target.lce else "triton")
     mlp = "off" if not m.fused_mlp else ("quack" if fl else "unfused")
     fp8 = "off" if not m.fp8_options else ("fp8" if target.fp8 else "bf16")
@@ -197,8 +190,9 @@ def memory(cfg: RunConfig, counts: ParamCount, vocab: int, target: Target, layou
     """Bytes on one GPU of `layout`, at micro-batch `micro`, checkpointing `mode`, `a`-byte matmul operands."""
     m, world, ep = cfg.model, layout.nproc, layout.expert_parallel
     fsdp = layout.parallel == "fsdp"
-    lowp = m.lowp_residual if m.lowp_residual is not None else m.family == "speedrun"
-    r = a if (fsdp or lowp or m.family == "hf") else 4   # (a Hugging Face base is bf16 on a GPU)
+    spec = family(m.family)
+    lowp = m.lowp_residual if m.lowp_residual is not None else spec.lowp_residual
+    r = a if (fsdp or lowp) else 4
     widths = Widths(a=a, r=r, cuda=target.cuda, compiled=cfg.train.compile, expert_parallel=ep)
     held = counts.dense + counts.expert / ep                    # trainable parameters a rank computes with
     shard = world if fsdp else 1
@@ -220,7 +214,7 @@ def memory(cfg: RunConfig, counts: ParamCount, vocab: int, target: Target, layou
         # bf16 gradients through the backward; a block's bf16 gradients and two fp32 reduce-scatter inputs
         gathered = 2 * (2 * unit + counts.root) if layout.reshard_after_forward else 2 * held
         comm += gathered + 2 * counts.root + (2 + 2 * 4) * unit
-    if ep > 1 and m.family == "moe":
+    if ep > 1 and spec.experts:
         comm += 4 * m.moe.top_k * micro * cfg.data.seq_len * m.n_embd * a   # dispatch and combine, both ways
     frozen = counts.frozen * (0.5625 if cfg.quant.load_in_4bit else 1 if cfg.quant.load_in_8bit else a)
     params = 4 * local + frozen / shard          # frozen bases: bf16 on a GPU (NF4: 4.5 bits with its scales)
@@ -252,7 +246,7 @@ def check_layout(cfg: RunConfig, layout: Layout) -> None:
         if layout.parallel == "fsdp":
             raise ConfigError(f"model.moe.expert_parallel={ep} runs with train.parallel=ddp (the dense parameters "
                               "data-parallel), not fsdp", hint="drop train.parallel=fsdp, or model.moe.expert_parallel")
-        if cfg.model.family != "moe":
+        if not family(cfg.model.family).experts:
             raise ConfigError(f"model.moe.expert_parallel={ep} applies to model.family=moe, not {cfg.model.family}")
         if n % ep:
             raise ConfigError(f"model.moe.expert_parallel={ep} does not divide the {n} GPUs (--nproc {n})",
@@ -269,7 +263,8 @@ def make_plan(cfg: RunConfig, vocab: int, target: Target, nproc: int = 1, kernel
     `dtype`: bf16, fp16 or fp32 as the run resolved it, else from train.dtype and the target;
     `side_stream_grads`: whether FSDP's gradient shards keep a pool of their own, else as this torch does)."""
     t = cfg.train
-    ep = cfg.model.moe.expert_parallel if cfg.model.family == "moe" else 1
+    spec = family(cfg.model.family)
+    ep = cfg.model.moe.expert_parallel if spec.experts else 1
     if side_stream_grads is None:
         from trainbox.parallel.fsdp import compute_pool_grads_available
         side_stream_grads = not compute_pool_grads_available()
@@ -278,9 +273,8 @@ def make_plan(cfg: RunConfig, vocab: int, target: Target, nproc: int = 1, kernel
     check_layout(cfg, layout)
     counts = count_parameters(cfg, vocab)
     kernels = kernels or assumed_kernels(cfg, target, flash)
-    mode = t.activation_checkpointing
-    if cfg.model.family == "hf":
-        mode = "full" if cfg.lora.gradient_checkpointing else "none"
+    own = getattr(spec.memory(), "checkpointing", None)   # a family that recomputes in its own way (hf)
+    mode = own(cfg) if own is not None else t.activation_checkpointing
     dtype = dtype or dtype_bytes(cfg, target)[0]
     mem, acts = memory(cfg, counts, vocab, target, layout, t.micro_batch_size, mode, kernels, BYTES[dtype])
     plan = Plan(cfg.recipe, target, layout, t.micro_batch_size, cfg.data.seq_len, dtype, t.compile, mode, kernels,
@@ -297,10 +291,10 @@ def make_plan(cfg: RunConfig, vocab: int, target: Target, nproc: int = 1, kernel
 
 def run_vocab(cfg: RunConfig) -> int:
     """The model's vocabulary: model.vocab_size, else the tokenizer's plus the family's extra ids, padded."""
-    if cfg.model.vocab_size or cfg.model.family == "hf":
-        return cfg.model.vocab_size or 0
-    from trainbox.model.spec import build_tokenizer, model_vocab_size
-    return model_vocab_size(cfg.model, build_tokenizer(cfg).vocab_size)
+    if cfg.model.vocab_size:
+        return cfg.model.vocab_size
+    own = family(cfg.model.family).hook("plan_vocab")   # a family whose vocabulary is its model's own (hf)
+    return own(cfg) if own is not None else model_vocab_size(cfg.model, build_tokenizer(cfg).vocab_size)
 
 
 def plan_target(cfg: RunConfig, gpu_name: str | None = None, gpu_mem: float | None = None) -> Target:

@@ -15,6 +15,8 @@ import torch
 import torch.nn as nn
 
 from trainbox.config import RunConfig
+from trainbox.model.moe.model import GroupedLinear
+from trainbox.model.spec import build_model, family
 from trainbox.parallel import apart
 
 
@@ -75,7 +77,6 @@ def blocks_of(model: nn.Module) -> list[nn.Module]:
 
 
 def _is_expert(name: str, module_path: list[nn.Module]) -> bool:
-    from trainbox.model.moe import GroupedLinear
     if any(isinstance(m, GroupedLinear) for m in module_path):
         return True
     return any("expert" in part.lower() for part in name.split(".")[:-1])
@@ -123,35 +124,20 @@ def shapes_of(block: nn.Module, cfg) -> Shapes:
                   heads=heads, lora_in=lora_in, lora_r=lora_r)
 
 
-def build_hf_meta(cfg: RunConfig) -> nn.Module:
-    """A Hugging Face model from its config alone (no weights read), with the run's LoRA adapters."""
-    from trainbox.errors import ConfigError, require
-    from trainbox.model.hf import wrap_lora
-    require("transformers", "finetune", "model.family=hf")
-    from transformers import AutoConfig, AutoModelForCausalLM
-    if not cfg.model.path:
-        raise ConfigError("model.family=hf needs model.path (a hub id or a local model folder)",
-                          hint=f"e.g. trainbox plan {cfg.recipe or 'lora'} model.path=Qwen/Qwen2.5-0.5B")
-    try:
-        conf = AutoConfig.from_pretrained(cfg.model.path)
-    except OSError as e:
-        raise ConfigError(f"model.path={cfg.model.path}: no model config to plan from ({str(e).splitlines()[0]})",
-                          hint="pass a local folder holding config.json, or a hub id already in the cache") from None
-    with torch.device("meta"):
-        base = AutoModelForCausalLM.from_config(conf)
-    return wrap_lora(base, cfg.lora, quantized=False)
-
-
 def build_meta(cfg: RunConfig, vocab: int) -> nn.Module:
     """The run's model on the meta device, with every expert present (model.moe.expert_parallel=1). The fused
     kernels' switches are off: they change no parameter, and their compiler registrations take seconds."""
-    from trainbox.model.spec import build_model
-    model_cfg = cfg.model.model_copy(update={"moe": cfg.model.moe.model_copy(update={"expert_parallel": 1}),
-                                             "eot_id": cfg.model.eot_id if cfg.model.eot_id is not None else 0,
-                                             "fused_norm": False, "fused_mlp": False})
+    spec = family(cfg.model.family)
+    update = {"fused_norm": False, "fused_mlp": False}
+    if spec.supports("eot_id") and cfg.model.eot_id is None:
+        update["eot_id"] = 0
+    if spec.experts:
+        update["moe"] = cfg.model.moe.model_copy(update={"expert_parallel": 1})
+    model_cfg = cfg.model.model_copy(update=update)
     run = cfg.model_copy(update={"model": model_cfg})
-    if cfg.model.family == "hf":
-        return build_hf_meta(run)
+    own = spec.hook("build_meta")   # a family that builds from its own description (hf: a folder's config.json)
+    if own is not None:
+        return own(run)
     with torch.device("meta"):
         return build_model(model_cfg, vocab, model_cfg.block_size or cfg.data.seq_len, run=run)
 
@@ -194,6 +180,5 @@ def _count(cfg: RunConfig, vocab: int) -> ParamCount:
 def _matmul_weights(model: nn.Module) -> dict[int, nn.Parameter]:
     """The weights matmuls read: those of linear layers (and stacked experts) and an output head tied to an
     embedding; embedding tables read by lookup alone are not among them."""
-    from trainbox.model.moe import GroupedLinear
     out = {id(m.weight): m.weight for m in model.modules() if isinstance(m, (nn.Linear, GroupedLinear))}
     return {i: p for i, p in out.items() if p.dim() >= 2}

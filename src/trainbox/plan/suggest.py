@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from trainbox.config import RunConfig
+from trainbox.model.spec import family
 from trainbox.plan import BYTES, MODES, Layout, Plan, Suggestion, memory
 
 
@@ -57,7 +58,7 @@ def _layouts(cfg: RunConfig, base: Layout, n: int) -> list[tuple[Layout, tuple[s
     out = [(replace(base, nproc=n), ())]
     if base.parallel == "ddp" and n > 1 and base.expert_parallel == 1:
         out.append((replace(base, nproc=n, parallel="fsdp"), ("train.parallel=fsdp",)))
-    experts = cfg.model.moe.num_experts if cfg.model.family == "moe" else 1
+    experts = cfg.model.moe.num_experts if family(cfg.model.family).experts else 1
     for ep in range(base.expert_parallel + 1, n + 1):
         if experts % ep == 0 and n % ep == 0:
             over = (f"model.moe.expert_parallel={ep}",)
@@ -71,7 +72,7 @@ def suggestions(cfg: RunConfig, vocab: int, plan: Plan) -> list[Suggestion]:
     expert-parallel degree (on these GPUs, with the largest micro-batch that then fits); more GPUs (the fewest,
     with the simplest layout, mode and largest micro-batch that fit)."""
     search, lay, mode = _Search(cfg, vocab, plan), plan.layout, plan.checkpointing
-    modes = (mode, *(MODES[MODES.index(mode) + 1:] if cfg.model.family != "hf" else ()))
+    modes = (mode, *(MODES[MODES.index(mode) + 1:] if not family(cfg.model.family).recompute else ()))
 
     def first(what: str, options, modes=modes, same_micro=False) -> Suggestion | None:
         return next((s for m in modes for layout, over in options

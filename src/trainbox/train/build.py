@@ -15,10 +15,12 @@ from trainbox.config import RunConfig
 from trainbox.data.loader import BatchPlan
 from trainbox.errors import DataError
 from trainbox.kernels.choice import KernelPlan, choose
+from trainbox.model.load import load_init_weights
 from trainbox.model.spec import (
     adapt_datasets,
     build_model,
     build_tokenizer,
+    family,
     model_vocab_size,
     open_datasets,
     resolve_model,
@@ -43,7 +45,7 @@ def plan_length(cfg: RunConfig, plan: BatchPlan) -> int:
 
 @dataclass
 class RunData:
-    cfg: RunConfig          # resolved: model.eot_id filled in from the tokenizer where the config left it open
+    cfg: RunConfig          # resolved: model.eot_id from the tokenizer where the family reads it and it is open
     tokenizer: object
     vocab: int              # the model's vocabulary (the tokenizer's, plus the family's extra ids, padded)
     train: object
@@ -56,7 +58,7 @@ def build_data(cfg: RunConfig, dist: Dist) -> RunData:
     cfg = resolve_model(cfg)  # required keys; the family's resolution (llama: model.path's shape and weights)
     expert.check(cfg, dist.world)   # model.moe.expert_parallel against the world size, before any work
     tokenizer = build_tokenizer(cfg)
-    if cfg.model.eot_id is None:  # document-masked families (speedrun) split documents at EOT
+    if cfg.model.eot_id is None and family(cfg.model.family).supports("eot_id"):   # documents split at EOT
         cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"eot_id": tokenizer.eot_id})})
     vocab = model_vocab_size(cfg.model, tokenizer.vocab_size)
     train, val = adapt_datasets(cfg, tokenizer, vocab, *open_datasets(cfg, tokenizer, vocab))
@@ -102,13 +104,10 @@ def build_model_side(cfg: RunConfig, vocab: int, device: torch.device, dist: Dis
     with on:
         model = build_model(cfg.model, vocab, cfg.model.block_size or cfg.data.seq_len, run=cfg)
     if init_weights and cfg.run.init_from:
-        from trainbox.export import (
-            load_init_weights,  # our checkpoint or a Hugging Face GPT-2 folder
-        )
         load_init_weights(cfg.run.init_from, model, cfg.model)
     expert.shard_experts(model, cfg, dist, device)   # expert parallelism: this rank's experts only, DDP told
     model = model.to(device)
-    kernels = choose(cfg.model, device)   # the models ask the same function when they meet the device
+    kernels = choose(cfg.model, device, family(cfg.model.family))   # as the models ask when they meet the device
     if cfg.train.float8:
         from trainbox.kernels import float8
         float8.convert(model, fsdp=sharded)

@@ -2,8 +2,9 @@
 (trainbox.plan: parameters, gradients, optimizer state, activations, communication, overhead per device) is
 held against what the device has free: MemAvailable of /proc/meminfo on a CPU, torch.cuda.mem_get_info on a
 GPU. A run is refused when even the low end of the plan's error margin, needed x (1 - plan.MARGIN), exceeds
-it; the message says what would fit. Hugging Face models (model.family=hf) are not checked here: their size
-is only known once their folder is read (`trainbox plan` counts them from their config).
+it; the message says what would fit. A family built from its own description (`build_meta`: model.family=hf, a
+Hugging Face folder) is not checked here: its size is only known once its folder is read (`trainbox plan` counts
+it from its config).
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 
 from trainbox.config import RunConfig
 from trainbox.errors import ConfigError
+from trainbox.model.spec import family
 from trainbox.plan import MARGIN, Plan, Target, make_plan
 from trainbox.plan.activations import Kernels
 
@@ -46,7 +48,7 @@ def device_plan(cfg: RunConfig, vocab: int, device: torch.device, dtype: torch.d
         target = Target(props.name, free, hopper=cap >= (9, 0), fp8=cap >= (8, 9), lce=cap == (9, 0), local=True)
     else:
         target = Target("CPU (RAM)", free, cuda=False, local=True)
-    k = choose(cfg.model, device)
+    k = choose(cfg.model, device, family(cfg.model.family))
     kernels = Kernels(k.attention, k.fused_loss, k.fused_mlp, k.fp8)
     return make_plan(cfg, vocab, target, world, kernels=kernels, dtype=DTYPES.get(dtype, "fp32"))
 
@@ -55,7 +57,7 @@ def check_memory(cfg: RunConfig, vocab: int, device: torch.device, dtype: torch.
                  world: int = 1) -> Plan | None:
     """Raise ConfigError when the run's plan exceeds the device's free memory beyond the plan's margin (`free`:
     measured if None; `world`: processes the run is spread over). Returns the plan, or None when not checked."""
-    if not cfg.train.memory_check or cfg.model.family == "hf":
+    if not cfg.train.memory_check or family(cfg.model.family).hook("build_meta") is not None:
         return None
     free = available(device) if free is None else free
     if free is None:

@@ -38,17 +38,15 @@ MoE class: `trainbox export RUN --format hf` writes this family's own folder (`s
 """
 from __future__ import annotations
 
-import json
 import logging
-from pathlib import Path
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from trainbox.kernels.fused_mlp import moe_gelu_mlp
-from trainbox.model.gpt import GPT, Output
-from trainbox.model.layers import KVCache, autocast_dtype, gelu_tanh
+from trainbox.model.gpt.model import GPT
+from trainbox.model.layers import KVCache, Output, autocast_dtype, gelu_tanh
 
 log = logging.getLogger("trainbox")  # the library logger (model/ never imports monitor/)
 
@@ -124,7 +122,7 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, use_kern
 
 # Autograd turns an indexing `a[idx]` into a scatter-add (`index_put_(accumulate=True)`) in the backward:
 # one atomic add per element. For the expert biases that is k*N rows landing on E rows, and the atomics
-# contend (on an H100 they would make up a fifth of moe-gpt2-125m's step). The three functions below state the
+# contend (on an H100, a large share of moe-gpt2-125m's step). The three functions below state the
 # backward of each index in the layer explicitly, as gathers and a matmul, with no atomics.
 
 
@@ -339,50 +337,10 @@ class MoEGPT(GPT):
         return 6 * self.num_active_params() + 12 * self.cfg.n_layer * self.cfg.n_embd * seq_len
 
 
-def build(cfg, vocab_size: int, block_size: int) -> MoEGPT:
+def build(cfg, vocab_size: int, block_size: int, run=None) -> MoEGPT:
     return MoEGPT(cfg, vocab_size, block_size)
 
 
 # Hugging Face transformers has no GPT-2 MoE class: `trainbox export RUN --format hf` of an moe run writes this
 # family's own folder, config.json + model.safetensors (+ the tokenizer), and `from_pretrained` reads it.
 FORMAT = "trainbox-moe"
-
-
-def save_pretrained(model: MoEGPT, folder: str | Path) -> None:
-    """config.json (the model section, vocabulary and block size) and model.safetensors (our parameter names,
-    fp32, every expert, the tied head stored once) into `folder`."""
-    from safetensors.torch import save_file
-
-    from trainbox.checkpoint import model_state
-    folder = Path(folder)
-    section = model.cfg.model_dump(mode="json")
-    section["moe"]["expert_parallel"] = 1
-    config = {"format": FORMAT, "loader": "trainbox.model.moe.from_pretrained", "vocab_size": model.vocab_size,
-              "block_size": model.block_size, "model": section}
-    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    state = {k: v.float() for k, v in model_state(model).items()}
-    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
-
-
-def from_pretrained(folder: str | Path, device: str | torch.device = "cpu") -> MoEGPT:
-    """The model in a folder written by `trainbox export RUN --format hf` of an moe run, in eval mode:
-
-        from trainbox.model.moe import from_pretrained
-        model = from_pretrained("runs/moe-hf")
-        logits = model(idx).logits        # (batch, 1, vocab): the next token's; model(idx, targets).loss
-    """
-    from trainbox.checkpoint import load_weights
-    from trainbox.config import ModelSection
-    from trainbox.errors import CheckpointError
-    folder = Path(folder)
-    try:
-        config = json.loads((folder / "config.json").read_text())
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{folder / 'config.json'} is unreadable: {e}") from None
-    if config.get("format") != FORMAT:
-        raise CheckpointError(f"{folder} is not a trainbox MoE folder (config.json format "
-                              f"{config.get('format')!r}, expected {FORMAT!r})",
-                              hint="write one with `trainbox export RUN --format hf` of a model.family=moe run")
-    model = MoEGPT(ModelSection(**config["model"]), config["vocab_size"], config["block_size"])
-    load_weights(folder, model)
-    return model.to(device).eval()

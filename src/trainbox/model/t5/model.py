@@ -27,15 +27,13 @@ targets; the decoder input is y shifted right. `model.bias`, `head_dim` and `blo
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from trainbox.errors import ConfigError
-from trainbox.model.gpt import Output, cross_entropy
-from trainbox.model.layers import KVCache, RMSNorm, gelu_tanh
+from trainbox.model.layers import KVCache, Output, RMSNorm, cross_entropy, gelu_tanh
 
 
 def relative_position_bucket(relative_position: torch.Tensor, bidirectional: bool, num_buckets: int,
@@ -306,7 +304,7 @@ def extra_ids(cfg) -> int:
     return cfg.t5.sentinel_tokens + 1
 
 
-def build(cfg, vocab_size: int, block_size: int) -> T5:
+def build(cfg, vocab_size: int, block_size: int, run=None) -> T5:
     return T5(cfg, vocab_size, block_size)
 
 
@@ -320,44 +318,3 @@ def adapt_dataset(cfg, tokenizer, dataset, vocab_size: int, split: str):
                           hint="leave model.vocab_size unset, it is derived from the tokenizer")
     return span_corruption_dataset(dataset, cfg.model.t5, cfg.data.seq_len, vocab_size, tokenizer.eot_id,
                                    seed=cfg.run.seed, split=split)
-
-
-def hf_config(model: T5, eos_token_id: int):
-    """The transformers T5Config describing `model`."""
-    from transformers import T5Config
-
-    cfg = model.cfg
-    return T5Config(vocab_size=model.vocab_size, d_model=cfg.n_embd, d_kv=t5_d_kv(cfg), d_ff=t5_d_ff(cfg),
-                    num_layers=cfg.n_layer, num_decoder_layers=t5_decoder_layers(cfg), num_heads=cfg.n_head,
-                    relative_attention_num_buckets=cfg.t5.relative_attention_num_buckets,
-                    relative_attention_max_distance=cfg.t5.relative_attention_max_distance,
-                    dropout_rate=cfg.dropout, layer_norm_epsilon=cfg.t5.layer_norm_eps,
-                    feed_forward_proj="gated-gelu", tie_word_embeddings=cfg.tie_embeddings,
-                    decoder_start_token_id=model.decoder_start_token_id, pad_token_id=model.decoder_start_token_id,
-                    eos_token_id=eos_token_id)
-
-
-def to_hf(model: T5, out: str | Path, eos_token_id: int) -> Path:
-    """Write a folder that `T5ForConditionalGeneration.from_pretrained` loads with the same outputs
-    (config.json + model.safetensors, names 1:1). Written into a temporary folder, then renamed."""
-    import os
-    import shutil
-
-    from safetensors.torch import save_file
-
-    out = Path(out)
-    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    hf_config(model, eos_token_id).save_pretrained(tmp)
-    state, seen = {}, set()
-    for name, t in model.state_dict().items():  # tied aliases (embed_tokens, tied head) stored once
-        if t.data_ptr() in seen:
-            continue
-        seen.add(t.data_ptr())
-        state[name] = t.detach().to("cpu", torch.float32).contiguous()
-    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(tmp, out)
-    return out

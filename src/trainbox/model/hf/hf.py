@@ -13,6 +13,7 @@ Every export is written into a temporary folder next to `out` and renamed into p
 """
 from __future__ import annotations
 
+import logging
 import shutil
 from pathlib import Path
 
@@ -20,14 +21,16 @@ import torch
 
 from trainbox import checkpoint
 from trainbox.config import RunConfig, build_config
-from trainbox.errors import ConfigError
-from trainbox.monitor.console import log
+from trainbox.data.sft import load_hf_tokenizer
+from trainbox.errors import ConfigError, require
+from trainbox.files import default_modes
+from trainbox.model.hf.model import build_hf
+
+log = logging.getLogger("trainbox")
 
 
 def load_lora_run(path: str | Path, dtype) -> tuple:
     """Run directory or checkpoint -> (HFCausalLM with the trained adapter on CPU, RunConfig, checkpoint)."""
-    from trainbox.model.hf import build_hf
-
     ckpt = checkpoint.resolve(path)
     cfg: RunConfig = build_config(checkpoint.load_trainer(ckpt)["config"])
     if cfg.model.family != "hf":
@@ -47,7 +50,6 @@ def _replace_dir(tmp: Path, out: Path) -> None:
 
 def export_lora_hf(path: str | Path, out: str | Path, merge: bool = False, force: bool = False) -> dict:
     """Write the adapter (PEFT format) or, with `merge`, a merged model to `out`. Returns a summary."""
-    from trainbox.model.hf import require
     require("peft", "finetune", "exporting a LoRA run")
     ckpt = checkpoint.resolve(path)
     cfg = build_config(checkpoint.load_trainer(ckpt)["config"])
@@ -72,7 +74,6 @@ def export_lora_hf(path: str | Path, out: str | Path, merge: bool = False, force
         else:
             model.peft.save_pretrained(tmp)
             kind, dt = "PEFT adapter", "fp32"
-        from trainbox.data.sft import load_hf_tokenizer
         tok_src = cfg.data.tokenizer if cfg.data.tokenizer != "gpt2" else cfg.model.path
         load_hf_tokenizer(tok_src).hf.save_pretrained(tmp)
         _replace_dir(tmp, out)
@@ -83,10 +84,9 @@ def export_lora_hf(path: str | Path, out: str | Path, merge: bool = False, force
             "merged": merge}
 
 
-def export_cli(path: str, out: str, merge: bool = False, force: bool = False) -> list[str]:
+def export(path: str, out: str, merge: bool = False, force: bool = False) -> list[str]:
     """`trainbox export` of a LoRA run: the PEFT adapter, or the model with the adapter merged (--merge)."""
     res = export_lora_hf(checkpoint.resolve(path), out, merge=merge, force=force)
-    from trainbox.files import default_modes
     default_modes(Path(res["out"]))
     lines = [f"wrote {res['kind']} ({res['dtype']}) to {res['out']} from {res['checkpoint']}"]
     if not res["merged"]:

@@ -27,7 +27,7 @@ import torch
 import torch.nn as nn
 
 from trainbox.errors import ConfigError, require
-from trainbox.model.gpt import Output, cross_entropy
+from trainbox.model.layers import Output, cross_entropy
 
 
 def check_quant_support(quant) -> None:
@@ -195,6 +195,12 @@ def build(cfg, vocab_size: int, block_size: int, run=None) -> HFCausalLM:
     return build_hf(run)
 
 
+def plan_vocab(run) -> int:
+    """The vocabulary the memory plan counts: the base model's own, which the plan reads from the model it builds
+    on the meta device (build_meta), so none is assumed here."""
+    return run.model.vocab_size or 0
+
+
 def tokenizer(run):
     """Registry hook: the model's own tokenizer (data.tokenizer may name another folder; gpt2 = default)."""
     from trainbox.data.sft import load_hf_tokenizer
@@ -217,3 +223,20 @@ def open_datasets(run, tokenizer, vocab_size: int):
     if is_sft_input(run.data.path):
         return open_sft_datasets(run.data, tokenizer, vocab_size)
     return open_token_datasets(run.data, tokenizer, vocab_size)
+
+
+def build_meta(cfg) -> nn.Module:
+    """A Hugging Face model from its config alone (no weights read), with the run's LoRA adapters."""
+    require("transformers", "finetune", "model.family=hf")
+    from transformers import AutoConfig, AutoModelForCausalLM  # optional: the finetune extra
+    if not cfg.model.path:
+        raise ConfigError("model.family=hf needs model.path (a hub id or a local model folder)",
+                          hint=f"e.g. trainbox plan {cfg.recipe or 'lora'} model.path=Qwen/Qwen2.5-0.5B")
+    try:
+        conf = AutoConfig.from_pretrained(cfg.model.path)
+    except OSError as e:
+        raise ConfigError(f"model.path={cfg.model.path}: no model config to plan from ({str(e).splitlines()[0]})",
+                          hint="pass a local folder holding config.json, or a hub id already in the cache") from None
+    with torch.device("meta"):
+        base = AutoModelForCausalLM.from_config(conf)
+    return wrap_lora(base, cfg.lora, quantized=False)

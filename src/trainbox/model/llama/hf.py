@@ -15,6 +15,7 @@ Weights come from model.safetensors or a sharded model.safetensors.index.json.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import torch
@@ -22,6 +23,17 @@ import torch.nn as nn
 from safetensors.torch import save_file
 
 from trainbox.errors import ConfigError
+from trainbox.model.hf_folder import (
+    TOKENIZER_FILES,
+    check_out,
+    copy_mapped,
+    no_merge,
+    read_hf_state,
+    staged,
+    write_tokenizer,
+)
+from trainbox.model.llama.model import head_dim, intermediate_size, tokenizer_spec
+from trainbox.model.load import load_for_inference
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
@@ -75,7 +87,6 @@ def shape(hf: dict, where: str) -> dict:
 
 def ours(cfg) -> dict:
     """The model section's effective values under the keys of `shape` (defaults filled in)."""
-    from trainbox.model.llama import head_dim, intermediate_size
     lc, rs = cfg.llama, cfg.llama.rope_scaling
     out = {"model.n_layer": cfg.n_layer, "model.n_head": cfg.n_head, "model.n_embd": cfg.n_embd,
            "model.head_dim": head_dim(cfg), "model.llama.n_kv_head": lc.n_kv_head or cfg.n_head,
@@ -139,15 +150,14 @@ def resolve_from_folder(run):
 
 
 def read_weights(folder: Path) -> dict[str, torch.Tensor]:
-    """The folder's weights (export.read_hf_state) under HF's LlamaForCausalLM names."""
-    from trainbox.export import read_hf_state
+    """The folder's weights (hf_folder.read_hf_state) under HF's LlamaForCausalLM names."""
     state = read_hf_state(folder)
     # a LlamaModel without its head stores its keys without the "model." prefix; old ones keep RoPE tables
     return {k if k.startswith(("model.", "lm_head.")) else f"model.{k}": v for k, v in state.items()
             if not k.endswith("rotary_emb.inv_freq")}
 
 
-def load_hf(folder: str | Path, model: nn.Module, cfg) -> None:
+def import_hf(folder: str | Path, model: nn.Module, cfg) -> None:
     """`run.init_from` of a Llama / Qwen2 folder: its config must match the model section; weights copied,
     the vocabulary padded with zero rows where ours is larger."""
     folder = Path(folder)
@@ -165,7 +175,6 @@ def load_hf(folder: str | Path, model: nn.Module, cfg) -> None:
     state = read_weights(folder)
     if cfg.llama.tie_embeddings:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
-    from trainbox.export import copy_mapped
     copy_mapped(model, state, ("model.embed_tokens.weight", "lm_head.weight"), folder, "our llama model",
                 "the folder must hold a LlamaForCausalLM or Qwen2ForCausalLM")
 
@@ -176,7 +185,6 @@ def load_hf(folder: str | Path, model: nn.Module, cfg) -> None:
 def hf_config(cfg, vocab: int, block: int, source: dict | None = None) -> dict:
     """config.json for our model section: Qwen2ForCausalLM with q/k/v biases, else LlamaForCausalLM. Token ids
     and the context length come from `source` (the config.json of model.path) where there is one."""
-    from trainbox.model.llama import head_dim, intermediate_size
     lc, rs = cfg.llama, cfg.llama.rope_scaling
     model_type = "qwen2" if lc.qkv_bias else "llama"
     scaling = None
@@ -222,3 +230,23 @@ def write_hf(model: nn.Module, cfg, folder: Path, eot_id: int, block: int) -> st
         (folder / "generation_config.json").write_text(json.dumps(
             {"bos_token_id": config.get("bos_token_id"), "eos_token_id": config.get("eos_token_id")}, indent=2) + "\n")
     return config["architectures"][0]
+
+
+def export(path: str, out: str, merge: bool = False, force: bool = False) -> list[str]:
+    """`trainbox export` of a llama run: a LlamaForCausalLM (or, with q/k/v biases, Qwen2ForCausalLM) folder with
+    the run's tokenizer: the files of its tokenizer folder (model.path's) copied, else written as for gpt."""
+    no_merge(path, merge)
+    out = Path(out)
+    check_out(out, force)
+    model, tokenizer, cfg = load_for_inference(path)
+    block = cfg.model.block_size or cfg.data.seq_len
+    with staged(out) as tmp:
+        arch = write_hf(model, cfg.model, tmp, tokenizer.eot_id, block)
+        spec = Path(tokenizer_spec(cfg))
+        if (spec / "tokenizer_config.json").is_file():  # a Hugging Face tokenizer folder: its files as they are
+            for name in TOKENIZER_FILES:
+                if (spec / name).is_file():
+                    shutil.copyfile(spec / name, tmp / name)
+        else:
+            write_tokenizer(tokenizer, cfg.data.tokenizer, tmp, block)
+    return [f"wrote {out} (Hugging Face {arch}: config.json, model.safetensors, tokenizer)"]

@@ -32,8 +32,15 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from trainbox.kernels.fused_ce import head_cross_entropy
-from trainbox.model.gpt import Output, cross_entropy
-from trainbox.model.layers import KVCache, RMSNorm, cached_attention, init_normal_, scaled_residual_init_
+from trainbox.model.layers import (
+    KVCache,
+    Output,
+    RMSNorm,
+    cached_attention,
+    cross_entropy,
+    init_normal_,
+    scaled_residual_init_,
+)
 
 
 def intermediate_size(cfg) -> int:
@@ -185,7 +192,7 @@ class Llama(nn.Module):
         return 6 * non_embedding + 12 * self.cfg.n_layer * self.cfg.n_head * head_dim(self.cfg) * seq_len
 
 
-def build(cfg, vocab_size: int, block_size: int) -> Llama:
+def build(cfg, vocab_size: int, block_size: int, run=None) -> Llama:
     return Llama(cfg, vocab_size, block_size)
 
 
@@ -196,7 +203,7 @@ def resolve(run):
     """With model.path: the run's shape, vocabulary and run.init_from from the folder (model/llama_hf.py)."""
     if not run.model.path:
         return run
-    from trainbox.model.llama_hf import resolve_from_folder
+    from trainbox.model.llama.hf import resolve_from_folder
     return resolve_from_folder(run)
 
 
@@ -220,7 +227,7 @@ def open_datasets(run, tokenizer, vocab_size: int):
     """With model.path: chat / text JSONL through the fine-tuning path (data/sft.py, loss on assistant tokens
     only), as model.family=hf reads it; else data.path's token files or text."""
     if run.model.path:
-        from trainbox.model.hf import open_datasets as open_finetuning_datasets
+        from trainbox.model.hf.model import open_datasets as open_finetuning_datasets
         return open_finetuning_datasets(run, tokenizer, vocab_size)
     from trainbox.data.sources import open_datasets as open_token_datasets
     return open_token_datasets(run.data, tokenizer, vocab_size)

@@ -46,9 +46,9 @@ from trainbox.kernels.choice import KernelPlan, choose
 from trainbox.kernels.flash import doc_seqlens, flash_attention, half_precision
 from trainbox.kernels.fp8 import fp8_linear, linear, mlp_fp8
 from trainbox.kernels.fused_ce import head_cross_entropy
-from trainbox.model.doc_mask import flex_block_mask, sdpa_mask
-from trainbox.model.gpt import Output, cross_entropy, residual_dtype
-from trainbox.model.layers import DocKVCaches, KVCache, RMSNorm, Rotary
+from trainbox.model.layers import DocKVCaches, KVCache, Output, RMSNorm, Rotary, cross_entropy, residual_dtype
+from trainbox.model.spec import family
+from trainbox.model.speedrun.doc_mask import flex_block_mask, sdpa_mask
 
 log = logging.getLogger("trainbox")
 
@@ -224,7 +224,7 @@ class SpeedrunGPT(nn.Module):
         """The kernels for `device`, decided once (kernels.choice.choose): attention flash, flex or sdpa."""
         if self.kernels is not None:
             return self.kernels
-        self.kernels = plan = choose(self.cfg, device)
+        self.kernels = plan = choose(self.cfg, device, family(self.cfg.family))
         self.backend = plan.attention
         if plan.attention == "sdpa" and self.cfg.attention != "sdpa":
             log.warning(f"speedrun: FlexAttention is not available on {device} (it needs a CUDA GPU of compute "
@@ -338,5 +338,5 @@ class SpeedrunGPT(nn.Module):
         return 6 * self.num_params() + 12 * self.cfg.n_head * self.head_dim * sum(context[c] for c in self.pattern)
 
 
-def build(cfg, vocab_size: int, block_size: int) -> SpeedrunGPT:
+def build(cfg, vocab_size: int, block_size: int, run=None) -> SpeedrunGPT:
     return SpeedrunGPT(cfg, vocab_size, block_size)

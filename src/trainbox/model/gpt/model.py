@@ -17,11 +17,9 @@ arithmetic, one-pass backward. With model.fused_mlp the MLP's GELU runs in its m
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 try:
     from torch.distributed.fsdp import FSDPModule
@@ -38,39 +36,18 @@ from trainbox.kernels.fused_norm import add_layer_norm
 from trainbox.kernels.ops import register_inductor_fallbacks
 from trainbox.model.layers import (
     KVCache,
+    Output,
     autocast_dtype,
     cached_attention,
+    cross_entropy,
     gelu_tanh,
     init_normal_,
+    residual_dtype,
     scaled_residual_init_,
 )
+from trainbox.model.spec import family
 
 log = logging.getLogger("trainbox")
-
-
-@dataclass
-class Output:
-    loss: torch.Tensor | None = None          # mean cross-entropy over (unmasked) target tokens
-    logits: torch.Tensor | None = None
-    aux_loss: torch.Tensor | None = None      # extra training loss (MoE balance); added by the loop
-    stats: dict = field(default_factory=dict)  # detached scalars/tensors for logging
-
-
-def residual_dtype(cfg, device: str, default: bool) -> torch.dtype | None:
-    """The dtype to cast the embeddings to (model.lowp_residual, `default` when unset): the autocast dtype
-    under autocast, else None (leave the residual stream in the weights' dtype)."""
-    on = default if cfg.lowp_residual is None else cfg.lowp_residual
-    return autocast_dtype(device, None) if on else None
-
-
-def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, loss_mask: torch.Tensor | None,
-                  reduction: str = "mean") -> torch.Tensor:
-    """Token cross-entropy in fp32; masked-out targets (loss_mask False) contribute nothing."""
-    if loss_mask is not None:
-        targets = targets.masked_fill(~loss_mask, -100)
-    loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1),
-                           ignore_index=-100, reduction=reduction)
-    return loss.view(targets.shape) if reduction == "none" else loss
 
 
 class CausalSelfAttention(nn.Module):
@@ -175,7 +152,7 @@ class GPT(nn.Module):
         QuACK's linear cross-entropy."""
         if self.kernels is not None:
             return self.kernels
-        self.kernels = plan = choose(self.cfg, device)
+        self.kernels = plan = choose(self.cfg, device, family(self.cfg.family))
         self.backend = plan.attention
         if plan.fused_mlp == "unfused":
             log.warning(f"model.fused_mlp: QuACK's GEMMs need a Hopper or Blackwell GPU and {QUACK_EXTRA}; "
@@ -240,5 +217,5 @@ class GPT(nn.Module):
         return 6 * self.num_params() + 12 * self.cfg.n_layer * self.cfg.n_embd * seq_len
 
 
-def build(cfg, vocab_size: int, block_size: int) -> GPT:
+def build(cfg, vocab_size: int, block_size: int, run=None) -> GPT:
     return GPT(cfg, vocab_size, block_size)

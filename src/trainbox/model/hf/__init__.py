@@ -1,0 +1,13 @@
+"""Hugging Face causal LMs with LoRA and QLoRA (`model.family: hf`): model.py (PEFT, bitsandbytes), the adapter
+or merged export (hf.py), the plan's formula (memory.py). Its options are the run's lora.* and quant.* sections."""
+from trainbox.model.spec import Family
+
+FAMILY = Family(
+    name="hf",
+    summary="any transformers causal LM (model.path), LoRA adapters on a frozen, optionally 4/8-bit base",
+    module="trainbox.model.hf.model", hf_module="trainbox.model.hf.hf", memory_module="trainbox.model.hf.memory",
+    options=frozenset({"path"}), own_attention="hf",
+    fsdp="LoRA trains small adapters on a frozen base: use train.parallel=ddp",
+    recompute="use lora.gradient_checkpointing (Hugging Face's own)",
+    export="PEFT adapter or merged model", packages=(("transformers", "finetune"), ("peft", "finetune")),
+)

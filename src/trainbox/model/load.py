@@ -1,0 +1,33 @@
+"""A model from what a run left behind: a checkpoint ready for inference (generate, export, eval), or the initial
+weights of a new run (`run.init_from`: a Hugging Face folder, through its family's mapping, or a checkpoint)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from trainbox import checkpoint
+from trainbox.config import RunConfig, build_config
+from trainbox.model.hf_folder import is_hf_folder
+from trainbox.model.spec import build_model, build_tokenizer, family, model_vocab_size
+
+
+def load_for_inference(path: str | Path, device: str | torch.device = "cpu"):
+    """Run directory or checkpoint -> (model, tokenizer, config) ready to sample."""
+    ckpt = checkpoint.resolve(path)
+    cfg: RunConfig = build_config(checkpoint.load_trainer(ckpt)["config"])
+    tokenizer = build_tokenizer(cfg)
+    vocab = model_vocab_size(cfg.model, tokenizer.vocab_size)
+    model = build_model(cfg.model, vocab, cfg.model.block_size or cfg.data.seq_len, run=cfg)
+    checkpoint.load_weights(ckpt, model)
+    return model.to(device), tokenizer, cfg
+
+
+def load_init_weights(path: str | Path, model: nn.Module, cfg) -> None:
+    """`run.init_from`: a Hugging Face folder (the family's import_hf: GPT-2, Llama / Qwen2) or one of our run
+    directories / checkpoints."""
+    if is_hf_folder(path):
+        family(cfg.family).hf().import_hf(path, model, cfg)
+    else:
+        checkpoint.load_weights(checkpoint.resolve(path), model)
