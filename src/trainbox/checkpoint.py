@@ -10,7 +10,8 @@
 
 A save writes into `.tmp-step_X`, fsyncs every file, writes COMPLETE, renames the folder to `step_X`,
 fsyncs the parent and only then moves `latest` and prunes old checkpoints. A crash at any moment
-leaves the previous checkpoint untouched; loaders only ever pick folders that hold COMPLETE.
+leaves the previous checkpoint untouched; loaders only ever pick folders that hold COMPLETE, and a `step_X`
+without it (damage: no save leaves one) is reported like any other damaged checkpoint.
 
 Loading never runs code from a checkpoint: weights are safetensors, the `.pt` files are read with
 `torch.load(weights_only=True)`, trainer.json is JSON. `verify` checks every file against COMPLETE's sizes
@@ -41,6 +42,7 @@ STEP_RE = re.compile(r"^step_(\d{8,})$")
 FILES = ("model.safetensors", "optimizer.pt", "trainer.json", "rng.pt")
 SHARDED_DIR = "state"   # torch.distributed.checkpoint folder of a sharded checkpoint: weights and optimizer state
 SHARDED_FILES = (f"{SHARDED_DIR}/.metadata", "trainer.json", "rng.pt")
+NO_MARKER = "no COMPLETE marker: its save was interrupted or the marker was deleted"
 DISK_ERRNOS = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
 
 
@@ -84,13 +86,17 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def list_complete(ckpt_root: Path) -> list[Path]:
-    """COMPLETE checkpoints, oldest first."""
+def list_steps(ckpt_root: Path) -> list[Path]:
+    """Every `step_X` folder, COMPLETE or not, oldest first."""
     if not ckpt_root.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in ckpt_root.iterdir()
-             if (m := STEP_RE.match(p.name)) and (p / "COMPLETE").is_file()]
+    found = [(int(m.group(1)), p) for p in ckpt_root.iterdir() if (m := STEP_RE.match(p.name)) and p.is_dir()]
     return [p for _, p in sorted(found)]
+
+
+def list_complete(ckpt_root: Path) -> list[Path]:
+    """COMPLETE checkpoints, oldest first."""
+    return [p for p in list_steps(ckpt_root) if (p / "COMPLETE").is_file()]
 
 
 def latest(ckpt_root: Path) -> Path | None:
@@ -139,6 +145,8 @@ def write_manifest(ckpt: Path, step: int) -> None:
 def verify(ckpt: Path) -> None:
     """Raise CheckpointError naming the first file of `ckpt` that is missing, of the wrong size, or whose sha256
     differs from what COMPLETE recorded at save time (and a trainer.json that does not parse)."""
+    if not (ckpt / "COMPLETE").exists():
+        raise CheckpointError(f"{ckpt} has {NO_MARKER}")
     try:
         manifest = json.loads((ckpt / "COMPLETE").read_text())
         files, step = manifest["files"], int(manifest["step"])
@@ -169,9 +177,11 @@ def verify(ckpt: Path) -> None:
 
 
 def newest_verified(ckpt_root: Path) -> tuple[Path | None, list[tuple[Path, str]]]:
-    """-> (the newest COMPLETE checkpoint that verifies, [(newer checkpoint that did not, why), ...])."""
+    """-> (the newest checkpoint that verifies, [(newer step folder that did not, why), ...]). A `step_X` without
+    COMPLETE is among them: a save writes in `.tmp-step_X` and renames it only after COMPLETE, so such a folder
+    is always damage."""
     skipped = []
-    for p in reversed(list_complete(ckpt_root)):
+    for p in reversed(list_steps(ckpt_root)):
         try:
             verify(p)
             return p, skipped
@@ -270,7 +280,7 @@ def resolve(path: str | Path, on_skip=None) -> Path:
         verify(p)
         return p
     for root in (p / "checkpoints", p):
-        if not list_complete(root):
+        if not list_steps(root):
             continue
         found, skipped = newest_verified(root)
         for bad, why in skipped:
@@ -282,8 +292,7 @@ def resolve(path: str | Path, on_skip=None) -> Path:
                                   "the files from a copy")
         return found
     if p.is_dir() and STEP_RE.match(p.name):
-        raise CheckpointError(f"checkpoint {p} is incomplete (no COMPLETE marker): its save was interrupted",
-                              hint=f"use an earlier one: ls {p.parent}")
+        raise CheckpointError(f"checkpoint {p} has {NO_MARKER}", hint=f"use an earlier one: ls {p.parent}")
     raise CheckpointError(f"no complete checkpoint found at {p}",
                           hint="pass a run directory (runs/NAME), its checkpoints/ folder or a step_* folder")
 
