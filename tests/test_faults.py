@@ -2,8 +2,8 @@
 large) save, keep-last-K around the checkpoint resumed from, every kind of damaged checkpoint (named, and the
 one before it resumes; a step folder without COMPLETE among them), code-running pickles (never run), changed
 settings on resume (applied and recorded, or refused), a new start in an old folder, run names and planted links
-(nothing written outside the run). Real processes under signals and kills: test_faults_signals.py; token files
-and prepare: test_faults_data.py."""
+(nothing written outside the run). Real processes under signals and kills: test_faults_signals.py; saves that
+do not fit (ulimit -f, a full disk): test_faults_disk.py; token files and prepare: test_faults_data.py."""
 from __future__ import annotations
 
 import json

@@ -13,6 +13,8 @@ fsyncs the parent and only then moves `latest` and prunes old checkpoints. A cra
 leaves the previous checkpoint untouched; loaders only ever pick folders that hold COMPLETE, and a `step_X`
 without it (damage: no save leaves one) is reported like any other damaged checkpoint.
 
+A save that does not fit (disk full, disk quota, a file over `ulimit -f`) says so plainly (checkpoint_room.py).
+
 Loading never runs code from a checkpoint: weights are safetensors, the `.pt` files are read with
 `torch.load(weights_only=True)`, trainer.json is JSON. `verify` checks every file against COMPLETE's sizes
 and checksums, so a truncated, overwritten or bit-flipped file is found before anything is loaded, and
@@ -21,7 +23,6 @@ and checksums, so a truncated, overwritten or bit-flipped file is found before a
 from __future__ import annotations
 
 import contextlib
-import errno
 import hashlib
 import json
 import os
@@ -35,6 +36,7 @@ import torch
 import torch.nn as nn
 from safetensors.torch import load_file, save_file
 
+from trainbox.checkpoint_room import check_room, disk_cause, payload_bytes, save_error
 from trainbox.errors import CheckpointError
 from trainbox.files import atomic_write_text, fsync_dir
 
@@ -43,7 +45,6 @@ FILES = ("model.safetensors", "optimizer.pt", "trainer.json", "rng.pt")
 SHARDED_DIR = "state"   # torch.distributed.checkpoint folder of a sharded checkpoint: weights and optimizer state
 SHARDED_FILES = (f"{SHARDED_DIR}/.metadata", "trainer.json", "rng.pt")
 NO_MARKER = "no COMPLETE marker: its save was interrupted or the marker was deleted"
-DISK_ERRNOS = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
 
 
 def _fsync_file(path: Path) -> None:
@@ -193,14 +194,40 @@ def newest_verified(ckpt_root: Path) -> tuple[Path | None, list[tuple[Path, str]
 def save(ckpt_root: Path, step: int, weights: dict[str, torch.Tensor], optimizers: list, trainer: dict,
          rngs: list[dict], keep_last: int, protect: Path | None = None) -> Path:
     """Write one checkpoint atomically, point `latest` at it, keep the newest `keep_last`."""
-    tmp = staging_dir(ckpt_root, step)
+    states = [o if isinstance(o, dict) else o.state_dict() for o in optimizers]
+    files = {"model.safetensors": (payload_bytes(weights),
+                                   lambda p: save_file(weights, str(p), metadata={"step": str(step)})),
+             "optimizer.pt": (payload_bytes(states), lambda p: torch.save(states, p)),
+             **small_files(trainer, rngs)}
+    return publish(write_staged(ckpt_root, step, files), ckpt_root, step, keep_last, protect)
+
+
+def small_files(trainer: dict, rngs: list[dict]) -> dict:
+    """rng.pt and trainer.json, as `write_staged` takes them: name -> (bytes it needs at least, writer)."""
+    text = json.dumps(trainer, indent=1, default=str)
+    return {"rng.pt": (payload_bytes(rngs), lambda p: torch.save(rngs, p)),
+            "trainer.json": (len(text.encode()), lambda p: p.write_text(text))}
+
+
+def write_staged(ckpt_root: Path, step: int, files: dict, more: int = 0) -> Path:
+    """Write `files` (name -> (bytes it needs at least, writer(path))) into a fresh `.tmp-step_X` and return it.
+    `more`: bytes that others write there too (a sharded save's shards). Refused before anything is written
+    when they surely cannot fit (`check_room`); a failure removes the folder and raises `save_failed`'s error."""
+    final = ckpt_root / f"step_{step:08d}"
+    tmp = ckpt_root / f".tmp-{final.name}"
+    need = {name: n for name, (n, _) in files.items()}
+    writing = None
     try:
-        save_file(weights, str(tmp / "model.safetensors"), metadata={"step": str(step)})
-        torch.save([o if isinstance(o, dict) else o.state_dict() for o in optimizers], tmp / "optimizer.pt")
-        write_small(tmp, trainer, rngs)
-    except Exception as e:  # OSError, or torch/safetensors wrapping one (e.g. EFBIG, ENOSPC)
-        raise save_failed(e, tmp, ckpt_root / tmp.name.removeprefix(".tmp-"), ckpt_root) from e
-    return publish(tmp, ckpt_root, step, keep_last, protect)
+        tmp = staging_dir(ckpt_root, step)
+        check_room(ckpt_root, final, need, more)
+        for writing, (_, write) in files.items():
+            write(tmp / writing)
+    except CheckpointError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    except Exception as e:  # OSError, or torch/safetensors wrapping one (EFBIG, ENOSPC: errno lost)
+        raise save_failed(e, tmp, final, ckpt_root, sum(need.values()) + more, writing) from e
+    return tmp
 
 
 def staging_dir(ckpt_root: Path, step: int) -> Path:
@@ -210,11 +237,6 @@ def staging_dir(ckpt_root: Path, step: int) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     return tmp
-
-
-def write_small(tmp: Path, trainer: dict, rngs: list[dict]) -> None:
-    torch.save(rngs, tmp / "rng.pt")
-    (tmp / "trainer.json").write_text(json.dumps(trainer, indent=1, default=str))
 
 
 def publish(tmp: Path, ckpt_root: Path, step: int, keep_last: int, protect: Path | None = None) -> Path:
@@ -242,15 +264,12 @@ def publish(tmp: Path, ckpt_root: Path, step: int, keep_last: int, protect: Path
     return final
 
 
-def save_failed(e: Exception, tmp: Path, final: Path, ckpt_root: Path) -> CheckpointError:
-    """The error of a failed save (its staging folder removed): says "free disk space" only for a full disk."""
+def save_failed(e: BaseException, tmp: Path, final: Path, ckpt_root: Path, need: int = 0,
+                writing: str | None = None) -> CheckpointError:
+    """The error of a failed save, its staging folder `tmp` removed (see `disk_cause` for `need`, `writing`)."""
+    cause = disk_cause(e, tmp, ckpt_root, need, writing)
     shutil.rmtree(tmp, ignore_errors=True)
-    why = getattr(e, "strerror", None) or str(e).splitlines()[0]
-    cause = e if isinstance(e, OSError) else e.__cause__ or e.__context__
-    disk = getattr(cause, "errno", None) in DISK_ERRNOS or any(w in str(e) for w in ("No space", "too large"))
-    return CheckpointError(f"saving checkpoint {final} failed: {why}; older checkpoints are kept",
-                           hint="free disk space (df -h) and resume with the same command" if disk else
-                           f"check that {ckpt_root} is writable, then resume with the same command")
+    return save_error(e, cause, final, ckpt_root)
 
 
 def prune(ckpt_root: Path, keep_last: int, protect: Path | None = None) -> None:

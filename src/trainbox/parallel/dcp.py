@@ -96,6 +96,7 @@ class AsyncSaver:
         self.group = tdist.new_group(backend="gloo") if dist.enabled else None
         self.future = self.publisher = None
         self.step: int | None = None
+        self.need = 0   # the bytes the save in flight writes at least (all ranks)
         self.error: BaseException | None = None
         self.done: tuple[Path, float] | None = None   # (published folder, seconds from start to publish)
         self.stager = pinned_stager()
@@ -133,17 +134,20 @@ class AsyncSaver:
         if self.pinning is not None:   # the buffers, if their allocation is still under way
             self.pinning.join()
         tmp = self.root / f".tmp-step_{step:08d}"
+        state = state_dict(model, optimizers)
+        # every rank's shards: what the save writes at least (rank 0 checks the room for all of it before writing)
+        shards = self.need = sum(self.dist.gather_objects(host_bytes(state)))
         failed = None
         if self.dist.is_main:
+            small = checkpoint.small_files(trainer, rngs)
+            self.need += sum(n for n, _ in small.values())
             try:
-                tmp = checkpoint.staging_dir(self.root, step)
-                checkpoint.write_small(tmp, trainer, rngs)
-            except Exception as e:  # noqa: BLE001 - OSError, or torch.save wrapping one
-                failed = checkpoint.save_failed(e, tmp, self.root / f"step_{step:08d}", self.root)
+                tmp = checkpoint.write_staged(self.root, step, small, more=shards)
+            except CheckpointError as e:
+                failed = e
         if self.dist.any(failed is not None):   # also the barrier: the folder exists before any rank writes
             raise failed or CheckpointError(f"rank 0 failed to start the checkpoint of step {step}",
                                             hint="see rank 0's log")
-        state = state_dict(model, optimizers)
         # the stager copies the shards to host memory before this returns
         stager = {"async_stager": self.stager} if self.stager is not None else {}
         # several files per rank, written by as many threads (one thread writes well under 1 GB/s); no fsync
