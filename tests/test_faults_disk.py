@@ -9,8 +9,10 @@ traceback; the step-300 checkpoint still verifies, `latest` still names it, no s
 the failed save had written files or the run comes back from the small disk, the same command with room
 resumes from it and finishes.
 
-Below the CLI: a disk that fills while torch's writer (which loses the errno) writes optimizer.pt, and
-failures that are not for want of room keeping their own message.
+Below the CLI: a disk that fills while torch's writer (which loses the errno) writes optimizer.pt, a sharded
+(torch.distributed.checkpoint, async) save over the limit or the free space, the cause read from the staged
+files when a rank's error arrives without its errno, and failures that are not for want of room keeping their
+own message.
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainbox import checkpoint
+from trainbox import checkpoint, checkpoint_room
 from trainbox.errors import CheckpointError
 
 pytestmark = pytest.mark.faults
@@ -166,7 +168,7 @@ SAVE = r"""
 import sys
 from pathlib import Path
 import torch
-from trainbox import checkpoint
+from trainbox import checkpoint, checkpoint_room
 from trainbox.errors import CheckpointError
 root = Path(sys.argv[1])
 weights = {"w": torch.ones(1000)}
@@ -194,6 +196,74 @@ def test_a_disk_that_fills_while_torch_writes_optimizer_pt_is_named(small_fs, tm
     root = tmp_path / "checkpoints"
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000001"], "a staging folder was left"
     checkpoint.verify(root / "step_00000001")
+
+
+SHARDED = r"""
+import resource, sys
+from pathlib import Path
+import torch
+from trainbox.errors import CheckpointError
+from trainbox.parallel.dcp import AsyncSaver
+from trainbox.train.distributed import Dist
+root, limit = Path(sys.argv[1]), int(sys.argv[2])
+model = torch.nn.Linear(256, 256)
+opt = torch.optim.AdamW(model.parameters())
+model(torch.ones(1, 256)).sum().backward()
+opt.step()
+saver = AsyncSaver(root, Dist(), 2, None)
+saver.start(1, model, [opt], {"step": 1}, [{}])
+saver.wait()
+if limit:
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+try:
+    saver.start(2, model, [opt], {"step": 2}, [{}])   # the shards are written in the background
+    print("started")
+    saver.wait()                                      # where a failed write surfaces
+except CheckpointError as e:
+    print(e)
+"""
+
+
+@pytest.mark.parametrize("where", ["ulimit", "small disk"])
+def test_a_sharded_save_that_does_not_fit_says_the_same(where, tmp_path, request):
+    """An asynchronous torch.distributed.checkpoint save, one process: over the file size limit, the shards' write
+    fails in the background and wait() says so; on a disk without room for the shards, start() refuses."""
+    root = tmp_path / "checkpoints"
+    if where == "ulimit":
+        proc = subprocess.run([sys.executable, "-c", SHARDED, str(root), "100000"], capture_output=True, text=True,
+                              env=ENV, timeout=300)
+        said = (r"started\nsaving checkpoint \S+/step_00000002 failed: file too large: state/__0_\d.distcp needs "
+                rf"more than this process's file size limit of 97.7 KiB \(100,000 bytes\) \(ulimit -f\){KEPT}")
+    else:
+        request.getfixturevalue("small_fs")
+        stage = tmp_path / "stage" / "checkpoints"
+        stage.mkdir(parents=True)
+        # the first save (~0.8 MiB of shards) fits, the second not beside it
+        proc = _in_small_fs(1200 * 1024, tmp_path / "mnt", stage, tmp_path,
+                            [sys.executable, "-c", SHARDED, str(tmp_path / "mnt" / "checkpoints"), "0"])
+        said = (rf"saving checkpoint \S+/step_00000002 failed: no space left on device: the checkpoint needs at least "
+                rf"{SIZE} and \S+ has {SIZE} free{KEPT}")
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr   # DCP's writer threads print nothing of their own
+    assert re.match(said, proc.stdout.strip()), proc.stdout
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000001"], "a staging folder was left"
+    checkpoint.verify(root / "step_00000001")
+
+
+def test_a_ranks_error_without_its_errno_is_read_from_the_staged_files(tmp_path):
+    """Under several ranks, DCP hands rank 0 another rank's error pickled: torch's "unexpected pos", its errno
+    gone. A staged shard at the file size limit says why."""
+    tmp = tmp_path / ".tmp-step_00000002"
+    (tmp / "state").mkdir(parents=True)
+    (tmp / "state" / "__1_0.distcp").write_bytes(b"\0" * 100_000)
+    error = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 100032 vs 99920")
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, hard))
+    try:
+        cause = checkpoint_room.disk_cause(error, tmp, tmp_path, need=10_000_000)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert cause == checkpoint_room.NoRoom("size", 0, "state/__1_0.distcp")
 
 
 @pytest.mark.parametrize("error, said", [
