@@ -1,8 +1,9 @@
 """Faults around checkpoints, in-process: SIGKILL at random points of a save, a real NaN, a failed (file too
 large) save, keep-last-K around the checkpoint resumed from, every kind of damaged checkpoint (named, and the
-one before it resumes), code-running pickles (never run), changed settings on resume (applied and recorded,
-or refused), a new start in an old folder, run names and planted links (nothing written outside the run).
-Real processes under signals and kills: test_faults_signals.py; token files and prepare: test_faults_data.py."""
+one before it resumes; a step folder without COMPLETE among them), code-running pickles (never run), changed
+settings on resume (applied and recorded, or refused), a new start in an old folder, run names and planted links
+(nothing written outside the run). Real processes under signals and kills: test_faults_signals.py; saves that
+do not fit (ulimit -f, a full disk): test_faults_disk.py; token files and prepare: test_faults_data.py."""
 from __future__ import annotations
 
 import json
@@ -217,6 +218,7 @@ DAMAGE = {   # kind -> (file named in the message, how)
     "rng truncated": ("rng.pt", _truncate),
     "rng missing": ("rng.pt", lambda p: p.unlink()),
     "manifest not JSON": ("COMPLETE", lambda p: p.write_text("4\n")),
+    "manifest deleted": ("COMPLETE", lambda p: p.unlink()),   # a step_X no save leaves: it renames after COMPLETE
     "manifest wrong size": ("model.safetensors",
                             lambda p: p.write_text(p.read_text().replace('"bytes": ', '"bytes": 1'))),
 }
@@ -280,6 +282,24 @@ def test_no_checkpoint_verifies_stops_with_a_clear_message(saved_run):
         train(load_config(None, [*base, "run.name=none-verify", "train.max_steps=6"]))
     assert "run.resume=never" in err.value.hint
     assert len(checkpoint.list_complete(run_dir / "checkpoints")) == 2, "nothing is deleted"
+
+
+@pytest.mark.faults
+def test_step_folders_without_complete_are_damage_not_a_new_start(saved_run):
+    """A run whose checkpoints all lost COMPLETE stops naming the newest, as when none verifies: it does not start
+    over silently; a step folder without COMPLETE given as run.resume is refused with the same reason."""
+    root, base, _ = saved_run
+    run_dir = _copy_run(saved_run, "no-marker")
+    for step in (2, 4):
+        (run_dir / "checkpoints" / f"step_{step:08d}" / "COMPLETE").unlink()
+    with pytest.raises(CheckpointError, match=r"none of the 2 checkpoints in .* verifies; the newest: \S+step_00000004 "
+                                              r"has no COMPLETE marker: its save was interrupted or the marker was "
+                                              r"deleted"):
+        train(load_config(None, [*base, "run.name=no-marker", "train.max_steps=6"]))
+    assert not (run_dir / "superseded").exists(), "nothing is set aside"
+    step_4 = run_dir / "checkpoints" / "step_00000004"
+    with pytest.raises(CheckpointError, match=f"checkpoint {step_4} has {checkpoint.NO_MARKER}"):
+        checkpoint.resolve(step_4)
 
 
 class _Planted:

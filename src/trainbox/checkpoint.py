@@ -10,7 +10,10 @@
 
 A save writes into `.tmp-step_X`, fsyncs every file, writes COMPLETE, renames the folder to `step_X`,
 fsyncs the parent and only then moves `latest` and prunes old checkpoints. A crash at any moment
-leaves the previous checkpoint untouched; loaders only ever pick folders that hold COMPLETE.
+leaves the previous checkpoint untouched; loaders only ever pick folders that hold COMPLETE, and a `step_X`
+without it (damage: no save leaves one) is reported like any other damaged checkpoint.
+
+A save that does not fit (disk full, disk quota, a file over `ulimit -f`) says so plainly (checkpoint_room.py).
 
 Loading never runs code from a checkpoint: weights are safetensors, the `.pt` files are read with
 `torch.load(weights_only=True)`, trainer.json is JSON. `verify` checks every file against COMPLETE's sizes
@@ -20,7 +23,6 @@ and checksums, so a truncated, overwritten or bit-flipped file is found before a
 from __future__ import annotations
 
 import contextlib
-import errno
 import hashlib
 import json
 import os
@@ -34,6 +36,7 @@ import torch
 import torch.nn as nn
 from safetensors.torch import load_file, save_file
 
+from trainbox.checkpoint_room import check_room, disk_cause, payload_bytes, save_error
 from trainbox.errors import CheckpointError
 from trainbox.files import atomic_write_text, fsync_dir
 
@@ -41,7 +44,7 @@ STEP_RE = re.compile(r"^step_(\d{8,})$")
 FILES = ("model.safetensors", "optimizer.pt", "trainer.json", "rng.pt")
 SHARDED_DIR = "state"   # torch.distributed.checkpoint folder of a sharded checkpoint: weights and optimizer state
 SHARDED_FILES = (f"{SHARDED_DIR}/.metadata", "trainer.json", "rng.pt")
-DISK_ERRNOS = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
+NO_MARKER = "no COMPLETE marker: its save was interrupted or the marker was deleted"
 
 
 def _fsync_file(path: Path) -> None:
@@ -84,13 +87,17 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def list_complete(ckpt_root: Path) -> list[Path]:
-    """COMPLETE checkpoints, oldest first."""
+def list_steps(ckpt_root: Path) -> list[Path]:
+    """Every `step_X` folder, COMPLETE or not, oldest first."""
     if not ckpt_root.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in ckpt_root.iterdir()
-             if (m := STEP_RE.match(p.name)) and (p / "COMPLETE").is_file()]
+    found = [(int(m.group(1)), p) for p in ckpt_root.iterdir() if (m := STEP_RE.match(p.name)) and p.is_dir()]
     return [p for _, p in sorted(found)]
+
+
+def list_complete(ckpt_root: Path) -> list[Path]:
+    """COMPLETE checkpoints, oldest first."""
+    return [p for p in list_steps(ckpt_root) if (p / "COMPLETE").is_file()]
 
 
 def latest(ckpt_root: Path) -> Path | None:
@@ -139,6 +146,8 @@ def write_manifest(ckpt: Path, step: int) -> None:
 def verify(ckpt: Path) -> None:
     """Raise CheckpointError naming the first file of `ckpt` that is missing, of the wrong size, or whose sha256
     differs from what COMPLETE recorded at save time (and a trainer.json that does not parse)."""
+    if not (ckpt / "COMPLETE").exists():
+        raise CheckpointError(f"{ckpt} has {NO_MARKER}")
     try:
         manifest = json.loads((ckpt / "COMPLETE").read_text())
         files, step = manifest["files"], int(manifest["step"])
@@ -169,9 +178,11 @@ def verify(ckpt: Path) -> None:
 
 
 def newest_verified(ckpt_root: Path) -> tuple[Path | None, list[tuple[Path, str]]]:
-    """-> (the newest COMPLETE checkpoint that verifies, [(newer checkpoint that did not, why), ...])."""
+    """-> (the newest checkpoint that verifies, [(newer step folder that did not, why), ...]). A `step_X` without
+    COMPLETE is among them: a save writes in `.tmp-step_X` and renames it only after COMPLETE, so such a folder
+    is always damage."""
     skipped = []
-    for p in reversed(list_complete(ckpt_root)):
+    for p in reversed(list_steps(ckpt_root)):
         try:
             verify(p)
             return p, skipped
@@ -183,14 +194,40 @@ def newest_verified(ckpt_root: Path) -> tuple[Path | None, list[tuple[Path, str]
 def save(ckpt_root: Path, step: int, weights: dict[str, torch.Tensor], optimizers: list, trainer: dict,
          rngs: list[dict], keep_last: int, protect: Path | None = None) -> Path:
     """Write one checkpoint atomically, point `latest` at it, keep the newest `keep_last`."""
-    tmp = staging_dir(ckpt_root, step)
+    states = [o if isinstance(o, dict) else o.state_dict() for o in optimizers]
+    files = {"model.safetensors": (payload_bytes(weights),
+                                   lambda p: save_file(weights, str(p), metadata={"step": str(step)})),
+             "optimizer.pt": (payload_bytes(states), lambda p: torch.save(states, p)),
+             **small_files(trainer, rngs)}
+    return publish(write_staged(ckpt_root, step, files), ckpt_root, step, keep_last, protect)
+
+
+def small_files(trainer: dict, rngs: list[dict]) -> dict:
+    """rng.pt and trainer.json, as `write_staged` takes them: name -> (bytes it needs at least, writer)."""
+    text = json.dumps(trainer, indent=1, default=str)
+    return {"rng.pt": (payload_bytes(rngs), lambda p: torch.save(rngs, p)),
+            "trainer.json": (len(text.encode()), lambda p: p.write_text(text))}
+
+
+def write_staged(ckpt_root: Path, step: int, files: dict, more: int = 0) -> Path:
+    """Write `files` (name -> (bytes it needs at least, writer(path))) into a fresh `.tmp-step_X` and return it.
+    `more`: bytes that others write there too (a sharded save's shards). Refused before anything is written
+    when they surely cannot fit (`check_room`); a failure removes the folder and raises `save_failed`'s error."""
+    final = ckpt_root / f"step_{step:08d}"
+    tmp = ckpt_root / f".tmp-{final.name}"
+    need = {name: n for name, (n, _) in files.items()}
+    writing = None
     try:
-        save_file(weights, str(tmp / "model.safetensors"), metadata={"step": str(step)})
-        torch.save([o if isinstance(o, dict) else o.state_dict() for o in optimizers], tmp / "optimizer.pt")
-        write_small(tmp, trainer, rngs)
-    except Exception as e:  # OSError, or torch/safetensors wrapping one (e.g. EFBIG, ENOSPC)
-        raise save_failed(e, tmp, ckpt_root / tmp.name.removeprefix(".tmp-"), ckpt_root) from e
-    return publish(tmp, ckpt_root, step, keep_last, protect)
+        tmp = staging_dir(ckpt_root, step)
+        check_room(ckpt_root, final, need, more)
+        for writing, (_, write) in files.items():
+            write(tmp / writing)
+    except CheckpointError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    except Exception as e:  # OSError, or torch/safetensors wrapping one (EFBIG, ENOSPC: errno lost)
+        raise save_failed(e, tmp, final, ckpt_root, sum(need.values()) + more, writing) from e
+    return tmp
 
 
 def staging_dir(ckpt_root: Path, step: int) -> Path:
@@ -200,11 +237,6 @@ def staging_dir(ckpt_root: Path, step: int) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     return tmp
-
-
-def write_small(tmp: Path, trainer: dict, rngs: list[dict]) -> None:
-    torch.save(rngs, tmp / "rng.pt")
-    (tmp / "trainer.json").write_text(json.dumps(trainer, indent=1, default=str))
 
 
 def publish(tmp: Path, ckpt_root: Path, step: int, keep_last: int, protect: Path | None = None) -> Path:
@@ -232,15 +264,12 @@ def publish(tmp: Path, ckpt_root: Path, step: int, keep_last: int, protect: Path
     return final
 
 
-def save_failed(e: Exception, tmp: Path, final: Path, ckpt_root: Path) -> CheckpointError:
-    """The error of a failed save (its staging folder removed): says "free disk space" only for a full disk."""
+def save_failed(e: BaseException, tmp: Path, final: Path, ckpt_root: Path, need: int = 0,
+                writing: str | None = None) -> CheckpointError:
+    """The error of a failed save, its staging folder `tmp` removed (see `disk_cause` for `need`, `writing`)."""
+    cause = disk_cause(e, tmp, ckpt_root, need, writing)
     shutil.rmtree(tmp, ignore_errors=True)
-    why = getattr(e, "strerror", None) or str(e).splitlines()[0]
-    cause = e if isinstance(e, OSError) else e.__cause__ or e.__context__
-    disk = getattr(cause, "errno", None) in DISK_ERRNOS or any(w in str(e) for w in ("No space", "too large"))
-    return CheckpointError(f"saving checkpoint {final} failed: {why}; older checkpoints are kept",
-                           hint="free disk space (df -h) and resume with the same command" if disk else
-                           f"check that {ckpt_root} is writable, then resume with the same command")
+    return save_error(e, cause, final, ckpt_root)
 
 
 def prune(ckpt_root: Path, keep_last: int, protect: Path | None = None) -> None:
@@ -270,7 +299,7 @@ def resolve(path: str | Path, on_skip=None) -> Path:
         verify(p)
         return p
     for root in (p / "checkpoints", p):
-        if not list_complete(root):
+        if not list_steps(root):
             continue
         found, skipped = newest_verified(root)
         for bad, why in skipped:
@@ -282,8 +311,7 @@ def resolve(path: str | Path, on_skip=None) -> Path:
                                   "the files from a copy")
         return found
     if p.is_dir() and STEP_RE.match(p.name):
-        raise CheckpointError(f"checkpoint {p} is incomplete (no COMPLETE marker): its save was interrupted",
-                              hint=f"use an earlier one: ls {p.parent}")
+        raise CheckpointError(f"checkpoint {p} has {NO_MARKER}", hint=f"use an earlier one: ls {p.parent}")
     raise CheckpointError(f"no complete checkpoint found at {p}",
                           hint="pass a run directory (runs/NAME), its checkpoints/ folder or a step_* folder")
 

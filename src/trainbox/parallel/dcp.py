@@ -15,7 +15,10 @@ the training's. When the write has finished on every rank (DCP's coordinator wri
 ranks report), rank 0 publishes the folder in a background thread exactly like a single-file save
 (checkpoint.publish: fsync, COMPLETE with checksums, atomic rename, `latest`, keep-last-K). One save is in
 flight at a time: the next save and the end of the run wait for it. A crash or SIGKILL during the write leaves
-only a `.tmp-step_X` folder; the previous checkpoint stays the newest COMPLETE one.
+only a `.tmp-step_X` folder; the previous checkpoint stays the newest COMPLETE one. A save that does not fit
+(disk full, `ulimit -f`) is refused at the start when every rank's shards alone exceed the free space, and a
+write that fails is reported where the save is waited for, in the words of a single-file save
+(checkpoint_room.py), its `.tmp-step_X` removed.
 
 Loading (`load_state`) goes through the same DCP reader for any layout: an FSDP model on any number of ranks,
 or a plain model on one process (`trainbox export`, `generate`, a DDP resume), since DCP reshards on load.
@@ -29,6 +32,7 @@ import io
 import logging
 import os
 import pickle
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -48,7 +52,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_leaves
 
-from trainbox import checkpoint
+from trainbox import checkpoint, checkpoint_room
 from trainbox.errors import CheckpointError
 from trainbox.parallel import expert
 from trainbox.train.distributed import Dist
@@ -88,6 +92,24 @@ def host_bytes(state: dict) -> int:
                for t in tree_leaves(state) if isinstance(t, torch.Tensor))
 
 
+def _quiet_writer_threads() -> None:
+    """DCP's extra writer threads end with their write's exception, which threading would print as a traceback;
+    the same failure reaches the save's future and is reported once, plainly (AsyncSaver.wait). Other threads'
+    exceptions go to the hook that was there before."""
+    before = threading.excepthook
+    if getattr(before, "dcp_writers", False):
+        return
+
+    def hook(args):
+        if args.thread is not None and args.thread.name.endswith("(_write_files_from_queue)"):
+            log.debug(f"{args.thread.name}: {args.exc_type.__name__}: {args.exc_value}")
+        else:
+            before(args)
+
+    hook.dcp_writers = True
+    threading.excepthook = hook
+
+
 class AsyncSaver:
     """One sharded save in flight at a time; rank 0 publishes it when every rank has written its shards."""
 
@@ -96,11 +118,13 @@ class AsyncSaver:
         self.group = tdist.new_group(backend="gloo") if dist.enabled else None
         self.future = self.publisher = None
         self.step: int | None = None
+        self.need = 0   # the bytes the save in flight writes at least (all ranks)
         self.error: BaseException | None = None
         self.done: tuple[Path, float] | None = None   # (published folder, seconds from start to publish)
         self.stager = pinned_stager()
         self.threads = max(1, min(8, (os.cpu_count() or 1) // max(1, dist.local_world)))
         self.pinning: threading.Thread | None = None
+        _quiet_writer_threads()
 
     def prepare(self, model: nn.Module, optimizers: list) -> None:
         """After the first step (the optimizer state exists): allocate the pinned host buffers in a background
@@ -133,17 +157,20 @@ class AsyncSaver:
         if self.pinning is not None:   # the buffers, if their allocation is still under way
             self.pinning.join()
         tmp = self.root / f".tmp-step_{step:08d}"
+        state = state_dict(model, optimizers)
+        # every rank's shards: what the save writes at least (rank 0 checks the room for all of it before writing)
+        shards = self.need = sum(self.dist.gather_objects(host_bytes(state)))
         failed = None
         if self.dist.is_main:
+            small = checkpoint.small_files(trainer, rngs)
+            self.need += sum(n for n, _ in small.values())
             try:
-                tmp = checkpoint.staging_dir(self.root, step)
-                checkpoint.write_small(tmp, trainer, rngs)
-            except Exception as e:  # noqa: BLE001 - OSError, or torch.save wrapping one
-                failed = checkpoint.save_failed(e, tmp, self.root / f"step_{step:08d}", self.root)
+                tmp = checkpoint.write_staged(self.root, step, small, more=shards)
+            except CheckpointError as e:
+                failed = e
         if self.dist.any(failed is not None):   # also the barrier: the folder exists before any rank writes
             raise failed or CheckpointError(f"rank 0 failed to start the checkpoint of step {step}",
                                             hint="see rank 0's log")
-        state = state_dict(model, optimizers)
         # the stager copies the shards to host memory before this returns
         stager = {"async_stager": self.stager} if self.stager is not None else {}
         # several files per rank, written by as many threads (one thread writes well under 1 GB/s); no fsync
@@ -187,12 +214,21 @@ class AsyncSaver:
             self.publisher.join()
             error = error or self.error
         step, self.future, self.publisher = self.step, None, None
+        tmp, final = self.root / f".tmp-step_{step:08d}", self.root / f"step_{step:08d}"
+        # a shard write that failed (publish's errors are CheckpointErrors already, their folder removed): each rank
+        # reads why from the staged files while they are there; rank 0 removes them once every rank has looked
+        cause = None
+        if error is not None and not isinstance(error, CheckpointError):
+            cause = checkpoint_room.disk_cause(error, tmp, self.root, self.need)
         if self.dist.any(error is not None):
             if isinstance(error, CheckpointError):
                 raise error
-            why = str(error).splitlines()[0][:300] if error else "see rank 0's log"
-            raise CheckpointError(f"the checkpoint of step {step} failed: {why}; older checkpoints are kept",
-                                  hint=f"check that {self.root} is writable and has space, then resume")
+            if self.dist.is_main:
+                shutil.rmtree(tmp, ignore_errors=True)
+            if error is None:
+                raise CheckpointError(f"another rank failed to write its shards of checkpoint {final}; older "
+                                      "checkpoints are kept", hint="see the other ranks' messages")
+            raise checkpoint_room.save_error(error, cause, final, self.root)
 
 
 

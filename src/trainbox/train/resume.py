@@ -2,8 +2,9 @@
 start replaces.
 
     run.resume=auto    the newest checkpoint of the run that verifies (checkpoint.verify); a damaged newer one
-                       is named in the log and set aside. When checkpoints exist but none verifies, the run
-                       stops: starting over silently would throw the run away.
+                       (a step folder without COMPLETE included) is named in the log and set aside. When
+                       checkpoints exist but none verifies, the run stops: starting over silently would throw
+                       the run away.
     run.resume=PATH    that step folder (it must verify), or the newest that verifies under a run folder.
     run.resume=never   a new run in this folder.
 
@@ -100,7 +101,7 @@ def find_start(cfg: RunConfig, ckpt_root: Path) -> Path | None:
         log.info(f"warning: checkpoint {path.name} does not verify ({why}); trying the one before")
 
     if r == "auto":
-        if not checkpoint.list_complete(ckpt_root):
+        if not checkpoint.list_steps(ckpt_root):
             return None
         return checkpoint.resolve(ckpt_root, on_skip=skip)
     return checkpoint.resolve(r, on_skip=skip)
