@@ -174,7 +174,8 @@ def resolve_run(arg: str, root: Path = Path("runs")) -> Path:
     for cand in (Path(arg), Path(root) / arg):
         if (cand / "status.json").exists() or (cand / "train.log").exists():
             return cand
-    known = ", ".join(r["name"] for r in list_runs(root)) if Path(root).is_dir() else ""
+    # the names this function accepts, each once: directory names (copies of a run share its status.json's name)
+    known = ", ".join(sorted({p.parent.name for f in ("status.json", "train.log") for p in Path(root).glob(f"*/{f}")}))
     raise DataError(f"no run '{arg}' (looked for {arg}/status.json and {Path(root) / arg}/status.json)",
                     hint=f"runs under {root}: {known}" if known else "list runs with `trainbox runs DIR`")
 
