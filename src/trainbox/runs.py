@@ -47,6 +47,7 @@ def environment(device: torch.device | None = None, world: int = 1) -> dict:
     return {
         **versions(),
         "cudnn": torch.backends.cudnn.version() if torch.cuda.is_available() else None,
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),   # train/device.py set_float32_matmuls
         "gpus": gpus, "device": str(device) if device else None, "world_size": world,
         "host": socket.gethostname(), "platform": platform.platform(), "cpu_count": os.cpu_count(),
         "git_commit": _git_commit(), "command": sys.argv if not hasattr(sys, "ps1") else [],
