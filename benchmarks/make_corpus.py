@@ -23,19 +23,30 @@ The recipe, a pure function of the files under the roots:
      OUT/stats.json (counts, the streams' sha256, timings). A folder that already has stats.json is left as it is.
 
 The streams' sha256 identify a corpus: two builds with the same roots and caps give the same ones.
+
+Tokenizing runs in --workers processes (default: the CPUs this process may use, at most MAX_WORKERS), started
+with "spawn" (a fork of this process would copy its threads' locks: numpy's BLAS pool, the pool's own threads) and
+fed at most two tasks each ahead of the writer. When the caps are reached the tasks in flight finish before the
+pool shuts down, so no worker is stopped while it sends a result: multiprocessing.Pool.terminate() with a dozen
+workers still sending waits forever on the result pipe's lock. A worker that dies (out of memory) or sends nothing
+for TASK_TIMEOUT_S ends the build with an error naming its files.
 """
 from __future__ import annotations
 
 import argparse
+import collections
 import hashlib
 import json
+import multiprocessing
 import os
 import random
 import site
 import sys
 import sysconfig
 import time
-from multiprocessing import Pool
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
 import common
@@ -46,6 +57,16 @@ SEED = 1337
 MIN_BYTES, MAX_BYTES = 1000, 2_000_000
 SKIP_DIRS = frozenset({"test", "tests", "testing", "_tests", "__pycache__"})
 FILES_PER_TASK = 64
+MAX_WORKERS = 16       # more only add start-up and memory: the tokenizing is over in seconds
+TASK_TIMEOUT_S = 600   # a task is 64 files of at most 2 MB each, seconds of work: one silent this long is stuck
+
+
+def default_workers() -> int:
+    """The CPUs this process may run on (os.cpu_count() counts the host's, whatever the container gets), at most
+    MAX_WORKERS."""
+    usable = os.process_cpu_count() if hasattr(os, "process_cpu_count") else (  # Python 3.13+
+        len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count())
+    return max(1, min(usable or 1, MAX_WORKERS))
 
 
 def default_roots() -> list[str]:
@@ -122,6 +143,52 @@ def _documents_task(task: tuple[list[str], int]):
     return documents(*task)
 
 
+def tokenized(tasks: list[tuple[list[str], int]], workers: int):
+    """documents() of each task, in order: in this process for workers <= 1, else in `workers` spawned processes
+    with at most 2 x workers tasks submitted ahead. Closing the generator early lets the tasks in flight finish."""
+    if workers <= 1:
+        _load_tokenizer()
+        yield from map(_documents_task, tasks)
+        return
+    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"), initializer=_load_tokenizer)
+    ahead = collections.deque()
+    try:
+        for i, task in enumerate(tasks):
+            ahead.append((i, pool.submit(_documents_task, task)))
+            if len(ahead) >= 2 * workers:
+                yield _result(*ahead.popleft(), tasks, workers)
+        while ahead:
+            yield _result(*ahead.popleft(), tasks, workers)
+    except GeneratorExit:   # the caps are reached
+        for _, future in ahead:
+            future.cancel()
+        pool.shutdown(wait=True)
+        raise
+    except BaseException:   # a stuck or dead worker, or Ctrl-C: stop them all now
+        if hasattr(pool, "kill_workers"):   # Python 3.14+; before it, only the executor's own table of them
+            pool.kill_workers()
+        else:
+            for process in list((getattr(pool, "_processes", None) or {}).values()):
+                process.kill()
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    pool.shutdown(wait=True)
+
+
+def _result(index: int, future, tasks: list[tuple[list[str], int]], workers: int):
+    """The future's documents, or an error that names the task's files."""
+    files = tasks[index][0]
+    where = f"task {index} of {len(tasks)} ({len(files)} files, the first {files[0]})"
+    try:
+        return future.result(timeout=TASK_TIMEOUT_S)
+    except FutureTimeout:
+        raise RuntimeError(f"make_corpus: {where} gave no result in {TASK_TIMEOUT_S} s ({workers} worker processes); "
+                           "rerun with --workers 1 to tokenize in this process") from None
+    except BrokenProcessPool as e:
+        raise RuntimeError(f"make_corpus: a worker process died during {where} ({e}; {workers} workers: out of "
+                           "memory?); rerun with fewer --workers") from None
+
+
 def write_shard(path: Path, tokens: np.ndarray) -> None:
     from trainbox.data.formats import write_shard as write
     write(path, tokens)
@@ -144,11 +211,8 @@ def build(out: Path, roots: list[str], train_tokens: int, val_tokens: int, shard
     caps = {"val": val_tokens, "train": train_tokens}
     used = skipped = 0
     tasks = [(files[i:i + FILES_PER_TASK], max_doc_tokens) for i in range(0, len(files), FILES_PER_TASK)]
-    pool = Pool(workers, initializer=_load_tokenizer) if workers > 1 else None
-    if pool is None:
-        _load_tokenizer()
+    results = tokenized(tasks, workers)
     try:
-        results = pool.imap(_documents_task, tasks) if pool else map(_documents_task, tasks)
         for batch in results:
             for tokens, size in batch:
                 split = "val" if counts["val"] < caps["val"] else "train"
@@ -165,8 +229,7 @@ def build(out: Path, roots: list[str], train_tokens: int, val_tokens: int, shard
             if counts["train"] >= caps["train"]:
                 break
     finally:
-        if pool:
-            pool.terminate()
+        results.close()   # the tasks in flight finish, then the workers exit
     t_tok = time.time() - t0
     val, train = (np.concatenate(streams[s]) if streams[s] else np.zeros(0, np.uint16) for s in ("val", "train"))
     (out / "modded").mkdir(parents=True, exist_ok=True)
@@ -202,7 +265,8 @@ def main() -> None:
     ap.add_argument("--max-doc-tokens", type=int, default=0,
                     help="cut documents into pieces of this many tokens, each behind an EOT (0: never)")
     ap.add_argument("--roots", nargs="+", help="folders to read *.py files from (default: this Python's)")
-    ap.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="tokenizing processes")
+    ap.add_argument("--workers", type=int, default=default_workers(),
+                    help=f"tokenizing processes (default: the usable CPUs, at most {MAX_WORKERS})")
     ap.add_argument("--check-against", type=Path, metavar="DIR",
                     help="another build's folder (its stats.json): are the two streams the same? (sha256)")
     ap.add_argument("--check-command", help="the command that made the --check-against build (for the record)")

@@ -140,3 +140,66 @@ def test_cli_checks_another_build(tree, tmp_path):
     record = json.loads(proc.stdout)
     assert record["tool"] == "make_corpus" and record["metrics"]["identical_streams"] is True
     assert record["metrics"]["sha256_train"] == record["baseline"]["metrics"]["sha256_train"]
+
+
+# Runs build() with more workers than this machine has CPUs, one file a task, caps reached after the first few
+# tasks (so the others are in flight when the build stops), and reports how each worker process was started and
+# whether anything stopped one: multiprocessing.Pool.terminate() did, and with workers still sending their results
+# it deadlocked on the result pipe's lock (the build that never ended on a 64-core host).
+EARLY_STOP = """
+import json, sys
+from multiprocessing import process
+sys.path.insert(0, sys.argv[1])
+import make_corpus
+started, stopped = [], []
+start, terminate, kill = process.BaseProcess.start, process.BaseProcess.terminate, process.BaseProcess.kill
+process.BaseProcess.start = lambda self: (started.append(self._start_method), start(self))[1]
+process.BaseProcess.terminate = lambda self: (stopped.append(self.pid), terminate(self))[1]
+process.BaseProcess.kill = lambda self: (stopped.append(self.pid), kill(self))[1]
+make_corpus.FILES_PER_TASK = 1
+stats = make_corpus.build(__import__("pathlib").Path(sys.argv[3]), [sys.argv[2]], train_tokens=2500, val_tokens=1500,
+                          shard_tokens=1000, workers=int(sys.argv[4]))
+print(json.dumps({"started": started, "stopped": stopped, "sha256_train": stats["sha256_train"],
+                  "files_consumed": stats["files_consumed"]}))
+"""
+
+
+def test_early_stop_with_many_workers_lets_them_finish(tree, tmp_path):
+    """8 spawned workers on 2 CPUs: the build ends (within the timeout) with the streams of a build in one process,
+    having stopped none of its workers."""
+    make_corpus = load_benchmark("make_corpus")
+    one = make_corpus.build(tmp_path / "one", [str(tree)], 2500, 1500, 1000, 0, 1)
+    proc = subprocess.run([sys.executable, "-c", EARLY_STOP, str(BENCH), str(tree), str(tmp_path / "many"), "8"],
+                          capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["started"] == ["spawn"] * 8 and report["stopped"] == [], report   # no fork, nothing killed
+    assert report["files_consumed"] < 15   # stopped at the caps, with files left
+    assert report["sha256_train"] == one["sha256_train"]
+
+
+def test_default_workers_are_the_usable_cpus_at_most_16(monkeypatch):
+    """os.cpu_count() is the host's; a container may get a few of them."""
+    make_corpus = load_benchmark("make_corpus")
+    monkeypatch.setattr(os, "cpu_count", lambda: 256)
+    for usable, want in ((2, 2), (64, 16), (1, 1)):
+        if hasattr(os, "process_cpu_count"):   # Python 3.13+
+            monkeypatch.setattr(os, "process_cpu_count", lambda n=usable: n)
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid, n=usable: set(range(n)))
+        assert make_corpus.default_workers() == want
+
+
+def test_a_stuck_or_dead_worker_names_its_files():
+    from concurrent.futures import Future
+    from concurrent.futures import TimeoutError as FutureTimeout
+    from concurrent.futures.process import BrokenProcessPool
+
+    make_corpus = load_benchmark("make_corpus")
+    tasks = [(["/lib/a.py", "/lib/b.py"], 0), (["/lib/c.py"], 0)]
+    for error, says in ((FutureTimeout(), f"gave no result in {make_corpus.TASK_TIMEOUT_S} s (4 worker processes)"),
+                        (BrokenProcessPool("terminated abruptly"), "a worker process died during")):
+        future = Future()
+        future.set_exception(error)
+        with pytest.raises(RuntimeError, match="task 1 of 2 \\(1 files, the first /lib/c.py\\)") as e:
+            make_corpus._result(1, future, tasks, 4)
+        assert says in str(e.value)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -27,6 +28,49 @@ def test_record_fits_the_schema(path):
     assert common.validate(record, path.name) == []
     if record["superseded_by"]:
         assert (RECORDS / record["superseded_by"]).is_file()
+
+
+# How a GPU was obtained is no fact about a result: which machine type was asked for, a machine held or lent, the
+# tool's calls and sessions. A record says which hardware ran (the GPU torch reports) and which software.
+HOW_OBTAINED = re.compile("|".join([
+    r"\basked for\b", r"\bnvidia-h[0-9]{3}\b", r"\bkind nvidia",
+    r"\b(held|warm|lent|leased) (machine|host|node|gpus?)\b", r"\blease\b", r"\blent\b",
+    r"\bdevice (tool|copy|budget|time)\b", r"\bsessions?\b", r"\bheld_s\b", r"\bbudget_left", r"\bgiven? back\b",
+    r"\b(same|next|previous|earlier|another) call\b", r"\bcall's\b", r"\bcalls? [0-9A-Z]\b",
+]), re.IGNORECASE)
+
+
+def _texts(value, where=""):
+    """(where, text) of every key and string value in a record."""
+    if isinstance(value, dict):
+        for k, v in value.items():
+            yield f"{where}.{k} (key)", k
+            yield from _texts(v, f"{where}.{k}")
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            yield from _texts(v, f"{where}[{i}]")
+    elif isinstance(value, str):
+        yield where, value
+
+
+@pytest.mark.parametrize("path", sorted(RECORDS.iterdir()), ids=lambda p: p.name)
+def test_record_says_what_ran_not_how_the_machine_was_had(path):
+    found = [f"{where}: {m.group(0)!r}" for where, text in _texts(json.loads(path.read_text()))
+             for m in HOW_OBTAINED.finditer(text)]
+    assert found == [], f"{path.name}: {found}"
+
+
+def test_how_obtained_words_are_caught_and_hardware_facts_are_not():
+    caught = ["2x H200 of one held machine (asked for nvidia-h100-x2).", "4x NVIDIA H200 (nvidia-h100-x4 asked for)",
+              "the device copy reported the session's starting HEAD as dirty", "both runs in the same call",
+              "torchtitan ran in the next call", "call A: 200 steps", "kind nvidia-h200-x4", "on a warm machine",
+              "the lease ran out", "GPUs lent for an hour", "held_s 812"]
+    kept = ["NVIDIA H100 80GB HBM3", "NVIDIA H200", "nvidia-cutlass-dsl 4.8.1, cu13", "nvidia-nccl-cu12",
+            "learning-rate warm-up 20 steps", "--warmup 8", "model.window_warmup_steps=0", "held-out validation plays",
+            "one call of f per repetition", "4x H200 of one host, back to back", "excellent", "calls the kernel",
+            "2x H200 host, run next on the same host"]
+    assert [t for t in caught if not HOW_OBTAINED.search(t)] == []
+    assert [t for t in kept if HOW_OBTAINED.search(t)] == []
 
 
 def test_schema_refuses_old_shapes_and_names(tmp_path):

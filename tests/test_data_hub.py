@@ -5,6 +5,7 @@ a top-up for a longer run, a refused connection failing fast without leaving a f
 from __future__ import annotations
 
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -28,11 +29,12 @@ def shard_bytes(n: int, seed: int) -> bytes:
 
 class Hub:
     """Serves `files`; logs (method, name, Range) and the Authorization headers; `stall[name] = k` sends k bytes
-    of the next GET then waits; `drop[name] = k` sends k bytes of it then closes the connection."""
+    of the next GET then waits; `drop[name] = k` sends k bytes of it then closes the connection; `rate[name] = r`
+    sends it at r bytes a second (in 16 KiB pieces)."""
 
     def __init__(self, files: dict[str, bytes]):
         self.files, self.log, self.stall, self.release = files, [], {}, threading.Event()
-        self.drop, self.auth = {}, []
+        self.drop, self.auth, self.rate = {}, [], {}
         hub = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -76,7 +78,12 @@ class Hub:
                         self.wfile.flush()
                         hub.release.wait(60)
                         return
-                    self.wfile.write(data[start:])
+                    piece = 16 << 10 if name in hub.rate else max(len(data), 1)
+                    for at in range(start, len(data), piece):
+                        self.wfile.write(data[at:at + piece])
+                        if name in hub.rate:
+                            self.wfile.flush()
+                            time.sleep(piece / hub.rate[name])
                 except (BrokenPipeError, ConnectionResetError):
                     pass
 
@@ -151,6 +158,42 @@ def test_killed_download_resumes_with_range(hub, tmp_path):
     run_cli("data", "fineweb", "--shards", "1", "--out", str(tmp_path), env=env(hub))
     assert ("fineweb_val_000000.bin", f"bytes={have}-") in hub.gets()
     assert (tmp_path / "fineweb_val_000000.bin").read_bytes() == big
+    assert not part.exists()
+
+
+@pytest.mark.parametrize("verb,sig,code", [("fineweb", signal.SIGINT, 130), ("download", signal.SIGTERM, 143)])
+def test_signal_stops_download_and_keeps_part(hub, tmp_path, verb, sig, code):
+    """SIGINT or SIGTERM mid-file (the server sends 1 MB/s, so the 3 MB val shard takes 3 s) ends the command at
+    once with one line saying what was kept and the command that continues; that command resumes by Range."""
+    big = shard_bytes(1_500_000, 4)
+    hub.files["fineweb_val_000000.bin"] = big
+    hub.rate["fineweb_val_000000.bin"] = 1_000_000
+    out = tmp_path / "fw"
+    args = (["data", "fineweb", "--shards", "1", "--out", str(out)] if verb == "fineweb" else
+            ["data", "download", *TINY_GPT2, f"data.path={out}", "train.max_steps=1"])
+    part = out / ".fineweb_val_000000.bin.part"
+    proc = subprocess.Popen([sys.executable, "-m", "trainbox", *args], env={**os.environ, **env(hub)},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not (part.exists() and part.stat().st_size > 0):   # the first bytes on disk
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.02)
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == code, err
+    have = part.stat().st_size
+    assert 0 < have < len(big) and not (out / "fineweb_val_000000.bin").exists()
+    assert big.startswith(part.read_bytes())
+    again = shlex.join(["trainbox", *args])
+    line = (f"trainbox data {verb}: stopped by {sig.name}; kept {have:,} bytes of fineweb_val_000000.bin in {part}; "
+            f"continue with: {again}")
+    assert err.splitlines()[-1] == line, err
+    assert "Traceback" not in err and "interrupted" not in err
+    hub.rate.clear()
+    hub.log.clear()
+    run_cli(*args, env=env(hub))
+    assert hub.gets()[0] == ("fineweb_val_000000.bin", f"bytes={have}-")
+    assert (out / "fineweb_val_000000.bin").read_bytes() == big
     assert not part.exists()
 
 

@@ -167,6 +167,24 @@ def test_stop_refuses_runs_that_are_not_running_here(tmp_path, capsys):
     assert code == 1 and "no run 'nothing'" in err, err
 
 
+def test_stop_of_an_unknown_run_lists_each_run_once(tmp_path, capsys):
+    """The hint names each run directory once, as `stop NAME` accepts it: a copy of a run (same run_name in its
+    status.json) under its own name, a run still starting (train.log, no status.json yet) too."""
+    from trainbox.cli import main
+
+    root = tmp_path / "runs"
+    _fake_run(root, "b", phase="finished")
+    _fake_run(root, "a", phase="finished")
+    (root / "a-copy").mkdir()
+    (root / "a-copy" / "status.json").write_bytes((root / "a" / "status.json").read_bytes())
+    (root / "starting").mkdir()
+    (root / "starting" / "train.log").write_text("")
+    (root / "notes").mkdir()   # not a run
+    assert main(["stop", "does-not-exist", "--root", str(root)]) == 1
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1] == f"  -> runs under {root}: a, a-copy, b, starting", err
+
+
 def test_help_of_the_new_verbs_has_examples():
     for verb in ("stop", "attach"):
         p = _cli(verb, "--help")

@@ -47,6 +47,7 @@ def environment(device: torch.device | None = None, world: int = 1) -> dict:
     return {
         **versions(),
         "cudnn": torch.backends.cudnn.version() if torch.cuda.is_available() else None,
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),   # train/device.py set_float32_matmuls
         "gpus": gpus, "device": str(device) if device else None, "world_size": world,
         "host": socket.gethostname(), "platform": platform.platform(), "cpu_count": os.cpu_count(),
         "git_commit": _git_commit(), "command": sys.argv if not hasattr(sys, "ps1") else [],
@@ -186,7 +187,8 @@ def resolve_run(arg: str, root: Path = Path("runs")) -> Path:
     for cand in (Path(arg), Path(root) / arg):
         if (cand / "status.json").exists() or (cand / "train.log").exists():
             return cand
-    known = ", ".join(r["name"] for r in list_runs(root)) if Path(root).is_dir() else ""
+    # the names this function accepts, each once: directory names (copies of a run share its status.json's name)
+    known = ", ".join(sorted({p.parent.name for f in ("status.json", "train.log") for p in Path(root).glob(f"*/{f}")}))
     raise DataError(f"no run '{arg}' (looked for {arg}/status.json and {Path(root) / arg}/status.json)",
                     hint=f"runs under {root}: {known}" if known else "list runs with `trainbox runs DIR`")
 

@@ -1,10 +1,17 @@
-"""Data verbs: prepare, inspect, data fineweb."""
+"""Data verbs: prepare, inspect, data fineweb, data download.
+
+SIGINT and SIGTERM end `data fineweb` and `data download` at once, mid-read included, with one line naming what was
+kept (complete files, and the `.part` file the same command continues by HTTP Range) and that command; the exit
+code is 128 + the signal's number, as a shell reports a process ended by it: 130 for SIGINT, 143 for SIGTERM.
+"""
 from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 # ----------------------------------------------------------------------------- prepare, inspect, data
@@ -76,36 +83,95 @@ def cmd_inspect(args) -> int:
 
 
 def cmd_data(args) -> int:
+    if args.dataset == "download":
+        again = ["trainbox", "data", "download", *([args.recipe] if args.recipe else []), *args.overrides]
+    else:
+        again = ["trainbox", "data", "fineweb", "--shards", str(args.shards), "--out", args.out,
+                 *(["--revision", args.revision] if args.revision else [])]
+    folder = None   # until the download's folder is known
+    try:
+        with _stop_on_signals():
+            if args.dataset == "fineweb":
+                folder = args.out
+                return _download_fineweb(args)
+            from trainbox.config import load_config
+            cfg = load_config(args.recipe, args.overrides)
+            folder = cfg.data.path
+            return _download_for_run(cfg, args.recipe)
+    except _Stopped as e:
+        print(_stopped_line(f"trainbox data {args.dataset}", e.signum, folder, again), file=sys.stderr, flush=True)
+        return 128 + e.signum
+
+
+def _download_fineweb(args) -> int:
     from trainbox.data.hub import download_fineweb
 
-    if args.dataset == "download":
-        return _download_for_run(args)
     hub = hub_from_env(revision=args.revision)
 
     def on_file(name: str, status: str) -> None:
         hub.progress.finish()
         print(f"{name}: {status}", flush=True)
 
-    paths = download_fineweb(args.shards, args.out, hub, on_file=on_file)
+    try:
+        paths = download_fineweb(args.shards, args.out, hub, on_file=on_file)
+    finally:
+        hub.progress.finish()
     print(f"{len(paths)} shard(s) in {args.out}; train on them with: trainbox train "
           f"data.path={Path(args.out) / 'fineweb'} data.tokenizer=gpt2")
     return 0
 
 
-def _download_for_run(args) -> int:
+def _download_for_run(cfg, recipe: str | None) -> int:
     """`trainbox data download RECIPE [key=value ...]`: what `trainbox train` with the same arguments downloads."""
-    from trainbox.config import load_config
-
-    cfg = load_config(args.recipe, args.overrides)
-    paths = fetch_run_data(cfg, args.recipe)
+    paths = fetch_run_data(cfg, recipe)
     if paths is None:
         why = ("data.download=false" if not cfg.data.download else
                f"data.path={cfg.data.path} exists and is not a download folder" if cfg.data.source else
                "the config names no data.source")
         print(f"nothing to download: {why}")
         return 0
-    print(f"{len(paths)} file(s) in {cfg.data.path}: what `trainbox train {args.recipe or ''}` reads")
+    print(f"{len(paths)} file(s) in {cfg.data.path}: what `trainbox train {recipe or ''}` reads")
     return 0
+
+
+class _Stopped(BaseException):
+    """Raised by the handler of SIGINT/SIGTERM in a download verb; a BaseException, as KeyboardInterrupt is, so no
+    `except Exception` on the way catches it."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+@contextmanager
+def _stop_on_signals():
+    """While the block runs, the first SIGINT or SIGTERM raises _Stopped wherever the download is (a blocking read
+    included: it ends at once, not at the next chunk); later ones are ignored while it unwinds. What reached the
+    `.part` file stays there: it is only ever appended to, so it is always a prefix of the file."""
+    def handle(signum, frame) -> None:
+        for s in old:
+            signal.signal(s, signal.SIG_IGN)
+        raise _Stopped(signum)
+
+    old = {s: signal.signal(s, handle) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def _stopped_line(verb: str, signum: int, folder: str | None, again: list[str]) -> str:
+    """What a download ended by `signum` leaves in `folder` (complete files, `.part` files and their sizes) and
+    the command that continues it."""
+    from trainbox.data.hub import MARKER
+
+    files = sorted(p for p in Path(folder).iterdir() if p.name != MARKER) if folder and Path(folder).is_dir() else []
+    parts = [p for p in files if p.name.endswith(".part")]
+    kept = [f"{len(files) - len(parts)} complete file(s)"] if len(files) > len(parts) else []
+    kept += [f"{p.stat().st_size:,} bytes of {p.name[1:-len('.part')]} in {p}" for p in parts]
+    what = "kept " + " and ".join(kept) if kept else "nothing was downloaded yet"
+    return f"{verb}: stopped by {signal.Signals(signum).name}; {what}; continue with: {shlex.join(again)}"
 
 
 def fetch_run_data(cfg, recipe: str | None, main: bool = True) -> list[Path] | None:

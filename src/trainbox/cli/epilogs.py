@@ -53,6 +53,9 @@ EPILOGS = {
           trainbox data download speedrun-124m train.max_steps=100  # fewer steps, fewer shards
           trainbox data fineweb --shards 8 --out data/fineweb       # 800M GPT-2 tokens + the val shard
           HF_ENDPOINT=http://mirror:8080 trainbox data fineweb --shards 2 --out data/fineweb
+
+        Ctrl-C (exit 130) or SIGTERM (exit 143) stops a download and keeps its .part file; the same command
+        continues it from there.
         """,
     "tokenizer": """
         examples:

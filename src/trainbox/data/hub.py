@@ -201,7 +201,7 @@ class Hub:
             with open(part, "ab" if have else "wb") as f:
                 try:
                     while True:
-                        chunk = resp.read(CHUNK)
+                        chunk = resp.read1(CHUNK)   # what has arrived, up to CHUNK: the part grows as it comes
                         if not chunk:
                             ended = True
                             break

@@ -6,6 +6,7 @@ only; the expert shards are reduced over the ranks that hold the same shard befo
 from __future__ import annotations
 
 import inspect
+import logging
 from contextlib import nullcontext
 
 import torch
@@ -36,6 +37,8 @@ class DataParallel:
 
     def compile(self) -> None:
         """torch.compile over the whole forward (DDP's bucketing stays outside the graph)."""
+        if self.ddp is not None:
+            _drop_record_function_notice()
         self.forward = torch.compile(self.forward)
 
     def micro_batch(self, k: int, accum: int):
@@ -53,3 +56,21 @@ class DataParallel:
             return None
         params = [p for p in self.model.parameters() if p.grad is not None]
         return expert.clip_grad_norm_(self.model, params, max_norm)
+
+
+class _RecordFunctionNotice(logging.Filter):
+    """Drops Dynamo's "Profiler record function ... will be ignored" for torch's record_function (see below)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.msg == "Profiler record function %s will be ignored" and record.args
+                    and record.args[0] is torch.autograd.profiler.record_function)
+
+
+def _drop_record_function_notice() -> None:
+    """DistributedDataParallel.forward runs inside torch.autograd.profiler.record_function, a label for profiler
+    traces. Compiled, Dynamo leaves the label out of the graph and logs so on every rank at every start (keeping it,
+    torch._dynamo.config.capture_profiler_record_function, fails on any graph break inside the region). Only the
+    label goes, the work is traced as before: the notice is dropped, on the one logger that emits it."""
+    logger = logging.getLogger("torch._dynamo.variables.ctx_manager")
+    if not any(isinstance(f, _RecordFunctionNotice) for f in logger.filters):
+        logger.addFilter(_RecordFunctionNotice())

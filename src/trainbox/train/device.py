@@ -7,6 +7,8 @@ that says which setting to lower. The memory a run needs is checked before that,
 """
 from __future__ import annotations
 
+import re
+import warnings
 from pathlib import Path
 
 import torch
@@ -43,6 +45,8 @@ def resolve_device(cfg: RunConfig, dist: Dist) -> tuple[torch.device, torch.dtyp
     if dtype != torch.float32 and device.type == "cpu":
         raise ConfigError(f"train.dtype={cfg.train.dtype} needs a GPU; on CPU training runs in fp32",
                           hint="use train.dtype=auto or train.dtype=fp32")
+    if device.type == "cuda":
+        set_float32_matmuls(dtype)
     fp8 = cfg.model.fp8_options
     if fp8:
         from trainbox.kernels.fp8 import fp8_supported
@@ -67,6 +71,25 @@ def resolve_device(cfg: RunConfig, dist: Dist) -> tuple[torch.device, torch.dtyp
         raise ConfigError(f"monitor.memory_snapshot={cfg.monitor.memory_snapshot} records CUDA's caching allocator; "
                           f"this run is on {device.type}", hint="drop monitor.memory_snapshot, or run on a CUDA GPU")
     return device, dtype, cfg
+
+
+# Inductor's advice when a compiled graph has float32 matmuls on a GPU with TF32 and TF32 is off
+TF32_ADVICE = "TensorFloat32 tensor cores for float32 matrix multiplication available but not enabled"
+
+
+def set_float32_matmuls(dtype: torch.dtype) -> None:
+    """The precision of the float32 matmuls on a GPU (env.json records it as float32_matmul_precision).
+
+    Under bf16/fp16 autocast the float32 matmuls left outside it (the MoE router's, for one) take TF32 tensor cores
+    ("high"), as nanoGPT's train.py sets them. train.dtype=fp32 asks for float32 maths, so its matmuls stay IEEE
+    float32 ("highest"), and Inductor's advice to turn TF32 on (a UserWarning at each compiled start) is not shown
+    for it. This is torch.set_float32_matmul_precision, not the per-backend fp32_precision setters: after one of
+    those torch refuses to read the global setting (torch.get_float32_matmul_precision, which Inductor reads)."""
+    if dtype == torch.float32:
+        torch.set_float32_matmul_precision("highest")
+        warnings.filterwarnings("ignore", re.escape(TF32_ADVICE), UserWarning, r"torch\._inductor")
+    else:
+        torch.set_float32_matmul_precision("high")
 
 
 def peak_flops(cfg: RunConfig, device: torch.device) -> float | None:
