@@ -119,7 +119,7 @@ def main() -> None:
     from torch.profiler import ProfilerActivity, profile
 
     from trainbox.config import load_config
-    from trainbox.train.distributed import Dist
+    from trainbox.parallel.distributed import Dist
     from trainbox.train.loop import Trainer
 
     backend = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,

@@ -215,7 +215,7 @@ def main() -> None:
     from model import GPTConfig
 
     from trainbox.config import load_config
-    from trainbox.model.spec import build_model
+    from trainbox.model.build import build_model
     from trainbox.train.build import allow_cached_autograd_functions
 
     device = torch.device(args.device)

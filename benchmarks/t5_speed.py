@@ -30,9 +30,9 @@ from trainbox.config import load_config
 from trainbox.data.loader import BatchPlan
 from trainbox.data.sources import open_datasets
 from trainbox.data.tokenizer import get_tokenizer
-from trainbox.model.spec import adapt_datasets, build_model, model_vocab_size
+from trainbox.model.build import adapt_datasets, build_model, model_vocab_size
 from trainbox.model.t5.hf import hf_config
-from trainbox.optim.build import adamw_groups, make_adamw
+from trainbox.optim.adamw import adamw_groups, make_adamw
 from trainbox.train.device import PEAK_TFLOPS
 
 

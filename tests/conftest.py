@@ -24,6 +24,21 @@ TINY = [
 ]
 
 
+@pytest.fixture(autouse=True)
+def _trainbox_logger_as_found():
+    """A test that runs `trainbox train` in this process gets the CLI's console handlers on the trainbox logger,
+    which then stops propagating: put it back, so caplog sees the next test's records."""
+    import logging
+    log = logging.getLogger("trainbox")
+    level, handlers = log.level, list(log.handlers)
+    yield
+    for h in list(log.handlers):
+        if h not in handlers:
+            log.removeHandler(h)
+            h.close()
+    log.propagate, log.level = True, level
+
+
 @pytest.fixture(scope="session")
 def data_cache(tmp_path_factory) -> Path:
     """One tokenized copy of the embedded corpus for the whole test session."""
@@ -66,3 +81,13 @@ def load_benchmark(name: str):
     sys.modules[name] = module   # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
+
+
+def model_section(family: str, **options):
+    """A ModelSection of `family` with the generic options it reads among `options` (the others left out, as a
+    recipe for that family would), so one test can build several families from one set of settings."""
+    from trainbox.config import ModelSection
+    from trainbox.model.spec import OPTIONS
+    from trainbox.model.spec import family as family_spec
+    spec = family_spec(family)
+    return ModelSection(family=family, **{k: v for k, v in options.items() if k not in OPTIONS or spec.supports(k)})

@@ -24,8 +24,8 @@ from test_moe import reference_moe  # noqa: E402 - the slow per-token MoE
 
 from trainbox.config import load_config  # noqa: E402
 from trainbox.parallel import expert  # noqa: E402
+from trainbox.parallel.distributed import Dist  # noqa: E402
 from trainbox.train.build import build_model_side  # noqa: E402
-from trainbox.train.distributed import Dist  # noqa: E402
 from trainbox.train.loop import train  # noqa: E402
 
 VOCAB, B, T, TOL = 128, 2, 16, dict(atol=1e-5, rtol=1e-5)

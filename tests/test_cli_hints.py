@@ -21,8 +21,8 @@ def test_matplotlib_is_a_core_dependency():
 
 
 def test_missing_matplotlib_does_not_point_at_the_extra(monkeypatch):
-    from trainbox import plot
     from trainbox.errors import MissingDependency
+    from trainbox.monitor import plot
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     with pytest.raises(MissingDependency) as e:

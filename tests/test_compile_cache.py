@@ -13,7 +13,7 @@ CHILD = r"""
 import json, sys, torch
 from torch._dynamo.utils import counters
 from trainbox.config import ModelSection
-from trainbox.model.spec import build_model
+from trainbox.model.build import build_model
 from trainbox.train.build import allow_cached_autograd_functions
 allow_cached_autograd_functions()
 torch.manual_seed(0)

@@ -95,7 +95,7 @@ def test_prepare_chat_jsonl_writes_masks_the_loader_serves(tmp_path):
 
 def test_masked_targets_do_not_reach_loss_or_gradients():
     from trainbox.config import ModelSection
-    from trainbox.model.spec import build_model
+    from trainbox.model.build import build_model
 
     torch.manual_seed(0)
     model = build_model(ModelSection(n_layer=2, n_head=2, n_embd=32), 64, 16)

@@ -161,16 +161,19 @@ def test_killed_download_resumes_with_range(hub, tmp_path):
     assert not part.exists()
 
 
-@pytest.mark.parametrize("verb,sig,code", [("fineweb", signal.SIGINT, 130), ("download", signal.SIGTERM, 143)])
+@pytest.mark.parametrize("verb,sig,code", [("fineweb", signal.SIGINT, 130), ("download", signal.SIGTERM, 143),
+                                           ("train", signal.SIGTERM, 0)])
 def test_signal_stops_download_and_keeps_part(hub, tmp_path, verb, sig, code):
     """SIGINT or SIGTERM mid-file (the server sends 1 MB/s, so the 3 MB val shard takes 3 s) ends the command at
-    once with one line saying what was kept and the command that continues; that command resumes by Range."""
+    once with one line saying what was kept and the command that continues; that command resumes by Range.
+    `trainbox train`, stopped in the download it starts, has stopped before its first step: exit 0."""
     big = shard_bytes(1_500_000, 4)
     hub.files["fineweb_val_000000.bin"] = big
     hub.rate["fineweb_val_000000.bin"] = 1_000_000
     out = tmp_path / "fw"
-    args = (["data", "fineweb", "--shards", "1", "--out", str(out)] if verb == "fineweb" else
-            ["data", "download", *TINY_GPT2, f"data.path={out}", "train.max_steps=1"])
+    args = {"fineweb": ["data", "fineweb", "--shards", "1", "--out", str(out)],
+            "download": ["data", "download", *TINY_GPT2, f"data.path={out}", "train.max_steps=1"],
+            "train": ["train", *TINY_GPT2, f"data.path={out}", "train.max_steps=1", f"run.dir={tmp_path}"]}[verb]
     part = out / ".fineweb_val_000000.bin.part"
     proc = subprocess.Popen([sys.executable, "-m", "trainbox", *args], env={**os.environ, **env(hub)},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -186,11 +189,15 @@ def test_signal_stops_download_and_keeps_part(hub, tmp_path, verb, sig, code):
     assert big.startswith(part.read_bytes())
     again = shlex.join(["trainbox", *args])
     line = (f"trainbox data {verb}: stopped by {sig.name}; kept {have:,} bytes of fineweb_val_000000.bin in {part}; "
-            f"continue with: {again}")
+            f"continue with: {again}") if verb != "train" else (
+        f"stopped before the first step; nothing to save; kept {have:,} bytes of fineweb_val_000000.bin in {part}, "
+        "which the same command continues")
     assert err.splitlines()[-1] == line, err
     assert "Traceback" not in err and "interrupted" not in err
     hub.rate.clear()
     hub.log.clear()
+    if verb == "train":   # the same command: the download resumes, the run trains its one step
+        hub.files.update({"fineweb_train_000001.bin": shard_bytes(1000, 1)})
     run_cli(*args, env=env(hub))
     assert hub.gets()[0] == ("fineweb_val_000000.bin", f"bytes={have}-")
     assert (out / "fineweb_val_000000.bin").read_bytes() == big

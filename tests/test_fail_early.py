@@ -14,7 +14,7 @@ from conftest import run_cli
 
 from trainbox.config import load_config
 from trainbox.errors import ConfigError, DataError, TrainingFailed
-from trainbox.train.distributed import Dist
+from trainbox.parallel.distributed import Dist
 
 
 @pytest.fixture

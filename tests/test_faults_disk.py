@@ -28,7 +28,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainbox import checkpoint, checkpoint_room
+from trainbox import checkpoint
+from trainbox.checkpoint import room as checkpoint_room
 from trainbox.errors import CheckpointError
 
 pytestmark = pytest.mark.faults
@@ -168,7 +169,8 @@ SAVE = r"""
 import sys
 from pathlib import Path
 import torch
-from trainbox import checkpoint, checkpoint_room
+from trainbox import checkpoint
+from trainbox.checkpoint import room as checkpoint_room
 from trainbox.errors import CheckpointError
 root = Path(sys.argv[1])
 weights = {"w": torch.ones(1000)}
@@ -204,7 +206,7 @@ from pathlib import Path
 import torch
 from trainbox.errors import CheckpointError
 from trainbox.parallel.dcp import AsyncSaver
-from trainbox.train.distributed import Dist
+from trainbox.parallel.distributed import Dist
 root, limit = Path(sys.argv[1]), int(sys.argv[2])
 model = torch.nn.Linear(256, 256)
 opt = torch.optim.AdamW(model.parameters())

@@ -231,11 +231,31 @@ def test_stop_signals_under_torchrun_lose_nothing(root, cache, reference, torchr
     assert got == torchrun_reference
 
 
+ARM_LIMIT = 2.0   # seconds from the start by which `trainbox train` must hold its stop handler
+
+
+def _armed(seg: Segment) -> float:
+    """The seconds after its start at which the process held a handler for SIGTERM (polled in /proc).
+
+    Before Python runs the first line of trainbox (its own start: about 30 ms on an idle machine, longer under
+    load) no program can catch a signal; from that line on, trainbox keeps it. A trial aimed at a moment before
+    that waits for it, and the handler must be in place within ARM_LIMIT (before the fix, about 8 s: torch's
+    import came first)."""
+    from trainbox.rundir.runs import catches_signal
+    while not catches_signal(seg.proc.pid, signal.SIGTERM):
+        assert seg.proc.poll() is None, seg.log.read_text()
+        assert time.time() - seg.t0 < ARM_LIMIT, f"no stop handler {ARM_LIMIT}s after the start"
+        time.sleep(0.002)
+    return time.time() - seg.t0
+
+
 def _signal_at(cmd: list[str], log: Path, sig: str, delay: float) -> tuple[int, str, int | None]:
-    """Start `trainbox CMD`, send `sig` `delay` seconds after the start, wait for the end. A --detach front that
-    has already handed the run over ("detached: process P") has ended: the signal goes to P, the run itself.
-    Returns (the front's exit status, its output, P or None)."""
+    """Start `trainbox CMD`, send `sig` `delay` seconds after the start (or once its handler is in place, if
+    that is later), wait for the end. A --detach front that has already handed the run over ("detached: process
+    P") has ended: the signal goes to P, the run itself. Returns (the front's exit status, its output, P or
+    None)."""
     seg = Segment(cmd, log)
+    _armed(seg)
     while seg.proc.poll() is None and time.time() < seg.t0 + delay:
         time.sleep(0.005)
     if seg.proc.poll() is None:
@@ -253,7 +273,7 @@ def _signal_at(cmd: list[str], log: Path, sig: str, delay: float) -> tuple[int, 
 
 
 def _pid_running(pid: int) -> bool:
-    from trainbox.runs import pid_alive
+    from trainbox.rundir.runs import pid_alive
     return pid_alive(pid)
 
 
@@ -298,7 +318,8 @@ def test_a_stop_signal_at_any_moment_from_the_start_is_graceful(tmp_path, cache,
 def test_a_second_ctrl_c_while_the_run_starts_stops_at_once(tmp_path, cache):
     seg = Segment(["train", "tiny", f"run.dir={tmp_path}", "run.name=twice", f"data.cache_dir={cache}"],
                   tmp_path / "twice.log")
-    for at in (0.1, 0.3):
+    start = _armed(seg)
+    for at in (start, start + 0.02):   # while the config still loads
         while time.time() < seg.t0 + at:
             time.sleep(0.005)
         seg.proc.send_signal(signal.SIGINT)
@@ -314,15 +335,17 @@ def _workers_of(launcher: int) -> list[int]:
 def _kill_launcher(launcher: int, run_dir: Path, timeout: float = 60) -> tuple[int, float]:
     """SIGKILL the `--nproc` launcher `launcher`; wait until its workers have ended. Returns (the step of the
     newest checkpoint, seconds from the kill until no worker was left)."""
-    workers = _workers_of(launcher)
-    assert len(workers) == 2, workers
+    deadline = time.time() + timeout
+    while len(workers := _workers_of(launcher)) != 2:   # /proc lists a process's children as it starts them
+        assert time.time() < deadline, workers
+        time.sleep(0.02)
     os.kill(launcher, signal.SIGKILL)
     killed = time.time()
     while any(_pid_running(w) for w in workers):
         assert time.time() - killed < timeout, f"workers {workers} still run {timeout}s after their launcher died"
         time.sleep(0.02)
     gone = time.time() - killed
-    from trainbox.lock import RunLock
+    from trainbox.rundir.lock import RunLock
     RunLock(run_dir).acquire().release()   # free again
     ckpt = checkpoint.latest(run_dir / "checkpoints")
     checkpoint.verify(ckpt)
@@ -422,7 +445,7 @@ def test_second_run_on_a_run_directory_is_refused_and_a_stale_lock_is_taken(root
 def test_a_lock_holder_is_seen_from_another_thread_of_the_same_host(tmp_path):
     """The lock is the kernel's: a second open file description is refused while the first holds it."""
     from trainbox.errors import RunBusy
-    from trainbox.lock import RunLock
+    from trainbox.rundir.lock import RunLock
     a = RunLock(tmp_path / "r").acquire()
     errors = []
 

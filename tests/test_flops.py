@@ -7,19 +7,20 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from trainbox.config import load_config
-from trainbox.model.spec import build_model
+from trainbox.model.build import build_model
 from trainbox.train.device import PEAK_TFLOPS
 
 
-@pytest.mark.parametrize("family,extra", [("gpt", []), ("moe", ["model.moe.num_experts=8", "model.moe.top_k=2"]),
-                                          ("moe", ["model.moe.num_experts=4", "model.moe.top_k=1",
+@pytest.mark.parametrize("family,extra", [("gpt", ["model.bias=false"]),
+                                          ("moe", ["model.bias=false", "model.moe.num_experts=8", "model.moe.top_k=2"]),
+                                          ("moe", ["model.bias=false", "model.moe.num_experts=4", "model.moe.top_k=1",
                                                    "model.moe.every=2"]),
                                           ("llama", ["model.llama.n_kv_head=1", "model.llama.intermediate_size=64"])])
 def test_flops_per_token_matches_counted_flops(family, extra):
     """6N + 12 L d T is what the matmuls cost: attention counted in full by the math SDPA path, MoE
     counting only the top_k experts each token visits (the loop-over-experts path, which is aten.mm)."""
     cfg = load_config("tiny", [f"model.family={family}", "model.n_layer=3", "model.n_head=2", "model.n_embd=32",
-                               "model.bias=false", *extra])
+                               *extra])
     torch.manual_seed(0)
     model = build_model(cfg.model, 64, 16)
     for _, m in getattr(model, "moe_layers", []):

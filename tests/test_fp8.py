@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import model_section
 
-from trainbox.config import ModelSection, load_config
+from trainbox.config import load_config
 from trainbox.errors import ConfigError
 from trainbox.kernels.fp8 import fp8_linear
-from trainbox.model.spec import build_model
+from trainbox.model.build import build_model
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -61,7 +62,7 @@ def test_traces_as_one_graph():
 def test_head_in_fp8_tracks_the_bf16_head(family):
     def model(fp8: bool):
         torch.manual_seed(0)
-        m = build_model(ModelSection(family=family, n_layer=2, n_head=2, n_embd=64, head_dim=32, window=32,
+        m = build_model(model_section(family, n_layer=2, n_head=2, n_embd=64, head_dim=32, window=32,
                                      eot_id=0, fp8_head=fp8), 128, 32)
         with torch.no_grad():
             m.lm_head.weight.normal_(std=0.3)  # zero at init: make the head matter
@@ -86,7 +87,7 @@ def test_mlp_in_fp8_tracks_the_exact_mlp(family, mode):
     model) and stay within FP8's error of it (gpt: with the projections' biases)."""
     def run(fp8_mlp: str):
         torch.manual_seed(0)
-        m = build_model(ModelSection(family=family, n_layer=2, n_head=2, n_embd=64, head_dim=32, window=32,
+        m = build_model(model_section(family, n_layer=2, n_head=2, n_embd=64, head_dim=32, window=32,
                                      eot_id=0, fp8_mlp=fp8_mlp), 128, 32)
         blocks = m.blocks if family == "speedrun" else m.transformer.h
         with torch.no_grad():

@@ -161,7 +161,7 @@ def test_float8_converts_the_blocks_linears_and_is_refused_without_fp8_cores():
     pytest.importorskip("torchao", reason="the float8 extra (torchao) is part of the test install")
     from trainbox.errors import ConfigError
     from trainbox.kernels import float8
-    from trainbox.model.spec import build_model
+    from trainbox.model.build import build_model
     cfg = load_config("llama-1b", ["model.n_layer=2", "model.n_embd=64", "model.n_head=4", "model.llama.n_kv_head=2",
                                    "model.llama.intermediate_size=96", "data.seq_len=32", "model.vocab_size=128"])
     model = build_model(cfg.model, 128, 32)
@@ -236,7 +236,7 @@ def test_moe_under_fsdp_equals_one_process(tmp_path, data_cache):
 def test_llama_with_an_untied_table_under_fsdp_equals_one_process(tmp_path, data_cache):
     """Llama with its own head: the token table is an FSDP unit of its own (gathered for the lookup and again
     for its gradient), the root holds the final norm and the head. The same steps as one process."""
-    from trainbox.model.spec import build_model
+    from trainbox.model.build import build_model
     from trainbox.parallel import apart
     llama = ["model.family=llama", "model.llama.n_kv_head=2", "model.llama.intermediate_size=96"]
     for tied, units in (("false", 1), ("true", 0)):

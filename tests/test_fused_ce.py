@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import run_check_script
+from conftest import model_section, run_check_script
 
 from trainbox.config import ModelSection
 from trainbox.kernels.fused_ce import head_cross_entropy
-from trainbox.model.spec import build_model
+from trainbox.model.build import build_model
 
 
 def unfused(x, w, t, mask, cap, reduction):
@@ -47,7 +47,7 @@ def test_model_families_equal_the_unfused_head(family, extra):
     runs = []
     for fused in (False, True):
         torch.manual_seed(0)
-        model = build_model(ModelSection(family=family, n_layer=2, n_head=2, n_embd=32, fused_loss=fused, **extra),
+        model = build_model(model_section(family, n_layer=2, n_head=2, n_embd=32, fused_loss=fused, **extra),
                             64, 32)
         with torch.no_grad():
             model.lm_head.weight.normal_(std=0.5)  # the speedrun head starts at zero
@@ -150,7 +150,7 @@ def test_fp8_head_gradients_are_the_fp8_products(cap):
 def test_models_pass_fp8_head_to_the_fused_loss(family):
     def loss(fp8: bool) -> float:
         torch.manual_seed(0)
-        m = build_model(ModelSection(family=family, n_layer=2, n_head=2, n_embd=64, head_dim=32, window=32,
+        m = build_model(model_section(family, n_layer=2, n_head=2, n_embd=64, head_dim=32, window=32,
                                      eot_id=0, fused_loss=True, fp8_head=fp8), 128, 32)
         with torch.no_grad():
             m.lm_head.weight.normal_(std=0.3)  # speedrun: zero at init; make the head matter

@@ -9,7 +9,7 @@ from pydantic import ValidationError
 
 from trainbox.config import ModelSection
 from trainbox.kernels.fused_mlp import gelu_mlp, moe_gelu_mlp
-from trainbox.model.spec import build_model
+from trainbox.model.build import build_model
 
 
 def unfused(x, w1, w2):

@@ -11,8 +11,8 @@ from conftest import run_check_script
 
 from trainbox.config import ModelSection
 from trainbox.kernels.fused_norm import add_layer_norm
+from trainbox.model.build import build_model
 from trainbox.model.moe.config import MoESection
-from trainbox.model.spec import build_model
 from trainbox.train.recompute import apply_activation_checkpointing
 
 
@@ -202,7 +202,7 @@ import torch
 from torch._inductor.lowering import lowerings
 from trainbox.config import ModelSection
 from trainbox.model.gpt import model  # noqa: F401 - defines the ops (fused_norm, fused_ce)
-from trainbox.model.spec import build_model
+from trainbox.model.build import build_model
 ops = [getattr(torch.ops.trainbox, n).default
        for n in ("add_layer_norm", "add_layer_norm_bwd", "head_ce_", "head_ce_fp8")]
 assert not any(op in lowerings for op in ops)

@@ -4,7 +4,7 @@ import torch
 
 from trainbox.config import ModelSection
 from trainbox.errors import ConfigError
-from trainbox.model.spec import build_model
+from trainbox.model.build import build_model
 
 VOCAB = 96
 

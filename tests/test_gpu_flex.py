@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from trainbox.config import ModelSection
-from trainbox.model.spec import build_model
+from trainbox.model.build import build_model
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

@@ -9,9 +9,9 @@ from conftest import run_cli
 
 from trainbox.config import load_config
 from trainbox.errors import ConfigError
+from trainbox.model.build import build_model
 from trainbox.model.hf_folder import write_tokenizer
 from trainbox.model.load import load_init_weights
-from trainbox.model.spec import build_model
 
 transformers = pytest.importorskip("transformers")
 

@@ -10,7 +10,7 @@ from conftest import run_cli
 
 from trainbox.config import load_config
 from trainbox.kernels.choice import choose
-from trainbox.model.spec import build_model
+from trainbox.model.build import build_model
 from trainbox.model.spec import family as family_spec
 from trainbox.train.loop import train
 

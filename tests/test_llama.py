@@ -15,10 +15,10 @@ from conftest import run_cli
 from trainbox.cli import main
 from trainbox.config import build_config, load_config
 from trainbox.errors import ConfigError
+from trainbox.model.build import build_model, resolve_model
 from trainbox.model.llama.config import RopeScalingSection
 from trainbox.model.llama.hf import resolve_from_folder, write_hf
 from trainbox.model.load import load_init_weights
-from trainbox.model.spec import build_model, resolve_model
 
 transformers = pytest.importorskip("transformers")
 import hf_tiny  # noqa: E402

@@ -18,9 +18,10 @@ import torch.nn.functional as F
 
 from trainbox.config import load_config
 from trainbox.data.loader import BatchPlan, TokenDataset
-from trainbox.model.spec import build_model, family
+from trainbox.model.build import build_model
+from trainbox.model.spec import family
 from trainbox.parallel.ddp import DataParallel
-from trainbox.train.distributed import Dist
+from trainbox.parallel.distributed import Dist
 from trainbox.train.loop import Trainer, plan_length, train
 
 SEQ, VOCAB, GLOBAL = 16, 64, 8

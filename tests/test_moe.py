@@ -10,9 +10,9 @@ import torch.nn.functional as F
 from conftest import run_cli
 
 from trainbox.config import load_config
+from trainbox.model.build import build_model
 from trainbox.model.moe.config import MoESection
 from trainbox.model.moe.model import MoEFFN
-from trainbox.model.spec import build_model
 
 
 def reference_moe(m: MoEFFN, x: torch.Tensor):
@@ -192,7 +192,7 @@ def _flops(run) -> float:
     from trainbox.config import build_config
     cfg = build_config(yaml.safe_load((run / "config.yaml").read_text()))
     from trainbox.data.tokenizer import get_tokenizer
-    from trainbox.model.spec import pad_vocab
+    from trainbox.model.build import pad_vocab
     vocab = cfg.model.vocab_size or pad_vocab(get_tokenizer(cfg.data.tokenizer).vocab_size)
     return build_model(cfg.model, vocab, cfg.data.seq_len).flops_per_token(cfg.data.seq_len)
 

@@ -28,7 +28,7 @@ from conftest import REPO, TINY, run_cli
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
 from prometheus_client.parser import text_string_to_metric_families as parse_prometheus
 
-from trainbox.monitor import state as st
+from trainbox.rundir import status as st
 
 TOKEN = "s3cret-token"
 

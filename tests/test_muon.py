@@ -13,7 +13,7 @@ from conftest import run_cli
 
 from trainbox.config import ModelSection, OptimSection
 from trainbox.errors import ConfigError
-from trainbox.model.spec import build_model
+from trainbox.model.build import build_model
 from trainbox.optim.build import build_optimizers
 from trainbox.optim.muon import ZEROPOWER, Muon, momentum_at
 

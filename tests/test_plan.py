@@ -16,7 +16,7 @@ import trainbox.train.recompute as recompute
 from trainbox.config import load_config
 from trainbox.errors import ConfigError
 from trainbox.kernels.choice import choose
-from trainbox.model.spec import build_model
+from trainbox.model.build import build_model
 from trainbox.model.spec import family as family_spec
 from trainbox.parallel import expert
 from trainbox.plan import CONTEXT, MARGIN, NCCL, gpu, local_cpu, make_plan, run_vocab

@@ -10,7 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from trainbox.config import ModelSection, load_config
 from trainbox.errors import ConfigError
-from trainbox.model.spec import build_model
+from trainbox.model.build import build_model
 from trainbox.train.loop import train
 from trainbox.train.recompute import apply_activation_checkpointing
 

@@ -11,7 +11,7 @@ import torch
 
 from trainbox import checkpoint
 from trainbox.config import load_config
-from trainbox.model.spec import build_model
+from trainbox.model.build import build_model
 from trainbox.monitor.console import ProgressBar
 from trainbox.train.loop import Trainer, train
 

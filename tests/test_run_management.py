@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from trainbox import checkpoint
-from trainbox.runs import pid_alive
+from trainbox.rundir.runs import pid_alive
 
 pytestmark = pytest.mark.faults
 

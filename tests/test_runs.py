@@ -13,7 +13,8 @@ import pytest
 from conftest import run_cli
 from test_monitor import LiveRun, read_status, wait_for
 
-from trainbox import cli, runs
+from trainbox import cli
+from trainbox.rundir import runs
 
 
 def main(capsys, *args: str) -> tuple[int, str, str]:
@@ -96,7 +97,7 @@ def test_finished_failed_logs_follow_and_plot(tiny, tmp_path, capsys):
     assert {i["name"]: i["state"] for i in infos} == {"a": "finished", "b": "finished", "nan": "failed"}
 
     # plot: the curves are metrics.jsonl's, and both runs are drawn (one colour each)
-    from trainbox.plot import load_curves
+    from trainbox.monitor.plot import load_curves
     events = [json.loads(line) for line in (root / "a" / "metrics.jsonl").read_text().splitlines()]
     curves = load_curves(root / "a")
     assert [(s, v) for s, _, v in curves.train] == [(e["step"], e["loss"]) for e in events if e["event"] == "train"]

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from trainbox.config import ModelSection
-from trainbox.model.spec import build_model
+from trainbox.model.build import build_model
 
 EOT = 0
 VOCAB = 64

@@ -11,7 +11,7 @@ import torch
 from conftest import run_cli
 
 from trainbox.config import ModelSection, load_config
-from trainbox.model.spec import model_vocab_size
+from trainbox.model.build import model_vocab_size
 from trainbox.model.t5.hf import to_hf
 from trainbox.model.t5.model import T5, relative_position_bucket
 
@@ -196,7 +196,7 @@ def test_t5_batches_do_not_depend_on_world_size(tiny):
     from trainbox.data.loader import BatchPlan
     from trainbox.data.sources import open_datasets
     from trainbox.data.tokenizer import get_tokenizer
-    from trainbox.model.spec import adapt_datasets
+    from trainbox.model.build import adapt_datasets
 
     cfg = load_config("tiny", [*tiny, *T5_TINY, "train.global_batch_size=4"])
     tok = get_tokenizer(cfg.data.tokenizer)
@@ -236,7 +236,7 @@ def test_explicit_vocab_without_room_for_sentinels_is_a_config_error(tiny):
     from trainbox.data.sources import open_datasets
     from trainbox.data.tokenizer import get_tokenizer
     from trainbox.errors import ConfigError
-    from trainbox.model.spec import adapt_datasets
+    from trainbox.model.build import adapt_datasets
 
     cfg = load_config("tiny", [*tiny, *T5_TINY, "model.vocab_size=2048"])
     tok = get_tokenizer(cfg.data.tokenizer)

@@ -13,7 +13,7 @@ from trainbox.data.tokenizer import asset_path, get_tokenizer
 from trainbox.generate import filter_logits, sample
 from trainbox.model.gpt.model import GPT
 from trainbox.model.layers import Output
-from trainbox.train.distributed import Dist
+from trainbox.parallel.distributed import Dist
 from trainbox.train.evaluate import evaluate
 
 VARIED = [

@@ -17,10 +17,18 @@ from pathlib import Path
 from typing import Mapping
 
 import torch
+import torch.distributed as dist
 
 from trainbox.config import RunConfig
+from trainbox.data.hub import SOURCES, download_target, plan_shards, run_samples
+from trainbox.errors import DataError, TrainboxError
+from trainbox.kernels.choice import attention_on, choose
+from trainbox.kernels.flash import EXTRA, MIN_MAJOR, _interface
+from trainbox.kernels.fp8 import fp8_supported
+from trainbox.kernels.fused_mlp import _quack
 from trainbox.kernels.ops import compile_cache_dir
 from trainbox.model.spec import family
+from trainbox.plan import plan_run
 
 GiB = 2**30
 
@@ -85,7 +93,6 @@ def gpu_checks() -> list[Check]:
     bf16 = torch.cuda.is_bf16_supported()
     out.append(Check("bf16", "ok" if bf16 else "warn", "yes" if bf16 else "no",
                      "" if bf16 else "this GPU has no bf16: use train.dtype=fp16 (loss scaling) or fp32"))
-    from trainbox.kernels.fp8 import fp8_supported
     fp8 = all(fp8_supported(torch.device("cuda", i)) for i in range(len(caps)))
     out.append(Check("fp8", "ok", "yes (model.fp8_head, model.fp8_mlp)" if fp8 else
                      "no: model.fp8_head and model.fp8_mlp need compute capability 8.9+ (L4, L40S, H100, H200)"))
@@ -110,8 +117,6 @@ PLAIN_SPEED = ("1.15x", "benchmarks/records/2026-11-27-h100-gpt2-125m-step-time-
 
 def flash_importable() -> bool:
     """Whether the `flash` extra loads here: FlashAttention-4 and QuACK (both, as the recipes use them)."""
-    from trainbox.kernels.flash import _interface
-    from trainbox.kernels.fused_mlp import _quack
     return _interface() is not None and _quack() is not None
 
 
@@ -120,7 +125,6 @@ def flash_check(capability: tuple[int, int], importable: bool) -> Check | None:
     when it loads and otherwise a warning with what it costs; None on other GPUs."""
     if capability[0] not in (9, 10):
         return None
-    from trainbox.kernels.flash import EXTRA
     if importable:
         return Check("flash", "ok", f"flash-attn-4 and quack-kernels load: attention, MLP and loss run their kernels "
                      f"(gpt2-125m on an H100: {FLASH_SPEED[0]} nanoGPT's speed, {FLASH_SPEED[1]})")
@@ -133,7 +137,7 @@ def flex_attention_status(capability: tuple[int, int]) -> tuple[bool, str]:
     """FlexAttention runs through Triton-generated kernels: it needs triton and an sm_80+ class GPU. When
     those are there, compile and run one small causal call on GPU 0 and compare it with SDPA."""
     try:
-        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention  # optional: newer torch
     except ImportError:
         return False, f"torch {torch.__version__} has no FlexAttention"
     if importlib.util.find_spec("triton") is None:
@@ -208,7 +212,6 @@ def recipe_checks(cfg: RunConfig) -> list[Check]:
         out.append(Check("needs_bf16", "fail", "train.dtype=bf16 on a GPU without bf16", "set train.dtype=fp16"))
     fp8 = [o.split("=")[0] for o in cfg.model.fp8_options]
     if fp8:
-        from trainbox.kernels.fp8 import fp8_supported
         if not (gpu and fp8_supported(torch.device("cuda"))):
             where = "this GPU has none" if gpu else "no GPU is visible"
             if cfg.model.fp8_fallback:
@@ -223,8 +226,6 @@ def recipe_checks(cfg: RunConfig) -> list[Check]:
     spec = family(cfg.model.family)
     eligible = "flash" in spec.attention and (spec.flash_eligible is None or spec.flash_eligible(cfg.model))
     if cfg.model.attention == "flash" or (cfg.model.attention == "auto" and eligible):
-        from trainbox.kernels.choice import attention_on
-        from trainbox.kernels.flash import EXTRA, MIN_MAJOR
         hopper = gpu and torch.cuda.get_device_capability()[0] >= MIN_MAJOR
         missing = importlib.util.find_spec("flash_attn") is None
         if cfg.model.attention == "flash" and (missing or not hopper):
@@ -262,9 +263,6 @@ def recipe_checks(cfg: RunConfig) -> list[Check]:
 
 def data_checks(cfg: RunConfig) -> list[Check]:
     """A missing data.path fails, unless `train` downloads it (data.source, data.download)."""
-    from trainbox.data.hub import SOURCES, download_target, plan_shards, run_samples
-    from trainbox.errors import DataError
-
     d, t = cfg.data, cfg.train
     if d.path.startswith("embedded:") or glob.glob(glob.escape(d.path) + "*"):
         return []
@@ -286,7 +284,6 @@ def data_checks(cfg: RunConfig) -> list[Check]:
 
 def parallel_checks(cfg: RunConfig, gpus: int, nccl: bool | None = None) -> list[Check]:
     """What train.parallel needs: FSDP2 and torch.distributed.checkpoint in this torch, a backend, several GPUs."""
-    import torch.distributed as dist
     if not dist.is_available():
         return [Check("needs_distributed", "fail", "this torch build has no torch.distributed",
                       "install an official torch wheel")] if cfg.train.parallel == "fsdp" else []
@@ -295,8 +292,8 @@ def parallel_checks(cfg: RunConfig, gpus: int, nccl: bool | None = None) -> list
     if cfg.train.parallel != "fsdp":
         return []
     try:
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict  # noqa: F401
-        from torch.distributed.fsdp import fully_shard  # noqa: F401
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict  # noqa: F401 - optional: a feature this torch may lack
+        from torch.distributed.fsdp import fully_shard  # noqa: F401 - optional: a feature this torch may lack
     except ImportError:
         return [Check("needs_fsdp2", "fail", f"train.parallel=fsdp needs FSDP2 (torch.distributed.fsdp.fully_shard); "
                       f"torch {torch.__version__} lacks it", "pip install 'torch>=2.6'")]
@@ -312,8 +309,6 @@ def parallel_checks(cfg: RunConfig, gpus: int, nccl: bool | None = None) -> list
 
 def kernel_check(cfg: RunConfig) -> Check:
     """The kernels the recipe's model runs here: the choice the trainer makes and records (kernels.choice)."""
-    from trainbox.errors import TrainboxError
-    from trainbox.kernels.choice import choose
     device = torch.device("cuda" if torch.cuda.is_available() and cfg.train.device != "cpu" else "cpu")
     try:
         return Check("kernels", "ok", choose(cfg.model, device, family(cfg.model.family)).describe())
@@ -325,8 +320,6 @@ def memory_check(cfg: RunConfig) -> Check | None:
     """The run's memory plan on this machine's GPU (or its RAM for a CPU run); `trainbox plan` prints it whole.
     None where there is nothing to plan for: a GPU recipe without a GPU (needs_gpu says so), a Hugging Face model
     (its size is in its folder, read by `trainbox plan`)."""
-    from trainbox.errors import TrainboxError
-    from trainbox.plan import plan_run
     if family(cfg.model.family).hook("build_meta") is not None:
         return None
     try:

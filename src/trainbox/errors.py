@@ -5,6 +5,8 @@ one, *what to do next* (`hint`, usually a command). Library code never prints or
 """
 from __future__ import annotations
 
+import importlib.util
+
 
 class TrainboxError(Exception):
     """Base class. `exit_code` is what the CLI exits with; `hint` is the next step for the user."""
@@ -52,7 +54,6 @@ class TrainingFailed(TrainboxError):
 
 def require(package: str, extra: str, what: str) -> None:
     """Raise MissingDependency when `package` (of the `extra`) is not installed; `what` names what needs it."""
-    import importlib.util
     if importlib.util.find_spec(package) is None:
         raise MissingDependency(package, extra, what)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from trainbox.data.spans import encode_with_sentinels, split_spans
 from trainbox.data.tokenizer import Tokenizer
 
 
@@ -96,7 +97,6 @@ def fill_spans(model, tokenizer: Tokenizer, prompt: str, max_tokens: int = 100, 
                top_k: int | None = None, top_p: float | None = None, seed: int = 0,
                device: torch.device | str = "cpu") -> list[tuple[int, str]]:
     """T5: `prompt` holds <extra_id_K> markers; returns [(K, text the model generates for it), ...]."""
-    from trainbox.data.spans import encode_with_sentinels, split_spans
 
     V, S = model.vocab_size, model.sentinel_tokens
     ids = encode_with_sentinels(tokenizer, prompt, V, S) + [tokenizer.eot_id]

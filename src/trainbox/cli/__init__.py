@@ -12,16 +12,17 @@ from __future__ import annotations
 
 import sys
 
+from trainbox.cli.app import run  # after the handler: the verbs' modules and what they import
+from trainbox.train.stop import STOP  # imports nothing heavy: the handler is in place within milliseconds
+
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else list(argv)
     armed = None
     if next((a for a in args if not a.startswith("-")), None) == "train":
-        from trainbox.train.stop import STOP  # imports nothing heavy: the handler is in place within milliseconds
         STOP.install()
         armed = STOP
     try:
-        from trainbox.cli.app import run  # after the handler: the verbs' modules and what they import
         return run(argv)
     except KeyboardInterrupt:   # a second Ctrl-C while the run was still starting
         print("interrupted", file=sys.stderr)

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import select
 import shlex
 import sys
 import textwrap
 
+import trainbox
 from trainbox.cli.data import cmd_data, cmd_inspect, cmd_prepare
 from trainbox.cli.epilogs import EPILOGS
 from trainbox.cli.ops import (
@@ -24,6 +26,7 @@ from trainbox.cli.ops import (
     cmd_stop,
 )
 from trainbox.cli.train import cmd_config, cmd_export, cmd_generate, cmd_tokenizer, cmd_train
+from trainbox.config import RunConfig
 from trainbox.errors import TrainboxError
 
 # ----------------------------------------------------------------------------- parser
@@ -48,7 +51,6 @@ def _config_key_for(option: str, value: str | None) -> str | None:
         return None
     name, _, inline = option[2:].partition("=")
     name = name.replace("-", "_")
-    from trainbox.config import RunConfig
     for section, field in RunConfig.model_fields.items():
         fields = getattr(field.annotation, "model_fields", {})
         if name in fields:
@@ -252,7 +254,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _version() -> str:
-    import trainbox
     return f"trainbox {trainbox.__version__}"
 
 
@@ -270,7 +271,6 @@ def _split_overrides(args) -> None:
 
 def _stdout_closed() -> bool:
     """Whether stdout is a pipe whose reader has gone; if so it now points at /dev/null (no error at exit)."""
-    import select
 
     try:
         fd = sys.stdout.fileno()

@@ -8,18 +8,24 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import signal
 import sys
+import time
 from contextlib import contextmanager
 from pathlib import Path
+
+from trainbox.config import load_config
+from trainbox.errors import DataError
+from trainbox.monitor.console import fmt_duration
+from trainbox.train.stop import STOP  # `train` keeps stop signals for its loop: a download ends on them
 
 # ----------------------------------------------------------------------------- prepare, inspect, data
 
 
 def _prepare_progress(stream=None):
     """Progress for `prepare`: a redrawn line on a TTY, a plain line every 10 s otherwise."""
-    import time
     stream = stream or sys.stderr
     tty, last = stream.isatty(), [0.0]
 
@@ -32,7 +38,6 @@ def _prepare_progress(stream=None):
         line = (f"{st.documents:,} docs ({st.documents / secs:,.0f} docs/s), {st.tokens:,} tokens "
                 f"({st.tokens / secs / 1e3:,.0f}k tokens/s), {st.bytes_read / 2**20:,.1f} MiB read")
         if st.total_bytes:
-            from trainbox.monitor.console import fmt_duration
             frac = min(1.0, st.bytes_read / st.total_bytes)
             eta = secs * (1 - frac) / frac if frac > 0 else None
             line = f"[{'#' * int(frac * 24):-<24}] {frac:4.0%} {line}, eta {fmt_duration(eta)}"
@@ -42,7 +47,7 @@ def _prepare_progress(stream=None):
 
 
 def cmd_prepare(args) -> int:
-    from trainbox.data.prepare import PrepareOptions, prepare
+    from trainbox.data.prepare import PrepareOptions, prepare  # heavy: numpy
 
     opts = PrepareOptions(inputs=args.inputs, out=args.out, tokenizer=args.tokenizer, format=args.format,
                           text_keys=args.text_key or ["text"], chat_template=args.chat_template,
@@ -65,8 +70,6 @@ def cmd_prepare(args) -> int:
 def train_hint(out: str, tokenizer: str) -> str:
     """The `trainbox train` command for data written to `out`: a run of its own, named after `out` (the
     default run, tiny, would resume, or refuse data it was not started on)."""
-    import re
-    import shlex
 
     name = re.sub(r"[^A-Za-z0-9._-]+", "-", Path(out).name).lstrip("._-")[:128] or "data"
     return " ".join(shlex.quote(a) for a in ("trainbox", "train", f"data.path={out}", f"data.tokenizer={tokenizer}",
@@ -74,7 +77,7 @@ def train_hint(out: str, tokenizer: str) -> str:
 
 
 def cmd_inspect(args) -> int:
-    from trainbox.data.inspect import format_report, inspect_data
+    from trainbox.data.inspect import format_report, inspect_data  # heavy: numpy, torch
 
     report = inspect_data(args.path, args.seq_len, args.global_batch, args.epochs, args.tokenizer,
                           data_format=args.format)
@@ -94,7 +97,6 @@ def cmd_data(args) -> int:
             if args.dataset == "fineweb":
                 folder = args.out
                 return _download_fineweb(args)
-            from trainbox.config import load_config
             cfg = load_config(args.recipe, args.overrides)
             folder = cfg.data.path
             return _download_for_run(cfg, args.recipe)
@@ -104,7 +106,7 @@ def cmd_data(args) -> int:
 
 
 def _download_fineweb(args) -> int:
-    from trainbox.data.hub import download_fineweb
+    from trainbox.data.hub import download_fineweb  # heavy: numpy
 
     hub = hub_from_env(revision=args.revision)
 
@@ -164,7 +166,7 @@ def _stop_on_signals():
 def _stopped_line(verb: str, signum: int, folder: str | None, again: list[str]) -> str:
     """What a download ended by `signum` leaves in `folder` (complete files, `.part` files and their sizes) and
     the command that continues it."""
-    from trainbox.data.hub import MARKER
+    from trainbox.data.hub import MARKER  # heavy: numpy
 
     files = sorted(p for p in Path(folder).iterdir() if p.name != MARKER) if folder and Path(folder).is_dir() else []
     parts = [p for p in files if p.name.endswith(".part")]
@@ -177,14 +179,12 @@ def _stopped_line(verb: str, signum: int, folder: str | None, again: list[str]) 
 def fetch_run_data(cfg, recipe: str | None, main: bool = True) -> list[Path] | None:
     """Download data.source into data.path when data.path is missing (data/hub.py ensure_source); None when there
     is nothing to fetch. `main`: this process shows the progress (rank 0)."""
-    from trainbox.data.hub import download_target, ensure_source, run_samples
-    from trainbox.errors import DataError
+    from trainbox.data.hub import download_target, ensure_source, run_samples  # heavy: numpy
 
     d, t = cfg.data, cfg.train
     if download_target(d.path, d.source, d.download) is None:
         return None
     hub = hub_from_env(show=main)
-    from trainbox.train.stop import STOP  # `train` keeps stop signals for its loop: a download ends on them
     hub.stopped = lambda: signal.Signals(STOP.signum).name if STOP.signum is not None else None
     samples = run_samples(t.global_batch_size, d.seq_len, t.max_steps, t.max_tokens)
     try:
@@ -203,7 +203,7 @@ def fetch_run_data(cfg, recipe: str | None, main: bool = True) -> list[Path] | N
 def hub_from_env(revision: str | None = None, show: bool = True):
     """The hub endpoint, token and offline flag from HF_ENDPOINT, HF_TOKEN and HF_HUB_OFFLINE, with a progress
     line on stderr."""
-    from trainbox.data.hub import DEFAULT_ENDPOINT, Hub
+    from trainbox.data.hub import DEFAULT_ENDPOINT, Hub  # heavy: numpy
 
     offline = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
     return Hub(endpoint=os.environ.get("HF_ENDPOINT") or DEFAULT_ENDPOINT, revision=revision or "main",
@@ -219,9 +219,7 @@ class DownloadLine:
         self.enabled, self.tty, self.last, self.drawn = enabled, self.stream.isatty(), 0.0, False
 
     def __call__(self, p) -> None:
-        import time
 
-        from trainbox.monitor.console import fmt_duration
         now = time.monotonic()
         if not self.enabled or now - self.last < (0.2 if self.tty else 10.0):
             return

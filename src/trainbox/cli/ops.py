@@ -4,20 +4,43 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import socket
 import sys
+import time
 from pathlib import Path
 
+import yaml
+
+from trainbox.config import load_config
+from trainbox.config.batch import given_on_command_line, micro_batch_on
+from trainbox.config.schema import MonitorSection
 from trainbox.errors import TrainboxError
+from trainbox.launch import LaunchSpec, render, write_rendered
+from trainbox.launch.apply import run_commands
+from trainbox.launch.image import build_commands
+from trainbox.monitor.console import fmt_duration
+from trainbox.monitor.plot import plot_runs
+from trainbox.monitor.server import start_server
+from trainbox.monitor.state import RunState
+from trainbox.rundir.runs import (
+    follow_log,
+    list_runs,
+    pid_alive,
+    resolve_run,
+    run_info,
+    run_target,
+    url_health,
+    wait_exit,
+)
 
 # ----------------------------------------------------------------------------- launch
 
 
 def cmd_launch(args) -> int:
-    from trainbox.launch.apply import run_commands
 
     if args.target == "image":
         return _launch_image(args)
-    from trainbox.launch import LaunchSpec, render, write_rendered
 
     spec = LaunchSpec(target=args.target, recipe=args.recipe, overrides=args.overrides, image=args.image,
                       nodes=args.nodes, min_nodes=args.min_nodes, gpus_per_node=args.gpus_per_node,
@@ -41,8 +64,6 @@ def cmd_launch(args) -> int:
 
 
 def _launch_image(args) -> int:
-    from trainbox.launch.apply import run_commands
-    from trainbox.launch.image import build_commands
 
     context = Path(args.context)
     commands = build_commands(context, args.registry, args.tag, rocm=args.rocm, push=args.push,
@@ -56,14 +77,12 @@ def _launch_image(args) -> int:
 
 
 def cmd_plan(args) -> int:
-    from trainbox.config import load_config
-    from trainbox.plan import plan_run
-    from trainbox.plan.report import format_plan
+    from trainbox.plan import plan_run  # heavy: numpy, torch
+    from trainbox.plan.report import format_plan  # heavy: numpy, torch
 
     cfg = load_config(args.recipe, args.overrides)
     overrides = list(args.overrides)
     if args.nproc > 1:   # the micro-batch `trainbox train --nproc N` would pick
-        from trainbox.config.batch import given_on_command_line, micro_batch_on
         micro = micro_batch_on(cfg, args.nproc, given_on_command_line(overrides))
         if micro != cfg.train.micro_batch_size:
             overrides.append(f"train.micro_batch_size={micro}")
@@ -80,8 +99,7 @@ def cmd_plan(args) -> int:
 
 
 def cmd_doctor(args) -> int:
-    from trainbox.config import load_config
-    from trainbox.doctor import as_json, run_checks
+    from trainbox.doctor import as_json, run_checks  # heavy: torch
 
     cfg = load_config(args.recipe, args.overrides) if (args.recipe or args.overrides) else None
     checks = run_checks(dict(os.environ), cfg)
@@ -102,7 +120,6 @@ def cmd_doctor(args) -> int:
 
 
 def cmd_runs(args) -> int:
-    from trainbox.runs import list_runs, runs_table
 
     infos = list_runs(Path(args.dir))
     if args.json:
@@ -119,7 +136,6 @@ def cmd_runs(args) -> int:
 
 
 def cmd_logs(args) -> int:
-    from trainbox.runs import follow_log, resolve_run
 
     run_dir = resolve_run(args.run, Path(args.root))
     try:
@@ -133,7 +149,6 @@ def cmd_logs(args) -> int:
 
 def cmd_attach(args) -> int:
     """Follow a run's train.log until the run ends (Ctrl-C leaves the run going), then say how it ended."""
-    from trainbox.runs import follow_log, resolve_run, run_info
 
     run_dir = resolve_run(args.run, Path(args.root))
     try:
@@ -157,11 +172,8 @@ def cmd_attach(args) -> int:
 def cmd_stop(args) -> int:
     """SIGTERM to the run's process (a --nproc run's launcher), wait for it to exit, report the step it saved;
     --now: SIGKILL after --timeout."""
-    import signal
-    import socket
 
-    from trainbox import checkpoint
-    from trainbox.runs import pid_alive, resolve_run, run_info, run_target, wait_exit
+    from trainbox import checkpoint  # heavy: numpy, torch
 
     run_dir = resolve_run(args.run, Path(args.root))
     target = run_target(run_dir)  # RunFinished (exit 0) / RunNotRunning (exit 1) when there is nothing to stop
@@ -216,7 +228,6 @@ def cmd_stop(args) -> int:
 
 
 def cmd_status(args) -> int:
-    from trainbox.runs import resolve_run, run_info, url_health
 
     try:
         if "://" in args.target:
@@ -231,8 +242,6 @@ def cmd_status(args) -> int:
 
 
 def cmd_plot(args) -> int:
-    from trainbox.plot import plot_runs
-    from trainbox.runs import resolve_run
 
     out = plot_runs([resolve_run(r, Path(args.root)) for r in args.runs], Path(args.out))
     print(f"wrote {out}")
@@ -242,14 +251,8 @@ def cmd_plot(args) -> int:
 def cmd_dashboard(args) -> int:
     """Serve a run's dashboard from its files (metrics.jsonl, status.json) with the live run's server and
     page; the files are read again when they change, so a run still training elsewhere stays current."""
-    import time
 
-    import yaml
 
-    from trainbox.config.schema import MonitorSection
-    from trainbox.monitor.server import start_server
-    from trainbox.monitor.state import RunState
-    from trainbox.runs import resolve_run
 
     run_dir = resolve_run(args.run, Path(args.root))
     try:
@@ -292,3 +295,30 @@ def cmd_dashboard(args) -> int:
     finally:
         server.stop()
     return 0
+
+
+def _ago(seconds: float | None) -> str:
+    """'12s ago', '5m ago', '3h ago', '2d ago' (the coarse ages docker ps shows)."""
+    if seconds is None:
+        return "-"
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{int(seconds // size)}{unit} ago"
+    return f"{max(0, int(seconds))}s ago"
+
+
+def runs_table(infos: list[dict], now: float | None = None) -> list[list[str]]:
+    """Rows (header first) for `trainbox runs`."""
+    now = time.time() if now is None else now
+    rows = [["NAME", "STATE", "STEP", "LOSS", "VAL", "TOK/S", "ETA", "STARTED", "UPDATED", "DETAIL"]]
+    for r in infos:
+        loss, val, tok = r.get("loss"), r.get("val_loss"), r.get("tokens_per_s")
+        running = r["state"] in ("running", "stalled")
+        detail = "" if r["state"] in ("running", "finished") else r["reason"]
+        rows.append([r["name"], r["state"], f"{r.get('step', 0)}/{r.get('total_steps', 0)}",
+                     f"{loss:.4f}" if loss is not None else "-", f"{val:.4f}" if val is not None else "-",
+                     f"{tok:,.0f}" if tok else "-", fmt_duration(r.get("eta_s")) if running else "-",
+                     _ago(now - r["started_at"]) if r.get("started_at") else "-",
+                     _ago(now - r["heartbeat"]) if r.get("heartbeat") else "-",
+                     detail if len(detail) <= 70 else detail[:67] + "..."])
+    return rows

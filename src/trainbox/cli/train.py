@@ -2,17 +2,33 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 
+from trainbox.cli.data import fetch_run_data
+from trainbox.config import RunConfig, dump_yaml, load_config
+from trainbox.config.batch import given_on_command_line, micro_batch_on
+from trainbox.config.describe import describe_keys
+from trainbox.config.hfargs import mapping_report
+from trainbox.data import embedded
+from trainbox.data.tokenizer import train_bpe
+from trainbox.errors import DataError
+from trainbox.files import open_append
+from trainbox.model.spec import family
+from trainbox.monitor.console import ProgressBar, setup_logging
+from trainbox.rundir.lock import RunLock, lock_run, unlock_run
+from trainbox.rundir.runs import catches_signal, clear_launcher, write_launcher
 from trainbox.train.stop import BEFORE_FIRST_STEP, STOP, STOP_SIGNALS, stop_when_gone  # armed by cli.main
 
 # ----------------------------------------------------------------------------- train
 
 
 def cmd_train(args) -> int:
-    from trainbox.config import load_config
 
     _allocator_env()
     worker = "LOCAL_RANK" in os.environ
@@ -26,37 +42,33 @@ def cmd_train(args) -> int:
     if STOP.requested and not worker:   # workers agree on stopping in the loop, all at one step boundary
         return _stopped_before_start()
     if args.recipe and args.recipe.endswith(".json") and not worker:
-        from trainbox.hfargs import mapping_report
         report = mapping_report(args.recipe)
         if report:
             print(report, file=sys.stderr)
-    from trainbox.cli.data import fetch_run_data
-    from trainbox.data.hub import download_target
+    from trainbox.data.hub import download_target  # heavy: numpy
 
     if download_target(cfg.data.path, cfg.data.source, cfg.data.download) and cfg.requires_gpu \
             and cfg.train.device == "auto":   # a GPU recipe on a CPU is refused before its download, not after
-        import torch
+        import torch  # heavy: torch
         if not torch.cuda.is_available():
-            from trainbox.train.device import gpu_recipe_on_cpu
+            from trainbox.train.device import gpu_recipe_on_cpu  # heavy: torch
             raise gpu_recipe_on_cpu(cfg)
     if args.nproc and args.nproc > 1 and not worker:
         extra = _micro_batch_for(cfg, args.nproc, args.overrides)
-        fetch_run_data(cfg, args.recipe)   # once, before any worker starts
+        if not _fetch(cfg, args.recipe):   # once, before any worker starts
+            return _stopped_before_start(cfg.data.path)
         return _launch_torchrun(args, cfg, extra)
-    from trainbox.train.distributed import Dist
+    from trainbox.parallel.distributed import Dist  # heavy: torch
     dist = Dist.from_env(os.environ)
     # under a torchrun started elsewhere, the download folder's lock lets one process per machine fetch
-    fetch_run_data(cfg, args.recipe, main=dist.is_main)
-    if STOP.requested and not worker:
-        return _stopped_before_start()
-    from trainbox.lock import lock_run, unlock_run
+    if not _fetch(cfg, args.recipe, main=dist.is_main) or (STOP.requested and not worker):
+        return _stopped_before_start(cfg.data.path)
 
     single = dist.world == 1
     if single:  # refused at once when another run holds the folder; under torchrun rank 0 locks in the trainer
         lock_run(cfg.run_dir)
     _kernel_cache_env()
-    from trainbox.monitor.console import ProgressBar, setup_logging
-    from trainbox.train.loop import train
+    from trainbox.train.loop import train  # heavy: numpy, torch
 
     mode = cfg.monitor.progress
     bar = dist.is_main and (mode == "bar" or (mode == "auto" and sys.stderr.isatty()))
@@ -82,9 +94,25 @@ def cmd_train(args) -> int:
     return 0
 
 
-def _stopped_before_start() -> int:
-    print(BEFORE_FIRST_STEP, file=sys.stderr)
+def _stopped_before_start(data_path: str | None = None) -> int:
+    """A stop before the first step: one line, exit 0; a download it cut short says what it kept."""
+    parts = sorted(Path(data_path).glob(".*.part")) if data_path and Path(data_path).is_dir() else []
+    kept = "".join(f"; kept {p.stat().st_size:,} bytes of {p.name[1:-len('.part')]} in {p}, which the same command "
+                   "continues" for p in parts)
+    print(BEFORE_FIRST_STEP + kept, file=sys.stderr)
     return 0
+
+
+def _fetch(cfg, recipe: str | None, main: bool = True) -> bool:
+    """The run's data.source download (cli/data.py); False when a stop signal ended it (the .part files stay)."""
+
+    try:
+        fetch_run_data(cfg, recipe, main=main)
+    except DataError:
+        if STOP.requested:
+            return False
+        raise
+    return True
 
 
 def _allocator_env() -> None:
@@ -94,7 +122,7 @@ def _allocator_env() -> None:
     set wins; ROCm builds keep their own default."""
     if "PYTORCH_ALLOC_CONF" in os.environ or "PYTORCH_CUDA_ALLOC_CONF" in os.environ:
         return
-    import torch
+    import torch  # heavy: torch
     if torch.version.hip is None:
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
 
@@ -106,7 +134,7 @@ def _kernel_cache_env() -> None:
     win."""
     os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "1")
     if "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR" not in os.environ:
-        from trainbox.kernels.ops import compile_cache_dir
+        from trainbox.kernels.ops import compile_cache_dir  # heavy: torch
         os.environ["FLASH_ATTENTION_CUTE_DSL_CACHE_DIR"] = str(
             Path(compile_cache_dir()).parent / "flash_attention_cute")
 
@@ -119,7 +147,6 @@ def _exit_worker() -> None:
     destroyed while the interpreter is being torn down, which aborts the process ("terminate called
     without an active exception"; seen once in about ten passes of the CPU test suite). torchrun
     then reports a finished run as failed and, with restarts allowed, starts the workers again."""
-    import logging
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -129,7 +156,6 @@ def _exit_worker() -> None:
 def _micro_batch_for(cfg, nproc: int, overrides: list[str]) -> list[str]:
     """The override that makes the global batch hold on `nproc` processes (config/batch.py), refused here, once,
     before any worker starts, where none can."""
-    from trainbox.config.batch import given_on_command_line, micro_batch_on
     t = cfg.train
     micro = micro_batch_on(cfg, nproc, given_on_command_line(overrides))
     if micro == t.micro_batch_size:
@@ -151,14 +177,9 @@ def _launch_torchrun(args, cfg, extra_overrides: list[str] = ()) -> int:
     (TRAINBOX_LAUNCHER_PID) and stop in the same way when it ends, however it ends (SIGKILL included), so no
     worker trains on unsupervised; where /proc does not list the workers, the signal goes to torchrun, which
     passes it on."""
-    import signal
-    import subprocess
-    import time
 
-    from torch.distributed.run import get_args_parser
+    from torch.distributed.run import get_args_parser  # heavy: torch
 
-    from trainbox.lock import RunLock
-    from trainbox.runs import catches_signal, clear_launcher, write_launcher
 
     RunLock(cfg.run_dir).acquire().release()   # a live holder: RunBusy (exit 2), before any worker starts
     if STOP.requested:
@@ -249,11 +270,7 @@ def _detach(args, cfg) -> int:
     DETACH_WAIT_S), and the commands to follow and stop it, then returns. A process that ends first (a busy or
     finished run, a config error) has its exit status and last console lines passed on. A stop signal while it
     waits stops the new process too (the run was not handed over yet), as it would have stopped this one."""
-    import signal
-    import subprocess
-    import time
 
-    from trainbox.runs import catches_signal
 
     if STOP.requested:
         return _stopped_before_start()
@@ -264,7 +281,6 @@ def _detach(args, cfg) -> int:
     env = {k: v for k, v in os.environ.items() if k != "TRAINBOX_OVERRIDES"}  # already in args.overrides
     env["PYTHONUNBUFFERED"] = "1"
     console = run_dir / "console.log"
-    from trainbox.files import open_append
 
     with open_append(console) as out:  # refuses a planted symbolic link
         offset = out.tell()
@@ -315,17 +331,16 @@ def _detach(args, cfg) -> int:
 
 
 def cmd_generate(args) -> int:
-    import torch
+    import torch  # heavy: torch
 
-    from trainbox.generate import sample
-    from trainbox.model.load import load_for_inference
-    from trainbox.model.spec import family
+    from trainbox.generate import sample  # heavy: numpy, torch
+    from trainbox.model.load import load_for_inference  # heavy: numpy, torch
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     model, tokenizer, cfg = load_for_inference(args.path, device)
     if family(cfg.model.family).generate == "spans":  # encoder-decoder: what the model fills in for each sentinel
-        from trainbox.data.spans import fill_prompt
-        from trainbox.generate import fill_spans
+        from trainbox.data.spans import fill_prompt  # heavy: numpy, torch
+        from trainbox.generate import fill_spans  # heavy: numpy, torch
         spans = fill_spans(model, tokenizer, args.prompt, max_tokens=args.max_tokens, temperature=args.temperature,
                            top_k=args.top_k, top_p=args.top_p, seed=args.seed, device=device)
         for k, text in spans:
@@ -342,7 +357,7 @@ def cmd_generate(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from trainbox.export import export
+    from trainbox.export import export  # heavy: numpy, torch
 
     for line in export(args.path, args.out, merge=args.merge, force=args.force):
         print(line)
@@ -353,7 +368,6 @@ def cmd_export(args) -> int:
 
 
 def cmd_config(args) -> int:
-    from trainbox.config import RunConfig, dump_yaml, load_config
 
     if args.action == "schema":
         if args.json:
@@ -371,7 +385,6 @@ def cmd_config(args) -> int:
 
 def _print_keys() -> None:
     """`config schema`: one line per key (dotted name, type, default, description), grouped by section."""
-    from trainbox.config.describe import describe_keys
 
     rows = describe_keys()
     kw = max(len(r[0]) for r in rows)
@@ -392,12 +405,10 @@ def _print_keys() -> None:
 
 
 def cmd_tokenizer(args) -> int:
-    from trainbox.data.tokenizer import train_bpe
 
     def texts():
         for f in args.files:
             if f.startswith("embedded:"):
-                from trainbox.data import embedded
                 yield from embedded.split("train")
                 continue
             p = Path(f)

@@ -11,6 +11,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
+from trainbox.config.hfargs import map_training_arguments
 from trainbox.config.schema import RunConfig
 from trainbox.errors import ConfigError
 
@@ -63,7 +64,6 @@ def load_source(source: str | None) -> dict:
                               hint=f"recipes: {', '.join(recipe_names())}")
         data = _read_file(path)
         if path.suffix == ".json" and _looks_like_training_arguments(data):
-            from trainbox.hfargs import map_training_arguments
             data = map_training_arguments(data)
         data.setdefault("recipe", path.stem)
         return data

@@ -17,7 +17,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from trainbox.errors import DataError
+from trainbox.errors import DataError, MissingDependency
 
 CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] "
           "+ '<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
@@ -70,9 +70,8 @@ class ChatTemplate:
 
     def __init__(self, source: str, name: str = "chatml", bos_token: str = "", eos_token: str = ""):
         try:
-            from jinja2.sandbox import ImmutableSandboxedEnvironment
+            from jinja2.sandbox import ImmutableSandboxedEnvironment  # heavy: jinja2
         except ImportError:  # pragma: no cover - jinja2 ships with torch
-            from trainbox.errors import MissingDependency
             raise MissingDependency("jinja2", "hf", "rendering chat templates") from None
 
         def raise_exception(msg):

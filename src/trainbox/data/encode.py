@@ -11,18 +11,18 @@ from typing import Iterator
 
 import numpy as np
 
+from trainbox.data.chat import encode_chat, load_template
 from trainbox.data.readers import decode_utf8, parse_json_line
+from trainbox.data.tokenizer import get_tokenizer
 from trainbox.errors import DataError
 
 _WORKER: dict = {}
 
 
 def _init_worker(tokenizer_spec: str, chat_template: str | None, chat: bool, keys: list[str]) -> None:
-    from trainbox.data.tokenizer import get_tokenizer
 
     _WORKER.update(tok=get_tokenizer(tokenizer_spec), chat=chat, keys=keys)
     if chat:
-        from trainbox.data.chat import load_template
         _WORKER["template"] = load_template(tokenizer_spec, chat_template)
 
 
@@ -58,7 +58,6 @@ def _encode_parsed(item: list) -> list:
             j += k
     for i, e in enumerate(item):
         if e[0] == "chat":
-            from trainbox.data.chat import encode_chat
             ids, mask = encode_chat(_WORKER["template"], tok, e[1], e[2])
             out[i] = (True, [np.asarray(ids, dtype=dtype)], np.asarray(mask, dtype=np.uint8))
     return out

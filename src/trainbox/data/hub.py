@@ -22,6 +22,7 @@ folder up (a longer run, a download cut short) while a folder of the user's own 
 from __future__ import annotations
 
 import fcntl
+import glob
 import json
 import os
 import time
@@ -277,7 +278,6 @@ def plan_shards(source: Source, samples: int | None, seq_len: int, known: dict[i
 
 def is_missing(path: str) -> bool:
     """Whether data.path names nothing: no file or folder, and no files with it as their prefix."""
-    import glob
     return not os.path.exists(path) and not glob.glob(glob.escape(path) + "_*")
 
 

@@ -18,8 +18,11 @@ from pathlib import Path
 
 import numpy as np
 
+from trainbox.config import DataSection
 from trainbox.data import formats, megatron
 from trainbox.data.loader import TokenDataset, open_tokens, zero_steps_message
+from trainbox.data.sources import check_vocab, resolve
+from trainbox.data.tokenizer import get_tokenizer
 from trainbox.errors import DataError
 
 CHUNK = 1 << 24
@@ -44,7 +47,6 @@ def scan(tokens: np.ndarray, eot: int | None) -> dict:
 def describe_file(path: Path, eot: int | None, vocab_size: int | None, data_format: str = "auto",
                   tokenizer: str | None = None) -> dict:
     """One file's format, dtype, documents, tokens, id range and masked fraction."""
-    from trainbox.data.sources import check_vocab
 
     tokens, mask = open_tokens(path, data_format)
     fmt = file_format(path, data_format)
@@ -64,9 +66,6 @@ def describe_file(path: Path, eot: int | None, vocab_size: int | None, data_form
 def inspect_data(path: str, seq_len: int, global_batch: int | None = None, epochs: float = 1.0,
                  tokenizer: str | None = None, cache_dir: str | None = None, data_format: str = "auto") -> dict:
     """A report of the train (and val) files behind `path`; DataError when an epoch would have 0 steps."""
-    from trainbox.config import DataSection
-    from trainbox.data.sources import resolve
-    from trainbox.data.tokenizer import get_tokenizer
 
     tok = get_tokenizer(tokenizer or "gpt2")
     cfg = DataSection(path=path, tokenizer=tokenizer or "gpt2", seq_len=max(8, seq_len), cache_dir=cache_dir,

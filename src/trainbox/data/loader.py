@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from trainbox.data import formats
 from trainbox.errors import ConfigError, DataError
 
 
@@ -184,7 +185,6 @@ def zero_steps_message(name: str, samples: int, seq_len: int, global_batch: int,
 def open_tokens(path: Path, fmt: str = "auto") -> tuple[np.ndarray, np.ndarray | None]:
     """(tokens, loss mask or None) of a shard, a Megatron prefix or a flat uint16 file, memory-mapped;
     `fmt` is data.format (auto, shard, megatron, flat: data/formats.py says what each accepts)."""
-    from trainbox.data import formats
 
     return formats.open_tokens(path, fmt)
 

@@ -39,6 +39,7 @@ from typing import Callable
 import numpy as np
 
 from trainbox.data import formats, manifest, megatron
+from trainbox.data.chat import load_template
 from trainbox.data.encode import EncodePool
 from trainbox.data.readers import (
     first_record_is_chat,
@@ -48,6 +49,7 @@ from trainbox.data.readers import (
     work_items,
 )
 from trainbox.data.sinks import MegatronSink, ShardSink, partial
+from trainbox.data.tokenizer import asset_path, get_tokenizer
 from trainbox.errors import DataError, NoData
 
 
@@ -148,14 +150,12 @@ def _is_val(i: int, opts: PrepareOptions) -> bool:
 
 def prepare(opts: PrepareOptions, progress: Callable[[PrepareStats], None] | None = None) -> PrepareStats:
     """Tokenize `opts.inputs` into `opts.out` (see the module docstring). Returns the totals."""
-    from trainbox.data.tokenizer import get_tokenizer
 
     files = list_input_files(opts.inputs)
     _check(opts, files)
     tok = get_tokenizer(opts.tokenizer)
     chat = any(is_jsonl(f) and first_record_is_chat(f) for f in files)
     if chat:
-        from trainbox.data.chat import load_template
         load_template(opts.tokenizer, opts.chat_template)  # fail early on a bad template
     if opts.format == "shard" and tok.vocab_size > 65536:
         raise DataError(f"tokenizer {opts.tokenizer} has {tok.vocab_size} ids; shards hold uint16",
@@ -278,7 +278,6 @@ def _commit(outputs: list[tuple[Path, Path, int | None]], opts: PrepareOptions, 
 
 def write_vocab(tokenizer: str, folder: Path) -> list[Path]:
     """gpt2-vocab.json and gpt2-merges.txt, the files Megatron's GPT2BPETokenizer reads."""
-    from trainbox.data.tokenizer import asset_path
 
     if tokenizer != "gpt2":
         raise DataError(f"--write-vocab writes the GPT-2 vocabulary; the tokenizer here is {tokenizer}",

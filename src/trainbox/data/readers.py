@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 from typing import Iterator
 
+from trainbox.data.chat import is_chat_record, messages_of
 from trainbox.errors import DataError
 
 TEXT_SUFFIXES = (".txt", ".md", ".text")
@@ -56,7 +57,6 @@ def first_record_is_chat(path: Path) -> bool:
     """Whether a JSONL file holds chat records, from its first line (False for a pipe, which can't be peeked)."""
     if not path.is_file():
         return False
-    from trainbox.data.chat import is_chat_record
 
     with _open(path) as f:
         for line in f:
@@ -143,7 +143,6 @@ def decode_utf8(data: bytes, where: str, offset: int) -> str:
 
 def parse_json_line(line: bytes, where: str, offset: int, keys: list[str], chat: bool) -> tuple:
     """One JSONL line -> ("text", [text per key], True) or ("chat", messages, where)."""
-    from trainbox.data.chat import is_chat_record, messages_of
 
     try:
         rec = json.loads(line)

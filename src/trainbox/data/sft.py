@@ -44,7 +44,9 @@ from trainbox.data.chat import (
     tokenizer_template,
 )
 from trainbox.data.loader import TokenDataset
-from trainbox.errors import ConfigError, DataError
+from trainbox.data.sources import default_cache_dir
+from trainbox.data.sources import open_datasets as open_token_datasets
+from trainbox.errors import ConfigError, DataError, require
 
 log = logging.getLogger("trainbox")
 
@@ -94,10 +96,9 @@ def check_tokenizer_folder(spec: str) -> None:
 
 def load_hf_tokenizer(spec: str) -> HFModelTokenizer:
     """A model's tokenizer from a hub id or a folder (tokenizer.json, tokenizer_config.json, ...)."""
-    from trainbox.errors import require
     check_tokenizer_folder(spec)
     require("transformers", "finetune", "the tokenizer of a Hugging Face model")
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # optional: transformers
     try:
         tok = AutoTokenizer.from_pretrained(spec)
     except (OSError, ValueError) as e:
@@ -217,7 +218,6 @@ def prepare_sft(path: str | Path, tok, cfg: DataSection) -> tuple[Path, Path]:
     if cfg.chat_template is not None and cfg.chat_template not in BUILTIN_TEMPLATES:
         raise ConfigError(f"data.chat_template={cfg.chat_template!r} is not a built-in template",
                           hint=f"built-in: {', '.join(BUILTIN_TEMPLATES)}; leave it unset to use the tokenizer's own")
-    from trainbox.data.sources import default_cache_dir
     out = default_cache_dir(cfg) / f"sft-{path.stem}-{cache_key(path, tok, cfg)}"
     tokens, mask = out / "tokens.npy", out / "mask.npy"
     if (out / "COMPLETE").is_file():
@@ -256,3 +256,11 @@ def open_sft_datasets(cfg: DataSection, tok, vocab_size: int) -> tuple[TokenData
                             hint="the tokenizer does not belong to the model; set data.tokenizer to match")
         sets.append(TokenDataset([arr], cfg.seq_len, name=f"{p} ({split})", masks=[np.load(mask, mmap_mode="r")]))
     return sets[0], sets[1]
+
+
+def open_finetuning_datasets(cfg: DataSection, tok, vocab_size: int) -> tuple:
+    """Fine-tuning data (model.family=hf, llama with model.path): raw chat / text JSONL (or .txt) tokenized here
+    with loss masks; token files prepared with `trainbox prepare` read as for pretraining."""
+    if is_sft_input(cfg.path):
+        return open_sft_datasets(cfg, tok, vocab_size)
+    return open_token_datasets(cfg, tok, vocab_size)

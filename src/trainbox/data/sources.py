@@ -32,9 +32,11 @@ from pathlib import Path
 import numpy as np
 
 from trainbox.config import DataSection
-from trainbox.data import formats, manifest, megatron
+from trainbox.data import embedded, formats, manifest, megatron
 from trainbox.data.formats import write_shard
 from trainbox.data.loader import TokenDataset, open_tokens
+from trainbox.data.prepare import PrepareOptions, prepare
+from trainbox.data.readers import JSONL_SUFFIXES, TEXT_SUFFIXES, list_input_files
 from trainbox.data.tokenizer import Tokenizer
 from trainbox.errors import DataError
 
@@ -47,7 +49,6 @@ def default_cache_dir(cfg: DataSection) -> Path:
 
 def tokenize_embedded(corpus: str, tokenizer: Tokenizer, cache: Path) -> Path:
     """Tokenize the embedded corpus once; later runs find the cached shards and start at once."""
-    from trainbox.data import embedded
 
     if corpus != embedded.CORPUS:
         raise DataError(f"no embedded corpus '{corpus}'", hint=f"use embedded:{embedded.CORPUS}")
@@ -72,7 +73,6 @@ def _split_files(prefix: str, split: str) -> list[Path]:
 
 
 def _is_raw_input(path: str) -> bool:
-    from trainbox.data.readers import JSONL_SUFFIXES, TEXT_SUFFIXES
 
     if os.path.isdir(path):
         return not glob.glob(os.path.join(glob.escape(path), "*.bin"))
@@ -93,8 +93,6 @@ def _folder_prefix(path: str) -> str:
 
 def prepare_into_cache(cfg: DataSection, progress=None) -> str:
     """Tokenize a raw text/JSONL data.path once into the cache; returns the shard prefix."""
-    from trainbox.data.prepare import PrepareOptions, prepare
-    from trainbox.data.readers import list_input_files
 
     files = list_input_files([cfg.path])
     ident = [cfg.tokenizer, cfg.chat_template or "", *cfg.text_key]

@@ -27,6 +27,7 @@ import re
 import numpy as np
 import torch
 
+from trainbox.data.loader import TokenDataset
 from trainbox.errors import ConfigError
 
 SPLITS = {"train": 0, "val": 1}
@@ -140,7 +141,6 @@ class SpanCorruption:
 
 def span_corruption_dataset(dataset, t5_cfg, seq_len: int, vocab_size: int, eos_id: int, seed: int, split: str):
     """The same token files cut into raw windows of span_lengths(seq_len)[0] tokens, corrupted per sample."""
-    from trainbox.data.loader import TokenDataset
 
     transform = SpanCorruption(seq_len, t5_cfg.noise_density, t5_cfg.mean_noise_span_length,
                                t5_cfg.sentinel_tokens, vocab_size, eos_id, seed, split)

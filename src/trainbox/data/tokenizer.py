@@ -16,6 +16,11 @@ from importlib import resources
 from pathlib import Path
 from typing import Iterable, Protocol
 
+import tiktoken
+from tiktoken.load import data_gym_to_mergeable_bpe_ranks
+from tokenizers import Tokenizer as _Tok
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
 from trainbox.errors import DataError
 
 GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
@@ -43,8 +48,6 @@ class GPT2Tokenizer:
     """tiktoken GPT-2, exact, offline."""
 
     def __init__(self, name: str = "gpt2"):
-        import tiktoken
-        from tiktoken.load import data_gym_to_mergeable_bpe_ranks
 
         ranks = data_gym_to_mergeable_bpe_ranks(
             vocab_bpe_file=str(asset_path("vocab.bpe")), encoder_json_file=str(asset_path("encoder.json")),
@@ -70,7 +73,6 @@ class HFTokenizer:
     """A `tokenizers` tokenizer.json. EOT is <|endoftext|> (or </s>, <eos>) when present."""
 
     def __init__(self, path: str | Path, name: str | None = None):
-        from tokenizers import Tokenizer as _Tok
 
         path = Path(path)
         file = path / "tokenizer.json" if path.is_dir() else path
@@ -121,8 +123,6 @@ def get_tokenizer(spec: str) -> Tokenizer:
 
 def train_bpe(texts: Iterable[str], vocab_size: int, out: str | Path) -> Path:
     """Train a byte-level BPE (GPT-2 style pre-tokenization) with <|endoftext|> as its only special token."""
-    from tokenizers import Tokenizer as _Tok
-    from tokenizers import decoders, models, pre_tokenizers, trainers
 
     if vocab_size < 257:
         raise DataError(f"vocab size {vocab_size} is too small for a byte-level BPE (needs >= 257)")

@@ -24,6 +24,11 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from trainbox.kernels.flash import flash_available, require_flash
+from trainbox.kernels.fp8 import fp8_supported
+from trainbox.kernels.fused_ce import quack_lce_available
+from trainbox.kernels.fused_mlp import quack_available
+
 
 @dataclass(frozen=True)
 class KernelPlan:
@@ -45,7 +50,7 @@ def flex_available(device: torch.device) -> bool:
     if device.type != "cuda":
         return False
     try:
-        import torch.nn.attention.flex_attention  # noqa: F401
+        import torch.nn.attention.flex_attention  # noqa: F401 - optional: a feature this torch may lack
     except ImportError:
         return False
     return torch.cuda.get_device_capability(device) >= (8, 0)
@@ -65,7 +70,6 @@ def attention_on(spec, cfg, flash: bool, flex: bool) -> str:
 
 
 def _attention(cfg, device: torch.device, spec) -> str:
-    from trainbox.kernels.flash import flash_available, require_flash
     if cfg.attention == "flash":
         require_flash(device)   # refuses, saying why, where it cannot run
     return attention_on(spec, cfg, flash=cfg.attention == "flash" or flash_available(device),
@@ -77,7 +81,6 @@ def _fused_loss(cfg, device: torch.device) -> str:
         return "off"
     if device.type != "cuda":
         return "torch"
-    from trainbox.kernels.fused_ce import quack_lce_available
     return "quack" if quack_lce_available(device) else "triton"
 
 
@@ -86,14 +89,12 @@ def _fused_mlp(cfg, device: torch.device) -> str:
         return "off"
     if device.type != "cuda":
         return "torch"
-    from trainbox.kernels.fused_mlp import quack_available
     return "quack" if quack_available(device) else "unfused"
 
 
 def _fp8(cfg, device: torch.device) -> str:
     if not cfg.fp8_options:
         return "off"
-    from trainbox.kernels.fp8 import fp8_supported
     return "fp8" if fp8_supported(device) else "bf16"
 
 

@@ -38,7 +38,7 @@ def _interface():
     keeps its compiled kernels on disk when FLASH_ATTENTION_CUTE_DSL_CACHE_* ask it to: `trainbox train`
     sets them, see cli/train.py.)"""
     try:
-        from flash_attn.cute import interface
+        from flash_attn.cute import interface  # optional: flash_attn
     except Exception:  # noqa: BLE001 - ImportError, or a CUDA/DSL library that does not load here
         return None
     return interface

@@ -21,13 +21,13 @@ import torch
 import torch.nn as nn
 
 from trainbox.errors import ConfigError
+from trainbox.kernels.fp8 import fp8_supported
 
 EXTRA = "pip install 'trainbox[float8]' (torchao)"
 
 
 def require_float8(device: torch.device) -> None:
     """Refuse train.float8 where it cannot run: no FP8 tensor cores, or no torchao."""
-    from trainbox.kernels.fp8 import fp8_supported
     if not fp8_supported(device):
         name = f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""
         raise ConfigError(f"train.float8=true needs a GPU with FP8 tensor cores (compute capability 8.9+: L4, "
@@ -43,7 +43,7 @@ def convertible(module: nn.Module) -> bool:
 
 def convert(model: nn.Module, fsdp: bool) -> int:
     """Swap the blocks' linear layers for Float8Linear in place; returns how many were swapped."""
-    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training  # optional: torchao
 
     units = getattr(model, "checkpoint_units", None)
     if units is None:
@@ -60,5 +60,5 @@ def convert(model: nn.Module, fsdp: bool) -> int:
 
 def after_step(model: nn.Module) -> None:
     """Under fsdp with float8 all-gathers: every weight's scale in one all-reduce, ready for the next step."""
-    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp  # optional: torchao
     precompute_float8_dynamic_scale_for_fsdp(model)

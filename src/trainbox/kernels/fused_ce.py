@@ -54,7 +54,7 @@ from trainbox.kernels.fp8 import (
     fp8_shapes_ok,
     quantize,
 )
-from trainbox.kernels.ops import autocast_dtype
+from trainbox.kernels.ops import autocast_dtype, inductor_fallback
 
 IGNORE = -100
 GRAD_SCALE = 2.0 ** 15  # FP8 head: dloss/dlogits (in [-1, 1]) is stored in e5m2 times this (head_ce_fp8)
@@ -231,10 +231,9 @@ def _load_quack_lce():
         from quack.linear_cross_entropy import (
             scaled_exp_lce_supported,
             scaled_exp_linear_cross_entropy,
-        )
+        )  # optional: quack
     except Exception:  # noqa: BLE001 - a broken CUDA/CuTe install counts as missing
         return None
-    from trainbox.kernels.ops import inductor_fallback
     inductor_fallback(torch.ops.quack.lce_scaled_exp_fwd.default)
     return scaled_exp_linear_cross_entropy, scaled_exp_lce_supported
 

@@ -43,9 +43,9 @@ EXTRA = "pip install 'trainbox[flash]'  (QuACK comes with FlashAttention-4)"
 def _quack():
     """QuACK's GEMMs (gemm, gemm_act and `dgelu`, below), or None where QuACK is missing or does not load."""
     try:
-        from quack import gemm_interface
-        from quack.activation import dgelu_tanh_approx
-        from quack.epilogue.frontend import gemm_epilogue
+        from quack import gemm_interface  # optional: quack
+        from quack.activation import dgelu_tanh_approx  # optional: quack
+        from quack.epilogue.frontend import gemm_epilogue  # optional: quack
 
         @gemm_epilogue()
         def dgelu(acc, c):
@@ -71,7 +71,7 @@ def _config(device: torch.device):
     QuACK's default elsewhere."""
     if torch.cuda.get_device_capability(device)[0] != 9:
         return None
-    from quack.gemm_config import GemmConfig
+    from quack.gemm_config import GemmConfig  # optional: quack
     return GemmConfig(tile_m=128, tile_n=192, pingpong=True, cluster_m=1, cluster_n=2, device_capacity=9,
                       is_dynamic_persistent=False)
 

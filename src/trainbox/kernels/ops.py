@@ -8,6 +8,10 @@ finish. Inductor keeps the graph's strides for them (`constrain_to_fx_strides`),
 """
 from __future__ import annotations
 
+import getpass
+import os
+import tempfile
+
 import torch
 
 
@@ -24,34 +28,19 @@ def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
 def compile_cache_dir() -> str:
     """Inductor's default cache folder (moved between torch releases; the fallback is its documented default)."""
     try:
-        from torch._inductor.runtime.cache_dir_utils import cache_dir
+        from torch._inductor.runtime.cache_dir_utils import cache_dir  # optional: a feature this torch may lack
     except ImportError:
         try:
-            from torch._inductor.runtime.runtime_utils import cache_dir
+            from torch._inductor.runtime.runtime_utils import cache_dir  # optional: a feature this torch may lack
         except ImportError:
-            import getpass
-            import os
-            import tempfile
             return os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}")
     return cache_dir()
-
-
-CHAINED_OPS = ("add_layer_norm", "add_layer_norm_bwd", "gelu_mlp", "gelu_mlp_bwd", "moe_gelu_mlp", "moe_gelu_mlp_bwd",
-               "head_ce_", "head_ce_fp8")
-
-
-def register_inductor_fallbacks() -> None:
-    """Register the ops a fused_norm / fused_mlp / fused_loss model chains (called where such a model is built)."""
-    import trainbox.kernels.fused_ce  # noqa: F401 - the ops register on import
-    import trainbox.kernels.fused_mlp  # noqa: F401
-    import trainbox.kernels.fused_norm  # noqa: F401
-    inductor_fallback(*(getattr(torch.ops.trainbox, name).default for name in CHAINED_OPS))
 
 
 def inductor_fallback(*ops) -> None:
     """Register `ops` (OpOverloads) with Inductor as explicit fallbacks, keeping the graph's strides."""
     try:
-        from torch._inductor import lowering
+        from torch._inductor import lowering  # optional: a feature this torch may lack
     except ImportError:  # pragma: no cover - a torch without Inductor compiles nothing
         return
     layout = getattr(lowering, "constrain_to_fx_strides", None)

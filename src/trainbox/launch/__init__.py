@@ -9,6 +9,16 @@ and SIGTERM / SIGUSR1 make every rank save before exiting.
 Layout: `spec.py` holds the options and the command lines, one module per target renders files from
 the YAML/shell templates in `templates/`, `apply.py` runs docker / kubectl / sbatch, `image.py` builds.
 """
-from trainbox.launch.spec import LaunchSpec, Rendered, render, write_rendered
+from trainbox.launch.compose import render_compose
+from trainbox.launch.k8s import render_k8s
+from trainbox.launch.slurm import render_slurm
+from trainbox.launch.spec import LaunchSpec, Rendered, write_rendered
 
 __all__ = ["LaunchSpec", "Rendered", "render", "write_rendered"]
+
+RENDERERS = {"compose": render_compose, "k8s": render_k8s, "slurm": render_slurm}
+
+
+def render(spec: LaunchSpec) -> Rendered:
+    """Validate the run's config and render the files of `spec.target`."""
+    return RENDERERS[spec.target](spec, spec.check())

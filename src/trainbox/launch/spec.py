@@ -132,19 +132,6 @@ def quote(args: list[str]) -> str:
     return " ".join(shlex.quote(a) for a in args)
 
 
-def render(spec: LaunchSpec) -> Rendered:
-    """Validate the run's config and render the files of `spec.target`."""
-    cfg = spec.check()
-    if spec.target == "compose":
-        from trainbox.launch.compose import render_compose
-        return render_compose(spec, cfg)
-    if spec.target == "k8s":
-        from trainbox.launch.k8s import render_k8s
-        return render_k8s(spec, cfg)
-    from trainbox.launch.slurm import render_slurm
-    return render_slurm(spec, cfg)
-
-
 def write_rendered(rendered: Rendered, out: Path) -> list[Path]:
     """Write each file atomically (temp name + rename) into `out`; returns the paths."""
     out.mkdir(parents=True, exist_ok=True)

@@ -11,7 +11,9 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 from safetensors.torch import load_file
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
+from trainbox.data.tokenizer import EOT_TEXT, asset_path
 from trainbox.errors import CheckpointError, ConfigError
 from trainbox.files import default_modes
 
@@ -94,9 +96,7 @@ def staged(out: Path):
 
 def write_tokenizer(tokenizer, spec: str, folder: Path, block: int) -> None:
     """gpt2: vocab.json + merges.txt (the original files) and an equivalent tokenizer.json; else its tokenizer.json."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-    from trainbox.data.tokenizer import EOT_TEXT, asset_path
     eot = EOT_TEXT
     if spec == "gpt2":
         shutil.copyfile(asset_path("encoder.json"), folder / "vocab.json")
@@ -119,7 +119,6 @@ def write_tokenizer(tokenizer, spec: str, folder: Path, block: int) -> None:
 
 
 def tokenizer_file(spec: str) -> Path:
-    from trainbox.data.tokenizer import asset_path
     if spec.startswith("embedded:"):
         return asset_path(f"{spec.split(':', 1)[1]}.json")
     p = Path(spec)

@@ -9,8 +9,9 @@ import torch.nn as nn
 
 from trainbox import checkpoint
 from trainbox.config import RunConfig, build_config
+from trainbox.model.build import build_model, build_tokenizer, model_vocab_size
 from trainbox.model.hf_folder import is_hf_folder
-from trainbox.model.spec import build_model, build_tokenizer, family, model_vocab_size
+from trainbox.model.spec import family
 
 
 def load_for_inference(path: str | Path, device: str | torch.device = "cpu"):

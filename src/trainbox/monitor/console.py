@@ -11,6 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+from trainbox.files import open_append
+
 log = logging.getLogger("trainbox")
 
 
@@ -60,7 +62,6 @@ class _AppendHandler(logging.FileHandler):
     """train.log, opened without following a symbolic link (trainbox.files.open_append)."""
 
     def _open(self):
-        from trainbox.files import open_append
         return open_append(Path(self.baseFilename))
 
 

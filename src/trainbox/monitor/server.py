@@ -46,8 +46,10 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import choose_encoder
 
+from trainbox.errors import ConfigError
 from trainbox.monitor.console import log
-from trainbox.monitor.state import ACTIVE_PHASES, RunState, health
+from trainbox.monitor.state import RunState
+from trainbox.rundir.status import ACTIVE_PHASES, health
 
 REQUEST_TIMEOUT = 10.0  # seconds a connection has to send its request (and the server to send the reply)
 http_log = logging.getLogger("trainbox.monitor.http")
@@ -202,7 +204,6 @@ class MonitorServer:
             if cfg.port == 0:
                 raise
             if "port" in cfg.model_fields_set:   # asked for by the user: probes and links depend on it
-                from trainbox.errors import ConfigError
                 raise ConfigError(f"monitor.port={cfg.port} on {cfg.host} is unavailable ({e.strerror})",
                                   hint="stop what holds it, choose another monitor.port, or monitor.port=0 "
                                        "for a free one") from None

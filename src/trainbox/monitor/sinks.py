@@ -14,6 +14,7 @@ from pathlib import Path
 
 from trainbox.errors import MissingDependency
 from trainbox.files import open_append
+from trainbox.monitor import plot
 from trainbox.monitor.console import log
 
 
@@ -36,7 +37,7 @@ class TensorBoardSink:
 
     def __init__(self, logdir: Path):
         try:
-            from torch.utils.tensorboard import SummaryWriter
+            from torch.utils.tensorboard import SummaryWriter  # heavy: torch
         except ImportError:
             raise MissingDependency("tensorboard", "tracking", "monitor.tensorboard") from None
         self.w = SummaryWriter(str(logdir), flush_secs=10)
@@ -59,7 +60,7 @@ class WandbSink:
 
     def __init__(self, project: str, name: str, run_id: str | None, config: dict, run_dir: Path):
         try:
-            import wandb
+            import wandb  # optional: wandb
         except ImportError:
             raise MissingDependency("wandb", "tracking", "monitor.wandb") from None
         self.wandb = wandb
@@ -86,7 +87,6 @@ class LossPlotSink:
         pass
 
     def close(self) -> None:
-        from trainbox import plot
         try:
             plot.write_loss_png(self.run_dir)
         except MissingDependency as e:

@@ -1,19 +1,9 @@
-"""Live run state, shared by the training loop (writer) and the HTTP server / status.json (readers),
-and the one health rule that /health, `trainbox status` and `trainbox runs` all apply.
+"""Live run state, shared by the training loop (writer) and the HTTP server / status.json (readers). The health
+rule that /health, `trainbox status` and `trainbox runs` apply to it is rundir/status.py's.
 
 The loop calls `update(...)` at phase changes and logged steps; readers take `snapshot()`, a plain
 dict copied under the lock. Times are wall-clock seconds (time.time()); `heartbeat` is the time of the
 last update, i.e. the last observable progress.
-
-Stall rule (`stall_limit`). A run is stalled when its heartbeat is older than the limit for its phase:
-
-  training, step time measured   max(60 s, 10 x step_time x log_every): ten missed log intervals
-  training, no step measured yet 900 s (first step: allocator warm-up, cuDNN autotune, lazy init)
-  loading / compiling            3600 s (dataset open, torch.compile of a large model)
-  evaluating / checkpointing     1800 s (a full eval pass or a multi-GB save to network storage)
-
-`monitor.stall_seconds`, when set, replaces the training limit; the slow phases, which report their own
-phase, keep at least their default, so a short stall limit never fires during an eval or a save.
 """
 from __future__ import annotations
 
@@ -25,13 +15,7 @@ import time
 from pathlib import Path
 
 from trainbox.files import atomic_write_text
-
-PHASES = ("loading", "compiling", "training", "evaluating", "checkpointing", "finished", "failed", "preempted")
-ACTIVE_PHASES = ("loading", "compiling", "training", "evaluating", "checkpointing")
-SLOW_PHASE_SECONDS = {"loading": 3600.0, "compiling": 3600.0, "evaluating": 1800.0, "checkpointing": 1800.0}
-FIRST_STEP_SECONDS = 900.0
-MIN_STALL_SECONDS = 60.0
-MISSED_LOGS = 10
+from trainbox.rundir.status import PHASES
 
 
 class RunState:
@@ -109,41 +93,3 @@ class RunState:
     def write_status(self, path: Path) -> None:
         """Write the snapshot to status.json atomically (temp name + rename)."""
         atomic_write_text(path, json.dumps(self.snapshot(), indent=1, default=str), fsync=False)
-
-
-def stall_limit(snapshot: dict, configured: float | None = None, log_every: int = 1) -> float:
-    """Seconds without a heartbeat before the run counts as stalled (rule in the module docstring)."""
-    phase = snapshot.get("phase", "training")
-    slow = SLOW_PHASE_SECONDS.get(phase)
-    if slow is not None:
-        return max(slow, configured or 0.0)
-    if configured:
-        return float(configured)
-    step_time = snapshot.get("step_time_s")
-    if not step_time:
-        return FIRST_STEP_SECONDS
-    return max(MIN_STALL_SECONDS, MISSED_LOGS * step_time * max(1, log_every))
-
-
-def health(snapshot: dict, configured: float | None = None, log_every: int = 1,
-           now: float | None = None) -> tuple[bool, str]:
-    """-> (healthy, one-line reason). Finished runs are healthy; failed (NaN included), preempted and
-    stalled runs are not."""
-    now = time.time() if now is None else now
-    phase, step, total = snapshot.get("phase"), snapshot.get("step", 0), snapshot.get("total_steps", 0)
-    if phase == "failed":
-        error = (snapshot.get("error") or "unknown error").strip().splitlines()[0]  # one line: probes print it
-        return False, f"failed at step {step}: {error}"
-    if phase == "preempted":
-        return False, f"preempted at step {step}/{total} (resume with the same command)"
-    if phase == "finished":
-        return True, f"finished at step {step}/{total}"
-    loss = snapshot.get("loss")
-    if loss is not None and loss != loss:  # NaN loss that has not (yet) stopped the loop
-        return False, f"loss is NaN at step {step}"
-    age = now - snapshot.get("heartbeat", now)
-    limit = stall_limit(snapshot, configured, log_every)
-    if age > limit:
-        return False, (f"stalled: no progress for {age:.0f}s in phase {phase} at step {step}/{total} "
-                       f"(limit {limit:.0f}s)")
-    return True, f"{phase} step {step}/{total}"

@@ -31,6 +31,7 @@ import torch.nn as nn
 
 from trainbox.config import OptimSection
 from trainbox.errors import ConfigError
+from trainbox.optim.adamw import make_adamw
 
 # ----------------------------------------------------------------------------- zeropower registry
 
@@ -201,7 +202,6 @@ def split_params(model: nn.Module, params: list[tuple[str, nn.Parameter]]) -> di
 def build_muon_optimizers(model: nn.Module, params: list[tuple[str, nn.Parameter]], cfg: OptimSection,
                           device: torch.device) -> list[torch.optim.Optimizer]:
     """[Muon over hidden matrices, AdamW over embeddings (embed_lr), head (head_lr), scalars (scalar_lr)]."""
-    from trainbox.optim.build import make_adamw
 
     get_zeropower(cfg.muon_zeropower)
     split = split_params(model, params)

@@ -18,7 +18,7 @@ flight at a time: the next save and the end of the run wait for it. A crash or S
 only a `.tmp-step_X` folder; the previous checkpoint stays the newest COMPLETE one. A save that does not fit
 (disk full, `ulimit -f`) is refused at the start when every rank's shards alone exceed the free space, and a
 write that fails is reported where the save is waited for, in the words of a single-file save
-(checkpoint_room.py), its `.tmp-step_X` removed.
+(checkpoint/room.py), its `.tmp-step_X` removed.
 
 Loading (`load_state`) goes through the same DCP reader for any layout: an FSDP model on any number of ranks,
 or a plain model on one process (`trainbox export`, `generate`, a DDP resume), since DCP reshards on load.
@@ -28,10 +28,8 @@ DCP's metadata classes, and non-tensor values by `torch.load(weights_only=True)`
 from __future__ import annotations
 
 import inspect
-import io
 import logging
 import os
-import pickle
 import shutil
 import threading
 import time
@@ -41,21 +39,18 @@ import torch
 import torch.distributed as tdist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
+from torch.distributed._state_dict_utils import _create_cpu_state_dict
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_leaves
 
-from trainbox import checkpoint, checkpoint_room
+from trainbox import checkpoint
+from trainbox.checkpoint import room as checkpoint_room
+from trainbox.checkpoint import sharded
 from trainbox.errors import CheckpointError
 from trainbox.parallel import expert
-from trainbox.train.distributed import Dist
+from trainbox.parallel.distributed import Dist
 
 log = logging.getLogger("trainbox")  # the library logger
 
@@ -63,10 +58,12 @@ log = logging.getLogger("trainbox")  # the library logger
 def state_dict(model: nn.Module, optimizers: list | None) -> dict:
     """{"model": ..., "optim": ...} keyed by parameter names: the same keys for FSDP, expert-parallel and plain
     modules (expert shards as DTensors over the expert mesh, parallel/expert.py)."""
-    out = {"model": get_model_state_dict(model)}
-    if optimizers:
-        out["optim"] = get_optimizer_state_dict(model, optimizers)
-    return expert.as_global(model, out)
+    return expert.as_global(model, sharded.state_dict(model, optimizers))
+
+
+def load_state(ckpt: Path, model: nn.Module, optimizers: list | None) -> None:
+    """checkpoint/sharded.py's load_state, with this rank's expert shards mapped onto the saved layout."""
+    sharded.load_state(ckpt, model, optimizers, to_global=expert.as_global, to_local=expert.as_local)
 
 
 def pinned_stager():
@@ -75,14 +72,12 @@ def pinned_stager():
     stager, a fresh host copy per save."""
     if not torch.cuda.is_available() or "async_stager" not in inspect.signature(dcp.async_save).parameters:
         return None
-    from torch.distributed.checkpoint.staging import BlockingAsyncStager
     return BlockingAsyncStager(cache_staged_state_dict=True)
 
 
 def _pin_like(state: dict, stager) -> None:
     """The stager's host buffers for `state`, allocated (and pinned) ahead of the first save."""
     # the function the stager itself calls on its first stage()
-    from torch.distributed._state_dict_utils import _create_cpu_state_dict
     stager.state_dict_cache = _create_cpu_state_dict(state, pin_memory=True)
 
 
@@ -229,113 +224,3 @@ class AsyncSaver:
                 raise CheckpointError(f"another rank failed to write its shards of checkpoint {final}; older "
                                       "checkpoints are kept", hint="see the other ranks' messages")
             raise checkpoint_room.save_error(error, cause, final, self.root)
-
-
-
-# ---------------------------------------------------------------------------------------------- loading
-_SAFE_MODULES = ("torch.distributed.checkpoint.",)
-_SAFE_GLOBALS = {("torch", "Size"), ("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset"),
-                 ("builtins", "slice"), ("torch", "device"), ("torch.serialization", "_get_layout"),
-                 ("pathlib", "PosixPath")}
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Rebuilds DCP's metadata (dataclasses of torch.distributed.checkpoint, dtypes, sizes) and nothing else."""
-
-    def find_class(self, module: str, name: str):
-        if module.startswith(_SAFE_MODULES) or (module, name) in _SAFE_GLOBALS or (
-                module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout,
-                                                                              torch.memory_format))):
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"{module}.{name} is not part of a checkpoint's metadata")
-
-
-class _SafeReader(FileSystemReader):
-    def read_metadata(self, *args, **kwargs):
-        from torch.distributed.checkpoint.metadata import StorageMeta
-        path = Path(self.path) / ".metadata"
-        try:
-            with open(path, "rb") as f:
-                metadata = _MetadataUnpickler(f).load()
-        except (OSError, pickle.UnpicklingError, EOFError, AttributeError, ValueError) as e:
-            raise CheckpointError(f"{path} cannot be loaded safely: {e}") from None
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = getattr(self, "load_id", None)
-        return metadata
-
-
-class _SafePlanner(DefaultLoadPlanner):
-    def load_bytes(self, read_item, value: io.BytesIO) -> None:
-        obj = torch.load(value, weights_only=True)
-        if self.flatten_state_dict:
-            from torch.distributed.checkpoint._nested_dict import set_element  # the default planner's own helper
-            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
-        else:
-            self.state_dict[read_item.dest_index.fqn] = obj
-
-
-def load_state(ckpt: Path, model: nn.Module, optimizers: list | None) -> None:
-    """Load a checkpoint's weights (and optimizer state when `optimizers` is given) into `model`, resharding
-    from the layout it was saved with to the model's. The optimizers keep the hyper-parameters they were built
-    with (a changed optim.* applies, see train/resume.py)."""
-    if not checkpoint.is_sharded(ckpt):
-        _load_single(ckpt, model, optimizers)
-        return
-    reader = _SafeReader(str(ckpt / checkpoint.SHARDED_DIR))
-    reader.read_metadata()   # a damaged or unsafe .metadata is named here, before DCP's collectives
-    state = state_dict(model, optimizers)
-    try:
-        dcp.load(state, checkpoint_id=str(ckpt / checkpoint.SHARDED_DIR), storage_reader=reader,
-                 planner=_SafePlanner(), no_dist=not (tdist.is_available() and tdist.is_initialized()))
-    except CheckpointError:
-        raise
-    except Exception as e:  # noqa: BLE001 - DCP's CheckpointException: missing keys, size mismatch, ...
-        first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
-        raise CheckpointError(f"checkpoint {ckpt} does not match the model: {first}",
-                              hint="the run's config.yaml must describe the same model; start a new run with "
-                                   "run.name=NEW_NAME (or run.resume=never) to change it") from None
-    expert.as_local(model, state)
-    set_model_state_dict(model, state["model"])
-    if optimizers:
-        with checkpoint.keep_hyperparameters(optimizers):
-            set_optimizer_state_dict(model, optimizers, state["optim"])
-
-
-def _load_single(ckpt: Path, model: nn.Module, optimizers: list | None) -> None:
-    """A single-file checkpoint (model.safetensors + optimizer.pt) into a sharded model: every rank reads the
-    full tensors and keeps its shard."""
-    from safetensors.torch import load_file
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-    full = StateDictOptions(full_state_dict=True)
-    weights = load_file(str(ckpt / "model.safetensors"))
-    names = list(get_model_state_dict(model).keys())
-    for name in names:   # tied weights were stored once
-        if name not in weights:
-            alias = _tied_alias(model, name, weights)
-            if alias is not None:
-                weights[name] = weights[alias]
-    set_model_state_dict(model, weights, options=full)
-    if not optimizers:
-        return
-    states = checkpoint.load_safe(ckpt / "optimizer.pt")
-    if not isinstance(states, list) or len(states) != len(optimizers):
-        raise CheckpointError(f"{ckpt / 'optimizer.pt'}: holds a different number of optimizer states than the run")
-    fqn = {id(p): n for n, p in model.named_parameters()}
-    with checkpoint.keep_hyperparameters(optimizers):
-        for opt, st in zip(optimizers, states):
-            order = [fqn[id(p)] for g in opt.param_groups for p in g["params"]]
-            saved = [i for g in st["param_groups"] for i in g["params"]]
-            groups = [{**{k: v for k, v in g.items() if k != "params"},
-                       "params": [order[saved.index(i)] for i in g["params"]]} for g in st["param_groups"]]
-            osd = {"state": {order[saved.index(i)]: s for i, s in st["state"].items()}, "param_groups": groups}
-            set_optimizer_state_dict(model, opt, osd, options=full)
-
-
-def _tied_alias(model: nn.Module, name: str, weights: dict) -> str | None:
-    params = dict(model.named_parameters(remove_duplicate=False))
-    target = params.get(name)
-    for other, p in params.items():
-        if other != name and p is target and other in weights:
-            return other
-    return None

@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 
 from trainbox.parallel import expert
-from trainbox.train.distributed import Dist
+from trainbox.parallel.distributed import Dist
 
 
 class DataParallel:

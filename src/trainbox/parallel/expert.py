@@ -35,6 +35,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from trainbox.errors import ConfigError
 from trainbox.model.moe.model import MoEFFN
@@ -143,7 +145,6 @@ def shard_experts(model: nn.Module, cfg, dist_info, device: torch.device) -> Exp
     if n == 1:
         return None
     check(cfg, dist_info.world)
-    from torch.distributed.device_mesh import init_device_mesh
     mesh = init_device_mesh(device.type, (dist_info.world // n, n), mesh_dim_names=("expert_replica", "expert"))
     shard = ExpertShard(size=n, index=dist_info.rank % n, num_experts=cfg.model.moe.num_experts,
                         world=dist_info.world, group=mesh.get_group("expert"),
@@ -243,7 +244,6 @@ def as_global(model: nn.Module, state: dict) -> dict:
     shard = _shard(model)
     if shard is None:
         return state
-    from torch.distributed.tensor import DTensor, Replicate, Shard
     place = [Replicate(), Shard(0)]
 
     def wrap(t: torch.Tensor) -> torch.Tensor:

@@ -31,12 +31,13 @@ from contextlib import nullcontext
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from trainbox.errors import ConfigError
+from trainbox.kernels.float8 import after_step
 from trainbox.parallel import apart
-from trainbox.train.distributed import Dist
+from trainbox.parallel.distributed import Dist
 
 try:   # FSDP's interface for a custom reduce-scatter, in a private module; older torch has none
     from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
@@ -93,7 +94,6 @@ class ShardedParallel:
     def after_step(self) -> None:
         """After the optimizer step: with float8 all-gathers, every weight's scale in one all-reduce."""
         if self.float8:
-            from trainbox.kernels.float8 import after_step
             after_step(self.model)
 
     def compile(self) -> None:
@@ -117,7 +117,6 @@ class ShardedParallel:
 
 def compute_pool_grads_available() -> bool:
     """Whether this torch lets FSDP's reduce-scatter allocate its output (FSDPModule.set_custom_reduce_scatter)."""
-    from torch.distributed.fsdp import FSDPModule
     return ReduceScatter is not object and hasattr(FSDPModule, "set_custom_reduce_scatter")
 
 

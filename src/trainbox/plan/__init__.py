@@ -40,202 +40,38 @@ free memory.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import replace
 
 from trainbox.config import RunConfig
 from trainbox.errors import ConfigError
-from trainbox.model.spec import build_tokenizer, family, model_vocab_size
+from trainbox.model.build import build_tokenizer, model_vocab_size
+from trainbox.model.spec import family
 from trainbox.parallel import shards
-from trainbox.plan.activations import Activations, Kernels, Widths, family_activations, weight_copy_bytes
-from trainbox.plan.count import ParamCount, count_parameters
-from trainbox.plan.gpus import GPUS, GiB, Target, gpu, local_cpu, local_gpu, sized
+from trainbox.parallel.fsdp import compute_pool_grads_available
+from trainbox.plan.activations import Kernels
+from trainbox.plan.count import count_parameters
+from trainbox.plan.gpus import GPUS, Target, gpu, local_cpu, local_gpu, sized
+from trainbox.plan.memory import (
+    BYTES,
+    CONTEXT,
+    FRAGMENTATION,
+    MARGIN,
+    MODES,
+    NCCL,
+    Layout,
+    Memory,
+    Plan,
+    Suggestion,
+    assumed_kernels,
+    dtype_bytes,
+    memory,
+)
+from trainbox.plan.suggest import fewer_exchanges, suggestions
 
-MARGIN = 0.15
-CONTEXT = int(0.5 * GiB)       # CUDA context, cuBLAS and cuDNN workspaces
-NCCL = int(0.5 * GiB)          # NCCL's own buffers with several ranks
-FRAGMENTATION = 0.08           # allocator slack: reserved beyond allocated at the peak
-MODES = ("none", "selective", "full")
-BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
-
-__all__ = ["CONTEXT", "GPUS", "MARGIN", "NCCL", "Layout", "Memory", "Plan", "Suggestion", "Target", "gpu",
-           "local_cpu", "local_gpu", "make_plan", "sized", "ParamCount", "Activations", "Kernels"]
-
-
-@dataclass(frozen=True)
-class Layout:
-    parallel: str = "ddp"              # ddp or fsdp
-    nproc: int = 1
-    expert_parallel: int = 1
-    reshard_after_forward: bool = True
-    side_stream_grads: bool = False    # fsdp: gradient shards in the reduce-scatter stream's own pool (HSDP, old torch)
-
-
-@dataclass(frozen=True)
-class Memory:
-    """Bytes on one GPU."""
-    params: int
-    gradients: int
-    optimizer: int
-    activations: int
-    comm: int
-    overhead: int
-    pools: int = 0      # FSDP's side-stream pools: held while memory is ample, given back under pressure
-
-    @property
-    def peak_allocated(self) -> int:
-        return self.params + self.gradients + self.optimizer + self.activations + self.comm
-
-    @property
-    def needed(self) -> int:
-        """What the run must have: the fit verdict, the suggestions and the pre-flight check hold this."""
-        return self.peak_allocated + self.overhead
-
-    @property
-    def total(self) -> int:
-        """What the GPU holds while memory is ample: max_memory_reserved() with the context and NCCL."""
-        return self.needed + self.pools
-
-    def as_dict(self) -> dict:
-        return {**asdict(self), "peak_allocated": self.peak_allocated, "needed": self.needed, "total": self.total}
-
-
-@dataclass(frozen=True)
-class Suggestion:
-    """A change under which the run fits: config overrides, the number of GPUs, and what it needs per GPU."""
-    what: str
-    overrides: tuple[str, ...]
-    nproc: int
-    needed: int
-
-    def command(self, recipe: str | None, overrides: list[str] | tuple[str, ...] = ()) -> str:
-        """`trainbox train` with the run's own overrides, those of the same keys replaced by this change's."""
-        mine = {o.split("=", 1)[0] for o in self.overrides}
-        words = [recipe or "CONFIG", *(o for o in overrides if o.split("=", 1)[0] not in mine), *self.overrides]
-        nproc = ["--nproc", str(self.nproc)] if self.nproc > 1 else []
-        return " ".join(["trainbox", "train", *words, *nproc])
-
-
-@dataclass(frozen=True)
-class Plan:
-    recipe: str | None
-    target: Target
-    layout: Layout
-    micro_batch: int
-    seq_len: int
-    dtype: str
-    compiled: bool
-    checkpointing: str
-    kernels: Kernels
-    counts: ParamCount
-    memory: Memory
-    activations: Activations
-    suggestions: tuple[Suggestion, ...] = field(default=())
-    drops_unsent: bool = False   # expert parallelism with a capacity: dropped assignments are not sent
-    # expert parallelism with several micro-batches a step: the largest micro-batch that fits, which cuts the
-    # all-to-all exchanges and host reads of a step (one of each per MoE layer and micro-batch)
-    fewer_exchanges: Suggestion | None = None
-    accumulation: int = 1   # micro-batches a step on each rank
-
-    @property
-    def fits(self) -> bool:
-        return self.memory.needed <= self.target.memory
-
-    def as_dict(self) -> dict:
-        return {"recipe": self.recipe, "gpu": {"name": self.target.name, "memory": self.target.memory,
-                                               "local": self.target.local},
-                "layout": asdict(self.layout), "micro_batch": self.micro_batch, "seq_len": self.seq_len,
-                "dtype": self.dtype, "compiled": self.compiled, "activation_checkpointing": self.checkpointing,
-                "kernels": asdict(self.kernels), "parameters": self.counts.as_dict(),
-                "memory": self.memory.as_dict(), "activations": self.activations.as_dict(),
-                "fits": self.fits, "margin": MARGIN,
-                "accumulation": self.accumulation, "suggestions": [asdict(s) for s in self.suggestions],
-                "fewer_exchanges": asdict(self.fewer_exchanges) if self.fewer_exchanges else None}
-
-
-# ----------------------------------------------------------------------------- kernels and widths
-
-
-def assumed_kernels(cfg: RunConfig, target: Target, flash: bool) -> Kernels:
-    """The kernels a run would get on `target`: asked of kernels.choice on this machine's own device, else
-    assumed from the GPU's generation (`flash`: trainbox[flash] is installed there)."""
-    import torch
-
-    from trainbox.kernels.choice import attention_on, choose
-    m, spec = cfg.model, family(cfg.model.family)
-    if target.local:
-        plan = choose(m, torch.device("cuda" if target.cuda else "cpu"), spec)
-        return Kernels(plan.attention, plan.fused_loss, plan.fused_mlp, plan.fp8)
-    fl = flash and target.hopper
-    attention = attention_on(spec, m, flash=fl, flex=True)   # FlexAttention runs on every GPU of the table
-    loss = "off" if not m.fused_loss else ("quack" if flash and target.lce else "triton")
-    mlp = "off" if not m.fused_mlp else ("quack" if fl else "unfused")
-    fp8 = "off" if not m.fp8_options else ("fp8" if target.fp8 else "bf16")
-    return Kernels(attention, loss, mlp, fp8)
-
-
-def dtype_bytes(cfg: RunConfig, target: Target) -> tuple[str, int]:
-    want = cfg.train.dtype
-    if not target.cuda:
-        return "fp32", 4
-    if want == "auto":
-        want = "bf16"
-    return want, BYTES[want]
-
-
-# ----------------------------------------------------------------------------- memory of one layout
-
-
-def memory(cfg: RunConfig, counts: ParamCount, vocab: int, target: Target, layout: Layout, micro: int, mode: str,
-           kernels: Kernels, a: int) -> tuple[Memory, Activations]:
-    """Bytes on one GPU of `layout`, at micro-batch `micro`, checkpointing `mode`, `a`-byte matmul operands."""
-    m, world, ep = cfg.model, layout.nproc, layout.expert_parallel
-    fsdp = layout.parallel == "fsdp"
-    spec = family(m.family)
-    lowp = m.lowp_residual if m.lowp_residual is not None else spec.lowp_residual
-    r = a if (fsdp or lowp) else 4
-    widths = Widths(a=a, r=r, cuda=target.cuda, compiled=cfg.train.compile, expert_parallel=ep)
-    held = counts.dense + counts.expert / ep                    # trainable parameters a rank computes with
-    shard = world if fsdp else 1
-    # ... and keeps: fsdp shards the dense ones over all ranks, a rank's experts over the world / ep that share them
-    local = counts.trainable / world if fsdp else held
-    muon = counts.muon * local / max(1, counts.trainable)
-    acts = family_activations(cfg, counts, vocab, micro, mode, widths, kernels, autocast_copies=not fsdp)
-    copies = 0 if fsdp else weight_copy_bytes(counts, widths, mode)
-    if copies and counts.expert and ep > 1:
-        copies = int(copies * (counts.matmul - counts.expert + counts.expert / ep) / counts.matmul)
-    acts = replace(acts, weight_copies=copies)
-    comm = 0.0
-    if world > 1 and not fsdp:   # DDP's gradient buckets: the dense parameters only under expert parallelism
-        comm += 4 * (counts.dense if ep > 1 else held)
-    if fsdp:
-        unit = (counts.largest_block - counts.expert / max(1, counts.n_blocks)
-                + counts.expert / ep / max(1, counts.n_blocks))
-        # bf16 weights gathered: two blocks in flight (or all of them) and the root, which stays gathered with its
-        # bf16 gradients through the backward; a block's bf16 gradients and two fp32 reduce-scatter inputs
-        gathered = 2 * (2 * unit + counts.root) if layout.reshard_after_forward else 2 * held
-        comm += gathered + 2 * counts.root + (2 + 2 * 4) * unit
-    if ep > 1 and spec.experts:
-        comm += 4 * m.moe.top_k * micro * cfg.data.seq_len * m.n_embd * a   # dispatch and combine, both ways
-    frozen = counts.frozen * (0.5625 if cfg.quant.load_in_4bit else 1 if cfg.quant.load_in_8bit else a)
-    params = 4 * local + frozen / shard          # frozen bases: bf16 on a GPU (NF4: 4.5 bits with its scales)
-    overhead = pools = 0
-    # the peak is at the start of the last micro-batch's backward: gradients are there only where earlier
-    # micro-batches of the step left them (the loop sets them to None after each step), or where the
-    # activations are smaller than they are (then the end of the backward is the peak)
-    accum = -(-cfg.train.global_batch_size // (micro * world))
-    grads = 4 * local if accum > 1 or acts.peak < 4 * local else 0
-    peak = params + grads + 4 * muon + 8 * (local - muon) + acts.peak + comm
-    if target.cuda:
-        overhead = CONTEXT + (NCCL if world > 1 else 0) + FRAGMENTATION * peak
-        if fsdp:
-            pools = (4 * local if layout.side_stream_grads and not grads else 0) \
-                + 2 * (2 * unit + counts.root + counts.apart)
-    mem = Memory(params=int(params), gradients=int(grads), optimizer=int(4 * muon + 8 * (local - muon)),
-                 activations=acts.peak, comm=int(comm), overhead=int(overhead), pools=int(pools))
-    return mem, acts
-
-
-# ----------------------------------------------------------------------------- the plan
+__all__ = ["BYTES", "CONTEXT", "FRAGMENTATION", "GPUS", "MARGIN", "MODES", "NCCL", "Kernels", "Layout", "Memory",
+           "Plan",
+           "Suggestion", "Target", "assumed_kernels", "dtype_bytes", "gpu", "local_cpu", "local_gpu", "make_plan",
+           "memory", "plan_run", "run_vocab", "sized"]
 
 
 def check_layout(cfg: RunConfig, layout: Layout) -> None:
@@ -266,7 +102,6 @@ def make_plan(cfg: RunConfig, vocab: int, target: Target, nproc: int = 1, kernel
     spec = family(cfg.model.family)
     ep = cfg.model.moe.expert_parallel if spec.experts else 1
     if side_stream_grads is None:
-        from trainbox.parallel.fsdp import compute_pool_grads_available
         side_stream_grads = not compute_pool_grads_available()
     layout = Layout("fsdp" if shards(t.parallel, nproc) else "ddp", nproc, ep, t.reshard_after_forward,
                     side_stream_grads)
@@ -281,10 +116,8 @@ def make_plan(cfg: RunConfig, vocab: int, target: Target, nproc: int = 1, kernel
                 counts, mem, acts, drops_unsent=ep > 1 and cfg.model.moe.capacity_factor > 0,
                 accumulation=max(1, t.global_batch_size // (t.micro_batch_size * nproc)))
     if suggest and not plan.fits:
-        from trainbox.plan.suggest import suggestions
         plan = replace(plan, suggestions=tuple(suggestions(cfg, vocab, plan)))
     elif suggest and ep > 1:
-        from trainbox.plan.suggest import fewer_exchanges
         plan = replace(plan, fewer_exchanges=fewer_exchanges(cfg, vocab, plan))
     return plan
 

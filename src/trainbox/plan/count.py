@@ -15,8 +15,10 @@ import torch
 import torch.nn as nn
 
 from trainbox.config import RunConfig
+from trainbox.model.build import build_model
 from trainbox.model.moe.model import GroupedLinear
-from trainbox.model.spec import build_model, family
+from trainbox.model.spec import family
+from trainbox.optim.muon import split_params
 from trainbox.parallel import apart
 
 
@@ -159,7 +161,6 @@ def _count(cfg: RunConfig, vocab: int) -> ParamCount:
     trainable = [(n, p, path) for n, p, path in params if p.requires_grad]
     muon = 0
     if cfg.optim.name == "muon":
-        from trainbox.optim.muon import split_params
         muon = sum(p.numel() for _, p in split_params(model, [(n, p) for n, p, _ in trainable])["muon"])
     blocks = blocks_of(model)
     sizes = [sum(p.numel() for p in b.parameters()) for b in blocks]

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from trainbox.errors import ConfigError
 
 GiB = 2**30
@@ -69,7 +71,6 @@ def sized(gib: float) -> Target:
 
 def local_gpu() -> Target | None:
     """The GPU this process would train on (device 0), or None without one."""
-    import torch
     if not torch.cuda.is_available():
         return None
     props = torch.cuda.get_device_properties(0)

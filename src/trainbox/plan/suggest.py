@@ -7,7 +7,7 @@ from dataclasses import replace
 
 from trainbox.config import RunConfig
 from trainbox.model.spec import family
-from trainbox.plan import BYTES, MODES, Layout, Plan, Suggestion, memory
+from trainbox.plan.memory import BYTES, MODES, Layout, Plan, Suggestion, memory
 
 
 def micro_batches(cfg: RunConfig, nproc: int, upto: int) -> list[int]:

@@ -9,25 +9,30 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch._functorch.config as functorch_config
 import torch.nn as nn
 
 from trainbox.config import RunConfig
 from trainbox.data.loader import BatchPlan
 from trainbox.errors import DataError
+from trainbox.kernels import float8
 from trainbox.kernels.choice import KernelPlan, choose
-from trainbox.model.load import load_init_weights
-from trainbox.model.spec import (
+from trainbox.model.build import (
     adapt_datasets,
     build_model,
     build_tokenizer,
-    family,
     model_vocab_size,
     open_datasets,
     resolve_model,
 )
+from trainbox.model.load import load_init_weights
+from trainbox.model.spec import family
 from trainbox.optim.build import build_optimizers
 from trainbox.parallel import expert, shards
-from trainbox.train.distributed import Dist
+from trainbox.parallel.ddp import DataParallel
+from trainbox.parallel.distributed import Dist
+from trainbox.parallel.fsdp import ShardedParallel
+from trainbox.train.recompute import apply_activation_checkpointing
 
 log = logging.getLogger("trainbox")  # the library logger
 
@@ -109,19 +114,15 @@ def build_model_side(cfg: RunConfig, vocab: int, device: torch.device, dist: Dis
     model = model.to(device)
     kernels = choose(cfg.model, device, family(cfg.model.family))   # as the models ask when they meet the device
     if cfg.train.float8:
-        from trainbox.kernels import float8
         float8.convert(model, fsdp=sharded)
     if cfg.train.activation_checkpointing != "none":
-        from trainbox.train.recompute import apply_activation_checkpointing
         apply_activation_checkpointing(model, cfg.train.activation_checkpointing)
     if cfg.train.compile:
         allow_cached_autograd_functions()
     if sharded:
-        from trainbox.parallel.fsdp import ShardedParallel
         parallel = ShardedParallel(model, dist, device, dtype, cfg.train.reshard_after_forward, cfg.train.compile,
                                    float8=cfg.train.float8)
     else:
-        from trainbox.parallel.ddp import DataParallel
         parallel = DataParallel(model, dist, device)
         if cfg.train.compile:
             parallel.compile()
@@ -134,6 +135,5 @@ def allow_cached_autograd_functions() -> None:
     linear). By default it bypasses them, so every start traced and partitioned the model again (see
     docs/performance.md, compile cache). The Functions' forward and backward are traced into the cached
     graph, so a change to them changes its key."""
-    import torch._functorch.config as functorch_config
     if hasattr(functorch_config, "autograd_cache_allow_custom_autograd_functions"):  # torch 2.7+
         functorch_config.autograd_cache_allow_custom_autograd_functions = True

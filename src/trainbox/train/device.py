@@ -8,6 +8,7 @@ that says which setting to lower. The memory a run needs is checked before that,
 from __future__ import annotations
 
 import re
+import resource
 import warnings
 from pathlib import Path
 
@@ -15,8 +16,11 @@ import torch
 
 from trainbox.config import RunConfig
 from trainbox.errors import ConfigError, TrainingFailed
+from trainbox.kernels.flash import require_flash
+from trainbox.kernels.float8 import require_float8
+from trainbox.kernels.fp8 import fp8_supported
 from trainbox.monitor.console import log
-from trainbox.train.distributed import Dist
+from trainbox.parallel.distributed import Dist
 
 # bf16 dense peak TFLOP/s per device, for MFU (override: train.peak_tflops)
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "GH200": 989.0, "A100": 312.0, "A800": 312.0,
@@ -49,7 +53,6 @@ def resolve_device(cfg: RunConfig, dist: Dist) -> tuple[torch.device, torch.dtyp
         set_float32_matmuls(dtype)
     fp8 = cfg.model.fp8_options
     if fp8:
-        from trainbox.kernels.fp8 import fp8_supported
         if not fp8_supported(device):
             name = f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""
             if not cfg.model.fp8_fallback:
@@ -62,10 +65,8 @@ def resolve_device(cfg: RunConfig, dist: Dist) -> tuple[torch.device, torch.dtyp
                         f"{str(dtype).removeprefix('torch.')} (model.fp8_fallback)")
             cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"fp8_head": False, "fp8_mlp": "none"})})
     if cfg.train.float8:
-        from trainbox.kernels.float8 import require_float8
         require_float8(device)
     if cfg.model.attention == "flash":
-        from trainbox.kernels.flash import require_flash
         require_flash(device, dtype)
     if cfg.monitor.memory_snapshot and device.type != "cuda":
         raise ConfigError(f"monitor.memory_snapshot={cfg.monitor.memory_snapshot} records CUDA's caching allocator; "
@@ -125,7 +126,6 @@ def out_of_memory(e: Exception, step: int, micro_batch: int, device: torch.devic
     if device.type == "cuda":
         what, peak = "GPU out of memory", torch.cuda.max_memory_allocated(device)
     else:
-        import resource
         what, peak = "out of memory (RAM)", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return TrainingFailed(
         f"{what} in {during} {step} at train.micro_batch_size={micro_batch} "

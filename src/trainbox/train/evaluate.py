@@ -12,7 +12,7 @@ from contextlib import nullcontext
 import torch
 
 from trainbox.data.loader import TokenDataset, eval_batches
-from trainbox.train.distributed import Dist
+from trainbox.parallel.distributed import Dist
 
 
 @torch.no_grad()

@@ -16,7 +16,7 @@ masks make micro-batches uneven. DDP averages gradients over ranks, so each rank
 
 Host synchronisation. A step queues work on the device and returns device tensors; the only host
 reads are at log boundaries (`monitor.log_every`: losses, grad norm, NaN check) and the stop vote,
-which runs on a gloo group over CPU tensors (train/distributed.py).
+which runs on a gloo group over CPU tensors (parallel/distributed.py).
 
 Preemption. SIGTERM / SIGINT / SIGUSR1 only set a flag (train/stop.py); before every step all ranks vote
 (any rank flagged -> all stop), so they stop at the same step boundary, save once and return normally (exit 0).
@@ -38,15 +38,19 @@ from trainbox.config import RunConfig
 from trainbox.data.loader import to_device
 from trainbox.errors import TrainingFailed
 from trainbox.files import open_append
-from trainbox.lock import RunLock, unlock_run
+from trainbox.generate import sample
 from trainbox.model.spec import family
-from trainbox.monitor.console import ProgressBar, log
+from trainbox.monitor.console import ProgressBar, fmt_duration, log
+from trainbox.monitor.memory_snapshot import MemorySnapshot
 from trainbox.monitor.meter import Meter
 from trainbox.monitor.state import RunState
+from trainbox.optim.build import lr_multiplier, set_lr
+from trainbox.parallel.dcp import AsyncSaver
+from trainbox.parallel.distributed import Dist
+from trainbox.rundir.lock import RunLock, unlock_run
 from trainbox.train import resume
 from trainbox.train.build import build_data, build_model_side, plan_length  # noqa: F401 - plan_length: tests
 from trainbox.train.device import is_out_of_memory, out_of_memory, resolve_device
-from trainbox.train.distributed import Dist
 from trainbox.train.evaluate import autocast_context, evaluate
 from trainbox.train.memory import check_memory
 from trainbox.train.run_files import RunFiles
@@ -103,7 +107,6 @@ class Trainer(RunFiles, Checkpointing):
                      f"exchanges; {f.overrides[0]} fits by the memory plan ({f.needed / 2**30:.1f} GiB of "
                      f"{mem_plan.target.memory / 2**30:.1f} free) and exchanges less often")
         if cfg.monitor.memory_snapshot:   # from before the first weight to the end of step N
-            from trainbox.monitor.memory_snapshot import MemorySnapshot
             self.snapshot = MemorySnapshot(cfg.monitor.memory_snapshot, self.run_dir, d.rank, self.device)
         trainer_state = {}
         if self.resume_from is not None:   # checked before any model is built
@@ -116,7 +119,6 @@ class Trainer(RunFiles, Checkpointing):
         self.model, self.kernels, self.optimizers = built.model, built.kernels, built.optimizers
         self.parallel, self.forward = built.parallel, built.parallel.forward
         if self.parallel.sharded and cfg.train.checkpoints:
-            from trainbox.parallel.dcp import AsyncSaver
             self.saver = AsyncSaver(self.ckpt_root, d, cfg.train.keep_last, self.resume_from)
         if self.resume_from is not None:
             resume.restore(self.resume_from, self.model, self.optimizers, trainer_state, d.rank, d.world, cfg.run.seed)
@@ -229,7 +231,6 @@ class Trainer(RunFiles, Checkpointing):
     def train_step(self, step: int):
         """One optimizer step over the global batch; returns device tensors (no host sync)."""
         cfg = self.cfg
-        from trainbox.optim.build import lr_multiplier, set_lr
         lr = set_lr(self.optimizers, lr_multiplier(step, self.total, cfg.optim))
         if self.family.steps:  # inside the model: the speedrun window warm-up, the attention kernel
             self.model.set_step(step, self.total)
@@ -309,7 +310,6 @@ class Trainer(RunFiles, Checkpointing):
         self.state.add_point({"step": step, "loss": losses[-1], "lr": lr, "tokens_per_s": tok_s,
                               "tokens": self.tokens_seen})
         self.state.write_status(self.run_dir / "status.json")
-        from trainbox.monitor.console import fmt_duration
         extra = f" mfu {100 * mfu:.1f}%" if mfu else ""
         if peaks:
             extra += f" mem {peaks['peak_mem_gib']:.1f}GiB peak"
@@ -354,7 +354,6 @@ class Trainer(RunFiles, Checkpointing):
         n = self.cfg.train.sample_tokens
         if not n or self.family.generate != "causal" or not (self.dist.is_main or self.parallel.collective):
             return None
-        from trainbox.generate import sample
         text = sample(self.model, self.tokenizer, self.cfg.train.sample_prompt, max_tokens=n, temperature=0.8,
                       top_k=50, seed=self.cfg.run.seed, device=self.device)
         if not self.dist.is_main:

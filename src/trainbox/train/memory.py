@@ -12,6 +12,7 @@ import torch
 
 from trainbox.config import RunConfig
 from trainbox.errors import ConfigError
+from trainbox.kernels.choice import choose
 from trainbox.model.spec import family
 from trainbox.plan import MARGIN, Plan, Target, make_plan
 from trainbox.plan.activations import Kernels
@@ -40,7 +41,6 @@ def gib(n: float) -> str:
 def device_plan(cfg: RunConfig, vocab: int, device: torch.device, dtype: torch.dtype, free: int, world: int = 1
                 ) -> Plan:
     """The plan of this run on `device` (its kernels as kernels.choice picks them there), against `free` bytes."""
-    from trainbox.kernels.choice import choose
     cuda = device.type == "cuda"
     if cuda:
         props = torch.cuda.get_device_properties(device)

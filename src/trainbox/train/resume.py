@@ -19,16 +19,21 @@ model, the data or the batch order is refused with the list of differences.
 """
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
 
+import torch
+from torch.distributed.fsdp import FSDPModule
+
 from trainbox import checkpoint
 from trainbox.config import RunConfig
-from trainbox.errors import ConfigError
+from trainbox.errors import ConfigError, RunFinished
 from trainbox.files import atomic_write_text
 from trainbox.monitor.console import log
 from trainbox.parallel import expert
+from trainbox.parallel.dcp import load_state  # resharded to this run's layout
 
 # keys that never change what a step computes
 RUNTIME = ("recipe", "requires_gpu", "required", "run.name", "run.dir", "run.resume", "run.init_from", "monitor.",
@@ -109,7 +114,6 @@ def find_start(cfg: RunConfig, ckpt_root: Path) -> Path | None:
 
 def _split_metrics(metrics: Path, after: int) -> str | None:
     """The lines of metrics.jsonl that belong to the history up to step `after` (None: all of them do)."""
-    import json
     lines = metrics.read_text().splitlines(keepends=True)
     kept = []
     for line in lines:
@@ -161,7 +165,6 @@ def supersede(run_dir: Path, ckpt_root: Path, start: Path | None) -> Path | None
 
 def check_finished(step: int, total: int, saved_total: int | None, cfg: RunConfig) -> None:
     """Raise RunFinished when the checkpoint is at or past the run's planned length."""
-    from trainbox.errors import RunFinished
     if step < total:
         return
     how = f"train.max_steps={total} now" if saved_total != total else f"of {total}"
@@ -172,10 +175,7 @@ def check_finished(step: int, total: int, saved_total: int | None, cfg: RunConfi
 def restore(ckpt: Path, model, optimizers: list, trainer_state: dict, rank: int, world: int, seed: int) -> None:
     """Load weights, optimizer states and this rank's RNG from `ckpt` (reseeded by step when the world size
     changed: the RNG streams of other ranks do not carry over)."""
-    import torch
-    from torch.distributed.fsdp import FSDPModule
     if checkpoint.is_sharded(ckpt) or isinstance(model, FSDPModule):
-        from trainbox.parallel.dcp import load_state  # resharded to this run's layout
         load_state(ckpt, model, optimizers)
     else:
         # checkpoints hold every expert: under expert parallelism this rank keeps its shard

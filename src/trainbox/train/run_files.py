@@ -7,14 +7,15 @@ import os
 
 import torch
 
-from trainbox import runs
 from trainbox.config import dump_yaml, public_dict
 from trainbox.data.loader import unused_data
 from trainbox.errors import RunBusy, TrainboxError
 from trainbox.files import atomic_write_text
-from trainbox.lock import lock_run
 from trainbox.monitor.console import log
+from trainbox.monitor.server import start_server
 from trainbox.monitor.sinks import build_sinks
+from trainbox.rundir import runs
+from trainbox.rundir.lock import lock_run
 from trainbox.train import resume
 from trainbox.train.device import peak_flops
 
@@ -54,7 +55,6 @@ class RunFiles:
                               restarts=trainer_state.get("restarts", -1) + 1 if trainer_state else 0,
                               epoch=self.start_step // self.plan.steps_per_epoch)
             if cfg.monitor.enabled:
-                from trainbox.monitor.server import start_server
                 self.server = start_server(self.state, cfg.monitor)
                 self.state.update(url=self.server.url)
             self.state.write_status(self.run_dir / "status.json")

@@ -7,10 +7,11 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from trainbox import checkpoint, runs
+from trainbox import checkpoint
 from trainbox.config import public_dict
 from trainbox.errors import CheckpointError
 from trainbox.monitor.console import log
+from trainbox.rundir import runs
 
 
 class Checkpointing:

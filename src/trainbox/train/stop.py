@@ -52,6 +52,9 @@ class StopFlag:
         if not self._old:
             for s in STOP_SIGNALS:
                 self._old[s] = signal.signal(s, self._handle)
+            # a parent that started this process with the signals blocked (to keep them until a handler is in
+            # place) hands them over now: a pending one is delivered to the handler
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
 
     def _handle(self, signum, frame) -> None:
         if self.signum is not None and signum == signal.SIGINT:  # a second Ctrl-C stops at once

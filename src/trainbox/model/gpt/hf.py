@@ -26,6 +26,7 @@ from trainbox import checkpoint
 from trainbox.config import build_config
 from trainbox.data.tokenizer import get_tokenizer
 from trainbox.errors import ConfigError
+from trainbox.model.build import build_model, pad_vocab
 from trainbox.model.hf_folder import (
     check_out,
     copy_mapped,
@@ -35,7 +36,6 @@ from trainbox.model.hf_folder import (
     write_json,
     write_tokenizer,
 )
-from trainbox.model.spec import build_model, pad_vocab
 
 SKIP_SUFFIXES = (".attn.bias", ".attn.masked_bias")  # causal-mask buffers of older transformers versions
 CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")

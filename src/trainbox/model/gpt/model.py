@@ -27,13 +27,13 @@ except ImportError:  # torch 2.5
     from torch.distributed._composable.fsdp import FSDPModule
 
 from trainbox.kernels.choice import KernelPlan, choose
+from trainbox.kernels.fallbacks import register_inductor_fallbacks
 from trainbox.kernels.flash import causal_qkv
 from trainbox.kernels.fp8 import linear, mlp_fp8
 from trainbox.kernels.fused_ce import head_cross_entropy
 from trainbox.kernels.fused_mlp import EXTRA as QUACK_EXTRA
 from trainbox.kernels.fused_mlp import gelu_mlp
 from trainbox.kernels.fused_norm import add_layer_norm
-from trainbox.kernels.ops import register_inductor_fallbacks
 from trainbox.model.layers import (
     KVCache,
     Output,

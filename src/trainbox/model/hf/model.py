@@ -26,6 +26,7 @@ import importlib.util
 import torch
 import torch.nn as nn
 
+from trainbox.data.sft import load_hf_tokenizer, open_finetuning_datasets
 from trainbox.errors import ConfigError, require
 from trainbox.model.layers import Output, cross_entropy
 
@@ -52,7 +53,7 @@ def quantization_config(quant):
     """BitsAndBytesConfig for the quant section (None when not quantised)."""
     if not (quant.load_in_4bit or quant.load_in_8bit):
         return None
-    from transformers import BitsAndBytesConfig
+    from transformers import BitsAndBytesConfig  # optional: transformers
     if quant.load_in_8bit:
         return BitsAndBytesConfig(load_in_8bit=True)
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
@@ -62,7 +63,7 @@ def quantization_config(quant):
 def load_base(path: str, dtype, quant=None):
     """AutoModelForCausalLM from a hub id or folder. `dtype`: a torch dtype or "auto" (as stored)."""
     require("transformers", "finetune", "model.family=hf")
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM  # optional: transformers
 
     qcfg = quantization_config(quant) if quant is not None else None
     kwargs = {"dtype": torch.bfloat16 if qcfg is not None else dtype}
@@ -77,7 +78,7 @@ def load_base(path: str, dtype, quant=None):
 
 
 def lora_config(lora):
-    from peft import LoraConfig
+    from peft import LoraConfig  # optional: peft
     targets = lora.target_modules
     return LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, bias="none",
                       task_type="CAUSAL_LM", target_modules=targets if isinstance(targets, str) else list(targets))
@@ -95,7 +96,7 @@ class HFCache:
     """The family's KV-cache handle for `generate.py`: a thin wrapper over transformers' DynamicCache."""
 
     def __init__(self):
-        from transformers import DynamicCache
+        from transformers import DynamicCache  # optional: transformers
         self.cache = DynamicCache()
 
 
@@ -156,7 +157,7 @@ class HFCausalLM(nn.Module):
 def wrap_lora(base: nn.Module, lora, quantized: bool) -> nn.Module:
     """Freeze `base` and add LoRA adapters (PEFT); gradient checkpointing when configured."""
     require("peft", "finetune", "LoRA (model.family=hf)")
-    from peft import get_peft_model, prepare_model_for_kbit_training
+    from peft import get_peft_model, prepare_model_for_kbit_training  # optional: peft
 
     gc_kwargs = {"use_reentrant": False}
     if quantized:  # fp32 norms/head for stability, input grads; checkpointing per lora.gradient_checkpointing
@@ -203,7 +204,7 @@ def plan_vocab(run) -> int:
 
 def tokenizer(run):
     """Registry hook: the model's own tokenizer (data.tokenizer may name another folder; gpt2 = default)."""
-    from trainbox.data.sft import load_hf_tokenizer
+
     # the loop asks for the tokenizer before data or weights: the earliest point to refuse QLoRA here
     check_quant_support(run.quant)
     spec = run.data.tokenizer if run.data.tokenizer != "gpt2" else run.model.path
@@ -215,14 +216,8 @@ def tokenizer(run):
 
 
 def open_datasets(run, tokenizer, vocab_size: int):
-    """Fine-tuning data: raw chat / text JSONL (or .txt) is tokenized with loss masks by data/sft.py;
-    token files prepared with `trainbox prepare` are read as for pretraining."""
-    from trainbox.data.sft import is_sft_input, open_sft_datasets
-    from trainbox.data.sources import open_datasets as open_token_datasets
-
-    if is_sft_input(run.data.path):
-        return open_sft_datasets(run.data, tokenizer, vocab_size)
-    return open_token_datasets(run.data, tokenizer, vocab_size)
+    """Fine-tuning data: chat / text JSONL with assistant-only loss, or prepared token files (data/sft.py)."""
+    return open_finetuning_datasets(run.data, tokenizer, vocab_size)
 
 
 def build_meta(cfg) -> nn.Module:

@@ -1,6 +1,7 @@
 """model.llama: Llama / Qwen2 options (`model.family: llama`), and the family's own rules on the model section."""
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 from pydantic import Field, model_validator
@@ -52,3 +53,18 @@ def check(m) -> None:
         raise ValueError(f"model.n_embd={m.n_embd} is not divisible by model.n_head={m.n_head}")
     if m.n_head % (m.llama.n_kv_head or m.n_head):
         raise ValueError(f"model.n_head={m.n_head} is not a multiple of model.llama.n_kv_head={m.llama.n_kv_head}")
+
+
+def intermediate_size(cfg) -> int:
+    """model.llama.intermediate_size, or Llama's rule: 8/3 x n_embd rounded up to a multiple of 256."""
+    return cfg.llama.intermediate_size or 256 * math.ceil(int(8 * cfg.n_embd / 3) / 256)
+
+
+def head_dim(cfg) -> int:
+    return cfg.head_dim or cfg.n_embd // cfg.n_head
+
+
+def tokenizer_spec(run) -> str:
+    """Where the run's tokenizer comes from: data.tokenizer, or model.path's folder when data.tokenizer is the
+    default (gpt2)."""
+    return run.model.path if run.model.path and run.data.tokenizer == "gpt2" else run.data.tokenizer

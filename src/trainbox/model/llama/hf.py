@@ -32,7 +32,7 @@ from trainbox.model.hf_folder import (
     staged,
     write_tokenizer,
 )
-from trainbox.model.llama.model import head_dim, intermediate_size, tokenizer_spec
+from trainbox.model.llama.config import head_dim, intermediate_size, tokenizer_spec
 from trainbox.model.load import load_for_inference
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}

@@ -31,6 +31,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from trainbox.data.sft import load_hf_tokenizer, open_finetuning_datasets
+from trainbox.data.sources import open_datasets as open_token_datasets
+from trainbox.data.tokenizer import get_tokenizer
 from trainbox.kernels.fused_ce import head_cross_entropy
 from trainbox.model.layers import (
     KVCache,
@@ -41,15 +44,8 @@ from trainbox.model.layers import (
     init_normal_,
     scaled_residual_init_,
 )
-
-
-def intermediate_size(cfg) -> int:
-    """model.llama.intermediate_size, or Llama's rule: 8/3 x n_embd rounded up to a multiple of 256."""
-    return cfg.llama.intermediate_size or 256 * math.ceil(int(8 * cfg.n_embd / 3) / 256)
-
-
-def head_dim(cfg) -> int:
-    return cfg.head_dim or cfg.n_embd // cfg.n_head
+from trainbox.model.llama.config import head_dim, intermediate_size, tokenizer_spec
+from trainbox.model.llama.hf import resolve_from_folder
 
 
 def rope_frequencies(dim: int, theta: float, scaling, device=None) -> torch.Tensor:
@@ -201,33 +197,18 @@ def build(cfg, vocab_size: int, block_size: int, run=None) -> Llama:
 
 def resolve(run):
     """With model.path: the run's shape, vocabulary and run.init_from from the folder (model/llama_hf.py)."""
-    if not run.model.path:
-        return run
-    from trainbox.model.llama.hf import resolve_from_folder
-    return resolve_from_folder(run)
-
-
-def tokenizer_spec(run) -> str:
-    """Where the run's tokenizer comes from: data.tokenizer, or model.path's folder when data.tokenizer is the
-    default (gpt2)."""
-    return run.model.path if run.model.path and run.data.tokenizer == "gpt2" else run.data.tokenizer
+    return resolve_from_folder(run) if run.model.path else run
 
 
 def tokenizer(run):
     """model.path's own tokenizer (transformers, with its chat template), else data.tokenizer as for every
     pretraining family."""
-    if not run.model.path:
-        from trainbox.data.tokenizer import get_tokenizer
-        return get_tokenizer(run.data.tokenizer)
-    from trainbox.data.sft import load_hf_tokenizer
-    return load_hf_tokenizer(tokenizer_spec(run))
+    return load_hf_tokenizer(tokenizer_spec(run)) if run.model.path else get_tokenizer(run.data.tokenizer)
 
 
 def open_datasets(run, tokenizer, vocab_size: int):
     """With model.path: chat / text JSONL through the fine-tuning path (data/sft.py, loss on assistant tokens
     only), as model.family=hf reads it; else data.path's token files or text."""
     if run.model.path:
-        from trainbox.model.hf.model import open_datasets as open_finetuning_datasets
-        return open_finetuning_datasets(run, tokenizer, vocab_size)
-    from trainbox.data.sources import open_datasets as open_token_datasets
+        return open_finetuning_datasets(run.data, tokenizer, vocab_size)
     return open_token_datasets(run.data, tokenizer, vocab_size)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
 
 def allowed(q_pos, kv_pos, q_doc, kv_doc, window, unit: int = 1):
@@ -42,7 +43,6 @@ def flex_block_mask(docs: torch.Tensor, window: torch.Tensor, unit: int = 1, blo
     costs O((T/128)^2) and never materialises the T x T mask (modded-nanogpt trains on 64K-token rows).
     A block pair is skipped when no pair in it is allowed, "full" (no mask_mod call) when every pair is.
     """
-    from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
     def mask_mod(b, h, q_idx, kv_idx):
         return allowed(q_idx, kv_idx, docs[b, q_idx], docs[b, kv_idx], window, unit)

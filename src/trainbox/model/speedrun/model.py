@@ -40,6 +40,7 @@ import logging
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import flex_attention
 
 from trainbox.errors import ConfigError
 from trainbox.kernels.choice import KernelPlan, choose
@@ -75,14 +76,12 @@ def _flash_call(cu, window, div, q, k, v):
 @functools.cache
 def _compiled_flex():
     # flex_attention must be compiled to run its fused kernel (uncompiled it materialises the scores)
-    from torch.nn.attention.flex_attention import flex_attention
     return torch.compile(flex_attention, dynamic=False)
 
 
 def _flex_fn():
     """flex_attention itself inside a compiled model (the outer compile fuses it), else its compiled form."""
     if torch.compiler.is_compiling():
-        from torch.nn.attention.flex_attention import flex_attention
         return flex_attention
     return _compiled_flex()
 

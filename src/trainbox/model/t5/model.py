@@ -32,6 +32,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from trainbox.data.spans import span_corruption_dataset, span_lengths
 from trainbox.errors import ConfigError
 from trainbox.model.layers import KVCache, Output, RMSNorm, cross_entropy, gelu_tanh
 
@@ -273,7 +274,6 @@ class T5(nn.Module):
         """Training FLOPs per encoder input token (what the loop counts as tokens): 6 x (matmul
         parameters x the positions they apply to) + attention scores, over one example of
         `seq_len` encoder tokens and the decoder length span corruption gives it, divided by seq_len."""
-        from trainbox.data.spans import span_lengths
 
         _, dec_len = span_lengths(seq_len, self.cfg.t5.noise_density, self.cfg.t5.mean_noise_span_length)
         d, d_ff, inner = self.cfg.n_embd, t5_d_ff(self.cfg), self.cfg.n_head * t5_d_kv(self.cfg)
@@ -310,7 +310,6 @@ def build(cfg, vocab_size: int, block_size: int, run=None) -> T5:
 
 def adapt_dataset(cfg, tokenizer, dataset, vocab_size: int, split: str):
     """Packed token windows -> span-corrupted (encoder input, decoder target) examples (data/spans.py)."""
-    from trainbox.data.spans import span_corruption_dataset
 
     if vocab_size < tokenizer.vocab_size + extra_ids(cfg.model):
         raise ConfigError(f"model.vocab_size={vocab_size} leaves no room for the tokenizer's {tokenizer.vocab_size} "

@@ -58,13 +58,13 @@ def load_curves(run_dir: Path) -> Curves:
 
 def _pyplot():
     try:
-        import matplotlib
+        import matplotlib  # heavy: matplotlib
     except ImportError:
         raise MissingDependency("matplotlib", "plot", "plotting loss curves",
                                 hint="pip install 'matplotlib>=3.7' (a trainbox dependency: "
                                      "this environment lost it)") from None
     matplotlib.use("Agg")  # files only: no display needed (containers, CI)
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # heavy: matplotlib
     return plt
 
 

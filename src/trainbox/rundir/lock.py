@@ -11,7 +11,8 @@ import sys
 import time
 from pathlib import Path
 
-from trainbox.runs import pid_alive, read_json
+from trainbox.errors import ConfigError, RunBusy
+from trainbox.rundir.runs import pid_alive, read_json
 
 LOCK_NAME = ".lock"
 RUN_FILES = (LOCK_NAME, "checkpoints", "superseded", "config.yaml", "env.json", "train.log", "metrics.jsonl",
@@ -42,7 +43,6 @@ class RunLock:
             return None
 
     def _refuse(self, holder: dict | None) -> None:
-        from trainbox.errors import RunBusy
         who = (f"process {holder.get('pid')} on {holder.get('host')} (started "
                f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(holder.get('started_at', 0)))})"
                if holder else "another process")
@@ -61,12 +61,10 @@ class RunLock:
     def acquire(self) -> "RunLock":
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if self.run_dir.is_symlink():
-            from trainbox.errors import ConfigError
             raise ConfigError(f"run directory {self.run_dir} is a symbolic link: a run writes only into a real "
                               "folder under run.dir", hint="remove the link or choose another run.name")
         links = [n for n in RUN_FILES if (self.run_dir / n).is_symlink()]
         if links:
-            from trainbox.errors import ConfigError
             raise ConfigError(f"{self.run_dir / links[0]} is a symbolic link: a run writes only into its own "
                               "directory", hint=f"remove the link (rm {self.run_dir / links[0]}) or choose another "
                                                 "run.name")

@@ -15,6 +15,14 @@ from trainbox.files import atomic_write_text
 
 if TYPE_CHECKING:  # torch is imported only where a run is created: `runs`/`status` stay fast
     import torch
+import urllib.error
+import urllib.request
+
+import yaml
+
+import trainbox
+from trainbox.errors import DataError, RunFinished, RunNotRunning
+from trainbox.rundir.status import ACTIVE_PHASES, health
 
 
 def _git_commit() -> str | None:
@@ -28,15 +36,14 @@ def _git_commit() -> str | None:
 
 def versions() -> dict:
     """Software versions a checkpoint records (trainer.json) and env.json starts with."""
-    import torch
+    import torch  # heavy: torch
 
-    import trainbox
     return {"trainbox": trainbox.__version__, "python": platform.python_version(), "torch": torch.__version__,
             "cuda": torch.version.cuda, "rocm": getattr(torch.version, "hip", None)}
 
 
 def environment(device: torch.device | None = None, world: int = 1) -> dict:
-    import torch
+    import torch  # heavy: torch
 
     gpus = []
     if torch.cuda.is_available():
@@ -131,7 +138,6 @@ def read_json(path: Path) -> dict | None:
 
 def _monitor_settings(run_dir: Path) -> tuple[float | None, int]:
     """(monitor.stall_seconds, monitor.log_every) from the run's config.yaml."""
-    import yaml
     try:
         mon = (yaml.safe_load((run_dir / "config.yaml").read_text()) or {}).get("monitor") or {}
     except (OSError, yaml.YAMLError):
@@ -141,8 +147,6 @@ def _monitor_settings(run_dir: Path) -> tuple[float | None, int]:
 
 def run_info(run_dir: Path, now: float | None = None) -> dict:
     """status.json of `run_dir` plus `state` (one of STATES), `healthy` and a one-line `reason`."""
-    from trainbox.errors import DataError
-    from trainbox.monitor.state import ACTIVE_PHASES, health
 
     run_dir = Path(run_dir)
     s = read_json(run_dir / "status.json")
@@ -182,7 +186,6 @@ def list_runs(root: Path) -> list[dict]:
 
 def resolve_run(arg: str, root: Path = Path("runs")) -> Path:
     """A run given as a directory, or as a name under `root`."""
-    from trainbox.errors import DataError
 
     for cand in (Path(arg), Path(root) / arg):
         if (cand / "status.json").exists() or (cand / "train.log").exists():
@@ -195,8 +198,6 @@ def resolve_run(arg: str, root: Path = Path("runs")) -> Path:
 
 def url_health(url: str, timeout: float = 5.0) -> tuple[bool, str]:
     """GET URL/health -> (healthy, one-line reason); an unreachable server is unhealthy."""
-    import urllib.error
-    import urllib.request
 
     base = url.rstrip("/")
     target = base if base.endswith("/health") else base + "/health"
@@ -246,40 +247,11 @@ def follow_log(run_dir: Path, follow: bool, tail: int | None = None, poll_s: flo
             time.sleep(poll_s)
 
 
-def _ago(seconds: float | None) -> str:
-    """'12s ago', '5m ago', '3h ago', '2d ago' (the coarse ages docker ps shows)."""
-    if seconds is None:
-        return "-"
-    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
-        if seconds >= size:
-            return f"{int(seconds // size)}{unit} ago"
-    return f"{max(0, int(seconds))}s ago"
-
-
-def runs_table(infos: list[dict], now: float | None = None) -> list[list[str]]:
-    """Rows (header first) for `trainbox runs`."""
-    from trainbox.monitor.console import fmt_duration
-
-    now = time.time() if now is None else now
-    rows = [["NAME", "STATE", "STEP", "LOSS", "VAL", "TOK/S", "ETA", "STARTED", "UPDATED", "DETAIL"]]
-    for r in infos:
-        loss, val, tok = r.get("loss"), r.get("val_loss"), r.get("tokens_per_s")
-        running = r["state"] in ("running", "stalled")
-        detail = "" if r["state"] in ("running", "finished") else r["reason"]
-        rows.append([r["name"], r["state"], f"{r.get('step', 0)}/{r.get('total_steps', 0)}",
-                     f"{loss:.4f}" if loss is not None else "-", f"{val:.4f}" if val is not None else "-",
-                     f"{tok:,.0f}" if tok else "-", fmt_duration(r.get("eta_s")) if running else "-",
-                     _ago(now - r["started_at"]) if r.get("started_at") else "-",
-                     _ago(now - r["heartbeat"]) if r.get("heartbeat") else "-",
-                     detail if len(detail) <= 70 else detail[:67] + "..."])
-    return rows
-
-
 # ----------------------------------------------------------------------------- stopping a run
 #
 # `trainbox stop` signals the process that owns the run: for `trainbox train --nproc N` the launcher, which
 # records itself (and torchrun's pid, the leader of torchrun's own process group) in RUN/launcher.pid and
-# forwards the signal once to torchrun and so to every rank; otherwise the process named in status.json (a
+# passes the signal to every rank; otherwise the process named in status.json (a
 # single process, or rank 0 of a torchrun job started by hand, whose stop flag the ranks agree on at the next
 # step boundary), or, before status.json exists, the holder named in RUN/.lock.
 
@@ -313,7 +285,6 @@ def run_target(run_dir: Path) -> dict:
 
     Raises RunFinished (exit 0) for a finished run, RunNotRunning for a run with no live process here (naming
     its state and last step) or one whose process runs on another host."""
-    from trainbox.errors import RunFinished, RunNotRunning
 
     run_dir = Path(run_dir)
     status = read_json(run_dir / "status.json")
@@ -353,7 +324,7 @@ def run_target(run_dir: Path) -> dict:
 
 
 def latest_checkpoint_step(run_dir: Path) -> int | None:
-    from trainbox import checkpoint
+    from trainbox import checkpoint  # heavy: numpy, torch
     ckpt = checkpoint.latest(Path(run_dir) / "checkpoints")
     return checkpoint.step_of(ckpt) if ckpt is not None else None
 

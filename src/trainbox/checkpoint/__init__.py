@@ -13,7 +13,9 @@ fsyncs the parent and only then moves `latest` and prunes old checkpoints. A cra
 leaves the previous checkpoint untouched; loaders only ever pick folders that hold COMPLETE, and a `step_X`
 without it (damage: no save leaves one) is reported like any other damaged checkpoint.
 
-A save that does not fit (disk full, disk quota, a file over `ulimit -f`) says so plainly (checkpoint_room.py).
+This package: the single-file layout and what every layout shares (here: saving, publishing, verifying,
+resolving, loading), a save that does not fit said plainly (room.py: disk full, disk quota, a file over
+`ulimit -f`), and the sharded layout read back (sharded.py: torch.distributed.checkpoint folders).
 
 Loading never runs code from a checkpoint: weights are safetensors, the `.pt` files are read with
 `torch.load(weights_only=True)`, trainer.json is JSON. `verify` checks every file against COMPLETE's sizes
@@ -29,14 +31,17 @@ import os
 import random
 import re
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn as nn
 from safetensors.torch import load_file, save_file
+from torch.distributed.fsdp import FSDPModule
 
-from trainbox.checkpoint_room import check_room, disk_cause, payload_bytes, save_error
+from trainbox.checkpoint import sharded  # it uses this package's names only when called
+from trainbox.checkpoint.room import check_room, disk_cause, payload_bytes, save_error
 from trainbox.errors import CheckpointError
 from trainbox.files import atomic_write_text, fsync_dir
 
@@ -131,7 +136,6 @@ def is_sharded(ckpt: Path) -> bool:
 
 def write_manifest(ckpt: Path, step: int) -> None:
     """Write COMPLETE: the step and each file's size and sha256, as the files are now (fsynced)."""
-    from concurrent.futures import ThreadPoolExecutor
     names = files_of(ckpt)
     with ThreadPoolExecutor(min(8, len(names))) as pool:   # hashlib releases the GIL: the files hash side by side
         digests = dict(zip(names, pool.map(lambda f: sha256(ckpt / f), names)))
@@ -327,8 +331,7 @@ def load_weights(ckpt: Path, model: nn.Module, strict: bool = True, adapt=None) 
     """The checkpoint's weights into `model` (a plain or an FSDP-sharded module), whichever layout it has;
     `adapt(state) -> state` first (expert parallelism: this rank's shard)."""
     if is_sharded(ckpt) or _is_fsdp(model):
-        from trainbox.parallel.dcp import load_state
-        load_state(ckpt, model, None)
+        sharded.load_state(ckpt, model, None)
         return
     try:
         state = load_file(str(ckpt / "model.safetensors"))
@@ -360,7 +363,6 @@ def load_weights(ckpt: Path, model: nn.Module, strict: bool = True, adapt=None) 
 
 
 def _is_fsdp(model: nn.Module) -> bool:
-    from torch.distributed.fsdp import FSDPModule
     return isinstance(model, FSDPModule)
 
 
@@ -380,7 +382,7 @@ def load_optimizers(ckpt: Path, optimizers: list, adapt=None) -> None:
     what the optimizers were built with: a changed optim.* on resume applies (see train/resume.py). `adapt(states)
     -> states` runs first (expert parallelism: this rank's shard)."""
     if is_sharded(ckpt):
-        raise CheckpointError(f"{ckpt} is sharded: load it with trainbox.parallel.dcp.load_state")
+        raise CheckpointError(f"{ckpt} is sharded: load it with checkpoint.sharded.load_state")
     states = load_safe(ckpt / "optimizer.pt")
     if not isinstance(states, list) or len(states) != len(optimizers):
         raise CheckpointError(f"{ckpt / 'optimizer.pt'}: holds {len(states) if isinstance(states, list) else 0} "

@@ -16,6 +16,7 @@ TrainingArguments batch). Unknown keys are ConfigErrors with the closest support
 from __future__ import annotations
 
 import difflib
+import json
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -173,7 +174,6 @@ def looks_like_training_arguments(data: dict) -> bool:
 
 def mapping_report(path: str) -> str | None:
     """Human table of the mapping for a TrainingArguments-style JSON file (None for other files)."""
-    import json
     p = Path(path)
     if p.suffix != ".json" or not p.is_file():
         return None

@@ -1,0 +1,58 @@
+"""Building a run's model from its config: the functions the trainer, the plan and inference call, each asking the
+run's family (model/spec.py) for its own way where it has one."""
+from __future__ import annotations
+
+from trainbox.data.sources import open_datasets as open_token_datasets
+from trainbox.data.tokenizer import get_tokenizer
+from trainbox.model.spec import family
+
+
+def pad_vocab(n: int, multiple: int = 64) -> int:
+    """Round the vocabulary up for faster matmuls (GPT-2: 50,257 -> 50,304)."""
+    return -(-n // multiple) * multiple
+
+
+def resolve_model(run):
+    """The run config completed for its model before anything is built: the keys the recipe requires are
+    checked, then the family resolves what it takes from elsewhere (llama with model.path: the folder's shape,
+    vocabulary and initial weights). A new config; the given one is not changed."""
+    run.check_required()
+    resolve = family(run.model.family).hook("resolve")
+    return resolve(run) if resolve is not None else run
+
+
+def build_model(cfg, vocab_size: int, block_size: int, run=None):
+    """`cfg` is the ModelSection; `run` the whole RunConfig, which some families read (hf: LoRA, quantisation)."""
+    return family(cfg.family).load().build(cfg, vocab_size, block_size, run=run)
+
+
+def build_tokenizer(run):
+    """The family's own tokenizer where it has one (hf, llama with model.path), else `data.tokenizer`."""
+
+    own = family(run.model.family).hook("tokenizer")
+    return own(run) if own is not None else get_tokenizer(run.data.tokenizer)
+
+
+def model_vocab_size(cfg, tokenizer_vocab: int) -> int:
+    """model.vocab_size, or the tokenizer's plus the family's extra ids (t5 sentinels), padded."""
+    if cfg.vocab_size:
+        return cfg.vocab_size
+    extra = family(cfg.family).hook("extra_ids")
+    return pad_vocab(tokenizer_vocab + (extra(cfg) if extra is not None else 0))
+
+
+def open_datasets(run, tokenizer, vocab_size: int):
+    """(train, val) datasets: the family's own reader where it has one, else data.path's token files."""
+    own = family(run.model.family).hook("open_datasets")
+    if own is not None:
+        return own(run, tokenizer, vocab_size)
+    return open_token_datasets(run.data, tokenizer, vocab_size)
+
+
+def adapt_datasets(cfg, tokenizer, vocab_size: int, train, val):
+    """Families whose examples are not next-token windows (t5) turn the packed datasets into theirs."""
+    adapt = family(cfg.model.family).hook("adapt_dataset")
+    if adapt is None:
+        return train, val
+    return (adapt(cfg, tokenizer, train, vocab_size, "train"),
+            adapt(cfg, tokenizer, val, vocab_size, "val") if val is not None else None)
