@@ -271,8 +271,9 @@ class MonitorSection(Section):
     wandb: bool = False
     wandb_project: str = "trainbox"
     progress: Literal["auto", "bar", "lines"] = "auto"
-    memory_snapshot: int = Field(0, ge=0, le=MAX_STEPS, description="record the CUDA allocator through this many steps and write "
-                                 "memory_snapshot.rankR.pickle and memory_peak.rankR.json to the run directory")
+    memory_snapshot: int = Field(0, ge=0, le=MAX_STEPS, description=(
+        "record the CUDA allocator through this many steps and write memory_snapshot.rankR.pickle and "
+        "memory_peak.rankR.json to the run directory"))
 
 
 class LoraSection(Section):

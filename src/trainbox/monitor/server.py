@@ -46,6 +46,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import choose_encoder
 
+from trainbox.errors import ConfigError
 from trainbox.monitor.console import log
 from trainbox.monitor.state import ACTIVE_PHASES, RunState, health
 
@@ -202,7 +203,6 @@ class MonitorServer:
             if cfg.port == 0:
                 raise
             if "port" in cfg.model_fields_set:   # asked for by the user: probes and links depend on it
-                from trainbox.errors import ConfigError
                 raise ConfigError(f"monitor.port={cfg.port} on {cfg.host} is unavailable ({e.strerror})",
                                   hint="stop what holds it, choose another monitor.port, or monitor.port=0 "
                                        "for a free one") from None
@@ -345,6 +345,25 @@ class MonitorServer:
                                  "endpoints": ["/health", "/metrics", "/status", "/history", "/"]}, head)
 
         return Handler
+
+
+def check_host(cfg) -> None:
+    """Refuse a monitor.host the server could not bind (a name that does not resolve, an address of another
+    machine) before any work: the server starts only once the model is built. A probe socket of the server's
+    address family binds the host on a port the system picks, then closes."""
+    probe = socket.socket(_Server.address_family, socket.SOCK_STREAM)
+    fix = ("use 127.0.0.1 (this machine only), 0.0.0.0 (every interface, in a container; with monitor.token) or an "
+           "IPv4 address of this machine; or monitor.enabled=false")
+    try:
+        probe.bind((cfg.host, 0))
+    except socket.gaierror as e:
+        raise ConfigError(f"monitor.host={cfg.host!r} does not resolve to an IPv4 address ({e.strerror})",
+                          hint=fix) from None
+    except OSError as e:
+        raise ConfigError(f"monitor.host={cfg.host!r} is not an address of this machine ({e.strerror})",
+                          hint=fix) from None
+    finally:
+        probe.close()
 
 
 def start_server(state: RunState, cfg, timeout: float | None = None) -> MonitorServer:

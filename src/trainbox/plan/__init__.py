@@ -43,9 +43,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 
 from trainbox.config import RunConfig
+from trainbox.config.layout import decide_layout
 from trainbox.errors import ConfigError
 from trainbox.model.spec import build_tokenizer, family, model_vocab_size
-from trainbox.parallel import shards
 from trainbox.plan.activations import Activations, Kernels, Widths, family_activations, weight_copy_bytes
 from trainbox.plan.count import ParamCount, count_parameters
 from trainbox.plan.gpus import GPUS, GiB, Target, gpu, local_cpu, local_gpu, sized
@@ -63,6 +63,7 @@ __all__ = ["CONTEXT", "GPUS", "MARGIN", "NCCL", "Layout", "Memory", "Plan", "Sug
 
 @dataclass(frozen=True)
 class Layout:
+    """What the memory model needs of a run's layout (config/layout.py's RunLayout) and of how FSDP runs it."""
     parallel: str = "ddp"              # ddp or fsdp
     nproc: int = 1
     expert_parallel: int = 1
@@ -238,48 +239,31 @@ def memory(cfg: RunConfig, counts: ParamCount, vocab: int, target: Target, layou
 # ----------------------------------------------------------------------------- the plan
 
 
-def check_layout(cfg: RunConfig, layout: Layout) -> None:
-    ep, n = layout.expert_parallel, layout.nproc
-    if n < 1:
-        raise ConfigError(f"--nproc {n}: the number of GPUs must be at least 1")
-    if ep > 1:
-        if layout.parallel == "fsdp":
-            raise ConfigError(f"model.moe.expert_parallel={ep} runs with train.parallel=ddp (the dense parameters "
-                              "data-parallel), not fsdp", hint="drop train.parallel=fsdp, or model.moe.expert_parallel")
-        if not family(cfg.model.family).experts:
-            raise ConfigError(f"model.moe.expert_parallel={ep} applies to model.family=moe, not {cfg.model.family}")
-        if n % ep:
-            raise ConfigError(f"model.moe.expert_parallel={ep} does not divide the {n} GPUs (--nproc {n})",
-                              hint=f"use --nproc {ep * max(1, n // ep)} or an expert-parallel degree dividing {n}")
-        if cfg.model.moe.num_experts % ep:
-            raise ConfigError(f"model.moe.expert_parallel={ep} does not divide model.moe.num_experts="
-                              f"{cfg.model.moe.num_experts}")
-
-
 def make_plan(cfg: RunConfig, vocab: int, target: Target, nproc: int = 1, kernels: Kernels | None = None,
               flash: bool = False, suggest: bool = True, dtype: str | None = None,
               side_stream_grads: bool | None = None) -> Plan:
-    """The plan of `cfg` on `nproc` GPUs of one node like `target` (`kernels`: what runs, else assumed_kernels;
-    `dtype`: bf16, fp16 or fp32 as the run resolved it, else from train.dtype and the target;
-    `side_stream_grads`: whether FSDP's gradient shards keep a pool of their own, else as this torch does)."""
+    """The plan of `cfg` on `nproc` GPUs of one node like `target`, in the layout decide_layout gives it there
+    (its train.micro_batch_size as it is: `trainbox plan --nproc N` applies the one train --nproc N picks first)
+    (`kernels`: what runs, else assumed_kernels; `dtype`: bf16, fp16 or fp32 as the run resolved it, else from
+    train.dtype and the target; `side_stream_grads`: whether FSDP's gradient shards keep a pool of their own,
+    else as this torch does)."""
     t = cfg.train
     spec = family(cfg.model.family)
-    ep = cfg.model.moe.expert_parallel if spec.experts else 1
+    run = decide_layout(cfg, nproc, "cuda" if target.cuda else "cpu")
+    ep = run.expert_parallel
     if side_stream_grads is None:
         from trainbox.parallel.fsdp import compute_pool_grads_available
         side_stream_grads = not compute_pool_grads_available()
-    layout = Layout("fsdp" if shards(t.parallel, nproc) else "ddp", nproc, ep, t.reshard_after_forward,
-                    side_stream_grads)
-    check_layout(cfg, layout)
+    layout = Layout(run.strategy, nproc, ep, t.reshard_after_forward, side_stream_grads)
     counts = count_parameters(cfg, vocab)
     kernels = kernels or assumed_kernels(cfg, target, flash)
     own = getattr(spec.memory(), "checkpointing", None)   # a family that recomputes in its own way (hf)
     mode = own(cfg) if own is not None else t.activation_checkpointing
     dtype = dtype or dtype_bytes(cfg, target)[0]
-    mem, acts = memory(cfg, counts, vocab, target, layout, t.micro_batch_size, mode, kernels, BYTES[dtype])
-    plan = Plan(cfg.recipe, target, layout, t.micro_batch_size, cfg.data.seq_len, dtype, t.compile, mode, kernels,
+    mem, acts = memory(cfg, counts, vocab, target, layout, run.micro_batch, mode, kernels, BYTES[dtype])
+    plan = Plan(cfg.recipe, target, layout, run.micro_batch, cfg.data.seq_len, dtype, t.compile, mode, kernels,
                 counts, mem, acts, drops_unsent=ep > 1 and cfg.model.moe.capacity_factor > 0,
-                accumulation=max(1, t.global_batch_size // (t.micro_batch_size * nproc)))
+                accumulation=run.accumulation)
     if suggest and not plan.fits:
         from trainbox.plan.suggest import suggestions
         plan = replace(plan, suggestions=tuple(suggestions(cfg, vocab, plan)))
