@@ -47,13 +47,14 @@ class _Search:
 
 def _layouts(cfg: RunConfig, base: Layout, n: int) -> list[tuple[Layout, tuple[str, ...]]]:
     """The layouts on n GPUs the trainer runs, simplest first: as configured, fsdp, then each expert-parallel
-    degree; a change is kept where config/layout.py accepts the config with it (and the config still loads)."""
+    degree; a change is kept where config/layout.py accepts the config with it (and the config still loads: no
+    fsdp for t5, hf or Muon); the micro-batch is searched apart."""
     out = [(replace(base, nproc=n), ())]
     changes = [("train.parallel=fsdp",)] if base.parallel == "ddp" and n > 1 and base.expert_parallel == 1 else []
     changes += [(f"model.moe.expert_parallel={ep}",) for ep in range(base.expert_parallel + 1, n + 1)]
     for over in changes:
         try:
-            run = decide_layout(build_config(apply_overrides(cfg.model_dump(mode="json"), list(over))), n,
+            run = decide_layout(build_config(apply_overrides(cfg.model_dump(mode="json"), list(over))), n, "cuda",
                                 adapt_micro_batch=True)
         except ConfigError:
             continue
