@@ -211,3 +211,13 @@ def test_a_length_given_on_the_command_line_replaces_the_recipes():
     assert load_config("tiny", ["train.max_tokens=2e6"]).train.max_tokens == 2_000_000   # whole numbers as 2e6
     with pytest.raises(ConfigError, match="each set the run's length"):
         load_config("tiny", ["train.max_tokens=1e6", "train.epochs=1"])
+
+
+def test_the_layout_is_decided_in_one_place():
+    """The layout's rules (config/layout.py) are written nowhere else: no other module refuses a micro-batch, a
+    process count or an expert-parallel degree that does not divide what it must."""
+    from conftest import REPO
+    src = REPO / "src" / "trainbox"
+    others = [p for p in src.rglob("*.py") if p != src / "config" / "layout.py"]
+    for needle in ("does not divide", "does not split over", "expert_parallel %", "% t.micro_batch_size"):
+        assert [p.relative_to(src) for p in others if needle in p.read_text()] == [], needle
