@@ -142,7 +142,7 @@ REFUSED = [
     (["train.micro_batch_size=7"], 1, "train.micro_batch_size=7 does not divide the 8 sequences per process"),
     (["train.micro_batch_size=4"], 4, "train.micro_batch_size=4 does not divide the 2 sequences per process"),
     ([], 3, "train.global_batch_size=8 does not split over 3 processes"),
-    (["model.moe.expert_parallel=2"], 2, "model.moe.expert_parallel=2 applies to model.family=moe, not gpt"),
+    (["model.moe.expert_parallel=2"], 2, "model.moe.expert_parallel applies to model.family=moe, not gpt"),
     (["model.family=moe", "model.moe.num_experts=4", "model.moe.expert_parallel=2"], 1,
      "model.moe.expert_parallel=2 does not divide the run's 1 process(es)"),
     (["model.family=moe", "model.moe.num_experts=4", "model.moe.expert_parallel=2", "train.parallel=fsdp"], 2,
