@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from trainbox.config.schema import RunConfig
 from trainbox.errors import ConfigError
-from trainbox.model.spec import family
+from trainbox.model.spec import either, family, which
 
 
 @dataclass(frozen=True)
@@ -99,8 +99,9 @@ def _expert_parallel(cfg: RunConfig, world: int) -> int:
         return 1
     where = f"model.moe.expert_parallel={n}"
     if not family(cfg.model.family).experts:
-        raise ConfigError(f"{where} applies to model.family=moe, not {cfg.model.family}",
-                          hint="drop model.moe.expert_parallel or set model.family=moe")
+        experts = either(which(lambda f: f.experts))
+        raise ConfigError(f"{where} applies to model.family={experts}, not {cfg.model.family}",
+                          hint=f"drop model.moe.expert_parallel or set model.family={experts}")
     if cfg.model.moe.num_experts % n:
         raise ConfigError(f"{where} does not divide model.moe.num_experts={cfg.model.moe.num_experts}",
                           hint="choose a divisor of the number of experts")
