@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from test_moe import reference_moe  # noqa: E402 - the slow per-token MoE
 
 from trainbox.config import load_config  # noqa: E402
+from trainbox.config.layout import decide_layout  # noqa: E402
 from trainbox.parallel import expert  # noqa: E402
 from trainbox.parallel.distributed import Dist  # noqa: E402
 from trainbox.train.build import build_model_side  # noqa: E402
@@ -47,8 +48,10 @@ def loss_of(out, scale: float, accum: int) -> torch.Tensor:
 def check_case(d: Dist, n: int, cf: float, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     cpu = torch.device("cpu")
     cfg, W, r = config(n, cf), d.world, d.rank
-    ep = build_model_side(cfg, VOCAB, cpu, d, init_weights=True)
-    ref = build_model_side(config(1, cf), VOCAB, cpu, Dist(), init_weights=True)
+    ep = build_model_side(cfg, decide_layout(cfg, W, "cpu", adapt_micro_batch=True), VOCAB, cpu, d, init_weights=True)
+    one = config(1, cf)
+    ref = build_model_side(one, decide_layout(one, 1, "cpu", adapt_micro_batch=True), VOCAB, cpu, Dist(),
+                           init_weights=True)
     model, opt, ref_model, ref_opt = ep.model, ep.optimizers[0], ref.model, ref.optimizers[0]
     shard = getattr(model, "expert_shard", None)
     assert (shard is not None) == (n > 1) and (n == 1 or shard.params)

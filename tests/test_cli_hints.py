@@ -35,7 +35,7 @@ def test_config_schema_lists_keys_readably():
     line = next(ln for ln in out.splitlines() if ln.split()[:1] == ["train.max_steps"])
     assert "int | None" in line and "= null" in line
     line = next(ln for ln in out.splitlines() if ln.split()[:1] == ["train.global_batch_size"])
-    assert "int (>=1)" in line and "= 512" in line and "sequences per optimizer step" in line
+    assert "int (>=1, <=1048576)" in line and "= 512" in line and "sequences per optimizer step" in line
     assert any(ln.split()[:1] == ["model.moe.top_k"] for ln in out.splitlines())
     assert "\ntrain:\n" in out and len(out.splitlines()) < 300
     schema = json.loads(run_cli("config", "schema", "--json").stdout)

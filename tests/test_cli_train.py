@@ -84,6 +84,11 @@ def test_nproc_picks_a_micro_batch_that_keeps_the_recipes_global_batch(tmp_path,
     proc = run_cli("train", "--nproc", "2", "tiny", *small)
     assert proc.stderr.count("train.micro_batch_size=16 on 2 processes") == 1, proc.stderr
     assert "global batch 32 = 16 x 1 accum x 2" in (tmp_path / "tiny" / "train.log").read_text()
+    # the workers ran the layout the launcher decided (its config handed over, not re-decided from argv strings)
+    env = json.loads((tmp_path / "tiny" / "env.json").read_text())
+    assert env["layout"] == {"world": 2, "device": "cpu", "strategy": "ddp", "expert_parallel": 1, "micro_batch": 16,
+                             "accumulation": 1, "global_batch": 32}
+    assert "train.micro_batch_size=16" not in " ".join(env["command"])   # their command line is the user's
     bad = run_cli("train", "--nproc", "2", "tiny", *small, "train.micro_batch_size=12", "run.name=bad", check=False)
     assert bad.returncode == 2 and bad.stderr.count("train.micro_batch_size=12 does not divide") == 1, bad.stderr
     assert "launching" not in bad.stderr and not (tmp_path / "bad").exists()

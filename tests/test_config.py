@@ -122,3 +122,102 @@ def test_an_option_that_names_a_config_key_points_at_the_dotted_form():
     assert proc.returncode == 2 and "train.max_steps=5" in proc.stderr, proc.stderr
     proc = run_cli("train", "--lr=0.1", check=False)
     assert proc.returncode == 2 and "optim.lr=0.1" in proc.stderr, proc.stderr
+
+
+# ----------------------------------------------------------------------------- refused before any work
+
+# (settings, --nproc, what the message says): each refused alike by `trainbox train` and `trainbox config validate`
+# (one function, train/preflight.py), with exit 2, the key named and nothing done
+REFUSED = [
+    (["train.max_steps=true"], 1, "train.max_steps: Input should be a number, not true or false"),
+    (["optim.lr=true"], 1, "optim.lr: Input should be a number, not true or false"),
+    (["train.max_steps=1e24"], 1, "train.max_steps: Input should be less than or equal to 1000000000"),
+    (["train.max_steps=2.5"], 1, "train.max_steps: Input should be a valid integer, got a number with a fractional"),
+    (["train.max_steps=5", "train.epochs=2"], 1, "train.max_steps=5 and train.epochs=2.0 each set the run's length"),
+    (["train.max_steps=null", "train.max_tokens=100"], 1, "train.max_tokens=100 is less than one step's 256 tokens"),
+    (["model.vocab_size=64"], 1, "model.vocab_size=64 is smaller than the 2,048 ids of the tokenizer"),
+    (["monitor.host=no-such-host.invalid"], 1, "monitor.host='no-such-host.invalid' does not resolve"),
+    (["monitor.host=192.0.2.1"], 1, "monitor.host='192.0.2.1' is not an address of this machine"),
+    (["data.seq_len=1e8"], 1, "data.seq_len: Input should be less than or equal to 1048576"),
+    (["train.micro_batch_size=7"], 1, "train.micro_batch_size=7 does not divide the 8 sequences per process"),
+    (["train.micro_batch_size=4"], 4, "train.micro_batch_size=4 does not divide the 2 sequences per process"),
+    ([], 3, "train.global_batch_size=8 does not split over 3 processes"),
+    (["model.moe.expert_parallel=2"], 2, "model.moe.expert_parallel applies to model.family=moe, not gpt"),
+    (["model.family=moe", "model.moe.num_experts=4", "model.moe.expert_parallel=2"], 1,
+     "model.moe.expert_parallel=2 does not divide the run's 1 process(es)"),
+    (["model.family=moe", "model.moe.num_experts=4", "model.moe.expert_parallel=2", "train.parallel=fsdp"], 2,
+     "model.moe.expert_parallel=2 runs with train.parallel=ddp"),
+    pytest.param(["train.device=cuda"], 1, "train.device=cuda but no CUDA GPU is visible",
+                 marks=pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a machine without a GPU")),
+    ([], 0, "--nproc 0: the number of processes must be at least 1"),
+]
+
+
+@pytest.fixture
+def no_work(monkeypatch):
+    """Fails the test if a command gets past its pre-flight checks: no download, worker, run directory or model."""
+    from trainbox.train.stop import STOP
+
+    def work(*args, **kwargs):
+        raise AssertionError("work started after the pre-flight checks")
+
+    monkeypatch.setattr("trainbox.cli.data.fetch_run_data", work)
+    monkeypatch.setattr("trainbox.cli.train._launch_torchrun", work)
+    monkeypatch.setattr("trainbox.train.loop.Trainer.setup", work)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")   # what `train` sets, kept as it was
+    yield
+    STOP.restore()   # `train` keeps stop signals for its loop
+
+
+@pytest.mark.parametrize("overrides, nproc, says", REFUSED)
+@pytest.mark.parametrize("verb", ["train", "config validate"])
+def test_train_and_config_validate_refuse_the_same_settings_before_any_work(verb, overrides, nproc, says, tiny,
+                                                                            tmp_path, no_work, capsys):
+    from trainbox.cli import main
+    code = main([*verb.split(), "tiny", *tiny, *overrides, "--nproc", str(nproc)])
+    err = capsys.readouterr().err
+    assert code == 2 and says in err and "Traceback" not in err, err
+    assert not (tmp_path / "runs").exists()
+
+
+def test_config_validate_says_the_layout_train_would_run(tiny, no_work, capsys):
+    """What `config validate` accepts: the layout `train --nproc N` decides, the micro-batch it adapts said once;
+    a monitor host that would not resolve passes while the monitor is off."""
+    from trainbox.cli import main
+    tiny = [o for o in tiny if not o.startswith("train.micro_batch_size")]   # the recipe's 32 then adapts
+    assert main(["config", "validate", "tiny", *tiny, "--nproc", "2"]) == 0
+    out, err = capsys.readouterr()
+    assert out.strip() == "tiny: valid (ddp, 2 processes on cpu: global batch 8 = 4 x 1 accumulation x 2)"
+    assert err.strip() == ("train.micro_batch_size=4 on 2 processes (the recipe's 32 does not divide the 4 sequences "
+                           "per process); the global batch stays 8")
+    assert main(["config", "validate", "tiny", *tiny, "monitor.enabled=false", "monitor.host=no-such-host.invalid",
+                 "train.max_steps=1.0e+3"]) == 0
+
+
+def test_refused_before_any_work_as_a_user_runs_it(tiny, tmp_path):
+    """The real command line, in a fresh interpreter: exit 2, one message naming the key, no run directory."""
+    for args, says in ((["train", "tiny", *tiny, "train.max_steps=true"], "train.max_steps"),
+                       (["config", "validate", "tiny", *tiny, "data.seq_len=1e8"], "data.seq_len")):
+        proc = run_cli(*args, cwd=tmp_path, check=False)
+        assert proc.returncode == 2 and says in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+        assert len(proc.stderr.strip().splitlines()) <= 2
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_length_given_on_the_command_line_replaces_the_recipes():
+    """A run's length is one setting: tiny's recipe sets train.max_steps, the command line's epochs replace it."""
+    cfg = load_config("tiny", ["train.epochs=2"])
+    assert (cfg.train.max_steps, cfg.train.epochs, cfg.train.max_tokens) == (None, 2.0, None)
+    assert load_config("tiny", ["train.max_tokens=2e6"]).train.max_tokens == 2_000_000   # whole numbers as 2e6
+    with pytest.raises(ConfigError, match="each set the run's length"):
+        load_config("tiny", ["train.max_tokens=1e6", "train.epochs=1"])
+
+
+def test_the_layout_is_decided_in_one_place():
+    """The layout's rules (config/layout.py) are written nowhere else: no other module refuses a micro-batch, a
+    process count or an expert-parallel degree that does not divide what it must."""
+    from conftest import REPO
+    src = REPO / "src" / "trainbox"
+    others = [p for p in src.rglob("*.py") if p != src / "config" / "layout.py"]
+    for needle in ("does not divide", "does not split over", "expert_parallel %", "% t.micro_batch_size"):
+        assert [p.relative_to(src) for p in others if needle in p.read_text()] == [], needle

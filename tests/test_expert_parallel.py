@@ -23,8 +23,8 @@ from conftest import TINY, run_cli
 from safetensors.torch import load_file
 
 from trainbox.config import load_config
+from trainbox.config.layout import decide_layout
 from trainbox.errors import ConfigError
-from trainbox.parallel.expert import check
 from trainbox.train.loop import train
 
 HERE = Path(__file__).parent
@@ -90,7 +90,7 @@ def test_layouts_match_one_process_and_resume_on_fewer_processes_continues_exact
     assert last[0].startswith("4\n") and last[0] == last[1]
 
 
-@pytest.mark.parametrize("overrides,world,says", [
+@pytest.mark.parametrize("overrides,world,says", [   # config/layout.py's rules (the one function every caller asks)
     (["model.moe.expert_parallel=3"], 3, "does not divide model.moe.num_experts=4"),
     (["model.moe.expert_parallel=2"], 3, "does not divide the run's 3 process(es)"),
     (["model.moe.expert_parallel=2"], 1, "does not divide the run's 1 process(es)"),
@@ -99,8 +99,8 @@ def test_layouts_match_one_process_and_resume_on_fewer_processes_continues_exact
     (["model.moe.expert_parallel=2", "model.family=gpt"], 2, "applies to model.family=moe"),
 ])
 def test_refused_settings_name_the_key(overrides, world, says):
-    cfg = load_config("tiny", [*MOE, *overrides])
-    with pytest.raises(ConfigError, match="model.moe.expert_parallel") as e:
-        check(cfg, world)
+    with pytest.raises(ConfigError, match=r"model\.moe\.") as e:   # a dense family: by the config itself
+        decide_layout(load_config("tiny", [*MOE, *overrides]), world, adapt_micro_batch=True)
     assert says in str(e.value)
-    check(load_config("tiny", [*MOE, "model.moe.expert_parallel=2"]), 4)
+    ok = decide_layout(load_config("tiny", [*MOE, "model.moe.expert_parallel=2"]), 4, adapt_micro_batch=True)
+    assert (ok.expert_parallel, ok.strategy, ok.micro_batch * ok.accumulation * ok.world) == (2, "ddp", 32)

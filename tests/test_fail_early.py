@@ -14,7 +14,6 @@ from conftest import run_cli
 
 from trainbox.config import load_config
 from trainbox.errors import ConfigError, DataError, TrainingFailed
-from trainbox.parallel.distributed import Dist
 
 
 @pytest.fixture
@@ -100,9 +99,9 @@ def test_gpu_recipe_on_cpu():
         cfg = load_config(name)
         assert cfg.requires_gpu
         with pytest.raises(ConfigError) as e:
-            resolve_device(cfg, Dist())
+            resolve_device(cfg)
         assert "made for a GPU" in str(e.value) and f"trainbox train {name} train.device=cpu" in e.value.hint
-    device, _, _ = resolve_device(load_config("speedrun-124m", ["train.device=cpu"]), Dist())
+    device, _, _ = resolve_device(load_config("speedrun-124m", ["train.device=cpu"]))
     assert device.type == "cpu"   # asked for explicitly: the memory check decides
     assert not any(load_config(name).requires_gpu for name in ("tiny", "t5-small", "sft"))
     checks = {c.name: c for c in recipe_checks(load_config("speedrun-124m"))}

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from trainbox.config import load_config
 from trainbox.data.loader import BatchPlan, TokenDataset
+from trainbox.errors import ConfigError
 from trainbox.model.build import build_model
 from trainbox.model.spec import family
 from trainbox.parallel.ddp import DataParallel
@@ -123,7 +124,9 @@ def test_plan_length_from_steps_tokens_or_epochs():
     assert plan_length(mk(), plan) == 12                                  # default: one epoch
     assert plan_length(mk("train.epochs=2.5"), plan) == 30
     assert plan_length(mk("train.max_tokens=1300"), plan) == 1300 // (8 * SEQ)
-    assert plan_length(mk("train.max_steps=7", "train.epochs=3"), plan) == 7   # max_steps wins
+    with pytest.raises(ConfigError, match="each set the run's length"):   # one length setting, not a precedence
+        mk("train.max_steps=7", "train.epochs=3")
+    assert plan_length(load_config("tiny", ["train.epochs=3"]), plan) == 36   # it replaces the recipe's max_steps
 
 
 def test_epoch_checkpoints_and_fixed_eval_slice(tmp_path, tiny):

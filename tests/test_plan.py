@@ -14,11 +14,11 @@ from conftest import REPO, run_cli
 
 import trainbox.train.recompute as recompute
 from trainbox.config import load_config
+from trainbox.config.layout import decide_layout
 from trainbox.errors import ConfigError
 from trainbox.kernels.choice import choose
 from trainbox.model.build import build_model
 from trainbox.model.spec import family as family_spec
-from trainbox.parallel import expert
 from trainbox.plan import CONTEXT, MARGIN, NCCL, gpu, local_cpu, make_plan, run_vocab
 from trainbox.plan.activations import Kernels, Widths, family_activations, weight_copy_bytes
 from trainbox.plan.count import count_parameters
@@ -136,7 +136,7 @@ def test_activation_formulas_equal_what_autograd_keeps(family, mode):
     """fp32 as a CPU run trains (the plan as `trainbox plan` makes it here), and under bf16 autocast (the
     formulas' 16-bit widths), within 1% of the bytes really kept; gpt with its fused loss."""
     cfg = small(family, f"train.activation_checkpointing={mode}", "train.micro_batch_size=3",
-                *(["model.fused_loss=true"] if family == "gpt" else []))
+                "train.global_batch_size=3", *(["model.fused_loss=true"] if family == "gpt" else []))
     assert make_plan(cfg, 512, local_cpu()).activations.saved == pytest.approx(measure(cfg, mode, False), rel=0.01)
     k = choose(cfg.model, torch.device("cpu"), family_spec(cfg.model.family))
     kernels = Kernels(k.attention, k.fused_loss, k.fused_mlp, k.fp8)
@@ -149,7 +149,7 @@ def test_activation_formulas_equal_what_autograd_keeps(family, mode):
 def test_lora_activations_equal_what_autograd_keeps(hf_llama):
     """A Hugging Face Llama under LoRA (frozen base, adapters with dropout) takes the Llama-style block."""
     cfg = load_config("lora", [f"model.path={hf_llama}", "train.device=cpu", "lora.gradient_checkpointing=false",
-                               "data.seq_len=64", "train.micro_batch_size=3"])
+                               "data.seq_len=64", "train.micro_batch_size=3", "train.global_batch_size=3"])
     model = build_model(cfg.model, 0, 0, run=cfg)
     x = torch.randint(1, 300, (3, 64))
     skip = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()] if t is not None}
@@ -282,7 +282,7 @@ def test_verdicts_and_suggestions_that_fit_when_applied():
     for plan, given in ((one, []), (two, []), (ep2, ["model.moe.expert_parallel=2"])):
         for s in plan.suggestions:   # each suggestion, applied over the user's overrides, fits
             applied_cfg = load_config("moe-gpt2-125m", [*MOE_128, *given, *s.overrides])
-            expert.check(applied_cfg, s.nproc)   # a layout the trainer runs (no expert parallelism under fsdp)
+            decide_layout(applied_cfg, s.nproc)   # a layout the trainer runs (no expert parallelism under fsdp)
             applied = make_plan(applied_cfg, vocab, gpu("H100"), nproc=s.nproc, suggest=False)
             assert applied.fits and applied.memory.needed == s.needed, s
     big = load_config("gpt2-125m", ["train.micro_batch_size=240", "train.global_batch_size=480"])
@@ -316,16 +316,19 @@ def test_expert_parallel_plan_names_the_largest_micro_batch_that_fits():
 
 
 def test_micro_batch_on_n_processes():
-    """The micro-batch `train --nproc N` and `plan --nproc N` both use: the recipe's where it divides a rank's
-    share of the global batch, else the largest below it that does; a given one that does not is refused."""
-    from trainbox.config.batch import micro_batch_on
+    """The micro-batch `train --nproc N` and `plan --nproc N` both use (config/layout.py): the recipe's where it
+    divides a rank's share of the global batch, else the largest below it that does; a given one that does not
+    is refused. A config with the decided micro-batch applied decides the same layout again (what the workers of
+    `train --nproc N` do with the config their launcher hands them)."""
     cfg = load_config("moe-gpt2-125m")   # global batch 480, micro-batch 48
-    assert [micro_batch_on(cfg, n, given=False) for n in (1, 2, 4, 8)] == [48, 48, 40, 30]
-    assert micro_batch_on(cfg, 2, given=True) == 48
+    layouts = [decide_layout(cfg, n, "cuda", adapt_micro_batch=True) for n in (1, 2, 4, 8)]
+    assert [(x.micro_batch, x.accumulation) for x in layouts] == [(48, 10), (48, 5), (40, 3), (30, 2)]
+    assert all(decide_layout(x.applied(cfg), x.world, "cuda") == x for x in layouts)
+    assert decide_layout(cfg, 2, "cuda").micro_batch == 48
     with pytest.raises(ConfigError, match="does not divide the 120 sequences per process"):
-        micro_batch_on(cfg, 4, given=True)
+        decide_layout(cfg, 4, "cuda")
     with pytest.raises(ConfigError, match="does not split over 7 processes"):
-        micro_batch_on(cfg, 7, given=False)
+        decide_layout(cfg, 7, "cuda", adapt_micro_batch=True)
 
 
 def test_gpu_names():

@@ -233,12 +233,12 @@ def test_cuda_runs_on_the_fused_kernel_and_matches_hugging_face_in_bf16():
 
 
 def test_explicit_vocab_without_room_for_sentinels_is_a_config_error(tiny):
-    from trainbox.data.sources import open_datasets
     from trainbox.data.tokenizer import get_tokenizer
     from trainbox.errors import ConfigError
-    from trainbox.model.build import adapt_datasets
+    from trainbox.model.build import check_vocab_size
 
     cfg = load_config("tiny", [*tiny, *T5_TINY, "model.vocab_size=2048"])
     tok = get_tokenizer(cfg.data.tokenizer)
-    with pytest.raises(ConfigError, match="model.vocab_size=2048"):
-        adapt_datasets(cfg, tok, 2048, *open_datasets(cfg.data, tok, 2048))
+    with pytest.raises(ConfigError, match="model.vocab_size=2048") as e:
+        check_vocab_size(cfg.model, tok)   # the pre-flight check (train/preflight.py)
+    assert f"plus {cfg.model.t5.sentinel_tokens + 1} t5 extra ids" in e.value.message

@@ -100,6 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
     c = verb("config", "show, validate or describe the config")
     c.add_argument("action", choices=["show", "schema", "validate"])
     c.add_argument("--json", action="store_true", help="schema: the JSON Schema instead of the list of keys")
+    c.add_argument("--nproc", type=int, default=1, help="validate: every check `train --nproc N` makes before any "
+                   "work, for a run on N processes (default 1)")
     c.add_argument("source", nargs="?", help="recipe name or config file")
     c.add_argument("overrides", nargs="*")
     c.set_defaults(func=cmd_config)

@@ -34,6 +34,7 @@ EPILOGS = {
           trainbox config schema                           # every key: type, default, description
           trainbox config schema --json                    # the JSON Schema
           trainbox config validate my_run.yaml             # exit 2 with the offending key if invalid
+          trainbox config validate moe-gpt2-125m --nproc 4  # the checks `train --nproc 4` makes here before work
         """,
     "prepare": """
         examples:

@@ -13,7 +13,7 @@ from pathlib import Path
 import yaml
 
 from trainbox.config import load_config
-from trainbox.config.batch import given_on_command_line, micro_batch_on
+from trainbox.config.layout import decide_layout, micro_batch_given
 from trainbox.config.schema import MonitorSection
 from trainbox.errors import TrainboxError
 from trainbox.launch import LaunchSpec, render, write_rendered
@@ -77,16 +77,18 @@ def _launch_image(args) -> int:
 
 
 def cmd_plan(args) -> int:
-    from trainbox.plan import plan_run  # heavy: numpy, torch
+    from trainbox.plan import plan_run, plan_target  # heavy: numpy, torch
     from trainbox.plan.report import format_plan  # heavy: numpy, torch
 
     cfg = load_config(args.recipe, args.overrides)
     overrides = list(args.overrides)
-    if args.nproc > 1:   # the micro-batch `trainbox train --nproc N` would pick
-        micro = micro_batch_on(cfg, args.nproc, given_on_command_line(overrides))
-        if micro != cfg.train.micro_batch_size:
-            overrides.append(f"train.micro_batch_size={micro}")
-            cfg = load_config(args.recipe, overrides)
+    # the layout `trainbox train --nproc N` would decide: its micro-batch, planned
+    target = plan_target(cfg, args.gpu, args.gpu_mem)
+    layout = decide_layout(cfg, args.nproc, "cuda" if target.cuda else "cpu",
+                           adapt_micro_batch=not micro_batch_given(overrides))
+    if layout.micro_batch != cfg.train.micro_batch_size:
+        overrides.append(f"train.micro_batch_size={layout.micro_batch}")
+        cfg = layout.applied(cfg)
     plan = plan_run(cfg, args.nproc, args.gpu, args.gpu_mem, args.flash)
     if args.json:
         data = plan.as_dict()

@@ -11,10 +11,10 @@ import time
 from pathlib import Path
 
 from trainbox.cli.data import fetch_run_data
-from trainbox.config import RunConfig, dump_yaml, load_config
-from trainbox.config.batch import given_on_command_line, micro_batch_on
+from trainbox.config import RunConfig, build_config, dump_yaml, load_config
 from trainbox.config.describe import describe_keys
 from trainbox.config.hfargs import mapping_report
+from trainbox.config.layout import micro_batch_given
 from trainbox.data import embedded
 from trainbox.data.tokenizer import train_bpe
 from trainbox.errors import DataError
@@ -38,28 +38,21 @@ def cmd_train(args) -> int:
             stop_when_gone(int(os.environ["TRAINBOX_LAUNCHER_PID"]), "the launcher")
     if getattr(args, "detach", False) and not worker:
         return _detach(args, load_config(args.recipe, args.overrides))
-    cfg = load_config(args.recipe, args.overrides)
+    cfg, decided = _run_config(args)
     if STOP.requested and not worker:   # workers agree on stopping in the loop, all at one step boundary
         return _stopped_before_start()
     if args.recipe and args.recipe.endswith(".json") and not worker:
         report = mapping_report(args.recipe)
         if report:
             print(report, file=sys.stderr)
-    from trainbox.data.hub import download_target  # heavy: numpy
+    from trainbox.parallel.distributed import Dist  # heavy: torch
 
-    if download_target(cfg.data.path, cfg.data.source, cfg.data.download) and cfg.requires_gpu \
-            and cfg.train.device == "auto":   # a GPU recipe on a CPU is refused before its download, not after
-        import torch  # heavy: torch
-        if not torch.cuda.is_available():
-            from trainbox.train.device import gpu_recipe_on_cpu  # heavy: torch
-            raise gpu_recipe_on_cpu(cfg)
+    dist = Dist.from_env(os.environ)
+    checked = _preflight(args, cfg, dist, decided)   # before any download, any file of the run, any worker
     if args.nproc and args.nproc > 1 and not worker:
-        extra = _micro_batch_for(cfg, args.nproc, args.overrides)
         if not _fetch(cfg, args.recipe):   # once, before any worker starts
             return _stopped_before_start(cfg.data.path)
-        return _launch_torchrun(args, cfg, extra)
-    from trainbox.parallel.distributed import Dist  # heavy: torch
-    dist = Dist.from_env(os.environ)
+        return _launch_torchrun(args, checked.layout.applied(cfg))
     # under a torchrun started elsewhere, the download folder's lock lets one process per machine fetch
     if not _fetch(cfg, args.recipe, main=dist.is_main) or (STOP.requested and not worker):
         return _stopped_before_start(cfg.data.path)
@@ -78,7 +71,8 @@ def cmd_train(args) -> int:
         log_file = cfg.run_dir / "train.log"
     setup_logging(log_file, console=dist.is_main, bar=bar)
     try:
-        result = train(cfg, dist, argv=["trainbox", "train", *sys.argv[2:]], progress=ProgressBar(enabled=bar))
+        result = train(cfg, dist, argv=["trainbox", "train", *sys.argv[2:]], progress=ProgressBar(enabled=bar),
+                       checked=checked)
     finally:
         if single:
             unlock_run(cfg.run_dir)
@@ -153,20 +147,34 @@ def _exit_worker() -> None:
     os._exit(0)
 
 
-def _micro_batch_for(cfg, nproc: int, overrides: list[str]) -> list[str]:
-    """The override that makes the global batch hold on `nproc` processes (config/batch.py), refused here, once,
-    before any worker starts, where none can."""
-    t = cfg.train
-    micro = micro_batch_on(cfg, nproc, given_on_command_line(overrides))
-    if micro == t.micro_batch_size:
-        return []
-    print(f"train.micro_batch_size={micro} on {nproc} processes (the recipe's {t.micro_batch_size} does not divide "
-          f"the {t.global_batch_size // nproc} sequences per process); the global batch stays "
-          f"{t.global_batch_size}", file=sys.stderr)
-    return [f"train.micro_batch_size={micro}"]
+LAUNCHED_CONFIG = "TRAINBOX_LAUNCHED_CONFIG"   # the config `train --nproc N` decided, as JSON, for its workers
 
 
-def _launch_torchrun(args, cfg, extra_overrides: list[str] = ()) -> int:
+def _run_config(args):
+    """-> (the run's config, whether a launcher decided it). A worker of `trainbox train --nproc N` takes the config
+    its launcher decided (LAUNCHED_CONFIG: its layout applied), so no worker decides again; every other process
+    loads the recipe and the overrides."""
+    launched = os.environ.get(LAUNCHED_CONFIG) if "LOCAL_RANK" in os.environ else None
+    if launched:
+        return build_config(json.loads(launched)), True
+    return load_config(args.recipe, args.overrides), False
+
+
+def _preflight(args, cfg, dist, decided: bool):
+    """The run's pre-flight checks (train/preflight.py) on the processes this command runs: --nproc N's, or the
+    torchrun world this process is part of. The micro-batch adapts to them unless the command line gives it (or
+    the launcher decided it); the main process says so once."""
+    from trainbox.train.preflight import preflight  # heavy: torch
+    world = dist.world if "LOCAL_RANK" in os.environ or args.nproc is None else args.nproc
+    adapt = not (decided or micro_batch_given(args.overrides))
+    checked = preflight(cfg, world, dist.local_rank, adapt_micro_batch=adapt, serves_monitor=dist.is_main)
+    note = checked.layout.note(cfg)
+    if note and dist.is_main:
+        print(note, file=sys.stderr)
+    return checked
+
+
+def _launch_torchrun(args, cfg) -> int:
     """`trainbox train --nproc N ...` re-runs itself under torchrun (standalone rendezvous).
 
     A run directory that a live process holds is refused here, in one line, before torchrun starts. torchrun
@@ -176,7 +184,9 @@ def _launch_torchrun(args, cfg, extra_overrides: list[str] = ()) -> int:
     0, and torchrun, which saw no signal, exits 0 with them. The workers learn this launcher's pid
     (TRAINBOX_LAUNCHER_PID) and stop in the same way when it ends, however it ends (SIGKILL included), so no
     worker trains on unsupervised; where /proc does not list the workers, the signal goes to torchrun, which
-    passes it on."""
+    passes it on.
+    `cfg` is the config the launcher decided (its layout applied): the workers take it from TRAINBOX_LAUNCHED_CONFIG
+    (their command line is the user's, for the record)."""
 
     from torch.distributed.run import get_args_parser  # heavy: torch
 
@@ -191,7 +201,7 @@ def _launch_torchrun(args, cfg, extra_overrides: list[str] = ()) -> int:
     if "--shutdown-timeout" in known:
         extra.append(f"--shutdown-timeout={cfg.train.pg_timeout_s}")  # time for the ranks to save before SIGKILL
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}", *extra,
-           "-m", "trainbox", "train", *([args.recipe] if args.recipe else []), *args.overrides, *extra_overrides]
+           "-m", "trainbox", "train", *([args.recipe] if args.recipe else []), *args.overrides]
     print("launching: " + " ".join(cmd), file=sys.stderr)
     started = time.time()
     pending = [STOP.signum] if STOP.signum is not None else []
@@ -200,8 +210,10 @@ def _launch_torchrun(args, cfg, extra_overrides: list[str] = ()) -> int:
         pending.append(signum)
 
     old = {s: signal.signal(s, note) for s in STOP_SIGNALS}   # from here this launcher's own handler
+    # the keys the config sets, and only those: what the user gave stays apart from the defaults in the workers too
+    launched = json.dumps(cfg.model_dump(mode="json", exclude_unset=True))
     proc = subprocess.Popen(cmd, start_new_session=True,
-                            env={**os.environ, "TRAINBOX_LAUNCHER_PID": str(os.getpid())})
+                            env={**os.environ, "TRAINBOX_LAUNCHER_PID": str(os.getpid()), LAUNCHED_CONFIG: launched})
     write_launcher(cfg.run_dir, proc.pid, started)  # `trainbox stop` signals this launcher, which passes it on
     forwarded: list[int] = []
     try:
@@ -378,8 +390,14 @@ def cmd_config(args) -> int:
     cfg = load_config(args.source, args.overrides)
     if args.action == "show":
         print(dump_yaml(cfg), end="")
-    else:
-        print(f"{args.source or 'tiny'}: valid")
+        return 0
+    # every check `trainbox train` makes before any work, on this machine, for a run on --nproc processes
+    from trainbox.train.preflight import preflight  # heavy: torch
+    checked = preflight(cfg, args.nproc, adapt_micro_batch=not micro_batch_given(args.overrides))
+    note = checked.layout.note(cfg)
+    if note:
+        print(note, file=sys.stderr)
+    print(f"{args.source or 'tiny'}: valid ({checked.layout.describe()})")
     return 0
 
 

@@ -12,7 +12,7 @@ import yaml
 from pydantic import ValidationError
 
 from trainbox.config.hfargs import map_training_arguments
-from trainbox.config.schema import RunConfig
+from trainbox.config.schema import LENGTH_KEYS, RunConfig
 from trainbox.errors import ConfigError
 
 
@@ -92,6 +92,13 @@ def parse_value(text: str) -> Any:
 
 
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """Apply dotted `key=value` overrides to the source's dict. A run's length is one setting: an override of
+    train.max_steps, max_tokens or epochs replaces whichever of them the source set."""
+    keys = {item.split("=", 1)[0].strip() for item in overrides}
+    if any(f"train.{k}" in keys for k in LENGTH_KEYS) and isinstance(data.get("train"), dict):
+        for k in LENGTH_KEYS:
+            if f"train.{k}" not in keys:
+                data["train"].pop(k, None)
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override '{item}' is not of the form key=value",

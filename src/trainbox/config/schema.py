@@ -17,6 +17,15 @@ from trainbox.model.spec import OPTIONS, either, families, family, which
 RUN_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 RUN_NAME_RULE = "one path component of letters, digits, '.', '_' and '-', starting with a letter or digit"
 
+# Upper bounds of the count fields: far beyond any run (Llama 3 405B: 1.2M steps, 15.6T tokens, 128K context), low
+# enough that a slip (1e24 steps, a sequence of 1e8 tokens) is refused with its key instead of running
+MAX_STEPS = 10**9
+MAX_TOKENS = 10**15
+MAX_SEQUENCES = 2**20   # sequences in a batch
+MAX_POSITIONS = 2**20   # tokens in a sequence
+MAX_VOCAB = 2**24
+LENGTH_KEYS = ("max_steps", "max_tokens", "epochs")   # train.*: the one setting that gives a run's length
+
 
 class RunSection(Section):
     name: str | None = Field(None, description=f"run name; defaults to the recipe name. {RUN_NAME_RULE}")
@@ -37,7 +46,7 @@ class DataSection(Section):
     path: str = Field("embedded:shakespeare", description="embedded corpus, token-file prefix, or text/JSONL input")
     val_path: str | None = Field(None, description="validation token files (default: the _val split of path)")
     tokenizer: str = Field("gpt2", description="gpt2, embedded:shakespeare-bpe, a tokenizer.json or folder")
-    seq_len: int = Field(1024, ge=8)
+    seq_len: int = Field(1024, ge=8, le=MAX_POSITIONS)
     format: Literal["auto", "shard", "megatron", "flat"] = "auto"
     text_key: list[str] = Field(default_factory=lambda: ["text"])
     chat_template: str | None = Field(None, description="built-in template name (chatml) for chat JSONL")
@@ -56,13 +65,15 @@ class ModelBase(Section):
     """The model section's generic keys; ModelSection adds each family's own section (model.<family>)."""
 
     family: str = Field("gpt", description="the model family (a folder of src/trainbox/model)")
-    n_layer: int = Field(12, ge=1)
-    n_head: int = Field(12, ge=1)
-    n_embd: int = Field(768, ge=8)
-    head_dim: int | None = Field(None, ge=1, description="width of one head (default n_embd // "
-                                                          "n_head)")
-    vocab_size: int | None = Field(None, description="default: the tokenizer's, padded to a multiple of 64")
-    block_size: int | None = Field(None, description="positions the model supports (default data.seq_len)")
+    n_layer: int = Field(12, ge=1, le=4096)
+    n_head: int = Field(12, ge=1, le=4096)
+    n_embd: int = Field(768, ge=8, le=2**20)
+    head_dim: int | None = Field(None, ge=1, le=2**16, description="width of one head (default n_embd // "
+                                                                   "n_head)")
+    vocab_size: int | None = Field(None, ge=1, le=MAX_VOCAB, description="default: the tokenizer's (plus the family's "
+                                   "extra ids), padded to a multiple of 64; at least that unpadded")
+    block_size: int | None = Field(None, ge=1, le=MAX_POSITIONS, description="positions the model supports (default "
+                                                                            "data.seq_len)")
     dropout: float = Field(0.0, ge=0, lt=1, description="dropout probability in the blocks")
     bias: bool = Field(True, description="biases in the linear layers and norms (GPT-2's)")
     tie_embeddings: bool = Field(True, description="the output head shares the token embedding (llama: "
@@ -174,12 +185,12 @@ class OptimSection(Section):
     eps: float = Field(1e-8, gt=0)
     grad_clip: float = Field(1.0, ge=0, description="0 = no clipping")
     schedule: Literal["cosine", "linear", "constant", "wsd"] = "cosine"
-    warmup_steps: int = Field(0, ge=0)
+    warmup_steps: int = Field(0, ge=0, le=MAX_STEPS)
     cooldown_frac: float = Field(0.2, ge=0, le=1, description="wsd: fraction of steps in the final decay")
     muon_lr: float = Field(0.02, gt=0)
     muon_momentum: float = Field(0.95, ge=0, lt=1)
     muon_momentum_start: float = Field(0.85, ge=0, lt=1, description="muon: momentum at step 0 of its warm-up")
-    muon_momentum_warmup_steps: int = Field(300, ge=0)
+    muon_momentum_warmup_steps: int = Field(300, ge=0, le=MAX_STEPS)
     muon_zeropower: str = Field("newton_schulz5", description="newton_schulz5, polar_express or svd")
     muon_ns_steps: int = Field(5, ge=1)
     embed_lr: float | None = Field(None, description="muon: AdamW lr of embeddings (default lr)")
@@ -195,14 +206,22 @@ class OptimSection(Section):
 
 
 class TrainSection(Section):
-    global_batch_size: int = Field(512, ge=1, description="sequences per optimizer step, all ranks together")
-    micro_batch_size: int = Field(16, ge=1, description="sequences per forward pass on one rank")
-    epochs: float | None = Field(None, gt=0)
-    max_steps: int | None = Field(None, ge=1)
-    max_tokens: int | None = Field(None, ge=1)
-    eval_every: int = Field(250, ge=0, description="0 = only at the end")
-    eval_tokens: int = Field(1_048_576, ge=1, description="tokens of the fixed validation slice")
-    checkpoint_every: int = Field(1000, ge=0, description="0 = only at epoch ends and the end")
+    global_batch_size: int = Field(512, ge=1, le=MAX_SEQUENCES, description="sequences per optimizer step, all ranks "
+                                                                          "together")
+    micro_batch_size: int = Field(16, ge=1, le=MAX_SEQUENCES, description=(
+        "sequences per forward pass on one rank; where the command line does not give it, the largest size up to "
+        "this one that divides a rank's share of the global batch (config/layout.py)"))
+    epochs: float | None = Field(None, gt=0, le=10**6, description="the run's length in passes over the training "
+                                                                   "data (one of max_steps, max_tokens, epochs; "
+                                                                   "none: 1 epoch)")
+    max_steps: int | None = Field(None, ge=1, le=MAX_STEPS, description="the run's length in optimizer steps (one of "
+                                                                        "max_steps, max_tokens, epochs)")
+    max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS, description=(
+        "the run's length in training tokens, as whole steps: max_tokens // (global_batch_size x data.seq_len) "
+        "(one of max_steps, max_tokens, epochs)"))
+    eval_every: int = Field(250, ge=0, le=MAX_STEPS, description="0 = only at the end")
+    eval_tokens: int = Field(1_048_576, ge=1, le=MAX_TOKENS, description="tokens of the fixed validation slice")
+    checkpoint_every: int = Field(1000, ge=0, le=MAX_STEPS, description="0 = only at epoch ends and the end")
     checkpoints: bool = Field(True, description="false: no checkpoint at all (benchmarks, throwaway runs); a stop "
                                                 "signal then ends the run without one, and it cannot be resumed")
     keep_last: int = Field(3, ge=1)
@@ -221,7 +240,8 @@ class TrainSection(Section):
     dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
     device: str = Field("auto", description="auto, cpu, cuda, cuda:N")
     pg_timeout_s: int = Field(1800, ge=10, description="process-group timeout (covers rank-0 saves and evals)")
-    sample_tokens: int = Field(200, ge=0, description="tokens generated at the end of the run (0 = none)")
+    sample_tokens: int = Field(200, ge=0, le=MAX_POSITIONS, description="tokens generated at the end of the run (0 = "
+                                                                        "none)")
     sample_prompt: str = "\n"
     threads: int | None = Field(None, ge=1, description="CPU threads (default: all cores)")
     peak_tflops: float | None = Field(None, gt=0, description="per-device peak for MFU (default: from the GPU name)")
@@ -230,20 +250,30 @@ class TrainSection(Section):
                                                  "activations, communication, overhead) exceeds what the device "
                                                  "has free by more than the plan's error margin")
 
+    @model_validator(mode="after")
+    def _one_length(self) -> "TrainSection":
+        given = [f"train.{k}={getattr(self, k)}" for k in LENGTH_KEYS if getattr(self, k) is not None]
+        if len(given) > 1:
+            raise ValueError(f"{' and '.join(given)} each set the run's length: give one of train.max_steps, "
+                             "train.max_tokens and train.epochs (one given on the command line replaces the "
+                             "recipe's)")
+        return self
+
 
 class MonitorSection(Section):
     enabled: bool = True
     host: str = "127.0.0.1"
     port: int = Field(8080, ge=0, le=65535, description="0 = pick a free port")
     token: str | None = None
-    log_every: int = Field(10, ge=1)
+    log_every: int = Field(10, ge=1, le=MAX_STEPS)
     stall_seconds: float | None = Field(None, gt=0, description="default: derived from the step time")
     tensorboard: bool = False
     wandb: bool = False
     wandb_project: str = "trainbox"
     progress: Literal["auto", "bar", "lines"] = "auto"
-    memory_snapshot: int = Field(0, ge=0, description="record the CUDA allocator through this many steps and write "
-                                 "memory_snapshot.rankR.pickle and memory_peak.rankR.json to the run directory")
+    memory_snapshot: int = Field(0, ge=0, le=MAX_STEPS, description=(
+        "record the CUDA allocator through this many steps and write memory_snapshot.rankR.pickle and "
+        "memory_peak.rankR.json to the run directory"))
 
 
 class LoraSection(Section):
@@ -288,6 +318,15 @@ class RunConfig(Section):
         if why and self.train.activation_checkpointing != "none":
             raise ValueError(f"train.activation_checkpointing={self.train.activation_checkpointing} does not apply "
                              f"to model.family={self.model.family}: {why}")
+        return self
+
+    @model_validator(mode="after")
+    def _tokens_fill_a_step(self) -> "RunConfig":
+        step = self.train.global_batch_size * self.data.seq_len
+        if self.train.max_tokens is not None and self.train.max_tokens < step:
+            raise ValueError(f"train.max_tokens={self.train.max_tokens} is less than one step's {step:,} tokens "
+                             f"(train.global_batch_size={self.train.global_batch_size} x data.seq_len="
+                             f"{self.data.seq_len}): give at least {step}, or train.max_steps")
         return self
 
     @model_validator(mode="after")

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from trainbox.data import formats
-from trainbox.errors import ConfigError, DataError
+from trainbox.errors import DataError
 
 
 class TokenDataset:
@@ -78,7 +78,8 @@ class AllOnes:
 
 @dataclass
 class BatchPlan:
-    """Which samples every rank sees at every step."""
+    """Which samples every rank sees at every step, for a layout that keeps the global batch (config/layout.py
+    decides it: global_batch = micro_batch x accum x world)."""
 
     dataset: TokenDataset
     global_batch: int
@@ -88,14 +89,7 @@ class BatchPlan:
     seed: int = 0
 
     def __post_init__(self):
-        per_rank, rem = divmod(self.global_batch, self.world)
-        if rem or per_rank % self.micro_batch:
-            unit = self.micro_batch * self.world
-            raise ConfigError(
-                f"train.global_batch_size={self.global_batch} must be a multiple of "
-                f"train.micro_batch_size x processes = {self.micro_batch} x {self.world}",
-                hint=f"e.g. train.global_batch_size={unit * max(1, round(self.global_batch / unit))}")
-        self.accum = per_rank // self.micro_batch
+        self.accum = self.global_batch // (self.micro_batch * self.world)
         self._perm_epoch, self._perm = -1, None
 
     @property

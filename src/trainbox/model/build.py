@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from trainbox.data.sources import open_datasets as open_token_datasets
 from trainbox.data.tokenizer import get_tokenizer
+from trainbox.errors import ConfigError
 from trainbox.model.spec import family
 
 
@@ -33,12 +34,27 @@ def build_tokenizer(run):
     return own(run) if own is not None else get_tokenizer(run.data.tokenizer)
 
 
-def model_vocab_size(cfg, tokenizer_vocab: int) -> int:
-    """model.vocab_size, or the tokenizer's plus the family's extra ids (t5 sentinels), padded."""
-    if cfg.vocab_size:
-        return cfg.vocab_size
+def vocab_needed(cfg, tokenizer_vocab: int) -> int:
+    """The ids the model must embed: the tokenizer's plus the family's extra ids (t5: sentinels, decoder start)."""
     extra = family(cfg.family).hook("extra_ids")
-    return pad_vocab(tokenizer_vocab + (extra(cfg) if extra is not None else 0))
+    return tokenizer_vocab + (extra(cfg) if extra is not None else 0)
+
+
+def model_vocab_size(cfg, tokenizer_vocab: int) -> int:
+    """model.vocab_size, or vocab_needed padded."""
+    return cfg.vocab_size or pad_vocab(vocab_needed(cfg, tokenizer_vocab))
+
+
+def check_vocab_size(cfg, tokenizer) -> None:
+    """Refuse a model.vocab_size smaller than the ids the model must embed (the run's pre-flight check)."""
+    need = vocab_needed(cfg, tokenizer.vocab_size)
+    if cfg.vocab_size is None or cfg.vocab_size >= need:
+        return
+    extra = need - tokenizer.vocab_size
+    raise ConfigError(f"model.vocab_size={cfg.vocab_size} is smaller than the {tokenizer.vocab_size:,} ids of the "
+                      f"tokenizer {tokenizer.name}" + (f" plus {extra} {cfg.family} extra ids" if extra else ""),
+                      hint=f"drop model.vocab_size (the default is {pad_vocab(need):,}: the ids padded to a multiple "
+                           f"of 64) or set it to at least {need:,}; or set data.tokenizer to the model's own")
 
 
 def open_datasets(run, tokenizer, vocab_size: int):

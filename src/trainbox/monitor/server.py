@@ -348,6 +348,25 @@ class MonitorServer:
         return Handler
 
 
+def check_host(cfg) -> None:
+    """Refuse a monitor.host the server could not bind (a name that does not resolve, an address of another
+    machine) before any work: the server starts only once the model is built. A probe socket of the server's
+    address family binds the host on a port the system picks, then closes."""
+    probe = socket.socket(_Server.address_family, socket.SOCK_STREAM)
+    fix = ("use 127.0.0.1 (this machine only), 0.0.0.0 (every interface, in a container; with monitor.token) or an "
+           "IPv4 address of this machine; or monitor.enabled=false")
+    try:
+        probe.bind((cfg.host, 0))
+    except socket.gaierror as e:
+        raise ConfigError(f"monitor.host={cfg.host!r} does not resolve to an IPv4 address ({e.strerror})",
+                          hint=fix) from None
+    except OSError as e:
+        raise ConfigError(f"monitor.host={cfg.host!r} is not an address of this machine ({e.strerror})",
+                          hint=fix) from None
+    finally:
+        probe.close()
+
+
 def start_server(state: RunState, cfg, timeout: float | None = None) -> MonitorServer:
     """Start serving `state` on cfg.host:cfg.port (a MonitorSection); returns the running server.
     `timeout`: seconds a connection has to send its request (default REQUEST_TIMEOUT)."""

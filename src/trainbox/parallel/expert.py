@@ -38,34 +38,10 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from trainbox.errors import ConfigError
+from trainbox.config.layout import RunLayout
 from trainbox.model.moe.model import MoEFFN
-from trainbox.model.spec import family
 
 log = logging.getLogger("trainbox")  # the library logger
-
-
-def check(cfg, world: int) -> None:
-    """Refuse an expert_parallel setting this run cannot use, before any work."""
-    n = cfg.model.moe.expert_parallel
-    if n == 1:
-        return
-    where = f"model.moe.expert_parallel={n}"
-    if not family(cfg.model.family).experts:
-        raise ConfigError(f"{where} applies to model.family=moe, not {cfg.model.family}",
-                          hint="drop model.moe.expert_parallel or set model.family=moe")
-    if cfg.model.moe.num_experts % n:
-        raise ConfigError(f"{where} does not divide model.moe.num_experts={cfg.model.moe.num_experts}",
-                          hint="choose a divisor of the number of experts")
-    if world % n:
-        raise ConfigError(f"{where} does not divide the run's {world} process(es)",
-                          hint=f"run on a multiple of {n} processes (trainbox train --nproc {n} ...)")
-    if cfg.train.parallel != "ddp":
-        raise ConfigError(f"{where} runs with train.parallel=ddp (the dense parameters data-parallel), not "
-                          f"train.parallel={cfg.train.parallel}", hint="set train.parallel=ddp")
-    if cfg.optim.name == "muon":
-        raise ConfigError(f"{where} runs with optim.name=adamw: Muon's distributed step expects every rank to "
-                          "hold the same parameters", hint="set optim.name=adamw")
 
 
 @dataclass
@@ -138,15 +114,16 @@ class _AllToAll(torch.autograd.Function):
 # ----------------------------------------------------------------------------- building
 
 
-def shard_experts(model: nn.Module, cfg, dist_info, device: torch.device) -> ExpertShard | None:
-    """Keep this rank's shard of every MoE layer's experts (model.moe.expert_parallel > 1), hand DDP the names it
-    must ignore, and return the shard (also `model.expert_shard`); None when every rank holds every expert."""
-    n = cfg.model.moe.expert_parallel
+def shard_experts(model: nn.Module, layout: RunLayout, num_experts: int, dist_info,
+                  device: torch.device) -> ExpertShard | None:
+    """Keep this rank's shard of every MoE layer's experts (the layout's expert_parallel > 1, which
+    config/layout.py has checked against the run), hand DDP the names it must ignore, and return the shard (also
+    `model.expert_shard`); None when every rank holds every expert."""
+    n = layout.expert_parallel
     if n == 1:
         return None
-    check(cfg, dist_info.world)
     mesh = init_device_mesh(device.type, (dist_info.world // n, n), mesh_dim_names=("expert_replica", "expert"))
-    shard = ExpertShard(size=n, index=dist_info.rank % n, num_experts=cfg.model.moe.num_experts,
+    shard = ExpertShard(size=n, index=dist_info.rank % n, num_experts=num_experts,
                         world=dist_info.world, group=mesh.get_group("expert"),
                         replicas=mesh.get_group("expert_replica") if dist_info.world > n else None, mesh=mesh)
     for name, m in model.named_modules():

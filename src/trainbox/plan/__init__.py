@@ -43,10 +43,10 @@ from __future__ import annotations
 from dataclasses import replace
 
 from trainbox.config import RunConfig
+from trainbox.config.layout import decide_layout
 from trainbox.errors import ConfigError
 from trainbox.model.build import build_tokenizer, model_vocab_size
 from trainbox.model.spec import family
-from trainbox.parallel import shards
 from trainbox.parallel.fsdp import compute_pool_grads_available
 from trainbox.plan.activations import Kernels
 from trainbox.plan.count import count_parameters
@@ -74,47 +74,30 @@ __all__ = ["BYTES", "CONTEXT", "FRAGMENTATION", "GPUS", "MARGIN", "MODES", "NCCL
            "memory", "plan_run", "run_vocab", "sized"]
 
 
-def check_layout(cfg: RunConfig, layout: Layout) -> None:
-    ep, n = layout.expert_parallel, layout.nproc
-    if n < 1:
-        raise ConfigError(f"--nproc {n}: the number of GPUs must be at least 1")
-    if ep > 1:
-        if layout.parallel == "fsdp":
-            raise ConfigError(f"model.moe.expert_parallel={ep} runs with train.parallel=ddp (the dense parameters "
-                              "data-parallel), not fsdp", hint="drop train.parallel=fsdp, or model.moe.expert_parallel")
-        if not family(cfg.model.family).experts:
-            raise ConfigError(f"model.moe.expert_parallel={ep} applies to model.family=moe, not {cfg.model.family}")
-        if n % ep:
-            raise ConfigError(f"model.moe.expert_parallel={ep} does not divide the {n} GPUs (--nproc {n})",
-                              hint=f"use --nproc {ep * max(1, n // ep)} or an expert-parallel degree dividing {n}")
-        if cfg.model.moe.num_experts % ep:
-            raise ConfigError(f"model.moe.expert_parallel={ep} does not divide model.moe.num_experts="
-                              f"{cfg.model.moe.num_experts}")
-
-
 def make_plan(cfg: RunConfig, vocab: int, target: Target, nproc: int = 1, kernels: Kernels | None = None,
               flash: bool = False, suggest: bool = True, dtype: str | None = None,
               side_stream_grads: bool | None = None) -> Plan:
-    """The plan of `cfg` on `nproc` GPUs of one node like `target` (`kernels`: what runs, else assumed_kernels;
-    `dtype`: bf16, fp16 or fp32 as the run resolved it, else from train.dtype and the target;
-    `side_stream_grads`: whether FSDP's gradient shards keep a pool of their own, else as this torch does)."""
+    """The plan of `cfg` on `nproc` GPUs of one node like `target`, in the layout decide_layout gives it there
+    (its train.micro_batch_size as it is: `trainbox plan --nproc N` applies the one train --nproc N picks first)
+    (`kernels`: what runs, else assumed_kernels; `dtype`: bf16, fp16 or fp32 as the run resolved it, else from
+    train.dtype and the target; `side_stream_grads`: whether FSDP's gradient shards keep a pool of their own,
+    else as this torch does)."""
     t = cfg.train
     spec = family(cfg.model.family)
-    ep = cfg.model.moe.expert_parallel if spec.experts else 1
+    run = decide_layout(cfg, nproc, "cuda" if target.cuda else "cpu")
+    ep = run.expert_parallel
     if side_stream_grads is None:
         side_stream_grads = not compute_pool_grads_available()
-    layout = Layout("fsdp" if shards(t.parallel, nproc) else "ddp", nproc, ep, t.reshard_after_forward,
-                    side_stream_grads)
-    check_layout(cfg, layout)
+    layout = Layout(run.strategy, nproc, ep, t.reshard_after_forward, side_stream_grads)
     counts = count_parameters(cfg, vocab)
     kernels = kernels or assumed_kernels(cfg, target, flash)
     own = getattr(spec.memory(), "checkpointing", None)   # a family that recomputes in its own way (hf)
     mode = own(cfg) if own is not None else t.activation_checkpointing
     dtype = dtype or dtype_bytes(cfg, target)[0]
-    mem, acts = memory(cfg, counts, vocab, target, layout, t.micro_batch_size, mode, kernels, BYTES[dtype])
-    plan = Plan(cfg.recipe, target, layout, t.micro_batch_size, cfg.data.seq_len, dtype, t.compile, mode, kernels,
+    mem, acts = memory(cfg, counts, vocab, target, layout, run.micro_batch, mode, kernels, BYTES[dtype])
+    plan = Plan(cfg.recipe, target, layout, run.micro_batch, cfg.data.seq_len, dtype, t.compile, mode, kernels,
                 counts, mem, acts, drops_unsent=ep > 1 and cfg.model.moe.capacity_factor > 0,
-                accumulation=max(1, t.global_batch_size // (t.micro_batch_size * nproc)))
+                accumulation=run.accumulation)
     if suggest and not plan.fits:
         plan = replace(plan, suggestions=tuple(suggestions(cfg, vocab, plan)))
     elif suggest and ep > 1:

@@ -24,6 +24,7 @@ BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 @dataclass(frozen=True)
 class Layout:
+    """What the memory model needs of a run's layout (config/layout.py's RunLayout) and of how FSDP runs it."""
     parallel: str = "ddp"              # ddp or fsdp
     nproc: int = 1
     expert_parallel: int = 1

@@ -1,23 +1,16 @@
 """What would make a plan fit (`Plan.suggestions`): the largest micro-batch, an activation-checkpointing mode,
 fsdp, an expert-parallel degree, or more GPUs, each checked with the same memory model as the plan itself; and,
-under expert parallelism, the largest micro-batch that fits (`Plan.fewer_exchanges`)."""
+under expert parallelism, the largest micro-batch that fits (`Plan.fewer_exchanges`). Every layout suggested is
+one config/layout.py accepts."""
 from __future__ import annotations
 
 from dataclasses import replace
 
-from trainbox.config import RunConfig
+from trainbox.config import RunConfig, apply_overrides, build_config
+from trainbox.config.layout import decide_layout, micro_batches
+from trainbox.errors import ConfigError
 from trainbox.model.spec import family
 from trainbox.plan.memory import BYTES, MODES, Layout, Plan, Suggestion, memory
-
-
-def micro_batches(cfg: RunConfig, nproc: int, upto: int) -> list[int]:
-    """Micro-batch sizes up to `upto` that the batch plan accepts on `nproc` ranks (each dividing a rank's share
-    of train.global_batch_size), largest first."""
-    g = cfg.train.global_batch_size
-    if g % nproc:
-        return []
-    share = g // nproc
-    return [b for b in range(min(upto, share), 0, -1) if share % b == 0]
 
 
 class _Search:
@@ -33,7 +26,7 @@ class _Search:
     def largest(self, layout: Layout, mode: str, same_micro: bool = False) -> tuple[int, int] | None:
         """(micro-batch, needed) of the largest micro-batch (up to the plan's) that fits, or None."""
         micro = self.plan.micro_batch
-        sizes = micro_batches(self.cfg, layout.nproc, micro)
+        sizes = micro_batches(self.cfg.train.global_batch_size, layout.nproc, micro)
         for b in sizes[:1] if same_micro else sizes:
             if (needed := self.needed(layout, b, mode)) <= self.plan.target.memory:
                 return b, needed
@@ -54,16 +47,18 @@ class _Search:
 
 def _layouts(cfg: RunConfig, base: Layout, n: int) -> list[tuple[Layout, tuple[str, ...]]]:
     """The layouts on n GPUs the trainer runs, simplest first: as configured, fsdp, then each expert-parallel
-    degree (with ddp: expert parallelism does not combine with fsdp)."""
+    degree; a change is kept where config/layout.py accepts the config with it (and the config still loads: no
+    fsdp for t5, hf or Muon); the micro-batch is searched apart."""
     out = [(replace(base, nproc=n), ())]
-    if base.parallel == "ddp" and n > 1 and base.expert_parallel == 1:
-        out.append((replace(base, nproc=n, parallel="fsdp"), ("train.parallel=fsdp",)))
-    experts = cfg.model.moe.num_experts if family(cfg.model.family).experts else 1
-    for ep in range(base.expert_parallel + 1, n + 1):
-        if experts % ep == 0 and n % ep == 0:
-            over = (f"model.moe.expert_parallel={ep}",)
-            if base.parallel == "ddp":   # expert parallelism runs with ddp for the dense part (parallel/expert.py)
-                out.append((replace(base, nproc=n, expert_parallel=ep), over))
+    changes = [("train.parallel=fsdp",)] if base.parallel == "ddp" and n > 1 and base.expert_parallel == 1 else []
+    changes += [(f"model.moe.expert_parallel={ep}",) for ep in range(base.expert_parallel + 1, n + 1)]
+    for over in changes:
+        try:
+            run = decide_layout(build_config(apply_overrides(cfg.model_dump(mode="json"), list(over))), n, "cuda",
+                                adapt_micro_batch=True)
+        except ConfigError:
+            continue
+        out.append((replace(base, nproc=n, parallel=run.strategy, expert_parallel=run.expert_parallel), over))
     return out
 
 
@@ -105,7 +100,7 @@ def fewer_exchanges(cfg: RunConfig, vocab: int, plan: Plan) -> Suggestion | None
     larger than the plan's, else None."""
     lay = plan.layout
     search = _Search(cfg, vocab, plan)
-    for b in micro_batches(cfg, lay.nproc, cfg.train.global_batch_size):
+    for b in micro_batches(cfg.train.global_batch_size, lay.nproc, cfg.train.global_batch_size):
         if b <= plan.micro_batch:
             return None
         if (needed := search.needed(lay, b, plan.checkpointing)) <= plan.target.memory:

@@ -62,10 +62,13 @@ def environment(device: torch.device | None = None, world: int = 1) -> dict:
     }
 
 
-def write_env(run_dir: Path, argv: list[str], device: torch.device, world: int, kernels: dict | None = None) -> None:
+def write_env(run_dir: Path, argv: list[str], device: torch.device, world: int, kernels: dict | None = None,
+              layout: dict | None = None) -> None:
     env = environment(device, world)
     if kernels is not None:
         env["kernels"] = kernels
+    if layout is not None:
+        env["layout"] = layout
     if argv:
         env["command"] = argv
     atomic_write_text(run_dir / "env.json", json.dumps(env, indent=1), fsync=False)

@@ -1,7 +1,7 @@
-"""Building a run from its resolved config: the data side (tokenizer, datasets, batch plan, length) and the model
-side (model, kernel plan, activation checkpointing, optimizers, DDP, torch.compile). train/loop.py calls these
-in that order, with the resume checks between them (train/resume.py), so a run that cannot resume fails before
-any model is built."""
+"""Building a run from the config and layout its pre-flight checks gave (train/preflight.py): the data side
+(tokenizer, datasets, batch plan, length) and the model side (model, kernel plan, activation checkpointing,
+optimizers, DDP, torch.compile). train/loop.py calls these in that order, with the resume checks between them
+(train/resume.py), so a run that cannot resume fails before any model is built."""
 from __future__ import annotations
 
 import logging
@@ -13,6 +13,7 @@ import torch._functorch.config as functorch_config
 import torch.nn as nn
 
 from trainbox.config import RunConfig
+from trainbox.config.layout import RunLayout
 from trainbox.data.loader import BatchPlan
 from trainbox.errors import DataError
 from trainbox.kernels import float8
@@ -23,12 +24,11 @@ from trainbox.model.build import (
     build_tokenizer,
     model_vocab_size,
     open_datasets,
-    resolve_model,
 )
 from trainbox.model.load import load_init_weights
 from trainbox.model.spec import family
 from trainbox.optim.build import build_optimizers
-from trainbox.parallel import expert, shards
+from trainbox.parallel import expert
 from trainbox.parallel.ddp import DataParallel
 from trainbox.parallel.distributed import Dist
 from trainbox.parallel.fsdp import ShardedParallel
@@ -59,16 +59,14 @@ class RunData:
     total: int
 
 
-def build_data(cfg: RunConfig, dist: Dist) -> RunData:
-    cfg = resolve_model(cfg)  # required keys; the family's resolution (llama: model.path's shape and weights)
-    expert.check(cfg, dist.world)   # model.moe.expert_parallel against the world size, before any work
+def build_data(cfg: RunConfig, layout: RunLayout, dist: Dist) -> RunData:
+    """`cfg` as the pre-flight checks resolved it (the family's resolution included), `layout` theirs."""
     tokenizer = build_tokenizer(cfg)
     if cfg.model.eot_id is None and family(cfg.model.family).supports("eot_id"):   # documents split at EOT
         cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"eot_id": tokenizer.eot_id})})
     vocab = model_vocab_size(cfg.model, tokenizer.vocab_size)
     train, val = adapt_datasets(cfg, tokenizer, vocab, *open_datasets(cfg, tokenizer, vocab))
-    plan = BatchPlan(train, cfg.train.global_batch_size, cfg.train.micro_batch_size, dist.world, dist.rank,
-                     cfg.run.seed)
+    plan = BatchPlan(train, layout.global_batch, layout.micro_batch, layout.world, dist.rank, cfg.run.seed)
     plan.check_nonempty()
     check_validation(val)   # evaluation runs at the end of every run that has validation data
     return RunData(cfg, tokenizer, vocab, train, val, plan, plan_length(cfg, plan))
@@ -94,14 +92,15 @@ class RunModel:
     parallel: object        # DataParallel (parallel/ddp.py) or ShardedParallel (parallel/fsdp.py)
 
 
-def build_model_side(cfg: RunConfig, vocab: int, device: torch.device, dist: Dist, init_weights: bool,
-                     dtype: torch.dtype = torch.float32) -> RunModel:
+def build_model_side(cfg: RunConfig, layout: RunLayout, vocab: int, device: torch.device, dist: Dist,
+                     init_weights: bool, dtype: torch.dtype = torch.float32) -> RunModel:
     """The same initial weights on every rank (seeded before building); `init_weights`: load run.init_from.
-    Under fsdp the model is sharded before the optimizers are built, so their state is sharded too, and on a GPU
-    it is built there (its random initialisation on the CPU takes minutes at billions of parameters; the GPU's
-    generator gives other, equally distributed, initial weights than the CPU's)."""
+    Spread over the ranks as `layout` says. Under fsdp the model is sharded before the optimizers are built, so
+    their state is sharded too, and on a GPU it is built there (its random initialisation on the CPU takes minutes
+    at billions of parameters; the GPU's generator gives other, equally distributed, initial weights than the
+    CPU's)."""
     torch.manual_seed(cfg.run.seed)
-    sharded = shards(cfg.train.parallel, dist.world)   # (a sharded checkpoint of a larger world resumes unsharded)
+    sharded = layout.sharded   # (a sharded checkpoint of a larger world resumes unsharded)
     if cfg.train.parallel == "fsdp" and not sharded:
         log.warning("train.parallel=fsdp on one process shards nothing: the model runs whole, as under ddp "
                     "(launch several with trainbox train --nproc N)")
@@ -110,7 +109,7 @@ def build_model_side(cfg: RunConfig, vocab: int, device: torch.device, dist: Dis
         model = build_model(cfg.model, vocab, cfg.model.block_size or cfg.data.seq_len, run=cfg)
     if init_weights and cfg.run.init_from:
         load_init_weights(cfg.run.init_from, model, cfg.model)
-    expert.shard_experts(model, cfg, dist, device)   # expert parallelism: this rank's experts only, DDP told
+    expert.shard_experts(model, layout, cfg.model.moe.num_experts, dist, device)   # this rank's experts, DDP told
     model = model.to(device)
     kernels = choose(cfg.model, device, family(cfg.model.family))   # as the models ask when they meet the device
     if cfg.train.float8:

@@ -1,7 +1,8 @@
 """The device a run trains on: which one, in which dtype, what the config asks of it, and its peak FLOP/s.
 
 Everything here fails before any work with a ConfigError that names the setting (a bf16 run on a CPU,
-an FP8 head without FP8 tensor cores, a GPU recipe on a machine without one), except an out-of-memory in a
+an FP8 head without FP8 tensor cores, a GPU recipe on a machine without one, train.device=cuda where no GPU is
+visible; train/preflight.py asks resolve_device with the run's other checks), except an out-of-memory in a
 step or an evaluation (CUDA's, or a CPU allocation that fails), which is turned into one TrainingFailed
 that says which setting to lower. The memory a run needs is checked before that, in train/memory.py.
 """
@@ -20,16 +21,16 @@ from trainbox.kernels.flash import require_flash
 from trainbox.kernels.float8 import require_float8
 from trainbox.kernels.fp8 import fp8_supported
 from trainbox.monitor.console import log
-from trainbox.parallel.distributed import Dist
 
 # bf16 dense peak TFLOP/s per device, for MFU (override: train.peak_tflops)
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "GH200": 989.0, "A100": 312.0, "A800": 312.0,
                "MI300X": 1307.0, "MI325X": 1307.0, "MI250X": 383.0, "L40S": 362.0, "A10G": 125.0, "4090": 165.0}
 
 
-def resolve_device(cfg: RunConfig, dist: Dist) -> tuple[torch.device, torch.dtype, RunConfig]:
-    """-> (device, dtype, the config resolved for them): a new RunConfig where something had to change (FP8
-    matmuls as plain ones under model.fp8_fallback); `cfg` itself is never changed."""
+def resolve_device(cfg: RunConfig, local_rank: int = 0) -> tuple[torch.device, torch.dtype, RunConfig]:
+    """-> (device, dtype, the config resolved for them) of the process at `local_rank` on its machine: a new
+    RunConfig where something had to change (FP8 matmuls as plain ones under model.fp8_fallback); `cfg` itself is
+    never changed. Nothing is set up here: the trainer makes the device current (use_device)."""
     want = cfg.train.device
     if want == "auto":
         if cfg.requires_gpu and not torch.cuda.is_available():
@@ -39,8 +40,7 @@ def resolve_device(cfg: RunConfig, dist: Dist) -> tuple[torch.device, torch.dtyp
         if not torch.cuda.is_available():
             raise ConfigError(f"train.device={cfg.train.device} but no CUDA GPU is visible",
                               hint="use train.device=cpu, or check `trainbox doctor`")
-        device = torch.device("cuda", dist.local_rank if want == "cuda" else int(want.split(":")[1]))
-        torch.cuda.set_device(device)
+        device = torch.device("cuda", local_rank if want == "cuda" else int(want.split(":")[1]))
     else:
         device = torch.device(want)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}.get(cfg.train.dtype)
@@ -49,8 +49,6 @@ def resolve_device(cfg: RunConfig, dist: Dist) -> tuple[torch.device, torch.dtyp
     if dtype != torch.float32 and device.type == "cpu":
         raise ConfigError(f"train.dtype={cfg.train.dtype} needs a GPU; on CPU training runs in fp32",
                           hint="use train.dtype=auto or train.dtype=fp32")
-    if device.type == "cuda":
-        set_float32_matmuls(dtype)
     fp8 = cfg.model.fp8_options
     if fp8:
         if not fp8_supported(device):
@@ -72,6 +70,14 @@ def resolve_device(cfg: RunConfig, dist: Dist) -> tuple[torch.device, torch.dtyp
         raise ConfigError(f"monitor.memory_snapshot={cfg.monitor.memory_snapshot} records CUDA's caching allocator; "
                           f"this run is on {device.type}", hint="drop monitor.memory_snapshot, or run on a CUDA GPU")
     return device, dtype, cfg
+
+
+def use_device(device: torch.device, dtype: torch.dtype) -> None:
+    """Make `device` this process's current one and set its float32 matmul precision for `dtype` (the trainer, once
+    the pre-flight checks have resolved them)."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        set_float32_matmuls(dtype)
 
 
 # Inductor's advice when a compiled graph has float32 matmuls on a GPU with TF32 and TF32 is off

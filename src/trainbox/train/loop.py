@@ -50,25 +50,32 @@ from trainbox.parallel.distributed import Dist
 from trainbox.rundir.lock import RunLock, unlock_run
 from trainbox.train import resume
 from trainbox.train.build import build_data, build_model_side, plan_length  # noqa: F401 - plan_length: tests
-from trainbox.train.device import is_out_of_memory, out_of_memory, resolve_device
+from trainbox.train.device import is_out_of_memory, out_of_memory, use_device
 from trainbox.train.evaluate import autocast_context, evaluate
 from trainbox.train.memory import check_memory
+from trainbox.train.preflight import Preflight, preflight
 from trainbox.train.run_files import RunFiles
 from trainbox.train.saving import Checkpointing
 from trainbox.train.stop import BEFORE_FIRST_STEP, STOP
 
 
 class Trainer(RunFiles, Checkpointing):
-    """Builds everything from a RunConfig, then `run()` trains. `dist` comes from the CLI (torchrun env)."""
+    """Builds everything from a RunConfig, then `run()` trains. `dist` comes from the CLI (torchrun env); `checked`:
+    the run's pre-flight checks where the CLI ran them (train/preflight.py), else they run here, on `cfg` as it
+    is (its micro-batch not adapted)."""
 
     def __init__(self, cfg: RunConfig, dist: Dist | None = None, argv: list[str] | None = None,
-                 progress: ProgressBar | None = None):
+                 progress: ProgressBar | None = None, checked: Preflight | None = None):
         self.dist, self.argv = dist or Dist(), argv or []
+        d = self.dist
+        checked = checked or preflight(cfg, d.world, d.local_rank, serves_monitor=d.is_main)
+        # the given config is never changed: self.cfg is the one the checks resolved
+        self.cfg, self.layout, self.device, self.dtype = checked.cfg, checked.layout, checked.device, checked.dtype
+        use_device(self.device, self.dtype)
         self.run_dir = cfg.run_dir
         self.ckpt_root = self.run_dir / "checkpoints"
         self.progress = progress or ProgressBar(enabled=False)
         self.stop = STOP
-        self.device, self.dtype, self.cfg = resolve_device(cfg, self.dist)   # the given config is never changed
         self.autocast = lambda: autocast_context(self.device, self.dtype)
         self.pin = self.device.type == "cuda"   # page-locked host batches: the H2D copy runs asynchronously
         self.family = family(cfg.model.family)
@@ -97,7 +104,7 @@ class Trainer(RunFiles, Checkpointing):
             torch.set_num_threads(self.cfg.train.threads)
         self._lock_run_dir()
         self.resume_from = resume.find_start(self.cfg, self.ckpt_root)
-        data = build_data(self.cfg, d)
+        data = build_data(self.cfg, self.layout, d)
         cfg = self.cfg = data.cfg
         self.tokenizer, self.vocab, self.train_data, self.val_data = data.tokenizer, data.vocab, data.train, data.val
         self.plan, self.total = data.plan, data.total
@@ -114,7 +121,7 @@ class Trainer(RunFiles, Checkpointing):
             self.start_step = trainer_state["step"]
             self.changed = resume.check_changes(trainer_state.get("config", {}), cfg, self.resume_from)
             resume.check_finished(self.start_step, self.total, trainer_state.get("total_steps"), cfg)
-        built = build_model_side(cfg, self.vocab, self.device, d, init_weights=self.resume_from is None,
+        built = build_model_side(cfg, self.layout, self.vocab, self.device, d, init_weights=self.resume_from is None,
                                  dtype=self.dtype)
         self.model, self.kernels, self.optimizers = built.model, built.kernels, built.optimizers
         self.parallel, self.forward = built.parallel, built.parallel.forward
@@ -366,6 +373,7 @@ class Trainer(RunFiles, Checkpointing):
 
 
 def train(cfg: RunConfig, dist: Dist | None = None, argv: list[str] | None = None,
-          progress: ProgressBar | None = None) -> dict:
-    """Train one run described by `cfg` (the entry point used by the CLI and tests)."""
-    return Trainer(cfg, dist, argv, progress).run()
+          progress: ProgressBar | None = None, checked: Preflight | None = None) -> dict:
+    """Train one run described by `cfg` (the entry point used by the CLI and tests); `checked`: its pre-flight
+    checks where the caller ran them (the CLI, before it touched the run directory)."""
+    return Trainer(cfg, dist, argv, progress, checked).run()

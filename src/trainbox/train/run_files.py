@@ -4,6 +4,7 @@ the start event and log lines that say what the run is."""
 from __future__ import annotations
 
 import os
+from dataclasses import asdict
 
 import torch
 
@@ -21,7 +22,8 @@ from trainbox.train.device import peak_flops
 
 
 class RunFiles:
-    """Mixed into Trainer: uses its cfg, dist, run_dir, ckpt_root, resume_from, model, kernels, state and data."""
+    """Mixed into Trainer: uses its cfg, dist, run_dir, ckpt_root, resume_from, layout, model, kernels, state
+    and data."""
 
     def _lock_run_dir(self) -> None:
         """Rank 0 holds the run directory for the run's life (RunLock); every rank fails if it cannot."""
@@ -47,7 +49,8 @@ class RunFiles:
             if moved is not None:
                 log.info(f"the earlier history of {self.run_dir} after this start moved to {moved}")
             atomic_write_text(self.run_dir / "config.yaml", dump_yaml(cfg), fsync=False)
-            runs.write_env(self.run_dir, self.argv, self.device, d.world, kernels=self.kernels.as_dict())
+            runs.write_env(self.run_dir, self.argv, self.device, d.world, kernels=self.kernels.as_dict(),
+                           layout=asdict(self.layout))
             gpu = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None
             self.state.update(step=self.start_step, tokens_seen=self.tokens_seen, gpu_name=gpu,
                               gpu_count=d.world if gpu else 0, cuda_available=torch.cuda.is_available(),
@@ -81,5 +84,5 @@ class RunFiles:
         self.sinks.log("start", step=self.start_step, total_steps=self.total, resumed_from=str(self.resume_from or ""),
                        world=d.world, params=n, unused_tail_tokens=tails, unused_samples_per_epoch=skipped,
                        flops_per_token=self.flops_per_token, peak_flops=self.peak, parallel=self.parallel.name,
-                       kernels=self.kernels.as_dict(),
+                       kernels=self.kernels.as_dict(), layout=asdict(self.layout),
                        **({"changed": {k: list(v) for k, v in self.changed.items()}} if self.changed else {}))

@@ -33,7 +33,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from trainbox.data.spans import span_corruption_dataset, span_lengths
-from trainbox.errors import ConfigError
 from trainbox.model.layers import KVCache, Output, RMSNorm, cross_entropy, gelu_tanh
 
 
@@ -311,9 +310,5 @@ def build(cfg, vocab_size: int, block_size: int, run=None) -> T5:
 def adapt_dataset(cfg, tokenizer, dataset, vocab_size: int, split: str):
     """Packed token windows -> span-corrupted (encoder input, decoder target) examples (data/spans.py)."""
 
-    if vocab_size < tokenizer.vocab_size + extra_ids(cfg.model):
-        raise ConfigError(f"model.vocab_size={vocab_size} leaves no room for the tokenizer's {tokenizer.vocab_size} "
-                          f"ids plus {extra_ids(cfg.model)} T5 extra ids (sentinels and decoder start)",
-                          hint="leave model.vocab_size unset, it is derived from the tokenizer")
     return span_corruption_dataset(dataset, cfg.model.t5, cfg.data.seq_len, vocab_size, tokenizer.eot_id,
                                    seed=cfg.run.seed, split=split)
