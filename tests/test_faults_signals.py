@@ -355,8 +355,7 @@ def _kill_launcher(launcher: int, run_dir: Path, timeout: float = 60) -> tuple[i
 def test_a_killed_launcher_leaves_no_workers_and_the_run_resumes_exactly(root, cache, reference, torchrun_reference):
     """SIGKILL of `trainbox train --nproc 2` (and then of its --detach form) at a seeded moment: the workers see
     their launcher gone, stop at the next step boundary with a checkpoint and release the run directory within
-    seconds; while one launch runs, another is refused in one message (exit 2) before torchrun starts; the
-    relaunched chain ends with every step's loss equal to an uninterrupted 2-process run's."""
+    seconds; the relaunched chain ends with every step's loss equal to an uninterrupted 2-process run's."""
     name, rnd = "orphans", random.Random(51)
     run_dir = root / name
     seg = Segment(_two(root, cache, name), root / "orphans-0.log")
@@ -371,9 +370,6 @@ def test_a_killed_launcher_leaves_no_workers_and_the_run_resumes_exactly(root, c
     code, out = front.wait()
     assert code == 0 and "detached: process" in out, out
     launcher = int(out.split("detached: process ")[1].split(",")[0])
-    busy = Segment(_two(root, cache, name), root / "orphans-busy.log")
-    code, out = busy.wait()
-    assert code == 2 and "is in use by process" in out and "launching" not in out and "Traceback" not in out, out
     _wait_for_step(run_dir, first + 5)
     second, gone = _kill_launcher(launcher, run_dir)
     assert second > first and gone < 15, (first, second, gone)
@@ -383,6 +379,18 @@ def test_a_killed_launcher_leaves_no_workers_and_the_run_resumes_exactly(root, c
     got = _losses(run_dir)
     assert [s for s, _ in got] == list(range(1, TOTAL + 1))
     assert got == torchrun_reference
+
+
+def test_a_busy_run_directory_is_refused_under_nproc(tmp_path, cache):
+    """While a `--nproc 2` run trains, a second launch on its run directory is refused in one message (exit 2)
+    before torchrun starts; the first is then stopped with SIGTERM as usual."""
+    run = Segment(_two(tmp_path, cache, "busy", "train.max_steps=100000"), tmp_path / "busy-first.log")
+    assert _wait_training(run, tmp_path / "busy")
+    code, out = Segment(_two(tmp_path, cache, "busy", "train.max_steps=100000"), tmp_path / "busy-second.log").wait()
+    assert code == 2 and "is in use by process" in out and "launching" not in out and "Traceback" not in out, out
+    run.proc.send_signal(signal.SIGTERM)
+    code, out = run.wait()
+    assert code == 0 and "stopped at step" in out, out
 
 
 def _wait_for_step(run_dir: Path, step: int, timeout: float = 120) -> None:

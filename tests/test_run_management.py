@@ -200,13 +200,14 @@ def test_the_launcher_finds_torchruns_workers():
     shell = subprocess.Popen(["sh", "-c", "sleep 30 & sleep 30 & wait"])
     try:
         found: list[int] = []
-        for _ in range(100):   # the shell starts its children at once; wait until /proc lists both
+        sleeping = lambda pid: Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].endswith(b"sleep")  # noqa: E731
+        for _ in range(200):   # the shell forks its children, which then exec sleep: wait until /proc shows both
             found = workers(shell.pid)
-            if len(found) == 2:
+            if len(found) == 2 and all(sleeping(pid) for pid in found):
                 break
             time.sleep(0.05)
         assert len(found) == 2
-        assert all(Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].endswith(b"sleep") for pid in found)
+        assert all(sleeping(pid) for pid in found)
         assert workers(found[0]) == [] and workers(2**22 + 1) == []
     finally:
         for pid in workers(shell.pid):
