@@ -27,7 +27,7 @@ import common
 import torch
 
 from trainbox.config import load_config
-from trainbox.data.loader import BatchPlan
+from trainbox.data.loader import BatchOrder
 from trainbox.data.sources import open_datasets
 from trainbox.data.tokenizer import get_tokenizer
 from trainbox.model.build import adapt_datasets, build_model, model_vocab_size
@@ -46,7 +46,7 @@ def make_batches(cfg, steps: int, device: torch.device) -> tuple[list[dict], int
     tok = get_tokenizer(cfg.data.tokenizer)
     vocab = model_vocab_size(cfg.model, tok.vocab_size)
     train, _ = adapt_datasets(cfg, tok, vocab, *open_datasets(cfg.data, tok, vocab))
-    plan = BatchPlan(train, cfg.train.global_batch_size, cfg.train.global_batch_size, seed=cfg.run.seed)
+    plan = BatchOrder(train, cfg.train.global_batch_size, cfg.train.global_batch_size, seed=cfg.run.seed)
     plan.check_nonempty()
     batches = [{k: v.to(device) for k, v in plan.micro_batches(s)[0].items()} for s in range(steps)]
     return batches, vocab, tok

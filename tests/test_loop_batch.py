@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from trainbox.config import load_config
-from trainbox.data.loader import BatchPlan, TokenDataset
+from trainbox.data.loader import BatchOrder, TokenDataset
 from trainbox.errors import ConfigError
 from trainbox.model.build import build_model
 from trainbox.model.spec import family
@@ -53,7 +53,7 @@ def _step_update(ds, world, rank, micro, model_state, step=1) -> tuple[dict[str,
     t.model, t.forward, t.total, t.family, t._prefetched = model, model, 10, family(cfg.model.family), None
     t.parallel = DataParallel(model, Dist(), t.device)   # one process: the model as it is
     t.autocast = lambda: torch.autocast("cpu", enabled=False)
-    t.plan = BatchPlan(ds, GLOBAL, micro, world, rank, seed=5)
+    t.batches = BatchOrder(ds, GLOBAL, micro, world, rank, seed=5)
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
     opt.param_groups[0]["initial_lr"] = 1.0
     t.optimizers = [opt]
@@ -67,7 +67,7 @@ def test_loss_normalised_over_global_batch_independent_of_world_and_accum():
     model, _ = _model()
     state = {k: v.clone() for k, v in model.state_dict().items()}
     # reference: one forward over the whole global batch, mean over its unmasked targets
-    plan = BatchPlan(ds, GLOBAL, GLOBAL, 1, 0, seed=5)
+    plan = BatchOrder(ds, GLOBAL, GLOBAL, 1, 0, seed=5)
     b = ds.batch(plan.global_indices(1))
     logits = model.lm_head(model.hidden(b["x"]))
     targets = b["y"].masked_fill(~b["loss_mask"], -100)
@@ -97,7 +97,7 @@ def test_each_step_gets_its_own_batches_prefetched_or_not():
     resumed or stopped run) is never used; the last step sends nothing."""
     ds = _masked_dataset()
     t = _step_update(ds, 1, 0, 2, _model()[0].state_dict(), step=3)[2]
-    plan = t.plan
+    plan = t.batches
 
     def same(got, step):
         want = plan.micro_batches(step)
@@ -118,7 +118,7 @@ def test_each_step_gets_its_own_batches_prefetched_or_not():
 
 def test_plan_length_from_steps_tokens_or_epochs():
     ds = TokenDataset([np.zeros(100 * SEQ + 1, dtype=np.uint16)], SEQ)   # 100 samples
-    plan = BatchPlan(ds, 8, 4)
+    plan = BatchOrder(ds, 8, 4)
     assert plan.steps_per_epoch == 12
     mk = lambda *o: load_config(None, ["train.global_batch_size=8", f"data.seq_len={SEQ}", "train.max_steps=null", *o])  # noqa: E731
     assert plan_length(mk(), plan) == 12                                  # default: one epoch
@@ -209,7 +209,7 @@ def test_training_matches_a_plain_torch_loop(tiny):
     clipped = 0
     for step in range(steps):
         lr = opt.param_groups[0]["lr"]
-        batches = t.plan.micro_batches(step)
+        batches = t.batches.micro_batches(step)
         loss_sum = 0.0
         for b in batches:
             logits = ref.lm_head(ref.hidden(b["x"]))

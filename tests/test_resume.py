@@ -121,7 +121,7 @@ def test_init_from_loads_weights_only(tiny):
     model = build_model(new.model, t.model.lm_head.weight.shape[0], new.data.seq_len)
     checkpoint.load_weights(ckpt, model)
     with torch.no_grad():
-        parts = [model(b["x"], b["y"]).loss for b in t.plan.micro_batches(0)]
+        parts = [model(b["x"], b["y"]).loss for b in t.batches.micro_batches(0)]
     expected = float(torch.stack(parts).mean())
     assert abs(_train_losses(new.run_dir)[0][1] - expected) < 1e-5
     scratch = _cfg(tiny, "run.name=scratch", "train.max_steps=1")

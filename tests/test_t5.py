@@ -193,7 +193,7 @@ def test_t5_trains_resumes_exactly_runs_under_torchrun_and_fills_spans(tmp_path,
 
 
 def test_t5_batches_do_not_depend_on_world_size(tiny):
-    from trainbox.data.loader import BatchPlan
+    from trainbox.data.loader import BatchOrder
     from trainbox.data.sources import open_datasets
     from trainbox.data.tokenizer import get_tokenizer
     from trainbox.model.build import adapt_datasets
@@ -202,8 +202,8 @@ def test_t5_batches_do_not_depend_on_world_size(tiny):
     tok = get_tokenizer(cfg.data.tokenizer)
     vocab = model_vocab_size(cfg.model, tok.vocab_size)
     train, _ = adapt_datasets(cfg, tok, vocab, *open_datasets(cfg.data, tok, vocab))
-    one = BatchPlan(train, 4, 2, world=1, rank=0, seed=7).micro_batches(5)
-    two = [BatchPlan(train, 4, 1, world=2, rank=r, seed=7).micro_batches(5) for r in (0, 1)]
+    one = BatchOrder(train, 4, 2, world=1, rank=0, seed=7).micro_batches(5)
+    two = [BatchOrder(train, 4, 1, world=2, rank=r, seed=7).micro_batches(5) for r in (0, 1)]
     for key in ("x", "y"):
         whole = torch.cat([b[key] for b in one])
         assert torch.equal(whole, torch.cat([b[key] for rank in two for b in rank]))

@@ -77,7 +77,7 @@ class AllOnes:
 
 
 @dataclass
-class BatchPlan:
+class BatchOrder:
     """Which samples every rank sees at every step, for a layout that keeps the global batch (config/layout.py
     decides it: global_batch = micro_batch x accum x world)."""
 
@@ -132,7 +132,7 @@ def to_device(batches: list[dict[str, torch.Tensor]], device: torch.device,
     """A step's micro-batches on `device`: each field of all of them stacked into one host tensor
     (page-locked when `pin`) and sent in one asynchronous copy. A copy from pageable memory waits for the
     GPU's queue to drain (x = w[:, :-1] and y = w[:, 1:] are views, which torch would make contiguous in
-    pageable memory: one blocking copy per field and micro-batch). A BatchPlan's micro-batches all have one
+    pageable memory: one blocking copy per field and micro-batch). A BatchOrder's micro-batches all have one
     shape."""
     fields = {}
     for key, t in batches[0].items():

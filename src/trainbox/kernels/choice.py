@@ -1,6 +1,6 @@
 """Which kernel runs each part of a model on a device: decided in one place.
 
-`choose(model_cfg, device, spec)` returns a KernelPlan; `spec` is the model family (model/spec.py), which says
+`choose(model_cfg, device, spec)` returns a KernelChoice; `spec` is the model family (model/spec.py), which says
 which attention kernels it can run. The models ask it once, when they first meet their device (GPT.set_kernels,
 SpeedrunGPT's backend); the trainer asks it when it builds the model and records the plan in env.json and the
 run's start event; `trainbox doctor RECIPE` prints it for the machine it runs on, and the memory plan asks
@@ -31,7 +31,7 @@ from trainbox.kernels.fused_mlp import quack_available
 
 
 @dataclass(frozen=True)
-class KernelPlan:
+class KernelChoice:
     attention: str
     fused_loss: str
     fused_norm: str
@@ -98,9 +98,9 @@ def _fp8(cfg, device: torch.device) -> str:
     return "fp8" if fp8_supported(device) else "bf16"
 
 
-def choose(cfg, device: torch.device, spec) -> KernelPlan:
+def choose(cfg, device: torch.device, spec) -> KernelChoice:
     """The kernels a model of ModelSection `cfg` and family `spec` runs on `device` (raises where
     model.attention=flash cannot run)."""
-    return KernelPlan(attention=_attention(cfg, device, spec), fused_loss=_fused_loss(cfg, device),
+    return KernelChoice(attention=_attention(cfg, device, spec), fused_loss=_fused_loss(cfg, device),
                       fused_norm="off" if not cfg.fused_norm else ("triton" if device.type == "cuda" else "torch"),
                       fused_mlp=_fused_mlp(cfg, device), fp8=_fp8(cfg, device))

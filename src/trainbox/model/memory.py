@@ -54,7 +54,7 @@ class Forward:
 
 @dataclass(frozen=True)
 class Kernels:
-    """What runs, as far as memory goes: a KernelPlan seen from the plan."""
+    """What runs, as far as memory goes: a KernelChoice seen from the plan."""
     attention: str          # flash (FlashAttention-4), flex, sdpa, hf
     fused_loss: str         # quack, triton, torch, off
     fused_mlp: str          # quack, torch, unfused, off

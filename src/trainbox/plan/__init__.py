@@ -60,7 +60,7 @@ from trainbox.plan.memory import (
     NCCL,
     Layout,
     Memory,
-    Plan,
+    MemoryPlan,
     Suggestion,
     assumed_kernels,
     dtype_bytes,
@@ -69,14 +69,14 @@ from trainbox.plan.memory import (
 from trainbox.plan.suggest import fewer_exchanges, suggestions
 
 __all__ = ["BYTES", "CONTEXT", "FRAGMENTATION", "GPUS", "MARGIN", "MODES", "NCCL", "Kernels", "Layout", "Memory",
-           "Plan",
+           "MemoryPlan",
            "Suggestion", "Target", "assumed_kernels", "dtype_bytes", "gpu", "local_cpu", "local_gpu", "make_plan",
            "memory", "plan_run", "run_vocab", "sized"]
 
 
 def make_plan(cfg: RunConfig, vocab: int, target: Target, nproc: int = 1, kernels: Kernels | None = None,
               flash: bool = False, suggest: bool = True, dtype: str | None = None,
-              side_stream_grads: bool | None = None) -> Plan:
+              side_stream_grads: bool | None = None) -> MemoryPlan:
     """The plan of `cfg` on `nproc` GPUs of one node like `target`, in the layout decide_layout gives it there
     (its train.micro_batch_size as it is: `trainbox plan --nproc N` applies the one train --nproc N picks first)
     (`kernels`: what runs, else assumed_kernels; `dtype`: bf16, fp16 or fp32 as the run resolved it, else from
@@ -95,7 +95,7 @@ def make_plan(cfg: RunConfig, vocab: int, target: Target, nproc: int = 1, kernel
     mode = own(cfg) if own is not None else t.activation_checkpointing
     dtype = dtype or dtype_bytes(cfg, target)[0]
     mem, acts = memory(cfg, counts, vocab, target, layout, run.micro_batch, mode, kernels, BYTES[dtype])
-    plan = Plan(cfg.recipe, target, layout, run.micro_batch, cfg.data.seq_len, dtype, t.compile, mode, kernels,
+    plan = MemoryPlan(cfg.recipe, target, layout, run.micro_batch, cfg.data.seq_len, dtype, t.compile, mode, kernels,
                 counts, mem, acts, drops_unsent=ep > 1 and cfg.model.moe.capacity_factor > 0,
                 accumulation=run.accumulation)
     if suggest and not plan.fits:
@@ -135,7 +135,7 @@ def plan_target(cfg: RunConfig, gpu_name: str | None = None, gpu_mem: float | No
 
 
 def plan_run(cfg: RunConfig, nproc: int = 1, gpu_name: str | None = None, gpu_mem: float | None = None,
-             flash: bool = False) -> Plan:
+             flash: bool = False) -> MemoryPlan:
     """The plan `trainbox plan` prints: `cfg` on `nproc` GPUs of plan_target's kind (`flash`: assume
     trainbox[flash] on a named GPU)."""
     return make_plan(cfg, run_vocab(cfg), plan_target(cfg, gpu_name, gpu_mem), nproc, flash=flash)

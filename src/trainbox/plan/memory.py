@@ -78,7 +78,7 @@ class Suggestion:
 
 
 @dataclass(frozen=True)
-class Plan:
+class MemoryPlan:
     recipe: str | None
     target: Target
     layout: Layout

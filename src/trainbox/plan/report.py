@@ -1,7 +1,7 @@
 """The plan as text: what `trainbox plan` and `trainbox doctor RECIPE` print (the CLI does the printing)."""
 from __future__ import annotations
 
-from trainbox.plan import MARGIN, Plan
+from trainbox.plan import MARGIN, MemoryPlan
 from trainbox.plan.gpus import GiB
 
 OPTIMIZER = {"adamw": "AdamW: two fp32 moments", "muon": "Muon: one fp32 momentum (matrices), AdamW's two (rest)"}
@@ -15,7 +15,7 @@ def _m(n: float) -> str:
     return f"{n / 1e6:,.1f}M"
 
 
-def layout_text(plan: Plan) -> str:
+def layout_text(plan: MemoryPlan) -> str:
     lay = plan.layout
     if not plan.target.cuda:
         return "one process on this CPU" if lay.nproc == 1 else f"{lay.parallel} over {lay.nproc} CPU processes"
@@ -29,7 +29,7 @@ def layout_text(plan: Plan) -> str:
     return text
 
 
-def format_plan(plan: Plan, overrides: list[str] | tuple[str, ...] = ()) -> str:
+def format_plan(plan: MemoryPlan, overrides: list[str] | tuple[str, ...] = ()) -> str:
     """The plan as a table per GPU, the verdict, and what would fit."""
     t, c, mem, acts, k = plan.target, plan.counts, plan.memory, plan.activations, plan.kernels
     lay = plan.layout

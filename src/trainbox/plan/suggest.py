@@ -1,6 +1,6 @@
-"""What would make a plan fit (`Plan.suggestions`): the largest micro-batch, an activation-checkpointing mode,
+"""What would make a plan fit (`MemoryPlan.suggestions`): the largest micro-batch, an activation-checkpointing mode,
 fsdp, an expert-parallel degree, or more GPUs, each checked with the same memory model as the plan itself; and,
-under expert parallelism, the largest micro-batch that fits (`Plan.fewer_exchanges`). Every layout suggested is
+under expert parallelism, the largest micro-batch that fits (`MemoryPlan.fewer_exchanges`). Every layout suggested is
 one config/layout.py accepts."""
 from __future__ import annotations
 
@@ -10,13 +10,13 @@ from trainbox.config import RunConfig, apply_overrides, build_config
 from trainbox.config.layout import decide_layout, micro_batches
 from trainbox.errors import ConfigError
 from trainbox.model.spec import family
-from trainbox.plan.memory import BYTES, MODES, Layout, Plan, Suggestion, memory
+from trainbox.plan.memory import BYTES, MODES, Layout, MemoryPlan, Suggestion, memory
 
 
 class _Search:
     """Memory of variants of one plan (same model, same GPU): which fit, at which micro-batch."""
 
-    def __init__(self, cfg: RunConfig, vocab: int, plan: Plan):
+    def __init__(self, cfg: RunConfig, vocab: int, plan: MemoryPlan):
         self.cfg, self.vocab, self.plan = cfg, vocab, plan
 
     def needed(self, layout: Layout, micro: int, mode: str) -> int:
@@ -62,7 +62,7 @@ def _layouts(cfg: RunConfig, base: Layout, n: int) -> list[tuple[Layout, tuple[s
     return out
 
 
-def suggestions(cfg: RunConfig, vocab: int, plan: Plan) -> list[Suggestion]:
+def suggestions(cfg: RunConfig, vocab: int, plan: MemoryPlan) -> list[Suggestion]:
     """What would fit, one of each kind: the largest micro-batch; an activation-checkpointing mode; fsdp; an
     expert-parallel degree (on these GPUs, with the largest micro-batch that then fits); more GPUs (the fewest,
     with the simplest layout, mode and largest micro-batch that fit)."""
@@ -94,7 +94,7 @@ def suggestions(cfg: RunConfig, vocab: int, plan: Plan) -> list[Suggestion]:
     return [s for s in out if s is not None]
 
 
-def fewer_exchanges(cfg: RunConfig, vocab: int, plan: Plan) -> Suggestion | None:
+def fewer_exchanges(cfg: RunConfig, vocab: int, plan: MemoryPlan) -> Suggestion | None:
     """Under expert parallelism every micro-batch exchanges its tokens with an all-to-all per MoE layer, after a
     host read of the split sizes, both ways: the largest micro-batch that fits (up to one a step) where it is
     larger than the plan's, else None."""

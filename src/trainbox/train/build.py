@@ -1,5 +1,5 @@
 """Building a run from the config and layout its pre-flight checks gave (train/preflight.py): the data side
-(tokenizer, datasets, batch plan, length) and the model side (model, kernel plan, activation checkpointing,
+(tokenizer, datasets, batch order, length) and the model side (model, kernel choice, activation checkpointing,
 optimizers, DDP, torch.compile). train/loop.py calls these in that order, with the resume checks between them
 (train/resume.py), so a run that cannot resume fails before any model is built."""
 from __future__ import annotations
@@ -14,10 +14,10 @@ import torch.nn as nn
 
 from trainbox.config import RunConfig
 from trainbox.config.layout import RunLayout
-from trainbox.data.loader import BatchPlan
+from trainbox.data.loader import BatchOrder
 from trainbox.errors import DataError
 from trainbox.kernels import float8
-from trainbox.kernels.choice import KernelPlan, choose
+from trainbox.kernels.choice import KernelChoice, choose
 from trainbox.model.build import (
     adapt_datasets,
     build_model,
@@ -37,7 +37,7 @@ from trainbox.train.recompute import apply_activation_checkpointing
 log = logging.getLogger("trainbox")  # the library logger
 
 
-def plan_length(cfg: RunConfig, plan: BatchPlan) -> int:
+def plan_length(cfg: RunConfig, batches: BatchOrder) -> int:
     """Total optimizer steps from train.max_steps, train.max_tokens or train.epochs (default 1 epoch)."""
     t = cfg.train
     tokens_per_step = t.global_batch_size * cfg.data.seq_len
@@ -45,7 +45,7 @@ def plan_length(cfg: RunConfig, plan: BatchPlan) -> int:
         return t.max_steps
     if t.max_tokens is not None:
         return max(1, t.max_tokens // tokens_per_step)
-    return max(1, int(math.ceil((t.epochs or 1.0) * plan.steps_per_epoch)))
+    return max(1, int(math.ceil((t.epochs or 1.0) * batches.steps_per_epoch)))
 
 
 @dataclass
@@ -55,7 +55,7 @@ class RunData:
     vocab: int              # the model's vocabulary (the tokenizer's, plus the family's extra ids, padded)
     train: object
     val: object | None
-    plan: BatchPlan
+    batches: BatchOrder
     total: int
 
 
@@ -66,10 +66,10 @@ def build_data(cfg: RunConfig, layout: RunLayout, dist: Dist) -> RunData:
         cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"eot_id": tokenizer.eot_id})})
     vocab = model_vocab_size(cfg.model, tokenizer.vocab_size)
     train, val = adapt_datasets(cfg, tokenizer, vocab, *open_datasets(cfg, tokenizer, vocab))
-    plan = BatchPlan(train, layout.global_batch, layout.micro_batch, layout.world, dist.rank, cfg.run.seed)
-    plan.check_nonempty()
+    batches = BatchOrder(train, layout.global_batch, layout.micro_batch, layout.world, dist.rank, cfg.run.seed)
+    batches.check_nonempty()
     check_validation(val)   # evaluation runs at the end of every run that has validation data
-    return RunData(cfg, tokenizer, vocab, train, val, plan, plan_length(cfg, plan))
+    return RunData(cfg, tokenizer, vocab, train, val, batches, plan_length(cfg, batches))
 
 
 def check_validation(val) -> None:
@@ -87,7 +87,7 @@ def check_validation(val) -> None:
 @dataclass
 class RunModel:
     model: nn.Module
-    kernels: KernelPlan
+    kernels: KernelChoice
     optimizers: list
     parallel: object        # DataParallel (parallel/ddp.py) or ShardedParallel (parallel/fsdp.py)
 

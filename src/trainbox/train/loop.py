@@ -82,7 +82,7 @@ class Trainer(RunFiles, Checkpointing):
         # set by setup(), from the config (train/build.py) and the checkpoint resumed from (train/resume.py)
         self.lock: RunLock | None = None
         self.resume_from: Path | None = None
-        self.tokenizer = self.train_data = self.val_data = self.plan = None
+        self.tokenizer = self.train_data = self.val_data = self.batches = None
         self.vocab = self.total = self.start_step = self.tokens_seen = 0
         self.changed: dict = {}
         self.model = self.kernels = self.parallel = self.forward = None
@@ -107,12 +107,12 @@ class Trainer(RunFiles, Checkpointing):
         data = build_data(self.cfg, self.layout, d)
         cfg = self.cfg = data.cfg
         self.tokenizer, self.vocab, self.train_data, self.val_data = data.tokenizer, data.vocab, data.train, data.val
-        self.plan, self.total = data.plan, data.total
-        mem_plan = check_memory(cfg, self.vocab, self.device, self.dtype, world=d.world)   # before any weight exists
-        if mem_plan is not None and (f := mem_plan.fewer_exchanges) is not None and d.is_main:
-            log.info(f"expert parallelism: {mem_plan.accumulation} micro-batches a step, each with its own all-to-all "
-                     f"exchanges; {f.overrides[0]} fits by the memory plan ({f.needed / 2**30:.1f} GiB of "
-                     f"{mem_plan.target.memory / 2**30:.1f} free) and exchanges less often")
+        self.batches, self.total = data.batches, data.total
+        memory_plan = check_memory(cfg, self.vocab, self.device, self.dtype, world=d.world)   # before any weight exists
+        if memory_plan is not None and (f := memory_plan.fewer_exchanges) is not None and d.is_main:
+            log.info(f"expert parallelism: {memory_plan.accumulation} micro-batches a step, each with its own "
+                     f"all-to-all exchanges; {f.overrides[0]} fits by the memory plan ({f.needed / 2**30:.1f} GiB of "
+                     f"{memory_plan.target.memory / 2**30:.1f} free) and exchanges less often")
         if cfg.monitor.memory_snapshot:   # from before the first weight to the end of step N
             self.snapshot = MemorySnapshot(cfg.monitor.memory_snapshot, self.run_dir, d.rank, self.device)
         trainer_state = {}
@@ -199,7 +199,7 @@ class Trainer(RunFiles, Checkpointing):
                     self._phase("training")
                 if self.saver is not None:
                     self.saver.prepare(self.model, self.optimizers)   # the save's host buffers, in the background
-            end_of_epoch = step % self.plan.steps_per_epoch == 0
+            end_of_epoch = step % self.batches.steps_per_epoch == 0
             do_eval = self.val_data is not None and cfg.train.eval_every and step % cfg.train.eval_every == 0
             do_save = cfg.train.checkpoints and (step == self.total or end_of_epoch or (
                 cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0))
@@ -243,7 +243,7 @@ class Trainer(RunFiles, Checkpointing):
             self.model.set_step(step, self.total)
         batches = self._device_batches(step)
         accum = len(batches)
-        scale = self.dist.world / max(1, self.plan.target_tokens(step))
+        scale = self.dist.world / max(1, self.batches.target_tokens(step))
         loss_sum = torch.zeros((), device=self.device)
         for k, b in enumerate(batches):
             x, y, mask = b["x"], b["y"], b.get("loss_mask")
@@ -272,7 +272,7 @@ class Trainer(RunFiles, Checkpointing):
         return ready[1] if ready is not None and ready[0] == step else self._send_batches(step)
 
     def _send_batches(self, step: int) -> list[dict[str, torch.Tensor]]:
-        return to_device(self.plan.micro_batches(step), self.device, self.pin)
+        return to_device(self.batches.micro_batches(step), self.device, self.pin)
 
     # ------------------------------------------------------------------ logging, eval, checkpoints
     def _phase(self, phase: str) -> None:
@@ -310,7 +310,7 @@ class Trainer(RunFiles, Checkpointing):
             self.sinks.log("train", step=first_step + i + 1, loss=v, **(last if i == len(losses) - 1 else {}))
         mem = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
         self.state.update(step=step, loss=losses[-1], lr=lr, grad_norm=gn, tokens_per_s=tok_s, mfu=mfu, eta_s=eta,
-                          epoch=(step - 1) // self.plan.steps_per_epoch, tokens_seen=self.tokens_seen,
+                          epoch=(step - 1) // self.batches.steps_per_epoch, tokens_seen=self.tokens_seen,
                           step_time_s=per_step, gpu_memory_allocated=mem,
                           steps_this_process=step - meter.first_step,
                           tokens_this_process=(step - meter.first_step) * meter.tokens_per_step)

@@ -14,7 +14,7 @@ from trainbox.config import RunConfig
 from trainbox.errors import ConfigError
 from trainbox.kernels.choice import choose
 from trainbox.model.spec import family
-from trainbox.plan import MARGIN, Plan, Target, make_plan
+from trainbox.plan import MARGIN, MemoryPlan, Target, make_plan
 from trainbox.plan.activations import Kernels
 
 DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
@@ -39,7 +39,7 @@ def gib(n: float) -> str:
 
 
 def device_plan(cfg: RunConfig, vocab: int, device: torch.device, dtype: torch.dtype, free: int, world: int = 1
-                ) -> Plan:
+                ) -> MemoryPlan:
     """The plan of this run on `device` (its kernels as kernels.choice picks them there), against `free` bytes."""
     cuda = device.type == "cuda"
     if cuda:
@@ -54,7 +54,7 @@ def device_plan(cfg: RunConfig, vocab: int, device: torch.device, dtype: torch.d
 
 
 def check_memory(cfg: RunConfig, vocab: int, device: torch.device, dtype: torch.dtype, free: int | None = None,
-                 world: int = 1) -> Plan | None:
+                 world: int = 1) -> MemoryPlan | None:
     """Raise ConfigError when the run's plan exceeds the device's free memory beyond the plan's margin (`free`:
     measured if None; `world`: processes the run is spread over). Returns the plan, or None when not checked."""
     if not cfg.train.memory_check or family(cfg.model.family).hook("build_meta") is not None:

@@ -56,7 +56,7 @@ class RunFiles:
                               gpu_count=d.world if gpu else 0, cuda_available=torch.cuda.is_available(),
                               resumed_from=str(self.resume_from) if self.resume_from else None,
                               restarts=trainer_state.get("restarts", -1) + 1 if trainer_state else 0,
-                              epoch=self.start_step // self.plan.steps_per_epoch)
+                              epoch=self.start_step // self.batches.steps_per_epoch)
             if cfg.monitor.enabled:
                 self.server = start_server(self.state, cfg.monitor)
                 self.state.update(url=self.server.url)
@@ -70,7 +70,8 @@ class RunFiles:
                  f"({str(self.dtype).replace('torch.', '')}), {d.world} process(es)")
         log.info(f"data: {self.train_data.num_tokens:,} train tokens, {self.train_data.num_samples:,} samples of "
                  f"{cfg.data.seq_len}; global batch {cfg.train.global_batch_size} = {cfg.train.micro_batch_size} "
-                 f"x {self.plan.accum} accum x {d.world}; {self.plan.steps_per_epoch} steps/epoch, {self.total} steps")
+                 f"x {self.batches.accum} accum x {d.world}; {self.batches.steps_per_epoch} steps/epoch, "
+                 f"{self.total} steps")
         tails, skipped, unused = unused_data(self.train_data, cfg.train.global_batch_size)
         if unused:
             log.info(unused)

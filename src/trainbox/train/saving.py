@@ -66,7 +66,7 @@ class Checkpointing:
         log.info(f"checkpoint {path} ({seconds:.1f}s)")
 
     def _trainer_state(self, step: int) -> dict:
-        return {"step": step, "total_steps": self.total, "epoch": step / self.plan.steps_per_epoch,
+        return {"step": step, "total_steps": self.total, "epoch": step / self.batches.steps_per_epoch,
                 "loader": {"step": step, "seed": self.cfg.run.seed}, "tokens_seen": self.tokens_seen,
                 "world": self.dist.world, "finished": step >= self.total,
                 "restarts": self.state.snapshot()["restarts"], "wandb_id": self.sinks.wandb_id,

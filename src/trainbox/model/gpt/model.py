@@ -26,7 +26,7 @@ try:
 except ImportError:  # torch 2.5
     from torch.distributed._composable.fsdp import FSDPModule
 
-from trainbox.kernels.choice import KernelPlan, choose
+from trainbox.kernels.choice import KernelChoice, choose
 from trainbox.kernels.fallbacks import register_inductor_fallbacks
 from trainbox.kernels.flash import causal_qkv
 from trainbox.kernels.fp8 import linear, mlp_fp8
@@ -137,7 +137,7 @@ class GPT(nn.Module):
         init_normal_(self)
         scaled_residual_init_(self, "c_proj.weight", cfg.n_layer)
         self.backend: str | None = None  # flash or sdpa: model.attention, decided on first use from the device
-        self.kernels: KernelPlan | None = None
+        self.kernels: KernelChoice | None = None
         if cfg.fused_norm or cfg.fused_mlp:
             register_inductor_fallbacks()
 
@@ -145,7 +145,7 @@ class GPT(nn.Module):
         """Called by the loop before each step, outside torch.compile: picks the attention kernel."""
         self.set_kernels(self.transformer.wte.weight.device)
 
-    def set_kernels(self, device: torch.device) -> KernelPlan:
+    def set_kernels(self, device: torch.device) -> KernelChoice:
         """The kernels for `device`, decided once (kernels.choice.choose): attention flash or sdpa; model.fused_mlp
         on a GPU without QuACK's kernels runs unfused (the op's torch path is slower there than the compiled
         graph), with a warning; model.fused_loss on an H100/H200 with QuACK takes the loop's summed loss through

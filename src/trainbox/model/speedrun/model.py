@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import flex_attention
 
 from trainbox.errors import ConfigError
-from trainbox.kernels.choice import KernelPlan, choose
+from trainbox.kernels.choice import KernelChoice, choose
 from trainbox.kernels.flash import doc_seqlens, flash_attention, half_precision
 from trainbox.kernels.fp8 import fp8_linear, linear, mlp_fp8
 from trainbox.kernels.fused_ce import head_cross_entropy
@@ -188,7 +188,7 @@ class SpeedrunGPT(nn.Module):
         self.register_buffer("window", torch.tensor(cfg.window, dtype=torch.int32), persistent=False)
         self.window_host = torch.tensor(cfg.window)  # the same on the CPU, read by the FlashAttention op
         self.backend: str | None = None  # flash, flex or sdpa: model.attention, decided on first use from the device
-        self.kernels: KernelPlan | None = None
+        self.kernels: KernelChoice | None = None
         self._init_weights()
 
     def _init_weights(self) -> None:
@@ -219,7 +219,7 @@ class SpeedrunGPT(nn.Module):
         self.window_host.fill_(window)
         self.set_kernels(self.window.device)
 
-    def set_kernels(self, device: torch.device) -> KernelPlan:
+    def set_kernels(self, device: torch.device) -> KernelChoice:
         """The kernels for `device`, decided once (kernels.choice.choose): attention flash, flex or sdpa."""
         if self.kernels is not None:
             return self.kernels
