@@ -16,7 +16,11 @@ from trainbox.model.spec import family
 
 def load_for_inference(path: str | Path, device: str | torch.device = "cpu"):
     """Run directory or checkpoint -> (model, tokenizer, config) ready to sample."""
-    ckpt = checkpoint.resolve(path)
+    return load_verified(checkpoint.resolve(path), device)
+
+
+def load_verified(ckpt: Path, device: str | torch.device = "cpu"):
+    """A step folder that `checkpoint.resolve` returned (verified) -> (model, tokenizer, config)."""
     cfg: RunConfig = build_config(checkpoint.load_trainer(ckpt)["config"])
     tokenizer = build_tokenizer(cfg)
     vocab = model_vocab_size(cfg.model, tokenizer.vocab_size)

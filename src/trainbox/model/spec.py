@@ -6,8 +6,11 @@ A family's folder holds
                   validation, the memory plan, the kernel choice, `doctor` and `export`
     config.py     its config section (model.<name>) and its own rules on the model section, where it has them
     model.py      the torch module: build(cfg, vocab_size, block_size, run=None) -> nn.Module, whose forward is
-                  forward(idx, targets=None, loss_mask=None, caches=None, pos=0, reduction="mean") -> Output and
-                  which has num_params() and flops_per_token(seq_len); optional hooks, used where present:
+                  forward(idx, targets=None, loss_mask=None, caches=None, pos=0, reduction="mean",
+                  logits_to_keep=1) -> Output (without targets: the logits of the last logits_to_keep positions, 0
+                  for all, as Hugging Face's forward) and which has num_params() and flops_per_token(seq_len); a
+                  causal family (generate="causal") also has make_caches(batch, max_len, dtype, device), the KV
+                  caches that sampling and lm-eval's adapter (eval/) feed; optional hooks, used where present:
                   resolve(run) (complete the run config before anything is built), tokenizer(run) (the model's
                   own), extra_ids(cfg) (ids above the tokenizer's), open_datasets(run, tokenizer, vocab) (its own
                   examples), adapt_dataset(cfg, tokenizer, dataset, vocab, split) (examples from packed windows),

@@ -187,10 +187,11 @@ class GPT(nn.Module):
         return self.transformer.ln_f(x)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, loss_mask: torch.Tensor | None = None,
-                caches: list[KVCache] | None = None, pos: int = 0, reduction: str = "mean") -> Output:
+                caches: list[KVCache] | None = None, pos: int = 0, reduction: str = "mean",
+                logits_to_keep: int = 1) -> Output:
         x = self.hidden(idx, caches, pos)
-        if targets is None:  # inference: only the last position's logits are needed
-            return Output(logits=self.lm_head(x[:, -1:, :]))
+        if targets is None:  # inference: the last `logits_to_keep` positions' logits (0: all)
+            return Output(logits=self.lm_head(x[:, -logits_to_keep:, :]))
         return Output(loss=self.head_loss(x, targets, loss_mask, reduction), logits=None)
 
     def head_loss(self, x: torch.Tensor, targets: torch.Tensor, loss_mask: torch.Tensor | None,

@@ -114,10 +114,12 @@ class HFCausalLM(nn.Module):
         self.block_size = getattr(conf, "max_position_embeddings", None) or getattr(conf, "n_positions", 2048)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, loss_mask: torch.Tensor | None = None,
-                caches: HFCache | None = None, pos: int = 0, reduction: str = "mean") -> Output:
-        if targets is None:  # inference: only the last position's logits (HF tracks positions in its cache)
+                caches: HFCache | None = None, pos: int = 0, reduction: str = "mean",
+                logits_to_keep: int = 1) -> Output:
+        if targets is None:  # inference: the last `logits_to_keep` positions' logits (0: all; HF tracks
+            # positions in its cache)
             out = self.peft(input_ids=idx, past_key_values=caches.cache if caches is not None else None,
-                            use_cache=caches is not None, logits_to_keep=1)
+                            use_cache=caches is not None, logits_to_keep=logits_to_keep)
             return Output(logits=out.logits)
         out = self.peft(input_ids=idx, use_cache=False)
         return Output(loss=cross_entropy(out.logits, targets, loss_mask, reduction))

@@ -155,10 +155,11 @@ class Llama(nn.Module):
         return self.model.norm(x)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, loss_mask: torch.Tensor | None = None,
-                caches: list[KVCache] | None = None, pos: int = 0, reduction: str = "mean") -> Output:
+                caches: list[KVCache] | None = None, pos: int = 0, reduction: str = "mean",
+                logits_to_keep: int = 1) -> Output:
         x = self.hidden(idx, caches, pos)
-        if targets is None:  # inference: only the last position's logits are needed
-            return Output(logits=self.lm_head(x[:, -1:, :]))
+        if targets is None:  # inference: the last `logits_to_keep` positions' logits (0: all)
+            return Output(logits=self.lm_head(x[:, -logits_to_keep:, :]))
         if self.cfg.fused_loss:
             loss = head_cross_entropy(x, self.lm_head.weight, targets, loss_mask, 0.0, reduction)
         else:

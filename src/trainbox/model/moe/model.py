@@ -300,10 +300,11 @@ class MoEGPT(GPT):
         self.moe_layers = [(i, b.mlp) for i, b in enumerate(self.transformer.h) if isinstance(b.mlp, MoEFFN)]
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, loss_mask: torch.Tensor | None = None,
-                caches: list[KVCache] | None = None, pos: int = 0, reduction: str = "mean") -> Output:
+                caches: list[KVCache] | None = None, pos: int = 0, reduction: str = "mean",
+                logits_to_keep: int = 1) -> Output:
         x = self.hidden(idx, caches, pos)
-        if targets is None:
-            return Output(logits=self.lm_head(x[:, -1:, :]))
+        if targets is None:  # inference: the last `logits_to_keep` positions' logits (0: all)
+            return Output(logits=self.lm_head(x[:, -logits_to_keep:, :]))
         loss = self.head_loss(x, targets, loss_mask, reduction)
         aux = [m.aux for _, m in self.moe_layers]
         balance = torch.stack([a["balance"] for a in aux]).mean()

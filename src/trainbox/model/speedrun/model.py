@@ -300,10 +300,11 @@ class SpeedrunGPT(nn.Module):
         return 2 * cap * torch.sigmoid(logits * (2 / cap)) if shifted else cap * torch.tanh(logits / cap)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, loss_mask: torch.Tensor | None = None,
-                caches: DocKVCaches | None = None, pos: int = 0, reduction: str = "mean") -> Output:
+                caches: DocKVCaches | None = None, pos: int = 0, reduction: str = "mean",
+                logits_to_keep: int = 1) -> Output:
         x = self.hidden(idx, caches, pos)
-        if targets is None:  # inference: only the last position's logits are needed
-            return Output(logits=self.logits(x[:, -1:, :]))
+        if targets is None:  # inference: the last `logits_to_keep` positions' logits (0: all)
+            return Output(logits=self.logits(x[:, -logits_to_keep:, :]))
         if self.cfg.fused_loss:
             return Output(loss=head_cross_entropy(x, self.lm_head.weight, targets, loss_mask, self.cfg.logit_softcap,
                                                   reduction, fp8=self.cfg.fp8_head))
