@@ -28,7 +28,8 @@ def main(capsys, *args: str) -> tuple[int, str, str]:
 def table(capsys, root) -> dict[str, list[str]]:
     """`trainbox runs ROOT` -> {name: row cells}, checking the header."""
     lines = main(capsys, "runs", root)[1].splitlines()
-    assert lines[0].split() == ["NAME", "STATE", "STEP", "LOSS", "VAL", "TOK/S", "ETA", "STARTED", "UPDATED", "DETAIL"]
+    assert lines[0].split() == ["NAME", "STATE", "STEP", "LOSS", "VAL", "EVAL", "TOK/S", "ETA", "STARTED", "UPDATED",
+                               "DETAIL"]
     return {line.split()[0]: line.split() for line in lines[1:]}
 
 

@@ -42,6 +42,13 @@ class RunBusy(TrainboxError):
     exit_code = 2
 
 
+class BadInput(TrainboxError):
+    """An input a command cannot use as given (an unknown task, a damaged checkpoint, a missing extra the command
+    is nothing without); refused before any work. A usage error."""
+
+    exit_code = 2
+
+
 class RunFinished(TrainboxError):
     """The run directory already holds a finished run; not a failure."""
 

@@ -13,6 +13,7 @@ import textwrap
 import trainbox
 from trainbox.cli.data import cmd_data, cmd_inspect, cmd_prepare
 from trainbox.cli.epilogs import EPILOGS
+from trainbox.cli.evaluate import cmd_eval
 from trainbox.cli.ops import (
     cmd_attach,
     cmd_dashboard,
@@ -87,6 +88,21 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--device", default=None)
     g.set_defaults(func=cmd_generate)
+
+    ev = verb("eval", "lm-eval tasks on a run, a checkpoint or a Hugging Face folder (needs trainbox[eval]); "
+                      "prints lm-eval's table and writes RUN/eval/<time>.json")
+    ev.add_argument("path", help="run directory, checkpoint folder (step_*) or Hugging Face model folder")
+    ev.add_argument("--tasks", required=True, help="comma-separated lm-eval task names (wildcards as lm-eval's) "
+                    "or task YAML files")
+    ev.add_argument("--include-path", action="append", help="a folder of task YAML files (repeatable)")
+    ev.add_argument("--limit", type=float, default=None, help="documents per task (below 1: a fraction of them)")
+    ev.add_argument("--batch-size", type=int, default=32, help="sequences per forward (default 32)")
+    ev.add_argument("--num-fewshot", type=int, default=None, help="examples in each prompt (default: the task's)")
+    ev.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda when there is one)")
+    ev.add_argument("--dtype", choices=["auto", "fp32", "bf16", "fp16"], default="auto",
+                    help="weights' dtype (auto: bf16 on a GPU that has it, else fp32)")
+    ev.add_argument("--out", default=None, help="folder for the record (default RUN/eval)")
+    ev.set_defaults(func=cmd_eval)
 
     e = verb("export", "write a run or checkpoint in Hugging Face format (LoRA: adapter, or merged with --merge)")
     e.add_argument("path", help="run directory or checkpoint folder")

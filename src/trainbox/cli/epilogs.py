@@ -18,6 +18,12 @@ EPILOGS = {
           trainbox generate runs/tiny/checkpoints/step_00000300 --prompt "To be" --top-p 0.9
           trainbox generate runs/t5-tiny --prompt "To be, or <extra_id_0> to be" --temperature 0   # t5: fills spans
         """,
+    "eval": """
+        examples:
+          trainbox eval runs/gpt2-125m --tasks hellaswag,arc_easy --limit 500   # lm-eval's registry (online)
+          trainbox eval runs/tiny --tasks my_tasks/quiz.yaml --batch-size 64    # a local task YAML and its data
+          trainbox eval hf/gpt2-125m --tasks lambada_openai --device cuda       # a Hugging Face folder: lm-eval's hf
+        """,
     "export": """
         examples:
           trainbox export runs/gpt2-125m --format hf --out hf/gpt2-125m   # newest checkpoint of the run

@@ -237,6 +237,10 @@ def cmd_status(args) -> int:
         else:
             info = run_info(resolve_run(args.target, Path(args.root)))
             ok, reason = info["healthy"], info["reason"]
+            scores = eval_scores(info.get("eval_tasks"))
+            if scores:
+                step = info["eval_tasks"].get("step")
+                reason += f"; lm-eval{f' at step {step}' if step is not None else ''}: {', '.join(scores)}"
     except TrainboxError as e:  # a probe answers 0 or 1 only (Docker reserves 2)
         ok, reason = False, e.message
     print(("healthy: " if ok else "unhealthy: ") + reason)
@@ -309,17 +313,32 @@ def _ago(seconds: float | None) -> str:
     return f"{max(0, int(seconds))}s ago"
 
 
+def eval_scores(summary: dict | None) -> list[str]:
+    """["task metric value", ...] of a run's newest lm-eval record (rundir/runs.py latest_eval)."""
+    if not summary:
+        return []
+    return [f"{task} {metric} {value:.4g}" for task, metrics in summary["scores"].items()
+            for metric, value in metrics.items()]
+
+
+def eval_cell(summary: dict | None) -> str:
+    """`trainbox runs`' EVAL column: the first score of the newest record and how many more it holds."""
+    scores = eval_scores(summary)
+    return "-" if not scores else scores[0] + (f" +{len(scores) - 1}" if len(scores) > 1 else "")
+
+
 def runs_table(infos: list[dict], now: float | None = None) -> list[list[str]]:
     """Rows (header first) for `trainbox runs`."""
     now = time.time() if now is None else now
-    rows = [["NAME", "STATE", "STEP", "LOSS", "VAL", "TOK/S", "ETA", "STARTED", "UPDATED", "DETAIL"]]
+    rows = [["NAME", "STATE", "STEP", "LOSS", "VAL", "EVAL", "TOK/S", "ETA", "STARTED", "UPDATED", "DETAIL"]]
     for r in infos:
         loss, val, tok = r.get("loss"), r.get("val_loss"), r.get("tokens_per_s")
         running = r["state"] in ("running", "stalled")
         detail = "" if r["state"] in ("running", "finished") else r["reason"]
         rows.append([r["name"], r["state"], f"{r.get('step', 0)}/{r.get('total_steps', 0)}",
                      f"{loss:.4f}" if loss is not None else "-", f"{val:.4f}" if val is not None else "-",
-                     f"{tok:,.0f}" if tok else "-", fmt_duration(r.get("eta_s")) if running else "-",
+                     eval_cell(r.get("eval_tasks")), f"{tok:,.0f}" if tok else "-",
+                     fmt_duration(r.get("eta_s")) if running else "-",
                      _ago(now - r["started_at"]) if r.get("started_at") else "-",
                      _ago(now - r["heartbeat"]) if r.get("heartbeat") else "-",
                      detail if len(detail) <= 70 else detail[:67] + "..."])

@@ -49,6 +49,7 @@ from prometheus_client.exposition import choose_encoder
 from trainbox.errors import ConfigError
 from trainbox.monitor.console import log
 from trainbox.monitor.state import RunState
+from trainbox.rundir.runs import latest_eval
 from trainbox.rundir.status import ACTIVE_PHASES, health
 
 REQUEST_TIMEOUT = 10.0  # seconds a connection has to send its request (and the server to send the reply)
@@ -168,6 +169,19 @@ class _Collector:
                                  labels=["run", "phase"])
         info.add_metric([s["run_name"], s["phase"]], 1.0)
         yield info
+        scores = latest_eval(s["run_dir"])
+        if scores is not None:   # the newest record in RUN/eval/ (train.eval_tasks or `trainbox eval`)
+            g = GaugeMetricFamily("trainbox_eval_task_score", "lm-eval score of the newest evaluation, by task "
+                                  "and metric", labels=["run", "task", "metric"])
+            for task, metrics in scores["scores"].items():
+                for metric, value in metrics.items():
+                    g.add_metric([s["run_name"], task, metric], float(value))
+            yield g
+            if scores.get("step") is not None:
+                g = GaugeMetricFamily("trainbox_eval_task_step", "step of the checkpoint the newest lm-eval "
+                                      "scores are of", labels=["run"])
+                g.add_metric(run, float(scores["step"]))
+                yield g
 
 
 def wants_prometheus(accept: str) -> bool:
@@ -333,7 +347,8 @@ class MonitorServer:
                     return self._json(200, metrics_json(snap), head)
                 if url.path == "/status":
                     ok, reason = health(snap, cfg.stall_seconds, cfg.log_every)
-                    return self._json(200, {**snap, "healthy": ok, "health_reason": reason}, head)
+                    return self._json(200, {**snap, "healthy": ok, "health_reason": reason,
+                                            "eval_tasks": latest_eval(snap["run_dir"])}, head)
                 if url.path == "/history":
                     try:
                         since = int(query.get("since", ["0"])[0] or 0)

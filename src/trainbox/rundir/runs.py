@@ -1,6 +1,7 @@
 """Run directories: create, describe (env.json), list and check (like `docker ps` for training runs)."""
 from __future__ import annotations
 
+import functools
 import json
 import os
 import platform
@@ -25,7 +26,8 @@ from trainbox.errors import DataError, RunFinished, RunNotRunning
 from trainbox.rundir.status import ACTIVE_PHASES, health
 
 
-def _git_commit() -> str | None:
+def git_commit() -> str | None:
+    """The commit of the trainbox code that runs (None outside a git checkout)."""
     try:
         here = Path(__file__).resolve().parent
         out = subprocess.run(["git", "-C", str(here), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5)
@@ -57,7 +59,7 @@ def environment(device: torch.device | None = None, world: int = 1) -> dict:
         "float32_matmul_precision": torch.get_float32_matmul_precision(),   # train/device.py set_float32_matmuls
         "gpus": gpus, "device": str(device) if device else None, "world_size": world,
         "host": socket.gethostname(), "platform": platform.platform(), "cpu_count": os.cpu_count(),
-        "git_commit": _git_commit(), "command": sys.argv if not hasattr(sys, "ps1") else [],
+        "git_commit": git_commit(), "command": sys.argv if not hasattr(sys, "ps1") else [],
         "allocator": os.environ.get("PYTORCH_ALLOC_CONF") or os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
     }
 
@@ -132,6 +134,29 @@ def pid_alive(pid: int, started_at: float | None = None) -> bool:
     return True
 
 
+def latest_eval(run_dir: Path) -> dict | None:
+    """The newest evaluation record of a run (RUN/eval/<time>.json, from `trainbox eval` or train.eval_tasks) as
+    {"file", "step", "model", "scores": {task: {metric: value}}}; None when it has none."""
+    folder = Path(run_dir) / "eval"
+    for path in sorted(folder.glob("*.json"), reverse=True) if folder.is_dir() else ():
+        try:
+            summary = _eval_summary(str(path), path.stat().st_mtime_ns)
+        except OSError:
+            continue
+        if summary is not None:
+            return summary
+    return None
+
+
+@functools.lru_cache(maxsize=64)
+def _eval_summary(path: str, mtime_ns: int) -> dict | None:
+    """One record's summary (read again only when the file changes)."""
+    info = (read_json(Path(path)) or {}).get("trainbox")
+    if not isinstance(info, dict) or not isinstance(info.get("scores"), dict):
+        return None
+    return {"file": path, "step": info.get("step"), "model": info.get("model"), "scores": info["scores"]}
+
+
 def read_json(path: Path) -> dict | None:
     try:
         return json.loads(path.read_text())
@@ -171,7 +196,7 @@ def run_info(run_dir: Path, now: float | None = None) -> dict:
     else:
         state = phase if phase in STATES else "crashed"
     return {**s, "state": state, "healthy": ok and state in HEALTHY_STATES, "reason": reason,
-            "run_dir": str(run_dir), "name": s.get("run_name") or run_dir.name}
+            "run_dir": str(run_dir), "name": s.get("run_name") or run_dir.name, "eval_tasks": latest_eval(run_dir)}
 
 
 def list_runs(root: Path) -> list[dict]:

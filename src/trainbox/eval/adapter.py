@@ -1,0 +1,261 @@
+"""trainbox's causal models behind lm-eval's model interface, registered with lm-eval as "trainbox".
+
+    lm = TrainboxLM(model, tokenizer, batch_size=32)
+    lm_eval.simple_evaluate(model=lm, tasks=["hellaswag"])
+    lm_eval.simple_evaluate(model="trainbox", model_args="path=runs/gpt2-125m", tasks=["hellaswag"])  # by name
+
+lm-eval owns tasks, prompts and metrics; this class answers its three kinds of request with the model's own forward
+and KV cache (any family whose `generate` is "causal"):
+
+- loglikelihood (context, continuation) -> (sum of log p(each continuation token), whether every one is the argmax).
+  The pair is tokenised by lm-eval's TemplateLM exactly as for its `hf` model (trailing spaces of the context move to
+  the continuation; the pair is encoded whole and split; an empty context is the end-of-text token). The model reads
+  (context + continuation)[:-1], cut from the left to max_length tokens, and the continuation is scored at its own
+  positions. Requests with the same input share one row (the choices of a multiple-choice question whose answers
+  are one token). Rows are sorted longest first (lm-eval's order) and batched, right-padded: a causal model never
+  looks to the right, so no mask is needed. The forward computes the head for the last K positions of a batch only,
+  K covering every continuation in it (`logits_to_keep`), so for short answers the head matmul and the
+  log-softmax run over a few positions instead of the whole sequence. One host read per batch.
+- loglikelihood_rolling (text) -> its log-likelihood over disjoint windows of max_length tokens (lm-eval's
+  get_rolling_token_windows; the first window is conditioned on the end-of-text token), scored as loglikelihood
+  requests, all windows of all documents batched together.
+- generate_until (context, generation settings) -> the continuation up to the first stop string, end-of-text or
+  max_gen_toks tokens. The contexts of a batch differ in length: the batch prefills together up to its shortest
+  context, then steps one position at a time through the KV cache, each row feeding its own context token until its
+  context ends and its own prediction after that. No row ever attends to padding and every token sits at its true
+  position, so a row's tokens are those it would get alone. Greedy when do_sample is false or the temperature is 0;
+  otherwise sampled with temperature / top_k / top_p (generate.filter_logits) from one seeded generator.
+"""
+from __future__ import annotations
+
+from contextlib import nullcontext
+from typing import Callable
+
+import lm_eval.models  # noqa: F401 - lm-eval's own models (hf, ...) registered before ours: its registry loads
+import torch  # them itself only while it is empty
+from lm_eval.api.model import TemplateLM
+from lm_eval.api.registry import register_model
+from lm_eval.utils import get_rolling_token_windows, make_disjoint_window, simple_parse_args_string
+
+from trainbox.generate import filter_logits
+from trainbox.model.load import load_for_inference
+
+
+@register_model("trainbox")
+class TrainboxLM(TemplateLM):
+    """lm-eval's model interface over one of our models (`model.eval()` is set here; the caller restores train mode).
+
+    `autocast`: a context factory for each forward (the training loop's); `max_length`: the longest input, by default
+    the model's block_size; `on_batch`: called after every forward (the training loop's heartbeat)."""
+
+    backend = "causal"
+
+    def __init__(self, model: torch.nn.Module, tokenizer, batch_size: int = 32, max_length: int | None = None,
+                 max_gen_toks: int = 256, autocast: Callable | None = None, seed: int = 1234,
+                 on_batch: Callable[[], None] | None = None):
+        super().__init__()
+        self.model, self.tokenizer = model.eval(), tokenizer
+        self.batch_size = max(1, int(batch_size))
+        self._max_length = max_length or getattr(model, "block_size", None) or 2048
+        self.max_gen_toks = max_gen_toks
+        self.autocast = autocast or nullcontext
+        self.seed = seed
+        self.on_batch = on_batch or (lambda: None)
+        param = next(model.parameters())
+        self._device, self.dtype = param.device, param.dtype
+        self.vocab = tokenizer.vocab_size   # rows past it pad the embedding; they are never real tokens
+
+    @classmethod
+    def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None) -> "TrainboxLM":
+        """lm-eval's `--model trainbox --model_args path=RUN[,dtype=bfloat16]`."""
+        return cls.create_from_arg_obj(simple_parse_args_string(arg_string), additional_config)
+
+    @classmethod
+    def create_from_arg_obj(cls, arg_dict: dict, additional_config: dict | None = None) -> "TrainboxLM":
+        args, extra = dict(arg_dict), {k: v for k, v in (additional_config or {}).items() if v is not None}
+        device = extra.get("device") or args.pop("device", None) or ("cuda" if torch.cuda.is_available() else "cpu")
+        model, tokenizer, _ = load_for_inference(args.pop("path"), device)
+        dtype = args.pop("dtype", None)
+        if dtype:
+            model = model.to(getattr(torch, dtype))
+        batch = extra.get("batch_size", args.pop("batch_size", 32))
+        return cls(model, tokenizer, batch_size=int(batch) if str(batch).isdigit() else 32, **args)
+
+    # ------------------------------------------------------------------ what TemplateLM asks
+    @property
+    def eot_token_id(self) -> int:
+        return self.tokenizer.eot_id
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def max_length(self) -> int:
+        return self._max_length
+
+    def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
+        return self.tokenizer.encode(string)
+
+    def tok_decode(self, tokens: list[int], **kwargs) -> str:
+        return self.tokenizer.decode(tokens)
+
+    # ------------------------------------------------------------------ loglikelihood
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
+        """[(request strings or None, context ids, continuation ids)] -> [(log-likelihood, greedy)]."""
+        rows: dict[tuple[int, ...], list[tuple[int, list[int]]]] = {}   # model input -> [(request, continuation)]
+        for i, (_, context, continuation) in enumerate(requests):
+            whole = (context + continuation)[-(self.max_length + 1):]
+            rows.setdefault(tuple(whole[:-1]), []).append((i, continuation))
+        order = sorted(rows, key=lambda r: (-len(r), r))
+        out: list = [None] * len(requests)
+        for start in range(0, len(order), self.batch_size):
+            batch = order[start:start + self.batch_size]
+            for i, answer in self._score(batch, [rows[r] for r in batch]):
+                out[i] = answer
+                if requests[i][0] is not None:
+                    self.cache_hook.add_partial("loglikelihood", requests[i][0], answer)
+        return out
+
+    @torch.no_grad()
+    def _score(self, inputs: list[tuple[int, ...]], wanted: list[list[tuple[int, list[int]]]]):
+        """One forward over `inputs` (longest first) -> [(request, (log-likelihood, greedy))] for every continuation
+        `wanted` of each input."""
+        T = len(inputs[0])
+        x = torch.zeros(len(inputs), T, dtype=torch.long)
+        for b, ids in enumerate(inputs):
+            x[b, :len(ids)] = torch.tensor(ids)
+        first = min(len(ids) - max(len(c) for _, c in conts) for ids, conts in zip(inputs, wanted))
+        with self.autocast():
+            logits = self.model(x.to(self.device), logits_to_keep=T - first).logits
+        logits = logits[..., :self.vocab].float()        # (B, T - first, V): positions first..T-1
+        lse, best = torch.logsumexp(logits, -1), logits.argmax(-1)
+        rows, cols, targets, owner, requests = [], [], [], [], []
+        for b, (ids, conts) in enumerate(zip(inputs, wanted)):
+            for i, cont in conts:
+                start = len(ids) - len(cont) - first   # the positions that predict the continuation's tokens
+                rows += [b] * len(cont)
+                cols += range(start, start + len(cont))
+                targets += cont
+                owner += [len(requests)] * len(cont)
+                requests.append(i)
+        rows, cols, targets, owner = (torch.tensor(v, device=self.device) for v in (rows, cols, targets, owner))
+        token_lp = (logits[rows, cols, targets] - lse[rows, cols]).double()
+        sums = torch.zeros(2, len(requests), dtype=torch.float64, device=self.device)
+        sums[0].index_add_(0, owner, token_lp)
+        sums[1].index_add_(0, owner, (best[rows, cols] != targets).double())
+        self.on_batch()
+        return [(i, (lp, misses == 0)) for i, lp, misses in zip(requests, *sums.tolist())]
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        windows, owners = [], []
+        for k, req in enumerate(requests):
+            (text,) = req.args
+            for context, continuation in map(make_disjoint_window, get_rolling_token_windows(
+                    token_list=self.tok_encode(text), prefix_token=self.prefix_token_id,
+                    max_seq_len=self.max_length, context_len=1)):
+                windows.append((None, context, continuation))
+                owners.append(k)
+        totals = [0.0] * len(requests)
+        for k, (lp, _) in zip(owners, self._loglikelihood_tokens(windows)):
+            totals[k] += lp
+        for req, total in zip(requests, totals):
+            self.cache_hook.add_partial("loglikelihood_rolling", req.args, total)
+        return totals
+
+    # ------------------------------------------------------------------ generation
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        groups: dict[str, list[int]] = {}   # one set of generation settings per batch
+        for i, req in enumerate(requests):
+            groups.setdefault(repr(sorted(req.args[1].items(), key=str)), []).append(i)
+        out: list = [None] * len(requests)
+        gen = torch.Generator(device=self.device).manual_seed(self.seed)
+        for members in groups.values():
+            settings = dict(requests[members[0]].args[1])
+            until = settings.pop("until", None) or []
+            until = [until] if isinstance(until, str) else list(until)
+            eot = self.tokenizer.decode([self.eot_token_id])
+            if eot and eot not in until:
+                until.append(eot)
+            max_gen = int(settings.pop("max_gen_toks", settings.pop("max_new_tokens", self.max_gen_toks)))
+            if max_gen >= self.max_length:
+                raise ValueError(f"max_gen_toks={max_gen} leaves no room for a context in the model's "
+                                 f"{self.max_length} positions")
+            sampling = _sampling(settings)
+            contexts = {i: self.tok_encode(requests[i].args[0])[-(self.max_length - max_gen):] or [self.eot_token_id]
+                        for i in members}
+            order = sorted(members, key=lambda i: -len(contexts[i]))
+            for start in range(0, len(order), self.batch_size):
+                batch = order[start:start + self.batch_size]
+                texts = self._generate([contexts[i] for i in batch], until, max_gen, sampling, gen)
+                for i, text in zip(batch, texts):
+                    out[i] = text
+                    self.cache_hook.add_partial("generate_until", requests[i].args, text)
+        return out
+
+    @torch.no_grad()
+    def _generate(self, contexts: list[list[int]], until: list[str], max_gen: int, sampling: dict | None,
+                  gen: torch.Generator) -> list[str]:
+        """Continue every context (see the module docstring); -> each continuation cut before its first stop string."""
+        B, lens = len(contexts), [len(c) for c in contexts]
+        low, high = min(lens), max(lens)
+        prompt = torch.zeros(B, high, dtype=torch.long)
+        for b, c in enumerate(contexts):
+            prompt[b, :len(c)] = torch.tensor(c)
+        prompt = prompt.to(self.device)
+        in_context = torch.tensor(lens, device=self.device)   # a row is still reading its context below this
+        caches = self.model.make_caches(B, high + max_gen, self._cache_dtype(), self.device)
+        lookback = max((len(self.tok_encode(s)) for s in until), default=1) + 2
+        outs: list[list[int]] = [[] for _ in range(B)]
+        done = [False] * B
+        with self.autocast():
+            logits = self.model(prompt[:, :low], caches=caches, pos=0).logits[:, -1]
+        pos = low   # every row's logits predict this position
+        while True:
+            nxt = _next_token(logits[:, :self.vocab].float(), sampling, gen)
+            feed = torch.where(pos < in_context, prompt[:, min(pos, high - 1)], nxt)
+            for b, token in enumerate(feed.tolist()):
+                if done[b] or pos < lens[b]:
+                    continue
+                if token == self.eot_token_id:
+                    done[b] = True
+                    continue
+                outs[b].append(token)
+                tail = self.tok_decode(outs[b][-lookback:])
+                done[b] = len(outs[b]) >= max_gen or any(s and s in tail for s in until)
+            if all(done):
+                break
+            with self.autocast():
+                logits = self.model(feed[:, None], caches=caches, pos=pos).logits[:, -1]
+            self.on_batch()
+            pos += 1
+        texts = []
+        for tokens in outs:
+            text = self.tok_decode(tokens)
+            for s in until:
+                if s:
+                    text = text.split(s)[0]
+            texts.append(text)
+        return texts
+
+    def _cache_dtype(self) -> torch.dtype:
+        """The dtype keys and values have inside the forward: the autocast dtype under autocast."""
+        with self.autocast():
+            if torch.is_autocast_enabled(self.device.type):
+                return torch.get_autocast_dtype(self.device.type)
+        return self.dtype
+
+
+def _sampling(settings: dict) -> dict | None:
+    """None for greedy decoding (do_sample false, or a temperature of 0), else the sampling settings."""
+    temperature = float(settings.get("temperature", 0.0) or 0.0)
+    if not settings.get("do_sample", False) or temperature == 0.0:
+        return None
+    return {"temperature": temperature, "top_k": settings.get("top_k"), "top_p": settings.get("top_p")}
+
+
+def _next_token(logits: torch.Tensor, sampling: dict | None, gen: torch.Generator) -> torch.Tensor:
+    if sampling is None:
+        return logits.argmax(-1)
+    probs = filter_logits(logits, sampling["temperature"], sampling["top_k"], sampling["top_p"]).softmax(-1)
+    return torch.multinomial(probs, 1, generator=gen)[:, 0]
