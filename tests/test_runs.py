@@ -54,7 +54,7 @@ def test_stalled_then_killed_run_is_never_shown_running(tmp_path, data_cache, ca
         live.proc.wait(30)
         assert read_status(live.run_dir)["phase"] in ("training", "evaluating", "checkpointing")  # stale file
         row = table(capsys, live.root)["victim"]
-        assert row[1] == "crashed" and row[6] == "-"  # no ETA for a dead run
+        assert row[1] == "crashed" and row[7] == "-"  # no ETA for a dead run
         p = run_cli("status", str(live.run_dir), check=False)  # once through a real process: the exit code
         code, line = p.returncode, p.stdout.strip()
         assert code == 1 and f"process {live.pid}" in line and "crashed" in line

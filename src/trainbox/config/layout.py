@@ -87,9 +87,15 @@ def decide_layout(cfg: RunConfig, world: int, device: str = "cpu", adapt_micro_b
                           hint="use train.device=cuda: each process takes the GPU of its local rank")
     ep = _expert_parallel(cfg, world)
     micro = _micro_batch(cfg, world, adapt_micro_batch)
-    return RunLayout(world=world, device=device, strategy="fsdp" if t.parallel == "fsdp" and world > 1 else "ddp",
-                     expert_parallel=ep, micro_batch=micro, accumulation=t.global_batch_size // (micro * world),
-                     global_batch=t.global_batch_size)
+    strategy = "fsdp" if t.parallel == "fsdp" and world > 1 else "ddp"
+    if t.eval_tasks and (strategy == "fsdp" or ep > 1):
+        spread = "train.parallel=fsdp" if strategy == "fsdp" else f"model.moe.expert_parallel={ep}"
+        raise ConfigError(f"train.eval_tasks runs lm-eval on rank 0 alone, which needs the whole model there; under "
+                          f"{spread} on {_processes(world)} every forward needs every rank",
+                          hint="drop train.eval_tasks and evaluate the checkpoints (`trainbox eval RUN --tasks "
+                               "...`, which reads sharded ones), or train with train.parallel=ddp")
+    return RunLayout(world=world, device=device, strategy=strategy, expert_parallel=ep, micro_batch=micro,
+                     accumulation=t.global_batch_size // (micro * world), global_batch=t.global_batch_size)
 
 
 def _expert_parallel(cfg: RunConfig, world: int) -> int:

@@ -221,6 +221,14 @@ class TrainSection(Section):
         "(one of max_steps, max_tokens, epochs)"))
     eval_every: int = Field(250, ge=0, le=MAX_STEPS, description="0 = only at the end")
     eval_tokens: int = Field(1_048_576, ge=1, le=MAX_TOKENS, description="tokens of the fixed validation slice")
+    eval_tasks: list[str] = Field(default_factory=list, description=(
+        "lm-eval tasks run while training, on rank 0 (the `eval` extra): lm-eval's task names or wildcards, or task "
+        "YAML files; scores go to metrics.jsonl (event eval_tasks), RUN/eval/, /metrics and the dashboard; a task "
+        "that cannot run is reported once and left out"))
+    eval_tasks_every: int = Field(0, ge=0, le=MAX_STEPS, description="run train.eval_tasks every N steps and at the "
+                                                                     "end (0 = only at the end)")
+    eval_tasks_limit: int | None = Field(None, ge=1, le=MAX_SEQUENCES, description="documents per task in "
+                                                                                    "train.eval_tasks (none: all)")
     checkpoint_every: int = Field(1000, ge=0, le=MAX_STEPS, description="0 = only at epoch ends and the end")
     checkpoints: bool = Field(True, description="false: no checkpoint at all (benchmarks, throwaway runs); a stop "
                                                 "signal then ends the run without one, and it cannot be resumed")

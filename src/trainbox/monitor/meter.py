@@ -23,6 +23,10 @@ class Meter:
             self.t_ready, self.step_ready = time.time(), step
             self.last_t, self.last_step = self.t_ready, step
 
+    def exclude(self, seconds: float) -> None:
+        """Leave `seconds` (spent outside the steps: lm-eval tasks) out of the current window's tokens/s."""
+        self.last_t += seconds
+
     def window(self, step: int) -> tuple[float | None, float | None]:
         """-> (tokens/s over the window since the last call, seconds per step since ready)."""
         now = time.time()

@@ -31,6 +31,16 @@ class JsonlSink:
         self.f.close()
 
 
+def numbers(event: dict, skip: tuple = ("step", "time")):
+    """(name, value) of an event's numeric fields but `skip`, and of the numbers in its dict fields (eval_tasks'
+    scores, by their own names), for the sinks that chart scalars."""
+    for k, v in event.items():
+        if isinstance(v, dict):
+            yield from ((k2, v2) for k2, v2 in v.items() if isinstance(v2, (int, float)))
+        elif isinstance(v, (int, float)) and k not in skip:
+            yield k, v
+
+
 class TensorBoardSink:
     """Event files under run_dir/tensorboard (`tensorboard --logdir runs/`), flushed every 10 s so a live
     run shows up while it trains."""
@@ -45,9 +55,8 @@ class TensorBoardSink:
     def log(self, event: dict) -> None:
         step = event.get("step", 0)
         kind = event.get("event", "train")
-        for k, v in event.items():
-            if isinstance(v, (int, float)) and k not in ("step", "time"):
-                self.w.add_scalar(f"{kind}/{k}", v, step)
+        for k, v in numbers(event):
+            self.w.add_scalar(f"{kind}/{k}", v, step)
 
     def close(self) -> None:
         self.w.close()
@@ -69,7 +78,7 @@ class WandbSink:
 
     def log(self, event: dict) -> None:
         kind = event.get("event", "train")
-        self.run.log({f"{kind}/{k}": v for k, v in event.items() if isinstance(v, (int, float)) and k != "step"},
+        self.run.log({f"{kind}/{k}": v for k, v in numbers(event, skip=("step",))},
                      step=event.get("step"))
 
     def close(self) -> None:

@@ -61,7 +61,7 @@ class RunState:
 
     def load_files(self, run_dir: Path) -> None:
         """Replace the state with what `run_dir` holds: status.json's snapshot, and history points from
-        metrics.jsonl's train and eval events (the points the live run's add_point made; a step logged twice
+        metrics.jsonl's train, eval and eval_tasks events (the points the live run's add_point made; a step logged twice
         by a resumed run keeps its later value). For `trainbox dashboard` on a finished or remote run."""
         run_dir = Path(run_dir)
         try:
@@ -84,10 +84,12 @@ class RunState:
             keys = {"train": ("loss", "lr", "tokens_per_s", "tokens"), "eval": ("val_loss", "tokens")}.get(kind)
             if keys and ev.get(keys[0]) is not None:
                 points[(kind, step)] = {"step": step, **{k: ev[k] for k in keys if ev.get(k) is not None}}
+            elif kind == "eval_tasks" and isinstance(ev.get("scores"), dict):
+                points[(kind, step)] = {"step": step, "eval_tasks": ev["scores"]}
         with self._lock:
             self._s.update({k: v for k, v in status.items() if k in self._s})
             self.history = []
-        for _, point in sorted(points.items(), key=lambda kv: (kv[0][1], kv[0][0] == "eval")):
+        for _, point in sorted(points.items(), key=lambda kv: (kv[0][1], kv[0][0] != "train", kv[0][0])):
             self.add_point(point)
 
     def write_status(self, path: Path) -> None:

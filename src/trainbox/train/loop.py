@@ -29,6 +29,7 @@ enough for a save. `trainbox train --nproc` signals its workers itself (cli/trai
 from __future__ import annotations
 
 import math
+import time
 from pathlib import Path
 
 import torch
@@ -37,6 +38,8 @@ from trainbox import checkpoint
 from trainbox.config import RunConfig
 from trainbox.data.loader import to_device
 from trainbox.errors import TrainingFailed
+from trainbox.eval.results import flat
+from trainbox.eval.training import TaskEvaluation
 from trainbox.files import open_append
 from trainbox.generate import sample
 from trainbox.model.spec import family
@@ -92,6 +95,8 @@ class Trainer(RunFiles, Checkpointing):
         self.snapshot = None     # monitor/memory_snapshot.py, through step monitor.memory_snapshot
         self.token_bytes = None  # per-token UTF-8 lengths for bits/byte, built at the first evaluation
         self.state: RunState | None = None
+        self.tasks: TaskEvaluation | None = None   # train.eval_tasks, on rank 0
+        self._status_written = 0.0                 # status.json's last write inside an evaluation
         self.server = self.sinks = None
         self.last_stats: dict = {}
         self._prefetched: tuple[int, list] | None = None  # (step, its micro-batches on the device)
@@ -135,6 +140,8 @@ class Trainer(RunFiles, Checkpointing):
         self.tokens_seen = trainer_state.get("tokens_seen", 0)
         self.state = RunState(cfg.run_name, self.run_dir, self.total)
         self._setup_run_files(trainer_state)
+        if cfg.train.eval_tasks and d.is_main:
+            self.tasks = TaskEvaluation(cfg, self.run_dir, self.tokenizer, self.autocast, self._heartbeat)
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> dict:
@@ -209,6 +216,8 @@ class Trainer(RunFiles, Checkpointing):
                 window, window_start = [], step
             if do_eval:
                 last_eval = self._evaluate(step)
+            if self.tasks is not None and self.tasks.due(step, self.total):
+                meter.exclude(self._evaluate_tasks(step))
             if do_save:
                 self._save(step)
         if stopped:
@@ -354,6 +363,31 @@ class Trainer(RunFiles, Checkpointing):
             log.info(f"eval step {step}: val loss {res['val_loss']:.4f} nats/token, {res['val_bpb']:.4f} bits/byte")
         self._phase("training")
         return res
+
+    def _evaluate_tasks(self, step: int) -> float:
+        """train.eval_tasks on rank 0 (the other ranks wait at the next collective); -> the seconds it took."""
+        t0 = time.time()
+        self._phase("evaluating")
+        try:   # a task that fails (out of memory included) is reported and left out by TaskEvaluation
+            res = self.tasks.run(self.model, step)
+        finally:
+            self.model.train()
+        if res is not None:
+            scores = flat(res["scores"])
+            self.sinks.log("eval_tasks", step=step, scores=scores, seconds=res["seconds"], file=res["path"])
+            self.state.add_point({"step": step, "eval_tasks": scores})
+            log.info(f"eval tasks step {step}: " + ", ".join(f"{k} {v:.4g}" for k, v in scores.items()) +
+                     f" ({res['seconds']:.1f}s)")
+        self._phase("training")
+        return time.time() - t0
+
+    def _heartbeat(self) -> None:
+        """Progress inside a long evaluation: the state's heartbeat, status.json at most every 10 s."""
+        self.state.update()
+        now = time.time()
+        if now - self._status_written >= 10:
+            self._status_written = now
+            self.state.write_status(self.run_dir / "status.json")
 
     def _final_sample(self) -> str | None:
         """The end-of-run sample, by rank 0; a model spread over the ranks (fsdp, expert parallelism) needs every

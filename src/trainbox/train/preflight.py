@@ -5,7 +5,8 @@
 In order: the keys the recipe requires and the family's resolution (llama with model.path: the folder's shape),
 the device (train/device.py: train.device=cuda without a GPU, a GPU recipe on a CPU, bf16 on a CPU, FP8 without
 FP8 tensor cores, ...), the run's layout on `world` processes (config/layout.py: micro-batch, accumulation,
-strategy, expert parallelism), model.vocab_size against the tokenizer, and monitor.host where this process
+strategy, expert parallelism), model.vocab_size against the tokenizer, what train.eval_tasks needs (lm-eval, a
+causal model: eval/training.py), and monitor.host where this process
 serves the monitor. `trainbox train` runs it before the run directory is touched or data downloaded (under
 --nproc N, in the launcher before any worker starts); the trainer takes its result. What needs the data or the
 device's free memory (a sample at data.seq_len, the memory plan) is checked by the trainer before the model is
@@ -19,6 +20,7 @@ import torch
 
 from trainbox.config import RunConfig
 from trainbox.config.layout import RunLayout, decide_layout
+from trainbox.eval.training import check as check_eval_tasks
 from trainbox.model.build import build_tokenizer, check_vocab_size, resolve_model
 from trainbox.monitor.server import check_host
 from trainbox.train.device import resolve_device
@@ -45,6 +47,7 @@ def preflight(cfg: RunConfig, world: int, local_rank: int = 0, adapt_micro_batch
     resolved = layout.applied(resolved)
     if resolved.model.vocab_size is not None:   # else the model's vocabulary is the tokenizer's
         check_vocab_size(resolved.model, build_tokenizer(resolved))
+    check_eval_tasks(resolved)
     if serves_monitor and resolved.monitor.enabled:
         check_host(resolved.monitor)
     return Preflight(resolved, layout, device, dtype)
