@@ -188,3 +188,20 @@ def test_without_lm_eval_the_extra_to_install_is_named(runs, tmp_path):
             f"sys.exit(main(['eval', {str(runs.run('gpt'))!r}, '--tasks', 'hellaswag']))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     _refused(proc, "needs lm-eval", "pip install 'trainbox[eval]'")
+
+
+def test_under_autocast_the_kv_cache_takes_the_compute_dtype(runs):
+    """bf16 autocast over fp32 weights (as `trainbox eval` runs on a GPU and the loop evaluates), here on the CPU:
+    generation feeds its bf16 keys and values through caches of that dtype; scores stay near fp32's."""
+    requests = [SimpleNamespace(args=(p, {"until": ["\n\n"], "max_gen_toks": 6})) for p in PROMPTS[:4]]
+    pairs = [SimpleNamespace(args=(p, " king queen")) for p in PROMPTS[:4]]
+    for family in ("gpt", "llama"):
+        model, tokenizer, _ = load_for_inference(runs.run(family))
+        fp32 = TrainboxLM(model, tokenizer, batch_size=3)
+        bf16 = TrainboxLM(model, tokenizer, batch_size=3, autocast=lambda: torch.autocast("cpu", torch.bfloat16))
+        made: list = []
+        model.make_caches = lambda *a, made=made, make=model.make_caches: made.append(a[2]) or make(*a)
+        texts = bf16.generate_until(requests)
+        assert made and set(made) == {torch.bfloat16} and all(isinstance(t, str) for t in texts)
+        for (a, _), (b, _) in zip(fp32.loglikelihood(pairs), bf16.loglikelihood(pairs)):
+            assert abs(a - b) < 0.05 * max(1.0, abs(a)), (family, a, b)

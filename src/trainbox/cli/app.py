@@ -100,7 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--num-fewshot", type=int, default=None, help="examples in each prompt (default: the task's)")
     ev.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda when there is one)")
     ev.add_argument("--dtype", choices=["auto", "fp32", "bf16", "fp16"], default="auto",
-                    help="weights' dtype (auto: bf16 on a GPU that has it, else fp32)")
+                    help="compute dtype: autocast over fp32 weights (a Hugging Face folder: its weights in it); "
+                    "auto: bf16 on a GPU that has it, else fp32")
     ev.add_argument("--out", default=None, help="folder for the record (default RUN/eval)")
     ev.set_defaults(func=cmd_eval)
 

@@ -7,7 +7,10 @@
 lm-eval owns tasks, prompts and metrics; this class answers its three kinds of request with the model's own forward
 and KV cache (any family whose `generate` is "causal"):
 
-- loglikelihood (context, continuation) -> (sum of log p(each continuation token), whether every one is the argmax).
+- loglikelihood (context, continuation) -> (sum of log p(each continuation token), whether every one is the argmax),
+  over the model's whole head as it trained (a vocabulary padded past the tokenizer's ids included, as lm-eval's hf
+  model counts a head wider than its tokenizer; the gpt family's Hugging Face export drops those rows, so there the
+  hf model's loglikelihoods exceed ours by the little probability the model leaves on them).
   The pair is tokenised by lm-eval's TemplateLM exactly as for its `hf` model (trailing spaces of the context move to
   the continuation; the pair is encoded whole and split; an empty context is the end-of-text token). The model reads
   (context + continuation)[:-1], cut from the left to max_length tokens, and the continuation is scored at its own
@@ -45,8 +48,9 @@ from trainbox.model.load import load_for_inference
 class TrainboxLM(TemplateLM):
     """lm-eval's model interface over one of our models (`model.eval()` is set here; the caller restores train mode).
 
-    `autocast`: a context factory for each forward (the training loop's); `max_length`: the longest input, by default
-    the model's block_size; `on_batch`: called after every forward (the training loop's heartbeat)."""
+    `autocast`: a context factory entered around each call's forwards (the training loop's, or bf16 over fp32 weights);
+    `max_length`: the longest input, by default the model's block_size; `on_batch`: called after every forward (the
+    training loop's heartbeat)."""
 
     backend = "causal"
 
@@ -63,7 +67,7 @@ class TrainboxLM(TemplateLM):
         self.on_batch = on_batch or (lambda: None)
         param = next(model.parameters())
         self._device, self.dtype = param.device, param.dtype
-        self.vocab = tokenizer.vocab_size   # rows past it pad the embedding; they are never real tokens
+        self.vocab = tokenizer.vocab_size   # ids past it pad the head: never generated
 
     @classmethod
     def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None) -> "TrainboxLM":
@@ -75,11 +79,11 @@ class TrainboxLM(TemplateLM):
         args, extra = dict(arg_dict), {k: v for k, v in (additional_config or {}).items() if v is not None}
         device = extra.get("device") or args.pop("device", None) or ("cuda" if torch.cuda.is_available() else "cpu")
         model, tokenizer, _ = load_for_inference(args.pop("path"), device)
-        dtype = args.pop("dtype", None)
-        if dtype:
-            model = model.to(getattr(torch, dtype))
+        dtype = getattr(torch, args.pop("dtype", "float32"))   # autocast over fp32 weights, as `trainbox eval`
+        autocast = None if dtype == torch.float32 else lambda: torch.autocast(torch.device(device).type, dtype)
         batch = extra.get("batch_size", args.pop("batch_size", 32))
-        return cls(model, tokenizer, batch_size=int(batch) if str(batch).isdigit() else 32, **args)
+        return cls(model, tokenizer, batch_size=int(batch) if str(batch).isdigit() else 32, autocast=autocast,
+                   **args)
 
     # ------------------------------------------------------------------ what TemplateLM asks
     @property
@@ -109,15 +113,16 @@ class TrainboxLM(TemplateLM):
             rows.setdefault(tuple(whole[:-1]), []).append((i, continuation))
         order = sorted(rows, key=lambda r: (-len(r), r))
         out: list = [None] * len(requests)
-        for start in range(0, len(order), self.batch_size):
-            batch = order[start:start + self.batch_size]
-            for i, answer in self._score(batch, [rows[r] for r in batch]):
-                out[i] = answer
-                if requests[i][0] is not None:
-                    self.cache_hook.add_partial("loglikelihood", requests[i][0], answer)
+        # one autocast region for every batch: autocast casts each weight once and keeps the copy while it lasts
+        with torch.no_grad(), self.autocast():
+            for start in range(0, len(order), self.batch_size):
+                batch = order[start:start + self.batch_size]
+                for i, answer in self._score(batch, [rows[r] for r in batch]):
+                    out[i] = answer
+                    if requests[i][0] is not None:
+                        self.cache_hook.add_partial("loglikelihood", requests[i][0], answer)
         return out
 
-    @torch.no_grad()
     def _score(self, inputs: list[tuple[int, ...]], wanted: list[list[tuple[int, list[int]]]]):
         """One forward over `inputs` (longest first) -> [(request, (log-likelihood, greedy))] for every continuation
         `wanted` of each input."""
@@ -126,10 +131,7 @@ class TrainboxLM(TemplateLM):
         for b, ids in enumerate(inputs):
             x[b, :len(ids)] = torch.tensor(ids)
         first = min(len(ids) - max(len(c) for _, c in conts) for ids, conts in zip(inputs, wanted))
-        with self.autocast():
-            logits = self.model(x.to(self.device), logits_to_keep=T - first).logits
-        logits = logits[..., :self.vocab].float()        # (B, T - first, V): positions first..T-1
-        lse, best = torch.logsumexp(logits, -1), logits.argmax(-1)
+        logits = self.model(x.to(self.device), logits_to_keep=T - first).logits   # positions first..T-1
         rows, cols, targets, owner, requests = [], [], [], [], []
         for b, (ids, conts) in enumerate(zip(inputs, wanted)):
             for i, cont in conts:
@@ -140,10 +142,11 @@ class TrainboxLM(TemplateLM):
                 owner += [len(requests)] * len(cont)
                 requests.append(i)
         rows, cols, targets, owner = (torch.tensor(v, device=self.device) for v in (rows, cols, targets, owner))
-        token_lp = (logits[rows, cols, targets] - lse[rows, cols]).double()
+        scored = logits[rows, cols].float()   # (tokens, V): only the positions a continuation reads, whole head
+        token_lp = (scored.gather(1, targets[:, None])[:, 0] - torch.logsumexp(scored, -1)).double()
         sums = torch.zeros(2, len(requests), dtype=torch.float64, device=self.device)
         sums[0].index_add_(0, owner, token_lp)
-        sums[1].index_add_(0, owner, (best[rows, cols] != targets).double())
+        sums[1].index_add_(0, owner, (scored.argmax(-1) != targets).double())
         self.on_batch()
         return [(i, (lp, misses == 0)) for i, lp, misses in zip(requests, *sums.tolist())]
 
@@ -170,30 +173,33 @@ class TrainboxLM(TemplateLM):
             groups.setdefault(repr(sorted(req.args[1].items(), key=str)), []).append(i)
         out: list = [None] * len(requests)
         gen = torch.Generator(device=self.device).manual_seed(self.seed)
-        for members in groups.values():
-            settings = dict(requests[members[0]].args[1])
-            until = settings.pop("until", None) or []
-            until = [until] if isinstance(until, str) else list(until)
-            eot = self.tokenizer.decode([self.eot_token_id])
-            if eot and eot not in until:
-                until.append(eot)
-            max_gen = int(settings.pop("max_gen_toks", settings.pop("max_new_tokens", self.max_gen_toks)))
-            if max_gen >= self.max_length:
-                raise ValueError(f"max_gen_toks={max_gen} leaves no room for a context in the model's "
-                                 f"{self.max_length} positions")
-            sampling = _sampling(settings)
-            contexts = {i: self.tok_encode(requests[i].args[0])[-(self.max_length - max_gen):] or [self.eot_token_id]
-                        for i in members}
-            order = sorted(members, key=lambda i: -len(contexts[i]))
-            for start in range(0, len(order), self.batch_size):
-                batch = order[start:start + self.batch_size]
-                texts = self._generate([contexts[i] for i in batch], until, max_gen, sampling, gen)
-                for i, text in zip(batch, texts):
-                    out[i] = text
-                    self.cache_hook.add_partial("generate_until", requests[i].args, text)
+        with torch.no_grad(), self.autocast():   # one region: each weight cast once
+            for members in groups.values():
+                self._generate_group(requests, members, gen, out)
         return out
 
-    @torch.no_grad()
+    def _generate_group(self, requests, members: list[int], gen: torch.Generator, out: list) -> None:
+        """The requests `members`, which share their generation settings, batched longest context first."""
+        settings = dict(requests[members[0]].args[1])
+        until = settings.pop("until", None) or []
+        until = [until] if isinstance(until, str) else list(until)
+        eot = self.tokenizer.decode([self.eot_token_id])
+        if eot and eot not in until:
+            until.append(eot)
+        max_gen = int(settings.pop("max_gen_toks", settings.pop("max_new_tokens", self.max_gen_toks)))
+        if max_gen >= self.max_length:
+            raise ValueError(f"max_gen_toks={max_gen} leaves no room for a context in the model's "
+                             f"{self.max_length} positions")
+        sampling = _sampling(settings)
+        contexts = {i: self.tok_encode(requests[i].args[0])[-(self.max_length - max_gen):] or [self.eot_token_id]
+                    for i in members}
+        order = sorted(members, key=lambda i: -len(contexts[i]))
+        for start in range(0, len(order), self.batch_size):
+            batch = order[start:start + self.batch_size]
+            for i, text in zip(batch, self._generate([contexts[i] for i in batch], until, max_gen, sampling, gen)):
+                out[i] = text
+                self.cache_hook.add_partial("generate_until", requests[i].args, text)
+
     def _generate(self, contexts: list[list[int]], until: list[str], max_gen: int, sampling: dict | None,
                   gen: torch.Generator) -> list[str]:
         """Continue every context (see the module docstring); -> each continuation cut before its first stop string."""
@@ -208,8 +214,7 @@ class TrainboxLM(TemplateLM):
         lookback = max((len(self.tok_encode(s)) for s in until), default=1) + 2
         outs: list[list[int]] = [[] for _ in range(B)]
         done = [False] * B
-        with self.autocast():
-            logits = self.model(prompt[:, :low], caches=caches, pos=0).logits[:, -1]
+        logits = self.model(prompt[:, :low], caches=caches, pos=0).logits[:, -1]
         pos = low   # every row's logits predict this position
         while True:
             nxt = _next_token(logits[:, :self.vocab].float(), sampling, gen)
@@ -225,8 +230,7 @@ class TrainboxLM(TemplateLM):
                 done[b] = len(outs[b]) >= max_gen or any(s and s in tail for s in until)
             if all(done):
                 break
-            with self.autocast():
-                logits = self.model(feed[:, None], caches=caches, pos=pos).logits[:, -1]
+            logits = self.model(feed[:, None], caches=caches, pos=pos).logits[:, -1]
             self.on_batch()
             pos += 1
         texts = []
@@ -239,10 +243,9 @@ class TrainboxLM(TemplateLM):
         return texts
 
     def _cache_dtype(self) -> torch.dtype:
-        """The dtype keys and values have inside the forward: the autocast dtype under autocast."""
-        with self.autocast():
-            if torch.is_autocast_enabled(self.device.type):
-                return torch.get_autocast_dtype(self.device.type)
+        """The dtype keys and values have inside the forward (called inside its autocast region)."""
+        if torch.is_autocast_enabled(self.device.type):
+            return torch.get_autocast_dtype(self.device.type)
         return self.dtype
 
 

@@ -5,10 +5,11 @@
     trainbox eval hf/gpt2-125m --tasks lambada_openai                # a Hugging Face folder
 
 A run or checkpoint (its newest verified checkpoint; sharded ones included) is scored by trainbox's adapter
-(eval/adapter.py) on the model's own forward and KV cache; a Hugging Face folder by lm-eval's own `hf` model, as
-lm-eval would score it. Everything that can be refused is refused before the model is loaded, with exit code 2: no
-lm-eval installed, an unknown task, a task whose data does not load, a checkpoint that fails verification, a model
-without a causal decoder (t5).
+(eval/adapter.py) on the model's own forward and KV cache, its fp32 weights under autocast where --dtype is bf16 or
+fp16 (the default on a GPU with bf16), as it trains; a Hugging Face folder by lm-eval's own `hf` model with its
+weights in that dtype, as lm-eval would score it. Everything that can be refused is refused before the model is
+loaded, with exit code 2: no lm-eval installed, an unknown task, a task whose data does not load, a checkpoint that
+fails verification, a model without a causal decoder (t5).
 """
 from __future__ import annotations
 
@@ -87,13 +88,16 @@ def evaluate(source: str | Path, tasks: list[str], include: list[str] | tuple = 
         from trainbox.eval.adapter import TrainboxLM  # optional: lm_eval
 
         net, tokenizer, cfg = load_verified(ckpt, device)
-        model, model_args = TrainboxLM(net.to(torch_dtype), tokenizer, batch_size=batch_size), None
+        # fp32 weights under autocast, as the model trains: its kernels (fused norms, MLPs) see what they know
+        autocast = None if torch_dtype == torch.float32 else lambda: torch.autocast(device.type, torch_dtype)
+        model, model_args = TrainboxLM(net, tokenizer, batch_size=batch_size, autocast=autocast), None
     results = _simple_evaluate(model, model_args, names, manager, limit, batch_size, device, num_fewshot, log_samples)
     samples = results.pop("samples", None) or {}
     results["trainbox"] = {
         "source": str(source), "model": "lm-eval hf" if hf else "trainbox", "checkpoint": str(ckpt) if ckpt else None,
         "step": checkpoint.load_trainer(ckpt)["step"] if ckpt else None, "family": cfg.model.family if cfg else None,
-        "git_commit": git_commit(), "device": str(device), "dtype": str(torch_dtype).removeprefix("torch."),
+        "git_commit": git_commit(), "device": str(device), "dtype": str(torch_dtype).removeprefix("torch.") +
+        (" (autocast)" if not hf and torch_dtype != torch.float32 else ""),
         "batch_size": batch_size, "limit": limit, "seconds": round(time.time() - t0, 3),
         "scores": records.scores(results)}
     folder = Path(out) if out else (source if hf else run_dir_of(ckpt)) / "eval"
