@@ -19,6 +19,7 @@ from lm_eval.tasks import TaskManager
 
 from trainbox.eval.adapter import TrainboxLM
 from trainbox.model.load import load_for_inference
+from trainbox.model.spec import family, which
 
 TASKS = ["tiny_mc", "tiny_gen", "tiny_ppl", "tiny_ll"]
 
@@ -205,3 +206,32 @@ def test_under_autocast_the_kv_cache_takes_the_compute_dtype(runs):
         assert made and set(made) == {torch.bfloat16} and all(isinstance(t, str) for t in texts)
         for (a, _), (b, _) in zip(fp32.loglikelihood(pairs), bf16.loglikelihood(pairs)):
             assert abs(a - b) < 0.05 * max(1.0, abs(a)), (family, a, b)
+
+
+@pytest.mark.parametrize("name", [n for n in which(lambda f: f.generate == "causal") if n != "hf"])
+def test_every_causal_family_scores_as_its_own_token_losses(name):
+    """The adapter's batched, right-padded path against the slow reference: each pair alone through the family's
+    training forward (per-token losses, reduction="none") and its full logits for the greedy flag. Families built
+    from a Hugging Face folder (hf: LoRA) are scored through that folder by lm-eval's hf model instead."""
+    from trainbox.config import load_config
+    from trainbox.model.build import build_model, build_tokenizer, model_vocab_size
+
+    cfg = load_config("tiny", [*TINY, f"model.family={name}", "data.seq_len=64"])
+    tokenizer = build_tokenizer(cfg)
+    if family(name).supports("eot_id"):   # documents split at the tokenizer's EOT, as train resolves it
+        cfg = load_config("tiny", [*TINY, f"model.family={name}", "data.seq_len=64", f"model.eot_id={tokenizer.eot_id}"])
+    torch.manual_seed(0)
+    model = build_model(cfg.model, model_vocab_size(cfg.model, tokenizer.vocab_size), 64, run=cfg).eval()
+    g = torch.Generator().manual_seed(1)
+    ids = lambda n: torch.randint(0, tokenizer.vocab_size, (n,), generator=g).tolist()  # noqa: E731
+    pairs = [(ids(n), ids(k)) for n, k in ((5, 1), (30, 3), (12, 7), (60, 10), (1, 2), (20, 1))]
+    pairs.append((pairs[1][0] + pairs[1][1][:2], ids(1)))   # the same model input as the second pair: one row
+    got = TrainboxLM(model, tokenizer, batch_size=3)._loglikelihood_tokens([(None, c, t) for c, t in pairs])
+    with torch.no_grad():
+        for (context, continuation), (lp, greedy) in zip(pairs, got, strict=True):
+            whole = torch.tensor([(context + continuation)[-65:]])
+            x, y = whole[:, :-1], whole[:, 1:]
+            nll = model(x, y, reduction="none").loss[0, -len(continuation):]
+            assert lp == pytest.approx(-nll.sum().item(), abs=1e-4), (name, len(context), len(continuation))
+            best = model(x, logits_to_keep=len(continuation)).logits[0].argmax(-1)
+            assert greedy == bool((best == torch.tensor(continuation)).all())
