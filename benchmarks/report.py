@@ -20,7 +20,7 @@ DOC = common.REPO / "docs" / "performance.md"
 LINK = "../benchmarks/records/"   # from docs/ to the records
 
 AREAS = ["Single-GPU speed against peers", "Multi-GPU scaling", "Sharded training", "Mixture of Experts", "Speedrun",
-         "Fine-tuning", "T5", "Quality parity", "CPU"]
+         "Fine-tuning", "T5", "Evaluation", "Quality parity", "CPU"]
 
 # (what, conclusion, where it was measured: a record kept in benchmarks/records/, or the commits that hold it)
 FINISHED = [
@@ -262,6 +262,23 @@ def resume_check(rec: dict) -> list[tuple]:
     return [("", ours, base, "—")]
 
 
+def eval_speed(rec: dict) -> list[tuple]:
+    m, b = rec["metrics"], rec["baseline"]["metrics"]
+    ours = f"{m['docs_per_s']:,.1f} documents/s ({m['dtype']}, batch {m['batch_size']}, acc {m['acc']:.3f})"
+    base = f"lm-eval's hf model: {b['docs_per_s']:,.1f} documents/s (acc {b['acc']:.3f})"
+    return [("", ours, base, f"{m['speedup_vs_lm_eval_hf']:.2f}x")]
+
+
+def eval_tasks_overhead(rec: dict) -> list[tuple]:
+    m = rec["metrics"]
+    ours = (f"{ms(m['median_step_ms']['tasks'])}/step with lm-eval tasks every {m['every']} steps "
+            f"({ms(m['median_step_ms_right_after_an_evaluation'])} right after one; the evaluations, "
+            f"{m['evaluation_seconds']['median']:.1f} s each, left out)")
+    base = f"no tasks: {ms(m['median_step_ms']['off'])}/step"
+    return [("", ours, base, f"{m['overhead_pct_median']:+.2f}% step time ({m['overhead_pct_median_cpu']:+.2f}% "
+             "CPU time)")]
+
+
 def generic(rec: dict) -> list[tuple]:
     scalars = [f"{k} {v}" for k, v in rec["metrics"].items() if isinstance(v, (int, float, str))][:4]
     return [("", ", ".join(scalars) or "—", rec["baseline"]["name"] if rec["baseline"] else "—", "—")]
@@ -271,7 +288,7 @@ ROWS = {"train_speed": train_speed, "profile_step": profile_step, "time_to_loss"
         "compile_cache": compile_cache, "monitor_overhead": monitor_overhead, "ddp_check": ddp_check,
         "lora_speed": lora_speed, "t5_speed": t5_speed, "step_parity": step_parity, "loss_parity": loss_parity,
         "prepare_speed": prepare_speed, "make_corpus": make_corpus, "trainbox-train": trainbox_train,
-        "resume_check": resume_check}
+        "resume_check": resume_check, "eval_speed": eval_speed, "eval_tasks_overhead": eval_tasks_overhead}
 
 
 # ----------------------------------------------------------------------------------------------- the page
@@ -280,6 +297,8 @@ def area(rec: dict) -> str:
     recipe = rec["recipe"] or ""
     if rec["tool"] in ("step_parity", "loss_parity"):
         return "Quality parity"
+    if rec["tool"] == "eval_speed" and rec["gpu"] is not None:
+        return "Evaluation"
     if rec["tool"] == "ddp_check":
         return "Multi-GPU scaling"
     if "train.parallel=fsdp" in (rec.get("overrides") or []) or recipe.startswith("llama"):
