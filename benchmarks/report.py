@@ -262,6 +262,25 @@ def resume_check(rec: dict) -> list[tuple]:
     return [("", ours, base, "—")]
 
 
+def batch_invariance(rec: dict) -> list[tuple]:
+    m = rec["metrics"]
+    s = m["summary"]
+
+    def after(arm: str) -> str:
+        return f"{s[arm]['weights_end']:.1e}"
+
+    runs = [a for a in ("ddp-2", "fsdp-2", "ddp-4", "fsdp-4") if a in s]
+    ours = (f"{m['dtype']}, {m['steps']} steps: largest weight difference from 1 process " +
+            ", ".join(f"{a} {after(a)}" for a in runs) +
+            (f"; losses within {max(s[a]['loss_max'] for a in runs):.1e}" if runs else ""))
+    controls = [f"{label} {after(a)}" for a, label in (("order", "1 process summing in reverse order"),
+                                                        ("fp64-fsdp-2", "fsdp-2 in float64"),
+                                                        ("sgd-fsdp-2", "fsdp-2 with SGD"),
+                                                        ("defect-sample", "one wrong sample a step"))
+                if a in s]
+    return [("", ours, "; ".join(controls) or "—", "—")]
+
+
 def generic(rec: dict) -> list[tuple]:
     scalars = [f"{k} {v}" for k, v in rec["metrics"].items() if isinstance(v, (int, float, str))][:4]
     return [("", ", ".join(scalars) or "—", rec["baseline"]["name"] if rec["baseline"] else "—", "—")]
@@ -271,7 +290,7 @@ ROWS = {"train_speed": train_speed, "profile_step": profile_step, "time_to_loss"
         "compile_cache": compile_cache, "monitor_overhead": monitor_overhead, "ddp_check": ddp_check,
         "lora_speed": lora_speed, "t5_speed": t5_speed, "step_parity": step_parity, "loss_parity": loss_parity,
         "prepare_speed": prepare_speed, "make_corpus": make_corpus, "trainbox-train": trainbox_train,
-        "resume_check": resume_check}
+        "resume_check": resume_check, "batch_invariance": batch_invariance}
 
 
 # ----------------------------------------------------------------------------------------------- the page
@@ -280,7 +299,7 @@ def area(rec: dict) -> str:
     recipe = rec["recipe"] or ""
     if rec["tool"] in ("step_parity", "loss_parity"):
         return "Quality parity"
-    if rec["tool"] == "ddp_check":
+    if rec["tool"] == "ddp_check" or (rec["tool"] == "batch_invariance" and rec["gpu"]):
         return "Multi-GPU scaling"
     if "train.parallel=fsdp" in (rec.get("overrides") or []) or recipe.startswith("llama"):
         return "Sharded training"
