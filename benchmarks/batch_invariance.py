@@ -239,7 +239,7 @@ def main() -> None:
                     help="bf16: autocast (on a GPU as the product runs it; on a CPU through a patch)")
     ap.add_argument("--arms", default=None, help=f"comma-separated, from {', '.join(ARMS)} (default: all on a "
                                                  f"CPU; on GPUs {', '.join(GPU_ARMS)})")
-    ap.add_argument("--sgd-lr", type=float, default=0.5, help="optim.lr of the sgd arms")
+    ap.add_argument("--sgd-lr", type=float, default=0.1, help="optim.lr of the sgd arms (where SGD is stable)")
     ap.add_argument("--keep", type=Path, help="keep the runs and dumps in this folder (default: a temporary one)")
     ap.add_argument("--record", action="store_true", help="write the result record to benchmarks/records/")
     ap.add_argument("--what", help="the record's slug (default: RECIPE-batch-invariance-DTYPE)")

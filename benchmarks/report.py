@@ -263,21 +263,21 @@ def resume_check(rec: dict) -> list[tuple]:
 
 
 def batch_invariance(rec: dict) -> list[tuple]:
-    m = rec["metrics"]
-    s = m["summary"]
+    m, s = rec["metrics"], rec["metrics"]["summary"]
 
-    def after(arm: str) -> str:
-        return f"{s[arm]['weights_end']:.1e}"
+    def drift(arms: list[str]) -> str:   # the largest weight difference after steps 1, 20 and the last
+        shown = [i for i, step in enumerate(m["weight_steps"]) if step in (1, 20, m["steps"])]
+        return ", ".join(f"{max(m['arms'][a]['weight_max_abs_diff'][i] for a in arms):.1e} after "
+                         f"{'step ' if i == 0 else ''}{m['weight_steps'][i]}" for i in shown)
 
-    runs = [a for a in ("ddp-2", "fsdp-2", "ddp-4", "fsdp-4") if a in s]
-    ours = (f"{m['dtype']}, {m['steps']} steps: largest weight difference from 1 process " +
-            ", ".join(f"{a} {after(a)}" for a in runs) +
-            (f"; losses within {max(s[a]['loss_max'] for a in runs):.1e}" if runs else ""))
-    controls = [f"{label} {after(a)}" for a, label in (("order", "1 process summing in reverse order"),
-                                                        ("fp64-fsdp-2", "fsdp-2 in float64"),
-                                                        ("sgd-fsdp-2", "fsdp-2 with SGD"),
-                                                        ("defect-sample", "one wrong sample a step"))
-                if a in s]
+    runs = [a for a in ("ddp-2", "ddp-4", "fsdp-2", "fsdp-4") if a in s]
+    ours = (f"{m['dtype']}, {', '.join(runs)} against 1 process: weights within {drift(runs)} (losses within "
+            f"{max(s[a]['loss_max'] for a in runs):.2g})") if runs else "—"
+    controls = [f"{label}: {drift(arms)}" for arms, label in (
+        (["order"], "1 process summing in reverse order"),
+        ([a for a in ("fp64-ddp-2", "fp64-fsdp-2") if a in s], "2 processes in float64"),
+        (["sgd-fsdp-2"], "fsdp-2 with SGD"), (["defect-sample"], "one wrong sample a step"))
+        if all(a in s for a in arms) and arms]
     return [("", ours, "; ".join(controls) or "—", "—")]
 
 
