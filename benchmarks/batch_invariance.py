@@ -1,8 +1,9 @@
 """What "the same batches on 1 or N processes" comes to: how far runs of one recipe on 1, 2 and 4 processes (ddp and
 fsdp) drift apart step by step, and whether that drift is floating-point summation order or more.
 
-    python benchmarks/batch_invariance.py tiny --steps 100 --record               # CPU: fp32, gloo
-    python benchmarks/batch_invariance.py tiny --steps 100 --dtype bf16 --record  # GPUs: bf16 autocast, NCCL
+    python benchmarks/batch_invariance.py tiny --steps 100 --record                  # CPU: fp32, gloo
+    python benchmarks/batch_invariance.py tiny --steps 100 --record                  # GPUs: bf16 autocast, NCCL
+    python benchmarks/batch_invariance.py tiny train.dtype=bf16 --steps 60 --record  # CPU: bf16 autocast
 
 Every run is `trainbox train [--nproc N] RECIPE`, as a user runs it, with the same global batch and the same
 micro-batch (--micro-batch), so micro-batch k of a step holds the same samples on any number of processes and only
@@ -28,7 +29,8 @@ Controls, which tell rounding from a real difference:
 The controls and the measurements run inside the same CLI through a `sitecustomize` module that this tool puts on
 every process's PYTHONPATH (torchrun's workers inherit it); the patches act only where BATCH_INVARIANCE_PATCH
 names them. Weights and gradients are read from each run's rank 0 (FSDP's shards gathered), not from checkpoints.
-On a CPU, `--dtype bf16` runs bf16 autocast there (the product refuses it on a CPU; the patch lets it through).
+The precision is the recipe's (train.dtype; auto: bf16 autocast on GPUs, fp32 on a CPU). On a CPU, train.dtype=bf16
+runs bf16 autocast there (the product refuses it on a CPU; a patch lets it through).
 """
 from __future__ import annotations
 
@@ -235,8 +237,6 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--micro-batch", type=int, default=None,
                     help="train.micro_batch_size of every run (default: the global batch over the most processes)")
-    ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
-                    help="bf16: autocast (on a GPU as the product runs it; on a CPU through a patch)")
     ap.add_argument("--arms", default=None, help=f"comma-separated, from {', '.join(ARMS)} (default: all on a "
                                                  f"CPU; on GPUs {', '.join(GPU_ARMS)})")
     ap.add_argument("--sgd-lr", type=float, default=0.1, help="optim.lr of the sgd arms (where SGD is stable)")
@@ -262,8 +262,11 @@ def main() -> None:
 
     from trainbox.config import load_config
     cfg = load_config(args.recipe, args.overrides)
+    dtype = cfg.train.dtype if cfg.train.dtype != "auto" else "bf16" if gpu else "fp32"
+    if dtype not in ("fp32", "bf16"):
+        raise SystemExit(f"train.dtype={dtype}: this tool compares fp32 or bf16 runs")
     micro = args.micro_batch or cfg.train.global_batch_size // most
-    low = ("bf16_cpu",) if args.dtype == "bf16" and not gpu else ()   # float64 arms run without autocast
+    low = ("bf16_cpu",) if dtype == "bf16" and not gpu else ()   # float64 arms run without autocast
     root = args.keep or Path(tempfile.mkdtemp(prefix="batch-invariance-"))
     root.mkdir(parents=True, exist_ok=True)
     hook = root / "hook"
@@ -278,7 +281,7 @@ def main() -> None:
     try:
         for a in arms:
             fp64 = "float64" in ARMS[a][2]
-            extra = [f"train.dtype={args.dtype if gpu and not fp64 else 'fp32'}",
+            extra = [f"train.dtype={dtype if gpu and not fp64 else 'fp32'}",
                      *([f"optim.lr={args.sgd_lr}"] if "sgd" in ARMS[a][2] else [])]
             _, wall[a] = run_arm(a, root, hook, args.recipe, [*base, *extra], args.steps, () if fp64 else low, log)
             print(f"{a}: {wall[a]:.0f} s", file=sys.stderr, flush=True)
@@ -291,7 +294,7 @@ def main() -> None:
     if not args.keep:
         shutil.rmtree(root, ignore_errors=True)
     metrics = {
-        "dtype": args.dtype, "device": gpu["name"] if gpu else "cpu", "backend": "nccl" if gpu else "gloo",
+        "dtype": dtype, "device": gpu["name"] if gpu else "cpu", "backend": "nccl" if gpu else "gloo",
         "steps": args.steps, "global_batch": cfg.train.global_batch_size, "micro_batch": micro, "lr": cfg.optim.lr,
         "warmup_steps": cfg.optim.warmup_steps, "weight_steps": steps,
         "summary": {a: summary(r) for a, r in results.items()},
@@ -303,7 +306,7 @@ def main() -> None:
                  for a in arms},
     }
     common.emit(common.Result(
-        tool="batch_invariance", what=args.what or f"{args.recipe}-batch-invariance-{args.dtype}", gpu=gpu,
+        tool="batch_invariance", what=args.what or f"{args.recipe}-batch-invariance-{dtype}", gpu=gpu,
         software=common.software(), recipe=args.recipe, overrides=args.overrides, metrics=metrics), args.record)
 
 
