@@ -265,13 +265,14 @@ def resume_check(rec: dict) -> list[tuple]:
 def batch_invariance(rec: dict) -> list[tuple]:
     m, s = rec["metrics"], rec["metrics"]["summary"]
 
-    def drift(arms: list[str]) -> str:   # the largest weight difference after steps 1, 20 and the last
+    def drift(arms: list[str]) -> str:   # the step-1 gradient (relative), the weights after steps 1, 20 and the last
         shown = [i for i, step in enumerate(m["weight_steps"]) if step in (1, 20, m["steps"])]
-        return ", ".join(f"{max(m['arms'][a]['weight_max_abs_diff'][i] for a in arms):.1e} after "
-                         f"{'step ' if i == 0 else ''}{m['weight_steps'][i]}" for i in shown)
+        return (f"gradient {max(s[a]['grad1_rel_norm'] for a in arms):.1e}, weights " +
+                ", ".join(f"{max(m['arms'][a]['weight_max_abs_diff'][i] for a in arms):.1e} after "
+                          f"{'step ' if i == 0 else ''}{m['weight_steps'][i]}" for i in shown))
 
     runs = [a for a in ("ddp-2", "ddp-4", "fsdp-2", "fsdp-4") if a in s]
-    ours = (f"{m['dtype']}, {', '.join(runs)} against 1 process: weights within {drift(runs)} (losses within "
+    ours = (f"{m['dtype']}, {', '.join(runs)} against 1 process: {drift(runs)} (losses "
             f"{max(s[a]['loss_max'] for a in runs):.2g})") if runs else "—"
     controls = [f"{label}: {drift(arms)}" for arms, label in (
         (["order"], "1 process summing in reverse order"),
