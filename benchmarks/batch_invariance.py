@@ -17,11 +17,12 @@ element), and both closing validation losses.
 Controls, which tell rounding from a real difference:
 - `order`: ONE process that sums the micro-batches of every step in reverse order. The same maths; if the drift
   of N processes is summation order, this run drifts as far from the reference.
-- `fp64-*`: the reference and 2-process runs in float64 (every process's default dtype). Rounding shrinks by ~9
-  orders of magnitude; a different batch, scale or random stream would not.
+- `fp64-*`: the reference and 2-process runs in float64 (every process's default dtype). Rounding starts over 8
+  orders of magnitude smaller (until training's own amplification catches up); a different batch, scale or random
+  stream would not.
 - `sgd-*`: the reference and 2-process fsdp with SGD (momentum 0.9, --sgd-lr) in place of AdamW. AdamW divides
-  each coordinate by the root of its own second moment, so a coordinate whose gradient is near zero moves by ~lr
-  whatever its rounding; SGD moves it by lr x gradient, and the runs stay as close as their gradients.
+  each coordinate by the root of its own second moment, so where a gradient is near zero its last bits move the
+  weight by a fraction of lr; SGD moves it by lr x gradient, and the runs stay as close as their gradients.
 - `threads`: one process on one CPU thread (torchrun's workers run one each; a lone process uses all cores).
 - `defect-*`: what a real bug looks like at this size: 2 fsdp processes where the last rank trains on one wrong
   sample of the global batch every step (`defect-sample`), or weighs its tokens 1% too much (`defect-scale`).
@@ -30,7 +31,8 @@ The controls and the measurements run inside the same CLI through a `sitecustomi
 every process's PYTHONPATH (torchrun's workers inherit it); the patches act only where BATCH_INVARIANCE_PATCH
 names them. Weights and gradients are read from each run's rank 0 (FSDP's shards gathered), not from checkpoints.
 The precision is the recipe's (train.dtype; auto: bf16 autocast on GPUs, fp32 on a CPU). On a CPU, train.dtype=bf16
-runs bf16 autocast there (the product refuses it on a CPU; a patch lets it through).
+runs bf16 autocast there (the product refuses it on a CPU; a patch lets it through). Under fsdp in bf16, FSDP
+gathers bf16 weights, so those arms differ from one process by more than summation order (see the step-1 gradient).
 """
 from __future__ import annotations
 
