@@ -90,18 +90,19 @@ def apply_patches() -> None:
     if "bf16_cpu" in patches:         # bf16 autocast on a CPU, which resolve_device refuses
         resolve = device_mod.resolve_device
 
-        def resolve_bf16(cfg, dist):
+        def resolve_bf16(cfg, local_rank=0):
             fp32 = cfg.model_copy(update={"train": cfg.train.model_copy(update={"dtype": "fp32"})})
-            device, _, resolved = resolve(fp32, dist)
+            device, _, resolved = resolve(fp32, local_rank)
             return device, torch.bfloat16, resolved
-        device_mod.resolve_device = resolve_bf16   # before trainbox.train.loop imports it
+        from trainbox.train import preflight
+        device_mod.resolve_device = preflight.resolve_device = resolve_bf16   # where the run's checks ask it
     if "sgd" in patches:
         build.make_adamw = lambda groups, cfg, device: torch.optim.SGD(groups, lr=cfg.lr, momentum=0.9)
     if "reverse" in patches:          # the same micro-batches, summed last to first
-        micro_batches = loader.BatchPlan.micro_batches
-        loader.BatchPlan.micro_batches = lambda self, step: micro_batches(self, step)[::-1]
+        micro_batches = loader.BatchOrder.micro_batches
+        loader.BatchOrder.micro_batches = lambda self, step: micro_batches(self, step)[::-1]
     if "wrong_sample" in patches:     # the last rank: the last sample of its share is the one after it
-        global_indices = loader.BatchPlan.global_indices
+        global_indices = loader.BatchOrder.global_indices
 
         def shifted(self, step):
             ids = global_indices(self, step)
@@ -109,10 +110,10 @@ def apply_patches() -> None:
                 ids = ids.copy()
                 ids[-1] = (ids[-1] + 1) % self.dataset.num_samples
             return ids
-        loader.BatchPlan.global_indices = shifted
+        loader.BatchOrder.global_indices = shifted
     if "wrong_scale" in patches:      # the last rank counts 1% fewer target tokens: its share weighs 1% more
-        target_tokens = loader.BatchPlan.target_tokens
-        loader.BatchPlan.target_tokens = lambda self, step: (
+        target_tokens = loader.BatchOrder.target_tokens
+        loader.BatchOrder.target_tokens = lambda self, step: (
             round(target_tokens(self, step) / 1.01) if self.world > 1 and self.rank == self.world - 1
             else target_tokens(self, step))
 
