@@ -53,7 +53,8 @@ def tiny(family_name: str, **over):
 
 
 MODELS = {"llama": lambda: tiny("llama", **{"model.llama.n_kv_head": 2, "model.llama.rope_theta": 100.0}),
-          "gpt": lambda: tiny("gpt")}
+          "gpt": lambda: tiny("gpt"),
+          "gpt-fused-norm": lambda: tiny("gpt", **{"model.fused_norm": "true"})}   # the blocks' fused path
 
 
 def row_logits(model, batch: dict) -> torch.Tensor:
@@ -288,10 +289,15 @@ def test_gpu_hf_flash_attention_2_packed_rows(tmp_path):
     from trainbox.model.hf.model import build_hf
     folder = hf_tiny.make_model(tmp_path / "m", arch="llama")
     model = build_hf(load_config("lora", [f"model.path={folder}", "lora.dropout=0.0"])).cuda().eval()
-    model.peft.get_base_model().to(torch.bfloat16).set_attn_implementation("flash_attention_2")
+    base = model.peft.get_base_model().to(torch.bfloat16)
+    if hasattr(base, "set_attn_implementation"):
+        base.set_attn_implementation("flash_attention_2")
+    else:   # transformers before 4.48
+        base.config._attn_implementation = "flash_attention_2"
     exs = examples()
     ds = dataset(exs)
-    worst = check_rows_match_alone(
-        lambda b: model.packed_logits(b["x"].cuda(), b["doc_ids"].cuda(), b["position_ids"].cuda()).float().cpu(),
-        ds, exs, lambda ids: model.peft(input_ids=ids.cuda()).logits.float().cpu())
-    assert worst < 2e-2, worst
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        worst = check_rows_match_alone(
+            lambda b: model.packed_logits(b["x"].cuda(), b["doc_ids"].cuda(), b["position_ids"].cuda()).float().cpu(),
+            ds, exs, lambda ids: model.peft(input_ids=ids.cuda()).logits.float().cpu())
+    assert worst < 5e-2, worst
