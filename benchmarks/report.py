@@ -175,6 +175,18 @@ def lora_speed(rec: dict) -> list[tuple]:
     return rows
 
 
+def packing_speed(rec: dict) -> list[tuple]:
+    m, b = rec["metrics"], rec["baseline"]
+    ours = (f"packed: {kilo(m['tokens_per_s'])} tokens/s ({m['fill']:.0%} of positions filled), "
+            f"held-out loss per example {m['loss_per_example']:.3f}")
+    if not (b and b["metrics"].get("tokens_per_s")):
+        return [("", ours, "—", "—")]
+    bm = b["metrics"]
+    base = (f"{b['name']}: {kilo(bm['tokens_per_s'])} tokens/s ({bm['fill']:.0%} filled), "
+            f"loss per example {bm['loss_per_example']:.3f}")
+    return [("", ours, base, f"{m['speedup']:.2f}x; loss per example {m['loss_per_example_rel_diff']:+.1%}")]
+
+
 def t5_speed(rec: dict) -> list[tuple]:
     o, b = rec["metrics"]["results"][0], rec["baseline"]
     ours = (f"{kilo(o['tokens_per_s'])} tokens/s, {o['mfu']:.1%} MFU, "
@@ -289,7 +301,8 @@ def generic(rec: dict) -> list[tuple]:
 
 ROWS = {"train_speed": train_speed, "profile_step": profile_step, "time_to_loss": time_to_loss,
         "compile_cache": compile_cache, "monitor_overhead": monitor_overhead, "ddp_check": ddp_check,
-        "lora_speed": lora_speed, "t5_speed": t5_speed, "step_parity": step_parity, "loss_parity": loss_parity,
+        "lora_speed": lora_speed, "packing_speed": packing_speed, "t5_speed": t5_speed, "step_parity": step_parity,
+        "loss_parity": loss_parity,
         "prepare_speed": prepare_speed, "make_corpus": make_corpus, "trainbox-train": trainbox_train,
         "resume_check": resume_check, "batch_invariance": batch_invariance}
 
@@ -308,7 +321,7 @@ def area(rec: dict) -> str:
         return "Multi-GPU scaling"
     if rec["gpu"] is None:
         return "CPU"
-    if rec["tool"] == "lora_speed":
+    if rec["tool"] in ("lora_speed", "packing_speed"):
         return "Fine-tuning"
     if rec["tool"] == "t5_speed" or recipe.startswith("t5"):
         return "T5"

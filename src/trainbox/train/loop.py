@@ -36,6 +36,7 @@ import torch
 from trainbox import checkpoint
 from trainbox.config import RunConfig
 from trainbox.data.loader import to_device
+from trainbox.data.packing import packed_inputs
 from trainbox.errors import TrainingFailed
 from trainbox.files import open_append
 from trainbox.generate import sample
@@ -251,7 +252,7 @@ class Trainer(RunFiles, Checkpointing):
             x, y, mask = b["x"], b["y"], b.get("loss_mask")
             with self.parallel.micro_batch(k, accum):
                 with self.autocast():
-                    out = self.forward(x, y, loss_mask=mask, reduction="sum")
+                    out = self.forward(x, y, loss_mask=mask, reduction="sum", **packed_inputs(b))
                     token_loss = out.loss.float() * scale   # this micro-batch's share of the global mean
                     total = token_loss if out.aux_loss is None else token_loss + out.aux_loss / accum
                 total.backward()
