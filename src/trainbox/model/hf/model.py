@@ -99,6 +99,11 @@ class HFCache:
         from transformers import DynamicCache  # optional: transformers
         self.cache = DynamicCache()
 
+    def crop(self, length: int) -> None:
+        """Keep the first `length` positions (a chat turn that re-uses the start of the conversation)."""
+        if self.cache.get_seq_length() > length:
+            self.cache.crop(length)
+
 
 class HFCausalLM(nn.Module):
     """A PEFT-wrapped causal LM behind the family interface (forward -> Output, make_caches, ...)."""
