@@ -60,6 +60,7 @@ class ChatSession:
         self.caches = model.make_caches(1, self.limit, param.dtype, param.device)
         self.gen = torch.Generator(device=param.device).manual_seed(seed)
         self.cached: list[int] = []   # the ids whose keys and values the caches hold, position by position
+        self.reused = 0               # how many of them the last turn kept
         self.last: Reply | None = None
         self.reset()
 
@@ -97,6 +98,7 @@ class ChatSession:
             if a != b:
                 break
             common += 1
+        self.reused = common
         crop = getattr(self.caches, "crop", None)   # a cache that tracks its own length (transformers') is cut
         if crop is not None:
             crop(common)
