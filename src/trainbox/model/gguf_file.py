@@ -93,6 +93,7 @@ def write(folder: Path, out: Path, gguf_type: str, model: GGUFModel, name: str) 
         full = f"{model.arch}.{key}"
         (writer.add_float32 if isinstance(value, float) else writer.add_uint32)(full, value)
     writer.add_file_type(file_type)
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     tokens, stops = _tokenizer(writer, folder, model.params.get("vocab_size"), gguf)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[model.arch.upper()], model.params["block_count"])
     count = 0

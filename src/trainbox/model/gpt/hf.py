@@ -166,7 +166,7 @@ def hf_state(model: nn.Module, vocab: int) -> dict[str, torch.Tensor]:
 
 def hf_config(cfg, tokenizer, block: int) -> dict:
     return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": tokenizer.vocab_size,
-            "n_positions": block, "n_embd": cfg.n_embd, "n_layer": cfg.n_layer, "n_head": cfg.n_head,
+            "n_positions": block, "n_ctx": block, "n_embd": cfg.n_embd, "n_layer": cfg.n_layer, "n_head": cfg.n_head,
             "n_inner": None, "activation_function": "gelu_new", "layer_norm_epsilon": 1e-5,
             "resid_pdrop": cfg.dropout, "embd_pdrop": cfg.dropout, "attn_pdrop": cfg.dropout,
             "initializer_range": 0.02, "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
