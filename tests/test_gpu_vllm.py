@@ -2,6 +2,15 @@
 
     python -m pytest -q -m gpu tests/test_gpu_vllm.py
 
+The GPU machine has no network: vLLM comes as wheels (vllm 0.33.0 is a 336 MB wheel that pins its own torch,
+2.14.0, and flashinfer-python; carry them with `pip download vllm -d wheels` on a machine with the same Python, and
+`pip install --no-index --find-links wheels vllm` there). Serving the exported sft folder:
+
+    trainbox export runs/sft --format hf --dtype bf16 --out tuned
+    vllm serve tuned --dtype bfloat16 --served-model-name sft --generation-config auto --port 8000
+    curl -s localhost:8000/v1/chat/completions -H 'Content-Type: application/json' \
+      -d '{"model": "sft", "messages": [{"role": "user", "content": "what is two plus three"}], "temperature": 0}'
+
 A tiny Llama folder (head size 64, which vLLM's attention kernels take) is fine-tuned with `trainbox train sft`
 on short chats, exported with `trainbox export --format hf --dtype bf16`, and served by vLLM's offline engine,
 whose chat must end with finish_reason "stop" on <|im_end|> (from generation_config.json's eos_token_id list and

@@ -26,6 +26,7 @@ import torch
 from tokenizers import Tokenizer
 
 from trainbox.errors import ConfigError, require
+from trainbox.model.spec import either, which
 
 log = logging.getLogger("trainbox")
 
@@ -55,8 +56,10 @@ class GGUFModel:
 def check_type(gguf_type: str, family_name: str, writes: tuple[str, ...]) -> None:
     """Refuse, before any work, a family that writes no GGUF or a type it does not write."""
     if not writes:
-        raise ConfigError(f"model.family={family_name} has no GGUF mapping (llama.cpp has no architecture for it)",
-                          hint="export it with --format hf")
+        raise ConfigError(f"model.family={family_name} has no GGUF mapping in trainbox (model.family="
+                          f"{either(which(lambda f: bool(f.gguf)))} has)",
+                          hint="export it with --format hf (a LoRA run with --merge); where llama.cpp has the "
+                               "architecture, its convert_hf_to_gguf.py converts that folder")
     if gguf_type not in writes:
         raise ConfigError(f"--gguf-type {gguf_type} is not one model.family={family_name} writes: "
                           f"{', '.join(writes)}", hint=f"use --gguf-type {writes[0]}")
@@ -67,6 +70,8 @@ def export(hf, path: str, out: str, gguf_type: str, force: bool, name: str) -> l
     file `out` of `gguf_type`."""
     require("gguf", "gguf", "export --format gguf")
     out_path = Path(out)
+    if out_path.is_dir():   # a folder: the file goes in it
+        out_path = out_path / f"{name}-{gguf_type}.gguf"
     if out_path.exists() and not force:
         raise ConfigError(f"--out {out_path} exists", hint="choose another file or pass --force")
     out_path.parent.mkdir(parents=True, exist_ok=True)
