@@ -15,7 +15,8 @@ A family's folder holds
                   examples), adapt_dataset(cfg, tokenizer, dataset, vocab, split) (examples from packed windows),
                   build_meta(run) (the model on the meta device, for the plan), reads_examples(run) (data.path
                   is read as whole examples, data/sft.py, so data.packing applies)
-    hf.py         its Hugging Face mapping: export(path, out, merge, force) -> lines, import_hf(folder, model, cfg)
+    hf.py         its Hugging Face mapping: export(path, out, merge, force, dtype) -> lines, import_hf(folder, model,
+                  cfg); gguf_model(folder) where the family writes GGUF (Family.gguf lists the types)
     memory.py     what one micro-batch's forward keeps for the backward, for the plan: activations(...)
 
 Nothing outside model/ compares family names: it asks the family object (`family(name)`). The families are
@@ -59,6 +60,7 @@ class Family:
     lowp_residual: bool = False           # the residual stream in the autocast dtype unless model.lowp_residual
     generate: str = "causal"              # causal (sampling with a KV cache) or spans (t5: fill sentinels)
     export: str | None = None             # what `trainbox export --format hf` writes (None: nothing)
+    gguf: tuple[str, ...] = ()            # the GGUF types `export --format gguf` writes (hf.py's gguf_model); ()=none
     steps: bool = False                   # the model takes set_step(step, total) before each step
     packing: tuple[str, ...] = ()         # the kernels it runs on packed rows (kernels/packed.py: flash, flex, sdpa;
                                           # hf: transformers' own); () = it cannot pack (data.packing is refused)

@@ -105,6 +105,14 @@ class HFCache:
         from transformers import DynamicCache  # optional: transformers
         self.cache = DynamicCache()
 
+    def crop(self, length: int) -> None:
+        """Keep the first `length` positions (a chat turn that re-uses the start of the conversation)."""
+        extra = self.cache.get_seq_length() - length
+        if length == 0:
+            self.cache = type(self.cache)()
+        elif extra > 0:   # a negative count removes that many positions in transformers 4 and 5 alike
+            self.cache.crop(-extra)
+
 
 class HFCausalLM(nn.Module):
     """A PEFT-wrapped causal LM behind the family interface (forward -> Output, make_caches, ...)."""
