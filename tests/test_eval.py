@@ -19,7 +19,8 @@ from lm_eval.tasks import TaskManager
 
 from trainbox.eval.adapter import TrainboxLM
 from trainbox.model.load import load_for_inference
-from trainbox.model.spec import family, which
+from trainbox.model.spec import family as family_of
+from trainbox.model.spec import which
 
 TASKS = ["tiny_mc", "tiny_gen", "tiny_ppl", "tiny_ll"]
 
@@ -218,8 +219,9 @@ def test_every_causal_family_scores_as_its_own_token_losses(name):
 
     cfg = load_config("tiny", [*TINY, f"model.family={name}", "data.seq_len=64"])
     tokenizer = build_tokenizer(cfg)
-    if family(name).supports("eot_id"):   # documents split at the tokenizer's EOT, as train resolves it
-        cfg = load_config("tiny", [*TINY, f"model.family={name}", "data.seq_len=64", f"model.eot_id={tokenizer.eot_id}"])
+    if family_of(name).supports("eot_id"):   # documents split at the tokenizer's EOT, as train resolves it
+        cfg = load_config("tiny", [*TINY, f"model.family={name}", "data.seq_len=64",
+                                   f"model.eot_id={tokenizer.eot_id}"])
     torch.manual_seed(0)
     model = build_model(cfg.model, model_vocab_size(cfg.model, tokenizer.vocab_size), 64, run=cfg).eval()
     g = torch.Generator().manual_seed(1)

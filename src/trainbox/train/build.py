@@ -24,6 +24,7 @@ from trainbox.model.build import (
     build_tokenizer,
     model_vocab_size,
     open_datasets,
+    packs_examples,
 )
 from trainbox.model.load import load_init_weights
 from trainbox.model.spec import family
@@ -111,7 +112,8 @@ def build_model_side(cfg: RunConfig, layout: RunLayout, vocab: int, device: torc
         load_init_weights(cfg.run.init_from, model, cfg.model)
     expert.shard_experts(model, layout, cfg.model.moe.num_experts, dist, device)   # this rank's experts, DDP told
     model = model.to(device)
-    kernels = choose(cfg.model, device, family(cfg.model.family))   # as the models ask when they meet the device
+    # as the models ask when they meet the device (the packed-row kernel: when they meet packed rows)
+    kernels = choose(cfg.model, device, family(cfg.model.family), packed=packs_examples(cfg))
     if cfg.train.float8:
         float8.convert(model, fsdp=sharded)
     if cfg.train.activation_checkpointing != "none":

@@ -12,6 +12,7 @@ from contextlib import nullcontext
 import torch
 
 from trainbox.data.loader import TokenDataset, eval_batches
+from trainbox.data.packing import packed_inputs
 from trainbox.parallel.distributed import Dist
 
 
@@ -26,8 +27,9 @@ def evaluate(model, dataset: TokenDataset, eval_tokens: int, micro_batch: int, t
         x, y = batch["x"].to(device), batch["y"].to(device)
         mask = batch.get("loss_mask")
         mask = mask.to(device) if mask is not None else torch.ones_like(y, dtype=torch.bool)
+        packed = {k: v.to(device) for k, v in packed_inputs(batch).items()}
         with autocast():
-            loss = model(x, y, loss_mask=mask, reduction="none").loss.double()
+            loss = model(x, y, loss_mask=mask, reduction="none", **packed).loss.double()
         nbytes = token_bytes[y] * mask
         text = nbytes > 0
         sums += torch.stack([loss[mask].sum(), mask.sum().double(), loss[text].sum(), nbytes.sum().double()])

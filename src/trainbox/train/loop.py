@@ -37,6 +37,7 @@ import torch
 from trainbox import checkpoint
 from trainbox.config import RunConfig
 from trainbox.data.loader import to_device
+from trainbox.data.packing import packed_inputs
 from trainbox.errors import TrainingFailed
 from trainbox.eval.results import flat
 from trainbox.eval.training import TaskEvaluation
@@ -74,6 +75,7 @@ class Trainer(RunFiles, Checkpointing):
         checked = checked or preflight(cfg, d.world, d.local_rank, serves_monitor=d.is_main)
         # the given config is never changed: self.cfg is the one the checks resolved
         self.cfg, self.layout, self.device, self.dtype = checked.cfg, checked.layout, checked.device, checked.dtype
+        self._fp32_matmuls = torch.get_float32_matmul_precision()   # process-wide: put back when the run ends
         use_device(self.device, self.dtype)
         self.run_dir = cfg.run_dir
         self.ckpt_root = self.run_dir / "checkpoints"
@@ -161,6 +163,7 @@ class Trainer(RunFiles, Checkpointing):
                 self.sinks.log("error", step=self.state.snapshot()["step"], error=str(e)[:500])
             raise
         finally:
+            torch.set_float32_matmul_precision(self._fp32_matmuls)
             self.stop.restore()
             if self.sinks is not None:
                 self.sinks.close()
@@ -258,7 +261,7 @@ class Trainer(RunFiles, Checkpointing):
             x, y, mask = b["x"], b["y"], b.get("loss_mask")
             with self.parallel.micro_batch(k, accum):
                 with self.autocast():
-                    out = self.forward(x, y, loss_mask=mask, reduction="sum")
+                    out = self.forward(x, y, loss_mask=mask, reduction="sum", **packed_inputs(b))
                     token_loss = out.loss.float() * scale   # this micro-batch's share of the global mean
                     total = token_loss if out.aux_loss is None else token_loss + out.aux_loss / accum
                 total.backward()
