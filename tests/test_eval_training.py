@@ -18,8 +18,8 @@ from test_monitor import _chromium
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, data_cache):
-    """A tiny run of 4 steps with tasks every 2 steps: two that run, a YAML that does not parse, a task whose data
-    file is missing."""
+    """A tiny run of 4 steps with dropout and tasks every 2 steps: two that run, a YAML that does not parse, a task
+    whose data file is missing."""
     root = tmp_path_factory.mktemp("tasks")
     tasks = write_tasks(root / "tasks")
     bad = root / "tasks" / "bad.yaml"
@@ -29,9 +29,22 @@ def trained(tmp_path_factory, data_cache):
     good = [str(tasks["tiny_mc"]), str(tasks["tiny_gen"])]
     specs = ",".join([*good, str(bad), str(nodata)])
     run_cli("train", "tiny", *TINY, f"run.dir={root / 'runs'}", f"data.cache_dir={data_cache}", "run.name=t",
-            "train.max_steps=4", "train.sample_tokens=0", f"train.eval_tasks=[{specs}]", "train.eval_tasks_every=2",
-            "train.eval_tasks_limit=6")
+            "train.max_steps=4", "train.sample_tokens=0", "model.dropout=0.1", f"train.eval_tasks=[{specs}]",
+            "train.eval_tasks_every=2", "train.eval_tasks_limit=6")
     return SimpleNamespace(run=root / "runs" / "t", good=good, root=root)
+
+
+def _losses(run) -> list[float]:
+    events = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [e["loss"] for e in events if e["event"] == "train"]
+
+
+def test_the_tasks_leave_training_unchanged(trained, tmp_path, data_cache):
+    """lm-eval seeds python's, numpy's and torch's generators: with dropout, a run whose evaluations left them
+    seeded would draw other masks after step 2. The same run without tasks has the same losses, bit for bit."""
+    run_cli("train", "tiny", *TINY, f"run.dir={tmp_path}", f"data.cache_dir={data_cache}", "run.name=t",
+            "train.max_steps=4", "train.sample_tokens=0", "model.dropout=0.1")
+    assert len(_losses(trained.run)) == 4 and _losses(trained.run) == _losses(tmp_path / "t")
 
 
 def test_scores_are_logged_recorded_and_equal_to_trainbox_eval(trained, tmp_path):

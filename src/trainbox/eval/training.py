@@ -21,6 +21,7 @@ from typing import Callable
 
 import torch
 
+from trainbox import checkpoint
 from trainbox.config import RunConfig
 from trainbox.errors import TrainboxError
 from trainbox.eval import results as records
@@ -56,11 +57,28 @@ class TaskEvaluation:
 
     def run(self, model: torch.nn.Module, step: int) -> dict | None:
         """The tasks on `model` at `step` -> {"scores": {task: {metric: value}}, "seconds", "path"}, or None when
-        no task runs. The model is left in eval mode; the caller puts it back in training mode."""
+        no task runs. The model is left in eval mode; the caller puts it back in training mode. The random number
+        generators are as they were before (lm-eval seeds them), so the tasks leave training's draws unchanged."""
+        t0 = time.time()
+        rng = checkpoint.rng_state()   # lm-eval seeds python's, numpy's and torch's generators: training's come back
+        try:
+            results = self._run_tasks(model)
+        finally:
+            checkpoint.set_rng_state(rng)
+        if not results or not results.get("results"):
+            return None
+        seconds = round(time.time() - t0, 3)
+        summary = records.scores(results)
+        results["trainbox"] = {"source": str(self.run_dir), "model": "trainbox", "step": step, "during_training": True,
+                               "git_commit": git_commit(), "device": str(next(model.parameters()).device),
+                               "batch_size": self.batch_size, "limit": self.limit, "seconds": seconds,
+                               "scores": summary}
+        return {"scores": summary, "seconds": seconds, "path": str(records.write(self.run_dir / "eval", results))}
+
+    def _run_tasks(self, model: torch.nn.Module) -> dict | None:
         from trainbox.eval.adapter import TrainboxLM  # optional: lm_eval
         from trainbox.eval.tasks import quiet  # optional: lm_eval
 
-        t0 = time.time()
         with quiet():
             if self.names is None:
                 self._resolve()
@@ -77,14 +95,7 @@ class TaskEvaluation:
                         _merge(results, self._evaluate(lm, [name]))
                     except Exception as e:  # noqa: BLE001 - lm-eval, datasets and task code raise anything
                         self._leave_out(name, f"{type(e).__name__}: {_first_line(e)}")
-        if not results.get("results"):
-            return None
-        seconds = round(time.time() - t0, 3)
-        summary = records.scores(results)
-        results["trainbox"] = {"source": str(self.run_dir), "model": "trainbox", "step": step, "during_training": True,
-                               "git_commit": git_commit(), "device": str(lm.device), "batch_size": self.batch_size,
-                               "limit": self.limit, "seconds": seconds, "scores": summary}
-        return {"scores": summary, "seconds": seconds, "path": str(records.write(self.run_dir / "eval", results))}
+        return results
 
     def _resolve(self) -> None:
         """One TaskManager for every spec; each spec that fails is reported and left out."""
