@@ -1,7 +1,7 @@
 """Does train.eval_tasks cost step time beyond the evaluation itself? Step time with and without lm-eval tasks
 every N steps, the evaluations' own time left out.
 
-    PYTHONPATH=src python benchmarks/eval_tasks_overhead.py --record                 # CPU, small GPT
+    PYTHONPATH=src python benchmarks/eval_tasks_overhead.py --threads 1 --record     # CPU, small GPT
     PYTHONPATH=src python benchmarks/eval_tasks_overhead.py --device cuda --preset gpu --steps 300 --every 50
 
 Each trial trains the same model in this process, in two modes that alternate (off, tasks, off, tasks, ...) so that
