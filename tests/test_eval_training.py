@@ -19,15 +19,21 @@ from test_monitor import _chromium
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, data_cache):
     """A tiny run of 4 steps with dropout and tasks every 2 steps: two that run, a YAML that does not parse, a task
-    whose data file is missing."""
+    whose data file is missing, and one whose fourth document lacks its choices (it loads, then fails inside
+    lm-eval's evaluation)."""
     root = tmp_path_factory.mktemp("tasks")
     tasks = write_tasks(root / "tasks")
     bad = root / "tasks" / "bad.yaml"
     bad.write_text("task: [tiny_bad\n")
     nodata = root / "tasks" / "nodata.yaml"
     nodata.write_text(YAML["tiny_mc"].format(data=root / "missing.jsonl").replace("task: tiny_mc", "task: tiny_nodata"))
+    rows = [json.loads(line) for line in (root / "tasks" / "tiny_mc.jsonl").read_text().splitlines()]
+    del rows[3]["choices"]
+    (root / "broken.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    broken = root / "tasks" / "broken.yaml"
+    broken.write_text(YAML["tiny_mc"].format(data=root / "broken.jsonl").replace("task: tiny_mc", "task: tiny_broken"))
     good = [str(tasks["tiny_mc"]), str(tasks["tiny_gen"])]
-    specs = ",".join([*good, str(bad), str(nodata)])
+    specs = ",".join([*good, str(bad), str(nodata), str(broken)])
     run_cli("train", "tiny", *TINY, f"run.dir={root / 'runs'}", f"data.cache_dir={data_cache}", "run.name=t",
             "train.max_steps=4", "train.sample_tokens=0", "model.dropout=0.1", f"train.eval_tasks=[{specs}]",
             "train.eval_tasks_every=2", "train.eval_tasks_limit=6")
@@ -52,6 +58,7 @@ def test_scores_are_logged_recorded_and_equal_to_trainbox_eval(trained, tmp_path
     log = (run / "train.log").read_text()
     assert log.count("bad.yaml is left out") == 1 and "is not readable YAML" in log, log
     assert log.count("tiny_nodata is left out") == 1 and "tiny_nodata cannot be loaded" in log, log
+    assert log.count("tiny_broken is left out") == 1, log   # failed inside the evaluation at step 2, then left out
     assert "step 4/4" in log and "eval tasks step 4: tiny_mc/acc" in log
     events = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     evals = [e for e in events if e["event"] == "eval_tasks"]
