@@ -1,5 +1,5 @@
-"""`trainbox eval` and lm-eval's adapter (eval/): on tiny gpt and llama runs trained a few steps and exported, our
-adapter's scores equal lm-eval's own `hf` model's on local tasks of every request type (multiple choice,
+"""`trainbox eval` and lm-eval's adapter (eval/): on tiny gpt and llama runs trained a few steps and exported (and a
+LoRA run, merged), our adapter's scores equal lm-eval's own `hf` model's on local tasks of every request type (multiple choice,
 loglikelihood, rolling loglikelihood, greedy generation until a stop string); the record the command writes and
 where it shows; the inputs refused before any work, each with one message and exit code 2."""
 from __future__ import annotations
@@ -10,6 +10,7 @@ import subprocess
 import sys
 from types import SimpleNamespace
 
+import hf_tiny
 import lm_eval
 import pytest
 import torch
@@ -63,17 +64,9 @@ def _samples(results: dict, task: str) -> dict[int, list]:
     return {s["doc_id"]: [r[0] for r in s["resps"]] for s in results["samples"][task]}
 
 
-@pytest.mark.parametrize("family", ["gpt", "llama"])
-def test_scores_equal_lm_evals_own_hf_model(runs, family):
-    """Same tasks, our adapter on the run (batches of 3) against lm-eval's hf model on its export (batches of 2),
-    fp32 on the CPU: accuracies exactly equal, every loglikelihood within 1e-4 with the same greedy flag, every
-    generated text equal."""
-    manager = TaskManager(include_path=str(runs.root / "tasks"), include_defaults=False)
-    model, tokenizer, _ = load_for_inference(runs.run(family))
-    ours = lm_eval.simple_evaluate(model=TrainboxLM(model, tokenizer, batch_size=3), tasks=TASKS,
-                                   task_manager=manager, log_samples=True)
-    ref = lm_eval.simple_evaluate(model="hf", model_args={"pretrained": str(runs.hf(family)), "dtype": "float32"},
-                                  tasks=TASKS, task_manager=manager, log_samples=True, batch_size=2, device="cpu")
+def _assert_equal_scores(ours: dict, ref: dict) -> None:
+    """Accuracies exactly equal, every loglikelihood within 1e-4 with the same greedy flag, every generated text
+    equal (lm-eval's results with log_samples)."""
     for task, metric in (("tiny_mc", "acc,none"), ("tiny_mc", "acc_norm,none"), ("tiny_ll", "acc,none"),
                          ("tiny_gen", "exact_match,none")):
         assert ours["results"][task][metric] == ref["results"][task][metric], (task, metric)
@@ -83,12 +76,50 @@ def test_scores_equal_lm_evals_own_hf_model(runs, family):
         for doc in a:
             for (lp, greedy), (lp_ref, greedy_ref) in zip(a[doc], b[doc], strict=True):
                 assert abs(lp - lp_ref) <= 1e-4 and greedy == greedy_ref, (task, doc, lp, lp_ref)
-    if family == "gpt":   # tiny_ll holds the gpt model's own greedy continuations: the flag is true there
-        assert any(greedy for resps in _samples(ours, "tiny_ll").values() for _, greedy in resps)
     a, b = _samples(ours, "tiny_ppl"), _samples(ref, "tiny_ppl")
     assert all(abs(a[d][0] - b[d][0]) <= 1e-4 for d in a) and a.keys() == b.keys()
     texts, texts_ref = _samples(ours, "tiny_gen"), _samples(ref, "tiny_gen")
     assert texts == texts_ref and any(t[0] for t in texts.values()), texts
+
+
+def _ours_and_lm_evals(run, folder, root) -> tuple[dict, dict]:
+    """The four tasks on `run` through our adapter (batches of 3) and on `folder` through lm-eval's hf model (batches
+    of 2), fp32 on the CPU."""
+    manager = TaskManager(include_path=str(root / "tasks"), include_defaults=False)
+    model, tokenizer, _ = load_for_inference(run)
+    ours = lm_eval.simple_evaluate(model=TrainboxLM(model, tokenizer, batch_size=3), tasks=TASKS,
+                                   task_manager=manager, log_samples=True)
+    ref = lm_eval.simple_evaluate(model="hf", model_args={"pretrained": str(folder), "dtype": "float32"},
+                                  tasks=TASKS, task_manager=manager, log_samples=True, batch_size=2, device="cpu")
+    return ours, ref
+
+
+@pytest.mark.parametrize("family", ["gpt", "llama"])
+def test_scores_equal_lm_evals_own_hf_model(runs, family):
+    """Same tasks, our adapter on the run against lm-eval's hf model on its export (_assert_equal_scores)."""
+    ours, ref = _ours_and_lm_evals(runs.run(family), runs.hf(family), runs.root)
+    _assert_equal_scores(ours, ref)
+    if family == "gpt":   # tiny_ll holds the gpt model's own greedy continuations: the flag is true there
+        assert any(greedy for resps in _samples(ours, "tiny_ll").values() for _, greedy in resps)
+
+
+def test_a_lora_run_scores_as_lm_evals_hf_model_on_its_merged_export(runs, tmp_path):
+    """The hf family (a LoRA adapter on a Hugging Face model: peft's forward, transformers' KV cache) through the
+    adapter, against lm-eval's hf model on the run merged and exported."""
+    from trainbox.config import load_config
+    from trainbox.export import export
+    from trainbox.train.loop import train
+
+    base = hf_tiny.make_model(tmp_path / "base")
+    hf_tiny.make_chat_file(tmp_path / "chat.jsonl")
+    train(load_config("lora", [f"model.path={base}", f"data.path={tmp_path / 'chat.jsonl'}", "data.seq_len=48",
+                               f"run.dir={tmp_path / 'runs'}", "run.name=lora", f"data.cache_dir={tmp_path / 'cache'}",
+                               "train.global_batch_size=8", "train.micro_batch_size=4", "train.max_steps=2",
+                               "train.sample_tokens=0", "train.eval_every=0", "monitor.enabled=false", "lora.r=4",
+                               "lora.alpha=8", "optim.lr=1e-2", "optim.warmup_steps=0"]))
+    run = tmp_path / "runs" / "lora"
+    export(run, tmp_path / "merged", merge=True)
+    _assert_equal_scores(*_ours_and_lm_evals(run, tmp_path / "merged", runs.root))
 
 
 def test_eval_command_writes_the_record_and_runs_and_status_show_it(runs, tmp_path):
