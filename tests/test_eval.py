@@ -1,7 +1,7 @@
 """`trainbox eval` and lm-eval's adapter (eval/): on tiny gpt and llama runs trained a few steps and exported (and a
-LoRA run, merged), our adapter's scores equal lm-eval's own `hf` model's on local tasks of every request type (multiple choice,
-loglikelihood, rolling loglikelihood, greedy generation until a stop string); the record the command writes and
-where it shows; the inputs refused before any work, each with one message and exit code 2."""
+LoRA run, merged), our adapter's scores equal lm-eval's own `hf` model's on local tasks of every request type
+(multiple choice, loglikelihood, rolling loglikelihood, greedy generation until a stop string); the record the
+command writes and where it shows; the inputs refused before any work, each with one message and exit code 2."""
 from __future__ import annotations
 
 import json
