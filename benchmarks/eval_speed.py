@@ -98,7 +98,7 @@ def requests(docs: list[dict], first_id: int = 0) -> list:
             for d, doc in enumerate(docs) for i, ending in enumerate(doc["endings"])]
 
 
-def make_run(name: str, root: Path, device: str, seed: int = 0) -> tuple[Path, Path]:
+def make_run(name: str, root: Path, seed: int = 0) -> tuple[Path, Path]:
     """Random weights of the model's shape as a trainbox run (a checkpoint at step 1) and its Hugging Face export."""
     import torch
 
@@ -112,10 +112,9 @@ def make_run(name: str, root: Path, device: str, seed: int = 0) -> tuple[Path, P
     cfg = load_config(recipe, [*overrides, f"run.dir={root}", f"run.name={name}", "model.dropout=0.0"])
     torch.manual_seed(seed)
     vocab = model_vocab_size(cfg.model, build_tokenizer(cfg).vocab_size)
-    with torch.device(device):   # the random initialisation on the GPU: seconds, not a minute, for llama-1b
-        model = build_model(cfg.model, vocab, cfg.model.block_size or cfg.data.seq_len, run=cfg)
+    model = build_model(cfg.model, vocab, cfg.model.block_size or cfg.data.seq_len, run=cfg)
     run = root / name
-    checkpoint.save(run / "checkpoints", 1, checkpoint.model_state(model.cpu()), [],
+    checkpoint.save(run / "checkpoints", 1, checkpoint.model_state(model), [],
                     {"step": 1, "config": public_dict(cfg)}, [checkpoint.rng_state()], keep_last=1)
     del model
     export(run, root / f"{name}-hf")
@@ -153,7 +152,7 @@ def bench(name: str, args, docs: list[dict]) -> dict:
     from trainbox.eval.adapter import TrainboxLM
     from trainbox.model.load import load_for_inference
 
-    run, hf = make_run(name, args.root, args.device)
+    run, hf = make_run(name, args.root)
     gpu = torch.device(args.device).type == "cuda"
     warmup, timed = requests(docs[:args.warmup]), requests(docs[args.warmup:], args.warmup)
     model, tokenizer, _ = load_for_inference(run, torch.device(args.device))
