@@ -14,9 +14,10 @@ key/value heads, a 151,936-token vocabulary, tied head; tiny: 2 layers of width 
 Two runs of `trainbox train sft` (the Trainer, each in its own process; no activation checkpointing: both fit an
 H100 without it) over one epoch of the same examples, from the same weights:
     padded   data.packing=false: --global-batch rows, one example each
-    packed   data.packing=true: rows packed by first-fit decreasing; the global batch is the multiple of the
-             micro-batch nearest to --global-batch x rows / examples, so a step holds about as many examples and the
-             two runs take about as many optimizer steps
+    packed   data.packing=true: rows packed by first-fit decreasing; the global batch is the whole number of rows
+             nearest to --global-batch x rows / examples, so a step holds about as many examples and the two runs
+             take about as many optimizer steps (the step count decides the held-out loss more than anything else);
+             its micro-batch is the largest divisor of that up to twice --micro-batch
 tokens/s counts the examples' input positions (each example's tokens but its last; padding never), over the steps
 after --warmup, from the steps' metrics.jsonl times. Then each trained model scores the held-out examples, one per
 row: `loss_per_example` is the mean over examples of their mean token loss (equal examples seen: the two runs
@@ -107,8 +108,11 @@ def chat_paths(root: Path, a) -> tuple[Path, Path]:
             root / f"heldout-{a.size}-{a.heldout}-{a.min_len}-{a.max_len}.jsonl")
 
 
-def packed_global_batch(root: Path, a) -> tuple[int, dict]:
-    """The packed run's global batch (about --global-batch examples a step) and the packing of the training set."""
+def packed_global_batch(root: Path, a) -> tuple[int, int, dict]:
+    """The packed run's global batch in rows (the whole number of rows nearest to --global-batch examples a step, so
+    both runs take about as many optimizer steps), its micro-batch (the largest divisor of those rows up to twice
+    --micro-batch: packed rows hold no padding, so that is at most twice the padded run's positions a micro-batch)
+    and the packing of the training set."""
     import numpy as np
 
     from trainbox.config import load_config
@@ -119,18 +123,20 @@ def packed_global_batch(root: Path, a) -> tuple[int, dict]:
     lengths = np.diff(np.load(folder / "starts.npy")) - 1
     rows = len(first_fit_decreasing(lengths, a.seq_len))
     per_row = len(lengths) / rows
-    batch = a.micro_batch * max(1, round(a.global_batch / per_row / a.micro_batch))
-    return batch, {"examples": len(lengths), "rows": rows, "examples_per_row": per_row,
+    batch = max(1, round(a.global_batch / per_row))
+    micro = max(m for m in range(1, min(batch, 2 * a.micro_batch) + 1) if batch % m == 0)
+    return batch, micro, {"examples": len(lengths), "rows": rows, "examples_per_row": per_row,
                    "fill": float(lengths.sum()) / (rows * a.seq_len)}
 
 
-def run_overrides(root: Path, a, name: str, packing: bool, global_batch: int | None = None) -> list[str]:
+def run_overrides(root: Path, a, name: str, packing: bool, global_batch: int | None = None,
+                  micro_batch: int | None = None) -> list[str]:
     chat, heldout = chat_paths(root, a)
     return [f"model.path={root / f'model-{a.size}'}", f"data.tokenizer={root / f'tokenizer-{a.size}'}",
             f"data.path={chat}", f"data.val_path={heldout}",
             "data.chat_template=chatml", f"data.packing={str(packing).lower()}", f"data.seq_len={a.seq_len}",
             f"data.cache_dir={root / 'cache'}", f"train.global_batch_size={global_batch or a.global_batch}",
-            f"train.micro_batch_size={a.micro_batch}", "train.epochs=1", f"run.dir={root / 'runs'}",
+            f"train.micro_batch_size={micro_batch or a.micro_batch}", "train.epochs=1", f"run.dir={root / 'runs'}",
             f"run.name={name}", "run.resume=never", "optim.lr=1e-4", "optim.warmup_steps=5", "train.eval_every=0",
             "train.checkpoints=false", "train.sample_tokens=0", "monitor.log_every=1", "monitor.port=0",
             "train.activation_checkpointing=none", *a.set]
@@ -164,7 +170,7 @@ def worker(root: Path, a) -> dict:
     from trainbox.config import load_config
     from trainbox.train.loop import Trainer
     packed = a.worker == "packed"
-    cfg = load_config("sft", run_overrides(root, a, a.worker, packed, a.run_global_batch))
+    cfg = load_config("sft", run_overrides(root, a, a.worker, packed, a.run_global_batch, a.run_micro_batch))
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     trainer = Trainer(cfg)
@@ -187,7 +193,8 @@ def worker(root: Path, a) -> dict:
     alone = example_losses(trainer.model, val, a.micro_batch, trainer.device, trainer.autocast, packed=False)
     result = {"steps": last, "global_batch": cfg.train.global_batch_size, "rows": ds.num_samples,
               "fill": ds.report["fill"], "examples_per_step": float(rows_examples.sum()) / ds.num_samples
-              * cfg.train.global_batch_size, "tokens_per_s": tokens / seconds, "examples_per_s": examples / seconds,
+              * cfg.train.global_batch_size, "micro_batch": cfg.train.micro_batch_size,
+              "tokens_per_s": tokens / seconds, "examples_per_s": examples / seconds,
               "loss_per_example": float(np.mean(alone)), "train_loss_last": train[-1]["loss"],
               "kernels": start["kernels"],
               "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None}
@@ -213,6 +220,7 @@ def main() -> int:
     p.add_argument("--set", nargs="*", default=[], help="overrides for both runs (e.g. train.compile=true)")
     p.add_argument("--worker", choices=["packed", "padded"], help=argparse.SUPPRESS)
     p.add_argument("--run-global-batch", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--run-micro-batch", type=int, help=argparse.SUPPRESS)
     a = p.parse_args()
     for k, v in DEFAULTS[a.size].items():
         if getattr(a, k) is None:
@@ -224,12 +232,13 @@ def main() -> int:
     import torch
     root.mkdir(parents=True, exist_ok=True)
     make_assets(root, a)
-    packed_batch, packing = packed_global_batch(root, a)
+    packed_batch, packed_micro, packing = packed_global_batch(root, a)
     report = {"device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu", "size": a.size,
               "seq_len": a.seq_len, "lengths": [a.min_len, a.max_len], "examples": a.examples, "heldout": a.heldout,
               "micro_batch": a.micro_batch, "warmup": a.warmup, "packing": packing, "overrides": a.set, "runs": {}}
-    for name, batch in (("padded", a.global_batch), ("packed", packed_batch)):
-        cmd = [sys.executable, __file__, *sys.argv[1:], "--worker", name, "--run-global-batch", str(batch)]
+    for name, batch, micro in (("padded", a.global_batch, a.micro_batch), ("packed", packed_batch, packed_micro)):
+        cmd = [sys.executable, __file__, *sys.argv[1:], "--worker", name, "--run-global-batch", str(batch),
+               "--run-micro-batch", str(micro)]
         proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         line = next((x for x in proc.stdout.splitlines()[::-1] if x.startswith("RESULT ")), None)
         if proc.returncode or line is None:
