@@ -93,8 +93,11 @@ def trial(overrides: list[str], task: Path | None, every: int, warmup: int) -> d
     try:
         with tempfile.TemporaryDirectory() as tmp:
             loop.train(load_config(None, [*overrides, *tasks, f"run.dir={tmp}", "run.name=bench"]))
+            events = [json.loads(x) for x in (Path(tmp) / "bench" / "metrics.jsonl").read_text().splitlines()]
     finally:
         loop.Trainer.train_step, loop.Trainer._evaluate_tasks = step_fn, eval_fn
+    if task and not any(e["event"] == "eval_tasks" for e in events):   # left out: "tasks" would time nothing
+        raise SystemExit(f"eval_tasks_overhead: {task.name} scored nothing (left out: see the log above)")
     return {"wall": [r[0] for r in rows], "cpu": [r[1] for r in rows], "after_wall": [r[0] for r in rows if r[2]],
             "after_cpu": [r[1] for r in rows if r[2]], "evals": evals}
 
