@@ -57,6 +57,8 @@ class Family:
     generate: str = "causal"              # causal (sampling with a KV cache) or spans (t5: fill sentinels)
     export: str | None = None             # what `trainbox export --format hf` writes (None: nothing)
     steps: bool = False                   # the model takes set_step(step, total) before each step
+    adapters: bool = False                # trains adapters on a frozen base; the model's adapters_off() context
+                                          # gives the base (the preference objective's reference)
     packages: tuple[tuple[str, str], ...] = ()   # (package, extra) it needs to train (`doctor`)
     flavours: dict = field(default_factory=dict)  # read-only notes shown by `config schema` (unused by code)
 
