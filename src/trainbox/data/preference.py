@@ -266,6 +266,7 @@ def prepare_pairs(inputs: list[str], out: str, tok, tokenizer_spec: str, chat_te
     if (olds or man.exists()) and not overwrite:
         raise DataError(f"output {(olds or [man])[0]} already exists", hint="add --overwrite, or choose another --out")
     template = pair_template(tok, chat_template, tokenizer_spec)
+    man.parent.mkdir(parents=True, exist_ok=True)
     writers = {s: PairWriter() for s in SPLITS}
     stats, n = PairStats(seq_len=seq_len), 0
     for file_no, path in enumerate(files):
