@@ -239,7 +239,8 @@ class Trainer(RunFiles, Checkpointing):
         self._saves_published(wait=True)
         self._phase("finished")
         return {"step": step, "total": self.total, "stopped": False, "sample": sample,
-                "run_dir": str(self.run_dir), **(last_eval or {})}
+                "run_dir": str(self.run_dir), **(last_eval or {}),
+                "validation": self.objective.eval_line(last_eval) if last_eval else None}
 
     def train_step(self, step: int):
         """One optimizer step over the global batch; returns device tensors (no host sync)."""
