@@ -262,6 +262,32 @@ def resume_check(rec: dict) -> list[tuple]:
     return [("", ours, base, "—")]
 
 
+def dpo_real_run(rec: dict) -> list[tuple]:
+    d = rec["metrics"]["dpo"]
+    val = d["val"][-1] if d["val"] else {}
+    ours = (f"reward accuracy {d['reward_accuracy_start']:.2f} -> {d['reward_accuracy_end']:.2f} (validation "
+            f"{val.get('reward_accuracy', float('nan')):.2f}), chosen log-probability {d['logp_chosen_start']:.1f} "
+            f"-> {d['logp_chosen_end']:.1f} over {d['steps']} steps")
+    return [("", ours, f"SFT {rec['metrics']['sft']['steps']} steps: loss {rec['metrics']['sft']['final_loss']:.2f}",
+             "—")]
+
+
+def dpo_speed(rec: dict) -> list[tuple]:
+    m, b = rec["metrics"], rec["baseline"]
+    rows = []
+    for mode in ("full", "full-ref", "lora"):
+        o, t = m.get(mode), (b["metrics"].get(mode) if b else None)
+        if not (o and t and o.get("tokens_per_s") and t.get("tokens_per_s")):
+            continue
+        rows.append((f" ({mode})", f"{kilo(o['tokens_per_s'])} tokens/s, {gib(o['peak_memory_gib'])}",
+                     f"{b['name']}: {kilo(t['tokens_per_s'])} tokens/s, {gib(t['peak_memory_gib'])}",
+                     f"{o['tokens_per_s'] / t['tokens_per_s']:.2f}x"))
+    if m.get("longest_ours") is not None or (b and b["metrics"].get("longest") is not None):
+        rows.append((" (longest sequence, full DPO of 1B, one GPU)", f"{m.get('longest_ours')} tokens",
+                     f"{b['name']}: {b['metrics'].get('longest')} tokens", "—"))
+    return rows
+
+
 def generic(rec: dict) -> list[tuple]:
     scalars = [f"{k} {v}" for k, v in rec["metrics"].items() if isinstance(v, (int, float, str))][:4]
     return [("", ", ".join(scalars) or "—", rec["baseline"]["name"] if rec["baseline"] else "—", "—")]
@@ -271,7 +297,7 @@ ROWS = {"train_speed": train_speed, "profile_step": profile_step, "time_to_loss"
         "compile_cache": compile_cache, "monitor_overhead": monitor_overhead, "ddp_check": ddp_check,
         "lora_speed": lora_speed, "t5_speed": t5_speed, "step_parity": step_parity, "loss_parity": loss_parity,
         "prepare_speed": prepare_speed, "make_corpus": make_corpus, "trainbox-train": trainbox_train,
-        "resume_check": resume_check}
+        "resume_check": resume_check, "dpo_real_run": dpo_real_run, "dpo_speed": dpo_speed}
 
 
 # ----------------------------------------------------------------------------------------------- the page
@@ -288,7 +314,7 @@ def area(rec: dict) -> str:
         return "Multi-GPU scaling"
     if rec["gpu"] is None:
         return "CPU"
-    if rec["tool"] == "lora_speed":
+    if rec["tool"] in ("lora_speed", "dpo_speed"):
         return "Fine-tuning"
     if rec["tool"] == "t5_speed" or recipe.startswith("t5"):
         return "T5"

@@ -208,3 +208,21 @@ def test_fsdp_on_two_processes_equals_one(folder, prefs, tmp_path):
     refs = [np.load(f) for f in sorted((one / "cache").glob("pairs-*/*.ref-*.npy"))] + \
         [np.load(f) for f in sorted((two / "cache").glob("pairs-*/*.ref-*.npy"))]
     np.testing.assert_allclose(refs[0], refs[1], atol=1e-5)
+
+
+def test_the_real_run_in_miniature_raises_the_reward_accuracy(tmp_path):
+    """benchmarks/dpo_real_run.py at its tiny size (SFT of a 2-layer Llama on 400 Shakespeare rows, DPO on 240
+    pairs from held-out plays, chosen the true next line, rejected its words shuffled): SFT lowers its loss and DPO
+    takes the reward accuracy from chance to well above it, on the held-out validation pairs too."""
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "dpo_real_run.py"), "--size", "tiny",
+                           "--sft-steps", "40", "--sft-rows", "400", "--dpo-steps", "30", "--pairs", "240",
+                           "--val-pairs", "64", "--seq-len", "64", "--root", str(tmp_path)],
+                          capture_output=True, text=True, timeout=900, env=ENV)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    m = json.loads(proc.stdout)["metrics"]
+    assert m["sft"]["final_loss"] < m["sft"]["first_loss"] - 1.0
+    d = m["dpo"]
+    assert d["first_loss"] == pytest.approx(math.log(2), abs=1e-6)
+    assert d["reward_accuracy_end"] > 0.8 and d["reward_accuracy_end"] > d["reward_accuracy_start"]
+    assert d["val"][-1]["reward_accuracy"] > 0.7 and d["val"][-1]["reward_margin"] > d["val"][0]["reward_margin"]
+    assert (tmp_path / "runs" / "dpo" / "loss.png").is_file()
