@@ -17,6 +17,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from trainbox.config import load_config
+from trainbox.data.readers import list_input_files
+from trainbox.data.tokenizer import get_tokenizer
 from trainbox.errors import DataError
 from trainbox.monitor.console import fmt_duration
 from trainbox.train.stop import STOP  # `train` keeps stop signals for its loop: a download ends on them
@@ -49,7 +51,6 @@ def _prepare_progress(stream=None):
 def cmd_prepare(args) -> int:
     from trainbox.data.preference import first_row_is_preference  # heavy: numpy, torch
     from trainbox.data.prepare import PrepareOptions, prepare  # heavy: numpy
-    from trainbox.data.readers import list_input_files  # heavy: jinja2 (data.chat)
 
     if any(first_row_is_preference(f) for f in list_input_files(args.inputs)):
         return _prepare_pairs(args)
@@ -75,7 +76,6 @@ def cmd_prepare(args) -> int:
 def _prepare_pairs(args) -> int:
     """`prepare` of preference JSONL (rows with chosen and rejected): pair files for train.objective=dpo."""
     from trainbox.data.preference import describe, prepare_pairs  # heavy: numpy, torch
-    from trainbox.data.tokenizer import get_tokenizer  # heavy: numpy
 
     if args.format != "shard" or args.append_eod or args.write_vocab or args.workers != 1:
         raise DataError("preference pairs are written as pair files by one process: --format, --append-eod, "
