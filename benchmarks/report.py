@@ -175,6 +175,18 @@ def lora_speed(rec: dict) -> list[tuple]:
     return rows
 
 
+def packing_speed(rec: dict) -> list[tuple]:
+    m, b = rec["metrics"], rec["baseline"]
+    ours = (f"packed: {kilo(m['tokens_per_s'])} tokens/s ({m['fill']:.0%} of positions filled), "
+            f"held-out loss per example {m['loss_per_example']:.3f}")
+    if not (b and b["metrics"].get("tokens_per_s")):
+        return [("", ours, "—", "—")]
+    bm = b["metrics"]
+    base = (f"{b['name']}: {kilo(bm['tokens_per_s'])} tokens/s ({bm['fill']:.0%} filled), "
+            f"loss per example {bm['loss_per_example']:.3f}")
+    return [("", ours, base, f"{m['speedup']:.2f}x; loss per example {m['loss_per_example_rel_diff']:+.1%}")]
+
+
 def t5_speed(rec: dict) -> list[tuple]:
     o, b = rec["metrics"]["results"][0], rec["baseline"]
     ours = (f"{kilo(o['tokens_per_s'])} tokens/s, {o['mfu']:.1%} MFU, "
@@ -288,6 +300,26 @@ def dpo_speed(rec: dict) -> list[tuple]:
     return rows
 
 
+def batch_invariance(rec: dict) -> list[tuple]:
+    m, s = rec["metrics"], rec["metrics"]["summary"]
+
+    def drift(arms: list[str]) -> str:   # the step-1 gradient (relative), the weights after steps 1, 20 and the last
+        shown = [i for i, step in enumerate(m["weight_steps"]) if step in (1, 20, m["steps"])]
+        return (f"gradient {max(s[a]['grad1_rel_norm'] for a in arms):.1e}, weights " +
+                ", ".join(f"{max(m['arms'][a]['weight_max_abs_diff'][i] for a in arms):.1e} after "
+                          f"{'step ' if i == 0 else ''}{m['weight_steps'][i]}" for i in shown))
+
+    runs = [a for a in ("ddp-2", "ddp-4", "fsdp-2", "fsdp-4") if a in s]
+    ours = (f"{m['dtype']}, {', '.join(runs)} against 1 process: {drift(runs)} (losses "
+            f"{max(s[a]['loss_max'] for a in runs):.2g})") if runs else "—"
+    controls = [f"{label}: {drift(arms)}" for arms, label in (
+        (["order"], "1 process summing in reverse order"),
+        ([a for a in ("fp64-ddp-2", "fp64-fsdp-2") if a in s], "2 processes in float64"),
+        (["sgd-fsdp-2"], "fsdp-2 with SGD"), (["defect-sample"], "one wrong sample a step"))
+        if all(a in s for a in arms) and arms]
+    return [("", ours, "; ".join(controls) or "—", "—")]
+
+
 def generic(rec: dict) -> list[tuple]:
     scalars = [f"{k} {v}" for k, v in rec["metrics"].items() if isinstance(v, (int, float, str))][:4]
     return [("", ", ".join(scalars) or "—", rec["baseline"]["name"] if rec["baseline"] else "—", "—")]
@@ -295,9 +327,13 @@ def generic(rec: dict) -> list[tuple]:
 
 ROWS = {"train_speed": train_speed, "profile_step": profile_step, "time_to_loss": time_to_loss,
         "compile_cache": compile_cache, "monitor_overhead": monitor_overhead, "ddp_check": ddp_check,
-        "lora_speed": lora_speed, "t5_speed": t5_speed, "step_parity": step_parity, "loss_parity": loss_parity,
+        "lora_speed": lora_speed, "packing_speed": packing_speed, "t5_speed": t5_speed, "step_parity": step_parity,
+        "loss_parity": loss_parity,
         "prepare_speed": prepare_speed, "make_corpus": make_corpus, "trainbox-train": trainbox_train,
         "resume_check": resume_check, "dpo_real_run": dpo_real_run, "dpo_speed": dpo_speed}
+
+
+        "resume_check": resume_check, "batch_invariance": batch_invariance}
 
 
 # ----------------------------------------------------------------------------------------------- the page
@@ -306,7 +342,7 @@ def area(rec: dict) -> str:
     recipe = rec["recipe"] or ""
     if rec["tool"] in ("step_parity", "loss_parity"):
         return "Quality parity"
-    if rec["tool"] == "ddp_check":
+    if rec["tool"] == "ddp_check" or (rec["tool"] == "batch_invariance" and rec["gpu"]):
         return "Multi-GPU scaling"
     if "train.parallel=fsdp" in (rec.get("overrides") or []) or recipe.startswith("llama"):
         return "Sharded training"
@@ -315,6 +351,9 @@ def area(rec: dict) -> str:
     if rec["gpu"] is None:
         return "CPU"
     if rec["tool"] in ("lora_speed", "dpo_speed"):
+
+
+    if rec["tool"] in ("lora_speed", "packing_speed"):
         return "Fine-tuning"
     if rec["tool"] == "t5_speed" or recipe.startswith("t5"):
         return "T5"

@@ -28,6 +28,9 @@ from trainbox.errors import ConfigError
 from trainbox.train.loop import train
 
 HERE = Path(__file__).parent
+# the final weights of the expert-parallel run against one process's: the same maths up to the order of sums, which
+# AdamW amplifies (3.9e-6 measured after these 4 steps at lr 5e-3); tests/test_fsdp.py's WEIGHT_ATOL says why 1e-4
+WEIGHT_TOL = dict(atol=1e-4, rtol=0)
 MOE = ["model.family=moe", "model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.capacity_factor=1.0",
        "model.moe.lb_loss_weight=0.05", "model.moe.z_loss_weight=0.01"]
 
@@ -84,7 +87,7 @@ def test_layouts_match_one_process_and_resume_on_fewer_processes_continues_exact
              load_file(runs / "ep-export" / "model.safetensors")]
     assert final[0].keys() == final[1].keys()
     for k in final[0]:
-        torch.testing.assert_close(final[1][k], final[0][k], atol=1e-5, rtol=1e-4, msg=lambda m, k=k: f"{k}: {m}")
+        torch.testing.assert_close(final[1][k], final[0][k], **WEIGHT_TOL, msg=lambda m, k=k: f"{k}: {m}")
     # the end-of-run sample runs on every rank (each forward needs the whole expert group): the same text
     last = [(runs / r / "samples.txt").read_text().split("--- step ")[-1] for r in ("ep", "one")]
     assert last[0].startswith("4\n") and last[0] == last[1]

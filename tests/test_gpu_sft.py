@@ -19,7 +19,9 @@ import pytest
 import torch
 from conftest import run_cli
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")]
+# slow: a fine-tune under fsdp and an export that transformers loads, minutes on 2 GPUs
+pytestmark = [pytest.mark.gpu, pytest.mark.slow,
+              pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")]
 
 SHAPE = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=4, num_attention_heads=32,
              num_key_value_heads=8, max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0,

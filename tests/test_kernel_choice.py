@@ -31,7 +31,7 @@ def test_the_run_records_what_the_model_runs(tiny, family, extra, attention):
     assert env["kernels"] == start["kernels"] == want and want["attention"] == attention
     if family == "gpt":
         assert want == {"attention": "sdpa", "fused_loss": "torch", "fused_norm": "torch", "fused_mlp": "torch",
-                        "fp8": "off"}
+                        "fp8": "off", "packed": "off"}
         model = build_model(cfg.model, 2048, cfg.data.seq_len)
         assert model.set_kernels(torch.device("cpu")).as_dict() == want   # the model asks the same function
 

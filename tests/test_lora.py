@@ -102,22 +102,19 @@ def test_chat_masks_cover_assistant_turns_only(tmp_path, trained):
     assert text_ids[-1] == tok.eot_id and all(text_mask)
 
 
-def test_unpacked_examples_get_one_window_each():
-    from trainbox.data.loader import TokenDataset
-    from trainbox.data.sft import build_stream
+def test_unpacked_examples_get_one_row_each():
+    from trainbox.data.packing import ExampleDataset
+    from trainbox.data.sft import build_examples
 
     examples = [([5, 6, 7], [0, 1, 1]), ([8, 9, 10, 11, 12, 13], [0, 0, 1, 1, 1, 1]), ([14, 15], [0, 1])]
-    ids, mask, stats = build_stream(examples, seq_len=4, packing=False, pad_id=0)
-    ds = TokenDataset([ids], 4, masks=[mask])
-    b = ds.batch([0, 1, 2])
-    assert b["x"].tolist() == [[5, 6, 7, 0], [8, 9, 10, 11], [14, 15, 0, 0]]  # truncated / padded per example
-    assert b["y"].tolist() == [[6, 7, 0, 8], [9, 10, 11, 14], [15, 0, 0, 0]]
-    # loss only on each example's own trained tokens: never on padding or the next example's first token
-    assert b["loss_mask"].tolist() == [[True, True, False, False], [False, True, True, False],
+    ids, mask, starts, stats = build_examples(examples, seq_len=4)
+    b = ExampleDataset(ids, mask, starts, 4, pad_id=0, packed=False).batch([0, 1, 2])
+    assert b["x"].tolist() == [[5, 6, 0, 0], [8, 9, 10, 11], [14, 0, 0, 0]]  # truncated to 5 tokens / padded
+    assert b["y"].tolist() == [[6, 7, 0, 0], [9, 10, 11, 12], [15, 0, 0, 0]]
+    # loss only on each example's own trained tokens: never on padding or another example's tokens
+    assert b["loss_mask"].tolist() == [[True, True, False, False], [False, True, True, True],
                                        [True, False, False, False]]
-    assert stats == {"examples": 3, "truncated": 1, "trained_tokens": 5}
-    packed, pmask, _ = build_stream(examples, seq_len=4, packing=True, pad_id=0)
-    assert packed.tolist() == [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15] and int(pmask.sum()) == 7
+    assert stats == {"examples": 3, "truncated": 1, "truncated_tokens": 1, "dropped": 0, "trained_tokens": 6}
 
 
 def test_chat_data_without_template_names_the_fix(tmp_path):

@@ -332,7 +332,7 @@ def test_flex_block_mask_matches_dense_mask_mod(window, unit):
     """Our O((T/128)^2) block mask equals torch's create_block_mask (which evaluates mask_mod densely)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    from trainbox.model.speedrun.doc_mask import allowed, flex_block_mask
+    from trainbox.kernels.doc_mask import allowed, flex_block_mask
     idx = tokens(T=768)
     idx[0, [300, 700]] = EOT          # documents crossing block edges
     idx[1, [129, 256, 257]] = EOT     # a one-token document, and one that starts on a block edge

@@ -81,7 +81,7 @@ def forward(cfg, counts, micro: int, mode: str, w: Widths, kern: Kernels) -> For
                    width=d)
 
 
-def export(path: str, out: str, merge: bool = False, force: bool = False) -> list[str]:
+def export(path: str, out: str, merge: bool = False, force: bool = False, dtype: str | None = None) -> list[str]:
     no_merge(path, merge)
     model, _, cfg = load_for_inference(path)
     target = Path(out)

@@ -27,6 +27,7 @@ from trainbox.kernels.flash import EXTRA, MIN_MAJOR, _interface
 from trainbox.kernels.fp8 import fp8_supported
 from trainbox.kernels.fused_mlp import _quack
 from trainbox.kernels.ops import compile_cache_dir
+from trainbox.model.build import packs_examples
 from trainbox.model.spec import family
 from trainbox.plan import plan_run
 
@@ -311,7 +312,8 @@ def kernel_check(cfg: RunConfig) -> Check:
     """The kernels the recipe's model runs here: the choice the trainer makes and records (kernels.choice)."""
     device = torch.device("cuda" if torch.cuda.is_available() and cfg.train.device != "cpu" else "cpu")
     try:
-        return Check("kernels", "ok", choose(cfg.model, device, family(cfg.model.family)).describe())
+        return Check("kernels", "ok", choose(cfg.model, device, family(cfg.model.family),
+                                             packed=packs_examples(cfg)).describe())
     except TrainboxError as e:
         return Check("kernels", "fail", e.message, e.hint or "")
 

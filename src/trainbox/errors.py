@@ -36,6 +36,13 @@ class CheckpointError(TrainboxError):
     """Missing or unreadable checkpoint, or a run that cannot be resumed."""
 
 
+class BadCheckpoint(CheckpointError):
+    """A checkpoint given to a command that reads one (export, chat) is missing or fails verification: the command
+    is refused before any work, as a usage error."""
+
+    exit_code = 2
+
+
 class RunBusy(TrainboxError):
     """Another live process holds the run directory; refused before any work."""
 

@@ -1,4 +1,5 @@
-"""Sampling with a KV cache: temperature, top-k, top-p, max tokens, stop at end-of-text.
+"""Sampling with a KV cache: temperature, top-k, top-p, max tokens, stop at end-of-text; `stream` yields the ids
+one at a time over caches the caller keeps (`trainbox chat` keeps them across turns).
 
     trainbox generate runs/tiny --prompt "ROMEO:" --max-tokens 100 --temperature 0.8 --top-k 50 --seed 1
 
@@ -6,6 +7,8 @@ Needs only the model, a checkpoint and the tokenizer (never the training loop). 
 same device gives the same text: sampling draws from one seeded torch.Generator.
 """
 from __future__ import annotations
+
+from typing import Iterator
 
 import torch
 
@@ -28,6 +31,37 @@ def filter_logits(logits: torch.Tensor, temperature: float, top_k: int | None, t
     return logits
 
 
+def next_token(logits: torch.Tensor, vocab: int, temperature: float, top_k: int | None, top_p: float | None,
+               gen: torch.Generator) -> torch.Tensor:
+    """(1, V) logits of the last position -> (1, 1) next id: greedy at temperature 0, else drawn from `gen`.
+    Ids from `vocab` up (padded rows of the embedding) are never drawn."""
+    logits = logits.float()
+    logits[:, vocab:] = float("-inf")
+    if temperature == 0:
+        return logits.argmax(-1, keepdim=True)
+    return torch.multinomial(filter_logits(logits, temperature, top_k, top_p).softmax(-1), 1, generator=gen)
+
+
+@torch.no_grad()
+def stream(model, ids: list[int], caches, pos: int, max_tokens: int, vocab: int, gen: torch.Generator,
+           temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
+           stop: frozenset[int] = frozenset()) -> Iterator[int]:
+    """Feed `ids` at positions pos.. through the model's KV `caches`, then yield one drawn id at a time (each
+    fed back before the next is drawn) until `max_tokens` or an id in `stop`, which is yielded but not fed.
+    The caller keeps the caches: after n ids yielded without a stop, positions up to pos + len(ids) + n - 1
+    are filled."""
+    device = next(model.parameters()).device
+    x = torch.tensor([ids], dtype=torch.long, device=device)
+    for _ in range(max(0, max_tokens)):
+        nxt = next_token(model(x, caches=caches, pos=pos).logits[:, -1, :], vocab, temperature, top_k, top_p, gen)
+        pos += x.size(1)
+        token = int(nxt.item())
+        yield token
+        if token in stop:
+            return
+        x = nxt
+
+
 @torch.no_grad()
 def sample(model, tokenizer: Tokenizer, prompt: str, max_tokens: int = 100, temperature: float = 1.0,
            top_k: int | None = None, top_p: float | None = None, seed: int = 0,
@@ -42,23 +76,9 @@ def sample(model, tokenizer: Tokenizer, prompt: str, max_tokens: int = 100, temp
     gen = torch.Generator(device=device).manual_seed(seed)
     dtype = next(model.parameters()).dtype
     caches = model.make_caches(1, len(ids) + max_tokens, dtype, device)
-    x = torch.tensor([ids], dtype=torch.long, device=device)
-    out, pos = [], 0
-    for _ in range(max(0, max_tokens)):
-        logits = model(x, caches=caches, pos=pos).logits[:, -1, :].float()
-        logits[:, tokenizer.vocab_size:] = float("-inf")  # padded vocabulary rows are never real tokens
-        if temperature == 0:
-            nxt = logits.argmax(-1, keepdim=True)
-        else:
-            probs = filter_logits(logits, temperature, top_k, top_p).softmax(-1)
-            nxt = torch.multinomial(probs, 1, generator=gen)
-        pos += x.size(1)
-        token = int(nxt.item())
-        if stop_at_eot and token == tokenizer.eot_id:
-            break
-        out.append(token)
-        x = nxt
-    return tokenizer.decode(out)
+    stop = frozenset({tokenizer.eot_id}) if stop_at_eot else frozenset()
+    out = list(stream(model, ids, caches, 0, max_tokens, tokenizer.vocab_size, gen, temperature, top_k, top_p, stop))
+    return tokenizer.decode(out[:-1] if out and out[-1] in stop else out)
 
 
 # ----------------------------------------------------------------------------- encoder-decoder (t5)

@@ -25,7 +25,7 @@ from trainbox.cli.ops import (
     cmd_status,
     cmd_stop,
 )
-from trainbox.cli.train import cmd_config, cmd_export, cmd_generate, cmd_tokenizer, cmd_train
+from trainbox.cli.train import cmd_chat, cmd_config, cmd_export, cmd_generate, cmd_tokenizer, cmd_train
 from trainbox.config import RunConfig
 from trainbox.errors import TrainboxError
 
@@ -88,10 +88,27 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--device", default=None)
     g.set_defaults(func=cmd_generate)
 
-    e = verb("export", "write a run or checkpoint in Hugging Face format (LoRA: adapter, or merged with --merge)")
+    ch = verb("chat", "chat with a run in its chat template, streaming; one answer per line of standard input")
+    ch.add_argument("path", help="run directory or checkpoint folder")
+    ch.add_argument("--system", default=None, help="a system message that opens the conversation")
+    ch.add_argument("--max-tokens", type=int, default=256, help="most tokens an answer may have (default 256)")
+    ch.add_argument("--temperature", type=float, default=0.7, help="0: greedy (default 0.7)")
+    ch.add_argument("--top-k", type=int, default=None)
+    ch.add_argument("--top-p", type=float, default=None)
+    ch.add_argument("--seed", type=int, default=0)
+    ch.add_argument("--device", default=None)
+    ch.set_defaults(func=cmd_chat)
+
+    e = verb("export", "write a run or checkpoint in Hugging Face format (LoRA: adapter, or merged with --merge) "
+                       "or as a GGUF file")
     e.add_argument("path", help="run directory or checkpoint folder")
-    e.add_argument("--format", choices=["hf"], default="hf", help="hf: safetensors model folder (or PEFT adapter)")
-    e.add_argument("--out", default=None, help="output folder (default: RUN-hf, or RUN-merged with --merge)")
+    e.add_argument("--format", choices=["hf", "gguf"], default="hf",
+                   help="hf: safetensors model folder (or PEFT adapter); gguf: one file for llama.cpp")
+    e.add_argument("--out", default=None, help="output folder, or file for gguf (default: RUN-hf, RUN-merged with "
+                   "--merge, RUN-TYPE.gguf)")
+    e.add_argument("--dtype", default=None, help="hf: the weights' dtype, bf16, fp16 or fp32 (default: fp32; a "
+                   "merged LoRA: the base's own)")
+    e.add_argument("--gguf-type", default=None, help="gguf: f16 (default), bf16 or q8_0")
     e.add_argument("--merge", action="store_true", help="LoRA: fold the adapter into the base and save the model")
     e.add_argument("--force", action="store_true",
                    help="replace an existing --out; LoRA: merge even into a 4/8-bit base (reloaded in bf16)")

@@ -28,6 +28,14 @@ EPILOGS = {
           trainbox export runs/lora --format hf --merge --out lora-merged  # base + adapter, base precision
           trainbox export runs/qlora --format hf --merge --force --out merged  # QLoRA: merge into a bf16 base
           trainbox export runs/sft --format hf --out tuned   # llama: LlamaForCausalLM / Qwen2ForCausalLM + tokenizer
+          trainbox export runs/sft --format hf --dtype bf16 --out tuned-bf16   # then: vllm serve tuned-bf16
+          trainbox export runs/sft --format gguf --gguf-type q8_0 --out sft.gguf   # llama.cpp: llama-cli -m sft.gguf
+        """,
+    "chat": """
+        examples:
+          trainbox chat runs/sft                                   # type a message, Enter; /reset; Ctrl-D ends
+          trainbox chat runs/sft --system "Answer briefly." --temperature 0 --max-tokens 64
+          printf 'what is two plus three\\nand four plus one\\n' | trainbox chat runs/sft   # one answer a line
         """,
     "config": """
         examples:

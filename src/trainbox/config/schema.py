@@ -50,7 +50,11 @@ class DataSection(Section):
     format: Literal["auto", "shard", "megatron", "flat"] = "auto"
     text_key: list[str] = Field(default_factory=lambda: ["text"])
     chat_template: str | None = Field(None, description="built-in template name (chatml) for chat JSONL")
-    packing: bool = True
+    packing: bool = Field(True, description="fine-tuning examples (chat / text JSONL that model.family=hf, or llama "
+                          "with model.path, reads as examples): true packs whole examples into rows of data.seq_len "
+                          "(first-fit decreasing; positions restart and attention stays inside each example; an "
+                          "example keeps its first data.seq_len + 1 tokens); false gives each example its own row, "
+                          "padded. Token files are always windows of their stream")
     cache_dir: str | None = Field(None, description="where tokenized data is cached (default ~/.cache/trainbox)")
     num_workers: int = Field(1, ge=0, description="tokenizer worker processes for raw-text inputs")
     source: Literal["fineweb10B-gpt2"] | None = Field(

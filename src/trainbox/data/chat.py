@@ -79,7 +79,7 @@ class ChatTemplate:
 
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = raise_exception
-        self.template, self.name = env.from_string(source), name
+        self.template, self.name, self.source = env.from_string(source), name, source
         self.extra = {"bos_token": bos_token, "eos_token": eos_token}
 
     def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
@@ -174,3 +174,33 @@ def hf_chat_template(tokenizer_spec: str) -> ChatTemplate | None:
     def tok(v):
         return v.get("content", "") if isinstance(v, dict) else (v or "")
     return ChatTemplate(source, str(folder), bos_token=tok(cfg.get("bos_token")), eos_token=tok(cfg.get("eos_token")))
+
+
+def end_of_turn(template: ChatTemplate) -> str:
+    """The text the template puts after an assistant message's content ("<|im_end|>" for ChatML, "<|eot_id|>" for
+    Llama 3), whitespace stripped: what a model trained on the template emits to end its turn ("" if nothing)."""
+    probe = "\x00"
+    msgs = [{"role": "user", "content": "?"}, {"role": "assistant", "content": probe}]
+    trained = "".join(text for text, is_trained in template.spans(msgs, "the end-of-turn probe") if is_trained)
+    return trained.split(probe, 1)[-1].strip()
+
+
+def template_for(tokenizer, name: str | None = None) -> ChatTemplate:
+    """The chat template of a run: data.chat_template when set (`name`), else the tokenizer's own (a transformers
+    tokenizer's chat_template, or the one beside a tokenizer.json), else ChatML."""
+    if name:
+        return load_template("", name)
+    hf = getattr(tokenizer, "hf", None)   # a transformers tokenizer (data/sft.py's HFModelTokenizer)
+    found = tokenizer_template(hf, tokenizer.name) if hf is not None else hf_chat_template(tokenizer.name)
+    return found if found is not None else ChatTemplate(CHATML, "chatml")
+
+
+def token_of(tokenizer, text: str) -> int | None:
+    """The id of `text` when the tokenizer encodes it as one token (special tokens such as <|im_end|> included),
+    else None."""
+    if not text:
+        return None
+    if tokenizer.decode([tokenizer.eot_id]) == text:
+        return tokenizer.eot_id
+    ids = tokenizer.encode(text)
+    return ids[0] if len(ids) == 1 and tokenizer.decode(ids) == text else None

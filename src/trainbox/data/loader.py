@@ -9,7 +9,8 @@ samples in a seeded permutation. The global batch at step `s` is a pure function
 Rank r of W takes ids[r * G/W : (r+1) * G/W] and cuts it into `accum = G / (micro * W)` micro-batches,
 so micro-batch k of rank r is always global slice (r * accum + k): the partition of a global batch
 into micro-batches does not depend on W, and a resume on another number of GPUs continues the same
-sequence of global batches. The loader's whole state is the step number.
+sequence of global batches. The loader's whole state is the step number. Fine-tuning examples come as rows
+instead of windows (data/packing.py ExampleDataset: packed or padded); the order is drawn the same way.
 """
 from __future__ import annotations
 
@@ -51,6 +52,17 @@ class TokenDataset:
         mask = self.masks[f][start:start + self.seq_len + 1] if self.masks is not None else None
         return toks, mask
 
+    def target_count(self, indices) -> int:
+        """Targets that carry loss in the windows `indices`."""
+        if self.masks is None:
+            return len(indices) * self.seq_len
+        return int(sum(int(self.window(int(i))[1][1:].sum()) for i in indices))
+
+    def tail_tokens(self) -> int:
+        """The tokens at the end of each file that do not fill a window (windows never cross files)."""
+        windows = np.diff(self.offsets)      # per file; the last window's final token is a target
+        return int(sum(len(a) - (int(n) * self.seq_len + 1 if n else 0) for a, n in zip(self.arrays, windows)))
+
     def batch(self, indices) -> dict[str, torch.Tensor]:
         """Inputs x, targets y (int64, shape B x T); `loss_mask` where the data carries one."""
         toks, masks = zip(*(self.window(int(i)) for i in indices))
@@ -81,7 +93,7 @@ class BatchOrder:
     """Which samples every rank sees at every step, for a layout that keeps the global batch (config/layout.py
     decides it: global_batch = micro_batch x accum x world)."""
 
-    dataset: TokenDataset
+    dataset: TokenDataset       # or data/packing.py's ExampleDataset (rows of examples)
     global_batch: int
     micro_batch: int
     world: int = 1
@@ -98,10 +110,7 @@ class BatchOrder:
 
     def target_tokens(self, step: int) -> int:
         """Target tokens that carry loss in the global batch of `step` (the same number on every rank)."""
-        ds = self.dataset
-        if ds.masks is None:
-            return self.global_batch * ds.seq_len
-        return int(sum(int(ds.window(int(i))[1][1:].sum()) for i in self.global_indices(step)))
+        return self.dataset.target_count(self.global_indices(step))
 
     def check_nonempty(self) -> None:
         if self.steps_per_epoch == 0:
@@ -148,8 +157,7 @@ def unused_data(dataset: TokenDataset, global_batch: int) -> tuple[int, int, str
     -> (tail tokens, samples per epoch, message or None). Tail tokens: the end of each file that does
     not fill a window (windows never cross files). Samples per epoch: beyond the last full global batch
     of an epoch; every epoch draws a new permutation, so a different few sit out each time."""
-    windows = np.diff(dataset.offsets)                 # per file; the last window's final token is a target
-    tails = int(sum(len(a) - (int(n) * dataset.seq_len + 1 if n else 0) for a, n in zip(dataset.arrays, windows)))
+    tails = dataset.tail_tokens()
     skipped = dataset.num_samples % global_batch if global_batch <= dataset.num_samples else 0
     if not tails and not skipped:
         return 0, 0, None

@@ -13,14 +13,19 @@ Rows: `{"messages": [{"role": "user", "content": ...}, {"role": "assistant", ...
   The loss mask is 1 on assistant tokens only (content plus the end-of-turn marker, so the model learns
   to stop); tokens overlapping those characters are marked (offsets from the fast tokenizer). Plain text
   is trained on every token and ends with the end-of-text token.
-- `data.packing: true` concatenates examples into one stream cut into `data.seq_len` windows (attention
-  may cross examples, as in most packed SFT). `false` gives each example its own window: truncated to
-  `data.seq_len` tokens and padded with mask-0 end-of-text tokens.
-- Output: `.npy` arrays (token ids, uint16 or int32 for vocabularies over 65,536; mask uint8) that
-  `TokenDataset` memory-maps, in `data.cache_dir`, keyed by the input file, tokenizer and settings, and
-  written atomically (temp name + rename, COMPLETE last).
+- Each row of the file is one example. One longer than `data.seq_len + 1` tokens keeps its first
+  `data.seq_len + 1` (a row of seq_len positions holds that many tokens' next-token pairs); one with no trained
+  target left is left out; both are counted and logged.
+- `data.packing: true` packs whole examples into rows of `data.seq_len` (data/packing.py: first-fit decreasing,
+  positions restarting at each example, attention kept inside each); `false` gives each example a row of its own,
+  padded with mask-0 end-of-text tokens. The run's log and its `start` event give the rows, their fill and what
+  was truncated or left out.
+- Output: `.npy` arrays (token ids, uint16 or int32 for vocabularies over 65,536; mask uint8; the examples' start
+  offsets int64) that `ExampleDataset` memory-maps, in `data.cache_dir`, keyed by the input file, tokenizer and
+  settings, and written atomically (temp name + rename, COMPLETE last); packed and padded runs share them.
 
-This module is the LoRA path's data step: windows and masks for a Hugging Face model's tokenizer.
+This module is the fine-tuning path's data step (model.family=hf, llama with model.path): examples and masks for
+a Hugging Face model's tokenizer.
 """
 from __future__ import annotations
 
@@ -43,7 +48,7 @@ from trainbox.data.chat import (
     render_spans,
     tokenizer_template,
 )
-from trainbox.data.loader import TokenDataset
+from trainbox.data.packing import ExampleDataset
 from trainbox.data.sources import default_cache_dir
 from trainbox.data.sources import open_datasets as open_token_datasets
 from trainbox.errors import ConfigError, DataError, require
@@ -171,27 +176,32 @@ def read_rows(path: Path) -> Iterator[tuple[dict, str]]:
 # ----------------------------------------------------------------------------- streams and cache
 
 
-def build_stream(examples: Iterable[tuple[list[int], list[int]]], seq_len: int, packing: bool,
-                 pad_id: int) -> tuple[np.ndarray, np.ndarray, dict]:
-    """Examples -> one token stream and its mask, windows of seq_len (+1) as TokenDataset cuts them."""
+def build_examples(examples: Iterable[tuple[list[int], list[int]]], seq_len: int
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict]:
+    """Examples -> (their tokens end to end, loss mask, start offsets, counts). Each keeps its first seq_len + 1
+    tokens; one without a trained target among them is left out. The mask of an example's first token is 0 (it is
+    no token's target)."""
     ids: list[int] = []
     mask: list[int] = []
-    stats = {"examples": 0, "truncated": 0, "trained_tokens": 0}
+    starts = [0]
+    stats = {"examples": 0, "truncated": 0, "truncated_tokens": 0, "dropped": 0, "trained_tokens": 0}
     for toks, m in examples:
         stats["examples"] += 1
-        if not packing:
-            stats["truncated"] += len(toks) > seq_len
-            toks, m = toks[:seq_len], [0] + m[1:seq_len]  # slot's first token is the previous window's last target
-            pad = seq_len - len(toks)
-            toks, m = toks + [pad_id] * pad, m + [0] * pad
+        if len(toks) > seq_len + 1:
+            stats["truncated"] += 1
+            stats["truncated_tokens"] += len(toks) - seq_len - 1
+            toks, m = toks[:seq_len + 1], m[:seq_len + 1]
+        trained = sum(m[1:])
+        if len(toks) < 2 or not trained:
+            stats["dropped"] += 1
+            continue
         ids += toks
-        mask += m
-    if not packing:
-        ids.append(pad_id)  # the last window's final target
-        mask.append(0)
-    stats["trained_tokens"] = int(sum(mask))
+        mask += [0] + list(m[1:])
+        starts.append(len(ids))
+        stats["trained_tokens"] += int(trained)
     dtype = np.uint16 if (max(ids) if ids else 0) < 2**16 else np.int32
-    return np.asarray(ids, dtype=dtype), np.asarray(mask, dtype=np.uint8), stats
+    return (np.asarray(ids, dtype=dtype), np.asarray(mask, dtype=np.uint8), np.asarray(starts, dtype=np.int64),
+            stats)
 
 
 def _save_npy(path: Path, arr: np.ndarray) -> None:
@@ -206,12 +216,13 @@ def _save_npy(path: Path, arr: np.ndarray) -> None:
 def cache_key(path: Path, tok, cfg: DataSection) -> str:
     st = path.stat()
     parts = [str(path.resolve()), st.st_size, st.st_mtime_ns, tok.name, tok.vocab_size, cfg.chat_template,
-             cfg.seq_len, cfg.packing, cfg.text_key, "sft-v1"]
+             cfg.seq_len, cfg.text_key, "sft-v2"]
     return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:16]
 
 
-def prepare_sft(path: str | Path, tok, cfg: DataSection) -> tuple[Path, Path]:
-    """Tokenize a chat/text JSONL (or .txt) once; -> (tokens.npy, mask.npy) in the cache."""
+def prepare_sft(path: str | Path, tok, cfg: DataSection) -> Path:
+    """Tokenize a chat/text JSONL (or .txt) once; -> its folder in the cache: tokens.npy, mask.npy, starts.npy
+    (the examples' offsets) and stats.json (build_examples' counts)."""
     path = Path(path)
     if not path.is_file():
         raise DataError(f"data file {path} does not exist")
@@ -219,22 +230,21 @@ def prepare_sft(path: str | Path, tok, cfg: DataSection) -> tuple[Path, Path]:
         raise ConfigError(f"data.chat_template={cfg.chat_template!r} is not a built-in template",
                           hint=f"built-in: {', '.join(BUILTIN_TEMPLATES)}; leave it unset to use the tokenizer's own")
     out = default_cache_dir(cfg) / f"sft-{path.stem}-{cache_key(path, tok, cfg)}"
-    tokens, mask = out / "tokens.npy", out / "mask.npy"
     if (out / "COMPLETE").is_file():
-        return tokens, mask
+        return out
     out.mkdir(parents=True, exist_ok=True)
     examples = (encode_row(row, tok, cfg.chat_template, cfg.text_key, where) for row, where in read_rows(path))
-    ids, m, stats = build_stream(examples, cfg.seq_len, cfg.packing, tok.eot_id)
+    ids, m, starts, stats = build_examples(examples, cfg.seq_len)
     if stats["trained_tokens"] == 0:
         raise DataError(f"{path}: no token carries loss ({stats['examples']} examples): no assistant turns "
                         f"survive data.seq_len={cfg.seq_len}", hint="check the roles, or raise data.seq_len")
-    _save_npy(tokens, ids)
-    _save_npy(mask, m)
+    _save_npy(out / "tokens.npy", ids)
+    _save_npy(out / "mask.npy", m)
+    _save_npy(out / "starts.npy", starts)
     (out / "stats.json").write_text(json.dumps(stats))
     (out / "COMPLETE").write_text("ok\n")
-    log.info(f"{path}: {stats['examples']} examples -> {len(ids):,} tokens, {stats['trained_tokens']:,} with loss"
-             + (f", {stats['truncated']} truncated to {cfg.seq_len}" if stats["truncated"] else ""))
-    return tokens, mask
+    log.info(f"{path}: {stats['examples']} examples -> {len(ids):,} tokens, {stats['trained_tokens']:,} with loss")
+    return out
 
 
 def is_sft_input(path: str) -> bool:
@@ -242,19 +252,29 @@ def is_sft_input(path: str) -> bool:
     return Path(path).suffix in (".jsonl", ".txt") and os.path.isfile(path)
 
 
-def open_sft_datasets(cfg: DataSection, tok, vocab_size: int) -> tuple[TokenDataset, TokenDataset | None]:
-    """Train (and, with data.val_path, validation) datasets with loss masks from JSONL files."""
+def reads_examples(cfg: DataSection) -> bool:
+    """Whether open_finetuning_datasets reads data.path as examples (so data.packing applies)."""
+    return is_sft_input(cfg.path)
+
+
+def open_sft_datasets(cfg: DataSection, tok, vocab_size: int) -> tuple[ExampleDataset, ExampleDataset | None]:
+    """Train (and, with data.val_path, validation) examples with loss masks from JSONL files, packed into rows or
+    one per row as data.packing says."""
     sets = []
     for p, split in ((cfg.path, "train"), (cfg.val_path, "val")):
         if p is None:
             sets.append(None)
             continue
-        tokens, mask = prepare_sft(p, tok, cfg)
-        arr = np.load(tokens, mmap_mode="r")
+        folder = prepare_sft(p, tok, cfg)
+        arr = np.load(folder / "tokens.npy", mmap_mode="r")
         if len(arr) and int(arr.max()) >= vocab_size:
             raise DataError(f"{p}: token id {int(arr.max())} >= the model's vocab size {vocab_size}",
                             hint="the tokenizer does not belong to the model; set data.tokenizer to match")
-        sets.append(TokenDataset([arr], cfg.seq_len, name=f"{p} ({split})", masks=[np.load(mask, mmap_mode="r")]))
+        data = ExampleDataset(arr, np.load(folder / "mask.npy", mmap_mode="r"), np.load(folder / "starts.npy"),
+                              cfg.seq_len, tok.eot_id, cfg.packing, name=f"{p} ({split})",
+                              report=json.loads((folder / "stats.json").read_text()))
+        log.info(data.describe())
+        sets.append(data)
     return sets[0], sets[1]
 
 

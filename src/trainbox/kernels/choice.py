@@ -17,6 +17,11 @@ run's start event; `trainbox doctor RECIPE` prints it for the machine it runs on
     fused_mlp   quack  QuACK's GEMMs with the GELU in their epilogues (Hopper/Blackwell with QuACK); torch (CPU);
                 unfused (a GPU without QuACK: plain linears, faster there than the op's torch path); off
     fp8         fp8 (FP8 tensor cores), bf16 (model.fp8_fallback where they are missing), off
+    packed      attention inside each example of a packed row (data.packing, kernels/packed.py): flash
+                (FlashAttention-4's variable-length kernels), flex (a FlexAttention document mask, CUDA 8.0+), sdpa
+                (a dense block-diagonal mask: CPU, the reference), hf (transformers' own, model/hf/model.py); the
+                first of the family's `Family.packing` that model.attention allows and that runs here; off where
+                the run's rows are not packed examples
 """
 from __future__ import annotations
 
@@ -37,6 +42,7 @@ class KernelChoice:
     fused_norm: str
     fused_mlp: str
     fp8: str
+    packed: str = "off"
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -76,6 +82,19 @@ def _attention(cfg, device: torch.device, spec) -> str:
                         flex=flex_available(device))
 
 
+def packed_on(spec, cfg, device: torch.device) -> str:
+    """The kernel family `spec` runs on packed rows on `device` (kernels/packed.py, or hf: transformers' own): the first
+    of `spec.packing` that model.attention allows and that runs here; off for a family that cannot pack."""
+    for kernel in spec.packing:
+        if kernel == "flash" and cfg.attention in ("auto", "flash") and flash_available(device):
+            return kernel
+        if kernel == "flex" and cfg.attention in ("auto", "flex") and flex_available(device):
+            return kernel
+        if kernel in ("sdpa", "hf"):
+            return kernel
+    return "off"
+
+
 def _fused_loss(cfg, device: torch.device) -> str:
     if not cfg.fused_loss:
         return "off"
@@ -98,9 +117,10 @@ def _fp8(cfg, device: torch.device) -> str:
     return "fp8" if fp8_supported(device) else "bf16"
 
 
-def choose(cfg, device: torch.device, spec) -> KernelChoice:
+def choose(cfg, device: torch.device, spec, packed: bool = False) -> KernelChoice:
     """The kernels a model of ModelSection `cfg` and family `spec` runs on `device` (raises where
-    model.attention=flash cannot run)."""
+    model.attention=flash cannot run); `packed`: its rows are packed examples (model/build.py packs_examples)."""
     return KernelChoice(attention=_attention(cfg, device, spec), fused_loss=_fused_loss(cfg, device),
                       fused_norm="off" if not cfg.fused_norm else ("triton" if device.type == "cuda" else "torch"),
-                      fused_mlp=_fused_mlp(cfg, device), fp8=_fp8(cfg, device))
+                      fused_mlp=_fused_mlp(cfg, device), fp8=_fp8(cfg, device),
+                      packed=packed_on(spec, cfg, device) if packed else "off")

@@ -5,7 +5,7 @@ on the gpt family's packed qkv.
 The rows of a speedrun batch are documents packed end to end, and a query sees the keys of its own
 document inside the window. FlashAttention's variable-length kernels take exactly that: the documents as
 sequences (cu_seqlens, their offsets in the flattened batch) and the window as (window - 1, 0) with
-causal masking, i.e. `model/doc_mask.allowed()` with model.window_block = 1. No mask is built or evaluated
+causal masking, i.e. `kernels/doc_mask.allowed()` with model.window_block = 1. No mask is built or evaluated
 per block, and no block is partial at a document's edge, which is where FlexAttention spends its time on short
 documents (docs/performance.md has the measured step times).
 
@@ -154,11 +154,11 @@ _fwd.register_autograd(_backward, setup_context=_setup)
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, window: torch.Tensor,
                     div: int, scale: float) -> torch.Tensor:
-    """q, k, v (B, T, H, D) in bf16/fp16; cu from doc_seqlens; window a 0-d CPU int tensor (the long window),
-    `div` 1 for it, 2 for the short one. -> (B, T, H, D). A query sees the last max(1, window // div) keys
-    of its document (itself included)."""
+    """q (B, T, H, D), k and v (B, T, H_kv, D) in bf16/fp16; cu from doc_seqlens; window a 0-d CPU int tensor
+    (the long window), `div` 1 for it, 2 for the short one. -> (B, T, H, D). A query sees the last
+    max(1, window // div) keys of its document (itself included)."""
     B, T, H, D = q.shape
-    flat = [t.reshape(B * T, H, D) for t in (q, k, v)]
+    flat = [t.reshape(B * T, t.size(2), D) for t in (q, k, v)]
     return _fwd(*flat, cu, window, div, T, scale)[0].view(B, T, H, D)
 
 

@@ -57,6 +57,20 @@ def check_vocab_size(cfg, tokenizer) -> None:
                            f"of 64) or set it to at least {need:,}; or set data.tokenizer to the model's own")
 
 
+def packs_examples(run) -> bool:
+    """Whether the run's rows are packed examples: data.packing on data its family reads as whole examples (its
+    `reads_examples` hook: hf, llama with model.path)."""
+    reads = family(run.model.family).hook("reads_examples")
+    return bool(run.data.packing and reads is not None and reads(run))
+
+
+def check_packing(run) -> None:
+    """Refuse packed examples for a family that cannot keep attention and positions inside each (a pre-flight
+    check: the message names data.packing)."""
+    if packs_examples(run):
+        family(run.model.family).check_packing()
+
+
 def open_datasets(run, tokenizer, vocab_size: int):
     """(train, val) datasets: the family's own reader where it has one, else data.path's token files."""
     own = family(run.model.family).hook("open_datasets")

@@ -1,5 +1,7 @@
 """Hugging Face model folders, as every family's mapping (model/<family>/hf.py) reads and writes them: what a folder
-holds, its tensors, copying mapped weights into a model, writing a folder atomically, and the tokenizer files."""
+holds, its tensors, copying mapped weights into a model, writing a folder atomically, the tokenizer files, and what
+inference engines need to stop where the model was trained to stop (generation_config.json's eos_token_id list of
+end-of-text and end-of-turn ids, the run's chat template in tokenizer_config.json)."""
 from __future__ import annotations
 
 import contextlib
@@ -13,6 +15,7 @@ import torch.nn as nn
 from safetensors.torch import load_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
+from trainbox.data.chat import ChatTemplate, end_of_turn, token_of
 from trainbox.data.tokenizer import EOT_TEXT, asset_path
 from trainbox.errors import CheckpointError, ConfigError
 from trainbox.files import default_modes
@@ -116,6 +119,51 @@ def write_tokenizer(tokenizer, spec: str, folder: Path, block: int) -> None:
                                                    "unk_token": eot, "model_max_length": block,
                                                    "add_prefix_space": False})
     write_json(folder / "special_tokens_map.json", {"bos_token": eot, "eos_token": eot, "unk_token": eot})
+
+
+# --dtype of `trainbox export --format hf`: the weights' dtype in model.safetensors and config.json
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def cast(state: dict[str, torch.Tensor], dtype: str | None) -> dict[str, torch.Tensor]:
+    """Floating-point tensors in `dtype` (fp32, bf16, fp16; None: as they are), contiguous on the CPU."""
+    to = DTYPES[dtype] if dtype else None
+    return {k: (v.to(to) if to is not None and v.is_floating_point() else v).cpu().contiguous()
+            for k, v in state.items()}
+
+
+def dtype_name(dtype: str | None, default: str = "float32") -> str:
+    """config.json's name of a --dtype (float32, bfloat16, float16)."""
+    return str(DTYPES[dtype]).replace("torch.", "") if dtype else default
+
+
+def stop_ids(tokenizer, template: ChatTemplate, also: list[int] | int | None = None) -> list[int]:
+    """The ids a generation must stop at: `also` (a source folder's eos_token_id), end-of-text, and the template's
+    end-of-turn token where the tokenizer has one token for it; each once, in that order."""
+    found = [also] if isinstance(also, int) else list(also or [])
+    found += [tokenizer.eot_id, token_of(tokenizer, end_of_turn(template))]
+    return list(dict.fromkeys(int(i) for i in found if i is not None))
+
+
+def write_generation(folder: Path, tokenizer, template: ChatTemplate, source: dict | None = None) -> list[int]:
+    """generation_config.json: `source` (a base model's generation_config.json) with eos_token_id the list of
+    stop_ids, so transformers, vLLM and TGI stop at the end of a turn; returns that list."""
+    config = dict(source or {"bos_token_id": tokenizer.eot_id})
+    eos = stop_ids(tokenizer, template, config.get("eos_token_id"))
+    config["eos_token_id"] = eos if len(eos) > 1 else eos[0]
+    write_json(folder / "generation_config.json", config)
+    return eos
+
+
+def write_chat_template(folder: Path, template: ChatTemplate) -> None:
+    """The run's chat template into tokenizer_config.json (and chat_template.jinja where the folder has one, which
+    transformers prefers), so apply_chat_template and the engines render what the model was trained on."""
+    path = folder / "tokenizer_config.json"
+    config = json.loads(path.read_text()) if path.is_file() else {}
+    config["chat_template"] = template.source
+    write_json(path, config)
+    if (folder / "chat_template.jinja").is_file():
+        (folder / "chat_template.jinja").write_text(template.source)
 
 
 def tokenizer_file(spec: str) -> Path:

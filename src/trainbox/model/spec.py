@@ -6,13 +6,17 @@ A family's folder holds
                   validation, the memory plan, the kernel choice, `doctor` and `export`
     config.py     its config section (model.<name>) and its own rules on the model section, where it has them
     model.py      the torch module: build(cfg, vocab_size, block_size, run=None) -> nn.Module, whose forward is
-                  forward(idx, targets=None, loss_mask=None, caches=None, pos=0, reduction="mean") -> Output and
-                  which has num_params() and flops_per_token(seq_len); optional hooks, used where present:
+                  forward(idx, targets=None, loss_mask=None, caches=None, pos=0, reduction="mean") -> Output
+                  (a family that packs, `Family.packing`, also takes doc_ids and position_ids: packed rows, each
+                  (B, T), data/packing.py) and which has num_params() and flops_per_token(seq_len); optional hooks,
+                  used where present:
                   resolve(run) (complete the run config before anything is built), tokenizer(run) (the model's
                   own), extra_ids(cfg) (ids above the tokenizer's), open_datasets(run, tokenizer, vocab) (its own
                   examples), adapt_dataset(cfg, tokenizer, dataset, vocab, split) (examples from packed windows),
-                  build_meta(run) (the model on the meta device, for the plan)
-    hf.py         its Hugging Face mapping: export(path, out, merge, force) -> lines, import_hf(folder, model, cfg)
+                  build_meta(run) (the model on the meta device, for the plan), reads_examples(run) (data.path
+                  is read as whole examples, data/sft.py, so data.packing applies)
+    hf.py         its Hugging Face mapping: export(path, out, merge, force, dtype) -> lines, import_hf(folder, model,
+                  cfg); gguf_model(folder) where the family writes GGUF (Family.gguf lists the types)
     memory.py     what one micro-batch's forward keeps for the backward, for the plan: activations(...)
 
 Nothing outside model/ compares family names: it asks the family object (`family(name)`). The families are
@@ -56,7 +60,10 @@ class Family:
     lowp_residual: bool = False           # the residual stream in the autocast dtype unless model.lowp_residual
     generate: str = "causal"              # causal (sampling with a KV cache) or spans (t5: fill sentinels)
     export: str | None = None             # what `trainbox export --format hf` writes (None: nothing)
+    gguf: tuple[str, ...] = ()            # the GGUF types `export --format gguf` writes (hf.py's gguf_model); ()=none
     steps: bool = False                   # the model takes set_step(step, total) before each step
+    packing: tuple[str, ...] = ()         # the kernels it runs on packed rows (kernels/packed.py: flash, flex, sdpa;
+                                          # hf: transformers' own); () = it cannot pack (data.packing is refused)
     adapters: bool = False                # trains adapters on a frozen base; the model's adapters_off() context
                                           # gives the base (the preference objective's reference)
     packages: tuple[tuple[str, str], ...] = ()   # (package, extra) it needs to train (`doctor`)
@@ -79,6 +86,17 @@ class Family:
 
     def supports(self, option: str) -> bool:
         return option in self.options
+
+    def check_packing(self) -> None:
+        """Refuse data.packing=true where this family cannot keep attention and positions inside each example."""
+        if self.packing:
+            return
+        packers = which(lambda f: bool(f.packing))
+        raise ConfigError(f"data.packing=true packs several examples into each row of data.seq_len tokens, which "
+                          f"needs attention limited to each example and positions restarting at each; "
+                          f"model.family={self.name} cannot run packed rows",
+                          hint="set data.packing=false (each example in its own row, padded)"
+                               + (f", or use model.family={either(packers)}" if packers else ""))
 
     def hook(self, name: str):
         """The torch module's optional hook `name`, or None."""

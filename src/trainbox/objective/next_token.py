@@ -17,6 +17,7 @@ import math
 import torch
 
 from trainbox.data.loader import TokenDataset, eval_batches
+from trainbox.data.packing import packed_inputs
 from trainbox.model.build import adapt_datasets, open_datasets
 from trainbox.objective.base import Objective, Part, Runtime
 from trainbox.parallel.distributed import Dist
@@ -36,7 +37,8 @@ class NextToken(Objective):
         return batches.target_tokens(step)
 
     def loss(self, forward, batch: dict, scale: float) -> Part:
-        out = forward(batch["x"], batch["y"], loss_mask=batch.get("loss_mask"), reduction="sum")
+        out = forward(batch["x"], batch["y"], loss_mask=batch.get("loss_mask"), reduction="sum",
+                      **packed_inputs(batch))   # packed rows: each example's positions and attention
         return Part(out.loss.float() * scale, out.aux_loss, None, out.stats)
 
     def evaluate(self, run: Runtime) -> dict:
@@ -62,8 +64,9 @@ def evaluate(model, dataset: TokenDataset, eval_tokens: int, micro_batch: int, t
         x, y = batch["x"].to(device), batch["y"].to(device)
         mask = batch.get("loss_mask")
         mask = mask.to(device) if mask is not None else torch.ones_like(y, dtype=torch.bool)
+        packed = {k: v.to(device) for k, v in packed_inputs(batch).items()}
         with autocast():
-            loss = model(x, y, loss_mask=mask, reduction="none").loss.double()
+            loss = model(x, y, loss_mask=mask, reduction="none", **packed).loss.double()
         nbytes = token_bytes[y] * mask
         text = nbytes > 0
         sums += torch.stack([loss[mask].sum(), mask.sum().double(), loss[text].sum(), nbytes.sum().double()])

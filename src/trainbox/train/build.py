@@ -19,7 +19,7 @@ from trainbox.data.loader import BatchOrder
 from trainbox.errors import DataError
 from trainbox.kernels import float8
 from trainbox.kernels.choice import KernelChoice, choose
-from trainbox.model.build import build_model, build_tokenizer, model_vocab_size
+from trainbox.model.build import build_model, build_tokenizer, model_vocab_size, packs_examples
 from trainbox.model.load import load_init_weights
 from trainbox.model.spec import family
 from trainbox.objective import Objective, build_objective
@@ -109,7 +109,8 @@ def build_model_side(cfg: RunConfig, layout: RunLayout, vocab: int, device: torc
         load_init_weights(cfg.run.init_from, model, cfg.model)
     expert.shard_experts(model, layout, cfg.model.moe.num_experts, dist, device)   # this rank's experts, DDP told
     model = model.to(device)
-    kernels = choose(cfg.model, device, family(cfg.model.family))   # as the models ask when they meet the device
+    # as the models ask when they meet the device (the packed-row kernel: when they meet packed rows)
+    kernels = choose(cfg.model, device, family(cfg.model.family), packed=packs_examples(cfg))
     frozen = frozen_copy(model, dtype) if reference else None
     if cfg.train.float8:
         float8.convert(model, fsdp=sharded)

@@ -72,6 +72,7 @@ class Trainer(RunFiles, Checkpointing):
         checked = checked or preflight(cfg, d.world, d.local_rank, serves_monitor=d.is_main)
         # the given config is never changed: self.cfg is the one the checks resolved
         self.cfg, self.layout, self.device, self.dtype = checked.cfg, checked.layout, checked.device, checked.dtype
+        self._fp32_matmuls = torch.get_float32_matmul_precision()   # process-wide: put back when the run ends
         use_device(self.device, self.dtype)
         self.run_dir = cfg.run_dir
         self.ckpt_root = self.run_dir / "checkpoints"
@@ -159,6 +160,7 @@ class Trainer(RunFiles, Checkpointing):
                 self.sinks.log("error", step=self.state.snapshot()["step"], error=str(e)[:500])
             raise
         finally:
+            torch.set_float32_matmul_precision(self._fp32_matmuls)
             self.stop.restore()
             if self.sinks is not None:
                 self.sinks.close()

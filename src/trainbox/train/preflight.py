@@ -3,6 +3,7 @@
     checked = preflight(cfg, world=2, adapt_micro_batch=True)   # or a ConfigError naming the key and the fix
 
 In order: the keys the recipe requires and the family's resolution (llama with model.path: the folder's shape),
+data.packing on examples for a family that cannot pack them (model/spec.py Family.check_packing),
 the device (train/device.py: train.device=cuda without a GPU, a GPU recipe on a CPU, bf16 on a CPU, FP8 without
 FP8 tensor cores, ...), the run's layout on `world` processes (config/layout.py: micro-batch, accumulation,
 strategy, expert parallelism), model.vocab_size against the tokenizer, and monitor.host where this process
@@ -19,7 +20,7 @@ import torch
 
 from trainbox.config import RunConfig
 from trainbox.config.layout import RunLayout, decide_layout
-from trainbox.model.build import build_tokenizer, check_vocab_size, resolve_model
+from trainbox.model.build import build_tokenizer, check_packing, check_vocab_size, resolve_model
 from trainbox.monitor.server import check_host
 from trainbox.train.device import resolve_device
 
@@ -40,6 +41,7 @@ def preflight(cfg: RunConfig, world: int, local_rank: int = 0, adapt_micro_batch
     line did not give train.micro_batch_size (config/layout.py); `serves_monitor`: this process would serve the
     monitor (rank 0). `cfg` itself is never changed."""
     resolved = resolve_model(cfg)
+    check_packing(resolved)
     device, dtype, resolved = resolve_device(resolved, local_rank)
     layout = decide_layout(resolved, world, device.type, adapt_micro_batch)
     resolved = layout.applied(resolved)

@@ -86,4 +86,5 @@ class RunFiles:
                        world=d.world, params=n, unused_tail_tokens=tails, unused_samples_per_epoch=skipped,
                        flops_per_token=self.flops_per_token, peak_flops=self.peak, parallel=self.parallel.name,
                        kernels=self.kernels.as_dict(), layout=asdict(self.layout),
+                       **({"examples": self.train_data.report} if hasattr(self.train_data, "report") else {}),
                        **({"changed": {k: list(v) for k, v in self.changed.items()}} if self.changed else {}))

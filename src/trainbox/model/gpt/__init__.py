@@ -9,5 +9,6 @@ FAMILY = Family(
     check=check,
     options=frozenset({"attention", "fused_loss", "fused_norm", "fused_mlp", "fp8_head", "fp8_mlp", "lowp_residual",
                        "dropout", "bias", "tie_embeddings"}),
-    attention=("flash", "sdpa"), export="GPT2LMHeadModel", steps=True,
+    attention=("flash", "sdpa"), export="GPT2LMHeadModel", gguf=("f16", "bf16", "q8_0"), steps=True,
+    packing=("flash", "flex", "sdpa"),
 )

@@ -24,15 +24,21 @@ from safetensors.torch import save_file
 
 from trainbox import checkpoint
 from trainbox.config import build_config
+from trainbox.data.chat import template_for
 from trainbox.data.tokenizer import get_tokenizer
 from trainbox.errors import ConfigError
 from trainbox.model.build import build_model, pad_vocab
+from trainbox.model.gguf_file import GGUFModel
 from trainbox.model.hf_folder import (
+    cast,
     check_out,
     copy_mapped,
+    dtype_name,
     no_merge,
     read_hf_state,
     staged,
+    write_chat_template,
+    write_generation,
     write_json,
     write_tokenizer,
 )
@@ -114,8 +120,9 @@ def import_hf(folder: str | Path, model: nn.Module, cfg) -> None:
 # ----------------------------------------------------------------------------- ours -> HF
 
 
-def export_hf(run: str | Path, out: str | Path, force: bool = False) -> Path:
-    """Write a run's (or checkpoint's) weights as a Hugging Face GPT2LMHeadModel folder; returns it."""
+def export_hf(run: str | Path, out: str | Path, force: bool = False, dtype: str | None = None) -> Path:
+    """Write a run's (or checkpoint's) weights as a Hugging Face GPT2LMHeadModel folder (in `dtype`: fp32, bf16,
+    fp16; default fp32) with the run's chat template and its stop ids; returns it."""
     ckpt = checkpoint.resolve(run)
     cfg = build_config(checkpoint.load_trainer(ckpt)["config"])
     if cfg.model.family != "gpt":
@@ -127,12 +134,14 @@ def export_hf(run: str | Path, out: str | Path, force: bool = False) -> Path:
     block = cfg.model.block_size or cfg.data.seq_len
     model = build_model(cfg.model, cfg.model.vocab_size or pad_vocab(tokenizer.vocab_size), block)
     checkpoint.load_weights(ckpt, model)
+    template = template_for(tokenizer, cfg.data.chat_template)
     with staged(out) as tmp:
-        save_file(hf_state(model, tokenizer.vocab_size), str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        write_json(tmp / "config.json", hf_config(cfg.model, tokenizer, block))
-        write_json(tmp / "generation_config.json",
-                    {"bos_token_id": tokenizer.eot_id, "eos_token_id": tokenizer.eot_id})
+        save_file(cast(hf_state(model, tokenizer.vocab_size), dtype), str(tmp / "model.safetensors"),
+                  metadata={"format": "pt"})
+        write_json(tmp / "config.json", {**hf_config(cfg.model, tokenizer, block), "dtype": dtype_name(dtype)})
+        write_generation(tmp, tokenizer, template)
         write_tokenizer(tokenizer, cfg.data.tokenizer, tmp, block)
+        write_chat_template(tmp, template)
     return out
 
 
@@ -157,7 +166,7 @@ def hf_state(model: nn.Module, vocab: int) -> dict[str, torch.Tensor]:
 
 def hf_config(cfg, tokenizer, block: int) -> dict:
     return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": tokenizer.vocab_size,
-            "n_positions": block, "n_embd": cfg.n_embd, "n_layer": cfg.n_layer, "n_head": cfg.n_head,
+            "n_positions": block, "n_ctx": block, "n_embd": cfg.n_embd, "n_layer": cfg.n_layer, "n_head": cfg.n_head,
             "n_inner": None, "activation_function": "gelu_new", "layer_norm_epsilon": 1e-5,
             "resid_pdrop": cfg.dropout, "embd_pdrop": cfg.dropout, "attn_pdrop": cfg.dropout,
             "initializer_range": 0.02, "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
@@ -165,8 +174,23 @@ def hf_config(cfg, tokenizer, block: int) -> dict:
             "bos_token_id": tokenizer.eot_id, "eos_token_id": tokenizer.eot_id, "dtype": "float32"}
 
 
-def export(path: str, out: str, merge: bool = False, force: bool = False) -> list[str]:
+def export(path: str, out: str, merge: bool = False, force: bool = False, dtype: str | None = None) -> list[str]:
     """`trainbox export` of a gpt run: a GPT2LMHeadModel folder."""
     no_merge(path, merge)
-    written = export_hf(path, out, force=force)
-    return [f"wrote {written} (Hugging Face format: config.json, model.safetensors, tokenizer)"]
+    written = export_hf(path, out, force=force, dtype=dtype)
+    return [f"wrote {written} (Hugging Face GPT2LMHeadModel, {dtype_name(dtype)}: config.json, model.safetensors, "
+            "generation_config.json, tokenizer with the chat template)"]
+
+
+# ----------------------------------------------------------------------------- HF -> GGUF
+
+
+def gguf_model(folder: Path) -> GGUFModel:
+    """A GPT2LMHeadModel folder (written by export_hf) as llama.cpp's gpt2 architecture: its Conv1D weights
+    transposed to (out, in), as convert_hf_to_gguf.py does; a tied head left out (llama.cpp reuses token_embd)."""
+    hf = json.loads((Path(folder) / "config.json").read_text())
+    state = {k: (v.t() if k.endswith(CONV1D_WEIGHTS) else v) for k, v in read_hf_weights(Path(folder)).items()}
+    params = {"block_count": hf["n_layer"], "context_length": hf["n_positions"], "embedding_length": hf["n_embd"],
+              "feed_forward_length": hf.get("n_inner") or 4 * hf["n_embd"], "attention.head_count": hf["n_head"],
+              "attention.layer_norm_epsilon": float(hf["layer_norm_epsilon"])}
+    return GGUFModel("gpt2", params, state)

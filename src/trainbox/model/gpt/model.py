@@ -10,7 +10,9 @@ matmul epilogue and the backward needs fewer transposing copies. The vocabulary 
 (50,257 -> 50,304) for faster matmuls; `export.py` slices and pads. With model.fused_norm each residual
 add and the LayerNorm after it are one op (kernels/fused_norm.py), across block boundaries: same
 arithmetic, one-pass backward. With model.fused_mlp the MLP's GELU runs in its matmuls' epilogues
-(kernels/fused_mlp.py).
+(kernels/fused_mlp.py). Packed rows (data.packing, data/packing.py) come with `doc_ids` and `position_ids`: each
+token takes the learned position of its place inside its example, and attention stays inside each example
+(kernels/packed.py, as kernels/choice.py `packed_on` picks), so every example computes what it computes alone.
 
     trainbox train gpt2-125m data.path=PREFIX        # 124M GPT-2 on shard files
 """
@@ -26,14 +28,15 @@ try:
 except ImportError:  # torch 2.5
     from torch.distributed._composable.fsdp import FSDPModule
 
-from trainbox.kernels.choice import KernelChoice, choose
+from trainbox.kernels.choice import KernelChoice, choose, packed_on
 from trainbox.kernels.fallbacks import register_inductor_fallbacks
-from trainbox.kernels.flash import causal_qkv
+from trainbox.kernels.flash import causal_qkv, half_precision
 from trainbox.kernels.fp8 import linear, mlp_fp8
 from trainbox.kernels.fused_ce import head_cross_entropy
 from trainbox.kernels.fused_mlp import EXTRA as QUACK_EXTRA
 from trainbox.kernels.fused_mlp import gelu_mlp
 from trainbox.kernels.fused_norm import add_layer_norm
+from trainbox.kernels.packed import DocMask, doc_attention, doc_mask
 from trainbox.model.layers import (
     KVCache,
     Output,
@@ -59,17 +62,18 @@ class CausalSelfAttention(nn.Module):
         self.resid_dropout = nn.Dropout(dropout)
         self.flash = False  # FlashAttention-4 on the packed qkv (set by GPT.set_kernels)
 
-    def forward(self, x: torch.Tensor, cache: KVCache | None = None, pos: int = 0) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None, pos: int = 0,
+                docs: DocMask | None = None) -> torch.Tensor:
         B, T, C = x.shape
         qkv = self.c_attn(x)
-        if self.flash and cache is None and qkv.dtype in (torch.bfloat16, torch.float16):
+        if self.flash and cache is None and docs is None and qkv.dtype in (torch.bfloat16, torch.float16):
             D = C // self.n_head
             y = causal_qkv(qkv.view(B, T, 3, self.n_head, D), D ** -0.5)  # (B, T, H, D): c_proj reads it as is
             return self.resid_dropout(self.c_proj(y.view(B, T, C)))
         q, k, v = qkv.split(C, dim=2)
         # (B, T, C) -> (B, H, T, D)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
-        y = cached_attention(q, k, v, cache, pos)
+        y = cached_attention(q, k, v, cache, pos) if docs is None else doc_attention(q, k, v, docs)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_dropout(self.c_proj(y))
 
@@ -102,17 +106,18 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(cfg.n_embd, eps=1e-5, bias=cfg.bias)
         self.mlp = mlp if mlp is not None else MLP(cfg.n_embd, cfg.bias, cfg.dropout, cfg.fp8_mlp, cfg.fused_mlp)
 
-    def forward(self, x: torch.Tensor, cache: KVCache | None = None, pos: int = 0) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), cache, pos)
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None, pos: int = 0,
+                docs: DocMask | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), cache, pos, docs)
         return x + self.mlp(self.ln_2(x))
 
-    def forward_fused(self, x: torch.Tensor, y: torch.Tensor,
-                      next_norm: nn.LayerNorm) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_fused(self, x: torch.Tensor, y: torch.Tensor, next_norm: nn.LayerNorm,
+                      docs: DocMask | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """model.fused_norm: (residual x, y = ln_1(x)) -> (x after the block, next_norm of it). Each residual
         add is one op with the norm that follows it (fused_norm.add_layer_norm), the MLP's with the next
         block's ln_1 (or the final norm)."""
         mlp_dtype = torch.float32 if getattr(self.mlp, "fp32_input", False) else None  # MoE: its fp32 router
-        x, y = add_layer_norm(x, self.attn(y), self.ln_2, mlp_dtype)
+        x, y = add_layer_norm(x, self.attn(y, docs=docs), self.ln_2, mlp_dtype)
         return add_layer_norm(x, self.mlp(y), next_norm)
 
 
@@ -138,6 +143,7 @@ class GPT(nn.Module):
         scaled_residual_init_(self, "c_proj.weight", cfg.n_layer)
         self.backend: str | None = None  # flash or sdpa: model.attention, decided on first use from the device
         self.kernels: KernelChoice | None = None
+        self.packed_kernel: str | None = None   # the kernel of packed rows, decided on the first (kernels/choice.py)
         if cfg.fused_norm or cfg.fused_mlp:
             register_inductor_fallbacks()
 
@@ -163,12 +169,20 @@ class GPT(nn.Module):
                 block.mlp.fused = False
         return plan
 
-    def hidden(self, idx: torch.Tensor, caches: list[KVCache] | None = None, pos: int = 0) -> torch.Tensor:
+    def doc_mask(self, doc_ids: torch.Tensor) -> DocMask:
+        """Packed rows' attention mask for every block, in the kernel kernels/choice.py picks for the device."""
+        if self.packed_kernel is None:
+            self.packed_kernel = packed_on(family(self.cfg.family), self.cfg, doc_ids.device)
+        return doc_mask(doc_ids, self.packed_kernel, half_precision(doc_ids.device, self.lm_head.weight.dtype))
+
+    def hidden(self, idx: torch.Tensor, caches: list[KVCache] | None = None, pos: int = 0,
+               doc_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         T = idx.size(1)
         if pos + T > self.block_size:
             raise ValueError(f"sequence of {pos + T} tokens exceeds the model's block_size {self.block_size}")
         self.set_kernels(idx.device)
-        positions = torch.arange(pos, pos + T, device=idx.device)
+        positions = torch.arange(pos, pos + T, device=idx.device) if position_ids is None else position_ids
+        docs = self.doc_mask(doc_ids) if doc_ids is not None else None
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(positions))
         dtype = residual_dtype(self.cfg, idx.device.type, default=False)
         if dtype is not None:  # model.lowp_residual: every residual add, LayerNorm read and gradient in bf16
@@ -180,15 +194,19 @@ class GPT(nn.Module):
                 and not any("forward" in vars(b) or isinstance(b, FSDPModule) for b in blocks)):
             y = blocks[0].ln_1(x)  # no residual add before it; compiled, it is one kernel with the embeddings' sum
             for i, block in enumerate(blocks):
-                x, y = block.forward_fused(x, y, blocks[i + 1].ln_1 if i + 1 < len(blocks) else self.transformer.ln_f)
+                x, y = block.forward_fused(x, y, blocks[i + 1].ln_1 if i + 1 < len(blocks) else self.transformer.ln_f,
+                                           docs)
             return y
         for i, block in enumerate(blocks):
-            x = block(x, caches[i] if caches else None, pos)
+            x = block(x, caches[i] if caches else None, pos, docs)
         return self.transformer.ln_f(x)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, loss_mask: torch.Tensor | None = None,
-                caches: list[KVCache] | None = None, pos: int = 0, reduction: str = "mean") -> Output:
-        x = self.hidden(idx, caches, pos)
+                caches: list[KVCache] | None = None, pos: int = 0, reduction: str = "mean",
+                doc_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None) -> Output:
+        """Packed rows: `doc_ids` (B, T), each token's example in its row, and `position_ids` (B, T), its position
+        inside that example (data/packing.py)."""
+        x = self.hidden(idx, caches, pos, doc_ids, position_ids)
         if targets is None:  # inference: only the last position's logits are needed
             return Output(logits=self.lm_head(x[:, -1:, :]))
         return Output(loss=self.head_loss(x, targets, loss_mask, reduction), logits=None)

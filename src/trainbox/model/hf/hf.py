@@ -13,6 +13,7 @@ Every export is written into a temporary folder next to `out` and renamed into p
 """
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 from pathlib import Path
@@ -21,10 +22,12 @@ import torch
 
 from trainbox import checkpoint
 from trainbox.config import RunConfig, build_config
+from trainbox.data.chat import template_for
 from trainbox.data.sft import load_hf_tokenizer
 from trainbox.errors import ConfigError, require
 from trainbox.files import default_modes
 from trainbox.model.hf.model import build_hf
+from trainbox.model.hf_folder import DTYPES, write_chat_template, write_generation
 
 log = logging.getLogger("trainbox")
 
@@ -48,11 +51,17 @@ def _replace_dir(tmp: Path, out: Path) -> None:
     tmp.rename(out)
 
 
-def export_lora_hf(path: str | Path, out: str | Path, merge: bool = False, force: bool = False) -> dict:
-    """Write the adapter (PEFT format) or, with `merge`, a merged model to `out`. Returns a summary."""
+def export_lora_hf(path: str | Path, out: str | Path, merge: bool = False, force: bool = False,
+                   dtype: str | None = None) -> dict:
+    """Write the adapter (PEFT format) or, with `merge`, a merged model to `out` (in `dtype`: fp32, bf16, fp16;
+    default the base's own). Both carry the run's chat template; the merged model's generation_config.json stops
+    at end-of-text and the end-of-turn token. Returns a summary."""
     require("peft", "finetune", "exporting a LoRA run")
     ckpt = checkpoint.resolve(path)
     cfg = build_config(checkpoint.load_trainer(ckpt)["config"])
+    if dtype and not merge:
+        raise ConfigError(f"--dtype {dtype} applies to a whole model; a PEFT adapter is written as trained",
+                          hint="add --merge to write the base with the adapter folded in, in that dtype")
     quantized = cfg.quant.load_in_4bit or cfg.quant.load_in_8bit
     if merge and quantized and not force:
         bits = 4 if cfg.quant.load_in_4bit else 8
@@ -60,8 +69,8 @@ def export_lora_hf(path: str | Path, out: str | Path, merge: bool = False, force
                           f"full-precision base changes what the adapter corrects, so it is refused",
                           hint="export the adapter alone (drop --merge), or pass --force to merge into the base "
                                "reloaded in bf16")
-    dtype = torch.bfloat16 if (merge and quantized) else "auto"
-    model, cfg, ckpt = load_lora_run(ckpt, dtype)
+    load_dtype = DTYPES[dtype] if dtype else torch.bfloat16 if (merge and quantized) else "auto"
+    model, cfg, ckpt = load_lora_run(ckpt, load_dtype)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp")
@@ -75,7 +84,13 @@ def export_lora_hf(path: str | Path, out: str | Path, merge: bool = False, force
             model.peft.save_pretrained(tmp)
             kind, dt = "PEFT adapter", "fp32"
         tok_src = cfg.data.tokenizer if cfg.data.tokenizer != "gpt2" else cfg.model.path
-        load_hf_tokenizer(tok_src).hf.save_pretrained(tmp)
+        tokenizer = load_hf_tokenizer(tok_src)
+        tokenizer.hf.save_pretrained(tmp)
+        template = template_for(tokenizer, cfg.data.chat_template)
+        write_chat_template(tmp, template)
+        if merge:
+            source = tmp / "generation_config.json"
+            write_generation(tmp, tokenizer, template, json.loads(source.read_text()) if source.is_file() else None)
         _replace_dir(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -84,9 +99,9 @@ def export_lora_hf(path: str | Path, out: str | Path, merge: bool = False, force
             "merged": merge}
 
 
-def export(path: str, out: str, merge: bool = False, force: bool = False) -> list[str]:
+def export(path: str, out: str, merge: bool = False, force: bool = False, dtype: str | None = None) -> list[str]:
     """`trainbox export` of a LoRA run: the PEFT adapter, or the model with the adapter merged (--merge)."""
-    res = export_lora_hf(checkpoint.resolve(path), out, merge=merge, force=force)
+    res = export_lora_hf(checkpoint.resolve(path), out, merge=merge, force=force, dtype=dtype)
     default_modes(Path(res["out"]))
     lines = [f"wrote {res['kind']} ({res['dtype']}) to {res['out']} from {res['checkpoint']}"]
     if not res["merged"]:

@@ -18,6 +18,11 @@ the same training loop as every other family. Choices:
   LoRA dropout is replayed exactly in the recomputation and resume stays bit-exact on CPU.
 - The loss is ours (`gpt.cross_entropy` on the loop's shifted targets and loss mask), so masking and
   the per-token reduction mean exactly what they mean for the GPT family.
+- Packed rows (data.packing, data/packing.py) reach transformers as it understands them: `position_ids` restarting
+  at each example, and for sdpa and eager attention a 4D additive mask that is causal inside each example and
+  closed between examples (passed through as it is, by transformers 4 and 5 alike); for FlashAttention
+  (flash_attention_2 / 3) the rows are flattened into one sequence, whose position_ids give transformers the
+  examples' boundaries (its variable-length path). Other attention implementations are refused with packed rows.
 """
 from __future__ import annotations
 
@@ -27,6 +32,7 @@ import torch
 import torch.nn as nn
 
 from trainbox.data.sft import load_hf_tokenizer, open_finetuning_datasets
+from trainbox.data.sft import reads_examples as sft_examples
 from trainbox.errors import ConfigError, require
 from trainbox.model.layers import Output, cross_entropy
 
@@ -99,6 +105,14 @@ class HFCache:
         from transformers import DynamicCache  # optional: transformers
         self.cache = DynamicCache()
 
+    def crop(self, length: int) -> None:
+        """Keep the first `length` positions (a chat turn that re-uses the start of the conversation)."""
+        extra = self.cache.get_seq_length() - length
+        if length == 0:
+            self.cache = type(self.cache)()
+        elif extra > 0:   # a negative count removes that many positions in transformers 4 and 5 alike
+            self.cache.crop(-extra)
+
 
 class HFCausalLM(nn.Module):
     """A PEFT-wrapped causal LM behind the family interface (forward -> Output, make_caches, ...)."""
@@ -114,13 +128,36 @@ class HFCausalLM(nn.Module):
         self.block_size = getattr(conf, "max_position_embeddings", None) or getattr(conf, "n_positions", 2048)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, loss_mask: torch.Tensor | None = None,
-                caches: HFCache | None = None, pos: int = 0, reduction: str = "mean") -> Output:
+                caches: HFCache | None = None, pos: int = 0, reduction: str = "mean",
+                doc_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None) -> Output:
         if targets is None:  # inference: only the last position's logits (HF tracks positions in its cache)
             out = self.peft(input_ids=idx, past_key_values=caches.cache if caches is not None else None,
                             use_cache=caches is not None, logits_to_keep=1)
             return Output(logits=out.logits)
-        out = self.peft(input_ids=idx, use_cache=False)
-        return Output(loss=cross_entropy(out.logits, targets, loss_mask, reduction))
+        logits = self.peft(input_ids=idx, use_cache=False).logits if doc_ids is None else \
+            self.packed_logits(idx, doc_ids, position_ids)
+        return Output(loss=cross_entropy(logits, targets, loss_mask, reduction))
+
+    def packed_logits(self, idx: torch.Tensor, doc_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """Logits (B, T, V) of packed rows, each example seeing only itself (module docstring)."""
+        impl = getattr(self.hf_config, "_attn_implementation", None) or "eager"
+        B, T = idx.shape
+        if "flash" in impl:   # one row of B * T tokens: transformers cuts it where position_ids restart
+            out = self.peft(input_ids=idx.reshape(1, B * T), position_ids=position_ids.reshape(1, B * T),
+                            use_cache=False)
+            return out.logits.view(B, T, -1)
+        if impl not in ("sdpa", "eager"):
+            raise ConfigError(f"data.packing=true: model.path={self.path} runs attention {impl!r}, which trainbox "
+                              "cannot limit to each example of a packed row",
+                              hint="set data.packing=false, or load the model with sdpa, eager or flash_attention_2")
+        device = idx.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else \
+            self.peft.get_base_model().dtype
+        causal = torch.ones(T, T, dtype=torch.bool, device=idx.device).tril()
+        allowed = causal & (doc_ids[:, :, None] == doc_ids[:, None, :])          # (B, T, T)
+        mask = torch.zeros(B, 1, T, T, dtype=dtype, device=idx.device).masked_fill(~allowed[:, None],
+                                                                                   torch.finfo(dtype).min)
+        return self.peft(input_ids=idx, position_ids=position_ids, attention_mask=mask, use_cache=False).logits
 
     def make_caches(self, batch: int, max_len: int, dtype, device) -> HFCache:
         return HFCache()
@@ -223,6 +260,11 @@ def tokenizer(run):
 def open_datasets(run, tokenizer, vocab_size: int):
     """Fine-tuning data: chat / text JSONL with assistant-only loss, or prepared token files (data/sft.py)."""
     return open_finetuning_datasets(run.data, tokenizer, vocab_size)
+
+
+def reads_examples(run) -> bool:
+    """Chat / text JSONL is read as whole examples (data/sft.py), so data.packing applies."""
+    return sft_examples(run.data)
 
 
 def build_meta(cfg) -> nn.Module:

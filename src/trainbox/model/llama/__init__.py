@@ -10,5 +10,5 @@ FAMILY = Family(
     module="trainbox.model.llama.model", hf_module="trainbox.model.llama.hf",
     memory_module="trainbox.model.llama.memory", section=LlamaSection, check=check,
     options=frozenset({"fused_loss", "head_dim", "path"}),
-    export="LlamaForCausalLM or Qwen2ForCausalLM",
+    export="LlamaForCausalLM or Qwen2ForCausalLM", gguf=("f16", "bf16", "q8_0"), packing=("flash", "flex", "sdpa"),
 )

@@ -15,6 +15,7 @@ Weights come from model.safetensors or a sharded model.safetensors.index.json.
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -22,14 +23,20 @@ import torch
 import torch.nn as nn
 from safetensors.torch import save_file
 
+from trainbox.data.chat import template_for
 from trainbox.errors import ConfigError
+from trainbox.model.gguf_file import GGUFModel
 from trainbox.model.hf_folder import (
     TOKENIZER_FILES,
+    cast,
     check_out,
     copy_mapped,
+    dtype_name,
     no_merge,
     read_hf_state,
     staged,
+    write_chat_template,
+    write_generation,
     write_tokenizer,
 )
 from trainbox.model.llama.config import head_dim, intermediate_size, tokenizer_spec
@@ -215,13 +222,14 @@ def hf_state(model: nn.Module) -> dict[str, torch.Tensor]:
             if not (k == "lm_head.weight" and model.cfg.llama.tie_embeddings)}
 
 
-def write_hf(model: nn.Module, cfg, folder: Path, eot_id: int, block: int) -> str:
-    """model.safetensors, config.json and generation_config.json into `folder`; returns the architecture."""
+def write_hf(model: nn.Module, cfg, folder: Path, eot_id: int, block: int, dtype: str | None = None) -> str:
+    """model.safetensors (in `dtype`: fp32, bf16, fp16; default fp32), config.json and generation_config.json
+    (model.path's, else end-of-text's ids) into `folder`; returns the architecture."""
     source_dir = Path(cfg.path) if cfg.path else None
     source = json.loads((source_dir / "config.json").read_text()) if source_dir and \
         (source_dir / "config.json").is_file() else {"bos_token_id": eot_id, "eos_token_id": eot_id}
-    config = hf_config(cfg, model.vocab_size, block, source)
-    save_file(hf_state(model), str(folder / "model.safetensors"), metadata={"format": "pt"})
+    config = {**hf_config(cfg, model.vocab_size, block, source), "dtype": dtype_name(dtype)}
+    save_file(cast(hf_state(model), dtype), str(folder / "model.safetensors"), metadata={"format": "pt"})
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     generation = source_dir / "generation_config.json" if source_dir else None
     if generation is not None and generation.is_file():
@@ -232,16 +240,19 @@ def write_hf(model: nn.Module, cfg, folder: Path, eot_id: int, block: int) -> st
     return config["architectures"][0]
 
 
-def export(path: str, out: str, merge: bool = False, force: bool = False) -> list[str]:
+def export(path: str, out: str, merge: bool = False, force: bool = False, dtype: str | None = None) -> list[str]:
     """`trainbox export` of a llama run: a LlamaForCausalLM (or, with q/k/v biases, Qwen2ForCausalLM) folder with
-    the run's tokenizer: the files of its tokenizer folder (model.path's) copied, else written as for gpt."""
+    the run's tokenizer (the files of its tokenizer folder, model.path's, copied; else written as for gpt), its
+    chat template, and generation_config.json stopping at end-of-text and the end-of-turn token."""
     no_merge(path, merge)
     out = Path(out)
     check_out(out, force)
     model, tokenizer, cfg = load_for_inference(path)
     block = cfg.model.block_size or cfg.data.seq_len
+    template = template_for(tokenizer, cfg.data.chat_template)
     with staged(out) as tmp:
-        arch = write_hf(model, cfg.model, tmp, tokenizer.eot_id, block)
+        arch = write_hf(model, cfg.model, tmp, tokenizer.eot_id, block, dtype)
+        write_generation(tmp, tokenizer, template, json.loads((tmp / "generation_config.json").read_text()))
         spec = Path(tokenizer_spec(cfg))
         if (spec / "tokenizer_config.json").is_file():  # a Hugging Face tokenizer folder: its files as they are
             for name in TOKENIZER_FILES:
@@ -249,4 +260,52 @@ def export(path: str, out: str, merge: bool = False, force: bool = False) -> lis
                     shutil.copyfile(spec / name, tmp / name)
         else:
             write_tokenizer(tokenizer, cfg.data.tokenizer, tmp, block)
-    return [f"wrote {out} (Hugging Face {arch}: config.json, model.safetensors, tokenizer)"]
+        write_chat_template(tmp, template)
+    return [f"wrote {out} (Hugging Face {arch}, {dtype_name(dtype)}: config.json, model.safetensors, "
+            "generation_config.json, tokenizer with the chat template)"]
+
+
+# ----------------------------------------------------------------------------- HF -> GGUF
+
+
+def permute(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """q_proj / k_proj rows from rotate_half's order (the halves of each head) to the interleaved pairs of
+    llama.cpp's llama architecture (RoPE type NORM), as convert_hf_to_gguf.py's LlamaModel.permute does."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def rope_factors(hf: dict, dim: int) -> torch.Tensor:
+    """Llama 3 RoPE scaling as the per-frequency divisors llama.cpp reads from rope_freqs.weight."""
+    rope, base = hf["rope_scaling"], hf["rope_theta"]
+    freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    wavelen = 2 * math.pi / freqs
+    old = rope["original_max_position_embeddings"]
+    low, high = rope["low_freq_factor"], rope["high_freq_factor"]
+    smooth = (old / wavelen - low) / (high - low)
+    mid = 1 / ((1 - smooth) / rope["factor"] + smooth)
+    return torch.where(wavelen < old / high, torch.ones_like(freqs),
+                       torch.where(wavelen > old / low, torch.full_like(freqs, rope["factor"]), mid))
+
+
+def gguf_model(folder: Path) -> GGUFModel:
+    """A LlamaForCausalLM / Qwen2ForCausalLM folder (written by export) as llama.cpp's llama or qwen2 architecture:
+    llama's q/k rows permuted to interleaved RoPE pairs (qwen2 keeps rotate_half: RoPE type NEOX), Llama 3
+    scaling as rope_freqs.weight, the hyperparameters as convert_hf_to_gguf.py writes them."""
+    hf = read_config(folder, "export")
+    heads, kv = hf["num_attention_heads"], hf["num_key_value_heads"]
+    dim = hf.get("head_dim") or hf["hidden_size"] // heads
+    state = read_weights(Path(folder))
+    if hf["model_type"] == "llama":
+        for k in state:
+            if k.endswith(("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias")):
+                state[k] = permute(state[k], heads if ".q_proj." in k else kv)
+    params = {"block_count": hf["num_hidden_layers"], "context_length": hf["max_position_embeddings"],
+              "embedding_length": hf["hidden_size"], "feed_forward_length": hf["intermediate_size"],
+              "attention.head_count": heads, "attention.head_count_kv": kv, "rope.freq_base": float(hf["rope_theta"]),
+              "attention.layer_norm_rms_epsilon": float(hf["rms_norm_eps"]), "attention.key_length": dim,
+              "attention.value_length": dim}
+    if hf["model_type"] == "llama":
+        params.update({"vocab_size": hf["vocab_size"], "rope.dimension_count": dim})
+    extra = {"rope_freqs.weight": rope_factors(hf, dim)} if (hf.get("rope_scaling") or {}).get("rope_type") == \
+        "llama3" else {}
+    return GGUFModel(hf["model_type"], params, state, extra)

@@ -17,6 +17,11 @@ in buffers, so a model built on the meta device needs nothing recomputed). Atten
 enable_gqa (k and v are never repeated in memory); with `model.fused_loss` the head and the cross-entropy
 are one function that never keeps the logits, as in the gpt family.
 
+Packed rows (data.packing: several fine-tuning examples in one row, data/packing.py) come with `doc_ids` and
+`position_ids`: RoPE rotates each token by its position inside its example, and attention stays inside each
+example (kernels/packed.py: FlashAttention-4's variable-length kernels, a FlexAttention document mask, or SDPA with
+a block-diagonal mask, as kernels/choice.py `packed_on` picks), so every example computes what it computes alone.
+
 Each block is one module of `model.layers` (`checkpoint_units()`): activation checkpointing and
 per-block sharding wrap them. With `model.path` set, the run takes its shape, tokenizer and initial
 weights from that Hugging Face folder and reads chat JSONL through the fine-tuning data path (data/sft.py)
@@ -32,9 +37,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from trainbox.data.sft import load_hf_tokenizer, open_finetuning_datasets
+from trainbox.data.sft import reads_examples as sft_examples
 from trainbox.data.sources import open_datasets as open_token_datasets
 from trainbox.data.tokenizer import get_tokenizer
+from trainbox.kernels.choice import packed_on
+from trainbox.kernels.flash import half_precision
 from trainbox.kernels.fused_ce import head_cross_entropy
+from trainbox.kernels.packed import DocMask, doc_attention, doc_mask
 from trainbox.model.layers import (
     KVCache,
     Output,
@@ -46,6 +55,7 @@ from trainbox.model.layers import (
 )
 from trainbox.model.llama.config import head_dim, intermediate_size, tokenizer_spec
 from trainbox.model.llama.hf import resolve_from_folder
+from trainbox.model.spec import family
 
 
 def rope_frequencies(dim: int, theta: float, scaling, device=None) -> torch.Tensor:
@@ -65,7 +75,8 @@ def rope_frequencies(dim: int, theta: float, scaling, device=None) -> torch.Tens
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate (B, H, T, D) by the (T, D/2) angles: the first half of each head against the second (rotate_half)."""
+    """Rotate (B, H, T, D) by the (T, D/2) angles, or (B, 1, T, D/2) ones of packed rows: the first half of each
+    head against the second (rotate_half)."""
     x1, x2 = x.float().chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).type_as(x)
 
@@ -80,13 +91,14 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(n_head * head_dim, n_embd, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None = None,
-                pos: int = 0) -> torch.Tensor:
+                pos: int = 0, docs: DocMask | None = None) -> torch.Tensor:
         B, T, _ = x.shape
         # (B, T, H * D) -> (B, H, T, D)
         q = self.q_proj(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
-        y = cached_attention(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, cache, pos)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        y = cached_attention(q, k, v, cache, pos) if docs is None else doc_attention(q, k, v, docs)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim))
 
 
@@ -115,8 +127,8 @@ class Block(nn.Module):
         self.mlp = MLP(cfg.n_embd, intermediate_size(cfg))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None = None,
-                pos: int = 0) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, pos)
+                pos: int = 0, docs: DocMask | None = None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, pos, docs)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -139,24 +151,41 @@ class Llama(nn.Module):
         init_normal_(self)
         scaled_residual_init_(self, "o_proj.weight", cfg.n_layer)
         scaled_residual_init_(self, "down_proj.weight", cfg.n_layer)
+        self.packed_kernel: str | None = None   # the kernel of packed rows, decided on the first (kernels/choice.py)
 
-    def rope(self, pos: int, T: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin of positions pos..pos+T-1, (T, head_dim / 2) in fp32, shared by every layer."""
+    def rope(self, pos: int, T: int, device: torch.device,
+             positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of positions pos..pos+T-1, (T, head_dim / 2) in fp32, shared by every layer; of packed rows'
+        (B, T) `positions`, (B, 1, T, head_dim / 2)."""
         lc = self.cfg.llama
         inv = rope_frequencies(head_dim(self.cfg), lc.rope_theta, lc.rope_scaling, device)
+        if positions is not None:
+            angles = positions[:, None, :, None].float() * inv
+            return angles.cos(), angles.sin()
         angles = torch.outer(torch.arange(pos, pos + T, device=device, dtype=torch.float32), inv)
         return angles.cos(), angles.sin()
 
-    def hidden(self, idx: torch.Tensor, caches: list[KVCache] | None = None, pos: int = 0) -> torch.Tensor:
-        cos, sin = self.rope(pos, idx.size(1), idx.device)
+    def doc_mask(self, doc_ids: torch.Tensor) -> DocMask:
+        """Packed rows' attention mask for every layer, in the kernel kernels/choice.py picks for the device."""
+        if self.packed_kernel is None:
+            self.packed_kernel = packed_on(family(self.cfg.family), self.cfg, doc_ids.device)
+        return doc_mask(doc_ids, self.packed_kernel, half_precision(doc_ids.device, self.lm_head.weight.dtype))
+
+    def hidden(self, idx: torch.Tensor, caches: list[KVCache] | None = None, pos: int = 0,
+               doc_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        cos, sin = self.rope(pos, idx.size(1), idx.device, position_ids)
+        docs = self.doc_mask(doc_ids) if doc_ids is not None else None
         x = self.model.embed_tokens(idx)
         for i, block in enumerate(self.model.layers):
-            x = block(x, cos, sin, caches[i] if caches else None, pos)
+            x = block(x, cos, sin, caches[i] if caches else None, pos, docs)
         return self.model.norm(x)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, loss_mask: torch.Tensor | None = None,
-                caches: list[KVCache] | None = None, pos: int = 0, reduction: str = "mean") -> Output:
-        x = self.hidden(idx, caches, pos)
+                caches: list[KVCache] | None = None, pos: int = 0, reduction: str = "mean",
+                doc_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None) -> Output:
+        """Packed rows: `doc_ids` (B, T), each token's example in its row, and `position_ids` (B, T), its position
+        inside that example (data/packing.py)."""
+        x = self.hidden(idx, caches, pos, doc_ids, position_ids)
         if targets is None:  # inference: only the last position's logits are needed
             return Output(logits=self.lm_head(x[:, -1:, :]))
         if self.cfg.fused_loss:
@@ -212,3 +241,8 @@ def open_datasets(run, tokenizer, vocab_size: int):
     if run.model.path:
         return open_finetuning_datasets(run.data, tokenizer, vocab_size)
     return open_token_datasets(run.data, tokenizer, vocab_size)
+
+
+def reads_examples(run) -> bool:
+    """With model.path, chat / text JSONL is read as whole examples (data/sft.py), so data.packing applies."""
+    return bool(run.model.path) and sft_examples(run.data)

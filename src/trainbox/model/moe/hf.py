@@ -15,21 +15,21 @@ from safetensors.torch import save_file
 from trainbox.checkpoint import load_weights, model_state
 from trainbox.config import ModelSection
 from trainbox.errors import CheckpointError
-from trainbox.model.hf_folder import check_out, no_merge, staged, write_tokenizer
+from trainbox.model.hf_folder import cast, check_out, no_merge, staged, write_tokenizer
 from trainbox.model.load import load_for_inference
 from trainbox.model.moe.model import FORMAT, MoEGPT
 
 
-def save_pretrained(model: MoEGPT, folder: str | Path) -> None:
+def save_pretrained(model: MoEGPT, folder: str | Path, dtype: str | None = None) -> None:
     """config.json (the model section, vocabulary and block size) and model.safetensors (our parameter names,
-    fp32, every expert, the tied head stored once) into `folder`."""
+    fp32 or `dtype`, every expert, the tied head stored once) into `folder`."""
     folder = Path(folder)
     section = model.cfg.model_dump(mode="json")
     section["moe"]["expert_parallel"] = 1
     config = {"format": FORMAT, "loader": "trainbox.model.moe.hf.from_pretrained", "vocab_size": model.vocab_size,
               "block_size": model.block_size, "model": section}
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    state = {k: v.float() for k, v in model_state(model).items()}
+    state = cast({k: v.float() for k, v in model_state(model).items()}, dtype)
     save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
 
 
@@ -54,7 +54,7 @@ def from_pretrained(folder: str | Path, device: str | torch.device = "cpu") -> M
     return model.to(device).eval()
 
 
-def export(path: str, out: str, merge: bool = False, force: bool = False) -> list[str]:
+def export(path: str, out: str, merge: bool = False, force: bool = False, dtype: str | None = None) -> list[str]:
     """`trainbox export` of an moe run. Hugging Face transformers has no GPT-2 MoE class, so the folder is the
     family's own (model/moe.py: save_pretrained): config.json, model.safetensors and the tokenizer, loaded by
     `trainbox.model.moe.hf.from_pretrained(folder)`."""
@@ -63,7 +63,7 @@ def export(path: str, out: str, merge: bool = False, force: bool = False) -> lis
     target = Path(out)
     check_out(target, force)
     with staged(target) as tmp:
-        save_pretrained(model, tmp)
+        save_pretrained(model, tmp, dtype)
         write_tokenizer(tok, cfg.data.tokenizer, tmp, model.block_size)
     return [f"wrote {target} (trainbox MoE format: config.json, model.safetensors, tokenizer); Hugging Face "
             f"transformers has no GPT-2 MoE class: load it with trainbox.model.moe.hf.from_pretrained({str(target)!r})"]

@@ -1,4 +1,4 @@
-"""Speedrun GPT (`model.family: speedrun`), after modded-nanogpt: model.py (and doc_mask.py, its attention rule),
+"""Speedrun GPT (`model.family: speedrun`), after modded-nanogpt: model.py (its attention rule is kernels/doc_mask.py),
 its memory formula (memory.py). No Hugging Face class exists for it: its checkpoints are its portable form."""
 from trainbox.model.spec import Family
 from trainbox.model.speedrun.config import check, flash_eligible

@@ -44,12 +44,12 @@ from torch.nn.attention.flex_attention import flex_attention
 
 from trainbox.errors import ConfigError
 from trainbox.kernels.choice import KernelChoice, choose
+from trainbox.kernels.doc_mask import flex_block_mask, sdpa_mask
 from trainbox.kernels.flash import doc_seqlens, flash_attention, half_precision
 from trainbox.kernels.fp8 import fp8_linear, linear, mlp_fp8
 from trainbox.kernels.fused_ce import head_cross_entropy
 from trainbox.model.layers import DocKVCaches, KVCache, Output, RMSNorm, Rotary, cross_entropy, residual_dtype
 from trainbox.model.spec import family
-from trainbox.model.speedrun.doc_mask import flex_block_mask, sdpa_mask
 
 log = logging.getLogger("trainbox")
 

@@ -6,6 +6,7 @@ the same model.
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -15,7 +16,7 @@ from safetensors.torch import save_file
 
 from trainbox.errors import ConfigError
 from trainbox.files import default_modes
-from trainbox.model.hf_folder import no_merge
+from trainbox.model.hf_folder import cast, dtype_name, no_merge
 from trainbox.model.load import load_for_inference
 from trainbox.model.t5.model import T5, t5_d_ff, t5_d_kv, t5_decoder_layers
 
@@ -35,7 +36,7 @@ def hf_config(model: T5, eos_token_id: int):
                     eos_token_id=eos_token_id)
 
 
-def to_hf(model: T5, out: str | Path, eos_token_id: int) -> Path:
+def to_hf(model: T5, out: str | Path, eos_token_id: int, dtype: str | None = None) -> Path:
     """Write a folder that `T5ForConditionalGeneration.from_pretrained` loads with the same outputs
     (config.json + model.safetensors, names 1:1). Written into a temporary folder, then renamed."""
     out = Path(out)
@@ -49,6 +50,10 @@ def to_hf(model: T5, out: str | Path, eos_token_id: int) -> Path:
             continue
         seen.add(t.data_ptr())
         state[name] = t.detach().to("cpu", torch.float32).contiguous()
+    state = cast(state, dtype)
+    if dtype:
+        config = json.loads((tmp / "config.json").read_text())
+        (tmp / "config.json").write_text(json.dumps({**config, "dtype": dtype_name(dtype)}, indent=2) + "\n")
     save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     if out.exists():
         shutil.rmtree(out)
@@ -56,13 +61,13 @@ def to_hf(model: T5, out: str | Path, eos_token_id: int) -> Path:
     return out
 
 
-def export(path: str, out: str, merge: bool = False, force: bool = False) -> list[str]:
+def export(path: str, out: str, merge: bool = False, force: bool = False, dtype: str | None = None) -> list[str]:
     """`trainbox export` of a t5 run: a T5ForConditionalGeneration folder."""
     no_merge(path, merge)
     model, tok, _ = load_for_inference(path)
     target = Path(out)
     if target.exists() and any(target.iterdir()) and not force:
         raise ConfigError(f"{target} exists and is not empty", hint="choose another --out or pass --force")
-    to_hf(model, target, eos_token_id=tok.eot_id)
+    to_hf(model, target, eos_token_id=tok.eot_id, dtype=dtype)
     default_modes(target)
     return [f"wrote {target} (Hugging Face T5ForConditionalGeneration: config.json, model.safetensors)"]

@@ -1,5 +1,6 @@
-"""The speedrun family's attention rule: document-causal sliding windows (model/speedrun.py), as one predicate
-(`allowed`) and the two masks built from it, a dense one for SDPA and a block-sparse one for FlexAttention."""
+"""Document-causal attention, optionally in sliding windows, as one predicate (`allowed`) and the two masks built
+from it, a dense one for SDPA and a block-sparse one for FlexAttention. The speedrun family's rule (documents split
+at EOT, windows that grow during training); packed rows (kernels/packed.py) use it with a window as long as the row."""
 from __future__ import annotations
 
 import torch

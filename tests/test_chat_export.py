@@ -1,0 +1,406 @@
+"""`trainbox chat` and `trainbox export` with the engines that run the result: tiny models fine-tuned on chats
+whose answers are short (so they learn to emit <|im_end|>), chatted with through a pipe, exported to Hugging Face
+folders that transformers' `generate` stops at the end of a turn, and to GGUF files read back by gguf's
+GGUFReader and, where llama-cpp-python is installed, run by llama.cpp itself."""
+from __future__ import annotations
+
+import json
+import os
+import select
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from conftest import run_cli
+
+from trainbox.chat import ChatSession, open_chat
+from trainbox.config import load_config
+from trainbox.data.chat import CHATML, template_for
+from trainbox.train.loop import Trainer
+
+transformers = pytest.importorskip("transformers")
+import hf_tiny  # noqa: E402
+
+QUESTIONS = ["what is two plus three", "what is one plus four", "what is zero plus one"]
+
+
+def sft_args(tmp, base, chats, name: str, *more: str) -> list[str]:
+    return [f"model.path={base}", f"data.path={chats}", "data.seq_len=64", f"run.name={name}",
+            f"run.dir={tmp / 'runs'}", f"data.cache_dir={tmp / 'cache'}", "train.global_batch_size=8",
+            "train.micro_batch_size=8", "train.max_steps=150", "optim.warmup_steps=0", "train.sample_tokens=0",
+            "monitor.enabled=false", "train.threads=1", "train.activation_checkpointing=none", *more]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """A full fine-tune (llama family, model.path) and a LoRA run (hf family) of one tiny Llama folder on chats
+    whose answers are four words and <|im_end|>."""
+    tmp = tmp_path_factory.mktemp("chat")
+    base = hf_tiny.make_model(tmp / "base", "llama")
+    chats = hf_tiny.make_chat_file(tmp / "chat.jsonl", n=96)
+    sft = load_config("sft", sft_args(tmp, base, chats, "sft", "optim.lr=3e-3"))
+    Trainer(sft).run()
+    lora = load_config("lora", sft_args(tmp, base, chats, "lora", "optim.lr=1e-2", "lora.r=16", "lora.dropout=0.0",
+                                        "lora.gradient_checkpointing=false"))
+    Trainer(lora).run()
+    return {"tmp": tmp, "base": base, "sft": sft.run_dir, "lora": lora.run_dir}
+
+
+def tiny_run(tmp, tiny, name: str, *more: str):
+    """A 4-step pretraining run of a family on the embedded corpus (its shakespeare BPE tokenizer)."""
+    cfg = load_config(None, [*tiny, f"run.name={name}", "train.max_steps=4", "train.eval_every=0",
+                             "monitor.enabled=false", "train.sample_tokens=0", "train.threads=1", *more])
+    Trainer(cfg).run()
+    return cfg.run_dir
+
+
+# ----------------------------------------------------------------------------- chat
+
+
+def test_chat_streams_one_answer_per_line_through_a_pipe(runs):
+    """Each line sent is answered (token by token: stdout flushed per piece) before the next one is sent, each
+    answer ends at <|im_end|>, /reset clears the history, and EOF ends the command with exit 0."""
+    reference = open_chat(runs["sft"], "cpu", temperature=0, max_tokens=24)
+    expected = []
+    for q in QUESTIONS[:2]:
+        pieces = list(reference.turn(q))
+        assert len(pieces) > 1 and reference.last.stopped == "end_of_turn", (pieces, reference.last)
+        expected.append("".join(pieces))
+    reference.reset()
+    expected.append("".join(reference.turn(QUESTIONS[2])))
+    assert reference.last.stopped == "end_of_turn"
+
+    proc = subprocess.Popen([sys.executable, "-m", "trainbox", "chat", str(runs["sft"]), "--temperature", "0",
+                             "--max-tokens", "24"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        answers = []
+        for line in [QUESTIONS[0], QUESTIONS[1], "/reset", QUESTIONS[2]]:
+            proc.stdin.write(line + "\n")
+            proc.stdin.flush()
+            if line == "/reset":
+                continue
+            ready, _, _ = select.select([proc.stdout], [], [], 120)
+            assert ready, "no answer within 120 s"
+            answers.append(proc.stdout.readline().rstrip("\n"))   # the answer arrives before the next line is sent
+        proc.stdin.close()
+        assert proc.wait(timeout=60) == 0
+        rest, err = proc.stdout.read(), proc.stderr.read()
+    finally:
+        proc.kill()
+    assert answers == expected and rest == ""
+    assert "answers end at <|im_end|>" in err and "(history cleared)" in err and "--max-tokens" not in err
+
+
+def test_chat_keeps_the_cache_and_answers_as_a_fresh_encoding_does(runs):
+    """Across turns the cache is reused (only the new tokens are fed) and the greedy answers equal those of a
+    session that re-encodes the whole conversation every turn; the LoRA (transformers cache) run too."""
+    for run in ("sft", "lora"):
+        kept = open_chat(runs[run], "cpu", temperature=0, max_tokens=24)
+        fresh = open_chat(runs[run], "cpu", temperature=0, max_tokens=24)
+        for i, q in enumerate(QUESTIONS[:2]):
+            before = len(kept.cached)
+            a = "".join(kept.turn(q))
+            fresh.cached = []
+            b = "".join(fresh.turn(q))
+            assert a == b and kept.last.ids == fresh.last.ids, run
+            if i:
+                assert kept.reused >= before - 1 > 0, (run, kept.reused, before)
+
+
+def test_chat_drops_the_oldest_turns_at_the_context(runs, caplog):
+    session = open_chat(runs["sft"], "cpu", temperature=0, max_tokens=24)
+    for q in QUESTIONS:
+        "".join(session.turn(q))
+        assert len(session.cached) < session.limit
+    assert "dropped its 1 oldest turn(s)" in caplog.text
+    assert [m["content"] for m in session.messages if m["role"] == "user"] == QUESTIONS[1:]
+
+
+def test_chat_stops_at_a_marker_of_several_tokens(tmp_path, tiny):
+    """gpt2-style tokenizers have no <|im_end|> token: the answer stops where its text appears, which is never
+    shown."""
+    run = tiny_run(tmp_path, tiny, "gpt", "data.seq_len=96")
+    session = open_chat(run, "cpu", temperature=0, max_tokens=40)
+    assert session.end_id is None and session.end_text == "<|im_end|>"
+    forced = session.tokenizer.encode("hello<|im_end|>")
+    session.model.forward = _scripted(session.model, forced)
+    pieces = list(session.turn("hi"))
+    assert "".join(pieces) == "hello" and session.last.stopped == "end_of_turn"
+    assert all("<" not in p for p in pieces)
+
+
+def _scripted(model, ids: list[int]):
+    """A forward whose next-token logits spell `ids`, one per call."""
+    real, calls = model.forward, iter(ids)
+
+    def forward(idx, caches=None, pos=0, **kw):
+        out = real(idx, caches=caches, pos=pos, **kw)
+        logits = torch.full_like(out.logits, -1e4)
+        logits[..., next(calls, ids[-1])] = 0
+        out.logits = logits
+        return out
+    return forward
+
+
+# ----------------------------------------------------------------------------- Hugging Face export
+
+
+@pytest.mark.parametrize("run", ["sft", "lora"])
+def test_hf_export_stops_at_the_end_of_a_turn_in_transformers(runs, run):
+    """generation_config.json lists end-of-text and <|im_end|>; transformers' generate, from the exported
+    tokenizer's own chat template, stops at <|im_end|> with our chat's answer."""
+    out = runs["tmp"] / f"{run}-hf"
+    run_cli("export", str(runs[run]), "--format", "hf", "--out", str(out), "--force",
+            *(["--merge"] if run == "lora" else []))
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == [tok.eos_token_id, end]
+    assert tok.chat_template == hf_tiny.CHATML
+    ours = open_chat(runs[run], "cpu", temperature=0, max_tokens=24)
+    for q in QUESTIONS:
+        ours.reset()
+        answer = "".join(ours.turn(q))
+        prompt = tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                         return_tensors="pt", return_dict=True)["input_ids"]
+        with torch.no_grad():
+            full = model.generate(prompt, max_new_tokens=24, do_sample=False)[0, prompt.shape[1]:].tolist()
+        assert full[-1] == end and len(full) < 24, tok.decode(full)
+        assert tok.decode(full[:-1]) == answer
+
+
+def test_hf_export_dtype(runs):
+    out = runs["tmp"] / "sft-bf16"
+    run_cli("export", str(runs["sft"]), "--out", str(out), "--dtype", "bf16")
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype="auto")
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    fp32 = transformers.AutoModelForCausalLM.from_pretrained(_export(runs["sft"], runs["tmp"] / "sft-fp32"))
+    assert {p.dtype for p in fp32.parameters()} == {torch.float32}
+    for (name, a), b in zip(fp32.named_parameters(), model.parameters()):
+        assert torch.equal(a.detach().to(torch.bfloat16), b.detach()), name
+
+
+def _export(run, out):
+    run_cli("export", str(run), "--out", str(out), "--force")
+    return out
+
+
+# ----------------------------------------------------------------------------- GGUF
+
+
+def permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """convert_hf_to_gguf.py's LlamaModel.permute: rotate_half rows -> interleaved RoPE pairs."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def expected_tensors(folder) -> dict[str, np.ndarray]:
+    """The tensors llama.cpp's converter writes for a Hugging Face folder, by its naming, written out here."""
+    from safetensors.numpy import load_file
+    hf = json.loads((folder / "config.json").read_text())
+    state = load_file(folder / "model.safetensors")
+    out = {}
+    if hf["model_type"] == "gpt2":
+        out.update({"token_embd.weight": state["transformer.wte.weight"],
+                    "position_embd.weight": state["transformer.wpe.weight"],
+                    "output_norm.weight": state["transformer.ln_f.weight"],
+                    "output_norm.bias": state["transformer.ln_f.bias"]})
+        names = {"ln_1": "attn_norm", "attn.c_attn": "attn_qkv", "attn.c_proj": "attn_output", "ln_2": "ffn_norm",
+                 "mlp.c_fc": "ffn_up", "mlp.c_proj": "ffn_down"}
+        for i in range(hf["n_layer"]):
+            for theirs, ours in names.items():
+                for kind in ("weight", "bias"):
+                    t = state[f"transformer.h.{i}.{theirs}.{kind}"]
+                    out[f"blk.{i}.{ours}.{kind}"] = t.T if kind == "weight" and t.ndim == 2 else t
+        return out
+    out.update({"token_embd.weight": state["model.embed_tokens.weight"],
+                "output_norm.weight": state["model.norm.weight"]})
+    if "lm_head.weight" in state:
+        out["output.weight"] = state["lm_head.weight"]
+    names = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+             "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
+             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    heads = {"attn_q": hf["num_attention_heads"], "attn_k": hf["num_key_value_heads"]}
+    for i in range(hf["num_hidden_layers"]):
+        for theirs, ours in names.items():
+            for kind in ("weight", "bias"):
+                key = f"model.layers.{i}.{theirs}.{kind}"
+                if key in state:
+                    t = state[key]
+                    out[f"blk.{i}.{ours}.{kind}"] = permute(t, heads[ours]) if hf["model_type"] == "llama" and \
+                        ours in heads else t
+    return out
+
+
+def read_gguf(path):
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+    reader = GGUFReader(path)
+    tensors = {t.name: (t.tensor_type.name, np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+                        .reshape(list(reversed(t.shape.tolist())))) for t in reader.tensors}
+    meta = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+    return tensors, meta
+
+
+def check_values(name: str, qtype: str, got: np.ndarray, want: np.ndarray) -> None:
+    assert got.shape == want.shape, (name, got.shape, want.shape)
+    if qtype == "F32":
+        assert np.array_equal(got, want), name
+    elif qtype == "F16":
+        assert np.array_equal(got, want.astype(np.float16).astype(np.float32)), name
+    elif qtype == "BF16":
+        assert np.allclose(got, want, rtol=2 ** -8, atol=0), name
+    else:   # Q8_0: blocks of 32 values, each a multiple of its block's scale amax / 127 (an f16): half a step
+        g, w = got.reshape(-1, 32), want.reshape(-1, 32)   # off, plus up to 127 times the scale's rounding (2^-11)
+        step = np.abs(w).max(axis=1, keepdims=True) / 127
+        assert (np.abs(g - w) <= step * (0.5 + 127 * 2 ** -11) + 1e-7).all(), name
+
+
+@pytest.fixture(scope="module")
+def gguf_runs(runs, tmp_path_factory):
+    """The three GGUF architectures: llama (the sft run), qwen2 (llama family with q/k/v biases) and gpt2."""
+    pytest.importorskip("gguf")
+    from conftest import TINY
+    tmp = tmp_path_factory.mktemp("gguf")
+    tiny = [*TINY, f"run.dir={tmp / 'runs'}", f"data.cache_dir={tmp / 'cache'}"]
+    return {"llama": runs["sft"],
+            "qwen2": tiny_run(tmp, tiny, "qwen2", "model.family=llama", "model.llama.qkv_bias=true",
+                              "model.n_head=4", "model.llama.n_kv_head=2", "model.llama.intermediate_size=64",
+                              "model.llama.rope_theta=10000"),
+            "gpt2": tiny_run(tmp, tiny, "gpt2"), "tmp": tmp}
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])
+def test_gguf_reads_back_with_every_tensor_and_the_metadata(gguf_runs, arch):
+    tmp, run = gguf_runs["tmp"], gguf_runs[arch]
+    folder = _export(run, tmp / f"{arch}-hf")
+    hf = json.loads((folder / "config.json").read_text())
+    want = expected_tensors(folder)
+    for gguf_type in ("f16", "bf16", "q8_0"):
+        out = tmp / f"{arch}-{gguf_type}.gguf"
+        run_cli("export", str(run), "--format", "gguf", "--gguf-type", gguf_type, "--out", str(out))
+        tensors, meta = read_gguf(out)
+        assert sorted(tensors) == sorted(want), arch
+        for name, (qtype, got) in tensors.items():
+            assert qtype == ("F32" if got.ndim == 1 or name == "position_embd.weight" else gguf_type.upper()), name
+            check_values(name, qtype, got, want[name])
+        assert meta["general.architecture"] == arch and meta["general.file_type"] == \
+            {"f16": 1, "bf16": 32, "q8_0": 7}[gguf_type]
+        assert meta["tokenizer.ggml.model"] == "gpt2" and meta["tokenizer.ggml.pre"] == "gpt-2"
+        assert meta[f"{arch}.block_count"] == 2 and meta[f"{arch}.embedding_length"] == 32
+        tok = json.loads((folder / "tokenizer.json").read_text())
+        vocab = {i: t for t, i in tok["model"]["vocab"].items()} | {a["id"]: a["content"] for a in tok["added_tokens"]}
+        rows = len(want["token_embd.weight"])
+        assert meta["tokenizer.ggml.tokens"] == [vocab.get(i, f"[PAD{i}]") for i in range(rows)]
+        assert len(meta["tokenizer.ggml.token_type"]) == rows and len(meta["tokenizer.ggml.merges"]) > 0
+        eos = json.loads((folder / "generation_config.json").read_text())["eos_token_id"]
+        eos = [eos] if isinstance(eos, int) else eos
+        assert meta["tokenizer.ggml.eos_token_id"] == eos[0] and meta["tokenizer.ggml.add_bos_token"] is False
+        assert meta["tokenizer.chat_template"] == json.loads((folder / "tokenizer_config.json").read_text())[
+            "chat_template"]
+        if arch == "gpt2":
+            assert meta["gpt2.context_length"] == hf["n_positions"] and meta["gpt2.attention.head_count"] == 2
+            assert meta["gpt2.attention.layer_norm_epsilon"] == pytest.approx(1e-5)
+        else:
+            assert meta[f"{arch}.context_length"] == hf["max_position_embeddings"]
+            assert meta[f"{arch}.attention.head_count_kv"] == hf["num_key_value_heads"]
+            assert meta[f"{arch}.rope.freq_base"] == hf["rope_theta"]
+            assert meta[f"{arch}.attention.layer_norm_rms_epsilon"] == pytest.approx(hf["rms_norm_eps"])
+    if arch == "llama":   # the chat run: <|im_end|> is the end-of-turn token llama.cpp stops at
+        assert meta["tokenizer.chat_template"] == hf_tiny.CHATML
+        assert meta["tokenizer.ggml.tokens"][meta["tokenizer.ggml.eot_token_id"]] == "<|im_end|>" == vocab[eos[1]]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])
+def test_llama_cpp_runs_the_gguf_with_our_logits(gguf_runs, arch):
+    """llama.cpp (llama-cpp-python) loads the f16 file, tokenizes as we do, and its logits are ours within f16
+    rounding; the chat run's answer, through llama.cpp's own chat, stops at <|im_end|> with our words."""
+    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (pip install "
+                                    "llama-cpp-python compiles llama.cpp: about 8 minutes on 2 cores)")
+    from trainbox.model.load import load_for_inference
+    tmp, run = gguf_runs["tmp"], gguf_runs[arch]
+    out = tmp / f"{arch}-cpp.gguf"
+    run_cli("export", str(run), "--format", "gguf", "--out", str(out))
+    ours, tok, _ = load_for_inference(run)
+    text = "<|im_start|>user\nwhat is two plus three<|im_end|>\n<|im_start|>assistant\n" if arch == "llama" \
+        else "ROMEO:\nWhat light through yonder window breaks?"
+    ids = tok.encode(text)
+    model = llama_cpp.Llama(model_path=str(out), n_ctx=len(ids) + 8, logits_all=True, verbose=False, n_threads=1)
+    try:
+        assert model.tokenize(text.encode(), add_bos=False, special=True) == ids
+        model.eval(ids)
+        theirs = np.array(model.scores[:len(ids)])[:, :tok.vocab_size]
+        mine = _all_logits(ours, ids)[:, :tok.vocab_size]
+        assert np.abs(theirs - mine).max() < 2e-2 * max(1.0, np.abs(mine).max()), np.abs(theirs - mine).max()
+        assert (theirs.argmax(-1) == mine.argmax(-1)).mean() > 0.9
+        if arch == "llama":
+            model.reset()
+            chat = model.create_chat_completion(messages=[{"role": "user", "content": QUESTIONS[0]}],
+                                                temperature=0, max_tokens=24)["choices"][0]
+            session = open_chat(run, "cpu", temperature=0, max_tokens=24)
+            assert chat["finish_reason"] == "stop" and chat["message"]["content"] == "".join(session.turn(QUESTIONS[0]))
+    finally:
+        model.close()
+
+
+def _all_logits(model, ids: list[int]) -> np.ndarray:
+    """Every position's logits of one of our models (their forward returns only the last one's)."""
+    with torch.no_grad():
+        caches = model.make_caches(1, len(ids), torch.float32, "cpu")
+        return torch.cat([model(torch.tensor([[i]]), caches=caches, pos=p).logits[0, -1:] for p, i in
+                          enumerate(ids)]).numpy()
+
+
+# ----------------------------------------------------------------------------- refused before any work
+
+
+def test_bad_exports_are_refused_in_one_message_before_any_work(gguf_runs, tmp_path, tiny):
+    run = gguf_runs["llama"]
+    t5 = tiny_run(tmp_path, tiny, "t5", "model.family=t5", "train.micro_batch_size=4")
+    damaged = tmp_path / "damaged"
+    subprocess.run(["cp", "-r", str(gguf_runs["gpt2"]), str(damaged)], check=True)
+    ckpt = sorted((damaged / "checkpoints").glob("step_*"))[-1]
+    blob = bytearray((ckpt / "model.safetensors").read_bytes())
+    blob[-5] ^= 0xFF
+    (ckpt / "model.safetensors").write_bytes(bytes(blob))
+    cases = [
+        (["export", str(run), "--format", "gguf", "--gguf-type", "q4_k"], "--gguf-type q4_k is not one "
+         "model.family=llama writes: f16, bf16, q8_0"),
+        (["export", str(t5), "--format", "gguf"], "model.family=t5 has no GGUF mapping"),
+        (["export", str(damaged), "--format", "gguf"], "verifies"),
+        (["export", str(damaged), "--format", "hf"], "verifies"),
+        (["chat", str(damaged)], "verifies"),
+        (["chat", str(t5)], "fills spans"),
+        (["export", str(run), "--format", "gguf", "--dtype", "bf16"], "--dtype bf16 applies to --format hf"),
+        (["export", str(run), "--gguf-type", "q8_0"], "--gguf-type q8_0 applies to --format gguf"),
+    ]
+    for args, message in cases:
+        out = tmp_path / "out.gguf"
+        proc = run_cli(*args, "--out", str(out), check=False) if args[0] == "export" else \
+            subprocess.run([sys.executable, "-m", "trainbox", *args], input="hi\n", capture_output=True, text=True,
+                           timeout=120)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and message in lines[0] and len(lines) <= 2, (args, proc.stderr)
+        assert "Traceback" not in proc.stderr and proc.stdout == "" and not out.exists()
+
+
+def test_a_missing_gguf_package_names_the_extra(gguf_runs, monkeypatch):
+    import importlib.util
+
+    from trainbox.errors import MissingDependency
+    from trainbox.export import export
+    find = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else find(name, *a))
+    with pytest.raises(MissingDependency, match=r"needs the Python package 'gguf'") as e:
+        export(gguf_runs["llama"], gguf_runs["tmp"] / "none.gguf", format="gguf")
+    assert e.value.hint == "pip install 'trainbox[gguf]'"
+
+
+def test_session_without_a_template_of_its_own_uses_chatml(tmp_path, tiny):
+    from trainbox.model.load import load_for_inference
+    model, tok, cfg = load_for_inference(tiny_run(tmp_path, tiny, "plain"))
+    session = ChatSession(model, tok, template_for(tok))
+    assert session.template.source == CHATML and session.end_text == "<|im_end|>"
