@@ -330,10 +330,8 @@ ROWS = {"train_speed": train_speed, "profile_step": profile_step, "time_to_loss"
         "lora_speed": lora_speed, "packing_speed": packing_speed, "t5_speed": t5_speed, "step_parity": step_parity,
         "loss_parity": loss_parity,
         "prepare_speed": prepare_speed, "make_corpus": make_corpus, "trainbox-train": trainbox_train,
-        "resume_check": resume_check, "dpo_real_run": dpo_real_run, "dpo_speed": dpo_speed}
-
-
-        "resume_check": resume_check, "batch_invariance": batch_invariance}
+        "resume_check": resume_check, "batch_invariance": batch_invariance, "dpo_real_run": dpo_real_run,
+        "dpo_speed": dpo_speed}
 
 
 # ----------------------------------------------------------------------------------------------- the page
@@ -350,10 +348,7 @@ def area(rec: dict) -> str:
         return "Multi-GPU scaling"
     if rec["gpu"] is None:
         return "CPU"
-    if rec["tool"] in ("lora_speed", "dpo_speed"):
-
-
-    if rec["tool"] in ("lora_speed", "packing_speed"):
+    if rec["tool"] in ("lora_speed", "packing_speed", "dpo_speed"):
         return "Fine-tuning"
     if rec["tool"] == "t5_speed" or recipe.startswith("t5"):
         return "T5"

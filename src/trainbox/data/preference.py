@@ -329,9 +329,8 @@ def describe(stats: PairStats) -> str:
 class PairDataset:
     """Memory-mapped pairs cut to data.seq_len by `fit`; `batch` gives the loop's micro-batches: the chosen
     sequences, then the rejected ones (2 x B rows), padded to seq_len with mask-0 end-of-text tokens, with the
-    reference log-probabilities once `reference` (N x 2: chosen, rejected) is set."""
-
-    arrays: list = []   # no packed windows: unused_data counts no tails
+    reference log-probabilities once `reference` (N x 2: chosen, rejected) is set. The BatchOrder draws pairs as it
+    draws a TokenDataset's windows (data/loader.py)."""
 
     def __init__(self, prefix: Path, split: str, seq_len: int, max_prompt: int | None, pad_id: int, name: str):
         self.prefix, self.split, self.seq_len, self.pad_id, self.name = prefix, split, seq_len, pad_id, name
@@ -349,9 +348,9 @@ class PairDataset:
         self.responses_cut = int(((self.kept[1] < cols[:, 2]) | (self.kept[2] < cols[:, 3])).sum())
         self.num_samples = self.num_pairs = len(cols)
         self.num_tokens = len(self.tokens)
-        self.offsets = np.array([0, self.num_samples])
-        self.masks = None
+        self.arrays, self.masks = [self.tokens], [self.mask]   # as TokenDataset: the data behind the pairs
         self.reference: np.ndarray | None = None
+        self.report = {"pairs": self.num_pairs, "prompts_cut": self.prompts_cut, "responses_cut": self.responses_cut}
 
     def _where(self, i: int) -> str:
         path = manifest.manifest_path(self.prefix)
@@ -360,11 +359,19 @@ class PairDataset:
         f, line = int(self.index[i, 4]), int(self.index[i, 5])
         return f"{sources[f] if f < len(sources) else self.files[2]}:{line}"
 
-    def truncation(self) -> str | None:
-        if not (self.prompts_cut or self.responses_cut):
-            return None
-        return (f"{self.name}: {self.prompts_cut:,} of {self.num_pairs:,} pairs lose the start of their prompt, "
-                f"{self.responses_cut:,} the ends of their responses, to fit data.seq_len={self.seq_len}")
+    def describe(self) -> str:
+        """One line for the run's log: the pairs and what the truncation rule cuts."""
+        return (f"{self.name}: {self.num_pairs:,} pairs, each response with its prompt in a row of {self.seq_len} "
+                f"positions; {self.prompts_cut:,} lose the start of their prompt, {self.responses_cut:,} the ends of "
+                f"their responses")
+
+    def tail_tokens(self) -> int:
+        """Tokens no row trains on: none (what truncation cuts is counted in `describe`)."""
+        return 0
+
+    def target_count(self, indices) -> int:
+        """Trained tokens of the pairs `indices`, both responses (the preference objective averages over pairs)."""
+        return int(sum(int(m[1:].sum()) for i in indices for _, m in self.sequences(int(i))))
 
     def sequences(self, i: int) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]:
         """(ids, mask) of pair i's chosen and rejected sequences, as the truncation rule cuts them."""

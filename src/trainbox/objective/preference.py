@@ -95,8 +95,8 @@ class Preference(Objective):
     def open_datasets(self, cfg, tokenizer, vocab: int):
         train, val = open_pair_datasets(cfg.data, cfg.dpo, tokenizer, vocab)
         for ds in (train, val):
-            if ds is not None and ds.truncation():
-                log.info(ds.truncation())
+            if ds is not None:
+                log.info(ds.describe())
         if self.needs_reference and self.dpo.reference == "precompute":
             for ds in (train, val):
                 if ds is not None:
