@@ -17,13 +17,16 @@
 Prints the record (common.Result): the SFT run's losses, and the DPO run's reward accuracy, margin and summed
 log-probability of the chosen responses at its start and end (means over the first and last logged windows) and
 its validation reward accuracy per evaluation; the runs' loss.png (DPO: with reward accuracy and log-probability
-panels) stay in --root. Runs the real CLI in subprocesses, as a user would.
+panels) stay in --root, and --record copies the DPO run's to docs/figures/ under the record's name. The chosen
+responses' log-probability against the initial model's, on the same pairs, is reward_chosen / beta (train: the
+last window; validation: each evaluation). Runs the real CLI in subprocesses, as a user would.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -31,6 +34,8 @@ import time
 from pathlib import Path
 
 import common
+
+FIGURES = common.REPO / "docs" / "figures"   # where --record puts the DPO run's loss.png
 
 SIZES = {  # Llama shapes: (layers, width, heads, key/value heads, MLP width)
     "small": (4, 128, 4, 2, 384),
@@ -131,6 +136,7 @@ def main() -> int:
     p.add_argument("--pairs", type=int, default=None, help="at most this many training pairs (default: all)")
     p.add_argument("--val-pairs", type=int, default=256, help="validation pairs")
     p.add_argument("--root", default="/tmp/trainbox-dpo-real-run")
+    p.add_argument("--reuse-sft", action="store_true", help="keep --root's SFT model from an earlier run (DPO only)")
     p.add_argument("--record", action="store_true", help="write the result record to benchmarks/records/")
     a = p.parse_args()
     root = Path(a.root)
@@ -146,9 +152,11 @@ def main() -> int:
            f"train.max_steps={a.sft_steps}", "train.global_batch_size=32", "train.micro_batch_size=16",
            "train.activation_checkpointing=none", "optim.lr=3e-3", "optim.warmup_steps=20", "optim.weight_decay=0.1",
            "train.eval_every=0", "train.checkpoint_every=0", *common_args]
-    trainbox("train", "sft", *sft, log=root / "sft.log")
-    trainbox("export", str(root / "runs" / "sft"), "--format", "hf", "--out", str(root / "sft-hf"), "--force",
-             log=root / "export.log")
+    if not (a.reuse_sft and (root / "sft-hf" / "config.json").is_file()):
+        trainbox("train", "sft", *sft, log=root / "sft.log")
+        trainbox("export", str(root / "runs" / "sft"), "--format", "hf", "--out", str(root / "sft-hf"), "--force",
+                 log=root / "export.log")
+    shutil.rmtree(root / "runs" / "dpo", ignore_errors=True)
     dpo = [f"model.path={root / 'sft-hf'}", f"data.path={root / 'prefs-train.jsonl'}",
            f"data.val_path={root / 'prefs-val.jsonl'}", "run.name=dpo", f"train.max_steps={a.dpo_steps}",
            "train.global_batch_size=16", "train.micro_batch_size=8", f"optim.lr={a.dpo_lr}", "optim.warmup_steps=10",
@@ -164,22 +172,32 @@ def main() -> int:
                 "reward_accuracy_start": window_mean(dpo_train, "reward_accuracy", True),
                 "reward_accuracy_end": window_mean(dpo_train, "reward_accuracy", False),
                 "reward_margin_end": window_mean(dpo_train, "reward_margin", False),
+                "reward_chosen_start": window_mean(dpo_train, "reward_chosen", True),
+                "reward_chosen_end": window_mean(dpo_train, "reward_chosen", False),
+                "reward_rejected_end": window_mean(dpo_train, "reward_rejected", False),
                 "logp_chosen_start": window_mean(dpo_train, "logp_chosen", True),
                 "logp_chosen_end": window_mean(dpo_train, "logp_chosen", False),
                 "logp_rejected_start": window_mean(dpo_train, "logp_rejected", True),
                 "logp_rejected_end": window_mean(dpo_train, "logp_rejected", False),
                 "first_loss": dpo_train[0]["loss"], "final_loss": dpo_train[-1]["loss"],
                 "val": [{"step": e["step"], "reward_accuracy": e["val_reward_accuracy"],
-                         "reward_margin": e["val_reward_margin"], "loss": e["val_loss"]} for e in dpo_eval]},
+                         "reward_margin": e["val_reward_margin"], "reward_chosen": e["val_reward_chosen"],
+                         "reward_rejected": e["val_reward_rejected"], "loss": e["val_loss"]} for e in dpo_eval]},
         "loss_png": {"sft": str(root / "runs" / "sft" / "loss.png"), "dpo": str(root / "runs" / "dpo" / "loss.png")},
         "wall_s": round(time.perf_counter() - start, 1),
     }
-    common.emit(common.Result(
+    result = common.Result(
         tool="dpo_real_run", what=f"dpo-shakespeare-{a.size}", software=common.software("transformers"),
         recipe="dpo", overrides=[o for o in dpo if not o.startswith(("model.path", "data.", "run.", "monitor."))],
         notes="SFT (recipe sft) of a random-weight Llama on the embedded Shakespeare's training plays, then DPO "
               "(recipe dpo) on pairs from the held-out plays: chosen the true next line, rejected its words shuffled",
-        metrics=metrics), a.record)
+        metrics=metrics)
+    if a.record:   # the DPO run's loss.png beside the documentation (records/ holds JSON records only)
+        figure = FIGURES / (Path(result.file_name()).stem + "-loss.png")
+        figure.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(root / "runs" / "dpo" / "loss.png", figure)
+        metrics["loss_png"]["dpo"] = str(figure.relative_to(common.REPO))
+    common.emit(result, a.record)
     return 0
 
 

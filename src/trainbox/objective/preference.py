@@ -26,8 +26,8 @@ The reference (dpo, ipo; simpo and orpo have none) is the initial model:
 
 Logged with the loss (the mean over the global batch): reward_chosen, reward_rejected, reward_margin,
 reward_accuracy (the share of pairs whose chosen reward is higher), logp_chosen, logp_rejected (summed
-log-probabilities of the responses). Validation: val_loss, val_reward_accuracy and val_reward_margin over up to
-train.eval_tokens / (2 x data.seq_len) validation pairs.
+log-probabilities of the responses). Validation: val_loss, val_reward_accuracy, val_reward_margin,
+val_reward_chosen and val_reward_rejected over up to train.eval_tokens / (2 x data.seq_len) validation pairs.
 """
 from __future__ import annotations
 
@@ -192,7 +192,8 @@ class Preference(Objective):
         pairs = max(total[1], 1)
         stat = dict(zip(STATS, total[2:]))
         return {"val_loss": total[0] / pairs, "val_reward_accuracy": stat["reward_accuracy"] / pairs,
-                "val_reward_margin": stat["reward_margin"] / pairs, "val_pairs": int(total[1])}
+                "val_reward_margin": stat["reward_margin"] / pairs, "val_reward_chosen": stat["reward_chosen"] / pairs,
+                "val_reward_rejected": stat["reward_rejected"] / pairs, "val_pairs": int(total[1])}
 
     def eval_line(self, res: dict) -> str:
         return (f"val loss {res['val_loss']:.4f} ({self.dpo.loss}), reward accuracy {res['val_reward_accuracy']:.3f}, "
