@@ -277,9 +277,16 @@ def resume_check(rec: dict) -> list[tuple]:
 def dpo_real_run(rec: dict) -> list[tuple]:
     d = rec["metrics"]["dpo"]
     val = d["val"][-1] if d["val"] else {}
+    beta = d["beta"]
     ours = (f"reward accuracy {d['reward_accuracy_start']:.2f} -> {d['reward_accuracy_end']:.2f} (validation "
-            f"{val.get('reward_accuracy', float('nan')):.2f}), chosen log-probability {d['logp_chosen_start']:.1f} "
-            f"-> {d['logp_chosen_end']:.1f} over {d['steps']} steps")
+            f"{val.get('reward_accuracy', float('nan')):.2f})")
+    if "reward_chosen_end" in d:   # the chosen responses' log-probability against the initial model's, same pairs
+        ours += (f", chosen log-probability {d['reward_chosen_end'] / beta:+.2f} nats against the SFT model's "
+                 f"(validation {val.get('reward_chosen', float('nan')) / beta:+.2f})")
+    ours += f" over {d['steps']} steps"
+    figure = rec["metrics"].get("loss_png", {}).get("dpo", "")
+    if figure.startswith("docs/"):
+        ours += f" ([loss.png]({figure[len('docs/'):]}))"
     return [("", ours, f"SFT {rec['metrics']['sft']['steps']} steps: loss {rec['metrics']['sft']['final_loss']:.2f}",
              "—")]
 
@@ -291,7 +298,8 @@ def dpo_speed(rec: dict) -> list[tuple]:
         o, t = m.get(mode), (b["metrics"].get(mode) if b else None)
         if not (o and t and o.get("tokens_per_s") and t.get("tokens_per_s")):
             continue
-        rows.append((f" ({mode})", f"{kilo(o['tokens_per_s'])} tokens/s, {gib(o['peak_memory_gib'])}",
+        plan = f" (plan {gib(o['plan_peak_gib'])})" if o.get("plan_peak_gib") else ""
+        rows.append((f" ({mode})", f"{kilo(o['tokens_per_s'])} tokens/s, {gib(o['peak_memory_gib'])}{plan}",
                      f"{b['name']}: {kilo(t['tokens_per_s'])} tokens/s, {gib(t['peak_memory_gib'])}",
                      f"{o['tokens_per_s'] / t['tokens_per_s']:.2f}x"))
     if m.get("longest_ours") is not None or (b and b["metrics"].get("longest") is not None):

@@ -85,8 +85,8 @@ def test_train_dpo_logs_rewards_everywhere(folder, prefs, tmp_path):
 
 
 def test_dashboard_shows_the_preference_charts(folder, prefs, tmp_path):
-    """`trainbox dashboard` of a finished dpo run: /metrics JSON carries the reward values and the page draws the
-    reward accuracy and rewards charts (headless Chromium)."""
+    """`trainbox dashboard` of a finished dpo run: /metrics carries the last step's reward values, as JSON and as
+    Prometheus gauges, and the page draws the reward accuracy and rewards charts (headless Chromium)."""
     import re
     import shutil
     import urllib.request
@@ -101,7 +101,13 @@ def test_dashboard_shows_the_preference_charts(folder, prefs, tmp_path):
                 url = re.search(r"http://[\d.:]+", line).group(0)
                 break
         m = json.loads(urllib.request.urlopen(url + "/metrics").read())
-        assert m["reward_accuracy"] is not None and m["reward_margin"] > 0
+        last = events(root / "dash")[-1]
+        assert m["reward_accuracy"] == last["reward_accuracy"] and m["reward_margin"] == last["reward_margin"] > 0
+        prom = urllib.request.urlopen(urllib.request.Request(url + "/metrics", headers={"Accept": "text/plain"}))
+        gauges = dict(re.findall(r"^(trainbox_reward_\w+)(?:\{[^}]*\})? (\S+)$", prom.read().decode(), re.M))
+        assert float(gauges["trainbox_reward_accuracy_ratio"]) == pytest.approx(last["reward_accuracy"])
+        assert float(gauges["trainbox_reward_margin"]) == pytest.approx(last["reward_margin"])
+        assert float(gauges["trainbox_reward_chosen"]) == pytest.approx(last["reward_chosen"])
         exe = shutil.which("chromium") or shutil.which("chromium-browser")
         if exe is None:
             pytest.skip("headless browser check needs Debian's chromium package")
