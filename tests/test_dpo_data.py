@@ -175,3 +175,19 @@ def test_batches_put_chosen_then_rejected_rows_padded_with_the_reference(tmp_pat
     assert torch.equal(train.batch([3, 5])["ref_logps"], torch.tensor([6.0, 10.0, 7.0, 11.0]))
     again, _ = open_pair_datasets(cfg.data, cfg.dpo, tok, tok.vocab_size)   # from the cache
     assert again.prefix == train.prefix
+
+
+def test_ranks_that_prepare_the_same_raw_file_leave_one_complete_set(tmp_path, folder, tok):
+    """Every rank of a run that finds a raw JSONL data.path unprepared prepares it in a folder of its own and renames
+    that into the cache: a rank whose rename comes second keeps the first set untouched and leaves nothing behind."""
+    src = hf_tiny.make_preference_file(tmp_path / "prefs.jsonl", n=8)
+    cfg = load_config("dpo", [f"model.path={folder}", f"data.path={src}", "data.seq_len=64",
+                              f"data.cache_dir={tmp_path / 'cache'}"])
+    first, _ = open_pair_datasets(cfg.data, cfg.dpo, tok, tok.vocab_size)
+    done = first.prefix.parent
+    before = {f.name: f.stat().st_mtime_ns for f in done.iterdir()}
+    preference._prepare_apart(str(src), done, tok, cfg.data)   # the rank that lost the race
+    assert {f.name: f.stat().st_mtime_ns for f in done.iterdir()} == before
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == [done.name]   # no folder of the losing rank
+    again, _ = open_pair_datasets(cfg.data, cfg.dpo, tok, tok.vocab_size)
+    assert torch.equal(again.batch([1, 2])["x"], first.batch([1, 2])["x"])

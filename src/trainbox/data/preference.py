@@ -38,6 +38,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 from array import array
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -410,6 +411,30 @@ def _raw(path: str) -> bool:
     return path.endswith(JSONL_SUFFIXES) and os.path.isfile(path)
 
 
+def _complete(out: Path) -> bool:
+    man = manifest.manifest_path(out)
+    return man.is_file() and manifest.read_manifest(man).get("state") == "complete"
+
+
+def _prepare_apart(path: str, folder: Path, tok, data) -> None:
+    """Prepare `path` into a folder of this process's own, then rename it to `folder` in one step: the ranks of a
+    run that all find no prepared set each prepare the same one, the first rename wins and the others discard
+    theirs, so no process reads a set another is writing."""
+    tmp = folder.with_name(f".{folder.name}.{os.getpid()}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    st = prepare_pairs([path], str(tmp / "data"), tok, tok.name, data.chat_template, overwrite=True)
+    if folder.is_dir() and not _complete(folder / "data"):   # the remains of an interrupted older prepare
+        shutil.rmtree(folder, ignore_errors=True)
+    try:
+        os.rename(tmp, folder)
+    except OSError:   # another process put the same set there first
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not _complete(folder / "data"):
+            raise
+    log.info(f"data: {path}: {describe(st)} (prepared into {folder})")
+
+
 def _prefix(path: str, tok, data, label: str) -> Path:
     """data.path (or data.val_path) -> the prefix of its pair files: a raw JSONL file prepared into the cache (keyed
     by the file, the tokenizer and the template), or a `trainbox prepare --out` prefix."""
@@ -417,13 +442,10 @@ def _prefix(path: str, tok, data, label: str) -> Path:
         st = os.stat(path)
         key = hashlib.sha256(json.dumps([os.path.realpath(path), st.st_size, st.st_mtime_ns, tok.name, tok.vocab_size,
                                          data.chat_template, "pairs-v1"]).encode()).hexdigest()[:16]
-        out = default_cache_dir(data) / f"pairs-{Path(path).name.split('.')[0]}-{key}" / "data"
-        if not manifest.manifest_path(out).is_file() or manifest.read_manifest(manifest.manifest_path(out)).get(
-                "state") != "complete":
-            out.parent.mkdir(parents=True, exist_ok=True)
-            st = prepare_pairs([path], str(out), tok, tok.name, data.chat_template, overwrite=True)
-            log.info(f"data: {path}: {describe(st)} (prepared into {out.parent})")
-        return out
+        folder = default_cache_dir(data) / f"pairs-{Path(path).name.split('.')[0]}-{key}"
+        if not _complete(folder / "data"):
+            _prepare_apart(path, folder, tok, data)
+        return folder / "data"
     if part_path(path, "train", "tokens").is_file() or part_path(path, "val", "tokens").is_file():
         return Path(path)
     raise DataError(f"{label}={path} holds no preference pairs: train.objective=dpo reads preference JSONL "
