@@ -1,7 +1,7 @@
 """`trainbox train dpo` end to end on CPU: a tiny Llama folder (every weight) and the same folder under LoRA
 (model.family=hf), on raw preference JSONL; what it logs (metrics.jsonl, status, /metrics, the dashboard, loss.png);
 the three references agree; a run killed with SIGKILL resumes to the uninterrupted run's losses bit for bit, with
-the precomputed reference read back or computed again; fsdp on two processes equals one."""
+the precomputed reference read back or computed again; ddp and fsdp on two processes equal one."""
 from __future__ import annotations
 
 import json
@@ -200,14 +200,16 @@ def test_sigkill_resumes_bit_for_bit_with_the_precomputed_reference(folder, pref
     assert lost and all(e["loss"] == want[e["step"]] for e in lost)
 
 
-def test_fsdp_on_two_processes_equals_one(folder, prefs, tmp_path):
-    """train.parallel=fsdp over 2 processes (gloo): the precompute splits the pairs over the ranks and every step's
-    loss and reward accuracy equal one process's."""
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_two_processes_equal_one(folder, prefs, tmp_path, parallel):
+    """train.parallel=ddp or fsdp over 2 processes (gloo), each preparing the raw JSONL: the precompute splits the
+    pairs over the ranks and every step's loss and reward accuracy equal one process's."""
     one = tmp_path / "one"
     run_cli("train", "dpo", *args(folder, prefs, one, "run", "train.max_steps=4"))
     two = tmp_path / "two"
     run_cli("train", "dpo", "--nproc", "2", *args(folder, prefs, two, "run", "train.max_steps=4",
-                                                   "train.parallel=fsdp", "train.micro_batch_size=2"), timeout=600)
+                                                   f"train.parallel={parallel}", "train.micro_batch_size=2"),
+            timeout=600)
     a, b = events(one / "run"), events(two / "run")
     for x, y in zip(a, b, strict=True):
         assert y["loss"] == pytest.approx(x["loss"], abs=1e-5) and y["reward_accuracy"] == x["reward_accuracy"]
