@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import ast
+import os
 import re
 import subprocess
 import sys
@@ -183,4 +184,5 @@ print("ok")
 
 
 def test_a_family_defined_in_tests_trains_plans_and_exports(tmp_path):
-    run_check_script(TOY.replace("sys.argv[1]", repr(str(tmp_path))), env={"PYTHONPATH": str(REPO / "tests")})
+    path = os.pathsep.join(filter(None, [str(REPO / "tests"), os.environ.get("PYTHONPATH")]))   # this tree's src
+    run_check_script(TOY.replace("sys.argv[1]", repr(str(tmp_path))), env={"PYTHONPATH": path})
