@@ -1,8 +1,8 @@
 """A real preference-tuning run on a CPU: SFT, then DPO, of a Llama-shaped model on the embedded Shakespeare.
 
     python benchmarks/dpo_real_run.py --record                                   # the recorded run
-    python benchmarks/dpo_real_run.py --size tiny --sft-steps 40 --sft-rows 400 --dpo-steps 30 --pairs 240 \
-        --val-pairs 64 --seq-len 64                                               # the quick version the test runs
+    python benchmarks/dpo_real_run.py --size tiny --sft-steps 40 --sft-rows 400 --dpo-steps 30 --dpo-lr 1e-4 \
+        --pairs 240 --val-pairs 64 --seq-len 64                                   # the quick version the test runs
 
 1. A Llama folder with random weights (LlamaForCausalLM, `--size`) and the embedded Shakespeare BPE
    (2,048 ids) as its tokenizer.
@@ -131,7 +131,7 @@ def main() -> int:
     p.add_argument("--dpo-steps", type=int, default=200)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--beta", type=float, default=0.1)
-    p.add_argument("--dpo-lr", type=float, default=1e-4)
+    p.add_argument("--dpo-lr", type=float, default=2e-5)
     p.add_argument("--sft-rows", type=int, default=None, help="at most this many SFT rows (default: all)")
     p.add_argument("--pairs", type=int, default=None, help="at most this many training pairs (default: all)")
     p.add_argument("--val-pairs", type=int, default=256, help="validation pairs")
@@ -152,7 +152,8 @@ def main() -> int:
            f"train.max_steps={a.sft_steps}", "train.global_batch_size=32", "train.micro_batch_size=16",
            "train.activation_checkpointing=none", "optim.lr=3e-3", "optim.warmup_steps=20", "optim.weight_decay=0.1",
            "train.eval_every=0", "train.checkpoint_every=0", *common_args]
-    if not (a.reuse_sft and (root / "sft-hf" / "config.json").is_file()):
+    reused = a.reuse_sft and (root / "sft-hf" / "config.json").is_file()
+    if not reused:
         trainbox("train", "sft", *sft, log=root / "sft.log")
         trainbox("export", str(root / "runs" / "sft"), "--format", "hf", "--out", str(root / "sft-hf"), "--force",
                  log=root / "export.log")
@@ -167,8 +168,10 @@ def main() -> int:
     dpo_eval = events(root / "runs" / "dpo", "eval")
     metrics = {
         "size": a.size, "seq_len": a.seq_len, "sft_documents": docs, "train_pairs": pairs, "val_pairs": val_pairs,
-        "sft": {"steps": a.sft_steps, "first_loss": sft_train[0]["loss"], "final_loss": sft_train[-1]["loss"]},
+        "sft": {"steps": len(sft_train), "first_loss": sft_train[0]["loss"], "final_loss": sft_train[-1]["loss"],
+                "reused": reused},
         "dpo": {"steps": a.dpo_steps, "beta": a.beta, "lr": a.dpo_lr,
+                "reward_accuracy_first": dpo_train[0]["reward_accuracy"],
                 "reward_accuracy_start": window_mean(dpo_train, "reward_accuracy", True),
                 "reward_accuracy_end": window_mean(dpo_train, "reward_accuracy", False),
                 "reward_margin_end": window_mean(dpo_train, "reward_margin", False),
@@ -184,7 +187,7 @@ def main() -> int:
                          "reward_margin": e["val_reward_margin"], "reward_chosen": e["val_reward_chosen"],
                          "reward_rejected": e["val_reward_rejected"], "loss": e["val_loss"]} for e in dpo_eval]},
         "loss_png": {"sft": str(root / "runs" / "sft" / "loss.png"), "dpo": str(root / "runs" / "dpo" / "loss.png")},
-        "wall_s": round(time.perf_counter() - start, 1),
+        "wall_s": round(time.perf_counter() - start, 1),   # the SFT's included unless it was reused
     }
     result = common.Result(
         tool="dpo_real_run", what=f"dpo-shakespeare-{a.size}", software=common.software("transformers"),

@@ -223,8 +223,8 @@ def test_the_real_run_in_miniature_raises_the_reward_accuracy(tmp_path):
     pairs from held-out plays, chosen the true next line, rejected its words shuffled): SFT lowers its loss and DPO
     takes the reward accuracy from chance to well above it, on the held-out validation pairs too."""
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "dpo_real_run.py"), "--size", "tiny",
-                           "--sft-steps", "40", "--sft-rows", "400", "--dpo-steps", "30", "--pairs", "240",
-                           "--val-pairs", "64", "--seq-len", "64", "--root", str(tmp_path)],
+                           "--sft-steps", "40", "--sft-rows", "400", "--dpo-steps", "30", "--dpo-lr", "1e-4",
+                           "--pairs", "240", "--val-pairs", "64", "--seq-len", "64", "--root", str(tmp_path)],
                           capture_output=True, text=True, timeout=900, env=ENV)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     m = json.loads(proc.stdout)["metrics"]
