@@ -16,7 +16,7 @@
 
 Prints the record (common.Result): the SFT run's losses, and the DPO run's reward accuracy, margin and summed
 log-probability of the chosen responses at its start and end (means over the first and last logged windows) and
-its validation reward accuracy per evaluation; the runs' loss.png (DPO: with reward accuracy and log-probability
+its validation reward accuracy per evaluation; the runs' loss.png (DPO: with reward accuracy and rewards
 panels) stay in --root, and --record copies the DPO run's to docs/figures/ under the record's name. The chosen
 responses' log-probability against the initial model's, on the same pairs, is reward_chosen / beta (train: the
 last window; validation: each evaluation). Runs the real CLI in subprocesses, as a user would.

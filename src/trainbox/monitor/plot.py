@@ -3,8 +3,11 @@
 One figure, two panels: loss against optimizer steps and against training tokens (which compares runs
 with different batch sizes or sequence lengths fairly). Training loss is a solid line, validation loss
 a dashed line with markers, one colour per run. Runs of the preference objective (train.objective=dpo) add a
-row: reward accuracy (train solid, validation dashed) and the summed log-probabilities of the chosen (solid)
-and rejected (dotted) responses, against steps. A resumed run appends to metrics.jsonl and may log some
+row against steps: reward accuracy (train solid, validation dashed with markers) and the rewards of the chosen
+(solid) and rejected (dotted) responses, validation's with markers. Under dpo and ipo a reward is beta x (the
+response's log-probability - the reference's) on the same pairs, so the chosen reward above 0 is the chosen
+responses' log-probability risen since the start (the summed log-probabilities themselves, logp_chosen in
+metrics.jsonl, vary with each batch's responses). A resumed run appends to metrics.jsonl and may log some
 steps twice (those after its last checkpoint); the later value wins, as it is the one the run kept.
 matplotlib is a core dependency, imported only here and only when plotting.
 """
@@ -29,7 +32,8 @@ class Curves:
     prefs: dict[str, list[tuple[int, float]]] = field(default_factory=dict)   # PREFERENCE key -> (step, value)
 
 
-PREFERENCE = ("reward_accuracy", "val_reward_accuracy", "logp_chosen", "logp_rejected")
+PREFERENCE = ("reward_accuracy", "val_reward_accuracy", "reward_chosen", "reward_rejected", "val_reward_chosen",
+              "val_reward_rejected")
 
 
 def load_curves(run_dir: Path) -> Curves:
@@ -96,7 +100,8 @@ def plot_curves(runs: list[Curves], out: Path, title: str | None = None) -> Path
                 ax.plot([p[x] for p in run.val], [p[2] for p in run.val], color=c, ls="--", marker="o", ms=4,
                         label=f"{run.name} val")
         for key, ax, style in (("reward_accuracy", 0, "-"), ("val_reward_accuracy", 0, "--"),
-                               ("logp_chosen", 1, "-"), ("logp_rejected", 1, ":")):
+                               ("reward_chosen", 1, "-"), ("reward_rejected", 1, ":"),
+                               ("val_reward_chosen", 1, "--"), ("val_reward_rejected", 1, "-.")):
             pts = run.prefs.get(key)
             if pts:
                 grid[1][ax].plot([p[0] for p in pts], [p[1] for p in pts], color=c, ls=style, lw=1.2,
@@ -108,7 +113,7 @@ def plot_curves(runs: list[Curves], out: Path, title: str | None = None) -> Path
     axes[0].legend(fontsize=8)
     if pref:
         for ax, ylabel in ((grid[1][0], "reward accuracy (chosen > rejected)"),
-                           (grid[1][1], "log-probability of the response (sum)")):
+                           (grid[1][1], "reward (dpo: beta x log-prob. against the reference)")):
             ax.set_xlabel("step")
             ax.set_ylabel(ylabel)
             ax.grid(alpha=0.3)
