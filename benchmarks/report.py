@@ -278,7 +278,9 @@ def dpo_real_run(rec: dict) -> list[tuple]:
     d = rec["metrics"]["dpo"]
     val = d["val"][-1] if d["val"] else {}
     beta = d["beta"]
-    ours = (f"reward accuracy {d['reward_accuracy_start']:.2f} -> {d['reward_accuracy_end']:.2f} (validation "
+    first = (f"{d['reward_accuracy_first']:.2f} at step 1 (the policy is the reference)"
+             if "reward_accuracy_first" in d else f"{d['reward_accuracy_start']:.2f}")
+    ours = (f"reward accuracy {first} -> {d['reward_accuracy_end']:.2f} over the last 10 steps (validation "
             f"{val.get('reward_accuracy', float('nan')):.2f})")
     if "reward_chosen_end" in d:   # the chosen responses' log-probability against the initial model's, same pairs
         ours += (f", chosen log-probability {d['reward_chosen_end'] / beta:+.2f} nats against the SFT model's "
