@@ -36,7 +36,8 @@ memory plan's verdict for each length on an H100.
 
 Prints one JSON object with every run (wall_s: its seconds, start-up included), the ratios ours / TRL per mode
 and the lengths, then the result record (common.Result: ours measured, TRL its baseline); --record writes it to
-benchmarks/records/. The default invocation runs 4 + about 5 processes, about 6 minutes on an H100.
+benchmarks/records/. The default invocation runs 4 processes, then about 5 for the lengths; `--max-lens ''` and
+`--modes ''` run either part alone.
 """
 from __future__ import annotations
 

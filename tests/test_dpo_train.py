@@ -221,8 +221,9 @@ def test_two_processes_equal_one(folder, prefs, tmp_path, parallel):
 def test_the_real_run_in_miniature_raises_the_reward_accuracy(tmp_path):
     """benchmarks/dpo_real_run.py at its tiny size (SFT of a 2-layer Llama on 400 Shakespeare rows, DPO on 240
     pairs from held-out plays, chosen the true next line, rejected its words shuffled): SFT lowers its loss and DPO
-    takes the reward accuracy from chance to well above it (160 pairs of the last 10 steps at 0.79, chance's
-    standard deviation 0.04; 64 validation pairs at 0.73) and raises the validation chosen responses' likelihood."""
+    takes the reward accuracy from chance to well above it (thresholds several of chance's standard deviations
+    above 0.5 for the last 10 steps' 160 pairs and the 64 validation pairs) and raises the validation chosen
+    responses' likelihood."""
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "dpo_real_run.py"), "--size", "tiny",
                            "--sft-steps", "40", "--sft-rows", "400", "--dpo-steps", "30", "--dpo-lr", "1e-4",
                            "--pairs", "240", "--val-pairs", "64", "--seq-len", "64", "--root", str(tmp_path)],
