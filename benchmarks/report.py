@@ -291,6 +291,42 @@ def eval_tasks_overhead(rec: dict) -> list[tuple]:
              "CPU time)")]
 
 
+def dpo_real_run(rec: dict) -> list[tuple]:
+    d = rec["metrics"]["dpo"]
+    val = d["val"][-1] if d["val"] else {}
+    beta = d["beta"]
+    first = (f"{d['reward_accuracy_first']:.2f} at step 1 (the policy is the reference)"
+             if "reward_accuracy_first" in d else f"{d['reward_accuracy_start']:.2f}")
+    ours = (f"reward accuracy {first} -> {d['reward_accuracy_end']:.2f} over the last 10 steps (validation "
+            f"{val.get('reward_accuracy', float('nan')):.2f})")
+    if "reward_chosen_end" in d:   # the chosen responses' log-probability against the initial model's, same pairs
+        ours += (f", chosen log-probability {d['reward_chosen_end'] / beta:+.2f} nats against the SFT model's "
+                 f"(validation {val.get('reward_chosen', float('nan')) / beta:+.2f})")
+    ours += f" over {d['steps']} steps"
+    figure = rec["metrics"].get("loss_png", {}).get("dpo", "")
+    if figure.startswith("docs/"):
+        ours += f" ([loss.png]({figure[len('docs/'):]}))"
+    return [("", ours, f"SFT {rec['metrics']['sft']['steps']} steps: loss {rec['metrics']['sft']['final_loss']:.2f}",
+             "—")]
+
+
+def dpo_speed(rec: dict) -> list[tuple]:
+    m, b = rec["metrics"], rec["baseline"]
+    rows = []
+    for mode in ("full", "full-ref", "lora"):
+        o, t = m.get(mode), (b["metrics"].get(mode) if b else None)
+        if not (o and t and o.get("tokens_per_s") and t.get("tokens_per_s")):
+            continue
+        plan = f" (plan {gib(o['plan_peak_gib'])})" if o.get("plan_peak_gib") else ""
+        rows.append((f" ({mode})", f"{kilo(o['tokens_per_s'])} tokens/s, {gib(o['peak_memory_gib'])}{plan}",
+                     f"{b['name']}: {kilo(t['tokens_per_s'])} tokens/s, {gib(t['peak_memory_gib'])}",
+                     f"{o['tokens_per_s'] / t['tokens_per_s']:.2f}x"))
+    if m.get("longest_ours") is not None or (b and b["metrics"].get("longest") is not None):
+        rows.append((" (longest sequence, full DPO of 1B, one GPU)", f"{m.get('longest_ours')} tokens",
+                     f"{b['name']}: {b['metrics'].get('longest')} tokens", "—"))
+    return rows
+
+
 def batch_invariance(rec: dict) -> list[tuple]:
     m, s = rec["metrics"], rec["metrics"]["summary"]
 
@@ -322,7 +358,7 @@ ROWS = {"train_speed": train_speed, "profile_step": profile_step, "time_to_loss"
         "loss_parity": loss_parity,
         "prepare_speed": prepare_speed, "make_corpus": make_corpus, "trainbox-train": trainbox_train,
         "resume_check": resume_check, "batch_invariance": batch_invariance, "eval_speed": eval_speed,
-        "eval_tasks_overhead": eval_tasks_overhead}
+        "eval_tasks_overhead": eval_tasks_overhead, "dpo_real_run": dpo_real_run, "dpo_speed": dpo_speed}
 
 
 # ----------------------------------------------------------------------------------------------- the page
@@ -341,7 +377,7 @@ def area(rec: dict) -> str:
         return "Multi-GPU scaling"
     if rec["gpu"] is None:
         return "CPU"
-    if rec["tool"] in ("lora_speed", "packing_speed"):
+    if rec["tool"] in ("lora_speed", "packing_speed", "dpo_speed"):
         return "Fine-tuning"
     if rec["tool"] == "t5_speed" or recipe.startswith("t5"):
         return "T5"

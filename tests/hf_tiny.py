@@ -65,3 +65,29 @@ def make_chat_file(path: Path, n: int = 96, seed: int = 0) -> Path:
                 msgs = [{"role": "system", "content": "the sum"}] + msgs
             f.write(json.dumps({"messages": msgs}) + "\n")
     return path
+
+
+def make_preference_file(path: Path, n: int = 64, form: str = "messages", seed: int = 0) -> Path:
+    """Arithmetic preferences: the chosen answer is the right sum, the rejected one a wrong sum. `form`: "text"
+    ({"prompt", "chosen", "rejected"} strings), "messages" (TRL's conversational form with an explicit prompt) or
+    "implicit" (chosen and rejected conversations that share the user's turn)."""
+    rng = random.Random(seed)
+    names = WORDS[:10]
+    with open(path, "w") as f:
+        for _ in range(n):
+            a, b = rng.randrange(5), rng.randrange(5)
+            wrong = rng.choice([k for k in range(10) if k != a + b])
+            question = f"what is {names[a]} plus {names[b]}"
+            good, bad = f"{names[a]} plus {names[b]} equals {names[a + b]}", f"it equals {names[wrong]}"
+            if form == "text":
+                row = {"prompt": question + " ?", "chosen": " " + good, "rejected": " " + bad}
+            elif form == "messages":
+                row = {"prompt": [{"role": "user", "content": question}],
+                       "chosen": [{"role": "assistant", "content": good}],
+                       "rejected": [{"role": "assistant", "content": bad}]}
+            else:
+                user = {"role": "user", "content": question}
+                row = {"chosen": [user, {"role": "assistant", "content": good}],
+                       "rejected": [user, {"role": "assistant", "content": bad}]}
+            f.write(json.dumps(row) + "\n")
+    return path

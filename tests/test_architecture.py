@@ -184,5 +184,5 @@ print("ok")
 
 
 def test_a_family_defined_in_tests_trains_plans_and_exports(tmp_path):
-    path = os.pathsep.join([str(REPO / "tests"), *filter(None, [os.environ.get("PYTHONPATH")])])
+    path = os.pathsep.join(filter(None, [str(REPO / "tests"), os.environ.get("PYTHONPATH")]))   # this tree's src
     run_check_script(TOY.replace("sys.argv[1]", repr(str(tmp_path))), env={"PYTHONPATH": path})

@@ -48,9 +48,10 @@ fire = lambda: os.kill(os.getpid(), sig)
 if where == "step":      # while the step that ends at `at` runs
     step = loop.Trainer.train_step
     loop.Trainer.train_step = lambda self, s: (fire() if s + 1 == at else None, step(self, s))[1]
-elif where == "eval":    # while the evaluation at step `at` runs
-    evaluate = loop.evaluate
-    loop.evaluate = lambda *a, **k: (fire(), evaluate(*a, **k))[1]
+elif where == "eval":    # while the evaluation at step `at` runs (the run's objective evaluates)
+    import trainbox.objective.next_token as objective
+    evaluate = objective.NextToken.evaluate
+    objective.NextToken.evaluate = lambda self, run: (fire(), evaluate(self, run))[1]
 elif where == "save":    # while the checkpoint of step `at` is written
     save = ckpt.save
     ckpt.save = lambda root, s, *a, **k: (fire() if s == at else None, save(root, s, *a, **k))[1]

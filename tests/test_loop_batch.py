@@ -21,6 +21,7 @@ from trainbox.data.loader import BatchOrder, TokenDataset
 from trainbox.errors import ConfigError
 from trainbox.model.build import build_model
 from trainbox.model.spec import family
+from trainbox.objective import build_objective
 from trainbox.parallel.ddp import DataParallel
 from trainbox.parallel.distributed import Dist
 from trainbox.train.loop import Trainer, plan_length, train
@@ -52,6 +53,7 @@ def _step_update(ds, world, rank, micro, model_state, step=1) -> tuple[dict[str,
     t.cfg, t.dist, t.device, t.pin = cfg, Dist(rank=rank, world=world), torch.device("cpu"), False
     t.model, t.forward, t.total, t.family, t._prefetched = model, model, 10, family(cfg.model.family), None
     t.parallel = DataParallel(model, Dist(), t.device)   # one process: the model as it is
+    t.objective = build_objective(cfg)
     t.autocast = lambda: torch.autocast("cpu", enabled=False)
     t.batches = BatchOrder(ds, GLOBAL, micro, world, rank, seed=5)
     opt = torch.optim.SGD(model.parameters(), lr=1.0)

@@ -232,7 +232,8 @@ def test_dashboard_in_headless_chromium(live, tmp_path):
     assert "Authorization" not in dom and TOKEN not in dom  # no token in the page: its requests carry the cookie
     points = {m[0]: int(m[1]) for m in re.findall(r'<canvas id="chart-(\w+)" data-points="(\d+)"', dom)}
     logged = read_status(live.run_dir)["step"]  # the page loaded before this was read
-    assert set(points) == {"loss", "lr", "tps", "tasks"} and points["tasks"] == 0, dom[:2000]  # no eval_tasks here
+    assert set(points) == {"loss", "lr", "tps", "tasks", "accuracy", "rewards"}, dom[:2000]
+    assert points["tasks"] == points["accuracy"] == points["rewards"] == 0   # hidden: no eval_tasks, no rewards here
     assert points["loss"] > 12 and points["lr"] >= 12 and points["tps"] >= 11, points
     assert points["loss"] > points["lr"]  # the loss chart also holds validation points
     assert points["lr"] <= logged

@@ -165,6 +165,79 @@ def test_lora_activations_equal_what_autograd_keeps(hf_llama):
     assert make_plan(cfg, 0, local_cpu()).activations.saved == pytest.approx(sum(seen.values()), rel=0.02)
 
 
+def measure_dpo(cfg) -> tuple[int, int]:
+    """(bytes autograd keeps for the backward of the preference objective's loss on 3 pairs (6 sequences), bytes of
+    the reference's parameters the trainer builds beside the model), measured as `measure` does."""
+    from trainbox.objective import Runtime, build_objective
+    from trainbox.train.build import frozen_copy
+    torch.manual_seed(0)
+    model = build_model(cfg.model, 512, cfg.data.seq_len)
+    objective = build_objective(cfg)
+    reference = frozen_copy(model, torch.float32) if objective.frozen_copy(cfg) else None
+    objective.attach(Runtime(cfg, model, model, reference, torch.device("cpu"), None, None, None, None))
+    skip = {t.untyped_storage().data_ptr() for m in (model, reference) if m is not None
+            for t in [*m.parameters(), *m.buffers()]}
+    seen: dict[int, int] = {}
+
+    def add(t: torch.Tensor) -> torch.Tensor:
+        if t.untyped_storage().data_ptr() not in skip:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    T = cfg.data.seq_len
+    batch = {"x": torch.randint(1, 300, (6, T)), "y": torch.randint(1, 300, (6, T)),
+             "loss_mask": torch.rand(6, T) > 0.3, "ref_logps": -torch.rand(6) * 50}
+    if reference is not None:
+        del batch["ref_logps"]
+    with torch.autograd.graph.saved_tensors_hooks(add, lambda t: t):
+        objective.loss(model, batch, 1 / 3)
+    held = sum(p.numel() * p.element_size() for p in reference.parameters()) if reference is not None else 0
+    return sum(seen.values()), held
+
+
+@pytest.mark.parametrize("reference", ["precompute", "model"])
+def test_dpo_plan_counts_both_sequences_of_a_pair_and_the_reference(reference):
+    """train.objective=dpo: a micro-batch of 3 pairs keeps what 6 sequences keep, within 1% of the bytes autograd
+    keeps in the objective's real forward on a CPU; the reference adds the frozen copy's parameters (exactly what
+    the trainer builds) only with dpo.reference=model, halved under fsdp on 2 processes."""
+    extra = ["train.objective=dpo", f"dpo.reference={reference}", "train.micro_batch_size=3",
+             "train.global_batch_size=3"]
+    cfg = small("llama", *extra)
+    plain = make_plan(small("llama", "train.micro_batch_size=6", "train.global_batch_size=6"), 512, local_cpu())
+    plan = make_plan(cfg, 512, local_cpu())
+    saved, held = measure_dpo(cfg)
+    assert plan.sequences == 2 and plan.activations.saved == plain.activations.saved
+    assert plan.activations.saved == pytest.approx(saved, rel=0.01)
+    assert plan.memory.reference == held == (4 * count_parameters(cfg, 512).total if reference == "model" else 0)
+    assert plan.memory.needed == plain.memory.needed + held
+    sharded = small("llama", *extra, "train.parallel=fsdp", "train.global_batch_size=6")
+    assert make_plan(sharded, 512, local_cpu(), nproc=2).memory.reference == held // 2
+    card = make_plan(small("llama", *extra), 512, gpu("H100")).memory   # bf16 on a GPU: 2 bytes a parameter
+    assert card.reference == held // 2
+
+
+def test_dpo_plan_of_lora_has_no_reference_and_the_preflight_check_uses_the_plan(hf_llama):
+    """LoRA's reference is its base with the adapters off: nothing beside it. The pre-flight check refuses a dpo
+    run whose frozen copy does not fit where the precomputed reference does."""
+    from trainbox.train.memory import check_memory
+    lora = load_config("dpo", [f"model.path={hf_llama}", "model.family=hf", "train.device=cpu",
+                               "dpo.reference=model", "data.seq_len=64"])
+    assert make_plan(lora, 0, local_cpu()).memory.reference == 0
+    cfgs = {r: small("llama", "train.objective=dpo", f"dpo.reference={r}") for r in ("precompute", "model")}
+    needed = {r: make_plan(c, 512, local_cpu()).memory.needed for r, c in cfgs.items()}
+    assert needed["model"] > needed["precompute"]
+    free = int((needed["model"] + needed["precompute"]) / 2 * (1 - MARGIN))
+    assert check_memory(cfgs["precompute"], 512, torch.device("cpu"), torch.float32, free=free) is not None
+    with pytest.raises(ConfigError, match="this run needs about"):
+        check_memory(cfgs["model"], 512, torch.device("cpu"), torch.float32, free=free)
+
+
+def test_plan_command_shows_the_pairs_and_the_reference(hf_llama):
+    out = run_cli("plan", "dpo", f"model.path={hf_llama}", "dpo.reference=model", "train.micro_batch_size=4",
+                  "--gpu", "H100").stdout
+    assert "micro-batch 4 pairs (8 sequences)" in out and "reference" in out
+
+
 # ----------------------------------------------------------------------------- GPU records
 
 

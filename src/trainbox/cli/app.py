@@ -140,7 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("overrides", nargs="*")
     c.set_defaults(func=cmd_config)
 
-    pr = verb("prepare", "tokenize text / JSONL / chat JSONL into shard or Megatron token files")
+    pr = verb("prepare", "tokenize text / JSONL / chat JSONL into shard or Megatron token files, preference JSONL "
+                         "into pair files")
     pr.add_argument("inputs", nargs="+", help=".txt (one document each), .jsonl, .jsonl.gz, or folders of them")
     pr.add_argument("--out", required=True, help="output prefix, e.g. data/corpus")
     pr.add_argument("--tokenizer", default="gpt2", help="gpt2, embedded:shakespeare-bpe, tokenizer.json or folder")
@@ -156,6 +157,10 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--write-vocab", action="store_true", help="write gpt2-vocab.json and gpt2-merges.txt beside")
     pr.add_argument("--overwrite", action="store_true", help="replace existing outputs")
     pr.add_argument("--quiet", action="store_true", help="no progress line")
+    pr.add_argument("--seq-len", type=int, default=None, help="preference pairs: refuse prompts this long and "
+                    "count the pairs that training at this data.seq_len cuts")
+    pr.add_argument("--max-prompt-len", type=int, default=None, help="preference pairs: dpo.max_prompt_len for "
+                    "that count (default half of --seq-len)")
     pr.set_defaults(func=cmd_prepare)
 
     ins = verb("inspect", "documents, tokens, samples and steps of a token dataset")

@@ -17,6 +17,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from trainbox.config import load_config
+from trainbox.data.readers import list_input_files
+from trainbox.data.tokenizer import get_tokenizer
 from trainbox.errors import DataError
 from trainbox.monitor.console import fmt_duration
 from trainbox.train.stop import STOP  # `train` keeps stop signals for its loop: a download ends on them
@@ -47,7 +49,11 @@ def _prepare_progress(stream=None):
 
 
 def cmd_prepare(args) -> int:
+    from trainbox.data.preference import first_row_is_preference  # heavy: numpy, torch
     from trainbox.data.prepare import PrepareOptions, prepare  # heavy: numpy
+
+    if any(first_row_is_preference(f) for f in list_input_files(args.inputs)):
+        return _prepare_pairs(args)
 
     opts = PrepareOptions(inputs=args.inputs, out=args.out, tokenizer=args.tokenizer, format=args.format,
                           text_keys=args.text_key or ["text"], chat_template=args.chat_template,
@@ -64,6 +70,24 @@ def cmd_prepare(args) -> int:
     for f in st.files:
         print(f"  {f}")
     print(f"train on it with: {train_hint(args.out, args.tokenizer)}")
+    return 0
+
+
+def _prepare_pairs(args) -> int:
+    """`prepare` of preference JSONL (rows with chosen and rejected): pair files for train.objective=dpo."""
+    from trainbox.data.preference import describe, prepare_pairs  # heavy: numpy, torch
+
+    if args.format != "shard" or args.append_eod or args.write_vocab or args.workers != 1:
+        raise DataError("preference pairs are written as pair files by one process: --format, --append-eod, "
+                        "--write-vocab and --workers do not apply", hint="drop those options")
+    st = prepare_pairs(args.inputs, args.out, get_tokenizer(args.tokenizer), args.tokenizer, args.chat_template,
+                       val_docs=args.val_docs, val_fraction=args.val_fraction, seq_len=args.seq_len,
+                       max_prompt_len=args.max_prompt_len, overwrite=args.overwrite)
+    print(describe(st))
+    for f in st.files:
+        print(f"  {f}")
+    print(f"train on it with: trainbox train dpo model.path=MODEL data.path={shlex.quote(args.out)}"
+          + (f" data.seq_len={args.seq_len}" if args.seq_len else ""))
     return 0
 
 

@@ -7,6 +7,7 @@ EPILOGS = {
           trainbox train gpt2-125m data.path=data/fineweb train.max_steps=5000
           trainbox train --nproc 2 tiny train.max_steps=50 # two processes through torchrun
           trainbox train sft model.path=./Qwen2.5-0.5B data.path=chat.jsonl   # every weight of a Llama / Qwen2
+          trainbox train dpo model.path=./Qwen2.5-0.5B data.path=prefs.jsonl  # preference pairs (dpo, ipo, ...)
           trainbox train tiny --detach                     # in the background: prints the run directory, the
                                                            # monitor URL and the logs / attach / stop commands
           torchrun --nproc_per_node 8 --signals-to-handle SIGTERM,SIGINT,SIGUSR1 -m trainbox train gpt2-125m
@@ -55,6 +56,8 @@ EPILOGS = {
           trainbox prepare corpus/ --out data/corpus --workers 4 --val-fraction 0.01
           trainbox prepare pile.jsonl.gz --text-key text --format megatron --append-eod --write-vocab --out data/pile
           trainbox prepare chats.jsonl --tokenizer tok/ --out data/sft --val-docs 100   # loss on assistant tokens only
+          trainbox prepare prefs.jsonl --tokenizer model/ --out data/prefs --seq-len 1024 --val-docs 200
+                                          # rows with chosen and rejected: pairs for `trainbox train dpo`
         """,
     "inspect": """
         examples:

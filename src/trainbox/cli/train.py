@@ -77,9 +77,11 @@ def cmd_train(args) -> int:
         if single:
             unlock_run(cfg.run_dir)
     if dist.is_main and not (result.get("stopped") and result["step"] == 0):   # that stop said it in one line
-        if result.get("val_loss") is not None:
+        if result.get("val_bpb") is not None:
             print(f"validation: {result['val_loss']:.4f} nats/token, {result['val_bpb']:.4f} bits/byte "
                   f"({result['val_tokens']:,} tokens)")
+        elif result.get("validation"):   # another objective's (train.objective=dpo: pairs)
+            print(f"validation: {result['validation']}")
         if result.get("sample"):
             print(f"--- sample ---\n{cfg.train.sample_prompt}{result['sample']}")
         print(f"run directory: {result['run_dir']}")

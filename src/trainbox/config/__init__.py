@@ -17,6 +17,7 @@ from trainbox.config.load import (  # noqa: F401
 )
 from trainbox.config.schema import (  # noqa: F401
     DataSection,
+    DpoSection,
     LoraSection,
     ModelSection,
     MonitorSection,

@@ -257,6 +257,11 @@ class TrainSection(Section):
     sample_prompt: str = "\n"
     threads: int | None = Field(None, ge=1, description="CPU threads (default: all cores)")
     peak_tflops: float | None = Field(None, gt=0, description="per-device peak for MFU (default: from the GPU name)")
+    objective: Literal["next_token", "dpo"] = Field(
+        "next_token", description="what a step trains: next_token (pretraining, SFT: the token loss, masked where the "
+                                  "data has a loss mask); dpo (preference pairs: chosen and rejected responses in "
+                                  "one forward, the loss of the dpo section; train.global_batch_size then counts "
+                                  "pairs)")
     memory_check: bool = Field(True, description="before the model is built, refuse a run whose memory plan "
                                                  "(`trainbox plan`: weights, gradients, optimizer state, "
                                                  "activations, communication, overhead) exceeds what the device "
@@ -286,6 +291,36 @@ class MonitorSection(Section):
     memory_snapshot: int = Field(0, ge=0, le=MAX_STEPS, description=(
         "record the CUDA allocator through this many steps and write memory_snapshot.rankR.pickle and "
         "memory_peak.rankR.json to the run directory"))
+
+
+class DpoSection(Section):
+    """Preference tuning (train.objective=dpo): the loss, its strengths, the reference and the prompt budget."""
+
+    loss: Literal["dpo", "ipo", "simpo", "orpo"] = Field(
+        "dpo", description="dpo: -log sigmoid(beta x the log-ratio margin against the reference) (Rafailov et al. "
+                           "2023; TRL's sigmoid loss); ipo: (margin of the per-token log-ratios - 1/(2 beta))^2 (Azar "
+                           "et al. 2023, length-normalised as TRL); simpo: reference-free, -log sigmoid(beta x the "
+                           "margin of the mean token log-probs - simpo_gamma) (Meng et al. 2024); orpo: "
+                           "reference-free, the chosen response's mean token loss + orpo_lambda x -log sigmoid(log "
+                           "odds ratio) (Hong et al. 2024)")
+    beta: float = Field(0.1, gt=0, le=100, description="dpo: the strength of the reference (0.1 to 0.5 usual); ipo: "
+                                                      "tau; simpo: the reward scale (2 to 2.5 in its paper)")
+    label_smoothing: float = Field(0.0, ge=0, lt=0.5, description="dpo, simpo: the probability that a pair's labels "
+                                                                  "are flipped (conservative DPO)")
+    simpo_gamma: float = Field(0.5, ge=0, le=100, description="simpo: the target margin between the chosen and the "
+                                                             "rejected reward")
+    orpo_lambda: float = Field(0.1, gt=0, le=100, description="orpo: the weight of the odds-ratio term beside the "
+                                                             "chosen response's token loss")
+    reference: Literal["precompute", "model"] = Field(
+        "precompute", description="dpo, ipo: where the reference log-probabilities come from. precompute: the "
+                                  "initial model's, computed once before training and stored beside the prepared "
+                                  "data (reused by later runs and resumes of the same weights and data); model: a "
+                                  "frozen copy of the initial model run beside the policy every step. LoRA "
+                                  "(model.family=hf): the base with its adapters switched off, no copy")
+    max_prompt_len: int | None = Field(
+        None, ge=1, le=MAX_POSITIONS, description="a pair longer than data.seq_len loses the start of its prompt "
+                                                  "down to this many tokens, then the ends of its responses "
+                                                  "(default: half of data.seq_len)")
 
 
 class LoraSection(Section):
@@ -321,6 +356,7 @@ class RunConfig(Section):
     optim: OptimSection = Field(default_factory=OptimSection)
     train: TrainSection = Field(default_factory=TrainSection)
     monitor: MonitorSection = Field(default_factory=MonitorSection)
+    dpo: DpoSection = Field(default_factory=DpoSection, description="preference tuning (train.objective=dpo)")
     lora: LoraSection = Field(default_factory=LoraSection)
     quant: QuantSection = Field(default_factory=QuantSection)
 
@@ -330,6 +366,24 @@ class RunConfig(Section):
         if why and self.train.activation_checkpointing != "none":
             raise ValueError(f"train.activation_checkpointing={self.train.activation_checkpointing} does not apply "
                              f"to model.family={self.model.family}: {why}")
+        return self
+
+    @model_validator(mode="after")
+    def _preference_applies(self) -> "RunConfig":
+        given = self.dpo.model_dump(exclude_defaults=True)
+        if given and self.train.objective != "dpo":
+            raise ValueError(f"dpo.{next(iter(given))} applies to train.objective=dpo, not "
+                             f"{self.train.objective}")
+        if self.train.objective != "dpo":
+            return self
+        spec = family(self.model.family)
+        if spec.generate != "causal":
+            users = which(lambda f: f.generate == "causal")
+            raise ValueError(f"train.objective=dpo needs a causal language model (model.family={either(users)}), "
+                             f"not {self.model.family}")
+        if self.dpo.max_prompt_len is not None and self.dpo.max_prompt_len >= self.data.seq_len:
+            raise ValueError(f"dpo.max_prompt_len={self.dpo.max_prompt_len} leaves no room for a response in "
+                             f"data.seq_len={self.data.seq_len}: give less than {self.data.seq_len}")
         return self
 
     @model_validator(mode="after")

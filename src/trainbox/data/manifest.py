@@ -55,8 +55,10 @@ def read_manifest(path: Path) -> dict:
 
 
 def output_pattern(out: str, fmt: str) -> re.Pattern:
-    """File names `trainbox prepare --out .../OUT --format FMT` writes (shard or megatron)."""
+    """File names `trainbox prepare --out .../OUT --format FMT` writes (shard, megatron, or preference pairs)."""
     o = re.escape(out)
+    if fmt == "pairs":
+        return re.compile(rf"{o}_(train|val)_pairs\.(tokens|mask|index)\.npy")
     if fmt == "megatron":
         return re.compile(rf"{o}(_val)?_.+_document(_mask)?\.(bin|idx)")
     return re.compile(rf"{o}_(train|val)_\d+\.(bin|mask)")

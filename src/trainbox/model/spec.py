@@ -67,6 +67,8 @@ class Family:
     steps: bool = False                   # the model takes set_step(step, total) before each step
     packing: tuple[str, ...] = ()         # the kernels it runs on packed rows (kernels/packed.py: flash, flex, sdpa;
                                           # hf: transformers' own); () = it cannot pack (data.packing is refused)
+    adapters: bool = False                # trains adapters on a frozen base; the model's adapters_off() context
+                                          # gives the base (the preference objective's reference)
     packages: tuple[tuple[str, str], ...] = ()   # (package, extra) it needs to train (`doctor`)
     flavours: dict = field(default_factory=dict)  # read-only notes shown by `config schema` (unused by code)
 

@@ -2,7 +2,12 @@
 
 One figure, two panels: loss against optimizer steps and against training tokens (which compares runs
 with different batch sizes or sequence lengths fairly). Training loss is a solid line, validation loss
-a dashed line with markers, one colour per run. A resumed run appends to metrics.jsonl and may log some
+a dashed line with markers, one colour per run. Runs of the preference objective (train.objective=dpo) add a
+row against steps: reward accuracy (train solid, validation dashed with markers) and the rewards of the chosen
+(solid) and rejected (dotted) responses, validation's with markers. Under dpo and ipo a reward is beta x (the
+response's log-probability - the reference's) on the same pairs, so the chosen reward above 0 is the chosen
+responses' log-probability risen since the start (the summed log-probabilities themselves, logp_chosen in
+metrics.jsonl, vary with each batch's responses). A resumed run appends to metrics.jsonl and may log some
 steps twice (those after its last checkpoint); the later value wins, as it is the one the run kept.
 matplotlib is a core dependency, imported only here and only when plotting.
 """
@@ -24,6 +29,11 @@ class Curves:
     name: str
     train: list[tuple[int, int, float]] = field(default_factory=list)
     val: list[tuple[int, int, float]] = field(default_factory=list)
+    prefs: dict[str, list[tuple[int, float]]] = field(default_factory=dict)   # PREFERENCE key -> (step, value)
+
+
+PREFERENCE = ("reward_accuracy", "val_reward_accuracy", "reward_chosen", "reward_rejected", "val_reward_chosen",
+              "val_reward_rejected")
 
 
 def load_curves(run_dir: Path) -> Curves:
@@ -35,6 +45,7 @@ def load_curves(run_dir: Path) -> Curves:
                         hint="list runs with `trainbox runs`")
     train: dict[int, float] = {}
     val: dict[int, tuple[int, float]] = {}
+    prefs: dict[str, dict[int, float]] = {k: {} for k in PREFERENCE}
     tokens_per_step = None
     for line in path.read_text().splitlines():
         try:
@@ -48,11 +59,15 @@ def load_curves(run_dir: Path) -> Curves:
             train[step] = ev["loss"]
         elif kind == "eval" and ev.get("val_loss") is not None:
             val[step] = (ev.get("tokens"), ev["val_loss"])
+        for k in PREFERENCE:
+            if kind in ("train", "eval") and isinstance(ev.get(k), (int, float)) and math.isfinite(ev[k]):
+                prefs[k][step] = ev[k]
     tps = tokens_per_step or 0
     curves = Curves(name=run_dir.name)
     curves.train = [(s, round(s * tps), v) for s, v in sorted(train.items()) if math.isfinite(v)]
     curves.val = [(s, t if t is not None else round(s * tps), v) for s, (t, v) in sorted(val.items())
                   if math.isfinite(v)]
+    curves.prefs = {k: sorted(v.items()) for k, v in prefs.items() if v}
     return curves
 
 
@@ -71,7 +86,9 @@ def _pyplot():
 def plot_curves(runs: list[Curves], out: Path, title: str | None = None) -> Path:
     """Draw `runs` into a PNG at `out` (written atomically); returns `out`."""
     plt = _pyplot()
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), dpi=100)
+    pref = any(r.prefs for r in runs)
+    fig, grid = plt.subplots(2 if pref else 1, 2, figsize=(12, 9 if pref else 4.5), dpi=100, squeeze=False)
+    axes = grid[0]
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, run in enumerate(runs):
         c = colors[i % len(colors)]
@@ -82,11 +99,25 @@ def plot_curves(runs: list[Curves], out: Path, title: str | None = None) -> Path
             if run.val:
                 ax.plot([p[x] for p in run.val], [p[2] for p in run.val], color=c, ls="--", marker="o", ms=4,
                         label=f"{run.name} val")
+        for key, ax, style in (("reward_accuracy", 0, "-"), ("val_reward_accuracy", 0, "--"),
+                               ("reward_chosen", 1, "-"), ("reward_rejected", 1, ":"),
+                               ("val_reward_chosen", 1, "--"), ("val_reward_rejected", 1, "-.")):
+            pts = run.prefs.get(key)
+            if pts:
+                grid[1][ax].plot([p[0] for p in pts], [p[1] for p in pts], color=c, ls=style, lw=1.2,
+                                 marker="o" if key.startswith("val_") else None, ms=4, label=f"{run.name} {key}")
     for ax, xlabel in ((axes[0], "step"), (axes[1], "tokens")):
         ax.set_xlabel(xlabel)
-        ax.set_ylabel("loss (nats/token)")
+        ax.set_ylabel("loss (nats/token)" if not pref else "loss")
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
+    if pref:
+        for ax, ylabel in ((grid[1][0], "reward accuracy (chosen > rejected)"),
+                           (grid[1][1], "reward (dpo: beta x log-prob. against the reference)")):
+            ax.set_xlabel("step")
+            ax.set_ylabel(ylabel)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
     fig.suptitle(title or ", ".join(r.name for r in runs))
     fig.tight_layout()
     out = Path(out)
@@ -101,7 +132,7 @@ def plot_curves(runs: list[Curves], out: Path, title: str | None = None) -> Path
 def plot_runs(run_dirs: list[Path], out: Path) -> Path:
     """`trainbox plot`: compare the loss curves of several runs in one PNG."""
     runs = [load_curves(Path(d)) for d in run_dirs]
-    empty = [r.name for r in runs if not r.train and not r.val]
+    empty = [r.name for r in runs if not r.train and not r.val and not r.prefs]
     if len(empty) == len(runs):
         raise DataError(f"no loss values logged yet in {', '.join(empty)}", hint="wait for the first logged step")
     return plot_curves(runs, out)

@@ -48,7 +48,7 @@ from prometheus_client.exposition import choose_encoder
 
 from trainbox.errors import ConfigError
 from trainbox.monitor.console import log
-from trainbox.monitor.state import RunState
+from trainbox.monitor.state import PREFERENCE, RunState
 from trainbox.rundir.runs import latest_eval
 from trainbox.rundir.status import ACTIVE_PHASES, health
 
@@ -115,7 +115,8 @@ def metrics_json(s: dict) -> dict:
             "gpu_memory_allocated": s["gpu_memory_allocated"], "val_loss": s["val_loss"], "lr": s["lr"],
             "grad_norm": s["grad_norm"], "tokens_per_s": s["tokens_per_s"], "mfu": s["mfu"],
             "tokens_seen": s["tokens_seen"], "checkpoints_saved": s["checkpoints_saved"],
-            "restarts": s["restarts"], "eta_s": s["eta_s"], "phase": s["phase"]}
+            "restarts": s["restarts"], "eta_s": s["eta_s"], "phase": s["phase"],
+            **{k: s[k] for k in PREFERENCE}}
 
 
 # name -> (help, snapshot key); counters get `_total` appended by prometheus_client
@@ -136,7 +137,14 @@ GAUGES = {"loss": ("last training loss in nats per token", "loss"),
           "eta_seconds": ("estimated seconds until the last step", "eta_s"),
           "step_duration_seconds": ("mean seconds per optimizer step in this process", "step_time_s"),
           "heartbeat_timestamp_seconds": ("unix time of the last progress", "heartbeat"),
-          "start_timestamp_seconds": ("unix time this process started the run", "started_at")}
+          "start_timestamp_seconds": ("unix time this process started the run", "started_at"),
+          # train.objective=dpo (absent otherwise): means over the last logged step's pairs
+          "reward_chosen": ("preference: mean reward of the chosen responses", "reward_chosen"),
+          "reward_rejected": ("preference: mean reward of the rejected responses", "reward_rejected"),
+          "reward_margin": ("preference: mean reward margin, chosen minus rejected", "reward_margin"),
+          "reward_accuracy_ratio": ("preference: share of pairs whose chosen reward is higher, 0 to 1",
+                                    "reward_accuracy"),
+          "val_reward_accuracy_ratio": ("preference: reward accuracy on the validation pairs", "val_reward_accuracy")}
 
 
 class _Collector:

@@ -17,6 +17,10 @@ from pathlib import Path
 from trainbox.files import atomic_write_text
 from trainbox.rundir.status import PHASES
 
+# the preference objective's logged values (objective/preference.py): the last logged step's, and validation's
+PREFERENCE = ("reward_chosen", "reward_rejected", "reward_margin", "reward_accuracy", "logp_chosen", "logp_rejected",
+              "val_reward_accuracy", "val_reward_margin")
+
 
 class RunState:
     """Thread-safe dict of the run's live state (see module docstring)."""
@@ -31,6 +35,7 @@ class RunState:
             last_checkpoint=None, resumed_from=None, error=None, pid=os.getpid(), host=socket.gethostname(),
             url=None, gpu_name=None, gpu_count=0, cuda_available=False, gpu_memory_allocated=0,
             checkpoints_saved=0, restarts=0, steps_this_process=0, tokens_this_process=0, finished_at=None,
+            **dict.fromkeys(PREFERENCE),
         )
         self.history: list[dict] = []  # logged points for the dashboard (bounded)
 
@@ -81,7 +86,8 @@ class RunState:
             kind, step = ev.get("event"), ev.get("step")
             if not isinstance(step, int):
                 continue
-            keys = {"train": ("loss", "lr", "tokens_per_s", "tokens"), "eval": ("val_loss", "tokens")}.get(kind)
+            keys = {"train": ("loss", "lr", "tokens_per_s", "tokens", *PREFERENCE[:6]),
+                    "eval": ("val_loss", "tokens", *PREFERENCE[6:])}.get(kind)
             if keys and ev.get(keys[0]) is not None:
                 points[(kind, step)] = {"step": step, **{k: ev[k] for k in keys if ev.get(k) is not None}}
             elif kind == "eval_tasks" and isinstance(ev.get("scores"), dict):

@@ -47,6 +47,7 @@ from trainbox.config.layout import decide_layout
 from trainbox.errors import ConfigError
 from trainbox.model.build import build_tokenizer, model_vocab_size
 from trainbox.model.spec import family
+from trainbox.objective import memory_terms
 from trainbox.parallel.fsdp import compute_pool_grads_available
 from trainbox.plan.activations import Kernels
 from trainbox.plan.count import count_parameters
@@ -97,7 +98,7 @@ def make_plan(cfg: RunConfig, vocab: int, target: Target, nproc: int = 1, kernel
     mem, acts = memory(cfg, counts, vocab, target, layout, run.micro_batch, mode, kernels, BYTES[dtype])
     plan = MemoryPlan(cfg.recipe, target, layout, run.micro_batch, cfg.data.seq_len, dtype, t.compile, mode, kernels,
                 counts, mem, acts, drops_unsent=ep > 1 and cfg.model.moe.capacity_factor > 0,
-                accumulation=run.accumulation)
+                accumulation=run.accumulation, sequences=memory_terms(cfg)[0])
     if suggest and not plan.fits:
         plan = replace(plan, suggestions=tuple(suggestions(cfg, vocab, plan)))
     elif suggest and ep > 1:

@@ -9,6 +9,7 @@ import torch
 from trainbox.config import RunConfig
 from trainbox.kernels.choice import attention_on, choose
 from trainbox.model.spec import family
+from trainbox.objective import memory_terms
 from trainbox.plan.activations import Activations, Kernels, Widths, family_activations, weight_copy_bytes
 from trainbox.plan.count import ParamCount
 from trainbox.plan.gpus import GiB, Target
@@ -42,10 +43,11 @@ class Memory:
     comm: int
     overhead: int
     pools: int = 0      # FSDP's side-stream pools: held while memory is ample, given back under pressure
+    reference: int = 0  # a frozen copy of the initial model beside it (the preference objective's reference)
 
     @property
     def peak_allocated(self) -> int:
-        return self.params + self.gradients + self.optimizer + self.activations + self.comm
+        return self.params + self.gradients + self.optimizer + self.activations + self.comm + self.reference
 
     @property
     def needed(self) -> int:
@@ -97,6 +99,7 @@ class MemoryPlan:
     # all-to-all exchanges and host reads of a step (one of each per MoE layer and micro-batch)
     fewer_exchanges: Suggestion | None = None
     accumulation: int = 1   # micro-batches a step on each rank
+    sequences: int = 1      # sequences a sample puts through the model (train.objective=dpo: a pair, two)
 
     @property
     def fits(self) -> bool:
@@ -110,7 +113,8 @@ class MemoryPlan:
                 "kernels": asdict(self.kernels), "parameters": self.counts.as_dict(),
                 "memory": self.memory.as_dict(), "activations": self.activations.as_dict(),
                 "fits": self.fits, "margin": MARGIN,
-                "accumulation": self.accumulation, "suggestions": [asdict(s) for s in self.suggestions],
+                "accumulation": self.accumulation, "sequences": self.sequences,
+                "suggestions": [asdict(s) for s in self.suggestions],
                 "fewer_exchanges": asdict(self.fewer_exchanges) if self.fewer_exchanges else None}
 
 
@@ -147,8 +151,13 @@ def dtype_bytes(cfg: RunConfig, target: Target) -> tuple[str, int]:
 
 def memory(cfg: RunConfig, counts: ParamCount, vocab: int, target: Target, layout: Layout, micro: int, mode: str,
            kernels: Kernels, a: int) -> tuple[Memory, Activations]:
-    """Bytes on one GPU of `layout`, at micro-batch `micro`, checkpointing `mode`, `a`-byte matmul operands."""
+    """Bytes on one GPU of `layout`, at micro-batch `micro`, checkpointing `mode`, `a`-byte matmul operands. The
+    objective decides how many sequences a sample puts through the model (a preference pair: two) and whether a
+    frozen copy of the model runs beside it (`memory_terms`: its parameters in the autocast dtype, sharded like
+    the model's under fsdp; a precomputed reference and LoRA's base with its adapters off cost nothing)."""
     m, world, ep = cfg.model, layout.nproc, layout.expert_parallel
+    sequences, copy = memory_terms(cfg)
+    rows = micro * sequences
     fsdp = layout.parallel == "fsdp"
     spec = family(m.family)
     lowp = m.lowp_residual if m.lowp_residual is not None else spec.lowp_residual
@@ -159,7 +168,7 @@ def memory(cfg: RunConfig, counts: ParamCount, vocab: int, target: Target, layou
     # ... and keeps: fsdp shards the dense ones over all ranks, a rank's experts over the world / ep that share them
     local = counts.trainable / world if fsdp else held
     muon = counts.muon * local / max(1, counts.trainable)
-    acts = family_activations(cfg, counts, vocab, micro, mode, widths, kernels, autocast_copies=not fsdp)
+    acts = family_activations(cfg, counts, vocab, rows, mode, widths, kernels, autocast_copies=not fsdp)
     copies = 0 if fsdp else weight_copy_bytes(counts, widths, mode)
     if copies and counts.expert and ep > 1:
         copies = int(copies * (counts.matmul - counts.expert + counts.expert / ep) / counts.matmul)
@@ -175,7 +184,7 @@ def memory(cfg: RunConfig, counts: ParamCount, vocab: int, target: Target, layou
         gathered = 2 * (2 * unit + counts.root) if layout.reshard_after_forward else 2 * held
         comm += gathered + 2 * counts.root + (2 + 2 * 4) * unit
     if ep > 1 and spec.experts:
-        comm += 4 * m.moe.top_k * micro * cfg.data.seq_len * m.n_embd * a   # dispatch and combine, both ways
+        comm += 4 * m.moe.top_k * rows * cfg.data.seq_len * m.n_embd * a   # dispatch and combine, both ways
     frozen = counts.frozen * (0.5625 if cfg.quant.load_in_4bit else 1 if cfg.quant.load_in_8bit else a)
     params = 4 * local + frozen / shard          # frozen bases: bf16 on a GPU (NF4: 4.5 bits with its scales)
     overhead = pools = 0
@@ -184,14 +193,16 @@ def memory(cfg: RunConfig, counts: ParamCount, vocab: int, target: Target, layou
     # activations are smaller than they are (then the end of the backward is the peak)
     accum = -(-cfg.train.global_batch_size // (micro * world))
     grads = 4 * local if accum > 1 or acts.peak < 4 * local else 0
-    peak = params + grads + 4 * muon + 8 * (local - muon) + acts.peak + comm
+    reference = a * counts.total / shard if copy else 0
+    peak = params + grads + 4 * muon + 8 * (local - muon) + acts.peak + comm + reference
     if target.cuda:
         overhead = CONTEXT + (NCCL if world > 1 else 0) + FRAGMENTATION * peak
         if fsdp:
             pools = (4 * local if layout.side_stream_grads and not grads else 0) \
                 + 2 * (2 * unit + counts.root + counts.apart)
     mem = Memory(params=int(params), gradients=int(grads), optimizer=int(4 * muon + 8 * (local - muon)),
-                 activations=acts.peak, comm=int(comm), overhead=int(overhead), pools=int(pools))
+                 activations=acts.peak, comm=int(comm), overhead=int(overhead), pools=int(pools),
+                 reference=int(reference))
     return mem, acts
 
 

@@ -38,7 +38,9 @@ def format_plan(plan: MemoryPlan, overrides: list[str] | tuple[str, ...] = ()) -
     lines = [f"{plan.recipe or 'config'} on {gpus} ({t.gib:.1f} GiB each, {origin})" if t.cuda else
              f"{plan.recipe or 'config'} on this CPU ({t.gib:.1f} GiB of RAM)",
              f"  layout       {layout_text(plan)}",
-             f"  batch        micro-batch {plan.micro_batch} x {plan.seq_len:,} tokens, {plan.dtype}, "
+             f"  batch        micro-batch {plan.micro_batch}"
+             + (f" pairs ({plan.micro_batch * plan.sequences} sequences)" if plan.sequences > 1 else "")
+             + f" x {plan.seq_len:,} tokens, {plan.dtype}, "
              f"{'compiled' if plan.compiled else 'eager'}, activation checkpointing {plan.checkpointing}",
              f"  kernels      attention {k.attention}, fused loss {k.fused_loss}, fused MLP {k.fused_mlp}, fp8 {k.fp8}"
              + ("" if t.local or not t.hopper or k.attention == "flash" else
@@ -59,6 +61,8 @@ def format_plan(plan: MemoryPlan, overrides: list[str] | tuple[str, ...] = ()) -
              f"blocks {_gib(acts.blocks)}, head and loss {_gib(acts.other)}, weight copies "
              f"{_gib(acts.weight_copies)}, transient {_gib(acts.transient)}"),
             ("communication", mem.comm, comm if mem.comm else ""),
+            *([("reference", mem.reference, "a frozen copy of the initial model (dpo.reference=model)")]
+              if mem.reference else []),
             ("peak allocated", mem.peak_allocated, "torch.cuda.max_memory_allocated() during training"
              if t.cuda else ""),
             ("overhead", mem.overhead, "CUDA context, NCCL, allocator slack" if t.cuda else ""),

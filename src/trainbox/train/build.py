@@ -4,6 +4,7 @@ optimizers, DDP, torch.compile). train/loop.py calls these in that order, with t
 (train/resume.py), so a run that cannot resume fails before any model is built."""
 from __future__ import annotations
 
+import copy
 import logging
 import math
 from dataclasses import dataclass
@@ -18,16 +19,10 @@ from trainbox.data.loader import BatchOrder
 from trainbox.errors import DataError
 from trainbox.kernels import float8
 from trainbox.kernels.choice import KernelChoice, choose
-from trainbox.model.build import (
-    adapt_datasets,
-    build_model,
-    build_tokenizer,
-    model_vocab_size,
-    open_datasets,
-    packs_examples,
-)
+from trainbox.model.build import build_model, build_tokenizer, model_vocab_size, packs_examples
 from trainbox.model.load import load_init_weights
 from trainbox.model.spec import family
+from trainbox.objective import Objective, build_objective
 from trainbox.optim.build import build_optimizers
 from trainbox.parallel import expert
 from trainbox.parallel.ddp import DataParallel
@@ -60,13 +55,14 @@ class RunData:
     total: int
 
 
-def build_data(cfg: RunConfig, layout: RunLayout, dist: Dist) -> RunData:
-    """`cfg` as the pre-flight checks resolved it (the family's resolution included), `layout` theirs."""
+def build_data(cfg: RunConfig, layout: RunLayout, dist: Dist, objective: Objective | None = None) -> RunData:
+    """`cfg` as the pre-flight checks resolved it (the family's resolution included), `layout` theirs; the datasets
+    are the ones `objective` trains on (default: that of train.objective)."""
     tokenizer = build_tokenizer(cfg)
     if cfg.model.eot_id is None and family(cfg.model.family).supports("eot_id"):   # documents split at EOT
         cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"eot_id": tokenizer.eot_id})})
     vocab = model_vocab_size(cfg.model, tokenizer.vocab_size)
-    train, val = adapt_datasets(cfg, tokenizer, vocab, *open_datasets(cfg, tokenizer, vocab))
+    train, val = (objective or build_objective(cfg)).open_datasets(cfg, tokenizer, vocab)
     batches = BatchOrder(train, layout.global_batch, layout.micro_batch, layout.world, dist.rank, cfg.run.seed)
     batches.check_nonempty()
     check_validation(val)   # evaluation runs at the end of every run that has validation data
@@ -91,15 +87,16 @@ class RunModel:
     kernels: KernelChoice
     optimizers: list
     parallel: object        # DataParallel (parallel/ddp.py) or ShardedParallel (parallel/fsdp.py)
+    reference: nn.Module | None = None   # a frozen copy of the initial model (the preference objective's reference)
 
 
 def build_model_side(cfg: RunConfig, layout: RunLayout, vocab: int, device: torch.device, dist: Dist,
-                     init_weights: bool, dtype: torch.dtype = torch.float32) -> RunModel:
+                     init_weights: bool, dtype: torch.dtype = torch.float32, reference: bool = False) -> RunModel:
     """The same initial weights on every rank (seeded before building); `init_weights`: load run.init_from.
     Spread over the ranks as `layout` says. Under fsdp the model is sharded before the optimizers are built, so
     their state is sharded too, and on a GPU it is built there (its random initialisation on the CPU takes minutes
     at billions of parameters; the GPU's generator gives other, equally distributed, initial weights than the
-    CPU's)."""
+    CPU's). `reference`: keep a frozen copy of the initial model beside it (`frozen_copy`)."""
     torch.manual_seed(cfg.run.seed)
     sharded = layout.sharded   # (a sharded checkpoint of a larger world resumes unsharded)
     if cfg.train.parallel == "fsdp" and not sharded:
@@ -114,6 +111,7 @@ def build_model_side(cfg: RunConfig, layout: RunLayout, vocab: int, device: torc
     model = model.to(device)
     # as the models ask when they meet the device (the packed-row kernel: when they meet packed rows)
     kernels = choose(cfg.model, device, family(cfg.model.family), packed=packs_examples(cfg))
+    frozen = frozen_copy(model, dtype) if reference else None
     if cfg.train.float8:
         float8.convert(model, fsdp=sharded)
     if cfg.train.activation_checkpointing != "none":
@@ -123,12 +121,23 @@ def build_model_side(cfg: RunConfig, layout: RunLayout, vocab: int, device: torc
     if sharded:
         parallel = ShardedParallel(model, dist, device, dtype, cfg.train.reshard_after_forward, cfg.train.compile,
                                    float8=cfg.train.float8)
+        if frozen is not None:   # sharded like the policy: each block gathered for its forward, then freed
+            ShardedParallel(frozen, dist, device, dtype, reshard_after_forward=True, compile=False)
     else:
         parallel = DataParallel(model, dist, device)
         if cfg.train.compile:
             parallel.compile()
     optimizers = build_optimizers(model, cfg.optim, device)
-    return RunModel(model, kernels, optimizers, parallel)
+    return RunModel(model, kernels, optimizers, parallel, frozen)
+
+
+def frozen_copy(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """A copy of `model` that never trains: eval mode, no gradients, parameters in the autocast dtype `dtype` (the
+    buffers, such as rotary tables, as they are)."""
+    ref = copy.deepcopy(model).requires_grad_(False).eval()
+    for p in ref.parameters():
+        p.data = p.data.to(dtype)
+    return ref
 
 
 def allow_cached_autograd_functions() -> None:

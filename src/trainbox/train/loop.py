@@ -37,7 +37,6 @@ import torch
 from trainbox import checkpoint
 from trainbox.config import RunConfig
 from trainbox.data.loader import to_device
-from trainbox.data.packing import packed_inputs
 from trainbox.errors import TrainingFailed
 from trainbox.eval.results import flat
 from trainbox.eval.training import TaskEvaluation
@@ -48,6 +47,7 @@ from trainbox.monitor.console import ProgressBar, fmt_duration, log
 from trainbox.monitor.memory_snapshot import MemorySnapshot
 from trainbox.monitor.meter import Meter
 from trainbox.monitor.state import RunState
+from trainbox.objective import Runtime, build_objective
 from trainbox.optim.build import lr_multiplier, set_lr
 from trainbox.parallel.dcp import AsyncSaver
 from trainbox.parallel.distributed import Dist
@@ -55,7 +55,7 @@ from trainbox.rundir.lock import RunLock, unlock_run
 from trainbox.train import resume
 from trainbox.train.build import build_data, build_model_side, plan_length  # noqa: F401 - plan_length: tests
 from trainbox.train.device import is_out_of_memory, out_of_memory, use_device
-from trainbox.train.evaluate import autocast_context, evaluate
+from trainbox.train.evaluate import autocast_context
 from trainbox.train.memory import check_memory
 from trainbox.train.preflight import Preflight, preflight
 from trainbox.train.run_files import RunFiles
@@ -84,23 +84,24 @@ class Trainer(RunFiles, Checkpointing):
         self.autocast = lambda: autocast_context(self.device, self.dtype)
         self.pin = self.device.type == "cuda"   # page-locked host batches: the H2D copy runs asynchronously
         self.family = family(cfg.model.family)
+        self.objective = build_objective(self.cfg, self.device, self.dtype)   # the loss of a step, its batches
         # set by setup(), from the config (train/build.py) and the checkpoint resumed from (train/resume.py)
         self.lock: RunLock | None = None
         self.resume_from: Path | None = None
         self.tokenizer = self.train_data = self.val_data = self.batches = None
         self.vocab = self.total = self.start_step = self.tokens_seen = 0
         self.changed: dict = {}
-        self.model = self.kernels = self.parallel = self.forward = None
+        self.model = self.kernels = self.parallel = self.forward = self.reference = None
         self.optimizers: list = []
         self.last_saved_step: int | None = None
         self.saver = None        # parallel/dcp.py AsyncSaver of a sharded run
         self.snapshot = None     # monitor/memory_snapshot.py, through step monitor.memory_snapshot
-        self.token_bytes = None  # per-token UTF-8 lengths for bits/byte, built at the first evaluation
         self.state: RunState | None = None
         self.tasks: TaskEvaluation | None = None   # train.eval_tasks, on rank 0
         self._status_written = 0.0                 # status.json's last write inside an evaluation
         self.server = self.sinks = None
         self.last_stats: dict = {}
+        self.objective_stats: torch.Tensor | None = None   # of the last step: the objective's stat_names
         self._prefetched: tuple[int, list] | None = None  # (step, its micro-batches on the device)
 
     # ------------------------------------------------------------------ setup
@@ -111,7 +112,7 @@ class Trainer(RunFiles, Checkpointing):
             torch.set_num_threads(self.cfg.train.threads)
         self._lock_run_dir()
         self.resume_from = resume.find_start(self.cfg, self.ckpt_root)
-        data = build_data(self.cfg, self.layout, d)
+        data = build_data(self.cfg, self.layout, d, self.objective)
         cfg = self.cfg = data.cfg
         self.tokenizer, self.vocab, self.train_data, self.val_data = data.tokenizer, data.vocab, data.train, data.val
         self.batches, self.total = data.batches, data.total
@@ -128,10 +129,13 @@ class Trainer(RunFiles, Checkpointing):
             self.start_step = trainer_state["step"]
             self.changed = resume.check_changes(trainer_state.get("config", {}), cfg, self.resume_from)
             resume.check_finished(self.start_step, self.total, trainer_state.get("total_steps"), cfg)
-        built = build_model_side(cfg, self.layout, self.vocab, self.device, d, init_weights=self.resume_from is None,
-                                 dtype=self.dtype)
+        # a resumed run builds the initial weights too where the objective takes something from them (a reference)
+        initial = self.resume_from is None or self.objective.needs_initial_weights(cfg)
+        built = build_model_side(cfg, self.layout, self.vocab, self.device, d, init_weights=initial,
+                                 dtype=self.dtype, reference=self.objective.frozen_copy(cfg))
         self.model, self.kernels, self.optimizers = built.model, built.kernels, built.optimizers
-        self.parallel, self.forward = built.parallel, built.parallel.forward
+        self.parallel, self.forward, self.reference = built.parallel, built.parallel.forward, built.reference
+        self.objective.attach(self.runtime())   # before the checkpoint's weights replace the initial ones
         if self.parallel.sharded and cfg.train.checkpoints:
             self.saver = AsyncSaver(self.ckpt_root, d, cfg.train.keep_last, self.resume_from)
         if self.resume_from is not None:
@@ -177,7 +181,8 @@ class Trainer(RunFiles, Checkpointing):
     def _run(self) -> dict:
         cfg, d = self.cfg, self.dist
         every = cfg.monitor.log_every
-        meter = Meter(cfg.train.global_batch_size * cfg.data.seq_len, self.start_step)
+        tokens_per_step = cfg.train.global_batch_size * cfg.data.seq_len * self.objective.sequences
+        meter = Meter(tokens_per_step, self.start_step)
         window: list[torch.Tensor] = []
         window_start = self.start_step
         self._phase("compiling" if cfg.train.compile else "training")
@@ -199,7 +204,7 @@ class Trainer(RunFiles, Checkpointing):
                 raise out_of_memory(e, step + 1, cfg.train.micro_batch_size, self.device,
                                     checkpoint.latest(self.ckpt_root)) from None
             step += 1
-            self.tokens_seen += cfg.train.global_batch_size * cfg.data.seq_len
+            self.tokens_seen += tokens_per_step
             if self.snapshot is not None and self.snapshot.after_step(step - self.start_step):
                 self.snapshot = None
             window.append(loss)
@@ -245,7 +250,8 @@ class Trainer(RunFiles, Checkpointing):
         self._saves_published(wait=True)
         self._phase("finished")
         return {"step": step, "total": self.total, "stopped": False, "sample": sample,
-                "run_dir": str(self.run_dir), **(last_eval or {})}
+                "run_dir": str(self.run_dir), **(last_eval or {}),
+                "validation": self.objective.eval_line(last_eval) if last_eval else None}
 
     def train_step(self, step: int):
         """One optimizer step over the global batch; returns device tensors (no host sync)."""
@@ -255,24 +261,27 @@ class Trainer(RunFiles, Checkpointing):
             self.model.set_step(step, self.total)
         batches = self._device_batches(step)
         accum = len(batches)
-        scale = self.dist.world / max(1, self.batches.target_tokens(step))
+        # a micro-batch's loss is its sum over this count (target tokens, pairs) of the global batch: its share of
+        # the global mean, times the world size that DDP's gradient average divides by
+        scale = self.dist.world / max(1, self.objective.denominator(self.batches, step))
         loss_sum = torch.zeros((), device=self.device)
+        stats = None
         for k, b in enumerate(batches):
-            x, y, mask = b["x"], b["y"], b.get("loss_mask")
             with self.parallel.micro_batch(k, accum):
                 with self.autocast():
-                    out = self.forward(x, y, loss_mask=mask, reduction="sum", **packed_inputs(b))
-                    token_loss = out.loss.float() * scale   # this micro-batch's share of the global mean
-                    total = token_loss if out.aux_loss is None else token_loss + out.aux_loss / accum
+                    part = self.objective.loss(self.forward, b, scale)
+                    total = part.loss if part.aux is None else part.loss + part.aux / accum
                 total.backward()
-            loss_sum += token_loss.detach() / self.dist.world
+            loss_sum += part.loss.detach() / self.dist.world
+            if part.stats is not None:
+                stats = part.stats / self.dist.world + (0 if stats is None else stats)
         grad_norm = self.parallel.clip(cfg.optim.grad_clip)
         for opt in self.optimizers:
             opt.step()
         self.parallel.after_step()
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
-        self.last_stats = out.stats
+        self.last_stats, self.objective_stats = part.model_stats, stats
         if step + 1 < self.total:  # the next step's data, sent while the GPU still runs this one
             self._prefetched = (step + 1, self._send_batches(step + 1))
         return loss_sum, grad_norm, lr
@@ -299,6 +308,9 @@ class Trainer(RunFiles, Checkpointing):
         losses = torch.stack(window).float()
         self.dist.all_reduce_sum(losses)   # each rank holds its share of the global mean: the sum is the mean
         losses = losses.tolist()  # one host sync per logged window
+        objective = {}
+        if self.objective_stats is not None:   # the last step's, over the global batch
+            objective = dict(zip(self.objective.stat_names, self.dist.all_reduce_sum(self.objective_stats).tolist()))
         bad = next((i for i, v in enumerate(losses) if not math.isfinite(v)), None)
         if bad is not None:
             raise TrainingFailed(f"loss is {losses[bad]} at step {first_step + bad + 1}; stopping. The last good "
@@ -317,7 +329,7 @@ class Trainer(RunFiles, Checkpointing):
         if not self.dist.is_main:
             return
         last = {"lr": lr, "grad_norm": gn, "tokens_per_s": tok_s, "mfu": mfu, "tokens": self.tokens_seen,
-                **peaks, **self._stats()}
+                **peaks, **objective, **self._stats()}
         for i, v in enumerate(losses):
             self.sinks.log("train", step=first_step + i + 1, loss=v, **(last if i == len(losses) - 1 else {}))
         mem = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
@@ -325,11 +337,13 @@ class Trainer(RunFiles, Checkpointing):
                           epoch=(step - 1) // self.batches.steps_per_epoch, tokens_seen=self.tokens_seen,
                           step_time_s=per_step, gpu_memory_allocated=mem,
                           steps_this_process=step - meter.first_step,
-                          tokens_this_process=(step - meter.first_step) * meter.tokens_per_step)
+                          tokens_this_process=(step - meter.first_step) * meter.tokens_per_step, **objective)
         self.state.add_point({"step": step, "loss": losses[-1], "lr": lr, "tokens_per_s": tok_s,
-                              "tokens": self.tokens_seen})
+                              "tokens": self.tokens_seen, **objective})
         self.state.write_status(self.run_dir / "status.json")
         extra = f" mfu {100 * mfu:.1f}%" if mfu else ""
+        if "reward_accuracy" in objective:
+            extra += f" acc {objective['reward_accuracy']:.2f} margin {objective['reward_margin']:.3f}"
         if peaks:
             extra += f" mem {peaks['peak_mem_gib']:.1f}GiB peak"
         log.info(f"step {step}/{self.total} loss {losses[-1]:.4f}{f' lr {lr:.3g}' if lr is not None else ''}"
@@ -346,13 +360,8 @@ class Trainer(RunFiles, Checkpointing):
         self._phase("evaluating")
         if self.family.steps:  # evaluate with the window of `step` (the final one at the end), as the record
             self.model.set_step(step, self.total)  # scripts do; the next training step sets its own
-        if self.token_bytes is None:
-            pad = [0] * (self.vocab - self.tokenizer.vocab_size)
-            self.token_bytes = torch.tensor(self.tokenizer.token_bytes() + pad, dtype=torch.int32, device=self.device)
         try:
-            res = evaluate(self.forward if not self.cfg.train.compile else self.model, self.val_data,
-                           self.cfg.train.eval_tokens, self.cfg.train.micro_batch_size, self.token_bytes,
-                           self.device, self.autocast, self.dist)
+            res = self.objective.evaluate(self.runtime())
         except RuntimeError as e:
             if not is_out_of_memory(e):
                 raise
@@ -361,9 +370,10 @@ class Trainer(RunFiles, Checkpointing):
         res["step"] = step
         if self.dist.is_main:
             self.sinks.log("eval", **res, tokens=self.tokens_seen)
-            self.state.update(val_loss=res["val_loss"], val_bpb=res["val_bpb"])
-            self.state.add_point({"step": step, "val_loss": res["val_loss"], "tokens": self.tokens_seen})
-            log.info(f"eval step {step}: val loss {res['val_loss']:.4f} nats/token, {res['val_bpb']:.4f} bits/byte")
+            self.state.update(**{k: res.get(k) for k in self.objective.eval_keys})
+            self.state.add_point({"step": step, "tokens": self.tokens_seen,
+                                  **{k: res[k] for k in self.objective.eval_keys if k in res}})
+            log.info(f"eval step {step}: {self.objective.eval_line(res)}")
         self._phase("training")
         return res
 
@@ -391,6 +401,11 @@ class Trainer(RunFiles, Checkpointing):
         if now - self._status_written >= 10:
             self._status_written = now
             self.state.write_status(self.run_dir / "status.json")
+
+    def runtime(self) -> Runtime:
+        """The run as its objective sees it."""
+        return Runtime(self.cfg, self.model, self.forward, self.reference, self.device, self.autocast, self.dist,
+                       self.train_data, self.val_data, self.tokenizer, self.vocab)
 
     def _final_sample(self) -> str | None:
         """The end-of-run sample, by rank 0; a model spread over the ranks (fsdp, expert parallelism) needs every

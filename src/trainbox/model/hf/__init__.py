@@ -9,5 +9,6 @@ FAMILY = Family(
     options=frozenset({"path"}), own_attention="hf", packing=("hf",),
     fsdp="LoRA trains small adapters on a frozen base: use train.parallel=ddp",
     recompute="use lora.gradient_checkpointing (Hugging Face's own)",
-    export="PEFT adapter or merged model", packages=(("transformers", "finetune"), ("peft", "finetune")),
+    export="PEFT adapter or merged model", adapters=True,
+    packages=(("transformers", "finetune"), ("peft", "finetune")),
 )

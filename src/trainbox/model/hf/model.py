@@ -164,6 +164,11 @@ class HFCausalLM(nn.Module):
     def make_caches(self, batch: int, max_len: int, dtype, device) -> HFCache:
         return HFCache()
 
+    def adapters_off(self):
+        """A context in which the model is its frozen base (PEFT's disable_adapter): the preference objective's
+        reference, at no extra memory."""
+        return self.peft.disable_adapter()
+
     def num_params(self) -> int:
         return sum(p.numel() for p in self.peft.parameters())
 

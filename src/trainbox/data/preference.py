@@ -1,0 +1,477 @@
+"""Preference pairs for train.objective=dpo: JSONL rows -> token files with loss masks -> batches of pairs.
+
+    trainbox prepare prefs.jsonl --out data/prefs --tokenizer FOLDER --seq-len 1024   # token files, a report
+    trainbox train dpo model.path=FOLDER data.path=prefs.jsonl                          # or data.path=data/prefs
+
+Rows (one JSON object a line), the forms preference sets come in:
+
+    {"prompt": "text", "chosen": "text", "rejected": "text"}                 plain text (TRL's standard form)
+    {"prompt": [messages], "chosen": [messages], "rejected": [messages]}     TRL's conversational form
+    {"chosen": [messages], "rejected": [messages]}                           the prompt is their shared first turns
+    {"prompt": "text", "chosen": [messages], "rejected": [messages]}         as UltraFeedback: the messages repeat
+                                                                             the prompt, or it is the user turn
+
+Plain text is tokenized as prompt + response, the response ending with the end-of-text token; every response
+token carries loss. Messages are rendered with the chat template (data/chat.py, as for SFT: data.chat_template
+or the tokenizer's own) and only the assistant tokens of a response carry loss. A pair is stored once as its
+prompt, chosen and rejected tokens (no padding); the prompt is the longest common token prefix of the two
+rendered sequences that ends before either response's first trained token.
+
+Refused, naming the file and line: a row without chosen or rejected (or without a prompt for text responses),
+a chosen response equal to the rejected one, a response without assistant tokens, and (when the length is
+known: `prepare --seq-len`, or training at data.seq_len) a prompt of data.seq_len tokens or more.
+
+Truncation (counted in the report and the run's log): a pair whose longer sequence exceeds data.seq_len loses
+the start of its prompt (its end is kept), down to dpo.max_prompt_len tokens at most (default half of
+data.seq_len); then its responses lose their ends (their start is kept) to fit.
+
+Files of `trainbox prepare --out OUT` per split (train, val): OUT_{split}_pairs.tokens.npy (uint16, int32 for
+vocabularies over 65,536), OUT_{split}_pairs.mask.npy (uint8 loss mask, 0 on prompts), OUT_{split}_pairs.index.npy
+(int64 rows: start, prompt, chosen and rejected lengths, source file, line), under OUT.manifest.json as every
+prepared set. A raw JSONL data.path is prepared the same way into data.cache_dir. The reference log-probabilities
+of dpo.reference=precompute are stored beside a split's files (objective/preference.py).
+"""
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import logging
+import os
+import shutil
+from array import array
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from trainbox.data import manifest
+from trainbox.data.chat import BUILTIN, ChatTemplate, hf_chat_template, load_template, messages_of, render_spans
+from trainbox.data.readers import JSONL_SUFFIXES, list_input_files
+from trainbox.data.sft import tokenize_spans
+from trainbox.data.sources import check_vocab, default_cache_dir
+from trainbox.errors import DataError, NoData
+
+log = logging.getLogger("trainbox")
+
+SPLITS = ("train", "val")
+PARTS = ("tokens", "mask", "index")
+INDEX_COLUMNS = ("start", "prompt", "chosen", "rejected", "file", "line")
+
+
+# ----------------------------------------------------------------------------- rows
+
+
+@dataclass
+class Pair:
+    """One row: plain text (`chat` False: strings) or messages ([{role, content}])."""
+    chat: bool
+    prompt: str | list
+    chosen: str | list
+    rejected: str | list
+
+
+def is_preference_row(row) -> bool:
+    return isinstance(row, dict) and "chosen" in row and "rejected" in row
+
+
+def first_row_is_preference(path: Path) -> bool:
+    """Whether a JSONL file holds preference rows, from its first non-empty line."""
+    if not path.is_file() or not path.name.endswith(JSONL_SUFFIXES):
+        return False
+    with (gzip.open(path, "rt", encoding="utf-8") if path.name.endswith(".gz") else open(path, encoding="utf-8")) as f:
+        for line in f:
+            if line.strip():
+                try:
+                    return is_preference_row(json.loads(line))
+                except json.JSONDecodeError:
+                    return False
+    return False
+
+
+def _shared_prefix(a: list, b: list) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def pair_of(row, where: str) -> Pair:
+    """A row in one of the module docstring's forms, checked (DataError naming `where`)."""
+    if not isinstance(row, dict):
+        raise DataError(f"{where}: each line must be a JSON object, not {type(row).__name__}")
+    missing = [k for k in ("chosen", "rejected") if row.get(k) is None]
+    if missing:
+        raise DataError(f"{where}: a preference row needs 'chosen' and 'rejected'; '{missing[0]}' is missing "
+                        f"(found keys {sorted(row)[:8]})", hint="see `trainbox prepare --help` for the row forms")
+    chosen, rejected, prompt = row["chosen"], row["rejected"], row.get("prompt")
+    if isinstance(chosen, str) and isinstance(rejected, str):
+        if not isinstance(prompt, str):
+            raise DataError(f"{where}: text responses need a text 'prompt' ("
+                            + ("it is missing" if prompt is None else f"got {type(prompt).__name__}") + ")",
+                            hint='{"prompt": "...", "chosen": "...", "rejected": "..."}, or messages')
+        if chosen == rejected:
+            raise DataError(f"{where}: 'chosen' equals 'rejected'", hint="remove the row: it prefers nothing")
+        return Pair(False, prompt, chosen, rejected)
+    if not (isinstance(chosen, list) and isinstance(rejected, list)):
+        raise DataError(f"{where}: 'chosen' and 'rejected' must both be text or both be message lists, got "
+                        f"{type(chosen).__name__} and {type(rejected).__name__}")
+    c, r = messages_of({"messages": chosen}, where), messages_of({"messages": rejected}, where)
+    if isinstance(prompt, list):
+        p = messages_of({"messages": prompt}, where)
+    else:   # the shared first turns are the prompt; else a text prompt is the user's turn
+        n = _shared_prefix(c, r)
+        p, c, r = c[:n], c[n:], r[n:]
+        if not p and isinstance(prompt, str):
+            p = [{"role": "user", "content": prompt}]
+    if not p:
+        raise DataError(f"{where}: no prompt: give 'prompt', or start 'chosen' and 'rejected' with the same turns")
+    if c == r:
+        raise DataError(f"{where}: 'chosen' equals 'rejected'", hint="remove the row: it prefers nothing")
+    if not c or not r:
+        raise DataError(f"{where}: '{'chosen' if not c else 'rejected'}' has no turns after the prompt")
+    return Pair(True, p, c, r)
+
+
+def read_pairs(path: Path):
+    """(Pair, line number) of each non-empty line of a JSONL (.gz) file."""
+    opener = gzip.open if path.name.endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}:{n}: not valid JSON ({e.msg} at column {e.colno})") from None
+            yield pair_of(row, f"{path}:{n}"), n
+
+
+# ----------------------------------------------------------------------------- tokens
+
+
+def pair_template(tok, name: str | None, spec: str | None = None) -> ChatTemplate | None:
+    """The chat template of message rows: data.chat_template by name (or a .jinja file), else the tokenizer's own
+    (a transformers tokenizer's, or that of the tokenizer folder `spec`); None when there is none."""
+    if name:
+        return load_template(spec or "", name)
+    hf = getattr(tok, "hf", None)
+    source = getattr(hf, "chat_template", None) if hf is not None else None
+    if isinstance(source, dict):
+        source = source.get("default")
+    if source:
+        return ChatTemplate(source, tok.name, bos_token=getattr(hf, "bos_token", None) or "",
+                            eos_token=getattr(hf, "eos_token", None) or "")
+    return hf_chat_template(spec) if spec else None
+
+
+def encode_pair(pair: Pair, tok, template: ChatTemplate | None, where: str) -> tuple[list, list, list, list, list]:
+    """-> (prompt ids, chosen ids, chosen mask, rejected ids, rejected mask); see the module docstring."""
+    seqs = []
+    for response in (pair.chosen, pair.rejected):
+        if pair.chat:
+            if template is None:
+                raise DataError(f"{where}: message rows, but the tokenizer {tok.name} has no chat template",
+                                hint=f"use a built-in one: data.chat_template={next(iter(BUILTIN))} (prepare: "
+                                     f"--chat-template {next(iter(BUILTIN))})")
+            text, spans = render_spans(template, pair.prompt + response, where)
+            ids, mask = tokenize_spans(tok, text, spans)
+        else:
+            text = pair.prompt + response
+            ids, mask = tokenize_spans(tok, text, [(len(pair.prompt), len(text))] if response else [])
+            ids, mask = ids + [tok.eot_id], mask + [1]
+        if 1 not in mask:
+            raise DataError(f"{where}: the {'chosen' if not seqs else 'rejected'} response has no assistant tokens "
+                            "to train on", hint="its messages need an assistant turn after the prompt")
+        seqs.append((ids, mask))
+    (ci, cm), (ri, rm) = seqs
+    p = min(_shared_prefix(ci, ri), cm.index(1), rm.index(1))
+    if ci[p:] == ri[p:]:
+        raise DataError(f"{where}: 'chosen' and 'rejected' give the same tokens", hint="remove the row")
+    return ci[:p], ci[p:], cm[p:], ri[p:], rm[p:]
+
+
+def fit(prompt: np.ndarray, chosen: np.ndarray, rejected: np.ndarray, seq_len: int, max_prompt: int | None
+        ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The truncation rule, over arrays of lengths -> (prompt tokens kept from its end, chosen and rejected tokens
+    kept from their start) so that prompt + the longer response <= seq_len. Prompts must be < seq_len."""
+    keep_min = np.minimum(prompt, max_prompt if max_prompt is not None else seq_len // 2)
+    excess = np.maximum(prompt + np.maximum(chosen, rejected) - seq_len, 0)
+    kept = prompt - np.minimum(excess, prompt - keep_min)
+    room = seq_len - kept
+    return kept, np.minimum(chosen, room), np.minimum(rejected, room)
+
+
+# ----------------------------------------------------------------------------- writing
+
+
+@dataclass
+class PairStats:
+    """What `trainbox prepare` reports for preference data."""
+    pairs: int = 0
+    val_pairs: int = 0
+    tokens: int = 0
+    prompts_cut: int = 0          # at --seq-len: pairs whose prompt lost its start
+    responses_cut: int = 0        # ... whose responses lost their ends
+    seq_len: int | None = None
+    files: list[str] = field(default_factory=list)
+
+
+class PairWriter:
+    """One split's pairs, in memory until written (4 bytes a token)."""
+
+    def __init__(self):
+        self.tokens, self.mask, self.index = array("i"), array("B"), array("q")
+
+    def add(self, prompt, chosen, cmask, rejected, rmask, file_no: int, line: int) -> None:
+        start = len(self.tokens)
+        for part in (prompt, chosen, rejected):
+            self.tokens.extend(part)
+        self.mask.extend([0] * len(prompt))
+        self.mask.extend(cmask)
+        self.mask.extend(rmask)
+        self.index.extend((start, len(prompt), len(chosen), len(rejected), file_no, line))
+
+    def __len__(self) -> int:
+        return len(self.index) // len(INDEX_COLUMNS)
+
+    def arrays(self, vocab_size: int) -> dict[str, np.ndarray]:
+        dtype = np.uint16 if vocab_size <= 2**16 else np.int32
+        return {"tokens": np.frombuffer(self.tokens, dtype=np.int32).astype(dtype),
+                "mask": np.frombuffer(self.mask, dtype=np.uint8),
+                "index": np.frombuffer(self.index, dtype=np.int64).reshape(-1, len(INDEX_COLUMNS))}
+
+
+def part_path(out: str | Path, split: str, part: str) -> Path:
+    return Path(f"{out}_{split}_pairs.{part}.npy")
+
+
+def _save_npy(path: Path, arr: np.ndarray) -> Path:
+    tmp = path.with_name(path.name + ".partial")
+    with open(tmp, "wb") as f:
+        np.save(f, arr)
+        f.flush()
+        os.fsync(f.fileno())
+    return tmp
+
+
+def prepare_pairs(inputs: list[str], out: str, tok, tokenizer_spec: str, chat_template: str | None = None,
+                  val_docs: int = 0, val_fraction: float = 0.0, seq_len: int | None = None,
+                  max_prompt_len: int | None = None, overwrite: bool = False) -> PairStats:
+    """Preference JSONL files -> OUT's pair files for train (and val), committed as one set under OUT.manifest.json.
+    With `seq_len`, prompts too long for it are refused and the truncation that training applies is counted."""
+    files = list_input_files(inputs)
+    man = manifest.manifest_path(out)
+    olds = [part_path(out, s, p) for s in SPLITS for p in PARTS if part_path(out, s, p).exists()]
+    if (olds or man.exists()) and not overwrite:
+        raise DataError(f"output {(olds or [man])[0]} already exists", hint="add --overwrite, or choose another --out")
+    template = pair_template(tok, chat_template, tokenizer_spec)
+    man.parent.mkdir(parents=True, exist_ok=True)
+    writers = {s: PairWriter() for s in SPLITS}
+    stats, n = PairStats(seq_len=seq_len), 0
+    for file_no, path in enumerate(files):
+        for pair, line in read_pairs(path):
+            where = f"{path}:{line}"
+            p, c, cm, r, rm = encode_pair(pair, tok, template, where)
+            if seq_len is not None and len(p) >= seq_len:
+                raise DataError(f"{where}: the prompt has {len(p)} tokens, which leaves no room for a response in "
+                                f"--seq-len {seq_len}", hint="raise --seq-len (data.seq_len) or shorten the prompt")
+            held = val_docs and n < val_docs or val_fraction and int((n + 1) * val_fraction) > int(n * val_fraction)
+            writers["val" if held else "train"].add(p, c, cm, r, rm, file_no, line)
+            n += 1
+    if not len(writers["train"]):
+        raise NoData(f"{', '.join(map(str, files[:3]))}: no preference pairs for training ({n} in all)",
+                     hint="check the input, --val-docs and --val-fraction")
+    outputs = []
+    for split, w in writers.items():
+        if not len(w):
+            continue
+        arrays = w.arrays(tok.vocab_size)
+        stats.tokens += len(arrays["tokens"])
+        if split == "val":
+            stats.val_pairs = len(w)
+        else:
+            stats.pairs = len(w)
+            if seq_len is not None:
+                cols = arrays["index"]
+                kept, c, r = fit(cols[:, 1], cols[:, 2], cols[:, 3], seq_len, max_prompt_len)
+                stats.prompts_cut = int((kept < cols[:, 1]).sum())
+                stats.responses_cut = int(((c < cols[:, 2]) | (r < cols[:, 3])).sum())
+        outputs += [(_save_npy(part_path(out, split, k), a), part_path(out, split, k)) for k, a in arrays.items()]
+    entries = [{"name": final.name, "bytes": tmp.stat().st_size} for tmp, final in outputs]
+    base = {"trainbox_prepare": 1, "out": Path(out).name, "format": "pairs", "tokenizer": tokenizer_spec,
+            "vocab_size": tok.vocab_size, "chat_template": chat_template, "sources": [str(f) for f in files],
+            "files": entries}
+    new = {final for _, final in outputs}
+    manifest.write_manifest(man, {**base, "state": "committing", "replaces": [p.name for p in olds if p not in new]})
+    for tmp, final in outputs:
+        os.replace(tmp, final)
+    for stale in olds:
+        if stale not in new:
+            stale.unlink(missing_ok=True)
+    manifest.write_manifest(man, {**base, "state": "complete"})
+    stats.files = [str(final) for _, final in outputs] + [str(man)]
+    return stats
+
+
+def describe(stats: PairStats) -> str:
+    line = (f"{stats.pairs:,} pairs ({stats.val_pairs:,} more for validation), {stats.tokens:,} tokens; loss mask "
+            "on the responses' assistant tokens")
+    if stats.seq_len is not None:
+        line += (f"; at seq_len {stats.seq_len}: {stats.prompts_cut:,} prompts lose their start, "
+                 f"{stats.responses_cut:,} pairs' responses lose their ends")
+    return line
+
+
+# ----------------------------------------------------------------------------- reading
+
+
+class PairDataset:
+    """Memory-mapped pairs cut to data.seq_len by `fit`; `batch` gives the loop's micro-batches: the chosen
+    sequences, then the rejected ones (2 x B rows), padded to seq_len with mask-0 end-of-text tokens, with the
+    reference log-probabilities once `reference` (N x 2: chosen, rejected) is set. The BatchOrder draws pairs as it
+    draws a TokenDataset's windows (data/loader.py)."""
+
+    def __init__(self, prefix: Path, split: str, seq_len: int, max_prompt: int | None, pad_id: int, name: str):
+        self.prefix, self.split, self.seq_len, self.pad_id, self.name = prefix, split, seq_len, pad_id, name
+        self.files = [part_path(prefix, split, p) for p in PARTS]
+        self.tokens, self.mask, self.index = (np.load(f, mmap_mode="r") for f in self.files)
+        cols = np.asarray(self.index)
+        too_long = np.flatnonzero(cols[:, 1] >= seq_len)
+        if len(too_long):
+            first = int(too_long[0])
+            raise DataError(f"{self._where(first)}: the prompt has {int(cols[first, 1])} tokens, which leaves no "
+                            f"room for a response in data.seq_len={seq_len} ({len(too_long)} such pairs in {name})",
+                            hint="raise data.seq_len, or leave those rows out")
+        self.kept = fit(cols[:, 1], cols[:, 2], cols[:, 3], seq_len, max_prompt)
+        self.prompts_cut = int((self.kept[0] < cols[:, 1]).sum())
+        self.responses_cut = int(((self.kept[1] < cols[:, 2]) | (self.kept[2] < cols[:, 3])).sum())
+        self.num_samples = self.num_pairs = len(cols)
+        self.num_tokens = len(self.tokens)
+        self.arrays, self.masks = [self.tokens], [self.mask]   # as TokenDataset: the data behind the pairs
+        self.reference: np.ndarray | None = None
+        self.report = {"pairs": self.num_pairs, "prompts_cut": self.prompts_cut, "responses_cut": self.responses_cut}
+
+    def _where(self, i: int) -> str:
+        path = manifest.manifest_path(self.prefix)
+        m = manifest.read_manifest(path) if path.is_file() else {}
+        sources = m.get("sources") or []
+        f, line = int(self.index[i, 4]), int(self.index[i, 5])
+        return f"{sources[f] if f < len(sources) else self.files[2]}:{line}"
+
+    def describe(self) -> str:
+        """One line for the run's log: the pairs and what the truncation rule cuts."""
+        return (f"{self.name}: {self.num_pairs:,} pairs, each response with its prompt in a row of {self.seq_len} "
+                f"positions; {self.prompts_cut:,} lose the start of their prompt, {self.responses_cut:,} the ends of "
+                f"their responses")
+
+    def tail_tokens(self) -> int:
+        """Tokens no row trains on: none (what truncation cuts is counted in `describe`)."""
+        return 0
+
+    def target_count(self, indices) -> int:
+        """Trained tokens of the pairs `indices`, both responses (the preference objective averages over pairs)."""
+        return int(sum(int(m[1:].sum()) for i in indices for _, m in self.sequences(int(i))))
+
+    def sequences(self, i: int) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]:
+        """(ids, mask) of pair i's chosen and rejected sequences, as the truncation rule cuts them."""
+        start, p, c, _, _, _ = (int(v) for v in self.index[i])
+        kp, kc, kr = (int(k[i]) for k in self.kept)
+        prompt = slice(start + p - kp, start + p)
+        out = []
+        for s, n in ((start + p, kc), (start + p + c, kr)):
+            ids = np.concatenate([self.tokens[prompt], self.tokens[s:s + n]])
+            mask = np.concatenate([np.zeros(kp, np.uint8), self.mask[s:s + n]])
+            out.append((ids, mask))
+        return out[0], out[1]
+
+    def batch(self, indices) -> dict[str, torch.Tensor]:
+        """x, y, loss_mask: (2B, seq_len), chosen rows first; ref_logps (2B,) where the reference is set."""
+        B = len(indices)
+        toks = np.full((2 * B, self.seq_len + 1), self.pad_id, dtype=np.int64)
+        mask = np.zeros((2 * B, self.seq_len + 1), dtype=np.bool_)
+        for b, i in enumerate(indices):
+            for row, (ids, m) in zip((b, B + b), self.sequences(int(i))):
+                toks[row, :len(ids)] = ids
+                mask[row, :len(m)] = m
+        t = torch.from_numpy(toks)
+        out = {"x": t[:, :-1], "y": t[:, 1:], "loss_mask": torch.from_numpy(mask[:, 1:])}
+        if self.reference is not None:
+            ref = self.reference[np.asarray(indices, dtype=np.int64)]
+            out["ref_logps"] = torch.from_numpy(np.concatenate([ref[:, 0], ref[:, 1]]).astype(np.float32))
+        return out
+
+    def identity(self) -> list:
+        """What the pairs are (file names, sizes, modification times), for keys of what is derived from them."""
+        return [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in self.files]
+
+
+def _raw(path: str) -> bool:
+    return path.endswith(JSONL_SUFFIXES) and os.path.isfile(path)
+
+
+def _complete(out: Path) -> bool:
+    man = manifest.manifest_path(out)
+    return man.is_file() and manifest.read_manifest(man).get("state") == "complete"
+
+
+def _prepare_apart(path: str, folder: Path, tok, data) -> None:
+    """Prepare `path` into a folder of this process's own, then rename it to `folder` in one step: the ranks of a
+    run that all find no prepared set each prepare the same one, the first rename wins and the others discard
+    theirs, so no process reads a set another is writing."""
+    tmp = folder.with_name(f".{folder.name}.{os.getpid()}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    st = prepare_pairs([path], str(tmp / "data"), tok, tok.name, data.chat_template, overwrite=True)
+    if folder.is_dir() and not _complete(folder / "data"):   # the remains of an interrupted older prepare
+        shutil.rmtree(folder, ignore_errors=True)
+    try:
+        os.rename(tmp, folder)
+    except OSError:   # another process put the same set there first
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not _complete(folder / "data"):
+            raise
+    log.info(f"data: {path}: {describe(st)} (prepared into {folder})")
+
+
+def _prefix(path: str, tok, data, label: str) -> Path:
+    """data.path (or data.val_path) -> the prefix of its pair files: a raw JSONL file prepared into the cache (keyed
+    by the file, the tokenizer and the template), or a `trainbox prepare --out` prefix."""
+    if _raw(path):
+        st = os.stat(path)
+        key = hashlib.sha256(json.dumps([os.path.realpath(path), st.st_size, st.st_mtime_ns, tok.name, tok.vocab_size,
+                                         data.chat_template, "pairs-v1"]).encode()).hexdigest()[:16]
+        folder = default_cache_dir(data) / f"pairs-{Path(path).name.split('.')[0]}-{key}"
+        if not _complete(folder / "data"):
+            _prepare_apart(path, folder, tok, data)
+        return folder / "data"
+    if part_path(path, "train", "tokens").is_file() or part_path(path, "val", "tokens").is_file():
+        return Path(path)
+    raise DataError(f"{label}={path} holds no preference pairs: train.objective=dpo reads preference JSONL "
+                    f"(.jsonl, .jsonl.gz) or the output of `trainbox prepare` on it ({path}_train_pairs.*.npy)",
+                    hint=f"trainbox prepare PREFS.jsonl --out PREFIX --tokenizer TOKENIZER, then {label}=PREFIX")
+
+
+def open_pair_datasets(data, dpo, tok, vocab_size: int) -> tuple[PairDataset, PairDataset | None]:
+    """(train, val) pairs of data.path (val: data.val_path, else the prefix's val split where it has one)."""
+    train_prefix = _prefix(data.path, tok, data, "data.path")
+    if data.val_path:   # a set of its own: its val split where it has one, else all of it
+        val_prefix = _prefix(data.val_path, tok, data, "data.val_path")
+        val_split = "val" if part_path(val_prefix, "val", "tokens").is_file() else "train"
+    else:
+        val_prefix, val_split = train_prefix, "val"
+    sets = []
+    for prefix, split, label in ((train_prefix, "train", "train"), (val_prefix, val_split, "val")):
+        files = [part_path(prefix, split, p) for p in PARTS]
+        if not files[0].is_file():
+            if label == "train":
+                raise DataError(f"data.path={data.path}: no training pairs ({files[0]} is missing)",
+                                hint="prepare the set again with `trainbox prepare ... --overwrite`")
+            sets.append(None)
+            continue
+        manifest.check_output_sets(files)
+        ds = PairDataset(prefix, split, data.seq_len, dpo.max_prompt_len, tok.eot_id, f"{prefix} ({label} pairs)")
+        check_vocab(ds.tokens, files[0], min(vocab_size, tok.vocab_size), tokenizer=tok.name)
+        sets.append(ds)
+    return sets[0], sets[1]

@@ -1,0 +1,32 @@
+"""Training objectives: the loss of a step and the batch it needs, one unit each, chosen once from train.objective.
+
+    next_token   pretraining and SFT: the token loss over the data's windows, masked where the data has a
+                 loss mask (next_token.py)
+    dpo          preference pairs, chosen and rejected in one forward: dpo, ipo, simpo, orpo (preference.py,
+                 the losses in losses.py, the pairs in data/preference.py)
+
+The loop (train/loop.py) asks the run's objective for its datasets, the denominator of a step's mean, each
+micro-batch's loss and logged values, and the validation; the memory plan asks `memory_terms`. Objectives call
+the family's own forward, so every causal family trains with every objective and no objective names a family.
+"""
+from __future__ import annotations
+
+import torch
+
+from trainbox.objective.base import Objective, Part, Runtime  # noqa: F401
+from trainbox.objective.next_token import NextToken
+from trainbox.objective.preference import Preference
+
+OBJECTIVES = {"next_token": NextToken, "dpo": Preference}
+
+
+def build_objective(cfg, device: torch.device | None = None, dtype: torch.dtype | None = None) -> Objective:
+    """The objective of train.objective for a run on `device` in `dtype` (the autocast dtype)."""
+    return OBJECTIVES[cfg.train.objective](cfg, device, dtype)
+
+
+def memory_terms(cfg) -> tuple[int, bool]:
+    """For the memory plan: (sequences a sample puts through the model, whether a frozen copy of the initial model
+    is kept beside it)."""
+    cls = OBJECTIVES[cfg.train.objective]
+    return cls.sequences, cls.frozen_copy(cfg)

@@ -1,0 +1,76 @@
+"""What every objective gives the loop: `Part`, one micro-batch's share of a step, the `Objective` interface, and
+`Runtime`, what the loop hands an objective of its run."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from trainbox.parallel.distributed import Dist
+
+
+@dataclass
+class Runtime:
+    """The run as an objective sees it, from the trainer (train/loop.py)."""
+    cfg: object                 # the resolved RunConfig
+    model: torch.nn.Module      # the model itself (not its DDP wrapper)
+    forward: Callable           # the strategy's forward (DDP, FSDP, compiled)
+    reference: torch.nn.Module | None   # a frozen copy of the initial model, where the objective asked for one
+    device: torch.device
+    autocast: Callable          # a fresh autocast context
+    dist: Dist
+    train: object               # the datasets
+    val: object | None
+    tokenizer: object = None
+    vocab: int = 0
+
+
+@dataclass
+class Part:
+    """One micro-batch's share of a step. `loss` is scaled as the loop asks (its share of the step's mean over the
+    global batch, times the world size that DDP divides by) and goes to backward; `stats` (the objective's
+    `stat_names`, same scale) are summed over the micro-batches and ranks into the step's means."""
+    loss: torch.Tensor
+    aux: torch.Tensor | None = None               # the model's auxiliary loss (MoE balance), added by the loop
+    stats: torch.Tensor | None = None
+    model_stats: dict = field(default_factory=dict)   # the model's own logged values (Output.stats)
+
+
+class Objective:
+    """The loss of a step and the batch it needs; one per run, chosen once from train.objective."""
+
+    name = "objective"
+    sequences = 1                       # sequences one sample puts through the model (a pair: 2)
+    stat_names: tuple[str, ...] = ()    # what Part.stats holds, logged with the loss
+    eval_keys: tuple[str, ...] = ("val_loss", "val_bpb")   # what evaluate returns for the run state
+
+    def open_datasets(self, cfg, tokenizer, vocab: int):
+        """(train, val) datasets whose `batch` gives this objective's micro-batches."""
+        raise NotImplementedError
+
+    def denominator(self, batches, step: int) -> int:
+        """What the step's loss is a mean over (target tokens, pairs): a pure function of the step."""
+        raise NotImplementedError
+
+    def needs_initial_weights(self, cfg) -> bool:
+        """Whether a resumed run must build its model from the initial weights before the checkpoint's are loaded."""
+        return False
+
+    @classmethod
+    def frozen_copy(cls, cfg) -> bool:
+        """Whether a frozen copy of the initial model must be built beside it (train/build.py)."""
+        return False
+
+    def attach(self, run: Runtime) -> None:
+        """Before the checkpoint's weights are loaded: what is taken from the initial model."""
+
+    def loss(self, forward, batch: dict, scale: float) -> Part:
+        raise NotImplementedError
+
+    def evaluate(self, run: Runtime) -> dict:
+        """Validation over the fixed slice of the trainer's val data; the same on every rank."""
+        raise NotImplementedError
+
+    def eval_line(self, res: dict) -> str:
+        return f"val loss {res['val_loss']:.4f}"

@@ -1,0 +1,193 @@
+"""Preference data (data/preference.py): the row forms users have, the loss mask on the responses' assistant tokens,
+the refusals that name the file and line, the truncation rule and its counts, `trainbox prepare` on preference
+JSONL, and the batches of pairs the loop gets."""
+from __future__ import annotations
+
+import json
+import sys
+
+import numpy as np
+import pytest
+import torch
+from conftest import REPO, run_cli
+
+sys.path.insert(0, str(REPO / "tests"))
+import hf_tiny  # noqa: E402
+
+from trainbox.config import load_config  # noqa: E402
+from trainbox.data import preference  # noqa: E402
+from trainbox.data.preference import encode_pair, fit, open_pair_datasets, pair_of, pair_template  # noqa: E402
+from trainbox.errors import DataError  # noqa: E402
+from trainbox.model.build import build_tokenizer, resolve_model  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return hf_tiny.make_model(tmp_path_factory.mktemp("prefs") / "base")
+
+
+@pytest.fixture(scope="module")
+def tok(folder):
+    return build_tokenizer(resolve_model(load_config("dpo", [f"model.path={folder}", "train.device=cpu"])))
+
+
+def write(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+USER = {"role": "user", "content": "what is two plus two"}
+GOOD = {"role": "assistant", "content": "two plus two equals four"}
+BAD = {"role": "assistant", "content": "it equals five"}
+
+
+def test_message_forms_give_the_same_pair(tok):
+    """TRL's conversational form, the implicit prompt (shared first turns) and UltraFeedback's (a text prompt with
+    conversations that repeat it) give one pair; a text prompt with bare responses becomes the user's turn."""
+    template = pair_template(tok, None)
+    forms = [{"prompt": [USER], "chosen": [GOOD], "rejected": [BAD]},
+             {"chosen": [USER, GOOD], "rejected": [USER, BAD]},
+             {"prompt": USER["content"], "chosen": [USER, GOOD], "rejected": [USER, BAD]},
+             {"prompt": USER["content"], "chosen": [GOOD], "rejected": [BAD]}]
+    pairs = [encode_pair(pair_of(row, f"row {i}"), tok, template, f"row {i}") for i, row in enumerate(forms)]
+    assert all(p == pairs[0] for p in pairs)
+    prompt, chosen, cmask, rejected, rmask = pairs[0]
+    text = tok.decode(prompt)
+    assert text.endswith("<|im_start|>assistant\n") and "two plus two" in text
+    assert tok.decode(chosen) == "two plus two equals four<|im_end|>\n" and all(cmask)
+    assert tok.decode(rejected) == "it equals five<|im_end|>\n" and all(rmask)
+
+
+def test_only_assistant_tokens_of_a_response_carry_loss(tok):
+    """A response of several turns trains on its assistant turns only (a user turn inside it has mask 0)."""
+    row = {"prompt": [USER], "chosen": [GOOD, {"role": "user", "content": "and five"}, BAD], "rejected": [BAD]}
+    _, chosen, cmask, _, _ = encode_pair(pair_of(row, "r"), tok, pair_template(tok, None), "r")
+    trained = tok.decode([t for t, m in zip(chosen, cmask) if m])
+    untrained = tok.decode([t for t, m in zip(chosen, cmask) if not m])
+    assert trained == "two plus two equals four<|im_end|>\nit equals five<|im_end|>\n"
+    assert "and five" in untrained and "two plus two" not in untrained
+
+
+def test_text_rows_end_with_the_end_of_text_token(tok):
+    p, c, cm, r, rm = encode_pair(pair_of({"prompt": "Q: two plus two?", "chosen": " four", "rejected": " five"},
+                                          "r"), tok, None, "r")
+    assert tok.decode(p) == "Q: two plus two?"
+    assert c[-1] == r[-1] == tok.eot_id and tok.decode(c[:-1]) == " four" and all(cm) and all(rm)
+
+
+@pytest.mark.parametrize("row, words", [
+    ({"prompt": "q", "rejected": "b"}, "'chosen' is missing"),
+    ({"prompt": "q", "chosen": "a"}, "'rejected' is missing"),
+    ({"chosen": "a", "rejected": "b"}, "text responses need a text 'prompt'"),
+    ({"prompt": "q", "chosen": "same", "rejected": "same"}, "'chosen' equals 'rejected'"),
+    ({"chosen": [USER, GOOD], "rejected": [USER, GOOD]}, "'chosen' equals 'rejected'"),
+    ({"chosen": [GOOD], "rejected": [BAD]}, "no prompt"),
+    ({"prompt": [USER], "chosen": [USER], "rejected": [BAD]}, "no assistant tokens"),
+    ({"prompt": "q", "chosen": ["x"], "rejected": "b"}, "both be text or both be message lists"),
+])
+def test_bad_rows_are_refused_naming_the_file_and_line(tmp_path, folder, tok, row, words):
+    rows = [{"prompt": "q", "chosen": "a", "rejected": "b"}] * 2 + [row]
+    path = write(tmp_path / "prefs.jsonl", rows)
+    with pytest.raises(DataError) as e:
+        preference.prepare_pairs([str(path)], str(tmp_path / "out"), tok, str(folder))
+    assert f"{path}:3:" in str(e.value) and words in str(e.value)
+    assert not list(tmp_path.glob("out*"))   # nothing written
+
+
+def test_truncation_keeps_the_prompts_end_and_the_responses_start():
+    """prompt + the longer response <= seq_len: the prompt loses its start down to max_prompt (half of seq_len by
+    default) only as far as needed, then the responses lose their ends."""
+    P, C, R = np.array([10, 40, 40, 70, 90]), np.array([5, 50, 10, 50, 5]), np.array([8, 30, 90, 20, 5])
+    kept, c, r = fit(P, C, R, 100, None)
+    assert kept.tolist() == [10, 40, 40, 50, 90]   # 3rd: under 50, kept whole; 4th: down to 50; 5th: it fits
+    assert c.tolist() == [5, 50, 10, 50, 5] and r.tolist() == [8, 30, 60, 20, 5]
+    kept, c, r = fit(P, C, R, 100, 30)
+    assert kept.tolist() == [10, 40, 30, 50, 90] and r.tolist() == [8, 30, 70, 20, 5]
+    assert (kept + np.maximum(c, r) <= 100).all()
+    kept, c, r = fit(np.array([70]), np.array([60]), np.array([60]), 100, 30)
+    assert (kept.tolist(), c.tolist(), r.tolist()) == ([40], [60], [60])
+
+
+def test_prepare_command_reports_counts_and_training_reads_the_set(tmp_path, folder, tok):
+    """`trainbox prepare` on preference JSONL writes the pair files under a manifest, reports pairs, validation
+    pairs and what --seq-len cuts; the datasets cut the same pairs the same way; a prompt too long for data.seq_len
+    is refused naming its file and line."""
+    long_prompt = " ".join(["one two three four"] * 12)
+    long_answer = " " + " ".join(["one two three four five six seven eight nine ten"] * 4)
+    rows = [{"prompt": [USER], "chosen": [GOOD], "rejected": [BAD]}] * 6 + \
+        [{"prompt": long_prompt, "chosen": long_answer, "rejected": " five"}] * 2
+    src = write(tmp_path / "prefs.jsonl", rows)
+    out = tmp_path / "data" / "prefs"
+    res = run_cli("prepare", str(src), "--tokenizer", str(folder), "--out", str(out), "--seq-len", "64",
+                  "--max-prompt-len", "40", "--val-docs", "2")
+    assert "6 pairs (2 more for validation)" in res.stdout
+    assert "2 prompts lose their start, 2 pairs' responses lose their ends" in res.stdout
+    assert f"trainbox train dpo model.path=MODEL data.path={out} data.seq_len=64" in res.stdout
+    man = json.loads((out.parent / "prefs.manifest.json").read_text())
+    assert man["state"] == "complete" and man["format"] == "pairs" and len(man["files"]) == 6
+    cfg = load_config("dpo", [f"model.path={folder}", f"data.path={out}", "data.seq_len=64",
+                              "dpo.max_prompt_len=40"])
+    train, val = open_pair_datasets(cfg.data, cfg.dpo, tok, tok.vocab_size)
+    assert (train.num_pairs, val.num_pairs, train.prompts_cut, train.responses_cut) == (6, 2, 2, 2)
+    (ci, cm), (ri, rm) = train.sequences(5)
+    prompt = tok.encode(long_prompt)
+    assert len(prompt) > 40 and len(ci) == 64 and ci[:40].tolist() == prompt[-40:]   # the prompt's end
+    assert tok.decode(ri[40:]) == " five<|endoftext|>"
+    assert tok.decode(ci[40:]).startswith(" one two three")                # the response's start
+    assert not cm[:40].any() and cm[40:].all()
+    short = load_config("dpo", [f"model.path={folder}", f"data.path={out}", "data.seq_len=40"])
+    with pytest.raises(DataError, match=rf"{src}:7: the prompt has {len(prompt)} tokens"):
+        open_pair_datasets(short.data, short.dpo, tok, tok.vocab_size)
+    refused = run_cli("prepare", str(src), "--tokenizer", str(folder), "--out", str(tmp_path / "o2"), "--seq-len",
+                      "40", check=False)
+    assert refused.returncode == 1 and f"{src}:7: the prompt has" in refused.stderr
+
+
+def test_an_unfinished_prepared_set_is_refused(tmp_path, folder, tok):
+    src = hf_tiny.make_preference_file(tmp_path / "prefs.jsonl", n=8)
+    out = tmp_path / "prefs"
+    preference.prepare_pairs([str(src)], str(out), tok, str(folder))
+    man = tmp_path / "prefs.manifest.json"
+    man.write_text(man.read_text().replace('"complete"', '"committing"'))
+    cfg = load_config("dpo", [f"model.path={folder}", f"data.path={out}", "data.seq_len=64"])
+    with pytest.raises(DataError, match="unfinished `trainbox prepare`"):
+        open_pair_datasets(cfg.data, cfg.dpo, tok, tok.vocab_size)
+
+
+def test_batches_put_chosen_then_rejected_rows_padded_with_the_reference(tmp_path, folder, tok):
+    """A micro-batch of B pairs is 2B rows: the chosen sequences, then the rejected ones, each the prompt followed by
+    the response, padded to data.seq_len with end-of-text tokens that carry no loss; the reference's log-probabilities
+    ride along once set. A raw JSONL data.path is prepared into data.cache_dir once."""
+    src = hf_tiny.make_preference_file(tmp_path / "prefs.jsonl", n=8)
+    cfg = load_config("dpo", [f"model.path={folder}", f"data.path={src}", "data.seq_len=64",
+                              f"data.cache_dir={tmp_path / 'cache'}"])
+    train, val = open_pair_datasets(cfg.data, cfg.dpo, tok, tok.vocab_size)
+    assert val is None and train.num_pairs == 8 and len(list((tmp_path / "cache").glob("pairs-prefs-*"))) == 1
+    b = train.batch([3, 5])
+    assert b["x"].shape == b["y"].shape == b["loss_mask"].shape == (4, 64) and "ref_logps" not in b
+    for row, (i, which) in enumerate([(3, 0), (5, 0), (3, 1), (5, 1)]):
+        ids, mask = train.sequences(i)[which]
+        n = len(ids)
+        assert b["x"][row, :n - 1].tolist() == ids[:-1].tolist() and b["y"][row, :n - 1].tolist() == ids[1:].tolist()
+        assert b["loss_mask"][row, :n - 1].tolist() == mask[1:].astype(bool).tolist()
+        assert not b["loss_mask"][row, n - 1:].any() and (b["x"][row, n:] == tok.eot_id).all()
+    train.reference = np.arange(16, dtype=np.float32).reshape(8, 2)
+    assert torch.equal(train.batch([3, 5])["ref_logps"], torch.tensor([6.0, 10.0, 7.0, 11.0]))
+    again, _ = open_pair_datasets(cfg.data, cfg.dpo, tok, tok.vocab_size)   # from the cache
+    assert again.prefix == train.prefix
+
+
+def test_ranks_that_prepare_the_same_raw_file_leave_one_complete_set(tmp_path, folder, tok):
+    """Every rank of a run that finds a raw JSONL data.path unprepared prepares it in a folder of its own and renames
+    that into the cache: a rank whose rename comes second keeps the first set untouched and leaves nothing behind."""
+    src = hf_tiny.make_preference_file(tmp_path / "prefs.jsonl", n=8)
+    cfg = load_config("dpo", [f"model.path={folder}", f"data.path={src}", "data.seq_len=64",
+                              f"data.cache_dir={tmp_path / 'cache'}"])
+    first, _ = open_pair_datasets(cfg.data, cfg.dpo, tok, tok.vocab_size)
+    done = first.prefix.parent
+    before = {f.name: f.stat().st_mtime_ns for f in done.iterdir()}
+    preference._prepare_apart(str(src), done, tok, cfg.data)   # the rank that lost the race
+    assert {f.name: f.stat().st_mtime_ns for f in done.iterdir()} == before
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == [done.name]   # no folder of the losing rank
+    again, _ = open_pair_datasets(cfg.data, cfg.dpo, tok, tok.vocab_size)
+    assert torch.equal(again.batch([1, 2])["x"], first.batch([1, 2])["x"])
