@@ -197,27 +197,31 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         args.root = Path(tmp)
         docs = write_task(Path(args.task_dir or tmp), args.warmup + args.docs, args.context, args.ending)
+        settings = {"docs": args.docs, "repeats": args.repeats, "context_words": args.context,
+                    "ending_words": args.ending, "batch_size": args.batch_size, "device": args.device}
         for name in args.models.split(","):
             out[name] = bench(name, args, docs)
             print(json.dumps({name: out[name]}), flush=True)
+            emit(name, out[name], settings, args)   # each model's record as soon as it is measured
             for path in args.root.iterdir():   # the next model's weights need the disk
                 if path.name.startswith(name):
                     shutil.rmtree(path)
-    settings = {"docs": args.docs, "repeats": args.repeats, "context_words": args.context,
-                "ending_words": args.ending, "batch_size": args.batch_size, "device": args.device}
     print(json.dumps({"benchmark": "eval_speed", **settings, "results": out}, indent=1))
+
+
+def emit(name: str, r: dict, settings: dict, args) -> None:
+    """One model's result record (printed; written with --record)."""
     gpu = common.gpu_info() if args.device.startswith("cuda") else None
-    for name, r in out.items():
-        common.emit(common.Result(
-            tool="eval_speed", what=f"{name}-eval-speed", gpu=gpu, software=common.software("lm-eval", "transformers"),
-            recipe=MODELS[name][0], overrides=MODELS[name][1],
-            notes="random weights; local multiple-choice task of hellaswag's form and lengths, the same "
-                  "loglikelihood requests to both (eval_speed.py docstring)",
-            metrics={**settings, "docs_per_s": r["ours"]["docs_per_s"], "seconds": r["ours"]["seconds"],
-                     "seconds_each": r["ours"]["seconds_each"], "acc": r["ours"]["acc"],
-                     "speedup_vs_lm_eval_hf": r["speedup"], "dtype": r["dtype"],
-                     "max_abs_loglikelihood_diff": r["max_abs_loglikelihood_diff"]},
-            baseline={"name": "lm-eval hf model", "command": None, "metrics": r["hf"]}), args.record)
+    common.emit(common.Result(
+        tool="eval_speed", what=f"{name}-eval-speed", gpu=gpu, software=common.software("lm-eval", "transformers"),
+        recipe=MODELS[name][0], overrides=MODELS[name][1],
+        notes="random weights; local multiple-choice task of hellaswag's form and lengths, the same "
+              "loglikelihood requests to both (eval_speed.py docstring)",
+        metrics={**settings, "docs_per_s": r["ours"]["docs_per_s"], "seconds": r["ours"]["seconds"],
+                 "seconds_each": r["ours"]["seconds_each"], "acc": r["ours"]["acc"],
+                 "speedup_vs_lm_eval_hf": r["speedup"], "dtype": r["dtype"],
+                 "max_abs_loglikelihood_diff": r["max_abs_loglikelihood_diff"]},
+        baseline={"name": "lm-eval hf model", "command": None, "metrics": r["hf"]}), args.record)
 
 
 if __name__ == "__main__":
