@@ -23,7 +23,8 @@ train.activation_checkpointing=full or lora.gradient_checkpointing, TRL gradient
                 model.fused_loss (the head and loss without the logits); TRL as it comes (no Liger kernels)
     full-ref    the same with the reference run beside the policy each step (ours: dpo.reference=model, a frozen
                 bf16 copy; TRL: its reference model)
-    lora        LoRA adapters (ours: model.family=hf), the reference the base with the adapters off on both sides
+    lora        LoRA adapters (ours: model.family=hf with model.fused_loss), the reference the base with the
+                adapters off on both sides
 
 Each (side, mode) runs in its own process, so torch.cuda.max_memory_allocated is its own; on a GPU larger than an
 H100 each process caps its allocator at an H100's memory (torch.cuda.set_per_process_memory_fraction). Our full
@@ -149,7 +150,7 @@ def run_ours(folder: Path, data: Path, a) -> dict:
 
     cuda = torch.cuda.is_available()
     mode = {"full": ["model.fused_loss=true"], "full-ref": ["model.fused_loss=true", "dpo.reference=model"],
-            "lora": ["model.family=hf", f"lora.r={LORA['r']}", f"lora.alpha={LORA['alpha']}",
+            "lora": ["model.family=hf", "model.fused_loss=true", f"lora.r={LORA['r']}", f"lora.alpha={LORA['alpha']}",
                      f"lora.dropout={LORA['dropout']}", "lora.gradient_checkpointing=false"]}[a.mode]
     checkpointing = ["train.activation_checkpointing=full"] if a.checkpointing and a.mode != "lora" else \
         ["lora.gradient_checkpointing=true"] if a.checkpointing else []

@@ -291,3 +291,35 @@ def test_training_runs_in_train_mode_with_gradient_checkpointing(tmp_path):
     base = trainer.model.peft.get_base_model()
     assert base.is_gradient_checkpointing
     assert base.training and all(m.training for m in base.modules())
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_fused_loss_equals_the_logits_path_in_loss_and_adapter_gradients(tmp_path, arch):
+    """model.fused_loss on a Hugging Face model: the decoder's hidden states and the head's weight through
+    kernels/fused_ce.py give the logits path's per-token losses and LoRA gradients (fp32, CPU); a tied head
+    (gpt2) and an untied one (llama)."""
+    from trainbox.model.hf.model import build_hf
+
+    folder = hf_tiny.make_model(tmp_path / "base", arch)
+    g = torch.Generator().manual_seed(0)
+    idx, targets = torch.randint(0, 300, (2, 2, 24), generator=g)
+    mask = torch.rand(2, 24, generator=g) > 0.3
+    runs = {}
+    for fused in (False, True):
+        cfg = load_config("lora", [f"model.path={folder}", f"model.fused_loss={str(fused).lower()}",
+                                   "lora.r=4", "lora.alpha=8", "lora.dropout=0"])
+        torch.manual_seed(1)
+        model = build_hf(cfg)
+        assert model.fused_loss is fused
+        for n, p in model.named_parameters():   # B starts at zero: move it so the adapters change the logits
+            if "lora_B" in n:
+                torch.nn.init.normal_(p, std=0.2, generator=torch.Generator().manual_seed(len(n)))
+        loss = model(idx, targets, loss_mask=mask, reduction="none").loss
+        loss.sum().backward()
+        runs[fused] = (loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad})
+    (a, ga), (b, gb) = runs[False], runs[True]
+    assert (a[~mask] == 0).all() and (b[~mask] == 0).all()
+    torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+    assert ga.keys() == gb.keys() and len(ga) > 0
+    for n in ga:
+        torch.testing.assert_close(gb[n], ga[n], rtol=1e-4, atol=1e-6, msg=n)

@@ -6,7 +6,7 @@ FAMILY = Family(
     name="hf",
     summary="any transformers causal LM (model.path), LoRA adapters on a frozen, optionally 4/8-bit base",
     module="trainbox.model.hf.model", hf_module="trainbox.model.hf.hf", memory_module="trainbox.model.hf.memory",
-    options=frozenset({"path"}), own_attention="hf", packing=("hf",),
+    options=frozenset({"path", "fused_loss"}), own_attention="hf", packing=("hf",),
     fsdp="LoRA trains small adapters on a frozen base: use train.parallel=ddp",
     recompute="use lora.gradient_checkpointing (Hugging Face's own)",
     export="PEFT adapter or merged model", adapters=True,

@@ -17,7 +17,10 @@ the same training loop as every other family. Choices:
 - Gradient checkpointing (`lora.gradient_checkpointing`) is HF's own, non-reentrant, so the RNG of
   LoRA dropout is replayed exactly in the recomputation and resume stays bit-exact on CPU.
 - The loss is ours (`gpt.cross_entropy` on the loop's shifted targets and loss mask), so masking and
-  the per-token reduction mean exactly what they mean for the GPT family.
+  the per-token reduction mean exactly what they mean for the GPT family. With `model.fused_loss` the decoder's
+  hidden states go through kernels/fused_ce.py with the output layer's weight (and the model's final-logit
+  soft-cap), so the (tokens x vocabulary) logits are never kept: the head must be a plain bias-free linear layer
+  without adapters or a logit scale, else the run says so and computes the logits.
 - Packed rows (data.packing, data/packing.py) reach transformers as it understands them: `position_ids` restarting
   at each example, and for sdpa and eager attention a 4D additive mask that is causal inside each example and
   closed between examples (passed through as it is, by transformers 4 and 5 alike); for FlashAttention
@@ -27,6 +30,7 @@ the same training loop as every other family. Choices:
 from __future__ import annotations
 
 import importlib.util
+import logging
 
 import torch
 import torch.nn as nn
@@ -34,7 +38,10 @@ import torch.nn as nn
 from trainbox.data.sft import load_hf_tokenizer, open_finetuning_datasets
 from trainbox.data.sft import reads_examples as sft_examples
 from trainbox.errors import ConfigError, require
+from trainbox.kernels.fused_ce import head_cross_entropy
 from trainbox.model.layers import Output, cross_entropy
+
+log = logging.getLogger("trainbox")
 
 
 def check_quant_support(quant) -> None:
@@ -120,12 +127,30 @@ class HFCausalLM(nn.Module):
     family = "hf"
     adapter_only = True  # checkpoints hold trainable (adapter) weights only
 
-    def __init__(self, peft_model: nn.Module, path: str, quantized: bool):
+    def __init__(self, peft_model: nn.Module, path: str, quantized: bool, fused_loss: bool = False):
         super().__init__()
         self.peft, self.path, self.quantized = peft_model, path, quantized
         conf = peft_model.get_base_model().config
         self.hf_config = conf
         self.block_size = getattr(conf, "max_position_embeddings", None) or getattr(conf, "n_positions", 2048)
+        self.fused_loss = fused_loss and self._plain_head(path)
+
+    def _plain_head(self, path: str) -> bool:
+        """Whether the loss may take the decoder's hidden states and the head's weight (model.fused_loss)."""
+        base = self.peft.get_base_model()
+        head, scaled = base.get_output_embeddings(), [a for a in ("logit_scale", "logits_scaling")
+                                                       if getattr(self.hf_config, a, None) not in (None, 1, 1.0)]
+        why = ("its output layer is not a plain bias-free nn.Linear (adapters or a bias on it)"
+               if type(head) is not nn.Linear or head.bias is not None else
+               f"its config scales the logits ({', '.join(scaled)})" if scaled else None)
+        if why:
+            log.info(f"model.fused_loss: {path}: {why}; the logits are computed")
+        return why is None
+
+    def _fused_head_loss(self, hidden: torch.Tensor, targets, loss_mask, reduction: str) -> torch.Tensor:
+        cap = getattr(self.hf_config, "final_logit_softcapping", None) or 0.0
+        head = self.peft.get_base_model().get_output_embeddings()
+        return head_cross_entropy(hidden, head.weight, targets, loss_mask, float(cap), reduction)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, loss_mask: torch.Tensor | None = None,
                 caches: HFCache | None = None, pos: int = 0, reduction: str = "mean",
@@ -136,6 +161,9 @@ class HFCausalLM(nn.Module):
             out = self.peft(input_ids=idx, past_key_values=caches.cache if caches is not None else None,
                             use_cache=caches is not None, logits_to_keep=logits_to_keep)
             return Output(logits=out.logits)
+        if self.fused_loss and doc_ids is None:   # the decoder alone (PEFT's adapters sit inside it)
+            hidden = self.peft.get_base_model().get_decoder()(input_ids=idx, use_cache=False).last_hidden_state
+            return Output(loss=self._fused_head_loss(hidden, targets, loss_mask, reduction))
         logits = self.peft(input_ids=idx, use_cache=False).logits if doc_ids is None else \
             self.packed_logits(idx, doc_ids, position_ids)
         return Output(loss=cross_entropy(logits, targets, loss_mask, reduction))
@@ -229,7 +257,7 @@ def build_hf(run, dtype=None, quantize: bool = True) -> HFCausalLM:
     require("peft", "finetune", "LoRA (model.family=hf)")
     quantized = quant is not None and (quant.load_in_4bit or quant.load_in_8bit)
     base = load_base(run.model.path, dtype or train_dtype(run), quant if quantized else None)
-    return HFCausalLM(wrap_lora(base, run.lora, quantized), run.model.path, quantized)
+    return HFCausalLM(wrap_lora(base, run.lora, quantized), run.model.path, quantized, run.model.fused_loss)
 
 
 def build(cfg, vocab_size: int, block_size: int, run=None) -> HFCausalLM:
