@@ -262,7 +262,7 @@ def cmd_dashboard(args) -> int:
     except (OSError, yaml.YAMLError):
         mon = {}
     settings = {"host": args.host, "log_every": int(mon.get("log_every") or 1),
-                "stall_seconds": mon.get("stall_seconds")}
+                "stall_after": mon.get("stall_after")}
     if args.port is not None:  # asked for: a busy port is an error; by default 8080, else a free one
         settings["port"] = args.port
     cfg = MonitorSection(**settings)
