@@ -1,0 +1,77 @@
+"""Two nodes on one host: `trainbox train --nproc 2 --nnodes 2 --node-rank R --rdzv-endpoint 127.0.0.1:PORT`, started
+twice, forms one job of 4 processes (torchrun, c10d rendezvous, gloo). With train.parallel=fsdp it builds the
+HSDP mesh (replicate 2 x shard 2: sharded inside a node, replicated across), and every step's loss and gradient
+norm equal one process's within 1e-5 in fp32 (the same maths; only the order of floating-point sums differs).
+Its sharded checkpoint resumes on one process and on one node of 4 processes, each continuing as one process
+would. Also: the launcher's node flags refused in one line when they do not fit together.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import TINY, run_cli
+from nodes import finish, losses, start_nodes
+
+from trainbox.config import load_config
+from trainbox.rundir import ranks
+from trainbox.train.loop import train
+
+OWN = [o for o in TINY if not o.startswith("monitor.")]
+STEPS = ["train.max_steps=9", "train.checkpoint_every=3", "train.keep_last=3", "train.dtype=fp32",
+         "monitor.enabled=false", "train.micro_batch_size=2", "train.eval_tokens=512", "train.sample_tokens=0"]
+
+
+def _same(got: dict, ref: dict, steps) -> None:
+    for s in steps:
+        assert got[s][0] == pytest.approx(ref[s][0], abs=1e-5), (s, got[s], ref[s])
+        assert got[s][1] == pytest.approx(ref[s][1], abs=1e-5), (s, got[s], ref[s])
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, data_cache):
+    root = tmp_path_factory.mktemp("multinode")
+    base = [*OWN, *STEPS, f"run.dir={root}", f"data.cache_dir={data_cache}"]
+    train(load_config("tiny", [*base, "run.name=ref"]))   # one process, accumulation 4
+    two = ["train", "tiny", "--nproc", "2", *base, "run.name=two", "train.parallel=fsdp"]
+    outs = finish(start_nodes(two, root, "two"))
+    ckpts = root / "two" / "checkpoints"
+    train(load_config("tiny", [*base, "run.name=one", f"run.resume={ckpts / 'step_00000006'}",
+                               "train.parallel=fsdp"]))
+    run_cli("train", "tiny", "--nproc", "4", *base, "run.name=four", "train.parallel=fsdp",
+            f"run.resume={ckpts / 'step_00000003'}")
+    return root, outs
+
+
+def test_two_nodes_build_hsdp_and_equal_one_process(runs):
+    root, outs = runs
+    ref = losses(root / "ref")
+    _same(losses(root / "two"), ref, range(1, 10))
+    start = next(json.loads(x) for x in (root / "two" / "metrics.jsonl").read_text().splitlines()
+                 if '"start"' in x)
+    assert start["world"] == 4 and start["parallel"] == "fsdp"
+    assert start["mesh"] == {"replicate": 2, "shard": 2}
+    assert "fsdp mesh: replicate 2 x shard 2 (2 node(s) of 2)" in (root / "two" / "train.log").read_text()
+    # each launcher's node as its ranks recorded it: ranks 0-1 on one, 2-3 on the other, all ended by themselves
+    nodes = {b.rank: b.node for b in ranks.read(root / "two")}
+    assert nodes[0] == nodes[1] != nodes[2] == nodes[3] and {nodes[0], nodes[2]} == {0, 1}, nodes
+    assert {b.ended for b in ranks.read(root / "two")} == {"finished"}
+
+
+def test_a_two_node_checkpoint_resumes_on_one_process_and_on_four(runs):
+    root, _ = runs
+    ref = losses(root / "ref")
+    _same(losses(root / "one"), ref, range(7, 10))      # 2 nodes x 2 -> 1 process
+    _same(losses(root / "four"), ref, range(4, 10))     # 2 nodes x 2 -> 1 node x 4
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--nnodes", "2"], "--nnodes 2 needs --rdzv-endpoint HOST:PORT"),
+    (["--nnodes", "2", "--node-rank", "2", "--rdzv-endpoint", "h:1"], "--node-rank 2 is not a node of --nnodes 2"),
+    (["--rdzv-endpoint", "h:1"], "are for a job of several nodes"),
+    (["--nnodes", "2", "--rdzv-endpoint", "nohost"], "needs --rdzv-endpoint HOST:PORT"),
+])
+def test_node_flags_that_do_not_fit_are_refused(tmp_path, flags, message):
+    out = run_cli("train", "tiny", *flags, f"run.dir={tmp_path}", check=False)
+    assert out.returncode == 2 and message in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr
