@@ -21,7 +21,8 @@ def free_port() -> int:
 
 
 class Node:
-    """One node's `trainbox train` launcher (its own session), its output in a file."""
+    """One node's `trainbox train` launcher (its own session), its output in a file. `args` start with `train`;
+    with nnodes > 1 the node flags go after it."""
 
     def __init__(self, args: list[str], log: Path, nnodes: int = 1, rank: int = 0, port: int | None = None):
         flags = [f"--nnodes={nnodes}", f"--node-rank={rank}", f"--rdzv-endpoint=127.0.0.1:{port}"] if nnodes > 1 else []
@@ -70,10 +71,26 @@ def _signal(pid: int, sig: int) -> None:
         pass
 
 
-def start_nodes(args: list[str], logs: Path, name: str, nnodes: int = 2) -> list[Node]:
-    """`nnodes` launchers of one job; node 0 (the rendezvous host) first, the others once it listens."""
+def start_nodes(args: list[str], logs: Path, name: str, nnodes: int = 2, rendered: list[str] | None = None,
+                nproc: int = 1) -> list[Node]:
+    """`nnodes` launchers of one job; node 0 (the rendezvous host) first, the others once it listens. `rendered`:
+    a container's command line from `trainbox launch` with the Trainer's PET_* variables in it, run instead of
+    `args` with their values filled in as the Trainer would (nproc, nnodes, this node's rank, node 0's address)."""
     port = free_port()
-    nodes = [Node(args, logs / f"{name}-node0.log", nnodes, 0, port)]
+
+    def node(rank: int) -> Node:
+        log = logs / f"{name}-node{rank}.log"
+        if rendered is None:
+            return Node(args, log, nnodes, rank, port)
+        values = {"PET_NPROC_PER_NODE": nproc, "PET_NNODES": nnodes, "PET_NODE_RANK": rank,
+                  "PET_MASTER_ADDR": "127.0.0.1", "PET_MASTER_PORT": port}
+        filled = [a for a in rendered]
+        for key, value in values.items():
+            filled = [a.replace(f"$({key})", str(value)) for a in filled]
+        assert filled[0] == "trainbox" and "$(" not in " ".join(filled), filled
+        return Node(filled[1:], log)
+
+    nodes = [node(0)]
     deadline = time.monotonic() + 120
     while True:
         try:
@@ -83,7 +100,7 @@ def start_nodes(args: list[str], logs: Path, name: str, nnodes: int = 2) -> list
             assert nodes[0].proc.poll() is None, nodes[0].log.read_text()
             assert time.monotonic() < deadline, f"node 0 never listened on {port}\n{nodes[0].log.read_text()}"
             time.sleep(0.05)   # polling a socket that is not up yet
-    nodes += [Node(args, logs / f"{name}-node{r}.log", nnodes, r, port) for r in range(1, nnodes)]
+    nodes += [node(r) for r in range(1, nnodes)]
     return nodes
 
 

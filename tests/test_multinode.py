@@ -1,19 +1,22 @@
 """Two nodes on one host: `trainbox train --nproc 2 --nnodes 2 --node-rank R --rdzv-endpoint 127.0.0.1:PORT`, started
-twice, forms one job of 4 processes (torchrun, c10d rendezvous, gloo). With train.parallel=fsdp it builds the
-HSDP mesh (replicate 2 x shard 2: sharded inside a node, replicated across), and every step's loss and gradient
-norm equal one process's within 1e-5 in fp32 (the same maths; only the order of floating-point sums differs).
-Its sharded checkpoint resumes on one process and on one node of 4 processes, each continuing as one process
-would. Also: the launcher's node flags refused in one line when they do not fit together.
+twice, forms one job of 4 processes (torchrun, c10d rendezvous, gloo). The command is the one `trainbox launch k8s
+--api trainer` renders for its nodes, with the values the Trainer gives its PET_* variables. With
+train.parallel=fsdp it builds the HSDP mesh (replicate 2 x shard 2: sharded inside a node, replicated across), and
+every step's loss and gradient norm equal one process's within 1e-5 in fp32 (the same maths; only the order of
+floating-point sums differs). Its sharded checkpoint resumes on one process and on one node of 4 processes, each
+continuing as one process would. Also: the launcher's node flags refused in one line when they do not fit together.
 """
 from __future__ import annotations
 
 import json
 
 import pytest
+import yaml
 from conftest import TINY, run_cli
 from nodes import finish, losses, start_nodes
 
 from trainbox.config import load_config
+from trainbox.launch import LaunchSpec, render
 from trainbox.rundir import ranks
 from trainbox.train.loop import train
 
@@ -33,8 +36,12 @@ def runs(tmp_path_factory, data_cache):
     root = tmp_path_factory.mktemp("multinode")
     base = [*OWN, *STEPS, f"run.dir={root}", f"data.cache_dir={data_cache}"]
     train(load_config("tiny", [*base, "run.name=ref"]))   # one process, accumulation 4
-    two = ["train", "tiny", "--nproc", "2", *base, "run.name=two", "train.parallel=fsdp"]
-    outs = finish(start_nodes(two, root, "two"))
+    # the command `trainbox launch k8s --api trainer` renders for each node, run as the Trainer would run it
+    spec = LaunchSpec(target="k8s", api="trainer", recipe="tiny", overrides=[*base, "run.name=two",
+                      "train.parallel=fsdp"], image="reg/trainbox:t", nodes=2, gpus_per_node=2)
+    pod = yaml.safe_load(render(spec).files["runtime.yaml"])["spec"]["template"]["spec"]["replicatedJobs"][0]
+    [container] = pod["template"]["spec"]["template"]["spec"]["containers"]
+    outs = finish(start_nodes([], root, "two", rendered=container["args"], nproc=2))
     ckpts = root / "two" / "checkpoints"
     train(load_config("tiny", [*base, "run.name=one", f"run.resume={ckpts / 'step_00000006'}",
                                "train.parallel=fsdp"]))

@@ -196,6 +196,9 @@ def build_parser() -> argparse.ArgumentParser:
     la.add_argument("--apply", action="store_true", help="run docker compose up / kubectl apply / sbatch")
     la.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     la.add_argument("--workspace", action="store_true", help="k8s: a dev-workspace Pod instead of a PyTorchJob")
+    la.add_argument("--api", choices=["pytorchjob", "trainer"], default="pytorchjob",
+                    help="k8s: a Kubeflow PyTorchJob (training operator) or a Kubeflow Trainer v2 TrainJob with "
+                         "its ClusterTrainingRuntime")
     la.add_argument("--namespace", help="k8s namespace")
     la.add_argument("--runs-pvc", default="trainbox-runs", help="k8s claim for runs and caches")
     la.add_argument("--data-pvc", default="trainbox-data", help="k8s claim for token files")

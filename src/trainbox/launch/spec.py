@@ -31,6 +31,7 @@ class LaunchSpec:
     gpus_per_node: int = 1
     gpu_vendor: str = "nvidia"                # nvidia or amd
     workspace: bool = False                   # k8s: a dev-workspace Pod instead of a PyTorchJob
+    api: str = "pytorchjob"                   # k8s: pytorchjob (Kubeflow training operator) or trainer (Trainer v2)
     namespace: str | None = None
     runs_pvc: str = "trainbox-runs"
     data_pvc: str = "trainbox-data"
@@ -63,6 +64,12 @@ class LaunchSpec:
         if self.min_nodes is not None and (self.target != "k8s" or not 1 <= self.min_nodes <= self.nodes):
             raise ConfigError(f"--min-nodes {self.min_nodes}: elastic jobs are for k8s, with 1 <= min-nodes <= "
                               f"--nodes ({self.nodes})")
+        if self.api not in ("pytorchjob", "trainer"):
+            raise ConfigError(f"--api {self.api}: use pytorchjob (kubeflow.org/v1 PyTorchJob) or trainer (Kubeflow "
+                              "Trainer v2 TrainJob)")
+        if self.api == "trainer" and self.min_nodes is not None:
+            raise ConfigError("--min-nodes (an elastic job) is for --api pytorchjob",
+                              hint="a TrainJob runs a fixed number of nodes: drop --min-nodes")
         if self.gpu_vendor not in ("nvidia", "amd"):
             raise ConfigError(f"--gpu-vendor must be nvidia or amd (got {self.gpu_vendor})")
         return self.config()
