@@ -171,6 +171,8 @@ def test_sbatch_directives(tmp_path):
     assert 'srun --kill-on-bad-exit=1 --cpu-bind=none "${TRAIN[@]}"' in text
     assert '"--rdzv-backend=c10d"' in text and '"--rdzv-endpoint=$HEAD_NODE:$RDZV_PORT"' in text
     assert 'scontrol requeue "$SLURM_JOB_ID"' in text
+    assert "    --max-restarts=3\n" in text   # torchrun restarts a node's workers; --requeue restarts the job
+
 
 
 # ----------------------------------------------------------------------------- compose
@@ -259,6 +261,7 @@ def check_pytorchjob(job: dict, nodes: int, gpus: int, resource: str, min_nodes:
         else:
             assert c["args"][:3] == ["torchrun", f"--nnodes={nodes}", f"--nproc-per-node={max(gpus, 1)}"]
             assert "--node-rank=$(RANK)" in c["args"] and "--master-addr=$(MASTER_ADDR)" in c["args"]
+            assert ("--max-restarts=3" in c["args"]) == (nodes > 1)   # with the pods' restartPolicy OnFailure
         if gpus:
             assert c["resources"]["limits"][resource] == gpus
         shm = [v for v in pod["volumes"] if v["name"] == "dshm"][0]

@@ -16,6 +16,9 @@ from trainbox.errors import ConfigError
 MONITOR_PORT = 8080          # inside containers; the images' HEALTHCHECK and the probes use it
 RDZV_PORT = 29500
 CONFIG_MOUNT = "/etc/trainbox"  # where compose and Kubernetes mount a config-file recipe
+# torchrun starts a node's workers again this often after a failure (a lost node ends the others' ranks within
+# train.collective_timeout; once every node is back they meet again and resume from the newest checkpoint)
+TORCHRUN_RESTARTS = 3
 
 
 @dataclass
@@ -119,7 +122,8 @@ def torchrun_args(spec: LaunchSpec, rendezvous: list[str], always: bool = False,
     `trainbox train` directly unless `always` (clusters keep torchrun: it forwards the stop signals)."""
     if spec.nodes == 1 and spec.procs == 1 and not always:
         return train_args(spec, recipe)
-    return ["torchrun", f"--nnodes={spec.nodes}", f"--nproc-per-node={spec.procs}", *rendezvous,
+    restarts = [f"--max-restarts={TORCHRUN_RESTARTS}"] if spec.nodes > 1 else []
+    return ["torchrun", f"--nnodes={spec.nodes}", f"--nproc-per-node={spec.procs}", *rendezvous, *restarts,
             "-m", "trainbox", *train_args(spec, recipe)]
 
 
