@@ -178,13 +178,13 @@ def _preflight(args, cfg, dist, decided: bool):
 
 def _procs(args) -> int:
     """Processes of the whole job: --nproc on each of --nnodes nodes."""
-    return (args.nproc or 1) * getattr(args, "nnodes", 1)
+    return (1 if args.nproc is None else args.nproc) * getattr(args, "nnodes", 1)
 
 
 def _check_nodes(args) -> None:
     """--nnodes / --node-rank / --rdzv-endpoint make sense together, before anything starts."""
-    if args.nnodes < 1 or (args.nproc is not None and args.nproc < 1):
-        raise ConfigError(f"--nnodes and --nproc must be at least 1 (got {args.nnodes}, {args.nproc})")
+    if args.nnodes < 1:
+        raise ConfigError(f"--nnodes {args.nnodes}: the number of nodes must be at least 1")
     if not 0 <= args.node_rank < args.nnodes:
         raise ConfigError(f"--node-rank {args.node_rank} is not a node of --nnodes {args.nnodes}",
                           hint=f"number the nodes 0..{args.nnodes - 1}; node 0 hosts the rendezvous")
