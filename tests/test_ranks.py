@@ -1,7 +1,7 @@
 """Per-rank heartbeats (rundir/ranks.py) and the health rule that reads them, in process: a beating rank is never
 silent, a stopped one is after the limit, an ended one never is; one silent rank is named as a rank, every rank
-of a node as the node; the watchdog (train/peers.py) hands that line over once the collective timeout passes and
-`name_lost` waits for the silent peers to pass GONE_S only as long as a live one keeps beating."""
+of a node as the node; the watchdog (train/peers.py) hands that line over once the collective timeout passes, and
+`name_lost` names a silent peer after a failed collective, or none, within two beats of its limit."""
 from __future__ import annotations
 
 import json
@@ -75,4 +75,10 @@ def test_the_watchdog_hands_over_the_silent_peer(tmp_path):
     t0 = time.monotonic()
     assert peers.name_lost(tmp_path, 2, 0, timeout=30, since=time.time()) is None
     assert time.monotonic() - t0 < 5
+    # a peer that keeps beating is alive: the error was this rank's own, and the wait ends two beats after the limit
+    live = ranks.Heartbeat(tmp_path, rank=1, node=0, interval=0.05).start()
+    t0 = time.monotonic()
+    assert peers.name_lost(tmp_path, 2, 0, timeout=1.0, since=time.time()) is None
+    assert 1.0 < time.monotonic() - t0 < 1.0 + 2 * ranks.BEAT_S + 2
+    live.end("finished")
     mine.end("finished")

@@ -3,10 +3,11 @@ its name, within `train.collective_timeout`, instead of hanging it.
 
 Two ways a peer is found:
 
-- a collective fails in this rank (gloo or NCCL saw a connection close: a killed process, a lost node). The loop
-  then calls `name_lost`, which waits until every other rank either ended by itself or has been silent for
-  GONE_S (ten missed beats), at most `train.collective_timeout`, and returns the line naming the silent ones
-  ("lost node 1 (host, ranks 2-3): silent for 10s");
+- a collective fails in this rank (gloo or NCCL saw a connection close: a killed process, a lost node), or any
+  other error ends it. The loop then calls `name_lost`, which waits until every other rank either ended by
+  itself or has been silent for GONE_S (ten missed beats; `train.collective_timeout` when shorter), two beats
+  more at most, and returns the line naming the silent ones ("lost node 1 (host, ranks 2-3): silent for 10s"),
+  or None: then the error was this rank's own and is raised as it is;
 - nothing fails, the collective just waits (a stopped or frozen rank keeps its connections open). A thread
   (`Watchdog`) reads the heartbeats every beat, and once a peer has been silent for `train.collective_timeout`
   hands the line ("stalled: rank 1 silent for 30s (node 0, host)") to its `on_lost`, which records it and ends
@@ -37,9 +38,10 @@ def _expected(beats: list[ranks.RankBeat], world: int, me: int, since: float, no
 
 def name_lost(run_dir: Path, world: int, me: int, timeout: float, since: float) -> str | None:
     """After a failed collective: the line naming the silent peers, waiting until each other rank has ended by
-    itself or been silent for GONE_S (at most `timeout`); None when none is silent (the failure was elsewhere)."""
+    itself or been silent for GONE_S (or `timeout`, when shorter). A rank still beating after that is alive, so
+    the wait is bounded by two beats more; None when no peer is silent (the failure was this rank's own)."""
     limit = min(GONE_S, timeout)
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + limit + 2 * ranks.BEAT_S
     while True:
         now = time.time()
         beats = ranks.read(run_dir, now)
