@@ -65,7 +65,7 @@ def nodes_job(recipe: str, nodes: int, nproc: int, args: list[str]) -> None:
                 break
             except OSError:
                 if procs[0].poll() is not None:
-                    raise SystemExit(f"node 0 ended ({procs[0].returncode}) before it hosted the rendezvous")
+                    raise SystemExit(f"node 0 ended ({procs[0].returncode}) before it hosted the rendezvous") from None
                 time.sleep(0.1)
     codes = [p.wait() for p in procs]
     if any(codes):
