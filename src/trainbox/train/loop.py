@@ -183,7 +183,8 @@ class Trainer(RunFiles, Checkpointing):
                 unlock_run(self.run_dir)
 
     def _lost_peers(self, e: BaseException) -> TrainingFailed | None:
-        """A collective that failed because a peer is gone: the error naming it (train/peers.py), else None."""
+        """After an error in this rank of several: when a peer went silent (a lost node, a killed rank, which made
+        a collective fail), the error naming it (train/peers.py), else None (the error is this rank's own)."""
         if self.heartbeat is None or isinstance(e, (TrainboxError, KeyboardInterrupt)):
             return None
         self.watchdog.stop()
