@@ -24,13 +24,14 @@ class Node:
     """One node's `trainbox train` launcher (its own session), its output in a file. `args` start with `train`;
     with nnodes > 1 the node flags go after it."""
 
-    def __init__(self, args: list[str], log: Path, nnodes: int = 1, rank: int = 0, port: int | None = None):
+    def __init__(self, args: list[str], log: Path, nnodes: int = 1, rank: int = 0, port: int | None = None,
+                 cmd: list[str] | None = None, env: dict | None = None):
         flags = [f"--nnodes={nnodes}", f"--node-rank={rank}", f"--rdzv-endpoint=127.0.0.1:{port}"] if nnodes > 1 else []
-        self.cmd = [sys.executable, "-m", "trainbox", *args[:1], *flags, *args[1:]]
+        self.cmd = cmd or [sys.executable, "-m", "trainbox", *args[:1], *flags, *args[1:]]
         self.log = log
         self.t0 = time.time()
         with open(log, "w") as out:   # a file, not a pipe: a full pipe would block a worker and hang the job
-            self.proc = subprocess.Popen(self.cmd, stdout=out, stderr=subprocess.STDOUT, env=ENV,
+            self.proc = subprocess.Popen(self.cmd, stdout=out, stderr=subprocess.STDOUT, env={**ENV, **(env or {})},
                                          start_new_session=True)
 
     def wait(self, timeout: float = 300) -> tuple[int, str]:
@@ -72,14 +73,17 @@ def _signal(pid: int, sig: int) -> None:
 
 
 def start_nodes(args: list[str], logs: Path, name: str, nnodes: int = 2, rendered: list[str] | None = None,
-                nproc: int = 1) -> list[Node]:
+                nproc: int = 1, make=None) -> list[Node]:
     """`nnodes` launchers of one job; node 0 (the rendezvous host) first, the others once it listens. `rendered`:
     a container's command line from `trainbox launch` with the Trainer's PET_* variables in it, run instead of
-    `args` with their values filled in as the Trainer would (nproc, nnodes, this node's rank, node 0's address)."""
+    `args` with their values filled in as the Trainer would (nproc, nnodes, this node's rank, node 0's address).
+    `make(rank, port, log)`: a Node of another making (a rendered Slurm script's lines)."""
     port = free_port()
 
     def node(rank: int) -> Node:
         log = logs / f"{name}-node{rank}.log"
+        if make is not None:
+            return make(rank, port, log)
         if rendered is None:
             return Node(args, log, nnodes, rank, port)
         values = {"PET_NPROC_PER_NODE": nproc, "PET_NNODES": nnodes, "PET_NODE_RANK": rank,

@@ -168,8 +168,10 @@ def test_sbatch_directives(tmp_path):
     for d in ("--nodes=4", "--gpus-per-node=8", "--ntasks-per-node=1", "--signal=USR1@120", "--requeue",
               "--time=48:00:00"):
         assert f"#SBATCH {d}\n" in text
-    assert 'srun --kill-on-bad-exit=1 --cpu-bind=none "${TRAIN[@]}"' in text
-    assert '"--rdzv-backend=c10d"' in text and '"--rdzv-endpoint=$HEAD_NODE:$RDZV_PORT"' in text
+    assert ('srun --kill-on-bad-exit=1 --cpu-bind=none bash -c \'exec "$@" --node-rank="$SLURM_NODEID"\' trainbox '
+            '"${TRAIN[@]}"') in text   # the launcher of tests/test_multinode.py, its node rank the task's own
+    assert '"--rdzv-endpoint=$HEAD_NODE:$RDZV_PORT"' in text and '"--rdzv-id=$SLURM_JOB_ID"' in text
+    assert "    trainbox\n    train\n    --nproc=8\n    --nnodes=4\n" in text
     assert 'scontrol requeue "$SLURM_JOB_ID"' in text
     assert "    --max-restarts=3\n" in text   # torchrun restarts a node's workers; --requeue restarts the job
 

@@ -9,11 +9,14 @@ continuing as one process would. Also: the launcher's node flags refused in one 
 from __future__ import annotations
 
 import json
+import os
+import re
+import sys
 
 import pytest
 import yaml
 from conftest import TINY, run_cli
-from nodes import finish, losses, start_nodes
+from nodes import Node, finish, losses, start_nodes
 
 from trainbox.config import load_config
 from trainbox.launch import LaunchSpec, render
@@ -47,11 +50,11 @@ def runs(tmp_path_factory, data_cache):
                                "train.parallel=fsdp"]))
     run_cli("train", "tiny", "--nproc", "4", *base, "run.name=four", "train.parallel=fsdp",
             f"run.resume={ckpts / 'step_00000003'}")
-    return root, outs
+    return root, outs, base
 
 
 def test_two_nodes_build_hsdp_and_equal_one_process(runs):
-    root, outs = runs
+    root, outs, _ = runs
     ref = losses(root / "ref")
     _same(losses(root / "two"), ref, range(1, 10))
     start = next(json.loads(x) for x in (root / "two" / "metrics.jsonl").read_text().splitlines()
@@ -66,10 +69,36 @@ def test_two_nodes_build_hsdp_and_equal_one_process(runs):
 
 
 def test_a_two_node_checkpoint_resumes_on_one_process_and_on_four(runs):
-    root, _ = runs
+    root, _, _ = runs
     ref = losses(root / "ref")
     _same(losses(root / "one"), ref, range(7, 10))      # 2 nodes x 2 -> 1 process
     _same(losses(root / "four"), ref, range(4, 10))     # 2 nodes x 2 -> 1 node x 4
+
+
+def test_the_rendered_slurm_lines_run_as_two_nodes(runs, tmp_path):
+    """The sbatch script's own TRAIN array and srun line, run by bash on this host as Slurm would run them on two
+    nodes (srun's options dropped, SLURM_NODEID, the head node and its port set; `trainbox` this checkout): one
+    job whose steps equal one process's."""
+    root, _, base = runs
+    spec = LaunchSpec(target="slurm", recipe="tiny", overrides=[*base, "run.name=slurm"], nodes=2, gpus_per_node=1,
+                      project_dir=tmp_path)
+    script = render(spec).files["tiny.sbatch"]
+    train = re.search(r"^TRAIN=\(\n.*?^\)\n", script, re.S | re.M).group(0)
+    srun = next(line for line in script.splitlines() if line.startswith("srun "))
+    step = re.sub(r"^srun( --\S+)* ", "", srun).replace(" || rc=$?", "")
+    assert step.startswith("bash -c"), srun
+    shim = tmp_path / "bin"
+    shim.mkdir()
+    (shim / "trainbox").write_text(f"#!/bin/sh\nexec {sys.executable} -m trainbox \"$@\"\n")
+    (shim / "trainbox").chmod(0o755)
+
+    def node(rank: int, port: int, log) -> Node:
+        lines = f"HEAD_NODE=127.0.0.1\nRDZV_PORT={port}\nSLURM_JOB_ID=4242\n{train}exec {step}\n"
+        return Node([], log, cmd=["bash", "-c", lines], env={"SLURM_NODEID": str(rank),
+                                                              "PATH": f"{shim}:{os.environ['PATH']}"})
+    outs = finish(start_nodes([], tmp_path, "slurm", make=node))
+    assert any("launching:" in o and "--rdzv-id=4242" in o for o in outs), outs
+    _same(losses(root / "slurm"), losses(root / "ref"), range(1, 10))
 
 
 @pytest.mark.parametrize("flags, message", [
