@@ -82,7 +82,7 @@ def test_the_rendered_slurm_lines_run_as_two_nodes(runs, tmp_path):
     root, _, base = runs
     spec = LaunchSpec(target="slurm", recipe="tiny", overrides=[*base, "run.name=slurm"], nodes=2, gpus_per_node=1,
                       project_dir=tmp_path)
-    script = render(spec).files["tiny.sbatch"]
+    [script] = render(spec).files.values()
     train = re.search(r"^TRAIN=\(\n.*?^\)\n", script, re.S | re.M).group(0)
     srun = next(line for line in script.splitlines() if line.startswith("srun "))
     step = re.sub(r"^srun( --\S+)* ", "", srun).replace(" || rc=$?", "")

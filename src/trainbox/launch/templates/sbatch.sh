@@ -30,6 +30,8 @@ ${train_command}
 )
 
 rc=0
+# each node's task expands its own $$SLURM_NODEID (single quotes on purpose)
+# shellcheck disable=SC2016
 srun --kill-on-bad-exit=1 --cpu-bind=none ${srun_flags}${node_rank}"$${TRAIN[@]}" || rc=$$?
 
 # Stopped by the time-limit signal (phase "preempted"): requeue; the next start resumes the run.
