@@ -168,9 +168,13 @@ def test_sbatch_directives(tmp_path):
     for d in ("--nodes=4", "--gpus-per-node=8", "--ntasks-per-node=1", "--signal=USR1@120", "--requeue",
               "--time=48:00:00"):
         assert f"#SBATCH {d}\n" in text
-    assert 'srun --kill-on-bad-exit=1 --cpu-bind=none "${TRAIN[@]}"' in text
-    assert '"--rdzv-backend=c10d"' in text and '"--rdzv-endpoint=$HEAD_NODE:$RDZV_PORT"' in text
+    assert ('srun --kill-on-bad-exit=1 --cpu-bind=none bash -c \'exec "$@" --node-rank="$SLURM_NODEID"\' trainbox '
+            '"${TRAIN[@]}"') in text   # the launcher of tests/test_multinode.py, its node rank the task's own
+    assert '"--rdzv-endpoint=$HEAD_NODE:$RDZV_PORT"' in text and '"--rdzv-id=$SLURM_JOB_ID"' in text
+    assert "    trainbox\n    train\n    --nproc=8\n    --nnodes=4\n" in text
     assert 'scontrol requeue "$SLURM_JOB_ID"' in text
+    assert "    --max-restarts=3\n" in text   # torchrun restarts a node's workers; --requeue restarts the job
+
 
 
 # ----------------------------------------------------------------------------- compose
@@ -259,6 +263,7 @@ def check_pytorchjob(job: dict, nodes: int, gpus: int, resource: str, min_nodes:
         else:
             assert c["args"][:3] == ["torchrun", f"--nnodes={nodes}", f"--nproc-per-node={max(gpus, 1)}"]
             assert "--node-rank=$(RANK)" in c["args"] and "--master-addr=$(MASTER_ADDR)" in c["args"]
+            assert ("--max-restarts=3" in c["args"]) == (nodes > 1)   # with the pods' restartPolicy OnFailure
         if gpus:
             assert c["resources"]["limits"][resource] == gpus
         shm = [v for v in pod["volumes"] if v["name"] == "dshm"][0]

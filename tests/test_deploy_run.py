@@ -1,7 +1,7 @@
 """The exact commands the images and manifests run, executed for real outside a container: the
 entrypoint with a rendered compose command (SIGTERM -> checkpoint -> exit 0 -> resume), the PyTorchJob
 container arguments under torchrun (2 processes, gloo) with the variables the training operator sets, and
-the sbatch script's torchrun line with its c10d rendezvous."""
+the sbatch script's launcher line on one node (two nodes: tests/test_multinode.py)."""
 from __future__ import annotations
 
 import json
@@ -175,14 +175,14 @@ def test_pytorchjob_args_train_under_torchrun(tmp_path, bin_dir, data_cache, ela
     assert status(run_dir)["phase"] == "finished" and status(run_dir)["step"] == 4
 
 
-def test_sbatch_torchrun_line_trains_with_c10d_rendezvous(tmp_path, data_cache):
+def test_sbatch_launcher_line_trains_on_one_node(tmp_path, data_cache):
     overrides = [*TINY, f"data.cache_dir={data_cache}", "train.max_steps=4", "run.dir=runs", "run.name=s"]
     [script] = render(LaunchSpec("slurm", "tiny", overrides, nodes=1, gpus_per_node=1)).files.values()
     block = re.search(r"^TRAIN=\(\n.*?^\)\n", script, re.M | re.S).group(0)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HEAD_NODE": "127.0.0.1", "RDZV_PORT": str(free_port()),
            "SLURM_JOB_ID": "4242", "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
            "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}"}
-    # torchrun comes from this interpreter's environment, as on a node with trainbox installed
+    # trainbox comes from this interpreter's environment, as on a node with trainbox installed
     out = run_launcher(["bash", "-c", f'set -euo pipefail\n{block}"${{TRAIN[@]}}"'], tmp_path, env)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     run_dir = tmp_path / "runs" / "s"

@@ -151,7 +151,7 @@ def test_launchers_and_doctor_carry_the_strategy(tmp_path):
     out = run_cli("launch", "slurm", "gpt2-125m", "train.parallel=fsdp", "--nodes", "2", "--gpus-per-node", "4",
                   "--out", str(tmp_path), cwd=tmp_path)
     script = (tmp_path / "gpt2-125m.sbatch").read_text()
-    assert "train.parallel=fsdp" in script and "--nproc-per-node=4" in script, out.stdout
+    assert "train.parallel=fsdp" in script and "--nproc=4" in script, out.stdout
     cfg = load_config("gpt2-125m", ["train.parallel=fsdp"])
     assert [c.status for c in parallel_checks(cfg, 1, nccl=True)] == ["warn"]      # one GPU shards nothing
     assert [c.status for c in parallel_checks(cfg, 8, nccl=True)] == ["ok"]

@@ -279,7 +279,7 @@ def _cfg(tmp_path, data_cache, *extra):
 
 def test_stall_is_detected_and_clears(tmp_path, data_cache):
     """A step that hangs (here: the data read of step 6 blocks, as on a dead network filesystem) turns
-    /health to 503 once stall_seconds pass, and back to 200 when progress resumes."""
+    /health to 503 once stall_after pass, and back to 200 when progress resumes."""
     from trainbox.train.loop import Trainer
 
     gate = threading.Event()
@@ -291,7 +291,7 @@ def test_stall_is_detected_and_clears(tmp_path, data_cache):
                 gate.wait(120)
             return super().train_step(step)
 
-    cfg = _cfg(tmp_path, data_cache, "train.max_steps=10", "train.eval_every=0", "monitor.stall_seconds=1.5")
+    cfg = _cfg(tmp_path, data_cache, "train.max_steps=10", "train.eval_every=0", "monitor.stall_after=1.5")
     trainer = HangingTrainer(cfg)
     result = {}
     thread = threading.Thread(target=lambda: result.update(trainer.run()), daemon=True)

@@ -40,8 +40,8 @@ def status(capsys, target, root=None) -> tuple[int, str]:
 
 
 def test_stalled_then_killed_run_is_never_shown_running(tmp_path, data_cache, capsys):
-    # no evals or checkpoints: the stop lands in the training phase, whose limit is stall_seconds
-    live = LiveRun(tmp_path / "runs", data_cache, "victim", ["monitor.stall_seconds=1", "train.eval_every=0",
+    # no evals or checkpoints: the stop lands in the training phase, whose limit is stall_after
+    live = LiveRun(tmp_path / "runs", data_cache, "victim", ["monitor.stall_after=1", "train.eval_every=0",
                                                               "train.checkpoint_every=0"], min_step=3, want_eval=False)
     try:
         assert table(capsys, live.root)["victim"][1] == "running"

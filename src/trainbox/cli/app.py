@@ -73,7 +73,17 @@ def build_parser() -> argparse.ArgumentParser:
     t = verb("train", "train a model (no arguments: recipe tiny on the embedded corpus)")
     t.add_argument("recipe", nargs="?", help="recipe name or config file (.yaml/.json); default tiny")
     t.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.max_steps=50")
-    t.add_argument("--nproc", type=int, default=None, help="start N processes through torchrun")
+    t.add_argument("--nproc", type=int, default=None, help="start N processes through torchrun (per node)")
+    t.add_argument("--nnodes", type=int, default=1, help="nodes of the job: start the same command on each, with "
+                   "its --node-rank and one --rdzv-endpoint (c10d rendezvous)")
+    t.add_argument("--node-rank", type=int, default=0, help="this node's number, 0..nnodes-1 (0 hosts the "
+                   "rendezvous)")
+    t.add_argument("--rdzv-endpoint", metavar="HOST:PORT", help="where the nodes meet: node 0's address and a free "
+                   "port")
+    t.add_argument("--rdzv-id", default=None, help="the job's rendezvous id (default: the run name)")
+    t.add_argument("--max-restarts", type=int, default=0, help="torchrun restarts the workers this often after a "
+                   "failure (with several nodes: once every node is back); each restart resumes from the newest "
+                   "checkpoint")
     t.add_argument("--detach", action="store_true", help="run in the background, in its own session (output in "
                    "RUN/train.log and RUN/console.log); prints the run directory, monitor URL and how to stop it")
     t.set_defaults(func=cmd_train)
@@ -208,6 +218,9 @@ def build_parser() -> argparse.ArgumentParser:
     la.add_argument("--apply", action="store_true", help="run docker compose up / kubectl apply / sbatch")
     la.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     la.add_argument("--workspace", action="store_true", help="k8s: a dev-workspace Pod instead of a PyTorchJob")
+    la.add_argument("--api", choices=["pytorchjob", "trainer"], default="pytorchjob",
+                    help="k8s: a Kubeflow PyTorchJob (training operator) or a Kubeflow Trainer v2 TrainJob with "
+                         "its ClusterTrainingRuntime")
     la.add_argument("--namespace", help="k8s namespace")
     la.add_argument("--runs-pvc", default="trainbox-runs", help="k8s claim for runs and caches")
     la.add_argument("--data-pvc", default="trainbox-data", help="k8s claim for token files")

@@ -6,6 +6,8 @@ EPILOGS = {
           trainbox train                                   # recipe tiny on the embedded Shakespeare corpus
           trainbox train gpt2-125m data.path=data/fineweb train.max_steps=5000
           trainbox train --nproc 2 tiny train.max_steps=50 # two processes through torchrun
+          trainbox train --nproc 8 --nnodes 2 --node-rank 0 --rdzv-endpoint node0:29500 llama-1b train.parallel=fsdp
+                                                           # node 0 of two; node 1: the same with --node-rank 1
           trainbox train sft model.path=./Qwen2.5-0.5B data.path=chat.jsonl   # every weight of a Llama / Qwen2
           trainbox train dpo model.path=./Qwen2.5-0.5B data.path=prefs.jsonl  # preference pairs (dpo, ipo, ...)
           trainbox train tiny --detach                     # in the background: prints the run directory, the

@@ -44,7 +44,7 @@ def cmd_launch(args) -> int:
 
     spec = LaunchSpec(target=args.target, recipe=args.recipe, overrides=args.overrides, image=args.image,
                       nodes=args.nodes, min_nodes=args.min_nodes, gpus_per_node=args.gpus_per_node,
-                      gpu_vendor=args.gpu_vendor, workspace=args.workspace, namespace=args.namespace,
+                      gpu_vendor=args.gpu_vendor, workspace=args.workspace, api=args.api, namespace=args.namespace,
                       runs_pvc=args.runs_pvc, data_pvc=args.data_pvc, storage=args.storage,
                       storage_class=args.storage_class,
                       cpus=args.cpus, memory=args.memory, shm=args.shm, time=args.time, partition=args.partition,
@@ -268,7 +268,7 @@ def cmd_dashboard(args) -> int:
     except (OSError, yaml.YAMLError):
         mon = {}
     settings = {"host": args.host, "log_every": int(mon.get("log_every") or 1),
-                "stall_seconds": mon.get("stall_seconds")}
+                "stall_after": mon.get("stall_after")}
     if args.port is not None:  # asked for: a busy port is an error; by default 8080, else a free one
         settings["port"] = args.port
     cfg = MonitorSection(**settings)

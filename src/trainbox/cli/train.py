@@ -17,7 +17,7 @@ from trainbox.config.hfargs import mapping_report
 from trainbox.config.layout import micro_batch_given
 from trainbox.data import embedded
 from trainbox.data.tokenizer import train_bpe
-from trainbox.errors import DataError
+from trainbox.errors import ConfigError, DataError
 from trainbox.files import open_append
 from trainbox.model.spec import family
 from trainbox.monitor.console import ProgressBar, setup_logging
@@ -38,6 +38,8 @@ def cmd_train(args) -> int:
             stop_when_gone(int(os.environ["TRAINBOX_LAUNCHER_PID"]), "the launcher")
     if getattr(args, "detach", False) and not worker:
         return _detach(args, load_config(args.recipe, args.overrides))
+    if not worker:
+        _check_nodes(args)
     cfg, decided = _run_config(args)
     if STOP.requested and not worker:   # workers agree on stopping in the loop, all at one step boundary
         return _stopped_before_start()
@@ -49,7 +51,7 @@ def cmd_train(args) -> int:
 
     dist = Dist.from_env(os.environ)
     checked = _preflight(args, cfg, dist, decided)   # before any download, any file of the run, any worker
-    if args.nproc and args.nproc > 1 and not worker:
+    if _procs(args) > 1 and not worker:
         if not _fetch(cfg, args.recipe):   # once, before any worker starts
             return _stopped_before_start(cfg.data.path)
         return _launch_torchrun(args, checked.layout.applied(cfg))
@@ -167,7 +169,7 @@ def _preflight(args, cfg, dist, decided: bool):
     torchrun world this process is part of. The micro-batch adapts to them unless the command line gives it (or
     the launcher decided it); the main process says so once."""
     from trainbox.train.preflight import preflight  # heavy: torch
-    world = dist.world if "LOCAL_RANK" in os.environ or args.nproc is None else args.nproc
+    world = dist.world if "LOCAL_RANK" in os.environ or _procs(args) == 1 else _procs(args)
     adapt = not (decided or micro_batch_given(args.overrides))
     checked = preflight(cfg, world, dist.local_rank, adapt_micro_batch=adapt, serves_monitor=dist.is_main)
     note = checked.layout.note(cfg)
@@ -176,8 +178,45 @@ def _preflight(args, cfg, dist, decided: bool):
     return checked
 
 
+def _procs(args) -> int:
+    """Processes of the whole job: --nproc on each of --nnodes nodes."""
+    return (1 if args.nproc is None else args.nproc) * getattr(args, "nnodes", 1)
+
+
+def _check_nodes(args) -> None:
+    """--nnodes / --node-rank / --rdzv-endpoint make sense together, before anything starts."""
+    if args.nnodes < 1:
+        raise ConfigError(f"--nnodes {args.nnodes}: the number of nodes must be at least 1")
+    if not 0 <= args.node_rank < args.nnodes:
+        raise ConfigError(f"--node-rank {args.node_rank} is not a node of --nnodes {args.nnodes}",
+                          hint=f"number the nodes 0..{args.nnodes - 1}; node 0 hosts the rendezvous")
+    if args.nnodes > 1:
+        host, _, port = (args.rdzv_endpoint or "").rpartition(":")
+        if not host or not port.isdigit():
+            raise ConfigError(f"--nnodes {args.nnodes} needs --rdzv-endpoint HOST:PORT (got "
+                              f"{args.rdzv_endpoint or 'none'})",
+                              hint="node 0's address and a free port, the same on every node, e.g. "
+                                   "--rdzv-endpoint node0:29500")
+    elif args.rdzv_endpoint or args.node_rank:
+        raise ConfigError("--rdzv-endpoint and --node-rank are for a job of several nodes",
+                          hint="add --nnodes N (the same on every node)")
+    if args.max_restarts < 0:
+        raise ConfigError(f"--max-restarts must be 0 or more (got {args.max_restarts})")
+
+
+def _rendezvous(args, cfg) -> list[str]:
+    """torchrun's flags for where this node's processes meet the others: one node stands alone; several meet
+    through c10d at --rdzv-endpoint, hosted by node 0."""
+    nodes = [f"--nproc-per-node={args.nproc or 1}", f"--max-restarts={args.max_restarts}"]
+    if args.nnodes == 1:
+        return ["--standalone", *nodes]
+    return [f"--nnodes={args.nnodes}", *nodes, "--rdzv-backend=c10d", f"--rdzv-endpoint={args.rdzv_endpoint}",
+            f"--rdzv-id={args.rdzv_id or cfg.run_name}", f"--rdzv-conf=is_host={str(args.node_rank == 0).lower()}"]
+
+
 def _launch_torchrun(args, cfg) -> int:
-    """`trainbox train --nproc N ...` re-runs itself under torchrun (standalone rendezvous).
+    """`trainbox train --nproc N ...` re-runs itself under torchrun: standalone on one node; with --nnodes M, one such
+    command on each node (its --node-rank), meeting through c10d rendezvous at --rdzv-endpoint, which node 0 hosts.
 
     A run directory that a live process holds is refused here, in one line, before torchrun starts. torchrun
     runs in its own session, so a terminal Ctrl-C reaches only this launcher, which passes each SIGTERM / SIGINT /
@@ -193,7 +232,9 @@ def _launch_torchrun(args, cfg) -> int:
     from torch.distributed.run import get_args_parser  # heavy: torch
 
 
-    RunLock(cfg.run_dir).acquire().release()   # a live holder: RunBusy (exit 2), before any worker starts
+    first = args.node_rank == 0   # one node speaks for the job in the run directory (`trainbox stop` finds it)
+    if args.nnodes == 1:   # (several nodes: the job's rank 0 takes the lock, on whichever node it is)
+        RunLock(cfg.run_dir).acquire().release()   # a live holder: RunBusy (exit 2), before any worker starts
     if STOP.requested:
         return _stopped_before_start()
     known = {o for action in get_args_parser()._actions for o in action.option_strings}
@@ -202,7 +243,7 @@ def _launch_torchrun(args, cfg) -> int:
         extra.append("--signals-to-handle=" + ",".join(s.name for s in (*STOP_SIGNALS, signal.SIGHUP, signal.SIGQUIT)))
     if "--shutdown-timeout" in known:
         extra.append(f"--shutdown-timeout={cfg.train.pg_timeout_s}")  # time for the ranks to save before SIGKILL
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}", *extra,
+    cmd = [sys.executable, "-m", "torch.distributed.run", *_rendezvous(args, cfg), *extra,
            "-m", "trainbox", "train", *([args.recipe] if args.recipe else []), *args.overrides]
     print("launching: " + " ".join(cmd), file=sys.stderr)
     started = time.time()
@@ -215,8 +256,10 @@ def _launch_torchrun(args, cfg) -> int:
     # the keys the config sets, and only those: what the user gave stays apart from the defaults in the workers too
     launched = json.dumps(cfg.model_dump(mode="json", exclude_unset=True))
     proc = subprocess.Popen(cmd, start_new_session=True,
-                            env={**os.environ, "TRAINBOX_LAUNCHER_PID": str(os.getpid()), LAUNCHED_CONFIG: launched})
-    write_launcher(cfg.run_dir, proc.pid, started)  # `trainbox stop` signals this launcher, which passes it on
+                            env={**os.environ, "TRAINBOX_LAUNCHER_PID": str(os.getpid()), LAUNCHED_CONFIG: launched,
+                                 "TRAINBOX_NODE_RANK": str(args.node_rank)})
+    if first:
+        write_launcher(cfg.run_dir, proc.pid, started)  # `trainbox stop` signals this launcher, which passes it on
     forwarded: list[int] = []
     try:
         while True:
@@ -230,7 +273,7 @@ def _launch_torchrun(args, cfg) -> int:
             kids = workers(proc.pid)
             if not kids and not Path(f"/proc/{proc.pid}").exists():   # no /proc here: torchrun passes it on
                 targets = [proc.pid]
-            elif len(kids) == args.nproc and all(catches_signal(k, signal.SIGTERM) for k in kids):
+            elif len(kids) == (args.nproc or 1) and all(catches_signal(k, signal.SIGTERM) for k in kids):
                 targets = kids
             else:
                 continue   # the workers are still starting: the signal waits for their handlers
@@ -245,7 +288,8 @@ def _launch_torchrun(args, cfg) -> int:
     finally:
         for s, h in old.items():
             signal.signal(s, h)
-        clear_launcher(cfg.run_dir)
+        if first:
+            clear_launcher(cfg.run_dir)
     if forwarded and code != 0:
         if _read_status(cfg.run_dir, started).get("phase") == "preempted":
             print(f"stopped on {signal.Signals(forwarded[0]).name}; run the same command to continue",
@@ -291,7 +335,11 @@ def _detach(args, cfg) -> int:
     run_dir = cfg.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
     argv = [sys.executable, "-m", "trainbox", "train", *([args.recipe] if args.recipe else []), *args.overrides,
-            *([f"--nproc={args.nproc}"] if args.nproc else [])]
+            *([f"--nproc={args.nproc}"] if args.nproc else []),
+            *([f"--nnodes={args.nnodes}", f"--node-rank={args.node_rank}", f"--rdzv-endpoint={args.rdzv_endpoint}"]
+              if args.nnodes > 1 else []),
+            *([f"--rdzv-id={args.rdzv_id}"] if args.rdzv_id else []),
+            *([f"--max-restarts={args.max_restarts}"] if args.max_restarts else [])]
     env = {k: v for k, v in os.environ.items() if k != "TRAINBOX_OVERRIDES"}  # already in args.overrides
     env["PYTHONUNBUFFERED"] = "1"
     console = run_dir / "console.log"

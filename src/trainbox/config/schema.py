@@ -252,6 +252,8 @@ class TrainSection(Section):
     dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
     device: str = Field("auto", description="auto, cpu, cuda, cuda:N")
     pg_timeout_s: int = Field(1800, ge=10, description="process-group timeout (covers rank-0 saves and evals)")
+    collective_timeout: float = Field(300, gt=0, description="seconds a rank may go without a heartbeat (killed, "
+                                      "stopped, cut off) before the other ranks end the job naming it")
     sample_tokens: int = Field(200, ge=0, le=MAX_POSITIONS, description="tokens generated at the end of the run (0 = "
                                                                         "none)")
     sample_prompt: str = "\n"
@@ -283,7 +285,9 @@ class MonitorSection(Section):
     port: int = Field(8080, ge=0, le=65535, description="0 = pick a free port")
     token: str | None = None
     log_every: int = Field(10, ge=1, le=MAX_STEPS)
-    stall_seconds: float | None = Field(None, gt=0, description="default: derived from the step time")
+    stall_after: float | None = Field(None, gt=0, description="seconds without progress (or without a rank's "
+                                      "heartbeat) before /health reports the run stalled; default: derived from "
+                                      "the step time, 60 s for a rank")
     tensorboard: bool = False
     wandb: bool = False
     wandb_project: str = "trainbox"

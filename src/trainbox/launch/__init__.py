@@ -1,10 +1,11 @@
-"""Render the deployment files of one run: Docker Compose, a Kubeflow PyTorchJob (or a dev-workspace Pod),
-or a Slurm sbatch script; optionally apply them; build the images.
+"""Render the deployment files of one run: Docker Compose, a Kubeflow PyTorchJob (or a dev-workspace Pod), a
+Kubeflow Trainer v2 TrainJob with its ClusterTrainingRuntime, or a Slurm sbatch script; optionally apply them;
+build the images.
 
 The run is the same everywhere: the container or node runs `trainbox train RECIPE key=value ...` (under
-`torchrun` when there is more than one GPU or node; multi-node is torchrun's c10d rendezvous, never a
-launcher of ours). Restarts are safe because runs resume from their latest checkpoint (run.resume=auto),
-and SIGTERM / SIGUSR1 make every rank save before exiting.
+`torchrun` when there is more than one GPU or node; multi-node is torchrun's c10d rendezvous, started by
+torchrun itself or by `trainbox train --nnodes`). Restarts are safe because runs resume from their latest
+checkpoint (run.resume=auto), and SIGTERM / SIGUSR1 make every rank save before exiting.
 
 Layout: `spec.py` holds the options and the command lines, one module per target renders files from
 the YAML/shell templates in `templates/`, `apply.py` runs docker / kubectl / sbatch, `image.py` builds.
@@ -13,6 +14,7 @@ from trainbox.launch.compose import render_compose
 from trainbox.launch.k8s import render_k8s
 from trainbox.launch.slurm import render_slurm
 from trainbox.launch.spec import LaunchSpec, Rendered, write_rendered
+from trainbox.launch.trainer import render_trainer
 
 __all__ = ["LaunchSpec", "Rendered", "render", "write_rendered"]
 
@@ -21,4 +23,7 @@ RENDERERS = {"compose": render_compose, "k8s": render_k8s, "slurm": render_slurm
 
 def render(spec: LaunchSpec) -> Rendered:
     """Validate the run's config and render the files of `spec.target`."""
-    return RENDERERS[spec.target](spec, spec.check())
+    cfg = spec.check()
+    if spec.target == "k8s" and spec.api == "trainer" and not spec.workspace:
+        return render_trainer(spec, cfg)
+    return RENDERERS[spec.target](spec, cfg)

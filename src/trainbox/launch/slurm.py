@@ -1,5 +1,11 @@
-"""`trainbox launch slurm`: an sbatch script, one `srun torchrun` per node with c10d rendezvous on the
-first node, `--signal=USR1@120` (save before the time limit) and `--requeue` (resume after it).
+"""`trainbox launch slurm`: an sbatch script, one `trainbox train` launcher per node (torchrun under it) with c10d
+rendezvous on the first node, `--signal=USR1@120` (save before the time limit) and `--requeue` (resume after it).
+
+Each node runs the launcher the two-node test runs (tests/test_multinode.py), its node rank Slurm's
+$SLURM_NODEID, read where the task runs:
+
+    trainbox train --nproc G --nnodes N --rdzv-endpoint $HEAD_NODE:$RDZV_PORT --rdzv-id $SLURM_JOB_ID
+                   --max-restarts 3 RECIPE OVERRIDES... --node-rank $SLURM_NODEID
 
 With --image the step runs in that container through pyxis/enroot (`srun --container-image`);
 without, on the nodes' own Python environment. Either way it runs in the folder `launch` was called
@@ -11,9 +17,20 @@ import shlex
 from string import Template
 
 from trainbox.config import RunConfig
-from trainbox.launch.spec import CONFIG_MOUNT, RDZV_PORT, LaunchSpec, Rendered, job_name, template, torchrun_args
+from trainbox.launch.spec import (
+    CONFIG_MOUNT,
+    RDZV_PORT,
+    TORCHRUN_RESTARTS,
+    LaunchSpec,
+    Rendered,
+    job_name,
+    template,
+    train_args,
+)
 
-RENDEZVOUS = ["--rdzv-backend=c10d", "--rdzv-endpoint=$HEAD_NODE:$RDZV_PORT", "--rdzv-id=$SLURM_JOB_ID"]
+RENDEZVOUS = ["--rdzv-endpoint=$HEAD_NODE:$RDZV_PORT", "--rdzv-id=$SLURM_JOB_ID"]
+# each task adds its node rank, which only the task's own environment holds
+NODE_RANK = """bash -c 'exec "$@" --node-rank="$SLURM_NODEID"' trainbox"""
 
 
 def _shell_word(arg: str) -> str:
@@ -22,10 +39,12 @@ def _shell_word(arg: str) -> str:
 
 
 def train_command(spec: LaunchSpec) -> list[str]:
-    """The torchrun command line each node runs (a config file is read at its absolute path: the
-    cluster's shared filesystem; inside a pyxis container it is mounted like in the other targets)."""
+    """The launcher's command line on every node, but for the node rank (a config file is read at its absolute
+    path: the cluster's shared filesystem; inside a pyxis container it is mounted like in the other targets)."""
     recipe = str(spec.config_file) if spec.config_file and not spec.image else None
-    return torchrun_args(spec, RENDEZVOUS, always=True, recipe=recipe)
+    train = train_args(spec, recipe)
+    nodes = [f"--nnodes={spec.nodes}", *RENDEZVOUS] if spec.nodes > 1 else []
+    return ["trainbox", train[0], f"--nproc={spec.procs}", *nodes, f"--max-restarts={TORCHRUN_RESTARTS}", *train[1:]]
 
 
 def render_slurm(spec: LaunchSpec, cfg: RunConfig) -> Rendered:
@@ -54,7 +73,7 @@ def render_slurm(spec: LaunchSpec, cfg: RunConfig) -> Rendered:
         run_name=cfg.run_name, job_name=name, script=script, nodes=spec.nodes, gpus=spec.gpus_per_node,
         cpus=spec.cpus, time=spec.time, extra_directives="\n".join(directives),
         workdir=shlex.quote(str(spec.project_dir)), workdir_raw=spec.project_dir, exports="\n".join(exports),
-        rdzv_port=RDZV_PORT,
+        rdzv_port=RDZV_PORT, node_rank=f"{NODE_RANK} " if spec.nodes > 1 else "",
         train_command="\n".join(f"    {_shell_word(a)}" for a in train_command(spec)),
         srun_flags=srun_flags, status_file=shlex.quote(str(status)))
     return Rendered(files={script: text}, apply=[["sbatch", script]],

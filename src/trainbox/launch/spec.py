@@ -16,6 +16,9 @@ from trainbox.errors import ConfigError
 MONITOR_PORT = 8080          # inside containers; the images' HEALTHCHECK and the probes use it
 RDZV_PORT = 29500
 CONFIG_MOUNT = "/etc/trainbox"  # where compose and Kubernetes mount a config-file recipe
+# torchrun starts a node's workers again this often after a failure (a lost node ends the others' ranks within
+# train.collective_timeout; once every node is back they meet again and resume from the newest checkpoint)
+TORCHRUN_RESTARTS = 3
 
 
 @dataclass
@@ -31,6 +34,7 @@ class LaunchSpec:
     gpus_per_node: int = 1
     gpu_vendor: str = "nvidia"                # nvidia or amd
     workspace: bool = False                   # k8s: a dev-workspace Pod instead of a PyTorchJob
+    api: str = "pytorchjob"                   # k8s: pytorchjob (Kubeflow training operator) or trainer (Trainer v2)
     namespace: str | None = None
     runs_pvc: str = "trainbox-runs"
     data_pvc: str = "trainbox-data"
@@ -63,6 +67,12 @@ class LaunchSpec:
         if self.min_nodes is not None and (self.target != "k8s" or not 1 <= self.min_nodes <= self.nodes):
             raise ConfigError(f"--min-nodes {self.min_nodes}: elastic jobs are for k8s, with 1 <= min-nodes <= "
                               f"--nodes ({self.nodes})")
+        if self.api not in ("pytorchjob", "trainer"):
+            raise ConfigError(f"--api {self.api}: use pytorchjob (kubeflow.org/v1 PyTorchJob) or trainer (Kubeflow "
+                              "Trainer v2 TrainJob)")
+        if self.api == "trainer" and self.min_nodes is not None:
+            raise ConfigError("--min-nodes (an elastic job) is for --api pytorchjob",
+                              hint="a TrainJob runs a fixed number of nodes: drop --min-nodes")
         if self.gpu_vendor not in ("nvidia", "amd"):
             raise ConfigError(f"--gpu-vendor must be nvidia or amd (got {self.gpu_vendor})")
         return self.config()
@@ -112,7 +122,8 @@ def torchrun_args(spec: LaunchSpec, rendezvous: list[str], always: bool = False,
     `trainbox train` directly unless `always` (clusters keep torchrun: it forwards the stop signals)."""
     if spec.nodes == 1 and spec.procs == 1 and not always:
         return train_args(spec, recipe)
-    return ["torchrun", f"--nnodes={spec.nodes}", f"--nproc-per-node={spec.procs}", *rendezvous,
+    restarts = [f"--max-restarts={TORCHRUN_RESTARTS}"] if spec.nodes > 1 else []
+    return ["torchrun", f"--nnodes={spec.nodes}", f"--nproc-per-node={spec.procs}", *rendezvous, *restarts,
             "-m", "trainbox", *train_args(spec, recipe)]
 
 

@@ -66,14 +66,20 @@ class _AppendHandler(logging.FileHandler):
 
 
 def setup_logging(log_file: Path | None, console: bool, bar: bool) -> None:
-    """Attach handlers to the trainbox logger (idempotent: replaces earlier handlers)."""
+    """Attach handlers to the trainbox logger (idempotent: replaces earlier handlers). `console`: every line on
+    stderr (rank 0), else only errors."""
     log.setLevel(logging.INFO)
     log.propagate = False
     for h in list(log.handlers):
         log.removeHandler(h)
         h.close()
     fmt = logging.Formatter("%(asctime)s %(message)s", "%Y-%m-%d %H:%M:%S")
-    if console:
+    if not console:   # another rank than 0: only its errors (a lost peer it found) reach the console
+        h = logging.StreamHandler(sys.stderr)
+        h.setLevel(logging.ERROR)
+        h.setFormatter(fmt)
+        log.addHandler(h)
+    else:
         h = logging.StreamHandler(sys.stderr)
         # on a TTY, clear the bar's line before a log line so the two never share a line
         h.setFormatter(logging.Formatter("\r\033[K%(asctime)s %(message)s", "%Y-%m-%d %H:%M:%S") if bar else fmt)

@@ -49,6 +49,7 @@ from prometheus_client.exposition import choose_encoder
 from trainbox.errors import ConfigError
 from trainbox.monitor.console import log
 from trainbox.monitor.state import PREFERENCE, RunState
+from trainbox.rundir import ranks
 from trainbox.rundir.runs import latest_eval
 from trainbox.rundir.status import ACTIVE_PHASES, health
 
@@ -166,7 +167,7 @@ class _Collector:
             g = GaugeMetricFamily(f"trainbox_{name}", doc, labels=["run"])
             g.add_metric(run, float(s[key]))
             yield g
-        ok, _ = health(s, self.cfg.stall_seconds, self.cfg.log_every)
+        ok, _ = health(s, self.cfg.stall_after, self.cfg.log_every, ranks=_ranks(s))
         for name, doc, value in (("healthy", "1 when /health answers 200", ok),
                                  ("is_training", "1 while the run is loading, compiling, training, evaluating "
                                   "or checkpointing", s["phase"] in ACTIVE_PHASES)):
@@ -190,6 +191,11 @@ class _Collector:
                                       "scores are of", labels=["run"])
                 g.add_metric(run, float(scores["step"]))
                 yield g
+
+
+def _ranks(snap: dict) -> list:
+    """The heartbeats of the run's ranks (rundir/ranks.py) while it is active: a silent rank makes it unhealthy."""
+    return ranks.read(snap["run_dir"]) if snap.get("phase") in ACTIVE_PHASES and snap.get("run_dir") else []
 
 
 def wants_prometheus(accept: str) -> bool:
@@ -339,7 +345,7 @@ class MonitorServer:
                                             f"monitor.token only requests addressed to {allowed} are answered"},
                                       head)
                 if url.path == "/health":
-                    ok, reason = health(snap, cfg.stall_seconds, cfg.log_every)
+                    ok, reason = health(snap, cfg.stall_after, cfg.log_every, ranks=_ranks(snap))
                     return self._json(200 if ok else 503, {"healthy": ok, "reason": reason, "phase": snap["phase"],
                                                            "step": snap["step"], "total_steps": snap["total_steps"]},
                                       head)
@@ -354,7 +360,7 @@ class MonitorServer:
                         return self._send(200, encoder(server.registry), ctype, head)
                     return self._json(200, metrics_json(snap), head)
                 if url.path == "/status":
-                    ok, reason = health(snap, cfg.stall_seconds, cfg.log_every)
+                    ok, reason = health(snap, cfg.stall_after, cfg.log_every, ranks=_ranks(snap))
                     return self._json(200, {**snap, "healthy": ok, "health_reason": reason,
                                             "eval_tasks": latest_eval(snap["run_dir"])}, head)
                 if url.path == "/history":

@@ -23,6 +23,7 @@ class DataParallel:
 
     def __init__(self, model: nn.Module, dist: Dist, device: torch.device):
         self.model, self.ddp = model, None
+        self.mesh_dims = {"replicate": dist.world}   # every rank holds the whole model
         self.collective = not expert.whole(model)   # a forward needs every rank (experts spread over them)
         self.sharded = self.collective   # expert shards: every rank writes its own (parallel/dcp.py)
         if dist.enabled:

@@ -28,6 +28,7 @@ class Dist:
     world: int = 1
     local_rank: int = 0
     local_world: int = 0      # processes on this node (torchrun's LOCAL_WORLD_SIZE); 0: all of them
+    node: int = 0             # this node's number: `trainbox train --node-rank`, else torchrun's GROUP_RANK
     ctrl: object = field(default=None, repr=False)   # gloo group for host-side votes (None: default group)
     timeout_s: int | None = None
 
@@ -40,13 +41,14 @@ class Dist:
 
     @classmethod
     def from_env(cls, env) -> "Dist":
-        """From torchrun's RANK / WORLD_SIZE / LOCAL_RANK / LOCAL_WORLD_SIZE in `env` (a mapping the caller
-        passes, os.environ in the CLI); one process where they are absent."""
+        """From torchrun's RANK / WORLD_SIZE / LOCAL_RANK / LOCAL_WORLD_SIZE / GROUP_RANK in `env` (a mapping the
+        caller passes, os.environ in the CLI; TRAINBOX_NODE_RANK, set by `trainbox train --node-rank`, names the
+        node as the user did); one process where they are absent."""
         def get(name: str, default: int) -> int:
             value = env.get(name)
             return int(value) if value not in (None, "") else default
         return cls(rank=get("RANK", 0), world=get("WORLD_SIZE", 1), local_rank=get("LOCAL_RANK", 0),
-                   local_world=get("LOCAL_WORLD_SIZE", 0))
+                   local_world=get("LOCAL_WORLD_SIZE", 0), node=get("TRAINBOX_NODE_RANK", get("GROUP_RANK", 0)))
 
     @property
     def is_main(self) -> bool:

@@ -72,6 +72,7 @@ class ShardedParallel:
         shape = mesh_shape(dist.world, dist.local_world)
         names = ("shard",) if len(shape) == 1 else ("replicate", "shard")
         self.mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
+        self.mesh_dims = dict(zip(names, shape))   # logged: {"replicate": nodes, "shard": ranks a node} under HSDP
         low = dtype if dtype in (torch.bfloat16, torch.float16) else None
         policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32 if low is not None else None)
         blocks = units(model)

@@ -23,6 +23,7 @@ import yaml
 
 import trainbox
 from trainbox.errors import DataError, RunFinished, RunNotRunning
+from trainbox.rundir import ranks
 from trainbox.rundir.status import ACTIVE_PHASES, health
 
 
@@ -165,12 +166,12 @@ def read_json(path: Path) -> dict | None:
 
 
 def _monitor_settings(run_dir: Path) -> tuple[float | None, int]:
-    """(monitor.stall_seconds, monitor.log_every) from the run's config.yaml."""
+    """(monitor.stall_after, monitor.log_every) from the run's config.yaml."""
     try:
         mon = (yaml.safe_load((run_dir / "config.yaml").read_text()) or {}).get("monitor") or {}
     except (OSError, yaml.YAMLError):
         mon = {}
-    return mon.get("stall_seconds"), int(mon.get("log_every") or 1)
+    return mon.get("stall_after"), int(mon.get("log_every") or 1)
 
 
 def run_info(run_dir: Path, now: float | None = None) -> dict:
@@ -183,8 +184,8 @@ def run_info(run_dir: Path, now: float | None = None) -> dict:
                         hint="list runs with `trainbox runs DIR`")
     now = time.time() if now is None else now
     stall, log_every = _monitor_settings(run_dir)
-    ok, reason = health(s, stall, log_every, now=now)
     phase = s.get("phase")
+    ok, reason = health(s, stall, log_every, now=now, ranks=ranks.read(run_dir, now) if phase in ACTIVE_PHASES else [])
     if phase in ACTIVE_PHASES:
         local = s.get("host") in (None, socket.gethostname())
         if local and s.get("pid") and not pid_alive(int(s["pid"]), s.get("started_at")):

@@ -8,12 +8,18 @@ Stall rule (`stall_limit`). A run is stalled when its heartbeat is older than th
   loading / compiling            3600 s (dataset open, torch.compile of a large model)
   evaluating / checkpointing     1800 s (a full eval pass or a multi-GB save to network storage)
 
-`monitor.stall_seconds`, when set, replaces the training limit; the slow phases, which report their own
+`monitor.stall_after`, when set, replaces the training limit; the slow phases, which report their own
 phase, keep at least their default, so a short stall limit never fires during an eval or a save.
+
+A run on several processes is also stalled when one rank's heartbeat (rundir/ranks.py) is older than
+`monitor.stall_after` (default 60 s) in any active phase: "stalled: rank R silent for N s". That check comes
+first, since the ranks waiting for a silent one stop making progress too.
 """
 from __future__ import annotations
 
 import time
+
+from trainbox.rundir.ranks import RANK_STALL_S, RankBeat, describe, silent
 
 PHASES = ("loading", "compiling", "training", "evaluating", "checkpointing", "finished", "failed", "preempted")
 ACTIVE_PHASES = ("loading", "compiling", "training", "evaluating", "checkpointing")
@@ -38,9 +44,9 @@ def stall_limit(snapshot: dict, configured: float | None = None, log_every: int 
 
 
 def health(snapshot: dict, configured: float | None = None, log_every: int = 1,
-           now: float | None = None) -> tuple[bool, str]:
+           now: float | None = None, ranks: list[RankBeat] | None = None) -> tuple[bool, str]:
     """-> (healthy, one-line reason). Finished runs are healthy; failed (NaN included), preempted and
-    stalled runs are not."""
+    stalled runs (a silent rank among `ranks` included) are not."""
     now = time.time() if now is None else now
     phase, step, total = snapshot.get("phase"), snapshot.get("step", 0), snapshot.get("total_steps", 0)
     if phase == "failed":
@@ -50,6 +56,9 @@ def health(snapshot: dict, configured: float | None = None, log_every: int = 1,
         return False, f"preempted at step {step}/{total} (resume with the same command)"
     if phase == "finished":
         return True, f"finished at step {step}/{total}"
+    lost = silent(ranks or [], configured or RANK_STALL_S)
+    if lost:
+        return False, describe(lost, ranks)
     loss = snapshot.get("loss")
     if loss is not None and loss != loss:  # NaN loss that has not (yet) stopped the loop
         return False, f"loss is NaN at step {step}"

@@ -37,7 +37,7 @@ import torch
 from trainbox import checkpoint
 from trainbox.config import RunConfig
 from trainbox.data.loader import to_device
-from trainbox.errors import TrainingFailed
+from trainbox.errors import TrainboxError, TrainingFailed
 from trainbox.eval.results import flat
 from trainbox.eval.training import TaskEvaluation
 from trainbox.files import open_append
@@ -52,11 +52,13 @@ from trainbox.optim.build import lr_multiplier, set_lr
 from trainbox.parallel.dcp import AsyncSaver
 from trainbox.parallel.distributed import Dist
 from trainbox.rundir.lock import RunLock, unlock_run
+from trainbox.rundir.ranks import Heartbeat
 from trainbox.train import resume
 from trainbox.train.build import build_data, build_model_side, plan_length  # noqa: F401 - plan_length: tests
 from trainbox.train.device import is_out_of_memory, out_of_memory, use_device
 from trainbox.train.evaluate import autocast_context
 from trainbox.train.memory import check_memory
+from trainbox.train.peers import Watchdog, end_process, name_lost
 from trainbox.train.preflight import Preflight, preflight
 from trainbox.train.run_files import RunFiles
 from trainbox.train.saving import Checkpointing
@@ -87,6 +89,8 @@ class Trainer(RunFiles, Checkpointing):
         self.objective = build_objective(self.cfg, self.device, self.dtype)   # the loss of a step, its batches
         # set by setup(), from the config (train/build.py) and the checkpoint resumed from (train/resume.py)
         self.lock: RunLock | None = None
+        self.heartbeat: Heartbeat | None = None   # this rank's, and its watch over the others' (train/peers.py)
+        self.watchdog: Watchdog | None = None
         self.resume_from: Path | None = None
         self.tokenizer = self.train_data = self.val_data = self.batches = None
         self.vocab = self.total = self.start_step = self.tokens_seen = 0
@@ -110,7 +114,11 @@ class Trainer(RunFiles, Checkpointing):
         d.init(self.device, self.cfg.train.pg_timeout_s)
         if self.cfg.train.threads and self.device.type == "cpu":
             torch.set_num_threads(self.cfg.train.threads)
-        self._lock_run_dir()
+        self._lock_run_dir()   # rank 0 has cleared the heartbeats of an earlier run
+        if d.enabled:
+            self.heartbeat = Heartbeat(self.run_dir, d.rank, d.node).start()
+            self.watchdog = Watchdog(self.run_dir, d.world, d.rank, self.cfg.train.collective_timeout,
+                                     self._peer_lost).start()
         self.resume_from = resume.find_start(self.cfg, self.ckpt_root)
         data = build_data(self.cfg, self.layout, d, self.objective)
         cfg = self.cfg = data.cfg
@@ -160,13 +168,20 @@ class Trainer(RunFiles, Checkpointing):
             graceful = True
             return result
         except BaseException as e:
+            lost = self._lost_peers(e)
             if self.dist.is_main and self.state is not None and self.sinks is not None:
                 phase = "preempted" if isinstance(e, KeyboardInterrupt) else "failed"
-                self.state.update(phase=phase, error=str(e)[:500])
+                self.state.update(phase=phase, error=str(lost or e)[:500])
                 self.state.write_status(self.run_dir / "status.json")
-                self.sinks.log("error", step=self.state.snapshot()["step"], error=str(e)[:500])
+                self.sinks.log("error", step=self.state.snapshot()["step"], error=str(lost or e)[:500])
+            if lost is not None:
+                raise lost from e
             raise
         finally:
+            if self.watchdog is not None:
+                self.watchdog.stop()
+            if self.heartbeat is not None:
+                self.heartbeat.end("finished" if graceful else "failed")
             torch.set_float32_matmul_precision(self._fp32_matmuls)
             self.stop.restore()
             if self.sinks is not None:
@@ -177,6 +192,36 @@ class Trainer(RunFiles, Checkpointing):
             self.dist.shutdown(graceful)
             if self.lock is not None:
                 unlock_run(self.run_dir)
+
+    def _lost_peers(self, e: BaseException) -> TrainingFailed | None:
+        """After an error in this rank of several: when a peer went silent (a lost node, a killed rank, which made
+        a collective fail), the error naming it (train/peers.py), else None (the error is this rank's own)."""
+        if self.heartbeat is None or isinstance(e, (TrainboxError, KeyboardInterrupt)):
+            return None
+        self.watchdog.stop()
+        self.heartbeat.end(f"failed: {type(e).__name__}")   # the peers wait for this rank no longer
+        d = self.dist
+        line = name_lost(self.run_dir, d.world, d.rank, self.cfg.train.collective_timeout, self.watchdog.since)
+        return TrainingFailed(f"{line}; the job stops", hint=self._relaunch_hint()) if line else None
+
+    def _peer_lost(self, line: str) -> None:
+        """The watchdog's finding (a peer silent for train.collective_timeout): recorded, then this process ends,
+        its training thread blocked in a collective that would wait for the silent peer until the process-group
+        timeout."""
+        message = f"{line}; the job stops (train.collective_timeout={self.cfg.train.collective_timeout:g}s)"
+        log.error(f"error: {message}\n  -> {self._relaunch_hint()}")
+        if self.dist.is_main and self.state is not None:
+            self.state.update(phase="failed", error=message)
+            self.state.write_status(self.run_dir / "status.json")
+            if self.sinks is not None:
+                self.sinks.log("error", step=self.state.snapshot()["step"], error=message)
+        self.heartbeat.end(f"failed: {line}")
+        end_process(1)
+
+    def _relaunch_hint(self) -> str:
+        newest = checkpoint.latest(self.ckpt_root)
+        return ("start every node again with the same command: the run resumes from "
+                + (f"{newest}" if newest else "the start (no checkpoint yet)"))
 
     def _run(self) -> dict:
         cfg, d = self.cfg, self.dist

@@ -38,6 +38,7 @@ from trainbox.parallel.dcp import load_state  # resharded to this run's layout
 # keys that never change what a step computes
 RUNTIME = ("recipe", "requires_gpu", "required", "run.name", "run.dir", "run.resume", "run.init_from", "monitor.",
            "data.cache_dir", "data.num_workers", "train.device", "train.threads", "train.pg_timeout_s",
+           "train.collective_timeout",
            "train.sample_tokens", "train.sample_prompt", "train.compile", "train.peak_tflops", "train.memory_check",
            "train.eval_every", "train.eval_tokens", "train.eval_tasks", "train.eval_tasks_every",
            "train.eval_tasks_limit", "train.parallel", "train.reshard_after_forward",

@@ -15,7 +15,7 @@ from trainbox.files import atomic_write_text
 from trainbox.monitor.console import log
 from trainbox.monitor.server import start_server
 from trainbox.monitor.sinks import build_sinks
-from trainbox.rundir import runs
+from trainbox.rundir import ranks, runs
 from trainbox.rundir.lock import lock_run
 from trainbox.train import resume
 from trainbox.train.device import peak_flops
@@ -31,6 +31,7 @@ class RunFiles:
         if self.dist.is_main:
             try:
                 self.lock = lock_run(self.run_dir)
+                ranks.clear(self.run_dir)   # before any rank of this run beats (the vote below orders it)
             except TrainboxError as e:
                 busy = e
         if self.dist.any(busy is not None):
@@ -78,6 +79,8 @@ class RunFiles:
         log.info(f"kernels: {self.kernels.describe()}")
         if d.enabled:
             log.info(f"process group: {d.describe()}")
+            log.info(f"{self.parallel.name} mesh: " + " x ".join(f"{k} {v}" for k, v in self.parallel.mesh_dims.items())
+                     + f" ({d.world // d.local_world} node(s) of {d.local_world})")
         if self.resume_from is not None:
             log.info(f"resuming from {self.resume_from} at step {self.start_step}")
         for key, (old, new) in self.changed.items():
@@ -85,6 +88,7 @@ class RunFiles:
         self.sinks.log("start", step=self.start_step, total_steps=self.total, resumed_from=str(self.resume_from or ""),
                        world=d.world, params=n, unused_tail_tokens=tails, unused_samples_per_epoch=skipped,
                        flops_per_token=self.flops_per_token, peak_flops=self.peak, parallel=self.parallel.name,
+                       mesh=self.parallel.mesh_dims,
                        kernels=self.kernels.as_dict(), layout=asdict(self.layout),
                        **({"examples": self.train_data.report} if hasattr(self.train_data, "report") else {}),
                        **({"changed": {k: list(v) for k, v in self.changed.items()}} if self.changed else {}))

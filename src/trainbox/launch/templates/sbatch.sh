@@ -1,8 +1,8 @@
 #!/bin/bash
-# trainbox run "${run_name}" on Slurm: ${nodes} node(s) x ${gpus} GPU(s), one torchrun per node.
+# trainbox run "${run_name}" on Slurm: ${nodes} node(s) x ${gpus} GPU(s), one `trainbox train` launcher per node.
 # Submit with: sbatch ${script}   (or: trainbox launch slurm ... --apply)
 #
-# Slurm sends SIGUSR1 120 s before the time limit; torchrun forwards it, every rank saves a checkpoint
+# Slurm sends SIGUSR1 120 s before the time limit; the launcher forwards it, every rank saves a checkpoint
 # at the next step boundary and exits 0; this script then requeues the job, which resumes (run.resume=auto).
 #SBATCH --job-name=${job_name}
 #SBATCH --nodes=${nodes}
@@ -30,7 +30,9 @@ ${train_command}
 )
 
 rc=0
-srun --kill-on-bad-exit=1 --cpu-bind=none ${srun_flags}"$${TRAIN[@]}" || rc=$$?
+# each node's task expands its own $$SLURM_NODEID (single quotes on purpose)
+# shellcheck disable=SC2016
+srun --kill-on-bad-exit=1 --cpu-bind=none ${srun_flags}${node_rank}"$${TRAIN[@]}" || rc=$$?
 
 # Stopped by the time-limit signal (phase "preempted"): requeue; the next start resumes the run.
 phase="$$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1])).get("phase", ""))' ${status_file} 2>/dev/null || true)"
