@@ -5,16 +5,21 @@ preempted cluster back) or `sky launch`.
   `--registries FILE` the region's registry) and `job_recovery` (a managed job also restarts after a failure that
   is not a preemption, up to RESTARTS times).
 - `num_nodes`; `file_mounts`: the run directory on a bucket (`--bucket`, `--store`), mounted at RUNS_MOUNT in
-  MOUNT_CACHED mode (written locally, uploaded in the background; SkyPilot's mode for checkpoints: it takes
-  appends and renames), so a cluster that replaces a preempted one finds the run's checkpoints and resumes from
-  the newest (run.resume=auto); a config-file recipe is copied to /etc/trainbox/ as in the other targets.
+  MOUNT_CACHED mode (written locally, uploaded in the background: SkyPilot's mode for checkpoints, which takes
+  the appends and random writes that MOUNT does not), so a cluster that replaces a preempted one finds the run's
+  checkpoints and resumes from the newest (run.resume=auto); a config-file recipe is copied to /etc/trainbox/ as
+  in the other targets.
 - `setup`: without an image, `pip install "$TRAINBOX_INSTALL"` (envs: this version of trainbox by default; `sky
   jobs launch --env TRAINBOX_INSTALL=...` installs another, e.g. a git URL); the image already holds trainbox.
 - `run`: on every node the launcher the two-node test runs (tests/test_multinode.py runs this very script), with
   SkyPilot's node variables; node 0 (the first of $SKYPILOT_NODE_IPS) hosts the c10d rendezvous and rank 0:
 
       trainbox train --nproc $SKYPILOT_NUM_GPUS_PER_NODE --nnodes $SKYPILOT_NUM_NODES --node-rank $SKYPILOT_NODE_RANK
-                     --rdzv-endpoint $HEAD_IP:29500 --max-restarts 3 RECIPE run.dir=$TRAINBOX_RUNS OVERRIDES...
+                     --rdzv-endpoint $HEAD_IP:$TRAINBOX_RDZV_PORT --max-restarts 3 RECIPE run.dir=$TRAINBOX_RUNS
+                     OVERRIDES...
+
+($TRAINBOX_RUNS and $TRAINBOX_RDZV_PORT are the task's envs: the bucket's mount point and 29500; `--env` changes
+them.)
 
 The YAML is checked offline against SkyPilot's task schema (tests/test_deploy_sky.py).
 """
@@ -50,7 +55,7 @@ def run_lines(spec: LaunchSpec) -> list[str]:
     lines = [f"exec trainbox train --nproc {nproc}"]
     if spec.nodes > 1:
         lines.append(f'--nnodes "$SKYPILOT_NUM_NODES" --node-rank "$SKYPILOT_NODE_RANK" --rdzv-endpoint '
-                     f'"$HEAD_IP:{RDZV_PORT}" --max-restarts {TORCHRUN_RESTARTS}')
+                     f'"$HEAD_IP:$TRAINBOX_RDZV_PORT" --max-restarts {TORCHRUN_RESTARTS}')
     lines.append(" ".join([*([shlex.quote(recipe)] if recipe else []), 'run.dir="$TRAINBOX_RUNS"',
                            *map(shlex.quote, spec.overrides)]))
     return ([HEAD] if spec.nodes > 1 else []) + [" \\\n  ".join(lines)]
@@ -65,7 +70,7 @@ def task(spec: LaunchSpec, name: str) -> dict:
     if spec.image:
         resources["image_id"] = f"docker:{spec.image}"
     resources["job_recovery"] = {"max_restarts_on_errors": RESTARTS}
-    envs = {"TRAINBOX_RUNS": RUNS_MOUNT}
+    envs = {"TRAINBOX_RUNS": RUNS_MOUNT, **({"TRAINBOX_RDZV_PORT": str(RDZV_PORT)} if spec.nodes > 1 else {})}
     if not spec.image:
         envs["TRAINBOX_INSTALL"] = f"trainbox=={__version__}"
     bucket = {"name": spec.bucket or f"trainbox-{name}", **({"store": spec.store} if spec.store else {}),
