@@ -3,8 +3,8 @@ checks of what the task must hold (accelerators, nodes, the run directory on a b
 
 skypilot itself cannot join the test extra (skypilot 0.14.1 pins click<8.2; wandb, in the same extra, needs
 >=8.2), so the schema is SkyPilot 0.14.1's own, vendored in tests/data/ (its source is stated in the file), and
-check-jsonschema validates against it; where skypilot is importable, its own loader checks the task too. The `run`
-script is run for two nodes on this host in tests/test_multinode.py."""
+check-jsonschema validates against it; where skypilot is importable, its own loader checks the task too; shellcheck
+reads its scripts. The `run` script is run for two nodes on this host in tests/test_multinode.py."""
 from __future__ import annotations
 
 import pytest
@@ -48,6 +48,19 @@ def test_task_passes_skypilot_schema_and_holds_the_run(tmp_path, nodes, gpus, im
                    '"$HEAD_IP:$TRAINBOX_RDZV_PORT" --max-restarts 3')
     assert (nodes_flags in run) == (nodes > 1) == (task["envs"].get("TRAINBOX_RDZV_PORT") == "29500")
     assert ('HEAD_IP=$(echo "$SKYPILOT_NODE_IPS" | head -n1)' in run) == (nodes > 1)
+
+
+def test_setup_and_run_scripts_pass_shellcheck(tmp_path):
+    """SkyPilot runs `setup` and `run` with bash on every node."""
+    recipe = tmp_path / "my run.yaml"
+    recipe.write_text("recipe: tiny\n")
+    for i, kw in enumerate([{"nodes": 2, "gpus": "H100:8"}, {"nodes": 1, "recipe": str(recipe)}]):
+        files = rendered("sky", tmp_path, image=None, overrides=["data.path=my data/x"], **kw)   # setup: no image
+        task = yaml.safe_load(files["task.yaml"])
+        for key in ("setup", "run"):
+            path = tmp_path / f"{key}{i}.sh"
+            path.write_text("#!/usr/bin/env bash\n" + task[key])
+            validate([tool("shellcheck"), str(path)])
 
 
 def test_the_schema_check_is_not_a_rubber_stamp(tmp_path):
