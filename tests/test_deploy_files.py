@@ -99,14 +99,14 @@ def test_requirements_script_matches_pyproject(tmp_path):
 
 def test_image_build_commands_spell_the_stack():
     args = dockerfile_args(DOCKERFILES[0])
-    [cmd] = build_commands(REPO, "ghcr.io/me", "latest", push=True, build_args=["TORCH_VERSION=2.9.0"])
+    [cmd] = build_commands(REPO, ["ghcr.io/me"], "latest", push=True, build_args=["TORCH_VERSION=2.9.0"])
     tags = [cmd[i + 1] for i, a in enumerate(cmd) if a == "--tag"]
     assert tags == [f"ghcr.io/me/trainbox:{args['TRAINBOX_VERSION']}-{args['TORCH_CUDA']}-torch2.9.0",
                     "ghcr.io/me/trainbox:latest"]
     assert cmd[:3] == ["docker", "buildx", "build"] and "--push" in cmd and cmd[-1] == "."
     assert "TORCH_VERSION=2.9.0" in cmd
     rocm = dockerfile_args(DOCKERFILES[1])
-    [cmd] = build_commands(REPO, None, None, rocm=True)
+    [cmd] = build_commands(REPO, [], None, rocm=True)
     assert f"trainbox:{rocm['TRAINBOX_VERSION']}-rocm{rocm['ROCM_VERSION']}-torch{rocm['TORCH_VERSION']}" in cmd
     assert "docker/Dockerfile.rocm" in cmd and "--load" in cmd
 

@@ -4,7 +4,8 @@ twice, forms one job of 4 processes (torchrun, c10d rendezvous, gloo). The comma
 train.parallel=fsdp it builds the HSDP mesh (replicate 2 x shard 2: sharded inside a node, replicated across), and
 every step's loss and gradient norm equal one process's within 1e-5 in fp32 (the same maths; only the order of
 floating-point sums differs). Its sharded checkpoint resumes on one process and on one node of 4 processes, each
-continuing as one process would. Also: the launcher's node flags refused in one line when they do not fit together.
+continuing as one process would. The rendered Slurm `srun` line and SkyPilot `run` script, run by bash as two nodes,
+equal one process too. Also: the launcher's node flags refused in one line when they do not fit together.
 """
 from __future__ import annotations
 
@@ -99,6 +100,36 @@ def test_the_rendered_slurm_lines_run_as_two_nodes(runs, tmp_path):
     outs = finish(start_nodes([], tmp_path, "slurm", make=node))
     assert any("launching:" in o and "--rdzv-id=4242" in o for o in outs), outs
     _same(losses(root / "slurm"), losses(root / "ref"), range(1, 10))
+
+
+def test_the_rendered_skypilot_run_script_runs_as_two_nodes(runs, tmp_path):
+    """task.yaml's `run` script from `trainbox launch sky --nodes 2 --gpus H100:1`, run by bash on this host as
+    SkyPilot runs it on each node: its variables set as SkyPilot sets them (both nodes' IPs this host's, so node 0
+    hosts the rendezvous), the task's envs with the values `sky launch --env` would give (run.dir: the test's folder,
+    the rendezvous port: a free one); `trainbox` this checkout. One job of two nodes whose steps equal one
+    process's."""
+    root, _, base = runs
+    own = [o for o in base if not o.startswith("run.dir=")]
+    spec = LaunchSpec(target="sky", recipe="tiny", overrides=[*own, "run.name=sky"], nodes=2, gpus="H100:1")
+    task = yaml.safe_load(render(spec).files["task.yaml"])
+    assert set(task["envs"]) == {"TRAINBOX_RUNS", "TRAINBOX_RDZV_PORT", "TRAINBOX_INSTALL"}
+    shim = tmp_path / "bin"
+    shim.mkdir()
+    (shim / "trainbox").write_text(f"#!/bin/sh\nexec {sys.executable} -m trainbox \"$@\"\n")
+    (shim / "trainbox").chmod(0o755)
+
+    def node(rank: int, port: int, log) -> Node:
+        sky = {"SKYPILOT_NODE_IPS": "127.0.0.1\n127.0.0.1\n", "SKYPILOT_NUM_NODES": "2",
+               "SKYPILOT_NODE_RANK": str(rank), "SKYPILOT_NUM_GPUS_PER_NODE": "1"}
+        return Node([], log, cmd=["bash", "-c", task["run"]],
+                    env={**sky, "TRAINBOX_RUNS": str(root), "TRAINBOX_RDZV_PORT": str(port),
+                         "PATH": f"{shim}:{os.environ['PATH']}"})
+    outs = finish(start_nodes([], tmp_path, "sky", make=node))
+    assert any("launching:" in o and "--nnodes=2" in o for o in outs), outs
+    start = next(json.loads(x) for x in (root / "sky" / "metrics.jsonl").read_text().splitlines() if '"start"' in x)
+    assert start["world"] == 2
+    assert {b.node for b in ranks.read(root / "sky")} == {0, 1}
+    _same(losses(root / "sky"), losses(root / "ref"), range(1, 10))
 
 
 @pytest.mark.parametrize("flags, message", [

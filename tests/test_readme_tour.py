@@ -33,6 +33,8 @@ SKIP = {
     "trainbox train moe-gpt2-125m": "a GPU recipe on two GPUs, on the FineWeb download (tests/test_expert_parallel.py "
                                     "runs expert parallelism under gloo)",
     "docker compose": "needs docker and the image",
+    "trainbox launch image": "reads the repository's docker/Dockerfile (tests/test_deploy_registries.py runs this "
+                             "command with --dry-run, and its pushes against local registries)",
     "trainbox eval": "network: lm-eval's registry tasks download their data (tests/test_eval.py runs local tasks)",
     "trainbox doctor speedrun-124m": "exits 1 by design where there is no CUDA GPU (speedrun needs one)",
 }

@@ -205,14 +205,23 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--out", required=True, help="output folder (tokenizer.json) or .json path")
     k.set_defaults(func=cmd_tokenizer)
 
-    la = verb("launch", "render (and apply) Docker Compose, Kubernetes or Slurm files for a run; build images")
-    la.add_argument("target", choices=["compose", "k8s", "slurm", "image"])
+    la = verb("launch", "render (and apply) Docker Compose, Kubernetes, Slurm or SkyPilot files for a run; build "
+                        "images and push them to every region's registry")
+    la.add_argument("target", choices=["compose", "k8s", "slurm", "sky", "image"])
     la.add_argument("recipe", nargs="?", help="recipe name (or, for slurm, a config file on a shared filesystem)")
     la.add_argument("overrides", nargs="*", help="dotted overrides passed to trainbox train")
-    la.add_argument("--image", help="container image (compose, k8s; slurm: run in it through pyxis)")
+    la.add_argument("--image", help="container image (compose, k8s; slurm: run in it through pyxis; sky: "
+                    "image_id); with --registries its name:tag only")
     la.add_argument("--nodes", type=int, default=1)
     la.add_argument("--min-nodes", type=int, help="k8s: elastic job (elasticPolicy) on min-nodes..nodes nodes")
     la.add_argument("--gpus-per-node", type=int, default=1, help="processes (GPUs) per node")
+    la.add_argument("--gpus", metavar="NAME:COUNT", help="sky: accelerators per node, e.g. H100:8")
+    la.add_argument("--region", help="the cluster's region: picks the image's registry from --registries FILE "
+                    "(k8s, sky); sky: also resources.region")
+    la.add_argument("--registries", metavar="FILE", help="YAML/JSON mapping region -> registry; image: push to "
+                    "every one; k8s/sky: pull from --region's")
+    la.add_argument("--bucket", help="sky: the bucket holding the run directory (default trainbox-RUN)")
+    la.add_argument("--store", help="sky: the bucket's store (s3, gcs, azure, r2, ...; default: the cloud's)")
     la.add_argument("--gpu-vendor", choices=["nvidia", "amd"], default="nvidia")
     la.add_argument("--out", help="folder for the files (default deploy/RUN-TARGET)")
     la.add_argument("--apply", action="store_true", help="run docker compose up / kubectl apply / sbatch")
@@ -233,7 +242,8 @@ def build_parser() -> argparse.ArgumentParser:
     la.add_argument("--partition", help="slurm partition")
     la.add_argument("--account", help="slurm account")
     la.add_argument("--port", type=int, default=8080, help="compose: host port (127.0.0.1 only) of the dashboard")
-    la.add_argument("--registry", help="image: registry prefix, e.g. ghcr.io/me")
+    la.add_argument("--registry", action="append", default=[], help="image: registry prefix, e.g. ghcr.io/me; "
+                    "repeat it to push one image (one digest) to several")
     la.add_argument("--tag", help="image: an extra tag besides the stack tag")
     la.add_argument("--rocm", action="store_true", help="image: build docker/Dockerfile.rocm")
     la.add_argument("--push", action="store_true", help="image: push after building")

@@ -87,7 +87,9 @@ EPILOGS = {
           trainbox launch compose gpt2-125m --image ghcr.io/me/trainbox:0.1.0-cu130-torch2.11.0 --gpus-per-node 8
           trainbox launch k8s gpt2-125m train.max_steps=5000 --image IMG --nodes 2 --gpus-per-node 8 --apply
           trainbox launch slurm gpt2-125m --nodes 4 --gpus-per-node 8 --partition gpu --time 48:00:00
-          trainbox launch image --registry ghcr.io/me --tag latest --push --dry-run
+          trainbox launch sky gpt2-125m --nodes 2 --gpus H100:8 --bucket my-runs
+          trainbox launch image --push --registries regions.yaml --tag v1 --dry-run   # one digest, every region
+          trainbox launch k8s gpt2-125m --image trainbox:v1 --registries regions.yaml --region us-east-1
         """,
     "plan": """
         examples:

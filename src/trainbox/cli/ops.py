@@ -1,4 +1,4 @@
-"""Verbs for operations: launch (compose / k8s / slurm / image), plan, doctor, runs, logs, attach, stop, status,
+"""Verbs for operations: launch (compose / k8s / slurm / sky / image), plan, doctor, runs, logs, attach, stop, status,
 plot, dashboard."""
 from __future__ import annotations
 
@@ -15,10 +15,11 @@ import yaml
 from trainbox.config import load_config
 from trainbox.config.layout import decide_layout, micro_batch_given
 from trainbox.config.schema import MonitorSection
-from trainbox.errors import TrainboxError
+from trainbox.errors import ConfigError, TrainboxError
 from trainbox.launch import LaunchSpec, render, write_rendered
 from trainbox.launch.apply import run_commands
 from trainbox.launch.image import build_commands
+from trainbox.launch.registry import regional_image, registries_to_push
 from trainbox.monitor.console import fmt_duration
 from trainbox.monitor.plot import plot_runs
 from trainbox.monitor.server import start_server
@@ -42,13 +43,18 @@ def cmd_launch(args) -> int:
     if args.target == "image":
         return _launch_image(args)
 
-    spec = LaunchSpec(target=args.target, recipe=args.recipe, overrides=args.overrides, image=args.image,
+    if args.region and not args.registries and args.target != "sky":
+        raise ConfigError(f"--region {args.region} picks a registry from --registries FILE (launch {args.target})",
+                          hint="add --registries FILE (region -> registry), or leave --region out")
+    image = regional_image(args.image, args.registries, args.region)
+    spec = LaunchSpec(target=args.target, recipe=args.recipe, overrides=args.overrides, image=image,
                       nodes=args.nodes, min_nodes=args.min_nodes, gpus_per_node=args.gpus_per_node,
                       gpu_vendor=args.gpu_vendor, workspace=args.workspace, api=args.api, namespace=args.namespace,
                       runs_pvc=args.runs_pvc, data_pvc=args.data_pvc, storage=args.storage,
                       storage_class=args.storage_class,
                       cpus=args.cpus, memory=args.memory, shm=args.shm, time=args.time, partition=args.partition,
-                      account=args.account, host_port=args.port)
+                      account=args.account, host_port=args.port, gpus=args.gpus, region=args.region,
+                      bucket=args.bucket, store=args.store)
     rendered = render(spec)
     out = Path(args.out or f"deploy/{spec.config().run_name}-{args.target}")
     for path in write_rendered(rendered, out):
@@ -66,7 +72,8 @@ def cmd_launch(args) -> int:
 def _launch_image(args) -> int:
 
     context = Path(args.context)
-    commands = build_commands(context, args.registry, args.tag, rocm=args.rocm, push=args.push,
+    registries = registries_to_push(args.registry, args.registries)
+    commands = build_commands(context, registries, args.tag, rocm=args.rocm, push=args.push,
                               build_args=args.build_arg, platform=args.platform)
     for cmd in commands:
         print(" ".join(cmd))

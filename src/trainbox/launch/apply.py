@@ -1,4 +1,5 @@
-"""Run the commands that apply rendered files (docker compose, kubectl, sbatch) when the tool exists."""
+"""Run the commands that apply rendered files (docker compose, kubectl, sbatch, sky) or push images (docker, skopeo)
+when the tool exists."""
 from __future__ import annotations
 
 import shutil
@@ -11,6 +12,9 @@ INSTALL = {
     "docker": "install Docker Engine with the compose plugin: https://docs.docker.com/engine/install/",
     "kubectl": "install kubectl and point it at the cluster: https://kubernetes.io/docs/tasks/tools/",
     "sbatch": "run this on a Slurm login node (sbatch is part of Slurm)",
+    "skopeo": "install skopeo (apt-get install skopeo, brew install skopeo): https://github.com/containers/skopeo",
+    "sky": "install SkyPilot with your clouds' extras and run `sky check`: pip install 'skypilot[aws,gcp,kubernetes]'",
+    "mkdir": "a POSIX shell environment",
 }
 
 

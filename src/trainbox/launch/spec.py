@@ -25,7 +25,7 @@ TORCHRUN_RESTARTS = 3
 class LaunchSpec:
     """One run on one target. `recipe` and `overrides` are exactly what `trainbox train` takes."""
 
-    target: str                               # compose, k8s or slurm
+    target: str                               # compose, k8s, slurm or sky
     recipe: str | None = None
     overrides: list[str] = field(default_factory=list)
     image: str | None = None
@@ -48,14 +48,23 @@ class LaunchSpec:
     account: str | None = None
     host_port: int = MONITOR_PORT             # compose: published on the host's 127.0.0.1
     project_dir: Path = field(default_factory=Path.cwd)  # holds data/ and runs/ (compose, slurm)
+    gpus: str | None = None                   # sky: accelerators per node, NAME[:COUNT] (sets gpus_per_node)
+    region: str | None = None                 # sky: the cluster's region
+    bucket: str | None = None                 # sky: the bucket that holds the run directory
+    store: str | None = None                  # sky: its store (s3, gcs, ...; default: the cluster's cloud)
 
     def config(self) -> RunConfig:
         """Validate recipe + overrides now, so a typo fails here and not on the cluster."""
         return load_config(self.recipe, self.overrides)
 
     def check(self) -> RunConfig:
-        if self.target not in ("compose", "k8s", "slurm"):
-            raise ConfigError(f"unknown launch target '{self.target}'", hint="use compose, k8s or slurm")
+        if self.target not in ("compose", "k8s", "slurm", "sky"):
+            raise ConfigError(f"unknown launch target '{self.target}'", hint="use compose, k8s, slurm or sky")
+        if self.gpus is not None:
+            if self.target != "sky":
+                raise ConfigError(f"--gpus is for launch sky (SkyPilot's NAME:COUNT); launch {self.target} takes "
+                                  "--gpus-per-node N")
+            self.gpus_per_node = gpus_count(self.gpus)
         if self.nodes < 1 or self.gpus_per_node < 0:
             raise ConfigError(f"--nodes must be >= 1 and --gpus-per-node >= 0 (got {self.nodes}, {self.gpus_per_node})")
         if self.target == "compose" and self.nodes != 1:
@@ -102,6 +111,15 @@ class Rendered:
 
     def apply_commands(self, out: Path) -> list[list[str]]:
         return [[str(out / a) if a in self.files else a for a in cmd] for cmd in self.apply]
+
+
+def gpus_count(gpus: str) -> int:
+    """The count of `--gpus NAME[:COUNT]` (SkyPilot's accelerator syntax), or a ConfigError."""
+    m = re.fullmatch(r"([A-Za-z][\w.-]*)(?::([0-9]+))?", gpus)
+    if not m or int(m.group(2) or 1) < 1:
+        raise ConfigError(f"--gpus {gpus}: expected NAME or NAME:COUNT per node, e.g. H100:8 or A100-80GB:4",
+                          hint="`sky show-gpus` lists the names")
+    return int(m.group(2) or 1)
 
 
 def job_name(cfg: RunConfig) -> str:
