@@ -127,12 +127,13 @@ def test_cpu_out_of_memory_in_a_step_is_one_message(tiny, monkeypatch):
 
 
 def test_cpu_out_of_memory_in_evaluation_is_one_message(tiny, monkeypatch):
-    """The tiny run passes the memory check and trains; its evaluation runs out of memory."""
+    """The tiny run passes the memory check and trains; its evaluation (the objective's) runs out of memory."""
+    from trainbox.objective import next_token
     from trainbox.train import loop
 
     def no_memory(*args, **kwargs):
         raise RuntimeError("[enforce fail at alloc_cpu.cpp:117] not enough memory: you tried to allocate 1 GB")
-    monkeypatch.setattr(loop, "evaluate", no_memory)
+    monkeypatch.setattr(next_token, "evaluate", no_memory)
     with pytest.raises(TrainingFailed) as e:
         loop.train(load_config("tiny", [*tiny, "train.max_steps=1"]))
     assert "out of memory (RAM) in the evaluation after step 1" in str(e.value)
