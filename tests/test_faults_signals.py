@@ -37,6 +37,7 @@ pytestmark = pytest.mark.faults
 SMALL = ["model.n_layer=1", "model.n_head=2", "model.n_embd=32", "data.seq_len=32", "train.global_batch_size=8",
          "train.micro_batch_size=8", "train.eval_tokens=8192", "train.sample_tokens=0", "monitor.port=0"]
 TOTAL, EVAL_AT = 600, 300
+STOPS = 6   # per signal: the first step, the evaluation or save of step 300, then random moments
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
 
 HOOK = r"""
@@ -151,7 +152,7 @@ def reference(root, cache) -> dict:
 def _signal_chain(root: Path, cache: Path, reference: dict, sig: str, hook_at_eval: str, seed: int,
                   extra: tuple[str, ...] = ()) -> list[int]:
     """Stop one run with `sig` at the first step, at the evaluation or the save of step 300, then at seeded
-    random moments until 10 stops, resuming after each; finish it and compare every step's loss."""
+    random moments until STOPS stops, resuming after each; finish it and compare every step's loss."""
     name = f"chain-{sig.lower()}"
     run_dir = root / name
     rnd = random.Random(seed)
@@ -159,7 +160,7 @@ def _signal_chain(root: Path, cache: Path, reference: dict, sig: str, hook_at_ev
     logs = root / f"{name}-logs"
     logs.mkdir()
     hooks = [("step", 1), (hook_at_eval, EVAL_AT)]
-    while len(stops) < 10:
+    while len(stops) < STOPS:
         k = len(stops)
         after = stops[-1] if stops else 0
         if k < len(hooks):
@@ -186,7 +187,7 @@ def _signal_chain(root: Path, cache: Path, reference: dict, sig: str, hook_at_ev
 
 
 def test_stop_signals_at_any_moment_lose_nothing_and_resume_bit_identically(root, cache, reference):
-    """10 stops per signal, each resumed; SIGUSR1's run logs every 7 steps, the others every 20 (the recipe)."""
+    """STOPS stops per signal, each resumed; SIGUSR1's run logs every 7 steps, the others every 20 (the recipe)."""
     chains = {"SIGTERM": ("save", 11, ()), "SIGINT": ("eval", 12, ()),
               "SIGUSR1": ("save", 13, ("monitor.log_every=7",))}
     with ThreadPoolExecutor(max_workers=2) as pool:
@@ -194,7 +195,7 @@ def test_stop_signals_at_any_moment_lose_nothing_and_resume_bit_identically(root
                    for sig, (where, seed, extra) in chains.items()}
         stops = {sig: f.result() for sig, f in futures.items()}
     for sig, steps in stops.items():
-        assert len(steps) == 10 and steps[:2] == [1, EVAL_AT], (sig, steps)
+        assert len(steps) == STOPS and steps[:2] == [1, EVAL_AT], (sig, steps)
 
 
 def _two(root: Path, cache: Path, name: str, *extra: str) -> list[str]:
