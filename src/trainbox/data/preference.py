@@ -48,7 +48,7 @@ import torch
 
 from trainbox.data import manifest
 from trainbox.data.chat import BUILTIN, ChatTemplate, hf_chat_template, load_template, messages_of, render_spans
-from trainbox.data.readers import JSONL_SUFFIXES, list_input_files
+from trainbox.data.readers import JSONL_SUFFIXES, json_objects, list_input_files
 from trainbox.data.sft import tokenize_spans
 from trainbox.data.sources import check_vocab, default_cache_dir
 from trainbox.errors import DataError, NoData
@@ -136,16 +136,8 @@ def pair_of(row, where: str) -> Pair:
 
 def read_pairs(path: Path):
     """(Pair, line number) of each non-empty line of a JSONL (.gz) file."""
-    opener = gzip.open if path.name.endswith(".gz") else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{n}: not valid JSON ({e.msg} at column {e.colno})") from None
-            yield pair_of(row, f"{path}:{n}"), n
+    for row, n in json_objects(path):
+        yield pair_of(row, f"{path}:{n}"), n
 
 
 # ----------------------------------------------------------------------------- tokens

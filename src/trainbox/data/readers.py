@@ -53,6 +53,22 @@ def _open(path: Path):
     return gzip.open(path, "rb") if path.name.endswith(".gz") else open(path, "rb")
 
 
+def json_objects(path: Path) -> Iterator[tuple[dict, int]]:
+    """(object, line number) of each non-empty line of a JSONL (.gz) file, or a DataError naming the line."""
+    opener = gzip.open if path.name.endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}:{n}: not valid JSON ({e.msg} at column {e.colno})") from None
+            if not isinstance(row, dict):
+                raise DataError(f"{path}:{n}: each line must be a JSON object, not {type(row).__name__}")
+            yield row, n
+
+
 def first_record_is_chat(path: Path) -> bool:
     """Whether a JSONL file holds chat records, from its first line (False for a pipe, which can't be peeked)."""
     if not path.is_file():

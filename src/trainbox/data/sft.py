@@ -49,6 +49,7 @@ from trainbox.data.chat import (
     tokenizer_template,
 )
 from trainbox.data.packing import ExampleDataset
+from trainbox.data.readers import json_objects
 from trainbox.data.sources import default_cache_dir
 from trainbox.data.sources import open_datasets as open_token_datasets
 from trainbox.errors import ConfigError, DataError, require
@@ -160,17 +161,8 @@ def read_rows(path: Path) -> Iterator[tuple[dict, str]]:
     if path.suffix == ".txt":
         yield {"text": path.read_text(encoding="utf-8")}, str(path)
         return
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{n}: not valid JSON ({e.msg} at column {e.colno})") from None
-            if not isinstance(row, dict):
-                raise DataError(f"{path}:{n}: each line must be a JSON object, not {type(row).__name__}")
-            yield row, f"{path}:{n}"
+    for row, n in json_objects(path):
+        yield row, f"{path}:{n}"
 
 
 # ----------------------------------------------------------------------------- streams and cache
