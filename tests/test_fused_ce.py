@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from conftest import model_section, run_check_script
 
 from trainbox.config import ModelSection
+from trainbox.kernels import fused_ce
 from trainbox.kernels.fused_ce import head_cross_entropy
 from trainbox.model.build import build_model
 
@@ -38,6 +39,59 @@ def test_loss_and_gradients_equal_torch(cap, reduction):
     for got, want in zip(*results):
         torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
     assert results[0][0].abs().sum() > 0
+
+
+@pytest.mark.parametrize("way", ["whole", "dx", "recompute", "loss"])
+@pytest.mark.parametrize("masked", [False, True])
+def test_every_way_of_the_head_equals_torch(way, masked, monkeypatch):
+    """The head's four ways (_HeadCE: G kept whole, dx made in the forward for a frozen weight, G recomputed by
+    chunks in the backward past the size limit, the loss alone without gradients), each over several chunks
+    (HEAD_CHUNK 8 of 37 rows), with and without a mask: the loss and the gradients asked for equal torch's."""
+    monkeypatch.setattr(fused_ce, "HEAD_CHUNK", 8)
+    if way == "recompute":
+        monkeypatch.setattr(fused_ce, "whole_limit", lambda device: 1)
+    ways = []
+    real = fused_ce._HeadCE.forward
+
+    def spy(ctx, *args):
+        out = real(ctx, *args)
+        ways.append(getattr(ctx, "mode", None))
+        return out
+    monkeypatch.setattr(fused_ce._HeadCE, "forward", staticmethod(spy))
+    torch.manual_seed(0)
+    x = torch.randn(37, 16, dtype=torch.float64, requires_grad=True)
+    w = (torch.randn(50, 16, dtype=torch.float64) * 2).requires_grad_(way != "dx")
+    t = torch.randint(0, 50, (37,))
+    mask = torch.rand(37) > 0.3 if masked else torch.ones(37, dtype=torch.bool)
+    upstream = torch.rand(37, dtype=torch.float64)
+    results = []
+    for fn in (head_cross_entropy, unfused):
+        with torch.set_grad_enabled(way != "loss"):
+            loss = fn(x, w, t, mask if masked else None, 0.0, "none") if fn is head_cross_entropy \
+                else fn(x, w, t, mask, 0.0, "none")
+        if way != "loss":
+            (loss * upstream).sum().backward()
+        grads = [] if way == "loss" else [x.grad.clone()] if way == "dx" else [x.grad.clone(), w.grad.clone()]
+        results.append([loss.detach(), *grads])
+        x.grad = w.grad = None
+    assert ways == [way]
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+
+
+def test_only_the_trained_rows_reach_the_head(monkeypatch):
+    """With a loss mask the head's matmuls run on the trained rows alone (a prompt costs no logits)."""
+    rows = []
+    real = fused_ce._HeadCE.apply
+    monkeypatch.setattr(fused_ce._HeadCE, "apply", lambda x, *a: rows.append(x.size(0)) or real(x, *a))
+    x = torch.randn(2, 10, 16, requires_grad=True)
+    w = torch.randn(50, 16, requires_grad=True)
+    t = torch.randint(0, 50, (2, 10))
+    mask = torch.zeros(2, 10, dtype=torch.bool)
+    mask[:, 6:] = True
+    head_cross_entropy(x, w, t, mask, 0.0, "sum").backward()
+    assert rows == [8]
+    assert (x.grad[:, :6] == 0).all() and (x.grad[:, 6:] != 0).all()
 
 
 @pytest.mark.parametrize("family, extra", [("gpt", {}), ("moe", {}),

@@ -450,3 +450,11 @@ def test_doctor_shows_the_plan_for_this_machine():
     assert ok.status == "ok" and "fits" in ok.value and "trainbox plan tiny" in ok.value
     big = ["train.device=cpu", "data.seq_len=4096", "model.n_layer=48", "model.n_embd=2048", "model.n_head=16"]
     assert memory_check(load_config("tiny", big)).status == "fail"   # 0.8 TB of activations
+
+
+def test_the_plan_counts_the_fused_loss_as_it_runs():
+    """The fused loss's chunk and the share of memory up to which it keeps its gradient whole are the plan's."""
+    from trainbox.kernels import fused_ce
+    from trainbox.model import memory
+    assert (memory.HEAD_CHUNK, memory.WHOLE_SHARE, memory.LOSS_CHUNK) == \
+        (fused_ce.HEAD_CHUNK, fused_ce.WHOLE_SHARE, fused_ce.LCE_CHUNK)

@@ -238,10 +238,10 @@ def recipe_checks(cfg: RunConfig) -> list[Check]:
             instead = attention_on(spec, cfg.model, flash=False, flex=True)
             out.append(Check("flash_attention", "warn", f"flash-attn-4 is not installed: attention runs in {instead} "
                              "(FlashAttention-4 is faster on this GPU: docs/performance.md)", EXTRA))
-    if cfg.train.compile and shutil.which("cc") is None and shutil.which("gcc") is None:
+    if cfg.train.compiled(gpu) and shutil.which("cc") is None and shutil.which("gcc") is None:
         out.append(Check("needs_compiler", "fail", "train.compile=true but no C compiler (cc/gcc) is on PATH",
                          "apt-get install gcc python3-dev, or set train.compile=false"))
-    if cfg.train.compile and gpu and importlib.util.find_spec("triton") is None:
+    if cfg.train.compiled(gpu) and gpu and importlib.util.find_spec("triton") is None:
         out.append(Check("needs_triton", "fail", "train.compile=true on GPU but triton is missing",
                          "pip install triton (it comes with the official torch wheels)"))
     packages = [*((pkg, extra, True) for pkg, extra in spec.packages),

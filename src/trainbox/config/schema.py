@@ -237,7 +237,8 @@ class TrainSection(Section):
     checkpoints: bool = Field(True, description="false: no checkpoint at all (benchmarks, throwaway runs); a stop "
                                                 "signal then ends the run without one, and it cannot be resumed")
     keep_last: int = Field(3, ge=1)
-    compile: bool = False
+    compile: bool | Literal["auto"] = Field(False, description="torch.compile the model (Inductor); auto: on a "
+                                                               "GPU, not on a CPU")
     parallel: Literal["ddp", "fsdp"] = Field(
         "ddp", description="ddp: every rank holds the whole model; fsdp: parameters, gradients and optimizer "
                            "state sharded over the ranks of a node (FSDP2), replicated across nodes (HSDP)")
@@ -268,6 +269,10 @@ class TrainSection(Section):
                                                  "(`trainbox plan`: weights, gradients, optimizer state, "
                                                  "activations, communication, overhead) exceeds what the device "
                                                  "has free by more than the plan's error margin")
+
+    def compiled(self, cuda: bool) -> bool:
+        """Whether a run on a GPU (`cuda`) or a CPU compiles."""
+        return self.compile is True or (self.compile == "auto" and cuda)
 
     @model_validator(mode="after")
     def _one_length(self) -> "TrainSection":

@@ -43,6 +43,7 @@ dW = G^T x take that e5m2 G, the latter through one transposed copy of it made i
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
@@ -182,11 +183,47 @@ def _(logits, targets, cap):
     return logits.new_empty(M, dtype=torch.float32), logits.new_empty(M, V, dtype=E5M2)
 
 
+HEAD_CHUNK = 4096    # rows of logits at a time where the head does not keep all of them
+WHOLE_SHARE = 4      # the (rows x vocab) gradient is kept whole up to 1/WHOLE_SHARE of the device's memory
+
+
+@functools.cache
+def _device_bytes(device: torch.device) -> int:
+    """The memory this process may use on `device`: the GPU's (times the allocator's per-process fraction), or the
+    machine's RAM."""
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return int(torch.cuda.get_device_properties(index).total_memory
+                   * torch.cuda.get_per_process_memory_fraction(index))
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+@torch.compiler.assume_constant_result   # read once when a graph is traced, a constant in it
+def whole_limit(device: torch.device) -> int:
+    """Bytes of (rows x vocab) gradient the head keeps whole for its backward; above, it recomputes it by chunks."""
+    return _device_bytes(device) // WHOLE_SHARE
+
+
+def _chunks(rows: int):
+    return ((s, min(s + HEAD_CHUNK, rows)) for s in range(0, rows, HEAD_CHUNK))
+
+
 class _HeadCE(torch.autograd.Function):
+    """Four ways, chosen from the shapes and the gradients asked for (`need_dx`, `need_dw`):
+
+    whole      the logits of every row at once, overwritten by their gradient G and kept for the backward (one
+               (rows x vocab) tensor; three matmuls)
+    dx         the weight is frozen (LoRA): per chunk of HEAD_CHUNK rows, the logits, G, and dx = G W before the
+               next chunk, so only a chunk's logits exist at a time and the backward scales dx (two matmuls)
+    recompute  the weight trains and G would pass `limit` bytes (long sequences): the forward keeps only the
+               loss, the backward makes each chunk's logits and G again (four matmuls, a chunk's logits)
+    loss       no gradient at all (evaluation, a reference's log-probabilities): the loss a chunk at a time
+    """
+
     @staticmethod
     def forward(ctx, x: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, cap: float, dtype: torch.dtype,
-                fp8: bool):
-        ctx.dtypes, ctx.fp8 = (x.dtype, w.dtype), fp8
+                fp8: bool, need_dx: bool = True, need_dw: bool = True, limit: int = 0):
+        ctx.dtypes, ctx.fp8, ctx.cap = (x.dtype, w.dtype), fp8, cap
         xc = x.to(dtype)
         if fp8:  # all three matmuls in FP8: the logits from e4m3 operands, both gradients from the e5m2 G
             logits, _, _, w8, ws = fp8_forward(xc, w)
@@ -194,26 +231,57 @@ class _HeadCE(torch.autograd.Function):
             ctx.save_for_backward(grad8, xc, w8, ws)
             return loss
         wc = w.to(dtype)
-        grad = xc @ wc.t()   # the logits, until head_ce_ overwrites them
-        loss = head_ce_(grad, targets, cap)
-        ctx.save_for_backward(grad, xc, wc)
+        rows = xc.size(0)
+        whole = need_dw and (not limit or rows * w.size(0) * wc.element_size() <= limit)
+        ctx.mode = "whole" if whole else "recompute" if need_dw else "dx" if need_dx else "loss"
+        if whole:
+            grad = xc @ wc.t()   # the logits, until head_ce_ overwrites them
+            loss = head_ce_(grad, targets, cap)
+            ctx.save_for_backward(grad, xc, wc)
+            return loss
+        loss = xc.new_empty(rows, dtype=torch.promote_types(xc.dtype, torch.float32))
+        dx = xc.new_empty(rows, xc.size(1)) if ctx.mode == "dx" else None
+        for s, e in _chunks(rows):
+            grad = xc[s:e] @ wc.t()
+            loss[s:e] = head_ce_(grad, targets[s:e], cap)
+            if dx is not None:
+                dx[s:e] = grad @ wc
+        if ctx.mode != "loss":
+            ctx.save_for_backward(*((dx,) if dx is not None else (xc, wc, targets)))
         return loss
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
+        none = (None,) * 7
         if ctx.fp8:
             grad8, xc, w8, ws = ctx.saved_tensors
             scale = g.float()[:, None]
             inv = torch.full((), 1.0 / GRAD_SCALE, dtype=torch.float32, device=g.device)
             # the per-row upstream gradient: folded into x for dW, applied to dx after its matmul
             dx, dw = fp8_backward(grad8, inv, *quantize(xc.float() * scale, E4M3), w8, ws)
-            return (dx.float() * scale).to(ctx.dtypes[0]), dw.to(ctx.dtypes[1]), None, None, None, None
-        grad, xc, wc = ctx.saved_tensors
-        acc = torch.promote_types(grad.dtype, torch.float32)
-        scale = g.to(acc)[:, None]
-        dx = (grad @ wc).to(acc) * scale
-        dw = grad.t() @ (xc.to(acc) * scale).to(xc.dtype)
-        return dx.to(ctx.dtypes[0]), dw.to(ctx.dtypes[1]), None, None, None, None
+            return (dx.float() * scale).to(ctx.dtypes[0]), dw.to(ctx.dtypes[1]), *none
+        if ctx.mode == "dx":
+            dx, = ctx.saved_tensors
+            acc = torch.promote_types(dx.dtype, torch.float32)
+            return (dx.to(acc) * g.to(acc)[:, None]).to(ctx.dtypes[0]), None, *none
+        if ctx.mode == "whole":
+            grad, xc, wc = ctx.saved_tensors
+            acc = torch.promote_types(grad.dtype, torch.float32)
+            scale = g.to(acc)[:, None]
+            dx = (grad @ wc).to(acc) * scale
+            dw = grad.t() @ (xc.to(acc) * scale).to(xc.dtype)
+            return dx.to(ctx.dtypes[0]), dw.to(ctx.dtypes[1]), *none
+        xc, wc, targets = ctx.saved_tensors
+        acc = torch.promote_types(xc.dtype, torch.float32)
+        dx = xc.new_empty(xc.shape, dtype=ctx.dtypes[0])
+        dw = torch.zeros(wc.shape, dtype=acc, device=wc.device)
+        for s, e in _chunks(xc.size(0)):
+            grad = xc[s:e] @ wc.t()
+            head_ce_(grad, targets[s:e], ctx.cap)
+            scale = g[s:e].to(acc)[:, None]
+            dx[s:e] = ((grad @ wc).to(acc) * scale).to(dx.dtype)
+            dw += grad.t() @ (xc[s:e].to(acc) * scale).to(xc.dtype)
+        return dx, dw.to(ctx.dtypes[1]), *none
 
 
 LCE_CHUNK = 8192  # rows per chunk of QuACK's linear cross-entropy (its logits buffer: LCE_CHUNK x V bf16)
@@ -264,22 +332,48 @@ def head_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.Ten
     x (..., K), weight (V, K), targets (...): the same loss as `cross_entropy(logits(x), targets, ...)`.
     Under autocast the matmuls run in the autocast dtype, as nn.Linear's would. `fp8` (model.fp8_head):
     the logits' matmul takes e4m3 copies of x and the weight, the gradient's two matmuls the e5m2 G (where the
-    shapes allow: multiples of 16).
+    shapes allow: multiples of 16). With a `loss_mask` (fine-tuning: prompts, padding and other turns are not
+    trained) only the trained rows reach the head (`_trained_rows`).
     """
-    device = x.device.type
-    dtype = autocast_dtype(device, x.dtype)
     if loss_mask is not None:
         targets = targets.masked_fill(~loss_mask, IGNORE)
+        return _trained_rows(x.reshape(-1, x.size(-1)), weight, targets, cap, reduction, fp8)
+    return _rows(x.reshape(-1, x.size(-1)), weight, targets, cap, reduction, fp8)
+
+
+def _rows(x2: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, cap: float, reduction: str,
+          fp8: bool, of: int = 0) -> torch.Tensor:
+    """`of`: these rows are the trained ones of that many: the head keeps its gradient whole or recomputes it as
+    it would for all of them, so the memory plan, which counts every row, decides as the run does."""
+    dtype = autocast_dtype(x2.device.type, x2.dtype)
     flat = targets.reshape(-1)
     # no autocast region here: _HeadCE casts its operands itself, and an autocast context inside a compiled
     # graph keeps AOTAutograd from caching it (a second start would trace the model again)
-    x2 = x.reshape(-1, x.size(-1))
     if _use_quack_lce(x2, weight, reduction, cap, fp8):
         return _QUACK_LCE[0](x2, weight, flat, chunk_size=LCE_CHUNK, ignore_index=IGNORE, reduction="sum")
     fp8 = fp8 and fp8_shapes_ok(*x2.shape, weight.size(0))
-    loss = _HeadCE.apply(x2, weight, flat, float(cap), dtype, fp8)
+    grads = torch.is_grad_enabled()
+    loss = _HeadCE.apply(x2, weight, flat, float(cap), dtype, fp8, grads and x2.requires_grad,
+                         grads and weight.requires_grad, whole_limit(x2.device) * x2.size(0) // (of or x2.size(0)))
     if reduction == "none":
         return loss.view(targets.shape)
     if reduction == "sum":
         return loss.sum()
     return loss.sum() / (flat != IGNORE).sum().clamp(min=1)
+
+
+@torch.compiler.disable   # the number of trained rows is the data's: one graph break, no recompilation
+def _trained_rows(x2: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, cap: float, reduction: str,
+                  fp8: bool) -> torch.Tensor:
+    """The loss over the rows whose target is not IGNORE, computed on those rows alone: a preference pair's prompt
+    half, an SFT row's prompt and padding cost no head matmul and no logits. Reads the count to the host (one
+    synchronisation a forward)."""
+    flat = targets.reshape(-1)
+    keep = (flat != IGNORE).nonzero().squeeze(1)
+    if len(keep) in (0, len(flat)):
+        return _rows(x2, weight, targets, cap, reduction, fp8)
+    loss = _rows(x2.index_select(0, keep), weight, flat.index_select(0, keep), cap,
+                 "none" if reduction == "none" else "sum", fp8, of=len(flat))
+    if reduction == "none":
+        return loss.new_zeros(len(flat)).index_put((keep,), loss).view(targets.shape)
+    return loss if reduction == "sum" else loss / len(keep)

@@ -38,6 +38,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 LOSS_CHUNK = 8192                                  # QuACK's linear cross-entropy: rows per chunk (fused_ce.py)
+HEAD_CHUNK = 4096                                  # the fused loss's rows per chunk (fused_ce.HEAD_CHUNK)
+WHOLE_SHARE = 4                                    # its gradient kept whole up to 1/4 of the memory (fused_ce)
 
 
 @dataclass(frozen=True)
@@ -120,6 +122,7 @@ class Widths:
     compiled: bool = False
     expert_parallel: int = 1   # ranks the experts are split over
     autocast: bool = True      # the weights are fp32 and autocast casts them (not: fp32 runs, FSDP's bf16 weights)
+    head_limit: int = 0        # bytes of (rows x vocab) gradient the fused loss keeps whole (fused_ce.whole_limit)
 
     def casts(self, n: int) -> int:
         """Copies autocast makes of a norm's output that n matmuls read: one each where the norm's output is
@@ -169,8 +172,10 @@ def decoder_block(shapes, w: Widths, kern: Kernels, frozen: bool = False, lora_d
 
 
 def head_bytes(tokens: int, d: int, vocab: int, w: Widths, kern: Kernels, softcap: bool, fp8: bool,
-               compiled: bool) -> tuple[int, int]:
-    """(saved, transient) bytes of the final norm's output, the head and the loss over `tokens` targets."""
+               compiled: bool, frozen: bool = False) -> tuple[int, int]:
+    """(saved, transient) bytes of the final norm's output, the head and the loss over `tokens` targets (every
+    token: a loss mask's prompts and padding never reach the head, so this is the most they take). `frozen`: the
+    head's weight does not train (LoRA)."""
     a = w.a
     # QuACK's linear cross-entropy takes the loss where it applies: no soft cap, no FP8 head (fused_ce.py); dx and
     # dW computed in the forward, in fp32, one chunk of logits at a time. Elsewhere the Triton kernel runs.
@@ -179,8 +184,15 @@ def head_bytes(tokens: int, d: int, vocab: int, w: Widths, kern: Kernels, softca
     if kern.fused_loss in ("quack", "triton", "torch"):
         if fp8:                      # the e5m2 gradient kept; bf16 logits while it is written
             return tokens * (vocab + d), tokens * vocab * 2
-        # the logits, overwritten by their gradient, and the head's input; the torch path's work copies
+        # the logits, overwritten by their gradient, and the head's input; the torch path's work copies. A frozen
+        # weight: dx made in the forward a chunk at a time; past head_limit: the head's input kept, each chunk's
+        # logits and their gradient made again in the backward beside an fp32 dW (fused_ce._HeadCE)
         extra = 2 * tokens * vocab * 4 if kern.fused_loss == "torch" else 0
+        chunk = min(tokens, HEAD_CHUNK) * vocab * a * (1 + (4 if kern.fused_loss == "torch" else 0))
+        if frozen:
+            return tokens * a * d, chunk
+        if w.head_limit and tokens * vocab * a > w.head_limit:
+            return tokens * a * d, chunk + vocab * d * 4 + tokens * d * 4
         return tokens * (vocab * a + a * d), extra
     head_input = tokens * a * d     # the final norm's output (cast for the head under autocast)
     if compiled:   # Inductor fuses the cap, log-softmax and loss: the logits kept, their gradient written once

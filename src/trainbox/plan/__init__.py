@@ -96,7 +96,8 @@ def make_plan(cfg: RunConfig, vocab: int, target: Target, nproc: int = 1, kernel
     mode = own(cfg) if own is not None else t.activation_checkpointing
     dtype = dtype or dtype_bytes(cfg, target)[0]
     mem, acts = memory(cfg, counts, vocab, target, layout, run.micro_batch, mode, kernels, BYTES[dtype])
-    plan = MemoryPlan(cfg.recipe, target, layout, run.micro_batch, cfg.data.seq_len, dtype, t.compile, mode, kernels,
+    compiled = t.compiled(target.cuda)
+    plan = MemoryPlan(cfg.recipe, target, layout, run.micro_batch, cfg.data.seq_len, dtype, compiled, mode, kernels,
                 counts, mem, acts, drops_unsent=ep > 1 and cfg.model.moe.capacity_factor > 0,
                 accumulation=run.accumulation, sequences=memory_terms(cfg)[0])
     if suggest and not plan.fits:

@@ -53,6 +53,7 @@ class ParamCount:
     matmul: int         # trainable weights that matmuls read (autocast keeps a 16-bit copy of each)
     blocks_matmul: int  # of those, the ones inside the blocks
     apart: int = 0      # outside the blocks in FSDP units of their own (parallel/fsdp.apart: an untied table)
+    head_frozen: bool = False   # the output head's weight does not train (a LoRA base's)
     shapes: Shapes | None = None
 
     @property
@@ -175,7 +176,9 @@ def _count(cfg: RunConfig, vocab: int) -> ParamCount:
         frozen=sum(p.numel() for _, p, _ in params if not p.requires_grad),
         matmul=sum(p.numel() for p in matmul.values() if p.requires_grad),
         blocks_matmul=sum(p.numel() for i, p in matmul.items() if p.requires_grad and i in in_blocks),
-        apart=sum(p.numel() for m in apart(model) for p in m.parameters()), shapes=shapes)
+        apart=sum(p.numel() for m in apart(model) for p in m.parameters()), shapes=shapes,
+        head_frozen=any(not m.weight.requires_grad for name, m in model.named_modules()
+                        if name.rsplit(".", 1)[-1] == "lm_head" and isinstance(m, nn.Linear)))
 
 
 def _matmul_weights(model: nn.Module) -> dict[int, nn.Parameter]:

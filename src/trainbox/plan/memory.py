@@ -8,6 +8,7 @@ import torch
 
 from trainbox.config import RunConfig
 from trainbox.kernels.choice import attention_on, choose
+from trainbox.model.memory import WHOLE_SHARE
 from trainbox.model.spec import family
 from trainbox.objective import memory_terms
 from trainbox.plan.activations import Activations, Kernels, Widths, family_activations, weight_copy_bytes
@@ -162,7 +163,9 @@ def memory(cfg: RunConfig, counts: ParamCount, vocab: int, target: Target, layou
     spec = family(m.family)
     lowp = m.lowp_residual if m.lowp_residual is not None else spec.lowp_residual
     r = a if (fsdp or lowp) else 4
-    widths = Widths(a=a, r=r, cuda=target.cuda, compiled=cfg.train.compile, expert_parallel=ep)
+    widths = Widths(a=a, r=r, cuda=target.cuda, compiled=cfg.train.compiled(target.cuda),
+                    expert_parallel=ep,
+                    head_limit=target.memory // WHOLE_SHARE)
     held = counts.dense + counts.expert / ep                    # trainable parameters a rank computes with
     shard = world if fsdp else 1
     # ... and keeps: fsdp shards the dense ones over all ranks, a rank's experts over the world / ep that share them

@@ -62,6 +62,9 @@ def resolve_device(cfg: RunConfig, local_rank: int = 0) -> tuple[torch.device, t
             log.warning(f"{' and '.join(fp8)}: {device}{name} has no FP8 tensor cores, so these matmuls run in "
                         f"{str(dtype).removeprefix('torch.')} (model.fp8_fallback)")
             cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"fp8_head": False, "fp8_mlp": "none"})})
+    if cfg.train.compile == "auto":
+        cfg = cfg.model_copy(update={"train": cfg.train.model_copy(
+            update={"compile": cfg.train.compiled(device.type == "cuda")})})
     if cfg.train.float8:
         require_float8(device)
     if cfg.model.attention == "flash":
