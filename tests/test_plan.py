@@ -146,6 +146,29 @@ def test_activation_formulas_equal_what_autograd_keeps(family, mode):
     assert bf16.saved + weight_copy_bytes(counts, widths, mode) == pytest.approx(measure(cfg, mode, True), rel=0.01)
 
 
+def test_compiled_llama_activations_equal_what_inductor_keeps(monkeypatch):
+    """A compiled Llama (Inductor on a CPU, bf16 autocast) keeps its norms' outputs once and makes SiLU(gate) again
+    in the backward: the plan's compiled formula within 3% of the bytes its graph saves (the eager formula, applied
+    to the compiled run, is 20% above)."""
+    cfg = small("llama", "train.activation_checkpointing=none", "train.micro_batch_size=3",
+                "train.global_batch_size=3", "model.n_layer=2", "model.n_embd=128", "model.n_head=4",
+                "model.llama.intermediate_size=352", "train.compile=true")
+    real = build_model
+
+    def compiled(*args, **kwargs):
+        model = real(*args, **kwargs)
+        model.forward = torch.compile(model.forward)
+        return model
+    monkeypatch.setattr(sys.modules[__name__], "build_model", compiled)
+    k = choose(cfg.model, torch.device("cpu"), family_spec("llama"))
+    kernels = Kernels(k.attention, k.fused_loss, k.fused_mlp, k.fp8)
+    widths = Widths(a=2, r=4, cuda=False, compiled=True)
+    counts = count_parameters(cfg, 512)
+    plan = family_activations(cfg, counts, 512, 3, "none", widths, kernels).saved + \
+        weight_copy_bytes(counts, widths, "none")
+    assert plan == pytest.approx(measure(cfg, "none", True), rel=0.03)
+
+
 def test_lora_activations_equal_what_autograd_keeps(hf_llama):
     """A Hugging Face Llama under LoRA (frozen base, adapters with dropout) takes the Llama-style block."""
     cfg = load_config("lora", [f"model.path={hf_llama}", "train.device=cpu", "lora.gradient_checkpointing=false",
@@ -307,6 +330,34 @@ def test_prediction_within_the_margin_of_measured_gpu_peaks(record, extra, ran):
         # the allocated peak above is held to the margin all the same.
         drops = statistics.fmean(rec["metrics"].get("moe_dropped_frac") or [0])
         assert plan.memory.total / held - 1 < MARGIN + (0.05 if plan.drops_unsent and drops > 0.2 else 0), plan.memory
+
+
+@pytest.mark.parametrize("part", ["full", "longest"])
+def test_dpo_prediction_within_the_margin_of_its_measured_peaks(tmp_path, part):
+    """Full DPO as benchmarks/dpo_speed.py ran it on an H100's memory: the Qwen2.5-0.5B-shaped model compiled at 4
+    pairs of 1,024 tokens, and the Llama-3.2-1B-shaped one at the longest sequence that fitted (one pair of 65,536
+    tokens, full checkpointing; the head's gradient recomputed by chunks), from their config.json alone."""
+    from transformers import LlamaConfig, Qwen2Config
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from dpo_speed import POSITIONS, SIZES
+    rec = json.loads((REPO / "benchmarks/records/2026-11-28-h200-dpo-0.5b-speed.json").read_text())
+    m = rec["metrics"]
+    size = "0.5b" if part == "full" else m["longest"]["size"]
+    spec = dict(SIZES[size])
+    config = Qwen2Config if spec.pop("arch") == "qwen2" else LlamaConfig
+    config(**spec, max_position_embeddings=POSITIONS, eos_token_id=0, bos_token_id=0).save_pretrained(tmp_path)
+    if part == "full":
+        run = [f"data.seq_len={m['seq_len']}", f"train.micro_batch_size={m['micro_batch_pairs']}"]
+        measured = m["full"]["peak_memory_gib"]
+    else:
+        length = m["longest"]["ours"]["longest"]
+        run = [f"data.seq_len={length}", "train.micro_batch_size=1", "train.activation_checkpointing=full"]
+        measured = m["longest"]["ours"]["tried"][str(length)]["peak_memory_gib"]
+    from trainbox.model.build import resolve_model
+    cfg = resolve_model(load_config("dpo", [f"model.path={tmp_path}", "data.tokenizer=gpt2", "model.fused_loss=true",
+                                            *run, "train.global_batch_size=" + run[1].split("=")[1]]))
+    plan = make_plan(cfg, run_vocab(cfg), gpu("H100"), kernels=Kernels("sdpa", "triton", "off", "off"))
+    assert abs(plan.memory.peak_allocated / (measured * GiB) - 1) < MARGIN, plan.memory
 
 
 def test_t5_prediction_within_the_margin_of_its_measured_step():

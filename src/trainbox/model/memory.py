@@ -29,7 +29,8 @@ the fp32 upcast and the normalised input that eager F.rms_norm keeps), a compile
 (head_bytes), and a family's COMPILE_FACTOR (its memory module's) scales the blocks where the partitioning
 saves less still.
 Measured with the same hooks on CPU Inductor (4-layer models): gpt and moe within 1% (fp32) and 3% (bf16)
-of the compiled formulas, speedrun within 3%, t5 6% below (fp32) to 13% above (bf16, where the CPU's
+of the compiled formulas, the Llama-style block exactly (its norm's output cast once, SiLU(gate) made again in the
+backward; tests/test_plan.py), speedrun within 3%, t5 6% below (fp32) to 13% above (bf16, where the CPU's
 attention runs the math path in fp32). Against the H100 peaks in benchmarks/records/ (compiled recipes) the
 whole plan is 0-7% above the measurement (tests/test_plan.py).
 """
@@ -146,8 +147,9 @@ def decoder_block(shapes, w: Widths, kern: Kernels, frozen: bool = False, lora_d
     b = Block(kern.attn_saved_by_selective, w.compiled)
     b.inp(w.r * d)
     b.keep(w.rms(d, True) - w.r * d)
+    casts = 1 if w.compiled else None        # compiled: the norm's output cast once, read by every matmul
     if not frozen:
-        b.keep(w.casts(3) * a * d)             # the norm's output, q's, k's and v's input
+        b.keep((casts or w.casts(3)) * a * d)  # the norm's output, q's, k's and v's input
     b.mm(a * (shapes.q + 2 * shapes.kv), keep=False)   # q, k, v (RoPE makes new q and k)
     b.keep(a * (shapes.q + 2 * shapes.kv))     # the attention's inputs: rotated q and k, v
     b.attn(a * shapes.q + 4 * shapes.heads)    # its output and log-sum-exp
@@ -156,10 +158,11 @@ def decoder_block(shapes, w: Widths, kern: Kernels, frozen: bool = False, lora_d
     b.mm(a * d, keep=False, residual=True)
     b.keep(w.rms(d, True))
     if not frozen:
-        b.keep(w.casts(2 if shapes.gated else 1) * a * d)
+        b.keep((casts or w.casts(2 if shapes.gated else 1)) * a * d)
     if shapes.gated:
         b.mm(2 * a * shapes.ffn)               # gate (kept by SiLU) and up (kept by the product)
-        b.keep(a * shapes.ffn)                 # SiLU(gate)
+        if not w.compiled:                     # Inductor makes SiLU(gate) again from gate in the backward
+            b.keep(a * shapes.ffn)             # SiLU(gate)
     else:
         b.mm(a * shapes.ffn)
     if not frozen:
