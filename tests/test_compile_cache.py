@@ -17,7 +17,7 @@ from trainbox.model.build import build_model
 from trainbox.train.build import allow_cached_autograd_functions
 allow_cached_autograd_functions()
 torch.manual_seed(0)
-cfg = ModelSection(family="speedrun", n_layer=2, n_embd=64, n_head=2, head_dim=32, window=32, eot_id=0,
+cfg = ModelSection(family="speedrun", n_layer=1, n_embd=64, n_head=2, head_dim=32, window=32, eot_id=0,
                    fused_loss=True, fp8_mlp="down", fp8_head=True)
 model = build_model(cfg, 128, 64)
 model.set_step(0)

@@ -40,23 +40,24 @@ def _args(root, cache, name: str, *extra: str) -> list[str]:
 
 
 def test_a_killed_node_stops_the_job_by_name_and_a_relaunch_continues_exactly(tmp_path, data_cache):
-    ref = tmp_path / "reference"
-    finish(start_nodes(_args(tmp_path, data_cache, "reference"), tmp_path, "reference"))
-    reference = losses(ref)
-    assert sorted(reference) == list(range(1, TOTAL + 1))
-
     run_dir = tmp_path / "job"
     nodes = start_nodes(_args(tmp_path, data_cache, "job"), tmp_path, "job")
+    reference_nodes = []
     try:   # mid-run, past the first checkpoint
         wait_for(lambda: status(run_dir).get("step", 0) >= 60 and status(run_dir).get("phase") == "training",
                  "step 60", 180, nodes)
         killed = time.time()
         nodes[1].kill_all()
+        # the uninterrupted two-node run trains while node 0 waits out the silence that names node 1
+        reference_nodes = start_nodes(_args(tmp_path, data_cache, "reference"), tmp_path, "reference")
         code, out = nodes[0].wait(timeout=30 + 90)   # train.collective_timeout, and time to say so
+        stopped = time.time()
+        finish(reference_nodes)
     finally:
-        for n in nodes:
+        for n in [*nodes, *reference_nodes]:
             n.stop()
-    stopped = time.time()
+    reference = losses(tmp_path / "reference")
+    assert sorted(reference) == list(range(1, TOTAL + 1))
     assert code != 0, out
     assert "lost node 1 (" in out, out
     newest = checkpoint.latest(run_dir / "checkpoints")

@@ -48,10 +48,17 @@ def _same(got: dict, ref: dict, steps) -> None:
 
 
 @pytest.fixture(scope="module")
-def chain(tmp_path_factory, data_cache):
+def reference(tmp_path_factory, data_cache):
+    """The uninterrupted single-process run (ROOT/ref), on its own: what the SIGKILL cases compare with."""
     root = tmp_path_factory.mktemp("fsdp")
+    train(load_config("tiny", [*OWN, *STEPS, f"run.dir={root}", f"data.cache_dir={data_cache}", "run.name=ref"]))
+    return root
+
+
+@pytest.fixture(scope="module")
+def chain(reference, data_cache):
+    root = reference
     base = ["tiny", *OWN, *STEPS, f"run.dir={root}", f"data.cache_dir={data_cache}"]
-    train(load_config("tiny", [*base[1:], "run.name=ref"]))
     run_cli("train", "--nproc", "2", *base, "run.name=two", "train.parallel=fsdp", "train.reshard_after_forward=false")
     two = root / "two" / "checkpoints"
     run_cli("train", "--nproc", "4", *base, "run.name=four", "train.parallel=fsdp",
@@ -208,7 +215,7 @@ sys.exit(main(sys.argv[3:]))
 
 @pytest.mark.faults
 @pytest.mark.parametrize("where", ["write", "publish"])
-def test_sigkill_during_an_async_save_keeps_the_previous_checkpoint(chain, tmp_path, data_cache, where):
+def test_sigkill_during_an_async_save_keeps_the_previous_checkpoint(reference, tmp_path, data_cache, where):
     """SIGKILL to the whole torchrun job while the shards of step 6 are written in the background, or just
     before rank 0 publishes them: the step-3 checkpoint stays the newest that verifies, and the same command
     resumes from it to the reference's losses."""
@@ -228,7 +235,7 @@ def test_sigkill_during_an_async_save_keeps_the_previous_checkpoint(chain, tmp_p
     assert newest == root / "step_00000003" and not skipped, (newest, skipped, job.stdout[-2000:])
     assert (root / ".tmp-step_00000006").is_dir()             # the unfinished save, never published
     run_cli("train", "--nproc", "2", *args[1:])
-    got, ref = _losses(tmp_path / "k"), _losses(chain / "ref")
+    got, ref = _losses(tmp_path / "k"), _losses(reference / "ref")
     _same(got, ref, range(1, 10))
     assert checkpoint.latest(root) == root / "step_00000009" and not list(root.glob(".tmp-*"))
 

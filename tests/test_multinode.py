@@ -36,10 +36,18 @@ def _same(got: dict, ref: dict, steps) -> None:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, data_cache):
+def reference(tmp_path_factory, data_cache):
+    """The single-process run every multi-node job is compared with (ROOT/ref), and the overrides it ran with:
+    (ROOT, overrides)."""
     root = tmp_path_factory.mktemp("multinode")
     base = [*OWN, *STEPS, f"run.dir={root}", f"data.cache_dir={data_cache}"]
     train(load_config("tiny", [*base, "run.name=ref"]))   # one process, accumulation 4
+    return root, base
+
+
+@pytest.fixture(scope="module")
+def runs(reference):
+    root, base = reference
     # the command `trainbox launch k8s --api trainer` renders for each node, run as the Trainer would run it
     spec = LaunchSpec(target="k8s", api="trainer", recipe="tiny", overrides=[*base, "run.name=two",
                       "train.parallel=fsdp"], image="reg/trainbox:t", nodes=2, gpus_per_node=2)
@@ -76,11 +84,11 @@ def test_a_two_node_checkpoint_resumes_on_one_process_and_on_four(runs):
     _same(losses(root / "four"), ref, range(4, 10))     # 2 nodes x 2 -> 1 node x 4
 
 
-def test_the_rendered_slurm_lines_run_as_two_nodes(runs, tmp_path):
+def test_the_rendered_slurm_lines_run_as_two_nodes(reference, tmp_path):
     """The sbatch script's own TRAIN array and srun line, run by bash on this host as Slurm would run them on two
     nodes (srun's options dropped, SLURM_NODEID, the head node and its port set; `trainbox` this checkout): one
     job whose steps equal one process's."""
-    root, _, base = runs
+    root, base = reference
     spec = LaunchSpec(target="slurm", recipe="tiny", overrides=[*base, "run.name=slurm"], nodes=2, gpus_per_node=1,
                       project_dir=tmp_path)
     [script] = render(spec).files.values()
@@ -102,13 +110,13 @@ def test_the_rendered_slurm_lines_run_as_two_nodes(runs, tmp_path):
     _same(losses(root / "slurm"), losses(root / "ref"), range(1, 10))
 
 
-def test_the_rendered_skypilot_run_script_runs_as_two_nodes(runs, tmp_path):
+def test_the_rendered_skypilot_run_script_runs_as_two_nodes(reference, tmp_path):
     """task.yaml's `run` script from `trainbox launch sky --nodes 2 --gpus H100:1`, run by bash on this host as
     SkyPilot runs it on each node: its variables set as SkyPilot sets them (both nodes' IPs this host's, so node 0
     hosts the rendezvous), the task's envs with the values `sky launch --env` would give (run.dir: the test's folder,
     the rendezvous port: a free one); `trainbox` this checkout. One job of two nodes whose steps equal one
     process's."""
-    root, _, base = runs
+    root, base = reference
     own = [o for o in base if not o.startswith("run.dir=")]
     spec = LaunchSpec(target="sky", recipe="tiny", overrides=[*own, "run.name=sky"], nodes=2, gpus="H100:1")
     task = yaml.safe_load(render(spec).files["task.yaml"])
