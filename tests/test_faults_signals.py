@@ -407,11 +407,17 @@ def test_sigkill_at_random_moments_resumes_from_the_newest_checkpoint(root, cach
     from the newest checkpoint. metrics.jsonl ends with each step once, equal to the straight run's, and the
     lines of the lost steps, moved to superseded/, equal it too (the re-run computed the same losses)."""
     name, run_dir, rnd = "killed", root / "killed", random.Random(31)
-    for k in range(4):
+    # the step each kill aims at: the first before step 300's checkpoint (the restart begins again at 0), the
+    # others after it (each restart resumes there)
+    targets = [rnd.uniform(30, EVAL_AT - 20), *(rnd.uniform(EVAL_AT + 60, TOTAL - 20) for _ in range(3))]
+    starts: list[int] = []
+    for k, target in enumerate(targets):
         seg = Segment(_args(root, cache, name), root / f"killed-{k}.log")
         if not _wait_training(seg, run_dir):
             break
-        time.sleep(rnd.uniform(30, 250) / reference["steps_per_s"])
+        ckpt = checkpoint.latest(run_dir / "checkpoints")
+        starts.append(checkpoint.step_of(ckpt) if ckpt is not None else 0)
+        time.sleep((target - starts[-1]) / reference["steps_per_s"])
         seg.proc.kill()
         seg.wait()
         ckpt = checkpoint.latest(run_dir / "checkpoints")
@@ -424,6 +430,7 @@ def test_sigkill_at_random_moments_resumes_from_the_newest_checkpoint(root, cach
     assert dict(got) == reference["losses"]
     lost = [x for p in (run_dir / "superseded").glob("*/metrics.jsonl") for x in _losses(p.parent)]
     assert lost, "no kill landed after a logged step: nothing was re-run"
+    assert EVAL_AT in starts, f"no restart resumed from step {EVAL_AT}'s checkpoint: {starts}"
     assert all(v == reference["losses"][s] for s, v in lost)
 
 
