@@ -5,7 +5,6 @@ bounded number of items in flight; with one worker it encodes in this process.
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import multiprocessing as mp
 import sys
 from typing import Iterator
@@ -70,7 +69,7 @@ def _encode_texts(tok, texts: list[str]) -> list:
     if enc is not None and hasattr(enc, "encode_to_numpy"):
         # tiktoken straight into a numpy buffer: no Python int per token. With no special token allowed
         # and none disallowed, `encode` is exactly `encode_ordinary`. A plain loop, not
-        # encode_ordinary_batch, which starts a thread pool per call: EncodePool runs items in parallel.
+        # encode_ordinary_batch, which starts a thread pool per call: the parallelism is the processes.
         return [enc.encode_to_numpy(t, allowed_special=set(), disallowed_special=()) for t in texts]
     hf = getattr(tok, "tok", None)
     if hf is not None and hasattr(hf, "encode_special_tokens"):
@@ -86,57 +85,36 @@ def _encode_texts(tok, texts: list[str]) -> list:
 
 
 class EncodePool:
-    """Ordered, bounded map: at most `depth` items in flight (Pool.imap would read the whole input).
-
-    tiktoken on plain text runs in threads of this process: its Rust encoder releases the GIL, so N threads
-    use N cores with no process to start and no pickled text or token arrays between processes. Chat data
-    (templates rendered in Python, which holds the GIL) and `tokenizers` tokenizers (one shared object whose
-    options `_encode_texts` switches per call) run in worker processes.
-    """
+    """Ordered, bounded map: at most `depth` items in flight (Pool.imap would read the whole input)."""
 
     def __init__(self, workers: int, initargs: tuple):
-        self.pool = self.threads = None
-        if workers > 1 and _threads_suffice(*initargs):
-            _init_worker(*initargs)
-            self.threads = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="encode")
-        elif workers > 1:
+        self.pool = None
+        if workers > 1:
             ctx = mp.get_context("fork" if sys.platform.startswith("linux") else "spawn")
             self.pool = ctx.Pool(workers, initializer=_init_worker, initargs=initargs)
         else:
             _init_worker(*initargs)
         self.depth = 2 * workers + 2
 
-    def _submit(self, item: list):
-        if self.threads is not None:
-            fut = self.threads.submit(_encode_item, item)
-            return fut.done, fut.result
-        res = self.pool.apply_async(_encode_item, (item,))
-        return res.ready, res.get
-
     def map(self, items: Iterator) -> Iterator:
-        if self.pool is None and self.threads is None:
+        if self.pool is None:
             for item, meta in items:
                 yield _encode_item(item), meta
             return
         pending: collections.deque = collections.deque()
         for item, meta in items:
-            pending.append((*self._submit(item), meta))
+            pending.append((self.pool.apply_async(_encode_item, (item,)), meta))
             # hand on finished results at once (progress, and a slow input such as a pipe keeps flowing)
-            while pending and (len(pending) >= self.depth or pending[0][0]()):
-                _, result, m = pending.popleft()
-                yield result(), m
+            while pending and (len(pending) >= self.depth or pending[0][0].ready()):
+                res, m = pending.popleft()
+                yield res.get(), m
         while pending:
-            _, result, m = pending.popleft()
-            yield result(), m
+            res, m = pending.popleft()
+            yield res.get(), m
 
     def close(self) -> None:
-        if self.threads is not None:
-            self.threads.shutdown(wait=True, cancel_futures=True)
         if self.pool is not None:
             self.pool.terminate()
             self.pool.join()
 
 
-def _threads_suffice(tokenizer_spec: str, chat_template: str | None, chat: bool, keys: list[str]) -> bool:
-    """Whether tokenizing releases the GIL for the whole of its work: tiktoken on plain text."""
-    return not chat and hasattr(getattr(get_tokenizer(tokenizer_spec), "enc", None), "encode_to_numpy")

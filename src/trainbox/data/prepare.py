@@ -1,7 +1,6 @@
 """`trainbox prepare`: text / JSONL / chat JSONL -> shard or Megatron token files.
 
-Pipeline (one reader, N tokenizer workers, one writer; the workers are threads for tiktoken on plain text,
-else processes: data/encode.py):
+Pipeline (one reader, N tokenizer processes, one writer):
 
     read inputs in order -> work items of ~1 MB text -> pool (bounded queue) -> results in order -> writers
 
