@@ -275,7 +275,8 @@ def main() -> None:
     hook = root / "hook"
     hook.mkdir(exist_ok=True)
     (hook / "sitecustomize.py").write_text(SITECUSTOMIZE)
-    base = [*args.overrides, f"train.max_steps={args.steps}", f"train.micro_batch_size={micro}",
+    # AdamW first (a recipe's Muon is refused under fsdp; the sgd arms replace AdamW), the command line's after it
+    base = ["optim.name=adamw", *args.overrides, f"train.max_steps={args.steps}", f"train.micro_batch_size={micro}",
             "monitor.log_every=1", f"train.eval_every={args.steps}",
             "train.sample_tokens=0", "train.checkpoints=false", "monitor.port=0", "monitor.progress=lines",
             f"run.dir={root}"]

@@ -14,13 +14,15 @@ torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 REPO = Path(__file__).resolve().parents[1]
 
-# A model and batch small enough that a step takes milliseconds on a 2-core CPU.
+# A model and batch small enough that a step takes milliseconds on a 2-core CPU. AdamW, which every family and
+# parallelism takes (the tiny recipe's Muon is refused under fsdp and expert parallelism; tests/test_muon.py and
+# the recipe's own tests run Muon).
 TINY = [
     "data.tokenizer=embedded:shakespeare-bpe", "data.seq_len=32",
     "model.n_layer=2", "model.n_head=2", "model.n_embd=32",
     "train.global_batch_size=8", "train.micro_batch_size=4",
     "train.eval_tokens=2048", "train.sample_tokens=8",
-    "monitor.port=0", "monitor.log_every=1", "optim.warmup_steps=2",
+    "monitor.port=0", "monitor.log_every=1", "optim.warmup_steps=2", "optim.name=adamw",
 ]
 
 

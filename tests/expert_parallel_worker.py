@@ -41,7 +41,7 @@ def config(n: int, cf: float):
         "model.family=moe", "model.n_layer=3", "model.n_head=2", "model.n_embd=32", "model.moe.num_experts=4",
         "model.moe.every=2", "model.moe.top_k=2", f"model.moe.capacity_factor={cf}", "model.moe.lb_loss_weight=0.5",
         "model.moe.z_loss_weight=0.1", f"model.moe.expert_parallel={n}", "train.device=cpu", f"optim.lr={LR}",
-        "optim.grad_clip=0.05", "optim.warmup_steps=0"])
+        "optim.grad_clip=0.05", "optim.warmup_steps=0", "optim.name=adamw"])
 
 
 def loss_of(out, scale: float, accum: int) -> torch.Tensor:

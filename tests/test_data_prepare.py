@@ -3,18 +3,21 @@ worker counts, whole-document validation split, overwrite safety, atomic outputs
 raw inputs as data.path, and the zero-steps error shared with the training loop."""
 from __future__ import annotations
 
+import functools
 import gzip
 import json
 from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import run_cli
+import tiktoken
+from conftest import run_check_script, run_cli
+from tiktoken.load import data_gym_to_mergeable_bpe_ranks
 
 from trainbox.data import formats, megatron
 from trainbox.data import readers as prep
 from trainbox.data.prepare import PrepareOptions, prepare
-from trainbox.data.tokenizer import get_tokenizer
+from trainbox.data.tokenizer import GPT2_PATTERN, asset_path, get_tokenizer
 from trainbox.errors import DataError
 
 EOT = 50256
@@ -48,9 +51,18 @@ def hf_ordinary(spec, text):
     return tok.encode(text, add_special_tokens=False).ids
 
 
+@functools.lru_cache(maxsize=1)
+def tiktoken_gpt2() -> tiktoken.Encoding:
+    """GPT-2 as tiktoken builds it from the merges (vocab.bpe) and encoder.json: the reference for prepare."""
+    ranks = data_gym_to_mergeable_bpe_ranks(vocab_bpe_file=str(asset_path("vocab.bpe")),
+                                            encoder_json_file=str(asset_path("encoder.json")))
+    return tiktoken.Encoding(name="gpt2-reference", pat_str=GPT2_PATTERN, mergeable_ranks=ranks,
+                             special_tokens={"<|endoftext|>": EOT}, explicit_n_vocab=EOT + 1)
+
+
 def reference(docs):
     """The obviously-correct stream: EOT, then encode_ordinary of each document."""
-    enc = get_tokenizer("gpt2").enc
+    enc = tiktoken_gpt2()
     return [[EOT] + enc.encode_ordinary(t) for t in docs]
 
 
@@ -71,6 +83,18 @@ def test_tokens_exact_and_identical_for_any_worker_count(corpus, tmp_path):
         assert np.array_equal(got, np.concatenate([ref[i] for i in ids]))
     assert [f.name for f in sorted((tmp_path / "w1").glob("x_train_*.bin"))][0] == "x_train_000001.bin"
     assert all(len(formats.read_shard(f)) == 1500 for f in sorted((tmp_path / "w1").glob("x_train_*.bin"))[:-1])
+
+
+def test_prepare_imports_no_torch(corpus, tmp_path):
+    """prepare's start-up is part of its time: torch (seconds to import) has no part in tokenizing text."""
+    d, _ = corpus
+    run_check_script(f"""
+import contextlib, io, sys
+from trainbox.cli import main
+with contextlib.redirect_stdout(io.StringIO()):
+    assert main(["prepare", {str(d / "a.jsonl")!r}, "--out", {str(tmp_path / "x")!r}, "--workers", "2", "--quiet"]) == 0
+assert "torch" not in sys.modules, "prepare imported torch"
+print("ok")""")
 
 
 def test_large_txt_is_read_in_pieces_with_the_same_tokens(tmp_path, monkeypatch):
@@ -113,7 +137,7 @@ def test_txt_folder_megatron_append_eod_and_vocab(tmp_path):
     st = prepare(PrepareOptions([str(tmp_path / "in")], str(tmp_path / "o/x"), format="megatron",
                                 append_eod=True, write_vocab=True, val_docs=1))
     assert st.documents == 5 and st.val_documents == 1
-    enc = get_tokenizer("gpt2").enc
+    enc = tiktoken_gpt2()
     ref = [enc.encode_ordinary(p.read_text()) + [EOT] for p in order]
     train = megatron.read_megatron(tmp_path / "o/x_text_document")
     val = megatron.read_megatron(tmp_path / "o/x_val_text_document")
@@ -127,7 +151,7 @@ def test_txt_folder_megatron_append_eod_and_vocab(tmp_path):
 def test_several_json_keys_megatron(corpus, tmp_path):
     d, docs = corpus
     prepare(PrepareOptions([str(d / "a.jsonl")], str(tmp_path / "x"), format="megatron", text_keys=["text", "title"]))
-    enc = get_tokenizer("gpt2").enc
+    enc = tiktoken_gpt2()
     title = megatron.read_megatron(tmp_path / "x_title_document")
     assert title.lengths.tolist() == [len(enc.encode_ordinary(t[:7])) for t in docs[:200]]
     assert megatron.read_megatron(tmp_path / "x_text_document").num_documents == 200

@@ -111,7 +111,7 @@ def test_dashboard_status_and_prometheus_show_the_scores(trained, tmp_path):
 
 
 def test_what_cannot_work_is_refused_before_any_work(tmp_path):
-    base = ["config", "validate", "tiny", "train.eval_tasks=[hellaswag]"]
+    base = ["config", "validate", "tiny", "train.eval_tasks=[hellaswag]", "optim.name=adamw"]  # Muon: no fsdp, no EP
     proc = run_cli(*base, "train.parallel=fsdp", "--nproc", "2", check=False)
     assert proc.returncode == 2 and "train.eval_tasks runs lm-eval on rank 0 alone" in proc.stderr, proc.stderr
     assert "under train.parallel=fsdp on 2 processes" in proc.stderr

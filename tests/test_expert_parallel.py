@@ -31,8 +31,8 @@ HERE = Path(__file__).parent
 # the final weights of the expert-parallel run against one process's: the same maths up to the order of sums, which
 # AdamW amplifies (3.9e-6 measured after these 4 steps at lr 5e-3); tests/test_fsdp.py's WEIGHT_ATOL says why 1e-4
 WEIGHT_TOL = dict(atol=1e-4, rtol=0)
-MOE = ["model.family=moe", "model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.capacity_factor=1.0",
-       "model.moe.lb_loss_weight=0.05", "model.moe.z_loss_weight=0.01"]
+MOE = ["optim.name=adamw", "model.family=moe", "model.moe.num_experts=4", "model.moe.top_k=2",
+       "model.moe.capacity_factor=1.0", "model.moe.lb_loss_weight=0.05", "model.moe.z_loss_weight=0.01"]
 
 
 def _launch(nproc: int, run_overrides: list[str]) -> str:

@@ -54,7 +54,8 @@ def test_memory_check_refuses_beyond_the_plans_margin():
     from trainbox.plan import MARGIN
     from trainbox.train.memory import check_memory
     cfg = load_config("tiny", ["train.device=cpu", "model.n_layer=2", "model.n_embd=32", "model.n_head=2",
-                               "data.seq_len=32", "train.micro_batch_size=4", "train.global_batch_size=8"])
+                               "data.seq_len=32", "train.micro_batch_size=4", "train.global_batch_size=8",
+                               "optim.name=adamw"])
     cpu = torch.device("cpu")
     plan = check_memory(cfg, 1024, cpu, torch.float32, free=10**12)
     total = plan.memory.needed

@@ -1,11 +1,11 @@
 """Checkpoints that do not fit: the file size limit (`ulimit -f`) and a full disk, said plainly.
 
 Through the real CLI, real `trainbox train` processes with the tiny recipe's settings (as test_faults_signals.py:
-its intervals, a smaller model) resume a 300-step run and fail to save step 600: under a file size limit set
+its intervals, a smaller model) resume a 150-step run and fail to save step 300: under a file size limit set
 in the child (model.safetensors over it, optimizer.pt over it, optimizer.pt reaching it while torch's writer
 writes it) and on a small file system (a tmpfs in a private mount namespace, `unshare -rm`, gone with the
 process). Every case: exit code 1, one message naming the cause, the checkpoint, the bytes and what to do, no
-traceback; the step-300 checkpoint still verifies, `latest` still names it, no staging folder is left; where
+traceback; the step-150 checkpoint still verifies, `latest` still names it, no staging folder is left; where
 the failed save had written files or the run comes back from the small disk, the same command with room
 resumes from it and finishes.
 
@@ -56,9 +56,9 @@ def _run(cmd: list[str], limit: int | None = None) -> subprocess.CompletedProces
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory, data_cache) -> Path:
-    """A run stopped at step 300 with its checkpoint (the recipe saves every 300 steps)."""
+    """A run of 150 steps, its checkpoint saved at its end (the recipe's 300 steps resume from it)."""
     run_dir = tmp_path_factory.mktemp("disk") / "base"
-    proc = _run(_train(run_dir, data_cache, "train.max_steps=300"))
+    proc = _run(_train(run_dir, data_cache, "train.max_steps=150"))
     assert proc.returncode == 0, proc.stderr
     return run_dir
 
@@ -97,7 +97,7 @@ def small_fs(tmp_path_factory) -> None:
 
 
 def _optimizer_bytes(base: Path) -> int:
-    return (base / "checkpoints" / "step_00000300" / "optimizer.pt").stat().st_size
+    return (base / "checkpoints" / "step_00000150" / "optimizer.pt").stat().st_size
 
 
 # case -> (where the run saves: a file size limit in bytes, or a tmpfs of base + N bytes; the message, a regex;
@@ -143,7 +143,7 @@ def test_a_save_that_does_not_fit_says_why_and_the_same_command_resumes(base, da
     messages = [line for line in proc.stderr.splitlines() if line.startswith("trainbox train:")]
     assert len(messages) == 1, out
     message, hint = messages[0], proc.stderr.split(messages[0], 1)[1].strip()
-    assert re.search(rf"saving checkpoint \S+/run/checkpoints/step_00000600 failed: {said}{KEPT}$", message), message
+    assert re.search(rf"saving checkpoint \S+/run/checkpoints/step_00000300 failed: {said}{KEPT}$", message), message
     if where == "limit":
         assert hint == "-> raise the limit (ulimit -f unlimited; in a container, its fsize ulimit), then resume " \
                        "with the same command", hint
@@ -151,16 +151,16 @@ def test_a_save_that_does_not_fit_says_why_and_the_same_command_resumes(base, da
         assert re.fullmatch(rf"-> free at least {SIZE} on that disk \(df -h \S+/checkpoints; delete old runs or lower "
                             r"train.keep_last\), then resume with the same command", hint), hint
     root = run_dir / "checkpoints"
-    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000300"], "a staging folder was left"
-    assert (root / "latest").read_text().strip() == "step_00000300"
-    checkpoint.verify(root / "step_00000300")
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000150"], "a staging folder was left"
+    assert (root / "latest").read_text().strip() == "step_00000150"
+    checkpoint.verify(root / "step_00000150")
     if not resumes:
         return
     again = _run(_train(run_dir, data_cache))   # with room: the same command
     assert again.returncode == 0, again.stderr
-    assert f"resuming from {root / 'step_00000300'} at step 300" in again.stderr
-    assert checkpoint.latest(root) == root / "step_00000600"
-    checkpoint.verify(root / "step_00000600")
+    assert f"resuming from {root / 'step_00000150'} at step 150" in again.stderr
+    assert checkpoint.latest(root) == root / "step_00000300"
+    checkpoint.verify(root / "step_00000300")
 
 
 # ----------------------------------------------------------------------------- below the CLI

@@ -33,9 +33,11 @@ from trainbox import checkpoint
 
 pytestmark = pytest.mark.faults
 
-# the tiny recipe as shipped, with a smaller model and evaluation (not its intervals)
+# the tiny recipe as shipped (its optimizer, logging and sample settings), with a smaller model and evaluation, run
+# for 600 steps with an evaluation and a save at step 300 (the recipe's own 300 steps evaluate and save at the end)
 SMALL = ["model.n_layer=1", "model.n_head=2", "model.n_embd=32", "data.seq_len=32", "train.global_batch_size=8",
-         "train.micro_batch_size=8", "train.eval_tokens=8192", "train.sample_tokens=0", "monitor.port=0"]
+         "train.micro_batch_size=8", "train.eval_tokens=8192", "train.sample_tokens=0", "monitor.port=0",
+         "train.max_steps=600", "train.eval_every=300", "train.checkpoint_every=300"]
 TOTAL, EVAL_AT = 600, 300
 STOPS = 6   # per signal: the first step, the evaluation or save of step 300, then random moments
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}

@@ -1,15 +1,26 @@
 """GPT-2 BPE against transformers, the KV cache against a full forward, and bits per byte by hand."""
 from __future__ import annotations
 
+import json
 import math
 
+import numpy as np
 import pytest
 import torch
 
 from trainbox.config import ModelSection
-from trainbox.data import embedded
+from trainbox.data import embedded, formats
 from trainbox.data.loader import TokenDataset
-from trainbox.data.tokenizer import asset_path, get_tokenizer
+from trainbox.data.sources import tokenize_embedded
+from trainbox.data.tokenizer import (
+    GPT2_ENCODER_SHA256,
+    GPT2_VOCAB_BPE_SHA256,
+    HFTokenizer,
+    asset_path,
+    get_tokenizer,
+    gpt2_ranks,
+    tiktoken_twin,
+)
 from trainbox.generate import filter_logits, sample
 from trainbox.model.gpt.model import GPT
 from trainbox.model.layers import Output
@@ -40,6 +51,37 @@ def test_gpt2_matches_transformers_tokenizer():
         assert ids == ref(text, add_special_tokens=False, split_special_tokens=True)["input_ids"], text[:60]
         assert ours.decode(ids) == text
     assert ours.vocab_size == 50257 and ours.eot_id == 50256
+
+
+def test_gpt2_ranks_equal_tiktokens_reading_of_the_merges():
+    """gpt2_ranks reads encoder.json alone; tiktoken's reader replays vocab.bpe's merges and checks both files."""
+    from tiktoken.load import data_gym_to_mergeable_bpe_ranks
+
+    ref = data_gym_to_mergeable_bpe_ranks(
+        vocab_bpe_file=str(asset_path("vocab.bpe")), encoder_json_file=str(asset_path("encoder.json")),
+        vocab_bpe_hash=GPT2_VOCAB_BPE_SHA256, encoder_json_hash=GPT2_ENCODER_SHA256)
+    ours = gpt2_ranks()
+    assert ours == ref and len(ours) == 50256
+
+
+def test_embedded_corpus_shards_equal_the_bpe_tokenizers_own_encoding(tmp_path):
+    """The embedded corpus is tokenized through the BPE's tiktoken twin: every token of it equals `tokenizers`'."""
+    tok = get_tokenizer("embedded:shakespeare-bpe")
+    assert tiktoken_twin(tok) is not None  # the fast path is the one under test
+    prefix = tokenize_embedded("shakespeare", tok, tmp_path)
+    for split, index in (("val", 0), ("train", 1)):
+        ref = [[tok.eot_id, *e.ids] for e in tok.tok.encode_batch(embedded.split(split), add_special_tokens=False)]
+        got = formats.read_shard(f"{prefix}_{split}_{index:06d}.bin")
+        assert np.array_equal(got, np.concatenate(ref)), split
+
+
+def test_tiktoken_twin_only_for_plain_byte_level_bpe(tmp_path):
+    spec = json.loads(asset_path("shakespeare-bpe.json").read_text())
+    for change in ({"pre_tokenizer": {**spec["pre_tokenizer"], "add_prefix_space": True}},
+                   {"normalizer": {"type": "NFC"}},
+                   {"model": {**spec["model"], "merges": spec["model"]["merges"][::-1]}}):  # ids against merge order
+        (tmp_path / "t.json").write_text(json.dumps({**spec, **change}))
+        assert tiktoken_twin(HFTokenizer(tmp_path / "t.json")) is None, change
 
 
 def test_embedded_bpe_round_trips_and_split_holds_out_whole_works():

@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from trainbox.config import load_config
-from trainbox.data.readers import list_input_files
+from trainbox.data.readers import first_row_is_preference, list_input_files
 from trainbox.data.tokenizer import get_tokenizer
 from trainbox.errors import DataError
 from trainbox.monitor.console import fmt_duration
@@ -49,7 +49,6 @@ def _prepare_progress(stream=None):
 
 
 def cmd_prepare(args) -> int:
-    from trainbox.data.preference import first_row_is_preference  # heavy: numpy, torch
     from trainbox.data.prepare import PrepareOptions, prepare  # heavy: numpy
 
     if any(first_row_is_preference(f) for f in list_input_files(args.inputs)):

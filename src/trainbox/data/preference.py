@@ -33,7 +33,6 @@ of dpo.reference=precompute are stored beside a split's files (objective/prefere
 """
 from __future__ import annotations
 
-import gzip
 import hashlib
 import json
 import logging
@@ -70,24 +69,6 @@ class Pair:
     prompt: str | list
     chosen: str | list
     rejected: str | list
-
-
-def is_preference_row(row) -> bool:
-    return isinstance(row, dict) and "chosen" in row and "rejected" in row
-
-
-def first_row_is_preference(path: Path) -> bool:
-    """Whether a JSONL file holds preference rows, from its first non-empty line."""
-    if not path.is_file() or not path.name.endswith(JSONL_SUFFIXES):
-        return False
-    with (gzip.open(path, "rt", encoding="utf-8") if path.name.endswith(".gz") else open(path, encoding="utf-8")) as f:
-        for line in f:
-            if line.strip():
-                try:
-                    return is_preference_row(json.loads(line))
-                except json.JSONDecodeError:
-                    return False
-    return False
 
 
 def _shared_prefix(a: list, b: list) -> int:

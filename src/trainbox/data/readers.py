@@ -1,7 +1,7 @@
 """Reading `trainbox prepare` inputs: .txt (one document per file), .jsonl / .jsonl.gz (one per line).
 
 The main process only reads bytes here and groups them into work items; decoding, JSON parsing and
-validation (`parse_json_line`) run in the tokenizer processes. A .txt file larger than TXT_PIECE_BYTES
+validation (`parse_json_line`) run in the tokenizer workers. A .txt file larger than TXT_PIECE_BYTES
 is cut into pieces at points where the GPT-2 pre-tokenizer always splits (`_safe_cut`), so a multi-GB
 file streams in bounded memory and still gives the tokens of the whole file.
 """
@@ -18,7 +18,7 @@ from trainbox.errors import DataError
 
 TEXT_SUFFIXES = (".txt", ".md", ".text")
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".json.gz", ".ndjson")
-ITEM_BYTES = 1 << 20          # raw input bytes per work item sent to a tokenizer process
+ITEM_BYTES = 1 << 20          # raw input bytes per work item sent to a tokenizer worker
 TXT_PIECE_BYTES = 8 << 20     # a .txt file larger than this is read and tokenized in pieces
 
 
@@ -79,6 +79,24 @@ def first_record_is_chat(path: Path) -> bool:
             if line.strip():
                 try:
                     return is_chat_record(json.loads(line))
+                except json.JSONDecodeError:
+                    return False
+    return False
+
+
+def is_preference_row(row) -> bool:
+    return isinstance(row, dict) and "chosen" in row and "rejected" in row
+
+
+def first_row_is_preference(path: Path) -> bool:
+    """Whether a JSONL file holds preference rows (data/preference.py), from its first non-empty line."""
+    if not path.is_file() or not path.name.endswith(JSONL_SUFFIXES):
+        return False
+    with _open(path) as f:
+        for line in f:
+            if line.strip():
+                try:
+                    return is_preference_row(json.loads(line))
                 except json.JSONDecodeError:
                     return False
     return False

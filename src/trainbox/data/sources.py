@@ -37,7 +37,7 @@ from trainbox.data.formats import write_shard
 from trainbox.data.loader import TokenDataset, open_tokens
 from trainbox.data.prepare import PrepareOptions, prepare
 from trainbox.data.readers import JSONL_SUFFIXES, TEXT_SUFFIXES, list_input_files
-from trainbox.data.tokenizer import Tokenizer
+from trainbox.data.tokenizer import HFTokenizer, Tokenizer, tiktoken_twin
 from trainbox.errors import DataError
 
 log = logging.getLogger("trainbox")  # the monitor's console logger (data/ does not import monitor/)
@@ -58,9 +58,12 @@ def tokenize_embedded(corpus: str, tokenizer: Tokenizer, cache: Path) -> Path:
     prefix = out / corpus
     if not (out / "COMPLETE").exists():
         out.mkdir(parents=True, exist_ok=True)
+        # a byte-level BPE's tiktoken twin gives the same tokens on this corpus (a test holds them equal), 10x faster
+        twin = tiktoken_twin(tokenizer) if isinstance(tokenizer, HFTokenizer) else None
         for split, index in (("val", 0), ("train", 1)):
             docs = embedded.split(split)
-            ids = (tokenizer.encode_batch(docs) if hasattr(tokenizer, "encode_batch")
+            ids = (twin.encode_ordinary_batch(docs) if twin is not None
+                   else tokenizer.encode_batch(docs) if hasattr(tokenizer, "encode_batch")
                    else [tokenizer.encode(d) for d in docs])
             stream = np.concatenate([np.concatenate([[tokenizer.eot_id], d]) for d in ids]).astype(np.uint16)
             write_shard(f"{prefix}_{split}_{index:06d}.bin", stream)
