@@ -233,7 +233,7 @@ def test_dpo_plan_counts_both_sequences_of_a_pair_and_the_reference(reference):
     assert plan.activations.saved == pytest.approx(saved, rel=0.01)
     assert plan.memory.reference == held == (4 * count_parameters(cfg, 512).total if reference == "model" else 0)
     assert plan.memory.needed == plain.memory.needed + held
-    sharded = small("llama", *extra, "train.parallel=fsdp", "train.global_batch_size=6")
+    sharded = small("llama", *extra, "train.parallel=fsdp", "train.global_batch_size=6", "optim.name=adamw")
     assert make_plan(sharded, 512, local_cpu(), nproc=2).memory.reference == held // 2
     card = make_plan(small("llama", *extra), 512, gpu("H100")).memory   # bf16 on a GPU: 2 bytes a parameter
     assert card.reference == held // 2

@@ -222,7 +222,7 @@ class _HeadCE(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, cap: float, dtype: torch.dtype,
-                fp8: bool, need_dx: bool = True, need_dw: bool = True, limit: int = 0):
+                fp8: bool, need_dx: bool = True, need_dw: bool = True, limit: int | None = None, of: int = 0):
         ctx.dtypes, ctx.fp8, ctx.cap = (x.dtype, w.dtype), fp8, cap
         xc = x.to(dtype)
         if fp8:  # all three matmuls in FP8: the logits from e4m3 operands, both gradients from the e5m2 G
@@ -232,7 +232,8 @@ class _HeadCE(torch.autograd.Function):
             return loss
         wc = w.to(dtype)
         rows = xc.size(0)
-        whole = need_dw and (not limit or rows * w.size(0) * wc.element_size() <= limit)
+        # `of`: these rows are the trained ones of that many, and the choice is the one all of them would make
+        whole = need_dw and (limit is None or (of or rows) * w.size(0) * wc.element_size() <= limit)
         ctx.mode = "whole" if whole else "recompute" if need_dw else "dx" if need_dx else "loss"
         if whole:
             grad = xc @ wc.t()   # the logits, until head_ce_ overwrites them
@@ -252,7 +253,7 @@ class _HeadCE(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
-        none = (None,) * 7
+        none = (None,) * 8
         if ctx.fp8:
             grad8, xc, w8, ws = ctx.saved_tensors
             scale = g.float()[:, None]
@@ -354,7 +355,7 @@ def _rows(x2: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, cap: fl
     fp8 = fp8 and fp8_shapes_ok(*x2.shape, weight.size(0))
     grads = torch.is_grad_enabled()
     loss = _HeadCE.apply(x2, weight, flat, float(cap), dtype, fp8, grads and x2.requires_grad,
-                         grads and weight.requires_grad, whole_limit(x2.device) * x2.size(0) // (of or x2.size(0)))
+                         grads and weight.requires_grad, whole_limit(x2.device), of)
     if reduction == "none":
         return loss.view(targets.shape)
     if reduction == "sum":
