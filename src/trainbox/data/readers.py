@@ -69,19 +69,21 @@ def json_objects(path: Path) -> Iterator[tuple[dict, int]]:
             yield row, n
 
 
-def first_record_is_chat(path: Path) -> bool:
-    """Whether a JSONL file holds chat records, from its first line (False for a pipe, which can't be peeked)."""
-    if not path.is_file():
-        return False
-
+def _first_row(path: Path):
+    """The first non-empty line of a JSONL file, parsed (None: no such line, or not JSON)."""
     with _open(path) as f:
         for line in f:
             if line.strip():
                 try:
-                    return is_chat_record(json.loads(line))
+                    return json.loads(line)
                 except json.JSONDecodeError:
-                    return False
-    return False
+                    return None
+    return None
+
+
+def first_record_is_chat(path: Path) -> bool:
+    """Whether a JSONL file holds chat records, from its first line (False for a pipe, which can't be peeked)."""
+    return path.is_file() and is_chat_record(_first_row(path))
 
 
 def is_preference_row(row) -> bool:
@@ -90,16 +92,7 @@ def is_preference_row(row) -> bool:
 
 def first_row_is_preference(path: Path) -> bool:
     """Whether a JSONL file holds preference rows (data/preference.py), from its first non-empty line."""
-    if not path.is_file() or not path.name.endswith(JSONL_SUFFIXES):
-        return False
-    with _open(path) as f:
-        for line in f:
-            if line.strip():
-                try:
-                    return is_preference_row(json.loads(line))
-                except json.JSONDecodeError:
-                    return False
-    return False
+    return path.is_file() and path.name.endswith(JSONL_SUFFIXES) and is_preference_row(_first_row(path))
 
 
 def splits_like_gpt2(tok) -> bool:

@@ -147,9 +147,10 @@ def decoder_block(shapes, w: Widths, kern: Kernels, frozen: bool = False, lora_d
     b = Block(kern.attn_saved_by_selective, w.compiled)
     b.inp(w.r * d)
     b.keep(w.rms(d, True) - w.r * d)
-    casts = 1 if w.compiled else None        # compiled: the norm's output cast once, read by every matmul
+    def norm_out(n: int) -> int:             # compiled: the norm's output cast once, read by every matmul
+        return 1 if w.compiled else w.casts(n)
     if not frozen:
-        b.keep((casts or w.casts(3)) * a * d)  # the norm's output, q's, k's and v's input
+        b.keep(norm_out(3) * a * d)            # the norm's output, q's, k's and v's input
     b.mm(a * (shapes.q + 2 * shapes.kv), keep=False)   # q, k, v (RoPE makes new q and k)
     b.keep(a * (shapes.q + 2 * shapes.kv))     # the attention's inputs: rotated q and k, v
     b.attn(a * shapes.q + 4 * shapes.heads)    # its output and log-sum-exp
@@ -158,7 +159,7 @@ def decoder_block(shapes, w: Widths, kern: Kernels, frozen: bool = False, lora_d
     b.mm(a * d, keep=False, residual=True)
     b.keep(w.rms(d, True))
     if not frozen:
-        b.keep((casts or w.casts(2 if shapes.gated else 1)) * a * d)
+        b.keep(norm_out(2 if shapes.gated else 1) * a * d)
     if shapes.gated:
         b.mm(2 * a * shapes.ffn)               # gate (kept by SiLU) and up (kept by the product)
         if not w.compiled:                     # Inductor makes SiLU(gate) again from gate in the backward
