@@ -148,6 +148,28 @@ def test_the_references_agree(folder, prefs, tmp_path, family):
         assert not torch.allclose(got, sequence_logps(trainer.model, batch)[0], atol=1e-3)   # the policy moved
 
 
+@pytest.mark.parametrize("disable", [True, False])
+def test_the_policy_trains_without_dropout_by_default(folder, prefs, tmp_path, disable):
+    """dpo.disable_dropout (TRL's default too): the resolved config holds lora.dropout and model.dropout at 0 and no
+    dropout module of the policy drops anything, so its log-probabilities in train mode are those of eval mode, as
+    the reference's are taken; false keeps the dropout the config asks for."""
+    cfg = load_config("dpo", args(folder, prefs, tmp_path, f"drop-{disable}", "model.family=hf", "lora.dropout=0.5",
+                                  "train.max_steps=1", f"dpo.disable_dropout={str(disable).lower()}"))
+    trainer = Trainer(cfg)
+    trainer.setup()
+    assert trainer.cfg.lora.dropout == (0.0 if disable else 0.5) and cfg.lora.dropout == 0.5
+    with torch.no_grad():   # LoRA's B starts at 0: move it, so the adapters (and their dropout) count
+        for name, p in trainer.model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+    batch = trainer.train_data.batch([0, 1])
+    trainer.model.train()
+    train_mode = sequence_logps(trainer.model, batch)[0]
+    trainer.model.eval()
+    eval_mode = sequence_logps(trainer.model, batch)[0]
+    assert torch.equal(train_mode, eval_mode) == disable
+
+
 @pytest.mark.parametrize("loss", ["ipo", "simpo", "orpo"])
 def test_every_loss_trains(folder, prefs, tmp_path, loss):
     """Each loss lowers itself and raises the reward accuracy; simpo and orpo build no reference at all."""

@@ -46,8 +46,8 @@ def test_loss_and_gradients_equal_torch(cap, reduction):
 def test_every_way_of_the_head_equals_torch(way, masked, monkeypatch):
     """The head's four ways (_HeadCE: G kept whole, dx made in the forward for a frozen weight, G recomputed by
     chunks in the backward past the size limit, the loss alone without gradients), each over several chunks
-    (HEAD_CHUNK 8 of 37 rows), with and without a mask: the loss and the gradients asked for equal torch's."""
-    monkeypatch.setattr(fused_ce, "HEAD_CHUNK", 8)
+    (chunks of 8 of 37 rows), with and without a mask: the loss and the gradients asked for equal torch's."""
+    monkeypatch.setattr(fused_ce, "chunk_rows", lambda vocab, elem: 8)
     if way == "recompute":
         monkeypatch.setattr(fused_ce, "whole_limit", lambda device: 1)
     ways = []

@@ -507,5 +507,8 @@ def test_the_plan_counts_the_fused_loss_as_it_runs():
     """The fused loss's chunk and the share of memory up to which it keeps its gradient whole are the plan's."""
     from trainbox.kernels import fused_ce
     from trainbox.model import memory
-    assert (memory.HEAD_CHUNK, memory.WHOLE_SHARE, memory.LOSS_CHUNK) == \
-        (fused_ce.HEAD_CHUNK, fused_ce.WHOLE_SHARE, fused_ce.LCE_CHUNK)
+    assert (memory.CHUNK_BYTES, memory.WHOLE_SHARE, memory.LOSS_CHUNK) == \
+        (fused_ce.CHUNK_BYTES, fused_ce.WHOLE_SHARE, fused_ce.LCE_CHUNK)
+    for vocab in (512, 32000, 50304, 128256, 151936, 262144):
+        for elem in (2, 4):
+            assert memory.chunk_rows(vocab, elem) == fused_ce.chunk_rows(vocab, elem)

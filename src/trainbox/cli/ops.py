@@ -85,11 +85,13 @@ def _launch_image(args) -> int:
 
 def cmd_plan(args) -> int:
     from trainbox.model.build import resolve_model  # heavy: numpy
+    from trainbox.objective import resolve_objective  # heavy: torch
     from trainbox.plan import plan_run, plan_target  # heavy: numpy, torch
     from trainbox.plan.report import format_plan  # heavy: numpy, torch
 
-    # the model as train builds it: the recipe's required keys, the family's resolution (model.path's shape)
-    cfg = resolve_model(load_config(args.recipe, args.overrides))
+    # the model as train builds it: the recipe's required keys, the family's resolution (model.path's shape), the
+    # objective's (dpo.disable_dropout)
+    cfg = resolve_objective(resolve_model(load_config(args.recipe, args.overrides)))
     overrides = list(args.overrides)
     # the layout `trainbox train --nproc N` would decide: its micro-batch, planned
     target = plan_target(cfg, args.gpu, args.gpu_mem)

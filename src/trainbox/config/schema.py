@@ -326,6 +326,10 @@ class DpoSection(Section):
                                   "data (reused by later runs and resumes of the same weights and data); model: a "
                                   "frozen copy of the initial model run beside the policy every step. LoRA "
                                   "(model.family=hf): the base with its adapters switched off, no copy")
+    disable_dropout: bool = Field(
+        True, description="train the policy without dropout (model.dropout and lora.dropout resolve to 0), as TRL's "
+                          "DPOConfig does by default: the reference's log-probabilities are taken without it, and "
+                          "dropout in the policy alone adds noise to every log-ratio")
     max_prompt_len: int | None = Field(
         None, ge=1, le=MAX_POSITIONS, description="a pair longer than data.seq_len loses the start of its prompt "
                                                   "down to this many tokens, then the ends of its responses "

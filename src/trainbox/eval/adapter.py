@@ -18,7 +18,9 @@ and KV cache (any family whose `generate` is "causal"):
   are one token). Rows are sorted longest first (lm-eval's order) and batched, right-padded: a causal model never
   looks to the right, so no mask is needed. The forward computes the head for the last K positions of a batch only,
   K covering every continuation in it (`logits_to_keep`), so for short answers the head matmul and the
-  log-softmax run over a few positions instead of the whole sequence. One host read per batch.
+  log-softmax run over a few positions instead of the whole sequence. A batch's inputs are built on the host while
+  the GPU runs the one before (pinned memory, copies that do not wait), and the scores stay on the device until every
+  batch has run: one host read per call, so the GPU never waits for the host between batches.
 - loglikelihood_rolling (text) -> its log-likelihood over disjoint windows of max_length tokens (lm-eval's
   get_rolling_token_windows; the first window is conditioned on the end-of-text token), scored as loglikelihood
   requests, all windows of all documents batched together.
@@ -35,7 +37,8 @@ from contextlib import nullcontext
 from typing import Callable
 
 import lm_eval.models  # noqa: F401 - lm-eval's own models (hf, ...) registered before ours: its registry loads
-import torch  # them itself only while it is empty
+import numpy as np  # them itself only while it is empty
+import torch
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window, simple_parse_args_string
@@ -112,43 +115,54 @@ class TrainboxLM(TemplateLM):
             whole = (context + continuation)[-(self.max_length + 1):]
             rows.setdefault(tuple(whole[:-1]), []).append((i, continuation))
         order = sorted(rows, key=lambda r: (-len(r), r))
-        out: list = [None] * len(requests)
+        owners: list[int] = []   # the request of each score, in the order the batches produce them
+        scores: list[torch.Tensor] = []   # per batch: (2, its requests) on the device, log-likelihood and misses
         # one autocast region for every batch: autocast casts each weight once and keeps the copy while it lasts
         with torch.no_grad(), self.autocast():
             for start in range(0, len(order), self.batch_size):
                 batch = order[start:start + self.batch_size]
-                for i, answer in self._score(batch, [rows[r] for r in batch]):
-                    out[i] = answer
-                    if requests[i][0] is not None:
-                        self.cache_hook.add_partial("loglikelihood", requests[i][0], answer)
+                requests_of, sums = self._score(batch, [rows[r] for r in batch])
+                owners += requests_of
+                scores.append(sums)
+        out: list = [None] * len(requests)
+        lps, misses = torch.cat(scores, 1).tolist() if scores else ([], [])
+        for i, lp, miss in zip(owners, lps, misses):
+            out[i] = (lp, miss == 0)
+            if requests[i][0] is not None:
+                self.cache_hook.add_partial("loglikelihood", requests[i][0], out[i])
         return out
 
     def _score(self, inputs: list[tuple[int, ...]], wanted: list[list[tuple[int, list[int]]]]):
-        """One forward over `inputs` (longest first) -> [(request, (log-likelihood, greedy))] for every continuation
-        `wanted` of each input."""
+        """One forward over `inputs` (longest first) -> (the request of each continuation `wanted` of each input,
+        (2, those requests) on the device: the log-likelihood and the count of tokens that are not the argmax)."""
         T = len(inputs[0])
-        x = torch.zeros(len(inputs), T, dtype=torch.long)
-        for b, ids in enumerate(inputs):
-            x[b, :len(ids)] = torch.tensor(ids)
         first = min(len(ids) - max(len(c) for _, c in conts) for ids, conts in zip(inputs, wanted))
-        logits = self.model(x.to(self.device), logits_to_keep=T - first).logits   # positions first..T-1
-        rows, cols, targets, owner, requests = [], [], [], [], []
+        x = np.zeros((len(inputs), T), dtype=np.int64)
+        where, targets, owner, requests = [], [], [], []   # flat index into the kept logits of each scored token
         for b, (ids, conts) in enumerate(zip(inputs, wanted)):
+            x[b, :len(ids)] = ids
             for i, cont in conts:
-                start = len(ids) - len(cont) - first   # the positions that predict the continuation's tokens
-                rows += [b] * len(cont)
-                cols += range(start, start + len(cont))
+                start = b * (T - first) + len(ids) - len(cont) - first   # the positions predicting its tokens
+                where += range(start, start + len(cont))
                 targets += cont
                 owner += [len(requests)] * len(cont)
                 requests.append(i)
-        rows, cols, targets, owner = (torch.tensor(v, device=self.device) for v in (rows, cols, targets, owner))
-        scored = logits[rows, cols].float()   # (tokens, V): only the positions a continuation reads, whole head
+        x, where, targets, owner = (self._send(np.asarray(v, dtype=np.int64)) for v in (x, where, targets, owner))
+        logits = self.model(x, logits_to_keep=T - first).logits   # positions first..T-1
+        scored = logits.flatten(0, 1)[where].float()   # (tokens, V): only the positions a continuation reads
         token_lp = (scored.gather(1, targets[:, None])[:, 0] - torch.logsumexp(scored, -1)).double()
         sums = torch.zeros(2, len(requests), dtype=torch.float64, device=self.device)
         sums[0].index_add_(0, owner, token_lp)
         sums[1].index_add_(0, owner, (scored.argmax(-1) != targets).double())
         self.on_batch()
-        return [(i, (lp, misses == 0)) for i, lp, misses in zip(requests, *sums.tolist())]
+        return requests, sums
+
+    def _send(self, a: np.ndarray) -> torch.Tensor:
+        """A host array on the model's device; from pinned memory on a GPU, so the copy waits for nothing."""
+        t = torch.from_numpy(a)
+        if self.device.type != "cuda":
+            return t.to(self.device)
+        return t.pin_memory().to(self.device, non_blocking=True)
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         windows, owners = [], []

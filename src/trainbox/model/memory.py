@@ -39,7 +39,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 LOSS_CHUNK = 8192                                  # QuACK's linear cross-entropy: rows per chunk (fused_ce.py)
-HEAD_CHUNK = 4096                                  # the fused loss's rows per chunk (fused_ce.HEAD_CHUNK)
+CHUNK_BYTES = 2**28                                # the fused loss's logits per chunk (fused_ce.CHUNK_BYTES)
 WHOLE_SHARE = 4                                    # its gradient kept whole up to 1/4 of the memory (fused_ce)
 
 
@@ -175,6 +175,11 @@ def decoder_block(shapes, w: Widths, kern: Kernels, frozen: bool = False, lora_d
     return b
 
 
+def chunk_rows(vocab: int, elem: int) -> int:
+    """The fused loss's rows per chunk (fused_ce.chunk_rows)."""
+    return max(128, CHUNK_BYTES // max(1, vocab * elem) // 128 * 128)
+
+
 def head_bytes(tokens: int, d: int, vocab: int, w: Widths, kern: Kernels, softcap: bool, fp8: bool,
                compiled: bool, frozen: bool = False) -> tuple[int, int]:
     """(saved, transient) bytes of the final norm's output, the head and the loss over `tokens` targets (every
@@ -192,7 +197,7 @@ def head_bytes(tokens: int, d: int, vocab: int, w: Widths, kern: Kernels, softca
         # weight: dx made in the forward a chunk at a time; past head_limit: the head's input kept, each chunk's
         # logits and their gradient made again in the backward beside an fp32 dW (fused_ce._HeadCE)
         extra = 2 * tokens * vocab * 4 if kern.fused_loss == "torch" else 0
-        chunk = min(tokens, HEAD_CHUNK) * vocab * a * (1 + (4 if kern.fused_loss == "torch" else 0))
+        chunk = min(tokens, chunk_rows(vocab, a)) * vocab * a * (1 + (4 if kern.fused_loss == "torch" else 0))
         if frozen:
             return tokens * a * d, chunk
         if w.head_limit and tokens * vocab * a > w.head_limit:

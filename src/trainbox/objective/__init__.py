@@ -25,6 +25,11 @@ def build_objective(cfg, device: torch.device | None = None, dtype: torch.dtype 
     return OBJECTIVES[cfg.train.objective](cfg, device, dtype)
 
 
+def resolve_objective(cfg):
+    """`cfg` as train.objective trains it (Objective.resolve): the pre-flight check's, once."""
+    return OBJECTIVES[cfg.train.objective].resolve(cfg)
+
+
 def memory_terms(cfg) -> tuple[int, bool]:
     """For the memory plan: (sequences a sample puts through the model, whether a frozen copy of the initial model
     is kept beside it)."""

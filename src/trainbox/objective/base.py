@@ -62,6 +62,12 @@ class Objective:
         """Whether a frozen copy of the initial model must be built beside it (train/build.py)."""
         return False
 
+    @classmethod
+    def resolve(cls, cfg):
+        """The run's config as this objective trains it (a new one where something changes; `cfg` is never
+        changed): the pre-flight check applies it once, and config.yaml records the result."""
+        return cfg
+
     def attach(self, run: Runtime) -> None:
         """Before the checkpoint's weights are loaded: what is taken from the initial model."""
 

@@ -91,6 +91,14 @@ class Preference(Objective):
         return (cfg.dpo.loss not in REFERENCE_FREE and cfg.dpo.reference == "model"
                 and not family(cfg.model.family).adapters)
 
+    @classmethod
+    def resolve(cls, cfg):
+        """dpo.disable_dropout: the policy trains with model.dropout and lora.dropout at 0."""
+        if not cfg.dpo.disable_dropout or (cfg.model.dropout == 0 and cfg.lora.dropout == 0):
+            return cfg
+        return cfg.model_copy(update={"model": cfg.model.model_copy(update={"dropout": 0.0}),
+                                      "lora": cfg.lora.model_copy(update={"dropout": 0.0})})
+
     # ------------------------------------------------------------------ data
     def open_datasets(self, cfg, tokenizer, vocab: int):
         train, val = open_pair_datasets(cfg.data, cfg.dpo, tokenizer, vocab)
@@ -140,6 +148,10 @@ class Preference(Objective):
         return logps
 
     def attach(self, run: Runtime) -> None:
+        if self.dpo.disable_dropout:   # what the config's keys do not reach: a Hugging Face model's own dropout
+            for m in run.model.modules():
+                if isinstance(m, torch.nn.Dropout):
+                    m.p = 0.0
         if not self.needs_reference:
             return
         reference = self._reference(run)

@@ -2,7 +2,8 @@
 
     checked = preflight(cfg, world=2, adapt_micro_batch=True)   # or a ConfigError naming the key and the fix
 
-In order: the keys the recipe requires and the family's resolution (llama with model.path: the folder's shape),
+In order: the keys the recipe requires and the family's resolution (llama with model.path: the folder's shape), the
+objective's (dpo.disable_dropout),
 data.packing on examples for a family that cannot pack them (model/spec.py Family.check_packing),
 the device (train/device.py: train.device=cuda without a GPU, a GPU recipe on a CPU, bf16 on a CPU, FP8 without
 FP8 tensor cores, ...), the run's layout on `world` processes (config/layout.py: micro-batch, accumulation,
@@ -24,6 +25,7 @@ from trainbox.config.layout import RunLayout, decide_layout
 from trainbox.eval.training import check as check_eval_tasks
 from trainbox.model.build import build_tokenizer, check_packing, check_vocab_size, resolve_model
 from trainbox.monitor.server import check_host
+from trainbox.objective import resolve_objective
 from trainbox.train.device import resolve_device
 
 
@@ -42,7 +44,7 @@ def preflight(cfg: RunConfig, world: int, local_rank: int = 0, adapt_micro_batch
     """Check `cfg` for the process at `local_rank` of a run on `world` processes; `adapt_micro_batch`: the command
     line did not give train.micro_batch_size (config/layout.py); `serves_monitor`: this process would serve the
     monitor (rank 0). `cfg` itself is never changed."""
-    resolved = resolve_model(cfg)
+    resolved = resolve_objective(resolve_model(cfg))
     check_packing(resolved)
     device, dtype, resolved = resolve_device(resolved, local_rank)
     layout = decide_layout(resolved, world, device.type, adapt_micro_batch)
