@@ -14,7 +14,8 @@ biases) on the SAME preference pairs: plain-text rows of a word-level tokenizer 
 exactly --seq-len tokens (the prompt, the response, the end-of-text token), so neither side pads. Same micro-batch
 of pairs (--micro-batch 4, 1,024 tokens: 8 sequences a forward), bf16 autocast over fp32 weights and AdamW (full
 fine-tuning) or a bf16 frozen base with LoRA r=16, alpha 32, dropout 0.05, all-linear (lora), dropout off in the
-policy as both sides do by default (TRL's disable_dropout, our dpo.disable_dropout), dpo loss with beta 0.1, lr 5e-7 (LoRA 5e-6), no activation checkpointing on either side (--checkpointing: ours
+policy as both sides do by default (TRL's disable_dropout, our dpo.disable_dropout), dpo loss with beta 0.1,
+lr 5e-7 (LoRA 5e-6), no activation checkpointing on either side (--checkpointing: ours
 train.activation_checkpointing=full or lora.gradient_checkpointing, TRL gradient_checkpointing without reentrancy),
 `--steps` optimizer steps, tokens/s after `--warmup` steps (2 x pairs x seq_len tokens a step). Modes (--modes):
 

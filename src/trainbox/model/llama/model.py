@@ -12,9 +12,9 @@ unless `model.llama.tie_embeddings`. No biases, except Qwen2's on q, k and v (`m
 RoPE rotates the two halves of each head against each other (Hugging Face's rotate_half convention), so
 q_proj and k_proj load from and export to Hugging Face folders as they are, with no permutation of their
 rows. Llama 3.1's frequency scaling (`model.llama.rope_scaling.rope_type=llama3`) stretches the low
-frequencies. The angles are computed once per forward from the positions, for all layers (no tables kept
-in buffers, so a model built on the meta device needs nothing recomputed). Attention is PyTorch SDPA with
-enable_gqa (k and v are never repeated in memory); with `model.fused_loss` the head and the cross-entropy
+frequencies. The angles are computed once per forward from the positions, for all layers, outside any compiled
+graph (no tables kept in buffers, so a model built on the meta device needs nothing recomputed). Attention is PyTorch
+SDPA with enable_gqa (k and v are never repeated in memory); with `model.fused_loss` the head and the cross-entropy
 are one function that never keeps the logits, as in the gpt family.
 
 Packed rows (data.packing: several fine-tuning examples in one row, data/packing.py) come with `doc_ids` and
@@ -153,10 +153,13 @@ class Llama(nn.Module):
         scaled_residual_init_(self, "down_proj.weight", cfg.n_layer)
         self.packed_kernel: str | None = None   # the kernel of packed rows, decided on the first (kernels/choice.py)
 
+    @torch.compiler.disable   # traced, Inductor would recompute the frequencies, cos and sin in every layer's rotation
     def rope(self, pos: int, T: int, device: torch.device,
              positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin of positions pos..pos+T-1, (T, head_dim / 2) in fp32, shared by every layer; of packed rows'
-        (B, T) `positions`, (B, 1, T, head_dim / 2)."""
+        (B, T) `positions`, (B, 1, T, head_dim / 2). Computed outside any compiled graph, once a forward, so each
+        layer's rotation reads them (inside the graph, Inductor fuses their pow, cos and sin into every layer's
+        kernel instead, per element)."""
         lc = self.cfg.llama
         inv = rope_frequencies(head_dim(self.cfg), lc.rope_theta, lc.rope_scaling, device)
         if positions is not None:
