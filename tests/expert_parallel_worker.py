@@ -18,13 +18,17 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
 import torch
+import torch._dynamo
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_moe import reference_moe  # noqa: E402 - the slow per-token MoE
 
 from trainbox.config import load_config  # noqa: E402
 from trainbox.config.layout import decide_layout  # noqa: E402
+from trainbox.model.memory import Block, Kernels, Widths  # noqa: E402
+from trainbox.model.moe.memory import moe_ffn, padded_rows  # noqa: E402
 from trainbox.parallel import expert  # noqa: E402
 from trainbox.parallel.distributed import Dist  # noqa: E402
 from trainbox.train.build import build_model_side  # noqa: E402
@@ -98,6 +102,18 @@ def check_case(d: Dist, n: int, cf: float, exchange: str, checkpointing: str,
         assert dropped == 0, "capacity N drops nothing"
     with torch.no_grad():
         torch.testing.assert_close(model.hidden(x), ref_model.hidden(x), **TOL)
+    if shard is not None and exchange == "padded" and checkpointing == "none":
+        # the plan's formula (model/moe/memory.py) for what the layer keeps, pad rows included, to the byte
+        block = Block(attn_saved=True)
+        moe_ffn(block, 32, cfg.model.moe, Widths(a=4, r=4, cuda=False, expert_parallel=n),
+                Kernels("sdpa", "off", "unfused", "off"), cfg.model.bias, padded_rows(cfg.model.moe, B * T))
+        assert saved_bytes(layer, h) == pytest.approx(block.none * B * T, rel=1e-3)
+    if shard is not None and exchange == "padded" and checkpointing == "none" and cf == 0.5:
+        # nothing read on the host: torch.compile captures the whole layer, exchanges included, as one graph
+        torch._dynamo.reset()
+        explained = torch._dynamo.explain(layer)(h)
+        assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+        torch._dynamo.reset()
 
     # a training step as the loop takes it: W ranks of one micro-batch each, against one process over all W
     out = ep.parallel.forward(x, y, reduction="sum")
@@ -145,6 +161,22 @@ def check_case(d: Dist, n: int, cf: float, exchange: str, checkpointing: str,
     if shard is not None:
         for name, p in shard.params.items():
             assert state["optim"]["state"][name]["exp_avg"].shape == p.shape
+
+
+def saved_bytes(layer: torch.nn.Module, h: torch.Tensor) -> int:
+    """Bytes autograd keeps for the backward of one training forward of `layer`, its parameters left out."""
+    skip = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+    seen: dict[int, int] = {}
+
+    def add(t: torch.Tensor) -> torch.Tensor:
+        st = t.untyped_storage()
+        if st.data_ptr() not in skip:
+            seen[st.data_ptr()] = max(seen.get(st.data_ptr(), 0), st.nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(add, lambda t: t):
+        layer(h.detach().requires_grad_())
+    return sum(seen.values())
 
 
 def _refuse(*args):
