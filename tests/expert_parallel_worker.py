@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -27,10 +28,12 @@ from test_moe import reference_moe  # noqa: E402 - the slow per-token MoE
 
 from trainbox.config import load_config  # noqa: E402
 from trainbox.config.layout import decide_layout  # noqa: E402
-from trainbox.model.memory import Block, Kernels, Widths  # noqa: E402
+from trainbox.model.gpt.memory import gpt_block  # noqa: E402
+from trainbox.model.memory import Kernels, Widths  # noqa: E402
 from trainbox.model.moe.memory import moe_ffn, padded_rows  # noqa: E402
 from trainbox.parallel import expert  # noqa: E402
 from trainbox.parallel.distributed import Dist  # noqa: E402
+from trainbox.train import recompute  # noqa: E402
 from trainbox.train.build import build_model_side  # noqa: E402
 from trainbox.train.loop import train  # noqa: E402
 
@@ -102,12 +105,14 @@ def check_case(d: Dist, n: int, cf: float, exchange: str, checkpointing: str,
         assert dropped == 0, "capacity N drops nothing"
     with torch.no_grad():
         torch.testing.assert_close(model.hidden(x), ref_model.hidden(x), **TOL)
-    if shard is not None and exchange == "padded" and checkpointing == "none":
-        # the plan's formula (model/moe/memory.py) for what the layer keeps, pad rows included, to the byte
-        block = Block(attn_saved=True)
-        moe_ffn(block, 32, cfg.model.moe, Widths(a=4, r=4, cuda=False, expert_parallel=n),
-                Kernels("sdpa", "off", "unfused", "off"), cfg.model.bias, padded_rows(cfg.model.moe, B * T))
-        assert saved_bytes(layer, h) == pytest.approx(block.none * B * T, rel=1e-3)
+    if shard is not None and exchange == "padded" and checkpointing in ("none", "selective"):
+        # the plan's formula (model/moe/memory.py) for what an MoE block keeps, pad rows included, to the byte
+        m, kern = cfg.model, Kernels("sdpa", "off", "unfused", "off")
+        w = Widths(a=4, r=4, cuda=False, expert_parallel=n)
+        block = gpt_block(32, m.n_head, w, kern, m.bias, ffn=partial(moe_ffn, d=32, moe=m.moe, w=w, kern=kern,
+                                                                     bias=m.bias, padded=padded_rows(m.moe, B * T)))
+        saved = saved_bytes(model.transformer.h[0], h, list(model.parameters()))
+        assert saved == pytest.approx(block.bytes(checkpointing) * B * T, rel=1e-3), (checkpointing, saved)
     if shard is not None and exchange == "padded" and checkpointing == "none" and cf == 0.5:
         # nothing read on the host: torch.compile captures the whole layer, exchanges included, as one graph
         torch._dynamo.reset()
@@ -117,7 +122,12 @@ def check_case(d: Dist, n: int, cf: float, exchange: str, checkpointing: str,
 
     # a training step as the loop takes it: W ranks of one micro-batch each, against one process over all W
     out = ep.parallel.forward(x, y, reduction="sum")
-    loss_of(out, W / tokens, 1).backward()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        loss_of(out, W / tokens, 1).backward()
+    if shard is not None:   # the backward's exchanges: one per row exchange; selective recomputes none of the forward's
+        exchanged = sum(e.name == "gloo:all_to_all" for e in prof.events())
+        per_layer = 2 if exchange == "padded" else 3
+        assert exchanged == len(model.moe_layers) * (2 + (per_layer if checkpointing == "full" else 0)), exchanged
     norm = ep.parallel.clip(cfg.optim.grad_clip)   # the loop's call: expert shards reduced, then clipped
     for i, (xi, yi) in enumerate(batches):
         ref_out = ref_model(xi, yi, reduction="sum")
@@ -163,9 +173,10 @@ def check_case(d: Dist, n: int, cf: float, exchange: str, checkpointing: str,
             assert state["optim"]["state"][name]["exp_avg"].shape == p.shape
 
 
-def saved_bytes(layer: torch.nn.Module, h: torch.Tensor) -> int:
-    """Bytes autograd keeps for the backward of one training forward of `layer`, its parameters left out."""
-    skip = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+def saved_bytes(block: torch.nn.Module, h: torch.Tensor, params: list[torch.Tensor]) -> int:
+    """Bytes kept for the backward of one training forward of `block`: what the saved-tensor hooks see and what the
+    selective-checkpointing policy caches, `params` left out."""
+    skip = {p.untyped_storage().data_ptr() for p in params}
     seen: dict[int, int] = {}
 
     def add(t: torch.Tensor) -> torch.Tensor:
@@ -174,9 +185,29 @@ def saved_bytes(layer: torch.nn.Module, h: torch.Tensor) -> int:
             seen[st.data_ptr()] = max(seen.get(st.data_ptr(), 0), st.nbytes())
         return t
 
+    CACHES.clear()
     with torch.autograd.graph.saved_tensors_hooks(add, lambda t: t):
-        layer(h.detach().requires_grad_())
+        block(h.detach().requires_grad_())
+    for cache in CACHES:
+        for outputs in cache.values():
+            for out in outputs.values():
+                for wrapped in out if isinstance(out, (tuple, list)) else [out]:
+                    if isinstance(getattr(wrapped, "val", None), torch.Tensor):
+                        add(wrapped.val)
     return sum(seen.values())
+
+
+CACHES: list = []   # the selective policy's caches, observed (the real contexts are returned)
+_contexts = recompute.create_selective_checkpoint_contexts
+
+
+def _recording(policy, *args, **kwargs):
+    forward, recomputing = _contexts(policy, *args, **kwargs)
+    CACHES.append(forward.storage)
+    return forward, recomputing
+
+
+recompute.create_selective_checkpoint_contexts = _recording   # before any model is wrapped
 
 
 def _refuse(*args):

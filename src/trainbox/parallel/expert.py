@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -80,8 +81,7 @@ class ExpertShard:
         S, El = self.size, self.local
         idx = keep.nonzero().squeeze(1) if keep is not None else None
         send = rows if idx is None else rows[idx]
-        recv = torch.empty_like(kept)
-        dist.all_to_all_single(recv, kept.contiguous(), group=self.group)   # rows for my experts, per source
+        recv = _exchange(kept, None, None, self.group)   # rows for my experts, per source
         c = recv.view(S, El)                            # c[s, e]: rows from source s for local expert e
         out_rows, in_rows = torch.stack([c.sum(1), kept.view(S, El).sum(1)]).tolist()   # the host read
         got = _AllToAll.apply(send, out_rows, in_rows, self.group)   # by source, then by expert within a source
@@ -149,22 +149,23 @@ class _MaskedGather(torch.autograd.Function):
 
 class _AllToAll(torch.autograd.Function):
     """all_to_all_single, with uneven splits or (None) equal ones; the backward is the exchange the other way
-    (splits swapped)."""
+    (splits swapped). A functional collective: selective activation checkpointing keeps its output
+    (train/recompute.py), so the backward's recomputation exchanges nothing again."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, out_splits: list[int] | None, in_splits: list[int] | None,
                 group) -> torch.Tensor:
         ctx.splits, ctx.group = (out_splits, in_splits), group
-        out = x.new_empty(sum(out_splits) if out_splits is not None else x.size(0), *x.shape[1:])
-        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
-        return out
+        return _exchange(x, out_splits, in_splits, group)
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
         out_splits, in_splits = ctx.splits
-        grad = g.new_empty(sum(in_splits) if in_splits is not None else g.size(0), *g.shape[1:])
-        dist.all_to_all_single(grad, g.contiguous(), in_splits, out_splits, group=ctx.group)
-        return grad, None, None, None
+        return _exchange(g, in_splits, out_splits, ctx.group), None, None, None
+
+
+def _exchange(x: torch.Tensor, out_splits: list[int] | None, in_splits: list[int] | None, group) -> torch.Tensor:
+    return funcol.wait_tensor(funcol.all_to_all_single(x.contiguous(), out_splits, in_splits, group))
 
 
 # ----------------------------------------------------------------------------- building

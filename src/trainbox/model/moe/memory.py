@@ -37,6 +37,8 @@ def moe_ffn(b: Block, d: int, moe, w: Widths, kern: Kernels, bias: bool, padded:
         b.keep(4 * k * a * d)
     b.mm(k * a * d) if not fused else b.keep(k * a * d)   # expert outputs, kept by the gate multiply
     b.keep(4 * k)                  # the gates, in fp32
+    if w.expert_parallel > 1:      # selective: the rows the exchanges returned, there and back (train/recompute.py)
+        b.mm(2 * k * a * d, keep=False)
     if bias:
         b.keep(8 * k)              # expert id per row, for the bias gradient
 
@@ -64,4 +66,5 @@ def _padded_experts(b: Block, d: int, k: int, rows: float, w: Widths, kern: Kern
         b.keep(4 * rows * a * d)
     b.keep(k * a * d)              # the results back in this rank's rows, kept by the gate multiply
     b.mm(rows * a * d, keep=False)     # selective: the second batched matmul's output instead
+    b.mm(2 * rows * a * d, keep=False)   # selective: the buffers the exchanges returned (train/recompute.py)
     b.keep(4 * k)                  # the gates, in fp32
