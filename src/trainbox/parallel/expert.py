@@ -9,12 +9,30 @@ routers) stays whole on every rank.
 
 Tokens. Every rank routes its own micro-batch exactly as one process does (model/moe.py: top-k, the GShard
 capacity order, the balance and z losses), so routing, drops and losses depend on neither N nor the world size.
-Its assignment rows, sorted by expert and so by owner (dropped rows left out), go to their owners in one
-all-to-all with uneven splits (the row counts per expert go first: an all-to-all of E integers and one host
-read for the split sizes); the owner regroups the rows by local expert, runs its experts as grouped matmuls and
-sends the results back with the reverse all-to-all. Both exchanges are autograd functions whose backward is
-the exchange the other way. The dispatch is not overlapped with compute: on CPU (gloo) there is nothing to
-measure it by.
+Its assignment rows, sorted by expert and so by owner, go to their owners by one of two exchanges, which the
+layout decides once from model.moe.exchange (config/layout.py; env.json and the start event record it):
+
+- uneven (the default): the kept rows alone (dropped rows left out) in one all-to-all with uneven splits; the row
+  counts per expert go first, an all-to-all of E integers and one host read for the split sizes; the owner
+  regroups the rows by local expert, runs its experts as grouped matmuls and sends the results back with the
+  reverse all-to-all. Evaluation, generation and dropless training always exchange this way.
+- padded (training with a capacity): capacity-sized buffers in an all-to-all with equal splits, so nothing is
+  counted, nothing is read on the host, and torch.compile captures the layer as one graph. Capacity is per
+  expert over a source rank's own micro-batch: C = min(int(capacity_factor * k * N / E), N) rows (a token
+  chooses an expert once); every rank trains micro-batches of the layout's shape, so C is the same on every rank
+  without asking. A rank sends each owner (its local experts x C) rows, expert e's kept rows in slots 0 ..
+  kept[e] - 1 and zeros after them; the owner runs each local expert over (sources x C) rows as two batched
+  matmuls, pad rows included, and the reverse exchange brings every slot home, where only the kept ones are
+  read: the pads' results are never used, so their gradient is zero and they add nothing to the experts'
+  gradients. It moves E x C rows per rank each way where uneven moves the kept ones (at most k x N): up to
+  capacity_factor times as many, more where routing drops. Which is faster is the host read's stall against
+  the extra rows and pad compute, a GPU measurement (benchmarks/train_speed.py runs both side by side); uneven
+  stays the default because it moves and computes the fewest rows and runs with every routing.
+
+Both exchanges are autograd functions whose backward is the exchange the other way, and functional collectives,
+whose outputs selective activation checkpointing keeps (train/recompute.py), so its recomputation exchanges
+nothing again; full checkpointing exchanges again. The exchange is not overlapped with compute: on CPU (gloo)
+there is nothing to measure it by.
 
 Gradients. DDP averages the dense gradients over all ranks and leaves the expert parameters alone; after the
 last backward of a step `sync_grads` sums each shard's gradient over its replicas and divides by the world size:

@@ -30,7 +30,8 @@ gate 0: grouped matmuls cost T * k rows whatever the balance, fewer than a capac
 whenever capacity_factor >= 1.
 
 With `model.moe.expert_parallel` > 1 a rank holds a shard of the experts and `MoEFFN.parallel` runs them across
-ranks (trainbox/parallel/expert.py); routing, drops and losses stay this rank's own. Hugging Face has no GPT-2
+ranks (trainbox/parallel/expert.py: the kept rows, or with model.moe.exchange=padded capacity-sized buffers that
+`experts_padded` runs as batched matmuls); routing, drops and losses stay this rank's own. Hugging Face has no GPT-2
 MoE class: `trainbox export RUN --format hf` writes this family's own folder (`save_pretrained`), which
 `from_pretrained` loads.
 
