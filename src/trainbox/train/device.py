@@ -84,6 +84,9 @@ def use_device(device: torch.device, dtype: torch.dtype, limit_gib: float = 0) -
         if limit_gib:
             total = torch.cuda.get_device_properties(device).total_memory
             torch.cuda.set_per_process_memory_fraction(min(1.0, limit_gib * 2**30 / total), device)
+    elif limit_gib:
+        log.warning(f"train.memory_limit_gib={limit_gib:g} caps a GPU's memory; this run trains on {device}, "
+                    "which it leaves alone")
 
 
 # Inductor's advice when a compiled graph has float32 matmuls on a GPU with TF32 and TF32 is off
