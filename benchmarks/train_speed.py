@@ -4,6 +4,8 @@
     python benchmarks/train_speed.py gpt2-125m --data ... --nanogpt /path/to/nanoGPT --nanogpt-data DIR --record
     python benchmarks/train_speed.py gpt2-125m --data ... --nproc 2 train.parallel=fsdp --baseline-overrides \
         train.parallel=ddp --record          # two of our own configurations side by side
+    python benchmarks/train_speed.py moe-gpt2-125m --data ... --nproc 2 --memory-gib 80 model.moe.expert_parallel=2 \
+        model.moe.exchange=padded --baseline-overrides model.moe.exchange=uneven   # as on 80 GB GPUs
 
 Runs the real loop (trainbox.train.loop.Trainer) with monitor.log_every=1, so every step ends in one
 host sync and the metrics.jsonl timestamps of consecutive steps are step times. Prints: GPU, torch,
@@ -117,7 +119,11 @@ def main() -> None:
                                                  'string, e.g. "train.parallel=ddp" (same machine, same call)')
     ap.add_argument("--record", action="store_true", help="write the result record to benchmarks/records/")
     ap.add_argument("--what", help="the record's slug (default: RECIPE-train-speed)")
+    ap.add_argument("--memory-gib", type=float, help="cap every process's GPU memory at this many GiB "
+                                                     "(train.memory_limit_gib), both runs: as on a smaller GPU")
     args = ap.parse_intermixed_args()
+    if args.memory_gib:
+        args.overrides = [*args.overrides, f"train.memory_limit_gib={args.memory_gib:g}"]
     base = None
     if args.nanogpt:  # first, while this process holds no GPU memory
         base = run_nanogpt(args.nanogpt, args.nanogpt_data, args.steps, args.warmup, shlex.split(args.nanogpt_args),

@@ -1,13 +1,14 @@
 """One rank of tests/test_expert_parallel.py's torchrun job (gloo, CPU, fp32). Not collected by pytest.
 
-For expert_parallel N in {1, 2, 4} (those dividing the world size) and dropless / capacity routing, every rank
-builds the model as the trainer does (train/build.py: shard_experts, DDP) and the single-process model from the
-same seed, then checks against the single process: an MoE layer's output (and against test_moe's slow per-token
-reference), the hidden states, the token and auxiliary losses of this rank's micro-batch, every gradient after
-the loop's loss scaling, expert sync and clipping, the clipped norm, the parameters after an AdamW step, and the
-checkpoint state (dcp.state_dict: expert shards as DTensors whose whole is the unsharded weights and optimizer
-state). Then, given run overrides after `--train`, it trains that run on the same process group (one torchrun
-launch for both).
+For each of CASES whose expert_parallel N in {1, 2, 4} divides the world size (dropless and dropping routing under
+the uneven exchange; dropping and capacity-without-drops routing under the padded exchange; selective and full
+activation checkpointing), every rank builds the model as the trainer does (train/build.py: shard_experts, DDP) and
+the single-process model (no checkpointing) from the same seed, then checks against the single process: an MoE
+layer's output (and against test_moe's slow per-token reference), the hidden states, the token and auxiliary losses
+of this rank's micro-batch, every gradient after the loop's loss scaling, expert sync and clipping, the clipped
+norm, the parameters after an AdamW step, and the checkpoint state (dcp.state_dict: expert shards as DTensors whose
+whole is the unsharded weights and optimizer state). Then, given run overrides after `--train`, it trains that run
+on the same process group (one torchrun launch for both).
 Prints "ok" on rank 0.
 """
 from __future__ import annotations
@@ -15,17 +16,24 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from functools import partial
 from pathlib import Path
 
+import pytest
 import torch
+import torch._dynamo
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_moe import reference_moe  # noqa: E402 - the slow per-token MoE
 
 from trainbox.config import load_config  # noqa: E402
 from trainbox.config.layout import decide_layout  # noqa: E402
+from trainbox.model.gpt.memory import gpt_block  # noqa: E402
+from trainbox.model.memory import Kernels, Widths  # noqa: E402
+from trainbox.model.moe.memory import moe_ffn, padded_rows  # noqa: E402
 from trainbox.parallel import expert  # noqa: E402
 from trainbox.parallel.distributed import Dist  # noqa: E402
+from trainbox.train import recompute  # noqa: E402
 from trainbox.train.build import build_model_side  # noqa: E402
 from trainbox.train.loop import train  # noqa: E402
 
@@ -36,11 +44,19 @@ VOCAB, B, T, TOL, LR = 128, 2, 16, dict(atol=1e-5, rtol=1e-5), 0.01
 WEIGHT_TOL = dict(atol=LR / 50, rtol=0)
 
 
-def config(n: int, cf: float):
+# (expert_parallel, capacity_factor, exchange, activation checkpointing): capacity 0.5 drops a share of the
+# assignments, 4.0 none (an expert takes at most one row per token: C = N); the padded exchange needs a capacity
+CASES = [*((n, cf, "uneven", "none") for n in (1, 2, 4) for cf in (0.0, 0.5)),
+         *((n, cf, "padded", "none") for n in (2, 4) for cf in (0.5, 4.0)),
+         (2, 0.5, "padded", "selective"), (2, 0.5, "padded", "full"), (2, 0.5, "uneven", "full")]
+
+
+def config(n: int, cf: float, exchange: str = "uneven", checkpointing: str = "none"):
     return load_config("tiny", [
         "model.family=moe", "model.n_layer=3", "model.n_head=2", "model.n_embd=32", "model.moe.num_experts=4",
         "model.moe.every=2", "model.moe.top_k=2", f"model.moe.capacity_factor={cf}", "model.moe.lb_loss_weight=0.5",
-        "model.moe.z_loss_weight=0.1", f"model.moe.expert_parallel={n}", "train.device=cpu", f"optim.lr={LR}",
+        "model.moe.z_loss_weight=0.1", f"model.moe.expert_parallel={n}", f"model.moe.exchange={exchange}",
+        f"train.activation_checkpointing={checkpointing}", "train.device=cpu", f"optim.lr={LR}",
         "optim.grad_clip=0.05", "optim.warmup_steps=0", "optim.name=adamw"])
 
 
@@ -49,11 +65,14 @@ def loss_of(out, scale: float, accum: int) -> torch.Tensor:
     return out.loss * scale + out.aux_loss / accum
 
 
-def check_case(d: Dist, n: int, cf: float, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+def check_case(d: Dist, n: int, cf: float, exchange: str, checkpointing: str,
+               batches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     cpu = torch.device("cpu")
-    cfg, W, r = config(n, cf), d.world, d.rank
-    ep = build_model_side(cfg, decide_layout(cfg, W, "cpu", adapt_micro_batch=True), VOCAB, cpu, d, init_weights=True)
-    one = config(1, cf)
+    cfg, W, r = config(n, cf, exchange, checkpointing), d.world, d.rank
+    layout = decide_layout(cfg, W, "cpu", adapt_micro_batch=True)
+    assert layout.expert_exchange == (exchange if n > 1 else "none")
+    ep = build_model_side(cfg, layout, VOCAB, cpu, d, init_weights=True)
+    one = config(1, cf)   # the single process: no checkpointing
     ref = build_model_side(one, decide_layout(one, 1, "cpu", adapt_micro_batch=True), VOCAB, cpu, Dist(),
                            init_weights=True)
     model, opt, ref_model, ref_opt = ep.model, ep.optimizers[0], ref.model, ref.optimizers[0]
@@ -64,6 +83,8 @@ def check_case(d: Dist, n: int, cf: float, batches: list[tuple[torch.Tensor, tor
         want = shard.cut(own[name]) if shard and name in shard.params else own[name]
         assert torch.equal(p, want), name
     model.train(), ref_model.train()
+    if shard is not None and exchange == "padded":   # training under the padded exchange never takes the uneven one
+        shard._uneven = _refuse
     tokens = W * B * T
     x, y = batches[r]
 
@@ -78,14 +99,35 @@ def check_case(d: Dist, n: int, cf: float, batches: list[tuple[torch.Tensor, tor
     torch.testing.assert_close(layer.aux["balance"], balance, **TOL)
     assert layer.aux["tokens_per_expert"].tolist() == counts.tolist()
     assert abs(float(layer.aux["dropped"]) - dropped) < 1e-6
-    if cf:
+    if cf == 0.5:
         assert dropped > 0.05, "the capacity case must drop assignments"
+    elif cf:
+        assert dropped == 0, "capacity N drops nothing"
     with torch.no_grad():
         torch.testing.assert_close(model.hidden(x), ref_model.hidden(x), **TOL)
+    if shard is not None and exchange == "padded" and checkpointing in ("none", "selective"):
+        # the plan's formula (model/moe/memory.py) for what an MoE block keeps, pad rows included, to the byte
+        m, kern = cfg.model, Kernels("sdpa", "off", "unfused", "off")
+        w = Widths(a=4, r=4, cuda=False, expert_parallel=n)
+        block = gpt_block(32, m.n_head, w, kern, m.bias, ffn=partial(moe_ffn, d=32, moe=m.moe, w=w, kern=kern,
+                                                                     bias=m.bias, padded=padded_rows(m.moe, B * T)))
+        saved = saved_bytes(model.transformer.h[0], h, list(model.parameters()))
+        assert saved == pytest.approx(block.bytes(checkpointing) * B * T, rel=1e-3), (checkpointing, saved)
+    if shard is not None and exchange == "padded" and checkpointing == "none" and cf == 0.5:
+        # nothing read on the host: torch.compile captures the whole layer, exchanges included, as one graph
+        torch._dynamo.reset()
+        explained = torch._dynamo.explain(layer)(h)
+        assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+        torch._dynamo.reset()
 
     # a training step as the loop takes it: W ranks of one micro-batch each, against one process over all W
     out = ep.parallel.forward(x, y, reduction="sum")
-    loss_of(out, W / tokens, 1).backward()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        loss_of(out, W / tokens, 1).backward()
+    if shard is not None:   # the backward's exchanges: one per row exchange; selective recomputes none of the forward's
+        exchanged = sum(e.name == "gloo:all_to_all" for e in prof.events())
+        per_layer = 2 if exchange == "padded" else 3
+        assert exchanged == len(model.moe_layers) * (2 + (per_layer if checkpointing == "full" else 0)), exchanged
     norm = ep.parallel.clip(cfg.optim.grad_clip)   # the loop's call: expert shards reduced, then clipped
     for i, (xi, yi) in enumerate(batches):
         ref_out = ref_model(xi, yi, reduction="sum")
@@ -131,6 +173,47 @@ def check_case(d: Dist, n: int, cf: float, batches: list[tuple[torch.Tensor, tor
             assert state["optim"]["state"][name]["exp_avg"].shape == p.shape
 
 
+def saved_bytes(block: torch.nn.Module, h: torch.Tensor, params: list[torch.Tensor]) -> int:
+    """Bytes kept for the backward of one training forward of `block`: what the saved-tensor hooks see and what the
+    selective-checkpointing policy caches, `params` left out."""
+    skip = {p.untyped_storage().data_ptr() for p in params}
+    seen: dict[int, int] = {}
+
+    def add(t: torch.Tensor) -> torch.Tensor:
+        st = t.untyped_storage()
+        if st.data_ptr() not in skip:
+            seen[st.data_ptr()] = max(seen.get(st.data_ptr(), 0), st.nbytes())
+        return t
+
+    CACHES.clear()
+    with torch.autograd.graph.saved_tensors_hooks(add, lambda t: t):
+        block(h.detach().requires_grad_())
+    for cache in CACHES:
+        for outputs in cache.values():
+            for out in outputs.values():
+                for wrapped in out if isinstance(out, (tuple, list)) else [out]:
+                    if isinstance(getattr(wrapped, "val", None), torch.Tensor):
+                        add(wrapped.val)
+    return sum(seen.values())
+
+
+CACHES: list = []   # the selective policy's caches, observed (the real contexts are returned)
+_contexts = recompute.create_selective_checkpoint_contexts
+
+
+def _recording(policy, *args, **kwargs):
+    forward, recomputing = _contexts(policy, *args, **kwargs)
+    CACHES.append(forward.storage)
+    return forward, recomputing
+
+
+recompute.create_selective_checkpoint_contexts = _recording   # before any model is wrapped
+
+
+def _refuse(*args):
+    raise AssertionError("the uneven exchange ran under model.moe.exchange=padded")
+
+
 def main() -> None:
     torch.set_num_threads(1)
     d = Dist(rank=int(os.environ["RANK"]), world=int(os.environ["WORLD_SIZE"]))
@@ -138,10 +221,9 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     batches = [(torch.randint(0, VOCAB, (B, T), generator=g), torch.randint(0, VOCAB, (B, T), generator=g))
                for _ in range(d.world)]
-    for n in (1, 2, 4):
+    for n, cf, exchange, checkpointing in CASES:
         if d.world % n == 0:
-            for cf in (0.0, 0.5):
-                check_case(d, n, cf, batches)
+            check_case(d, n, cf, exchange, checkpointing, batches)
     if "--train" in sys.argv:
         logging.basicConfig(level=logging.INFO, format="%(message)s")   # the library's log on stderr
         train(load_config(None, sys.argv[sys.argv.index("--train") + 1:]), d)   # shuts the process group down

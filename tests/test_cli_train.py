@@ -87,7 +87,7 @@ def test_nproc_picks_a_micro_batch_that_keeps_the_recipes_global_batch(tmp_path,
     # the workers ran the layout the launcher decided (its config handed over, not re-decided from argv strings)
     env = json.loads((tmp_path / "tiny" / "env.json").read_text())
     assert env["layout"] == {"world": 2, "device": "cpu", "strategy": "ddp", "expert_parallel": 1, "micro_batch": 16,
-                             "accumulation": 1, "global_batch": 32}
+                             "accumulation": 1, "global_batch": 32, "expert_exchange": "none"}
     assert "train.micro_batch_size=16" not in " ".join(env["command"])   # their command line is the user's
     bad = run_cli("train", "--nproc", "2", "tiny", *small, "train.micro_batch_size=12", "run.name=bad", check=False)
     assert bad.returncode == 2 and bad.stderr.count("train.micro_batch_size=12 does not divide") == 1, bad.stderr

@@ -4,8 +4,9 @@ Two torchrun launches (tests/expert_parallel_worker.py), on 4 and then 2 process
 - with expert_parallel 1, 2 and 4 (those dividing the world size), dropless and dropping: an MoE layer's output,
   the hidden states, losses, every gradient, the clipped norm, the weights after an AdamW step and the
   checkpoint state gathered to rank 0, against the single-process model and test_moe's slow per-token reference;
-- then a run: 2 steps on 4 processes with expert_parallel=4, resumed for 2 more on 2 processes with
-  expert_parallel=2 and selective activation checkpointing, against one uninterrupted process: the same losses
+- then a run: 2 steps on 4 processes with expert_parallel=4 and the padded exchange, resumed for 2 more on 2
+  processes with expert_parallel=2, once with the uneven exchange and selective activation checkpointing, once
+  with the padded exchange and full activation checkpointing, against one uninterrupted process: the same losses
   at every step, the same evaluations, the same final weights.
 And the settings expert parallelism refuses, before any work.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -47,16 +49,20 @@ def _launch(nproc: int, run_overrides: list[str]) -> str:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, data_cache) -> Path:
-    """runs/one: 4 steps on one process; runs/ep: 2 steps on 4 processes, then 2 more on 2 (see the docstring)."""
+    """runs/one: 4 steps on one process; runs/ep: 2 steps on 4 processes, then 2 more on 2; runs/pad: ep's first
+    2 steps, then 2 more on 2 under the padded exchange (see the docstring)."""
     root = tmp_path_factory.mktemp("expert") / "runs"
     base = [*TINY, f"run.dir={root}", f"data.cache_dir={data_cache}", *MOE, "train.micro_batch_size=2",
             "train.eval_every=2", "train.eval_tokens=320", "train.checkpoint_every=2", "monitor.enabled=false",
             "train.pg_timeout_s=60"]   # 10 validation samples: the ranks hold 3, 3, 2 and 2 of them
     train(load_config(None, [*base, "run.name=one", "train.max_steps=4"]))
-    _launch(4, [*base, "run.name=ep", "train.max_steps=2", "model.moe.expert_parallel=4"])
+    _launch(4, [*base, "run.name=ep", "train.max_steps=2", "model.moe.expert_parallel=4", "model.moe.exchange=padded"])
+    shutil.copytree(root / "ep", root / "pad")
     log = _launch(2, [*base, "run.name=ep", "train.max_steps=4", "model.moe.expert_parallel=2",
                       "train.activation_checkpointing=selective"])
     (root / "ep-launch.log").write_text(log)
+    _launch(2, [*base, "run.name=pad", "train.max_steps=4", "model.moe.expert_parallel=2", "model.moe.exchange=padded",
+                "train.activation_checkpointing=full"])
     return root
 
 
@@ -64,17 +70,30 @@ def _events(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_layouts_match_one_process_and_resume_on_fewer_processes_continues_exactly(runs):
-    """The model-level checks ran in both launches (the fixture asserts their "ok"); here the run they trained."""
-    want, got = _events(runs / "one"), _events(runs / "ep")
+def _same_losses(want: list[dict], got: list[dict]) -> None:
     for kind, key in (("train", "loss"), ("eval", "val_loss")):
         a = [(e["step"], e[key]) for e in want if e["event"] == kind]
         b = [(e["step"], e[key]) for e in got if e["event"] == kind]
         assert [s for s, _ in a] == [s for s, _ in b] == ([1, 2, 3, 4] if kind == "train" else [2, 4])
         assert [v for _, v in b] == pytest.approx([v for _, v in a], abs=1e-5), kind
+
+
+@pytest.mark.parametrize("run,exchanges", [("ep", ["padded", "uneven"]), ("pad", ["padded", "padded"])])
+def test_layouts_match_one_process_and_resume_on_fewer_processes_continues_exactly(runs, run, exchanges):
+    """The model-level checks ran in every launch (the fixture asserts their "ok"); here the runs they trained."""
+    got = _events(runs / run)
+    _same_losses(_events(runs / "one"), got)
     starts = [e for e in got if e["event"] == "start"]
     assert [(e["world"], e["resumed_from"].endswith("step_00000002")) for e in starts] == [(4, False), (2, True)]
+    assert [e["layout"]["expert_exchange"] for e in starts] == exchanges   # the decision, recorded
     assert max(e["moe.0.dropped_frac"] for e in got if e["event"] == "train") > 0, "the capacity must drop"
+    assert json.loads((runs / run / "env.json").read_text())["layout"]["expert_exchange"] == exchanges[-1]
+    if run == "pad":
+        ckpt = runs / "pad" / "checkpoints" / "step_00000004"
+        run_cli("export", str(ckpt), "--out", str(runs / "pad-export"))
+        _same_weights(runs / "pad-export" / "model.safetensors",
+                      runs / "one" / "checkpoints" / "step_00000004" / "model.safetensors")
+        return
     # on 2 processes a rank takes 2 micro-batches of 2 a step: the log names the one micro-batch of 4 that fits
     log = (runs / "ep-launch.log").read_text()
     assert "expert parallelism: 2 micro-batches a step" in log and "train.micro_batch_size=4 fits" in log
@@ -83,14 +102,18 @@ def test_layouts_match_one_process_and_resume_on_fewer_processes_continues_exact
     ckpt = runs / "ep" / "checkpoints" / "step_00000004"
     assert json.loads((ckpt / "COMPLETE").read_text())["layout"] == "sharded"
     run_cli("export", str(ckpt), "--out", str(runs / "ep-export"))
-    final = [load_file(runs / "one" / "checkpoints" / "step_00000004" / "model.safetensors"),
-             load_file(runs / "ep-export" / "model.safetensors")]
-    assert final[0].keys() == final[1].keys()
-    for k in final[0]:
-        torch.testing.assert_close(final[1][k], final[0][k], **WEIGHT_TOL, msg=lambda m, k=k: f"{k}: {m}")
+    _same_weights(runs / "ep-export" / "model.safetensors",
+                  runs / "one" / "checkpoints" / "step_00000004" / "model.safetensors")
     # the end-of-run sample runs on every rank (each forward needs the whole expert group): the same text
     last = [(runs / r / "samples.txt").read_text().split("--- step ")[-1] for r in ("ep", "one")]
     assert last[0].startswith("4\n") and last[0] == last[1]
+
+
+def _same_weights(got: Path, want: Path) -> None:
+    final = [load_file(want), load_file(got)]
+    assert final[0].keys() == final[1].keys()
+    for k in final[0]:
+        torch.testing.assert_close(final[1][k], final[0][k], **WEIGHT_TOL, msg=lambda m, k=k: f"{k}: {m}")
 
 
 @pytest.mark.parametrize("overrides,world,says", [   # config/layout.py's rules (the one function every caller asks)
@@ -100,6 +123,8 @@ def test_layouts_match_one_process_and_resume_on_fewer_processes_continues_exact
     (["model.moe.expert_parallel=2", "train.parallel=fsdp"], 2, "runs with train.parallel=ddp"),
     (["model.moe.expert_parallel=2", "optim.name=muon"], 2, "runs with optim.name=adamw"),
     (["model.moe.expert_parallel=2", "model.family=gpt"], 2, "applies to model.family=moe"),
+    (["model.moe.expert_parallel=2", "model.moe.exchange=padded", "model.moe.capacity_factor=0"], 2,
+     "needs a capacity"),
 ])
 def test_refused_settings_name_the_key(overrides, world, says):
     with pytest.raises(ConfigError, match=r"model\.moe\.") as e:   # a dense family: by the config itself

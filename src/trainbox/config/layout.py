@@ -30,6 +30,7 @@ class RunLayout:
     micro_batch: int        # sequences per forward pass on one rank
     accumulation: int       # micro-batches per step on each rank
     global_batch: int       # sequences per optimizer step: micro_batch x accumulation x world
+    expert_exchange: str = "none"   # expert parallelism's training exchange (model.moe.exchange): uneven or padded
 
     @property
     def sharded(self) -> bool:
@@ -51,7 +52,8 @@ class RunLayout:
                 f"batch stays {self.global_batch}")
 
     def describe(self) -> str:
-        experts = f", experts split over {self.expert_parallel} ranks" if self.expert_parallel > 1 else ""
+        experts = (f", experts split over {self.expert_parallel} ranks ({self.expert_exchange} exchange)"
+                   if self.expert_parallel > 1 else "")
         return (f"{self.strategy}{experts}, {_processes(self.world)} on {self.device}: global batch "
                 f"{self.global_batch} = {self.micro_batch} x {self.accumulation} accumulation x {self.world}")
 
@@ -95,7 +97,8 @@ def decide_layout(cfg: RunConfig, world: int, device: str = "cpu", adapt_micro_b
                           hint="drop train.eval_tasks and evaluate the checkpoints (`trainbox eval RUN --tasks "
                                "...`, which reads sharded ones), or train with train.parallel=ddp")
     return RunLayout(world=world, device=device, strategy=strategy, expert_parallel=ep, micro_batch=micro,
-                     accumulation=t.global_batch_size // (micro * world), global_batch=t.global_batch_size)
+                     accumulation=t.global_batch_size // (micro * world), global_batch=t.global_batch_size,
+                     expert_exchange=cfg.model.moe.exchange if ep > 1 else "none")
 
 
 def _expert_parallel(cfg: RunConfig, world: int) -> int:

@@ -269,6 +269,9 @@ class TrainSection(Section):
                                                  "(`trainbox plan`: weights, gradients, optimizer state, "
                                                  "activations, communication, overhead) exceeds what the device "
                                                  "has free by more than the plan's error margin")
+    memory_limit_gib: float = Field(0, ge=0, description="cap each process's GPU memory at this many GiB "
+                                                         "(torch.cuda.set_per_process_memory_fraction), as on a "
+                                                         "smaller GPU; 0 = the whole GPU")
 
     def compiled(self, cuda: bool) -> bool:
         """Whether a run on a GPU (`cuda`) or a CPU compiles."""

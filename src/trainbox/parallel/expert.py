@@ -9,12 +9,30 @@ routers) stays whole on every rank.
 
 Tokens. Every rank routes its own micro-batch exactly as one process does (model/moe.py: top-k, the GShard
 capacity order, the balance and z losses), so routing, drops and losses depend on neither N nor the world size.
-Its assignment rows, sorted by expert and so by owner (dropped rows left out), go to their owners in one
-all-to-all with uneven splits (the row counts per expert go first: an all-to-all of E integers and one host
-read for the split sizes); the owner regroups the rows by local expert, runs its experts as grouped matmuls and
-sends the results back with the reverse all-to-all. Both exchanges are autograd functions whose backward is
-the exchange the other way. The dispatch is not overlapped with compute: on CPU (gloo) there is nothing to
-measure it by.
+Its assignment rows, sorted by expert and so by owner, go to their owners by one of two exchanges, which the
+layout decides once from model.moe.exchange (config/layout.py; env.json and the start event record it):
+
+- uneven (the default): the kept rows alone (dropped rows left out) in one all-to-all with uneven splits; the row
+  counts per expert go first, an all-to-all of E integers and one host read for the split sizes; the owner
+  regroups the rows by local expert, runs its experts as grouped matmuls and sends the results back with the
+  reverse all-to-all. Evaluation, generation and dropless training always exchange this way.
+- padded (training with a capacity): capacity-sized buffers in an all-to-all with equal splits, so nothing is
+  counted, nothing is read on the host, and torch.compile captures the layer as one graph. Capacity is per
+  expert over a source rank's own micro-batch: C = min(int(capacity_factor * k * N / E), N) rows (a token
+  chooses an expert once); every rank trains micro-batches of the layout's shape, so C is the same on every rank
+  without asking. A rank sends each owner (its local experts x C) rows, expert e's kept rows in slots 0 ..
+  kept[e] - 1 and zeros after them; the owner runs each local expert over (sources x C) rows as two batched
+  matmuls, pad rows included, and the reverse exchange brings every slot home, where only the kept ones are
+  read: the pads' results are never used, so their gradient is zero and they add nothing to the experts'
+  gradients. It moves E x C rows per rank each way where uneven moves the kept ones (at most k x N): up to
+  capacity_factor times as many, more where routing drops. Which is faster is the host read's stall against
+  the extra rows and pad compute, a GPU measurement (benchmarks/train_speed.py runs both side by side); uneven
+  stays the default because it moves and computes the fewest rows and runs with every routing.
+
+Both exchanges are autograd functions whose backward is the exchange the other way, and functional collectives,
+whose outputs selective activation checkpointing keeps (train/recompute.py), so its recomputation exchanges
+nothing again; full checkpointing exchanges again. The exchange is not overlapped with compute: on CPU (gloo)
+there is nothing to measure it by.
 
 Gradients. DDP averages the dense gradients over all ranks and leaves the expert parameters alone; after the
 last backward of a step `sync_grads` sums each shard's gradient over its replicas and divides by the world size:
@@ -34,12 +52,13 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from trainbox.config.layout import RunLayout
-from trainbox.model.moe.model import MoEFFN
+from trainbox.model.moe.model import MoEFFN, Sorted
 
 log = logging.getLogger("trainbox")  # the library logger
 
@@ -56,6 +75,7 @@ class ExpertShard:
     replicas: object | None     # the world / N ranks holding the same shard (None when world == N)
     params: dict[str, nn.Parameter] = field(default_factory=dict)   # sharded parameters by name
     mesh: object = None         # (expert_replica, expert) DeviceMesh: checkpoints see each shard's place in it
+    exchange: str = "uneven"    # the training exchange the layout decided (model.moe.exchange): uneven or padded
 
     @property
     def local(self) -> int:
@@ -65,14 +85,21 @@ class ExpertShard:
         """This rank's experts of a full (E, ...) tensor."""
         return t[self.index * self.local:(self.index + 1) * self.local]
 
-    def experts(self, m, rows: torch.Tensor, kept: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
-        """MoEFFN's experts across the group: rows (k*N, C) sorted by expert, `kept` rows per expert (E,), `keep`
-        the kept-row mask (None: dropless) -> each row through its expert (zero for a dropped row)."""
+    def experts(self, m: MoEFFN, rows: torch.Tensor, s: Sorted) -> torch.Tensor:
+        """MoEFFN's experts across the group: rows (k*N, C) sorted by expert as `s` describes them -> each row
+        through its expert (zero for a dropped row). Training with a capacity under the padded exchange sends
+        capacity-sized buffers; everything else (dropless routing, evaluation, generation) the kept rows alone."""
+        if self.exchange == "padded" and s.capacity is not None:
+            return self._padded(m, rows, s)
+        return self._uneven(m, rows, s.kept, s.keep)
+
+    def _uneven(self, m: MoEFFN, rows: torch.Tensor, kept: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+        """The kept rows alone, in an all-to-all with uneven splits: the row counts per expert go first, then one
+        host read of the split sizes."""
         S, El = self.size, self.local
         idx = keep.nonzero().squeeze(1) if keep is not None else None
         send = rows if idx is None else rows[idx]
-        recv = torch.empty_like(kept)
-        dist.all_to_all_single(recv, kept.contiguous(), group=self.group)   # rows for my experts, per source
+        recv = _exchange(kept, None, None, self.group)   # rows for my experts, per source
         c = recv.view(S, El)                            # c[s, e]: rows from source s for local expert e
         out_rows, in_rows = torch.stack([c.sum(1), kept.view(S, El).sum(1)]).tolist()   # the host read
         got = _AllToAll.apply(send, out_rows, in_rows, self.group)   # by source, then by expert within a source
@@ -92,23 +119,71 @@ class ExpertShard:
             return h
         return h.new_zeros(rows.size(0), h.size(1)).index_copy(0, idx, h)
 
+    def _padded(self, m: MoEFFN, rows: torch.Tensor, s: Sorted) -> torch.Tensor:
+        """Capacity-sized buffers in an all-to-all with equal splits: no counts exchanged, nothing read on the host.
 
-class _AllToAll(torch.autograd.Function):
-    """all_to_all_single with uneven splits; the backward is the exchange the other way (splits swapped)."""
+        Capacity is per expert over this rank's micro-batch: an expert takes at most C = min(capacity, N) of its
+        N tokens' rows (a token chooses an expert once). Every rank of the group trains micro-batches of the
+        layout's shape, so C, and so every buffer's size, is the same on every rank without asking. This rank
+        sends each owner a buffer of (its local experts x C) rows: expert e's kept rows in slots 0.. kept[e] - 1,
+        zeros after them. The owner runs its experts over (sources x C) rows each, pad rows included (zeros in;
+        what comes out of them is never read, so their gradient is zero and adds nothing to the experts'), and
+        the results come back by the reverse exchange to the slots they left from."""
+        S, El, E, D = self.size, self.local, self.num_experts, rows.size(1)
+        C = min(s.capacity, rows.size(0) // m.moe.top_k)
+        if C == 0:   # every assignment dropped, on every rank alike (the same C)
+            return rows.new_zeros(rows.shape)
+        j = torch.arange(C, device=rows.device)
+        # buffer row e * C + j holds sorted row start[e] + j while j < kept[e]; sorted row p, when kept, sits at
+        # buffer row expert[p] * C + slot[p]: the two maps are each other's inverse on the kept rows
+        start = s.counts.cumsum(0) - s.counts
+        to_buffer = ((start.unsqueeze(1) + j).clamp(max=rows.size(0) - 1).reshape(-1),
+                     (j < s.kept.unsqueeze(1)).reshape(-1))
+        to_rows = ((s.expert * C + s.slot).clamp(max=E * C - 1), s.keep)
+        send = _MaskedGather.apply(rows, *to_buffer, *to_rows)                 # (E * C, D): [owner, expert, slot]
+        got = _AllToAll.apply(send, None, None, self.group)                   # (S * El * C, D): [source, expert, slot]
+        x = got.view(S, El, C, D).transpose(0, 1).reshape(El, S * C, D)       # each local expert's rows together
+        h = m.experts_padded(x)                                               # (El, S * C, D)
+        h = h.view(El, S, C, D).transpose(0, 1).reshape(S * El * C, D)        # back to [source, expert, slot]
+        h = _AllToAll.apply(h, None, None, self.group)                        # (E * C, D): this rank's own buffer
+        return _MaskedGather.apply(h, *to_rows, *to_buffer)                   # (k*N, D), zero where dropped
+
+
+class _MaskedGather(torch.autograd.Function):
+    """out[i] = x[index[i]] where mask[i], else 0; `back_index`, `back_mask` the same map the other way (the pairs
+    the masks keep are one bijection seen from either side). The backward is that map: a gather, no scatter-add."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, index: torch.Tensor, mask: torch.Tensor, back_index: torch.Tensor,
+                back_mask: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(index, mask, back_index, back_mask)
+        return torch.where(mask.unsqueeze(1), x[index], x.new_zeros(()))
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        index, mask, back_index, back_mask = ctx.saved_tensors
+        return _MaskedGather.apply(g, back_index, back_mask, index, mask), None, None, None, None
+
+
+class _AllToAll(torch.autograd.Function):
+    """all_to_all_single, with uneven splits or (None) equal ones; the backward is the exchange the other way
+    (splits swapped). A functional collective: selective activation checkpointing keeps its output
+    (train/recompute.py), so the backward's recomputation exchanges nothing again."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, out_splits: list[int] | None, in_splits: list[int] | None,
+                group) -> torch.Tensor:
         ctx.splits, ctx.group = (out_splits, in_splits), group
-        out = x.new_empty(sum(out_splits), *x.shape[1:])
-        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
-        return out
+        return _exchange(x, out_splits, in_splits, group)
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
         out_splits, in_splits = ctx.splits
-        grad = g.new_empty(sum(in_splits), *g.shape[1:])
-        dist.all_to_all_single(grad, g.contiguous(), in_splits, out_splits, group=ctx.group)
-        return grad, None, None, None
+        return _exchange(g, in_splits, out_splits, ctx.group), None, None, None
+
+
+def _exchange(x: torch.Tensor, out_splits: list[int] | None, in_splits: list[int] | None, group) -> torch.Tensor:
+    return funcol.wait_tensor(funcol.all_to_all_single(x.contiguous(), out_splits, in_splits, group))
 
 
 # ----------------------------------------------------------------------------- building
@@ -125,7 +200,8 @@ def shard_experts(model: nn.Module, layout: RunLayout, num_experts: int, dist_in
     mesh = init_device_mesh(device.type, (dist_info.world // n, n), mesh_dim_names=("expert_replica", "expert"))
     shard = ExpertShard(size=n, index=dist_info.rank % n, num_experts=num_experts,
                         world=dist_info.world, group=mesh.get_group("expert"),
-                        replicas=mesh.get_group("expert_replica") if dist_info.world > n else None, mesh=mesh)
+                        replicas=mesh.get_group("expert_replica") if dist_info.world > n else None, mesh=mesh,
+                        exchange=layout.expert_exchange)
     for name, m in model.named_modules():
         if isinstance(m, MoEFFN):
             for lin_name in ("c_fc", "c_proj"):

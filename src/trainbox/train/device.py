@@ -75,12 +75,18 @@ def resolve_device(cfg: RunConfig, local_rank: int = 0) -> tuple[torch.device, t
     return device, dtype, cfg
 
 
-def use_device(device: torch.device, dtype: torch.dtype) -> None:
+def use_device(device: torch.device, dtype: torch.dtype, limit_gib: float = 0) -> None:
     """Make `device` this process's current one and set its float32 matmul precision for `dtype` (the trainer, once
-    the pre-flight checks have resolved them)."""
+    the pre-flight checks have resolved them); `limit_gib` (train.memory_limit_gib): the most its allocator takes."""
     if device.type == "cuda":
         torch.cuda.set_device(device)
         set_float32_matmuls(dtype)
+        if limit_gib:
+            total = torch.cuda.get_device_properties(device).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, limit_gib * 2**30 / total), device)
+    elif limit_gib:
+        log.warning(f"train.memory_limit_gib={limit_gib:g} caps a GPU's memory; this run trains on {device}, "
+                    "which it leaves alone")
 
 
 # Inductor's advice when a compiled graph has float32 matmuls on a GPU with TF32 and TF32 is off

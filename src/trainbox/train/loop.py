@@ -78,7 +78,7 @@ class Trainer(RunFiles, Checkpointing):
         # the given config is never changed: self.cfg is the one the checks resolved
         self.cfg, self.layout, self.device, self.dtype = checked.cfg, checked.layout, checked.device, checked.dtype
         self._fp32_matmuls = torch.get_float32_matmul_precision()   # process-wide: put back when the run ends
-        use_device(self.device, self.dtype)
+        use_device(self.device, self.dtype, self.cfg.train.memory_limit_gib)
         self.run_dir = cfg.run_dir
         self.ckpt_root = self.run_dir / "checkpoints"
         self.progress = progress or ProgressBar(enabled=False)

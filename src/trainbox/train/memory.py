@@ -62,6 +62,8 @@ def check_memory(cfg: RunConfig, vocab: int, device: torch.device, dtype: torch.
     free = available(device) if free is None else free
     if free is None:
         return None
+    if device.type == "cuda" and cfg.train.memory_limit_gib:   # the allocator's cap (train/device.py: use_device)
+        free = min(free, int(cfg.train.memory_limit_gib * 2**30))
     plan = device_plan(cfg, vocab, device, dtype, free, world)
     mem = plan.memory
     if mem.needed * (1 - MARGIN) <= free:

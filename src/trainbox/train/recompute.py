@@ -4,8 +4,9 @@
 
 Modes, applied to each transformer block (a family lists its blocks in `checkpoint_units()`):
 - none: autograd keeps what the backward needs (the default);
-- selective: the block's matmul and attention outputs are kept and the elementwise work between them
-  (norms, activations, residual mixing, dtype casts) is recomputed in the backward. The recomputed ops
+- selective: the block's matmul and attention outputs (and expert parallelism's exchanged rows) are kept and
+  the elementwise work between them (norms, activations, residual mixing, dtype casts) is recomputed in the
+  backward. The recomputed ops
   are cheap next to the saved matmuls, and their outputs would otherwise be kept at the block's full
   width. This is torch's selective activation checkpointing; torchtitan calls it "selective op" AC;
 - full: only each block's input is kept; the whole block runs again in the backward (about a third
@@ -38,6 +39,8 @@ def _saved_ops() -> frozenset:
              "_scaled_dot_product_flash_attention_for_cpu"]
     ops = {getattr(aten, n).default for n in names if hasattr(aten, n)}
     flex = getattr(torch.ops.higher_order, "flex_attention", None)  # the speedrun family's attention on GPU
+    # expert parallelism's exchanges (parallel/expert.py): kept, so the recomputation communicates nothing
+    ops |= {getattr(torch.ops._c10d_functional, n).default for n in ("all_to_all_single", "wait_tensor")}
     return frozenset(ops | ({flex} if flex is not None else set()))
 
 

@@ -1,6 +1,8 @@
 """model.moe: the Mixture-of-Experts options (`model.family: moe`)."""
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field, model_validator
 
 from trainbox.config.families import Section
@@ -17,9 +19,16 @@ class MoESection(Section):
     expert_parallel: int = Field(1, ge=1, le=2**16, description="split the experts over this many ranks "
                                                                "(all-to-all dispatch); 1 = every rank holds every "
                                                                "expert")
+    exchange: Literal["uneven", "padded"] = Field(
+        "uneven", description="expert parallelism's token exchange in training: uneven = only the kept rows, split "
+                              "sizes read on the host; padded = capacity-sized buffers per expert, equal splits, no "
+                              "host read (needs model.moe.capacity_factor > 0; evaluation stays uneven)")
 
     @model_validator(mode="after")
-    def _top_k_le_experts(self) -> "MoESection":
+    def _consistent(self) -> "MoESection":
         if self.top_k > self.num_experts:
             raise ValueError(f"model.moe.top_k={self.top_k} exceeds model.moe.num_experts={self.num_experts}")
+        if self.exchange == "padded" and self.capacity_factor == 0:
+            raise ValueError("model.moe.exchange=padded sends capacity-sized buffers and needs a capacity: set "
+                             "model.moe.capacity_factor > 0, or model.moe.exchange=uneven for dropless routing")
         return self

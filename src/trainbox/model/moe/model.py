@@ -30,7 +30,8 @@ gate 0: grouped matmuls cost T * k rows whatever the balance, fewer than a capac
 whenever capacity_factor >= 1.
 
 With `model.moe.expert_parallel` > 1 a rank holds a shard of the experts and `MoEFFN.parallel` runs them across
-ranks (trainbox/parallel/expert.py); routing, drops and losses stay this rank's own. Hugging Face has no GPT-2
+ranks (trainbox/parallel/expert.py: the kept rows, or with model.moe.exchange=padded capacity-sized buffers that
+`experts_padded` runs as batched matmuls); routing, drops and losses stay this rank's own. Hugging Face has no GPT-2
 MoE class: `trainbox export RUN --format hf` writes this family's own folder (`save_pretrained`), which
 `from_pretrained` loads.
 
@@ -39,6 +40,7 @@ MoE class: `trainbox export RUN --format hf` writes this family's own folder (`s
 from __future__ import annotations
 
 import logging
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -203,6 +205,18 @@ def top_k(probs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.cat(values, dim=-1), torch.cat(ids, dim=-1)
 
 
+class Sorted(NamedTuple):
+    """A micro-batch's assignment rows sorted by expert, as the experts' dispatch sees them (priority order kept
+    within each expert)."""
+
+    expert: torch.Tensor            # (k*N,) each row's expert
+    slot: torch.Tensor              # (k*N,) its place in its expert's group: the row is kept while slot < capacity
+    counts: torch.Tensor            # (E,) rows routed to each expert
+    kept: torch.Tensor              # (E,) rows each expert takes: counts, clamped to the capacity
+    keep: torch.Tensor | None       # (k*N,) whether each row is kept (None: dropless)
+    capacity: int | None            # rows an expert takes from this micro-batch (None: dropless)
+
+
 class MoEFFN(nn.Module):
     """Router + top-k + capacity + experts. forward(x) -> y; `self.aux` holds this call's losses/stats."""
 
@@ -248,7 +262,7 @@ class MoEFFN(nn.Module):
         offsets = counts.cumsum(0)
         slot = torch.arange(k * N, device=x.device) - (offsets - counts)[sorted_e]  # rank within its expert
         weight = gates.t().reshape(-1)[order]                            # (k*N,) fp32
-        keep, kept = None, counts
+        keep, kept, capacity = None, counts, None
         if self.training and self.moe.capacity_factor > 0:
             capacity = int(self.moe.capacity_factor * k * N / E)
             keep = slot < capacity                     # the first `capacity` rows of each expert's group
@@ -262,7 +276,7 @@ class MoEFFN(nn.Module):
         inverse = torch.empty_like(order).scatter_(0, order, torch.arange(k * N, device=x.device))
         rows = _Dispatch.apply(xf.to(dtype), src, inverse, k)                                    # (k*N, C)
         if self.parallel is not None:  # expert parallelism (trainbox.parallel.expert): experts on other ranks too
-            h = self.parallel.experts(self, rows, kept, keep)
+            h = self.parallel.experts(self, rows, Sorted(sorted_e, slot, counts, kept, keep, capacity))
         else:
             h = self.experts(rows, offsets.to(torch.int32), sorted_e)
         h = h * weight.unsqueeze(1)                                      # fp32: the gates
@@ -278,6 +292,22 @@ class MoEFFN(nn.Module):
             return moe_gelu_mlp(rows, self.c_fc.weight.to(rows.dtype), self.c_proj.weight.to(rows.dtype), offsets)
         h = self.c_fc(rows, offsets, expert, self.use_kernel)                                   # (rows, 4C)
         return self.c_proj(h, offsets, expert, self.use_kernel, gelu=True)                      # (rows, C)
+
+    def experts_padded(self, x: torch.Tensor) -> torch.Tensor:
+        """Equal groups of rows, x (experts, rows, C) -> each group through its expert's MLP (experts, rows, C), as
+        two batched matmuls (equal groups need no offsets, so nothing is read on the host)."""
+        El, R, C = x.shape
+        if self.fused:   # QuACK's grouped GEMMs with offsets built on the device: every group R rows
+            offsets = torch.arange(1, El + 1, device=x.device, dtype=torch.int32) * R
+            w1, w2 = self.c_fc.weight.to(x.dtype), self.c_proj.weight.to(x.dtype)
+            return moe_gelu_mlp(x.reshape(El * R, C), w1, w2, offsets).view(El, R, C)
+        h = torch.bmm(x, self.c_fc.weight.to(x.dtype))                                          # (El, R, 4C)
+        if self.c_fc.bias is not None:
+            h = h + self.c_fc.bias.to(h.dtype).unsqueeze(1)
+        y = torch.bmm(gelu_tanh(h), self.c_proj.weight.to(h.dtype))                             # (El, R, C)
+        if self.c_proj.bias is not None:
+            y = y + self.c_proj.bias.to(y.dtype).unsqueeze(1)
+        return y
 
     def _losses(self, logits: torch.Tensor, counts: torch.Tensor, dropped: torch.Tensor, N: int) -> dict:
         E, k = self.moe.num_experts, self.moe.top_k
