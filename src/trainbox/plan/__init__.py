@@ -71,9 +71,8 @@ from trainbox.plan.suggest import fewer_exchanges, suggestions
 from trainbox.plan.time import StepTime, step_time
 
 __all__ = ["BYTES", "CONTEXT", "FRAGMENTATION", "GPUS", "MARGIN", "MODES", "NCCL", "Kernels", "Layout", "Memory",
-           "MemoryPlan",
-           "StepTime", "Suggestion", "Target", "assumed_kernels", "dtype_bytes", "gpu", "local_cpu", "local_gpu", "make_plan",
-           "memory", "plan_run", "run_vocab", "sized"]
+           "MemoryPlan", "StepTime", "Suggestion", "Target", "assumed_kernels", "dtype_bytes", "gpu", "local_cpu",
+           "local_gpu", "make_plan", "memory", "plan_run", "run_vocab", "sized"]
 
 
 def make_plan(cfg: RunConfig, vocab: int, target: Target, nproc: int = 1, kernels: Kernels | None = None,
