@@ -5,6 +5,10 @@ divides by, runs on a CPU over gloo."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from dataclasses import fields
 
 import pytest
 from conftest import REPO
@@ -12,6 +16,7 @@ from conftest import REPO
 from trainbox.config import load_config
 from trainbox.config.layout import decide_layout
 from trainbox.plan import gpu, make_plan, run_vocab
+from trainbox.plan.gpus import Rates
 from trainbox.plan.time import TOLERANCE
 
 RECORDS = REPO / "benchmarks" / "records"
@@ -205,3 +210,22 @@ def test_plan_command_shows_the_step_time(capsys):
     data = json.loads(capsys.readouterr().out)
     assert data["time"]["step"] > 0 and data["time"]["tokens_per_s_per_gpu"] > 0
 
+
+# ----------------------------------------------------------------------------- the rates' benchmark
+
+
+def test_hw_rates_runs_on_two_cpu_processes_over_gloo(tmp_path):
+    """benchmarks/hw_rates.py, which measures what plan/gpus.py's RATES hold, at tiny sizes over gloo: every rate
+    it reports is positive and in the units Rates takes."""
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                           "--standalone", str(REPO / "benchmarks" / "hw_rates.py"), "--device", "cpu", "--tiny",
+                           "--reps", "2"], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    record = json.loads(proc.stdout)
+    m = record["metrics"]
+    assert record["tool"] == "hw_rates" and record["gpu"] is None and m["processes"] == 2
+    assert set(m["rates"]) == {f.name for f in fields(Rates)} - {"source"}
+    assert all(v >= 0 for v in m["rates"].values()) and m["rates"]["matmul"] > 0 and m["rates"]["all_to_all"] > 0
+    assert {"all_reduce", "all_gather", "reduce_scatter", "all_to_all"} <= set(m["collectives"])
+    assert all("how" in v for k, v in m["matmul"].items() if "experts" in k)
