@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 from dataclasses import fields
@@ -15,9 +16,11 @@ from conftest import REPO
 
 from trainbox.config import load_config
 from trainbox.config.layout import decide_layout
+from trainbox.model.t5 import memory as t5_memory
 from trainbox.plan import gpu, make_plan, run_vocab
+from trainbox.plan import time as plan_time
 from trainbox.plan.gpus import Rates
-from trainbox.plan.time import TOLERANCE
+from trainbox.plan.time import TOLERANCE, step_time
 
 RECORDS = REPO / "benchmarks" / "records"
 MOE_128 = ["model.moe.num_experts=128", "model.moe.top_k=2", "model.moe.capacity_factor=2",
@@ -164,6 +167,74 @@ def test_every_record_with_a_step_time_is_predicted_or_skipped_with_its_reason()
             continue
         pytest.fail(f"{path.name} has a step time: add it to STEPS or say in SKIPPED why it is not predicted")
 
+
+# Each calibration constant of plan/time.py against the records it comes from: the value at which the model gives
+# what they measured (the step time, or a profile's NCCL time a step: comm_ms_per_step), the median over them
+DENSE_RECORDS = [r for r, extra, n, _ in STEPS if not extra and any(k in r for k in ("gpt2-125m", "llama", "speedrun"))
+                 and "moe" not in r and "float8" not in r]
+MOE_1GPU = ["2026-11-27-h100-moe-gpt2-125m-train-speed.json", "2026-11-27-h100-moe-gpt2-125m-step-time-vs-70ca097.json",
+            "2026-11-27-h100-moe-gpt2-125m-flash-step-time-vs-70ca097.json",
+            "2026-11-27-h200-moe-gpt2-125m-1gpu-baseline.json", "2026-11-28-h200-moe-gpt2-125m-1gpu-baseline.json"]
+CALIBRATION = [
+    ("DENSE", DENSE_RECORDS, "step"),
+    ("EXPERTS", MOE_1GPU, "step"),
+    ("FLOAT8", ["2026-11-28-4xh200-llama-8b-fsdp-4gpu-float8.json",
+                "2026-11-27-2xh200-llama-1b-fsdp-2gpu-float8-200-seed1.json"], "step"),
+    ("COLLECTIVES", ["2026-11-27-2xh200-llama-1b-fsdp-2gpu-profile.json"], "communication"),
+    ("EXCHANGES", ["2026-11-27-2xh200-moe-gpt2-125m-128x-ep2-profile.json"], "communication"),
+    ("HOST", ["2026-11-28-2xh200-moe-gpt2-125m-128x-ep2-2gpu-vs-de3474f.json"], "step"),
+    ("SPEED", ["2026-11-26-h100-t5-base-speed.json"], "step"),
+]
+
+
+def solve(f, target: float, lo: float, hi: float) -> float:
+    """The x in [lo, hi] where the monotonic f(x) equals target (bisection on a log scale)."""
+    rising = f(hi) > f(lo)
+    for _ in range(50):
+        mid = (lo * hi) ** 0.5
+        lo, hi = (mid, hi) if (f(mid) < target) == rising else (lo, mid)
+    return (lo * hi) ** 0.5
+
+
+def solved(module, name: str, record: str, what: str) -> float:
+    """The value of `module.name` at which the model gives what `record` measured (the constant is put back)."""
+    extra, nproc, where = next((e, n, w) for r, e, n, w in STEPS if r == record)
+    rec = json.loads((RECORDS / record).read_text())
+    cfg = load_config(rec["recipe"], [*rec["overrides"], *extra])
+    plan = make_plan(cfg, run_vocab(cfg), gpu("H200" if "H200" in rec["gpu"]["name"] else "H100"), nproc,
+                     suggest=False)
+    measured = measured_seconds(rec, where) if what == "step" else rec["metrics"]["comm_ms_per_step"] / 1000
+
+    def model(value: float) -> float:
+        setattr(module, name, value)
+        t = step_time(cfg, plan.counts, plan.target, plan.layout, plan.micro_batch, plan.checkpointing, plan.sequences)
+        return getattr(t, what)
+    kept = getattr(module, name)
+    try:
+        return solve(model, measured, 1e-4, 10.0)
+    finally:
+        setattr(module, name, kept)
+
+
+@pytest.mark.parametrize("name, records, what", CALIBRATION, ids=[c[0] for c in CALIBRATION])
+def test_calibration_constants_are_what_their_records_give(name, records, what):
+    """Within 10% of the median over their records: after new rates (benchmarks/hw_rates.py) go into plan/gpus.py,
+    this says what each constant becomes."""
+    module = t5_memory if name == "SPEED" else plan_time
+    by_record = [solved(module, name, r, what) for r in records]
+    value = statistics.median(by_record)
+    assert abs(getattr(module, name) / value - 1) < 0.10, f"{name} = {value:.3g} by {records}: {by_record}"
+
+
+def test_the_width_term_narrows_the_dense_efficiency_over_the_records(monkeypatch):
+    """DENSE solved from each dense record (gpt2-125m, speedrun at 768 and 1,024 wide, llama-1b at 2,048, llama-8b at
+    4,096) varies less with the width term than without it (WIDTH = 0)."""
+    def spread() -> float:
+        values = [solved(plan_time, "DENSE", r, "step") for r in sorted(set(DENSE_RECORDS))]
+        return max(values) / min(values)
+    with_width = spread()
+    monkeypatch.setattr(plan_time, "WIDTH", 0)
+    assert with_width < 1.25 < spread()
 
 # ----------------------------------------------------------------------------- ranking
 
