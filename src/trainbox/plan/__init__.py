@@ -1,4 +1,5 @@
-"""The memory plan of a run: bytes per GPU by component, whether it fits, and what would make it fit.
+"""The memory plan of a run: bytes per GPU by component, whether it fits, what would make it fit, and the predicted
+step time of each layout where the GPU's rates are known (plan/time.py), by which what would fit is ranked.
 
     trainbox plan moe-gpt2-125m model.moe.num_experts=128 --gpu H100 --nproc 2
 

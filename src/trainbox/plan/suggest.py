@@ -13,7 +13,7 @@ from trainbox.config.layout import decide_layout, micro_batches
 from trainbox.errors import ConfigError
 from trainbox.model.spec import family
 from trainbox.plan.memory import BYTES, MODES, Layout, MemoryPlan, Suggestion, memory
-from trainbox.plan.time import step_time
+from trainbox.plan.time import StepTime, step_time
 
 
 class _Search:
@@ -51,7 +51,7 @@ class _Search:
             overrides = (*overrides, f"train.activation_checkpointing={mode}")
         return Suggestion(what, overrides, layout.nproc, needed, self.time(layout, micro, mode))
 
-    def time(self, layout: Layout, micro: int, mode: str):
+    def time(self, layout: Layout, micro: int, mode: str) -> StepTime | None:
         return step_time(self.cfg, self.plan.counts, self.plan.target, layout, micro, mode, self.plan.sequences)
 
 
