@@ -182,7 +182,7 @@ def collectives(device: torch.device, world: int, tiny: bool, reps: int) -> dict
 def host_read(device: torch.device, world: int, dtype: torch.dtype, tiny: bool, reps: int) -> dict:
     """The split sizes' read as expert parallelism makes it: a small exchange of per-expert counts, then `.tolist()`;
     alone, and behind a queue of 24 small matmuls against the same queue without the read."""
-    counts = torch.arange(128, device=device, dtype=torch.int64)
+    counts = torch.arange(64 * world, device=device, dtype=torch.int64)   # 64 experts a rank
     recv = torch.empty_like(counts)
 
     def exchange():
@@ -229,7 +229,10 @@ def main() -> None:
     else:
         device = torch.device("cpu")
     if world > 1:
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        if device.type == "cuda":
+            dist.init_process_group("nccl", device_id=device)
+        else:
+            dist.init_process_group("gloo")
     dtype = torch.bfloat16
     metrics: dict = {"processes": world, "device": args.device, "tiny": args.tiny, "reps": args.reps}
     metrics["matmul"] = matmuls(device, dtype, args.tiny, args.reps)

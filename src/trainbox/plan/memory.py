@@ -112,7 +112,8 @@ class MemoryPlan:
 
     def as_dict(self) -> dict:
         return {"recipe": self.recipe, "gpu": {"name": self.target.name, "memory": self.target.memory,
-                                               "local": self.target.local},
+                                               "local": self.target.local,
+                                               "rates": asdict(self.target.rates) if self.target.rates else None},
                 "layout": asdict(self.layout), "micro_batch": self.micro_batch, "seq_len": self.seq_len,
                 "dtype": self.dtype, "compiled": self.compiled, "activation_checkpointing": self.checkpointing,
                 "kernels": asdict(self.kernels), "parameters": self.counts.as_dict(),
