@@ -28,7 +28,7 @@ class Rates:
     all_reduce: float   # bytes/s: NCCL all-reduce bus bandwidth between GPUs of one node (nccl-tests' busbw)
     all_to_all: float   # bytes/s: all_to_all_single bus bandwidth at the expert exchanges' sizes
     memory: float       # bytes/s: HBM read + write bandwidth a fused optimizer reaches
-    host_sync: float    # seconds: one host read of a small tensor after a small all-to-all (`.tolist()`)
+    host_sync: float    # seconds a host read (`.tolist()`) after a small all-to-all costs a GPU with work queued
     source: str         # the record or document each figure comes from
 
 
