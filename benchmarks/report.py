@@ -20,7 +20,7 @@ DOC = common.REPO / "docs" / "performance.md"
 LINK = "../benchmarks/records/"   # from docs/ to the records
 
 AREAS = ["Single-GPU speed against peers", "Multi-GPU scaling", "Sharded training", "Mixture of Experts", "Speedrun",
-         "Fine-tuning", "T5", "Evaluation", "Quality parity", "CPU"]
+         "Fine-tuning", "T5", "Evaluation", "Quality parity", "Hardware rates", "CPU"]
 
 # (what, conclusion, where it was measured: a record kept in benchmarks/records/, or the commits that hold it)
 FINISHED = [
@@ -347,6 +347,16 @@ def batch_invariance(rec: dict) -> list[tuple]:
     return [("", ours, "; ".join(controls) or "—", "—")]
 
 
+def hw_rates(rec: dict) -> list[tuple]:
+    """What plan/gpus.py's Rates take from the record (benchmarks/hw_rates.py)."""
+    r = rec["metrics"]["rates"]
+    parts = [f"bf16 matmul {r['matmul'] / 1e12:.0f} TFLOP/s", f"AdamW {r['memory'] / 1e12:.2f} TB/s",
+             f"host read {r['host_sync'] * 1e6:.0f} us"]
+    if "all_reduce" in r:
+        parts[1:1] = [f"all-reduce {r['all_reduce'] / 1e9:.0f} GB/s, all-to-all {r['all_to_all'] / 1e9:.0f} GB/s (bus)"]
+    return [("", ", ".join(parts), "—", "—")]
+
+
 def generic(rec: dict) -> list[tuple]:
     scalars = [f"{k} {v}" for k, v in rec["metrics"].items() if isinstance(v, (int, float, str))][:4]
     return [("", ", ".join(scalars) or "—", rec["baseline"]["name"] if rec["baseline"] else "—", "—")]
@@ -359,13 +369,16 @@ ROWS = {"train_speed": train_speed, "profile_step": profile_step, "time_to_loss"
         "prepare_speed": prepare_speed, "make_corpus": make_corpus, "trainbox-train": trainbox_train,
         "tiny_default_run": trainbox_train,
         "resume_check": resume_check, "batch_invariance": batch_invariance, "eval_speed": eval_speed,
-        "eval_tasks_overhead": eval_tasks_overhead, "dpo_real_run": dpo_real_run, "dpo_speed": dpo_speed}
+        "eval_tasks_overhead": eval_tasks_overhead, "dpo_real_run": dpo_real_run, "dpo_speed": dpo_speed,
+        "hw_rates": hw_rates}
 
 
 # ----------------------------------------------------------------------------------------------- the page
 
 def area(rec: dict) -> str:
     recipe = rec["recipe"] or ""
+    if rec["tool"] == "hw_rates":
+        return "Hardware rates"
     if rec["tool"] in ("step_parity", "loss_parity"):
         return "Quality parity"
     if rec["tool"] == "eval_speed" and rec["gpu"] is not None:

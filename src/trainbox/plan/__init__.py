@@ -1,4 +1,5 @@
-"""The memory plan of a run: bytes per GPU by component, whether it fits, and what would make it fit.
+"""The memory plan of a run: bytes per GPU by component, whether it fits, what would make it fit, and the predicted
+step time of each layout where the GPU's rates are known (plan/time.py), by which what would fit is ranked.
 
     trainbox plan moe-gpt2-125m model.moe.num_experts=128 --gpu H100 --nproc 2
 
@@ -68,11 +69,11 @@ from trainbox.plan.memory import (
     memory,
 )
 from trainbox.plan.suggest import fewer_exchanges, suggestions
+from trainbox.plan.time import StepTime, step_time
 
 __all__ = ["BYTES", "CONTEXT", "FRAGMENTATION", "GPUS", "MARGIN", "MODES", "NCCL", "Kernels", "Layout", "Memory",
-           "MemoryPlan",
-           "Suggestion", "Target", "assumed_kernels", "dtype_bytes", "gpu", "local_cpu", "local_gpu", "make_plan",
-           "memory", "plan_run", "run_vocab", "sized"]
+           "MemoryPlan", "StepTime", "Suggestion", "Target", "assumed_kernels", "dtype_bytes", "gpu", "local_cpu",
+           "local_gpu", "make_plan", "memory", "plan_run", "run_vocab", "sized"]
 
 
 def make_plan(cfg: RunConfig, vocab: int, target: Target, nproc: int = 1, kernels: Kernels | None = None,
@@ -97,9 +98,11 @@ def make_plan(cfg: RunConfig, vocab: int, target: Target, nproc: int = 1, kernel
     dtype = dtype or dtype_bytes(cfg, target)[0]
     mem, acts = memory(cfg, counts, vocab, target, layout, run.micro_batch, mode, kernels, BYTES[dtype])
     compiled = t.compiled(target.cuda)
+    sequences = memory_terms(cfg)[0]
+    time = step_time(cfg, counts, target, layout, run.micro_batch, mode, sequences)
     plan = MemoryPlan(cfg.recipe, target, layout, run.micro_batch, cfg.data.seq_len, dtype, compiled, mode, kernels,
                 counts, mem, acts, drops_unsent=ep > 1 and cfg.model.moe.capacity_factor > 0,
-                accumulation=run.accumulation, sequences=memory_terms(cfg)[0])
+                accumulation=run.accumulation, sequences=sequences, time=time)
     if suggest and not plan.fits:
         plan = replace(plan, suggestions=tuple(suggestions(cfg, vocab, plan)))
     elif suggest and ep > 1:

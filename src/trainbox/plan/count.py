@@ -55,6 +55,7 @@ class ParamCount:
     apart: int = 0      # outside the blocks in FSDP units of their own (parallel/fsdp.apart: an untied table)
     head_frozen: bool = False   # the output head's weight does not train (a LoRA base's)
     shapes: Shapes | None = None
+    flops_per_token: float = 0.0   # the model's own training FLOPs per token at data.seq_len (0: it has none)
 
     @property
     def dense(self) -> int:
@@ -168,6 +169,7 @@ def _count(cfg: RunConfig, vocab: int) -> ParamCount:
     in_blocks = {id(p) for b in blocks for p in b.parameters()}
     matmul = _matmul_weights(model)
     shapes = shapes_of(blocks[0], cfg.model) if blocks else None
+    flops = getattr(model, "flops_per_token", None)
     return ParamCount(
         total=sum(p.numel() for _, p, _ in params),
         trainable=sum(p.numel() for _, p, _ in trainable),
@@ -178,7 +180,8 @@ def _count(cfg: RunConfig, vocab: int) -> ParamCount:
         blocks_matmul=sum(p.numel() for i, p in matmul.items() if p.requires_grad and i in in_blocks),
         apart=sum(p.numel() for m in apart(model) for p in m.parameters()), shapes=shapes,
         head_frozen=any(not m.weight.requires_grad for name, m in model.named_modules()
-                        if name.rsplit(".", 1)[-1] == "lm_head" and isinstance(m, nn.Linear)))
+                        if name.rsplit(".", 1)[-1] == "lm_head" and isinstance(m, nn.Linear)),
+        flops_per_token=float(flops(cfg.data.seq_len)) if callable(flops) else 0.0)
 
 
 def _matmul_weights(model: nn.Module) -> dict[int, nn.Parameter]:

@@ -4,6 +4,11 @@ Memory is what `torch.cuda.get_device_properties(i).total_memory` reports for th
 marketing figure: an "80 GB" H100 shows 79.1 GiB). `hopper` marks the cards where `trainbox[flash]` runs
 FlashAttention-4 and QuACK's kernels, `fp8` those with FP8 tensor cores, `lce` those where QuACK's linear
 cross-entropy runs (compute capability 9.0).
+
+`Rates` are what the step-time model (plan/time.py) divides by: the dense bf16 matmul rate at large shapes, the
+bus bandwidth of NCCL's all-reduce and all-to-all between the GPUs of one node, the memory bandwidth, and what a
+host read after an all-to-all costs. benchmarks/hw_rates.py measures each of them on a machine; a figure that
+benchmark has not measured yet says so in its `source`.
 """
 from __future__ import annotations
 
@@ -17,6 +22,27 @@ GiB = 2**30
 
 
 @dataclass(frozen=True)
+class Rates:
+    """What one GPU of a kind sustains, and where each figure comes from."""
+    matmul: float       # FLOP/s of a bf16 matmul at large shapes (dense, 8192 x 8192 x 8192)
+    all_reduce: float   # bytes/s: NCCL all-reduce bus bandwidth between GPUs of one node (nccl-tests' busbw)
+    all_to_all: float   # bytes/s: all_to_all_single bus bandwidth at the expert exchanges' sizes
+    memory: float       # bytes/s: HBM read + write bandwidth a fused optimizer reaches
+    host_sync: float    # seconds a host read (`.tolist()`) after a small all-to-all costs a GPU with work queued
+    source: str         # the record or document each figure comes from
+
+
+# Placeholders until benchmarks/hw_rates.py has measured these kinds: the matmul rate and the link bandwidths are
+# estimates at large shapes for NVLink 4 (900 GB/s per GPU) nodes; memory is 80% of the data sheet's HBM bandwidth.
+PLACEHOLDER = "placeholder estimates, to be replaced by `benchmarks/hw_rates.py --record` on this GPU"
+HOPPER_SXM = dict(matmul=750e12, all_reduce=400e9, all_to_all=300e9, host_sync=100e-6, source=PLACEHOLDER)
+RATES = {
+    "H100": Rates(memory=0.8 * 3.35e12, **HOPPER_SXM),
+    "H200": Rates(memory=0.8 * 4.8e12, **HOPPER_SXM),
+}
+
+
+@dataclass(frozen=True)
 class Target:
     name: str
     memory: int            # bytes of one device
@@ -25,6 +51,7 @@ class Target:
     fp8: bool = False
     lce: bool = False
     local: bool = False    # the device this process sees (kernels are then asked, not assumed)
+    rates: Rates | None = None   # what the step-time model divides by; None: no time is predicted
 
     @property
     def gib(self) -> float:
@@ -32,7 +59,14 @@ class Target:
 
 
 def _gpu(name: str, gib: float, hopper: bool = False, fp8: bool = False, lce: bool = False) -> Target:
-    return Target(name, int(gib * GiB), hopper=hopper, fp8=fp8, lce=lce)
+    return Target(name, int(gib * GiB), hopper=hopper, fp8=fp8, lce=lce, rates=RATES.get(name))
+
+
+def rates_of(device_name: str) -> Rates | None:
+    """The rates of a kind named in a device name ("NVIDIA H100 80GB HBM3" -> H100's); None for another kind."""
+    words = device_name.upper().replace("-", " ").split()
+    return next((r for kind, r in RATES.items() if kind in words and "NVL" not in words and "PCIE" not in words),
+                None)
 
 
 GPUS = {t.name: t for t in (
@@ -76,7 +110,7 @@ def local_gpu() -> Target | None:
     props = torch.cuda.get_device_properties(0)
     cap = (props.major, props.minor)
     return Target(props.name, int(props.total_memory), hopper=cap >= (9, 0), fp8=cap >= (8, 9), lce=cap == (9, 0),
-                  local=True)
+                  local=True, rates=rates_of(props.name))
 
 
 def local_cpu() -> Target:

@@ -14,6 +14,7 @@ from trainbox.objective import memory_terms
 from trainbox.plan.activations import Activations, Kernels, Widths, family_activations, weight_copy_bytes
 from trainbox.plan.count import ParamCount
 from trainbox.plan.gpus import GiB, Target
+from trainbox.plan.time import StepTime
 
 MARGIN = 0.15
 CONTEXT = int(0.5 * GiB)       # CUDA context, cuBLAS and cuDNN workspaces
@@ -66,11 +67,13 @@ class Memory:
 
 @dataclass(frozen=True)
 class Suggestion:
-    """A change under which the run fits: config overrides, the number of GPUs, and what it needs per GPU."""
+    """A change under which the run fits: config overrides, the number of GPUs, what it needs per GPU and its
+    predicted step time (None where the GPU has no rates)."""
     what: str
     overrides: tuple[str, ...]
     nproc: int
     needed: int
+    time: StepTime | None = None
 
     def command(self, recipe: str | None, overrides: list[str] | tuple[str, ...] = ()) -> str:
         """`trainbox train` with the run's own overrides, those of the same keys replaced by this change's."""
@@ -101,6 +104,7 @@ class MemoryPlan:
     fewer_exchanges: Suggestion | None = None
     accumulation: int = 1   # micro-batches a step on each rank
     sequences: int = 1      # sequences a sample puts through the model (train.objective=dpo: a pair, two)
+    time: StepTime | None = None   # the predicted step time (plan/time.py); None where the GPU has no rates
 
     @property
     def fits(self) -> bool:
@@ -108,13 +112,15 @@ class MemoryPlan:
 
     def as_dict(self) -> dict:
         return {"recipe": self.recipe, "gpu": {"name": self.target.name, "memory": self.target.memory,
-                                               "local": self.target.local},
+                                               "local": self.target.local,
+                                               "rates": asdict(self.target.rates) if self.target.rates else None},
                 "layout": asdict(self.layout), "micro_batch": self.micro_batch, "seq_len": self.seq_len,
                 "dtype": self.dtype, "compiled": self.compiled, "activation_checkpointing": self.checkpointing,
                 "kernels": asdict(self.kernels), "parameters": self.counts.as_dict(),
                 "memory": self.memory.as_dict(), "activations": self.activations.as_dict(),
                 "fits": self.fits, "margin": MARGIN,
                 "accumulation": self.accumulation, "sequences": self.sequences,
+                "time": self.time.as_dict() if self.time else None,
                 "suggestions": [asdict(s) for s in self.suggestions],
                 "fewer_exchanges": asdict(self.fewer_exchanges) if self.fewer_exchanges else None}
 

@@ -1,7 +1,7 @@
 """The plan as text: what `trainbox plan` and `trainbox doctor RECIPE` print (the CLI does the printing)."""
 from __future__ import annotations
 
-from trainbox.plan import MARGIN, MemoryPlan
+from trainbox.plan import MARGIN, MemoryPlan, StepTime, Suggestion
 from trainbox.plan.gpus import GiB
 
 OPTIMIZER = {"adamw": "AdamW: two fp32 moments", "muon": "Muon: one fp32 momentum (matrices), AdamW's two (rest)"}
@@ -13,6 +13,16 @@ def _gib(n: float) -> str:
 
 def _m(n: float) -> str:
     return f"{n / 1e6:,.1f}M"
+
+
+def time_text(t: StepTime) -> str:
+    return (f"{t.step:.2f} s a step, {t.tokens_per_s_per_gpu:,.0f} tokens/s per GPU (compute {t.compute:.2f} s, "
+            f"exchanges {t.exchanges:.2f}, host {t.host:.2f}, optimizer {t.optimizer:.2f})")
+
+
+def _row(s: Suggestion, recipe: str | None, overrides) -> str:
+    time = f"{s.time.step:7.2f} s {s.time.tokens_per_s_per_gpu:>9,.0f}  " if s.time is not None else ""
+    return f"  {s.needed / GiB:6.1f}  {time}{s.what:<26}{s.command(recipe, overrides)}"
 
 
 def layout_text(plan: MemoryPlan) -> str:
@@ -76,18 +86,22 @@ def format_plan(plan: MemoryPlan, overrides: list[str] | tuple[str, ...] = ()) -
     verdict = "fits" if plan.fits else "does not fit"
     lines += ["", f"{verdict}: {mem.needed / GiB:.1f} of {t.gib:.1f} GiB{' per GPU' if t.cuda else ''} "
                   f"(the prediction aims at {MARGIN:.0%} of the measured peak)"]
+    if plan.time is not None and plan.fits:
+        lines += [f"step time: {time_text(plan.time)}", f"  (plan/time.py; rates of {t.name}: {t.rates.source})"]
     if plan.drops_unsent:
         lines += ["experts: every routed assignment counted; under expert parallelism the ones the capacity drops "
                   "are not sent, so a step whose router drops assignments holds less"]
     if (f := plan.fewer_exchanges) is not None:
         lines += ["", f"expert parallelism: {plan.accumulation} micro-batches a step, each with an all-to-all "
                       "exchange and a host read of its split sizes per MoE layer, both ways; fewer, larger ones "
-                      "exchange less often (GiB per GPU):",
-                  f"  {f.needed / GiB:6.1f}  micro-batch {f.overrides[0].split('=')[1]:<13}"
-                  f"{f.command(plan.recipe, overrides)}"]
+                      "exchange less often (GiB per GPU" + (", predicted step time, tokens/s per GPU" if f.time else "")
+                  + "):",
+                  _row(f, plan.recipe, overrides)]
     if plan.suggestions:
-        lines += ["", "what would fit (GiB per GPU):"]
-        lines += [f"  {s.needed / GiB:6.1f}  {s.what:<26}{s.command(plan.recipe, overrides)}" for s in plan.suggestions]
+        timed = plan.suggestions[0].time is not None
+        lines += ["", "what would fit, fastest first (GiB per GPU, predicted step time, tokens/s per GPU):" if timed
+                  else "what would fit (GiB per GPU):"]
+        lines += [_row(s, plan.recipe, overrides) for s in plan.suggestions]
     elif not plan.fits:
         lines += ["", "nothing tried fits: a smaller model (model.n_layer, model.n_embd), a shorter data.seq_len, "
                       "or a GPU with more memory"]

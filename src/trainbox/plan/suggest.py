@@ -1,7 +1,9 @@
 """What would make a plan fit (`MemoryPlan.suggestions`): the largest micro-batch, an activation-checkpointing mode,
 fsdp, an expert-parallel degree, or more GPUs, each checked with the same memory model as the plan itself; and,
 under expert parallelism, the largest micro-batch that fits (`MemoryPlan.fewer_exchanges`). Every layout suggested is
-one config/layout.py accepts."""
+one config/layout.py accepts. Each carries its predicted step time (plan/time.py) where the GPU has rates: the
+expert-parallel degree suggested is the fastest that fits, and the suggestions on the plan's GPUs come fastest
+first, then those on more GPUs, fastest first."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -11,6 +13,7 @@ from trainbox.config.layout import decide_layout, micro_batches
 from trainbox.errors import ConfigError
 from trainbox.model.spec import family
 from trainbox.plan.memory import BYTES, MODES, Layout, MemoryPlan, Suggestion, memory
+from trainbox.plan.time import StepTime, step_time
 
 
 class _Search:
@@ -24,8 +27,12 @@ class _Search:
                       self.plan.kernels, BYTES[self.plan.dtype])[0].needed
 
     def largest(self, layout: Layout, mode: str, same_micro: bool = False) -> tuple[int, int] | None:
-        """(micro-batch, needed) of the largest micro-batch (up to the plan's) that fits, or None."""
+        """(micro-batch, needed) of the largest micro-batch that fits, or None: up to the plan's, and for another
+        layout, where the step time is predicted, up to a rank's share of the global batch (fewer micro-batches
+        gather fsdp's parameters and exchange the experts' rows fewer times a step, and the plan counts them)."""
         micro = self.plan.micro_batch
+        if not same_micro and layout != self.plan.layout and self.plan.time is not None:
+            micro = self.cfg.train.global_batch_size
         sizes = micro_batches(self.cfg.train.global_batch_size, layout.nproc, micro)
         for b in sizes[:1] if same_micro else sizes:
             if (needed := self.needed(layout, b, mode)) <= self.plan.target.memory:
@@ -42,7 +49,15 @@ class _Search:
             overrides = (*overrides, f"train.micro_batch_size={micro}")
         if mode != self.plan.checkpointing:
             overrides = (*overrides, f"train.activation_checkpointing={mode}")
-        return Suggestion(what, overrides, layout.nproc, needed)
+        return Suggestion(what, overrides, layout.nproc, needed, self.time(layout, micro, mode))
+
+    def time(self, layout: Layout, micro: int, mode: str) -> StepTime | None:
+        return step_time(self.cfg, self.plan.counts, self.plan.target, layout, micro, mode, self.plan.sequences)
+
+
+def _seconds(s: Suggestion) -> float:
+    """A suggestion's predicted step time; one without (a GPU without rates) after those with."""
+    return s.time.step if s.time is not None else float("inf")
 
 
 def _layouts(cfg: RunConfig, base: Layout, n: int) -> list[tuple[Layout, tuple[str, ...]]]:
@@ -73,13 +88,18 @@ def suggestions(cfg: RunConfig, vocab: int, plan: MemoryPlan) -> list[Suggestion
         return next((s for m in modes for layout, over in options
                      if (s := search.suggest(what, layout, m, over, same_micro))), None)
 
+    def fastest(what: str, options) -> Suggestion | None:
+        """Of the options, each with the first mode that fits, the fastest (the first where none has a time)."""
+        found = [s for option in options if (s := first(what, [option]))]
+        return min(found, key=_seconds, default=None)
+
     out = [search.suggest("micro-batch", lay, mode, ()),
            first("activation checkpointing", [(lay, ())], modes[1:], same_micro=True)]
     if not plan.target.cuda:   # processes on one machine share its RAM: sharding or more of them does not help
         return [s for s in out if s is not None]
     here = _layouts(cfg, lay, lay.nproc)[1:]
     out += [first("fsdp", [(x, o) for x, o in here if x.expert_parallel == lay.expert_parallel]),
-            first("expert parallelism", [(x, o) for x, o in here if x.expert_parallel != lay.expert_parallel])]
+            fastest("expert parallelism", [(x, o) for x, o in here if x.expert_parallel != lay.expert_parallel])]
     for n in (2, 4, 8, 16, 32, 64):   # the fewest GPUs that fit; for an MoE also its best expert-parallel layout
         if n <= lay.nproc:
             continue
@@ -88,10 +108,10 @@ def suggestions(cfg: RunConfig, vocab: int, plan: MemoryPlan) -> list[Suggestion
         if found:
             out.append(found)
             if not any(o.startswith("model.moe.expert_parallel") for o in found.overrides):
-                out.append(first("more GPUs, experts split",
-                                 [x for x in options if x[0].expert_parallel > lay.expert_parallel]))
+                out.append(fastest("more GPUs, experts split",
+                                   [x for x in options if x[0].expert_parallel > lay.expert_parallel]))
             break
-    return [s for s in out if s is not None]
+    return sorted((s for s in out if s is not None), key=lambda s: (s.nproc > lay.nproc, _seconds(s)))
 
 
 def fewer_exchanges(cfg: RunConfig, vocab: int, plan: MemoryPlan) -> Suggestion | None:
@@ -104,5 +124,6 @@ def fewer_exchanges(cfg: RunConfig, vocab: int, plan: MemoryPlan) -> Suggestion 
         if b <= plan.micro_batch:
             return None
         if (needed := search.needed(lay, b, plan.checkpointing)) <= plan.target.memory:
-            return Suggestion("fewer exchanges", (f"train.micro_batch_size={b}",), lay.nproc, needed)
+            return Suggestion("fewer exchanges", (f"train.micro_batch_size={b}",), lay.nproc, needed,
+                              search.time(lay, b, plan.checkpointing))
     return None

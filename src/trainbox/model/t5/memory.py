@@ -7,6 +7,10 @@ from trainbox.model.memory import Block, Forward, Kernels, Widths
 from trainbox.model.t5.model import t5_d_ff, t5_d_kv, t5_decoder_layers
 
 COMPILE_FACTOR = 0.85   # the blocks' activations compiled / eager (Inductor on a CPU, model/memory.py)
+# the share of a GPT's FLOP rate this family's step reaches (plan/time.py): relative position biases, whose gradient
+# keeps attention off the fused kernels, and a decoder of a fifth of the encoder's length (t5-base on an H100,
+# benchmarks/records/2026-11-26-h100-t5-base-speed.json)
+SPEED = 0.52
 
 
 def t5_blocks(d: int, heads: int, inner: int, ffn: int, S: int, T: int, w: Widths, kern: Kernels

@@ -1,0 +1,151 @@
+"""The step time of a layout: compute at the GPU's matmul rate, exchanges at its links' bandwidth, the host reads of
+expert parallelism, and the optimizer at its memory bandwidth (plan/gpus.py's `Rates`).
+
+    trainbox plan moe-gpt2-125m model.moe.num_experts=128 --gpu H100 --nproc 2
+
+Per rank, for a step of `accumulation` micro-batches of `micro` sequences:
+
+    compute     the model's FLOPs per token (its flops_per_token) x the micro-batch's tokens, the dense part at
+                rate x DENSE x d / (d + WIDTH) at width d (x the family's SPEED, where its memory module gives
+                one: t5) and the experts' grouped matmuls (6 x top_k x an expert's parameters per MoE layer)
+                at rate x EXPERTS; full activation checkpointing runs the blocks' forward twice; train.float8
+                runs the blocks' linears FLOAT8 times faster
+    ddp         the fp32 gradients all-reduced once a step (the dense ones under expert parallelism), 2(n-1)/n of
+                their bytes at all_reduce x COLLECTIVES; DDP overlaps it with the last micro-batch's backward,
+                all but the last bucket
+    fsdp        per micro-batch: the bf16 parameters all-gathered for the forward and again for the backward
+                (once with train.reshard_after_forward=false) and the fp32 gradients reduce-scattered, (n-1)/n of
+                their bytes at all_reduce x COLLECTIVES, overlapped with the micro-batch's compute; the first
+                block's gather is not; the copies around them at the memory bandwidth (the gathered weights
+                copied out beside the compute, the gradients cast into the reduce-scatter's input before it)
+    experts     expert parallelism, per MoE layer per micro-batch: the routed rows (tokens x top_k x n_embd, bf16)
+                dispatched and combined in the forward and both again in the backward, (E-1)/E of them crossing
+                at all_to_all x EXCHANGES, not overlapped; one host read of the split sizes (host_sync each), after
+                which the host launches the layer's work: a micro-batch takes at least HOST per MoE layer, the
+                host's time to run the layer's forward and backward
+    optimizer   OPTIMIZER_BYTES per parameter a rank updates, at its memory bandwidth
+
+    step = accumulation x (micro-batch) + ddp's exposed all-reduce + optimizer
+
+The plan counts every routed assignment; with a capacity, expert parallelism computes and sends only the kept
+ones, so a run whose router drops assignments takes less. tests/test_plan_time.py holds the prediction to within
+TOLERANCE of every step time in benchmarks/records/ whose configuration the plan rebuilds, and the calibration
+constants below to the records they come from.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from trainbox.config import RunConfig
+from trainbox.model.spec import family
+from trainbox.plan.count import ParamCount
+from trainbox.plan.gpus import Target
+
+TOLERANCE = 0.25
+
+# Calibration: shares of plan/gpus.py's rates, each solved again from the records it names by tests/test_plan_time.py
+# (which says what each becomes when new rates go into RATES).
+# The share of the matmul rate a compiled model's dense FLOPs reach (attention, norms and loss included) at a large
+# width; at width d it is DENSE x d / (d + WIDTH): a block's elementwise work (norms, activations, residual adds,
+# casts) grows with d per token where its matmuls grow with d^2, so it takes WIDTH / d of the matmuls' time. From
+# the gpt2-125m, speedrun-124m and -350m, llama-1b and llama-8b steps on H100s and H200s (768 to 4,096 wide).
+DENSE = 0.81
+WIDTH = 200
+# the share the experts' grouped matmuls reach, with their dispatch, sort and combine: the 8-expert MoE on one
+# H100 and one H200 (2026-11-27-h100-moe-gpt2-125m-*.json, *-h200-moe-gpt2-125m-1gpu-baseline.json)
+EXPERTS = 0.49
+# how much faster train.float8 (torchao's Float8Linear) runs the blocks' linears: llama-8b on 4 H200s and llama-1b
+# on 2 (2026-11-28-4xh200-llama-8b-fsdp-4gpu-float8.json, 2026-11-27-2xh200-llama-1b-fsdp-2gpu-float8-200-seed1.json)
+FLOAT8 = 1.22
+# the share of the all-reduce bus bandwidth FSDP's and DDP's collectives reach beside the compute: the NCCL time a
+# step of llama-1b under fsdp on 2 H200s (2026-11-27-2xh200-llama-1b-fsdp-2gpu-profile.json, comm_ms_per_step)
+COLLECTIVES = 0.37
+# the share of the all-to-all bus bandwidth the expert exchanges reach: the NCCL time a step of the 128-expert MoE
+# at expert parallelism 2, one micro-batch of 48 (2026-11-27-2xh200-moe-gpt2-125m-128x-ep2-profile.json)
+EXCHANGES = 0.50
+# seconds of host work per MoE layer and micro-batch under expert parallelism (its forward and backward), which
+# the GPU cannot run ahead of: the 128-expert MoE at expert parallelism 2, 15 micro-batches of 16 a step
+# (2026-11-28-2xh200-moe-gpt2-125m-128x-ep2-2gpu-vs-de3474f.json)
+HOST = 10.7e-3
+# bytes a fused AdamW step reads and writes per parameter: parameter, gradient and two moments read (16), the
+# parameter and moments written (12), the gradient read again by the norm clip (4)
+OPTIMIZER_BYTES = 32
+DDP_BUCKET = 25 * 2**20   # DDP's bucket: the last one is reduced after the backward
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Seconds of one training step on each rank, by part (what the parts are: this module's docstring)."""
+    step: float
+    compute: float       # the step's compute, every micro-batch
+    exchanges: float     # communication not hidden behind compute (ddp, fsdp, expert all-to-all)
+    host: float          # expert parallelism: host reads, and time the GPU waits on the host
+    optimizer: float
+    communication: float   # every exchange's time, hidden or not (what a profile's NCCL kernels add up to)
+    tokens_per_s_per_gpu: float
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def moe_layers(cfg: RunConfig) -> int:
+    """MoE layers of the model: every model.moe.every-th block of a family with experts, else none."""
+    if not family(cfg.model.family).experts:
+        return 0
+    return len(range(0, cfg.model.n_layer, cfg.model.moe.every))
+
+
+def step_time(cfg: RunConfig, counts: ParamCount, target: Target, layout, micro: int, checkpointing: str,
+              sequences: int = 1) -> StepTime | None:
+    """The step time of `cfg` in `layout` (plan/memory.py's Layout) on GPUs like `target`, at micro-batch `micro`
+    with `sequences` sequences a sample; None where the target has no rates (a CPU, a GPU kind without an entry in
+    plan/gpus.py's RATES) or the model has no FLOP count."""
+    rates = target.rates
+    if rates is None or not target.cuda or not counts.flops_per_token:
+        return None
+    m, seq, ep = cfg.model, cfg.data.seq_len, layout.expert_parallel
+    parallel, nproc, reshard_after_forward = layout.parallel, layout.nproc, layout.reshard_after_forward
+    accumulation = max(1, cfg.train.global_batch_size // (micro * nproc))
+    n_moe = moe_layers(cfg)
+    tokens = micro * seq * sequences                    # one micro-batch on one rank
+    expert_flops = 6 * counts.expert * m.moe.top_k / m.moe.num_experts if n_moe else 0.0
+    dense_flops = counts.flops_per_token - expert_flops
+    if checkpointing == "full":   # the blocks' forward again in the backward: a third of their FLOPs
+        dense_flops *= 1 + counts.blocks_matmul / max(1, counts.matmul) / 3
+        expert_flops *= 4 / 3
+    # a family whose FLOPs run slower than a GPT's says by how much (its memory module's SPEED: t5)
+    speed = getattr(family(m.family).memory(), "SPEED", 1.0)
+    width = counts.shapes.d if counts.shapes is not None else m.n_embd
+    float8 = 1 + (FLOAT8 - 1) * counts.blocks_matmul / max(1, counts.matmul) if cfg.train.float8 else 1
+    dense_rate = speed * rates.matmul * DENSE * width / (width + WIDTH) * float8
+    compute = tokens * (dense_flops / dense_rate + expert_flops / (rates.matmul * EXPERTS))
+
+    link = rates.all_reduce * COLLECTIVES
+    micro_s, host, comm = compute, 0.0, 0.0             # a micro-batch, its GPU's wait on the host, its exchanges
+    if parallel == "fsdp" and nproc > 1:
+        gathers = 2 if reshard_after_forward else 1
+        comm = (2 * gathers + 4) * counts.total * (nproc - 1) / nproc / link
+        first = 2 * (counts.largest_block + counts.root) * (nproc - 1) / nproc / link
+        # the copies around them: the gathered parameters copied out on the compute stream (2 bytes read, 2
+        # written), the bf16 gradients cast into the reduce-scatter's fp32 input on its stream (2 read, 4 written)
+        copy_out, copy_in = 4 * gathers * counts.total / rates.memory, 6 * counts.total / rates.memory
+        micro_s = max(compute + copy_out, comm + copy_in) + first
+    if ep > 1 and n_moe:
+        rows = tokens * m.moe.top_k
+        comm = 4 * n_moe * rows * m.n_embd * 2 * (ep - 1) / ep / (rates.all_to_all * EXCHANGES)
+        micro_s = max(compute + comm, n_moe * HOST) + n_moe * rates.host_sync
+        host = micro_s - compute - comm
+    all_reduce = exposed = 0.0
+    if parallel == "ddp" and nproc > 1:
+        grads = 4 * (counts.dense if ep > 1 else counts.trainable)
+        all_reduce = grads * 2 * (nproc - 1) / nproc / link
+        last = min(DDP_BUCKET, grads) * 2 * (nproc - 1) / nproc / link
+        exposed = max(all_reduce - 2 / 3 * compute, last)
+    updated = counts.trainable / nproc if parallel == "fsdp" else counts.dense + counts.expert / ep
+    optimizer = OPTIMIZER_BYTES * updated / rates.memory
+    step = accumulation * micro_s + exposed + optimizer
+    return StepTime(step=step, compute=accumulation * compute,
+                    exchanges=accumulation * (micro_s - compute - host) + exposed,
+                    host=accumulation * host, optimizer=optimizer,
+                    communication=accumulation * comm + all_reduce,
+                    tokens_per_s_per_gpu=accumulation * tokens / step)
