@@ -110,9 +110,16 @@ SKIPPED = {
     "2026-11-28-h100-dpo-0.5b-speed-lora-fused.json": "preference pairs of a Hugging Face model: no FLOP count",
     "2026-11-28-h200-dpo-0.5b-speed.json": "preference pairs of a Hugging Face model: no FLOP count",
     "2026-11-28-h200-dpo-0.5b-speed-compiled-0695b57.json": "preference pairs of a Hugging Face model: no FLOP count",
+    "2026-11-28-h200-dpo-0.5b-speed-2.json": "preference pairs of a Hugging Face model: no FLOP count",
+    "2026-11-28-h200-dpo-0.5b-speed-full-520d2cb.json": "preference pairs of a Hugging Face model: no FLOP count",
     "2026-11-28-h200-dpo-1b-longest-0695b57.json": "the longest sequence that fits, no step time",
     "2026-11-28-h100-sft-0.5b-packing-speed.json": "packed chat examples of a Hugging Face model: no FLOP count",
     "2026-11-28-h100-gpt2-125m-eval-speed.json": "evaluation (lm-eval), not training steps",
+    "2026-11-28-h200-gpt2-125m-eval-speed.json": "evaluation (lm-eval), not training steps",
+    "2026-11-28-h200-llama-1b-eval-speed.json": "evaluation (lm-eval), not training steps",
+    "2026-11-28-h200-llama-1b-eval-speed-d53ad8f.json": "evaluation (lm-eval), not training steps",
+    "2026-11-28-h200-preset-gpu-eval-tasks-overhead.json": "the tool's own small preset at 16 x 1,024 tokens a step, "
+                                                           "timed for the evaluations' overhead, not the step",
     **dict.fromkeys(["2026-11-27-2xh200-gpt2-125m-step-parity-warmup.json",
                      "2026-11-27-2xh200-gpt2-125m-step-parity-10-steps.json",
                      "2026-11-27-4xh200-gpt2-125m-step-parity.json", "2026-11-27-2xh200-gpt2-125m-loss-parity.json",
@@ -235,6 +242,17 @@ def test_the_width_term_narrows_the_dense_efficiency_over_the_records(monkeypatc
     with_width = spread()
     monkeypatch.setattr(plan_time, "WIDTH", 0)
     assert with_width < 1.25 < spread()
+
+def test_the_padded_exchange_has_no_host_reads_and_sends_its_capacity():
+    """model.moe.exchange=padded: no host read of split sizes, and capacity_factor times the routed rows sent and
+    computed, so more exchange and expert time than the uneven exchange's kept rows."""
+    over = [*MOE_128, "model.moe.expert_parallel=2", "train.micro_batch_size=16"]
+    uneven = predicted("moe-gpt2-125m", over, "H100", 2).time
+    padded = predicted("moe-gpt2-125m", [*over, "model.moe.exchange=padded"], "H100", 2).time
+    assert 1.95 * uneven.communication < padded.communication < 2 * uneven.communication   # factor 2, ddp alike
+    assert padded.compute > uneven.compute
+    assert padded.host < uneven.host
+
 
 # ----------------------------------------------------------------------------- ranking
 

@@ -20,7 +20,8 @@ Per rank, for a step of `accumulation` micro-batches of `micro` sequences:
                 copied out beside the compute, the gradients cast into the reduce-scatter's input before it)
     experts     expert parallelism, per MoE layer per micro-batch: the routed rows (tokens x top_k x n_embd, bf16)
                 dispatched and combined in the forward and both again in the backward, (E-1)/E of them crossing
-                at all_to_all x EXCHANGES, not overlapped; one host read of the split sizes (host_sync each), after
+                at all_to_all x EXCHANGES, not overlapped; one host read of the split sizes (host_sync each; none, and
+                capacity_factor times the rows sent and computed, under model.moe.exchange=padded), after
                 which the host launches the layer's work: a micro-batch takes at least HOST per MoE layer, the
                 host's time to run the layer's forward and backward
     optimizer   OPTIMIZER_BYTES per parameter a rank updates, at its memory bandwidth
@@ -118,7 +119,11 @@ def step_time(cfg: RunConfig, counts: ParamCount, target: Target, layout, micro:
     width = counts.shapes.d if counts.shapes is not None else m.n_embd
     float8 = 1 + (FLOAT8 - 1) * counts.blocks_matmul / max(1, counts.matmul) if cfg.train.float8 else 1
     dense_rate = speed * rates.matmul * DENSE * width / (width + WIDTH) * float8
-    compute = tokens * (dense_flops / dense_rate + expert_flops / (rates.matmul * EXPERTS))
+    # the padded exchange (model.moe.exchange=padded) sends and computes every expert's whole capacity, pads
+    # included: capacity_factor times the routed rows, no host read
+    padded = ep > 1 and n_moe and m.moe.exchange == "padded" and m.moe.capacity_factor > 0
+    pad = m.moe.capacity_factor if padded else 1.0
+    compute = tokens * (dense_flops / dense_rate + pad * expert_flops / (rates.matmul * EXPERTS))
 
     link = rates.all_reduce * COLLECTIVES
     micro_s, host, comm = compute, 0.0, 0.0             # a micro-batch, its GPU's wait on the host, its exchanges
@@ -131,9 +136,9 @@ def step_time(cfg: RunConfig, counts: ParamCount, target: Target, layout, micro:
         copy_out, copy_in = 4 * gathers * counts.total / rates.memory, 6 * counts.total / rates.memory
         micro_s = max(compute + copy_out, comm + copy_in) + first
     if ep > 1 and n_moe:
-        rows = tokens * m.moe.top_k
+        rows = tokens * m.moe.top_k * pad
         comm = 4 * n_moe * rows * m.n_embd * 2 * (ep - 1) / ep / (rates.all_to_all * EXCHANGES)
-        micro_s = max(compute + comm, n_moe * HOST) + n_moe * rates.host_sync
+        micro_s = max(compute + comm, n_moe * HOST) + (0 if padded else n_moe * rates.host_sync)
         host = micro_s - compute - comm
     all_reduce = exposed = 0.0
     if parallel == "ddp" and nproc > 1:
