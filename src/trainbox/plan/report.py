@@ -94,8 +94,8 @@ def format_plan(plan: MemoryPlan, overrides: list[str] | tuple[str, ...] = ()) -
     if (f := plan.fewer_exchanges) is not None:
         lines += ["", f"expert parallelism: {plan.accumulation} micro-batches a step, each with an all-to-all "
                       "exchange per MoE layer, both ways (uneven: with a host read of its split sizes); fewer, "
-                      "larger ones exchange less often (GiB per GPU" + (", predicted step time, tokens/s per GPU" if f.time else "")
-                  + "):",
+                      "larger ones exchange less often (GiB per GPU"
+                  + (", predicted step time, tokens/s per GPU" if f.time else "") + "):",
                   _row(f, plan.recipe, overrides)]
     if plan.suggestions:
         timed = plan.suggestions[0].time is not None
