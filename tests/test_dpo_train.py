@@ -148,6 +148,20 @@ def test_the_references_agree(folder, prefs, tmp_path, family):
         assert not torch.allclose(got, sequence_logps(trainer.model, batch)[0], atol=1e-3)   # the policy moved
 
 
+def test_the_loop_sends_each_micro_batchs_trained_rows(folder, prefs, tmp_path):
+    """Each micro-batch the loop sends carries its trained targets' flat indices, found on the host, which its
+    forward's head takes instead of reading them back from the device (kernels/fused_ce.trained_rows)."""
+    cfg = load_config("dpo", args(folder, prefs, tmp_path, "rows", "train.max_steps=1"))
+    trainer = Trainer(cfg)
+    trainer.setup()
+    sent = trainer._send_batches(0)
+    assert len(sent) == 2   # global 8 pairs, micro 4
+    for b in sent:
+        rows, total = b["rows"]
+        assert total == b["y"].numel()
+        assert torch.equal(rows, (b["loss_mask"] & (b["y"] != -100)).reshape(-1).nonzero().squeeze(1))
+
+
 @pytest.mark.parametrize("disable", [True, False])
 def test_the_policy_trains_without_dropout_by_default(folder, prefs, tmp_path, disable):
     """dpo.disable_dropout (TRL's default too): the resolved config holds lora.dropout and model.dropout at 0 and no

@@ -94,6 +94,37 @@ def test_only_the_trained_rows_reach_the_head(monkeypatch):
     assert (x.grad[:, :6] == 0).all() and (x.grad[:, 6:] != 0).all()
 
 
+@pytest.mark.parametrize("reduction", ["sum", "mean", "none"])
+def test_trained_rows_known_on_the_host_give_the_same_loss_without_a_device_read(reduction, monkeypatch):
+    """The training loop finds a micro-batch's trained rows on the host before sending it (host_trained_rows) and
+    hands them to its forward (trained_rows): the loss and gradients equal the head's own search, which never runs
+    (no nonzero on the device, so no host read); rows given for targets of another size are not used."""
+    torch.manual_seed(0)
+    x = torch.randn(3, 12, 16, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(50, 16, dtype=torch.float64, requires_grad=True)
+    t = torch.randint(0, 50, (3, 12))
+    t[0, 7] = fused_ce.IGNORE
+    mask = torch.rand(3, 12) > 0.4
+    results = []
+    for known in (False, True):
+        x.grad = w.grad = None
+        if known:
+            rows = fused_ce.host_trained_rows(t, mask)
+            assert torch.equal(rows, (t.masked_fill(~mask, fused_ce.IGNORE).reshape(-1) != fused_ce.IGNORE)
+                               .nonzero().squeeze(1))
+            with monkeypatch.context() as m, fused_ce.trained_rows(rows, t.numel()):
+                m.setattr(torch.Tensor, "nonzero", lambda *a, **k: pytest.fail("the head searched for its rows"))
+                loss = head_cross_entropy(x, w, t, mask, 0.0, reduction)
+        else:
+            loss = head_cross_entropy(x, w, t, mask, 0.0, reduction)
+        (loss.sum() if reduction == "none" else loss).backward()
+        results.append((loss.detach(), x.grad.clone(), w.grad.clone()))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    with fused_ce.trained_rows(torch.tensor([0]), t.numel() + 1):   # not these targets': the head finds its own
+        torch.testing.assert_close(head_cross_entropy(x, w, t, mask, 0.0, reduction), results[0][0], rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("family, extra", [("gpt", {}), ("moe", {}),
                                            ("speedrun", dict(head_dim=16, eot_id=0, window=16)),
                                            ("llama", dict(llama=dict(n_kv_head=1, intermediate_size=64)))])

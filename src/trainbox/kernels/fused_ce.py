@@ -44,6 +44,8 @@ from __future__ import annotations
 
 import functools
 import os
+from contextlib import contextmanager
+from contextvars import ContextVar
 
 import torch
 
@@ -371,14 +373,41 @@ def _rows(x2: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, cap: fl
     return loss.sum() / (flat != IGNORE).sum().clamp(min=1)
 
 
+# (the flat indices of the trained targets on the device, how many targets they index) of the forward running inside
+# `trained_rows`: made on the host from the batch before it was sent, so `_trained_rows` reads nothing back
+_KNOWN_ROWS: ContextVar = ContextVar("trainbox_trained_rows", default=None)
+
+
+def host_trained_rows(targets: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    """The flat indices of the trained targets of a micro-batch on the host (loss mask on, target not IGNORE): the
+    rows `_trained_rows` keeps, found before the batch goes to the device (the training loop sends them with it)."""
+    return ((targets != IGNORE) & loss_mask).reshape(-1).nonzero().squeeze(1)
+
+
+@contextmanager
+def trained_rows(rows: torch.Tensor | None, total: int):
+    """Forwards inside take their trained rows from `rows` (host_trained_rows of their batch, on its device; None:
+    they find them themselves), for targets of `total` elements: the head needs no host read."""
+    token = _KNOWN_ROWS.set(None if rows is None else (rows, total))
+    try:
+        yield
+    finally:
+        _KNOWN_ROWS.reset(token)
+
+
 @torch.compiler.disable   # the number of trained rows is the data's: one graph break, no recompilation
 def _trained_rows(x2: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, cap: float, reduction: str,
                   fp8: bool) -> torch.Tensor:
     """The loss over the rows whose target is not IGNORE, computed on those rows alone: a preference pair's prompt
-    half, an SFT row's prompt and padding cost no head matmul and no logits. Reads the count to the host (one
-    synchronisation a forward)."""
+    half, an SFT row's prompt and padding cost no head matmul and no logits. The rows come from the host where the
+    caller knows them (`trained_rows`: the training loop); otherwise they are found here, which reads their count
+    back to the host (one synchronisation)."""
     flat = targets.reshape(-1)
-    keep = (flat != IGNORE).nonzero().squeeze(1)
+    known = _KNOWN_ROWS.get()
+    if known is not None and known[1] == len(flat) and known[0].device == flat.device:
+        keep = known[0]
+    else:
+        keep = (flat != IGNORE).nonzero().squeeze(1)
     if len(keep) in (0, len(flat)):
         return _rows(x2, weight, targets, cap, reduction, fp8)
     loss = _rows(x2.index_select(0, keep), weight, flat.index_select(0, keep), cap,

@@ -42,6 +42,7 @@ from trainbox.eval.results import flat
 from trainbox.eval.training import TaskEvaluation
 from trainbox.files import open_append
 from trainbox.generate import sample
+from trainbox.kernels.fused_ce import host_trained_rows, trained_rows
 from trainbox.model.spec import family
 from trainbox.monitor.console import ProgressBar, fmt_duration, log
 from trainbox.monitor.memory_snapshot import MemorySnapshot
@@ -312,7 +313,7 @@ class Trainer(RunFiles, Checkpointing):
         loss_sum = torch.zeros((), device=self.device)
         stats = None
         for k, b in enumerate(batches):
-            with self.parallel.micro_batch(k, accum):
+            with self.parallel.micro_batch(k, accum), trained_rows(*b.get("rows", (None, 0))):
                 with self.autocast():
                     part = self.objective.loss(self.forward, b, scale)
                     total = part.loss if part.aux is None else part.loss + part.aux / accum
@@ -338,7 +339,16 @@ class Trainer(RunFiles, Checkpointing):
         return ready[1] if ready is not None and ready[0] == step else self._send_batches(step)
 
     def _send_batches(self, step: int) -> list[dict[str, torch.Tensor]]:
-        return to_device(self.batches.micro_batches(step), self.device, self.pin)
+        """to_device; a masked micro-batch also gets "rows": (its trained targets' flat indices, found on the host
+        and sent with it, how many targets there are), which its forward's head uses (fused_ce.trained_rows)."""
+        host = self.batches.micro_batches(step)
+        sent = to_device(host, self.device, self.pin)
+        for h, b in zip(host, sent):
+            if "loss_mask" in h and "y" in h:
+                rows = host_trained_rows(h["y"], h["loss_mask"])
+                b["rows"] = (rows.pin_memory().to(self.device, non_blocking=True) if self.pin
+                             else rows.to(self.device), h["y"].numel())
+        return sent
 
     # ------------------------------------------------------------------ logging, eval, checkpoints
     def _phase(self, phase: str) -> None:
