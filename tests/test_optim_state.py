@@ -2,7 +2,7 @@
 BF16StateAdamW). The bf16 path against a slow per-parameter reference written here with the same rounding, its
 stochastic rounding against its definition, the refused values, an exact resume of a bf16 run (a cut run's
 losses equal the uninterrupted run's) and a changed state_dtype applied on resume (the plan's count: test_plan.py).
-The sharded layouts (FSDP2, expert parallelism) resume exactly too: see the two torchrun cases at the end."""
+DDP, FSDP2 and expert parallelism resume exactly too: the torchrun cases at the end."""
 from __future__ import annotations
 
 import copy
@@ -227,16 +227,19 @@ DIST = ["train.max_steps=6", "train.checkpoint_every=3", "train.dtype=fp32", "mo
 MOE = ["model.family=moe", "model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.capacity_factor=1.0"]
 
 
-@pytest.mark.parametrize("layout", [["train.parallel=fsdp"], [*MOE, "model.moe.expert_parallel=2"],
+@pytest.mark.parametrize("layout", [["train.parallel=ddp"], ["train.parallel=fsdp"],
+                                    [*MOE, "model.moe.expert_parallel=2"],
                                     [*MOE, "model.moe.expert_parallel=2", "optim.state_dtype=fp32"]],
-                         ids=["fsdp", "expert-parallel", "expert-parallel-fp32"])
-def test_sharded_bf16_state_resumes_exactly(tmp_path, data_cache, layout):
-    """2 processes under torchrun (gloo): 6 steps straight against steps 4-6 resumed from the straight run's sharded
-    step-3 checkpoint (FSDP2's DTensor moments; expert shards as DTensors over the expert mesh): equal losses. The
-    straight run trains on after a sharded save, which leaves the optimizer's own state as it was (fp32 too)."""
+                         ids=["ddp", "fsdp", "expert-parallel", "expert-parallel-fp32"])
+def test_two_process_bf16_state_resumes_exactly(tmp_path, data_cache, layout):
+    """2 processes under torchrun (gloo): 6 steps straight against steps 4-6 resumed from the straight run's step-3
+    checkpoint: equal losses. DDP's replicas round alike (rank 0's single-file checkpoint); FSDP2's moments are
+    DTensors and expert shards DTensors over the expert mesh in sharded checkpoints. The straight run trains on
+    after a sharded save, which leaves the optimizer's own state as it was (fp32 too)."""
     base = ["tiny", *TINY, *DIST, *layout, f"run.dir={tmp_path}", f"data.cache_dir={data_cache}"]
     run_cli("train", "--nproc", "2", *base, "run.name=straight")
     ckpt = tmp_path / "straight" / "checkpoints" / "step_00000003"
-    assert json.loads((ckpt / "COMPLETE").read_text())["layout"] == "sharded"
+    sharded = json.loads((ckpt / "COMPLETE").read_text())["layout"] == "sharded"
+    assert sharded == ("train.parallel=ddp" not in layout)
     run_cli("train", "--nproc", "2", *base, "run.name=resumed", f"run.resume={ckpt}")
     assert _losses(tmp_path / "resumed") == _losses(tmp_path / "straight")[3:]
