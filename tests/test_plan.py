@@ -23,6 +23,7 @@ from trainbox.plan import CONTEXT, MARGIN, NCCL, gpu, local_cpu, make_plan, run_
 from trainbox.plan.activations import Kernels, Widths, family_activations, weight_copy_bytes
 from trainbox.plan.count import count_parameters
 from trainbox.plan.gpus import GiB
+from trainbox.plan.report import format_plan
 
 SMALL = ["data.tokenizer=embedded:shakespeare-bpe", "model.n_head=4", "model.n_embd=64", "data.seq_len=64",
          "model.n_layer=2", "model.vocab_size=512"]
@@ -387,6 +388,26 @@ def test_layouts_shard_what_they_claim():
     with pytest.raises(ConfigError, match="does not divide"):
         make_plan(load_config("moe-gpt2-125m", [*MOE_128, "model.moe.expert_parallel=4"]), vocab, gpu("H100"),
                   nproc=2)
+
+
+@pytest.mark.parametrize("extra", [[], ["model.moe.expert_parallel=2"], ["train.parallel=fsdp"]])
+def test_bf16_optimizer_state_counts_two_bytes_a_moment(extra):
+    """8 bytes of AdamW state a parameter a rank keeps in fp32, 4 in bf16, under every layout; Muon's momentum
+    stays 4."""
+    plans = {}
+    for dtype in ("fp32", "bf16"):
+        cfg = load_config("moe-gpt2-125m", [*MOE_128, *extra, f"optim.state_dtype={dtype}"])
+        plans[dtype] = make_plan(cfg, run_vocab(cfg), gpu("H200"), nproc=2, suggest=False)
+    fp32, bf16 = plans["fp32"].memory, plans["bf16"].memory
+    # the parameters a rank keeps: 4 bytes each (a rank's share under fsdp may be a fraction: 2 bytes of rounding)
+    assert fp32.optimizer == pytest.approx(2 * fp32.params, abs=2)
+    assert bf16.optimizer == pytest.approx(fp32.params, abs=2)
+    assert fp32.peak_allocated - bf16.peak_allocated == fp32.optimizer - bf16.optimizer
+    assert "AdamW: two bf16 moments" in format_plan(plans["bf16"])
+    muon = {d: load_config("tiny", ["optim.name=muon", f"optim.state_dtype={d}"]) for d in ("fp32", "bf16")}
+    c = count_parameters(muon["fp32"], run_vocab(muon["fp32"]))
+    got = {d: make_plan(cfg, run_vocab(cfg), gpu("H200"), suggest=False).memory.optimizer for d, cfg in muon.items()}
+    assert got == {"fp32": 4 * c.muon + 8 * (c.trainable - c.muon), "bf16": 4 * c.muon + 4 * (c.trainable - c.muon)}
 
 
 def test_verdicts_and_suggestions_that_fit_when_applied():

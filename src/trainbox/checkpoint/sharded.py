@@ -43,7 +43,11 @@ def state_dict(model: nn.Module, optimizers: list | None) -> dict:
     """{"model": ..., "optim": ...} keyed by parameter names: the same keys for FSDP and plain modules."""
     out = {"model": get_model_state_dict(model)}
     if optimizers:
-        out["optim"] = get_optimizer_state_dict(model, optimizers)
+        optim = get_optimizer_state_dict(model, optimizers)
+        # each parameter's state in a dict of its own (torch hands out the optimizers' live ones): a layout that
+        # maps the tensors for a save (parallel/expert.py's as_global) leaves the optimizers' state as it was
+        optim["state"] = {k: dict(v) for k, v in optim["state"].items()}
+        out["optim"] = optim
     return out
 
 

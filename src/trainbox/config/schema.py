@@ -187,6 +187,10 @@ class OptimSection(Section):
     weight_decay: float = Field(0.1, ge=0)
     betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW's moment decay rates, each in [0, 1)")
     eps: float = Field(1e-8, gt=0)
+    state_dtype: Literal["fp32", "bf16"] = Field(
+        "fp32", description="AdamW's two moments (with optim.name=muon, those of its AdamW part; Muon's momentum "
+                            "stays fp32): fp32, 8 bytes a parameter; bf16, 4 bytes, updated in fp32 and stored with "
+                            "stochastic rounding (optim/adamw.py)")
     grad_clip: float = Field(1.0, ge=0, description="0 = no clipping")
     schedule: Literal["cosine", "linear", "constant", "wsd"] = "cosine"
     warmup_steps: int = Field(0, ge=0, le=MAX_STEPS)

@@ -11,7 +11,8 @@ model.moe.expert_parallel):
                    expert parallelism (E ranks hold disjoint experts); frozen weights as built (LoRA bases)
     gradients      fp32, one per trainable parameter held (sharded like the parameters), at the peak only where
                    the step has several micro-batches (the earlier ones' gradients are kept through the last)
-    optimizer      AdamW: two fp32 moments (8 bytes); Muon: one momentum (4) for the matrices it owns
+    optimizer      AdamW: two moments, fp32 (8 bytes) or bf16 (4, optim.state_dtype); Muon: one fp32 momentum
+                   (4) for the matrices it owns
     activations    plan/activations.py: what the blocks, the head and the loss keep for the backward of one
                    micro-batch (by activation-checkpointing mode, dtype, attention kernel, fused loss), the
                    16-bit weight copies autocast keeps, and the largest transient on top at the peak
@@ -102,7 +103,7 @@ def make_plan(cfg: RunConfig, vocab: int, target: Target, nproc: int = 1, kernel
     time = step_time(cfg, counts, target, layout, run.micro_batch, mode, sequences)
     plan = MemoryPlan(cfg.recipe, target, layout, run.micro_batch, cfg.data.seq_len, dtype, compiled, mode, kernels,
                 counts, mem, acts, drops_unsent=ep > 1 and cfg.model.moe.capacity_factor > 0,
-                accumulation=run.accumulation, sequences=sequences, time=time)
+                accumulation=run.accumulation, sequences=sequences, time=time, state_dtype=cfg.optim.state_dtype)
     if suggest and not plan.fits:
         plan = replace(plan, suggestions=tuple(suggestions(cfg, vocab, plan)))
     elif suggest and ep > 1:

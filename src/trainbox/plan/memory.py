@@ -105,6 +105,7 @@ class MemoryPlan:
     accumulation: int = 1   # micro-batches a step on each rank
     sequences: int = 1      # sequences a sample puts through the model (train.objective=dpo: a pair, two)
     time: StepTime | None = None   # the predicted step time (plan/time.py); None where the GPU has no rates
+    state_dtype: str = "fp32"   # optim.state_dtype: AdamW's moments
 
     @property
     def fits(self) -> bool:
@@ -203,13 +204,15 @@ def memory(cfg: RunConfig, counts: ParamCount, vocab: int, target: Target, layou
     accum = -(-cfg.train.global_batch_size // (micro * world))
     grads = 4 * local if accum > 1 or acts.peak < 4 * local else 0
     reference = a * counts.total / shard if copy else 0
-    peak = params + grads + 4 * muon + 8 * (local - muon) + acts.peak + comm + reference
+    # AdamW's two moments, 4 or 2 bytes each (optim.state_dtype); Muon's one fp32 momentum
+    optimizer = 4 * muon + (4 if cfg.optim.state_dtype == "bf16" else 8) * (local - muon)
+    peak = params + grads + optimizer + acts.peak + comm + reference
     if target.cuda:
         overhead = CONTEXT + (NCCL if world > 1 else 0) + FRAGMENTATION * peak
         if fsdp:
             pools = (4 * local if layout.side_stream_grads and not grads else 0) \
                 + 2 * (2 * unit + counts.root + counts.apart)
-    mem = Memory(params=int(params), gradients=int(grads), optimizer=int(4 * muon + 8 * (local - muon)),
+    mem = Memory(params=int(params), gradients=int(grads), optimizer=int(optimizer),
                  activations=acts.peak, comm=int(comm), overhead=int(overhead), pools=int(pools),
                  reference=int(reference))
     return mem, acts

@@ -4,7 +4,8 @@ from __future__ import annotations
 from trainbox.plan import MARGIN, MemoryPlan, StepTime, Suggestion
 from trainbox.plan.gpus import GiB
 
-OPTIMIZER = {"adamw": "AdamW: two fp32 moments", "muon": "Muon: one fp32 momentum (matrices), AdamW's two (rest)"}
+OPTIMIZER = {"adamw": "AdamW: two {state} moments",
+             "muon": "Muon: one fp32 momentum (matrices), AdamW's two {state} (rest)"}
 
 
 def _gib(n: float) -> str:
@@ -66,7 +67,8 @@ def format_plan(plan: MemoryPlan, overrides: list[str] | tuple[str, ...] = ()) -
     rows = [("parameters", mem.params, "fp32" + (", bf16 frozen base" if c.frozen else "")),
             ("gradients", mem.gradients, "fp32" if mem.gradients else
              "none at the peak: one micro-batch a step, gradients are made in its backward"),
-            ("optimizer state", mem.optimizer, OPTIMIZER.get("muon" if c.muon else "adamw")),
+            ("optimizer state", mem.optimizer,
+             OPTIMIZER["muon" if c.muon else "adamw"].format(state=plan.state_dtype)),
             ("activations", mem.activations,
              f"blocks {_gib(acts.blocks)}, head and loss {_gib(acts.other)}, weight copies "
              f"{_gib(acts.weight_copies)}, transient {_gib(acts.transient)}"),
