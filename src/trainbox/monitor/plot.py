@@ -71,25 +71,26 @@ def load_curves(run_dir: Path) -> Curves:
     return curves
 
 
-def _pyplot():
+def _figure(**kw):
+    """A matplotlib Figure of its own, drawn by Agg when saved: files only, no display (containers, CI), and no
+    pyplot, whose figure manager and backend selection a file does not need."""
     try:
         import matplotlib  # heavy: matplotlib
     except ImportError:
         raise MissingDependency("matplotlib", "plot", "plotting loss curves",
                                 hint="pip install 'matplotlib>=3.7' (a trainbox dependency: "
                                      "this environment lost it)") from None
-    matplotlib.use("Agg")  # files only: no display needed (containers, CI)
-    import matplotlib.pyplot as plt  # heavy: matplotlib
-    return plt
+    from matplotlib.figure import Figure  # heavy: matplotlib
+    return Figure(**kw), matplotlib.rcParams
 
 
 def plot_curves(runs: list[Curves], out: Path, title: str | None = None) -> Path:
     """Draw `runs` into a PNG at `out` (written atomically); returns `out`."""
-    plt = _pyplot()
     pref = any(r.prefs for r in runs)
-    fig, grid = plt.subplots(2 if pref else 1, 2, figsize=(12, 9 if pref else 4.5), dpi=100, squeeze=False)
+    fig, rc = _figure(figsize=(12, 9 if pref else 4.5), dpi=100)
+    grid = fig.subplots(2 if pref else 1, 2, squeeze=False)
     axes = grid[0]
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    colors = rc["axes.prop_cycle"].by_key()["color"]
     for i, run in enumerate(runs):
         c = colors[i % len(colors)]
         for ax, x in ((axes[0], 0), (axes[1], 1)):
@@ -124,7 +125,6 @@ def plot_curves(runs: list[Curves], out: Path, title: str | None = None) -> Path
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     fig.savefig(tmp, format="png")
-    plt.close(fig)
     os.replace(tmp, out)
     return out
 
