@@ -26,7 +26,7 @@ def test_missing_matplotlib_does_not_point_at_the_extra(monkeypatch):
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     with pytest.raises(MissingDependency) as e:
-        plot._pyplot()
+        plot._figure()
     assert "trainbox[plot]" not in e.value.hint and "matplotlib" in e.value.hint
 
 
