@@ -95,8 +95,8 @@ def test_loss_normalised_over_global_batch_independent_of_world_and_accum():
 
 def test_each_step_gets_its_own_batches_prefetched_or_not():
     """The loop sends step s+1's micro-batches at the end of step s (one stacked copy per field): every step
-    trains on exactly plan.micro_batches(step), the masks included, and a batch sent for another step (a
-    resumed or stopped run) is never used; the last step sends nothing."""
+    trains on exactly plan.micro_batches(step), the masks and their trained rows included, and a batch sent for
+    another step (a resumed or stopped run) is never used; the last step sends nothing."""
     ds = _masked_dataset()
     t = _step_update(ds, 1, 0, 2, _model()[0].state_dict(), step=3)[2]
     plan = t.batches
@@ -105,8 +105,11 @@ def test_each_step_gets_its_own_batches_prefetched_or_not():
         want = plan.micro_batches(step)
         assert len(got) == len(want) == plan.accum
         for g, w in zip(got, want):
-            assert g.keys() == w.keys() == {"x", "y", "loss_mask"}
+            assert w.keys() == {"x", "y", "loss_mask"} and g.keys() == {*w, "rows"}
             assert all(torch.equal(g[k], w[k]) for k in w)
+            rows, total = g["rows"]   # the trained targets' flat indices, found on the host (fused_ce.trained_rows)
+            assert total == w["y"].numel()
+            assert torch.equal(rows, (w["loss_mask"] & (w["y"] != -100)).reshape(-1).nonzero().squeeze(1))
 
     assert t._prefetched[0] == 4
     same(t._prefetched[1], 4)
