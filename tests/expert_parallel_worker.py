@@ -24,6 +24,7 @@ import torch
 import torch._dynamo
 
 sys.path.insert(0, str(Path(__file__).parent))
+from kept_bytes import Kept  # noqa: E402 - bytes autograd keeps, measured
 from test_moe import reference_moe  # noqa: E402 - the slow per-token MoE
 
 from trainbox.config import load_config  # noqa: E402
@@ -176,25 +177,12 @@ def check_case(d: Dist, n: int, cf: float, exchange: str, checkpointing: str,
 def saved_bytes(block: torch.nn.Module, h: torch.Tensor, params: list[torch.Tensor]) -> int:
     """Bytes kept for the backward of one training forward of `block`: what the saved-tensor hooks see and what the
     selective-checkpointing policy caches, `params` left out."""
-    skip = {p.untyped_storage().data_ptr() for p in params}
-    seen: dict[int, int] = {}
-
-    def add(t: torch.Tensor) -> torch.Tensor:
-        st = t.untyped_storage()
-        if st.data_ptr() not in skip:
-            seen[st.data_ptr()] = max(seen.get(st.data_ptr(), 0), st.nbytes())
-        return t
-
+    kept = Kept(params)
     CACHES.clear()
-    with torch.autograd.graph.saved_tensors_hooks(add, lambda t: t):
+    with kept.hooks():
         block(h.detach().requires_grad_())
-    for cache in CACHES:
-        for outputs in cache.values():
-            for out in outputs.values():
-                for wrapped in out if isinstance(out, (tuple, list)) else [out]:
-                    if isinstance(getattr(wrapped, "val", None), torch.Tensor):
-                        add(wrapped.val)
-    return sum(seen.values())
+    kept.add_caches(CACHES)
+    return kept.total
 
 
 CACHES: list = []   # the selective policy's caches, observed (the real contexts are returned)

@@ -11,6 +11,7 @@ import sys
 import pytest
 import torch
 from conftest import REPO, run_cli
+from kept_bytes import Kept
 
 import trainbox.train.recompute as recompute
 from trainbox.config import load_config
@@ -103,32 +104,18 @@ def measure(cfg, mode: str, bf16: bool, batch: int = 3) -> int:
 
     torch.manual_seed(0)
     model = build_model(cfg.model, 512, cfg.data.seq_len)
-    skip = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()] if t is not None}
-    seen: dict[int, int] = {}
-
-    def add(t: torch.Tensor) -> torch.Tensor:
-        st = t.untyped_storage()
-        if st.data_ptr() not in skip:
-            seen[st.data_ptr()] = max(seen.get(st.data_ptr(), 0), st.nbytes())
-        return t
-
+    kept = Kept([*model.parameters(), *model.buffers()])
     x = torch.randint(1, 300, (batch, cfg.data.seq_len))
     y = torch.randint(1, 300, (batch, 14 if cfg.model.family == "t5" else cfg.data.seq_len))  # t5: 64 -> 14 targets
     recompute.create_selective_checkpoint_contexts = recording
     try:
         recompute.apply_activation_checkpointing(model, mode)
-        with torch.autograd.graph.saved_tensors_hooks(add, lambda t: t):
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-                model(x, y, reduction="sum")
+        with kept.hooks(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            model(x, y, reduction="sum")
     finally:
         recompute.create_selective_checkpoint_contexts = real
-    for cache in caches:
-        for outputs in cache.values():
-            for out in outputs.values():
-                for wrapped in out if isinstance(out, (tuple, list)) else [out]:
-                    if isinstance(getattr(wrapped, "val", None), torch.Tensor):
-                        add(wrapped.val)
-    return sum(seen.values())
+    kept.add_caches(caches)
+    return kept.total
 
 
 @pytest.mark.parametrize("mode", ["none", "selective", "full"])
@@ -176,17 +163,10 @@ def test_lora_activations_equal_what_autograd_keeps(hf_llama):
                                "data.seq_len=64", "train.micro_batch_size=3", "train.global_batch_size=3"])
     model = build_model(cfg.model, 0, 0, run=cfg)
     x = torch.randint(1, 300, (3, 64))
-    skip = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()] if t is not None}
-    seen: dict[int, int] = {}
-
-    def add(t: torch.Tensor) -> torch.Tensor:
-        if t.untyped_storage().data_ptr() not in skip:
-            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(add, lambda t: t):
+    kept = Kept([*model.parameters(), *model.buffers()])
+    with kept.hooks():
         model(x, x, reduction="sum")
-    assert make_plan(cfg, 0, local_cpu()).activations.saved == pytest.approx(sum(seen.values()), rel=0.02)
+    assert make_plan(cfg, 0, local_cpu()).activations.saved == pytest.approx(kept.total, rel=0.02)
 
 
 def measure_dpo(cfg) -> tuple[int, int]:
@@ -199,24 +179,17 @@ def measure_dpo(cfg) -> tuple[int, int]:
     objective = build_objective(cfg)
     reference = frozen_copy(model, torch.float32) if objective.frozen_copy(cfg) else None
     objective.attach(Runtime(cfg, model, model, reference, torch.device("cpu"), None, None, None, None))
-    skip = {t.untyped_storage().data_ptr() for m in (model, reference) if m is not None
-            for t in [*m.parameters(), *m.buffers()]}
-    seen: dict[int, int] = {}
-
-    def add(t: torch.Tensor) -> torch.Tensor:
-        if t.untyped_storage().data_ptr() not in skip:
-            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
+    kept = Kept([t for m in (model, reference) if m is not None for t in [*m.parameters(), *m.buffers()]])
 
     T = cfg.data.seq_len
     batch = {"x": torch.randint(1, 300, (6, T)), "y": torch.randint(1, 300, (6, T)),
              "loss_mask": torch.rand(6, T) > 0.3, "ref_logps": -torch.rand(6) * 50}
     if reference is not None:
         del batch["ref_logps"]
-    with torch.autograd.graph.saved_tensors_hooks(add, lambda t: t):
+    with kept.hooks():
         objective.loss(model, batch, 1 / 3)
     held = sum(p.numel() * p.element_size() for p in reference.parameters()) if reference is not None else 0
-    return sum(seen.values()), held
+    return kept.total, held
 
 
 @pytest.mark.parametrize("reference", ["precompute", "model"])
