@@ -243,7 +243,8 @@ def test_under_autocast_the_kv_cache_takes_the_compute_dtype(runs):
 @pytest.mark.parametrize("name", [n for n in which(lambda f: f.generate == "causal") if n != "hf"])
 def test_every_causal_family_scores_as_its_own_token_losses(name):
     """The adapter's batched, right-padded path against the slow reference: each pair alone through the family's
-    training forward (per-token losses, reduction="none") and its full logits for the greedy flag. Families built
+    training forward (per-token losses, reduction="none") and its full logits for the greedy flag. Several
+    continuations of one context share its rows where the forward takes a mask (gpt, llama). Families built
     from a Hugging Face folder (hf: LoRA) are scored through that folder by lm-eval's hf model instead."""
     from trainbox.config import load_config
     from trainbox.model.build import build_model, build_tokenizer, model_vocab_size
@@ -259,12 +260,19 @@ def test_every_causal_family_scores_as_its_own_token_losses(name):
     ids = lambda n: torch.randint(0, tokenizer.vocab_size, (n,), generator=g).tolist()  # noqa: E731
     pairs = [(ids(n), ids(k)) for n, k in ((5, 1), (30, 3), (12, 7), (60, 10), (1, 2), (20, 1))]
     pairs.append((pairs[1][0] + pairs[1][1][:2], ids(1)))   # the same model input as the second pair: one row
-    got = TrainboxLM(model, tokenizer, batch_size=3)._loglikelihood_tokens([(None, c, t) for c, t in pairs])
+    shared = ids(20)   # one context, continuations of 4 + 9 + 30 + 25 tokens: more than one row of 64 holds
+    conts = [ids(4), ids(9), ids(1), ids(30), ids(25)]
+    pairs += [(shared, c) for c in conts] + [(shared, conts[0])]
+    lm = TrainboxLM(model, tokenizer, batch_size=3)
+    requests = [(None, c, t) for c, t in pairs]
+    if name in ("gpt", "llama"):   # their forward takes a mask: the continuations share the context's rows
+        assert lm.shares and len(lm._rows(requests)) == len(pairs) - len(conts) - 1 + 2
+    got = lm._loglikelihood_tokens(requests)
     with torch.no_grad():
         for (context, continuation), (lp, greedy) in zip(pairs, got, strict=True):
             whole = torch.tensor([(context + continuation)[-65:]])
             x, y = whole[:, :-1], whole[:, 1:]
             nll = model(x, y, reduction="none").loss[0, -len(continuation):]
-            assert lp == pytest.approx(-nll.sum().item(), abs=1e-4), (name, len(context), len(continuation))
+            assert lp == pytest.approx(-nll.sum().item(), rel=2e-6, abs=1e-4), (name, len(context), len(continuation))
             best = model(x, logits_to_keep=len(continuation)).logits[0].argmax(-1)
             assert greedy == bool((best == torch.tensor(continuation)).all())

@@ -14,13 +14,19 @@ and KV cache (any family whose `generate` is "causal"):
   The pair is tokenised by lm-eval's TemplateLM exactly as for its `hf` model (trailing spaces of the context move to
   the continuation; the pair is encoded whole and split; an empty context is the end-of-text token). The model reads
   (context + continuation)[:-1], cut from the left to max_length tokens, and the continuation is scored at its own
-  positions. Requests with the same input share one row (the choices of a multiple-choice question whose answers
-  are one token). Rows are sorted longest first (lm-eval's order) and batched, right-padded: a causal model never
-  looks to the right, so no mask is needed. The forward computes the head for the last K positions of a batch only,
-  K covering every continuation in it (`logits_to_keep`), so for short answers the head matmul and the
-  log-softmax run over a few positions instead of the whole sequence. A batch's inputs are built on the host while
-  the GPU runs the one before (pinned memory, copies that do not wait), and the scores stay on the device until every
-  batch has run: one host read per call, so the GPU never waits for the host between batches.
+  positions. Requests with the same context share its row: the context once, then each continuation but its last
+  token, at the positions it has after the context alone, with a mask under which every token sees the context
+  and its own continuation up to itself (the forward's `visible` and `position_ids`; a family whose forward takes
+  no mask puts one continuation of more than one token in a row). A multiple-choice question of four answers
+  thus costs one context instead of four; a continuation of one token adds no token at all, being read from the
+  context's last position. A row holds at most max_length tokens (continuations beyond it start another row of the
+  same context). Rows are sorted longest first and batched, batch_size rows a forward, right-padded: a causal model
+  never looks to the right, so rows of one continuation need no mask. The forward computes the head for the last K
+  positions of a batch only, K covering every continuation in it (`logits_to_keep`), so for short answers the head
+  matmul and the log-softmax run over a few positions instead of the whole sequence. A batch's inputs are built
+  on the host while the GPU runs the one before (pinned memory, copies that do not wait), and the scores stay on
+  the device until every batch has run: one host read per call, so the GPU never waits for the host between
+  batches.
 - loglikelihood_rolling (text) -> its log-likelihood over disjoint windows of max_length tokens (lm-eval's
   get_rolling_token_windows; the first window is conditioned on the end-of-text token), scored as loglikelihood
   requests, all windows of all documents batched together.
@@ -33,6 +39,7 @@ and KV cache (any family whose `generate` is "causal"):
 """
 from __future__ import annotations
 
+import inspect
 from contextlib import nullcontext
 from typing import Callable
 
@@ -71,6 +78,8 @@ class TrainboxLM(TemplateLM):
         param = next(model.parameters())
         self._device, self.dtype = param.device, param.dtype
         self.vocab = tokenizer.vocab_size   # ids past it pad the head: never generated
+        # the forward takes a mask of the keys each query sees: several continuations share one context's row
+        self.shares = "visible" in inspect.signature(model.forward).parameters
 
     @classmethod
     def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None) -> "TrainboxLM":
@@ -110,18 +119,13 @@ class TrainboxLM(TemplateLM):
     # ------------------------------------------------------------------ loglikelihood
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
         """[(request strings or None, context ids, continuation ids)] -> [(log-likelihood, greedy)]."""
-        rows: dict[tuple[int, ...], list[tuple[int, list[int]]]] = {}   # model input -> [(request, continuation)]
-        for i, (_, context, continuation) in enumerate(requests):
-            whole = (context + continuation)[-(self.max_length + 1):]
-            rows.setdefault(tuple(whole[:-1]), []).append((i, continuation))
-        order = sorted(rows, key=lambda r: (-len(r), r))
+        rows = sorted(self._rows(requests), key=lambda r: (-len(r.ids), r.ids))
         owners: list[int] = []   # the request of each score, in the order the batches produce them
         scores: list[torch.Tensor] = []   # per batch: (2, its requests) on the device, log-likelihood and misses
         # one autocast region for every batch: autocast casts each weight once and keeps the copy while it lasts
         with torch.no_grad(), self.autocast():
-            for start in range(0, len(order), self.batch_size):
-                batch = order[start:start + self.batch_size]
-                requests_of, sums = self._score(batch, [rows[r] for r in batch])
+            for start in range(0, len(rows), self.batch_size):
+                requests_of, sums = self._score(rows[start:start + self.batch_size])
                 owners += requests_of
                 scores.append(sums)
         out: list = [None] * len(requests)
@@ -132,23 +136,49 @@ class TrainboxLM(TemplateLM):
                 self.cache_hook.add_partial("loglikelihood", requests[i][0], out[i])
         return out
 
-    def _score(self, inputs: list[tuple[int, ...]], wanted: list[list[tuple[int, list[int]]]]):
-        """One forward over `inputs` (longest first) -> (the request of each continuation `wanted` of each input,
-        (2, those requests) on the device: the log-likelihood and the count of tokens that are not the argmax)."""
-        T = len(inputs[0])
-        first = min(len(ids) - max(len(c) for _, c in conts) for ids, conts in zip(inputs, wanted))
-        x = np.zeros((len(inputs), T), dtype=np.int64)
+    def _rows(self, requests) -> list["_Row"]:
+        """The model's input rows: each context once, followed by its continuations (module docstring)."""
+        by_context: dict[tuple[int, ...], list[tuple[int, list[int]]]] = {}
+        for i, (_, context, continuation) in enumerate(requests):
+            whole = (context + continuation)[-(self.max_length + 1):]
+            cut = max(1, len(whole) - len(continuation))   # a continuation longer than the model: its last tokens
+            by_context.setdefault(tuple(whole[:cut]), []).append((i, whole[cut:]))
+        rows = []
+        for context, continuations in by_context.items():
+            row = _Row(context)
+            for i, continuation in continuations:
+                if not row.fits(continuation, self.max_length, self.shares):
+                    rows.append(row)
+                    row = _Row(context)
+                row.add(i, continuation)
+            rows.append(row)
+        return rows
+
+    def _score(self, rows: list["_Row"]):
+        """One forward over `rows` (longest first) -> (the request of each continuation they score, (2, those
+        requests) on the device: the log-likelihood and the count of tokens that are not the argmax)."""
+        B, T = len(rows), len(rows[0].ids)
+        first = min(len(r.context) for r in rows) - 1   # the first position any continuation reads
+        shared = any(r.segments > 1 for r in rows)   # else each row is one causal sequence, at its own positions
+        x = np.zeros((B, T), dtype=np.int64)
+        positions, segments = np.zeros((B, T), dtype=np.int64), np.full((B, T), -1, dtype=np.int64)
         where, targets, owner, requests = [], [], [], []   # flat index into the kept logits of each scored token
-        for b, (ids, conts) in enumerate(zip(inputs, wanted)):
-            x[b, :len(ids)] = ids
-            for i, cont in conts:
-                start = b * (T - first) + len(ids) - len(cont) - first   # the positions predicting its tokens
-                where += range(start, start + len(cont))
-                targets += cont
-                owner += [len(requests)] * len(cont)
+        for b, row in enumerate(rows):
+            x[b, :len(row.ids)] = row.ids
+            positions[b, :len(row.ids)], segments[b, :len(row.ids)] = row.positions, row.segment
+            for i, at, continuation in row.scored:
+                where += [b * (T - first) + p - first for p in at]
+                targets += continuation
+                owner += [len(requests)] * len(continuation)
                 requests.append(i)
         x, where, targets, owner = (self._send(np.asarray(v, dtype=np.int64)) for v in (x, where, targets, owner))
-        logits = self.model(x, logits_to_keep=T - first).logits   # positions first..T-1
+        kwargs = {}
+        if shared:   # a query sees its row's context and its own continuation, up to itself
+            segment = self._send(segments)
+            causal = torch.ones(T, T, dtype=torch.bool, device=self.device).tril()
+            visible = causal & ((segment[:, :, None] == segment[:, None, :]) | (segment[:, None, :] == 0))
+            kwargs = {"position_ids": self._send(positions), "visible": visible}
+        logits = self.model(x, logits_to_keep=T - first, **kwargs).logits   # positions first..T-1
         scored = logits.flatten(0, 1)[where].float()   # (tokens, V): only the positions a continuation reads
         token_lp = (scored.gather(1, targets[:, None])[:, 0] - torch.logsumexp(scored, -1)).double()
         sums = torch.zeros(2, len(requests), dtype=torch.float64, device=self.device)
@@ -276,3 +306,37 @@ def _next_token(logits: torch.Tensor, sampling: dict | None, gen: torch.Generato
         return logits.argmax(-1)
     probs = filter_logits(logits, sampling["temperature"], sampling["top_k"], sampling["top_p"]).softmax(-1)
     return torch.multinomial(probs, 1, generator=gen)[:, 0]
+
+
+class _Row:
+    """One input row of loglikelihood requests: a context, then the continuations that follow it, each placed after
+    the context at the positions it would have alone; `segment` numbers the context 0 and each continuation of more
+    than one token 1, 2, ... (a continuation of one token is read from the context's last position alone)."""
+
+    def __init__(self, context: tuple[int, ...]):
+        self.context, self.ids = context, list(context)
+        self.positions, self.segment = list(range(len(context))), [0] * len(context)
+        self.segments = 0
+        self.scored: list[tuple[int, list[int], list[int]]] = []   # (request, positions that predict it, its ids)
+        self._placed: dict[tuple[int, ...], list[int]] = {}
+
+    def fits(self, continuation: list[int], max_length: int, shares: bool) -> bool:
+        """Whether `continuation` can join: always when it adds no token or is placed already; else the model
+        must see shared contexts (`shares`) or the row hold no continuation of more than one token yet, and the
+        row stay within max_length."""
+        adds = len(continuation) - 1
+        if adds == 0 or tuple(continuation) in self._placed or self.segments == 0:
+            return True
+        return shares and len(self.ids) + adds <= max_length
+
+    def add(self, request: int, continuation: list[int]) -> None:
+        key = tuple(continuation)
+        if key not in self._placed:
+            n, start = len(self.context), len(self.ids)
+            if len(continuation) > 1:
+                self.segments += 1
+                self.ids += continuation[:-1]
+                self.positions += range(n, n + len(continuation) - 1)
+                self.segment += [self.segments] * (len(continuation) - 1)
+            self._placed[key] = [n - 1, *range(start, start + len(continuation) - 1)]
+        self.scored.append((request, self._placed[key], continuation))

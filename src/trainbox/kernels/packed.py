@@ -82,4 +82,7 @@ def doc_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: DocMa
         return out.transpose(1, 2)
     if mask.kernel == "flex":
         return _flex()(q, k, v, block_mask=mask.block_mask, scale=scale, enable_gqa=gqa)
+    if gqa and q.is_cuda:   # CUDA's SDPA kernels that take a mask do not group heads (only its math one does)
+        k, v = (t.repeat_interleave(q.size(1) // k.size(1), dim=1) for t in (k, v))
+        gqa = False
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.dense, scale=scale, enable_gqa=gqa)

@@ -176,13 +176,15 @@ class GPT(nn.Module):
         return doc_mask(doc_ids, self.packed_kernel, half_precision(doc_ids.device, self.lm_head.weight.dtype))
 
     def hidden(self, idx: torch.Tensor, caches: list[KVCache] | None = None, pos: int = 0,
-               doc_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+               doc_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+               visible: torch.Tensor | None = None) -> torch.Tensor:
         T = idx.size(1)
         if pos + T > self.block_size:
             raise ValueError(f"sequence of {pos + T} tokens exceeds the model's block_size {self.block_size}")
         self.set_kernels(idx.device)
         positions = torch.arange(pos, pos + T, device=idx.device) if position_ids is None else position_ids
-        docs = self.doc_mask(doc_ids) if doc_ids is not None else None
+        docs = self.doc_mask(doc_ids) if doc_ids is not None else None if visible is None else \
+            DocMask("sdpa", dense=visible[:, None])
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(positions))
         dtype = residual_dtype(self.cfg, idx.device.type, default=False)
         if dtype is not None:  # model.lowp_residual: every residual add, LayerNorm read and gradient in bf16
@@ -204,11 +206,12 @@ class GPT(nn.Module):
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, loss_mask: torch.Tensor | None = None,
                 caches: list[KVCache] | None = None, pos: int = 0, reduction: str = "mean",
                 doc_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-                logits_to_keep: int = 1) -> Output:
+                logits_to_keep: int = 1, visible: torch.Tensor | None = None) -> Output:
         """Packed rows: `doc_ids` (B, T), each token's example in its row, and `position_ids` (B, T), its position
-        inside that example (data/packing.py). Without targets: the logits of the last `logits_to_keep` positions
-        (0: all), as Hugging Face's forward."""
-        x = self.hidden(idx, caches, pos, doc_ids, position_ids)
+        inside that example (data/packing.py). Rows of any other layout: `visible` (B, T, T) bool, True where a
+        query sees a key, with `position_ids` (eval/adapter.py's contexts shared by their continuations). Without
+        targets: the logits of the last `logits_to_keep` positions (0: all), as Hugging Face's forward."""
+        x = self.hidden(idx, caches, pos, doc_ids, position_ids, visible)
         if targets is None:
             return Output(logits=self.lm_head(x[:, -logits_to_keep:, :]))
         return Output(loss=self.head_loss(x, targets, loss_mask, reduction), logits=None)

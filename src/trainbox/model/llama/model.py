@@ -175,9 +175,11 @@ class Llama(nn.Module):
         return doc_mask(doc_ids, self.packed_kernel, half_precision(doc_ids.device, self.lm_head.weight.dtype))
 
     def hidden(self, idx: torch.Tensor, caches: list[KVCache] | None = None, pos: int = 0,
-               doc_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+               doc_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+               visible: torch.Tensor | None = None) -> torch.Tensor:
         cos, sin = self.rope(pos, idx.size(1), idx.device, position_ids)
-        docs = self.doc_mask(doc_ids) if doc_ids is not None else None
+        docs = self.doc_mask(doc_ids) if doc_ids is not None else None if visible is None else \
+            DocMask("sdpa", dense=visible[:, None])
         x = self.model.embed_tokens(idx)
         for i, block in enumerate(self.model.layers):
             x = block(x, cos, sin, caches[i] if caches else None, pos, docs)
@@ -186,11 +188,12 @@ class Llama(nn.Module):
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, loss_mask: torch.Tensor | None = None,
                 caches: list[KVCache] | None = None, pos: int = 0, reduction: str = "mean",
                 doc_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-                logits_to_keep: int = 1) -> Output:
+                logits_to_keep: int = 1, visible: torch.Tensor | None = None) -> Output:
         """Packed rows: `doc_ids` (B, T), each token's example in its row, and `position_ids` (B, T), its position
-        inside that example (data/packing.py). Without targets: the logits of the last `logits_to_keep` positions
-        (0: all), as Hugging Face's forward."""
-        x = self.hidden(idx, caches, pos, doc_ids, position_ids)
+        inside that example (data/packing.py). Rows of any other layout: `visible` (B, T, T) bool, True where a
+        query sees a key, with `position_ids` (eval/adapter.py's contexts shared by their continuations). Without
+        targets: the logits of the last `logits_to_keep` positions (0: all), as Hugging Face's forward."""
+        x = self.hidden(idx, caches, pos, doc_ids, position_ids, visible)
         if targets is None:
             return Output(logits=self.lm_head(x[:, -logits_to_keep:, :]))
         if self.cfg.fused_loss:
