@@ -340,6 +340,7 @@ def main() -> int:
     for mode in modes:
         for side in ("trl", "ours"):
             report["runs"][f"{side}-{mode}"] = spawn(side, mode, shared, a.timeout)
+            print(json.dumps({f"{side}-{mode}": report["runs"][f"{side}-{mode}"]}), file=sys.stderr, flush=True)
         ours, ref = report["runs"][f"ours-{mode}"], report["runs"][f"trl-{mode}"]
         if ours.get("tokens_per_s") and ref.get("tokens_per_s"):
             report["ratio"][mode] = {"tokens_per_s": ours["tokens_per_s"] / ref["tokens_per_s"],

@@ -111,6 +111,7 @@ SKIPPED = {
     "2026-11-28-h200-dpo-0.5b-speed.json": "preference pairs of a Hugging Face model: no FLOP count",
     "2026-11-28-h200-dpo-0.5b-speed-compiled-0695b57.json": "preference pairs of a Hugging Face model: no FLOP count",
     "2026-11-28-h200-dpo-0.5b-speed-2.json": "preference pairs of a Hugging Face model: no FLOP count",
+    "2026-11-28-h200-dpo-0.5b-speed-3.json": "preference pairs of a Hugging Face model: no FLOP count",
     "2026-11-28-h200-dpo-0.5b-speed-full-520d2cb.json": "preference pairs of a Hugging Face model: no FLOP count",
     "2026-11-28-h200-dpo-1b-longest-0695b57.json": "the longest sequence that fits, no step time",
     "2026-11-28-h100-sft-0.5b-packing-speed.json": "packed chat examples of a Hugging Face model: no FLOP count",
