@@ -88,6 +88,7 @@ STEPS = [
     ("2026-11-27-2xh200-moe-gpt2-125m-128x-ep2-profile.json", [], 2, "step_ms"),
     ("2026-11-28-2xh200-moe-gpt2-125m-128x-ep2-2gpu-vs-de3474f.json", [], 2, "median_step_ms"),
     ("2026-11-28-2xh200-moe-gpt2-125m-128x-ep2-vs-torchtitan.json", [], 2, "median_step_ms"),
+    ("2026-11-28-2xh200-moe-gpt2-125m-128x-ep2-padded-vs-uneven-h100mem.json", [], 2, "median_step_ms"),
     ("2026-11-27-4xh200-moe-gpt2-125m-128x-ep4-4gpu.json", ["train.micro_batch_size=40"], 4,  # as the loop chose
      "median_step_ms"),
     ("2026-11-28-4xh200-moe-gpt2-125m-128x-ep4-4gpu-mb120.json", [], 4, "median_step_ms"),

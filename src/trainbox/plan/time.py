@@ -20,10 +20,12 @@ Per rank, for a step of `accumulation` micro-batches of `micro` sequences:
                 copied out beside the compute, the gradients cast into the reduce-scatter's input before it)
     experts     expert parallelism, per MoE layer per micro-batch: the routed rows (tokens x top_k x n_embd, bf16)
                 dispatched and combined in the forward and both again in the backward, (E-1)/E of them crossing
-                at all_to_all x EXCHANGES, not overlapped; one host read of the split sizes (host_sync each; none, and
-                capacity_factor times the rows sent and computed, under model.moe.exchange=padded), after
+                at all_to_all x EXCHANGES, not overlapped; one host read of the split sizes (host_sync each), after
                 which the host launches the layer's work: a micro-batch takes at least HOST per MoE layer, the
-                host's time to run the layer's forward and backward
+                host's time to run the layer's forward and backward. Under model.moe.exchange=padded,
+                capacity_factor times the rows are sent and computed and nothing is read back: the host runs
+                ahead of the GPU and sets no floor (the padded step on 2 H200s is the GPU's compute and
+                exchanges, 2026-11-28-2xh200-moe-gpt2-125m-128x-ep2-padded-vs-uneven-h100mem.json)
     optimizer   OPTIMIZER_BYTES per parameter a rank updates, at its memory bandwidth
 
     step = accumulation x (micro-batch) + ddp's exposed all-reduce + optimizer
@@ -138,7 +140,8 @@ def step_time(cfg: RunConfig, counts: ParamCount, target: Target, layout, micro:
     if ep > 1 and n_moe:
         rows = tokens * m.moe.top_k * pad
         comm = 4 * n_moe * rows * m.n_embd * 2 * (ep - 1) / ep / (rates.all_to_all * EXCHANGES)
-        micro_s = max(compute + comm, n_moe * HOST) + (0 if padded else n_moe * rates.host_sync)
+        # the padded exchange reads nothing back, so the host runs ahead of the GPU and sets no floor
+        micro_s = compute + comm if padded else max(compute + comm, n_moe * HOST) + n_moe * rates.host_sync
         host = micro_s - compute - comm
     all_reduce = exposed = 0.0
     if parallel == "ddp" and nproc > 1:
