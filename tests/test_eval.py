@@ -120,6 +120,19 @@ def test_a_lora_run_scores_as_lm_evals_hf_model_on_its_merged_export(runs, tmp_p
     run = tmp_path / "runs" / "lora"
     export(run, tmp_path / "merged", merge=True)
     _assert_equal_scores(*_ours_and_lm_evals(run, tmp_path / "merged", runs.root))
+    # its sdpa attention takes a mask: continuations of one context share its row, scored as each alone
+    model, tokenizer, _ = load_for_inference(run)
+    lm = TrainboxLM(model, tokenizer, batch_size=2)
+    g = torch.Generator().manual_seed(0)
+    ids = lambda n: torch.randint(0, tokenizer.vocab_size, (n,), generator=g).tolist()  # noqa: E731
+    context = ids(9)
+    requests = [(None, context, ids(n)) for n in (3, 1, 5, 2)] + [(None, ids(4), ids(3))]
+    assert lm.shares and len(lm._rows(requests)) == 2
+    shared = lm._loglikelihood_tokens(requests)
+    lm.shares = False
+    assert len(lm._rows(requests)) == 4
+    for (a, greedy), (b, greedy_alone) in zip(shared, lm._loglikelihood_tokens(requests), strict=True):
+        assert a == pytest.approx(b, abs=1e-5) and greedy == greedy_alone
 
 
 def test_eval_command_writes_the_record_and_runs_and_status_show_it(runs, tmp_path):

@@ -16,9 +16,10 @@ and KV cache (any family whose `generate` is "causal"):
   (context + continuation)[:-1], cut from the left to max_length tokens, and the continuation is scored at its own
   positions. Requests with the same context share its row: the context once, then each continuation but its last
   token, at the positions it has after the context alone, with a mask under which every token sees the context
-  and its own continuation up to itself (the forward's `visible` and `position_ids`; a family whose forward takes
-  no mask puts one continuation of more than one token in a row). A multiple-choice question of four answers
-  thus costs one context instead of four; a continuation of one token adds no token at all, being read from the
+  and its own continuation up to itself (the forward's `visible` and `position_ids`, where the model's
+  `masks_attention` says it takes them: gpt, llama, and hf under sdpa or eager attention; otherwise a row holds one
+  continuation of more than one token). A multiple-choice question of four answers thus costs one context
+  instead of four; a continuation of one token adds no token at all, being read from the
   context's last position. A row holds at most max_length tokens (continuations beyond it start another row of the
   same context). Rows are sorted longest first and batched, batch_size rows a forward, right-padded: a causal model
   never looks to the right, so rows of one continuation need no mask. The forward computes the head for the last K
@@ -39,7 +40,6 @@ and KV cache (any family whose `generate` is "causal"):
 """
 from __future__ import annotations
 
-import inspect
 from contextlib import nullcontext
 from typing import Callable
 
@@ -79,7 +79,7 @@ class TrainboxLM(TemplateLM):
         self._device, self.dtype = param.device, param.dtype
         self.vocab = tokenizer.vocab_size   # ids past it pad the head: never generated
         # the forward takes a mask of the keys each query sees: several continuations share one context's row
-        self.shares = "visible" in inspect.signature(model.forward).parameters
+        self.shares = bool(getattr(model, "masks_attention", False))
 
     @classmethod
     def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None) -> "TrainboxLM":

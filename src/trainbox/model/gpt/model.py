@@ -125,6 +125,7 @@ class GPT(nn.Module):
     """GPT-2. `cfg` is a ModelSection; `vocab_size` and `block_size` are already resolved."""
 
     family = "gpt"
+    masks_attention = True   # forward(..., visible=, position_ids=): rows of any layout (eval/adapter.py)
 
     def __init__(self, cfg, vocab_size: int, block_size: int, make_mlp=None):
         super().__init__()

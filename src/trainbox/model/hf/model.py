@@ -155,7 +155,11 @@ class HFCausalLM(nn.Module):
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, loss_mask: torch.Tensor | None = None,
                 caches: HFCache | None = None, pos: int = 0, reduction: str = "mean",
                 doc_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-                logits_to_keep: int = 1) -> Output:
+                logits_to_keep: int = 1, visible: torch.Tensor | None = None) -> Output:
+        if visible is not None:   # rows of any layout (eval/adapter.py): (B, T, T) keys each query sees
+            out = self.peft(input_ids=idx, position_ids=position_ids, attention_mask=self._additive_mask(visible),
+                            use_cache=False, logits_to_keep=logits_to_keep)
+            return Output(logits=out.logits)
         if targets is None:  # inference: the last `logits_to_keep` positions' logits (0: all; HF tracks
             # positions in its cache)
             out = self.peft(input_ids=idx, past_key_values=caches.cache if caches is not None else None,
@@ -180,14 +184,23 @@ class HFCausalLM(nn.Module):
             raise ConfigError(f"data.packing=true: model.path={self.path} runs attention {impl!r}, which trainbox "
                               "cannot limit to each example of a packed row",
                               hint="set data.packing=false, or load the model with sdpa, eager or flash_attention_2")
-        device = idx.device.type
-        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else \
-            self.peft.get_base_model().dtype
         causal = torch.ones(T, T, dtype=torch.bool, device=idx.device).tril()
         allowed = causal & (doc_ids[:, :, None] == doc_ids[:, None, :])          # (B, T, T)
-        mask = torch.zeros(B, 1, T, T, dtype=dtype, device=idx.device).masked_fill(~allowed[:, None],
-                                                                                   torch.finfo(dtype).min)
-        return self.peft(input_ids=idx, position_ids=position_ids, attention_mask=mask, use_cache=False).logits
+        return self.peft(input_ids=idx, position_ids=position_ids, attention_mask=self._additive_mask(allowed),
+                         use_cache=False).logits
+
+    @property
+    def masks_attention(self) -> bool:
+        """Whether the forward takes `visible`: transformers' sdpa and eager attention read a 4D mask as given."""
+        return (getattr(self.hf_config, "_attn_implementation", None) or "eager") in ("sdpa", "eager")
+
+    def _additive_mask(self, allowed: torch.Tensor) -> torch.Tensor:
+        """(B, T, T) bool -> the (B, 1, T, T) additive mask transformers takes, in the dtype attention runs in."""
+        device = allowed.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else \
+            self.peft.get_base_model().dtype
+        return torch.zeros(allowed.shape[0], 1, *allowed.shape[1:], dtype=dtype, device=allowed.device).masked_fill(
+            ~allowed[:, None], torch.finfo(dtype).min)
 
     def make_caches(self, batch: int, max_len: int, dtype, device) -> HFCache:
         return HFCache()

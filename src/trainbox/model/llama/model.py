@@ -136,6 +136,7 @@ class Llama(nn.Module):
     """Llama / Qwen2. `cfg` is a ModelSection; `vocab_size` and `block_size` are already resolved."""
 
     family = "llama"
+    masks_attention = True   # forward(..., visible=, position_ids=): rows of any layout (eval/adapter.py)
 
     def __init__(self, cfg, vocab_size: int, block_size: int):
         super().__init__()

@@ -321,6 +321,7 @@ class MoEGPT(GPT):
     """GPT-2 with MoE FFNs in every `model.moe.every`-th block; forward adds aux_loss and stats."""
 
     family = "moe"
+    masks_attention = False   # its forward takes no mask: routing sees whole rows
 
     def __init__(self, cfg, vocab_size: int, block_size: int):
         every = cfg.moe.every
