@@ -1,6 +1,7 @@
-"""The parser and the dispatch of the command line: one function per verb (cli/train.py, cli/data.py,
-cli/ops.py); `run` turns a library error into one short message and an exit code, with a traceback only when
-TRAINBOX_DEBUG=1. The entry point is `trainbox.cli.main`, which arms the stop signals first."""
+"""The parser and the dispatch of the command line: one function per verb (cli/train.py, cli/model.py,
+cli/configure.py, cli/data.py, cli/ops.py, cli/evaluate.py); `run` turns a library error into one short message and
+an exit code, with a traceback only when TRAINBOX_DEBUG=1. The entry point is `trainbox.cli.main`, which arms the
+stop signals first."""
 from __future__ import annotations
 
 import argparse
@@ -11,9 +12,11 @@ import sys
 import textwrap
 
 import trainbox
-from trainbox.cli.data import cmd_data, cmd_inspect, cmd_prepare
+from trainbox.cli.configure import cmd_config
+from trainbox.cli.data import cmd_data, cmd_inspect, cmd_prepare, cmd_tokenizer
 from trainbox.cli.epilogs import EPILOGS
 from trainbox.cli.evaluate import cmd_eval
+from trainbox.cli.model import cmd_chat, cmd_export, cmd_generate
 from trainbox.cli.ops import (
     cmd_attach,
     cmd_dashboard,
@@ -26,7 +29,7 @@ from trainbox.cli.ops import (
     cmd_status,
     cmd_stop,
 )
-from trainbox.cli.train import cmd_chat, cmd_config, cmd_export, cmd_generate, cmd_tokenizer, cmd_train
+from trainbox.cli.train import cmd_train
 from trainbox.config import RunConfig
 from trainbox.errors import TrainboxError
 

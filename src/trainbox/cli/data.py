@@ -1,4 +1,4 @@
-"""Data verbs: prepare, inspect, data fineweb, data download.
+"""Data verbs: prepare, inspect, data fineweb, data download, tokenizer (a BPE trained on text files).
 
 SIGINT and SIGTERM end `data fineweb` and `data download` at once, mid-read included, with one line naming what was
 kept (complete files, and the `.part` file the same command continues by HTTP Range) and that command; the exit
@@ -17,8 +17,9 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from trainbox.config import load_config
+from trainbox.data import embedded
 from trainbox.data.readers import first_row_is_preference, list_input_files
-from trainbox.data.tokenizer import get_tokenizer
+from trainbox.data.tokenizer import get_tokenizer, train_bpe
 from trainbox.errors import DataError
 from trainbox.monitor.console import fmt_duration
 from trainbox.train.stop import STOP  # `train` keeps stop signals for its loop: a download ends on them
@@ -265,3 +266,22 @@ class DownloadLine:
             self.stream.write("\n")
             self.stream.flush()
         self.drawn, self.last = False, 0.0
+
+
+# ----------------------------------------------------------------------------- tokenizer
+
+
+def cmd_tokenizer(args) -> int:
+    def texts():
+        for f in args.files:
+            if f.startswith("embedded:"):
+                yield from embedded.split("train")
+                continue
+            p = Path(f)
+            for path in sorted(p.rglob("*")) if p.is_dir() else [p]:
+                if path.is_file():
+                    yield path.read_text(encoding="utf-8", errors="replace")
+
+    out = train_bpe(texts(), args.vocab_size, args.out)
+    print(f"wrote {out} (vocab {args.vocab_size}); use it with data.tokenizer={out}")
+    return 0

@@ -1,4 +1,4 @@
-"""Verbs around one run: train (and its torchrun launcher), generate, chat, export, config, tokenizer."""
+"""`trainbox train`: one run in this process, under its torchrun launcher (--nproc, --nodes), or detached."""
 from __future__ import annotations
 
 import json
@@ -11,15 +11,11 @@ import time
 from pathlib import Path
 
 from trainbox.cli.data import fetch_run_data
-from trainbox.config import RunConfig, build_config, dump_yaml, load_config
-from trainbox.config.describe import describe_keys
+from trainbox.config import build_config, load_config
 from trainbox.config.hfargs import mapping_report
 from trainbox.config.layout import micro_batch_given
-from trainbox.data import embedded
-from trainbox.data.tokenizer import train_bpe
 from trainbox.errors import ConfigError, DataError
 from trainbox.files import open_append
-from trainbox.model.spec import family
 from trainbox.monitor.console import ProgressBar, setup_logging
 from trainbox.rundir.lock import RunLock, lock_run, unlock_run
 from trainbox.rundir.runs import catches_signal, clear_launcher, write_launcher
@@ -386,140 +382,4 @@ def _detach(args, cfg) -> int:
           f"trainbox status {run_dir})")
     print(f"follow:   trainbox logs {run_dir} -f    (or: trainbox attach {run_dir})")
     print(f"stop:     trainbox stop {run_dir}       (saves a checkpoint; the same train command resumes)")
-    return 0
-
-
-# ----------------------------------------------------------------------------- generate
-
-
-def cmd_generate(args) -> int:
-    import torch  # heavy: torch
-
-    from trainbox.generate import sample  # heavy: numpy, torch
-    from trainbox.model.load import load_for_inference  # heavy: numpy, torch
-
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model, tokenizer, cfg = load_for_inference(args.path, device)
-    if family(cfg.model.family).generate == "spans":  # encoder-decoder: what the model fills in for each sentinel
-        from trainbox.data.spans import fill_prompt  # heavy: numpy, torch
-        from trainbox.generate import fill_spans  # heavy: numpy, torch
-        spans = fill_spans(model, tokenizer, args.prompt, max_tokens=args.max_tokens, temperature=args.temperature,
-                           top_k=args.top_k, top_p=args.top_p, seed=args.seed, device=device)
-        for k, text in spans:
-            print(f"<extra_id_{k}>{text}")
-        print(f"--- filled ---\n{fill_prompt(args.prompt, spans)}")
-        return 0
-    text = sample(model, tokenizer, args.prompt, max_tokens=args.max_tokens, temperature=args.temperature,
-                  top_k=args.top_k, top_p=args.top_p, seed=args.seed, device=device)
-    print(args.prompt + text)
-    return 0
-
-
-# ----------------------------------------------------------------------------- chat
-
-
-def cmd_chat(args) -> int:
-    """Read user messages from standard input, one a line (a terminal or a pipe; EOF ends), and print each
-    answer as it streams; `/reset` clears the history. Only the answers go to stdout."""
-    import torch  # heavy: torch
-
-    from trainbox.chat import open_chat  # heavy: numpy, torch
-
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    session = open_chat(args.path, device, system=args.system, temperature=args.temperature, top_k=args.top_k,
-                        top_p=args.top_p, max_tokens=args.max_tokens, seed=args.seed)
-    tty = sys.stdin.isatty()
-    end = session.end_text or "end-of-text"
-    print(f"chat: {args.path}, template {session.template.name}, answers end at {end}; /reset clears the "
-          f"history, {'Ctrl-D' if tty else 'end of input'} ends", file=sys.stderr)
-    while True:
-        if tty:
-            print("> ", end="", flush=True, file=sys.stderr)
-        line = sys.stdin.readline()
-        if not line:
-            return 0
-        text = line.rstrip("\n")
-        if text.strip() == "/reset":
-            session.reset()
-            print("(history cleared)", file=sys.stderr)
-            continue
-        for piece in session.turn(text):
-            print(piece, end="", flush=True)
-        print(flush=True)
-        if session.last.stopped == "max_tokens":
-            print(f"(stopped after --max-tokens {args.max_tokens})", file=sys.stderr)
-
-
-# ----------------------------------------------------------------------------- export
-
-
-def cmd_export(args) -> int:
-    from trainbox.export import export  # heavy: numpy, torch
-
-    for line in export(args.path, args.out, merge=args.merge, force=args.force, format=args.format, dtype=args.dtype,
-                       gguf_type=args.gguf_type):
-        print(line)
-    return 0
-
-
-# ----------------------------------------------------------------------------- config
-
-
-def cmd_config(args) -> int:
-
-    if args.action == "schema":
-        if args.json:
-            print(json.dumps(RunConfig.model_json_schema(), indent=1))
-        else:
-            _print_keys()
-        return 0
-    cfg = load_config(args.source, args.overrides)
-    if args.action == "show":
-        print(dump_yaml(cfg), end="")
-        return 0
-    # every check `trainbox train` makes before any work, on this machine, for a run on --nproc processes
-    from trainbox.train.preflight import preflight  # heavy: torch
-    checked = preflight(cfg, args.nproc, adapt_micro_batch=not micro_batch_given(args.overrides))
-    note = checked.layout.note(cfg)
-    if note:
-        print(note, file=sys.stderr)
-    print(f"{args.source or 'tiny'}: valid ({checked.layout.describe()})")
-    return 0
-
-
-def _print_keys() -> None:
-    """`config schema`: one line per key (dotted name, type, default, description), grouped by section."""
-
-    rows = describe_keys()
-    kw = max(len(r[0]) for r in rows)
-    tw = min(32, max(len(r[1]) for r in rows))
-    dw = min(24, max(len(r[2]) for r in rows))
-    print("every config key: set one with a dotted override (trainbox train tiny train.max_steps=50) or in a "
-          "recipe file;\n`trainbox config show RECIPE` prints a recipe's values, --json the JSON Schema")
-    section = None
-    for key, type_s, default, desc in rows:
-        top = key.split(".")[0] if "." in key else ""
-        if top != section:
-            section = top
-            print(f"\n{top or 'top level'}:")
-        print(f"  {key:<{kw}}  {type_s:<{tw}}  = {default:<{dw}}  {desc}".rstrip())
-
-
-# ----------------------------------------------------------------------------- tokenizer
-
-
-def cmd_tokenizer(args) -> int:
-
-    def texts():
-        for f in args.files:
-            if f.startswith("embedded:"):
-                yield from embedded.split("train")
-                continue
-            p = Path(f)
-            for path in sorted(p.rglob("*")) if p.is_dir() else [p]:
-                if path.is_file():
-                    yield path.read_text(encoding="utf-8", errors="replace")
-
-    out = train_bpe(texts(), args.vocab_size, args.out)
-    print(f"wrote {out} (vocab {args.vocab_size}); use it with data.tokenizer={out}")
     return 0
