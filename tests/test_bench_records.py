@@ -146,3 +146,19 @@ def test_performance_doc_is_what_the_records_give(tmp_path):
     out = tmp_path / "performance.md"
     subprocess.run([sys.executable, str(BENCH / "report.py"), "--out", str(out)], check=True, timeout=120)
     assert DOC.read_text() == out.read_text(), "docs/performance.md is stale: run python benchmarks/report.py"
+
+
+def test_each_row_comes_from_the_newest_record_that_has_it():
+    """dpo_speed measures its modes and the longest sequence in one call or apart: a newer record of the speeds
+    replaces the older record's speed rows and leaves its longest-sequence row; NAME-2.json is newer than NAME.json
+    of the same day; a superseded record shows nothing."""
+    report = load_benchmark("report")
+    both = json.loads((RECORDS / "2026-11-28-h200-dpo-0.5b-speed.json").read_text())
+    speeds = json.loads((RECORDS / "2026-11-28-h200-dpo-0.5b-speed-3.json").read_text())
+    assert both["metrics"]["longest_ours"] and "longest_ours" not in speeds["metrics"]
+    records = [(Path("x-speed.json"), both), (Path("x-speed-2.json"), speeds)]
+    rows = {row[0]: path.name for path, _, row in report.newest_rows(report.current(records))}
+    assert rows == {" (full)": "x-speed-2.json", " (lora)": "x-speed-2.json",
+                    " (longest sequence, full DPO of 1B, one GPU)": "x-speed.json"}
+    gone = [(Path("x-speed.json"), {**both, "superseded_by": "x-speed-2.json"}), (Path("x-speed-2.json"), speeds)]
+    assert {row[0] for _, _, row in report.newest_rows(report.current(gone))} == {" (full)", " (lora)"}
