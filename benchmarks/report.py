@@ -4,9 +4,10 @@
     python benchmarks/report.py --out FILE      # writes FILE instead
 
 One table per area. A measurement is a tool, a recipe, its overrides, the hardware and the kernel packages
-installed; of several records of one measurement the newest is shown, and a record with `superseded_by` set is
-left out. The conclusions of finished experiments (their scripts and records live in git history) are kept
-here, in FINISHED. tests/test_bench_records.py checks that docs/performance.md is what this script writes.
+installed; each row of a measurement comes from its newest record that has that row (a tool that measures
+several things may measure them in separate calls), and a record with `superseded_by` set is left out. The
+conclusions of finished experiments (their scripts and records live in git history) are kept here, in FINISHED.
+tests/test_bench_records.py checks that docs/performance.md is what this script writes.
 """
 from __future__ import annotations
 
