@@ -10,7 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# Under pytest-xdist with a worker per core, one thread per worker and per process a test starts (their
+# environment): more threads than cores leave OpenMP's threads spinning on each other, which slows a tiny model's
+# step several times over. A user's own OMP_NUM_THREADS is kept for the processes the tests start.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+_THREADS = max(1, min(2, (os.cpu_count() or 1) // _WORKERS))
+if _WORKERS > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(_THREADS))
+torch.set_num_threads(_THREADS)
 
 REPO = Path(__file__).resolve().parents[1]
 
