@@ -203,21 +203,31 @@ def _segment(cmd, log):
                             stderr=subprocess.STDOUT, env=ENV), out
 
 
+def _own(folder, prefs, run_root):
+    """The killed run's arguments: the recipe's own settings (dpo logs every step), 40 steps, a save every 10."""
+    return [a for a in args(folder, prefs, run_root, "run", "train.max_steps=40", "train.checkpoint_every=10",
+                            "train.keep_last=2") if a != "monitor.log_every=1"]
+
+
+@pytest.fixture(scope="module")
+def straight(folder, prefs, tmp_path_factory):
+    """The uninterrupted run both SIGKILL cases compare with: step -> loss."""
+    root = tmp_path_factory.mktemp("straight")
+    run_cli("train", "dpo", *_own(folder, prefs, root))
+    want = losses(root / "run")
+    assert sorted(want) == list(range(1, 41))   # the rewards of each step, at log_every 10 too
+    return want
+
+
 @pytest.mark.faults
 @pytest.mark.parametrize("lose_cache", [False, True])
-def test_sigkill_resumes_bit_for_bit_with_the_precomputed_reference(folder, prefs, tmp_path, lose_cache):
+def test_sigkill_resumes_bit_for_bit_with_the_precomputed_reference(folder, prefs, straight, tmp_path, lose_cache):
     """SIGKILL mid-run, then the same command: it resumes from the newest checkpoint and every logged loss equals an
     uninterrupted run's bit for bit, whether the precomputed reference is read back or (its file deleted) computed
     again from the initial weights before the checkpoint is loaded."""
-    common = ["train.max_steps=40", "train.checkpoint_every=10", "train.keep_last=2"]
-    own = lambda run_root: [a for a in args(folder, prefs, run_root, "run", *common)  # noqa: E731
-                            if a != "monitor.log_every=1"]   # the recipe's own settings: dpo logs every step
-    straight = tmp_path / "straight"
-    run_cli("train", "dpo", *own(straight))
-    want = losses(straight / "run")
-    assert sorted(want) == list(range(1, 41))   # the rewards of each step, at log_every 10 too
+    want = straight
     root = tmp_path / "killed"
-    cmd = own(root)
+    cmd = _own(folder, prefs, root)
     proc, out = _segment(cmd, tmp_path / "first.log")
     deadline = time.time() + 180
     while not (root / "run" / "metrics.jsonl").is_file() or max(losses(root / "run"), default=0) < 25:
@@ -239,12 +249,19 @@ def test_sigkill_resumes_bit_for_bit_with_the_precomputed_reference(folder, pref
     assert lost and all(e["loss"] == want[e["step"]] for e in lost)
 
 
+@pytest.fixture(scope="module")
+def one_process(folder, prefs, tmp_path_factory):
+    """The 4-step single-process run both layouts compare with (its root: run/ and cache/)."""
+    one = tmp_path_factory.mktemp("one")
+    run_cli("train", "dpo", *args(folder, prefs, one, "run", "train.max_steps=4"))
+    return one
+
+
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
-def test_two_processes_equal_one(folder, prefs, tmp_path, parallel):
+def test_two_processes_equal_one(folder, prefs, one_process, tmp_path, parallel):
     """train.parallel=ddp or fsdp over 2 processes (gloo), each preparing the raw JSONL: the precompute splits the
     pairs over the ranks and every step's loss and reward accuracy equal one process's."""
-    one = tmp_path / "one"
-    run_cli("train", "dpo", *args(folder, prefs, one, "run", "train.max_steps=4"))
+    one = one_process
     two = tmp_path / "two"
     run_cli("train", "dpo", "--nproc", "2", *args(folder, prefs, two, "run", "train.max_steps=4",
                                                    f"train.parallel={parallel}", "train.micro_batch_size=2"),
