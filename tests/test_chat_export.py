@@ -148,13 +148,24 @@ def _scripted(model, ids: list[int]):
 # ----------------------------------------------------------------------------- Hugging Face export
 
 
+@pytest.fixture(scope="module")
+def sft_hf(runs):
+    """The sft run exported to a Hugging Face folder (fp32, as `export` writes by default), read by the tests
+    that only read it."""
+    out = runs["tmp"] / "sft-hf"
+    run_cli("export", str(runs["sft"]), "--format", "hf", "--out", str(out))
+    return out
+
+
 @pytest.mark.parametrize("run", ["sft", "lora"])
-def test_hf_export_stops_at_the_end_of_a_turn_in_transformers(runs, run):
+def test_hf_export_stops_at_the_end_of_a_turn_in_transformers(runs, run, request):
     """generation_config.json lists end-of-text and <|im_end|>; transformers' generate, from the exported
     tokenizer's own chat template, stops at <|im_end|> with our chat's answer."""
-    out = runs["tmp"] / f"{run}-hf"
-    run_cli("export", str(runs[run]), "--format", "hf", "--out", str(out), "--force",
-            *(["--merge"] if run == "lora" else []))
+    if run == "sft":
+        out = request.getfixturevalue("sft_hf")
+    else:
+        out = runs["tmp"] / f"{run}-hf"
+        run_cli("export", str(runs[run]), "--format", "hf", "--out", str(out), "--force", "--merge")
     tok = transformers.AutoTokenizer.from_pretrained(out)
     model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     end = tok.convert_tokens_to_ids("<|im_end|>")
@@ -172,13 +183,13 @@ def test_hf_export_stops_at_the_end_of_a_turn_in_transformers(runs, run):
         assert tok.decode(full[:-1]) == answer
 
 
-def test_hf_export_dtype(runs):
+def test_hf_export_dtype(runs, sft_hf):
     out = runs["tmp"] / "sft-bf16"
     run_cli("export", str(runs["sft"]), "--out", str(out), "--dtype", "bf16")
     assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
     model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype="auto")
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
-    fp32 = transformers.AutoModelForCausalLM.from_pretrained(_export(runs["sft"], runs["tmp"] / "sft-fp32"))
+    fp32 = transformers.AutoModelForCausalLM.from_pretrained(sft_hf)
     assert {p.dtype for p in fp32.parameters()} == {torch.float32}
     for (name, a), b in zip(fp32.named_parameters(), model.parameters()):
         assert torch.equal(a.detach().to(torch.bfloat16), b.detach()), name
@@ -274,9 +285,9 @@ def gguf_runs(runs, tmp_path_factory):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])
-def test_gguf_reads_back_with_every_tensor_and_the_metadata(gguf_runs, arch):
+def test_gguf_reads_back_with_every_tensor_and_the_metadata(gguf_runs, arch, request):
     tmp, run = gguf_runs["tmp"], gguf_runs[arch]
-    folder = _export(run, tmp / f"{arch}-hf")
+    folder = request.getfixturevalue("sft_hf") if arch == "llama" else _export(run, tmp / f"{arch}-hf")
     hf = json.loads((folder / "config.json").read_text())
     want = expected_tensors(folder)
     for gguf_type in ("f16", "bf16", "q8_0"):
