@@ -271,6 +271,8 @@ RECORDS = [
     ("2026-11-28-4xh200-llama-8b-fsdp-4gpu-float8.json", [], ("sdpa", "triton", "off", "off")),
     ("2026-11-28-4xh200-moe-gpt2-125m-128x-ep4-4gpu-mb120.json", [], ("sdpa", "triton", "unfused", "off")),
     ("2026-11-28-2xh200-moe-gpt2-125m-128x-ep2-vs-torchtitan.json", [], ("sdpa", "triton", "unfused", "off")),
+    ("2026-11-28-2xh200-moe-gpt2-125m-128x-ep2-padded-vs-uneven-h100mem.json", [],
+     ("sdpa", "triton", "unfused", "off")),
     ("2026-11-28-h200-speedrun-124m-scaling-1gpu.json", [], ("flex", "triton", "off", "fp8")),
     ("2026-11-28-2xh200-speedrun-124m-scaling-2gpu.json", [], ("flex", "triton", "off", "fp8")),
     ("2026-11-28-4xh200-speedrun-124m-scaling-4gpu.json", [], ("flex", "triton", "off", "fp8")),
