@@ -66,9 +66,9 @@ def _padded_experts(b: Block, d: int, k: int, rows: float, w: Widths, kern: Kern
         b.keep(4 * rows * a * d)
     b.keep(k * a * d)              # the results back in this rank's rows, kept by the gate multiply
     # selective: the second batched matmul's output, and the buffers the exchanges returned (train/recompute.py).
-    # Compiled, the exchanges sit inside the graph, whose partitioner never recomputes a collective: it keeps these
-    # three buffers without checkpointing too (measured on 2 H200s at micro-batch 16: 77.6 GiB against 73.9
-    # without them, 2026-11-28-2xh200-moe-gpt2-125m-128x-ep2-padded-vs-uneven-h100mem.json)
+    # Compiled, the run keeps these three buffers without checkpointing too (the exchanges sit inside the graph,
+    # and its partitioner does not recompute collectives): measured on 2 H200s at micro-batch 16, 77.6 GiB against
+    # 73.9 without them (2026-11-28-2xh200-moe-gpt2-125m-128x-ep2-padded-vs-uneven-h100mem.json)
     b.mm(rows * a * d, keep=w.compiled)
     b.mm(2 * rows * a * d, keep=w.compiled)
     b.keep(4 * k)                  # the gates, in fp32
