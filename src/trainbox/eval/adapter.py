@@ -161,11 +161,9 @@ class TrainboxLM(TemplateLM):
         first = min(len(r.context) for r in rows) - 1   # the first position any continuation reads
         shared = any(r.segments > 1 for r in rows)   # else each row is one causal sequence, at its own positions
         x = np.zeros((B, T), dtype=np.int64)
-        positions, segments = np.zeros((B, T), dtype=np.int64), np.full((B, T), -1, dtype=np.int64)
         where, targets, owner, requests = [], [], [], []   # flat index into the kept logits of each scored token
         for b, row in enumerate(rows):
             x[b, :len(row.ids)] = row.ids
-            positions[b, :len(row.ids)], segments[b, :len(row.ids)] = row.positions, row.segment
             for i, at, continuation in row.scored:
                 where += [b * (T - first) + p - first for p in at]
                 targets += continuation
@@ -174,6 +172,9 @@ class TrainboxLM(TemplateLM):
         x, where, targets, owner = (self._send(np.asarray(v, dtype=np.int64)) for v in (x, where, targets, owner))
         kwargs = {}
         if shared:   # a query sees its row's context and its own continuation, up to itself
+            positions, segments = np.zeros((B, T), dtype=np.int64), np.full((B, T), -1, dtype=np.int64)
+            for b, row in enumerate(rows):
+                positions[b, :len(row.ids)], segments[b, :len(row.ids)] = row.positions, row.segment
             segment = self._send(segments)
             causal = torch.ones(T, T, dtype=torch.bool, device=self.device).tril()
             visible = causal & ((segment[:, :, None] == segment[:, None, :]) | (segment[:, None, :] == 0))
