@@ -94,15 +94,17 @@ def build_model_side(cfg: RunConfig, layout: RunLayout, vocab: int, device: torc
                      init_weights: bool, dtype: torch.dtype = torch.float32, reference: bool = False) -> RunModel:
     """The same initial weights on every rank (seeded before building); `init_weights`: load run.init_from.
     Spread over the ranks as `layout` says. Under fsdp the model is sharded before the optimizers are built, so
-    their state is sharded too, and on a GPU it is built there (its random initialisation on the CPU takes minutes
-    at billions of parameters; the GPU's generator gives other, equally distributed, initial weights than the
-    CPU's). `reference`: keep a frozen copy of the initial model beside it (`frozen_copy`)."""
+    their state is sharded too. Under fsdp or expert parallelism on a GPU it is built there: its random
+    initialisation on the CPU takes minutes at billions of parameters, one thread a process under torchrun. The
+    GPU's generator gives other, equally distributed, initial weights than the CPU's, the same on every rank.
+    `reference`: keep a frozen copy of the initial model beside it (`frozen_copy`)."""
     torch.manual_seed(cfg.run.seed)
     sharded = layout.sharded   # (a sharded checkpoint of a larger world resumes unsharded)
     if cfg.train.parallel == "fsdp" and not sharded:
         log.warning("train.parallel=fsdp on one process shards nothing: the model runs whole, as under ddp "
                     "(launch several with trainbox train --nproc N)")
-    on = device if sharded and device.type == "cuda" else torch.device("cpu")
+    split = sharded or layout.expert_parallel > 1
+    on = device if split and device.type == "cuda" else torch.device("cpu")
     with on:
         model = build_model(cfg.model, vocab, cfg.model.block_size or cfg.data.seq_len, run=cfg)
     if init_weights and cfg.run.init_from:
