@@ -7,12 +7,12 @@ cross-entropy runs (compute capability 9.0).
 
 `Rates` are what the step-time model (plan/time.py) divides by: the dense bf16 matmul rate at large shapes, the
 bus bandwidth of NCCL's all-reduce and all-to-all between the GPUs of one node, the memory bandwidth, and what a
-host read after an all-to-all costs. benchmarks/hw_rates.py measures each of them on a machine; a figure that
-benchmark has not measured yet says so in its `source`.
+host read after an all-to-all costs. benchmarks/hw_rates.py measures each of them on a machine; `source` says
+where each kind's come from.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -30,15 +30,33 @@ class Rates:
     memory: float       # bytes/s: HBM read + write bandwidth a fused optimizer reaches
     host_sync: float    # seconds a host read (`.tolist()`) after a small all-to-all costs a GPU with work queued
     source: str         # the record or document each figure comes from
+    # (GPUs, all_reduce, all_to_all) measured at other GPU counts of one node: the links' bus bandwidth grows with
+    # the ring's length (2 H200s: 318 and 209 GB/s, 4: 343 and 253)
+    links: tuple[tuple[int, float, float], ...] = ()
+
+    def at(self, gpus: int) -> Rates:
+        """These rates with the links measured at the largest count up to `gpus` (the smallest above it where none
+        is)."""
+        counts = sorted(self.links)
+        if not counts:
+            return self
+        below = [c for c in counts if c[0] <= gpus]
+        _, all_reduce, all_to_all = below[-1] if below else counts[0]
+        return replace(self, all_reduce=all_reduce, all_to_all=all_to_all)
 
 
-# Placeholders until benchmarks/hw_rates.py has measured these kinds: the matmul rate and the link bandwidths are
-# estimates at large shapes for NVLink 4 (900 GB/s per GPU) nodes; memory is 80% of the data sheet's HBM bandwidth.
-PLACEHOLDER = "placeholder estimates, to be replaced by `benchmarks/hw_rates.py --record` on this GPU"
-HOPPER_SXM = dict(matmul=750e12, all_reduce=400e9, all_to_all=300e9, host_sync=100e-6, source=PLACEHOLDER)
+# Measured on 2 and 4 H200s of one host (benchmarks/hw_rates.py: 2026-11-28-2xh200-hw-rates.json and
+# 2026-11-28-4xh200-hw-rates.json): the matmul rate, memory bandwidth and host read are the two records' mean, the
+# links each count's own. H100 SXM: the same GH100 chip and NVLink 4 fabric, so the same matmul rate and links,
+# with the memory bandwidth scaled by HBM's (3.35 against 4.8 TB/s); not yet measured on an H100.
+MEASURED = "benchmarks/records/2026-11-28-{2,4}xh200-hw-rates.json"
+H200_LINKS = ((2, 317.9e9, 209.5e9), (4, 343.5e9, 253.1e9))
+HOPPER_SXM = dict(matmul=765e12, all_reduce=H200_LINKS[0][1], all_to_all=H200_LINKS[0][2], host_sync=55e-6,
+                  links=H200_LINKS)
 RATES = {
-    "H100": Rates(memory=0.8 * 3.35e12, **HOPPER_SXM),
-    "H200": Rates(memory=0.8 * 4.8e12, **HOPPER_SXM),
+    "H100": Rates(memory=2.32e12 * 3.35 / 4.8, source=f"H200's ({MEASURED}), memory scaled by HBM's bandwidth",
+                  **HOPPER_SXM),
+    "H200": Rates(memory=2.32e12, source=MEASURED, **HOPPER_SXM),
 }
 
 
