@@ -14,6 +14,7 @@ from conftest import TINY, run_cli
 
 from trainbox.config import load_config
 from trainbox.errors import ConfigError
+from trainbox.kernels import adamw as fused_adamw
 from trainbox.optim import adamw
 from trainbox.optim.adamw import BF16StateAdamW, round_stochastic_
 from trainbox.optim.build import build_optimizers
@@ -174,6 +175,90 @@ def test_state_dict_round_trip_keeps_bf16_and_continues_exactly():
     again.load_state_dict(fp32.state_dict())
     p = next(model.parameters())
     assert torch.equal(again.state[next(twin.parameters())]["exp_avg"], fp32.state[p]["exp_avg"].bfloat16())
+
+
+# ----------------------------------------------------------------------------- the CUDA kernel (kernels/adamw.py)
+
+cuda_kernel = pytest.mark.skipif(not torch.cuda.is_available() or fused_adamw.triton is None,
+                                 reason="the Triton kernel runs on a CUDA GPU")
+
+
+@cuda_kernel
+def test_the_cuda_kernel_steps_as_the_foreach_path():
+    """On a GPU each parameter's step is the Triton kernel: after one step the parameters equal the foreach path's
+    to fp32 rounding (both update with the unrounded fp32 moments), and each stored moment is one of the two bf16
+    neighbours of the fp32 moment; after 30 steps the weights lie as close to fp32 AdamW's as the foreach path's
+    do (test_bf16_state_stays_close_to_fp32_adamw)."""
+    model, ref = _model().cuda(), _model().cuda()
+    fused, foreach = BF16StateAdamW(_groups(model), **HYPER), BF16StateAdamW(_groups(ref), **HYPER, fused=False)
+    x = torch.randn(64, 16, device="cuda")
+    for m, opt in ((model, fused), (ref, foreach)):
+        opt.zero_grad()
+        m(x).square().mean().backward()
+        opt.step()
+    b1, b2 = HYPER["betas"]
+    for a, b in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+        for stored, exact in ((fused.state[a]["exp_avg"], (1 - b1) * a.grad),
+                              (fused.state[a]["exp_avg_sq"], (1 - b2) * (a.grad * a.grad))):
+            toward_zero = (exact.view(torch.int32) & -(1 << 16)).view(torch.float32).bfloat16()
+            away = torch.nextafter(toward_zero, torch.where(exact < 0, -torch.inf, torch.inf).bfloat16())
+            assert ((stored == toward_zero) | (stored == away)).all()
+    model, fp32 = _model().cuda(), _model().cuda()
+    _steps_on(model, BF16StateAdamW(_groups(model), **HYPER), 30)
+    _steps_on(fp32, torch.optim.AdamW(_groups(fp32), **HYPER), 30)
+    gap = max((a - b).abs().max().item() for a, b in zip(model.parameters(), fp32.parameters()))
+    assert gap < 5e-3, gap
+
+
+@cuda_kernel
+def test_the_cuda_kernels_rounding_picks_a_neighbour_with_the_right_odds():
+    """The kernel's stochastic rounding of the first moment: every element rounds to one of its two bf16 neighbours,
+    up as often as the value lies toward the upper one (binomial, 5 standard deviations over 20,000 elements); the
+    same seed gives the same moments."""
+    lo = torch.tensor([1.0, -3.0, 1e-20, 6.5e4], dtype=torch.bfloat16, device="cuda")
+    hi = torch.nextafter(lo, lo * 2)
+    frac = torch.tensor([0.25, 0.5, 0.9, 0.1], device="cuda")
+    n, beta1 = 20_000, 0.5
+    exact = (lo.float() + frac * (hi.float() - lo.float())).repeat(n, 1)
+    grad = exact / (1 - beta1)       # from zero moments the kernel's first moment is (1 - beta1) x grad, exactly
+    outs = []
+    for _ in range(2):
+        p, m, v = torch.zeros_like(exact), torch.zeros_like(exact, dtype=torch.bfloat16), torch.zeros_like(
+            exact, dtype=torch.bfloat16)
+        fused_adamw.adamw_bf16_state_(p, grad, m, v, lr=0.0, beta1=beta1, beta2=0.9, eps=1e-8, weight_decay=0.0,
+                                      step=1, seed=adamw._seed((7, 0, 3, 0), 0))
+        outs.append(m)
+    up = outs[0] == hi
+    assert ((outs[0] == lo) | up).all()
+    assert torch.allclose(up.float().mean(0), frac, atol=5 * 0.5 / n ** 0.5)
+    assert torch.equal(outs[0], outs[1])
+
+
+@cuda_kernel
+def test_the_cuda_kernel_continues_exactly_from_a_state_dict():
+    """A state dict saved after 3 steps and loaded into a copy: the next 3 steps equal the uninterrupted optimizer's,
+    bit for bit (the kernel's random bits depend on the step and the parameter, not on the process)."""
+    model = _model().cuda()
+    opt = BF16StateAdamW(_groups(model), **HYPER)
+    _steps_on(model, opt, 3)
+    saved, twin = copy.deepcopy(opt.state_dict()), copy.deepcopy(model)
+    again = BF16StateAdamW(_groups(twin), **HYPER)
+    again.load_state_dict(saved)
+    _steps_on(model, opt, 3, seed=2)
+    _steps_on(twin, again, 3, seed=2)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters()))
+
+
+def _steps_on(model: torch.nn.Module, opt, n: int, seed: int = 1) -> None:
+    """_steps on the model's device."""
+    device = next(model.parameters()).device
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(n):
+        x = torch.randn(64, 16, generator=gen).to(device)
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
 
 
 # ----------------------------------------------------------------------------- the config

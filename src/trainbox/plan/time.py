@@ -26,7 +26,8 @@ Per rank, for a step of `accumulation` micro-batches of `micro` sequences:
                 capacity_factor times the rows are sent and computed and nothing is read back: the host runs
                 ahead of the GPU and sets no floor (the padded step on 2 H200s is the GPU's compute and
                 exchanges, 2026-11-28-2xh200-moe-gpt2-125m-128x-ep2-padded-vs-uneven-h100mem.json)
-    optimizer   OPTIMIZER_BYTES per parameter a rank updates, at its memory bandwidth
+    optimizer   OPTIMIZER_BYTES per parameter a rank updates (with optim.state_dtype=bf16, the bytes of
+                kernels/adamw.py's step), at its memory bandwidth
 
     step = accumulation x (micro-batch) + ddp's exposed all-reduce + optimizer
 
@@ -74,7 +75,7 @@ EXCHANGES = 0.73
 HOST = 10.7e-3
 # bytes a fused AdamW step reads and writes per parameter: parameter, gradient and two moments read (16), the
 # parameter and moments written (12), the gradient read again by the norm clip (4)
-OPTIMIZER_BYTES = 32
+OPTIMIZER_BYTES = {"fp32": 32, "bf16": 24}   # bf16 moments: 2 bytes each read and written, not 4
 DDP_BUCKET = 25 * 2**20   # DDP's bucket: the last one is reduced after the backward
 
 
@@ -152,7 +153,7 @@ def step_time(cfg: RunConfig, counts: ParamCount, target: Target, layout, micro:
         last = min(DDP_BUCKET, grads) * 2 * (nproc - 1) / nproc / link
         exposed = max(all_reduce - 2 / 3 * compute, last)
     updated = counts.trainable / nproc if parallel == "fsdp" else counts.dense + counts.expert / ep
-    optimizer = OPTIMIZER_BYTES * updated / rates.memory
+    optimizer = OPTIMIZER_BYTES[cfg.optim.state_dtype] * updated / rates.memory
     step = accumulation * micro_s + exposed + optimizer
     return StepTime(step=step, compute=accumulation * compute,
                     exchanges=accumulation * (micro_s - compute - host) + exposed,
