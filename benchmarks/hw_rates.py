@@ -138,7 +138,7 @@ def memory(device: torch.device, tiny: bool, reps: int) -> dict:
     def step():
         torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
         opt.step()
-    adamw = OPTIMIZER_BYTES * n / timed(step, device, reps)
+    adamw = OPTIMIZER_BYTES["fp32"] * n / timed(step, device, reps)
     return {"parameters": n, "adamw_bytes_per_s": adamw, "copy_bytes_per_s": copy}
 
 
