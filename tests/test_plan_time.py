@@ -99,6 +99,9 @@ STEPS = [
     ("2026-11-28-2xh200-moe-gpt2-125m-128x-ep2-bf16-state-mb40-h100mem.json", [], 2, "median_step_ms"),
     ("2026-11-28-2xh200-moe-gpt2-125m-128x-ep2-bf16-state-mb40-h100mem.json",
      ["optim.state_dtype=fp32", "train.micro_batch_size=16"], 2, "baseline.median_step_ms"),
+    ("2026-11-28-2xh200-moe-gpt2-125m-128x-ep2-optim-state-bf16-batch32.json", [], 2, "median_step_ms"),
+    ("2026-11-28-2xh200-moe-gpt2-125m-128x-ep2-optim-state-bf16-batch32.json", ["optim.state_dtype=fp32"], 2,
+     "baseline.median_step_ms"),
 ]
 
 # Runs of the 128-expert MoE on H100s that no record holds, as issue 49 states them (tokens/s per GPU, global batch
