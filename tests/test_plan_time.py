@@ -99,6 +99,10 @@ STEPS = [
     ("2026-11-28-2xh200-moe-gpt2-125m-128x-ep2-bf16-state-mb40-h100mem.json", [], 2, "median_step_ms"),
     ("2026-11-28-2xh200-moe-gpt2-125m-128x-ep2-bf16-state-mb40-h100mem.json",
      ["optim.state_dtype=fp32", "train.micro_batch_size=16"], 2, "baseline.median_step_ms"),
+    ("2026-11-28-2xh200-moe-gpt2-125m-128x-ep2-bf16-mb40-h100mem-profile.json", [], 2, "step_ms"),
+    ("2026-11-28-2xh200-moe-gpt2-125m-128x-ep2-bf16-mb48-selective-h100mem.json", [], 2, "median_step_ms"),
+    ("2026-11-28-2xh200-moe-gpt2-125m-128x-ep2-bf16-mb48-selective-h100mem.json",
+     ["train.micro_batch_size=40", "train.activation_checkpointing=none"], 2, "baseline.median_step_ms"),
     ("2026-11-28-2xh200-moe-gpt2-125m-128x-ep2-optim-state-bf16-batch32.json", [], 2, "median_step_ms"),
     ("2026-11-28-2xh200-moe-gpt2-125m-128x-ep2-optim-state-bf16-batch32.json", ["optim.state_dtype=fp32"], 2,
      "baseline.median_step_ms"),
@@ -215,6 +219,7 @@ CALIBRATION = [
     ("COLLECTIVES", ["2026-11-27-2xh200-llama-1b-fsdp-2gpu-profile.json"], "communication"),
     ("EXCHANGES", ["2026-11-27-2xh200-moe-gpt2-125m-128x-ep2-profile.json"], "communication"),
     ("HOST", ["2026-11-28-2xh200-moe-gpt2-125m-128x-ep2-2gpu-vs-de3474f.json"], "step"),
+    ("RECOMPUTE_HOST", ["2026-11-28-2xh200-moe-gpt2-125m-128x-ep2-bf16-mb48-selective-h100mem.json"], "step"),
     ("SPEED", ["2026-11-26-h100-t5-base-speed.json"], "step"),
 ]
 

@@ -22,9 +22,10 @@ Per rank, for a step of `accumulation` micro-batches of `micro` sequences:
                 dispatched and combined in the forward and both again in the backward, (E-1)/E of them crossing
                 at all_to_all x EXCHANGES, not overlapped; one host read of the split sizes (host_sync each), after
                 which the host launches the layer's work: a micro-batch takes at least HOST per MoE layer, the
-                host's time to run the layer's forward and backward. Under model.moe.exchange=padded,
-                capacity_factor times the rows are sent and computed and nothing is read back: the host runs
-                ahead of the GPU and sets no floor (the padded step on 2 H200s is the GPU's compute and
+                host's time to run the layer's forward and backward; with activation checkpointing the
+                recomputed layer reads them again in the backward (RECOMPUTE_HOST each). Under
+                model.moe.exchange=padded, capacity_factor times the rows are sent and computed and nothing
+                is read back: the host runs ahead of the GPU and sets no floor (the padded step on 2 H200s is the GPU's compute and
                 exchanges, 2026-11-28-2xh200-moe-gpt2-125m-128x-ep2-padded-vs-uneven-h100mem.json)
     optimizer   OPTIMIZER_BYTES per parameter a rank updates (with optim.state_dtype=bf16, the bytes of
                 kernels/adamw.py's step), at its memory bandwidth
@@ -73,6 +74,11 @@ EXCHANGES = 0.73
 # the GPU cannot run ahead of: the 128-expert MoE at expert parallelism 2, 15 micro-batches of 16 a step
 # (2026-11-28-2xh200-moe-gpt2-125m-128x-ep2-2gpu-vs-de3474f.json)
 HOST = 10.7e-3
+# seconds a recomputed MoE layer (train.activation_checkpointing) under the uneven exchange adds per micro-batch:
+# its forward runs again in the backward and reads the split sizes again there, so the GPU's queue drains once more
+# per layer: the 128-expert MoE at expert parallelism 2, selective, micro-batch 48
+# (2026-11-28-2xh200-moe-gpt2-125m-128x-ep2-bf16-mb48-selective-h100mem.json: 1.69x the step without it)
+RECOMPUTE_HOST = 15e-3
 # bytes a fused AdamW step reads and writes per parameter: parameter, gradient and two moments read (16), the
 # parameter and moments written (12), the gradient read again by the norm clip (4)
 OPTIMIZER_BYTES = {"fp32": 32, "bf16": 24}   # bf16 moments: 2 bytes each read and written, not 4
@@ -145,6 +151,8 @@ def step_time(cfg: RunConfig, counts: ParamCount, target: Target, layout, micro:
         comm = 4 * n_moe * rows * m.n_embd * 2 * (ep - 1) / ep / (rates.all_to_all * EXCHANGES)
         # the padded exchange reads nothing back, so the host runs ahead of the GPU and sets no floor
         micro_s = compute + comm if padded else max(compute + comm, n_moe * HOST) + n_moe * rates.host_sync
+        if checkpointing != "none" and not padded:   # the recomputed layers read their split sizes again
+            micro_s += n_moe * RECOMPUTE_HOST
         host = micro_s - compute - comm
     all_reduce = exposed = 0.0
     if parallel == "ddp" and nproc > 1:
