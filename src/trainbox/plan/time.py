@@ -25,8 +25,9 @@ Per rank, for a step of `accumulation` micro-batches of `micro` sequences:
                 host's time to run the layer's forward and backward; with activation checkpointing the
                 recomputed layer reads them again in the backward (RECOMPUTE_HOST each). Under
                 model.moe.exchange=padded, capacity_factor times the rows are sent and computed and nothing
-                is read back: the host runs ahead of the GPU and sets no floor (the padded step on 2 H200s is the GPU's compute and
-                exchanges, 2026-11-28-2xh200-moe-gpt2-125m-128x-ep2-padded-vs-uneven-h100mem.json)
+                is read back: the host runs ahead of the GPU and sets no floor (the padded step on 2 H200s is
+                the GPU's compute and exchanges, 2026-11-28-2xh200-moe-gpt2-125m-128x-ep2-padded-vs-uneven-
+                h100mem.json)
     optimizer   OPTIMIZER_BYTES per parameter a rank updates (with optim.state_dtype=bf16, the bytes of
                 kernels/adamw.py's step), at its memory bandwidth
 
