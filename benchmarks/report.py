@@ -166,8 +166,8 @@ def lora_speed(rec: dict) -> list[tuple]:
     m, b = rec["metrics"], rec["baseline"]
     rows = []
     for mode in ("lora", "qlora"):
-        if not (m.get(mode) and b and b["metrics"].get(mode)):
-            continue
+        if not (m.get(mode) and b and b["metrics"].get(mode)) or "error" in m[mode] or "error" in b["metrics"][mode]:
+            continue   # a side that did not run (the record keeps its error)
         o, t = m[mode], b["metrics"][mode]
         rows.append((f" ({'LoRA' if mode == 'lora' else 'QLoRA'})",
                      f"{kilo(o['tokens_per_s'])} tokens/s, {gib(o['peak_memory_gib'])}",

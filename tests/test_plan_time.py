@@ -38,6 +38,8 @@ STEPS = [
     ("2026-11-26-h100-speedrun-124m-time-to-loss.json", [], 1, "step_avg_ms"),
     ("2026-11-26-h100-t5-base-speed.json", ["train.micro_batch_size=32", "train.global_batch_size=32"], 1,
      "results.0.tokens_per_s"),
+    ("2026-11-28-h200-t5-base-speed.json", ["train.micro_batch_size=32", "train.global_batch_size=32"], 1,
+     "results.0.tokens_per_s"),
     ("2026-11-27-h100-gpt2-125m-train-speed.json", [], 1, "median_step_ms"),
     ("2026-11-27-h100-gpt2-125m-step-time-vs-70ca097.json", [], 1, "median_step_ms"),
     ("2026-11-27-h100-gpt2-125m-flash-step-time-vs-70ca097.json", [], 1, "median_step_ms"),
@@ -121,6 +123,8 @@ STATED = [
 SKIPPED = {
     "cpu": "CPU runs (*-cpu-*): the plan predicts no time without a GPU's rates",
     "2026-11-26-h100-lora-0.5b-speed.json": "a Hugging Face model with LoRA (model.family=hf): no FLOP count",
+    "2026-11-28-h200-lora-0.5b-speed.json": "a Hugging Face model with LoRA (model.family=hf): no FLOP count",
+    "2026-11-28-h200-lora-0.5b-speed-compiled.json": "a Hugging Face model with LoRA (model.family=hf): no FLOP count",
     "2026-11-28-h100-dpo-0.5b-speed.json": "preference pairs of a Hugging Face model: no FLOP count",
     "2026-11-28-h100-dpo-0.5b-speed-lora-fused.json": "preference pairs of a Hugging Face model: no FLOP count",
     "2026-11-28-h200-dpo-0.5b-speed.json": "preference pairs of a Hugging Face model: no FLOP count",
