@@ -509,3 +509,22 @@ def test_the_plan_counts_the_fused_loss_as_it_runs():
     for vocab in (512, 32000, 50304, 128256, 151936, 262144):
         for elem in (2, 4):
             assert memory.chunk_rows(vocab, elem) == fused_ce.chunk_rows(vocab, elem)
+
+
+def test_a_memory_limit_caps_the_planned_gpu():
+    """train.memory_limit_gib plans for the capped memory, as the run's allocator is capped (an H200 capped at an
+    H100's 79.1 GiB fits what an H100 fits, and says it is capped); a limit above the card's changes nothing."""
+    over = ["model.moe.num_experts=128", "model.moe.expert_parallel=2", "train.micro_batch_size=16"]
+    cfg = load_config("moe-gpt2-125m", [*over, "train.memory_limit_gib=79.1"])
+    vocab = run_vocab(cfg)
+    capped = make_plan(cfg, vocab, gpu("H200"), 2)
+    h100 = make_plan(load_config("moe-gpt2-125m", over), vocab, gpu("H100"), 2)
+    assert capped.target.memory == h100.target.memory and capped.target.capped and not h100.target.capped
+    assert capped.memory.needed == h100.memory.needed and capped.fits == h100.fits
+    assert "(79.1 GiB each, assumed, capped by train.memory_limit_gib)" in format_plan(capped)
+    bigger = load_config("moe-gpt2-125m", [*over, "train.memory_limit_gib=200"])
+    assert make_plan(bigger, vocab, gpu("H200"), 2).target == gpu("H200")
+    wider = load_config("moe-gpt2-125m", [*over, "train.micro_batch_size=24", "train.memory_limit_gib=79.1"])
+    assert make_plan(wider, vocab, gpu("H200"), 2, suggest=False).fits is False
+    assert make_plan(wider.model_copy(update={"train": wider.train.model_copy(update={"memory_limit_gib": 0})}),
+                     vocab, gpu("H200"), 2, suggest=False).fits

@@ -86,6 +86,7 @@ def make_plan(cfg: RunConfig, vocab: int, target: Target, nproc: int = 1, kernel
     train.dtype and the target; `side_stream_grads`: whether FSDP's gradient shards keep a pool of their own,
     else as this torch does)."""
     t = cfg.train
+    target = target.limited(t.memory_limit_gib)
     spec = family(cfg.model.family)
     run = decide_layout(cfg, nproc, "cuda" if target.cuda else "cpu")
     ep = run.expert_parallel

@@ -70,6 +70,13 @@ class Target:
     lce: bool = False
     local: bool = False    # the device this process sees (kernels are then asked, not assumed)
     rates: Rates | None = None   # what the step-time model divides by; None: no time is predicted
+    capped: bool = False         # memory is train.memory_limit_gib, below the card's
+
+    def limited(self, gib: float) -> Target:
+        """This GPU with its memory capped at `gib` GiB (train.memory_limit_gib; 0 or above the card's: as it is)."""
+        if not self.cuda or not gib or gib * GiB >= self.memory:
+            return self
+        return replace(self, memory=int(gib * GiB), capped=True)
 
     @property
     def gib(self) -> float:

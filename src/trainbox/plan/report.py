@@ -45,7 +45,7 @@ def format_plan(plan: MemoryPlan, overrides: list[str] | tuple[str, ...] = ()) -
     t, c, mem, acts, k = plan.target, plan.counts, plan.memory, plan.activations, plan.kernels
     lay = plan.layout
     gpus = f"{lay.nproc} x {t.name}" if lay.nproc > 1 else t.name
-    origin = "this machine" if t.local else "assumed"
+    origin = ("this machine" if t.local else "assumed") + (", capped by train.memory_limit_gib" if t.capped else "")
     lines = [f"{plan.recipe or 'config'} on {gpus} ({t.gib:.1f} GiB each, {origin})" if t.cuda else
              f"{plan.recipe or 'config'} on this CPU ({t.gib:.1f} GiB of RAM)",
              f"  layout       {layout_text(plan)}",
