@@ -69,7 +69,7 @@ from trainbox.plan.memory import (
     dtype_bytes,
     memory,
 )
-from trainbox.plan.suggest import fewer_exchanges, suggestions
+from trainbox.plan.suggest import fewer_exchanges, smaller_state, suggestions
 from trainbox.plan.time import StepTime, step_time
 
 __all__ = ["BYTES", "CONTEXT", "FRAGMENTATION", "GPUS", "MARGIN", "MODES", "NCCL", "Kernels", "Layout", "Memory",
@@ -109,6 +109,8 @@ def make_plan(cfg: RunConfig, vocab: int, target: Target, nproc: int = 1, kernel
         plan = replace(plan, suggestions=tuple(suggestions(cfg, vocab, plan)))
     elif suggest and ep > 1:
         plan = replace(plan, fewer_exchanges=fewer_exchanges(cfg, vocab, plan))
+    if suggest and plan.fits:
+        plan = replace(plan, smaller_state=smaller_state(cfg, vocab, plan))
     return plan
 
 

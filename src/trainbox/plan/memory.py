@@ -102,6 +102,8 @@ class MemoryPlan:
     # expert parallelism with several micro-batches a step: the largest micro-batch that fits, which cuts the
     # all-to-all exchanges and host reads of a step (one of each per MoE layer and micro-batch)
     fewer_exchanges: Suggestion | None = None
+    # a plan that fits with AdamW's fp32 moments: the larger, faster micro-batch bf16 moments would fit (a hint)
+    smaller_state: Suggestion | None = None
     accumulation: int = 1   # micro-batches a step on each rank
     sequences: int = 1      # sequences a sample puts through the model (train.objective=dpo: a pair, two)
     time: StepTime | None = None   # the predicted step time (plan/time.py); None where the GPU has no rates
@@ -123,7 +125,8 @@ class MemoryPlan:
                 "accumulation": self.accumulation, "sequences": self.sequences,
                 "time": self.time.as_dict() if self.time else None,
                 "suggestions": [asdict(s) for s in self.suggestions],
-                "fewer_exchanges": asdict(self.fewer_exchanges) if self.fewer_exchanges else None}
+                "fewer_exchanges": asdict(self.fewer_exchanges) if self.fewer_exchanges else None,
+                "smaller_state": asdict(self.smaller_state) if self.smaller_state else None}
 
 
 # ----------------------------------------------------------------------------- kernels and widths

@@ -1,6 +1,8 @@
 """What would make a plan fit (`MemoryPlan.suggestions`): the largest micro-batch, an activation-checkpointing mode,
 fsdp, an expert-parallel degree, or more GPUs, each checked with the same memory model as the plan itself; and,
-under expert parallelism, the largest micro-batch that fits (`MemoryPlan.fewer_exchanges`). Every layout suggested is
+under expert parallelism, the largest micro-batch that fits (`MemoryPlan.fewer_exchanges`); for a plan that fits with
+AdamW's fp32 moments, the larger micro-batch bf16 moments would fit where it is faster (`MemoryPlan.smaller_state`:
+a change of numerics, so a hint beside the plan, never one of its ranked suggestions). Every layout suggested is
 one config/layout.py accepts. Each carries its predicted step time (plan/time.py) where the GPU has rates: the
 expert-parallel degree suggested is the fastest that fits, and the suggestions on the plan's GPUs come fastest
 first, then those on more GPUs, fastest first."""
@@ -126,4 +128,24 @@ def fewer_exchanges(cfg: RunConfig, vocab: int, plan: MemoryPlan) -> Suggestion 
         if (needed := search.needed(lay, b, plan.checkpointing)) <= plan.target.memory:
             return Suggestion("fewer exchanges", (f"train.micro_batch_size={b}",), lay.nproc, needed,
                               search.time(lay, b, plan.checkpointing))
+    return None
+
+
+def smaller_state(cfg: RunConfig, vocab: int, plan: MemoryPlan) -> Suggestion | None:
+    """With optim.state_dtype=bf16 AdamW's moments take 4 bytes a parameter instead of 8: the largest micro-batch
+    that then fits in the plan's layout, where it is larger than the plan's and the predicted step faster; else None
+    (Muon, moments already bf16, or a GPU without rates)."""
+    if cfg.optim.name != "adamw" or cfg.optim.state_dtype != "fp32" or plan.time is None:
+        return None
+    bf16 = cfg.model_copy(update={"optim": cfg.optim.model_copy(update={"state_dtype": "bf16"})})
+    search, lay = _Search(bf16, vocab, plan), plan.layout
+    for b in micro_batches(cfg.train.global_batch_size, lay.nproc, cfg.train.global_batch_size):
+        if b <= plan.micro_batch:
+            return None
+        if (needed := search.needed(lay, b, plan.checkpointing)) <= plan.target.memory:
+            time = search.time(lay, b, plan.checkpointing)
+            if time.step >= plan.time.step:
+                return None
+            return Suggestion("bf16 moments", ("optim.state_dtype=bf16", f"train.micro_batch_size={b}"), lay.nproc,
+                              needed, time)
     return None
