@@ -33,6 +33,47 @@ TINY = [
 ]
 
 
+# Seconds each slow test module takes on one worker of `python -m pytest -n 2` on the 2-core machine (its tests'
+# setup, call and teardown summed, `--durations=0`); the modules not listed take under ~10. Under pytest-xdist the
+# workers take whole modules, the costliest first: a module's shared runs (its module-scoped fixtures) are made once,
+# and the pass ends on short modules, not with one worker running a long one while the other idles. Only the order
+# matters: a rough figure is enough, and a module that grows slow is simply started later until it is listed.
+MODULE_SECONDS = {
+    "test_faults_signals.py": 404, "test_fsdp.py": 180, "test_optim_state.py": 110, "test_dpo_train.py": 109,
+    "test_multinode.py": 93, "test_run_management.py": 90, "test_eval.py": 84, "test_chat_export.py": 83,
+    "test_expert_parallel.py": 59, "test_faults_nodes.py": 58, "test_faults_disk.py": 51, "test_readme_tour.py": 45,
+    "test_t5.py": 45, "test_lora.py": 41, "test_eval_training.py": 37, "test_llama.py": 37,
+    "test_deploy_run.py": 34, "test_compile_cache.py": 32, "test_distributed.py": 32, "test_monitor.py": 29,
+    "test_packing.py": 29, "test_muon.py": 28, "test_cli_train.py": 26, "test_monitor_sinks.py": 26,
+    "test_data_hub.py": 25, "test_moe.py": 24, "test_runs.py": 24, "test_hf_parity.py": 22,
+    "test_faults.py": 20, "test_data_prepare.py": 17, "test_fused_norm.py": 17, "test_resume.py": 16,
+    "test_gpu_console.py": 15, "test_plan.py": 14, "test_architecture.py": 14, "test_faults_data.py": 13,
+    "test_plan_time.py": 13, "test_config.py": 12,
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    """Modules in the order of MODULE_SECONDS, costliest first; each module's tests in their own order."""
+    rank = {}
+    for item in items:
+        rank.setdefault(item.path.name, len(rank))
+    items.sort(key=lambda item: (-MODULE_SECONDS.get(item.path.name, 0), rank[item.path.name]))
+
+
+try:
+    from xdist.scheduler import LoadFileScheduling
+except ImportError:   # pytest-xdist is in the test extra; without it the tests run in one process
+    pass
+else:
+    def pytest_xdist_make_scheduler(config, log):
+        """`-n N` (xdist's `--dist load`): whole modules to each worker, in the order collected (see MODULE_SECONDS).
+        Another --dist given on the command line is kept."""
+        if config.getvalue("dist") != "load":
+            return None
+        config.option.loadscopereorder = False   # xdist would order the modules by their number of tests
+        return LoadFileScheduling(config, log)
+
+
 @pytest.fixture(autouse=True)
 def _trainbox_logger_as_found():
     """A test that runs `trainbox train` in this process gets the CLI's console handlers on the trainbox logger,

@@ -419,7 +419,11 @@ def test_sigkill_at_random_moments_resumes_from_the_newest_checkpoint(root, cach
             break
         ckpt = checkpoint.latest(run_dir / "checkpoints")
         starts.append(checkpoint.step_of(ckpt) if ckpt is not None else 0)
-        time.sleep((target - starts[-1]) / reference["steps_per_s"])
+        # status.json names the step at each log line (every 20 steps): from the last one before the target, the
+        # rest of the way at the reference run's pace, so a segment that trains faster than the reference did
+        # cannot finish the run before its kill
+        _wait_for_step(run_dir, max(starts[-1], int(target) - 20))
+        time.sleep(max(0.0, target - _status(run_dir).get("step", 0)) / reference["steps_per_s"])
         seg.proc.kill()
         seg.wait()
         ckpt = checkpoint.latest(run_dir / "checkpoints")

@@ -1,5 +1,5 @@
 """FSDP on two GPUs over NCCL: the sharded gradients that FSDP reduce-scatters on its side stream live in the
-compute stream's memory pool (parallel/fsdp.py, GradsOnComputeStream), and the steps equal one GPU's.
+compute stream's memory pool (parallel/grad_pool.py, GradsOnComputeStream), and the steps equal one GPU's.
 
 A 16-layer Llama in fp32, 4 steps of 2 micro-batches per rank (the second micro-batch's reduce-scatter output is
 added into the first's gradient and freed: the path where memory reuse across streams could race). The

@@ -31,6 +31,7 @@ import os
 import random
 import re
 import shutil
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -38,9 +39,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 from safetensors.torch import load_file, save_file
-from torch.distributed.fsdp import FSDPModule
 
-from trainbox.checkpoint import sharded  # it uses this package's names only when called
 from trainbox.checkpoint.room import check_room, disk_cause, payload_bytes, save_error
 from trainbox.errors import CheckpointError
 from trainbox.files import atomic_write_text, fsync_dir
@@ -330,7 +329,8 @@ def load_trainer(ckpt: Path) -> dict:
 def load_weights(ckpt: Path, model: nn.Module, strict: bool = True, adapt=None) -> None:
     """The checkpoint's weights into `model` (a plain or an FSDP-sharded module), whichever layout it has;
     `adapt(state) -> state` first (expert parallelism: this rank's shard)."""
-    if is_sharded(ckpt) or _is_fsdp(model):
+    if is_sharded(ckpt) or is_fsdp(model):
+        from trainbox.checkpoint import sharded  # heavy: torch.distributed.checkpoint, for sharded layouts only
         sharded.load_state(ckpt, model, None)
         return
     try:
@@ -362,8 +362,12 @@ def load_weights(ckpt: Path, model: nn.Module, strict: bool = True, adapt=None) 
                               hint="the run's config.yaml must describe the same model")
 
 
-def _is_fsdp(model: nn.Module) -> bool:
-    return isinstance(model, FSDPModule)
+def is_fsdp(model: nn.Module) -> bool:
+    """Whether FSDP2 (`fully_shard`) sharded `model`. Asked without importing torch.distributed.fsdp (with the
+    DTensor package it loads, most of a second at every start): only that package makes FSDP modules, so while it
+    is not loaded no module is one."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    return fsdp is not None and isinstance(model, fsdp.FSDPModule)
 
 
 def load_safe(path: Path):

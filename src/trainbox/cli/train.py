@@ -1,6 +1,7 @@
 """`trainbox train`: one run in this process, under its torchrun launcher (--nproc, --nodes), or detached."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import os
@@ -125,7 +126,10 @@ def _kernel_cache_env() -> None:
     """FlashAttention-4 compiles its kernels at first use (about 8 s on an H100) and keeps them on disk only when
     asked to, through two variables it reads at import: ask, in a folder beside Inductor's cache (the containers
     mount /cache/compile), so that a second start loads them as it loads Inductor's kernels. Values the user set
-    win."""
+    win. Where flash_attn is not installed nothing reads them, and they are left unset: finding Inductor's folder
+    imports Inductor and Dynamo, most of a second at every start."""
+    if importlib.util.find_spec("flash_attn") is None:
+        return
     os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "1")
     if "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR" not in os.environ:
         from trainbox.kernels.ops import compile_cache_dir  # heavy: torch

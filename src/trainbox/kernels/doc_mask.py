@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
+from trainbox.kernels.ops import eager
+
 
 def allowed(q_pos, kv_pos, q_doc, kv_doc, window, unit: int = 1):
     """Document-causal sliding-window rule, shared by the FlexAttention mask_mod and the SDPA mask.
@@ -31,7 +33,7 @@ def sdpa_mask(q_docs: torch.Tensor, kv_docs: torch.Tensor, pos: int, window: tor
     return allowed(q_pos, kv_pos, q_docs[:, :, None], kv_docs[:, None, :], window, unit)[:, None]
 
 
-@torch.compiler.disable
+@eager
 def flex_block_mask(docs: torch.Tensor, window: torch.Tensor, unit: int = 1, block: int = 128):
     """FlexAttention BlockMask for a (B, T) batch of document ids (training: queries == keys).
 

@@ -27,6 +27,7 @@ import functools
 import torch
 
 from trainbox.errors import ConfigError
+from trainbox.kernels.ops import eager
 
 MIN_MAJOR = 9  # compute capability: FlashAttention-4's backward runs on Hopper (9.x) and Blackwell
 EXTRA = "pip install 'trainbox[flash]'  (FlashAttention-4; on CUDA 13 builds of torch: 'flash-attn-4[cu13]')"
@@ -88,7 +89,7 @@ def half_precision(device: torch.device, param_dtype: torch.dtype) -> bool:
     return param_dtype in (torch.bfloat16, torch.float16)
 
 
-@torch.compiler.disable
+@eager
 def doc_seqlens(docs: torch.Tensor) -> torch.Tensor:
     """(B, T) document ids, non-decreasing along each row -> int32 cu_seqlens over the flattened B*T tokens:
     0, the start of every later document (a row's start is one), B*T.

@@ -57,7 +57,7 @@ from trainbox.kernels.fp8 import (
     fp8_shapes_ok,
     quantize,
 )
-from trainbox.kernels.ops import autocast_dtype, inductor_fallback
+from trainbox.kernels.ops import autocast_dtype, constant_when_traced, eager, inductor_fallback
 
 IGNORE = -100
 GRAD_SCALE = 2.0 ** 15  # FP8 head: dloss/dlogits (in [-1, 1]) is stored in e5m2 times this (head_ce_fp8)
@@ -200,7 +200,7 @@ def _device_bytes(device: torch.device) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-@torch.compiler.assume_constant_result   # read once when a graph is traced, a constant in it
+@constant_when_traced   # read once when a graph is traced, a constant in it
 def whole_limit(device: torch.device) -> int:
     """Bytes of (rows x vocab) gradient the head keeps whole for its backward; above, it recomputes it by chunks."""
     return _device_bytes(device) // WHOLE_SHARE
@@ -395,7 +395,7 @@ def trained_rows(rows: torch.Tensor | None, total: int):
         _KNOWN_ROWS.reset(token)
 
 
-@torch.compiler.disable   # the number of trained rows is the data's: one graph break, no recompilation
+@eager   # the number of trained rows is the data's: one graph break, no recompilation
 def _trained_rows(x2: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, cap: float, reduction: str,
                   fp8: bool) -> torch.Tensor:
     """The loss over the rows whose target is not IGNORE, computed on those rows alone: a preference pair's prompt

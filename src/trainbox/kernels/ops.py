@@ -8,8 +8,10 @@ finish. Inductor keeps the graph's strides for them (`constrain_to_fx_strides`),
 """
 from __future__ import annotations
 
+import functools
 import getpass
 import os
+import sys
 import tempfile
 
 import torch
@@ -23,6 +25,35 @@ def autocast_dtype(device_type: str, default: torch.dtype | None) -> torch.dtype
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     """GPT-2's gelu ("gelu_new" in Hugging Face): the tanh approximation."""
     return torch.nn.functional.gelu(x, approximate="tanh")
+
+
+def eager(fn):
+    """`torch.compiler.disable(fn)`, applied when `fn` is first called with Dynamo loaded: `fn` runs eagerly, a
+    graph break where a compiled function calls it. The decorator itself imports torch._dynamo (with sympy and
+    FSDP, most of a second), which a process that builds no optimizer never otherwise loads: until something loads
+    Dynamo no frame can be compiled, and `fn` runs as it is. The wrapper carries the mark that keeps Dynamo from
+    tracing into a disabled function, so the graphs on either side of the call are torch's (tests/test_startup.py);
+    called from compiled code, the wrapper's own frame is offered to Dynamo, which finds nothing in it to compile."""
+    disabled = None
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        nonlocal disabled
+        if disabled is None:
+            if "torch._dynamo" not in sys.modules:
+                return fn(*args, **kwargs)
+            disabled = torch.compiler.disable(fn)
+        return disabled(*args, **kwargs)
+
+    call._torchdynamo_disable = True
+    return call
+
+
+def constant_when_traced(fn):
+    """`torch.compiler.assume_constant_result(fn)` without importing torch._dynamo (see `eager`): the mark that
+    decorator sets, which Dynamo reads when it traces a call of `fn` (tests/test_startup.py holds the two equal)."""
+    fn._dynamo_marked_constant = True
+    return fn
 
 
 def compile_cache_dir() -> str:

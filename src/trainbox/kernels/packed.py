@@ -28,6 +28,7 @@ from torch.nn.attention.flex_attention import flex_attention
 
 from trainbox.kernels.doc_mask import flex_block_mask, sdpa_mask
 from trainbox.kernels.flash import doc_seqlens, flash_attention
+from trainbox.kernels.ops import eager
 
 KERNELS = ("flash", "flex", "sdpa")
 
@@ -43,7 +44,7 @@ class DocMask:
     dense: torch.Tensor | None = None    # sdpa: (B, 1, T, T) bool, True where a query may see a key
 
 
-@torch.compiler.disable
+@eager
 def doc_mask(doc_ids: torch.Tensor, kernel: str, half: bool = True) -> DocMask:
     """The mask of (B, T) example ids for `kernel`; `half`: attention runs in bf16/fp16 (FlashAttention's only
     dtypes: in fp32, flash gives way to flex on CUDA and sdpa elsewhere). Built eagerly, outside any compiled graph

@@ -2,6 +2,11 @@
 run's family (model/spec.py) for its own way where it has one."""
 from __future__ import annotations
 
+from contextlib import nullcontext
+
+import torch
+from torch.overrides import TorchFunctionMode
+
 from trainbox.data.sources import open_datasets as open_token_datasets
 from trainbox.data.tokenizer import get_tokenizer
 from trainbox.errors import ConfigError
@@ -24,7 +29,23 @@ def resolve_model(run):
 
 def build_model(cfg, vocab_size: int, block_size: int, run=None):
     """`cfg` is the ModelSection; `run` the whole RunConfig, which some families read (hf: LoRA, quantisation)."""
-    return family(cfg.family).load().build(cfg, vocab_size, block_size, run=run)
+    meta = torch.get_default_device().type == "meta"   # the memory plan counts a model built there
+    with _NoDrawsOnMeta() if meta else nullcontext():
+        return family(cfg.family).load().build(cfg, vocab_size, block_size, run=run)
+
+
+class _NoDrawsOnMeta(TorchFunctionMode):
+    """Leaves out the normal draws of a model's initialisation on the meta device, where a tensor holds no values to
+    draw: torch runs a meta tensor's normal_ through its Python reference, whose first call imports torch._dynamo
+    (with what that loads, most of a second of every run's start, whose memory check builds the model there)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in (torch.nn.init.normal_, torch.Tensor.normal_):
+            t = args[0] if args else kwargs.get("tensor")
+            if isinstance(t, torch.Tensor) and t.is_meta:
+                return t
+        return func(*args, **kwargs)
 
 
 def build_tokenizer(run):

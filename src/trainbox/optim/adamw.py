@@ -24,9 +24,10 @@ between optim.state_dtype fp32 and bf16.
 """
 from __future__ import annotations
 
+import sys
+
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
 
 from trainbox.config import OptimSection
 from trainbox.kernels import adamw as fused_adamw
@@ -61,7 +62,10 @@ def round_stochastic_(dst: torch.Tensor, src: torch.Tensor, generator: torch.Gen
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
+    """A DTensor's local shard, else `t`. DTensor is looked up where it is loaded: a process that never loaded
+    torch.distributed.tensor (most of a second of imports) holds no DTensor."""
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    return t.to_local() if dtensor is not None and isinstance(t, dtensor.DTensor) else t
 
 
 def _pieces(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:

@@ -5,6 +5,7 @@ With expert parallelism (`model.moe.expert_parallel`, parallel/expert.py) DDP av
 only; the expert shards are reduced over the ranks that hold the same shard before clipping."""
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 from contextlib import nullcontext
@@ -12,7 +13,7 @@ from contextlib import nullcontext
 import torch
 import torch.nn as nn
 
-from trainbox.parallel import expert
+from trainbox.parallel import experts_sharded
 from trainbox.parallel.distributed import Dist
 
 
@@ -24,7 +25,7 @@ class DataParallel:
     def __init__(self, model: nn.Module, dist: Dist, device: torch.device):
         self.model, self.ddp = model, None
         self.mesh_dims = {"replicate": dist.world}   # every rank holds the whole model
-        self.collective = not expert.whole(model)   # a forward needs every rank (experts spread over them)
+        self.collective = experts_sharded(model)   # a forward needs every rank (experts spread over them)
         self.sharded = self.collective   # expert shards: every rank writes its own (parallel/dcp.py)
         if dist.enabled:
             # no buffer broadcast before every forward: every buffer of our models is a constant (RoPE tables) or
@@ -52,11 +53,15 @@ class DataParallel:
     def clip(self, max_norm: float) -> torch.Tensor | None:
         """After the last backward: reduce the expert shards' gradients (expert parallelism), then clip by the
         norm of the whole gradient."""
-        expert.sync_grads(self.model)
+        clip = torch.nn.utils.clip_grad_norm_
+        if self.collective:   # expert shards: reduced over their replicas, each counted once in the norm
+            from trainbox.parallel import expert  # heavy: torch.distributed.tensor, for expert parallelism only
+            expert.sync_grads(self.model)
+            clip = functools.partial(expert.clip_grad_norm_, self.model)
         if max_norm <= 0:
             return None
         params = [p for p in self.model.parameters() if p.grad is not None]
-        return expert.clip_grad_norm_(self.model, params, max_norm)
+        return clip(params, max_norm)
 
 
 class _RecordFunctionNotice(logging.Filter):

@@ -15,8 +15,8 @@ split over the ranks, and each block's parameters are all-gathered just before i
   keeps what a stream allocated in that stream's own pool. The sharded gradients (fp32: one rank's share of
   4 bytes a parameter) would then sit in a pool that the forward's activations cannot use, so the peak of the
   forward and the peak of the backward would add up in reserved memory. On one node (no HSDP all-reduce
-  stream) they are allocated in the compute stream's pool instead (`GradsOnComputeStream`), and the reserved
-  memory is the larger of the two peaks, not their sum.
+  stream) they are allocated in the compute stream's pool instead (grad_pool.py, `GradsOnComputeStream`), and
+  the reserved memory is the larger of the two peaks, not their sum.
 - Precision: on bf16 runs the gathered parameters are bf16 and gradients are reduced in fp32; the sharded
   parameters and the optimizer state stay fp32.
 - torch.compile compiles each block (before sharding), as torchtitan does: FSDP's hooks stay outside the graphs.
@@ -31,18 +31,11 @@ from contextlib import nullcontext
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
 
 from trainbox.errors import ConfigError
 from trainbox.kernels.float8 import after_step
 from trainbox.parallel import apart
 from trainbox.parallel.distributed import Dist
-
-try:   # FSDP's interface for a custom reduce-scatter, in a private module; older torch has none
-    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
-except ImportError:
-    ReduceScatter = object
 
 
 def mesh_shape(world: int, local_world: int) -> tuple[int, ...]:
@@ -69,6 +62,7 @@ class ShardedParallel:
 
     def __init__(self, model: nn.Module, dist: Dist, device: torch.device, dtype: torch.dtype,
                  reshard_after_forward: bool, compile: bool, float8: bool = False):
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # heavy: torch.distributed.fsdp
         shape = mesh_shape(dist.world, dist.local_world)
         names = ("shard",) if len(shape) == 1 else ("replicate", "shard")
         self.mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
@@ -88,7 +82,8 @@ class ShardedParallel:
         # again at once, and the fused loss keeps it for its backward
         fully_shard(model, mesh=self.mesh, mp_policy=policy, reshard_after_forward=False)
         if device.type == "cuda" and len(shape) == 1:
-            _grads_on_compute_stream(model)
+            from trainbox.parallel.grad_pool import grads_on_compute_stream  # heavy: torch.distributed.fsdp
+            grads_on_compute_stream(model)
         self.model = self.forward = model
         self.float8 = float8
 
@@ -113,45 +108,11 @@ class ShardedParallel:
             return None
         params = [p for p in self.model.parameters() if p.grad is not None]
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        from torch.distributed.tensor import DTensor  # heavy: torch.distributed.tensor (loaded here by fully_shard)
         return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
 
 def compute_pool_grads_available() -> bool:
     """Whether this torch lets FSDP's reduce-scatter allocate its output (FSDPModule.set_custom_reduce_scatter)."""
-    return ReduceScatter is not object and hasattr(FSDPModule, "set_custom_reduce_scatter")
-
-
-def _grads_on_compute_stream(model: nn.Module) -> None:
-    """Every FSDP unit of `model` reduce-scatters into memory of the compute stream's pool (see the module
-    docstring). Where this torch has no custom reduce-scatter hook the gradients stay in the side stream's
-    pool, which is correct, only larger."""
-    if compute_pool_grads_available():
-        comm = GradsOnComputeStream(torch.cuda.current_stream())
-        for m in model.modules():
-            if hasattr(m, "set_custom_reduce_scatter"):
-                m.set_custom_reduce_scatter(comm)
-
-
-class GradsOnComputeStream(ReduceScatter):
-    """FSDP's reduce-scatter, with its output (the sharded gradients) taken from the compute stream's pool.
-
-    Safe because FSDP makes the reduce-scatter stream wait for the compute stream just before it allocates the
-    output, so no block the compute stream freed can still be in use there; and the output is marked as used on
-    the reduce-scatter stream (`record_stream`), so when it is freed the allocator hands it out again only after
-    that stream's work on it is done."""
-
-    def __init__(self, compute: torch.cuda.Stream):
-        self.compute = compute
-
-    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        here = torch.cuda.current_stream(device)
-        if here == self.compute:   # the reduce-scatter input, copied in on the compute stream
-            return torch.empty(*size, dtype=dtype, device=device)
-        with torch.cuda.stream(self.compute):
-            out = torch.empty(*size, dtype=dtype, device=device)
-        out.record_stream(here)
-        return out
-
-    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group, op, async_op: bool = False):
-        return torch.distributed.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group,
-                                                       async_op=async_op)
+    from trainbox.parallel.grad_pool import available  # heavy: torch.distributed.fsdp
+    return available()

@@ -50,7 +50,6 @@ from trainbox.monitor.meter import Meter
 from trainbox.monitor.state import RunState
 from trainbox.objective import Runtime, build_objective
 from trainbox.optim.build import lr_multiplier, set_lr
-from trainbox.parallel.dcp import AsyncSaver
 from trainbox.parallel.distributed import Dist
 from trainbox.rundir.lock import RunLock, unlock_run
 from trainbox.rundir.ranks import Heartbeat
@@ -146,6 +145,7 @@ class Trainer(RunFiles, Checkpointing):
         self.parallel, self.forward, self.reference = built.parallel, built.parallel.forward, built.reference
         self.objective.attach(self.runtime())   # before the checkpoint's weights replace the initial ones
         if self.parallel.sharded and cfg.train.checkpoints:
+            from trainbox.parallel.dcp import AsyncSaver  # heavy: torch.distributed.checkpoint, sharded runs only
             self.saver = AsyncSaver(self.ckpt_root, d, cfg.train.keep_last, self.resume_from)
         if self.resume_from is not None:
             resume.restore(self.resume_from, self.model, self.optimizers, trainer_state, d.rank, d.world, cfg.run.seed)

@@ -50,7 +50,9 @@ def device_plan(cfg: RunConfig, vocab: int, device: torch.device, dtype: torch.d
         target = Target("CPU (RAM)", free, cuda=False, local=True)
     k = choose(cfg.model, device, family(cfg.model.family))
     kernels = Kernels(k.attention, k.fused_loss, k.fused_mlp, k.fp8)
-    return make_plan(cfg, vocab, target, world, kernels=kernels, dtype=DTYPES.get(dtype, "fp32"))
+    # a CPU has no streams, so FSDP's gradient shards have no pool of their own there (asked of this torch on a GPU)
+    return make_plan(cfg, vocab, target, world, kernels=kernels, dtype=DTYPES.get(dtype, "fp32"),
+                     side_stream_grads=False if not cuda else None)
 
 
 def check_memory(cfg: RunConfig, vocab: int, device: torch.device, dtype: torch.dtype, free: int | None = None,

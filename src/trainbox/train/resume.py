@@ -25,15 +25,13 @@ import time
 from pathlib import Path
 
 import torch
-from torch.distributed.fsdp import FSDPModule
 
 from trainbox import checkpoint
 from trainbox.config import RunConfig
 from trainbox.errors import ConfigError, RunFinished
 from trainbox.files import atomic_write_text
 from trainbox.monitor.console import log
-from trainbox.parallel import expert
-from trainbox.parallel.dcp import load_state  # resharded to this run's layout
+from trainbox.parallel import experts_sharded
 
 # keys that never change what a step computes
 RUNTIME = ("recipe", "requires_gpu", "required", "run.name", "run.dir", "run.resume", "run.init_from", "monitor.",
@@ -179,13 +177,18 @@ def check_finished(step: int, total: int, saved_total: int | None, cfg: RunConfi
 def restore(ckpt: Path, model, optimizers: list, trainer_state: dict, rank: int, world: int, seed: int) -> None:
     """Load weights, optimizer states and this rank's RNG from `ckpt` (reseeded by step when the world size
     changed: the RNG streams of other ranks do not carry over)."""
-    if checkpoint.is_sharded(ckpt) or isinstance(model, FSDPModule):
+    if checkpoint.is_sharded(ckpt) or checkpoint.is_fsdp(model):
+        from trainbox.parallel.dcp import load_state  # heavy: torch.distributed.checkpoint; resharded to this layout
         load_state(ckpt, model, optimizers)
-    else:
+    elif experts_sharded(model):
         # checkpoints hold every expert: under expert parallelism this rank keeps its shard
+        from trainbox.parallel import expert  # heavy: torch.distributed.tensor, for expert parallelism only
         checkpoint.load_weights(ckpt, model, adapt=lambda state: expert.shard_state(model, state))
         checkpoint.load_optimizers(ckpt, optimizers,
                                    adapt=lambda st: expert.shard_optimizer_states(model, optimizers, st))
+    else:
+        checkpoint.load_weights(ckpt, model)
+        checkpoint.load_optimizers(ckpt, optimizers)
     rng = checkpoint.load_rng(ckpt, rank)
     if rng is not None and trainer_state.get("world") == world:
         checkpoint.set_rng_state(rng)

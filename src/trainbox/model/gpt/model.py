@@ -23,11 +23,7 @@ import logging
 import torch
 import torch.nn as nn
 
-try:
-    from torch.distributed.fsdp import FSDPModule
-except ImportError:  # torch 2.5
-    from torch.distributed._composable.fsdp import FSDPModule
-
+from trainbox.checkpoint import is_fsdp
 from trainbox.kernels.choice import KernelChoice, choose, packed_on
 from trainbox.kernels.fallbacks import register_inductor_fallbacks
 from trainbox.kernels.flash import causal_qkv, half_precision
@@ -194,7 +190,7 @@ class GPT(nn.Module):
         # activation checkpointing wraps each block's forward (train/recompute.py), and FSDP gathers a block's
         # weights around its forward only, while the fused path calls the next block's ln_1: those run unfused
         if (self.cfg.fused_norm and caches is None
-                and not any("forward" in vars(b) or isinstance(b, FSDPModule) for b in blocks)):
+                and not any("forward" in vars(b) or is_fsdp(b) for b in blocks)):
             y = blocks[0].ln_1(x)  # no residual add before it; compiled, it is one kernel with the embeddings' sum
             for i, block in enumerate(blocks):
                 x, y = block.forward_fused(x, y, blocks[i + 1].ln_1 if i + 1 < len(blocks) else self.transformer.ln_f,
