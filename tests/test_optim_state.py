@@ -34,9 +34,11 @@ def _groups(model: torch.nn.Module) -> list[dict]:
 
 
 def _steps(model: torch.nn.Module, opt, n: int, seed: int = 1) -> None:
+    """n steps on batches drawn on the CPU, then moved to the model's device."""
+    device = next(model.parameters()).device
     gen = torch.Generator().manual_seed(seed)
     for _ in range(n):
-        x = torch.randn(64, 16, generator=gen)
+        x = torch.randn(64, 16, generator=gen).to(device)
         opt.zero_grad()
         model(x).square().mean().backward()
         opt.step()
@@ -205,8 +207,8 @@ def test_the_cuda_kernel_steps_as_the_foreach_path():
             away = torch.nextafter(toward_zero, torch.where(exact < 0, -torch.inf, torch.inf).bfloat16())
             assert ((stored == toward_zero) | (stored == away)).all()
     model, fp32 = _model().cuda(), _model().cuda()
-    _steps_on(model, BF16StateAdamW(_groups(model), **HYPER), 30)
-    _steps_on(fp32, torch.optim.AdamW(_groups(fp32), **HYPER), 30)
+    _steps(model, BF16StateAdamW(_groups(model), **HYPER), 30)
+    _steps(fp32, torch.optim.AdamW(_groups(fp32), **HYPER), 30)
     gap = max((a - b).abs().max().item() for a, b in zip(model.parameters(), fp32.parameters()))
     assert gap < 5e-3, gap
 
@@ -241,24 +243,13 @@ def test_the_cuda_kernel_continues_exactly_from_a_state_dict():
     bit for bit (the kernel's random bits depend on the step and the parameter, not on the process)."""
     model = _model().cuda()
     opt = BF16StateAdamW(_groups(model), **HYPER)
-    _steps_on(model, opt, 3)
+    _steps(model, opt, 3)
     saved, twin = copy.deepcopy(opt.state_dict()), copy.deepcopy(model)
     again = BF16StateAdamW(_groups(twin), **HYPER)
     again.load_state_dict(saved)
-    _steps_on(model, opt, 3, seed=2)
-    _steps_on(twin, again, 3, seed=2)
+    _steps(model, opt, 3, seed=2)
+    _steps(twin, again, 3, seed=2)
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters()))
-
-
-def _steps_on(model: torch.nn.Module, opt, n: int, seed: int = 1) -> None:
-    """_steps on the model's device."""
-    device = next(model.parameters()).device
-    gen = torch.Generator().manual_seed(seed)
-    for _ in range(n):
-        x = torch.randn(64, 16, generator=gen).to(device)
-        opt.zero_grad()
-        model(x).square().mean().backward()
-        opt.step()
 
 
 # ----------------------------------------------------------------------------- the config

@@ -171,12 +171,11 @@ def predicted(recipe: str, overrides: list[str], card: str, nproc: int):
     return make_plan(cfg, run_vocab(cfg), gpu(card), nproc, suggest=False)
 
 
-def predicted_step(rec: dict, extra: list[str], nproc: int, where: str):
-    """The run a record measured as the plan rebuilds it: its configuration, plan and step time."""
-    cfg = load_config(rec["recipe"], [*rec["overrides"], *extra])
-    plan = make_plan(cfg, run_vocab(cfg), gpu("H200" if "H200" in rec["gpu"]["name"] else "H100"), nproc,
-                     suggest=False)
-    return cfg, plan, plan.time
+def predicted_step(rec: dict, extra: list[str], nproc: int):
+    """The run a record measured as the plan rebuilds it: its configuration and plan."""
+    overrides = [*rec["overrides"], *extra]
+    card = "H200" if "H200" in rec["gpu"]["name"] else "H100"
+    return load_config(rec["recipe"], overrides), predicted(rec["recipe"], overrides, card, nproc)
 
 
 @pytest.mark.parametrize("record, extra, nproc, where", STEPS,
@@ -184,9 +183,9 @@ def predicted_step(rec: dict, extra: list[str], nproc: int, where: str):
                               for r, _, n, w in STEPS])
 def test_step_time_within_tolerance_of_the_records(record, extra, nproc, where):
     rec = json.loads((RECORDS / record).read_text())
-    _, _, time = predicted_step(rec, extra, nproc, where)
+    _, plan = predicted_step(rec, extra, nproc)
     measured = measured_seconds(rec, where)
-    assert abs(time.step / measured - 1) < TOLERANCE, (time, measured)
+    assert abs(plan.time.step / measured - 1) < TOLERANCE, (plan.time, measured)
 
 
 @pytest.mark.parametrize("extra, nproc, tokens_per_gpu", STATED, ids=[f"{o[0]}-{o[1]}" for o, _, _ in STATED])
@@ -241,7 +240,7 @@ def solved(module, name: str, record: str, what: str) -> float:
     """The value of `module.name` at which the model gives what `record` measured (the constant is put back)."""
     extra, nproc, where = next((e, n, w) for r, e, n, w in STEPS if r == record)
     rec = json.loads((RECORDS / record).read_text())
-    cfg, plan, _ = predicted_step(rec, extra, nproc, where)
+    cfg, plan = predicted_step(rec, extra, nproc)
     measured = measured_seconds(rec, where) if what == "step" else rec["metrics"]["comm_ms_per_step"] / 1000
 
     def model(value: float) -> float:
