@@ -174,6 +174,44 @@ def check_case(d: Dist, n: int, cf: float, exchange: str, checkpointing: str,
             assert state["optim"]["state"][name]["exp_avg"].shape == p.shape
 
 
+def check_casts(d: Dist, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """bf16 autocast: the experts' bf16 copies made once per step (expert.keep_casts) give bit for bit the gradients
+    and weights of a cast in every micro-batch, over 2 steps of 2 micro-batches (the second step reads copies the
+    first step's after_step refreshed)."""
+    cpu, W, r = torch.device("cpu"), d.world, d.rank
+    cfg = config(2, 0.5)
+    layout = decide_layout(cfg, W, "cpu", adapt_micro_batch=True)
+    arms = []
+    for keep in (True, False):
+        built = build_model_side(cfg, layout, VOCAB, cpu, d, init_weights=True, dtype=torch.bfloat16)
+        if not keep:
+            built.model.expert_shard.cast_dtype = None
+        built.model.train()
+        arms.append(built)
+    x, y = batches[r]
+    for step in range(2):
+        grads = []
+        for built in arms:
+            for k in range(2):
+                with built.parallel.micro_batch(k, 2), torch.autocast("cpu", dtype=torch.bfloat16):
+                    out = built.parallel.forward(x[k:k + 1], y[k:k + 1], reduction="sum")
+                    loss_of(out, 1 / (W * B * T), 2).backward()
+            built.parallel.clip(cfg.optim.grad_clip)
+            grads.append({n: p.grad.clone() for n, p in built.model.named_parameters()})
+            built.optimizers[0].step()
+            built.parallel.after_step()
+            built.optimizers[0].zero_grad(set_to_none=True)
+        assert grads[0].keys() == grads[1].keys()
+        for name, g in grads[0].items():
+            assert torch.equal(g, grads[1][name]), (step, name)
+        for (name, p), q in zip(arms[0].model.named_parameters(), arms[1].model.parameters()):
+            assert torch.equal(p, q), (step, name)
+    lins = arms[0].model.expert_shard.linears
+    assert lins and all(lin.cast is not None and lin.cast.dtype == torch.bfloat16 and lin.cast.grad is None
+                        and torch.equal(lin.cast, lin.weight.to(torch.bfloat16)) for lin in lins)
+    assert all(lin.cast is None for lin in arms[1].model.expert_shard.linears)
+
+
 def saved_bytes(block: torch.nn.Module, h: torch.Tensor, params: list[torch.Tensor]) -> int:
     """Bytes kept for the backward of one training forward of `block`: what the saved-tensor hooks see and what the
     selective-checkpointing policy caches, `params` left out."""
@@ -212,6 +250,8 @@ def main() -> None:
     for n, cf, exchange, checkpointing in CASES:
         if d.world % n == 0:
             check_case(d, n, cf, exchange, checkpointing, batches)
+    if d.world % 2 == 0:
+        check_casts(d, batches)
     if "--train" in sys.argv:
         logging.basicConfig(level=logging.INFO, format="%(message)s")   # the library's log on stderr
         train(load_config(None, sys.argv[sys.argv.index("--train") + 1:]), d)   # shuts the process group down

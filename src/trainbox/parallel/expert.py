@@ -47,6 +47,7 @@ size. A single-file checkpoint of an unsharded run is cut to this rank's shard b
 """
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass, field
 
@@ -76,6 +77,8 @@ class ExpertShard:
     params: dict[str, nn.Parameter] = field(default_factory=dict)   # sharded parameters by name
     mesh: object = None         # (expert_replica, expert) DeviceMesh: checkpoints see each shard's place in it
     exchange: str = "uneven"    # the training exchange the layout decided (model.moe.exchange): uneven or padded
+    linears: list = field(default_factory=list)   # the sharded GroupedLinears, whose 16-bit copies keep_casts keeps
+    cast_dtype: torch.dtype | None = None         # the autocast dtype of those copies (None: no copies kept)
 
     @property
     def local(self) -> int:
@@ -206,6 +209,7 @@ def shard_experts(model: nn.Module, layout: RunLayout, num_experts: int, dist_in
         if isinstance(m, MoEFFN):
             for lin_name in ("c_fc", "c_proj"):
                 lin = getattr(m, lin_name)
+                shard.linears.append(lin)
                 for pname in ("weight", "bias"):
                     p = getattr(lin, pname)
                     if p is None:
@@ -227,6 +231,46 @@ def whole(model: nn.Module) -> bool:
     """Whether this rank holds every expert and so can run the model alone (else every rank of its expert group
     takes part in each forward: the end-of-run sample runs on all ranks)."""
     return _shard(model) is None
+
+
+# ----------------------------------------------------------------------------- 16-bit copies of the weights
+
+
+def keep_casts(model: nn.Module, dtype: torch.dtype) -> None:
+    """Under autocast to a 16-bit `dtype`: the expert weights' copies in that dtype made once per optimizer step
+    (`refresh_casts`) instead of once per micro-batch and layer, and their gradients added straight into the
+    fp32 weights' .grad (one add that reads the 16-bit gradient) instead of a cast to fp32 and an add. The values
+    are those of a cast in every micro-batch: the same copies, the same 16-bit gradients summed in fp32. The copies
+    take the memory that the backward keeps of every cast anyway (plan/memory.py counts them). A no-op without
+    expert parallelism or in fp32."""
+    shard = _shard(model)
+    if shard is not None and dtype != torch.float32:
+        shard.cast_dtype = dtype
+
+
+def refresh_casts(model: nn.Module) -> None:
+    """The 16-bit copies set from the weights: at the first micro-batch after the model was built or loaded and
+    after every optimizer step (parallel/ddp.py). The first call makes them; until then the layers cast."""
+    shard = _shard(model)
+    if shard is None or shard.cast_dtype is None:
+        return
+    with torch.no_grad():
+        for lin in shard.linears:
+            if lin.cast is None:
+                lin.cast = torch.empty_like(lin.weight, dtype=shard.cast_dtype)
+                if lin.weight.requires_grad:
+                    lin.cast.requires_grad_(True)
+                    lin.cast.register_post_accumulate_grad_hook(functools.partial(_fold, lin.weight))
+            lin.cast.copy_(lin.weight)
+
+
+def _fold(weight: nn.Parameter, cast: torch.Tensor) -> None:
+    """A micro-batch's gradient of the 16-bit copy, added into the fp32 weight's (autograd has just set it)."""
+    g, cast.grad = cast.grad, None
+    if weight.grad is None:
+        weight.grad = g.to(weight.dtype)
+    else:
+        weight.grad.add_(g)
 
 
 # ----------------------------------------------------------------------------- gradients

@@ -185,6 +185,8 @@ def memory(cfg: RunConfig, counts: ParamCount, vocab: int, target: Target, layou
     copies = 0 if fsdp else weight_copy_bytes(counts, widths, mode)
     if copies and counts.expert and ep > 1:
         copies = int(copies * (counts.matmul - counts.expert + counts.expert / ep) / counts.matmul)
+    if ep > 1 and a < 4 and mode != "none":   # the experts' 16-bit copies live through the step (expert.keep_casts)
+        copies += int(counts.expert / ep * a)
     acts = replace(acts, weight_copies=copies)
     comm = 0.0
     if world > 1 and not fsdp:   # DDP's gradient buckets: the dense parameters only under expert parallelism

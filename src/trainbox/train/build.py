@@ -112,6 +112,8 @@ def build_model_side(cfg: RunConfig, layout: RunLayout, vocab: int, device: torc
         from trainbox.parallel import expert  # heavy: torch.distributed.tensor, for expert parallelism only
         expert.shard_experts(model, layout, cfg.model.moe.num_experts, dist, device)   # this rank's experts, DDP told
     model = model.to(device)
+    if layout.expert_parallel > 1:
+        expert.keep_casts(model, dtype)   # the experts' 16-bit copies, made once per step
     # as the models ask when they meet the device (the packed-row kernel: when they meet packed rows)
     kernels = choose(cfg.model, device, family(cfg.model.family), packed=packs_examples(cfg))
     frozen = frozen_copy(model, dtype) if reference else None

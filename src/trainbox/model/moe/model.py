@@ -185,11 +185,19 @@ class GroupedLinear(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num, nx, nf))
         self.bias = nn.Parameter(torch.zeros(num, nf)) if bias else None
+        self.cast: torch.Tensor | None = None   # the step's 16-bit copy of weight (parallel/expert.py keeps it)
+
+    def weight_as(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight in `dtype`: the copy parallel/expert.py keeps for the step where there is one of that dtype
+        (its gradient goes to weight.grad), else a cast."""
+        if self.cast is not None and self.cast.dtype == dtype:
+            return self.cast
+        return self.weight.to(dtype)
 
     def forward(self, x: torch.Tensor, offsets: torch.Tensor, expert: torch.Tensor, use_kernel: bool,
                 gelu: bool = False) -> torch.Tensor:
         """Expert e's rows of (GELU(x) if gelu else x) times weight[e], plus bias[e]."""
-        y = grouped_mm(x, self.weight.to(x.dtype), offsets, use_kernel, gelu)
+        y = grouped_mm(x, self.weight_as(x.dtype), offsets, use_kernel, gelu)
         return _ExpertBias.apply(y, self.bias, expert) if self.bias is not None else y
 
 
@@ -289,7 +297,7 @@ class MoEFFN(nn.Module):
         """Rows sorted by expert (`offsets`: int32 cumulative row counts, `expert`: each row's index into this
         module's experts) -> each row through its expert's MLP."""
         if self.fused:
-            return moe_gelu_mlp(rows, self.c_fc.weight.to(rows.dtype), self.c_proj.weight.to(rows.dtype), offsets)
+            return moe_gelu_mlp(rows, self.c_fc.weight_as(rows.dtype), self.c_proj.weight_as(rows.dtype), offsets)
         h = self.c_fc(rows, offsets, expert, self.use_kernel)                                   # (rows, 4C)
         return self.c_proj(h, offsets, expert, self.use_kernel, gelu=True)                      # (rows, C)
 
@@ -299,12 +307,12 @@ class MoEFFN(nn.Module):
         El, R, C = x.shape
         if self.fused:   # QuACK's grouped GEMMs with offsets built on the device: every group R rows
             offsets = torch.arange(1, El + 1, device=x.device, dtype=torch.int32) * R
-            w1, w2 = self.c_fc.weight.to(x.dtype), self.c_proj.weight.to(x.dtype)
+            w1, w2 = self.c_fc.weight_as(x.dtype), self.c_proj.weight_as(x.dtype)
             return moe_gelu_mlp(x.reshape(El * R, C), w1, w2, offsets).view(El, R, C)
-        h = torch.bmm(x, self.c_fc.weight.to(x.dtype))                                          # (El, R, 4C)
+        h = torch.bmm(x, self.c_fc.weight_as(x.dtype))                                          # (El, R, 4C)
         if self.c_fc.bias is not None:
             h = h + self.c_fc.bias.to(h.dtype).unsqueeze(1)
-        y = torch.bmm(gelu_tanh(h), self.c_proj.weight.to(h.dtype))                             # (El, R, C)
+        y = torch.bmm(gelu_tanh(h), self.c_proj.weight_as(h.dtype))                             # (El, R, C)
         if self.c_proj.bias is not None:
             y = y + self.c_proj.bias.to(y.dtype).unsqueeze(1)
         return y
