@@ -132,3 +132,18 @@ def test_refused_settings_name_the_key(overrides, world, says):
     assert says in str(e.value)
     ok = decide_layout(load_config("tiny", [*MOE, "model.moe.expert_parallel=2"]), 4, adapt_micro_batch=True)
     assert (ok.expert_parallel, ok.strategy, ok.micro_batch * ok.accumulation * ok.world) == (2, "ddp", 32)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernel runs on CUDA")
+@pytest.mark.parametrize("n", [1, 4095, 4097, 3 * 4096 + 5])
+def test_accumulate_kernel_equals_add(n):
+    """kernels/accumulate.py (the expert gradients' fold into fp32 .grad): bit for bit torch's add_, tails included;
+    a non-contiguous gradient takes add_ itself."""
+    from trainbox.kernels.accumulate import accumulate_
+    g = torch.Generator(device="cuda").manual_seed(n)
+    acc = torch.randn(n, 2, device="cuda", generator=g)
+    grad = torch.randn(n, 2, device="cuda", generator=g).to(torch.bfloat16)
+    want = acc.clone().add_(grad)
+    assert accumulate_(acc, grad) is acc and torch.equal(acc, want)
+    strided = torch.randn(2, n, device="cuda", generator=g).to(torch.bfloat16).t()
+    torch.testing.assert_close(accumulate_(acc, strided), want.add_(strided), rtol=0, atol=0)

@@ -59,6 +59,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from trainbox.config.layout import RunLayout
+from trainbox.kernels.accumulate import accumulate_
 from trainbox.model.moe.model import MoEFFN, Sorted
 
 log = logging.getLogger("trainbox")  # the library logger
@@ -268,9 +269,9 @@ def _fold(weight: nn.Parameter, cast: torch.Tensor) -> None:
     """A micro-batch's gradient of the 16-bit copy, added into the fp32 weight's (autograd has just set it)."""
     g, cast.grad = cast.grad, None
     if weight.grad is None:
-        weight.grad = g.to(weight.dtype)
+        weight.grad = g.to(weight.dtype, memory_format=torch.contiguous_format)
     else:
-        weight.grad.add_(g)
+        accumulate_(weight.grad, g)
 
 
 # ----------------------------------------------------------------------------- gradients

@@ -94,9 +94,11 @@ class _GroupedMM(torch.autograd.Function):
         dw = None
         if ctx.needs_input_grad[1]:  # dw[e] = a_e^T @ g_e. Compiled, the kernel's first operand is laid out
             # transposed: a copy of a^T, or of g^T for dw = (g^T @ a)^T. Copy the narrower of the two: with
-            # a^T @ g for the second linear, the forward would write a transposed copy of a
+            # a^T @ g for the second linear, the forward would write a transposed copy of a. dw in w's layout:
+            # compiled, the transpose is one Triton copy (fused with a cast where w is one), where autograd's
+            # accumulation into a 16-bit leaf w (parallel/expert.py's copies) would copy it strided
             dw = (_GROUPED_MM(a.t(), g, offs=offsets) if a.size(1) <= g.size(1)
-                  else _GROUPED_MM(g.t(), a, offs=offsets).transpose(1, 2))
+                  else _GROUPED_MM(g.t(), a, offs=offsets).transpose(1, 2).contiguous())
         return dx, dw, None, None
 
 
