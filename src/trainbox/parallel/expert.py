@@ -95,17 +95,21 @@ class ExpertShard:
         capacity-sized buffers; everything else (dropless routing, evaluation, generation) the kept rows alone."""
         if self.exchange == "padded" and s.capacity is not None:
             return self._padded(m, rows, s)
-        return self._uneven(m, rows, s.kept, s.keep)
+        return self._uneven(m, rows, s)
 
-    def _uneven(self, m: MoEFFN, rows: torch.Tensor, kept: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+    def _uneven(self, m: MoEFFN, rows: torch.Tensor, s: Sorted) -> torch.Tensor:
         """The kept rows alone, in an all-to-all with uneven splits: the row counts per expert go first, then one
-        host read of the split sizes."""
-        S, El = self.size, self.local
-        idx = keep.nonzero().squeeze(1) if keep is not None else None
-        send = rows if idx is None else rows[idx]
+        host read of the split sizes, the only one of the layer."""
+        S, El, kept = self.size, self.local, s.kept
         recv = _exchange(kept, None, None, self.group)   # rows for my experts, per source
         c = recv.view(S, El)                            # c[s, e]: rows from source s for local expert e
         out_rows, in_rows = torch.stack([c.sum(1), kept.view(S, El).sum(1)]).tolist()   # the host read
+        idx, send = None, rows
+        if s.keep is not None:   # the kept rows in order, the first kept[e] of expert e's group: sized by the host
+            n = sum(in_rows)     # read above, where keep.nonzero() would read its size from the GPU once more
+            shift = (s.counts.cumsum(0) - s.counts) - (kept.cumsum(0) - kept)
+            idx = torch.repeat_interleave(shift, kept, output_size=n) + torch.arange(n, device=rows.device)
+            send = rows[idx]
         got = _AllToAll.apply(send, out_rows, in_rows, self.group)   # by source, then by expert within a source
         # regroup by local expert: block (e, s) of the grouped rows starts at start[s, e] of what arrived
         total = sum(out_rows)
