@@ -550,3 +550,22 @@ def test_bf16_moments_are_offered_beside_a_plan_where_they_buy_a_faster_micro_ba
     muon = load_config("speedrun-124m", [])
     assert make_plan(muon, run_vocab(muon), gpu("H100"), 1).smaller_state is None
     assert make_plan(cfg, vocab, gpu("A100-80GB"), 2).smaller_state is None
+
+
+def test_bf16_moments_are_offered_beside_the_fastest_suggestion_when_the_run_does_not_fit():
+    """The recipe's own layout of the 128-expert MoE does not fit 2 H100s; the plan's fastest suggestion is expert
+    parallelism 2 at micro-batch 16, and the hint is that layout with bf16 moments at its larger micro-batch: its
+    other overrides and GPU count kept, and applied, it fits in the time the hint gave."""
+    over = ["model.moe.num_experts=128"]
+    cfg = load_config("moe-gpt2-125m", over)
+    vocab = run_vocab(cfg)
+    plan = make_plan(cfg, vocab, gpu("H100"), 2)
+    first, hint = plan.suggestions[0], plan.smaller_state
+    assert not plan.fits and "model.moe.expert_parallel=2" in first.overrides
+    assert hint.nproc == first.nproc == 2 and hint.time.step < first.time.step
+    assert hint.overrides == ("model.moe.expert_parallel=2", "optim.state_dtype=bf16", "train.micro_batch_size=40")
+    applied = make_plan(load_config("moe-gpt2-125m", [*over, *hint.overrides]), vocab, gpu("H100"), 2)
+    assert applied.fits and applied.time == hint.time and applied.memory.needed == hint.needed
+    text = format_plan(plan, over)
+    assert text.index("what would fit") < text.index("in the first of these layouts") < text.index(
+        "model.moe.expert_parallel=2 optim.state_dtype=bf16 train.micro_batch_size=40 --nproc 2")

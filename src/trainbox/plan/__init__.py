@@ -46,6 +46,7 @@ from dataclasses import replace
 
 from trainbox.config import RunConfig
 from trainbox.config.layout import decide_layout
+from trainbox.config.load import apply_overrides
 from trainbox.errors import ConfigError
 from trainbox.model.build import build_tokenizer, model_vocab_size
 from trainbox.model.spec import family
@@ -111,7 +112,25 @@ def make_plan(cfg: RunConfig, vocab: int, target: Target, nproc: int = 1, kernel
         plan = replace(plan, fewer_exchanges=fewer_exchanges(cfg, vocab, plan))
     if suggest and plan.fits:
         plan = replace(plan, smaller_state=smaller_state(cfg, vocab, plan))
+    elif suggest and plan.suggestions and plan.suggestions[0].time is not None:
+        plan = replace(plan, smaller_state=_smaller_state_of(plan.suggestions[0], cfg, vocab, target, kernels, flash,
+                                                            dtype, side_stream_grads))
     return plan
+
+
+def _smaller_state_of(first: Suggestion, cfg: RunConfig, vocab: int, target: Target, kernels: Kernels | None,
+                      flash: bool, dtype: str | None, side_stream_grads: bool | None) -> Suggestion | None:
+    """smaller_state of the plan's fastest suggestion, applied: its bf16-moment micro-batch, with its other
+    overrides and GPU count (None where it has none)."""
+    applied = RunConfig.model_validate(apply_overrides(cfg.model_dump(), list(first.overrides)))
+    again = make_plan(applied, vocab, target, first.nproc, kernels, flash, suggest=False, dtype=dtype,
+                      side_stream_grads=side_stream_grads)
+    hint = smaller_state(applied, vocab, again) if again.fits else None
+    if hint is None:
+        return None
+    keys = {o.split("=", 1)[0] for o in hint.overrides}
+    return replace(hint, overrides=(*(o for o in first.overrides if o.split("=", 1)[0] not in keys), *hint.overrides),
+                   nproc=first.nproc)
 
 
 def run_vocab(cfg: RunConfig) -> int:

@@ -99,15 +99,20 @@ def format_plan(plan: MemoryPlan, overrides: list[str] | tuple[str, ...] = ()) -
                       "larger ones exchange less often (GiB per GPU"
                   + (", predicted step time, tokens/s per GPU" if f.time else "") + "):",
                   _row(f, plan.recipe, overrides)]
+    smaller = []
     if (f := plan.smaller_state) is not None:
-        lines += ["", "with AdamW's moments in bf16 (optim.state_dtype=bf16: 4 bytes a parameter instead of 8, rounded "
-                      "stochastically; a change of numerics) a larger micro-batch fits (GiB per GPU, predicted step "
-                      "time, tokens/s per GPU):", _row(f, plan.recipe, overrides)]
+        smaller = ["", "with AdamW's moments in bf16 (optim.state_dtype=bf16: 4 bytes a parameter instead of 8, "
+                       "rounded stochastically; a change of numerics) a larger micro-batch fits"
+                   + ("" if plan.fits else " in the first of these layouts")
+                   + " (GiB per GPU, predicted step time, tokens/s per GPU):", _row(f, plan.recipe, overrides)]
+    if plan.fits:
+        lines += smaller
     if plan.suggestions:
         timed = plan.suggestions[0].time is not None
         lines += ["", "what would fit, fastest first (GiB per GPU, predicted step time, tokens/s per GPU):" if timed
                   else "what would fit (GiB per GPU):"]
         lines += [_row(s, plan.recipe, overrides) for s in plan.suggestions]
+        lines += smaller
     elif not plan.fits:
         lines += ["", "nothing tried fits: a smaller model (model.n_layer, model.n_embd), a shorter data.seq_len, "
                       "or a GPU with more memory"]
