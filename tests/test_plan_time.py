@@ -107,6 +107,7 @@ STEPS = [
     ("2026-11-28-2xh200-moe-gpt2-125m-128x-ep2-bf16-mb40-casts-h100mem-profile.json", [], 2, "step_ms"),
     ("2026-11-28-h200-moe-gpt2-125m-1gpu-profile.json", [], 1, "step_ms"),
     ("2026-11-28-h200-gpt2-125m-1gpu-profile.json", [], 1, "step_ms"),
+    ("2026-11-28-h200-t5-base-profile.json", [], 1, "step_ms"),
     ("2026-11-28-2xh200-moe-gpt2-125m-128x-ep2-bf16-mb48-selective-h100mem.json", [], 2, "median_step_ms"),
     ("2026-11-28-2xh200-moe-gpt2-125m-128x-ep2-bf16-mb48-selective-h100mem.json",
      ["train.micro_batch_size=40", "train.activation_checkpointing=none"], 2, "baseline.median_step_ms"),
