@@ -253,7 +253,7 @@ def test_sigkill_resumes_bit_for_bit_with_the_precomputed_reference(folder, pref
 def one_process(folder, prefs, tmp_path_factory):
     """The 4-step single-process run both layouts compare with (its root: run/ and cache/)."""
     one = tmp_path_factory.mktemp("one")
-    run_cli("train", "dpo", *args(folder, prefs, one, "run", "train.max_steps=4"))
+    train(load_config("dpo", args(folder, prefs, one, "run", "train.max_steps=4")))
     return one
 
 
