@@ -23,13 +23,14 @@ REPO = Path(__file__).resolve().parents[1]
 
 # A model and batch small enough that a step takes milliseconds on a 2-core CPU. AdamW, which every family and
 # parallelism takes (the tiny recipe's Muon is refused under fsdp and expert parallelism; tests/test_muon.py and
-# the recipe's own tests run Muon).
+# the recipe's own tests run Muon). No loss.png (matplotlib's half second a process): the runs that check it
+# (tests/test_runs.py, test_monitor.py, test_dpo_train.py, test_readme_tour.py) and the fault tests write it.
 TINY = [
     "data.tokenizer=embedded:shakespeare-bpe", "data.seq_len=32",
     "model.n_layer=2", "model.n_head=2", "model.n_embd=32",
     "train.global_batch_size=8", "train.micro_batch_size=4",
     "train.eval_tokens=2048", "train.sample_tokens=8",
-    "monitor.port=0", "monitor.log_every=1", "optim.warmup_steps=2", "optim.name=adamw",
+    "monitor.port=0", "monitor.log_every=1", "monitor.plot=false", "optim.warmup_steps=2", "optim.name=adamw",
 ]
 
 
