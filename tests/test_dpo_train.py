@@ -91,7 +91,7 @@ def test_dashboard_shows_the_preference_charts(folder, prefs, tmp_path):
     import shutil
     import urllib.request
     root = tmp_path / "runs"
-    run_cli("train", "dpo", *args(folder, prefs, root, "dash", "train.max_steps=6"))
+    train(load_config("dpo", args(folder, prefs, root, "dash", "train.max_steps=6")))
     proc = subprocess.Popen([sys.executable, "-m", "trainbox", "dashboard", str(root / "dash"), "--port", "0"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
     try:
