@@ -23,32 +23,32 @@ REPO = Path(__file__).resolve().parents[1]
 
 # A model and batch small enough that a step takes milliseconds on a 2-core CPU. AdamW, which every family and
 # parallelism takes (the tiny recipe's Muon is refused under fsdp and expert parallelism; tests/test_muon.py and
-# the recipe's own tests run Muon).
+# the recipe's own tests run Muon). No loss.png (matplotlib's half second a process): the runs that check it
+# (tests/test_runs.py, test_monitor.py, test_dpo_train.py, test_readme_tour.py) and the fault tests write it.
 TINY = [
     "data.tokenizer=embedded:shakespeare-bpe", "data.seq_len=32",
     "model.n_layer=2", "model.n_head=2", "model.n_embd=32",
     "train.global_batch_size=8", "train.micro_batch_size=4",
     "train.eval_tokens=2048", "train.sample_tokens=8",
-    "monitor.port=0", "monitor.log_every=1", "optim.warmup_steps=2", "optim.name=adamw",
+    "monitor.port=0", "monitor.log_every=1", "monitor.plot=false", "optim.warmup_steps=2", "optim.name=adamw",
 ]
 
 
 # Seconds each slow test module takes on one worker of `python -m pytest -n 2` on the 2-core machine (its tests'
-# setup, call and teardown summed, `--durations=0`); the modules not listed take under ~10. Under pytest-xdist the
+# setup, call and teardown summed, `--durations=0`); the modules not listed take under ~8. Under pytest-xdist the
 # workers take whole modules, the costliest first: a module's shared runs (its module-scoped fixtures) are made once,
 # and the pass ends on short modules, not with one worker running a long one while the other idles. Only the order
 # matters: a rough figure is enough, and a module that grows slow is simply started later until it is listed.
 MODULE_SECONDS = {
-    "test_faults_signals.py": 404, "test_fsdp.py": 180, "test_optim_state.py": 110, "test_dpo_train.py": 109,
-    "test_multinode.py": 93, "test_run_management.py": 90, "test_eval.py": 84, "test_chat_export.py": 83,
-    "test_expert_parallel.py": 59, "test_faults_nodes.py": 58, "test_faults_disk.py": 51, "test_readme_tour.py": 45,
-    "test_t5.py": 45, "test_lora.py": 41, "test_eval_training.py": 37, "test_llama.py": 37,
-    "test_deploy_run.py": 34, "test_compile_cache.py": 32, "test_distributed.py": 32, "test_monitor.py": 29,
-    "test_packing.py": 29, "test_muon.py": 28, "test_cli_train.py": 26, "test_monitor_sinks.py": 26,
-    "test_data_hub.py": 25, "test_moe.py": 24, "test_runs.py": 24, "test_hf_parity.py": 22,
-    "test_faults.py": 20, "test_data_prepare.py": 17, "test_fused_norm.py": 17, "test_resume.py": 16,
-    "test_gpu_console.py": 15, "test_plan.py": 14, "test_architecture.py": 14, "test_faults_data.py": 13,
-    "test_plan_time.py": 13, "test_config.py": 12,
+    "test_faults_signals.py": 309, "test_fsdp.py": 110, "test_dpo_train.py": 105, "test_chat_export.py": 91,
+    "test_optim_state.py": 84, "test_multinode.py": 62, "test_faults_nodes.py": 56, "test_eval.py": 56,
+    "test_expert_parallel.py": 54, "test_run_management.py": 47, "test_faults_disk.py": 41,
+    "test_compile_cache.py": 37, "test_readme_tour.py": 32, "test_distributed.py": 29, "test_deploy_run.py": 26,
+    "test_architecture.py": 26, "test_eval_training.py": 23, "test_cli_train.py": 22, "test_data_hub.py": 21,
+    "test_gpu_console.py": 20, "test_lora.py": 17, "test_monitor.py": 16, "test_data_prepare.py": 15,
+    "test_fused_norm.py": 15, "test_muon.py": 14, "test_faults_data.py": 13, "test_plan.py": 13, "test_config.py": 12,
+    "test_llama.py": 12, "test_plan_time.py": 11, "test_hf_parity.py": 10, "test_t5.py": 9,
+    "test_monitor_sinks.py": 9, "test_runs.py": 8,
 }
 
 

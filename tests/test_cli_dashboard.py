@@ -9,6 +9,9 @@ import urllib.request
 
 from conftest import run_cli
 
+from trainbox.config import load_config
+from trainbox.train.loop import train
+
 
 def _get(url: str) -> bytes:
     with urllib.request.urlopen(url, timeout=10) as r:
@@ -17,7 +20,7 @@ def _get(url: str) -> bytes:
 
 
 def test_dashboard_serves_a_finished_run(tiny, tmp_path):
-    run_cli("train", "tiny", *tiny, "run.name=done", "train.max_steps=3", "train.eval_every=2", cwd=tmp_path)
+    train(load_config("tiny", [*tiny, "run.name=done", "train.max_steps=3", "train.eval_every=2"]))
     run_dir = tmp_path / "runs" / "done"
     events = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train_losses = {e["step"]: e["loss"] for e in events if e.get("event") == "train"}

@@ -91,7 +91,7 @@ def test_dashboard_shows_the_preference_charts(folder, prefs, tmp_path):
     import shutil
     import urllib.request
     root = tmp_path / "runs"
-    run_cli("train", "dpo", *args(folder, prefs, root, "dash", "train.max_steps=6"))
+    train(load_config("dpo", args(folder, prefs, root, "dash", "train.max_steps=6")))
     proc = subprocess.Popen([sys.executable, "-m", "trainbox", "dashboard", str(root / "dash"), "--port", "0"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
     try:
@@ -253,7 +253,7 @@ def test_sigkill_resumes_bit_for_bit_with_the_precomputed_reference(folder, pref
 def one_process(folder, prefs, tmp_path_factory):
     """The 4-step single-process run both layouts compare with (its root: run/ and cache/)."""
     one = tmp_path_factory.mktemp("one")
-    run_cli("train", "dpo", *args(folder, prefs, one, "run", "train.max_steps=4"))
+    train(load_config("dpo", args(folder, prefs, one, "run", "train.max_steps=4")))
     return one
 
 

@@ -18,10 +18,13 @@ from conftest import TINY, run_cli
 from eval_tasks import PROMPTS, WORDS, write_tasks
 from lm_eval.tasks import TaskManager
 
+from trainbox.config import load_config
 from trainbox.eval.adapter import TrainboxLM
+from trainbox.export import export
 from trainbox.model.load import load_for_inference
 from trainbox.model.spec import family as family_of
 from trainbox.model.spec import which
+from trainbox.train.loop import train
 
 TASKS = ["tiny_mc", "tiny_gen", "tiny_ppl", "tiny_ll"]
 
@@ -34,10 +37,10 @@ def runs(tmp_path_factory, data_cache):
     # a slow warm-up keeps the weights near their random start: varied greedy tokens, not one learnt newline
     base = [*TINY, f"run.dir={root / 'runs'}", f"data.cache_dir={data_cache}", "train.max_steps=3",
             "optim.warmup_steps=100", "monitor.enabled=false"]
-    run_cli("train", "tiny", *base, "run.name=gpt")
-    run_cli("train", "tiny", *base, "run.name=llama", "model.family=llama", "model.llama.n_kv_head=1")
+    train(load_config("tiny", [*base, "run.name=gpt"]))
+    train(load_config("tiny", [*base, "run.name=llama", "model.family=llama", "model.llama.n_kv_head=1"]))
     for family in ("gpt", "llama"):
-        run_cli("export", str(root / "runs" / family), "--out", str(root / f"hf-{family}"))
+        export(root / "runs" / family, root / f"hf-{family}")
     tasks = write_tasks(root / "tasks", _greedy_continuations(root / "runs" / "gpt"))
     return SimpleNamespace(root=root, tasks=tasks, run=lambda f: root / "runs" / f, hf=lambda f: root / f"hf-{f}")
 
@@ -106,10 +109,6 @@ def test_scores_equal_lm_evals_own_hf_model(runs, family):
 def test_a_lora_run_scores_as_lm_evals_hf_model_on_its_merged_export(runs, tmp_path):
     """The hf family (a LoRA adapter on a Hugging Face model: peft's forward, transformers' KV cache) through the
     adapter, against lm-eval's hf model on the run merged and exported."""
-    from trainbox.config import load_config
-    from trainbox.export import export
-    from trainbox.train.loop import train
-
     base = hf_tiny.make_model(tmp_path / "base")
     hf_tiny.make_chat_file(tmp_path / "chat.jsonl")
     train(load_config("lora", [f"model.path={base}", f"data.path={tmp_path / 'chat.jsonl'}", "data.seq_len=48",
@@ -174,7 +173,7 @@ def test_a_sharded_checkpoint_is_scored_as_its_export(runs, tmp_path, data_cache
     run = tmp_path / "fsdp"
     assert json.loads(next(run.glob("checkpoints/step_*/COMPLETE")).read_text())["layout"] == "sharded"
     run_cli("eval", str(run), "--tasks", str(runs.tasks["tiny_mc"]))
-    run_cli("export", str(run), "--out", str(tmp_path / "hf"))
+    export(run, tmp_path / "hf")
     run_cli("eval", str(tmp_path / "hf"), "--tasks", str(runs.tasks["tiny_mc"]), "--out", str(tmp_path / "ref"))
     ours = json.loads(next((run / "eval").glob("*.json")).read_text())["results"]["tiny_mc"]
     ref = json.loads(next((tmp_path / "ref").glob("*.json")).read_text())["results"]["tiny_mc"]
@@ -205,9 +204,10 @@ def test_an_unknown_task_is_refused(runs, tmp_path):
 
 
 def test_generation_on_a_model_without_a_causal_decoder_is_refused(runs, tmp_path, data_cache):
-    run_cli("train", "tiny", *TINY, f"run.dir={tmp_path}", f"data.cache_dir={data_cache}", "run.name=t5",
-            "model.family=t5", "model.tie_embeddings=false", "model.t5.d_ff=64", "model.t5.d_kv=16",
-            "train.max_steps=1", "monitor.enabled=false", "train.sample_tokens=0")
+    train(load_config("tiny", [*TINY, f"run.dir={tmp_path}", f"data.cache_dir={data_cache}", "run.name=t5",
+                               "model.family=t5", "model.tie_embeddings=false", "model.t5.d_ff=64",
+                               "model.t5.d_kv=16", "train.max_steps=1", "monitor.enabled=false",
+                               "train.sample_tokens=0"]))
     proc = run_cli("eval", str(tmp_path / "t5"), "--tasks", str(runs.tasks["tiny_gen"]), check=False)
     _refused(proc, "task tiny_gen generates text (generate_until)", "model.family=t5 has none", "backend=seq2seq")
     assert not (tmp_path / "t5" / "eval").exists()

@@ -139,16 +139,23 @@ def cache(data_cache) -> Path:
 
 @pytest.fixture(scope="module")
 def reference(root, cache) -> dict:
-    """The uninterrupted run: step -> loss, and its training speed (steps per second)."""
+    """The uninterrupted run: step -> loss, and its training speed (steps per second). While it trains, a second
+    run of the same command on its run directory is started: `second` is that run's (exit status, output),
+    `pid` the running one's process id (test_second_run_on_a_run_directory_is_refused_and_a_stale_lock_is_taken)."""
     t0 = time.time()
-    code, out = Segment(_args(root, cache, "reference"), root / "reference.log").wait()
+    run_dir = root / "reference"
+    first = Segment(_args(root, cache, "reference"), root / "reference.log")
+    assert _wait_training(first, run_dir)
+    second = Segment(_args(root, cache, "reference"), root / "reference-second.log").wait()
+    code, out = first.wait()
     assert code == 0, out
-    losses = _losses(root / "reference")
-    assert [s for s, _ in losses] == list(range(1, TOTAL + 1))
-    events = [json.loads(x) for x in (root / "reference" / "metrics.jsonl").read_text().splitlines()]
+    losses = _losses(run_dir)
+    assert [s for s, _ in losses] == list(range(1, TOTAL + 1))   # nothing interleaved
+    events = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     start = next(e["time"] for e in events if e["event"] == "start")
     end = next(e["time"] for e in events if e["event"] == "train" and e["step"] == TOTAL)
-    return {"losses": dict(losses), "steps_per_s": TOTAL / max(end - start, 1e-3), "seconds": time.time() - t0}
+    return {"losses": dict(losses), "steps_per_s": TOTAL / max(end - start, 1e-3), "seconds": time.time() - t0,
+            "second": second, "pid": first.proc.pid}
 
 
 def _signal_chain(root: Path, cache: Path, reference: dict, sig: str, hook_at_eval: str, seed: int,
@@ -206,11 +213,17 @@ def _two(root: Path, cache: Path, name: str, *extra: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def torchrun_reference(root, cache) -> list[tuple[int, float]]:
-    """The uninterrupted 2-process run: (step, loss) of every step."""
-    code, out = Segment(_two(root, cache, "torchrun-reference"), root / "torchrun-reference.log").wait()
+def torchrun_reference(root, cache) -> dict:
+    """The uninterrupted 2-process run: `losses`, (step, loss) of every step. While it trains, a second
+    `--nproc 2` launch on its run directory is started: `busy` is that launch's (exit status, output)
+    (test_a_busy_run_directory_is_refused_under_nproc)."""
+    run_dir = root / "torchrun-reference"
+    run = Segment(_two(root, cache, "torchrun-reference"), root / "torchrun-reference.log")
+    assert _wait_training(run, run_dir)
+    busy = Segment(_two(root, cache, "torchrun-reference"), root / "torchrun-busy.log").wait()
+    code, out = run.wait()
     assert code == 0, out
-    return _losses(root / "torchrun-reference")
+    return {"losses": _losses(run_dir), "busy": busy}
 
 
 def test_stop_signals_under_torchrun_lose_nothing(root, cache, reference, torchrun_reference):
@@ -232,7 +245,7 @@ def test_stop_signals_under_torchrun_lose_nothing(root, cache, reference, torchr
     assert code == 0, out
     got = _losses(run_dir)
     assert [s for s, _ in got] == list(range(1, TOTAL + 1))
-    assert got == torchrun_reference
+    assert got == torchrun_reference["losses"]
 
 
 ARM_LIMIT = 2.0   # seconds from the start by which `trainbox train` must hold its stop handler
@@ -382,19 +395,14 @@ def test_a_killed_launcher_leaves_no_workers_and_the_run_resumes_exactly(root, c
     assert code == 0, out
     got = _losses(run_dir)
     assert [s for s, _ in got] == list(range(1, TOTAL + 1))
-    assert got == torchrun_reference
+    assert got == torchrun_reference["losses"]
 
 
-def test_a_busy_run_directory_is_refused_under_nproc(tmp_path, cache):
-    """While a `--nproc 2` run trains, a second launch on its run directory is refused in one message (exit 2)
-    before torchrun starts; the first is then stopped with SIGTERM as usual."""
-    run = Segment(_two(tmp_path, cache, "busy", "train.max_steps=100000"), tmp_path / "busy-first.log")
-    assert _wait_training(run, tmp_path / "busy")
-    code, out = Segment(_two(tmp_path, cache, "busy", "train.max_steps=100000"), tmp_path / "busy-second.log").wait()
+def test_a_busy_run_directory_is_refused_under_nproc(torchrun_reference):
+    """While a `--nproc 2` run trains (the uninterrupted 2-process run), a second launch on its run directory is
+    refused in one message (exit 2) before torchrun starts; the first trains on to its end (the fixture)."""
+    code, out = torchrun_reference["busy"]
     assert code == 2 and "is in use by process" in out and "launching" not in out and "Traceback" not in out, out
-    run.proc.send_signal(signal.SIGTERM)
-    code, out = run.wait()
-    assert code == 0 and "stopped at step" in out, out
 
 
 def _wait_for_step(run_dir: Path, step: int, timeout: float = 120) -> None:
@@ -441,19 +449,16 @@ def test_sigkill_at_random_moments_resumes_from_the_newest_checkpoint(root, cach
 
 
 def test_second_run_on_a_run_directory_is_refused_and_a_stale_lock_is_taken(root, cache, reference):
-    name, run_dir = "locked", root / "locked"
-    first = Segment(_args(root, cache, name), root / "locked-first.log")
-    assert _wait_training(first, run_dir)
-    second = Segment(_args(root, cache, name), root / "locked-second.log")
-    code, out = second.wait()
+    """The second run started while the reference run trained is refused, naming the holder's pid, and writes
+    nothing into its files; the holder ran to its end with every step once (the fixture): the losses every chain
+    here is compared with."""
+    name, run_dir = "reference", root / "reference"
+    code, out = reference["second"]
     assert code == 2, out
-    assert f"run directory {run_dir} is in use by process {first.proc.pid}" in out, out
-    code, out = first.wait()
-    assert code == 0, out
+    assert f"run directory {run_dir} is in use by process {reference['pid']}" in out, out
     assert [s for s, _ in _losses(run_dir)] == list(range(1, TOTAL + 1))   # nothing interleaved
     log = (run_dir / "train.log").read_text()
     assert "in use" not in log   # the refused run wrote nothing into the running one's files
-    assert _losses(run_dir) == sorted(reference["losses"].items())
 
     # a lock file left by a process that is gone (another host, a dead pid) is taken over
     stale = {"pid": 2**22 + 17, "host": "elsewhere", "started_at": time.time() - 60, "command": ["trainbox"]}

@@ -99,7 +99,8 @@ class LiveRun:
 
 @pytest.fixture(scope="module")
 def live(tmp_path_factory, data_cache):
-    run = LiveRun(tmp_path_factory.mktemp("live") / "runs", data_cache, "live", [f"monitor.token={TOKEN}"])
+    run = LiveRun(tmp_path_factory.mktemp("live") / "runs", data_cache, "live",
+                  [f"monitor.token={TOKEN}", "monitor.plot=true"])
     yield run
     run.stop()
 

@@ -216,7 +216,9 @@ def test_torchrun_two_processes_equal_one(tiny, tmp_path):
         if proc.returncode == 0 or not any(e in out for e in SOCKET_ERRORS):
             break
     assert proc.returncode == 0, out[-6000:]
-    run_cli("train", "tiny", *args, "run.name=one", cwd=tmp_path, env=env)
+    from trainbox.config import load_config
+    from trainbox.train.loop import train
+    train(load_config("tiny", [*args, "run.name=one"]))
 
     def losses(name):
         rows = [json.loads(line) for line in (tmp_path / "runs" / name / "metrics.jsonl").read_text().splitlines()]

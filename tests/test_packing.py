@@ -221,11 +221,12 @@ def test_a_family_that_cannot_pack_is_refused_naming_data_packing(tmp_path, monk
 
 
 def test_train_sft_packed_trains_and_resumes_exactly(tmp_path):
-    """`trainbox train sft model.path=FOLDER data.path=chat.jsonl data.packing=true`, cut at step 3 and run again:
+    """The sft recipe with model.path=FOLDER data.path=chat.jsonl data.packing=true, cut at step 3 and run again:
     the uninterrupted run's losses bit for bit; the rows are packed and the run says so."""
     pytest.importorskip("transformers")
     import hf_tiny
-    from conftest import run_cli
+
+    from trainbox.train.loop import train
     base = hf_tiny.make_model(tmp_path / "base", arch="llama")
     chats = hf_tiny.make_chat_file(tmp_path / "chat.jsonl", n=64)
 
@@ -239,9 +240,9 @@ def test_train_sft_packed_trains_and_resumes_exactly(tmp_path):
     def events(name: str) -> list[dict]:
         return [json.loads(x) for x in (tmp_path / "runs" / name / "metrics.jsonl").read_text().splitlines()]
 
-    run_cli("train", *args("straight", 6))
-    run_cli("train", *args("cut", 3))
-    run_cli("train", *args("cut", 6))
+    for name, steps in (("straight", 6), ("cut", 3), ("cut", 6)):
+        recipe, *overrides = args(name, steps)
+        train(load_config(recipe, overrides))
     straight = [e["loss"] for e in events("straight") if e["event"] == "train"]
     cut = [e["loss"] for e in events("cut") if e["event"] == "train"]
     assert len(straight) == 6 and cut == straight

@@ -69,10 +69,11 @@ def tour_commands() -> list[str]:
 
 
 def _small(words: list[str], cache) -> list[str]:
-    """Tiny sizes for a `trainbox train` line: the line's own keys stay, but never its step count."""
+    """Tiny sizes for a `trainbox train` line: the line's own keys stay, but never its step count. loss.png is
+    written, as for the user (TINY leaves it out)."""
     own = {w.split("=", 1)[0] for w in words if "=" in w and not w.startswith("train.max_steps=")}
-    extra = [*TINY, f"data.cache_dir={cache}", "train.max_steps=4", "train.eval_every=0",
-             "train.checkpoint_every=0"]
+    extra = [*(o for o in TINY if not o.startswith("monitor.plot=")), f"data.cache_dir={cache}",
+             "train.max_steps=4", "train.eval_every=0", "train.checkpoint_every=0"]
     return [o for o in extra if o.split("=", 1)[0] not in own]
 
 

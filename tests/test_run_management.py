@@ -22,11 +22,12 @@ from trainbox.rundir.runs import pid_alive
 
 pytestmark = pytest.mark.faults
 
-# the tiny recipe with a smaller model and evaluation (as tests/test_faults_signals.py), long enough (2,000
-# steps, about 20 s on 2 cores) that it still runs when a `trainbox stop` started under load arrives
+# the tiny recipe with a smaller model and evaluation (as tests/test_faults_signals.py), long enough (TOTAL steps,
+# about 10 s on 2 cores) that it still runs when a `trainbox stop` started under load arrives
+TOTAL = 1000
 SMALL = ["model.n_layer=1", "model.n_head=2", "model.n_embd=32", "data.seq_len=32", "train.global_batch_size=8",
          "train.micro_batch_size=4", "train.eval_tokens=8192", "train.sample_tokens=0", "monitor.port=0",
-         "train.threads=1", "train.max_steps=2000"]
+         "train.threads=1", f"train.max_steps={TOTAL}"]
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
 
 
@@ -99,7 +100,7 @@ def test_detach_runs_attach_stop_resume(tmp_path, data_cache):
     stop = _cli("stop", str(run), "--timeout", "60")
     assert stop.returncode == 0, stop.stdout + stop.stderr
     step = _assert_stopped_at_checkpoint(run, stop.stdout)
-    assert 40 <= step < 2000
+    assert 40 <= step < TOTAL
     assert not pid_alive(pid), f"process {pid} still runs after trainbox stop"  # (a zombie counts as gone)
 
     out, err = attach.communicate(timeout=30)  # attach returns by itself once the run has ended
@@ -112,7 +113,7 @@ def test_detach_runs_attach_stop_resume(tmp_path, data_cache):
     resumed = _cli(*_train_args(root, data_cache), timeout=180)  # the same command resumes to the end
     assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
     assert re.search(rf"resuming from \S+step_0*{step} at step {step}\b", (run / "train.log").read_text())
-    assert _status(run)["phase"] == "finished" and _status(run)["step"] == 2000
+    assert _status(run)["phase"] == "finished" and _status(run)["step"] == TOTAL
     finished = _cli("stop", "tiny", "--root", str(root))
     assert finished.returncode == 0 and "already finished" in finished.stderr, finished.stderr
 

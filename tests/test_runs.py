@@ -77,14 +77,15 @@ def test_finished_failed_logs_follow_and_plot(tiny, tmp_path, capsys):
     # follow a run from its start to its end: `logs -f` must return by itself when the run finishes
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     train = subprocess.Popen([sys.executable, "-m", "trainbox", "train", *tiny, "run.name=a", "train.max_steps=12",
-                              "train.eval_every=6"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                              "train.eval_every=6", "monitor.plot=true"], env=env, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
     wait_for(lambda: (root / "a" / "train.log").exists(), 60, "train.log")
     follow = run_cli("logs", "a", "--root", str(root), "-f", timeout=120)
     assert train.wait(60) == 0
     assert follow.stdout == (root / "a" / "train.log").read_text()  # every line, nothing after the end
     assert "checkpoint" in follow.stdout.splitlines()[-1]
     more = ["train.max_steps=12", "train.eval_every=6"]
-    assert main(capsys, "train", *tiny, "run.name=b", "optim.lr=3e-3", *more)[0] == 0
+    assert main(capsys, "train", *tiny, "run.name=b", "optim.lr=3e-3", "monitor.plot=true", *more)[0] == 0
     rc, _, err = main(capsys, "train", *tiny, "run.name=nan", "optim.lr=1e30", *more)
     assert rc == 1 and "loss is nan" in err
 
@@ -113,6 +114,7 @@ def test_finished_failed_logs_follow_and_plot(tiny, tmp_path, capsys):
         assert ((abs(rgb - colour)).sum(1) <= 6).sum() > 200, colour
     for name in ("a", "b"):  # each run wrote loss.png when it ended
         assert mpimg.imread(root / name / "loss.png").shape[:2] == (450, 1200)
+    assert not (root / "nan" / "loss.png").exists()   # monitor.plot=false (TINY's)
     rc, _, err = main(capsys, "plot", "nosuch", "--root", root)
     assert rc == 1 and "no run 'nosuch'" in err
 

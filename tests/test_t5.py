@@ -14,6 +14,7 @@ from trainbox.config import ModelSection, load_config
 from trainbox.model.build import model_vocab_size
 from trainbox.model.t5.hf import to_hf
 from trainbox.model.t5.model import T5, relative_position_bucket
+from trainbox.train.loop import train
 
 transformers = pytest.importorskip("transformers")
 
@@ -160,7 +161,7 @@ def test_t5_trains_resumes_exactly_runs_under_torchrun_and_fills_spans(tmp_path,
     import shutil
 
     args = [*tiny, *T5_TINY]
-    run_cli("train", *args, "run.name=a", cwd=tmp_path)
+    train(load_config(None, [*args, "run.name=a"]))
     run_a = tmp_path / "runs" / "a"
     status = json.loads((run_a / "status.json").read_text())
     assert status["phase"] == "finished" and status["step"] == 6 and status["mfu"] is None  # no GPU peak on CPU
@@ -169,7 +170,7 @@ def test_t5_trains_resumes_exactly_runs_under_torchrun_and_fills_spans(tmp_path,
     shutil.copytree(run_a, run_b)
     shutil.rmtree(run_b / "checkpoints" / "step_00000006")
     (run_b / "metrics.jsonl").write_text("")
-    run_cli("train", *args, "run.name=b", cwd=tmp_path)
+    train(load_config(None, [*args, "run.name=b"]))
     a, b = _losses(run_a), _losses(run_b)
     assert sorted(b) == [4, 5, 6] and all(a[s] == b[s] for s in b)  # bit-identical on CPU
     # two gloo processes through torchrun (each half of every global batch) follow the same losses

@@ -300,6 +300,8 @@ class MonitorSection(Section):
     stall_after: float | None = Field(None, gt=0, description="seconds without progress (or without a rank's "
                                       "heartbeat) before /health reports the run stalled; default: derived from "
                                       "the step time, 60 s for a rank")
+    plot: bool = Field(True, description="write loss.png from metrics.jsonl when the run ends (false: throwaway "
+                       "runs and benchmarks, which skip matplotlib's half second)")
     tensorboard: bool = False
     wandb: bool = False
     wandb_project: str = "trainbox"

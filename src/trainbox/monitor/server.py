@@ -54,6 +54,7 @@ from trainbox.rundir.runs import latest_eval
 from trainbox.rundir.status import ACTIVE_PHASES, health
 
 REQUEST_TIMEOUT = 10.0  # seconds a connection has to send its request (and the server to send the reply)
+STOP_POLL_S = 0.05      # seconds between the serving thread's checks for a stop (the end of a run waits this long)
 http_log = logging.getLogger("trainbox.monitor.http")
 
 
@@ -245,7 +246,9 @@ class MonitorServer:
             log.warning(f"monitor binds {cfg.host or '0.0.0.0'} without monitor.token: anyone who can reach port "
                         f"{self.httpd.server_address[1]} can read this run's status and metrics; "
                         f"set monitor.token=SECRET")
-        self.thread = threading.Thread(target=self.httpd.serve_forever, name="trainbox-monitor", daemon=True)
+        # serve_forever checks for shutdown once per poll interval: `stop` returns within STOP_POLL_S
+        self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": STOP_POLL_S},
+                                       name="trainbox-monitor", daemon=True)
         self.thread.start()
         log.info(f"monitor: {self.url} (/health /metrics /status, dashboard at /)")
 

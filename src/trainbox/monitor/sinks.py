@@ -1,5 +1,5 @@
-"""Metric sinks: metrics.jsonl and loss.png always; TensorBoard and W&B optional. The loop calls one
-`Sinks` object and never branches on which sinks are on.
+"""Metric sinks: metrics.jsonl always, loss.png unless monitor.plot=false; TensorBoard and W&B optional. The loop
+calls one `Sinks` object and never branches on which sinks are on.
 
 Events are flat dicts: {"event": "train" | "eval" | "checkpoint" | "start" | "error", "time", "step", ...}.
 TensorBoard and W&B get every numeric field as `<event>/<field>` at `step`. The W&B run id goes into
@@ -128,7 +128,7 @@ def build_sinks(monitor_cfg, run_dir: Path, run_name: str, config: dict, wandb_i
     """The sinks a MonitorSection asks for; `wandb_id` (from the resumed checkpoint) continues that W&B run."""
     if not enabled:  # non-zero ranks write nothing
         return Sinks([])
-    sinks: list = [JsonlSink(run_dir / "metrics.jsonl"), LossPlotSink(run_dir)]
+    sinks: list = [JsonlSink(run_dir / "metrics.jsonl"), *([LossPlotSink(run_dir)] if monitor_cfg.plot else [])]
     if monitor_cfg.tensorboard:
         sinks.append(TensorBoardSink(run_dir / "tensorboard"))
     if monitor_cfg.wandb:
