@@ -131,6 +131,7 @@ SKIPPED = {
     "2026-11-26-h100-lora-0.5b-speed.json": "a Hugging Face model with LoRA (model.family=hf): no FLOP count",
     "2026-11-28-h200-lora-0.5b-speed.json": "a Hugging Face model with LoRA (model.family=hf): no FLOP count",
     "2026-11-28-h200-lora-0.5b-speed-compiled.json": "a Hugging Face model with LoRA (model.family=hf): no FLOP count",
+    "2026-11-29-h200-lora-0.5b-speed.json": "a Hugging Face model with LoRA (model.family=hf): no FLOP count",
     "2026-11-28-h100-dpo-0.5b-speed.json": "preference pairs of a Hugging Face model: no FLOP count",
     "2026-11-28-h100-dpo-0.5b-speed-lora-fused.json": "preference pairs of a Hugging Face model: no FLOP count",
     "2026-11-28-h200-dpo-0.5b-speed.json": "preference pairs of a Hugging Face model: no FLOP count",
