@@ -225,7 +225,7 @@ def test_torchrun_two_processes_equal_one(tiny, tmp_path):
         return [r["loss"] for r in rows if r.get("kind", r.get("event")) == "train" and "loss" in r]
     one, two = losses("one"), losses(f"two{attempt}")
     assert len(one) == 4 and one[-1] < one[0] - 0.01
-    # DDP sums gradients in another order than accumulation does; Muon's bf16 iteration passes those
+    # DDP sums gradients in another order than accumulation does; Muon's iteration passes those
     # last-bit differences on, so the runs agree to ~1e-5 rather than bit for bit
     assert two == pytest.approx(one, rel=1e-4, abs=0)
 

@@ -7,9 +7,9 @@ For every hidden weight matrix W with gradient G:
     O     <- zeropower(U)                               ~ the orthogonal polar factor U V^T of U = U S V^T
     W     <- (1 - lr * wd) * W - lr * sqrt(max(1, rows / cols)) * O
 
-`zeropower` comes from ZEROPOWER: `newton_schulz5` (the quintic iteration of modded-nanogpt, run in bf16;
+`zeropower` comes from ZEROPOWER: `newton_schulz5` (the quintic iteration of modded-nanogpt, in bf16 on a GPU;
 its fixed coefficients trade exactness for speed: singular values land in roughly [0.7, 1.2]),
-`polar_express` (Amsel et al. 2025: a different optimal polynomial per iteration, in bf16) and `svd`
+`polar_express` (Amsel et al. 2025: a different optimal polynomial per iteration) and `svd`
 (the exact polar factor in fp32, the slow reference). Embeddings, the output head, norms and scalars are
 not hidden matrices: they go to AdamW, each kind with its own learning rate.
 
@@ -57,8 +57,9 @@ def register_zeropower(name: str):
 
 
 def _odd_polynomial_iteration(G: torch.Tensor, coeffs: list[tuple[float, float, float]], norm_scale: float):
-    """X <- a X + b (X X^T) X + c (X X^T)^2 X in bf16, on the wide orientation (rows <= cols) so X X^T is small."""
-    X = G.bfloat16()
+    """X <- a X + b (X X^T) X + c (X X^T)^2 X on the wide orientation (rows <= cols) so X X^T is small. In bf16 on a
+    GPU (tensor cores); in fp32 on a CPU, whose bf16 matmuls are slower (3.3x for the tiny model's matrices)."""
+    X = G.bfloat16() if G.is_cuda else G.float()
     tall = G.size(-2) > G.size(-1)
     if tall:
         X = X.mT
@@ -73,13 +74,13 @@ def _odd_polynomial_iteration(G: torch.Tensor, coeffs: list[tuple[float, float, 
 
 @register_zeropower("newton_schulz5")
 def newton_schulz5(G: torch.Tensor, steps: int = 5) -> torch.Tensor:
-    """Quintic Newton-Schulz with fixed coefficients (3.4445, -4.7750, 2.0315), in bf16."""
+    """Quintic Newton-Schulz with fixed coefficients (3.4445, -4.7750, 2.0315)."""
     return _odd_polynomial_iteration(G, [NS5_COEFFS] * steps, 1.0)
 
 
 @register_zeropower("polar_express")
 def polar_express(G: torch.Tensor, steps: int = 5) -> torch.Tensor:
-    """Polar Express: per-iteration optimal coefficients (the last one repeats past 5 steps), in bf16."""
+    """Polar Express: per-iteration optimal coefficients (the last one repeats past 5 steps)."""
     coeffs = [POLAR_EXPRESS_COEFFS[min(i, len(POLAR_EXPRESS_COEFFS) - 1)] for i in range(steps)]
     return _odd_polynomial_iteration(G, coeffs, 1.02)
 
