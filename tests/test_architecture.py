@@ -25,6 +25,7 @@ from trainbox.model.spec import families
 
 SRC = REPO / "src"
 HEAVY = {"torch", "numpy", "matplotlib", "transformers", "jinja2",
+         "pydantic",  # with the config schema's models built on it, 0.15 s: verbs that read no config skip it
          # torch's packages that a process building no optimizer (generate, export, config validate, a --nproc
          # launcher) need not load: Dynamo, FSDP, DTensor, distributed checkpoints, each most of a second with what it
          # imports (sympy). Any torch.optim optimizer imports Dynamo, and Dynamo the others, so a training process

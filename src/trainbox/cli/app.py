@@ -12,25 +12,10 @@ import sys
 import textwrap
 
 import trainbox
-from trainbox.cli.configure import cmd_config
 from trainbox.cli.data import cmd_data, cmd_inspect, cmd_prepare, cmd_tokenizer
 from trainbox.cli.epilogs import EPILOGS
 from trainbox.cli.evaluate import cmd_eval
 from trainbox.cli.model import cmd_chat, cmd_export, cmd_generate
-from trainbox.cli.ops import (
-    cmd_attach,
-    cmd_dashboard,
-    cmd_doctor,
-    cmd_launch,
-    cmd_logs,
-    cmd_plan,
-    cmd_plot,
-    cmd_runs,
-    cmd_status,
-    cmd_stop,
-)
-from trainbox.cli.train import cmd_train
-from trainbox.config import RunConfig
 from trainbox.errors import TrainboxError
 
 # ----------------------------------------------------------------------------- parser
@@ -53,6 +38,7 @@ class _Parser(argparse.ArgumentParser):
 def _config_key_for(option: str, value: str | None) -> str | None:
     if not option.startswith("--"):
         return None
+    from trainbox.config import RunConfig  # heavy: the config schema (pydantic), only for this message
     name, _, inline = option[2:].partition("=")
     name = name.replace("-", "_")
     for section, field in RunConfig.model_fields.items():
@@ -61,6 +47,30 @@ def _config_key_for(option: str, value: str | None) -> str | None:
             v = inline or (value if value is not None and not value.startswith("--") else "VALUE")
             return f"{section}.{name}={v}"
     return None
+
+
+# The verbs that read a config (cli/train.py, cli/configure.py, cli/ops.py) are imported when they run: the config
+# schema and what those modules bring (launchers, monitor) are 0.2 s of every start that `prepare`, `inspect`,
+# `generate` or `chat` do not need.
+
+
+def cmd_train(args) -> int:
+    from trainbox.cli.train import cmd_train as run  # heavy: the config schema (pydantic)
+    return run(args)
+
+
+def cmd_config(args) -> int:
+    from trainbox.cli.configure import cmd_config as run  # heavy: the config schema (pydantic)
+    return run(args)
+
+
+def _ops(name: str):
+    """The verb `name` of cli/ops.py, imported when it runs."""
+    def call(args) -> int:
+        from trainbox.cli import ops  # heavy: the config schema (pydantic)
+        return getattr(ops, name)(args)
+    call.__name__ = name
+    return call
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -253,7 +263,7 @@ def build_parser() -> argparse.ArgumentParser:
     la.add_argument("--build-arg", action="append", default=[], help="image: NAME=VALUE (e.g. TORCH_VERSION=2.9.0)")
     la.add_argument("--platform", default="linux/amd64", help="image: target platform")
     la.add_argument("--context", default=".", help="image: repository root (build context)")
-    la.set_defaults(func=cmd_launch)
+    la.set_defaults(func=_ops("cmd_launch"))
 
     pn = verb("plan", "memory per GPU of a run (parameters, gradients, optimizer state, activations, "
                       "communication, overhead), whether it fits, and what would; exit 1 when it does not fit")
@@ -266,49 +276,49 @@ def build_parser() -> argparse.ArgumentParser:
     pn.add_argument("--flash", action="store_true", help="with --gpu: trainbox[flash] is installed there "
                     "(FlashAttention-4 and QuACK's kernels on Hopper and Blackwell GPUs)")
     pn.add_argument("--json", action="store_true", help="the plan as JSON")
-    pn.set_defaults(func=cmd_plan)
+    pn.set_defaults(func=_ops("cmd_plan"))
 
     d = verb("doctor", "report the environment: torch, CUDA/ROCm, GPUs, bf16, FlexAttention, caches, disk")
     d.add_argument("recipe", nargs="?", help="also check what this recipe or config file needs")
     d.add_argument("overrides", nargs="*")
     d.add_argument("--json", action="store_true", help="machine-readable report")
-    d.set_defaults(func=cmd_doctor)
+    d.set_defaults(func=_ops("cmd_doctor"))
     r = verb("runs", "list runs and their state, like docker ps")
     r.add_argument("dir", nargs="?", default="runs", help="folder holding run directories (default runs)")
     r.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    r.set_defaults(func=cmd_runs)
+    r.set_defaults(func=_ops("cmd_runs"))
 
     lg = verb("logs", "print or follow a run's train.log")
     lg.add_argument("run", help="run directory, or run name under --root")
     lg.add_argument("-f", "--follow", action="store_true", help="keep printing new lines until the run ends")
     lg.add_argument("-n", "--tail", type=int, default=None, help="only the last N lines")
     lg.add_argument("--root", default="runs", help="folder holding run directories (default runs)")
-    lg.set_defaults(func=cmd_logs)
+    lg.set_defaults(func=_ops("cmd_logs"))
 
     at = verb("attach", "follow a run's log until the run ends (Ctrl-C detaches; the run goes on)")
     at.add_argument("run", help="run directory, or run name under --root")
     at.add_argument("-n", "--tail", type=int, default=None, help="start with only the last N lines")
     at.add_argument("--root", default="runs", help="folder holding run directories (default runs)")
-    at.set_defaults(func=cmd_attach)
+    at.set_defaults(func=_ops("cmd_attach"))
 
     sp = verb("stop", "stop a run gracefully: SIGTERM, a checkpoint at the next step, wait for the exit")
     sp.add_argument("run", help="run directory, or run name under --root")
     sp.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the exit (default 600)")
     sp.add_argument("--now", action="store_true", help="SIGKILL when --timeout passes (at once with --timeout 0)")
     sp.add_argument("--root", default="runs", help="folder holding run directories (default runs)")
-    sp.set_defaults(func=cmd_stop)
+    sp.set_defaults(func=_ops("cmd_stop"))
 
     st = verb("status", "health check of a run or a monitor URL (exit 0 healthy, 1 not)")
     st.add_argument("target", help="run directory, run name under --root, or http://HOST:PORT")
     st.add_argument("--root", default="runs", help="folder holding run directories (default runs)")
     st.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for a URL (default 5)")
-    st.set_defaults(func=cmd_status)
+    st.set_defaults(func=_ops("cmd_status"))
 
     pl = verb("plot", "plot runs' train and validation loss against steps and tokens (PNG)")
     pl.add_argument("runs", nargs="+", help="run directories or names under --root")
     pl.add_argument("--out", default="loss.png", help="PNG to write (default loss.png)")
     pl.add_argument("--root", default="runs", help="folder holding run directories (default runs)")
-    pl.set_defaults(func=cmd_plot)
+    pl.set_defaults(func=_ops("cmd_plot"))
 
     db = verb("dashboard", "serve a run's dashboard from its files (a finished run, or one on another machine)")
     db.add_argument("run", help="run directory, or run name under --root")
@@ -316,7 +326,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "0: a free one)")
     db.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     db.add_argument("--root", default="runs", help="folder holding run directories (default runs)")
-    db.set_defaults(func=cmd_dashboard)
+    db.set_defaults(func=_ops("cmd_dashboard"))
     return p
 
 

@@ -16,7 +16,6 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from trainbox.config import load_config
 from trainbox.data import embedded
 from trainbox.data.readers import first_row_is_preference, list_input_files
 from trainbox.data.tokenizer import get_tokenizer, train_bpe
@@ -121,6 +120,7 @@ def cmd_data(args) -> int:
             if args.dataset == "fineweb":
                 folder = args.out
                 return _download_fineweb(args)
+            from trainbox.config import load_config  # heavy: the config schema (pydantic), for a recipe's data
             cfg = load_config(args.recipe, args.overrides)
             folder = cfg.data.path
             return _download_for_run(cfg, args.recipe)
