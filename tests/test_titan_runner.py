@@ -187,3 +187,65 @@ def test_the_installed_torchtitan_builds_the_counted_models(titan):
             built = get_train_spec(model).model_cls(margs)
         assert sum(p.numel() for p in built.parameters()) == titan.titan_param_count(model, args)
         assert worker.flops_line(spec, cfg.data.seq_len)["flops_per_token"] == flops
+
+
+TIE_CHECK = r'''
+import json, os, sys
+sys.path.insert(0, os.environ["BENCH"])
+import torch, torch.distributed as dist
+import torchtitan.distributed.parallel_dims as parallel_dims
+parallel_dims.device_type = "cpu"   # torchtitan meshes on CUDA; this check runs on 2 CPU ranks over gloo
+import titan_worker
+from torch.distributed.fsdp import FSDPModule
+from torchtitan.config import ConfigManager
+from torchtitan.distributed import ParallelDims
+from torchtitan.protocols.train_spec import get_train_spec
+dist.init_process_group("gloo")
+cfg = ConfigManager().parse_args(["--job.config_file", sys.argv[1]])
+spec = {"model": "qwen3", "model_args": {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 4, "head_dim": 16,
+        "vocab_size": 256, "hidden_dim": 256, "qk_norm": False, "enable_weight_tying": True}}
+args = titan_worker.model_args({**spec, "model_args": {**spec["model_args"], "moe_args": {}}})
+args.update_from_config(cfg)
+base = get_train_spec("qwen3")
+with torch.device("meta"):
+    model = base.model_cls(args)
+model = titan_worker.tied_unit(base.parallelize_fn)(model, ParallelDims(1, -1, 1, 1, 1, 1, 1, 2), cfg)
+for m in model.modules():   # gloo has no PREMUL_SUM: plain sums (torchtitan's divide factor is 1)
+    if isinstance(m, FSDPModule):
+        m.set_force_sum_reduction_for_comms(True)
+model.to_empty(device="cpu")
+torch.manual_seed(0)
+with torch.no_grad():
+    model.init_weights()
+x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))   # the same batch on both ranks
+model(x).float().logsumexp(-1).mean().backward()
+ref = base.model_cls(args)    # unsharded, from the same weights
+ref.load_state_dict({k: v.full_tensor() for k, v in model.state_dict().items()})
+ref.rope_cache = model.rope_cache
+ref(x).float().logsumexp(-1).mean().backward()
+print(json.dumps({"tied": model.output.weight is model.tok_embeddings.weight,
+                  "grad": float(model.tok_embeddings.weight.grad.full_tensor().norm()),
+                  "ref_grad": float(ref.tok_embeddings.weight.grad.norm())}), flush=True)
+dist.destroy_process_group()
+'''
+
+
+def test_the_tied_unit_keeps_the_tie_under_fsdp(tmp_path):
+    """Where torchtitan is installed: titan_worker.tied_unit around torchtitan's parallelize_qwen3 shards the tied
+    embedding and head as one parameter (2 CPU ranks, gloo), whose gradient sums both uses on both ranks (twice an
+    unsharded model's on the same batch). Without it torch refuses the shared parameter in two FSDP groups."""
+    pytest.importorskip("torchtitan")
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    (tmp_path / "check.py").write_text(TIE_CHECK)
+    (tmp_path / "job.toml").write_text('[training]\nseq_len = 32\n[activation_checkpoint]\nmode = "none"\n')
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(tmp_path / "check.py"), str(tmp_path / "job.toml")], capture_output=True, text=True,
+                          timeout=300, cwd=tmp_path,
+                          env={**os.environ, "BENCH": str(Path(__file__).resolve().parents[1] / "benchmarks")})
+    lines = [json.loads(ln) for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    assert proc.returncode == 0 and len(lines) == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for got in lines:
+        assert got["tied"] and got["grad"] == pytest.approx(2 * got["ref_grad"], rel=1e-3)
