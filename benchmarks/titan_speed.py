@@ -246,8 +246,8 @@ def titan_version() -> str | None:
         return None
 
 
-def prepare(args) -> tuple[dict, dict, dict]:
-    """(our config's facts, the worker's spec, torchtitan's job config) for these arguments."""
+def prepare(args) -> tuple[dict, dict]:
+    """(the worker's spec, torchtitan's job config) for these arguments, both written to a new folder."""
     from trainbox.config import load_config
     from trainbox.plan import run_vocab
 
@@ -256,8 +256,7 @@ def prepare(args) -> tuple[dict, dict, dict]:
     if args.seq_len:
         overrides.append(f"data.seq_len={args.seq_len}")
     cfg = load_config(recipe, overrides)
-    vocab = run_vocab(cfg)
-    model, margs = model_args(cfg, vocab)
+    model, margs = model_args(cfg, run_vocab(cfg))
     dump = tempfile.mkdtemp(prefix="titan-")
     job = job_config(cfg, args, dump, model)
     tr = job["training"]
@@ -266,58 +265,75 @@ def prepare(args) -> tuple[dict, dict, dict]:
                          f"{tr['local_batch_size']} x {args.ngpu} GPUs")
     spec = {"model": model, "model_args": margs, "recipe": recipe, "overrides": overrides, "dump": dump,
             "toml": str(Path(dump) / "job.toml"),
-            # torchtitan 0.2.2 shards a tied embedding and head in two FSDP units, which unties them
+            # torchtitan 0.2.2 shards a tied embedding and head as two FSDP units (titan_worker.tied_unit)
             "tie_unit": bool(margs.get("enable_weight_tying"))}
     Path(spec["toml"]).write_text(to_toml(job))
     (Path(dump) / "spec.json").write_text(json.dumps(spec, indent=1))
-    return {"vocab": vocab, "recipe": recipe}, spec, job
+    return spec, job
 
 
 def run(args) -> dict:
-    facts, spec, job = prepare(args)
-    tr, par = job["training"], job["parallelism"]
-    accum = tr["global_batch_size"] // (tr["local_batch_size"] * args.ngpu)
-    version = titan_version()
-    name = f"torchtitan {version} torchtitan.train"
-    if spec["model"] == "qwen3":
-        name = f"torchtitan {version} MoE (qwen3 model code), EP{par['expert_parallel_degree']}"
-    if job["model"]["converters"]:
-        f8 = job["quantize"]["linear"]["float8"]
-        name += f", float8 {f8.get('recipe_name', 'tensorwise')}"
-    cmd = ["torchrun", "--standalone", f"--nproc-per-node={args.ngpu}", str(WORKER), str(Path(spec["dump"]) /
-                                                                                          "spec.json")]
+    spec, job = prepare(args)
+    cmd = ["torchrun", "--standalone", f"--nproc-per-node={args.ngpu}", str(WORKER),
+           str(Path(spec["dump"]) / "spec.json")]
     if args.dry_run:
         print(Path(spec["toml"]).read_text())
         print(shlex.join(cmd))
         return {}
+    version = titan_version()
     if version is None:
         raise SystemExit("torchtitan is not installed here: pip install torchtitan==0.2.2 (see benchmarks/README.md)")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(HERE.parent / "src"),
                                                                     os.environ.get("PYTHONPATH")) if p)}
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    log = proc.stdout + proc.stderr
-    Path(spec["dump"], "log.txt").write_text(log)
-    steps = parse_steps(log)
-    if proc.returncode or not steps:
-        sys.stderr.write(log[-6000:])
-        raise SystemExit(f"torchtrun exited {proc.returncode} after {len(steps)} steps; log: {spec['dump']}/log.txt")
-    own = json.loads(WORKER_RE.search(log)[1]) if WORKER_RE.search(log) else {}
-    params = PARAMS_RE.search(ANSI_RE.sub("", log))
+    log = stream(cmd, env, Path(spec["dump"], "log.txt"))
+    return figures(log, spec, job, args, version)
+
+
+def figures(log: str, spec: dict, job: dict, args, version: str) -> dict:
+    """The JSON line of a finished run: what ran (name, version, command, settings) and its figures."""
+    tr, par = job["training"], job["parallelism"]
+    steps, own = parse_steps(log), WORKER_RE.search(log)
+    if not steps or not own:
+        raise SystemExit(f"torchtitan logged {len(steps)} steps; its log: {spec['dump']}/log.txt")
+    own = json.loads(own[1])
+    name = f"torchtitan {version} torchtitan.train"
+    if spec["model"] == "qwen3":
+        name = f"torchtitan {version} MoE (qwen3 model code), EP{par['expert_parallel_degree']}"
+    f8 = job.get("quantize", {}).get("linear", {}).get("float8")
+    if f8:
+        name += f", float8 {f8.get('recipe_name', 'tensorwise')}"
+    accum = tr["global_batch_size"] // (tr["local_batch_size"] * args.ngpu)
+    params = PARAMS_RE.search(ANSI_RE.sub("", log))   # torchtitan's logged count (a tied table subtracted)
+    ac = job["activation_checkpoint"]
     out = {"who": "torchtitan", "name": name, "version": version, "command": command_line(),
            **summarise(steps, args.warmup, tr["local_batch_size"] * tr["seq_len"] * accum),
-           "flops_per_token": own.get("flops_per_token"),
-           "params": int(params[1].replace(",", "")) if params else None,
+           "flops_per_token": own["flops_per_token"],
+           "params": int(params[1].replace(",", "")) if params else own["params"],
            "local_batch": tr["local_batch_size"], "seq_len": tr["seq_len"], "compile": job["compile"]["enable"],
-           "ac": ("selective-op" if job["activation_checkpoint"].get("selective_ac_option") == "op"
-                  else job["activation_checkpoint"]["mode"]),
+           "ac": "selective-op" if ac.get("selective_ac_option") == "op" else ac["mode"],
            "global_batch": tr["global_batch_size"], "ngpu": args.ngpu}
     if spec["model"] == "qwen3":
         out["ep"] = par["expert_parallel_degree"]
-        if own.get("flops_per_token_with_head"):
-            out["flops_per_token_with_head"] = own["flops_per_token_with_head"]
-    if job["model"]["converters"]:
-        out["fp8"] = job["quantize"]["linear"]["float8"].get("recipe_name", "tensorwise")
+    if "flops_per_token_with_head" in own:   # torchtitan's FLOPs leave a tied head's matmul out
+        out["flops_per_token_with_head"] = own["flops_per_token_with_head"]
+    if f8:
+        out["fp8"] = f8.get("recipe_name", "tensorwise")
     return out
+
+
+def stream(cmd: list[str], env: dict, log_path: Path) -> str:
+    """Run `cmd`, its output shown on stderr as it comes (compiling takes minutes) and kept in `log_path`;
+    -> the output. SystemExit when it fails."""
+    lines = []
+    with subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc, \
+            open(log_path, "w") as log:
+        for line in proc.stdout:
+            lines.append(line)
+            log.write(line)
+            sys.stderr.write(line)
+    if proc.returncode:
+        raise SystemExit(f"torchrun exited {proc.returncode}; its log: {log_path}")
+    return "".join(lines)
 
 
 def command_line() -> str:

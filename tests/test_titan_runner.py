@@ -5,6 +5,7 @@ The tests marked by importorskip also check the helpers against an installed tor
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import tomllib
@@ -126,6 +127,39 @@ def test_the_moe_job_config_holds_what_was_asked(titan):
     job = job_for(titan, ["moe-gpt2-125m", "--data", "/x/pyc", "model.moe.expert_parallel=2"])
     assert job["compile"]["enable"] is True and job["activation_checkpoint"] == {"mode": "none"}
     assert job["parallelism"]["expert_parallel_degree"] == 2 and job["training"]["local_batch_size"] == 48
+
+
+RECORDS = Path(__file__).resolve().parents[1] / "benchmarks" / "records"
+
+
+@pytest.mark.parametrize("argv, record, name", [
+    (["moe-gpt2-125m-128x", "--ep", "2", "--local-batch", "24", "--global-batch", "480"],
+     "2026-11-28-2xh200-moe-gpt2-125m-128x-ep2-vs-torchtitan.json", "torchtitan 0.2.2 MoE (qwen3 model code), EP2"),
+    (["llama-1b", "--local-batch", "2", "--float8", "tensorwise", *LLAMA_1B, "train.global_batch_size=4"],
+     "2026-11-27-2xh200-llama-1b-fsdp-2gpu-float8-200-seed1.json",
+     "torchtitan 0.2.2 torchtitan.train, float8 tensorwise"),
+])
+def test_the_json_line_has_the_records_baseline_fields(titan, tmp_path, monkeypatch, argv, record, name):
+    """prepare() writes the worker's spec and a TOML that reads back as the job config; figures() turns a run's log
+    into a line with the name, version, command and every metric the records' torchtitan baselines carry."""
+    monkeypatch.setattr(titan.tempfile, "mkdtemp", lambda prefix: str(tmp_path))
+    args = titan.parser().parse_intermixed_args([*argv, "--data", "/x/pyc", "--ngpu", "2", "--steps", "4",
+                                                 "--warmup", "2"])
+    spec, job = titan.prepare(args)
+    assert tomllib.loads((tmp_path / "job.toml").read_text()) == job
+    assert json.loads((tmp_path / "spec.json").read_text())["tie_unit"] is (spec["model"] == "qwen3")
+    own = {"params": 1, "flops_per_token": 969785856, **({"flops_per_token_with_head": 2} if spec["tie_unit"] else {})}
+    log = "\n".join(["trainbox-titan: " + json.dumps(own),
+                     "[titan] ... - INFO - Model trainbox_x trainbox size: 7,277,267,712 total parameters",
+                     *(titan_line(i, 11.3 - i / 10, 1.0, 77.64, 55.5, t, 91.6, 9.3)
+                       for i, t in enumerate([1000, 2000, 94000, 95000], 1))])
+    out = titan.figures(log, spec, job, args, "0.2.2")
+    expected = json.loads((RECORDS / record).read_text())["baseline"]["metrics"]
+    assert out["name"] == name and out["version"] == "0.2.2" and "titan_speed.py" in out["command"]
+    assert set(expected) - set(out) == set()
+    tokens = job["training"]["global_batch_size"] // 2 * job["training"]["seq_len"]   # per GPU per step
+    assert out["median_step_ms"] == pytest.approx(tokens / 94500 * 1e3, abs=0.05)
+    assert out["params"] == 7_277_267_712 and out["local_batch"] == expected["local_batch"]
 
 
 def test_train_speed_runs_titan_with_our_run_and_records_it_as_the_baseline():
