@@ -141,7 +141,8 @@ def job_config(cfg, args, dump_folder: str, model: str) -> dict:
     job = {
         "job": {"dump_folder": dump_folder, "description": f"trainbox {args.recipe} baseline"},
         "metrics": {"log_freq": 1, "enable_tensorboard": False, "disable_color_printing": True},
-        "model": {"name": f"{SPEC_NAME}_{model}", "flavor": SPEC_NAME, "converters": []},
+        "model": {"name": f"{SPEC_NAME}_{model}", "flavor": SPEC_NAME, "converters": [],
+                  "hf_assets_path": dump_folder},   # no tokenizer or Hugging Face weights are read
         "optimizer": {"name": "AdamW", "lr": o.lr, "beta1": o.betas[0], "beta2": o.betas[1], "eps": o.eps,
                       "weight_decay": o.weight_decay, "implementation": "fused"},
         "lr_scheduler": {"warmup_steps": min(o.warmup_steps, args.steps), "decay_type": "cosine",
@@ -274,7 +275,8 @@ def prepare(args) -> tuple[dict, dict]:
 
 def run(args) -> dict:
     spec, job = prepare(args)
-    cmd = ["torchrun", "--standalone", f"--nproc-per-node={args.ngpu}", str(WORKER),
+    # rank 0's lines only, as torchtitan's run_train.sh shows them: its figures and memory are rank 0's
+    cmd = ["torchrun", "--standalone", f"--nproc-per-node={args.ngpu}", "--local-ranks-filter=0", str(WORKER),
            str(Path(spec["dump"]) / "spec.json")]
     if args.dry_run:
         print(Path(spec["toml"]).read_text())

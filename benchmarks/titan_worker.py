@@ -33,7 +33,6 @@ def model_args(spec: dict):
 
 def trainbox_batches(spec: dict):
     """A build_dataloader_fn: our recipe's training windows, each micro-batch as torchtitan's ({"input"}, labels)."""
-    import torch
     from torchtitan.components.dataloader import BaseDataLoader
     from torchtitan.components.loss import IGNORE_INDEX
 
@@ -72,7 +71,6 @@ def trainbox_batches(spec: dict):
         assert train.seq_len == t.seq_len, (train.seq_len, t.seq_len)
         order = BatchOrder(train, global_, local, dp_world_size, dp_rank, cfg.run.seed)
         order.check_nonempty()
-        torch.manual_seed(cfg.run.seed)
         return TrainboxBatches(order)
 
     return build
@@ -81,10 +79,11 @@ def trainbox_batches(spec: dict):
 def tied_unit(parallelize):
     """torchtitan's parallelize function, with the tied embedding and head (and the final norm) in one FSDP unit.
 
-    torchtitan 0.2.2's apply_fsdp shards tok_embeddings and [norm, output] as two units: the tied weight becomes
-    two sharded parameters and the tie is lost. Here that unit is sharded first, with the mesh and mixed precision
-    apply_fsdp would use, and hidden from torchtitan's function while it runs (its apply_fsdp skips an absent
-    tok_embeddings or output, as it does for pipeline stages), so the blocks and the root wrap around it."""
+    torchtitan 0.2.2's apply_fsdp shards tok_embeddings and [norm, output] as two units: torch 2.13 refuses the
+    shared parameter in two groups, older torch makes it two sharded parameters (the tie is lost). Here that unit
+    is sharded first, with the mesh and mixed precision apply_fsdp would use, and hidden from torchtitan's function
+    while it runs (its apply_fsdp skips an absent tok_embeddings or output, as it does for pipeline stages), so the
+    blocks and the root wrap around it."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torchtitan.config import TORCH_DTYPE_MAP
     from torchtitan.models.llama3.infra.parallelize import disable_fsdp_gradient_division
@@ -129,7 +128,7 @@ def register(spec: dict) -> str:
     name = f"trainbox_{spec['model']}"
     register_train_spec(name, dataclasses.replace(
         base, model_args={"trainbox": model_args(spec)}, build_dataloader_fn=trainbox_batches(spec),
-        build_tokenizer_fn=None, build_validator_fn=None,
+        build_tokenizer_fn=None, build_validator_fn=None, state_dict_adapter=None,
         parallelize_fn=tied_unit(base.parallelize_fn) if spec["tie_unit"] else base.parallelize_fn))
     return name
 

@@ -104,7 +104,8 @@ def job_for(titan, argv):
 def test_the_llama_float8_job_config_holds_what_was_asked(titan):
     job = job_for(titan, ["llama-1b", "--data", "/x/pyc", "--ngpu", "2", "--local-batch", "2", "--steps", "30",
                           "--float8", "tensorwise", *LLAMA_1B, "train.global_batch_size=4", "optim.warmup_steps=10"])
-    assert job["model"] == {"name": "trainbox_llama3", "flavor": "trainbox", "converters": ["quantize.linear.float8"]}
+    assert job["model"] == {"name": "trainbox_llama3", "flavor": "trainbox", "converters": ["quantize.linear.float8"],
+                            "hf_assets_path": "/tmp/dump"}
     assert job["training"]["local_batch_size"] == 2 and job["training"]["global_batch_size"] == 4
     assert job["training"]["seq_len"] == 8192 and job["training"]["steps"] == 30
     assert job["activation_checkpoint"] == {"mode": "selective", "selective_ac_option": "op"}
