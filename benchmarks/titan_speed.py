@@ -82,8 +82,8 @@ def llama_args(cfg, vocab: int) -> dict:
 
 def moe_args(cfg, vocab: int) -> dict:
     """torchtitan Qwen3ModelArgs of our MoE GPT-2: every FFN a routed MoE (softmax router, top-k gates
-    renormalised, no shared expert), SwiGLU experts of 2/3 our GELU experts' width, RoPE in place of the learned
-    position table, no q/k norm, the head tied as ours is."""
+    renormalised, no shared expert, dropless), SwiGLU experts of 2/3 our GELU experts' width, RoPE in place of the
+    learned position table, RMSNorm in place of LayerNorm, no q/k norm, the head tied as ours is."""
     m, moe = cfg.model, cfg.model.moe
     if moe.every != 1:
         raise SystemExit("torchtitan's qwen3 makes every FFN an MoE: model.moe.every must be 1")
@@ -132,7 +132,7 @@ def job_config(cfg, args, dump_folder: str, model: str) -> dict:
     t, o = cfg.train, cfg.optim
     ac = args.ac or t.activation_checkpointing
     mode, option = AC_MODES[ac]
-    compile_ = t.compile is True if args.compile is None else args.compile
+    compile_ = t.compile in (True, "auto") if args.compile is None else args.compile   # auto: compiled on a GPU
     local = args.local_batch or t.micro_batch_size
     global_ = args.global_batch or t.global_batch_size
     ep = args.ep or (cfg.model.moe.expert_parallel if cfg.model.family == "moe" else 1)
@@ -267,7 +267,8 @@ def prepare(args) -> tuple[dict, dict]:
     spec = {"model": model, "model_args": margs, "recipe": recipe, "overrides": overrides, "dump": dump,
             "toml": str(Path(dump) / "job.toml"),
             # torchtitan 0.2.2 shards a tied embedding and head as two FSDP units (titan_worker.tied_unit)
-            "tie_unit": bool(margs.get("enable_weight_tying"))}
+            "tie_unit": bool(margs.get("enable_weight_tying")),
+            "memory_limit_gib": cfg.train.memory_limit_gib}   # train.memory_limit_gib (--memory-gib): both sides
     Path(spec["toml"]).write_text(to_toml(job))
     (Path(dump) / "spec.json").write_text(json.dumps(spec, indent=1))
     return spec, job

@@ -162,6 +162,10 @@ def main() -> None:
     config = ConfigManager().parse_args(["--job.config_file", spec["toml"]])
     if int(os.environ.get("RANK", "0")) == 0:
         print("trainbox-titan: " + json.dumps(flops_line(spec, config.training.seq_len)), flush=True)
+    if spec.get("memory_limit_gib"):   # as our train.memory_limit_gib caps ours: as on a smaller GPU
+        device = int(os.environ.get("LOCAL_RANK", "0"))
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, spec["memory_limit_gib"] * 2**30 / total), device)
     trainer = None
     try:
         trainer = Trainer(config)

@@ -145,8 +145,9 @@ def test_the_json_line_has_the_records_baseline_fields(titan, tmp_path, monkeypa
     into a line with the name, version, command and every metric the records' torchtitan baselines carry."""
     monkeypatch.setattr(titan.tempfile, "mkdtemp", lambda prefix: str(tmp_path))
     args = titan.parser().parse_intermixed_args([*argv, "--data", "/x/pyc", "--ngpu", "2", "--steps", "4",
-                                                 "--warmup", "2"])
+                                                 "--warmup", "2", "train.memory_limit_gib=80"])
     spec, job = titan.prepare(args)
+    assert spec["memory_limit_gib"] == 80   # train_speed's --memory-gib caps torchtitan's processes too
     assert tomllib.loads((tmp_path / "job.toml").read_text()) == job
     assert json.loads((tmp_path / "spec.json").read_text())["tie_unit"] is (spec["model"] == "qwen3")
     own = {"params": 1, "flops_per_token": 969785856, **({"flops_per_token_with_head": 2} if spec["tie_unit"] else {})}
