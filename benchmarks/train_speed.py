@@ -6,6 +6,8 @@
         train.parallel=ddp --record          # two of our own configurations side by side
     python benchmarks/train_speed.py moe-gpt2-125m --data ... --nproc 2 --memory-gib 80 model.moe.expert_parallel=2 \
         model.moe.exchange=padded --baseline-overrides model.moe.exchange=uneven   # as on 80 GB GPUs
+    python benchmarks/train_speed.py llama-1b --data ... --nproc 2 train.parallel=fsdp train.micro_batch_size=2 \
+        train.global_batch_size=4 model.llama.tie_embeddings=false model.vocab_size=128256 --titan= --record
 
 Runs the real loop (trainbox.train.loop.Trainer) with monitor.log_every=1, so every step ends in one
 host sync and the metrics.jsonl timestamps of consecutive steps are step times. Prints: GPU, torch,
@@ -17,6 +19,10 @@ With --nanogpt it also runs nanoGPT's train.py (code present locally, never comm
 token stream and prints its line (step time and validation loss), parsed from nanoGPT's own log. The last
 output is the result record (common.Result, nanoGPT as its baseline); --record also writes it to
 benchmarks/records/.
+With --titan="ARGS" the baseline is torchtitan (the installed package) through benchmarks/titan_speed.py, run
+first on the same recipe, overrides, data, GPU count, steps and warm-up, ARGS added to its command line (e.g.
+--titan="--local-batch 24"; the `=` because the string starts with a dash). The ratio is our tokens/s per GPU
+over its; the record's software names its version.
 """
 from __future__ import annotations
 
@@ -117,11 +123,16 @@ def main() -> None:
     ap.add_argument("--nproc", type=int, default=1, help="processes (GPUs): `trainbox train --nproc N`")
     ap.add_argument("--baseline-overrides", help='our own run with these overrides instead as the baseline, one '
                                                  'string, e.g. "train.parallel=ddp" (same machine, same call)')
+    ap.add_argument("--titan", help='torchtitan as the baseline: benchmarks/titan_speed.py with these extra '
+                                    'arguments, one string after `=`, e.g. --titan="--local-batch 24" (--titan= '
+                                    'for none)')
     ap.add_argument("--record", action="store_true", help="write the result record to benchmarks/records/")
     ap.add_argument("--what", help="the record's slug (default: RECIPE-train-speed)")
     ap.add_argument("--memory-gib", type=float, help="cap every process's GPU memory at this many GiB "
                                                      "(train.memory_limit_gib), both runs: as on a smaller GPU")
     args = ap.parse_intermixed_args()
+    if sum(x is not None for x in (args.nanogpt, args.titan, args.baseline_overrides)) > 1:
+        ap.error("one baseline a run: --nanogpt, --titan or --baseline-overrides")
     if args.memory_gib:
         args.overrides = [*args.overrides, f"train.memory_limit_gib={args.memory_gib:g}"]
     base = None
@@ -129,26 +140,55 @@ def main() -> None:
         base = run_nanogpt(args.nanogpt, args.nanogpt_data, args.steps, args.warmup, shlex.split(args.nanogpt_args),
                            args.nanogpt_seed)
         print(json.dumps(base), flush=True)
+    if args.titan is not None:   # first too, and in its own processes (torchrun)
+        base = run_titan(args)
+        print(json.dumps(base), flush=True)
     if args.baseline_overrides is not None:
         base = run_ours(args.recipe, args.data, args.steps, args.warmup,
                         [*args.overrides, *shlex.split(args.baseline_overrides)], args.nproc)
         print(json.dumps(base), flush=True)
     result = run_ours(args.recipe, args.data, args.steps, args.warmup, args.overrides, args.nproc)
     print(json.dumps(result), flush=True)
-    if base is not None:
-        if "median_step_ms" in base:
-            name = "baseline" if args.baseline_overrides is not None else "nanogpt"
-            print(json.dumps({f"speedup_vs_{name}": round(base["median_step_ms"] / result["median_step_ms"], 3)}))
     skip = ("who", "recipe", "gpu", "torch", "commit", "overrides")
+    metrics = {k: v for k, v in result.items() if k not in skip}
+    if base is not None and base.get("who") == "torchtitan":
+        metrics["speedup_vs_torchtitan"] = round(result["tokens_per_s_per_gpu"] / base["tokens_per_s_per_gpu"], 3)
+        print(json.dumps({"speedup_vs_torchtitan": metrics["speedup_vs_torchtitan"]}))
+    elif base is not None and "median_step_ms" in base:
+        name = "baseline" if args.baseline_overrides is not None else "nanogpt"
+        print(json.dumps({f"speedup_vs_{name}": round(base["median_step_ms"] / result["median_step_ms"], 3)}))
     common.emit(common.Result(
         tool="train_speed", what=args.what or f"{args.recipe}-train-speed", gpu=common.gpu_info(),
-        software=common.software(), recipe=args.recipe, overrides=args.overrides,
-        metrics={k: v for k, v in result.items() if k not in skip},
-        baseline=None if base is None else {
-            "name": "trainbox", "command": f"{args.recipe} {' '.join(args.overrides)} {args.baseline_overrides}",
-            "metrics": {k: v for k, v in base.items() if k != "who"}} if args.baseline_overrides is not None else {
-            "name": "nanoGPT train.py", "command": f"train.py {args.nanogpt_args}".strip(),
-            "metrics": {k: v for k, v in base.items() if k != "who"}}), args.record)
+        software=common.software(*(["torchtitan"] if args.titan is not None else [])), recipe=args.recipe,
+        overrides=args.overrides, metrics=metrics, baseline=baseline(args, base)), args.record)
+
+
+def baseline(args, base: dict | None) -> dict | None:
+    """The record's baseline: name, command and metrics of the run beside ours."""
+    if base is None:
+        return None
+    if base.get("who") == "torchtitan":   # its name and command say which torchtitan ran, and how
+        return {"name": base["name"], "command": base["command"],
+                "metrics": {k: v for k, v in base.items() if k not in ("who", "name", "command")}}
+    metrics = {k: v for k, v in base.items() if k != "who"}
+    if args.baseline_overrides is not None:
+        return {"name": "trainbox", "command": f"{args.recipe} {' '.join(args.overrides)} {args.baseline_overrides}",
+                "metrics": metrics}
+    return {"name": "nanoGPT train.py", "command": f"train.py {args.nanogpt_args}".strip(), "metrics": metrics}
+
+
+def titan_command(args) -> list[str]:
+    """benchmarks/titan_speed.py on our run's recipe, overrides, data, GPU count, steps and warm-up, then the
+    --titan arguments (later flags win)."""
+    return [sys.executable, str(common.HERE / "titan_speed.py"), args.recipe, "--data", args.data,
+            "--ngpu", str(args.nproc), "--steps", str(args.steps), "--warmup", str(args.warmup), *args.overrides,
+            *shlex.split(args.titan)]
+
+
+def run_titan(args) -> dict:
+    """torchtitan's run (titan_speed.py's JSON line, its last output line)."""
+    proc = subprocess.run(titan_command(args), stdout=subprocess.PIPE, text=True, check=True)
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 if __name__ == "__main__":
