@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import platform
 import shutil
+import sys
 
 import pytest
 import torch
@@ -74,19 +75,22 @@ def test_doctor_fails_when_the_recipe_needs_what_is_missing(tmp_path, monkeypatc
 
 
 def test_flash_extra_advice_names_its_cost_and_records():
-    """The decision is a function of (compute capability, whether the extra loads); its figures are the records'."""
+    """The decision is a function of (compute capability, what stops the extra); its figures are the records'."""
     from conftest import REPO
 
     from trainbox.doctor import FLASH_SPEED, PLAIN_SPEED, flash_check
 
     for cap in ((9, 0), (10, 0)):
-        warn = flash_check(cap, importable=False)
-        assert warn.status == "warn" and "trainbox[flash]" in warn.fix and f"capability {cap[0]}.{cap[1]}" in warn.value
+        warn = flash_check(cap, "flash-attn-4 is not installed")
+        assert warn.status == "warn" and warn.fix.startswith("pip install 'trainbox[flash]'")
+        assert f"capability {cap[0]}.{cap[1]} GPU (flash-attn-4 is not installed)" in warn.value
         assert (f"runs at {PLAIN_SPEED[0]} nanoGPT's speed on an H100 without it ({PLAIN_SPEED[1]}) and "
                 f"{FLASH_SPEED[0]} with it ({FLASH_SPEED[1]})") in warn.value
-        assert flash_check(cap, importable=True).status == "ok"
+        broken = flash_check(cap, "quack-kernels is installed but `import quack` fails: ImportError: x")
+        assert broken.fix.startswith("repair the install") and "import quack` fails" in broken.value
+        assert flash_check(cap, None).status == "ok"
     for cap in ((8, 0), (8, 9), (7, 5), (12, 0)):   # no FlashAttention-4 kernels there: nothing to say
-        assert flash_check(cap, importable=False) is None
+        assert flash_check(cap, "flash-attn-4 is not installed") is None
     # the figures are the records' own: gpt2-125m on one H100 against the same nanoGPT step time
     fast = json.loads((REPO / FLASH_SPEED[1]).read_text())
     plain = json.loads((REPO / PLAIN_SPEED[1]).read_text())
@@ -96,6 +100,32 @@ def test_flash_extra_advice_names_its_cost_and_records():
     assert "flash-attn-4" in fast["software"] and "did not import" in plain["notes"]
     assert f"{nanogpt_ms / fast['metrics']['median_step_ms']:.2f}x" == FLASH_SPEED[0]
     assert f"{nanogpt_ms / plain['metrics']['median_step_ms']:.2f}x" == PLAIN_SPEED[0]
+
+
+def test_flash_problem_tells_missing_from_installed_but_broken(tmp_path, monkeypatch):
+    """An installed flash-attn-4 whose import fails (its CUTLASS DSL libraries missing, as a CUDA 12 wheel set on a
+    CUDA 13 torch) is named with its error, not mistaken for a missing package. Real distributions on sys.path."""
+    import importlib
+
+    from trainbox.doctor import flash_problem
+
+    if importlib.util.find_spec("flash_attn") is not None:
+        pytest.skip("flash-attn is installed here")
+    assert flash_problem() == "flash-attn-4 is not installed"
+    (tmp_path / "flash_attn_4-4.0.0.dist-info").mkdir()
+    (tmp_path / "flash_attn_4-4.0.0.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: flash-attn-4\n"
+                                                                        "Version: 4.0.0\n")
+    (tmp_path / "flash_attn" / "cute").mkdir(parents=True)
+    (tmp_path / "flash_attn" / "__init__.py").write_text("")
+    (tmp_path / "flash_attn" / "cute" / "__init__.py").write_text("")
+    (tmp_path / "flash_attn" / "cute" / "interface.py").write_text("import cutlass_dsl_absent_here  # noqa\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        assert flash_problem() == ("flash-attn-4 is installed but `import flash_attn.cute.interface` fails: "
+                                   "ModuleNotFoundError: No module named 'cutlass_dsl_absent_here'")
+    finally:
+        for name in ("flash_attn.cute.interface", "flash_attn.cute", "flash_attn"):
+            sys.modules.pop(name, None)
 
 
 @pytest.mark.gpu
@@ -114,6 +144,6 @@ def test_doctor_on_gpu():
     fp8 = torch.version.cuda is not None and torch.cuda.get_device_capability(0) >= (8, 9)
     assert checks["fp8"].value.startswith("yes" if fp8 else "no")
     assert checks["nccl"].status == "ok"
-    from trainbox.doctor import flash_importable
+    from trainbox.doctor import flash_problem
     if torch.cuda.get_device_capability(0)[0] in (9, 10):   # Hopper, Blackwell: the flash extra, said either way
-        assert checks["flash"].status == ("ok" if flash_importable() else "warn")
+        assert checks["flash"].status == ("ok" if flash_problem() is None else "warn")

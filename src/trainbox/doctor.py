@@ -8,6 +8,8 @@ The environment (cache locations, offline flags) is passed in by the CLI (trainb
 from __future__ import annotations
 
 import glob
+import importlib
+import importlib.metadata
 import importlib.util
 import os
 import platform
@@ -23,9 +25,8 @@ from trainbox.config import RunConfig
 from trainbox.data.hub import SOURCES, download_target, plan_shards, run_samples
 from trainbox.errors import DataError, TrainboxError
 from trainbox.kernels.choice import attention_on, choose
-from trainbox.kernels.flash import EXTRA, MIN_MAJOR, _interface
+from trainbox.kernels.flash import EXTRA, MIN_MAJOR
 from trainbox.kernels.fp8 import fp8_supported
-from trainbox.kernels.fused_mlp import _quack
 from trainbox.kernels.ops import compile_cache_dir
 from trainbox.model.build import packs_examples
 from trainbox.model.spec import family
@@ -97,7 +98,7 @@ def gpu_checks() -> list[Check]:
     fp8 = all(fp8_supported(torch.device("cuda", i)) for i in range(len(caps)))
     out.append(Check("fp8", "ok", "yes (model.fp8_head, model.fp8_mlp)" if fp8 else
                      "no: model.fp8_head and model.fp8_mlp need compute capability 8.9+ (L4, L40S, H100, H200)"))
-    fast = flash_check(min(caps), flash_importable())
+    fast = flash_check(min(caps), flash_problem())
     if fast is not None:
         out.append(fast)
     flex, why = flex_attention_status(min(caps))
@@ -116,22 +117,40 @@ FLASH_SPEED = ("1.30x", "benchmarks/records/2026-11-27-h100-gpt2-125m-train-spee
 PLAIN_SPEED = ("1.15x", "benchmarks/records/2026-11-27-h100-gpt2-125m-step-time-vs-70ca097.json")
 
 
-def flash_importable() -> bool:
-    """Whether the `flash` extra loads here: FlashAttention-4 and QuACK (both, as the recipes use them)."""
-    return _interface() is not None and _quack() is not None
+# the `flash` extra's packages: (distribution, the module our kernels import from it)
+FLASH_PACKAGES = (("flash-attn-4", "flash_attn.cute.interface"), ("quack-kernels", "quack"))
 
 
-def flash_check(capability: tuple[int, int], importable: bool) -> Check | None:
-    """The `flash` extra on a GPU of `capability`: on Hopper (9.x) and Blackwell (10.x), where its kernels run, ok
-    when it loads and otherwise a warning with what it costs; None on other GPUs."""
+def flash_problem() -> str | None:
+    """None when the `flash` extra loads here (FlashAttention-4 and QuACK, both, as the recipes use them); else what
+    stops it: a package that is not installed, or one that is installed and fails to import, with its error."""
+    for dist_name, module in FLASH_PACKAGES:
+        try:
+            importlib.metadata.version(dist_name)
+        except importlib.metadata.PackageNotFoundError:
+            return f"{dist_name} is not installed"
+        try:
+            importlib.import_module(module)
+        except Exception as e:  # noqa: BLE001 - ImportError, or a CUDA/DSL library that does not load here
+            first = (str(e).splitlines() or [""])[0][:200]
+            return f"{dist_name} is installed but `import {module}` fails: {type(e).__name__}: {first}"
+    return None
+
+
+def flash_check(capability: tuple[int, int], problem: str | None) -> Check | None:
+    """The `flash` extra on a GPU of `capability` (`problem`: flash_problem's answer): on Hopper (9.x) and Blackwell
+    (10.x), where its kernels run, ok when it loads and otherwise a warning with what stops it and what it costs;
+    None on other GPUs."""
     if capability[0] not in (9, 10):
         return None
-    if importable:
+    if problem is None:
         return Check("flash", "ok", f"flash-attn-4 and quack-kernels load: attention, MLP and loss run their kernels "
                      f"(gpt2-125m on an H100: {FLASH_SPEED[0]} nanoGPT's speed, {FLASH_SPEED[1]})")
+    installed = "is installed but" in problem
+    fix = (f"repair the install: the error names the missing piece; {EXTRA}" if installed else EXTRA)
     return Check("flash", "warn", f"the `flash` extra does not load on this compute capability {capability[0]}."
-                 f"{capability[1]} GPU: gpt2-125m runs at {PLAIN_SPEED[0]} nanoGPT's speed on an H100 without it "
-                 f"({PLAIN_SPEED[1]}) and {FLASH_SPEED[0]} with it ({FLASH_SPEED[1]})", EXTRA)
+                 f"{capability[1]} GPU ({problem}): gpt2-125m runs at {PLAIN_SPEED[0]} nanoGPT's speed on an H100 "
+                 f"without it ({PLAIN_SPEED[1]}) and {FLASH_SPEED[0]} with it ({FLASH_SPEED[1]})", fix)
 
 
 def flex_attention_status(capability: tuple[int, int]) -> tuple[bool, str]:
