@@ -1,7 +1,7 @@
 """The parser and the dispatch of the command line: one function per verb (cli/train.py, cli/model.py,
-cli/configure.py, cli/data.py, cli/ops.py, cli/evaluate.py); `run` turns a library error into one short message and
-an exit code, with a traceback only when TRAINBOX_DEBUG=1. The entry point is `trainbox.cli.main`, which arms the
-stop signals first."""
+cli/configure.py, cli/data.py, cli/runs.py, cli/ops.py, cli/evaluate.py); `run` turns a library error into one short
+message and an exit code, with a traceback only when TRAINBOX_DEBUG=1. The entry point is `trainbox.cli.main`, which
+arms the stop signals first."""
 from __future__ import annotations
 
 import argparse
@@ -16,6 +16,7 @@ from trainbox.cli.data import cmd_data, cmd_inspect, cmd_prepare, cmd_tokenizer
 from trainbox.cli.epilogs import EPILOGS
 from trainbox.cli.evaluate import cmd_eval
 from trainbox.cli.model import cmd_chat, cmd_export, cmd_generate
+from trainbox.cli.runs import cmd_attach, cmd_logs, cmd_plot, cmd_runs, cmd_status, cmd_stop
 from trainbox.errors import TrainboxError
 
 # ----------------------------------------------------------------------------- parser
@@ -50,8 +51,8 @@ def _config_key_for(option: str, value: str | None) -> str | None:
 
 
 # The verbs that read a config (cli/train.py, cli/configure.py, cli/ops.py) are imported when they run: the config
-# schema and what those modules bring (launchers, monitor) are 0.2 s of every start that `prepare`, `inspect`,
-# `generate` or `chat` do not need.
+# schema and what those modules bring (launchers, the monitor's server) are 0.2 s of every start that `prepare`,
+# `inspect`, `generate`, `chat`, `runs`, `logs`, `stop` or `status` do not need.
 
 
 def cmd_train(args) -> int:
@@ -286,39 +287,39 @@ def build_parser() -> argparse.ArgumentParser:
     r = verb("runs", "list runs and their state, like docker ps")
     r.add_argument("dir", nargs="?", default="runs", help="folder holding run directories (default runs)")
     r.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    r.set_defaults(func=_ops("cmd_runs"))
+    r.set_defaults(func=cmd_runs)
 
     lg = verb("logs", "print or follow a run's train.log")
     lg.add_argument("run", help="run directory, or run name under --root")
     lg.add_argument("-f", "--follow", action="store_true", help="keep printing new lines until the run ends")
     lg.add_argument("-n", "--tail", type=int, default=None, help="only the last N lines")
     lg.add_argument("--root", default="runs", help="folder holding run directories (default runs)")
-    lg.set_defaults(func=_ops("cmd_logs"))
+    lg.set_defaults(func=cmd_logs)
 
     at = verb("attach", "follow a run's log until the run ends (Ctrl-C detaches; the run goes on)")
     at.add_argument("run", help="run directory, or run name under --root")
     at.add_argument("-n", "--tail", type=int, default=None, help="start with only the last N lines")
     at.add_argument("--root", default="runs", help="folder holding run directories (default runs)")
-    at.set_defaults(func=_ops("cmd_attach"))
+    at.set_defaults(func=cmd_attach)
 
     sp = verb("stop", "stop a run gracefully: SIGTERM, a checkpoint at the next step, wait for the exit")
     sp.add_argument("run", help="run directory, or run name under --root")
     sp.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the exit (default 600)")
     sp.add_argument("--now", action="store_true", help="SIGKILL when --timeout passes (at once with --timeout 0)")
     sp.add_argument("--root", default="runs", help="folder holding run directories (default runs)")
-    sp.set_defaults(func=_ops("cmd_stop"))
+    sp.set_defaults(func=cmd_stop)
 
     st = verb("status", "health check of a run or a monitor URL (exit 0 healthy, 1 not)")
     st.add_argument("target", help="run directory, run name under --root, or http://HOST:PORT")
     st.add_argument("--root", default="runs", help="folder holding run directories (default runs)")
     st.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for a URL (default 5)")
-    st.set_defaults(func=_ops("cmd_status"))
+    st.set_defaults(func=cmd_status)
 
     pl = verb("plot", "plot runs' train and validation loss against steps and tokens (PNG)")
     pl.add_argument("runs", nargs="+", help="run directories or names under --root")
     pl.add_argument("--out", default="loss.png", help="PNG to write (default loss.png)")
     pl.add_argument("--root", default="runs", help="folder holding run directories (default runs)")
-    pl.set_defaults(func=_ops("cmd_plot"))
+    pl.set_defaults(func=cmd_plot)
 
     db = verb("dashboard", "serve a run's dashboard from its files (a finished run, or one on another machine)")
     db.add_argument("run", help="run directory, or run name under --root")
