@@ -104,10 +104,12 @@ def test_flash_extra_advice_names_its_cost_and_records():
 
 def test_flash_problem_tells_missing_from_installed_but_broken(tmp_path, monkeypatch):
     """An installed flash-attn-4 whose import fails (its CUTLASS DSL libraries missing, as a CUDA 12 wheel set on a
-    CUDA 13 torch) is named with its error, not mistaken for a missing package. Real distributions on sys.path."""
+    CUDA 13 torch) is named with the error the kernels' loader met, not mistaken for a missing package. Real
+    distributions on sys.path."""
     import importlib
 
     from trainbox.doctor import flash_problem
+    from trainbox.kernels.flash import _interface
 
     if importlib.util.find_spec("flash_attn") is not None:
         pytest.skip("flash-attn is installed here")
@@ -120,12 +122,14 @@ def test_flash_problem_tells_missing_from_installed_but_broken(tmp_path, monkeyp
     (tmp_path / "flash_attn" / "cute" / "__init__.py").write_text("")
     (tmp_path / "flash_attn" / "cute" / "interface.py").write_text("import cutlass_dsl_absent_here  # noqa\n")
     monkeypatch.syspath_prepend(str(tmp_path))
+    _interface.cache_clear()   # the loader's answer for this sys.path, not one cached before it
     try:
-        assert flash_problem() == ("flash-attn-4 is installed but `import flash_attn.cute.interface` fails: "
+        assert flash_problem() == ("flash-attn-4 is installed but does not load: "
                                    "ModuleNotFoundError: No module named 'cutlass_dsl_absent_here'")
     finally:
         for name in ("flash_attn.cute.interface", "flash_attn.cute", "flash_attn"):
             sys.modules.pop(name, None)
+        _interface.cache_clear()
 
 
 @pytest.mark.gpu

@@ -8,7 +8,6 @@ The environment (cache locations, offline flags) is passed in by the CLI (trainb
 from __future__ import annotations
 
 import glob
-import importlib
 import importlib.metadata
 import importlib.util
 import os
@@ -25,9 +24,10 @@ from trainbox.config import RunConfig
 from trainbox.data.hub import SOURCES, download_target, plan_shards, run_samples
 from trainbox.errors import DataError, TrainboxError
 from trainbox.kernels.choice import attention_on, choose
-from trainbox.kernels.flash import EXTRA, MIN_MAJOR
+from trainbox.kernels.flash import EXTRA, MIN_MAJOR, _interface
 from trainbox.kernels.fp8 import fp8_supported
-from trainbox.kernels.ops import compile_cache_dir
+from trainbox.kernels.fused_mlp import _quack
+from trainbox.kernels.ops import LOAD_ERRORS, compile_cache_dir
 from trainbox.model.build import packs_examples
 from trainbox.model.spec import family
 from trainbox.plan import plan_run
@@ -117,23 +117,17 @@ FLASH_SPEED = ("1.30x", "benchmarks/records/2026-11-27-h100-gpt2-125m-train-spee
 PLAIN_SPEED = ("1.15x", "benchmarks/records/2026-11-27-h100-gpt2-125m-step-time-vs-70ca097.json")
 
 
-# the `flash` extra's packages: (distribution, the module our kernels import from it)
-FLASH_PACKAGES = (("flash-attn-4", "flash_attn.cute.interface"), ("quack-kernels", "quack"))
-
-
 def flash_problem() -> str | None:
-    """None when the `flash` extra loads here (FlashAttention-4 and QuACK, both, as the recipes use them); else what
-    stops it: a package that is not installed, or one that is installed and fails to import, with its error."""
-    for dist_name, module in FLASH_PACKAGES:
+    """None when the `flash` extra loads here (FlashAttention-4 and QuACK, both, as the recipes use them, through the
+    kernels' own loaders); else what stops it: a package that is not installed, or one that is installed and does
+    not load, with the reason its loader recorded."""
+    for dist_name, loader in (("flash-attn-4", _interface), ("quack-kernels", _quack)):
         try:
             importlib.metadata.version(dist_name)
         except importlib.metadata.PackageNotFoundError:
             return f"{dist_name} is not installed"
-        try:
-            importlib.import_module(module)
-        except Exception as e:  # noqa: BLE001 - ImportError, or a CUDA/DSL library that does not load here
-            first = (str(e).splitlines() or [""])[0][:200]
-            return f"{dist_name} is installed but `import {module}` fails: {type(e).__name__}: {first}"
+        if loader() is None:
+            return f"{dist_name} is installed but does not load: {LOAD_ERRORS.get(dist_name, 'no reason recorded')}"
     return None
 
 

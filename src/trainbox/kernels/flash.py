@@ -27,7 +27,7 @@ import functools
 import torch
 
 from trainbox.errors import ConfigError
-from trainbox.kernels.ops import eager
+from trainbox.kernels.ops import eager, load_failed
 
 MIN_MAJOR = 9  # compute capability: FlashAttention-4's backward runs on Hopper (9.x) and Blackwell
 EXTRA = "pip install 'trainbox[flash]'  (FlashAttention-4; on CUDA 13 builds of torch: 'flash-attn-4[cu13]')"
@@ -40,7 +40,8 @@ def _interface():
     sets them, see cli/train.py.)"""
     try:
         from flash_attn.cute import interface  # optional: flash_attn
-    except Exception:  # noqa: BLE001 - ImportError, or a CUDA/DSL library that does not load here
+    except Exception as e:  # noqa: BLE001 - ImportError, or a CUDA/DSL library that does not load here
+        load_failed("flash-attn-4", e)
         return None
     return interface
 

@@ -33,7 +33,7 @@ from types import SimpleNamespace
 
 import torch
 
-from trainbox.kernels.ops import gelu_tanh
+from trainbox.kernels.ops import gelu_tanh, load_failed
 
 log = logging.getLogger("trainbox")  # the library logger
 EXTRA = "pip install 'trainbox[flash]'  (QuACK comes with FlashAttention-4)"
@@ -53,12 +53,13 @@ def _quack():
             GELU(h), which the forward has written already."""
             dh, _ = dgelu_tanh_approx(c, acc)
             return {"D": dh}
-    except ImportError:
+    except ImportError as e:
+        load_failed("quack-kernels", e)
         return None
     except Exception as e:  # noqa: BLE001 - a broken CUDA/CuTe install counts as missing, with its reason
         # (QuACK fingerprints an epilogue's dependencies, and refuses CuTe's own unless they are installed in a
         # site-packages folder: a `pip install --target` elsewhere fails here)
-        log.warning(f"QuACK does not load ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})")
+        log.warning(f"QuACK does not load ({load_failed('quack-kernels', e)})")
         return None
 
     return SimpleNamespace(gemm=gemm_interface.gemm, gemm_act=gemm_interface.gemm_act, dgelu=dgelu)

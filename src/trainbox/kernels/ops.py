@@ -16,6 +16,17 @@ import tempfile
 
 import torch
 
+# why an optional kernel package did not load, by distribution (flash-attn-4, quack-kernels): its loader
+# (kernels/flash.py _interface, kernels/fused_mlp.py _quack) writes it, doctor reports it
+LOAD_ERRORS: dict[str, str] = {}
+
+
+def load_failed(dist_name: str, e: BaseException) -> str:
+    """Record why `dist_name` did not load (the exception's type and first line) -> that reason."""
+    first = str(e).splitlines()[0][:200] if str(e) else ""
+    LOAD_ERRORS[dist_name] = f"{type(e).__name__}: {first}"
+    return LOAD_ERRORS[dist_name]
+
 
 def autocast_dtype(device_type: str, default: torch.dtype | None) -> torch.dtype | None:
     """The dtype matmuls run in under autocast on `device_type`, else `default`."""
