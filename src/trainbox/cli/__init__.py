@@ -29,5 +29,7 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted", file=sys.stderr)
         return 130
     finally:
-        if armed is not None:
+        # called in-process (argv given): the caller gets its handlers back. As the process's entry point the
+        # handler stays until the exit, so a signal that lands while the interpreter shuts down changes nothing
+        if armed is not None and argv is not None:
             armed.restore()
