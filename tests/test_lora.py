@@ -323,3 +323,34 @@ def test_fused_loss_equals_the_logits_path_in_loss_and_adapter_gradients(tmp_pat
     assert ga.keys() == gb.keys() and len(ga) > 0
     for n in ga:
         torch.testing.assert_close(gb[n], ga[n], rtol=1e-4, atol=1e-6, msg=n)
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+def test_compiled_4bit_model_lets_the_partitioner_recompute_custom_ops(tmp_path, monkeypatch, quantized):
+    """Compiled QLoRA: bitsandbytes' 4-bit matmuls are custom ops off the partitioner's recompute allow-list, so
+    their outputs were saved for the backward despite gradient checkpointing (a 0.5B model's peak 6.80 GiB against
+    2.48 with recompute allowed, H200, benchmarks/records/2026-11-29-h200-lora-0.5b-speed-2.json). A 4-bit model
+    lifts the ban when the run compiles; any other model keeps torch's default. bitsandbytes needs a GPU, so here
+    the loop builds the tiny model as a quantized one would be wrapped (HFCausalLM(quantized=True))."""
+    import torch._functorch.config as functorch_config
+
+    import trainbox.train.build as build
+    from trainbox.config.layout import decide_layout
+    from trainbox.model.hf.model import HFCausalLM
+    from trainbox.parallel.distributed import Dist
+
+    real = build.build_model
+
+    def as_quantized(*args, **kwargs):
+        built = real(*args, **kwargs)
+        return HFCausalLM(built.peft, built.path, quantized=quantized)
+
+    monkeypatch.setattr(functorch_config, "ban_recompute_not_in_allowlist", True)   # torch's default, restored after
+    monkeypatch.setattr(build, "build_model", as_quantized)
+    model = hf_tiny.make_model(tmp_path / "base")
+    hf_tiny.make_chat_file(tmp_path / "chat.jsonl")
+    cfg = load_config("lora", lora_args(tmp_path, model, "q", "train.max_steps=1", "train.compile=true"))
+    built = build.build_model_side(cfg, decide_layout(cfg, 1, "cpu"), 0, torch.device("cpu"), Dist(),
+                                   init_weights=True)
+    assert built.model.quantized is quantized
+    assert functorch_config.ban_recompute_not_in_allowlist is not quantized

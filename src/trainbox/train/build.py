@@ -123,6 +123,8 @@ def build_model_side(cfg: RunConfig, layout: RunLayout, vocab: int, device: torc
         apply_activation_checkpointing(model, cfg.train.activation_checkpointing)
     if cfg.train.compile:
         allow_cached_autograd_functions()
+        if getattr(model, "recompute_custom_ops", False):
+            allow_recomputing_custom_ops()
     if sharded:
         parallel = ShardedParallel(model, dist, device, dtype, cfg.train.reshard_after_forward, cfg.train.compile,
                                    float8=cfg.train.float8)
@@ -143,6 +145,16 @@ def frozen_copy(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     for p in ref.parameters():
         p.data = p.data.to(dtype)
     return ref
+
+
+def allow_recomputing_custom_ops() -> None:
+    """Let the partitioner recompute in the backward any op that is not random or a matmul of torch's, custom ops
+    included (by default only ops on its allow-list). A model asks for it (`recompute_custom_ops`) when its layers
+    run custom ops that gradient checkpointing must recompute: QLoRA's 4-bit matmuls (bitsandbytes' gemm_4bit).
+    Banned from recompute, their outputs were saved for the backward in every checkpointed layer. A 0.5B model on an
+    H200: peak 6.80 GiB banned, 2.48 GiB allowed (the Trainer's: 4.25), at 0.83x the tokens/s, the price of the
+    recomputation that checkpointing asks for (benchmarks/records/2026-11-29-h200-lora-0.5b-speed{,-2}.json)."""
+    functorch_config.ban_recompute_not_in_allowlist = False
 
 
 def allow_cached_autograd_functions() -> None:

@@ -13,7 +13,8 @@ the same training loop as every other family. Choices:
   PEFT keeps them); on CPU everything is fp32.
 - QLoRA: `quant.load_in_4bit` is NF4 with double quantisation and bf16 compute; `quant.load_in_8bit`
   is LLM.int8. Both need bitsandbytes and a CUDA/ROCm GPU; `check_quant_support` says what is missing
-  before any weights are read.
+  before any weights are read. Compiled, the 4-bit matmuls are recomputed under gradient checkpointing like every
+  other op of a layer (train/build.py allow_recomputing_custom_ops), so QLoRA peaks below the 16-bit LoRA's memory.
 - Gradient checkpointing (`lora.gradient_checkpointing`) is HF's own, non-reentrant, so the RNG of
   LoRA dropout is replayed exactly in the recomputation and resume stays bit-exact on CPU.
 - The loss is ours (`gpt.cross_entropy` on the loop's shifted targets and loss mask), so masking and
@@ -130,6 +131,8 @@ class HFCausalLM(nn.Module):
     def __init__(self, peft_model: nn.Module, path: str, quantized: bool, fused_loss: bool = False):
         super().__init__()
         self.peft, self.path, self.quantized = peft_model, path, quantized
+        # compiled, bitsandbytes' 4-bit matmuls (custom ops) are recomputed in the backward, not saved (train/build.py)
+        self.recompute_custom_ops = quantized
         conf = peft_model.get_base_model().config
         self.hf_config = conf
         self.block_size = getattr(conf, "max_position_embeddings", None) or getattr(conf, "n_positions", 2048)
