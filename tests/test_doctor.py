@@ -88,6 +88,12 @@ def test_flash_extra_advice_names_its_cost_and_records():
                 f"{FLASH_SPEED[0]} with it ({FLASH_SPEED[1]})") in warn.value
         broken = flash_check(cap, "quack-kernels is installed but `import quack` fails: ImportError: x")
         assert broken.fix.startswith("repair the install") and "import quack` fails" in broken.value
+        # QuACK 0.6.5 with the CUTLASS DSL installed by `pip install --target /tmp/fx`, as it failed on an H200
+        outside = flash_check(cap, "quack-kernels is installed but does not load: TypeError: epilogue fn depends on "
+                                   "<ContextVar name='_LOC_TRANSFORMS'> (type _contextvars.ContextVar), which has no "
+                                   "fail-closed semantic key.")
+        assert outside.status == "warn" and outside.fix.startswith("install the extra into the environment's "
+                                                                   "site-packages")
         assert flash_check(cap, None).status == "ok"
     for cap in ((8, 0), (8, 9), (7, 5), (12, 0)):   # no FlashAttention-4 kernels there: nothing to say
         assert flash_check(cap, "flash-attn-4 is not installed") is None

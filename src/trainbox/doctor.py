@@ -142,6 +142,11 @@ def flash_check(capability: tuple[int, int], problem: str | None) -> Check | Non
                      f"(gpt2-125m on an H100: {FLASH_SPEED[0]} nanoGPT's speed, {FLASH_SPEED[1]})")
     installed = "is installed but" in problem
     fix = (f"repair the install: the error names the missing piece; {EXTRA}" if installed else EXTRA)
+    if installed and "semantic key" in problem:   # QuACK fingerprints the code an epilogue calls, and reads only
+        # packages under a site-packages (or dist-packages) folder as installed ones: `pip install --target` elsewhere,
+        # or a PYTHONPATH checkout, of the CUTLASS DSL fails so
+        fix = ("install the extra into the environment's site-packages (not `pip install --target` elsewhere or a "
+               f"PYTHONPATH folder: QuACK refuses the CUTLASS DSL from outside one); {EXTRA}")
     return Check("flash", "warn", f"the `flash` extra does not load on this compute capability {capability[0]}."
                  f"{capability[1]} GPU ({problem}): gpt2-125m runs at {PLAIN_SPEED[0]} nanoGPT's speed on an H100 "
                  f"without it ({PLAIN_SPEED[1]}) and {FLASH_SPEED[0]} with it ({FLASH_SPEED[1]})", fix)
