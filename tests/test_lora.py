@@ -329,9 +329,11 @@ def test_fused_loss_equals_the_logits_path_in_loss_and_adapter_gradients(tmp_pat
 def test_compiled_4bit_model_lets_the_partitioner_recompute_custom_ops(tmp_path, monkeypatch, quantized):
     """Compiled QLoRA: bitsandbytes' 4-bit matmuls are custom ops off the partitioner's recompute allow-list, so
     their outputs were saved for the backward despite gradient checkpointing (a 0.5B model's peak 6.80 GiB against
-    2.48 with recompute allowed, H200, benchmarks/records/2026-11-29-h200-lora-0.5b-speed-2.json). A 4-bit model
-    lifts the ban when the run compiles; any other model keeps torch's default. bitsandbytes needs a GPU, so here
-    the loop builds the tiny model as a quantized one would be wrapped (HFCausalLM(quantized=True))."""
+    2.48 with recompute allowed, H200, benchmarks/records/2026-11-29-h200-lora-0.5b-speed-2.json). The run's forward
+    of a 4-bit model, where graphs are compiled and partitioned, lifts the ban; outside it, and for any other model,
+    torch's default holds. bitsandbytes needs a GPU, so here the loop builds the tiny model as a quantized one is
+    wrapped (HFCausalLM(quantized=True)), and torch.compile is left out (Inductor on a CPU takes long): what is
+    checked is the setting the compiler would see inside the forward."""
     import torch._functorch.config as functorch_config
 
     import trainbox.train.build as build
@@ -347,10 +349,58 @@ def test_compiled_4bit_model_lets_the_partitioner_recompute_custom_ops(tmp_path,
 
     monkeypatch.setattr(functorch_config, "ban_recompute_not_in_allowlist", True)   # torch's default, restored after
     monkeypatch.setattr(build, "build_model", as_quantized)
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: fn)
     model = hf_tiny.make_model(tmp_path / "base")
     hf_tiny.make_chat_file(tmp_path / "chat.jsonl")
     cfg = load_config("lora", lora_args(tmp_path, model, "q", "train.max_steps=1", "train.compile=true"))
     built = build.build_model_side(cfg, decide_layout(cfg, 1, "cpu"), 0, torch.device("cpu"), Dist(),
                                    init_weights=True)
     assert built.model.quantized is quantized
-    assert functorch_config.ban_recompute_not_in_allowlist is not quantized
+    seen = []
+    built.model.register_forward_pre_hook(lambda *_: seen.append(functorch_config.ban_recompute_not_in_allowlist))
+    ids = torch.randint(0, 300, (2, 16))
+    loss = built.parallel.forward(ids, ids, reduction="sum").loss
+    assert seen == [not quantized] and torch.isfinite(loss)
+    assert functorch_config.ban_recompute_not_in_allowlist is True
+
+
+@torch.library.custom_op("trainbox_test::widen", mutates_args=())
+def _widen(x: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """x (N, C) times a weight stored small (int8, (F, C)) and made large inside the op, as a 4-bit matmul does."""
+    return x @ (q.float() * 0.5).t()
+
+
+@_widen.register_fake
+def _(x, q):
+    return x.new_empty(x.shape[0], q.shape[0])
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_recomputing_custom_ops_saves_the_small_inputs_not_the_large_product(recompute):
+    """The mechanism behind the test above, compiled for real (AOTAutograd's min-cut partitioner, without Inductor's
+    code generation): by default the partitioner saves the custom op's large output for the backward; inside the
+    run's forward wrapped by `recomputing_custom_ops` it saves the op's small inputs and runs the op again in the
+    backward. The gradient is the same either way."""
+    import torch._functorch.config as functorch_config
+
+    from trainbox.train.build import recomputing_custom_ops
+
+    torch.manual_seed(0)
+    q = torch.randint(-8, 8, (256, 16), dtype=torch.int8)
+    w = torch.randn(256, requires_grad=True)
+
+    def step(x):
+        return (torch.relu(_widen(x, q)) * w).sum()
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, backend="aot_eager_decomp_partition", fullgraph=True)
+    forward = recomputing_custom_ops(compiled) if recompute else compiled
+    x, saved = torch.randn(32, 16), []
+    with functorch_config.patch(ban_recompute_not_in_allowlist=True):   # torch's default
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t, lambda t: t):
+            loss = forward(x)
+        loss.backward()
+    torch._dynamo.reset()
+    assert sorted(saved) == ([(32, 16), (256, 16)] if recompute else [(32, 256)])
+    want = torch.relu(x @ (q.float() * 0.5).t()).sum(0)
+    torch.testing.assert_close(w.grad, want)

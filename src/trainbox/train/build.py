@@ -123,8 +123,6 @@ def build_model_side(cfg: RunConfig, layout: RunLayout, vocab: int, device: torc
         apply_activation_checkpointing(model, cfg.train.activation_checkpointing)
     if cfg.train.compile:
         allow_cached_autograd_functions()
-        if getattr(model, "recompute_custom_ops", False):
-            allow_recomputing_custom_ops()
     if sharded:
         parallel = ShardedParallel(model, dist, device, dtype, cfg.train.reshard_after_forward, cfg.train.compile,
                                    float8=cfg.train.float8)
@@ -134,6 +132,8 @@ def build_model_side(cfg: RunConfig, layout: RunLayout, vocab: int, device: torc
         parallel = DataParallel(model, dist, device)
         if cfg.train.compile:
             parallel.compile()
+    if cfg.train.compile and getattr(model, "recompute_custom_ops", False):
+        parallel.forward = recomputing_custom_ops(parallel.forward)
     optimizers = build_optimizers(model, cfg.optim, device)
     return RunModel(model, kernels, optimizers, parallel, frozen)
 
@@ -147,14 +147,20 @@ def frozen_copy(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     return ref
 
 
-def allow_recomputing_custom_ops() -> None:
-    """Let the partitioner recompute in the backward any op that is not random or a matmul of torch's, custom ops
-    included (by default only ops on its allow-list). A model asks for it (`recompute_custom_ops`) when its layers
-    run custom ops that gradient checkpointing must recompute: QLoRA's 4-bit matmuls (bitsandbytes' gemm_4bit).
-    Banned from recompute, their outputs were saved for the backward in every checkpointed layer. A 0.5B model on an
-    H200: peak 6.80 GiB banned, 2.48 GiB allowed (the Trainer's: 4.25), at 0.83x the tokens/s, the price of the
-    recomputation that checkpointing asks for (benchmarks/records/2026-11-29-h200-lora-0.5b-speed{,-2}.json)."""
-    functorch_config.ban_recompute_not_in_allowlist = False
+def recomputing_custom_ops(forward):
+    """`forward`, run with torch's partitioner allowed to recompute in the backward any op that is not random or a
+    matmul, custom ops included (by default only ops on its allow-list), so the graphs compiled during its calls are
+    partitioned that way. Scoped to the run's forward: the process's other compiled code keeps torch's default.
+
+    A model asks for it (`recompute_custom_ops`) when its layers run custom ops that gradient checkpointing must
+    recompute: QLoRA's 4-bit matmuls (bitsandbytes' gemm_4bit). Banned from recompute, their outputs were saved for
+    the backward in every checkpointed layer. A 0.5B model on an H200: peak 6.80 GiB banned, 2.48 GiB allowed (the
+    Trainer's: 4.25), at 0.83x the tokens/s, the price of the recomputation that checkpointing asks for
+    (benchmarks/records/2026-11-29-h200-lora-0.5b-speed{,-2}.json)."""
+    def run(*args, **kwargs):
+        with functorch_config.patch(ban_recompute_not_in_allowlist=False):
+            return forward(*args, **kwargs)
+    return run
 
 
 def allow_cached_autograd_functions() -> None:

@@ -14,7 +14,7 @@ the same training loop as every other family. Choices:
 - QLoRA: `quant.load_in_4bit` is NF4 with double quantisation and bf16 compute; `quant.load_in_8bit`
   is LLM.int8. Both need bitsandbytes and a CUDA/ROCm GPU; `check_quant_support` says what is missing
   before any weights are read. Compiled, the 4-bit matmuls are recomputed under gradient checkpointing like every
-  other op of a layer (train/build.py allow_recomputing_custom_ops), so QLoRA peaks below the 16-bit LoRA's memory.
+  other op of a layer (train/build.py recomputing_custom_ops), so QLoRA peaks below the 16-bit LoRA's memory.
 - Gradient checkpointing (`lora.gradient_checkpointing`) is HF's own, non-reentrant, so the RNG of
   LoRA dropout is replayed exactly in the recomputation and resume stays bit-exact on CPU.
 - The loss is ours (`gpt.cross_entropy` on the loop's shifted targets and loss mask), so masking and
