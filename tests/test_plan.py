@@ -88,6 +88,24 @@ def test_hugging_face_model_counted_from_its_config(hf_llama):
     assert counts.shapes.gated and counts.shapes.d == 32 and counts.shapes.ffn == 64
 
 
+@pytest.mark.parametrize("quant, linear_bytes", [("quant.load_in_4bit=true", 0.5625), ("quant.load_in_8bit=true", 1),
+                                                 (None, 2)])
+def test_quantized_base_counts_its_linear_layers_quantized_and_the_rest_fp32(hf_llama, quant, linear_bytes):
+    """4/8-bit loading (transformers' bitsandbytes integration) quantizes the linear layers but the output head, and
+    PEFT's prepare_model_for_kbit_training casts every other parameter of the base to fp32; a bf16 base stays bf16.
+    The frozen linear layers are counted here on the Hugging Face model itself."""
+    from transformers import AutoModelForCausalLM
+    base = AutoModelForCausalLM.from_pretrained(hf_llama)
+    linear = sum(m.weight.numel() for name, m in base.named_modules()
+                 if isinstance(m, torch.nn.Linear) and not name.endswith("lm_head"))
+    cfg = load_config("lora", [f"model.path={hf_llama}", "train.dtype=bf16", *([quant] if quant else [])])
+    plan = make_plan(cfg, run_vocab(cfg), gpu("H200"))
+    c = plan.counts
+    assert c.frozen_linear == linear and 0 < linear < c.frozen
+    rest = 4 if quant else 2
+    assert plan.memory.params == int(4 * c.trainable + linear_bytes * linear + rest * (c.frozen - linear))
+
+
 # ----------------------------------------------------------------------------- activations
 
 

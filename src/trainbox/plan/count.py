@@ -54,6 +54,8 @@ class ParamCount:
     blocks_matmul: int  # of those, the ones inside the blocks
     apart: int = 0      # outside the blocks in FSDP units of their own (parallel/fsdp.apart: an untied table)
     head_frozen: bool = False   # the output head's weight does not train (a LoRA base's)
+    frozen_linear: int = 0      # frozen weights of linear layers other than the output head: what 4/8-bit loading
+    #                             quantizes (bitsandbytes through transformers keeps the head as it is)
     shapes: Shapes | None = None
     flops_per_token: float = 0.0   # the model's own training FLOPs per token at data.seq_len (0: it has none)
 
@@ -181,6 +183,9 @@ def _count(cfg: RunConfig, vocab: int) -> ParamCount:
         apart=sum(p.numel() for m in apart(model) for p in m.parameters()), shapes=shapes,
         head_frozen=any(not m.weight.requires_grad for name, m in model.named_modules()
                         if name.rsplit(".", 1)[-1] == "lm_head" and isinstance(m, nn.Linear)),
+        frozen_linear=sum(m.weight.numel() for name, m in model.named_modules()
+                          if isinstance(m, nn.Linear) and not m.weight.requires_grad
+                          and name.rsplit(".", 1)[-1] != "lm_head"),
         flops_per_token=float(flops(cfg.data.seq_len)) if callable(flops) else 0.0)
 
 

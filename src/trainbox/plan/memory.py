@@ -108,6 +108,7 @@ class MemoryPlan:
     sequences: int = 1      # sequences a sample puts through the model (train.objective=dpo: a pair, two)
     time: StepTime | None = None   # the predicted step time (plan/time.py); None where the GPU has no rates
     state_dtype: str = "fp32"   # optim.state_dtype: AdamW's moments
+    base: str = "bf16"          # a frozen base's linear layers: bf16, or nf4 / int8 (quant.load_in_4bit / 8bit)
 
     @property
     def fits(self) -> bool:
@@ -200,8 +201,12 @@ def memory(cfg: RunConfig, counts: ParamCount, vocab: int, target: Target, layou
         comm += gathered + 2 * counts.root + (2 + 2 * 4) * unit
     if ep > 1 and spec.experts:
         comm += 4 * m.moe.top_k * rows * cfg.data.seq_len * m.n_embd * a   # dispatch and combine, both ways
-    frozen = counts.frozen * (0.5625 if cfg.quant.load_in_4bit else 1 if cfg.quant.load_in_8bit else a)
-    params = 4 * local + frozen / shard          # frozen bases: bf16 on a GPU (NF4: 4.5 bits with its scales)
+    quantized = cfg.quant.load_in_4bit or cfg.quant.load_in_8bit
+    # frozen bases: bf16 on a GPU; 4/8-bit loading quantizes the linear layers (NF4: 4.5 bits with its scales) and
+    # PEFT's prepare_model_for_kbit_training casts the rest (embeddings, norms, the head) to fp32
+    frozen = (counts.frozen_linear * (0.5625 if cfg.quant.load_in_4bit else 1)
+              + 4 * (counts.frozen - counts.frozen_linear)) if quantized else counts.frozen * a
+    params = 4 * local + frozen / shard
     overhead = pools = 0
     # the peak is at the start of the last micro-batch's backward: gradients are there only where earlier
     # micro-batches of the step left them (the loop sets them to None after each step), or where the

@@ -64,7 +64,9 @@ def format_plan(plan: MemoryPlan, overrides: list[str] | tuple[str, ...] = ()) -
     comm = {"ddp": "DDP's gradient buckets", "fsdp": "gathered blocks, reduce-scatter buffers"}[lay.parallel]
     if lay.expert_parallel > 1:
         comm += ", all-to-all buffers"
-    rows = [("parameters", mem.params, "fp32" + (", bf16 frozen base" if c.frozen else "")),
+    base = ("bf16 frozen base" if plan.base == "bf16" else
+            f"frozen base: {plan.base} linear layers, the rest fp32 (prepare_model_for_kbit_training)")
+    rows = [("parameters", mem.params, "fp32" + (f", {base}" if c.frozen else "")),
             ("gradients", mem.gradients, "fp32" if mem.gradients else
              "none at the peak: one micro-batch a step, gradients are made in its backward"),
             ("optimizer state", mem.optimizer,
