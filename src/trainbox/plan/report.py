@@ -18,7 +18,7 @@ def _m(n: float) -> str:
 
 def time_text(t: StepTime) -> str:
     return (f"{t.step:.2f} s a step, {t.tokens_per_s_per_gpu:,.0f} tokens/s per GPU (compute {t.compute:.2f} s, "
-            f"exchanges {t.exchanges:.2f}, host {t.host:.2f}, optimizer {t.optimizer:.2f})")
+            f"exchanges {t.exchanges:.2f}, host {t.host:.2f}, weights {t.weights:.2f}, optimizer {t.optimizer:.2f})")
 
 
 def _row(s: Suggestion, recipe: str | None, overrides) -> str:

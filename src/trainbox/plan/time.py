@@ -28,10 +28,15 @@ Per rank, for a step of `accumulation` micro-batches of `micro` sequences:
                 is read back: the host runs ahead of the GPU and sets no floor (the padded step on 2 H200s is
                 the GPU's compute and exchanges, 2026-11-28-2xh200-moe-gpt2-125m-128x-ep2-padded-vs-uneven-
                 h100mem.json)
+    weights     outside fsdp, at the memory bandwidth: every micro-batch, autocast's 16-bit copies of the trainable
+                matmul weights (4 bytes read, 2 written) and the backward's fp32 gradients of them (2 read, 4
+                written); from the second micro-batch on, every gradient added into .grad (8 read, 4 written). Under
+                expert parallelism the experts' copies are made once a step and their gradients added by one kernel
+                each micro-batch (parallel/expert.py, kernels/accumulate.py: 6 read, 4 written)
     optimizer   OPTIMIZER_BYTES per parameter a rank updates (with optim.state_dtype=bf16, the bytes of
                 kernels/adamw.py's step), at its memory bandwidth
 
-    step = accumulation x (micro-batch) + ddp's exposed all-reduce + optimizer
+    step = accumulation x (micro-batch) + ddp's exposed all-reduce + weights + optimizer
 
 The plan counts every routed assignment; with a capacity, expert parallelism's uneven exchange computes and sends
 only the kept ones, so a run whose router drops assignments can take less (the 128-expert runs on 4 H200s that
@@ -74,7 +79,7 @@ EXCHANGES = 0.73
 # seconds of host work per MoE layer and micro-batch under expert parallelism (its forward and backward), which
 # the GPU cannot run ahead of: the 128-expert MoE at expert parallelism 2, 15 micro-batches of 16 a step
 # (2026-11-28-2xh200-moe-gpt2-125m-128x-ep2-2gpu-vs-de3474f.json)
-HOST = 10.7e-3
+HOST = 9.2e-3
 # seconds a recomputed MoE layer (train.activation_checkpointing) under the uneven exchange adds per micro-batch:
 # its forward runs again in the backward and reads the split sizes again there, so the GPU's queue drains once more
 # per layer: the 128-expert MoE at expert parallelism 2, selective, micro-batch 48
@@ -95,6 +100,7 @@ class StepTime:
     host: float          # expert parallelism: host reads, and time the GPU waits on the host
     optimizer: float
     communication: float   # every exchange's time, hidden or not (what a profile's NCCL kernels add up to)
+    weights: float         # the weight casts and gradient additions of every micro-batch (outside fsdp)
     tokens_per_s_per_gpu: float
 
     def as_dict(self) -> dict:
@@ -163,9 +169,25 @@ def step_time(cfg: RunConfig, counts: ParamCount, target: Target, layout, micro:
         exposed = max(all_reduce - 2 / 3 * compute, last)
     updated = counts.trainable / nproc if parallel == "fsdp" else counts.dense + counts.expert / ep
     optimizer = OPTIMIZER_BYTES[cfg.optim.state_dtype] * updated / rates.memory
-    step = accumulation * micro_s + exposed + optimizer
+    weights = 0.0 if parallel == "fsdp" else weight_bytes(cfg, counts, ep, accumulation) / rates.memory
+    step = accumulation * micro_s + exposed + weights + optimizer
     return StepTime(step=step, compute=accumulation * compute,
                     exchanges=accumulation * (micro_s - compute - host) + exposed,
                     host=accumulation * host, optimizer=optimizer,
-                    communication=accumulation * comm + all_reduce,
+                    communication=accumulation * comm + all_reduce, weights=weights,
                     tokens_per_s_per_gpu=accumulation * tokens / step)
+
+
+def weight_bytes(cfg: RunConfig, counts: ParamCount, ep: int, accumulation: int) -> float:
+    """Bytes a step of `accumulation` micro-batches moves per rank outside fsdp for the weights themselves (the
+    module docstring's `weights`): autocast's casts and their gradients' casts where the run trains in 16 bits, and
+    the gradients added up over the micro-batches."""
+    sixteen = cfg.train.dtype != "fp32"
+    local_experts = counts.expert / ep
+    if ep > 1:   # the experts' copies once a step, their gradients added each micro-batch by one kernel
+        cast = (12 * (counts.matmul - counts.expert) * accumulation + 6 * local_experts) if sixteen else 0.0
+        added = 12 * counts.dense * (accumulation - 1) + 10 * local_experts * accumulation
+    else:
+        cast = 12 * counts.matmul * accumulation if sixteen else 0.0
+        added = 12 * counts.trainable * (accumulation - 1)
+    return cast + added
