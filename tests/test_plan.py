@@ -355,23 +355,29 @@ def test_dpo_prediction_within_the_margin_of_its_measured_peaks(tmp_path, part):
     assert abs(plan.memory.peak_allocated / (measured * GiB) - 1) < MARGIN, plan.memory
 
 
-def test_lora_prediction_within_the_margin_of_its_measured_peak(tmp_path):
-    """LoRA as benchmarks/lora_speed.py ran it on an H200 (compiled, gradient checkpointing, 8 x 1,024 tokens): the
-    0.5B Llama-shaped model from its config.json alone."""
+@pytest.mark.parametrize("mode, record", [("lora", "2026-11-29-h200-lora-0.5b-speed.json"),
+                                          ("qlora", "2026-11-29-h200-lora-0.5b-speed-2.json")])
+def test_lora_and_qlora_predictions_within_the_margin_of_their_measured_peaks(tmp_path, mode, record):
+    """LoRA and QLoRA as benchmarks/lora_speed.py ran them on an H200 (compiled, gradient checkpointing, 8 x 1,024
+    tokens): the 0.5B Llama-shaped model from its config.json alone, its vocabulary (the logits) included. LoRA's
+    bf16 base carries a bf16 residual stream; QLoRA's keeps what bitsandbytes and PEFT's
+    prepare_model_for_kbit_training leave: NF4 linear layers, fp32 embeddings and norms, an fp32 residual stream."""
     from transformers import LlamaConfig
     sys.path.insert(0, str(REPO / "benchmarks"))
     from lora_speed import LORA, SIZES
-    rec = json.loads((REPO / "benchmarks/records/2026-11-29-h200-lora-0.5b-speed.json").read_text())
+    rec = json.loads((REPO / "benchmarks" / "records" / record).read_text())
     m = rec["metrics"]
     LlamaConfig(**SIZES[m["size"]], max_position_embeddings=4096, tie_word_embeddings=True, eos_token_id=0,
                 bos_token_id=0).save_pretrained(tmp_path)
     from trainbox.model.build import resolve_model
     cfg = resolve_model(load_config("lora", [
-        f"model.path={tmp_path}", "data.tokenizer=gpt2", f"data.seq_len={m['seq_len']}",
-        f"train.micro_batch_size={m['micro_batch']}", f"train.global_batch_size={m['micro_batch'] * m['accum']}",
-        f"lora.r={LORA['r']}", f"lora.alpha={LORA['alpha']}", f"lora.dropout={LORA['dropout']}", "train.dtype=bf16"]))
+        f"model.path={tmp_path}", f"data.seq_len={m['seq_len']}", f"train.micro_batch_size={m['micro_batch']}",
+        f"train.global_batch_size={m['micro_batch'] * m['accum']}", f"lora.r={LORA['r']}",
+        f"lora.alpha={LORA['alpha']}", f"lora.dropout={LORA['dropout']}", "train.dtype=bf16",
+        *(["quant.load_in_4bit=true"] if mode == "qlora" else [])]))
+    assert run_vocab(cfg) == SIZES[m["size"]]["vocab_size"]   # the base's own, read from its config.json
     plan = make_plan(cfg, run_vocab(cfg), gpu("H200"))
-    assert abs(plan.memory.peak_allocated / (m["lora"]["peak_memory_gib"] * GiB) - 1) < MARGIN, plan.memory
+    assert abs(plan.memory.peak_allocated / (m[mode]["peak_memory_gib"] * GiB) - 1) < MARGIN, plan.memory
 
 
 def test_t5_prediction_within_the_margin_of_its_measured_step():

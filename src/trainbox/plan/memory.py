@@ -173,6 +173,8 @@ def memory(cfg: RunConfig, counts: ParamCount, vocab: int, target: Target, layou
     fsdp = layout.parallel == "fsdp"
     spec = family(m.family)
     lowp = m.lowp_residual if m.lowp_residual is not None else spec.lowp_residual
+    if cfg.quant.load_in_4bit or cfg.quant.load_in_8bit:   # prepare_model_for_kbit_training's fp32 norms
+        lowp = False                                        # carry an fp32 residual stream
     r = a if (fsdp or lowp) else 4
     widths = Widths(a=a, r=r, cuda=target.cuda, compiled=cfg.train.compiled(target.cuda),
                     expert_parallel=ep,

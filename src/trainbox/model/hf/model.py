@@ -285,9 +285,26 @@ def build(cfg, vocab_size: int, block_size: int, run=None) -> HFCausalLM:
 
 
 def plan_vocab(run) -> int:
-    """The vocabulary the memory plan counts: the base model's own, which the plan reads from the model it builds
-    on the meta device (build_meta), so none is assumed here."""
-    return run.model.vocab_size or 0
+    """The vocabulary the memory plan counts (the logits of the head and loss): model.vocab_size where given, else
+    the base model's own, from its config.json."""
+    if run.model.vocab_size:
+        return run.model.vocab_size
+    conf = _base_config(run)
+    return getattr(conf, "vocab_size", None) or getattr(conf.get_text_config(), "vocab_size", 0) or 0
+
+
+def _base_config(run):
+    """The base model's transformers config, read from model.path alone (no weights)."""
+    require("transformers", "finetune", "model.family=hf")
+    from transformers import AutoConfig  # optional: the finetune extra
+    if not run.model.path:
+        raise ConfigError("model.family=hf needs model.path (a hub id or a local model folder)",
+                          hint=f"e.g. trainbox plan {run.recipe or 'lora'} model.path=Qwen/Qwen2.5-0.5B")
+    try:
+        return AutoConfig.from_pretrained(run.model.path)
+    except OSError as e:
+        raise ConfigError(f"model.path={run.model.path}: no model config to plan from ({str(e).splitlines()[0]})",
+                          hint="pass a local folder holding config.json, or a hub id already in the cache") from None
 
 
 def tokenizer(run):
@@ -315,16 +332,8 @@ def reads_examples(run) -> bool:
 
 def build_meta(cfg) -> nn.Module:
     """A Hugging Face model from its config alone (no weights read), with the run's LoRA adapters."""
-    require("transformers", "finetune", "model.family=hf")
-    from transformers import AutoConfig, AutoModelForCausalLM  # optional: the finetune extra
-    if not cfg.model.path:
-        raise ConfigError("model.family=hf needs model.path (a hub id or a local model folder)",
-                          hint=f"e.g. trainbox plan {cfg.recipe or 'lora'} model.path=Qwen/Qwen2.5-0.5B")
-    try:
-        conf = AutoConfig.from_pretrained(cfg.model.path)
-    except OSError as e:
-        raise ConfigError(f"model.path={cfg.model.path}: no model config to plan from ({str(e).splitlines()[0]})",
-                          hint="pass a local folder holding config.json, or a hub id already in the cache") from None
+    from transformers import AutoModelForCausalLM  # optional: the finetune extra
+    conf = _base_config(cfg)
     with torch.device("meta"):
         base = AutoModelForCausalLM.from_config(conf)
     return wrap_lora(base, cfg.lora, quantized=False)
