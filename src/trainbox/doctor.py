@@ -264,7 +264,7 @@ def recipe_checks(cfg: RunConfig) -> list[Check]:
                          "pip install triton (it comes with the official torch wheels)"))
     packages = [*((pkg, extra, True) for pkg, extra in spec.packages),
                 ("transformers", "finetune", bool(cfg.model.path)),   # a Hugging Face folder: its tokenizer
-                ("bitsandbytes", "quant", cfg.quant.load_in_4bit or cfg.quant.load_in_8bit),
+                ("bitsandbytes", "quant", cfg.quant.quantized),
                 ("tensorboard", "tracking", cfg.monitor.tensorboard), ("wandb", "tracking", cfg.monitor.wandb)]
     for pkg, extra in dict.fromkeys((pkg, extra) for pkg, extra, needed in packages if needed):
         if importlib.util.find_spec(pkg) is None:

@@ -363,6 +363,11 @@ class QuantSection(Section):
             raise ValueError("quant.load_in_4bit and quant.load_in_8bit are exclusive: choose one")
         return self
 
+    @property
+    def quantized(self) -> bool:
+        """Whether the base loads in 4 or 8 bits."""
+        return self.load_in_4bit or self.load_in_8bit
+
 
 class RunConfig(Section):
     """The whole run. `trainbox config schema` lists its keys (config/describe.py); `--json` prints the JSON schema."""

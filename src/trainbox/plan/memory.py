@@ -173,8 +173,8 @@ def memory(cfg: RunConfig, counts: ParamCount, vocab: int, target: Target, layou
     fsdp = layout.parallel == "fsdp"
     spec = family(m.family)
     lowp = m.lowp_residual if m.lowp_residual is not None else spec.lowp_residual
-    if cfg.quant.load_in_4bit or cfg.quant.load_in_8bit:   # prepare_model_for_kbit_training's fp32 norms
-        lowp = False                                        # carry an fp32 residual stream
+    if cfg.quant.quantized:   # prepare_model_for_kbit_training's fp32 norms carry an fp32 residual stream
+        lowp = False
     r = a if (fsdp or lowp) else 4
     widths = Widths(a=a, r=r, cuda=target.cuda, compiled=cfg.train.compiled(target.cuda),
                     expert_parallel=ep,
@@ -203,11 +203,10 @@ def memory(cfg: RunConfig, counts: ParamCount, vocab: int, target: Target, layou
         comm += gathered + 2 * counts.root + (2 + 2 * 4) * unit
     if ep > 1 and spec.experts:
         comm += 4 * m.moe.top_k * rows * cfg.data.seq_len * m.n_embd * a   # dispatch and combine, both ways
-    quantized = cfg.quant.load_in_4bit or cfg.quant.load_in_8bit
     # frozen bases: bf16 on a GPU; 4/8-bit loading quantizes the linear layers (NF4: 4.5 bits with its scales) and
     # PEFT's prepare_model_for_kbit_training casts the rest (embeddings, norms, the head) to fp32
     frozen = (counts.frozen_linear * (0.5625 if cfg.quant.load_in_4bit else 1)
-              + 4 * (counts.frozen - counts.frozen_linear)) if quantized else counts.frozen * a
+              + 4 * (counts.frozen - counts.frozen_linear)) if cfg.quant.quantized else counts.frozen * a
     params = 4 * local + frozen / shard
     overhead = pools = 0
     # the peak is at the start of the last micro-batch's backward: gradients are there only where earlier

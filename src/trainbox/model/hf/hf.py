@@ -62,7 +62,7 @@ def export_lora_hf(path: str | Path, out: str | Path, merge: bool = False, force
     if dtype and not merge:
         raise ConfigError(f"--dtype {dtype} applies to a whole model; a PEFT adapter is written as trained",
                           hint="add --merge to write the base with the adapter folded in, in that dtype")
-    quantized = cfg.quant.load_in_4bit or cfg.quant.load_in_8bit
+    quantized = cfg.quant.quantized
     if merge and quantized and not force:
         bits = 4 if cfg.quant.load_in_4bit else 8
         raise ConfigError(f"{ckpt} was trained on a {bits}-bit quantised base; merging its adapter into the "

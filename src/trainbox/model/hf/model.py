@@ -65,7 +65,7 @@ def check_quant_support(quant) -> None:
 
 def quantization_config(quant):
     """BitsAndBytesConfig for the quant section (None when not quantised)."""
-    if not (quant.load_in_4bit or quant.load_in_8bit):
+    if not quant.quantized:
         return None
     from transformers import BitsAndBytesConfig  # optional: transformers
     if quant.load_in_8bit:
@@ -131,12 +131,16 @@ class HFCausalLM(nn.Module):
     def __init__(self, peft_model: nn.Module, path: str, quantized: bool, fused_loss: bool = False):
         super().__init__()
         self.peft, self.path, self.quantized = peft_model, path, quantized
-        # compiled, bitsandbytes' 4-bit matmuls (custom ops) are recomputed in the backward, not saved (train/build.py)
-        self.recompute_custom_ops = quantized
         conf = peft_model.get_base_model().config
         self.hf_config = conf
         self.block_size = getattr(conf, "max_position_embeddings", None) or getattr(conf, "n_positions", 2048)
         self.fused_loss = fused_loss and self._plain_head(path)
+
+    @property
+    def recompute_custom_ops(self) -> bool:
+        """Compiled, bitsandbytes' 4/8-bit matmuls (custom ops) are recomputed in the backward, not saved
+        (train/build.py recomputing_custom_ops)."""
+        return self.quantized
 
     def _plain_head(self, path: str) -> bool:
         """Whether the loss may take the decoder's hidden states and the head's weight (model.fused_loss)."""
@@ -271,7 +275,7 @@ def build_hf(run, dtype=None, quantize: bool = True) -> HFCausalLM:
     if quant is not None:
         check_quant_support(quant)  # before any weights are read
     require("peft", "finetune", "LoRA (model.family=hf)")
-    quantized = quant is not None and (quant.load_in_4bit or quant.load_in_8bit)
+    quantized = quant is not None and quant.quantized
     base = load_base(run.model.path, dtype or train_dtype(run), quant if quantized else None)
     return HFCausalLM(wrap_lora(base, run.lora, quantized), run.model.path, quantized, run.model.fused_loss)
 
