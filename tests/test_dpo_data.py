@@ -15,8 +15,9 @@ sys.path.insert(0, str(REPO / "tests"))
 import hf_tiny  # noqa: E402
 
 from trainbox.config import load_config  # noqa: E402
-from trainbox.data import preference  # noqa: E402
-from trainbox.data.preference import encode_pair, fit, open_pair_datasets, pair_of, pair_template  # noqa: E402
+from trainbox.data import pairs, preference  # noqa: E402
+from trainbox.data.pairs import open_pair_datasets  # noqa: E402
+from trainbox.data.preference import encode_pair, fit, pair_of, pair_template  # noqa: E402
 from trainbox.errors import DataError  # noqa: E402
 from trainbox.model.build import build_tokenizer, resolve_model  # noqa: E402
 
@@ -186,7 +187,7 @@ def test_ranks_that_prepare_the_same_raw_file_leave_one_complete_set(tmp_path, f
     first, _ = open_pair_datasets(cfg.data, cfg.dpo, tok, tok.vocab_size)
     done = first.prefix.parent
     before = {f.name: f.stat().st_mtime_ns for f in done.iterdir()}
-    preference._prepare_apart(str(src), done, tok, cfg.data)   # the rank that lost the race
+    pairs._prepare_apart(str(src), done, tok, cfg.data)   # the rank that lost the race
     assert {f.name: f.stat().st_mtime_ns for f in done.iterdir()} == before
     assert [p.name for p in (tmp_path / "cache").iterdir()] == [done.name]   # no folder of the losing rank
     again, _ = open_pair_datasets(cfg.data, cfg.dpo, tok, tok.vocab_size)

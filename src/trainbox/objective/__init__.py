@@ -3,7 +3,7 @@
     next_token   pretraining and SFT: the token loss over the data's windows, masked where the data has a
                  loss mask (next_token.py)
     dpo          preference pairs, chosen and rejected in one forward: dpo, ipo, simpo, orpo (preference.py,
-                 the losses in losses.py, the pairs in data/preference.py)
+                 the losses in losses.py, the pairs in data/preference.py and data/pairs.py)
 
 The loop (train/loop.py) asks the run's objective for its datasets, the denominator of a step's mean, each
 micro-batch's loss and logged values, and the validation; the memory plan asks `memory_terms`. Objectives call

@@ -43,7 +43,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from trainbox.data.preference import PairDataset, open_pair_datasets
+from trainbox.data.pairs import PairDataset, open_pair_datasets
 from trainbox.data.sources import default_cache_dir
 from trainbox.model.spec import family
 from trainbox.objective.base import Objective, Part, Runtime
