@@ -15,11 +15,11 @@ from trainbox.config.load import (  # noqa: F401
     public_dict,
     recipe_names,
 )
+from trainbox.config.model import ModelSection  # noqa: F401
 from trainbox.config.schema import (  # noqa: F401
     DataSection,
     DpoSection,
     LoraSection,
-    ModelSection,
     MonitorSection,
     OptimSection,
     QuantSection,
