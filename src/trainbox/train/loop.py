@@ -29,7 +29,6 @@ enough for a save. `trainbox train --nproc` signals its workers itself (cli/trai
 from __future__ import annotations
 
 import math
-import time
 from pathlib import Path
 
 import torch
@@ -38,10 +37,7 @@ from trainbox import checkpoint
 from trainbox.config import RunConfig
 from trainbox.data.loader import to_device
 from trainbox.errors import TrainboxError, TrainingFailed
-from trainbox.eval.results import flat
 from trainbox.eval.training import TaskEvaluation
-from trainbox.files import open_append
-from trainbox.generate import sample
 from trainbox.kernels.fused_ce import host_trained_rows, trained_rows
 from trainbox.model.spec import family
 from trainbox.monitor.console import ProgressBar, fmt_duration, log
@@ -56,7 +52,7 @@ from trainbox.rundir.ranks import Heartbeat
 from trainbox.train import resume
 from trainbox.train.build import build_data, build_model_side, plan_length  # noqa: F401 - plan_length: tests
 from trainbox.train.device import is_out_of_memory, out_of_memory, use_device
-from trainbox.train.evaluate import autocast_context
+from trainbox.train.evaluate import Evaluations, autocast_context
 from trainbox.train.memory import check_memory
 from trainbox.train.peers import Watchdog, end_process, name_lost
 from trainbox.train.preflight import Preflight, preflight
@@ -65,7 +61,7 @@ from trainbox.train.saving import Checkpointing
 from trainbox.train.stop import BEFORE_FIRST_STEP, STOP
 
 
-class Trainer(RunFiles, Checkpointing):
+class Trainer(RunFiles, Checkpointing, Evaluations):
     """Builds everything from a RunConfig, then `run()` trains. `dist` comes from the CLI (torchrun env); `checked`:
     the run's pre-flight checks where the CLI ran them (train/preflight.py), else they run here, on `cfg` as it
     is (its micro-batch not adapted)."""
@@ -411,72 +407,11 @@ class Trainer(RunFiles, Checkpointing):
         stats = self.last_stats or {}
         return {k: (v.tolist() if isinstance(v, torch.Tensor) else v) for k, v in stats.items()}
 
-    def _evaluate(self, step: int) -> dict:
-        self._phase("evaluating")
-        if self.family.steps:  # evaluate with the window of `step` (the final one at the end), as the record
-            self.model.set_step(step, self.total)  # scripts do; the next training step sets its own
-        try:
-            res = self.objective.evaluate(self.runtime())
-        except RuntimeError as e:
-            if not is_out_of_memory(e):
-                raise
-            raise out_of_memory(e, step, self.cfg.train.micro_batch_size, self.device,
-                                checkpoint.latest(self.ckpt_root), during="the evaluation after step") from None
-        res["step"] = step
-        if self.dist.is_main:
-            self.sinks.log("eval", **res, tokens=self.tokens_seen)
-            self.state.update(**{k: res.get(k) for k in self.objective.eval_keys})
-            self.state.add_point({"step": step, "tokens": self.tokens_seen,
-                                  **{k: res[k] for k in self.objective.eval_keys if k in res}})
-            log.info(f"eval step {step}: {self.objective.eval_line(res)}")
-        self._phase("training")
-        return res
-
-    def _evaluate_tasks(self, step: int) -> float:
-        """train.eval_tasks on rank 0 (the other ranks wait at the next collective); -> the seconds it took."""
-        t0 = time.time()
-        self._phase("evaluating")
-        try:   # a task that fails (out of memory included) is reported and left out by TaskEvaluation
-            res = self.tasks.run(self.model, step)
-        finally:
-            self.model.train()
-        if res is not None:
-            scores = flat(res["scores"])
-            self.sinks.log("eval_tasks", step=step, scores=scores, seconds=res["seconds"], file=res["path"])
-            self.state.add_point({"step": step, "eval_tasks": scores})
-            log.info(f"eval tasks step {step}: " + ", ".join(f"{k} {v:.4g}" for k, v in scores.items()) +
-                     f" ({res['seconds']:.1f}s)")
-        self._phase("training")
-        return time.time() - t0
-
-    def _heartbeat(self) -> None:
-        """Progress inside a long evaluation: the state's heartbeat, status.json at most every 10 s."""
-        self.state.update()
-        now = time.time()
-        if now - self._status_written >= 10:
-            self._status_written = now
-            self.state.write_status(self.run_dir / "status.json")
-
     def runtime(self) -> Runtime:
         """The run as its objective sees it."""
         return Runtime(self.cfg, self.model, self.forward, self.reference, self.device, self.autocast, self.dist,
                        self.train_data, self.val_data, self.tokenizer, self.vocab)
 
-    def _final_sample(self) -> str | None:
-        """The end-of-run sample, by rank 0; a model spread over the ranks (fsdp, expert parallelism) needs every
-        rank in its forward (each samples the same tokens: the same seed)."""
-        n = self.cfg.train.sample_tokens
-        if not n or self.family.generate != "causal" or not (self.dist.is_main or self.parallel.collective):
-            return None
-        text = sample(self.model, self.tokenizer, self.cfg.train.sample_prompt, max_tokens=n, temperature=0.8,
-                      top_k=50, seed=self.cfg.run.seed, device=self.device)
-        if not self.dist.is_main:
-            self.model.train()
-            return None
-        with open_append(self.run_dir / "samples.txt") as f:
-            f.write(f"--- step {self.total}\n{self.cfg.train.sample_prompt}{text}\n")
-        self.model.train()
-        return text
 
 
 def train(cfg: RunConfig, dist: Dist | None = None, argv: list[str] | None = None,
