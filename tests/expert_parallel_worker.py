@@ -32,7 +32,7 @@ from trainbox.config.layout import decide_layout  # noqa: E402
 from trainbox.model.gpt.memory import gpt_block  # noqa: E402
 from trainbox.model.memory import Kernels, Widths  # noqa: E402
 from trainbox.model.moe.memory import moe_ffn, padded_rows  # noqa: E402
-from trainbox.parallel import expert  # noqa: E402
+from trainbox.parallel import expert_state  # noqa: E402
 from trainbox.parallel.distributed import Dist  # noqa: E402
 from trainbox.train import recompute  # noqa: E402
 from trainbox.train.build import build_model_side  # noqa: E402
@@ -162,7 +162,7 @@ def check_case(d: Dist, n: int, cf: float, exchange: str, checkpointing: str,
     state = dcp.state_dict(model, ep.optimizers)
     assert dcp.host_bytes(state) == own_bytes, (n, dcp.host_bytes(state), own_bytes)
     ref_state = ref_opt.state_dict()["state"]
-    index = {name: expert._indices(ref_opt)[id(p)] for name, p in ref_model.named_parameters()}
+    index = {name: expert_state._indices(ref_opt)[id(p)] for name, p in ref_model.named_parameters()}
     for name, t in ref_model.state_dict().items():
         got = state["model"][name]
         if shard is not None and name in shard.params:
@@ -173,7 +173,7 @@ def check_case(d: Dist, n: int, cf: float, exchange: str, checkpointing: str,
         for key, v in ref_state[index[name]].items():
             got = st[key].full_tensor() if hasattr(st[key], "full_tensor") else st[key]
             torch.testing.assert_close(got, v, **TOL, msg=lambda m, name=name, key=key: f"{name} {key}: {m}")
-    expert.as_local(model, state)   # and back: this rank's shards, the optimizer's own tensors
+    expert_state.as_local(model, state)   # and back: this rank's shards, the optimizer's own tensors
     if shard is not None:
         for name, p in shard.params.items():
             assert state["optim"]["state"][name]["exp_avg"].shape == p.shape

@@ -49,7 +49,7 @@ from trainbox import checkpoint
 from trainbox.checkpoint import room as checkpoint_room
 from trainbox.checkpoint import sharded
 from trainbox.errors import CheckpointError
-from trainbox.parallel import expert
+from trainbox.parallel import expert_state
 from trainbox.parallel.distributed import Dist
 
 log = logging.getLogger("trainbox")  # the library logger
@@ -58,12 +58,12 @@ log = logging.getLogger("trainbox")  # the library logger
 def state_dict(model: nn.Module, optimizers: list | None) -> dict:
     """{"model": ..., "optim": ...} keyed by parameter names: the same keys for FSDP, expert-parallel and plain
     modules (expert shards as DTensors over the expert mesh, parallel/expert.py)."""
-    return expert.as_global(model, sharded.state_dict(model, optimizers))
+    return expert_state.as_global(model, sharded.state_dict(model, optimizers))
 
 
 def load_state(ckpt: Path, model: nn.Module, optimizers: list | None) -> None:
     """checkpoint/sharded.py's load_state, with this rank's expert shards mapped onto the saved layout."""
-    sharded.load_state(ckpt, model, optimizers, to_global=expert.as_global, to_local=expert.as_local)
+    sharded.load_state(ckpt, model, optimizers, to_global=expert_state.as_global, to_local=expert_state.as_local)
 
 
 def pinned_stager():

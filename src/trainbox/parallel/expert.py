@@ -39,11 +39,7 @@ last backward of a step `sync_grads` sums each shard's gradient over its replica
 DDP's average, for parameters whose gradient already holds the contributions of every rank of the expert group.
 `clip_grad_norm_` clips by the norm of the whole model, each expert counted once.
 
-Checkpoints are sharded (parallel/dcp.py): `as_global` presents each rank's expert shard (weights and optimizer
-state) as a DTensor of the whole stacked tensor over the expert mesh, [Replicate, Shard(0)], so every rank writes
-its own experts and DCP reshards on load (`as_local` takes this rank's rows back) to any expert_parallel and world
-size. A single-file checkpoint of an unsharded run is cut to this rank's shard by `shard_state` and
-`shard_optimizer_states`.
+Checkpoints of the expert shards: parallel/expert_state.py.
 """
 from __future__ import annotations
 
@@ -56,7 +52,6 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from trainbox.config.layout import RunLayout
 from trainbox.kernels.accumulate import accumulate_
@@ -228,14 +223,14 @@ def shard_experts(model: nn.Module, layout: RunLayout, num_experts: int, dist_in
     return shard
 
 
-def _shard(model: nn.Module) -> ExpertShard | None:
+def shard_of(model: nn.Module) -> ExpertShard | None:
     return getattr(model, "expert_shard", None)
 
 
 def whole(model: nn.Module) -> bool:
     """Whether this rank holds every expert and so can run the model alone (else every rank of its expert group
     takes part in each forward: the end-of-run sample runs on all ranks)."""
-    return _shard(model) is None
+    return shard_of(model) is None
 
 
 # ----------------------------------------------------------------------------- 16-bit copies of the weights
@@ -248,7 +243,7 @@ def keep_casts(model: nn.Module, dtype: torch.dtype) -> None:
     are those of a cast in every micro-batch: the same copies, the same 16-bit gradients summed in fp32. The copies
     take the memory that the backward keeps of every cast anyway (plan/memory.py counts them). A no-op without
     expert parallelism or in fp32."""
-    shard = _shard(model)
+    shard = shard_of(model)
     if shard is not None and dtype != torch.float32:
         shard.cast_dtype = dtype
 
@@ -256,7 +251,7 @@ def keep_casts(model: nn.Module, dtype: torch.dtype) -> None:
 def refresh_casts(model: nn.Module) -> None:
     """The 16-bit copies set from the weights: at the first micro-batch after the model was built or loaded and
     after every optimizer step (parallel/ddp.py). The first call makes them; until then the layers cast."""
-    shard = _shard(model)
+    shard = shard_of(model)
     if shard is None or shard.cast_dtype is None:
         return
     with torch.no_grad():
@@ -284,7 +279,7 @@ def _fold(weight: nn.Parameter, cast: torch.Tensor) -> None:
 def sync_grads(model: nn.Module) -> None:
     """After a step's last backward: each expert shard's gradient summed over its replicas, divided by the world
     size. A no-op without expert parallelism."""
-    shard = _shard(model)
+    shard = shard_of(model)
     if shard is None:
         return
     grads = []
@@ -304,7 +299,7 @@ def sync_grads(model: nn.Module) -> None:
 def clip_grad_norm_(model: nn.Module, params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
     """torch.nn.utils.clip_grad_norm_ over the whole model: with expert parallelism, the norm counts the dense
     gradients (the same on every rank) once and every expert shard once."""
-    shard = _shard(model)
+    shard = shard_of(model)
     if shard is None:
         return torch.nn.utils.clip_grad_norm_(params, max_norm)
     experts = {id(p) for p in shard.params.values()}
@@ -323,84 +318,3 @@ def clip_grad_norm_(model: nn.Module, params: list[torch.Tensor], max_norm: floa
     for g in grads:
         g.mul_(coef.to(g.dtype))
     return total
-
-
-# ----------------------------------------------------------------------------- checkpoints
-
-
-def _indices(opt: torch.optim.Optimizer) -> dict[int, int]:
-    """id(parameter) -> its index in the optimizer's state_dict (torch numbers them in group order)."""
-    out: dict[int, int] = {}
-    for group in opt.param_groups:
-        for p in group["params"]:
-            out.setdefault(id(p), len(out))
-    return out
-
-
-def as_global(model: nn.Module, state: dict) -> dict:
-    """Expert parallelism: the expert shards of `state` ({"model": ..., "optim": ...} keyed by parameter name, as
-    parallel/dcp.py builds it) as DTensors over the expert mesh: dimension 0 of the whole (E, ...) tensor split
-    over an expert group, replicated across groups. torch.distributed.checkpoint then writes each shard once
-    and loads into any expert-parallel degree, world size or a plain model. Unchanged without expert
-    parallelism."""
-    shard = _shard(model)
-    if shard is None:
-        return state
-    place = [Replicate(), Shard(0)]
-
-    def wrap(t: torch.Tensor) -> torch.Tensor:
-        return DTensor.from_local(t, shard.mesh, place, run_check=False)
-
-    _map_experts(shard, state, wrap)
-    return state
-
-
-def as_local(model: nn.Module, state: dict) -> dict:
-    """as_global undone (after a load): each expert entry this rank's shard again."""
-    shard = _shard(model)
-    if shard is not None:
-        _map_experts(shard, state, lambda t: t.to_local())
-    return state
-
-
-def _map_experts(shard: ExpertShard, state: dict, fn) -> None:
-    weights = state["model"]
-    for name in shard.params:
-        if name in weights:
-            weights[name] = fn(weights[name])
-    for name, st in state.get("optim", {}).get("state", {}).items():
-        p = shard.params.get(name)
-        if p is not None:
-            for key, v in st.items():
-                if _is_expert_state(v, p) or getattr(v, "placements", None) is not None:
-                    st[key] = fn(v)
-
-
-def _is_expert_state(v, p: nn.Parameter) -> bool:
-    return isinstance(v, torch.Tensor) and v.dim() == p.dim() and v.shape[1:] == p.shape[1:]
-
-
-def shard_state(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A full (unsharded) model state dict cut to this rank's experts; unchanged without expert parallelism."""
-    shard = _shard(model)
-    if shard is None:
-        return state
-    return {k: shard.cut(v) if k in shard.params and v.size(0) == shard.num_experts else v for k, v in state.items()}
-
-
-def shard_optimizer_states(model: nn.Module, optimizers: list, states: list) -> list:
-    """Optimizer state dicts of an unsharded model cut to this rank's experts."""
-    shard = _shard(model)
-    if shard is None:
-        return states
-    out = []
-    for opt, sd in zip(optimizers, states):
-        index = _indices(opt)
-        sd = {**sd, "state": dict(sd["state"])}
-        for p in shard.params.values():
-            i = index.get(id(p))
-            if i in sd["state"]:
-                sd["state"][i] = {k: shard.cut(v) if _is_expert_state(v, p) and v.size(0) == shard.num_experts
-                                  else v for k, v in sd["state"][i].items()}
-        out.append(sd)
-    return out

@@ -182,10 +182,10 @@ def restore(ckpt: Path, model, optimizers: list, trainer_state: dict, rank: int,
         load_state(ckpt, model, optimizers)
     elif experts_sharded(model):
         # checkpoints hold every expert: under expert parallelism this rank keeps its shard
-        from trainbox.parallel import expert  # heavy: torch.distributed.tensor, for expert parallelism only
-        checkpoint.load_weights(ckpt, model, adapt=lambda state: expert.shard_state(model, state))
+        from trainbox.parallel import expert_state  # heavy: torch.distributed.tensor, expert parallelism only
+        checkpoint.load_weights(ckpt, model, adapt=lambda state: expert_state.shard_state(model, state))
         checkpoint.load_optimizers(ckpt, optimizers,
-                                   adapt=lambda st: expert.shard_optimizer_states(model, optimizers, st))
+                                   adapt=lambda st: expert_state.shard_optimizer_states(model, optimizers, st))
     else:
         checkpoint.load_weights(ckpt, model)
         checkpoint.load_optimizers(ckpt, optimizers)
