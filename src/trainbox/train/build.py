@@ -24,6 +24,7 @@ from trainbox.model.load import load_init_weights
 from trainbox.model.spec import family
 from trainbox.objective import Objective, build_objective
 from trainbox.optim.build import build_optimizers
+from trainbox.parallel import expert
 from trainbox.parallel.ddp import DataParallel
 from trainbox.parallel.distributed import Dist
 from trainbox.parallel.fsdp import ShardedParallel
@@ -109,7 +110,6 @@ def build_model_side(cfg: RunConfig, layout: RunLayout, vocab: int, device: torc
     if init_weights and cfg.run.init_from:
         load_init_weights(cfg.run.init_from, model, cfg.model)
     if layout.expert_parallel > 1:
-        from trainbox.parallel import expert  # heavy: torch.distributed.tensor, for expert parallelism only
         expert.shard_experts(model, layout, cfg.model.moe.num_experts, dist, device)   # this rank's experts, DDP told
     model = model.to(device)
     if layout.expert_parallel > 1:
