@@ -1,5 +1,6 @@
-"""How the model is spread over the ranks: ddp.py, fsdp.py (and dcp.py, its sharded checkpoints), expert.py, as the
-run's layout says (config/layout.py: which strategy, how many ranks share the experts)."""
+"""How the model is spread over the ranks: ddp.py or fsdp.py for the dense parameters (dcp.py: sharded checkpoints),
+expert.py for the experts under either, as the run's layout says (config/layout.py: which strategy, how many ranks
+share the experts)."""
 from __future__ import annotations
 
 
@@ -15,3 +16,23 @@ def apart(model) -> list:
     head."""
     listed = getattr(model, "embedding_units", None)
     return list(listed()) if listed is not None else []
+
+
+class ExpertCopies:
+    """The experts' 16-bit copies (expert.py's keep_casts) kept equal to their weights, for either strategy: set by
+    the first micro-batch after the model was built or loaded, and again after every optimizer step (evaluation,
+    the sample and the next step read them). A no-op without expert parallelism."""
+
+    def __init__(self, model):
+        self.model, self.on, self.fresh = model, experts_sharded(model), False
+
+    def before(self, k: int) -> None:
+        """Before micro-batch k of a step."""
+        if k == 0 and self.on and not self.fresh:
+            self.refresh()
+
+    def refresh(self) -> None:
+        if self.on:
+            from trainbox.parallel import expert  # heavy: torch.distributed.tensor, for expert parallelism only
+            expert.refresh_casts(self.model)
+            self.fresh = True

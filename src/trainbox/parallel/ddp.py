@@ -13,7 +13,7 @@ from contextlib import nullcontext
 import torch
 import torch.nn as nn
 
-from trainbox.parallel import experts_sharded
+from trainbox.parallel import ExpertCopies, experts_sharded
 from trainbox.parallel.distributed import Dist
 
 
@@ -36,7 +36,7 @@ class DataParallel:
             self.ddp = nn.parallel.DistributedDataParallel(
                 model, device_ids=[device.index] if device.type == "cuda" else None, **no_sync)
         self.forward = self.ddp or model
-        self.casts_fresh = False   # expert parallelism: whether the experts' 16-bit copies hold the weights
+        self.copies = ExpertCopies(model)
 
     def compile(self) -> None:
         """torch.compile over the whole forward (DDP's bucketing stays outside the graph)."""
@@ -47,20 +47,13 @@ class DataParallel:
     def micro_batch(self, k: int, accum: int):
         """Gradients are averaged over ranks only in the last micro-batch's backward. Under expert parallelism the
         first micro-batch after a build or a load sets the experts' 16-bit copies (parallel/expert.py)."""
-        if k == 0 and self.collective and not self.casts_fresh:
-            self._refresh_casts()
+        self.copies.before(k)
         return self.ddp.no_sync() if self.ddp is not None and k < accum - 1 else nullcontext()
 
     def after_step(self) -> None:
         """Expert parallelism: the experts' 16-bit copies set from the stepped weights (evaluation, the sample and
         the next step read them)."""
-        if self.collective:
-            self._refresh_casts()
-
-    def _refresh_casts(self) -> None:
-        from trainbox.parallel import expert  # heavy: torch.distributed.tensor, for expert parallelism only
-        expert.refresh_casts(self.model)
-        self.casts_fresh = True
+        self.copies.refresh()
 
     def clip(self, max_norm: float) -> torch.Tensor | None:
         """After the last backward: reduce the expert shards' gradients (expert parallelism), then clip by the
