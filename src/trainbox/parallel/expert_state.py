@@ -69,11 +69,13 @@ def shard_state(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, t
     shard = shard_of(model)
     if shard is None:
         return state
-    return {k: shard.cut(v) if k in shard.params and v.size(0) == shard.num_experts else v for k, v in state.items()}
+    return {k: shard.cut(v).clone() if k in shard.params and v.size(0) == shard.num_experts else v
+            for k, v in state.items()}
 
 
 def shard_optimizer_states(model: nn.Module, optimizers: list, states: list) -> list:
-    """Optimizer state dicts of an unsharded model cut to this rank's experts."""
+    """Optimizer state dicts of an unsharded model cut to this rank's experts: copies that own their memory (a
+    loader may keep a state tensor as it is given, and a view would hold, and depend on, the whole tensor)."""
     shard = shard_of(model)
     if shard is None:
         return states
@@ -84,7 +86,7 @@ def shard_optimizer_states(model: nn.Module, optimizers: list, states: list) -> 
         for p in shard.params.values():
             i = index.get(id(p))
             if i in sd["state"]:
-                sd["state"][i] = {k: shard.cut(v) if _is_expert_state(v, p) and v.size(0) == shard.num_experts
+                sd["state"][i] = {k: shard.cut(v).clone() if _is_expert_state(v, p) and v.size(0) == shard.num_experts
                                   else v for k, v in sd["state"][i].items()}
         out.append(sd)
     return out
