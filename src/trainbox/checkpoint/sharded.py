@@ -92,13 +92,17 @@ class _SafePlanner(DefaultLoadPlanner):
             self.state_dict[read_item.dest_index.fqn] = obj
 
 
-def load_state(ckpt: Path, model: nn.Module, optimizers: list | None, to_global=None, to_local=None) -> None:
+def load_state(ckpt: Path, model: nn.Module, optimizers: list | None, to_global=None, to_local=None,
+               cut=None) -> None:
     """Load a checkpoint's weights (and optimizer state when `optimizers` is given) into `model`, resharding
     from the layout it was saved with to the model's. The optimizers keep the hyper-parameters they were built
     with (a changed optim.* applies, see train/resume.py). `to_global(model, state) -> state` and
-    `to_local(model, state)` map a run's own layout onto the saved names and back (expert parallelism)."""
+    `to_local(model, state)` map a run's own layout onto the saved names and back (expert parallelism); `cut`, a
+    pair of functions (weights -> weights, optimizer state dicts -> optimizer state dicts), takes from a
+    single-file checkpoint's whole tensors the part of them that the model keeps apart from its sharded ones (an
+    expert shard)."""
     if not checkpoint.is_sharded(ckpt):
-        _load_single(ckpt, model, optimizers)
+        _load_single(ckpt, model, optimizers, cut)
         return
     reader = _SafeReader(str(ckpt / checkpoint.SHARDED_DIR))
     reader.read_metadata()   # a damaged or unsafe .metadata is named here, before DCP's collectives
@@ -123,11 +127,13 @@ def load_state(ckpt: Path, model: nn.Module, optimizers: list | None, to_global=
             set_optimizer_state_dict(model, optimizers, state["optim"])
 
 
-def _load_single(ckpt: Path, model: nn.Module, optimizers: list | None) -> None:
+def _load_single(ckpt: Path, model: nn.Module, optimizers: list | None, cut=None) -> None:
     """A single-file checkpoint (model.safetensors + optimizer.pt) into a sharded model: every rank reads the
     full tensors and keeps its shard."""
     full = StateDictOptions(full_state_dict=True)
     weights = load_file(str(ckpt / "model.safetensors"))
+    if cut is not None:
+        weights = cut[0](weights)
     names = list(get_model_state_dict(model).keys())
     for name in names:   # tied weights were stored once
         if name not in weights:
@@ -140,6 +146,8 @@ def _load_single(ckpt: Path, model: nn.Module, optimizers: list | None) -> None:
     states = checkpoint.load_safe(ckpt / "optimizer.pt")
     if not isinstance(states, list) or len(states) != len(optimizers):
         raise CheckpointError(f"{ckpt / 'optimizer.pt'}: holds a different number of optimizer states than the run")
+    if cut is not None:
+        states = cut[1](states)
     fqn = {id(p): n for n, p in model.named_parameters()}
     with checkpoint.keep_hyperparameters(optimizers):
         for opt, st in zip(optimizers, states):

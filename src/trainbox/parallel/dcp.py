@@ -62,8 +62,12 @@ def state_dict(model: nn.Module, optimizers: list | None) -> dict:
 
 
 def load_state(ckpt: Path, model: nn.Module, optimizers: list | None) -> None:
-    """checkpoint/sharded.py's load_state, with this rank's expert shards mapped onto the saved layout."""
-    sharded.load_state(ckpt, model, optimizers, to_global=expert_state.as_global, to_local=expert_state.as_local)
+    """checkpoint/sharded.py's load_state, with this rank's expert shards mapped onto the saved layout (or cut from
+    a single-file checkpoint's whole tensors)."""
+    cut = (lambda weights: expert_state.shard_state(model, weights),
+           lambda states: expert_state.shard_optimizer_states(model, optimizers, states))
+    sharded.load_state(ckpt, model, optimizers, to_global=expert_state.as_global, to_local=expert_state.as_local,
+                       cut=cut)
 
 
 def pinned_stager():
