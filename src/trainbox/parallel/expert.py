@@ -5,7 +5,8 @@
 Layout. A DeviceMesh of shape (world / N, N): dimension "expert" is a group of N consecutive ranks, and the
 rank at position s of its group holds experts [s * E/N, (s + 1) * E/N) of every MoE layer; dimension
 "expert_replica" joins the ranks that hold the same shard. Everything else (attention, embeddings, norms, the
-routers) stays whole on every rank.
+routers) is the dense part, spread as train.parallel says: whole on every rank under ddp, sharded over all ranks
+under fsdp (parallel/fsdp.py, which leaves the experts to this module).
 
 Tokens. Every rank routes its own micro-batch exactly as one process does (model/moe.py: top-k, the GShard
 capacity order, the balance and z losses), so routing, drops and losses depend on neither N nor the world size.
@@ -34,10 +35,11 @@ whose outputs selective activation checkpointing keeps (train/recompute.py), so 
 nothing again; full checkpointing exchanges again. The exchange is not overlapped with compute: on CPU (gloo)
 there is nothing to measure it by.
 
-Gradients. DDP averages the dense gradients over all ranks and leaves the expert parameters alone; after the
-last backward of a step `sync_grads` sums each shard's gradient over its replicas and divides by the world size:
-DDP's average, for parameters whose gradient already holds the contributions of every rank of the expert group.
-`clip_grad_norm_` clips by the norm of the whole model, each expert counted once.
+Gradients. DDP (or FSDP's reduce-scatter) averages the dense gradients over all ranks and leaves the expert
+parameters alone; after the last backward of a step `sync_grads` sums each shard's gradient over its replicas and
+divides by the world size: the dense gradients' average, for parameters whose gradient already holds the
+contributions of every rank of the expert group. `clip_grad_norm_` clips by the norm of the whole model, each
+expert counted once.
 
 Checkpoints of the expert shards: parallel/expert_state.py.
 """
@@ -298,23 +300,35 @@ def sync_grads(model: nn.Module) -> None:
 
 def clip_grad_norm_(model: nn.Module, params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
     """torch.nn.utils.clip_grad_norm_ over the whole model: with expert parallelism, the norm counts the dense
-    gradients (the same on every rank) once and every expert shard once."""
+    gradients once (the same on every rank under ddp; under fsdp DTensor shards, their norm taken over the shards)
+    and every expert shard once. Returns the norm as a plain tensor."""
     shard = shard_of(model)
     if shard is None:
         return torch.nn.utils.clip_grad_norm_(params, max_norm)
+    from torch.distributed.tensor import DTensor  # heavy: torch.distributed.tensor (loaded by the first save)
     experts = {id(p) for p in shard.params.values()}
-    grads = [p.grad for p in params if p.grad is not None]
-    dense = [g for p, g in zip(params, grads) if id(p) not in experts]
-    sharded = [g for p, g in zip(params, grads) if id(p) in experts]
-
-    def sq(gs):
-        return torch.stack([torch.linalg.vector_norm(g.float()) ** 2 for g in gs]).sum() if gs \
-            else torch.zeros((), device=grads[0].device)
-
-    expert_sq = sq(sharded)
+    with_grad = [p for p in params if p.grad is not None]
+    grads = [p.grad for p in with_grad]
+    device = shard.params[next(iter(shard.params))].device
+    expert_sq = _squares([p.grad for p in with_grad if id(p) in experts], device)
     dist.all_reduce(expert_sq, group=shard.group)     # the group holds every shard once
-    total = (sq(dense) + expert_sq).sqrt()
+    total = (_squares([p.grad for p in with_grad if id(p) not in experts], device) + expert_sq).sqrt()
     coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
-    for g in grads:
-        g.mul_(coef.to(g.dtype))
+    for g in grads:   # a DTensor's own shard, scaled in place
+        local = g.to_local() if isinstance(g, DTensor) else g
+        local.mul_(coef.to(local.dtype))
     return total
+
+
+def _squares(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The sum of the squared entries of `grads`, plain tensors and DTensors (FSDP's shards: squared over the whole
+    tensor they are shards of), as a plain fp32 tensor."""
+    from torch.distributed.tensor import DTensor  # heavy: torch.distributed.tensor (loaded by the first save)
+    out = torch.zeros((), device=device)
+    plain = [g for g in grads if not isinstance(g, DTensor)]
+    if plain:
+        out = out + torch.stack([torch.linalg.vector_norm(g.float()) ** 2 for g in plain]).sum()
+    sharded = [g for g in grads if isinstance(g, DTensor)]
+    if sharded:
+        out = out + torch.nn.utils.get_total_norm(sharded).full_tensor().float() ** 2
+    return out

@@ -23,9 +23,16 @@ split over the ranks, and each block's parameters are all-gathered just before i
 - The global batch stays a pure function of (seed, step) and the gradient is averaged over the ranks like
   DDP's, so the loss of a step equals the DDP loss (tested: 2 processes under gloo against 1 process).
 - Checkpoints are sharded and written asynchronously with torch.distributed.checkpoint (parallel/dcp.py).
+- With expert parallelism (`model.moe.expert_parallel=N`, parallel/expert.py) FSDP shards the dense parameters
+  only: every `fully_shard` call ignores the experts' weights (`ignored_params`), which stay this rank's expert
+  shard, whole, as under ddp. They run from their 16-bit copies made once a step, their gradients are summed over
+  the ranks holding the same shard after the last backward, and the clipping norm counts the sharded dense
+  gradients and every expert once (expert.clip_grad_norm_). Their optimizer state is split over the N ranks of an
+  expert group, not over the replicas of a shard.
 """
 from __future__ import annotations
 
+import inspect
 from contextlib import nullcontext
 
 import torch
@@ -34,7 +41,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from trainbox.errors import ConfigError
 from trainbox.kernels.float8 import after_step
-from trainbox.parallel import apart
+from trainbox.parallel import ExpertCopies, apart, experts_sharded
 from trainbox.parallel.distributed import Dist
 
 
@@ -71,26 +78,30 @@ class ShardedParallel:
         policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32 if low is not None else None)
         blocks = units(model)
         self.reshard_after_forward = reshard_after_forward
+        self.experts = experts_sharded(model)
+        shard = dict(mesh=self.mesh, mp_policy=policy, **_ignoring_experts(model))
         for i, block in enumerate(blocks):
             if compile:   # the block's forward only: FSDP's hooks run around it, outside the graph
                 block.forward = torch.compile(block.forward)   # parameter names (so checkpoints) do not change
-            fully_shard(block, mesh=self.mesh, mp_policy=policy,
-                        reshard_after_forward=reshard_after_forward and i < len(blocks) - 1)
+            fully_shard(block, reshard_after_forward=reshard_after_forward and i < len(blocks) - 1, **shard)
         for table in apart(model):   # gathered for the lookup and for its gradient at the end of the backward
-            fully_shard(table, mesh=self.mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+            fully_shard(table, reshard_after_forward=reshard_after_forward, **shard)
         # the root (final norm, head, a tied table) stays gathered from forward to backward: the head is needed
         # again at once, and the fused loss keeps it for its backward
-        fully_shard(model, mesh=self.mesh, mp_policy=policy, reshard_after_forward=False)
+        fully_shard(model, reshard_after_forward=False, **shard)
         if device.type == "cuda" and len(shape) == 1:
             from trainbox.parallel.grad_pool import grads_on_compute_stream  # heavy: torch.distributed.fsdp
             grads_on_compute_stream(model)
         self.model = self.forward = model
         self.float8 = float8
+        self.copies = ExpertCopies(model)
 
     def after_step(self) -> None:
-        """After the optimizer step: with float8 all-gathers, every weight's scale in one all-reduce."""
+        """After the optimizer step: with float8 all-gathers, every weight's scale in one all-reduce; with expert
+        parallelism, the experts' 16-bit copies set from the stepped weights."""
         if self.float8:
             after_step(self.model)
+        self.copies.refresh()
 
     def compile(self) -> None:
         """Blocks were compiled before sharding; the rest of the model runs eagerly."""
@@ -100,16 +111,34 @@ class ShardedParallel:
         for it (reshard_after_forward=false); gradients reduce-scatter after every micro-batch's backward."""
         if not self.reshard_after_forward and accum > 1:
             self.model.set_reshard_after_backward(k == accum - 1)
+        self.copies.before(k)
         return nullcontext()
 
     def clip(self, max_norm: float) -> torch.Tensor | None:
-        """Clip by the norm of the whole (sharded) gradient; returns it as a plain tensor."""
+        """Clip by the norm of the whole (sharded) gradient; returns it as a plain tensor. With expert parallelism
+        the expert shards' gradients are first reduced over their replicas (parallel/expert.py)."""
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if self.experts:
+            from trainbox.parallel import expert  # heavy: torch.distributed.tensor, for expert parallelism only
+            expert.sync_grads(self.model)
+            return expert.clip_grad_norm_(self.model, params, max_norm) if max_norm > 0 else None
         if max_norm <= 0:
             return None
-        params = [p for p in self.model.parameters() if p.grad is not None]
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
         from torch.distributed.tensor import DTensor  # heavy: torch.distributed.tensor (loaded here by fully_shard)
         return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+
+def _ignoring_experts(model: nn.Module) -> dict:
+    """fully_shard's keyword that leaves the expert shards (expert parallelism) out of FSDP; {} without them."""
+    if not experts_sharded(model):
+        return {}
+    from torch.distributed.fsdp import fully_shard  # heavy: torch.distributed.fsdp
+    if "ignored_params" not in inspect.signature(fully_shard).parameters:
+        raise ConfigError(f"model.moe.expert_parallel with train.parallel=fsdp needs torch>=2.7 (fully_shard's "
+                          f"ignored_params); this is torch {torch.__version__}",
+                          hint="upgrade torch, or train with train.parallel=ddp")
+    return {"ignored_params": set(model.expert_shard.params.values())}
 
 
 def compute_pool_grads_available() -> bool:
