@@ -8,7 +8,7 @@ layer's output (and against test_moe's slow per-token reference), the hidden sta
 of this rank's micro-batch, every gradient after the loop's loss scaling, expert sync and clipping, the clipped
 norm, the parameters after an AdamW step, and the checkpoint state (dcp.state_dict: expert shards as DTensors whose
 whole is the unsharded weights and optimizer state). Then, given run overrides after `--train`, it trains that run
-on the same process group (one torchrun launch for both).
+on the same process group (one torchrun launch for both); `--no-checks` goes straight to the run.
 Prints "ok" on rank 0.
 """
 from __future__ import annotations
@@ -16,12 +16,15 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
 import torch._dynamo
+from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
+from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, str(Path(__file__).parent))
 from kept_bytes import Kept  # noqa: E402 - bytes autograd keeps, measured
@@ -45,19 +48,23 @@ VOCAB, B, T, TOL, LR = 128, 2, 16, dict(atol=1e-5, rtol=1e-5), 0.01
 WEIGHT_TOL = dict(atol=LR / 50, rtol=0)
 
 
-# (expert_parallel, capacity_factor, exchange, activation checkpointing): capacity 0.5 drops a share of the
-# assignments, 4.0 none (an expert takes at most one row per token: C = N); the padded exchange needs a capacity
-CASES = [*((n, cf, "uneven", "none") for n in (1, 2, 4) for cf in (0.0, 0.5)),
-         *((n, cf, "padded", "none") for n in (2, 4) for cf in (0.5, 4.0)),
-         (2, 0.5, "padded", "selective"), (2, 0.5, "padded", "full"), (2, 0.5, "uneven", "full")]
+# (expert_parallel, capacity_factor, exchange, activation checkpointing, the dense part's strategy): capacity 0.5
+# drops a share of the assignments, 4.0 none (an expert takes at most one row per token: C = N); the padded exchange
+# needs a capacity; under fsdp on 4 processes with expert_parallel 2 each expert shard has 2 replicas
+CASES = [*((n, cf, "uneven", "none", "ddp") for n in (1, 2, 4) for cf in (0.0, 0.5)),
+         *((n, cf, "padded", "none", "ddp") for n in (2, 4) for cf in (0.5, 4.0)),
+         (2, 0.5, "padded", "selective", "ddp"), (2, 0.5, "padded", "full", "ddp"),
+         (2, 0.5, "uneven", "full", "ddp"), (2, 0.0, "uneven", "none", "fsdp"), (2, 0.5, "padded", "selective", "fsdp"),
+         (4, 0.5, "uneven", "full", "fsdp")]
 
 
-def config(n: int, cf: float, exchange: str = "uneven", checkpointing: str = "none"):
+def config(n: int, cf: float, exchange: str = "uneven", checkpointing: str = "none", parallel: str = "ddp"):
     return load_config("tiny", [
         "model.family=moe", "model.n_layer=3", "model.n_head=2", "model.n_embd=32", "model.moe.num_experts=4",
         "model.moe.every=2", "model.moe.top_k=2", f"model.moe.capacity_factor={cf}", "model.moe.lb_loss_weight=0.5",
         "model.moe.z_loss_weight=0.1", f"model.moe.expert_parallel={n}", f"model.moe.exchange={exchange}",
-        f"train.activation_checkpointing={checkpointing}", "train.device=cpu", f"optim.lr={LR}",
+        f"train.activation_checkpointing={checkpointing}", f"train.parallel={parallel}", "train.device=cpu",
+        f"optim.lr={LR}",
         "optim.grad_clip=0.05", "optim.warmup_steps=0", "optim.name=adamw"])
 
 
@@ -66,12 +73,12 @@ def loss_of(out, scale: float, accum: int) -> torch.Tensor:
     return out.loss * scale + out.aux_loss / accum
 
 
-def check_case(d: Dist, n: int, cf: float, exchange: str, checkpointing: str,
+def check_case(d: Dist, n: int, cf: float, exchange: str, checkpointing: str, parallel: str,
                batches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     cpu = torch.device("cpu")
-    cfg, W, r = config(n, cf, exchange, checkpointing), d.world, d.rank
+    cfg, W, r = config(n, cf, exchange, checkpointing, parallel), d.world, d.rank
     layout = decide_layout(cfg, W, "cpu", adapt_micro_batch=True)
-    assert layout.expert_exchange == (exchange if n > 1 else "none")
+    assert layout.expert_exchange == (exchange if n > 1 else "none") and layout.strategy == parallel
     ep = build_model_side(cfg, layout, VOCAB, cpu, d, init_weights=True)
     one = config(1, cf)   # the single process: no checkpointing
     ref = build_model_side(one, decide_layout(one, 1, "cpu", adapt_micro_batch=True), VOCAB, cpu, Dist(),
@@ -82,17 +89,22 @@ def check_case(d: Dist, n: int, cf: float, exchange: str, checkpointing: str,
     own = {k: v for k, v in ref_model.named_parameters()}
     for name, p in model.named_parameters():   # the same initial weights; experts cut to this rank's shard
         want = shard.cut(own[name]) if shard and name in shard.params else own[name]
-        assert torch.equal(p, want), name
+        assert torch.equal(whole(p), want), name
+    if parallel == "fsdp":   # FSDP shards the dense parameters only: the experts stay this rank's plain tensors
+        assert all(isinstance(p, DTensor) != (name in shard.params) for name, p in model.named_parameters())
+        register_fsdp_forward_method(model, "hidden")   # a forward of the root, as FSDP sees it
     model.train(), ref_model.train()
     if shard is not None and exchange == "padded":   # training under the padded exchange never takes the uneven one
         shard._uneven = _refuse
     tokens = W * B * T
     x, y = batches[r]
 
-    # one MoE layer against the vectorised single process and the slow per-token reference
+    # one MoE layer against the vectorised single process and the slow per-token reference (under fsdp with the
+    # dense weights gathered, as the block's forward gathers them)
     layer, ref_layer = model.transformer.h[0].mlp, ref_model.transformer.h[0].mlp
     h = torch.randn(B, T, 32, generator=torch.Generator().manual_seed(r))
-    with torch.no_grad(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+    with torch.no_grad(), gathered(model), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) \
+            as prof:
         got = layer(h)
     # expert parallelism reads one thing on the host per layer, the split sizes: the kept rows are picked by that
     # read, not by a nonzero whose size the GPU would have to report first
@@ -109,9 +121,9 @@ def check_case(d: Dist, n: int, cf: float, exchange: str, checkpointing: str,
         assert dropped > 0.05, "the capacity case must drop assignments"
     elif cf:
         assert dropped == 0, "capacity N drops nothing"
-    with torch.no_grad():
+    with torch.no_grad(), gathered(model):
         torch.testing.assert_close(model.hidden(x), ref_model.hidden(x), **TOL)
-    if shard is not None and exchange == "padded" and checkpointing in ("none", "selective"):
+    if shard is not None and exchange == "padded" and checkpointing in ("none", "selective") and parallel == "ddp":
         # the plan's formula (model/moe/memory.py) for what an MoE block keeps, pad rows included, to the byte
         m, kern = cfg.model, Kernels("sdpa", "off", "unfused", "off")
         w = Widths(a=4, r=4, cuda=False, expert_parallel=n)
@@ -119,7 +131,7 @@ def check_case(d: Dist, n: int, cf: float, exchange: str, checkpointing: str,
                                                                      bias=m.bias, padded=padded_rows(m.moe, B * T)))
         saved = saved_bytes(model.transformer.h[0], h, list(model.parameters()))
         assert saved == pytest.approx(block.bytes(checkpointing) * B * T, rel=1e-3), (checkpointing, saved)
-    if shard is not None and exchange == "padded" and checkpointing == "none" and cf == 0.5:
+    if shard is not None and exchange == "padded" and checkpointing == "none" and cf == 0.5 and parallel == "ddp":
         # nothing read on the host: torch.compile captures the whole layer, exchanges included, as one graph
         torch._dynamo.reset()
         explained = torch._dynamo.explain(layer)(h)
@@ -147,18 +159,18 @@ def check_case(d: Dist, n: int, cf: float, exchange: str, checkpointing: str,
     ref_grads = {k: v.grad for k, v in ref_model.named_parameters()}
     for name, p in model.named_parameters():
         want = shard.cut(ref_grads[name]) if shard and name in shard.params else ref_grads[name]
-        torch.testing.assert_close(p.grad, want, **TOL, msg=lambda m, name=name: f"{name}: {m}")
+        torch.testing.assert_close(whole(p.grad), want, **TOL, msg=lambda m, name=name: f"{name}: {m}")
     opt.step(), ref_opt.step()
     for name, p in model.named_parameters():
         want = shard.cut(own[name]) if shard and name in shard.params else own[name]
-        torch.testing.assert_close(p, want, **WEIGHT_TOL, msg=lambda m, name=name: f"{name}: {m}")
+        torch.testing.assert_close(whole(p), want, **WEIGHT_TOL, msg=lambda m, name=name: f"{name}: {m}")
 
     # the checkpoint's view (parallel/dcp.py): every expert tensor a DTensor whose whole is the unsharded model's
     from trainbox.parallel import dcp
     # the host memory a save stages on this rank (logged with the pinned buffers): its own expert shards, not
     # their global size, and the dense tensors whole (counted before state_dict(), which makes them DTensors)
-    own_bytes = sum(t.nbytes for t in model.state_dict().values()) + sum(
-        v.nbytes for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor))
+    own_bytes = sum(local(t).nbytes for t in model.state_dict().values()) + sum(
+        local(v).nbytes for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor))
     state = dcp.state_dict(model, ep.optimizers)
     assert dcp.host_bytes(state) == own_bytes, (n, dcp.host_bytes(state), own_bytes)
     ref_state = ref_opt.state_dict()["state"]
@@ -167,7 +179,7 @@ def check_case(d: Dist, n: int, cf: float, exchange: str, checkpointing: str,
         got = state["model"][name]
         if shard is not None and name in shard.params:
             assert got.placements and tuple(got.shape) == tuple(t.shape), name
-            got = got.full_tensor()
+        got = whole(got)
         torch.testing.assert_close(got, t, **TOL)
     for name, st in state["optim"]["state"].items():
         for key, v in ref_state[index[name]].items():
@@ -179,12 +191,12 @@ def check_case(d: Dist, n: int, cf: float, exchange: str, checkpointing: str,
             assert state["optim"]["state"][name]["exp_avg"].shape == p.shape
 
 
-def check_casts(d: Dist, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+def check_casts(d: Dist, batches: list[tuple[torch.Tensor, torch.Tensor]], parallel: str) -> None:
     """bf16 autocast: the experts' bf16 copies made once per step (expert.keep_casts) give bit for bit the gradients
     and weights of a cast in every micro-batch, over 2 steps of 2 micro-batches (the second step reads copies the
-    first step's after_step refreshed)."""
+    first step's after_step refreshed), with the dense part under `parallel` (ddp or fsdp)."""
     cpu, W, r = torch.device("cpu"), d.world, d.rank
-    cfg = config(2, 0.5)
+    cfg = config(2, 0.5, parallel=parallel)
     layout = decide_layout(cfg, W, "cpu", adapt_micro_batch=True)
     arms = []
     for keep in (True, False):
@@ -202,7 +214,7 @@ def check_casts(d: Dist, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> No
                     out = built.parallel.forward(x[k:k + 1], y[k:k + 1], reduction="sum")
                     loss_of(out, 1 / (W * B * T), 2).backward()
             built.parallel.clip(cfg.optim.grad_clip)
-            grads.append({n: p.grad.clone() for n, p in built.model.named_parameters()})
+            grads.append({n: whole(p.grad).clone() for n, p in built.model.named_parameters()})
             built.optimizers[0].step()
             built.parallel.after_step()
             built.optimizers[0].zero_grad(set_to_none=True)
@@ -210,11 +222,35 @@ def check_casts(d: Dist, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> No
         for name, g in grads[0].items():
             assert torch.equal(g, grads[1][name]), (step, name)
         for (name, p), q in zip(arms[0].model.named_parameters(), arms[1].model.parameters()):
-            assert torch.equal(p, q), (step, name)
+            assert torch.equal(whole(p), whole(q)), (step, name)
     lins = arms[0].model.expert_shard.linears
     assert lins and all(lin.cast is not None and lin.cast.dtype == torch.bfloat16 and lin.cast.grad is None
                         and torch.equal(lin.cast, lin.weight.to(torch.bfloat16)) for lin in lins)
     assert all(lin.cast is None for lin in arms[1].model.expert_shard.linears)
+
+
+def whole(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor (FSDP's shard of a dense parameter or gradient) as the whole tensor; a plain tensor as it is."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """What this rank holds of `t`: a DTensor's own shard."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+@contextmanager
+def gathered(model: torch.nn.Module):
+    """Under fsdp, every FSDP unit's parameters gathered (as their forward gathers them), so that a part of the
+    model can be called on its own; nothing under ddp."""
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    for m in units:
+        m.unshard()
+    try:
+        yield
+    finally:
+        for m in units:
+            m.reshard()
 
 
 def saved_bytes(block: torch.nn.Module, h: torch.Tensor, params: list[torch.Tensor]) -> int:
@@ -252,11 +288,13 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     batches = [(torch.randint(0, VOCAB, (B, T), generator=g), torch.randint(0, VOCAB, (B, T), generator=g))
                for _ in range(d.world)]
-    for n, cf, exchange, checkpointing in CASES:
-        if d.world % n == 0:
-            check_case(d, n, cf, exchange, checkpointing, batches)
-    if d.world % 2 == 0:
-        check_casts(d, batches)
+    checks = "--no-checks" not in sys.argv
+    for n, cf, exchange, checkpointing, parallel in CASES if checks else ():
+        if d.world % n == 0 and (parallel == "ddp" or d.world > 1):
+            check_case(d, n, cf, exchange, checkpointing, parallel, batches)
+    if d.world % 2 == 0 and checks:
+        for parallel in ("ddp", "fsdp"):
+            check_casts(d, batches, parallel)
     if "--train" in sys.argv:
         logging.basicConfig(level=logging.INFO, format="%(message)s")   # the library's log on stderr
         train(load_config(None, sys.argv[sys.argv.index("--train") + 1:]), d)   # shuts the process group down

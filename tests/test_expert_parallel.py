@@ -1,13 +1,17 @@
 """Expert parallelism (model.moe.expert_parallel) under real torchrun with gloo on CPU, fp32.
 
-Two torchrun launches (tests/expert_parallel_worker.py), on 4 and then 2 processes, each:
-- with expert_parallel 1, 2 and 4 (those dividing the world size), dropless and dropping: an MoE layer's output,
-  the hidden states, losses, every gradient, the clipped norm, the weights after an AdamW step and the
-  checkpoint state gathered to rank 0, against the single-process model and test_moe's slow per-token reference;
-- then a run: 2 steps on 4 processes with expert_parallel=4 and the padded exchange, resumed for 2 more on 2
-  processes with expert_parallel=2, once with the uneven exchange and selective activation checkpointing, once
-  with the padded exchange and full activation checkpointing, against one uninterrupted process: the same losses
-  at every step, the same evaluations, the same final weights.
+Torchrun launches of tests/expert_parallel_worker.py. The first on 4 and the first on 2 processes check, with
+expert_parallel 1, 2 and 4 (those dividing the world size), the dense part under ddp and under fsdp, dropless and
+dropping: an MoE layer's output, the hidden states, losses, every gradient, the clipped norm, the weights after an
+AdamW step and the checkpoint state gathered to rank 0, against the single-process model and test_moe's slow
+per-token reference. Every launch then trains a run, against one uninterrupted process (the same losses at every
+step, the same evaluations, the same final weights):
+- ep: 2 steps on 4 processes with expert_parallel=4 and the padded exchange, resumed for 2 more on 2 processes
+  with expert_parallel=2, the uneven exchange and selective activation checkpointing;
+- pad: ep's first 2 steps, resumed for 2 more on 2 processes with expert_parallel=2 and fsdp, the padded exchange
+  and full activation checkpointing;
+- mixed: the single process's checkpoint of step 2 (one file) resumed on 4 processes with expert_parallel=2 and
+  fsdp (each expert shard on 2 ranks) for step 3, then on 2 processes with expert_parallel=2 and ddp for step 4.
 And the settings expert parallelism refuses, before any work.
 """
 from __future__ import annotations
@@ -37,11 +41,13 @@ MOE = ["optim.name=adamw", "model.family=moe", "model.moe.num_experts=4", "model
        "model.moe.capacity_factor=1.0", "model.moe.lb_loss_weight=0.05", "model.moe.z_loss_weight=0.01"]
 
 
-def _launch(nproc: int, run_overrides: list[str]) -> str:
+def _launch(nproc: int, run_overrides: list[str], checks: bool = True) -> str:
+    """A torchrun launch of the worker: its model-level checks (`checks`), then the run."""
     src = str(HERE.parent / "src")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-                           str(HERE / "expert_parallel_worker.py"), "--train", *run_overrides],
+                           str(HERE / "expert_parallel_worker.py"), *([] if checks else ["--no-checks"]), "--train",
+                           *run_overrides],
                           capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stdout[-3000:] + proc.stderr[-6000:]
     return proc.stderr
@@ -49,8 +55,7 @@ def _launch(nproc: int, run_overrides: list[str]) -> str:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, data_cache) -> Path:
-    """runs/one: 4 steps on one process; runs/ep: 2 steps on 4 processes, then 2 more on 2; runs/pad: ep's first
-    2 steps, then 2 more on 2 under the padded exchange (see the docstring)."""
+    """runs/one: 4 steps on one process; runs/ep, runs/pad and runs/mixed as the docstring says."""
     root = tmp_path_factory.mktemp("expert") / "runs"
     base = [*TINY, f"run.dir={root}", f"data.cache_dir={data_cache}", *MOE, "train.micro_batch_size=2",
             "train.eval_every=2", "train.eval_tokens=320", "train.checkpoint_every=2", "monitor.enabled=false",
@@ -62,7 +67,10 @@ def runs(tmp_path_factory, data_cache) -> Path:
                       "train.activation_checkpointing=selective"])
     (root / "ep-launch.log").write_text(log)
     _launch(2, [*base, "run.name=pad", "train.max_steps=4", "model.moe.expert_parallel=2", "model.moe.exchange=padded",
-                "train.activation_checkpointing=full"])
+                "train.activation_checkpointing=full", "train.parallel=fsdp"], checks=False)
+    _launch(4, [*base, "run.name=mixed", "train.max_steps=3", "model.moe.expert_parallel=2", "train.parallel=fsdp",
+                f"run.resume={root / 'one' / 'checkpoints' / 'step_00000002'}"], checks=False)
+    _launch(2, [*base, "run.name=mixed", "train.max_steps=4", "model.moe.expert_parallel=2"], checks=False)
     return root
 
 
@@ -78,14 +86,17 @@ def _same_losses(want: list[dict], got: list[dict]) -> None:
         assert [v for _, v in b] == pytest.approx([v for _, v in a], abs=1e-5), kind
 
 
-@pytest.mark.parametrize("run,exchanges", [("ep", ["padded", "uneven"]), ("pad", ["padded", "padded"])])
-def test_layouts_match_one_process_and_resume_on_fewer_processes_continues_exactly(runs, run, exchanges):
-    """The model-level checks ran in every launch (the fixture asserts their "ok"); here the runs they trained."""
+@pytest.mark.parametrize("run,exchanges,strategies", [("ep", ["padded", "uneven"], ["ddp", "ddp"]),
+                                                      ("pad", ["padded", "padded"], ["ddp", "fsdp"])])
+def test_layouts_match_one_process_and_resume_on_fewer_processes_continues_exactly(runs, run, exchanges, strategies):
+    """The model-level checks ran in the first launches (the fixture asserts their "ok"); here the runs they
+    trained."""
     got = _events(runs / run)
     _same_losses(_events(runs / "one"), got)
     starts = [e for e in got if e["event"] == "start"]
     assert [(e["world"], e["resumed_from"].endswith("step_00000002")) for e in starts] == [(4, False), (2, True)]
     assert [e["layout"]["expert_exchange"] for e in starts] == exchanges   # the decision, recorded
+    assert [e["layout"]["strategy"] for e in starts] == strategies
     assert max(e["moe.0.dropped_frac"] for e in got if e["event"] == "train") > 0, "the capacity must drop"
     assert json.loads((runs / run / "env.json").read_text())["layout"]["expert_exchange"] == exchanges[-1]
     if run == "pad":
@@ -109,6 +120,25 @@ def test_layouts_match_one_process_and_resume_on_fewer_processes_continues_exact
     assert last[0].startswith("4\n") and last[0] == last[1]
 
 
+def test_a_single_file_checkpoint_resumes_under_fsdp_with_experts_split_then_under_ddp(runs):
+    """One process's checkpoint (whole tensors in one file) cut to expert shards and FSDP shards on 4 processes, each
+    expert shard on 2 of them; that run's sharded checkpoint resumed on 2 processes under ddp: the same steps."""
+    got = _events(runs / "mixed")
+    want = {e["step"]: e["loss"] for e in _events(runs / "one") if e["event"] == "train"}
+    steps = {e["step"]: e["loss"] for e in got if e["event"] == "train"}
+    assert sorted(steps) == [3, 4]
+    assert [steps[s] for s in (3, 4)] == pytest.approx([want[s] for s in (3, 4)], abs=1e-5)
+    starts = [e for e in got if e["event"] == "start"]
+    assert [(e["world"], e["layout"]["strategy"], e["layout"]["expert_parallel"]) for e in starts] == [
+        (4, "fsdp", 2), (2, "ddp", 2)]
+    assert starts[0]["resumed_from"].endswith("one/checkpoints/step_00000002")
+    assert starts[1]["resumed_from"].endswith("mixed/checkpoints/step_00000003")
+    ckpt = runs / "mixed" / "checkpoints" / "step_00000004"
+    run_cli("export", str(ckpt), "--out", str(runs / "mixed-export"))
+    _same_weights(runs / "mixed-export" / "model.safetensors",
+                  runs / "one" / "checkpoints" / "step_00000004" / "model.safetensors")
+
+
 def _same_weights(got: Path, want: Path) -> None:
     final = [load_file(want), load_file(got)]
     assert final[0].keys() == final[1].keys()
@@ -120,7 +150,6 @@ def _same_weights(got: Path, want: Path) -> None:
     (["model.moe.expert_parallel=3"], 3, "does not divide model.moe.num_experts=4"),
     (["model.moe.expert_parallel=2"], 3, "does not divide the run's 3 process(es)"),
     (["model.moe.expert_parallel=2"], 1, "does not divide the run's 1 process(es)"),
-    (["model.moe.expert_parallel=2", "train.parallel=fsdp"], 2, "runs with train.parallel=ddp"),
     (["model.moe.expert_parallel=2", "optim.name=muon"], 2, "runs with optim.name=adamw"),
     (["model.moe.expert_parallel=2", "model.family=gpt"], 2, "applies to model.family=moe"),
     (["model.moe.expert_parallel=2", "model.moe.exchange=padded", "model.moe.capacity_factor=0"], 2,
@@ -130,8 +159,10 @@ def test_refused_settings_name_the_key(overrides, world, says):
     with pytest.raises(ConfigError, match=r"model\.moe\.") as e:   # a dense family: by the config itself
         decide_layout(load_config("tiny", [*MOE, *overrides]), world, adapt_micro_batch=True)
     assert says in str(e.value)
-    ok = decide_layout(load_config("tiny", [*MOE, "model.moe.expert_parallel=2"]), 4, adapt_micro_batch=True)
-    assert (ok.expert_parallel, ok.strategy, ok.micro_batch * ok.accumulation * ok.world) == (2, "ddp", 32)
+    for strategy in ("ddp", "fsdp"):   # the dense part either way
+        ok = decide_layout(load_config("tiny", [*MOE, "model.moe.expert_parallel=2", f"train.parallel={strategy}"]), 4,
+                           adapt_micro_batch=True)
+        assert (ok.expert_parallel, ok.strategy, ok.micro_batch * ok.accumulation * ok.world) == (2, strategy, 32)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernel runs on CUDA")
