@@ -1,6 +1,7 @@
-"""A run's layout, decided once: on how many processes and which kind of device, with which strategy (ddp, or fsdp
-where there is something to shard), over how many ranks each MoE layer's experts are split, and the micro-batch
-and accumulation that keep the global batch (global = micro-batch x accumulation x processes).
+"""A run's layout, decided once: on how many processes and which kind of device, with which strategy for the dense
+parameters (ddp, or fsdp where there is something to shard), over how many ranks each MoE layer's experts are split
+(with either strategy), and the micro-batch and accumulation that keep the global batch (global = micro-batch x
+accumulation x processes).
 
     layout = decide_layout(cfg, world=2, device="cuda", adapt_micro_batch=True)
     cfg = layout.applied(cfg)          # train.micro_batch_size as decided
@@ -25,7 +26,7 @@ class RunLayout:
 
     world: int              # processes, all nodes together
     device: str             # the kind of device each process trains on: cuda or cpu
-    strategy: str           # ddp (every rank holds the whole model) or fsdp (sharded: only on several processes)
+    strategy: str           # the dense parameters: ddp (whole on every rank) or fsdp (sharded over every rank)
     expert_parallel: int    # ranks each MoE layer's experts are split over (1: every rank holds all of them)
     micro_batch: int        # sequences per forward pass on one rank
     accumulation: int       # micro-batches per step on each rank
@@ -118,10 +119,6 @@ def _expert_parallel(cfg: RunConfig, world: int) -> int:
         raise ConfigError(f"{where} does not divide the run's {world} process(es)",
                           hint=f"use --nproc {n * max(1, world // n)} (a multiple of {n}), or a model.moe."
                                f"expert_parallel dividing {world}")
-    if cfg.train.parallel != "ddp":
-        raise ConfigError(f"{where} runs with train.parallel=ddp (the dense parameters data-parallel), not "
-                          f"train.parallel={cfg.train.parallel}",
-                          hint="drop train.parallel=fsdp, or model.moe.expert_parallel")
     if cfg.optim.name == "muon":
         raise ConfigError(f"{where} runs with optim.name=adamw: Muon's distributed step expects every rank to "
                           "hold the same parameters", hint="set optim.name=adamw")
