@@ -120,7 +120,6 @@ def _same_weights(got: Path, want: Path) -> None:
     (["model.moe.expert_parallel=3"], 3, "does not divide model.moe.num_experts=4"),
     (["model.moe.expert_parallel=2"], 3, "does not divide the run's 3 process(es)"),
     (["model.moe.expert_parallel=2"], 1, "does not divide the run's 1 process(es)"),
-    (["model.moe.expert_parallel=2", "train.parallel=fsdp"], 2, "runs with train.parallel=ddp"),
     (["model.moe.expert_parallel=2", "optim.name=muon"], 2, "runs with optim.name=adamw"),
     (["model.moe.expert_parallel=2", "model.family=gpt"], 2, "applies to model.family=moe"),
     (["model.moe.expert_parallel=2", "model.moe.exchange=padded", "model.moe.capacity_factor=0"], 2,
