@@ -25,6 +25,7 @@ from trainbox.plan.activations import Kernels, Widths, family_activations, weigh
 from trainbox.plan.count import count_parameters
 from trainbox.plan.gpus import GiB
 from trainbox.plan.report import format_plan
+from trainbox.plan.suggest import _layouts
 
 SMALL = ["data.tokenizer=embedded:shakespeare-bpe", "model.n_head=4", "model.n_embd=64", "data.seq_len=64",
          "model.n_layer=2", "model.vocab_size=512"]
@@ -409,6 +410,49 @@ def test_layouts_shard_what_they_claim():
                   nproc=2)
 
 
+@pytest.mark.parametrize("nproc, ep", [(2, 2), (4, 2), (4, 4)])
+def test_fsdp_with_expert_parallelism_shards_the_dense_part_and_keeps_a_ranks_experts_whole(nproc, ep):
+    """fsdp + expert parallelism on H100s: FSDP shards the dense parameters over every rank and ignores the experts,
+    whose 1/ep share a rank keeps whole as under ddp: fp32 parameters, gradients and AdamW's moments of
+    dense / world + expert / ep, less than ddp + expert parallelism's by the dense part's (world - 1) / world; the
+    experts' 16-bit copies held in every checkpointing mode; FSDP's gathered blocks without their experts, beside
+    the same all-to-all buffers as under ddp. Plain fsdp and ddp + expert parallelism keep their own counts."""
+    over = [*MOE_128, f"model.moe.expert_parallel={ep}", "train.micro_batch_size=12"]
+    cfg = load_config("moe-gpt2-125m", over)
+    vocab = run_vocab(cfg)
+    plans = {(p, mode): make_plan(load_config("moe-gpt2-125m", [*over, f"train.parallel={p}",
+                                                                f"train.activation_checkpointing={mode}"]),
+                                  vocab, gpu("H100"), nproc, suggest=False)
+             for p in ("ddp", "fsdp") for mode in ("none", "selective")}
+    fsdp, ddp = plans["fsdp", "none"], plans["ddp", "none"]
+    assert (fsdp.layout.parallel, fsdp.layout.expert_parallel, ddp.layout.parallel) == ("fsdp", ep, "ddp")
+    assert fsdp.accumulation > 1   # the earlier micro-batches' gradients are there at the peak
+    c = fsdp.counts
+    local = c.dense / nproc + c.expert / ep
+    assert (fsdp.memory.params, fsdp.memory.gradients, fsdp.memory.optimizer) == \
+        (int(4 * local), int(4 * local), int(8 * local))
+    held = c.dense + c.expert / ep   # ddp + expert parallelism: the dense parameters whole on every rank
+    assert (ddp.memory.params, ddp.memory.gradients, ddp.memory.optimizer) == (int(4 * held), int(4 * held),
+                                                                               int(8 * held))
+    dense_share = c.dense * (nproc - 1) / nproc
+    assert ddp.memory.params - fsdp.memory.params == pytest.approx(4 * dense_share, abs=2) and dense_share > 0
+    assert ddp.memory.optimizer - fsdp.memory.optimizer == pytest.approx(8 * dense_share, abs=2)
+    for mode in ("none", "selective"):   # the experts' bf16 copies (expert.keep_casts), FSDP's gathers apart
+        assert plans["fsdp", mode].activations.weight_copies == int(c.expert / ep * 2)
+    exchange = ddp.memory.comm - 4 * c.dense   # ddp: the dense gradient buckets and the all-to-all buffers
+    assert exchange == 4 * 2 * 12 * 1024 * 768 * 2
+    unit = c.largest_block - c.expert / c.n_blocks   # a block without its experts
+    gathered = 2 * (2 * unit + c.root) + 2 * c.root + (2 + 2 * 4) * unit
+    assert fsdp.memory.comm == int(gathered + exchange)
+    text = format_plan(fsdp)
+    assert f"(dense parameters, gradients and optimizer state 1/{nproc} per GPU;" in text
+    assert f"experts 1/{ep} per GPU" in text
+    plain = make_plan(load_config("moe-gpt2-125m", [*MOE_128, "train.parallel=fsdp", "train.micro_batch_size=12"]),
+                      vocab, gpu("H100"), nproc, suggest=False)
+    assert plain.memory.params == int(4 * c.trainable / nproc) and plain.activations.weight_copies == 0
+    assert plain.memory.comm == int(2 * (2 * c.largest_block + c.root) + 2 * c.root + 10 * c.largest_block)
+
+
 @pytest.mark.parametrize("extra", [[], ["model.moe.expert_parallel=2"], ["train.parallel=fsdp"]])
 def test_bf16_optimizer_state_counts_two_bytes_a_moment(extra):
     """8 bytes of AdamW state a parameter a rank keeps in fp32, 4 in bf16, under every layout; Muon's momentum
@@ -446,7 +490,7 @@ def test_verdicts_and_suggestions_that_fit_when_applied():
     for plan, given in ((one, []), (two, []), (ep2, ["model.moe.expert_parallel=2"])):
         for s in plan.suggestions:   # each suggestion, applied over the user's overrides, fits
             applied_cfg = load_config("moe-gpt2-125m", [*MOE_128, *given, *s.overrides])
-            decide_layout(applied_cfg, s.nproc)   # a layout the trainer runs (no expert parallelism under fsdp)
+            decide_layout(applied_cfg, s.nproc)   # a layout the trainer runs
             applied = make_plan(applied_cfg, vocab, gpu("H100"), nproc=s.nproc, suggest=False)
             assert applied.fits and applied.memory.needed == s.needed, s
     big = load_config("gpt2-125m", ["train.micro_batch_size=240", "train.global_batch_size=480"])
@@ -456,6 +500,40 @@ def test_verdicts_and_suggestions_that_fit_when_applied():
     larger = min(b for b in range(size + 1, 241) if 480 % b == 0)   # the next size the batch plan accepts
     assert not make_plan(load_config("gpt2-125m", ["train.global_batch_size=480", f"train.micro_batch_size={larger}"]),
                          vocab, gpu("A100-40GB"), suggest=False).fits
+
+
+def test_layouts_offer_every_expert_parallel_degree_with_ddp_and_with_fsdp():
+    """On 4 GPUs the 128-expert MoE runs as configured (ddp), under fsdp, and at expert parallelism 2 and 4 with
+    each strategy: every layout offered is the one config/layout.py decides for its overrides. A plan already at
+    expert parallelism 2 is offered fsdp at that degree, and one configured with fsdp is offered ddp beside it."""
+    cfg = load_config("moe-gpt2-125m", MOE_128)
+    cfg = decide_layout(cfg, 4, "cuda", adapt_micro_batch=True).applied(cfg)
+    base = make_plan(cfg, run_vocab(cfg), gpu("H100"), 4, suggest=False).layout
+    layouts = _layouts(cfg, base, 4)
+    assert [((x.parallel, x.expert_parallel), over) for x, over in layouts] == [
+        (("ddp", 1), ()), (("fsdp", 1), ("train.parallel=fsdp",)),
+        (("ddp", 2), ("model.moe.expert_parallel=2",)), (("ddp", 4), ("model.moe.expert_parallel=4",)),
+        (("fsdp", 2), ("train.parallel=fsdp", "model.moe.expert_parallel=2")),
+        (("fsdp", 4), ("train.parallel=fsdp", "model.moe.expert_parallel=4"))]
+    for x, over in layouts:
+        run = decide_layout(load_config("moe-gpt2-125m", [*MOE_128, *over]), 4, "cuda", adapt_micro_batch=True)
+        assert (run.strategy, run.expert_parallel) == (x.parallel, x.expert_parallel) and x.nproc == 4
+    ep2 = load_config("moe-gpt2-125m", [*MOE_128, "model.moe.expert_parallel=2"])
+    plan = make_plan(ep2, run_vocab(ep2), gpu("H100"), 2)
+    assert [(x.parallel, x.expert_parallel, over) for x, over in _layouts(ep2, plan.layout, 2)] == [
+        ("ddp", 2, ()), ("fsdp", 2, ("train.parallel=fsdp",))]
+    fsdp = next(s for s in plan.suggestions if s.what == "fsdp")
+    assert fsdp.overrides[0] == "train.parallel=fsdp" and fsdp.time is not None
+    applied = make_plan(load_config("moe-gpt2-125m", [*MOE_128, "model.moe.expert_parallel=2", *fsdp.overrides]),
+                        run_vocab(ep2), gpu("H100"), 2, suggest=False)
+    assert (applied.layout.parallel, applied.layout.expert_parallel) == ("fsdp", 2) and applied.fits
+    sharded = load_config("moe-gpt2-125m", [*MOE_128, "train.parallel=fsdp"])
+    sharded = decide_layout(sharded, 4, "cuda", adapt_micro_batch=True).applied(sharded)
+    base = make_plan(sharded, run_vocab(sharded), gpu("H100"), 4, suggest=False).layout
+    assert [(x.parallel, x.expert_parallel, over) for x, over in _layouts(sharded, base, 4)] == [
+        ("fsdp", 1, ()), ("ddp", 2, ("train.parallel=ddp", "model.moe.expert_parallel=2")),
+        ("ddp", 4, ("train.parallel=ddp", "model.moe.expert_parallel=4")),
+        ("fsdp", 2, ("model.moe.expert_parallel=2",)), ("fsdp", 4, ("model.moe.expert_parallel=4",))]
 
 
 def test_expert_parallel_plan_names_the_largest_micro_batch_that_fits():
@@ -597,18 +675,19 @@ def test_bf16_moments_are_offered_beside_a_plan_where_they_buy_a_faster_micro_ba
 
 def test_bf16_moments_are_offered_beside_the_fastest_suggestion_when_the_run_does_not_fit():
     """The recipe's own layout of the 128-expert MoE does not fit 2 H100s; the plan's fastest suggestion is expert
-    parallelism 2 at micro-batch 16, and the hint is that layout with bf16 moments at its larger micro-batch: its
-    other overrides and GPU count kept, and applied, it fits in the time the hint gave."""
+    parallelism 2 under fsdp at micro-batch 20, and the hint is that layout with bf16 moments at its larger
+    micro-batch: its other overrides and GPU count kept, and applied, it fits in the time the hint gave."""
     over = ["model.moe.num_experts=128"]
     cfg = load_config("moe-gpt2-125m", over)
     vocab = run_vocab(cfg)
     plan = make_plan(cfg, vocab, gpu("H100"), 2)
     first, hint = plan.suggestions[0], plan.smaller_state
-    assert not plan.fits and "model.moe.expert_parallel=2" in first.overrides
+    assert not plan.fits and first.overrides[:2] == ("train.parallel=fsdp", "model.moe.expert_parallel=2")
     assert hint.nproc == first.nproc == 2 and hint.time.step < first.time.step
-    assert hint.overrides == ("model.moe.expert_parallel=2", "optim.state_dtype=bf16", "train.micro_batch_size=40")
+    assert hint.overrides == ("train.parallel=fsdp", "model.moe.expert_parallel=2", "optim.state_dtype=bf16",
+                              "train.micro_batch_size=40")
     applied = make_plan(load_config("moe-gpt2-125m", [*over, *hint.overrides]), vocab, gpu("H100"), 2)
     assert applied.fits and applied.time == hint.time and applied.memory.needed == hint.needed
     text = format_plan(plan, over)
     assert text.index("what would fit") < text.index("in the first of these layouts") < text.index(
-        "model.moe.expert_parallel=2 optim.state_dtype=bf16 train.micro_batch_size=40 --nproc 2")
+        "train.parallel=fsdp model.moe.expert_parallel=2 optim.state_dtype=bf16 train.micro_batch_size=40 --nproc 2")

@@ -298,6 +298,37 @@ def test_the_padded_exchange_has_no_host_reads_and_sends_its_capacity():
     assert padded.host < uneven.host
 
 
+@pytest.mark.parametrize("nproc, ep", [(2, 2), (4, 2), (4, 4)])
+def test_fsdp_with_expert_parallelism_gathers_the_dense_part_and_exchanges_the_experts_rows(nproc, ep):
+    """fsdp + expert parallelism on H100s: FSDP's gathers and reduce-scatters move the parameters it manages, all
+    but the experts; the experts' all-to-all exchanges are those of ddp + expert parallelism at the same
+    micro-batch; where several ranks hold each expert shard (world > ep) its gradients are all-reduced over them
+    once a step, under either strategy; the optimizer updates a rank's dense share and its experts; the weights
+    term is the experts' copies and gradient additions alone."""
+    over = [*MOE_128, f"model.moe.expert_parallel={ep}", "train.micro_batch_size=12"]
+    cfg = load_config("moe-gpt2-125m", over)
+    ddp, fsdp = (predicted("moe-gpt2-125m", [*over, f"train.parallel={p}"], "H100", nproc) for p in ("ddp", "fsdp"))
+    assert (ddp.layout.parallel, fsdp.layout.parallel) == ("ddp", "fsdp") and fsdp.layout.reshard_after_forward
+    c, acc, rates = fsdp.counts, fsdp.accumulation, fsdp.target.rates.at(nproc)
+    assert acc == ddp.accumulation == 480 // (12 * nproc)
+    link, share = rates.all_reduce * plan_time.COLLECTIVES, (nproc - 1) / nproc
+    rows = 12 * cfg.data.seq_len * cfg.model.moe.top_k   # the uneven exchange: the routed rows
+    exchange = (4 * plan_time.moe_layers(cfg) * rows * cfg.model.n_embd * 2 * (ep - 1) / ep
+                / (rates.all_to_all * plan_time.EXCHANGES))
+    r = nproc // ep
+    replicas = 4 * c.expert / ep * 2 * (r - 1) / r / link
+    assert (replicas > 0) == (nproc > ep)
+    dense_all_reduce = 4 * c.dense * 2 * share / link
+    assert ddp.time.communication == pytest.approx(acc * exchange + dense_all_reduce + replicas, rel=1e-9)
+    fsdp_comm = (2 * 2 + 4) * (c.total - c.expert) * share / link   # two bf16 gathers, an fp32 reduce-scatter
+    assert fsdp.time.communication == pytest.approx(acc * (fsdp_comm + exchange) + replicas, rel=1e-9)
+    assert fsdp.time.exchanges >= acc * exchange + replicas and fsdp.time.host > 0
+    assert fsdp.time.optimizer == pytest.approx(32 * (c.dense / nproc + c.expert / ep) / rates.memory, rel=1e-9)
+    assert fsdp.time.weights == pytest.approx((6 + 10 * acc) * c.expert / ep / rates.memory, rel=1e-9)
+    assert fsdp.time.step == pytest.approx(fsdp.time.compute + fsdp.time.exchanges + fsdp.time.host
+                                           + fsdp.time.weights + fsdp.time.optimizer, rel=1e-9)
+
+
 # ----------------------------------------------------------------------------- ranking
 
 

@@ -7,18 +7,21 @@ One model of a run's memory, used by `trainbox plan`, `trainbox doctor RECIPE` a
 `trainbox train` (train/memory.py). Per GPU, for a layout (train.parallel ddp or fsdp over --nproc ranks,
 model.moe.expert_parallel):
 
-    parameters     fp32 master weights (4 bytes each): whole under ddp, 1/N under fsdp; experts 1/E under
-                   expert parallelism (E ranks hold disjoint experts); frozen weights as built (LoRA bases)
+    parameters     fp32 master weights (4 bytes each): whole under ddp, 1/N under fsdp; under expert
+                   parallelism 1/E of the experts, whole, with either strategy (E ranks hold disjoint experts;
+                   FSDP ignores them and shards the rest); frozen weights as built (LoRA bases)
     gradients      fp32, one per trainable parameter held (sharded like the parameters), at the peak only where
                    the step has several micro-batches (the earlier ones' gradients are kept through the last)
     optimizer      AdamW: two moments, fp32 (8 bytes) or bf16 (4, optim.state_dtype); Muon: one fp32 momentum
                    (4) for the matrices it owns
     activations    plan/activations.py: what the blocks, the head and the loss keep for the backward of one
                    micro-batch (by activation-checkpointing mode, dtype, attention kernel, fused loss), the
-                   16-bit weight copies autocast keeps, and the largest transient on top at the peak
+                   16-bit weight copies autocast keeps (under expert parallelism the experts' copies made once a
+                   step, with either strategy), and the largest transient on top at the peak
     communication  ddp: the gradient buckets (a second fp32 copy of the gradients DDP reduces, DDP's default;
                    under expert parallelism the dense ones only, the experts are outside DDP); fsdp: the
-                   bf16 blocks gathered in flight (two, or all of them with train.reshard_after_forward=false),
+                   bf16 blocks gathered in flight (two, or all of them with train.reshard_after_forward=false;
+                   under expert parallelism without their experts, which FSDP does not gather),
                    the root (head, final norm, a tied table; an untied table is a unit apart) gathered with
                    its bf16 gradients through the backward, a block's bf16 gradients and two fp32
                    reduce-scatter inputs; expert parallelism: one layer's

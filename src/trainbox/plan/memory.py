@@ -181,25 +181,31 @@ def memory(cfg: RunConfig, counts: ParamCount, vocab: int, target: Target, layou
                     head_limit=target.memory // WHOLE_SHARE)
     held = counts.dense + counts.expert / ep                    # trainable parameters a rank computes with
     shard = world if fsdp else 1
-    # ... and keeps: fsdp shards the dense ones over all ranks, a rank's experts over the world / ep that share them
-    local = counts.trainable / world if fsdp else held
+    # ... and keeps: fsdp shards what it manages over all ranks (every trainable parameter, or under expert
+    # parallelism the dense ones: it ignores the experts, whose shard a rank keeps whole as under ddp)
+    sharded = (counts.trainable if ep == 1 else counts.dense) / world if fsdp else 0
+    local = sharded + (counts.expert / ep if ep > 1 else 0) if fsdp else held
     muon = counts.muon * local / max(1, counts.trainable)
     acts = family_activations(cfg, counts, vocab, rows, mode, widths, kernels, autocast_copies=not fsdp)
+    # FSDP's 16-bit weights are the gathered ones (communication); autocast's copies are there outside fsdp
     copies = 0 if fsdp else weight_copy_bytes(counts, widths, mode)
     if copies and counts.expert and ep > 1:
         copies = int(copies * (counts.matmul - counts.expert + counts.expert / ep) / counts.matmul)
-    if ep > 1 and a < 4 and mode != "none":   # the experts' 16-bit copies live through the step (expert.keep_casts)
+    # the experts' 16-bit copies live through the step (expert.keep_casts): under fsdp in every mode, outside it
+    # where checkpointing leaves them out of weight_copy_bytes
+    if ep > 1 and a < 4 and (fsdp or mode != "none"):
         copies += int(counts.expert / ep * a)
     acts = replace(acts, weight_copies=copies)
     comm = 0.0
     if world > 1 and not fsdp:   # DDP's gradient buckets: the dense parameters only under expert parallelism
         comm += 4 * (counts.dense if ep > 1 else held)
     if fsdp:
-        unit = (counts.largest_block - counts.expert / max(1, counts.n_blocks)
-                + counts.expert / ep / max(1, counts.n_blocks))
+        # one block as FSDP gathers it: under expert parallelism without its experts, which FSDP ignores
+        unit = counts.largest_block - (counts.expert / max(1, counts.n_blocks) if ep > 1 else 0)
         # bf16 weights gathered: two blocks in flight (or all of them) and the root, which stays gathered with its
         # bf16 gradients through the backward; a block's bf16 gradients and two fp32 reduce-scatter inputs
-        gathered = 2 * (2 * unit + counts.root) if layout.reshard_after_forward else 2 * held
+        gathered = 2 * (2 * unit + counts.root) if layout.reshard_after_forward else \
+            2 * (counts.trainable if ep == 1 else counts.dense)
         comm += gathered + 2 * counts.root + (2 + 2 * 4) * unit
     if ep > 1 and spec.experts:
         comm += 4 * m.moe.top_k * rows * cfg.data.seq_len * m.n_embd * a   # dispatch and combine, both ways
@@ -221,7 +227,7 @@ def memory(cfg: RunConfig, counts: ParamCount, vocab: int, target: Target, layou
     if target.cuda:
         overhead = CONTEXT + (NCCL if world > 1 else 0) + FRAGMENTATION * peak
         if fsdp:
-            pools = (4 * local if layout.side_stream_grads and not grads else 0) \
+            pools = (4 * sharded if layout.side_stream_grads and not grads else 0) \
                 + 2 * (2 * unit + counts.root + counts.apart)
     mem = Memory(params=int(params), gradients=int(grads), optimizer=int(optimizer),
                  activations=acts.peak, comm=int(comm), overhead=int(overhead), pools=int(pools),

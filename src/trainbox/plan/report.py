@@ -32,7 +32,8 @@ def layout_text(plan: MemoryPlan) -> str:
         return "one process on this CPU" if lay.nproc == 1 else f"{lay.parallel} over {lay.nproc} CPU processes"
     text = f"{lay.parallel} over {lay.nproc} GPUs" if lay.nproc > 1 else "one GPU"
     if lay.parallel == "fsdp":
-        text += f" (parameters, gradients and optimizer state 1/{lay.nproc} per GPU; " \
+        dense = "dense " if plan.counts.expert and lay.expert_parallel > 1 else ""   # FSDP ignores the experts
+        text += f" ({dense}parameters, gradients and optimizer state 1/{lay.nproc} per GPU; " \
                 f"reshard_after_forward={str(lay.reshard_after_forward).lower()})"
     if plan.counts.expert:
         text += f"; experts 1/{lay.expert_parallel} per GPU" if lay.expert_parallel > 1 else \

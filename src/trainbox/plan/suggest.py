@@ -1,11 +1,11 @@
 """What would make a plan fit (`MemoryPlan.suggestions`): the largest micro-batch, an activation-checkpointing mode,
-fsdp, an expert-parallel degree, or more GPUs, each checked with the same memory model as the plan itself; and,
-under expert parallelism, the largest micro-batch that fits (`MemoryPlan.fewer_exchanges`); for a plan that fits with
-AdamW's fp32 moments, the larger micro-batch bf16 moments would fit where it is faster (`MemoryPlan.smaller_state`:
-a change of numerics, so a hint beside the plan, never one of its ranked suggestions). Every layout suggested is
-one config/layout.py accepts. Each carries its predicted step time (plan/time.py) where the GPU has rates: the
-expert-parallel degree suggested is the fastest that fits, and the suggestions on the plan's GPUs come fastest
-first, then those on more GPUs, fastest first."""
+fsdp, an expert-parallel degree (with ddp or fsdp), or more GPUs, each checked with the same memory model as the
+plan itself; and, under expert parallelism, the largest micro-batch that fits (`MemoryPlan.fewer_exchanges`); for a
+plan that fits with AdamW's fp32 moments, the larger micro-batch bf16 moments would fit where it is faster
+(`MemoryPlan.smaller_state`: a change of numerics, so a hint beside the plan, never one of its ranked suggestions).
+Every layout suggested is one config/layout.py accepts. Each carries its predicted step time (plan/time.py) where
+the GPU has rates: the expert-parallel degree suggested is the fastest that fits, and the suggestions on the plan's
+GPUs come fastest first, then those on more GPUs, fastest first."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -63,12 +63,17 @@ def _seconds(s: Suggestion) -> float:
 
 
 def _layouts(cfg: RunConfig, base: Layout, n: int) -> list[tuple[Layout, tuple[str, ...]]]:
-    """The layouts on n GPUs the trainer runs, simplest first: as configured, fsdp, then each expert-parallel
-    degree; a change is kept where config/layout.py accepts the config with it (and the config still loads: no
-    fsdp for t5, hf or Muon); the micro-batch is searched apart."""
-    out = [(replace(base, nproc=n), ())]
-    changes = [("train.parallel=fsdp",)] if base.parallel == "ddp" and n > 1 and base.expert_parallel == 1 else []
-    changes += [(f"model.moe.expert_parallel={ep}",) for ep in range(base.expert_parallel + 1, n + 1)]
+    """The layouts on n GPUs the trainer runs, simplest first: as configured; fsdp (where the config is ddp); then
+    each expert-parallel degree above the configured one, with ddp, then each with fsdp. A layout is kept where
+    config/layout.py accepts the config with its overrides (and the config still loads: no fsdp for t5, hf or
+    Muon), in the strategy and degree it decides; the micro-batch is searched apart."""
+    ddp = cfg.train.parallel == "ddp"
+    to_ddp, to_fsdp = ((), ("train.parallel=fsdp",)) if ddp else (("train.parallel=ddp",), ())
+    degrees = range(base.expert_parallel + 1, n + 1)
+    changes = [(), *([to_fsdp] if ddp and n > 1 else [])]
+    changes += [(*to_ddp, f"model.moe.expert_parallel={ep}") for ep in degrees]
+    changes += [(*to_fsdp, f"model.moe.expert_parallel={ep}") for ep in degrees if n > 1]
+    out = []
     for over in changes:
         try:
             run = decide_layout(build_config(apply_overrides(cfg.model_dump(mode="json"), list(over))), n, "cuda",
@@ -80,9 +85,10 @@ def _layouts(cfg: RunConfig, base: Layout, n: int) -> list[tuple[Layout, tuple[s
 
 
 def suggestions(cfg: RunConfig, vocab: int, plan: MemoryPlan) -> list[Suggestion]:
-    """What would fit, one of each kind: the largest micro-batch; an activation-checkpointing mode; fsdp; an
-    expert-parallel degree (on these GPUs, with the largest micro-batch that then fits); more GPUs (the fewest,
-    with the simplest layout, mode and largest micro-batch that fit)."""
+    """What would fit, one of each kind: the largest micro-batch; an activation-checkpointing mode; fsdp at the
+    plan's expert-parallel degree; a higher expert-parallel degree, with ddp or fsdp (on these GPUs, with the
+    largest micro-batch that then fits); more GPUs (the fewest, with the simplest layout, mode and largest
+    micro-batch that fit)."""
     search, lay, mode = _Search(cfg, vocab, plan), plan.layout, plan.checkpointing
     modes = (mode, *(MODES[MODES.index(mode) + 1:] if not family(cfg.model.family).recompute else ()))
 
@@ -99,7 +105,7 @@ def suggestions(cfg: RunConfig, vocab: int, plan: MemoryPlan) -> list[Suggestion
            first("activation checkpointing", [(lay, ())], modes[1:], same_micro=True)]
     if not plan.target.cuda:   # processes on one machine share its RAM: sharding or more of them does not help
         return [s for s in out if s is not None]
-    here = _layouts(cfg, lay, lay.nproc)[1:]
+    here = [(x, o) for x, o in _layouts(cfg, lay, lay.nproc) if o]   # all but the plan's own layout
     out += [first("fsdp", [(x, o) for x, o in here if x.expert_parallel == lay.expert_parallel]),
             fastest("expert parallelism", [(x, o) for x, o in here if x.expert_parallel != lay.expert_parallel])]
     for n in (2, 4, 8, 16, 32, 64):   # the fewest GPUs that fit; for an MoE also its best expert-parallel layout

@@ -17,26 +17,33 @@ Per rank, for a step of `accumulation` micro-batches of `micro` sequences:
                 (once with train.reshard_after_forward=false) and the fp32 gradients reduce-scattered, (n-1)/n of
                 their bytes at all_reduce x COLLECTIVES, overlapped with the micro-batch's compute; the first
                 block's gather is not; the copies around them at the memory bandwidth (the gathered weights
-                copied out beside the compute, the gradients cast into the reduce-scatter's input before it)
-    experts     expert parallelism, per MoE layer per micro-batch: the routed rows (tokens x top_k x n_embd, bf16)
-                dispatched and combined in the forward and both again in the backward, (E-1)/E of them crossing
-                at all_to_all x EXCHANGES, not overlapped; one host read of the split sizes (host_sync each), after
+                copied out beside the compute, the gradients cast into the reduce-scatter's input before it).
+                Under expert parallelism FSDP ignores the experts: all of this counts the other parameters only
+                (the first block's gather too)
+    experts     expert parallelism, with either strategy, per MoE layer per micro-batch: the routed rows (tokens x
+                top_k x n_embd, bf16) dispatched and combined in the forward and both again in the backward, (E-1)/E
+                of them crossing at all_to_all x EXCHANGES, not overlapped (after fsdp's micro-batch, where it
+                runs); one host read of the split sizes (host_sync each), after
                 which the host launches the layer's work: a micro-batch takes at least HOST per MoE layer, the
                 host's time to run the layer's forward and backward; with activation checkpointing the
                 recomputed layer reads them again in the backward (RECOMPUTE_HOST each). Under
                 model.moe.exchange=padded, capacity_factor times the rows are sent and computed and nothing
                 is read back: the host runs ahead of the GPU and sets no floor (the padded step on 2 H200s is
                 the GPU's compute and exchanges, 2026-11-28-2xh200-moe-gpt2-125m-128x-ep2-padded-vs-uneven-
-                h100mem.json)
-    weights     outside fsdp, at the memory bandwidth: every micro-batch, autocast's 16-bit copies of the trainable
+                h100mem.json). Once a step, after the last backward, each expert shard's fp32 gradients summed
+                over the r = n / E ranks that hold it, 2(r-1)/r of their bytes at all_reduce x COLLECTIVES, not
+                overlapped (none where n = E)
+    weights     at the memory bandwidth, outside fsdp: every micro-batch, autocast's 16-bit copies of the trainable
                 matmul weights (4 bytes read, 2 written) and the backward's fp32 gradients of them (2 read, 4
                 written); from the second micro-batch on, every gradient added into .grad (8 read, 4 written). Under
                 expert parallelism the experts' copies are made once a step and their gradients added by one kernel
-                each micro-batch (parallel/expert.py, kernels/accumulate.py: 6 read, 4 written)
-    optimizer   OPTIMIZER_BYTES per parameter a rank updates (with optim.state_dtype=bf16, the bytes of
-                kernels/adamw.py's step), at its memory bandwidth
+                each micro-batch (parallel/expert.py, kernels/accumulate.py: 6 read, 4 written); under fsdp these
+                two expert terms are all (FSDP gathers 16-bit weights and casts the gradients it reduce-scatters)
+    optimizer   OPTIMIZER_BYTES per parameter a rank updates (ddp: every one it holds; fsdp: its 1/n share of
+                what FSDP manages, and its experts under expert parallelism) (with optim.state_dtype=bf16, the
+                bytes of kernels/adamw.py's step), at its memory bandwidth
 
-    step = accumulation x (micro-batch) + ddp's exposed all-reduce + weights + optimizer
+    step = accumulation x (micro-batch) + the exposed all-reduces (ddp's, the expert replicas') + weights + optimizer
 
 The plan counts every routed assignment; with a capacity, expert parallelism's uneven exchange computes and sends
 only the kept ones, so a run whose router drops assignments can take less (the 128-expert runs on 4 H200s that
@@ -144,32 +151,48 @@ def step_time(cfg: RunConfig, counts: ParamCount, target: Target, layout, micro:
     compute = tokens * (dense_flops / dense_rate + pad * expert_flops / (rates.matmul * EXPERTS))
 
     link = rates.all_reduce * COLLECTIVES
+    fsdp = parallel == "fsdp"
+    local_experts = counts.expert / ep if ep > 1 else 0.0   # a rank's experts, outside fsdp's sharding
     micro_s, host, comm = compute, 0.0, 0.0             # a micro-batch, its GPU's wait on the host, its exchanges
-    if parallel == "fsdp" and nproc > 1:
+    if fsdp and nproc > 1:
+        # what FSDP manages: every parameter, or under expert parallelism all but the experts, which it ignores
+        managed = counts.total - (counts.expert if ep > 1 else 0)
+        block = counts.largest_block - (counts.expert / max(1, counts.n_blocks) if ep > 1 else 0)
         gathers = 2 if reshard_after_forward else 1
-        comm = (2 * gathers + 4) * counts.total * (nproc - 1) / nproc / link
-        first = 2 * (counts.largest_block + counts.root) * (nproc - 1) / nproc / link
+        comm = (2 * gathers + 4) * managed * (nproc - 1) / nproc / link
+        first = 2 * (block + counts.root) * (nproc - 1) / nproc / link
         # the copies around them: the gathered parameters copied out on the compute stream (2 bytes read, 2
         # written), the bf16 gradients cast into the reduce-scatter's fp32 input on its stream (2 read, 4 written)
-        copy_out, copy_in = 4 * gathers * counts.total / rates.memory, 6 * counts.total / rates.memory
+        copy_out, copy_in = 4 * gathers * managed / rates.memory, 6 * managed / rates.memory
         micro_s = max(compute + copy_out, comm + copy_in) + first
     if ep > 1 and n_moe:
         rows = tokens * m.moe.top_k * pad
-        comm = 4 * n_moe * rows * m.n_embd * 2 * (ep - 1) / ep / (rates.all_to_all * EXCHANGES)
+        exchange = 4 * n_moe * rows * m.n_embd * 2 * (ep - 1) / ep / (rates.all_to_all * EXCHANGES)
+        busy = micro_s                                  # the compute, with fsdp's exchanges beside it
         # the padded exchange reads nothing back, so the host runs ahead of the GPU and sets no floor
-        micro_s = compute + comm if padded else max(compute + comm, n_moe * HOST) + n_moe * rates.host_sync
+        micro_s = busy + exchange if padded else max(busy + exchange, n_moe * HOST) + n_moe * rates.host_sync
         if checkpointing != "none" and not padded:   # the recomputed layers read their split sizes again
             micro_s += n_moe * RECOMPUTE_HOST
-        host = micro_s - compute - comm
+        host = micro_s - busy - exchange
+        comm += exchange
     all_reduce = exposed = 0.0
     if parallel == "ddp" and nproc > 1:
         grads = 4 * (counts.dense if ep > 1 else counts.trainable)
         all_reduce = grads * 2 * (nproc - 1) / nproc / link
         last = min(DDP_BUCKET, grads) * 2 * (nproc - 1) / nproc / link
         exposed = max(all_reduce - 2 / 3 * compute, last)
-    updated = counts.trainable / nproc if parallel == "fsdp" else counts.dense + counts.expert / ep
+    if ep > 1 and nproc > ep:   # each expert shard's fp32 gradients summed over its replicas, after the last backward
+        replicas = nproc // ep
+        summed = 4 * local_experts * 2 * (replicas - 1) / replicas / link
+        all_reduce += summed
+        exposed += summed
+    updated = (counts.trainable / nproc if ep == 1 else counts.dense / nproc + local_experts) if fsdp \
+        else counts.dense + counts.expert / ep
     optimizer = OPTIMIZER_BYTES[cfg.optim.state_dtype] * updated / rates.memory
-    weights = 0.0 if parallel == "fsdp" else weight_bytes(cfg, counts, ep, accumulation) / rates.memory
+    if fsdp:   # FSDP gathers 16-bit weights and reduce-scatters its gradients: only the experts' part is left
+        weights = expert_weight_bytes(cfg, counts, ep, accumulation) / rates.memory if ep > 1 else 0.0
+    else:
+        weights = weight_bytes(cfg, counts, ep, accumulation) / rates.memory
     step = accumulation * micro_s + exposed + weights + optimizer
     return StepTime(step=step, compute=accumulation * compute,
                     exchanges=accumulation * (micro_s - compute - host) + exposed,
@@ -183,11 +206,16 @@ def weight_bytes(cfg: RunConfig, counts: ParamCount, ep: int, accumulation: int)
     module docstring's `weights`): autocast's casts and their gradients' casts where the run trains in 16 bits, and
     the gradients added up over the micro-batches."""
     sixteen = cfg.train.dtype != "fp32"
+    if ep > 1:   # the dense weights as below; the experts' as expert_weight_bytes counts them
+        cast = 12 * (counts.matmul - counts.expert) * accumulation if sixteen else 0.0
+        return cast + 12 * counts.dense * (accumulation - 1) + expert_weight_bytes(cfg, counts, ep, accumulation)
+    cast = 12 * counts.matmul * accumulation if sixteen else 0.0
+    return cast + 12 * counts.trainable * (accumulation - 1)
+
+
+def expert_weight_bytes(cfg: RunConfig, counts: ParamCount, ep: int, accumulation: int) -> float:
+    """Bytes a step moves per rank for a rank's experts under expert parallelism, with either strategy: their 16-bit
+    copies made once a step where the run trains in 16 bits (expert.keep_casts: 4 bytes read, 2 written) and their
+    gradients added into .grad by one kernel each micro-batch (kernels/accumulate.py: 6 read, 4 written)."""
     local_experts = counts.expert / ep
-    if ep > 1:   # the experts' copies once a step, their gradients added each micro-batch by one kernel
-        cast = (12 * (counts.matmul - counts.expert) * accumulation + 6 * local_experts) if sixteen else 0.0
-        added = 12 * counts.dense * (accumulation - 1) + 10 * local_experts * accumulation
-    else:
-        cast = 12 * counts.matmul * accumulation if sixteen else 0.0
-        added = 12 * counts.trainable * (accumulation - 1)
-    return cast + added
+    return (6 * local_experts if cfg.train.dtype != "fp32" else 0.0) + 10 * local_experts * accumulation
