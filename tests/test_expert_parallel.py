@@ -11,7 +11,9 @@ step, the same evaluations, the same final weights):
 - pad: ep's first 2 steps, resumed for 2 more on 2 processes with expert_parallel=2 and fsdp, the padded exchange
   and full activation checkpointing;
 - mixed: the single process's checkpoint of step 2 (one file) resumed on 4 processes with expert_parallel=2 and
-  fsdp (each expert shard on 2 ranks) for step 3, then on 2 processes with expert_parallel=2 and ddp for step 4.
+  fsdp (each expert shard on 2 ranks) for step 3, then on 2 processes with expert_parallel=2 and ddp for step 4;
+- cut: the same checkpoint resumed on 2 processes with expert_parallel=2 and ddp for steps 3 and 4, whose first
+  save is sharded.
 And the settings expert parallelism refuses, before any work.
 """
 from __future__ import annotations
@@ -71,6 +73,8 @@ def runs(tmp_path_factory, data_cache) -> Path:
     _launch(4, [*base, "run.name=mixed", "train.max_steps=3", "model.moe.expert_parallel=2", "train.parallel=fsdp",
                 f"run.resume={root / 'one' / 'checkpoints' / 'step_00000002'}"], checks=False)
     _launch(2, [*base, "run.name=mixed", "train.max_steps=4", "model.moe.expert_parallel=2"], checks=False)
+    _launch(2, [*base, "run.name=cut", "train.max_steps=4", "model.moe.expert_parallel=2",
+                f"run.resume={root / 'one' / 'checkpoints' / 'step_00000002'}"], checks=False)
     return root
 
 
@@ -120,22 +124,24 @@ def test_layouts_match_one_process_and_resume_on_fewer_processes_continues_exact
     assert last[0].startswith("4\n") and last[0] == last[1]
 
 
-def test_a_single_file_checkpoint_resumes_under_fsdp_with_experts_split_then_under_ddp(runs):
-    """One process's checkpoint (whole tensors in one file) cut to expert shards and FSDP shards on 4 processes, each
-    expert shard on 2 of them; that run's sharded checkpoint resumed on 2 processes under ddp: the same steps."""
-    got = _events(runs / "mixed")
+@pytest.mark.parametrize("run,layouts", [("mixed", [(4, "fsdp", 2), (2, "ddp", 2)]), ("cut", [(2, "ddp", 2)])])
+def test_a_single_file_checkpoint_resumes_with_the_experts_split(runs, run, layouts):
+    """One process's checkpoint (whole tensors in one file) cut to this rank's expert shards: under fsdp on 4
+    processes, each expert shard on 2 of them, whose sharded checkpoint resumes on 2 processes under ddp; and under
+    ddp on 2 processes. The same steps, the same final weights."""
+    got = _events(runs / run)
     want = {e["step"]: e["loss"] for e in _events(runs / "one") if e["event"] == "train"}
     steps = {e["step"]: e["loss"] for e in got if e["event"] == "train"}
     assert sorted(steps) == [3, 4]
     assert [steps[s] for s in (3, 4)] == pytest.approx([want[s] for s in (3, 4)], abs=1e-5)
     starts = [e for e in got if e["event"] == "start"]
-    assert [(e["world"], e["layout"]["strategy"], e["layout"]["expert_parallel"]) for e in starts] == [
-        (4, "fsdp", 2), (2, "ddp", 2)]
+    assert [(e["world"], e["layout"]["strategy"], e["layout"]["expert_parallel"]) for e in starts] == layouts
     assert starts[0]["resumed_from"].endswith("one/checkpoints/step_00000002")
-    assert starts[1]["resumed_from"].endswith("mixed/checkpoints/step_00000003")
-    ckpt = runs / "mixed" / "checkpoints" / "step_00000004"
-    run_cli("export", str(ckpt), "--out", str(runs / "mixed-export"))
-    _same_weights(runs / "mixed-export" / "model.safetensors",
+    if run == "mixed":
+        assert starts[1]["resumed_from"].endswith("mixed/checkpoints/step_00000003")
+    ckpt = runs / run / "checkpoints" / "step_00000004"
+    run_cli("export", str(ckpt), "--out", str(runs / f"{run}-export"))
+    _same_weights(runs / f"{run}-export" / "model.safetensors",
                   runs / "one" / "checkpoints" / "step_00000004" / "model.safetensors")
 
 
