@@ -2,13 +2,16 @@
 
 For each of CASES whose expert_parallel N in {1, 2, 4} divides the world size (dropless and dropping routing under
 the uneven exchange; dropping and capacity-without-drops routing under the padded exchange; selective and full
-activation checkpointing), every rank builds the model as the trainer does (train/build.py: shard_experts, DDP) and
+activation checkpointing; the dense part under ddp or fsdp), every rank builds the model as the trainer does
+(train/build.py: shard_experts, then DDP or FSDP) and
 the single-process model (no checkpointing) from the same seed, then checks against the single process: an MoE
 layer's output (and against test_moe's slow per-token reference), the hidden states, the token and auxiliary losses
 of this rank's micro-batch, every gradient after the loop's loss scaling, expert sync and clipping, the clipped
 norm, the parameters after an AdamW step, and the checkpoint state (dcp.state_dict: expert shards as DTensors whose
-whole is the unsharded weights and optimizer state). Then, given run overrides after `--train`, it trains that run
-on the same process group (one torchrun launch for both); `--no-checks` goes straight to the run.
+whole is the unsharded weights and optimizer state); on an even world, bf16 expert copies made once a step (bit for
+bit a cast in every micro-batch) and the preference objective's frozen reference copy, under ddp and fsdp. Then,
+given run overrides after `--train`, it trains that run on the same process group (one torchrun launch for both);
+`--no-checks` goes straight to the run.
 Prints "ok" on rank 0.
 """
 from __future__ import annotations
@@ -229,6 +232,32 @@ def check_casts(d: Dist, batches: list[tuple[torch.Tensor, torch.Tensor]], paral
     assert all(lin.cast is None for lin in arms[1].model.expert_shard.linears)
 
 
+def check_reference(d: Dist, batches: list[tuple[torch.Tensor, torch.Tensor]], parallel: str) -> None:
+    """The preference objective's frozen copy of the model (build_model_side(reference=True)) under expert parallelism:
+    its own expert shard over the same process groups, spread like the model; at the start its loss equals the
+    model's, and a step of the model leaves it as it was."""
+    cpu, r = torch.device("cpu"), d.rank
+    cfg = config(2, 0.5, parallel=parallel)
+    built = build_model_side(cfg, decide_layout(cfg, d.world, "cpu", adapt_micro_batch=True), VOCAB, cpu, d,
+                             init_weights=True, reference=True)
+    model, ref = built.model, built.reference
+    assert ref.expert_shard is not model.expert_shard and ref.expert_shard.group is model.expert_shard.group
+    assert {id(p) for p in ref.expert_shard.params.values()} == {id(p) for n, p in ref.named_parameters()
+                                                                  if n in ref.expert_shard.params}
+    x, y = batches[r]
+    model.eval()
+    with torch.no_grad():
+        before = ref(x, y).loss
+        torch.testing.assert_close(before, built.parallel.forward(x, y).loss, **TOL)
+    model.train()
+    loss_of(built.parallel.forward(x, y, reduction="sum"), 1 / (d.world * B * T), 1).backward()
+    built.parallel.clip(cfg.optim.grad_clip)
+    built.optimizers[0].step()
+    built.parallel.after_step()
+    with torch.no_grad():
+        assert torch.equal(ref(x, y).loss, before)
+
+
 def whole(t: torch.Tensor) -> torch.Tensor:
     """A DTensor (FSDP's shard of a dense parameter or gradient) as the whole tensor; a plain tensor as it is."""
     return t.full_tensor() if isinstance(t, DTensor) else t
@@ -295,6 +324,7 @@ def main() -> None:
     if d.world % 2 == 0 and checks:
         for parallel in ("ddp", "fsdp"):
             check_casts(d, batches, parallel)
+            check_reference(d, batches, parallel)
     if "--train" in sys.argv:
         logging.basicConfig(level=logging.INFO, format="%(message)s")   # the library's log on stderr
         train(load_config(None, sys.argv[sys.argv.index("--train") + 1:]), d)   # shuts the process group down

@@ -140,8 +140,11 @@ def build_model_side(cfg: RunConfig, layout: RunLayout, vocab: int, device: torc
 
 def frozen_copy(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     """A copy of `model` that never trains: eval mode, no gradients, parameters in the autocast dtype `dtype` (the
-    buffers, such as rotary tables, as they are)."""
-    ref = copy.deepcopy(model).requires_grad_(False).eval()
+    buffers, such as rotary tables, as they are). Under expert parallelism it holds the same experts' shard as the
+    model, in an ExpertShard of its own over the same process groups (which are shared, not copied)."""
+    shard = expert.shard_of(model)
+    shared = {id(x): x for x in (shard.group, shard.replicas, shard.mesh)} if shard is not None else {}
+    ref = copy.deepcopy(model, shared).requires_grad_(False).eval()
     for p in ref.parameters():
         p.data = p.data.to(dtype)
     return ref
