@@ -42,7 +42,7 @@ TINY = [
 MODULE_SECONDS = {
     "test_faults_signals.py": 309, "test_fsdp.py": 110, "test_dpo_train.py": 105, "test_chat_export.py": 91,
     "test_optim_state.py": 84, "test_multinode.py": 62, "test_faults_nodes.py": 56, "test_eval.py": 56,
-    "test_expert_parallel.py": 54, "test_run_management.py": 47, "test_faults_disk.py": 41,
+    "test_expert_parallel.py": 85, "test_run_management.py": 47, "test_faults_disk.py": 41,
     "test_compile_cache.py": 37, "test_readme_tour.py": 32, "test_distributed.py": 29, "test_deploy_run.py": 26,
     "test_architecture.py": 26, "test_eval_training.py": 23, "test_cli_train.py": 22, "test_data_hub.py": 21,
     "test_gpu_console.py": 20, "test_lora.py": 17, "test_monitor.py": 16, "test_data_prepare.py": 15,
