@@ -124,7 +124,8 @@ class TrainSection(Section):
                                                                "GPU, not on a CPU")
     parallel: Literal["ddp", "fsdp"] = Field(
         "ddp", description="ddp: every rank holds the whole model; fsdp: parameters, gradients and optimizer "
-                           "state sharded over the ranks of a node (FSDP2), replicated across nodes (HSDP)")
+                           "state sharded over the ranks of a node (FSDP2), replicated across nodes (HSDP); with "
+                           "model.moe.expert_parallel either applies to the dense part, the experts split apart")
     float8: bool = Field(False, description="the blocks' linear layers train with float8 matmuls through torchao "
                                             "(FP8 tensor cores: H100, H200, L40S, Blackwell); under fsdp also "
                                             "float8 all-gathers")

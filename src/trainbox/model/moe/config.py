@@ -17,7 +17,8 @@ class MoESection(Section):
     jitter_eps: float = Field(0.0, ge=0)
     every: int = Field(1, ge=1, description="every k-th block's MLP is an MoE FFN")
     expert_parallel: int = Field(1, ge=1, le=2**16, description="split the experts over this many ranks "
-                                                               "(all-to-all dispatch); 1 = every rank holds every "
+                                                               "(all-to-all dispatch; the dense part as "
+                                                               "train.parallel says); 1 = every rank holds every "
                                                                "expert")
     exchange: Literal["uneven", "padded"] = Field(
         "uneven", description="expert parallelism's token exchange in training: uneven = only the kept rows, split "
