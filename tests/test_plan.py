@@ -232,6 +232,20 @@ def test_dpo_plan_counts_both_sequences_of_a_pair_and_the_reference(reference):
     assert card.reference == held // 2
 
 
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_dpo_reference_under_expert_parallelism_holds_this_ranks_experts(parallel):
+    """The frozen copy of an expert-parallel model (train/build.py frozen_copy) keeps this rank's expert shard, as the
+    model does, and its dense part as the model's strategy spreads it."""
+    extra = ["train.objective=dpo", "dpo.reference=model", "model.moe.expert_parallel=2", f"train.parallel={parallel}",
+             "train.micro_batch_size=3", "train.global_batch_size=6", "optim.name=adamw"]
+    cfg = small("moe", *extra)
+    counts = count_parameters(cfg, 512)
+    assert counts.expert > 0
+    dense = counts.total - counts.expert
+    want = 4 * (dense / (2 if parallel == "fsdp" else 1) + counts.expert / 2)
+    assert make_plan(cfg, 512, local_cpu(), nproc=2).memory.reference == int(want)
+
+
 def test_dpo_plan_of_lora_has_no_reference_and_the_preflight_check_uses_the_plan(hf_llama):
     """LoRA's reference is its base with the adapters off: nothing beside it. The pre-flight check refuses a dpo
     run whose frozen copy does not fit where the precomputed reference does."""

@@ -220,7 +220,9 @@ def memory(cfg: RunConfig, counts: ParamCount, vocab: int, target: Target, layou
     # activations are smaller than they are (then the end of the backward is the peak)
     accum = -(-cfg.train.global_batch_size // (micro * world))
     grads = 4 * local if accum > 1 or acts.peak < 4 * local else 0
-    reference = a * counts.total / shard if copy else 0
+    # the frozen copy is spread like the model: under expert parallelism its experts are this rank's shard, whole
+    whole = counts.total - counts.expert if ep > 1 else counts.total
+    reference = a * (whole / shard + (counts.expert / ep if ep > 1 else 0)) if copy else 0
     # AdamW's two moments, 4 or 2 bytes each (optim.state_dtype); Muon's one fp32 momentum
     optimizer = 4 * muon + (4 if cfg.optim.state_dtype == "bf16" else 8) * (local - muon)
     peak = params + grads + optimizer + acts.peak + comm + reference
