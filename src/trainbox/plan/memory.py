@@ -165,8 +165,9 @@ def memory(cfg: RunConfig, counts: ParamCount, vocab: int, target: Target, layou
            kernels: Kernels, a: int) -> tuple[Memory, Activations]:
     """Bytes on one GPU of `layout`, at micro-batch `micro`, checkpointing `mode`, `a`-byte matmul operands. The
     objective decides how many sequences a sample puts through the model (a preference pair: two) and whether a
-    frozen copy of the model runs beside it (`memory_terms`: its parameters in the autocast dtype, sharded like
-    the model's under fsdp; a precomputed reference and LoRA's base with its adapters off cost nothing)."""
+    frozen copy of the model runs beside it (`memory_terms`: its parameters in the autocast dtype, spread like the
+    model's: sharded under fsdp, its experts this rank's shard under expert parallelism; a precomputed reference
+    and LoRA's base with its adapters off cost nothing)."""
     m, world, ep = cfg.model, layout.nproc, layout.expert_parallel
     sequences, copy = memory_terms(cfg)
     rows = micro * sequences
