@@ -86,8 +86,8 @@ def test_finished_failed_logs_follow_and_plot(tiny, tmp_path, capsys):
     assert "checkpoint" in follow.stdout.splitlines()[-1]
     more = ["train.max_steps=12", "train.eval_every=6"]
     run_cli("train", *tiny, "run.name=b", "optim.lr=3e-3", "monitor.plot=true", *more)   # stderr shown if it fails
-    rc, _, err = main(capsys, "train", *tiny, "run.name=nan", "optim.lr=1e30", *more)
-    assert rc == 1 and "loss is nan" in err, err
+    nan = run_cli("train", *tiny, "run.name=nan", "optim.lr=1e30", *more, check=False)
+    assert nan.returncode == 1 and "loss is nan" in nan.stderr, nan.stderr
 
     rows = table(capsys, root)
     assert [rows[n][1] for n in ("a", "b", "nan")] == ["finished", "finished", "failed"]
