@@ -40,6 +40,7 @@ from trainbox.model.memory import Kernels, Widths  # noqa: E402
 from trainbox.model.moe.memory import moe_ffn, padded_rows  # noqa: E402
 from trainbox.parallel import expert_state  # noqa: E402
 from trainbox.parallel.distributed import Dist  # noqa: E402
+from trainbox.plan import local_cpu, make_plan  # noqa: E402
 from trainbox.train import recompute  # noqa: E402
 from trainbox.train.build import build_model_side  # noqa: E402
 from trainbox.train.loop import train  # noqa: E402
@@ -60,14 +61,14 @@ CASES = [*((n, cf, "uneven", "none", "ddp") for n in (1, 2, 4) for cf in (0.0, 0
          (2, 0.5, "uneven", "full", "ddp"), (2, 0.5, "uneven", "none", "fsdp"), (4, 0.5, "padded", "selective", "fsdp")]
 
 
-def config(n: int, cf: float, exchange: str = "uneven", checkpointing: str = "none", parallel: str = "ddp"):
+def config(n: int, cf: float, exchange: str = "uneven", checkpointing: str = "none", parallel: str = "ddp",
+           *extra: str):
     return load_config("tiny", [
         "model.family=moe", "model.n_layer=3", "model.n_head=2", "model.n_embd=32", "model.moe.num_experts=4",
         "model.moe.every=2", "model.moe.top_k=2", f"model.moe.capacity_factor={cf}", "model.moe.lb_loss_weight=0.5",
         "model.moe.z_loss_weight=0.1", f"model.moe.expert_parallel={n}", f"model.moe.exchange={exchange}",
         f"train.activation_checkpointing={checkpointing}", f"train.parallel={parallel}", "train.device=cpu",
-        f"optim.lr={LR}",
-        "optim.grad_clip=0.05", "optim.warmup_steps=0", "optim.name=adamw"])
+        f"optim.lr={LR}", "optim.grad_clip=0.05", "optim.warmup_steps=0", "optim.name=adamw", *extra])
 
 
 def loss_of(out, scale: float, accum: int) -> torch.Tensor:
@@ -243,6 +244,11 @@ def check_reference(d: Dist, batches: list[tuple[torch.Tensor, torch.Tensor]], p
     assert ref.expert_shard is not model.expert_shard and ref.expert_shard.group is model.expert_shard.group
     assert {id(p) for p in ref.expert_shard.params.values()} == {id(p) for n, p in ref.named_parameters()
                                                                   if n in ref.expert_shard.params}
+    # what it holds on this rank is what the memory plan counts for a preference run's frozen copy (plan/memory.py)
+    dpo = config(2, 0.5, "uneven", "none", parallel, "train.objective=dpo", "dpo.reference=model")
+    dpo = decide_layout(dpo, d.world, "cpu", adapt_micro_batch=True).applied(dpo)   # as `trainbox plan --nproc N`
+    held = sum(local(p).numel() * p.element_size() for p in ref.parameters())
+    assert held == make_plan(dpo, VOCAB, local_cpu(), nproc=d.world).memory.reference, held
     x, y = batches[r]
     model.eval()
     with torch.no_grad():

@@ -309,7 +309,7 @@ def clip_grad_norm_(model: nn.Module, params: list[torch.Tensor], max_norm: floa
     experts = {id(p) for p in shard.params.values()}
     with_grad = [p for p in params if p.grad is not None]
     grads = [p.grad for p in with_grad]
-    device = shard.params[next(iter(shard.params))].device
+    device = next(iter(shard.params.values())).device
     expert_sq = _squares([p.grad for p in with_grad if id(p) in experts], device)
     dist.all_reduce(expert_sq, group=shard.group)     # the group holds every shard once
     total = (_squares([p.grad for p in with_grad if id(p) not in experts], device) + expert_sq).sqrt()
