@@ -319,3 +319,62 @@ def test_two_process_bf16_state_resumes_exactly(tmp_path, data_cache, layout):
     assert sharded == ("train.parallel=ddp" not in layout)
     run_cli("train", "--nproc", "2", *base, "run.name=resumed", f"run.resume={ckpt}")
     assert _losses(tmp_path / "resumed") == _losses(tmp_path / "straight")[3:]
+
+
+def _mixed_group_run(rank: int, init_file: str, out_file: str) -> None:
+    """One rank: a model whose first Linear is FSDP2-style DTensors (over a 1-rank mesh) and the rest plain
+    tensors, as the dense part and the experts are under expert parallelism with fsdp; 3 steps of make_adamw's
+    optimizer with torch's fused kernel (CPU has one too: the CUDA path's single-list op)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=0, world_size=1)
+    torch.set_num_threads(1)
+    model, ref = _model(), _model()
+    mesh = init_device_mesh("cpu", (1,))
+    for name, p in list(model[0].named_parameters()):
+        setattr(model[0], name, torch.nn.Parameter(distribute_tensor(p.detach(), mesh, [Shard(0)])))
+    cfg = load_config("tiny", ["optim.name=adamw"]).optim
+    groups = adamw.adamw_groups(list(model.named_parameters()), cfg.weight_decay, cfg.lr)
+    plain = torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=True)
+    raised = None
+    try:   # what torch's own optimizer does with such a group
+        for p in model.parameters():
+            p.grad = torch.ones_like(p)
+        plain.step()
+    except RuntimeError as e:
+        raised = str(e)
+    for p in model.parameters():
+        plain.state.pop(p, None)
+        p.grad = None
+    ours = adamw.make_adamw(groups, cfg, torch.device("cpu"))
+    ours.defaults["fused"] = True
+    for g in ours.param_groups:
+        g["fused"] = True   # make_adamw fuses on CUDA only: take that path here
+    theirs = torch.optim.AdamW(adamw.adamw_groups(list(ref.named_parameters()), cfg.weight_decay, cfg.lr),
+                               lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=True)
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(3):
+        for (_, p), q in zip(model.named_parameters(), ref.parameters()):
+            q.grad = torch.randn(q.shape, generator=gen)
+            p.grad = distribute_tensor(q.grad, mesh, [Shard(0)]) if hasattr(p, "to_local") else q.grad.clone()
+        ours.step()
+        theirs.step()
+    got = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in model.parameters()]
+    torch.save((type(ours).__name__, [len(g["params"]) for g in ours.param_groups], raised,
+                [t.detach() for t in got], [q.detach() for q in ref.parameters()]), out_file)
+    dist.destroy_process_group()
+
+
+def test_a_group_of_dtensors_and_plain_tensors_steps_as_torch_adamw(tmp_path):
+    """Under expert parallelism with fsdp one AdamW group holds FSDP2's DTensors and the experts' plain tensors.
+    torch's fused AdamW (the CUDA path) refuses such a list; make_adamw's optimizer steps it as torch's AdamW steps
+    the same parameters all plain, and keeps the groups as built (checkpoints see the same groups)."""
+    import torch.multiprocessing as mp
+    mp.start_processes(_mixed_group_run, args=(str(tmp_path / "init"), str(tmp_path / "out.pt")), nprocs=1,
+                       join=True, start_method="fork")
+    kind, sizes, raised, got, want = torch.load(tmp_path / "out.pt")
+    assert raised is not None and "DTensor" in raised    # the failure the split avoids
+    assert kind == "SplitAdamW" and sizes == [2, 4]      # groups as built: 2 matrices; 2 biases + norm's 2
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-7)

@@ -1,6 +1,9 @@
 """AdamW as every run builds it: weight decay on matrices only, fused on CUDA; with `optim.state_dtype: bf16`,
 its two moments stored in bfloat16 (`BF16StateAdamW`).
 
+A group that holds both FSDP2's DTensors and plain tensors (the dense part and the experts under expert
+parallelism with fsdp) is stepped as two (`SplitAdamW`): torch's fused and foreach kernels take a list of one kind.
+
 BF16StateAdamW keeps exp_avg and exp_avg_sq in bfloat16, 4 bytes of state a parameter instead of 8, while the
 parameters stay fp32 master weights and the update stays fp32: each step reads the moments into fp32, runs
 torch.optim.AdamW's own foreach arithmetic on them (decoupled weight decay, lerp of the first moment, the bias
@@ -49,7 +52,30 @@ def make_adamw(groups: list[dict], cfg: OptimSection, device: torch.device) -> t
         return BF16StateAdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
     # fused AdamW is one kernel per step on CUDA; on CPU the default foreach path is exact and fast enough
     fused = device.type == "cuda"
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=fused)
+    kind = SplitAdamW if any(len({_is_dtensor(p) for p in g["params"]}) > 1 for g in groups) else torch.optim.AdamW
+    return kind(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=fused)
+
+
+class SplitAdamW(torch.optim.AdamW):
+    """torch.optim.AdamW whose step updates each group's DTensors and plain tensors as two groups with the group's
+    hyper-parameters. The groups stay as built (the learning-rate schedule, checkpoints and their resume see the
+    groups they always saw); only the step sees them split."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        built = self.param_groups
+        self.param_groups = [{**g, "params": ps} for g in built
+                             for ps in ([p for p in g["params"] if _is_dtensor(p)],
+                                        [p for p in g["params"] if not _is_dtensor(p)]) if ps]
+        try:
+            return super().step(closure)
+        finally:
+            self.param_groups = built
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    return dtensor is not None and isinstance(t, dtensor.DTensor)
 
 
 def round_stochastic_(dst: torch.Tensor, src: torch.Tensor, generator: torch.Generator) -> None:
@@ -64,8 +90,7 @@ def round_stochastic_(dst: torch.Tensor, src: torch.Tensor, generator: torch.Gen
 def _local(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's local shard, else `t`. DTensor is looked up where it is loaded: a process that never loaded
     torch.distributed.tensor (most of a second of imports) holds no DTensor."""
-    dtensor = sys.modules.get("torch.distributed.tensor")
-    return t.to_local() if dtensor is not None and isinstance(t, dtensor.DTensor) else t
+    return t.to_local() if _is_dtensor(t) else t
 
 
 def _pieces(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
