@@ -119,6 +119,13 @@ STEPS = [
     ("2026-11-28-2xh200-moe-gpt2-125m-128x-ep2-optim-state-bf16-batch32.json", [], 2, "median_step_ms"),
     ("2026-11-28-2xh200-moe-gpt2-125m-128x-ep2-optim-state-bf16-batch32.json", ["optim.state_dtype=fp32"], 2,
      "baseline.median_step_ms"),
+    ("2026-11-29-2xh200-moe-gpt2-125m-128x-ep2-fsdp-vs-ddp-bf16-mb40-h100mem.json", [], 2, "median_step_ms"),
+    ("2026-11-29-2xh200-moe-gpt2-125m-128x-ep2-fsdp-vs-ddp-bf16-mb40-h100mem.json", ["train.parallel=ddp"], 2,
+     "baseline.median_step_ms"),
+    ("2026-11-29-2xh200-moe-gpt2-125m-ep2-vs-ddp-2gpu.json", [], 2, "median_step_ms"),
+    ("2026-11-29-2xh200-moe-gpt2-125m-ep2-vs-ddp-2gpu.json", ["model.moe.expert_parallel=1"], 2,
+     "baseline.median_step_ms"),
+    ("2026-11-29-2xh200-llama-1b-fsdp-2gpu-bf16-vs-torchtitan.json", [], 2, "median_step_ms"),
 ]
 
 # Runs of the 128-expert MoE on H100s that no record holds, as issue 49 states them (tokens/s per GPU, global batch
@@ -275,6 +282,29 @@ def test_calibration_constants_are_what_their_records_give(name, records, what):
     by_record = [solved(module, name, r, what) for r in records]
     value = statistics.median(by_record)
     assert abs(getattr(module, name) / value - 1) < 0.10, f"{name} = {value:.3g} by {records}: {by_record}"
+
+
+def test_fsdp_host_is_what_fsdp_adds_to_ddp_with_expert_parallelism():
+    """FSDP_HOST against the pair that measured it, one call on one host: the value at which the model's fsdp step
+    exceeds its ddp step by what the fsdp run took over the ddp run (within 10%). The difference, not fsdp's step
+    alone, so the shared terms' error stays out of it; and so the plan ranks the ddp layout first, as measured."""
+    record = "2026-11-29-2xh200-moe-gpt2-125m-128x-ep2-fsdp-vs-ddp-bf16-mb40-h100mem.json"
+    rec = json.loads((RECORDS / record).read_text())
+    measured = measured_seconds(rec, "median_step_ms") - measured_seconds(rec, "baseline.median_step_ms")
+    (_, fsdp), (_, ddp) = predicted_step(rec, [], 2), predicted_step(rec, ["train.parallel=ddp"], 2)
+    assert (fsdp.layout.parallel, ddp.layout.parallel) == ("fsdp", "ddp") and fsdp.micro_batch == ddp.micro_batch
+
+    def gap(value: float) -> float:
+        plan_time.FSDP_HOST = value
+        return (step_time(load_config(rec["recipe"], rec["overrides"]), fsdp.counts, fsdp.target, fsdp.layout,
+                          fsdp.micro_batch, fsdp.checkpointing, fsdp.sequences).step - ddp.time.step)
+    kept = plan_time.FSDP_HOST
+    try:
+        value = solve(gap, measured, 1e-6, 1.0)
+    finally:
+        plan_time.FSDP_HOST = kept
+    assert abs(kept / value - 1) < 0.10, value
+    assert ddp.time.step < fsdp.time.step
 
 
 def test_the_width_term_narrows_the_dense_efficiency_over_the_records(monkeypatch):

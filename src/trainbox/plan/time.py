@@ -30,7 +30,8 @@ Per rank, for a step of `accumulation` micro-batches of `micro` sequences:
                 model.moe.exchange=padded, capacity_factor times the rows are sent and computed and nothing
                 is read back: the host runs ahead of the GPU and sets no floor (the padded step on 2 H200s is
                 the GPU's compute and exchanges, 2026-11-28-2xh200-moe-gpt2-125m-128x-ep2-padded-vs-uneven-
-                h100mem.json). Once a step, after the last backward, each expert shard's fp32 gradients summed
+                h100mem.json). Under fsdp the uneven exchange also waits on FSDP's hooks: FSDP_HOST per
+                FSDP unit (each block and the root) per micro-batch, which the host cannot run ahead of. Once a step, after the last backward, each expert shard's fp32 gradients summed
                 over the r = n / E ranks that hold it, 2(r-1)/r of their bytes at all_reduce x COLLECTIVES, not
                 overlapped (none where n = E)
     weights     at the memory bandwidth, outside fsdp: every micro-batch, autocast's 16-bit copies of the trainable
@@ -92,6 +93,12 @@ HOST = 9.2e-3
 # per layer: the 128-expert MoE at expert parallelism 2, selective, micro-batch 48
 # (2026-11-28-2xh200-moe-gpt2-125m-128x-ep2-bf16-mb48-selective-h100mem.json: 1.69x the step without it)
 RECOMPUTE_HOST = 15e-3
+# seconds of host work per FSDP unit and micro-batch (its hooks around the forward and backward: the gathers and
+# their copies, the reshards, the reduce-scatters) that the GPU waits for under fsdp with expert parallelism's uneven
+# exchange, whose host reads drain the GPU's queue once per MoE layer: what fsdp adds to ddp's step, the 128-expert
+# MoE at expert parallelism 2, bf16 moments, micro-batch 40, 13 units
+# (2026-11-29-2xh200-moe-gpt2-125m-128x-ep2-fsdp-vs-ddp-bf16-mb40-h100mem.json: 1016 ms against 819 ms)
+FSDP_HOST = 2.5e-3
 # bytes a fused AdamW step reads and writes per parameter: parameter, gradient and two moments read (16), the
 # parameter and moments written (12), the gradient read again by the norm clip (4)
 OPTIMIZER_BYTES = {"fp32": 32, "bf16": 24}   # bf16 moments: 2 bytes each read and written, not 4
@@ -173,6 +180,8 @@ def step_time(cfg: RunConfig, counts: ParamCount, target: Target, layout, micro:
         micro_s = busy + exchange if padded else max(busy + exchange, n_moe * HOST) + n_moe * rates.host_sync
         if checkpointing != "none" and not padded:   # the recomputed layers read their split sizes again
             micro_s += n_moe * RECOMPUTE_HOST
+        if fsdp and nproc > 1 and not padded:   # FSDP's hooks, after the host reads
+            micro_s += (counts.n_blocks + 1) * FSDP_HOST
         host = micro_s - busy - exchange
         comm += exchange
     all_reduce = exposed = 0.0
