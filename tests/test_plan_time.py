@@ -126,6 +126,10 @@ STEPS = [
     ("2026-11-29-2xh200-moe-gpt2-125m-ep2-vs-ddp-2gpu.json", ["model.moe.expert_parallel=1"], 2,
      "baseline.median_step_ms"),
     ("2026-11-29-2xh200-llama-1b-fsdp-2gpu-bf16-vs-torchtitan.json", [], 2, "median_step_ms"),
+    ("2026-11-29-h200-gpt2-125m-1gpu-sdpa-default-profile.json", [], 1, "step_ms"),
+    ("2026-11-29-h200-gpt2-125m-1gpu-sdpa-cudnn-profile.json", [], 1, "step_ms"),
+    ("2026-11-29-h200-llama-1b-1gpu-sdpa-default-profile.json", [], 1, "step_ms"),
+    ("2026-11-29-h200-llama-1b-1gpu-sdpa-cudnn-profile.json", [], 1, "step_ms"),
 ]
 
 # Runs of the 128-expert MoE on H100s that no record holds, as issue 49 states them (tokens/s per GPU, global batch
