@@ -307,6 +307,7 @@ RECORDS = [
     ("2026-11-28-2xh200-moe-gpt2-125m-128x-ep2-padded-vs-uneven-h100mem.json", [],
      ("sdpa", "triton", "unfused", "off")),
     ("2026-11-28-4xh200-moe-gpt2-125m-128x-4gpu-plan-first-two-h100mem.json", [], ("sdpa", "triton", "unfused", "off")),
+    ("2026-11-29-2xh200-moe-gpt2-125m-128x-ep2-ddp-mb16-h100mem.json", [], ("sdpa", "triton", "unfused", "off")),
     ("2026-11-29-2xh200-moe-gpt2-125m-128x-ep2-fsdp-vs-ddp-bf16-mb40-h100mem.json", [],
      ("sdpa", "triton", "unfused", "off")),
     ("2026-11-28-h200-speedrun-124m-scaling-1gpu.json", [], ("flex", "triton", "off", "fp8")),

@@ -122,6 +122,7 @@ STEPS = [
     ("2026-11-29-2xh200-moe-gpt2-125m-128x-ep2-fsdp-vs-ddp-bf16-mb40-h100mem.json", [], 2, "median_step_ms"),
     ("2026-11-29-2xh200-moe-gpt2-125m-128x-ep2-fsdp-vs-ddp-bf16-mb40-h100mem.json", ["train.parallel=ddp"], 2,
      "baseline.median_step_ms"),
+    ("2026-11-29-2xh200-moe-gpt2-125m-128x-ep2-ddp-mb16-h100mem.json", [], 2, "median_step_ms"),
     ("2026-11-29-2xh200-moe-gpt2-125m-ep2-vs-ddp-2gpu.json", [], 2, "median_step_ms"),
     ("2026-11-29-2xh200-moe-gpt2-125m-ep2-vs-ddp-2gpu.json", ["model.moe.expert_parallel=1"], 2,
      "baseline.median_step_ms"),
