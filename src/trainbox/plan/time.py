@@ -31,8 +31,9 @@ Per rank, for a step of `accumulation` micro-batches of `micro` sequences:
                 is read back: the host runs ahead of the GPU and sets no floor (the padded step on 2 H200s is
                 the GPU's compute and exchanges, 2026-11-28-2xh200-moe-gpt2-125m-128x-ep2-padded-vs-uneven-
                 h100mem.json). Under fsdp the uneven exchange also waits on FSDP's hooks: FSDP_HOST per
-                FSDP unit (each block and the root) per micro-batch, which the host cannot run ahead of. Once a step, after the last backward, each expert shard's fp32 gradients summed
-                over the r = n / E ranks that hold it, 2(r-1)/r of their bytes at all_reduce x COLLECTIVES, not
+                FSDP unit (each block and the root) per micro-batch, which the host cannot run ahead of.
+                Once a step, after the last backward, each expert shard's fp32 gradients summed over the
+                r = n / E ranks that hold it, 2(r-1)/r of their bytes at all_reduce x COLLECTIVES, not
                 overlapped (none where n = E)
     weights     at the memory bandwidth, outside fsdp: every micro-batch, autocast's 16-bit copies of the trainable
                 matmul weights (4 bytes read, 2 written) and the backward's fp32 gradients of them (2 read, 4
