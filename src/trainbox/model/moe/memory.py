@@ -30,11 +30,11 @@ def moe_ffn(b: Block, d: int, moe, w: Widths, kern: Kernels, bias: bool, padded:
     b.keep(k * a * d)              # dispatched rows (c_fc's input)
     fused = kern.fused_mlp in ("quack", "torch") and not bias
     b.mm(4 * k * a * d) if not fused else b.keep(4 * k * a * d)   # h, kept by the GELU
-    if not (w.expert_parallel > 1 and w.compiled and not fused):
-        # GELU(h); under expert parallelism the experts run in a graph of their own after the exchange's host
-        # read, where the compiler recomputes it in the backward (measured: 2026-11-27-2xh200-moe-gpt2-125m-ep2-
-        # vs-ddp-memory.json, every rank's allocator history)
-        b.keep(4 * k * a * d)
+    # GELU(h), kept for the second matmul's weight gradient. Under expert parallelism too: the experts' compiled
+    # graph holds the exchanges (functional collectives), and the partitioner keeps it there rather than write it
+    # again in the backward (2026-11-29-2xh200-moe-gpt2-125m-ep2-vs-ddp-2gpu.json: 39.2 GiB; before the exchanges
+    # joined the graph it was recomputed, 30.3 GiB in 2026-11-27-2xh200-moe-gpt2-125m-ep2-vs-ddp-2gpu.json)
+    b.keep(4 * k * a * d)
     b.mm(k * a * d) if not fused else b.keep(k * a * d)   # expert outputs, kept by the gate multiply
     b.keep(4 * k)                  # the gates, in fp32
     if w.expert_parallel > 1:      # selective: the rows the exchanges returned, there and back (train/recompute.py)
@@ -62,7 +62,8 @@ def _padded_experts(b: Block, d: int, k: int, rows: float, w: Widths, kern: Kern
     fused = kern.fused_mlp in ("quack", "torch")
     b.mm(4 * rows * a * d) if not fused else b.keep(4 * rows * a * d)   # h, kept by the GELU
     if not (w.compiled and not fused):
-        # GELU(h); compiled, the partitioner recomputes it in the backward, as for the uneven exchange's experts
+        # GELU(h); compiled, the partitioner recomputes it in the backward (measured: 2026-11-28-2xh200-moe-gpt2-
+        # 125m-128x-ep2-padded-vs-uneven-h100mem.json)
         b.keep(4 * rows * a * d)
     b.keep(k * a * d)              # the results back in this rank's rows, kept by the gate multiply
     # selective: the second batched matmul's output, and the buffers the exchanges returned (train/recompute.py).
