@@ -115,11 +115,11 @@ class ExpertShard:
         sizes = c.t().reshape(-1)
         perm = torch.repeat_interleave(start - (sizes.cumsum(0) - sizes), sizes, output_size=total)
         perm = perm + torch.arange(total, device=perm.device)
+        back = torch.empty_like(perm).scatter_(0, perm, torch.arange(total, device=perm.device))   # perm's inverse
         per_expert = c.sum(0)
         ids = torch.repeat_interleave(torch.arange(El, device=perm.device), per_expert, output_size=total)
-        h = m.experts(got[perm], per_expert.cumsum(0).to(torch.int32), ids)
-        back = torch.empty_like(perm).scatter_(0, perm, torch.arange(total, device=perm.device))
-        h = _AllToAll.apply(h[back], in_rows, out_rows, self.group)
+        h = m.experts(_Permute.apply(got, perm, back), per_expert.cumsum(0).to(torch.int32), ids)
+        h = _AllToAll.apply(_Permute.apply(h, back, perm), in_rows, out_rows, self.group)
         if idx is None:
             return h
         return h.new_zeros(rows.size(0), h.size(1)).index_copy(0, idx, h)
@@ -152,6 +152,21 @@ class ExpertShard:
         h = h.view(El, S, C, D).transpose(0, 1).reshape(S * El * C, D)        # back to [source, expert, slot]
         h = _AllToAll.apply(h, None, None, self.group)                        # (E * C, D): this rank's own buffer
         return _MaskedGather.apply(h, *to_rows, *to_buffer)                   # (k*N, D), zero where dropped
+
+
+class _Permute(torch.autograd.Function):
+    """out = x[perm] for a permutation `perm` of x's rows whose inverse is `inverse`. The backward is the gather by
+    the inverse, where autograd's would scatter-add (index_put with accumulate) into zeros."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, perm: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(perm, inverse)
+        return x[perm]
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        perm, inverse = ctx.saved_tensors
+        return _Permute.apply(g, inverse, perm), None, None
 
 
 class _MaskedGather(torch.autograd.Function):
