@@ -13,7 +13,6 @@ result record (common.Result); --record writes it to benchmarks/records/.
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import common
 import torch
@@ -56,17 +55,7 @@ def measure(shape: tuple, backend, reps: int) -> dict:
         for x in (q, k, v):
             x.grad = None
         attention(q, k, v, backend).backward(g)
-    for _ in range(3):
-        step()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    ms = statistics.median(times)
+    ms = common.median_ms(step, reps=reps)
     flops = 2.5 * 4 * b * h * t * t * d / 2   # causal: half the square; backward 2.5x the forward
     return {"ms": round(ms, 3), "tflops": round(flops / ms / 1e9, 1),
             "max_rel_error_vs_math_fp32": {n: float(f"{e:.3g}") for n, e in errors.items()}}
