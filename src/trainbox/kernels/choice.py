@@ -9,6 +9,10 @@ run's start event; `trainbox doctor RECIPE` prints it for the machine it runs on
     attention   flash  FlashAttention-4 (model.attention=flash, or auto where `trainbox[flash]` runs: Hopper or
                        Blackwell; speedrun only with model.window_block=1)
                 flex   FlexAttention with a block mask (speedrun on a CUDA GPU of compute capability 8.0+)
+                triton trainbox's Triton attention with a learned bias shared by the batch (t5's self-attention,
+                       kernels/biased_attention.py; CUDA 8.0+), on request only (model.attention=triton): its kernels
+                       take less GPU time than SDPA's, but t5-base's compiled step is slower with them (the host sets
+                       the pace; docs/performance.md), so auto keeps sdpa
                 sdpa   PyTorch's scaled_dot_product_attention (speedrun: with an explicit mask, memory O(T^2))
                 or the family's own (`Family.own_attention`: hf, the Hugging Face model's)
     fused_loss  quack  QuACK's linear cross-entropy for the loop's summed loss (H100/H200 with QuACK), Triton
@@ -29,6 +33,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from trainbox.errors import ConfigError
+from trainbox.kernels.biased_attention import triton_attention_available
 from trainbox.kernels.flash import flash_available, require_flash
 from trainbox.kernels.fp8 import fp8_supported
 from trainbox.kernels.fused_ce import quack_lce_available
@@ -64,7 +70,8 @@ def flex_available(device: torch.device) -> bool:
 
 def attention_on(spec, cfg, flash: bool, flex: bool) -> str:
     """The attention kernel family `spec` runs for model section `cfg` where FlashAttention-4 (`flash`) and
-    FlexAttention (`flex`) can run or not: the first the family lists that model.attention allows and that runs."""
+    Triton's kernels, FlexAttention's and trainbox's own (`flex`), can run or not: the first the family lists that
+    model.attention allows and that runs."""
     if not spec.attention:
         return spec.own_attention
     eligible = spec.flash_eligible(cfg) if spec.flash_eligible else True
@@ -72,12 +79,18 @@ def attention_on(spec, cfg, flash: bool, flex: bool) -> str:
         return "flash"
     if "flex" in spec.attention and flex and cfg.attention in ("auto", "flex"):
         return "flex"
+    if "triton" in spec.attention and flex and cfg.attention == "triton":   # on request only (module docstring)
+        return "triton"
     return "sdpa"
 
 
 def _attention(cfg, device: torch.device, spec) -> str:
     if cfg.attention == "flash":
         require_flash(device)   # refuses, saying why, where it cannot run
+    if cfg.attention == "triton" and not triton_attention_available(device):
+        raise ConfigError(f"model.attention=triton runs trainbox's Triton kernels, which need a CUDA GPU of compute "
+                          f"capability 8.0+ with Triton; this run's device is {device}",
+                          hint="set model.attention=auto (or sdpa): PyTorch's attention with the bias as a mask")
     return attention_on(spec, cfg, flash=cfg.attention == "flash" or flash_available(device),
                         flex=flex_available(device))
 

@@ -58,14 +58,14 @@ class Forward:
 @dataclass(frozen=True)
 class Kernels:
     """What runs, as far as memory goes: a KernelChoice seen from the plan."""
-    attention: str          # flash (FlashAttention-4), flex, sdpa, hf
+    attention: str          # flash (FlashAttention-4), flex, triton (t5's biased attention), sdpa, hf
     fused_loss: str         # quack, triton, torch, off
     fused_mlp: str          # quack, torch, unfused, off
     fp8: str                # fp8, bf16, off
 
     @property
     def attn_saved_by_selective(self) -> bool:
-        return self.attention in ("sdpa", "flex", "hf")
+        return self.attention in ("sdpa", "flex", "triton", "hf")
 
 
 @dataclass(frozen=True)

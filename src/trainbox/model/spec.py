@@ -54,7 +54,7 @@ class Family:
     section: type | None = None           # its config section class, at model.<name>
     check: Callable | None = None         # its own rules: check(model_section) raises ValueError
     options: frozenset = frozenset()      # the generic model.* options it reads (OPTIONS)
-    attention: tuple[str, ...] = ()       # the kernels model.attention may name (flash, flex, sdpa); ()=its own
+    attention: tuple[str, ...] = ()       # the kernels model.attention may name (flash, flex, triton, sdpa); ()=its own
     own_attention: str = "sdpa"           # the attention it runs where model.attention does not apply
     flash_eligible: Callable | None = None   # flash_eligible(model_section): FlashAttention-4 fits its masks
     experts: bool = False                 # expert layers: model.moe.expert_parallel applies

@@ -29,6 +29,7 @@ from torch.utils.checkpoint import (
 )
 
 from trainbox.errors import ConfigError
+from trainbox.kernels.biased_attention import biased_attention_op
 
 
 def _saved_ops() -> frozenset:
@@ -38,6 +39,7 @@ def _saved_ops() -> frozenset:
              "_flash_attention_forward", "_efficient_attention_forward",
              "_scaled_dot_product_flash_attention_for_cpu"]
     ops = {getattr(aten, n).default for n in names if hasattr(aten, n)}
+    ops.add(biased_attention_op._opoverload)   # t5's self-attention on GPU (kernels/biased_attention.py)
     flex = getattr(torch.ops.higher_order, "flex_attention", None)  # the speedrun family's attention on GPU
     # expert parallelism's exchanges (parallel/expert.py): kept, so the recomputation communicates nothing
     ops |= {getattr(torch.ops._c10d_functional, n).default for n in ("all_to_all_single", "wait_tensor")}

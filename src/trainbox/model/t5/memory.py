@@ -70,7 +70,9 @@ def forward(cfg, counts, micro: int, mode: str, w: Widths, kern: Kernels) -> For
     cross_mode = cross.bytes(mode) if mode != "full" else 0
     blocks = B * (m.n_layer * T * enc.bytes(mode) + n_dec * (dec * dec_b.bytes(mode) + T * cross_mode))
     recompute = B * max(T * enc.none, dec * dec_b.none + T * cross.none)
-    if mode == "none":   # each layer's copy of the position bias in q's dtype (on a GPU)
+    if mode == "none" and kern.attention == "triton":   # every layer keeps the stacks' one fp32 bias
+        bias = 4 * m.n_head * (T * T + dec * dec)
+    elif mode == "none":   # each layer's copy of the position bias in q's dtype (on a GPU)
         bias = w.a * m.n_head * (T * T * m.n_layer + dec * dec * n_dec) if w.cuda else 0
     else:                # the blocks' inputs: each stack's fp32 bias, and the encoder output
         bias = 4 * m.n_head * (T * T + dec * dec) + (B * T * 4 * d if w.a != 4 else 0)

@@ -8,8 +8,11 @@ layer norm (no mean, no bias) before every sub-layer; gated-GELU feed-forward
 false`; when tied, the decoder output is scaled by d_model^-0.5 as in the original T5).
 
 T5 does not scale attention logits by 1/sqrt(d_kv) (the scale is folded into the initialisation of
-q), so attention runs through F.scaled_dot_product_attention with `scale=1.0` and the position bias
-(plus the causal mask in the decoder) as an additive float mask.
+q). Self-attention takes the position bias through F.scaled_dot_product_attention with `scale=1.0` and
+the bias (plus the causal mask in the decoder) as an additive float mask, or with `model.attention=triton`
+on a CUDA GPU through kernels/biased_attention.py (the bias per head, its gradient summed over the batch
+inside the kernel, causal in the decoder; not while decoding with a cache). Cross-attention has no bias:
+SDPA's fused kernels.
 
 Parameter names map 1:1 to Hugging Face's T5ForConditionalGeneration (`shared`, `encoder.block.N.
 layer.0.SelfAttention.q`, `...relative_attention_bias`, `layer.1.DenseReluDense.wi_0`, `lm_head`...),
@@ -33,7 +36,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from trainbox.data.spans import span_corruption_dataset, span_lengths
+from trainbox.kernels.biased_attention import biased_attention
+from trainbox.kernels.choice import KernelChoice, choose
 from trainbox.model.layers import KVCache, Output, RMSNorm, cross_entropy, gelu_tanh
+from trainbox.model.spec import family
 
 
 def relative_position_bucket(relative_position: torch.Tensor, bidirectional: bool, num_buckets: int,
@@ -66,6 +72,8 @@ class Attention(nn.Module):
         self.q, self.k, self.v = (nn.Linear(d, inner, bias=False) for _ in range(3))
         self.o = nn.Linear(inner, d, bias=False)
         self.dropout = cfg.dropout
+        self.causal = not bidirectional   # the decoder's self-attention (cross-attention has no mask)
+        self.kernel = "sdpa"              # triton: kernels/biased_attention.py (set by T5.set_kernels)
         if relative_bias:
             self.relative_attention_bias = nn.Embedding(self.num_buckets, self.n_head)
 
@@ -75,14 +83,24 @@ class Attention(nn.Module):
         key = torch.arange(k_len, device=device)[None, :]
         buckets = relative_position_bucket(key - query, self.bidirectional, self.num_buckets, self.max_distance)
         # contiguous: SDPA's fused (memory-efficient) kernel takes an additive mask only with unit stride in
-        # its last dimension; the permuted embedding output has stride H there and would fall back to math
+        # its last dimension, and the Triton kernel reads it by rows; the permuted embedding output has stride H
         return self.relative_attention_bias(buckets).permute(2, 0, 1).contiguous().unsqueeze(0)
+
+    def fused(self, cache: KVCache | None, kv: torch.Tensor | None) -> bool:
+        """Whether this call runs the Triton kernel (it takes the bias and its own causal mask): self-attention
+        over a whole sequence on a GPU that runs it."""
+        return self.kernel == "triton" and cache is None and kv is None
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None, kv: torch.Tensor | None = None,
                 cache: KVCache | None = None, pos: int = 0) -> torch.Tensor:
         """With a cache (decoding): self-attention appends the new keys/values at `pos`; cross-attention
         projects the encoder output once (at pos 0) and reuses it."""
         B, T, _ = x.shape
+        if self.fused(cache, kv):   # bias (1, H, T, T) fp32 without the causal mask, which the kernel applies
+            shape = (B, T, self.n_head, self.d_kv)
+            y = biased_attention(self.q(x).view(shape), self.k(x).view(shape), self.v(x).view(shape), bias[0],
+                                 1.0, self.causal)                                          # (B, T, H, D)
+            return self.o(y.reshape(B, T, self.n_head * self.d_kv))
         src = x if kv is None else kv
         S = src.size(1)
         # (B, T, H * D) -> (B, H, T, D)
@@ -183,8 +201,9 @@ class Stack(nn.Module):
         """`ids` sit at positions pos..pos+T-1; with caches, earlier positions come from the caches."""
         T = ids.size(1)
         x = self.dropout(self.embed_tokens(ids))
-        bias = self.block[0].layer[0].SelfAttention.position_bias(T, pos + T, ids.device)  # (1, H, T, pos + T)
-        if self.is_decoder:
+        attention = self.block[0].layer[0].SelfAttention
+        bias = attention.position_bias(T, pos + T, ids.device)  # (1, H, T, pos + T)
+        if self.is_decoder and not attention.fused(caches[0][0] if caches else None, None):
             causal = torch.full((T, pos + T), float("-inf"), device=ids.device).triu(pos + 1)
             bias = bias + causal
         for i, block in enumerate(self.block):
@@ -209,6 +228,21 @@ class T5(nn.Module):
         self.init_weights()
         if cfg.tie_embeddings:
             self.lm_head.weight = self.shared.weight
+        self.kernels: KernelChoice | None = None
+
+    def set_step(self, step: int, total: int | None = None) -> None:
+        """Called by the loop before each step, outside torch.compile: picks the attention kernel."""
+        self.set_kernels(self.shared.weight.device)
+
+    def set_kernels(self, device: torch.device) -> KernelChoice:
+        """The kernels for `device`, decided once (kernels.choice.choose): self-attention triton or sdpa."""
+        if self.kernels is not None:
+            return self.kernels
+        self.kernels = plan = choose(self.cfg, device, family(self.cfg.family))
+        for stack in (self.encoder, self.decoder):
+            for block in stack.block:
+                block.layer[0].SelfAttention.kernel = plan.attention
+        return plan
 
     @torch.no_grad()
     def init_weights(self) -> None:
@@ -233,10 +267,12 @@ class T5(nn.Module):
         return torch.cat([start, targets[:, :-1]], dim=1)
 
     def encode(self, idx: torch.Tensor) -> torch.Tensor:
+        self.set_kernels(idx.device)
         return self.encoder(idx)
 
     def decode(self, decoder_ids: torch.Tensor, memory: torch.Tensor, caches=None, pos: int = 0) -> torch.Tensor:
         """Decoder token ids (at positions pos..) + encoder output -> logits over the vocabulary."""
+        self.set_kernels(decoder_ids.device)
         x = self.decoder(decoder_ids, memory, caches, pos)
         if self.cfg.tie_embeddings:  # original T5: tied head scaled by d_model^-0.5
             x = x * self.cfg.n_embd ** -0.5
