@@ -358,6 +358,15 @@ def hw_rates(rec: dict) -> list[tuple]:
     return [("", ", ".join(parts), "—", "—")]
 
 
+def biased_attention(rec: dict) -> list[tuple]:
+    rows = []
+    for name, row in rec["metrics"]["shapes"].items():
+        ours, sdpa = row["trainbox triton"], row["sdpa efficient (bias as a mask)"]
+        rows.append((f" ({name})", f"{name}: {ours['ms']:.3f} ms forward + backward, {ours['tflops']:.0f} TFLOP/s",
+                     f"SDPA memory-efficient, the bias as a mask: {sdpa['ms']:.3f} ms", f"{row['speedup']:.2f}x"))
+    return rows
+
+
 def generic(rec: dict) -> list[tuple]:
     scalars = [f"{k} {v}" for k, v in rec["metrics"].items() if isinstance(v, (int, float, str))][:4]
     return [("", ", ".join(scalars) or "—", rec["baseline"]["name"] if rec["baseline"] else "—", "—")]
@@ -371,7 +380,7 @@ ROWS = {"train_speed": train_speed, "profile_step": profile_step, "time_to_loss"
         "tiny_default_run": trainbox_train,
         "resume_check": resume_check, "batch_invariance": batch_invariance, "eval_speed": eval_speed,
         "eval_tasks_overhead": eval_tasks_overhead, "dpo_real_run": dpo_real_run, "dpo_speed": dpo_speed,
-        "hw_rates": hw_rates}
+        "hw_rates": hw_rates, "biased_attention": biased_attention}
 
 
 # ----------------------------------------------------------------------------------------------- the page
@@ -394,7 +403,7 @@ def area(rec: dict) -> str:
         return "CPU"
     if rec["tool"] in ("lora_speed", "packing_speed", "dpo_speed"):
         return "Fine-tuning"
-    if rec["tool"] == "t5_speed" or recipe.startswith("t5"):
+    if rec["tool"] in ("t5_speed", "biased_attention") or recipe.startswith("t5"):
         return "T5"
     if recipe.startswith("moe"):
         return "Mixture of Experts"

@@ -148,11 +148,13 @@ def main() -> None:
     peak = next((v for k, v in PEAK_TFLOPS.items() if k in name), 989.0) * 1e12
     torch.manual_seed(cfg.run.seed)
     ours = build_model(cfg.model, vocab, cfg.data.seq_len).to(device)
+    attention = ours.set_kernels(device).attention   # outside torch.compile, as the loop's set_step does
     init = {k: v.detach().clone() for k, v in ours.state_dict().items()}
     fpt = ours.flops_per_token(cfg.data.seq_len)
     report = {"device": name, "recipe": args.recipe, "batch": args.batch, "seq_len": cfg.data.seq_len,
               "target_len": batches[0]["y"].shape[1], "vocab": vocab, "params": ours.num_params(),
               "flops_per_token": fpt, "peak_tflops": peak / 1e12, "steps": args.steps, "warmup": args.warmup,
+              "attention": attention,
               "torch": torch.__version__, "results": []}
     if args.impl in ("both", "ours"):
         fwd = torch.compile(ours) if args.compile else ours
