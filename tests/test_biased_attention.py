@@ -56,6 +56,17 @@ def test_op_equals_sdpa_with_the_bias_as_a_mask(case):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=5e-5)
 
 
+def test_a_frozen_bias_gets_no_gradient_and_the_rest_theirs():
+    q, k, v, bias = inputs(2, 20, 20, 2, 8)
+    leaves = [t.requires_grad_() for t in (q, k, v)]
+    do = torch.randn(q.shape)
+    ba.biased_attention(*leaves, bias, causal=True).backward(do)
+    _, want = grads(lambda *t: sdpa_reference(*t, 1.0, True), q, k, v, bias, do)
+    assert bias.grad is None
+    for t, w in zip(leaves, want):
+        torch.testing.assert_close(t.grad, w, rtol=1e-4, atol=5e-5)
+
+
 def test_op_compiles_in_one_graph():
     """torch.compile traces through the custom op (its fake shapes) with no graph break, forward and backward."""
     q, k, v, bias = inputs(2, 24, 24, 2, 8)
