@@ -145,8 +145,8 @@ STATED = [
 # Records with a time that the model does not predict, and why.
 SKIPPED = {
     "cpu": "CPU runs (*-cpu-*): the plan predicts no time without a GPU's rates",
-    "2026-11-29-h200-t5-base-speed-triton-attention.json": "t5 on model.attention=triton, which the plan does not model "
-                                                           "(its T5 rate, t5/memory.py SPEED, is SDPA's)",
+    "2026-11-29-h200-t5-base-speed-triton-attention.json": "t5 on model.attention=triton, which the plan does not "
+                                                           "model (its T5 rate, t5/memory.py SPEED, is SDPA's)",
     "2026-11-29-h200-t5-base-triton-attention-profile.json": "t5 on model.attention=triton, which the plan does not "
                                                              "model (its T5 rate, t5/memory.py SPEED, is SDPA's)",
     "2026-11-26-h100-lora-0.5b-speed.json": "a Hugging Face model with LoRA (model.family=hf): no FLOP count",
