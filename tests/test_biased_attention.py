@@ -68,7 +68,9 @@ def test_a_frozen_bias_gets_no_gradient_and_the_rest_theirs():
 
 
 def test_op_compiles_in_one_graph():
-    """torch.compile traces through the custom op (its fake shapes) with no graph break, forward and backward."""
+    """torch.compile traces through the op (its fake shapes) with no graph break, forward and backward, once it is
+    defined (ops(): T5.set_kernels defines it before the loop compiles)."""
+    ba.ops()
     q, k, v, bias = inputs(2, 24, 24, 2, 8)
     leaves = [t.requires_grad_() for t in (q, k, v, bias)]
     fn = torch.compile(lambda *t: ba.biased_attention(*t, causal=True).square().sum(), backend="aot_eager",

@@ -337,8 +337,19 @@ def _backward_fake(do, q, k, v, bias, o, lse, scale, causal, bias_grad):
             torch.empty_like(bias) if bias_grad else bias.new_empty(0))
 
 
-biased_attention_op = _define("trainbox::biased_attention", _forward, _forward_fake)
-biased_attention_bwd = _define("trainbox::biased_attention_bwd", _backward_op, _backward_fake)
+_OPS: tuple | None = None
+
+
+def ops() -> tuple:
+    """(the op, its backward op), defined on first use: defining a triton_op imports Inductor and Dynamo, which a
+    process that never runs these kernels (generate, export, a CPU run) does not load. Call it before torch.compile
+    traces a model that uses the op (T5.set_kernels does)."""
+    global _OPS
+    if _OPS is None:
+        op = _define("trainbox::biased_attention", _forward, _forward_fake)
+        op.register_autograd(_backward, setup_context=_setup_context)
+        _OPS = op, _define("trainbox::biased_attention_bwd", _backward_op, _backward_fake)
+    return _OPS
 
 
 def _setup_context(ctx, inputs, output):
@@ -352,11 +363,9 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, do, _lse):
     q, k, v, bias, o, lse = ctx.saved_tensors
     bias_grad = ctx.needs_input_grad[3]
-    dq, dk, dv, dbias = biased_attention_bwd(do, q, k, v, bias, o, lse, ctx.scale, ctx.causal, bias_grad)
+    dq, dk, dv, dbias = ops()[1](do, q, k, v, bias, o, lse, ctx.scale, ctx.causal, bias_grad)
     return dq, dk, dv, dbias if bias_grad else None, None, None
 
-
-biased_attention_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def biased_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float = 1.0,
@@ -365,8 +374,7 @@ def biased_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: to
     shared by the batch (its gradient summed over it) -> (B, Tq, H, D). Contiguous q, k, v and an fp32 bias avoid
     copies."""
     _check(q, k, v, bias, causal)
-    return biased_attention_op(q.contiguous(), k.contiguous(), v.contiguous(), bias.contiguous(), float(scale),
-                               bool(causal))[0]
+    return ops()[0](q.contiguous(), k.contiguous(), v.contiguous(), bias.contiguous(), float(scale), bool(causal))[0]
 
 
 def triton_attention_available(device: torch.device) -> bool:

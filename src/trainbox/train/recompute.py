@@ -29,7 +29,6 @@ from torch.utils.checkpoint import (
 )
 
 from trainbox.errors import ConfigError
-from trainbox.kernels.biased_attention import biased_attention_op
 
 
 def _saved_ops() -> frozenset:
@@ -39,7 +38,6 @@ def _saved_ops() -> frozenset:
              "_flash_attention_forward", "_efficient_attention_forward",
              "_scaled_dot_product_flash_attention_for_cpu"]
     ops = {getattr(aten, n).default for n in names if hasattr(aten, n)}
-    ops.add(biased_attention_op._opoverload)   # t5's self-attention on GPU (kernels/biased_attention.py)
     flex = getattr(torch.ops.higher_order, "flex_attention", None)  # the speedrun family's attention on GPU
     # expert parallelism's exchanges (parallel/expert.py): kept, so the recomputation communicates nothing
     ops |= {getattr(torch.ops._c10d_functional, n).default for n in ("all_to_all_single", "wait_tensor")}
@@ -47,10 +45,13 @@ def _saved_ops() -> frozenset:
 
 
 SAVED_OPS = _saved_ops()
+# trainbox's own ops, by name: defined on first use (kernels/biased_attention.py: t5's self-attention on GPU)
+SAVED_CUSTOM_OPS = frozenset({"trainbox::biased_attention"})
 
 
 def _policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+    saved = op in SAVED_OPS or (isinstance(op, torch._ops.OpOverload) and op.name() in SAVED_CUSTOM_OPS)
+    return CheckpointPolicy.MUST_SAVE if saved else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def _wrap(block: nn.Module, mode: str) -> None:

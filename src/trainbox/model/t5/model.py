@@ -37,6 +37,7 @@ import torch.nn.functional as F
 
 from trainbox.data.spans import span_corruption_dataset, span_lengths
 from trainbox.kernels.biased_attention import biased_attention
+from trainbox.kernels.biased_attention import ops as biased_attention_ops
 from trainbox.kernels.choice import KernelChoice, choose
 from trainbox.model.layers import KVCache, Output, RMSNorm, cross_entropy, gelu_tanh
 from trainbox.model.spec import family
@@ -239,6 +240,8 @@ class T5(nn.Module):
         if self.kernels is not None:
             return self.kernels
         self.kernels = plan = choose(self.cfg, device, family(self.cfg.family))
+        if plan.attention == "triton":
+            biased_attention_ops()   # defined here, before torch.compile traces the model
         for stack in (self.encoder, self.decoder):
             for block in stack.block:
                 block.layer[0].SelfAttention.kernel = plan.attention
