@@ -106,6 +106,22 @@ def test_pure_function_of_seed_and_index():
         assert uncorrupt(a["x"][row].tolist(), a["y"][row].tolist(), V, S) == windows[row, :t.raw_len].tolist()
 
 
+@pytest.mark.parametrize("seq_len,density,mean_span", [(512, 0.15, 3.0), (64, 0.15, 3.0), (40, 0.3, 8.0),
+                                                       (12, 0.15, 3.0), (100, 0.05, 6.0)])
+def test_a_batch_is_corrupted_as_each_of_its_samples_alone(seq_len, density, mean_span):
+    """The batch transform (one pass over the rows) gives exactly what `example` gives each sample: the same random
+    draws, masks and sentinels, whatever the token dtype; one span (12 tokens) included."""
+    t = SpanCorruption(seq_len, density, mean_span, S, V, EOS, seed=3)
+    for dtype in (torch.int64, torch.int32, torch.uint16):
+        windows = torch.randint(1, 900, (9, t.raw_len + 1)).to(dtype)
+        indices = [5, 0, 77, 12, 12, 3000, 1, 2, 9]
+        got = t(windows, indices)
+        for row, i in enumerate(indices):
+            x, y = t.example(windows[row, :t.raw_len].numpy(), i)
+            assert got["x"][row].tolist() == x.tolist() and got["y"][row].tolist() == y.tolist()
+        assert got["x"].dtype == got["y"].dtype == torch.int64
+
+
 def test_too_few_sentinels_is_a_config_error():
     with pytest.raises(ConfigError, match="model.t5.sentinel_tokens"):
         SpanCorruption(512, 0.15, 3.0, 10, V, EOS, seed=0)

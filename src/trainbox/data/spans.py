@@ -62,10 +62,20 @@ def span_lengths(seq_len: int, noise_density: float = 0.15, mean_span: float = 3
     return raw, targets
 
 
+def _cuts(rng: np.random.Generator, items: int, segments: int) -> np.ndarray:
+    """Where a uniformly random split of `items` into `segments` non-empty runs cuts, unsorted (segments - 1)."""
+    return rng.choice(items - 1, segments - 1, replace=False) + 1 if segments > 1 else np.zeros(0, int)
+
+
+def _runs(cuts: np.ndarray, items: int) -> np.ndarray:
+    """(..., segments - 1) cuts -> (..., segments) run lengths."""
+    edges = [np.zeros(cuts.shape[:-1] + (1,), int), np.sort(cuts, axis=-1), np.full(cuts.shape[:-1] + (1,), items)]
+    return np.diff(np.concatenate(edges, axis=-1), axis=-1)
+
+
 def _segment(rng: np.random.Generator, items: int, segments: int) -> np.ndarray:
     """Uniformly random split of `items` into `segments` non-empty runs -> run lengths."""
-    cuts = np.sort(rng.choice(items - 1, segments - 1, replace=False) + 1) if segments > 1 else np.zeros(0, int)
-    return np.diff(np.concatenate([[0], cuts, [items]]))
+    return _runs(_cuts(rng, items, segments), items)
 
 
 def noise_mask(length: int, noise_density: float, mean_span: float, rng: np.random.Generator) -> np.ndarray:
@@ -76,6 +86,31 @@ def noise_mask(length: int, noise_density: float, mean_span: float, rng: np.rand
     runs = np.stack([kept_runs, noise_runs], axis=1).reshape(-1)          # kept0, noise0, kept1, noise1, ...
     is_noise = np.tile([False, True], spans)
     return np.repeat(is_noise, runs)
+
+
+def noise_masks(cuts: np.ndarray, length: int, noise: int) -> np.ndarray:
+    """noise_mask for a batch: (B, spans - 1) cuts of the noise, then (B, spans - 1) cuts of the kept tokens, as
+    `_cuts` drew them for each row -> (B, length) boolean masks."""
+    spans = cuts.shape[1] // 2 + 1
+    kept_runs, noise_runs = _runs(cuts[:, spans - 1:], length - noise), _runs(cuts[:, :spans - 1], noise)
+    ends = np.cumsum(np.stack([kept_runs, noise_runs], axis=2).reshape(len(cuts), -1), axis=1)
+    edges = np.zeros((len(cuts), length + 1), np.int8)      # +1 where a noise run starts, -1 where it ends
+    rows = np.arange(len(cuts))[:, None]
+    edges[rows, ends[:, 0::2]] = 1                          # every kept run is non-empty: the two never meet
+    edges[rows, ends[:, 1::2]] = -1
+    return np.cumsum(edges[:, :length], axis=1, dtype=np.int8) > 0
+
+
+def corrupt_batch(tokens: np.ndarray, mask: np.ndarray, vocab_size: int, eos_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """`corrupt` for (B, L) tokens and masks that mask as many tokens in as many spans in every row (span corruption's
+    masks do) -> (B, input length), (B, target length)."""
+    prev = np.concatenate([np.ones((len(mask), 1), bool), mask[:, :-1]], axis=1)
+    span_starts, kept_starts = mask & ~prev, ~mask & prev
+    inp = np.where(span_starts, sentinel_id(np.cumsum(span_starts, axis=1) - 1, vocab_size), tokens)
+    tgt = np.where(kept_starts, sentinel_id(np.cumsum(kept_starts, axis=1) - 1, vocab_size), tokens)
+    eos = np.full((len(mask), 1), eos_id)
+    return (np.concatenate([inp[~mask | span_starts].reshape(len(mask), -1), eos], axis=1),
+            np.concatenate([tgt[mask | kept_starts].reshape(len(mask), -1), eos], axis=1))
 
 
 def sentinel_id(k: int, vocab_size: int) -> int:
@@ -132,11 +167,17 @@ class SpanCorruption:
         return corrupt(np.asarray(tokens), mask, self.vocab_size, self.eos_id)
 
     def __call__(self, windows: torch.Tensor, indices) -> dict[str, torch.Tensor]:
+        """`example` for every row, in one pass over the batch: only the random draws are made row by row (each
+        sample's own generator, as `example` draws them), the masks and the corruption for all rows at once."""
         raw = windows[:, :self.raw_len].numpy()  # the window's extra last token starts the next window
-        pairs = [self.example(raw[b], i) for b, i in enumerate(indices)]
-        x = torch.from_numpy(np.stack([p[0] for p in pairs]).astype(np.int64))
-        y = torch.from_numpy(np.stack([p[1] for p in pairs]).astype(np.int64))
-        return {"x": x, "y": y}
+        noise, spans = _counts(self.raw_len, self.noise_density, self.mean_span)
+        cuts = np.empty((len(raw), 2 * (spans - 1)), int)
+        for b, i in enumerate(indices):
+            rng = np.random.default_rng([self.seed, self.split, int(i)])
+            cuts[b, :spans - 1] = _cuts(rng, noise, spans)                  # noise_mask's draws, in its order
+            cuts[b, spans - 1:] = _cuts(rng, self.raw_len - noise, spans)
+        x, y = corrupt_batch(raw, noise_masks(cuts, self.raw_len, noise), self.vocab_size, self.eos_id)
+        return {"x": torch.from_numpy(x.astype(np.int64)), "y": torch.from_numpy(y.astype(np.int64))}
 
 
 def span_corruption_dataset(dataset, t5_cfg, seq_len: int, vocab_size: int, eos_id: int, seed: int, split: str):
