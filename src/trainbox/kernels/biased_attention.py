@@ -226,8 +226,9 @@ def _backward_reference(do, q, k, v, bias, o, lse, scale, causal):
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), ds.sum(0).to(bias.dtype)
 
 
-# (BM query rows, BN keys, warps, pipeline stages) of each kernel, for head widths up to 64 and above: the fastest of
-# benchmarks/biased_attention.py --sweep at t5-base's encoder shape on an H200 (its record)
+# (BM query rows, BN keys, warps, pipeline stages) of each kernel. Heads up to 64 wide: each kernel's fastest, within
+# the sweep's noise, of benchmarks/biased_attention.py --sweep at t5-base's encoder shape on an H200
+# (benchmarks/records/2026-11-29-h200-t5-biased-attention.json). Wider heads: smaller tiles, not measured.
 BLOCKS = {"forward": {64: (128, 32, 8, 3), 128: (64, 32, 4, 3)},
           "dkdv": {64: (64, 64, 4, 3), 128: (64, 32, 4, 3)},
           "dq": {64: (64, 32, 4, 3), 128: (64, 32, 4, 3)},
