@@ -121,6 +121,25 @@ def run_check_script(code: str, env: dict | None = None, timeout: float = 300) -
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stdout + proc.stderr
 
 
+# Triton's interpreter turns a runtime loop bound into an index with int(array of shape (1,)), which numpy >= 2.3
+# refuses; the scripts run by run_in_triton_interpreter give it the scalar
+INTERPRETER_PATCH = r"""
+import triton.runtime.interpreter as ti
+_patch = ti._patch_lang_tensor
+def _patched(tensor, scope):
+    _patch(tensor, scope)
+    scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
+ti._patch_lang_tensor = _patched
+"""
+
+
+def run_in_triton_interpreter(code: str) -> None:
+    """run_check_script(code) with TRITON_INTERPRET=1: Triton kernels on the CPU (skipped where Triton is missing)."""
+    import pytest
+    pytest.importorskip("triton")
+    run_check_script(INTERPRETER_PATCH + code, {"TRITON_INTERPRET": "1"})
+
+
 def load_benchmark(name: str):
     """Import benchmarks/NAME.py (with benchmarks/ on sys.path, for its `common` module)."""
     import importlib.util

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import run_check_script
+from conftest import run_in_triton_interpreter
 
 from trainbox.config import ModelSection
 from trainbox.errors import ConfigError
@@ -135,16 +135,7 @@ def test_the_kernel_is_chosen_on_request_where_it_runs():
 
 KERNEL_CHECK = r"""
 import torch
-import triton.runtime.interpreter as ti
 from trainbox.kernels import biased_attention as ba
-
-# Triton's interpreter turns a runtime loop bound into an index with int(array of shape (1,)), which numpy >= 2.3
-# refuses; give it the scalar
-_patch = ti._patch_lang_tensor
-def _patched(tensor, scope):
-    _patch(tensor, scope)
-    scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
-ti._patch_lang_tensor = _patched
 
 torch.manual_seed(0)
 # fp32 only: the interpreter's bf16 dot is not the GPU's
@@ -168,8 +159,7 @@ print("ok")
 def test_triton_kernels_in_the_interpreter():
     """The Triton kernels on CPU (TRITON_INTERPRET=1), against the torch path: blocks that cross Tq and Tk, the
     causal skip of key and query blocks and of the bias gradient's tiles, whole blocks without masks."""
-    pytest.importorskip("triton")
-    run_check_script(KERNEL_CHECK, {"TRITON_INTERPRET": "1"})
+    run_in_triton_interpreter(KERNEL_CHECK)
 
 
 @pytest.mark.gpu

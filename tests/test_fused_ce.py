@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import model_section, run_check_script
+from conftest import model_section, run_in_triton_interpreter
 
 from trainbox.config import ModelSection
 from trainbox.kernels import fused_ce
@@ -269,8 +269,7 @@ print("ok")
 
 def test_triton_kernel_in_the_interpreter():
     """The Triton kernel itself on CPU (TRITON_INTERPRET=1), against the torch reference."""
-    pytest.importorskip("triton")
-    run_check_script(KERNEL_CHECK, {"TRITON_INTERPRET": "1"})
+    run_in_triton_interpreter(KERNEL_CHECK)
 
 
 @pytest.mark.gpu

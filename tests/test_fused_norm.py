@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from conftest import run_check_script
+from conftest import run_check_script, run_in_triton_interpreter
 
 from trainbox.config import ModelSection
 from trainbox.kernels.fused_norm import add_layer_norm
@@ -115,16 +115,7 @@ def test_config_refuses_other_families():
 
 KERNEL_CHECK = r"""
 import torch
-import triton.runtime.interpreter as ti
 from trainbox.kernels import fused_norm as fn
-
-# Triton 3.6's interpreter turns a runtime loop bound into an index with int(array of shape (1,)), which
-# numpy >= 2.3 refuses; give it the scalar
-_patch = ti._patch_lang_tensor
-def _patched(tensor, scope):
-    _patch(tensor, scope)
-    scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
-ti._patch_lang_tensor = _patched
 
 def close(a, r):
     assert a.shape == r.shape and a.dtype == r.dtype, (a.shape, r.shape, a.dtype, r.dtype)
@@ -155,8 +146,7 @@ print("ok")
 
 def test_triton_kernels_in_the_interpreter():
     """The Triton kernels on CPU (TRITON_INTERPRET=1), against the torch reference."""
-    pytest.importorskip("triton")
-    run_check_script(KERNEL_CHECK, {"TRITON_INTERPRET": "1"})
+    run_in_triton_interpreter(KERNEL_CHECK)
 
 
 @pytest.mark.gpu

@@ -162,6 +162,7 @@ class SpanCorruption:
                               hint=f"raise model.t5.sentinel_tokens to {spans}, or lower data.seq_len")
 
     def example(self, tokens: np.ndarray, index: int) -> tuple[np.ndarray, np.ndarray]:
+        """One sample, on its own: the definition the batch transform (`__call__`) is tested against."""
         rng = np.random.default_rng([self.seed, self.split, int(index)])
         mask = noise_mask(len(tokens), self.noise_density, self.mean_span, rng)
         return corrupt(np.asarray(tokens), mask, self.vocab_size, self.eos_id)
