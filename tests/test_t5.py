@@ -13,7 +13,7 @@ from conftest import run_cli
 from trainbox.config import ModelSection, load_config
 from trainbox.model.build import model_vocab_size
 from trainbox.model.t5.hf import to_hf
-from trainbox.model.t5.model import T5, relative_position_bucket
+from trainbox.model.t5.model import T5, _Diagonals, relative_position_bucket
 from trainbox.train.loop import train
 
 transformers = pytest.importorskip("transformers")
@@ -71,6 +71,19 @@ def test_relative_position_buckets_match_hugging_face():
         for buckets, dist in ((32, 128), (8, 20), (16, 64)):
             ref = T5Attention._relative_position_bucket(rel, bidirectional, buckets, dist)
             assert torch.equal(relative_position_bucket(rel, bidirectional, buckets, dist), ref)
+
+
+@pytest.mark.parametrize("q_len,k_len", [(6, 6), (3, 8), (1, 9), (64, 64)])
+def test_bias_diagonals_and_their_gradient_equal_the_gather(q_len, k_len):
+    """The position bias laid along diagonals (its backward sums them without atomics) against indexing the
+    per-distance table with key - query, as a decoder with a cache of k_len - q_len positions asks for it."""
+    rel = torch.randn(3, q_len + k_len - 1, dtype=torch.float64, requires_grad=True)
+    distance = torch.arange(k_len)[None, :] - torch.arange(k_len - q_len, k_len)[:, None]
+    ours, ref = _Diagonals.apply(rel, q_len, k_len), rel[:, distance + k_len - 1]
+    assert torch.equal(ours, ref) and ours.is_contiguous()
+    grad = torch.randn_like(ref)
+    torch.testing.assert_close(torch.autograd.grad(ours, rel, grad)[0], torch.autograd.grad(ref, rel, grad)[0],
+                               rtol=0, atol=1e-12)
 
 
 def test_export_loads_in_transformers_with_same_outputs(tmp_path):

@@ -76,8 +76,8 @@ def forward(cfg, counts, micro: int, mode: str, w: Widths, kern: Kernels) -> For
         bias = w.a * m.n_head * (T * T * m.n_layer + dec * dec * n_dec) if w.cuda else 0
     else:                # the blocks' inputs: each stack's fp32 bias, and the encoder output
         bias = 4 * m.n_head * (T * T + dec * dec) + (B * T * 4 * d if w.a != 4 else 0)
-    # ids of both stacks, the targets; bucket ids; the encoder's final norm and, in fp32, its output (the
-    # memory every decoder block reads); the decoder's final norm
-    other = (B * (T + 2 * dec) * 8 + 8 * (T * T + dec * dec) + B * T * (w.rms(d, True) + (4 * d if w.a == 4 else 0))
+    # ids of both stacks, the targets; the bucket of each distance (2T - 1 a stack); the encoder's final norm and, in
+    # fp32, its output (the memory every decoder block reads); the decoder's final norm
+    other = (B * (T + 2 * dec) * 8 + 8 * (2 * T - 1 + 2 * dec - 1) + B * T * (w.rms(d, True) + (4 * d if w.a == 4 else 0))
              + B * dec * w.rms(d, True) + bias)
     return Forward(blocks=blocks, recompute=recompute, other=other, head_tokens=B * dec, width=d)
