@@ -45,10 +45,10 @@ class ModelBase(Section):
         "auto", description="attention kernel. flash: FlashAttention-4 (Hopper/Blackwell GPUs, "
                             "pip install 'trainbox[flash]'; speedrun: the documents as variable-length sequences, "
                             "model.window_block 1); flex (speedrun): FlexAttention with a block mask (CUDA); triton "
-                            "(t5, on request only): trainbox's Triton kernels for attention with a learned position "
-                            "bias (CUDA; less GPU time than sdpa, a slower compiled step: docs/performance.md); sdpa: "
-                            "PyTorch SDPA (speedrun: with an explicit mask, memory O(T^2); t5: the bias as a mask); "
-                            "auto: flash where it is installed and usable, else flex (speedrun, CUDA), else sdpa")
+                            "(t5): trainbox's Triton kernels for attention with a learned position bias (CUDA); "
+                            "sdpa: PyTorch SDPA (speedrun: with an explicit mask, memory O(T^2); t5: the bias as a "
+                            "mask); auto: flash where it is installed and usable, else flex (speedrun, CUDA) or "
+                            "triton (t5, CUDA), else sdpa")
     eot_id: int | None = Field(None, ge=0, description="document separator token (default: the tokenizer's)")
     fp8_head: bool = Field(False, description="output head in FP8 (forward e4m3, gradient e5m2; needs FP8 tensor "
                                               "cores: H100, L40S). Faster, not free: it costs validation loss "

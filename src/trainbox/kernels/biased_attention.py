@@ -17,8 +17,8 @@ sums the rows. The op here keeps the bias per head and sums its gradient over th
 `biased_attention` is a Triton op (`torch.library.triton_op`: `trainbox::biased_attention`, its backward
 `trainbox::biased_attention_bwd`), so torch.compile keeps the model in one graph around it and launches the kernels
 from its generated code (`scale` is a compile-time constant of the kernels: one build per value). On CUDA the kernels
-are Triton; elsewhere the same arithmetic runs as torch ops (the tests' oracle). T5 runs it on request
-(`model.attention=triton`, kernels/choice.py says why not by default); docs/performance.md has its times against SDPA's.
+are Triton; elsewhere the same arithmetic runs as torch ops (the tests' oracle). T5's self-attention runs it on a CUDA
+GPU (`model.attention=auto` or `triton`); docs/performance.md has its times against SDPA's.
 """
 from __future__ import annotations
 

@@ -10,9 +10,8 @@ run's start event; `trainbox doctor RECIPE` prints it for the machine it runs on
                        Blackwell; speedrun only with model.window_block=1)
                 flex   FlexAttention with a block mask (speedrun on a CUDA GPU of compute capability 8.0+)
                 triton trainbox's Triton attention with a learned bias shared by the batch (t5's self-attention,
-                       kernels/biased_attention.py; CUDA 8.0+), on request only (model.attention=triton): its kernels
-                       take less GPU time than SDPA's, but t5-base's compiled step is slower with them (the host sets
-                       the pace; docs/performance.md), so auto keeps sdpa
+                       kernels/biased_attention.py; a CUDA GPU of compute capability 8.0+ with Triton): t5-base's
+                       compiled step is faster on it than on SDPA with the bias as a mask (docs/performance.md)
                 sdpa   PyTorch's scaled_dot_product_attention (speedrun: with an explicit mask, memory O(T^2))
                 or the family's own (`Family.own_attention`: hf, the Hugging Face model's)
     fused_loss  quack  QuACK's linear cross-entropy for the loop's summed loss (H100/H200 with QuACK), Triton
@@ -79,7 +78,7 @@ def attention_on(spec, cfg, flash: bool, flex: bool) -> str:
         return "flash"
     if "flex" in spec.attention and flex and cfg.attention in ("auto", "flex"):
         return "flex"
-    if "triton" in spec.attention and flex and cfg.attention == "triton":   # on request only (module docstring)
+    if "triton" in spec.attention and flex and cfg.attention in ("auto", "triton"):
         return "triton"
     return "sdpa"
 
