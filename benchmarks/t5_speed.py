@@ -70,28 +70,34 @@ def timed_loop(step_fn, batches: list[dict], warmup: int, device: torch.device) 
             "finite": all(math.isfinite(x) for x in losses)}
 
 
-def make_step(model, forward, cfg, hf: bool, device: torch.device):
+def make_step(model, forward, cfg, hf: bool, device: torch.device, graphs: bool = False):
+    """`graphs`: `forward` replays CUDA graphs (as train.cuda_graphs): gradients allocated once and zeroed."""
     params = [(n, p) for n, p in model.named_parameters()]
     opt = make_adamw(adamw_groups(params, cfg.optim.weight_decay, cfg.optim.lr), cfg.optim, device)
+    if graphs:
+        for _, p in params:
+            p.grad = torch.zeros_like(p)
 
     def step(x, y):
+        if graphs:
+            torch.compiler.cudagraph_mark_step_begin()
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             loss = forward(input_ids=x, labels=y).loss if hf else forward(x, y).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
         opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.detach()
+        opt.zero_grad(set_to_none=not graphs)
+        return loss.detach().clone()
     return step
 
 
 def measure(name: str, model, forward, cfg, batches, warmup: int, hf: bool, flops_per_token: float, peak: float,
-            device: torch.device) -> dict:
+            device: torch.device, graphs: bool = False) -> dict:
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    res = timed_loop(make_step(model, forward, cfg, hf, device), batches, warmup, device)
+    res = timed_loop(make_step(model, forward, cfg, hf, device, graphs), batches, warmup, device)
     tokens = res["timed_steps"] * batches[0]["x"].numel()
     res.update(name=name, tokens_per_s=tokens / res["seconds"],
                target_tokens_per_s=res["timed_steps"] * batches[0]["y"].numel() / res["seconds"],
@@ -127,6 +133,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=10, help="untimed first steps (compilation)")
     ap.add_argument("--batch", type=int, default=32, help="sequences per step (one micro-batch)")
     ap.add_argument("--compile", action="store_true", help="torch.compile our model (the recipes' default)")
+    ap.add_argument("--cuda-graphs", action="store_true", help="with --compile: replay our compiled step as CUDA "
+                    "graphs (as train.cuda_graphs)")
     ap.add_argument("--impl", choices=["both", "ours", "hf"], default="both")
     ap.add_argument("--hf-attn", default=None, help="transformers attn_implementation (default: its own choice)")
     ap.add_argument("--trainer", action="store_true", help="also time the real `trainbox train` loop")
@@ -157,9 +165,11 @@ def main() -> None:
               "attention": attention,
               "torch": torch.__version__, "results": []}
     if args.impl in ("both", "ours"):
-        fwd = torch.compile(ours) if args.compile else ours
-        report["results"].append(measure(f"trainbox T5{' (compiled)' if args.compile else ''}", ours, fwd, cfg,
-                                         batches, args.warmup, False, fpt, peak, device))
+        graphs = args.compile and args.cuda_graphs
+        fwd = torch.compile(ours, mode="reduce-overhead" if graphs else None) if args.compile else ours
+        label = " (compiled, CUDA graphs)" if graphs else " (compiled)" if args.compile else ""
+        report["results"].append(measure(f"trainbox T5{label}", ours, fwd, cfg, batches, args.warmup, False, fpt,
+                                         peak, device, graphs))
     del ours
     if args.impl in ("both", "hf"):
         from transformers import T5ForConditionalGeneration

@@ -122,6 +122,12 @@ class TrainSection(Section):
     keep_last: int = Field(3, ge=1)
     compile: bool | Literal["auto"] = Field(False, description="torch.compile the model (Inductor); auto: on a "
                                                                "GPU, not on a CPU")
+    cuda_graphs: bool = Field(False, description="replay the compiled forward and backward as CUDA graphs "
+                                                 "(torch.compile's reduce-overhead mode): the host launches one "
+                                                 "graph instead of every kernel, for steps the host paces (t5-base: "
+                                                 "docs/performance.md). A CUDA GPU, train.compile, one process; "
+                                                 "gradients stay allocated between steps, and the graphs keep "
+                                                 "their activations' memory")
     parallel: Literal["ddp", "fsdp"] = Field(
         "ddp", description="ddp: every rank holds the whole model; fsdp: parameters, gradients and optimizer "
                            "state sharded over the ranks of a node (FSDP2), replicated across nodes (HSDP); with "

@@ -38,11 +38,12 @@ class DataParallel:
         self.forward = self.ddp or model
         self.copies = ExpertCopies(model)
 
-    def compile(self) -> None:
-        """torch.compile over the whole forward (DDP's bucketing stays outside the graph)."""
+    def compile(self, cuda_graphs: bool = False) -> None:
+        """torch.compile over the whole forward (DDP's bucketing stays outside the graph); `cuda_graphs`: the compiled
+        forward and backward replayed as CUDA graphs (train.cuda_graphs)."""
         if self.ddp is not None:
             _drop_record_function_notice()
-        self.forward = torch.compile(self.forward)
+        self.forward = torch.compile(self.forward, mode="reduce-overhead" if cuda_graphs else None)
 
     def micro_batch(self, k: int, accum: int):
         """Gradients are averaged over ranks only in the last micro-batch's backward. Under expert parallelism the

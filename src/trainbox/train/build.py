@@ -16,7 +16,7 @@ import torch.nn as nn
 from trainbox.config import RunConfig
 from trainbox.config.layout import RunLayout
 from trainbox.data.loader import BatchOrder
-from trainbox.errors import DataError
+from trainbox.errors import ConfigError, DataError
 from trainbox.kernels import float8
 from trainbox.kernels.choice import KernelChoice, choose
 from trainbox.model.build import build_model, build_tokenizer, model_vocab_size, packs_examples
@@ -99,6 +99,10 @@ def build_model_side(cfg: RunConfig, layout: RunLayout, vocab: int, device: torc
     GPU's generator gives other, equally distributed, initial weights than the CPU's, the same on every rank.
     `reference`: keep a frozen copy of the initial model beside it (`frozen_copy`)."""
     torch.manual_seed(cfg.run.seed)
+    if cfg.train.cuda_graphs and (dist.world > 1 or reference):
+        raise ConfigError("train.cuda_graphs runs one process training the next-token objective; this run "
+                          + (f"has {dist.world} processes" if dist.world > 1 else "trains with a reference model"),
+                          hint="drop train.cuda_graphs")
     sharded = layout.sharded   # (a sharded checkpoint of a larger world resumes unsharded)
     if cfg.train.parallel == "fsdp" and not sharded:
         log.warning("train.parallel=fsdp on one process shards nothing: the model runs whole, as under ddp "
@@ -131,10 +135,14 @@ def build_model_side(cfg: RunConfig, layout: RunLayout, vocab: int, device: torc
     else:
         parallel = DataParallel(model, dist, device)
         if cfg.train.compile:
-            parallel.compile()
+            parallel.compile(cuda_graphs=cfg.train.cuda_graphs)
     if cfg.train.compile and getattr(model, "recompute_custom_ops", False):
         parallel.forward = recomputing_custom_ops(parallel.forward)
     optimizers = build_optimizers(model, cfg.optim, device)
+    if cfg.train.cuda_graphs:   # else the first backward's gradients would be the graph's own, reused, buffers
+        for p in model.parameters():
+            if p.requires_grad:
+                p.grad = torch.zeros_like(p)
     return RunModel(model, kernels, optimizers, parallel, frozen)
 
 

@@ -308,7 +308,10 @@ class Trainer(RunFiles, Checkpointing, Evaluations):
         scale = self.dist.world / max(1, self.objective.denominator(self.batches, step))
         loss_sum = torch.zeros((), device=self.device)
         stats = None
+        graphs = cfg.train.cuda_graphs
         for k, b in enumerate(batches):
+            if graphs:   # a new replay: the previous micro-batch's graph outputs may be overwritten (read above)
+                torch.compiler.cudagraph_mark_step_begin()
             with self.parallel.micro_batch(k, accum), trained_rows(*b.get("rows", (None, 0))):
                 with self.autocast():
                     part = self.objective.loss(self.forward, b, scale)
@@ -322,8 +325,11 @@ class Trainer(RunFiles, Checkpointing, Evaluations):
             opt.step()
         self.parallel.after_step()
         for opt in self.optimizers:
-            opt.zero_grad(set_to_none=True)
-        self.last_stats, self.objective_stats = part.model_stats, stats
+            opt.zero_grad(set_to_none=not graphs)   # CUDA graphs: gradients accumulate into the same tensors
+        model_stats = part.model_stats
+        if graphs and model_stats:   # read at the next log line, after later replays overwrote the graphs' outputs
+            model_stats = {k: v.clone() if torch.is_tensor(v) else v for k, v in model_stats.items()}
+        self.last_stats, self.objective_stats = model_stats, stats
         if step + 1 < self.total:  # the next step's data, sent while the GPU still runs this one
             self._prefetched = (step + 1, self._send_batches(step + 1))
         return loss_sum, grad_norm, lr

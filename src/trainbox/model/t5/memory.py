@@ -78,6 +78,6 @@ def forward(cfg, counts, micro: int, mode: str, w: Widths, kern: Kernels) -> For
         bias = 4 * m.n_head * (T * T + dec * dec) + (B * T * 4 * d if w.a != 4 else 0)
     # ids of both stacks, the targets; the bucket of each distance (2T - 1 a stack); the encoder's final norm and, in
     # fp32, its output (the memory every decoder block reads); the decoder's final norm
-    other = (B * (T + 2 * dec) * 8 + 8 * (2 * T - 1 + 2 * dec - 1) + B * T * (w.rms(d, True) + (4 * d if w.a == 4 else 0))
-             + B * dec * w.rms(d, True) + bias)
+    other = (B * (T + 2 * dec) * 8 + 8 * (2 * T + 2 * dec - 2)
+             + B * T * (w.rms(d, True) + (4 * d if w.a == 4 else 0)) + B * dec * w.rms(d, True) + bias)
     return Forward(blocks=blocks, recompute=recompute, other=other, head_tokens=B * dec, width=d)
