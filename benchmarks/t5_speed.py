@@ -147,7 +147,8 @@ def main() -> None:
     overrides = [f"data.path={args.data}", f"train.global_batch_size={args.batch}",
                  f"train.micro_batch_size={args.batch}",
                  f"train.dtype={'bf16' if args.device.startswith('cuda') else 'fp32'}", f"train.device={args.device}",
-                 f"train.compile={str(args.compile).lower()}", *args.set]
+                 f"train.compile={str(args.compile).lower()}", *args.set,
+                 *(["train.cuda_graphs=true"] if args.compile and args.cuda_graphs else [])]
     cfg = load_config(args.recipe, overrides)
     device = torch.device(args.device)
     torch.backends.cuda.matmul.allow_tf32 = True

@@ -9,6 +9,7 @@ import torch
 
 from trainbox.config import load_config
 from trainbox.errors import ConfigError
+from trainbox.model.load import load_for_inference
 from trainbox.train.loop import train
 
 
@@ -20,27 +21,32 @@ def test_refused_on_a_cpu_with_what_to_do(tiny):
     assert e.value.hint == "drop train.cuda_graphs"
 
 
-def _logged(run_dir) -> tuple[dict[int, float], dict]:
+def _logged(run_dir) -> dict[int, float]:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in rows if r["event"] == "train"}, rows
+    return {r["step"]: r["loss"] for r in rows if r["event"] == "train"}
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("family", ["gpt", "t5"])
 def test_cuda_graphs_train_as_the_compiled_run_does(tmp_path, tiny, family):
-    """Two micro-batches a step, losses logged every 4 steps (read after later replays), 8 steps: the logged losses
-    and the final validation loss equal those of the same run without graphs; without train.compile it is refused."""
+    """Two micro-batches a step, 8 steps, the losses read every 4 (after later replays): each step's loss, the final
+    validation loss and the trained weights equal those of the same run without graphs, within what the order of
+    the GPU's atomic sums moves (a micro-batch's gradient lost or counted twice moves them by percents); without
+    train.compile it is refused."""
     t5 = ["model.family=t5", "model.tie_embeddings=false", "model.t5.d_ff=64", "model.t5.d_kv=16"]
     args = [*tiny, *(t5 if family == "t5" else []), "train.device=cuda", "train.compile=true", "train.max_steps=8",
             "monitor.log_every=4", "train.eval_every=0", "train.checkpoint_every=0"]
     plain = train(load_config(None, [*args, "run.name=plain"]))
     graphs = train(load_config(None, [*args, "run.name=graphs", "train.cuda_graphs=true"]))
-    a, _ = _logged(tmp_path / "runs" / "plain")
-    b, _ = _logged(tmp_path / "runs" / "graphs")
-    assert sorted(a) == sorted(b) == [4, 8]
+    a = _logged(tmp_path / "runs" / "plain")
+    b = _logged(tmp_path / "runs" / "graphs")
+    assert sorted(a) == sorted(b) == list(range(1, 9))
     for step in a:
-        assert b[step] == pytest.approx(a[step], rel=1e-5), step
-    assert graphs["val_loss"] == pytest.approx(plain["val_loss"], rel=1e-5)
+        assert b[step] == pytest.approx(a[step], rel=1e-3), step
+    assert graphs["val_loss"] == pytest.approx(plain["val_loss"], rel=1e-3)
+    want = load_for_inference(tmp_path / "runs" / "plain")[0].state_dict()
+    for name, got in load_for_inference(tmp_path / "runs" / "graphs")[0].state_dict().items():
+        assert (got.float() - want[name].float()).norm() <= 1e-3 * want[name].float().norm(), name
     with pytest.raises(ConfigError, match="sets train.compile=false"):
         train(load_config(None, [*args, "run.name=eager", "train.compile=false", "train.cuda_graphs=true"]))

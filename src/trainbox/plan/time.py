@@ -6,7 +6,7 @@ expert parallelism, and the optimizer at its memory bandwidth (plan/gpus.py's `R
 Per rank, for a step of `accumulation` micro-batches of `micro` sequences:
 
     compute     the model's FLOPs per token (its flops_per_token) x the micro-batch's tokens, the dense part at
-                rate x DENSE x d / (d + WIDTH) at width d (x the family's SPEED, where its memory module gives
+                rate x DENSE x d / (d + WIDTH) at width d (x the family's speed, where its memory module gives
                 one: t5) and the experts' grouped matmuls (6 x top_k x an expert's parameters per MoE layer)
                 at rate x EXPERTS; full activation checkpointing runs the blocks' forward twice; train.float8
                 runs the blocks' linears FLOAT8 times faster
@@ -147,8 +147,8 @@ def step_time(cfg: RunConfig, counts: ParamCount, target: Target, layout, micro:
     if checkpointing == "full":   # the blocks' forward again in the backward: a third of their FLOPs
         dense_flops *= 1 + counts.blocks_matmul / max(1, counts.matmul) / 3
         expert_flops *= 4 / 3
-    # a family whose FLOPs run slower than a GPT's says by how much (its memory module's SPEED: t5)
-    speed = getattr(family(m.family).memory(), "SPEED", 1.0)
+    # a family whose FLOPs run slower than a GPT's says by how much (its memory module's `speed`: t5)
+    speed = getattr(family(m.family).memory(), "speed", lambda model: 1.0)(m)
     width = counts.shapes.d if counts.shapes is not None else m.n_embd
     float8 = 1 + (FLOAT8 - 1) * counts.blocks_matmul / max(1, counts.matmul) if cfg.train.float8 else 1
     dense_rate = speed * rates.matmul * DENSE * width / (width + WIDTH) * float8

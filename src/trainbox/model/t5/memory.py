@@ -7,10 +7,18 @@ from trainbox.model.memory import Block, Forward, Kernels, Widths
 from trainbox.model.t5.model import t5_d_ff, t5_d_kv, t5_decoder_layers
 
 COMPILE_FACTOR = 0.85   # the blocks' activations compiled / eager (Inductor on a CPU, model/memory.py)
-# the share of a GPT's FLOP rate this family's step reaches (plan/time.py): relative position biases, whose gradient
-# keeps attention off the fused kernels, and a decoder of a fifth of the encoder's length (t5-base on an H100,
-# benchmarks/records/2026-11-26-h100-t5-base-speed.json)
+# the share of a GPT's FLOP rate this family's step reaches (plan/time.py; `speed`), a decoder of a fifth of the
+# encoder's length among the reasons. On SDPA (model.attention=sdpa) the position bias's gradient keeps attention on
+# the memory-efficient kernel (t5-base on an H100, benchmarks/records/2026-11-26-h100-t5-base-speed.json); on the
+# Triton kernels, the step replayed as CUDA graphs, so that the GPU sets its pace (t5-base on an H200,
+# benchmarks/records/2026-11-29-h200-t5-base-speed-cuda-graphs.json)
 SPEED = 0.52
+TRITON_SPEED = 0.654
+
+
+def speed(model) -> float:
+    """The share of a GPT's FLOP rate of model section `model` on a CUDA GPU (where auto takes the Triton kernels)."""
+    return SPEED if model.attention == "sdpa" else TRITON_SPEED
 
 
 def t5_blocks(d: int, heads: int, inner: int, ffn: int, S: int, T: int, w: Widths, kern: Kernels
