@@ -21,6 +21,15 @@ def test_refused_on_a_cpu_with_what_to_do(tiny):
     assert e.value.hint == "drop train.cuda_graphs"
 
 
+@pytest.mark.parametrize("setting, message", [
+    ("train.compile=false", "train.cuda_graphs replays torch.compile's graphs: set train.compile=true"),
+    ("train.objective=dpo", "train.cuda_graphs replays the next-token objective's step, not train.objective=dpo's"),
+])
+def test_refused_in_the_config_with_what_to_do(setting, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config("tiny", ["train.compile=auto", "train.cuda_graphs=true", setting])
+
+
 def _logged(run_dir) -> dict[int, float]:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return {r["step"]: r["loss"] for r in rows if r["event"] == "train"}
@@ -32,8 +41,7 @@ def _logged(run_dir) -> dict[int, float]:
 def test_cuda_graphs_train_as_the_compiled_run_does(tmp_path, tiny, family):
     """Two micro-batches a step, 8 steps, the losses read every 4 (after later replays): each step's loss, the final
     validation loss and the trained weights equal those of the same run without graphs, within what the order of
-    the GPU's atomic sums moves (a micro-batch's gradient lost or counted twice moves them by percents); without
-    train.compile it is refused."""
+    the GPU's atomic sums moves (a micro-batch's gradient lost or counted twice moves them by percents)."""
     t5 = ["model.family=t5", "model.tie_embeddings=false", "model.t5.d_ff=64", "model.t5.d_kv=16"]
     args = [*tiny, *(t5 if family == "t5" else []), "train.device=cuda", "train.compile=true", "train.max_steps=8",
             "monitor.log_every=4", "train.eval_every=0", "train.checkpoint_every=0"]
@@ -48,5 +56,3 @@ def test_cuda_graphs_train_as_the_compiled_run_does(tmp_path, tiny, family):
     want = load_for_inference(tmp_path / "runs" / "plain")[0].state_dict()
     for name, got in load_for_inference(tmp_path / "runs" / "graphs")[0].state_dict().items():
         assert (got.float() - want[name].float()).norm() <= 1e-3 * want[name].float().norm(), name
-    with pytest.raises(ConfigError, match="sets train.compile=false"):
-        train(load_config(None, [*args, "run.name=eager", "train.compile=false", "train.cuda_graphs=true"]))

@@ -168,6 +168,16 @@ class TrainSection(Section):
         return self.compile is True or (self.compile == "auto" and cuda)
 
     @model_validator(mode="after")
+    def _cuda_graphs(self) -> "TrainSection":
+        if self.cuda_graphs and self.compile is False:
+            raise ValueError("train.cuda_graphs replays torch.compile's graphs: set train.compile=true (or auto), or "
+                             "drop train.cuda_graphs")
+        if self.cuda_graphs and self.objective != "next_token":
+            raise ValueError(f"train.cuda_graphs replays the next-token objective's step, not train.objective="
+                             f"{self.objective}'s: drop train.cuda_graphs")
+        return self
+
+    @model_validator(mode="after")
     def _one_length(self) -> "TrainSection":
         given = [f"train.{k}={getattr(self, k)}" for k in LENGTH_KEYS if getattr(self, k) is not None]
         if len(given) > 1:

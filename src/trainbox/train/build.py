@@ -99,10 +99,9 @@ def build_model_side(cfg: RunConfig, layout: RunLayout, vocab: int, device: torc
     GPU's generator gives other, equally distributed, initial weights than the CPU's, the same on every rank.
     `reference`: keep a frozen copy of the initial model beside it (`frozen_copy`)."""
     torch.manual_seed(cfg.run.seed)
-    if cfg.train.cuda_graphs and (dist.world > 1 or reference):
-        raise ConfigError("train.cuda_graphs runs one process training the next-token objective; this run "
-                          + (f"has {dist.world} processes" if dist.world > 1 else "trains with a reference model"),
-                          hint="drop train.cuda_graphs")
+    if cfg.train.cuda_graphs and dist.world > 1:
+        raise ConfigError(f"train.cuda_graphs runs in one process; this run has {dist.world}",
+                          hint="drop train.cuda_graphs, or train on one GPU")
     sharded = layout.sharded   # (a sharded checkpoint of a larger world resumes unsharded)
     if cfg.train.parallel == "fsdp" and not sharded:
         log.warning("train.parallel=fsdp on one process shards nothing: the model runs whole, as under ddp "
