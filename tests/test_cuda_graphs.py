@@ -2,10 +2,9 @@
 GPU, training with it follows the same losses as the compiled run without it."""
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
+from nodes import losses
 
 from trainbox.config import load_config
 from trainbox.errors import ConfigError
@@ -31,8 +30,7 @@ def test_refused_in_the_config_with_what_to_do(setting, message):
 
 
 def _logged(run_dir) -> dict[int, float]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in rows if r["event"] == "train"}
+    return {step: loss for step, (loss, _) in losses(run_dir).items()}
 
 
 @pytest.mark.gpu
