@@ -39,7 +39,9 @@ def _logged(run_dir) -> dict[int, float]:
 def test_cuda_graphs_train_as_the_compiled_run_does(tmp_path, tiny, family):
     """Two micro-batches a step, 8 steps, the losses read every 4 (after later replays): each step's loss, the final
     validation loss and the trained weights equal those of the same run without graphs, within what the order of
-    the GPU's atomic sums moves (a micro-batch's gradient lost or counted twice moves them by percents)."""
+    the GPU's sums moves. The weights are compared as one vector: a bias that starts at zero holds only AdamW's
+    updates, whose sign flips where its gradient is near zero (1.2% apart on one GPU). A micro-batch's gradient lost
+    each step moves every tensor by 1.2% to 98%, so the whole vector by more than the 0.1% allowed."""
     t5 = ["model.family=t5", "model.tie_embeddings=false", "model.t5.d_ff=64", "model.t5.d_kv=16"]
     args = [*tiny, *(t5 if family == "t5" else []), "train.device=cuda", "train.compile=true", "train.max_steps=8",
             "monitor.log_every=4", "train.eval_every=0", "train.checkpoint_every=0"]
@@ -52,5 +54,7 @@ def test_cuda_graphs_train_as_the_compiled_run_does(tmp_path, tiny, family):
         assert b[step] == pytest.approx(a[step], rel=1e-3), step
     assert graphs["val_loss"] == pytest.approx(plain["val_loss"], rel=1e-3)
     want = load_for_inference(tmp_path / "runs" / "plain")[0].state_dict()
-    for name, got in load_for_inference(tmp_path / "runs" / "graphs")[0].state_dict().items():
-        assert (got.float() - want[name].float()).norm() <= 1e-3 * want[name].float().norm(), name
+    got = load_for_inference(tmp_path / "runs" / "graphs")[0].state_dict()
+    assert sorted(got) == sorted(want)
+    diff = torch.cat([(got[n].float() - want[n].float()).flatten() for n in want]).norm()
+    assert diff <= 1e-3 * torch.cat([w.float().flatten() for w in want.values()]).norm()
