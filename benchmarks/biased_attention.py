@@ -6,7 +6,8 @@ that takes it), on t5-base's shapes.
 
 Shapes: t5-base's encoder (micro-batch 32 x 512 tokens, 12 heads of 64) and decoder (32 x 114, causal). SDPA runs as
 the model's sdpa path does: the fp32 bias cast to bf16, broadcast over the batch, its gradient summed by autograd;
-ours takes the fp32 bias and sums its gradient over the batch in the kernel. For each: the median time of a forward
+ours takes the fp32 bias and sums its gradient over the batch in the kernel, by position (H, T, T) and by distance
+(H, 2T - 1: what T5 passes, read along its diagonals). For each: the median time of a forward
 and backward (CUDA events), the TFLOP/s that makes (4 B H Tq Tk D forward, halved when causal, 2.5x that forward and
 backward), and the largest difference of the output and of each gradient from the fp32 math reference, relative to
 its largest value. --sweep also times each kernel at other block sizes (BM, BN, warps, stages): the forward alone,
@@ -46,18 +47,20 @@ def ours(q, k, v, bias, causal):
     return ba.biased_attention(q, k, v, bias, 1.0, causal)
 
 
-def measure(shape: tuple, fn, reps: int) -> dict:
+def measure(shape: tuple, fn, reps: int, by: str = "position") -> dict:
+    """`by`: the bias by position (H, T, T), or by distance (H, 2T - 1) as T5 passes it to our kernels."""
     b, t, h, d, causal = shape
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(b, t, h, d, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
                for _ in range(3))
-    bias = torch.randn(h, t, t, device="cuda", generator=gen).requires_grad_()
+    bias = torch.randn(h, *((t, t) if by == "position" else (2 * t - 1,)), device="cuda",
+                       generator=gen).requires_grad_()
     g = torch.randn(b, t, h, d, device="cuda", dtype=torch.bfloat16, generator=gen)
     out = fn(q, k, v, bias, causal)
     out.backward(g)
     got = [out.float(), *(x.grad.float() for x in (q, k, v, bias))]
     ref_in = [x.detach().float().requires_grad_() for x in (q, k, v, bias)]
-    mask = ref_in[3].unsqueeze(0)
+    mask = (ref_in[3] if by == "position" else ba.diagonals(ref_in[3], t, t)).unsqueeze(0)
     if causal:
         mask = mask + torch.full((t, t), float("-inf"), device="cuda").triu(1)
     with sdpa_kernel([SDPBackend.MATH]):
@@ -117,8 +120,11 @@ def main() -> None:
     shapes = {}
     for name, shape in SHAPES.items():
         row = {"sdpa efficient (bias as a mask)": measure(shape, sdpa, args.reps),
-               "trainbox triton": measure(shape, ours, args.reps)}
+               "trainbox triton": measure(shape, ours, args.reps),
+               "trainbox triton, bias by distance": measure(shape, ours, args.reps, by="distance")}
         row["speedup"] = round(row["sdpa efficient (bias as a mask)"]["ms"] / row["trainbox triton"]["ms"], 2)
+        row["speedup_by_distance"] = round(row["sdpa efficient (bias as a mask)"]["ms"]
+                                           / row["trainbox triton, bias by distance"]["ms"], 2)
         if args.sweep:
             row["sweep"] = sweep(shape, args.reps)
         shapes[name] = row

@@ -56,6 +56,23 @@ def test_op_equals_sdpa_with_the_bias_as_a_mask(case):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=5e-5)
 
 
+@pytest.mark.parametrize("case", CASES)
+def test_a_bias_by_distance_equals_its_diagonals_by_position(case):
+    """The bias given by distance (H, Tq + Tk - 1), as T5 passes it: the output and the gradients of q, k, v equal
+    the op's on the same bias laid out by position, and its gradient is that one's summed along each diagonal."""
+    *shape, causal = case
+    q, k, v, _ = inputs(*shape)
+    B, Tq, Tk, H, D = shape
+    rel = torch.randn(H, Tq + Tk - 1)
+    do = torch.randn(q.shape)
+    got, got_g = grads(lambda *t: ba.biased_attention(*t, scale=0.7, causal=causal), q, k, v, rel, do)
+    want, want_g = grads(lambda *t: ba.biased_attention(*t[:3], ba.diagonals(t[3], Tq, Tk), scale=0.7, causal=causal),
+                         q, k, v, rel, do)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    for a, b in zip(got_g, want_g):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
 def test_a_frozen_bias_gets_no_gradient_and_the_rest_theirs():
     q, k, v, bias = inputs(2, 20, 20, 2, 8)
     leaves = [t.requires_grad_() for t in (q, k, v)]
@@ -84,7 +101,8 @@ def test_op_compiles_in_one_graph():
 
 def test_bad_shapes_are_refused_with_the_shapes():
     q, k, v, bias = inputs(2, 10, 12, 2, 8)
-    with pytest.raises(ValueError, match=r"bias \(2, 10, 10\) is not \(heads, Tq, Tk\) = \(2, 10, 12\)"):
+    with pytest.raises(ValueError, match=r"bias \(2, 10, 10\) is neither \(heads, Tq, Tk\) = \(2, 10, 12\) nor "
+                                         r"\(heads, Tq \+ Tk - 1\) = \(2, 21\)"):
         ba.biased_attention(q, k, v, bias[..., :10])
     with pytest.raises(ValueError, match="causal attention needs as many queries as keys"):
         ba.biased_attention(q, k, v, bias, causal=True)
@@ -152,6 +170,15 @@ for B, Tq, Tk, H, D, causal in CASES:
     for a, r in zip(got, ba._backward_reference(do, q, k, v, bias, o, lse, 0.7, causal)):
         torch.testing.assert_close(a, r, rtol=1e-5, atol=2e-5)
     assert ba._triton_backward(do, q, k, v, bias, o, lse, 0.7, causal, blocks, bias_grad=False)[3] is None
+    # the bias by distance, read along its diagonals (row stride -1)
+    rel = torch.randn(H, Tq + Tk - 1)
+    o, lse = ba._triton_forward(q, k, v, rel, 0.7, causal, blocks)
+    ro, rlse = ba._forward_reference(q, k, v, ba.diagonals(rel, Tq, Tk), 0.7, causal)
+    torch.testing.assert_close(o, ro, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse, rlse, rtol=1e-5, atol=1e-5)
+    got = ba._triton_backward(do, q, k, v, rel, o, lse, 0.7, causal, blocks)
+    for a, r in zip(got, ba._backward_reference(do, q, k, v, rel, o, lse, 0.7, causal)):
+        torch.testing.assert_close(a, r, rtol=1e-5, atol=5e-5)
 print("ok")
 """.replace("CASES", repr(CASES))
 
@@ -164,12 +191,15 @@ def test_triton_kernels_in_the_interpreter():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("by", ["position", "distance"])
 @pytest.mark.parametrize("shape", [(32, 512, 512, 12, 64, False), (32, 114, 114, 12, 64, True)])
-def test_cuda_kernels_at_t5_base_shapes(shape):
+def test_cuda_kernels_at_t5_base_shapes(shape, by):
     """t5-base's encoder and decoder self-attention in bf16: the CUDA kernels against the fp32 torch path on the same
-    bf16 inputs, within bf16 rounding of each output's scale."""
+    bf16 inputs, within bf16 rounding of each output's scale; the bias by position and by distance (T5's)."""
     *dims, causal = shape
     q, k, v, bias = inputs(*dims, dtype=torch.bfloat16, device="cuda")
+    if by == "distance":
+        bias = torch.randn(dims[3], dims[1] + dims[2] - 1, device="cuda")
     do = torch.randn(q.shape, device="cuda").to(torch.bfloat16)
     o, lse = ba._triton_forward(q, k, v, bias, 1.0, causal)
     ro, rlse = ba._forward_reference(q.float(), k.float(), v.float(), bias, 1.0, causal)

@@ -2,6 +2,10 @@
 
     o = softmax(scale * q k^T + bias[h] (+ causal mask)) v,    q, k, v (B, T, H, D),  bias (H, Tq, Tk) fp32
 
+or a bias by distance, (H, Tq + Tk - 1), that depends only on key position - query position (T5's): the kernels read
+it along its diagonals (a row stride of -1), a few KiB a head instead of Tq x Tk values, and its gradient is the
+position gradient's diagonals summed (`diagonal_sums`, no atomics).
+
 PyTorch's scaled_dot_product_attention takes such a bias only as a dense additive mask, and only its memory-efficient
 kernel differentiates one: it writes the bias gradient for every row of the batch (B x H x Tq x Tk) and autograd then
 sums the rows. The op here keeps the bias per head and sums its gradient over the batch inside the kernel:
@@ -23,6 +27,7 @@ GPU (`model.attention=auto` or `triton`); docs/performance.md has its times agai
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 try:  # Triton ships with CUDA builds of torch; the CPU build has none
     import triton
@@ -60,9 +65,9 @@ if triton is not None:
         return p
 
     @triton.jit
-    def _biased_attn_fwd(Q, K, V, BIAS, O, LSE, sqb, sqt, skb, skt, sob, sot, H, Tq, Tk, scale: tl.constexpr,
-                    D, CAUSAL: tl.constexpr, DP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                    EVEN: tl.constexpr):
+    def _biased_attn_fwd(Q, K, V, BIAS, sbh, sbr, boff, O, LSE, sqb, sqt, skb, skt, sob, sot, H, Tq, Tk,
+                         scale: tl.constexpr, D, CAUSAL: tl.constexpr, DP: tl.constexpr,
+                         BM: tl.constexpr, BN: tl.constexpr, EVEN: tl.constexpr):
         pid_m, bh = tl.program_id(0), tl.program_id(1)
         b, h = bh // H, bh % H
         rows = pid_m * BM + tl.arange(0, BM)
@@ -73,7 +78,7 @@ if triton is not None:
         l_sum = tl.zeros([BM], tl.float32)
         acc = tl.zeros([BM, DP], tl.float32)
         end = tl.minimum(Tk, (pid_m + 1) * BM) if CAUSAL else Tk
-        bias_rows = BIAS + h.to(tl.int64) * Tq * Tk + rows[:, None] * Tk
+        bias_rows = BIAS + h.to(tl.int64) * sbh + boff + rows[:, None] * sbr
         kbase = K + b.to(tl.int64) * skb + h * D
         vbase = V + b.to(tl.int64) * skb + h * D
         for start in range(0, end, BN):
@@ -99,9 +104,9 @@ if triton is not None:
         _st(LSE + bh.to(tl.int64) * Tq + rows, m + tl.log2(l_sum), rows < Tq, EVEN)
 
     @triton.jit
-    def _biased_attn_dkdv(Q, K, V, BIAS, DO, LSE, DELTA, DK, DV, sqb, sqt, skb, skt, H, Tq, Tk, scale: tl.constexpr,
-                     D, CAUSAL: tl.constexpr, DP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                     EVEN: tl.constexpr):
+    def _biased_attn_dkdv(Q, K, V, BIAS, sbh, sbr, boff, DO, LSE, DELTA, DK, DV, sqb, sqt, skb, skt, H, Tq, Tk,
+                          scale: tl.constexpr, D, CAUSAL: tl.constexpr, DP: tl.constexpr,
+                          BM: tl.constexpr, BN: tl.constexpr, EVEN: tl.constexpr):
         pid_n, bh = tl.program_id(0), tl.program_id(1)
         b, h = bh // H, bh % H
         cols = pid_n * BN + tl.arange(0, BN)
@@ -113,7 +118,7 @@ if triton is not None:
         dk = tl.zeros([BN, DP], tl.float32)
         dv = tl.zeros([BN, DP], tl.float32)
         qbase = b.to(tl.int64) * sqb + h * D
-        bias_base = BIAS + h.to(tl.int64) * Tq * Tk
+        bias_base = BIAS + h.to(tl.int64) * sbh + boff
         first = (pid_n * BN // BM) * BM if CAUSAL else 0   # earlier queries see none of these keys
         for start in range(first, Tq, BM):
             rows = start + tl.arange(0, BM)
@@ -123,7 +128,7 @@ if triton is not None:
             do = _ld(DO + qbase + rows[:, None] * sqt + dims[None, :], qmask, EVEN)
             lse = _ld(LSE + bh.to(tl.int64) * Tq + rows, rmask, EVEN)
             delta = _ld(DELTA + bh.to(tl.int64) * Tq + rows, rmask, EVEN)
-            bias = _ld(bias_base + rows[:, None] * Tk + cols[None, :], rmask[:, None] & (cols[None, :] < Tk), EVEN)
+            bias = _ld(bias_base + rows[:, None] * sbr + cols[None, :], rmask[:, None] & (cols[None, :] < Tk), EVEN)
             p = _probabilities(q, k, bias, lse, rows, cols, Tq, Tk, scale, CAUSAL, EVEN)
             dv += tl.dot(tl.trans(p.to(do.dtype)), do)
             dp = tl.dot(do, tl.trans(v))
@@ -133,8 +138,9 @@ if triton is not None:
         _st(DV + kv, dv.to(DV.dtype.element_ty), kvmask, EVEN)
 
     @triton.jit
-    def _biased_attn_dq(Q, K, V, BIAS, DO, LSE, DELTA, DQ, sqb, sqt, skb, skt, H, Tq, Tk, scale: tl.constexpr,
-                   D, CAUSAL: tl.constexpr, DP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, EVEN: tl.constexpr):
+    def _biased_attn_dq(Q, K, V, BIAS, sbh, sbr, boff, DO, LSE, DELTA, DQ, sqb, sqt, skb, skt, H, Tq, Tk,
+                        scale: tl.constexpr, D, CAUSAL: tl.constexpr, DP: tl.constexpr,
+                        BM: tl.constexpr, BN: tl.constexpr, EVEN: tl.constexpr):
         pid_m, bh = tl.program_id(0), tl.program_id(1)
         b, h = bh // H, bh % H
         rows = pid_m * BM + tl.arange(0, BM)
@@ -146,7 +152,7 @@ if triton is not None:
         do = _ld(DO + qrows, qmask, EVEN)
         lse = _ld(LSE + bh.to(tl.int64) * Tq + rows, rmask, EVEN)
         delta = _ld(DELTA + bh.to(tl.int64) * Tq + rows, rmask, EVEN)
-        bias_rows = BIAS + h.to(tl.int64) * Tq * Tk + rows[:, None] * Tk
+        bias_rows = BIAS + h.to(tl.int64) * sbh + boff + rows[:, None] * sbr
         dq = tl.zeros([BM, DP], tl.float32)
         end = tl.minimum(Tk, (pid_m + 1) * BM) if CAUSAL else Tk   # later keys are masked for all these rows
         for start in range(0, end, BN):
@@ -162,9 +168,9 @@ if triton is not None:
         _st(DQ + qrows, (dq * scale).to(DQ.dtype.element_ty), qmask, EVEN)
 
     @triton.jit
-    def _biased_attn_dbias(Q, K, V, BIAS, DO, LSE, DELTA, DB, sqb, sqt, skb, skt, B, H, Tq, Tk, scale: tl.constexpr,
-                      D, CAUSAL: tl.constexpr, DP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                      EVEN: tl.constexpr):
+    def _biased_attn_dbias(Q, K, V, BIAS, sbh, sbr, boff, DO, LSE, DELTA, DB, sqb, sqt, skb, skt, B, H, Tq, Tk,
+                           scale: tl.constexpr, D, CAUSAL: tl.constexpr, DP: tl.constexpr,
+                           BM: tl.constexpr, BN: tl.constexpr, EVEN: tl.constexpr):
         """One tile of the bias gradient, summed over the batch in registers: dbias = sum_b ds_b."""
         pid_m, pid_n, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rows = pid_m * BM + tl.arange(0, BM)
@@ -175,7 +181,7 @@ if triton is not None:
         db_tile = DB + h.to(tl.int64) * Tq * Tk + rows[:, None] * Tk + cols[None, :]
         acc = tl.zeros([BM, BN], tl.float32)
         if (not CAUSAL) or pid_n * BN <= pid_m * BM + BM - 1:   # causal: a tile above the diagonal stays zero
-            bias = _ld(BIAS + h.to(tl.int64) * Tq * Tk + rows[:, None] * Tk + cols[None, :], tile, EVEN)
+            bias = _ld(BIAS + h.to(tl.int64) * sbh + boff + rows[:, None] * sbr + cols[None, :], tile, EVEN)
             qmask = rmask[:, None] & (dims[None, :] < D)
             kvmask = (cols[:, None] < Tk) & (dims[None, :] < D)
             for b in range(0, B):
@@ -198,6 +204,36 @@ def _use_triton(x: torch.Tensor) -> bool:
     return triton is not None and x.is_cuda
 
 
+def diagonals(rel: torch.Tensor, q_len: int, k_len: int) -> torch.Tensor:
+    """(H, q_len, k_len) from rel (H, q_len + k_len - 1): out[h, i, j] = rel[h, j - i + q_len - 1], a bias that
+    depends only on key position - query position (queries are the last q_len of k_len positions), contiguous."""
+    return rel.unfold(1, k_len, 1).flip(1).contiguous()   # [h, a, j] = rel[h, a + j]; a: query q_len - 1 - a
+
+
+def diagonal_sums(grad: torch.Tensor, q_len: int, k_len: int) -> torch.Tensor:
+    """The gradient of `diagonals` (H, q_len + k_len - 1): grad's diagonals summed as columns, no atomics. The
+    gradient, rows reversed and padded by q_len zero columns, read row-major with one element fewer per row, has
+    diagonal m of the original in column m."""
+    n = q_len + k_len - 1
+    padded = F.pad(grad.flip(1), (0, q_len))                       # (H, q_len, n + 1), zeros right
+    return padded.flatten(1)[:, :q_len * n].view(-1, q_len, n).sum(1)
+
+
+def _relative(bias: torch.Tensor) -> bool:
+    """A bias by distance (H, Tq + Tk - 1), not by position (H, Tq, Tk)."""
+    return bias.dim() == 2
+
+
+def _dense(bias: torch.Tensor, Tq: int, Tk: int) -> torch.Tensor:
+    return diagonals(bias, Tq, Tk) if _relative(bias) else bias
+
+
+def _bias_layout(bias: torch.Tensor, Tq: int, Tk: int) -> tuple[int, int, int]:
+    """(head stride, row stride, offset) at which the kernels read bias[h, row, col] (col stride 1): by position,
+    row-major; by distance, rel[h, col - row + Tq - 1] (a row stride of -1)."""
+    return (bias.size(1), -1, Tq - 1) if _relative(bias) else (Tq * Tk, Tk, 0)
+
+
 def _logits(q, k, bias, scale, causal):
     """(B, H, Tq, Tk) fp32 logits of the reference path."""
     s = torch.einsum("bqhd,bkhd->bhqk", q.float(), k.float()) * scale + bias.float()
@@ -208,14 +244,15 @@ def _logits(q, k, bias, scale, causal):
 
 
 def _forward_reference(q, k, v, bias, scale, causal):
-    s = _logits(q, k, bias, scale, causal)
+    s = _logits(q, k, _dense(bias, q.size(1), k.size(1)), scale, causal)
     lse = torch.logsumexp(s, dim=-1)                                           # (B, H, Tq)
     o = torch.einsum("bhqk,bkhd->bqhd", torch.exp(s - lse[..., None]), v.float())
     return o.to(q.dtype), lse * LOG2E
 
 
 def _backward_reference(do, q, k, v, bias, o, lse, scale, causal):
-    p = torch.exp(_logits(q, k, bias, scale, causal) - lse[..., None] / LOG2E)
+    Tq, Tk = q.size(1), k.size(1)
+    p = torch.exp(_logits(q, k, _dense(bias, Tq, Tk), scale, causal) - lse[..., None] / LOG2E)
     dof = do.float()
     delta = (dof * o.float()).sum(-1).transpose(1, 2)                          # (B, H, Tq)
     dv = torch.einsum("bhqk,bqhd->bkhd", p, dof)
@@ -223,7 +260,9 @@ def _backward_reference(do, q, k, v, bias, o, lse, scale, causal):
     ds = p * (dp - delta[..., None])
     dq = torch.einsum("bhqk,bkhd->bqhd", ds, k.float()) * scale
     dk = torch.einsum("bhqk,bqhd->bkhd", ds, q.float()) * scale
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), ds.sum(0).to(bias.dtype)
+    dbias = ds.sum(0)
+    return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype),
+            (diagonal_sums(dbias, Tq, Tk) if _relative(bias) else dbias).to(bias.dtype))
 
 
 # (BM query rows, BN keys, warps, pipeline stages) of each kernel. Heads up to 64 wide: each kernel's fastest, within
@@ -248,8 +287,9 @@ def _triton_forward(q, k, v, bias, scale, causal, blocks=None):
     o = torch.empty_like(q)
     lse = torch.empty(B, H, Tq, dtype=torch.float32, device=q.device)
     grid = (triton.cdiv(Tq, BM), B * H)
-    _wrap(_biased_attn_fwd)[grid](q, k, v, bias, o, lse, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-                                  o.stride(0), o.stride(1), H, Tq, k.size(1), scale, D, CAUSAL=causal, **launch)
+    _wrap(_biased_attn_fwd)[grid](q, k, v, bias, *_bias_layout(bias, Tq, k.size(1)), o, lse, q.stride(0), q.stride(1),
+                                  k.stride(0), k.stride(1), o.stride(0), o.stride(1), H, Tq, k.size(1), scale, D,
+                                  CAUSAL=causal, **launch)
     return o, lse
 
 
@@ -259,7 +299,7 @@ def _triton_backward(do, q, k, v, bias, o, lse, scale, causal, blocks=None, bias
     do = do.contiguous()    # the kernels read it with q's strides
     delta = (do.float() * o.float()).sum(-1).transpose(1, 2).contiguous()     # (B, H, Tq)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    args = (q, k, v, bias, do, lse, delta)
+    args = (q, k, v, bias, *_bias_layout(bias, Tq, Tk), do, lse, delta)
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1))
     (_, BN), launch = _config("dkdv", Tq, Tk, D, blocks)
     _wrap(_biased_attn_dkdv)[(triton.cdiv(Tk, BN), B * H)](*args, dk, dv, *strides, H, Tq, Tk, scale, D, CAUSAL=causal,
@@ -273,7 +313,7 @@ def _triton_backward(do, q, k, v, bias, o, lse, scale, causal, blocks=None, bias
         (BM, BN), launch = _config("dbias", Tq, Tk, D, blocks)
         grid = (triton.cdiv(Tq, BM), triton.cdiv(Tk, BN), H)
         _wrap(_biased_attn_dbias)[grid](*args, dbias, *strides, B, H, Tq, Tk, scale, D, CAUSAL=causal, **launch)
-        dbias = dbias.to(bias.dtype)
+        dbias = (diagonal_sums(dbias, Tq, Tk) if _relative(bias) else dbias).to(bias.dtype)
     return dq, dk, dv, dbias
 
 
@@ -287,8 +327,9 @@ def _check(q, k, v, bias, causal):
     if k.shape != v.shape or k.shape[0] != B or k.shape[2:] != (H, D):
         raise ValueError(f"biased_attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} are not "
                          "(B, T, H, D) of one batch, heads and width")
-    if bias.shape != (H, Tq, k.size(1)):
-        raise ValueError(f"biased_attention: bias {tuple(bias.shape)} is not (heads, Tq, Tk) = {(H, Tq, k.size(1))}")
+    if bias.shape not in ((H, Tq, k.size(1)), (H, Tq + k.size(1) - 1)):
+        raise ValueError(f"biased_attention: bias {tuple(bias.shape)} is neither (heads, Tq, Tk) = "
+                         f"{(H, Tq, k.size(1))} nor (heads, Tq + Tk - 1) = {(H, Tq + k.size(1) - 1)}")
     if causal and Tq != k.size(1):
         raise ValueError("biased_attention: causal attention needs as many queries as keys")
 
@@ -371,9 +412,10 @@ def _backward(ctx, do, _lse):
 
 def biased_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float = 1.0,
                      causal: bool = False) -> torch.Tensor:
-    """softmax(scale * q k^T + bias (+ causal mask)) v for q (B, Tq, H, D), k, v (B, Tk, H, D) and a bias (H, Tq, Tk)
-    shared by the batch (its gradient summed over it) -> (B, Tq, H, D). Contiguous q, k, v and an fp32 bias avoid
-    copies."""
+    """softmax(scale * q k^T + bias (+ causal mask)) v for q (B, Tq, H, D), k, v (B, Tk, H, D) and a bias shared by
+    the batch (its gradient summed over it) -> (B, Tq, H, D). The bias is by position, (H, Tq, Tk), or by distance,
+    (H, Tq + Tk - 1): rel[h, key - query + Tk - 1] with the queries the last Tq of Tk positions (`diagonals`; T5's),
+    which the kernels read along its diagonals, a few KiB a head. Contiguous q, k, v and an fp32 bias avoid copies."""
     _check(q, k, v, bias, causal)
     return ops()[0](q.contiguous(), k.contiguous(), v.contiguous(), bias.contiguous(), float(scale), bool(causal))[0]
 

@@ -78,12 +78,14 @@ def forward(cfg, counts, micro: int, mode: str, w: Widths, kern: Kernels) -> For
     cross_mode = cross.bytes(mode) if mode != "full" else 0
     blocks = B * (m.n_layer * T * enc.bytes(mode) + n_dec * (dec * dec_b.bytes(mode) + T * cross_mode))
     recompute = B * max(T * enc.none, dec * dec_b.none + T * cross.none)
-    if mode == "none" and kern.attention == "triton":   # every layer keeps the stacks' one fp32 bias
-        bias = 4 * m.n_head * (T * T + dec * dec)
+    # each stack's fp32 bias: by distance on the Triton kernels (2T - 1 a head), else by position (T x T)
+    stacks = 4 * m.n_head * ((2 * T + 2 * dec - 2) if kern.attention == "triton" else (T * T + dec * dec))
+    if mode == "none" and kern.attention == "triton":   # every layer keeps its stack's one bias
+        bias = stacks
     elif mode == "none":   # each layer's copy of the position bias in q's dtype (on a GPU)
         bias = w.a * m.n_head * (T * T * m.n_layer + dec * dec * n_dec) if w.cuda else 0
-    else:                # the blocks' inputs: each stack's fp32 bias, and the encoder output
-        bias = 4 * m.n_head * (T * T + dec * dec) + (B * T * 4 * d if w.a != 4 else 0)
+    else:                # the blocks' inputs: each stack's bias, and the encoder output
+        bias = stacks + (B * T * 4 * d if w.a != 4 else 0)
     # ids of both stacks, the targets; the bucket of each distance (2T - 1 a stack); the encoder's final norm and, in
     # fp32, its output (the memory every decoder block reads); the decoder's final norm
     other = (B * (T + 2 * dec) * 8 + 8 * (2 * T + 2 * dec - 2)

@@ -36,7 +36,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from trainbox.data.spans import span_corruption_dataset, span_lengths
-from trainbox.kernels.biased_attention import biased_attention
+from trainbox.kernels.biased_attention import biased_attention, diagonal_sums, diagonals
 from trainbox.kernels.biased_attention import ops as biased_attention_ops
 from trainbox.kernels.choice import KernelChoice, choose
 from trainbox.model.layers import KVCache, Output, RMSNorm, cross_entropy, gelu_tanh
@@ -62,25 +62,20 @@ def relative_position_bucket(relative_position: torch.Tensor, bidirectional: boo
 
 
 class _Diagonals(torch.autograd.Function):
-    """(H, q_len, k_len) from rel (H, q_len + k_len - 1): out[h, i, j] = rel[h, j - i + q_len - 1], a matrix constant
-    along its diagonals (T5's bias depends only on key position - query position). Autograd's own backward of the
+    """The position bias (H, q_len, k_len) laid along the diagonals of rel (H, q_len + k_len - 1), T5's bias depending
+    only on key position - query position (kernels/biased_attention.py `diagonals`). Autograd's own backward of the
     gather adds each of the q_len x k_len gradients into its diagonal with an atomic add: thousands of them on each
-    of a few hundred addresses, 2 ms a micro-batch for t5-base on an H200. This backward sums the diagonals as
-    columns: the gradient, rows reversed and padded by q_len zero columns, read row-major with one element fewer per
-    row, has diagonal m of the original in column m (a dense reduction, no atomics)."""
+    of a few hundred addresses, 2 ms a micro-batch for t5-base on an H200; this one sums the diagonals as columns
+    (`diagonal_sums`, no atomics)."""
 
     @staticmethod
     def forward(ctx, rel: torch.Tensor, q_len: int, k_len: int) -> torch.Tensor:
         ctx.q_len, ctx.k_len = q_len, k_len
-        return rel.unfold(1, k_len, 1).flip(1).contiguous()   # [h, a, j] = rel[h, a + j]; a: query q_len - 1 - a
+        return diagonals(rel, q_len, k_len)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        q_len, k_len = ctx.q_len, ctx.k_len
-        n = q_len + k_len - 1
-        padded = F.pad(grad.flip(1), (0, q_len))                       # (H, q_len, n + 1), zeros right
-        skewed = padded.flatten(1)[:, :q_len * n].view(-1, q_len, n)    # [h, a, c] = grad'[h, a, c - a] or 0
-        return skewed.sum(1), None, None
+        return diagonal_sums(grad, ctx.q_len, ctx.k_len), None, None
 
 
 class Attention(nn.Module):
@@ -100,14 +95,17 @@ class Attention(nn.Module):
         if relative_bias:
             self.relative_attention_bias = nn.Embedding(self.num_buckets, self.n_head)
 
+    def relative_bias(self, q_len: int, k_len: int, device) -> torch.Tensor:
+        """(H, q_len + k_len - 1): the bias of each distance key - query, most negative first, where the queries are
+        the last q_len of k_len positions (what the Triton kernels take)."""
+        distance = torch.arange(1 - k_len, q_len, device=device)
+        buckets = relative_position_bucket(distance, self.bidirectional, self.num_buckets, self.max_distance)
+        return self.relative_attention_bias(buckets).t()
+
     def position_bias(self, q_len: int, k_len: int, device) -> torch.Tensor:
         """(1, H, q_len, k_len) additive bias, contiguous (SDPA's fused kernel takes a mask only with unit stride in
-        its last dimension, and the Triton kernel reads it by rows); queries are the last q_len of k_len positions.
-        Each of the q_len + k_len - 1 distances key - query is looked up once, then laid along its diagonal."""
-        distance = torch.arange(1 - k_len, q_len, device=device)   # key - query, most negative first
-        buckets = relative_position_bucket(distance, self.bidirectional, self.num_buckets, self.max_distance)
-        rel = self.relative_attention_bias(buckets).t()             # (H, q_len + k_len - 1)
-        return _Diagonals.apply(rel, q_len, k_len).unsqueeze(0)
+        its last dimension): each distance looked up once, then laid along its diagonal."""
+        return _Diagonals.apply(self.relative_bias(q_len, k_len, device), q_len, k_len).unsqueeze(0)
 
     def fused(self, cache: KVCache | None, kv: torch.Tensor | None) -> bool:
         """Whether this call runs the Triton kernel (it takes the bias and its own causal mask): self-attention
@@ -119,9 +117,9 @@ class Attention(nn.Module):
         """With a cache (decoding): self-attention appends the new keys/values at `pos`; cross-attention
         projects the encoder output once (at pos 0) and reuses it."""
         B, T, _ = x.shape
-        if self.fused(cache, kv):   # bias (1, H, T, T) fp32 without the causal mask, which the kernel applies
+        if self.fused(cache, kv):   # bias (H, 2T - 1) by distance, fp32; the kernel applies the causal mask
             shape = (B, T, self.n_head, self.d_kv)
-            y = biased_attention(self.q(x).view(shape), self.k(x).view(shape), self.v(x).view(shape), bias[0],
+            y = biased_attention(self.q(x).view(shape), self.k(x).view(shape), self.v(x).view(shape), bias,
                                  1.0, self.causal)                                          # (B, T, H, D)
             return self.o(y.reshape(B, T, self.n_head * self.d_kv))
         src = x if kv is None else kv
@@ -225,10 +223,12 @@ class Stack(nn.Module):
         T = ids.size(1)
         x = self.dropout(self.embed_tokens(ids))
         attention = self.block[0].layer[0].SelfAttention
-        bias = attention.position_bias(T, pos + T, ids.device)  # (1, H, T, pos + T)
-        if self.is_decoder and not attention.fused(caches[0][0] if caches else None, None):
-            causal = torch.full((T, pos + T), float("-inf"), device=ids.device).triu(pos + 1)
-            bias = bias + causal
+        if attention.fused(caches[0][0] if caches else None, None):
+            bias = attention.relative_bias(T, T, ids.device)        # (H, 2T - 1): the kernels read its diagonals
+        else:
+            bias = attention.position_bias(T, pos + T, ids.device)  # (1, H, T, pos + T)
+            if self.is_decoder:
+                bias = bias + torch.full((T, pos + T), float("-inf"), device=ids.device).triu(pos + 1)
         for i, block in enumerate(self.block):
             x = block(x, bias, memory, caches[i] if caches else None, pos)
         return self.dropout(self.final_layer_norm(x))
