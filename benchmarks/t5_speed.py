@@ -71,12 +71,10 @@ def timed_loop(step_fn, batches: list[dict], warmup: int, device: torch.device) 
 
 
 def make_step(model, forward, cfg, hf: bool, device: torch.device, graphs: bool = False):
-    """`graphs`: `forward` replays CUDA graphs (as train.cuda_graphs): gradients allocated once and zeroed."""
+    """`graphs`: `forward` replays CUDA graphs (as train.cuda_graphs). One micro-batch a step, so the optimizer
+    reads the backward graph's gradients before the next replay overwrites them, and they are freed after it."""
     params = [(n, p) for n, p in model.named_parameters()]
     opt = make_adamw(adamw_groups(params, cfg.optim.weight_decay, cfg.optim.lr), cfg.optim, device)
-    if graphs:
-        for _, p in params:
-            p.grad = torch.zeros_like(p)
 
     def step(x, y):
         if graphs:
@@ -86,7 +84,7 @@ def make_step(model, forward, cfg, hf: bool, device: torch.device, graphs: bool 
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
         opt.step()
-        opt.zero_grad(set_to_none=not graphs)
+        opt.zero_grad(set_to_none=True)
         return loss.detach().clone()
     return step
 

@@ -7,9 +7,11 @@ import torch
 from nodes import losses
 
 from trainbox.config import load_config
+from trainbox.config.layout import RunLayout
 from trainbox.errors import ConfigError
 from trainbox.model.load import load_for_inference
 from trainbox.train.loop import train
+from trainbox.train.preflight import graphs_resolved, preflight
 
 
 def test_refused_on_a_cpu_with_what_to_do(tiny):
@@ -33,20 +35,45 @@ def _logged(run_dir) -> dict[int, float]:
     return {step: loss for step, (loss, _) in losses(run_dir).items()}
 
 
+def test_auto_is_on_only_where_graphs_run(tiny):
+    """train.cuda_graphs=auto: on for a compiled next-token run in one process on a CUDA GPU, off otherwise (the
+    layout says where the run is; train.compile is resolved for the device before)."""
+    cfg = load_config(None, [*tiny, "train.compile=true", "train.cuda_graphs=auto"])
+
+    def on(cfg, device="cuda", world=1) -> bool:
+        layout = RunLayout(world=world, device=device, strategy="ddp", expert_parallel=1, micro_batch=4,
+                           accumulation=2, global_batch=8 * world)
+        return graphs_resolved(cfg, layout).train.cuda_graphs
+
+    assert on(cfg) is True
+    assert on(cfg, device="cpu") is False
+    assert on(cfg, world=2) is False
+    assert on(cfg.model_copy(update={"train": cfg.train.model_copy(update={"compile": False})})) is False
+    assert on(load_config(None, [*tiny, "train.compile=true", "train.cuda_graphs=auto", "train.objective=dpo"])) \
+        is False
+    assert on(load_config(None, [*tiny, "train.compile=true"])) is False   # the default stays off
+    assert preflight(load_config(None, [*tiny, "train.compile=auto", "train.cuda_graphs=auto",
+                                        "train.device=cpu"]), world=1).cfg.train.cuda_graphs is False
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("family", ["gpt", "t5"])
-def test_cuda_graphs_train_as_the_compiled_run_does(tmp_path, tiny, family):
-    """Two micro-batches a step, 8 steps, the losses read every 4 (after later replays): each step's loss, the final
-    validation loss and the trained weights equal those of the same run without graphs, within what the order of
-    the GPU's sums moves. The weights are compared as one vector: a bias that starts at zero holds only AdamW's
+@pytest.mark.parametrize("micro", [4, 8])
+def test_cuda_graphs_train_as_the_compiled_run_does(tmp_path, tiny, family, micro):
+    """Two micro-batches a step (gradients summed in kept tensors) or one (the graph's own, read before the next
+    replay; train.cuda_graphs=auto), 8 steps, the losses read every 4 (after later replays): each step's loss, the
+    final validation loss and the trained weights equal those of the same run without graphs, within what the order
+    of the GPU's sums moves. The weights are compared as one vector: a bias that starts at zero holds only AdamW's
     updates, whose sign flips where its gradient is near zero (1.2% apart on one GPU). A micro-batch's gradient lost
     each step moves every tensor by 1.2% to 98%, so the whole vector by more than the 0.1% allowed."""
     t5 = ["model.family=t5", "model.tie_embeddings=false", "model.t5.d_ff=64", "model.t5.d_kv=16"]
     args = [*tiny, *(t5 if family == "t5" else []), "train.device=cuda", "train.compile=true", "train.max_steps=8",
-            "monitor.log_every=4", "train.eval_every=0", "train.checkpoint_every=0"]
+            "monitor.log_every=4", "train.eval_every=0", "train.checkpoint_every=0", f"train.micro_batch_size={micro}"]
+    graphs_on = [*args, "run.name=graphs", f"train.cuda_graphs={'true' if micro == 4 else 'auto'}"]
+    assert preflight(load_config(None, graphs_on), world=1).cfg.train.cuda_graphs is True
     plain = train(load_config(None, [*args, "run.name=plain"]))
-    graphs = train(load_config(None, [*args, "run.name=graphs", "train.cuda_graphs=true"]))
+    graphs = train(load_config(None, graphs_on))
     a = _logged(tmp_path / "runs" / "plain")
     b = _logged(tmp_path / "runs" / "graphs")
     assert sorted(a) == sorted(b) == list(range(1, 9))

@@ -122,12 +122,12 @@ class TrainSection(Section):
     keep_last: int = Field(3, ge=1)
     compile: bool | Literal["auto"] = Field(False, description="torch.compile the model (Inductor); auto: on a "
                                                                "GPU, not on a CPU")
-    cuda_graphs: bool = Field(False, description="replay the compiled forward and backward as CUDA graphs "
-                                                 "(torch.compile's reduce-overhead mode): the host launches one "
-                                                 "graph instead of every kernel, for steps the host paces (t5-base: "
-                                                 "docs/performance.md). A CUDA GPU, train.compile, one process; "
-                                                 "gradients stay allocated between steps, and the graphs keep "
-                                                 "their activations' memory")
+    cuda_graphs: bool | Literal["auto"] = Field(False, description=(
+        "replay the compiled forward and backward as CUDA graphs (torch.compile's reduce-overhead mode): the host "
+        "launches one graph instead of every kernel, for steps the host paces (t5-base: docs/performance.md). A "
+        "CUDA GPU, train.compile, one process, the next-token objective; auto: on where all four hold. With "
+        "several micro-batches a step the gradients stay allocated between steps; the graphs keep their "
+        "activations' memory"))
     parallel: Literal["ddp", "fsdp"] = Field(
         "ddp", description="ddp: every rank holds the whole model; fsdp: parameters, gradients and optimizer "
                            "state sharded over the ranks of a node (FSDP2), replicated across nodes (HSDP); with "
@@ -169,10 +169,10 @@ class TrainSection(Section):
 
     @model_validator(mode="after")
     def _cuda_graphs(self) -> "TrainSection":
-        if self.cuda_graphs and self.compile is False:
+        if self.cuda_graphs is True and self.compile is False:
             raise ValueError("train.cuda_graphs replays torch.compile's graphs: set train.compile=true (or auto), or "
                              "drop train.cuda_graphs")
-        if self.cuda_graphs and self.objective != "next_token":
+        if self.cuda_graphs is True and self.objective != "next_token":
             raise ValueError(f"train.cuda_graphs replays the next-token objective's step, not train.objective="
                              f"{self.objective}'s: drop train.cuda_graphs")
         return self

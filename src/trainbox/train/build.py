@@ -138,7 +138,9 @@ def build_model_side(cfg: RunConfig, layout: RunLayout, vocab: int, device: torc
     if cfg.train.compile and getattr(model, "recompute_custom_ops", False):
         parallel.forward = recomputing_custom_ops(parallel.forward)
     optimizers = build_optimizers(model, cfg.optim, device)
-    if cfg.train.cuda_graphs:   # else the first backward's gradients would be the graph's own, reused, buffers
+    if cfg.train.cuda_graphs and layout.accumulation > 1:
+        # micro-batches accumulate into these: else the first backward's gradients would be the graph's own
+        # buffers, which the next micro-batch's replay overwrites (with one, the optimizer reads them before it)
         for p in model.parameters():
             if p.requires_grad:
                 p.grad = torch.zeros_like(p)

@@ -309,6 +309,7 @@ class Trainer(RunFiles, Checkpointing, Evaluations, Reporting):
         loss_sum = torch.zeros((), device=self.device)
         stats = None
         graphs = cfg.train.cuda_graphs
+        kept = graphs and self.layout.accumulation > 1   # the micro-batches' gradients summed in tensors kept (build)
         for k, b in enumerate(batches):
             if graphs:   # a new replay: the previous micro-batch's graph outputs may be overwritten (read above)
                 torch.compiler.cudagraph_mark_step_begin()
@@ -325,7 +326,7 @@ class Trainer(RunFiles, Checkpointing, Evaluations, Reporting):
             opt.step()
         self.parallel.after_step()
         for opt in self.optimizers:
-            opt.zero_grad(set_to_none=not graphs)   # CUDA graphs: gradients accumulate into the same tensors
+            opt.zero_grad(set_to_none=not kept)
         model_stats = part.model_stats
         if graphs and model_stats:   # read at the next log line, after later replays overwrote the graphs' outputs
             model_stats = {k: v.clone() if torch.is_tensor(v) else v for k, v in model_stats.items()}

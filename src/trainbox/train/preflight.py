@@ -48,10 +48,20 @@ def preflight(cfg: RunConfig, world: int, local_rank: int = 0, adapt_micro_batch
     check_packing(resolved)
     device, dtype, resolved = resolve_device(resolved, local_rank)
     layout = decide_layout(resolved, world, device.type, adapt_micro_batch)
-    resolved = layout.applied(resolved)
+    resolved = graphs_resolved(layout.applied(resolved), layout)
     if resolved.model.vocab_size is not None:   # else the model's vocabulary is the tokenizer's
         check_vocab_size(resolved.model, build_tokenizer(resolved))
     check_eval_tasks(resolved)
     if serves_monitor and resolved.monitor.enabled:
         check_host(resolved.monitor)
     return Preflight(resolved, layout, device, dtype)
+
+
+def graphs_resolved(cfg: RunConfig, layout: RunLayout) -> RunConfig:
+    """`cfg` with train.cuda_graphs=auto made true or false for `layout`: on where they can run, a compiled
+    next-token run in one process on a CUDA GPU (train.compile already resolved for the device)."""
+    t = cfg.train
+    if t.cuda_graphs != "auto":
+        return cfg
+    on = layout.device == "cuda" and layout.world == 1 and t.compile is True and t.objective == "next_token"
+    return cfg.model_copy(update={"train": t.model_copy(update={"cuda_graphs": on})})
