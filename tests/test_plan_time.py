@@ -27,6 +27,7 @@ MOE_128 = ["model.moe.num_experts=128", "model.moe.top_k=2", "model.moe.capacity
            "model.moe.lb_loss_weight=0.05"]
 
 T5_BATCH = ["train.micro_batch_size=32", "train.global_batch_size=32"]   # benchmarks/t5_speed.py's step
+T5_MB32 = ["train.micro_batch_size=32"]   # the t5-base recipe's micro-batch when these records were made
 
 # (record, extra overrides, processes, the metric that holds the step time: a path into `metrics`; *_ms and *_s
 # are times, tokens_per_s a rate of the record's tokens per step)
@@ -44,6 +45,7 @@ STEPS = [
     ("2026-11-29-h200-t5-base-speed.json", T5_BATCH, 1, "results.0.tokens_per_s"),
     ("2026-11-29-h200-t5-base-speed-cuda-graphs.json", T5_BATCH, 1, "results.0.tokens_per_s"),
     ("2026-11-29-h200-t5-base-speed-cuda-graphs-vs-transformers.json", T5_BATCH, 1, "results.0.tokens_per_s"),
+    ("2026-11-29-h200-t5-base-speed-cuda-graphs-vs-transformers-2.json", T5_BATCH, 1, "results.0.tokens_per_s"),
     ("2026-11-27-h100-gpt2-125m-train-speed.json", [], 1, "median_step_ms"),
     ("2026-11-27-h100-gpt2-125m-step-time-vs-70ca097.json", [], 1, "median_step_ms"),
     ("2026-11-27-h100-gpt2-125m-flash-step-time-vs-70ca097.json", [], 1, "median_step_ms"),
@@ -116,12 +118,16 @@ STEPS = [
     ("2026-11-29-h200-gpt2-125m-1gpu-80g.json", [], 1, "median_step_ms"),
     ("2026-11-29-h200-moe-gpt2-125m-1gpu-80g.json", [], 1, "median_step_ms"),
     ("2026-11-29-h200-moe-gpt2-125m-1gpu-80g-mb96.json", [], 1, "median_step_ms"),
-    ("2026-11-28-h200-t5-base-profile.json", ["model.attention=sdpa"], 1, "step_ms"),
-    ("2026-11-29-h200-t5-base-profile.json", [], 1, "step_ms"),
-    ("2026-11-29-h200-t5-base-sdpa-profile.json", [], 1, "step_ms"),
-    ("2026-11-29-h200-t5-base-cuda-graphs-profile.json", [], 1, "step_ms"),
-    ("2026-11-29-h200-t5-base-cuda-graphs-profile-2.json", [], 1, "step_ms"),
-    ("2026-11-29-h200-t5-base-cuda-graphs-profile-by-distance.json", [], 1, "step_ms"),
+    ("2026-11-28-h200-t5-base-profile.json", [*T5_MB32, "model.attention=sdpa"], 1, "step_ms"),
+    ("2026-11-29-h200-t5-base-profile.json", T5_MB32, 1, "step_ms"),
+    ("2026-11-29-h200-t5-base-sdpa-profile.json", T5_MB32, 1, "step_ms"),
+    ("2026-11-29-h200-t5-base-cuda-graphs-profile.json", T5_MB32, 1, "step_ms"),
+    ("2026-11-29-h200-t5-base-cuda-graphs-profile-2.json", T5_MB32, 1, "step_ms"),
+    ("2026-11-29-h200-t5-base-cuda-graphs-profile-by-distance.json", T5_MB32, 1, "step_ms"),
+    ("2026-11-29-h200-t5-base-cuda-graphs-auto-profile.json", [], 1, "step_ms"),
+    ("2026-11-29-h200-t5-base-cuda-graphs-mb64-profile.json", [], 1, "step_ms"),
+    ("2026-11-29-h200-t5-base-cuda-graphs-mb128-profile.json", [], 1, "step_ms"),
+    ("2026-11-29-h200-t5-small-cuda-graphs-profile.json", [], 1, "step_ms"),
     ("2026-11-28-2xh200-moe-gpt2-125m-128x-ep2-bf16-mb48-selective-h100mem.json", [], 2, "median_step_ms"),
     ("2026-11-28-2xh200-moe-gpt2-125m-128x-ep2-bf16-mb48-selective-h100mem.json",
      ["train.micro_batch_size=40", "train.activation_checkpointing=none"], 2, "baseline.median_step_ms"),
@@ -164,6 +170,8 @@ SKIPPED = {
                                                            "op whose host work set the step's pace",
     "2026-11-29-h200-t5-base-triton-attention-profile.json": "the Triton attention's first version, an opaque custom "
                                                              "op whose host work set the step's pace",
+    "2026-11-29-h200-t5-small-profile.json": "the host paces it without CUDA graphs: 119.1 ms a step for 54.4 ms of "
+                                             "GPU work, and the plan models the GPU's time",
     "2026-11-29-h200-t5-base-profile-2.json": "a host slower than the GPU: 245.8 ms a step for 169.8 ms of GPU work, "
                                               "where the plan models the GPU's time",
     "2026-11-26-h100-lora-0.5b-speed.json": "a Hugging Face model with LoRA (model.family=hf): no FLOP count",
