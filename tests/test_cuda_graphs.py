@@ -22,6 +22,15 @@ def test_refused_on_a_cpu_with_what_to_do(tiny):
     assert e.value.hint == "drop train.cuda_graphs"
 
 
+def test_refused_for_several_processes_before_any_starts(tiny):
+    """The launcher's pre-flight check (`trainbox train --nproc 2`) refuses it before any worker starts."""
+    cfg = load_config(None, [*tiny, "train.device=cpu", "train.compile=true", "train.cuda_graphs=true"])
+    with pytest.raises(ConfigError) as e:
+        preflight(cfg, world=2)
+    assert "train.cuda_graphs runs in one process; this run has 2" in str(e.value)
+    assert e.value.hint == "drop train.cuda_graphs, or train on one GPU"
+
+
 @pytest.mark.parametrize("setting, message", [
     ("train.compile=false", "train.cuda_graphs replays torch.compile's graphs: set train.compile=true"),
     ("train.objective=dpo", "train.cuda_graphs replays the next-token objective's step, not train.objective=dpo's"),

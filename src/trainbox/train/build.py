@@ -16,7 +16,7 @@ import torch.nn as nn
 from trainbox.config import RunConfig
 from trainbox.config.layout import RunLayout
 from trainbox.data.loader import BatchOrder
-from trainbox.errors import ConfigError, DataError
+from trainbox.errors import DataError
 from trainbox.kernels import float8
 from trainbox.kernels.choice import KernelChoice, choose
 from trainbox.model.build import build_model, build_tokenizer, model_vocab_size, packs_examples
@@ -99,9 +99,6 @@ def build_model_side(cfg: RunConfig, layout: RunLayout, vocab: int, device: torc
     GPU's generator gives other, equally distributed, initial weights than the CPU's, the same on every rank.
     `reference`: keep a frozen copy of the initial model beside it (`frozen_copy`)."""
     torch.manual_seed(cfg.run.seed)
-    if cfg.train.cuda_graphs and dist.world > 1:
-        raise ConfigError(f"train.cuda_graphs runs in one process; this run has {dist.world}",
-                          hint="drop train.cuda_graphs, or train on one GPU")
     sharded = layout.sharded   # (a sharded checkpoint of a larger world resumes unsharded)
     if cfg.train.parallel == "fsdp" and not sharded:
         log.warning("train.parallel=fsdp on one process shards nothing: the model runs whole, as under ddp "

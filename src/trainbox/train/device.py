@@ -67,9 +67,6 @@ def resolve_device(cfg: RunConfig, local_rank: int = 0) -> tuple[torch.device, t
             update={"compile": cfg.train.compiled(device.type == "cuda")})})
     if cfg.train.float8:
         require_float8(device)
-    if cfg.train.cuda_graphs is True and device.type != "cuda":
-        raise ConfigError(f"train.cuda_graphs replays torch.compile's graphs on a CUDA GPU; this run is on "
-                          f"{device.type}", hint="drop train.cuda_graphs")
     if cfg.model.attention == "flash":
         require_flash(device, dtype)
     if cfg.monitor.memory_snapshot and device.type != "cuda":

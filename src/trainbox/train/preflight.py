@@ -3,12 +3,11 @@
     checked = preflight(cfg, world=2, adapt_micro_batch=True)   # or a ConfigError naming the key and the fix
 
 In order: the keys the recipe requires and the family's resolution (llama with model.path: the folder's shape), the
-objective's (dpo.disable_dropout),
-data.packing on examples for a family that cannot pack them (model/spec.py Family.check_packing),
-the device (train/device.py: train.device=cuda without a GPU, a GPU recipe on a CPU, bf16 on a CPU, FP8 without
-FP8 tensor cores, ...), the run's layout on `world` processes (config/layout.py: micro-batch, accumulation,
-strategy, expert parallelism), model.vocab_size against the tokenizer, what train.eval_tasks needs (lm-eval, a
-causal model: eval/training.py), and monitor.host where this process
+objective's (dpo.disable_dropout), data.packing on examples for a family that cannot pack them (model/spec.py
+Family.check_packing), the device (train/device.py: train.device=cuda without a GPU, a GPU recipe on a CPU, bf16 on a
+CPU, FP8 without FP8 tensor cores, ...), the run's layout on `world` processes (config/layout.py: micro-batch,
+accumulation, strategy, expert parallelism) and train.cuda_graphs on it, model.vocab_size against the tokenizer,
+what train.eval_tasks needs (lm-eval, a causal model: eval/training.py), and monitor.host where this process
 serves the monitor. `trainbox train` runs it before the run directory is touched or data downloaded (under
 --nproc N, in the launcher before any worker starts); the trainer takes its result. What needs the data or the
 device's free memory (a sample at data.seq_len, the memory plan) is checked by the trainer before the model is
@@ -22,6 +21,7 @@ import torch
 
 from trainbox.config import RunConfig
 from trainbox.config.layout import RunLayout, decide_layout
+from trainbox.errors import ConfigError
 from trainbox.eval.training import check as check_eval_tasks
 from trainbox.model.build import build_tokenizer, check_packing, check_vocab_size, resolve_model
 from trainbox.monitor.server import check_host
@@ -58,9 +58,18 @@ def preflight(cfg: RunConfig, world: int, local_rank: int = 0, adapt_micro_batch
 
 
 def graphs_resolved(cfg: RunConfig, layout: RunLayout) -> RunConfig:
-    """`cfg` with train.cuda_graphs=auto made true or false for `layout`: on where they can run, a compiled
-    next-token run in one process on a CUDA GPU (train.compile already resolved for the device)."""
+    """`cfg` with train.cuda_graphs decided for `layout`. true is refused where graphs cannot run: several
+    processes, or a device other than a CUDA GPU (the config itself refuses it without train.compile or for another
+    objective). auto is made true where they can run, a compiled next-token run in one process on a CUDA GPU
+    (train.compile already resolved for the device), and false elsewhere."""
     t = cfg.train
+    if t.cuda_graphs is True:
+        if layout.world > 1:
+            raise ConfigError(f"train.cuda_graphs runs in one process; this run has {layout.world}",
+                              hint="drop train.cuda_graphs, or train on one GPU")
+        if layout.device != "cuda":
+            raise ConfigError(f"train.cuda_graphs replays torch.compile's graphs on a CUDA GPU; this run is on "
+                              f"{layout.device}", hint="drop train.cuda_graphs")
     if t.cuda_graphs != "auto":
         return cfg
     on = layout.device == "cuda" and layout.world == 1 and t.compile is True and t.objective == "next_token"
