@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from nodes import losses
+from nodes import events, losses
 
 from trainbox.config import load_config
 from trainbox.config.layout import RunLayout
@@ -71,14 +71,15 @@ def test_auto_is_on_only_where_graphs_run(tiny):
 @pytest.mark.parametrize("micro", [4, 8])
 def test_cuda_graphs_train_as_the_compiled_run_does(tmp_path, tiny, family, micro):
     """Two micro-batches a step (gradients summed in kept tensors) or one (the graph's own, read before the next
-    replay; train.cuda_graphs=auto), 8 steps, the losses read every 4 (after later replays): each step's loss, the
-    final validation loss and the trained weights equal those of the same run without graphs, within what the order
-    of the GPU's sums moves. The weights are compared as one vector: a bias that starts at zero holds only AdamW's
-    updates, whose sign flips where its gradient is near zero (1.2% apart on one GPU). A micro-batch's gradient lost
-    each step moves every tensor by 1.2% to 98%, so the whole vector by more than the 0.1% allowed."""
+    replay; train.cuda_graphs=auto), 8 steps, the losses read every 4 (after later replays), an evaluation and a
+    checkpoint after steps 4 and 8: each step's loss, both validation losses and the trained weights equal those of
+    the same run without graphs, within what the order of the GPU's sums moves. The weights are compared as one
+    vector: a bias that starts at zero holds only AdamW's updates, whose sign flips where its gradient is near zero
+    (1.2% apart on one GPU). A micro-batch's gradient lost each step moves every tensor by 1.2% to 98%, so the whole
+    vector by more than the 0.1% allowed."""
     t5 = ["model.family=t5", "model.tie_embeddings=false", "model.t5.d_ff=64", "model.t5.d_kv=16"]
     args = [*tiny, *(t5 if family == "t5" else []), "train.device=cuda", "train.compile=true", "train.max_steps=8",
-            "monitor.log_every=4", "train.eval_every=0", "train.checkpoint_every=0", f"train.micro_batch_size={micro}"]
+            "monitor.log_every=4", "train.eval_every=4", "train.checkpoint_every=4", f"train.micro_batch_size={micro}"]
     graphs_on = [*args, "run.name=graphs", f"train.cuda_graphs={'true' if micro == 4 else 'auto'}"]
     assert preflight(load_config(None, graphs_on), world=1).cfg.train.cuda_graphs is True
     plain = train(load_config(None, [*args, "run.name=plain"]))
@@ -89,6 +90,9 @@ def test_cuda_graphs_train_as_the_compiled_run_does(tmp_path, tiny, family, micr
     for step in a:
         assert b[step] == pytest.approx(a[step], rel=1e-3), step
     assert graphs["val_loss"] == pytest.approx(plain["val_loss"], rel=1e-3)
+    evals = [{e["step"]: e["val_loss"] for e in events(tmp_path / "runs" / run, "eval")} for run in ("plain", "graphs")]
+    assert sorted(evals[1]) == sorted(evals[0]) == [4, 8]   # an evaluation between replays, then training on
+    assert evals[1] == pytest.approx(evals[0], rel=1e-3)
     want = load_for_inference(tmp_path / "runs" / "plain")[0].state_dict()
     got = load_for_inference(tmp_path / "runs" / "graphs")[0].state_dict()
     assert sorted(got) == sorted(want)
