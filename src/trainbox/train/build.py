@@ -135,13 +135,19 @@ def build_model_side(cfg: RunConfig, layout: RunLayout, vocab: int, device: torc
     if cfg.train.compile and getattr(model, "recompute_custom_ops", False):
         parallel.forward = recomputing_custom_ops(parallel.forward)
     optimizers = build_optimizers(model, cfg.optim, device)
-    if cfg.train.cuda_graphs and layout.accumulation > 1:
-        # micro-batches accumulate into these: else the first backward's gradients would be the graph's own
-        # buffers, which the next micro-batch's replay overwrites (with one, the optimizer reads them before it)
+    if keeps_gradients(cfg, layout.accumulation):
         for p in model.parameters():
             if p.requires_grad:
                 p.grad = torch.zeros_like(p)
     return RunModel(model, kernels, optimizers, parallel, frozen)
+
+
+def keeps_gradients(cfg: RunConfig, accumulation: int) -> bool:
+    """Whether the gradients stay allocated between steps (built as zeros, zeroed after each step): under
+    train.cuda_graphs with `accumulation` > 1 micro-batches a step, which accumulate into them. Else the first
+    backward's gradients would be the graph's own buffers, which the next micro-batch's replay overwrites; with one
+    micro-batch the optimizer reads them before the next replay."""
+    return bool(cfg.train.cuda_graphs) and accumulation > 1
 
 
 def frozen_copy(model: nn.Module, dtype: torch.dtype) -> nn.Module:

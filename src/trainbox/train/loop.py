@@ -49,7 +49,12 @@ from trainbox.parallel.distributed import Dist
 from trainbox.rundir.lock import RunLock, unlock_run
 from trainbox.rundir.ranks import Heartbeat
 from trainbox.train import resume
-from trainbox.train.build import build_data, build_model_side, plan_length  # noqa: F401 - plan_length: tests
+from trainbox.train.build import (  # noqa: F401 - plan_length: tests
+    build_data,
+    build_model_side,
+    keeps_gradients,
+    plan_length,
+)
 from trainbox.train.device import is_out_of_memory, out_of_memory, use_device
 from trainbox.train.evaluate import Evaluations, autocast_context
 from trainbox.train.memory import check_memory
@@ -309,7 +314,7 @@ class Trainer(RunFiles, Checkpointing, Evaluations, Reporting):
         loss_sum = torch.zeros((), device=self.device)
         stats = None
         graphs = cfg.train.cuda_graphs
-        kept = graphs and self.layout.accumulation > 1   # the micro-batches' gradients summed in tensors kept (build)
+        kept = keeps_gradients(cfg, accum)
         for k, b in enumerate(batches):
             if graphs:   # a new replay: the previous micro-batch's graph outputs may be overwritten (read above)
                 torch.compiler.cudagraph_mark_step_begin()
