@@ -344,6 +344,32 @@ def test_a_second_ctrl_c_while_the_run_starts_stops_at_once(tmp_path, cache):
     assert code == 130 and out.strip().splitlines()[-1] == "interrupted", out
 
 
+# The second Ctrl-C lands inside code run by exec() of a string, as while dataclasses or pydantic build a class
+# when the config loads: the interrupt leaves the exec'd code before the CLI catches it.
+SECOND_IN_EXEC = r"""
+import os, signal, sys
+import trainbox.cli as cli
+
+def run(argv):
+    os.kill(os.getpid(), signal.SIGINT)   # the first: a stop at the next step boundary
+    exec("import os, signal\nos.kill(os.getpid(), signal.SIGINT)\nfor _ in range(1000): pass")
+    return 0
+
+cli.run = run
+sys.argv = ["trainbox", "train"]
+raise SystemExit(cli.main())
+"""
+
+
+def test_a_second_ctrl_c_inside_exec_code_exits_130_under_python_m(tmp_path):
+    """`python -m trainbox train`: CPython ends a `-m` process by SIGINT at its exit once a KeyboardInterrupt has left
+    exec'd code, even though the CLI caught it; the second Ctrl-C raises a subclass, which CPython does not note."""
+    (tmp_path / "second_in_exec.py").write_text(SECOND_IN_EXEC)
+    p = subprocess.run([sys.executable, "-m", "second_in_exec"], cwd=tmp_path, capture_output=True, text=True,
+                       env=ENV, timeout=60)
+    assert p.returncode == 130 and p.stderr.strip().splitlines()[-1] == "interrupted", (p.returncode, p.stderr)
+
+
 def _workers_of(launcher: int) -> list[int]:
     from trainbox.cli.train import workers
     return [w for t in workers(launcher) for w in workers(t)]

@@ -5,7 +5,7 @@ worker, set a flag that the loop acts on at the next step boundary, agreed acros
 signal that arrives while the run starts is kept: before the first step the run ends with "stopped before the
 first step; nothing to save" and exit 0. Until the loop runs, a signal is only noted (the loop, or the CLI
 before it, says what it did); from the first step boundary on, each is logged as it arrives. A second SIGINT
-stops at once (KeyboardInterrupt, exit 130). The handlers are restored, and the flag cleared, when the command
+stops at once (`SecondInterrupt`, a KeyboardInterrupt: exit 130). The handlers are restored, and the flag cleared, when the command
 ends.
 
 `stop_when_gone(pid, who)` asks for a stop once another process ends: a torchrun worker watches its launcher and
@@ -23,6 +23,14 @@ from trainbox.monitor.console import log
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 BEFORE_FIRST_STEP = "stopped before the first step; nothing to save"
+
+
+class SecondInterrupt(KeyboardInterrupt):
+    """A second Ctrl-C: every `except KeyboardInterrupt` catches it, and the CLI exits 130.
+
+    A subclass, not KeyboardInterrupt itself: CPython notes a KeyboardInterrupt (that exact type) that leaves code
+    run by exec() or eval() of a string, which dataclasses and pydantic do while a config loads, and a process
+    started with `python -m` then ends by SIGINT at its exit even though the CLI caught the interrupt."""
 
 
 class StopFlag:
@@ -58,7 +66,7 @@ class StopFlag:
 
     def _handle(self, signum, frame) -> None:
         if self.signum is not None and signum == signal.SIGINT:  # a second Ctrl-C stops at once
-            raise KeyboardInterrupt
+            raise SecondInterrupt
         self.signum = signum
         if self.announce:
             log.info(f"received {signal.Signals(signum).name}: saving a checkpoint at the next step boundary")
