@@ -569,9 +569,11 @@ def test_expert_parallel_plan_names_the_largest_micro_batch_that_fits():
                         vocab, gpu("H200"), nproc=4, suggest=False)
     assert applied.fits and applied.memory.needed == f.needed and applied.accumulation == 1
     mb24 = load_config("moe-gpt2-125m", [*MOE_128, "model.moe.expert_parallel=4", "train.micro_batch_size=24"])
-    on_h100 = make_plan(mb24, vocab, gpu("H100"), nproc=4).fewer_exchanges   # 120 and 60 do not fit 80 GB; 40 does
-    assert on_h100.overrides == ("train.micro_batch_size=40",) and on_h100.needed <= gpu("H100").memory
-    assert make_plan(ep4, vocab, gpu("H100"), nproc=4).fewer_exchanges is None   # already the largest that fits
+    # 120 does not fit 80 GB; 60 does (it peaked at 62.5 GiB on 4 H100s: issue 49's table)
+    on_h100 = make_plan(mb24, vocab, gpu("H100"), nproc=4).fewer_exchanges
+    assert on_h100.overrides == ("train.micro_batch_size=60",) and on_h100.needed <= gpu("H100").memory
+    mb60 = load_config("moe-gpt2-125m", [*MOE_128, "model.moe.expert_parallel=4", *on_h100.overrides])
+    assert make_plan(mb60, vocab, gpu("H100"), nproc=4).fewer_exchanges is None   # already the largest that fits
     dense = load_config("moe-gpt2-125m", ["train.micro_batch_size=40"])
     assert make_plan(dense, run_vocab(dense), gpu("H200"), nproc=4).fewer_exchanges is None
 
@@ -695,8 +697,10 @@ def test_bf16_moments_are_offered_beside_a_plan_where_they_buy_a_faster_micro_ba
 
 def test_bf16_moments_are_offered_beside_the_fastest_suggestion_when_the_run_does_not_fit():
     """The recipe's own layout of the 128-expert MoE does not fit 2 H100s; the plan's fastest suggestion is expert
-    parallelism 2 under fsdp at micro-batch 16, and the hint is that layout with bf16 moments at its larger
-    micro-batch: its other overrides and GPU count kept, and applied, it fits in the time the hint gave."""
+    parallelism 2 under fsdp at micro-batch 20, and the hint is that layout with bf16 moments at its larger
+    micro-batch, 40 (which peaked at 71.0 GiB on 2 H200s capped at an H100's memory, 2026-11-28-2xh200-moe-gpt2-
+    125m-128x-ep2-bf16-state-mb40-h100mem.json): its other overrides and GPU count kept, and applied, it fits in
+    the time the hint gave."""
     over = ["model.moe.num_experts=128"]
     cfg = load_config("moe-gpt2-125m", over)
     vocab = run_vocab(cfg)
@@ -704,10 +708,11 @@ def test_bf16_moments_are_offered_beside_the_fastest_suggestion_when_the_run_doe
     first, hint = plan.suggestions[0], plan.smaller_state
     assert not plan.fits and first.overrides[:2] == ("train.parallel=fsdp", "model.moe.expert_parallel=2")
     assert hint.nproc == first.nproc == 2 and hint.time.step < first.time.step
+    assert first.overrides[2:] == ("train.micro_batch_size=20",)
     assert hint.overrides == ("train.parallel=fsdp", "model.moe.expert_parallel=2", "optim.state_dtype=bf16",
-                              "train.micro_batch_size=30")
+                              "train.micro_batch_size=40")
     applied = make_plan(load_config("moe-gpt2-125m", [*over, *hint.overrides]), vocab, gpu("H100"), 2)
     assert applied.fits and applied.time == hint.time and applied.memory.needed == hint.needed
     text = format_plan(plan, over)
     assert text.index("what would fit") < text.index("in the first of these layouts") < text.index(
-        "train.parallel=fsdp model.moe.expert_parallel=2 optim.state_dtype=bf16 train.micro_batch_size=30 --nproc 2")
+        "train.parallel=fsdp model.moe.expert_parallel=2 optim.state_dtype=bf16 train.micro_batch_size=40 --nproc 2")

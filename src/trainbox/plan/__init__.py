@@ -27,7 +27,9 @@ model.moe.expert_parallel):
                    reduce-scatter inputs; expert parallelism: one layer's
                    all-to-all send and receive buffers (k x tokens rows each way, at the mean routing)
     overhead       outside PyTorch's allocator: the CUDA context (CONTEXT), NCCL's buffers with several
-                   ranks (NCCL), and the caching allocator's slack (FRAGMENTATION of the peak)
+                   ranks (NCCL); and the caching allocator's slack near the GPU's limit (PRESSURE of the peak)
+    cache          the allocator's further slack while memory is ample (to FRAGMENTATION of the peak), which it
+                   gives back under pressure
     pools          under fsdp, the allocator pool of FSDP's all-gather stream, which the default stream does
                    not reuse while memory is ample: two gathered blocks and the root with the units apart in
                    bf16. The fp32 gradient shards are reduce-scattered into the compute stream's pool
@@ -36,12 +38,12 @@ model.moe.expert_parallel):
                    micro-batch a step leaves no gradients there (benchmarks/records/*-table-apart.json). Under
                    pressure the allocator frees the pools and retries
 
-`peak_allocated` (all but the overhead and the pools) is what `torch.cuda.max_memory_allocated()` reports
-during training; `needed` adds the overhead: what the run must have; `total` adds the pools: what the GPU
-holds while memory is ample (`torch.cuda.max_memory_reserved()` with the context and NCCL's buffers). The
-prediction aims at 15% of the measured peak (MARGIN): a run is said not to fit when what it needs exceeds
-the GPU's memory, and the pre-flight check refuses a run only when even needed x (1 - MARGIN) exceeds the
-free memory.
+`peak_allocated` (all but the overhead, the pools and the cache) is what `torch.cuda.max_memory_allocated()`
+reports during training; `needed` adds the overhead: what the run must have; `total` adds the pools and the
+cache: what the GPU holds while memory is ample (`torch.cuda.max_memory_reserved()` with the context and
+NCCL's buffers). The prediction aims at 15% of the measured peak (MARGIN): a run is said not to fit when
+what it needs exceeds the GPU's memory, and the pre-flight check refuses a run only when even needed x
+(1 - MARGIN) exceeds the free memory.
 """
 from __future__ import annotations
 
@@ -65,6 +67,7 @@ from trainbox.plan.memory import (
     MARGIN,
     MODES,
     NCCL,
+    PRESSURE,
     Layout,
     Memory,
     MemoryPlan,
@@ -76,9 +79,9 @@ from trainbox.plan.memory import (
 from trainbox.plan.suggest import fewer_exchanges, smaller_state, suggestions
 from trainbox.plan.time import StepTime, step_time
 
-__all__ = ["BYTES", "CONTEXT", "FRAGMENTATION", "GPUS", "MARGIN", "MODES", "NCCL", "Kernels", "Layout", "Memory",
-           "MemoryPlan", "StepTime", "Suggestion", "Target", "assumed_kernels", "dtype_bytes", "gpu", "local_cpu",
-           "local_gpu", "make_plan", "memory", "plan_run", "run_vocab", "sized"]
+__all__ = ["BYTES", "CONTEXT", "FRAGMENTATION", "GPUS", "MARGIN", "MODES", "NCCL", "PRESSURE", "Kernels", "Layout",
+           "Memory", "MemoryPlan", "StepTime", "Suggestion", "Target", "assumed_kernels", "dtype_bytes", "gpu",
+           "local_cpu", "local_gpu", "make_plan", "memory", "plan_run", "run_vocab", "sized"]
 
 
 def make_plan(cfg: RunConfig, vocab: int, target: Target, nproc: int = 1, kernels: Kernels | None = None,
