@@ -5,8 +5,8 @@ worker, set a flag that the loop acts on at the next step boundary, agreed acros
 signal that arrives while the run starts is kept: before the first step the run ends with "stopped before the
 first step; nothing to save" and exit 0. Until the loop runs, a signal is only noted (the loop, or the CLI
 before it, says what it did); from the first step boundary on, each is logged as it arrives. A second SIGINT
-stops at once (`SecondInterrupt`, a KeyboardInterrupt: exit 130). The handlers are restored, and the flag cleared, when the command
-ends.
+stops at once (`SecondInterrupt`, a KeyboardInterrupt: exit 130). The handlers are restored, and the flag
+cleared, when the command ends.
 
 `stop_when_gone(pid, who)` asks for a stop once another process ends: a torchrun worker watches its launcher and
 its torchrun, so a launcher killed with SIGKILL leaves no workers training unsupervised; they save and exit.
