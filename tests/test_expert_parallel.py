@@ -43,16 +43,20 @@ MOE = ["optim.name=adamw", "model.family=moe", "model.moe.num_experts=4", "model
        "model.moe.capacity_factor=1.0", "model.moe.lb_loss_weight=0.05", "model.moe.z_loss_weight=0.01"]
 
 
-def _launch(nproc: int, run_overrides: list[str], checks: bool = True) -> str:
-    """A torchrun launch of the worker: its model-level checks (`checks`), then the run."""
+def _torchrun(nproc: int, worker: str, *args: str) -> str:
+    """A torchrun launch of `worker` (a script beside this file), which prints "ok" on rank 0; returns its log."""
     src = str(HERE.parent / "src")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-                           str(HERE / "expert_parallel_worker.py"), *([] if checks else ["--no-checks"]), "--train",
-                           *run_overrides],
-                          capture_output=True, text=True, timeout=300, env=env)
+                           str(HERE / worker), *args], capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stdout[-3000:] + proc.stderr[-6000:]
     return proc.stderr
+
+
+def _launch(nproc: int, run_overrides: list[str], checks: bool = True) -> str:
+    """A torchrun launch of the worker: its model-level checks (`checks`), then the run."""
+    return _torchrun(nproc, "expert_parallel_worker.py", *([] if checks else ["--no-checks"]), "--train",
+                     *run_overrides)
 
 
 @pytest.fixture(scope="module")
@@ -150,6 +154,15 @@ def _same_weights(got: Path, want: Path) -> None:
     assert final[0].keys() == final[1].keys()
     for k in final[0]:
         torch.testing.assert_close(final[1][k], final[0][k], **WEIGHT_TOL, msg=lambda m, k=k: f"{k}: {m}")
+
+
+@pytest.mark.parametrize("parallel, checkpointing, capacity", [("ddp", "none", "0"), ("fsdp", "none", "0.5"),
+                                                                ("ddp", "selective", "0.5")])
+def test_compiled_expert_parallelism_can_read_its_split_sizes_inside_the_graph(parallel, checkpointing, capacity):
+    """Where the host paces the step, the uneven exchange's split sizes stay in the compiled graph: no graph breaks
+    at them, and the loss and gradients equal the uncompiled model's (tests/expert_compile_worker.py, 2 processes,
+    the trainer's build): dropless and dropping, under ddp, fsdp and selective activation checkpointing."""
+    _torchrun(2, "expert_compile_worker.py", parallel, checkpointing, capacity)
 
 
 @pytest.mark.parametrize("overrides,world,says", [   # config/layout.py's rules (the one function every caller asks)

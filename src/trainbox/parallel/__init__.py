@@ -10,6 +10,19 @@ def experts_sharded(model) -> bool:
     return getattr(model, "expert_shard", None) is not None
 
 
+def split_sizes_in_graph() -> None:
+    """Before torch.compile, where the host paces an expert-parallel step (plan/time.py: StepTime.host_paced): the
+    split sizes the uneven exchange reads on the host (expert.py's `_uneven`, one `tolist` per MoE layer and
+    micro-batch) stay in the compiled graph as symbolic sizes (Dynamo's capture_scalar_outputs) instead of breaking
+    it there. The forward and backward then compile to one graph each: after each read the host goes on launching
+    the graph's kernels, where it would otherwise enter Dynamo again for the rest of the layer while the GPU's queue
+    is empty. Inductor runs the elementwise kernels over tensors of those sizes slower (it cannot specialise on a
+    size it does not know), so where the GPU sets the pace the sizes stay on the host. A setting of the process,
+    which runs the one model."""
+    import torch._dynamo  # heavy: only where the run compiles
+    torch._dynamo.config.capture_scalar_outputs = True
+
+
 def apart(model) -> list:
     """Modules outside the blocks that FSDP shards as units of their own (the family's `embedding_units()`: an
     untied token table), so that the root, gathered through the whole step, holds only the final norm and the

@@ -105,6 +105,12 @@ RECOMPUTE_HOST = 15e-3
 # micro-batch 40, 1016 against 819 ms (2.5 ms), and fp32 moments at 16, 2050 against 1778 ms (1.5 ms)
 # (2026-11-29-2xh200-moe-gpt2-125m-128x-ep2-fsdp-vs-ddp-bf16-mb40-h100mem.json and -fsdp-vs-ddp-mb16-h100mem.json)
 FSDP_HOST = 2.0e-3
+# the share of a step above which the host's pace (the `host` part) makes the host, not the GPU, set the pace of an
+# expert-parallel step: then the split sizes stay in the compiled graph (parallel/__init__.py: split_sizes_in_graph).
+# The 128-expert MoE at expert parallelism 2, micro-batch 16 (host 43% of the step by this model) ran 1.13x faster
+# so, the 8-expert recipe at micro-batch 48 (host 0.4%) 0.93x as fast, each against the sizes read on the host in
+# the same call on one host
+HOST_PACED = 0.2
 # bytes a fused AdamW step reads and writes per parameter: parameter, gradient and two moments read (16), the
 # parameter and moments written (12), the gradient read again by the norm clip (4)
 OPTIMIZER_BYTES = {"fp32": 32, "bf16": 24}   # bf16 moments: 2 bytes each read and written, not 4
@@ -125,6 +131,11 @@ class StepTime:
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+    @property
+    def host_paced(self) -> bool:
+        """Whether the GPU waits on the host for more than HOST_PACED of the step (expert parallelism's host reads)."""
+        return self.host > HOST_PACED * self.step
 
 
 def moe_layers(cfg: RunConfig) -> int:

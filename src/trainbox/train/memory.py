@@ -16,6 +16,7 @@ from trainbox.kernels.choice import choose
 from trainbox.model.spec import family
 from trainbox.plan import MARGIN, MemoryPlan, Target, make_plan
 from trainbox.plan.activations import Kernels
+from trainbox.plan.gpus import rates_of
 
 DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
@@ -45,7 +46,8 @@ def device_plan(cfg: RunConfig, vocab: int, device: torch.device, dtype: torch.d
     if cuda:
         props = torch.cuda.get_device_properties(device)
         cap = (props.major, props.minor)
-        target = Target(props.name, free, hopper=cap >= (9, 0), fp8=cap >= (8, 9), lce=cap == (9, 0), local=True)
+        target = Target(props.name, free, hopper=cap >= (9, 0), fp8=cap >= (8, 9), lce=cap == (9, 0), local=True,
+                        rates=rates_of(props.name))   # the step time: where the host paces it (train/loop.py)
     else:
         target = Target("CPU (RAM)", free, cuda=False, local=True)
     k = choose(cfg.model, device, family(cfg.model.family))
