@@ -17,6 +17,7 @@ from conftest import REPO
 from trainbox.config import load_config
 from trainbox.config.layout import decide_layout
 from trainbox.model.t5 import memory as t5_memory
+from trainbox.parallel import keeps_split_sizes_in_graph
 from trainbox.plan import gpu, make_plan, run_vocab
 from trainbox.plan import time as plan_time
 from trainbox.plan.gpus import Rates
@@ -26,6 +27,9 @@ RECORDS = REPO / "benchmarks" / "records"
 MOE_128 = ["model.moe.num_experts=128", "model.moe.top_k=2", "model.moe.capacity_factor=2",
            "model.moe.lb_loss_weight=0.05"]
 
+# the records of expert-parallel runs whose split sizes were read on the host, where model.moe.split_sizes=auto now
+# keeps them in the compiled graph (plan/time.py: HOST_PACED)
+HOST_READS = ["model.moe.split_sizes=host"]
 T5_BATCH = ["train.micro_batch_size=32", "train.global_batch_size=32"]   # benchmarks/t5_speed.py's step
 T5_MB32 = ["train.micro_batch_size=32"]   # the t5-base recipe's micro-batch when these records were made
 
@@ -94,7 +98,7 @@ STEPS = [
     ("2026-11-27-2xh200-moe-gpt2-125m-128x-ep2-2gpu.json", [], 2, "median_step_ms"),
     ("2026-11-27-2xh200-moe-gpt2-125m-128x-ep2-2gpu-drops.json", [], 2, "median_step_ms"),
     ("2026-11-27-2xh200-moe-gpt2-125m-128x-ep2-profile.json", [], 2, "step_ms"),
-    ("2026-11-28-2xh200-moe-gpt2-125m-128x-ep2-2gpu-vs-de3474f.json", [], 2, "median_step_ms"),
+    ("2026-11-28-2xh200-moe-gpt2-125m-128x-ep2-2gpu-vs-de3474f.json", HOST_READS, 2, "median_step_ms"),
     ("2026-11-28-2xh200-moe-gpt2-125m-128x-ep2-vs-torchtitan.json", [], 2, "median_step_ms"),
     ("2026-11-28-2xh200-moe-gpt2-125m-128x-ep2-padded-vs-uneven-h100mem.json", [], 2, "median_step_ms"),
     ("2026-11-27-4xh200-moe-gpt2-125m-128x-ep4-4gpu.json", ["train.micro_batch_size=40"], 4,  # as the loop chose
@@ -106,7 +110,7 @@ STEPS = [
      "baseline.median_step_ms"),
     ("2026-11-28-2xh200-moe-gpt2-125m-128x-ep2-bf16-state-mb40-h100mem.json", [], 2, "median_step_ms"),
     ("2026-11-28-2xh200-moe-gpt2-125m-128x-ep2-bf16-state-mb40-h100mem.json",
-     ["optim.state_dtype=fp32", "train.micro_batch_size=16"], 2, "baseline.median_step_ms"),
+     ["optim.state_dtype=fp32", "train.micro_batch_size=16", *HOST_READS], 2, "baseline.median_step_ms"),
     ("2026-11-28-2xh200-moe-gpt2-125m-128x-ep2-bf16-mb40-h100mem-profile.json", [], 2, "step_ms"),
     ("2026-11-28-2xh200-moe-gpt2-125m-128x-ep2-bf16-mb40-casts-h100mem.json", [], 2, "median_step_ms"),
     ("2026-11-28-2xh200-moe-gpt2-125m-128x-ep2-bf16-mb40-casts-h100mem.json", [], 2, "baseline.median_step_ms"),
@@ -128,31 +132,34 @@ STEPS = [
     ("2026-11-29-h200-t5-base-cuda-graphs-mb64-profile.json", [], 1, "step_ms"),
     ("2026-11-29-h200-t5-base-cuda-graphs-mb128-profile.json", [], 1, "step_ms"),
     ("2026-11-29-h200-t5-small-cuda-graphs-profile.json", [], 1, "step_ms"),
-    ("2026-11-28-2xh200-moe-gpt2-125m-128x-ep2-bf16-mb48-selective-h100mem.json", [], 2, "median_step_ms"),
+    ("2026-11-28-2xh200-moe-gpt2-125m-128x-ep2-bf16-mb48-selective-h100mem.json", HOST_READS, 2, "median_step_ms"),
     ("2026-11-28-2xh200-moe-gpt2-125m-128x-ep2-bf16-mb48-selective-h100mem.json",
      ["train.micro_batch_size=40", "train.activation_checkpointing=none"], 2, "baseline.median_step_ms"),
-    ("2026-11-28-2xh200-moe-gpt2-125m-128x-ep2-optim-state-bf16-batch32.json", [], 2, "median_step_ms"),
-    ("2026-11-28-2xh200-moe-gpt2-125m-128x-ep2-optim-state-bf16-batch32.json", ["optim.state_dtype=fp32"], 2,
-     "baseline.median_step_ms"),
+    ("2026-11-28-2xh200-moe-gpt2-125m-128x-ep2-optim-state-bf16-batch32.json", HOST_READS, 2, "median_step_ms"),
+    ("2026-11-28-2xh200-moe-gpt2-125m-128x-ep2-optim-state-bf16-batch32.json",
+     ["optim.state_dtype=fp32", *HOST_READS], 2, "baseline.median_step_ms"),
     ("2026-11-29-2xh200-moe-gpt2-125m-128x-ep2-fsdp-vs-ddp-bf16-mb40-h100mem.json", [], 2, "median_step_ms"),
     ("2026-11-29-2xh200-moe-gpt2-125m-128x-ep2-fsdp-vs-ddp-bf16-mb40-h100mem.json", ["train.parallel=ddp"], 2,
      "baseline.median_step_ms"),
-    ("2026-11-29-2xh200-moe-gpt2-125m-128x-ep2-ddp-mb16-h100mem.json", [], 2, "median_step_ms"),
+    ("2026-11-29-2xh200-moe-gpt2-125m-128x-ep2-ddp-mb16-h100mem.json", HOST_READS, 2, "median_step_ms"),
     ("2026-11-29-2xh200-moe-gpt2-125m-ep2-vs-ddp-2gpu.json", [], 2, "median_step_ms"),
     ("2026-11-29-2xh200-moe-gpt2-125m-ep2-vs-ddp-2gpu-2.json", [], 2, "median_step_ms"),
     ("2026-11-29-2xh200-moe-gpt2-125m-ep2-vs-ddp-2gpu-2.json", ["model.moe.expert_parallel=1"], 2,
      "baseline.median_step_ms"),
-    ("2026-11-29-2xh200-moe-gpt2-125m-128x-ep2-fsdp-vs-ddp-mb16-h100mem.json", [], 2, "median_step_ms"),
-    ("2026-11-29-2xh200-moe-gpt2-125m-128x-ep2-fsdp-vs-ddp-mb16-h100mem.json", ["train.parallel=ddp"], 2,
-     "baseline.median_step_ms"),
+    ("2026-11-29-2xh200-moe-gpt2-125m-128x-ep2-fsdp-vs-ddp-mb16-h100mem.json", HOST_READS, 2, "median_step_ms"),
+    ("2026-11-29-2xh200-moe-gpt2-125m-128x-ep2-fsdp-vs-ddp-mb16-h100mem.json", ["train.parallel=ddp", *HOST_READS],
+     2, "baseline.median_step_ms"),
     ("2026-11-29-2xh200-moe-gpt2-125m-ep2-vs-ddp-2gpu.json", ["model.moe.expert_parallel=1"], 2,
      "baseline.median_step_ms"),
     ("2026-11-29-2xh200-llama-1b-fsdp-2gpu-bf16-vs-torchtitan.json", [], 2, "median_step_ms"),
     ("2026-11-29-2xh200-moe-gpt2-125m-ep2-2gpu-profile.json", [], 2, "step_ms"),
     ("2026-11-29-h200-moe-gpt2-125m-1gpu-plain-mb96-profile.json", [], 1, "step_ms"),
-    ("2026-11-29-2xh200-moe-gpt2-125m-128x-ep2-fsdp-mb20-vs-ddp-mb16-h100mem.json", [], 2, "median_step_ms"),
+    ("2026-11-29-2xh200-moe-gpt2-125m-128x-ep2-fsdp-mb20-vs-ddp-mb16-h100mem.json", HOST_READS, 2, "median_step_ms"),
     ("2026-11-29-2xh200-moe-gpt2-125m-128x-ep2-fsdp-mb20-vs-ddp-mb16-h100mem.json",
-     ["train.parallel=ddp", "train.micro_batch_size=16"], 2, "baseline.median_step_ms"),
+     ["train.parallel=ddp", "train.micro_batch_size=16", *HOST_READS], 2, "baseline.median_step_ms"),
+    ("2026-11-29-2xh200-moe-gpt2-125m-128x-ep2-fsdp-mb20-sizes-in-graph-h100mem.json", [], 2, "median_step_ms"),
+    ("2026-11-29-2xh200-moe-gpt2-125m-128x-ep2-fsdp-mb20-sizes-in-graph-h100mem.json", HOST_READS, 2,
+     "baseline.median_step_ms"),
     ("2026-11-29-h200-gpt2-125m-1gpu-sdpa-default-profile.json", [], 1, "step_ms"),
     ("2026-11-29-h200-gpt2-125m-1gpu-sdpa-cudnn-profile.json", [], 1, "step_ms"),
     ("2026-11-29-h200-llama-1b-1gpu-sdpa-default-profile.json", [], 1, "step_ms"),
@@ -163,8 +170,8 @@ STEPS = [
 # 480 x 1,024, the recipe's dropless routing): (overrides, processes, tokens/s per GPU)
 STATED = [
     (["train.parallel=fsdp", "train.micro_batch_size=12"], 2, 44_130),
-    (["model.moe.expert_parallel=2", "train.micro_batch_size=16"], 2, 95_000),
-    (["model.moe.expert_parallel=2", "train.micro_batch_size=16"], 2, 128_000),
+    (["model.moe.expert_parallel=2", "train.micro_batch_size=16", *HOST_READS], 2, 95_000),
+    (["model.moe.expert_parallel=2", "train.micro_batch_size=16", *HOST_READS], 2, 128_000),
     (["model.moe.expert_parallel=4", "train.micro_batch_size=60"], 4, 229_682),
 ]
 
@@ -283,10 +290,10 @@ CALIBRATION = [
     # every run of the 128-expert MoE at expert parallelism 2 with ddp at micro-batch 16 (fp32 moments), on 3 hosts
     ("HOST", ["2026-11-28-2xh200-moe-gpt2-125m-128x-ep2-2gpu-vs-de3474f.json",
               "2026-11-29-2xh200-moe-gpt2-125m-128x-ep2-ddp-mb16-h100mem.json",
-              ("2026-11-29-2xh200-moe-gpt2-125m-128x-ep2-fsdp-vs-ddp-mb16-h100mem.json", ["train.parallel=ddp"],
-               "baseline.median_step_ms"),
+              ("2026-11-29-2xh200-moe-gpt2-125m-128x-ep2-fsdp-vs-ddp-mb16-h100mem.json",
+               ["train.parallel=ddp", *HOST_READS], "baseline.median_step_ms"),
               ("2026-11-29-2xh200-moe-gpt2-125m-128x-ep2-fsdp-mb20-vs-ddp-mb16-h100mem.json",
-               ["train.parallel=ddp", "train.micro_batch_size=16"], "baseline.median_step_ms")], "step"),
+               ["train.parallel=ddp", "train.micro_batch_size=16", *HOST_READS], "baseline.median_step_ms")], "step"),
     ("RECOMPUTE_HOST", ["2026-11-28-2xh200-moe-gpt2-125m-128x-ep2-bf16-mb48-selective-h100mem.json"], "step"),
     ("SPEED", ["2026-11-26-h100-t5-base-speed.json"], "step"),
     ("TRITON_SPEED", ["2026-11-29-h200-t5-base-speed-cuda-graphs.json"], "step"),
@@ -344,7 +351,8 @@ def fsdp_host_of(record: str) -> float:
     fsdp run against its ddp baseline, one micro-batch, one call on one host); asserts the plan ranks ddp first."""
     rec = json.loads((RECORDS / record).read_text())
     measured = measured_seconds(rec, "median_step_ms") - measured_seconds(rec, "baseline.median_step_ms")
-    (cfg, fsdp), (_, ddp) = predicted_step(rec, [], 2), predicted_step(rec, ["train.parallel=ddp"], 2)
+    cfg, fsdp = predicted_step(rec, HOST_READS, 2)
+    ddp = predicted_step(rec, ["train.parallel=ddp", *HOST_READS], 2)[1]
     assert (fsdp.layout.parallel, ddp.layout.parallel) == ("fsdp", "ddp") and fsdp.micro_batch == ddp.micro_batch
     assert ddp.time.step < fsdp.time.step
 
@@ -449,38 +457,92 @@ def test_the_first_suggestion_for_the_128_expert_moe_on_h100s_is_expert_parallel
 def test_on_2_h100s_fsdp_at_the_larger_micro_batch_is_ranked_before_ddp_as_measured():
     """The 128-expert MoE at expert parallelism 2 on 2 H100s: ddp for the dense part fits micro-batch 16 at most,
     fsdp fits 20 (its gathered blocks cost less than ddp's gradient buckets), and fsdp at 20 is predicted faster,
-    as measured under an H100's memory on 2 H200s (1477 against 1580 ms a step, one call), so the plan's layout is
-    fsdp at 20. Both fit there: 73.0 and 71.9 GiB allocated at the peak."""
+    as measured under an H100's memory on 2 H200s with the split sizes read on the host (1477 against 1580 ms a
+    step, one call), so the plan's layout is fsdp at 20. Both fit there: 73.0 and 71.9 GiB allocated at the peak.
+    With the split sizes in the graph, as model.moe.split_sizes=auto keeps them at these micro-batches, fsdp at 20
+    stays first: it gained 1.20x so (GRAPH_HOST's record), ddp at 16 1.13x."""
     record = "2026-11-29-2xh200-moe-gpt2-125m-128x-ep2-fsdp-mb20-vs-ddp-mb16-h100mem.json"
     rec = json.loads((RECORDS / record).read_text())
     assert measured_seconds(rec, "median_step_ms") < measured_seconds(rec, "baseline.median_step_ms")
-    plans = {}
-    for parallel, micro in (("ddp", 16), ("ddp", 20), ("fsdp", 20), ("fsdp", 24)):
-        cfg = load_config("moe-gpt2-125m", [*MOE_128, "model.moe.expert_parallel=2", f"train.parallel={parallel}",
-                                            f"train.micro_batch_size={micro}"])
-        plans[parallel, micro] = make_plan(cfg, run_vocab(cfg), gpu("H100"), 2, suggest=False)
-    assert [p.fits for p in plans.values()] == [True, False, True, False]
-    assert plans["fsdp", 20].time.step < plans["ddp", 16].time.step
+    for reads in (HOST_READS, []):
+        plans = {}
+        for parallel, micro in (("ddp", 16), ("ddp", 20), ("fsdp", 20), ("fsdp", 24)):
+            cfg = load_config("moe-gpt2-125m", [*MOE_128, "model.moe.expert_parallel=2", f"train.parallel={parallel}",
+                                                f"train.micro_batch_size={micro}", *reads])
+            plans[parallel, micro] = make_plan(cfg, run_vocab(cfg), gpu("H100"), 2, suggest=False)
+        assert [p.fits for p in plans.values()] == [True, False, True, False]
+        assert plans["fsdp", 20].time.step < plans["ddp", 16].time.step, reads
+        assert plans["fsdp", 20].time.sizes_in_graph == plans["ddp", 16].time.sizes_in_graph == (not reads)
     cfg = load_config("moe-gpt2-125m", MOE_128)
     first = make_plan(cfg, run_vocab(cfg), gpu("H100"), 2).suggestions[0]
     assert first.overrides == ("train.parallel=fsdp", "model.moe.expert_parallel=2", "train.micro_batch_size=20")
+    assert first.time.sizes_in_graph
 
 
-@pytest.mark.parametrize("overrides, paced", [
-    (["model.moe.expert_parallel=2", "train.micro_batch_size=16"], True),   # 1.13x with the sizes in the graph
+@pytest.mark.parametrize("overrides, in_graph", [
+    (["model.moe.expert_parallel=2", "train.micro_batch_size=16"], True),
     (["model.moe.expert_parallel=2", "train.parallel=fsdp", "train.micro_batch_size=20"], True),
+    (["model.moe.expert_parallel=2", "train.micro_batch_size=16", "model.moe.split_sizes=host"], False),
+    (["model.moe.expert_parallel=2", "train.micro_batch_size=16", "train.compile=false"], False),
     (["model.moe.expert_parallel=2", "train.micro_batch_size=16", "model.moe.exchange=padded"], False),  # no reads
     (["model.moe.expert_parallel=2", "optim.state_dtype=bf16", "train.micro_batch_size=40"], False),
+    (["model.moe.expert_parallel=2", "optim.state_dtype=bf16", "train.micro_batch_size=40",
+      "model.moe.split_sizes=graph"], True),
 ])
-def test_the_host_paces_the_128_expert_moe_at_small_micro_batches(overrides, paced):
-    """StepTime.host_paced, on which the loop keeps the split sizes in the compiled graph: the 128-expert MoE at
-    expert parallelism 2 on 2 H200s at micro-batch 16 or 20 (the host's work per MoE layer above the GPU's), not at
-    40, nor under the padded exchange, which reads nothing back; nor the 8-expert recipe at micro-batch 48, which
-    ran 0.93x as fast with them in the graph."""
+def test_the_split_sizes_stay_in_the_graph_where_the_host_paces_the_step(overrides, in_graph):
+    """StepTime.sizes_in_graph, on which the loop keeps the split sizes in the compiled graph: under
+    model.moe.split_sizes=auto, the 128-expert MoE at expert parallelism 2 on 2 H200s at micro-batch 16 or 20 (the
+    host's work per MoE layer above the GPU's), not at 40, nor under the padded exchange, which reads nothing back,
+    nor uncompiled; nor the 8-expert recipe at micro-batch 48, which ran 0.93x as fast with them in the graph. The
+    step is then shorter by GRAPH_HOST; split_sizes=graph keeps them there at any micro-batch."""
     plan = predicted("moe-gpt2-125m", [*MOE_128, *overrides], "H200", 2)
-    assert plan.time.host_paced == paced, plan.time
+    assert plan.time.sizes_in_graph == in_graph, plan.time
+    host = predicted("moe-gpt2-125m", [*MOE_128, *overrides, "model.moe.split_sizes=host"], "H200", 2)
+    assert not host.time.sizes_in_graph
+    forced = "model.moe.split_sizes=graph" in overrides   # where the GPU paces the step, the host's part is no floor
+    assert plan.time.step < host.time.step if in_graph and not forced else plan.time.step == host.time.step
     recipe = predicted("moe-gpt2-125m", ["model.moe.expert_parallel=2"], "H200", 2)
-    assert not recipe.time.host_paced, recipe.time
+    assert not recipe.time.sizes_in_graph, recipe.time
+
+
+@pytest.mark.parametrize("overrides, card, keeps", [
+    ([], "H200", True),                                           # auto, host-paced by the plan
+    (["train.micro_batch_size=40", "optim.state_dtype=bf16"], "H200", False),   # auto, the GPU paces it
+    (["model.moe.split_sizes=graph"], "CPU", True),               # no step time: only where asked
+    ([], "CPU", False),
+    (["model.moe.split_sizes=host"], "H200", False),
+    (["train.compile=false", "model.moe.split_sizes=graph"], "H200", False),
+    (["model.moe.expert_parallel=1", "model.moe.split_sizes=graph"], "H200", False),
+])
+def test_the_trainer_keeps_the_split_sizes_in_the_graph_as_the_setting_and_plan_say(overrides, card, keeps):
+    """parallel.keeps_split_sizes_in_graph, which train/loop.py asks before it compiles: the setting, and under auto
+    the plan's StepTime (none on a CPU, where auto reads them on the host)."""
+    over = [*MOE_128, "model.moe.expert_parallel=2", "train.micro_batch_size=16", *overrides]
+    cfg = load_config("moe-gpt2-125m", over)
+    step = None if card == "CPU" else predicted("moe-gpt2-125m", over, card, 2).time
+    assert keeps_split_sizes_in_graph(cfg, step) == keeps
+
+
+def test_graph_host_gives_the_measured_gain_of_the_split_sizes_in_the_graph():
+    """GRAPH_HOST within 10% of the value at which the model's step with the split sizes in the graph over its step
+    with them read on the host is the ratio the pair measured (one call, one host: the host's speed spreads both
+    halves alike, so the ratio, not either time, calibrates it)."""
+    rec = json.loads((RECORDS / "2026-11-29-2xh200-moe-gpt2-125m-128x-ep2-fsdp-mb20-sizes-in-graph-h100mem.json")
+                     .read_text())
+    ratio = measured_seconds(rec, "median_step_ms") / measured_seconds(rec, "baseline.median_step_ms")
+    (cfg, graph), (_, host) = predicted_step(rec, [], 2), predicted_step(rec, HOST_READS, 2)
+    assert graph.time.sizes_in_graph and not host.time.sizes_in_graph
+
+    def model(value: float) -> float:
+        plan_time.GRAPH_HOST = value
+        return step_time(cfg, graph.counts, graph.target, graph.layout, graph.micro_batch, graph.checkpointing,
+                         graph.sequences).step / host.time.step
+    kept = plan_time.GRAPH_HOST
+    try:
+        value = solve(model, ratio, 1e-4, plan_time.HOST)
+    finally:
+        plan_time.GRAPH_HOST = kept
+    assert abs(plan_time.GRAPH_HOST / value - 1) < 0.10, value
 
 
 def test_a_gpu_without_rates_has_no_time_and_keeps_the_memory_order():

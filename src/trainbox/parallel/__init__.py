@@ -10,15 +10,25 @@ def experts_sharded(model) -> bool:
     return getattr(model, "expert_shard", None) is not None
 
 
+def keeps_split_sizes_in_graph(cfg, step) -> bool:
+    """Whether this run keeps expert parallelism's split sizes in the compiled graph: compiled, with experts split
+    over ranks, where model.moe.split_sizes is graph, or auto and the step-time plan (`step`, plan/time.py's
+    StepTime: None where the GPU has no rates, or on a CPU) says so."""
+    moe = cfg.model.moe
+    if not cfg.train.compile or moe.expert_parallel == 1 or moe.split_sizes == "host":
+        return False
+    return step.sizes_in_graph if step is not None else moe.split_sizes == "graph"
+
+
 def split_sizes_in_graph() -> None:
-    """Before torch.compile, where the host paces an expert-parallel step (plan/time.py: StepTime.host_paced): the
-    split sizes the uneven exchange reads on the host (expert.py's `_uneven`, one `tolist` per MoE layer and
-    micro-batch) stay in the compiled graph as symbolic sizes (Dynamo's capture_scalar_outputs) instead of breaking
-    it there. The forward and backward then compile to one graph each: after each read the host goes on launching
-    the graph's kernels, where it would otherwise enter Dynamo again for the rest of the layer while the GPU's queue
-    is empty. Inductor runs the elementwise kernels over tensors of those sizes slower (it cannot specialise on a
-    size it does not know), so where the GPU sets the pace the sizes stay on the host. A setting of the process,
-    which runs the one model."""
+    """Before torch.compile, where model.moe.split_sizes says so (auto: where the host paces the step, plan/time.py's
+    StepTime.sizes_in_graph): the split sizes the uneven exchange reads on the host (expert.py's `_uneven`, one
+    `tolist` per MoE layer and micro-batch) stay in the compiled graph as symbolic sizes (Dynamo's
+    capture_scalar_outputs) instead of breaking it there. After each read the host goes on launching the graph's
+    kernels, where it would otherwise enter Dynamo again for the rest of the layer while the GPU's queue is empty.
+    Inductor runs the elementwise kernels over tensors of those sizes slower (torch 2.11 sizes their blocks for 8,192
+    elements where it does not know a size), so where the GPU sets the pace the sizes stay on the host. A setting of
+    the process, which runs the one model."""
     import torch._dynamo  # heavy: only where the run compiles
     torch._dynamo.config.capture_scalar_outputs = True
 

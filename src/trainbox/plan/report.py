@@ -18,7 +18,8 @@ def _m(n: float) -> str:
 
 def time_text(t: StepTime) -> str:
     return (f"{t.step:.2f} s a step, {t.tokens_per_s_per_gpu:,.0f} tokens/s per GPU (compute {t.compute:.2f} s, "
-            f"exchanges {t.exchanges:.2f}, host {t.host:.2f}, weights {t.weights:.2f}, optimizer {t.optimizer:.2f})")
+            f"exchanges {t.exchanges:.2f}, host {t.host:.2f}, weights {t.weights:.2f}, optimizer {t.optimizer:.2f}"
+            f"{'; the split sizes in the compiled graph' if t.sizes_in_graph else ''})")
 
 
 def _row(s: Suggestion, recipe: str | None, overrides) -> str:

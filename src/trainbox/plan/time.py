@@ -23,9 +23,10 @@ Per rank, for a step of `accumulation` micro-batches of `micro` sequences:
     experts     expert parallelism, with either strategy, per MoE layer per micro-batch: the routed rows (tokens x
                 top_k x n_embd, bf16) dispatched and combined in the forward and both again in the backward, (E-1)/E
                 of them crossing at all_to_all x EXCHANGES, not overlapped (after fsdp's micro-batch, where it
-                runs); one host read of the split sizes (host_sync each), after
-                which the host launches the layer's work: a micro-batch takes at least HOST per MoE layer, the
-                host's time to run the layer's forward and backward; with activation checkpointing the
+                runs); one host read of the split sizes (host_sync each), after which the host launches the
+                layer's work: a micro-batch takes at least HOST per MoE layer, the host's time to run the layer's
+                forward and backward (GRAPH_HOST where the split sizes stay in the compiled graph: step_time,
+                model.moe.split_sizes); with activation checkpointing the
                 recomputed layer reads them again in the backward (RECOMPUTE_HOST each). Under
                 model.moe.exchange=padded, capacity_factor times the rows are sent and computed and nothing
                 is read back: the host runs ahead of the GPU and sets no floor (the padded step on 2 H200s is
@@ -56,7 +57,7 @@ links' rates are those measured at the layout's GPU count (plan/gpus.py's `Rates
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from trainbox.config import RunConfig
 from trainbox.model.spec import family
@@ -105,12 +106,21 @@ RECOMPUTE_HOST = 15e-3
 # micro-batch 40, 1016 against 819 ms (2.5 ms), and fp32 moments at 16, 2050 against 1778 ms (1.5 ms)
 # (2026-11-29-2xh200-moe-gpt2-125m-128x-ep2-fsdp-vs-ddp-bf16-mb40-h100mem.json and -fsdp-vs-ddp-mb16-h100mem.json)
 FSDP_HOST = 2.0e-3
-# the share of a step above which the host's pace (the `host` part) makes the host, not the GPU, set the pace of an
-# expert-parallel step: then the split sizes stay in the compiled graph (parallel/__init__.py: split_sizes_in_graph).
-# The 128-expert MoE at expert parallelism 2, micro-batch 16 (host 43% of the step by this model) ran 1.13x faster
-# so, the 8-expert recipe at micro-batch 48 (host 0.4%) 0.93x as fast, each against the sizes read on the host in
-# the same call on one host
+# the share of a step above which the host sets the pace of an expert-parallel step (the `host` part, with the split
+# sizes read on the host): there model.moe.split_sizes=auto keeps them in the compiled graph (parallel/__init__.py:
+# split_sizes_in_graph), and the step is modelled with GRAPH_HOST. The 128-expert MoE at expert parallelism 2 on 2
+# H200s, micro-batch 16 or 20 (the host 38% of the step by this model), ran 1.13x and 1.20x faster so; the 8-expert
+# recipe at micro-batch 48 (the host 0.4%) 0.93x as fast, its elementwise kernels over the exchanged row counts
+# slower (torch 2.11's Inductor sizes their blocks for 8,192 elements where it does not know a size)
 HOST_PACED = 0.2
+# seconds of host work per MoE layer and micro-batch with the split sizes in the compiled graph, in place of HOST:
+# the host still waits for each read, then runs on through the compiled graph instead of entering Dynamo's next one.
+# Solved from the ratio of two runs of the 128-expert MoE at expert parallelism 2 on 2 H200s capped at an H100's
+# memory, each pair on one host (the host's speed spreads both halves alike): fsdp at micro-batch 20, 1898 against
+# 2286 ms (2026-11-29-2xh200-moe-gpt2-125m-128x-ep2-fsdp-mb20-sizes-in-graph-h100mem.json), 6.3 ms; ddp at 16,
+# 1254.5 against 1415.5 ms (issue 49's figures; no record holds that pair), 7.2 ms. 6.8 lies between: each ratio
+# within 6%, and fsdp at 20 stays ahead of ddp at 16, as the host-read runs measured and both pairs' ratios imply
+GRAPH_HOST = 6.8e-3
 # bytes a fused AdamW step reads and writes per parameter: parameter, gradient and two moments read (16), the
 # parameter and moments written (12), the gradient read again by the norm clip (4)
 OPTIMIZER_BYTES = {"fp32": 32, "bf16": 24}   # bf16 moments: 2 bytes each read and written, not 4
@@ -128,14 +138,10 @@ class StepTime:
     communication: float   # every exchange's time, hidden or not (what a profile's NCCL kernels add up to)
     weights: float         # the weight casts and gradient additions of every micro-batch (outside fsdp)
     tokens_per_s_per_gpu: float
+    sizes_in_graph: bool = False   # the uneven exchange's split sizes in the compiled graph (model.moe.split_sizes)
 
     def as_dict(self) -> dict:
         return asdict(self)
-
-    @property
-    def host_paced(self) -> bool:
-        """Whether the GPU waits on the host for more than HOST_PACED of the step (expert parallelism's host reads)."""
-        return self.host > HOST_PACED * self.step
 
 
 def moe_layers(cfg: RunConfig) -> int:
@@ -149,9 +155,24 @@ def step_time(cfg: RunConfig, counts: ParamCount, target: Target, layout, micro:
               sequences: int = 1) -> StepTime | None:
     """The step time of `cfg` in `layout` (plan/memory.py's Layout) on GPUs like `target`, at micro-batch `micro`
     with `sequences` sequences a sample; None where the target has no rates (a CPU, a GPU kind without an entry in
-    plan/gpus.py's RATES) or the model has no FLOP count."""
+    plan/gpus.py's RATES) or the model has no FLOP count. Under expert parallelism's uneven exchange, compiled, with
+    the split sizes where model.moe.split_sizes puts them: auto puts them in the graph where the host, with them read
+    on the host, takes over HOST_PACED of the step (`StepTime.sizes_in_graph` says which the step assumes)."""
     if target.rates is None or not target.cuda or not counts.flops_per_token:
         return None
+    args = cfg, counts, target, layout, micro, checkpointing, sequences
+    t = _step_time(*args, HOST)
+    moe = cfg.model.moe
+    uneven = layout.expert_parallel > 1 and moe_layers(cfg) and not (moe.exchange == "padded" and moe.capacity_factor)
+    if uneven and cfg.train.compile and (moe.split_sizes == "graph" or
+                                         moe.split_sizes == "auto" and t.host > HOST_PACED * t.step):
+        t = replace(_step_time(*args, GRAPH_HOST), sizes_in_graph=True)
+    return t
+
+
+def _step_time(cfg: RunConfig, counts: ParamCount, target: Target, layout, micro: int, checkpointing: str,
+               sequences: int, host_per_layer: float) -> StepTime:
+    """step_time with `host_per_layer` seconds of host work per MoE layer and micro-batch (HOST or GRAPH_HOST)."""
     rates = target.rates.at(layout.nproc)
     m, seq, ep = cfg.model, cfg.data.seq_len, layout.expert_parallel
     parallel, nproc, reshard_after_forward = layout.parallel, layout.nproc, layout.reshard_after_forward
@@ -194,7 +215,8 @@ def step_time(cfg: RunConfig, counts: ParamCount, target: Target, layout, micro:
         exchange = 4 * n_moe * rows * m.n_embd * 2 * (ep - 1) / ep / (rates.all_to_all * EXCHANGES)
         busy = micro_s                                  # the compute, with fsdp's exchanges beside it
         # the padded exchange reads nothing back, so the host runs ahead of the GPU and sets no floor
-        micro_s = busy + exchange if padded else max(busy + exchange, n_moe * HOST) + n_moe * rates.host_sync
+        micro_s = (busy + exchange if padded
+                   else max(busy + exchange, n_moe * host_per_layer) + n_moe * rates.host_sync)
         if checkpointing != "none" and not padded:   # the recomputed layers read their split sizes again
             micro_s += n_moe * RECOMPUTE_HOST
         if fsdp and nproc > 1 and not padded:   # FSDP's hooks, after the host reads

@@ -45,7 +45,7 @@ from trainbox.monitor.meter import Meter
 from trainbox.monitor.state import RunState
 from trainbox.objective import Runtime, build_objective
 from trainbox.optim.build import lr_multiplier, set_lr
-from trainbox.parallel import split_sizes_in_graph
+from trainbox.parallel import keeps_split_sizes_in_graph, split_sizes_in_graph
 from trainbox.parallel.distributed import Dist
 from trainbox.rundir.lock import RunLock, unlock_run
 from trainbox.rundir.ranks import Heartbeat
@@ -131,12 +131,12 @@ class Trainer(RunFiles, Checkpointing, Evaluations, Reporting):
             log.info(f"expert parallelism: {memory_plan.accumulation} micro-batches a step, each with its own "
                      f"all-to-all exchanges; {f.overrides[0]} fits by the memory plan ({f.needed / 2**30:.1f} GiB of "
                      f"{memory_plan.target.memory / 2**30:.1f} free) and exchanges less often")
-        if cfg.train.compile and memory_plan is not None and memory_plan.time and memory_plan.time.host_paced:
-            split_sizes_in_graph()   # every rank compiles alike
+        if keeps_split_sizes_in_graph(cfg, memory_plan.time if memory_plan is not None else None):
+            split_sizes_in_graph()   # every rank compiles alike (the plan is the same on every rank)
             if d.is_main:
-                log.info(f"expert parallelism: the host paces this step by the plan ({memory_plan.time.host:.2f} of "
-                         f"{memory_plan.time.step:.2f} s waiting on it): the exchanges' split sizes stay in the "
-                         f"compiled graph")
+                why = "the host would pace the step with them read on the host, by the plan" \
+                    if cfg.model.moe.split_sizes == "auto" else "model.moe.split_sizes=graph"
+                log.info(f"expert parallelism: the exchanges' split sizes stay in the compiled graph ({why})")
         if cfg.monitor.memory_snapshot:   # from before the first weight to the end of step N
             self.snapshot = MemorySnapshot(cfg.monitor.memory_snapshot, self.run_dir, d.rank, self.device)
         trainer_state = {}

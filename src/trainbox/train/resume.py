@@ -41,8 +41,8 @@ RUNTIME = ("recipe", "requires_gpu", "required", "run.name", "run.dir", "run.res
            "train.memory_limit_gib",
            "train.eval_every", "train.eval_tokens", "train.eval_tasks", "train.eval_tasks_every",
            "train.eval_tasks_limit", "train.parallel", "train.reshard_after_forward",
-           "model.moe.expert_parallel", "model.moe.exchange", "train.checkpoint_every", "train.checkpoints",
-           "train.keep_last",
+           "model.moe.expert_parallel", "model.moe.exchange", "model.moe.split_sizes", "train.checkpoint_every",
+           "train.checkpoints", "train.keep_last",
            "train.activation_checkpointing", "train.micro_batch_size", "lora.gradient_checkpointing")
 # keys whose new value applies from the resumed step on
 APPLIED = ("optim.", "train.max_steps", "train.max_tokens", "train.epochs", "train.dtype", "train.float8",

@@ -24,6 +24,11 @@ class MoESection(Section):
         "uneven", description="expert parallelism's token exchange in training: uneven = only the kept rows, split "
                               "sizes read on the host; padded = capacity-sized buffers per expert, equal splits, no "
                               "host read (needs model.moe.capacity_factor > 0; evaluation stays uneven)")
+    split_sizes: Literal["auto", "host", "graph"] = Field(
+        "auto", description="the uneven exchange's split sizes under train.compile: host = read on the host between "
+                            "compiled graphs; graph = kept in the compiled graph as symbolic sizes, one graph for the "
+                            "forward and one for the backward; auto = graph where the step-time plan says the host "
+                            "paces the step (trainbox plan: the host's part over a fifth of the step), else host")
 
     @model_validator(mode="after")
     def _consistent(self) -> "MoESection":
