@@ -118,7 +118,7 @@ HOST_PACED = 0.2
 # Solved from the ratio of two runs of the 128-expert MoE at expert parallelism 2 on 2 H200s capped at an H100's
 # memory, each pair on one host (the host's speed spreads both halves alike): fsdp at micro-batch 20, 1898 against
 # 2286 ms (2026-11-29-2xh200-moe-gpt2-125m-128x-ep2-fsdp-mb20-sizes-in-graph-h100mem.json), 6.3 ms; ddp at 16,
-# 1254.5 against 1415.5 ms (issue 49's figures; no record holds that pair), 7.2 ms. 6.8 lies between: each ratio
+# 1254.5 against 1415.5 ms (measured alike, with no record kept of that pair), 7.2 ms. 6.8 lies between: each ratio
 # within 6%, and fsdp at 20 stays ahead of ddp at 16, as the host-read runs measured and both pairs' ratios imply
 GRAPH_HOST = 6.8e-3
 # bytes a fused AdamW step reads and writes per parameter: parameter, gradient and two moments read (16), the
