@@ -19,6 +19,12 @@ if _WORKERS > 1:
     os.environ.setdefault("OMP_NUM_THREADS", str(_THREADS))
 torch.set_num_threads(_THREADS)
 
+# Where the environment asks for no bytecode files (PYTHONDONTWRITEBYTECODE, as containers often set), every Python
+# process a test starts compiles trainbox's modules from source again: a quarter of a second each, over several
+# hundred processes a pass. The processes the tests start write them, as Python does by default (__pycache__ is
+# ignored by git); installed packages have theirs already.
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+
 REPO = Path(__file__).resolve().parents[1]
 
 # A model and batch small enough that a step takes milliseconds on a 2-core CPU. AdamW, which every family and
