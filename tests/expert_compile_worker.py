@@ -57,7 +57,7 @@ def main() -> None:
         runs[compile].model.train()
     counters.clear()
     want_loss, want = grads(runs[False], x, y)
-    for _ in range(2):   # the second call runs the compiled graph again: no recompilation for other split sizes
+    for _ in range(2):   # the second call runs the graphs the first one compiled
         got_loss, got = grads(runs[True], x, y)
     # DDP's own bookkeeping around the compiled module breaks the outer frame (torch's, not the model's); the
     # model's graph breaks at nothing, its split sizes' host read included

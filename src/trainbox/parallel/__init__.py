@@ -11,13 +11,13 @@ def experts_sharded(model) -> bool:
 
 
 def keeps_split_sizes_in_graph(cfg, step) -> bool:
-    """Whether this run keeps expert parallelism's split sizes in the compiled graph: compiled, with experts split
-    over ranks, where model.moe.split_sizes is graph, or auto and the step-time plan (`step`, plan/time.py's
-    StepTime: None where the GPU has no rates, or on a CPU) says so."""
+    """Whether this run keeps expert parallelism's split sizes in the compiled graph: as the step-time plan decided
+    (`step`, plan/time.py's StepTime, from model.moe.split_sizes), or, without one (a CPU, a GPU without rates),
+    where a compiled run with experts split over ranks asks for model.moe.split_sizes=graph."""
+    if step is not None:
+        return step.sizes_in_graph
     moe = cfg.model.moe
-    if not cfg.train.compile or moe.expert_parallel == 1 or moe.split_sizes == "host":
-        return False
-    return step.sizes_in_graph if step is not None else moe.split_sizes == "graph"
+    return cfg.train.compile and moe.expert_parallel > 1 and moe.split_sizes == "graph"
 
 
 def split_sizes_in_graph() -> None:
