@@ -33,6 +33,7 @@ FAMILIES = {"gpt": [], "moe": ["model.moe.num_experts=4", "model.bias=false"],
             "speedrun": ["model.eot_id=0", "model.head_dim=16", "model.n_layer=4"], "t5": [],
             "llama": ["model.llama.n_kv_head=2", "model.llama.intermediate_size=160"]}
 MOE_128 = ["model.moe.num_experts=128", "model.moe.top_k=2", "model.moe.capacity_factor=2"]
+GATHERED = "train.reshard_after_forward=false"   # fsdp with its blocks kept gathered
 
 
 def small(family: str, *extra: str):
@@ -524,24 +525,31 @@ def test_verdicts_and_suggestions_that_fit_when_applied():
 
 def test_layouts_offer_every_expert_parallel_degree_with_ddp_and_with_fsdp():
     """On 4 GPUs the 128-expert MoE runs as configured (ddp), under fsdp, and at expert parallelism 2 and 4 with
-    each strategy: every layout offered is the one config/layout.py decides for its overrides. A plan already at
-    expert parallelism 2 is offered fsdp at that degree, and one configured with fsdp is offered ddp beside it."""
+    each strategy, each fsdp layout also with its blocks kept gathered (train.reshard_after_forward=false): every
+    layout offered is the one config/layout.py decides for its overrides, and the one the config with them plans. A
+    plan already at expert parallelism 2 is offered fsdp at that degree, and one configured with fsdp is offered ddp
+    beside it."""
     cfg = load_config("moe-gpt2-125m", MOE_128)
     cfg = decide_layout(cfg, 4, "cuda", adapt_micro_batch=True).applied(cfg)
     base = make_plan(cfg, run_vocab(cfg), gpu("H100"), 4, suggest=False).layout
     layouts = _layouts(cfg, base, 4)
-    assert [((x.parallel, x.expert_parallel), over) for x, over in layouts] == [
-        (("ddp", 1), ()), (("fsdp", 1), ("train.parallel=fsdp",)),
-        (("ddp", 2), ("model.moe.expert_parallel=2",)), (("ddp", 4), ("model.moe.expert_parallel=4",)),
-        (("fsdp", 2), ("train.parallel=fsdp", "model.moe.expert_parallel=2")),
-        (("fsdp", 4), ("train.parallel=fsdp", "model.moe.expert_parallel=4"))]
+    fsdp1, fsdp2, fsdp4 = (("train.parallel=fsdp", *([f"model.moe.expert_parallel={n}"] if n > 1 else []))
+                           for n in (1, 2, 4))
+    assert [((x.parallel, x.expert_parallel, x.reshard_after_forward), over) for x, over in layouts] == [
+        (("ddp", 1, True), ()), (("fsdp", 1, True), fsdp1), (("fsdp", 1, False), (*fsdp1, GATHERED)),
+        (("ddp", 2, True), ("model.moe.expert_parallel=2",)), (("ddp", 4, True), ("model.moe.expert_parallel=4",)),
+        (("fsdp", 2, True), fsdp2), (("fsdp", 2, False), (*fsdp2, GATHERED)),
+        (("fsdp", 4, True), fsdp4), (("fsdp", 4, False), (*fsdp4, GATHERED))]
     for x, over in layouts:
         run = decide_layout(load_config("moe-gpt2-125m", [*MOE_128, *over]), 4, "cuda", adapt_micro_batch=True)
         assert (run.strategy, run.expert_parallel) == (x.parallel, x.expert_parallel) and x.nproc == 4
+        micro = f"train.micro_batch_size={cfg.train.micro_batch_size}"
+        applied = load_config("moe-gpt2-125m", [*MOE_128, *over, micro])
+        assert make_plan(applied, run_vocab(applied), gpu("H100"), 4, suggest=False).layout == x
     ep2 = load_config("moe-gpt2-125m", [*MOE_128, "model.moe.expert_parallel=2"])
     plan = make_plan(ep2, run_vocab(ep2), gpu("H100"), 2)
     assert [(x.parallel, x.expert_parallel, over) for x, over in _layouts(ep2, plan.layout, 2)] == [
-        ("ddp", 2, ()), ("fsdp", 2, ("train.parallel=fsdp",))]
+        ("ddp", 2, ()), ("fsdp", 2, ("train.parallel=fsdp",)), ("fsdp", 2, ("train.parallel=fsdp", GATHERED))]
     fsdp = next(s for s in plan.suggestions if s.what == "fsdp")
     assert fsdp.overrides[0] == "train.parallel=fsdp" and fsdp.time is not None
     applied = make_plan(load_config("moe-gpt2-125m", [*MOE_128, "model.moe.expert_parallel=2", *fsdp.overrides]),
@@ -551,9 +559,10 @@ def test_layouts_offer_every_expert_parallel_degree_with_ddp_and_with_fsdp():
     sharded = decide_layout(sharded, 4, "cuda", adapt_micro_batch=True).applied(sharded)
     base = make_plan(sharded, run_vocab(sharded), gpu("H100"), 4, suggest=False).layout
     assert [(x.parallel, x.expert_parallel, over) for x, over in _layouts(sharded, base, 4)] == [
-        ("fsdp", 1, ()), ("ddp", 2, ("train.parallel=ddp", "model.moe.expert_parallel=2")),
+        ("fsdp", 1, ()), ("fsdp", 1, (GATHERED,)), ("ddp", 2, ("train.parallel=ddp", "model.moe.expert_parallel=2")),
         ("ddp", 4, ("train.parallel=ddp", "model.moe.expert_parallel=4")),
-        ("fsdp", 2, ("model.moe.expert_parallel=2",)), ("fsdp", 4, ("model.moe.expert_parallel=4",))]
+        ("fsdp", 2, ("model.moe.expert_parallel=2",)), ("fsdp", 2, ("model.moe.expert_parallel=2", GATHERED)),
+        ("fsdp", 4, ("model.moe.expert_parallel=4",)), ("fsdp", 4, ("model.moe.expert_parallel=4", GATHERED))]
 
 
 def test_expert_parallel_plan_names_the_largest_micro_batch_that_fits():
@@ -697,10 +706,10 @@ def test_bf16_moments_are_offered_beside_a_plan_where_they_buy_a_faster_micro_ba
 
 def test_bf16_moments_are_offered_beside_the_fastest_suggestion_when_the_run_does_not_fit():
     """The recipe's own layout of the 128-expert MoE does not fit 2 H100s; the plan's fastest suggestion is expert
-    parallelism 2 under fsdp at micro-batch 20, and the hint is that layout with bf16 moments at its larger
-    micro-batch, 40 (which peaked at 71.0 GiB on 2 H200s capped at an H100's memory, 2026-11-28-2xh200-moe-gpt2-
-    125m-128x-ep2-bf16-state-mb40-h100mem.json): its other overrides and GPU count kept, and applied, it fits in
-    the time the hint gave."""
+    parallelism 2 under fsdp, its blocks kept gathered, at micro-batch 20, and the hint is that layout with bf16
+    moments at its larger micro-batch, 40 (which peaked at 71.0 GiB on 2 H200s capped at an H100's memory,
+    2026-11-28-2xh200-moe-gpt2-125m-128x-ep2-bf16-state-mb40-h100mem.json): its other overrides and GPU count kept,
+    and applied, it fits in the time the hint gave."""
     over = ["model.moe.num_experts=128"]
     cfg = load_config("moe-gpt2-125m", over)
     vocab = run_vocab(cfg)
@@ -708,11 +717,12 @@ def test_bf16_moments_are_offered_beside_the_fastest_suggestion_when_the_run_doe
     first, hint = plan.suggestions[0], plan.smaller_state
     assert not plan.fits and first.overrides[:2] == ("train.parallel=fsdp", "model.moe.expert_parallel=2")
     assert hint.nproc == first.nproc == 2 and hint.time.step < first.time.step
-    assert first.overrides[2:] == ("train.micro_batch_size=20",)
-    assert hint.overrides == ("train.parallel=fsdp", "model.moe.expert_parallel=2", "optim.state_dtype=bf16",
+    assert first.overrides[2:] == (GATHERED, "train.micro_batch_size=20")
+    assert hint.overrides == ("train.parallel=fsdp", "model.moe.expert_parallel=2", GATHERED, "optim.state_dtype=bf16",
                               "train.micro_batch_size=40")
     applied = make_plan(load_config("moe-gpt2-125m", [*over, *hint.overrides]), vocab, gpu("H100"), 2)
     assert applied.fits and applied.time == hint.time and applied.memory.needed == hint.needed
     text = format_plan(plan, over)
     assert text.index("what would fit") < text.index("in the first of these layouts") < text.index(
-        "train.parallel=fsdp model.moe.expert_parallel=2 optim.state_dtype=bf16 train.micro_batch_size=40 --nproc 2")
+        f"train.parallel=fsdp model.moe.expert_parallel=2 {GATHERED} optim.state_dtype=bf16 train.micro_batch_size=40 "
+        "--nproc 2")

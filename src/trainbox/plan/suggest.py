@@ -64,9 +64,11 @@ def _seconds(s: Suggestion) -> float:
 
 def _layouts(cfg: RunConfig, base: Layout, n: int) -> list[tuple[Layout, tuple[str, ...]]]:
     """The layouts on n GPUs the trainer runs, simplest first: as configured; fsdp (where the config is ddp); then
-    each expert-parallel degree above the configured one, with ddp, then each with fsdp. A layout is kept where
-    config/layout.py accepts the config with its overrides (and the config still loads: no fsdp for t5, hf or
-    Muon), in the strategy and degree it decides; the micro-batch is searched apart."""
+    each expert-parallel degree above the configured one, with ddp, then each with fsdp. Each fsdp layout that
+    reshards its blocks after the forward is followed by its twin that keeps them gathered
+    (train.reshard_after_forward=false: more memory, fewer gathers and, under expert parallelism, less host work a
+    micro-batch). A layout is kept where config/layout.py accepts the config with its overrides (and the config still
+    loads: no fsdp for t5, hf or Muon), in the strategy and degree it decides; the micro-batch is searched apart."""
     ddp = cfg.train.parallel == "ddp"
     to_ddp, to_fsdp = ((), ("train.parallel=fsdp",)) if ddp else (("train.parallel=ddp",), ())
     degrees = range(base.expert_parallel + 1, n + 1)
@@ -80,7 +82,10 @@ def _layouts(cfg: RunConfig, base: Layout, n: int) -> list[tuple[Layout, tuple[s
                                 adapt_micro_batch=True)
         except ConfigError:
             continue
-        out.append((replace(base, nproc=n, parallel=run.strategy, expert_parallel=run.expert_parallel), over))
+        layout = replace(base, nproc=n, parallel=run.strategy, expert_parallel=run.expert_parallel)
+        out.append((layout, over))
+        if layout.parallel == "fsdp" and layout.reshard_after_forward:
+            out.append((replace(layout, reshard_after_forward=False), (*over, "train.reshard_after_forward=false")))
     return out
 
 

@@ -32,7 +32,9 @@ Per rank, for a step of `accumulation` micro-batches of `micro` sequences:
                 is read back: the host runs ahead of the GPU and sets no floor (the padded step on 2 H200s is
                 the GPU's compute and exchanges, 2026-11-28-2xh200-moe-gpt2-125m-128x-ep2-padded-vs-uneven-
                 h100mem.json). Under fsdp the uneven exchange also waits on FSDP's hooks: FSDP_HOST per
-                FSDP unit (each block and the root) per micro-batch, which the host cannot run ahead of.
+                FSDP unit (each block and the root) per micro-batch, which the host cannot run ahead of
+                (FSDP_GATHERED_HOST with train.reshard_after_forward=false: no gather for the backward, no
+                reshard).
                 Once a step, after the last backward, each expert shard's fp32 gradients summed over the
                 r = n / E ranks that hold it, 2(r-1)/r of their bytes at all_reduce x COLLECTIVES, not
                 overlapped (none where n = E)
@@ -106,6 +108,12 @@ RECOMPUTE_HOST = 15e-3
 # micro-batch 40, 1016 against 819 ms (2.5 ms), and fp32 moments at 16, 2050 against 1778 ms (1.5 ms)
 # (2026-11-29-2xh200-moe-gpt2-125m-128x-ep2-fsdp-vs-ddp-bf16-mb40-h100mem.json and -fsdp-vs-ddp-mb16-h100mem.json)
 FSDP_HOST = 2.0e-3
+# FSDP_HOST with the blocks kept gathered from forward to backward and between micro-batches
+# (train.reshard_after_forward=false): each unit's hooks still run and its gradient is still reduce-scattered every
+# micro-batch, but nothing is gathered again for the backward or freed after the forward. The 128-expert MoE at
+# expert parallelism 2 with fsdp at micro-batch 20 (12 micro-batches, 13 units) on 2 H200s, one call: 1191 ms kept
+# gathered against 1407 resharded (2026-11-30-2xh200-moe-gpt2-125m-128x-ep2-fsdp-mb20-gathered-h100mem.json)
+FSDP_GATHERED_HOST = 0.6e-3
 # the share of a step above which the host sets the pace of an expert-parallel step (the `host` part, with the split
 # sizes read on the host): there model.moe.split_sizes=auto keeps them in the compiled graph (parallel/__init__.py:
 # split_sizes_in_graph), and the step is modelled with GRAPH_HOST. The 128-expert MoE at expert parallelism 2 on 2
@@ -220,7 +228,7 @@ def _step_time(cfg: RunConfig, counts: ParamCount, target: Target, layout, micro
         if checkpointing != "none" and not padded:   # the recomputed layers read their split sizes again
             micro_s += n_moe * RECOMPUTE_HOST
         if fsdp and nproc > 1 and not padded:   # FSDP's hooks, after the host reads
-            micro_s += (counts.n_blocks + 1) * FSDP_HOST
+            micro_s += (counts.n_blocks + 1) * (FSDP_HOST if reshard_after_forward else FSDP_GATHERED_HOST)
         host = micro_s - busy - exchange
         comm += exchange
     all_reduce = exposed = 0.0
