@@ -252,6 +252,24 @@ def test_moe_under_fsdp_equals_one_process(tmp_path, data_cache):
     _same(_losses(tmp_path / "two"), _losses(tmp_path / "one"), range(1, 5))
 
 
+def test_experts_split_with_the_dense_blocks_kept_gathered_equal_one_process(tmp_path, data_cache):
+    """The layout `trainbox plan` names first for the 128-expert MoE on 2 H100s, in miniature: expert parallelism 2
+    with fsdp for the dense part, its blocks kept gathered from forward to backward and between micro-batches
+    (train.reshard_after_forward=false), two micro-batches a step a rank, a capacity that drops: the same steps as
+    one process."""
+    base = [*OWN, "model.family=moe", "model.moe.num_experts=4", "model.moe.capacity_factor=1.0",
+            "train.max_steps=4", "train.dtype=fp32", "train.micro_batch_size=2", "monitor.enabled=false",
+            "train.eval_tokens=512", "train.sample_tokens=0", f"run.dir={tmp_path}", f"data.cache_dir={data_cache}"]
+    train(load_config("tiny", [*base, "run.name=one"]))
+    run_cli("train", "--nproc", "2", "tiny", *base, "run.name=two", "train.parallel=fsdp",
+            "model.moe.expert_parallel=2", "train.reshard_after_forward=false")
+    got, ref = _losses(tmp_path / "two"), _losses(tmp_path / "one")
+    _same(got, ref, range(1, 5))
+    events = [json.loads(line) for line in (tmp_path / "one" / "metrics.jsonl").open()]
+    dropped = [v for e in events if e.get("event") == "train" for k, v in e.items() if k.endswith("dropped_frac")]
+    assert dropped and max(dropped) > 0, "the capacity drops nothing: the case is not tested"
+
+
 def test_llama_with_an_untied_table_under_fsdp_equals_one_process(tmp_path, data_cache):
     """Llama with its own head: the token table is an FSDP unit of its own (gathered for the lookup and again
     for its gradient), the root holds the final norm and the head. The same steps as one process."""
