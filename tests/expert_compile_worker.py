@@ -5,7 +5,10 @@ checkpointing and capacity factor from the command line), built by the trainer's
 train.compile on and off from the same seed: the compiled forward (DDP's, or FSDP's blocks)
 breaks at no data-dependent operator, the split sizes' host read included (parallel/__init__.py:
 split_sizes_in_graph), and its loss and every gradient equal the uncompiled model's within bf16's rounding.
-Prints "ok" on rank 0.
+
+Each argument is one configuration, "PARALLEL,CHECKPOINTING,CAPACITY", checked in turn in one launch (Dynamo reset
+between them, so each compiles from nothing as in a process of its own): rank 0 prints "ok CONFIG" for each that
+passes. The first that fails ends the launch with its assertion, leaving the configurations after it unchecked.
 """
 from __future__ import annotations
 
@@ -41,14 +44,9 @@ def grads(run, x, y) -> tuple[float, dict]:
     return out.loss.item(), {n: p.grad.detach().clone() for n, p in run.model.named_parameters() if p.grad is not None}
 
 
-def main() -> None:
-    torch.set_num_threads(1)
-    d = Dist(rank=int(os.environ["RANK"]), world=int(os.environ["WORLD_SIZE"]))
-    d.init(torch.device("cpu"), 120)
-    parallel, checkpointing, capacity = sys.argv[1:4]
+def check(d: Dist, parallel: str, checkpointing: str, capacity: str) -> None:
     g = torch.Generator().manual_seed(d.rank)
     x, y = torch.randint(0, VOCAB, (B, T), generator=g), torch.randint(0, VOCAB, (B, T), generator=g)
-    split_sizes_in_graph()   # as the loop does where the plan says the host paces the step
     runs = {}
     for compile in (False, True):
         cfg = config(parallel, checkpointing, capacity, compile)
@@ -67,9 +65,19 @@ def main() -> None:
     assert got.keys() == want.keys()
     for name in want:
         torch.testing.assert_close(got[name].float(), want[name].float(), atol=5e-3, rtol=5e-2, msg=name)
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    d = Dist(rank=int(os.environ["RANK"]), world=int(os.environ["WORLD_SIZE"]))
+    d.init(torch.device("cpu"), 120)
+    split_sizes_in_graph()   # as the loop does where the plan says the host paces the step
+    for spec in sys.argv[1:]:
+        torch._dynamo.reset()   # this configuration's graphs compiled from nothing, as in a process of its own
+        check(d, *spec.split(","))
+        if d.rank == 0:
+            print(f"ok {spec}", flush=True)
     d.shutdown()
-    if d.rank == 0:
-        print("ok")
 
 
 if __name__ == "__main__":
