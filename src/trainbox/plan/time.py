@@ -110,10 +110,12 @@ RECOMPUTE_HOST = 15e-3
 FSDP_HOST = 2.0e-3
 # FSDP_HOST with the blocks kept gathered from forward to backward and between micro-batches
 # (train.reshard_after_forward=false): each unit's hooks still run and its gradient is still reduce-scattered every
-# micro-batch, but nothing is gathered again for the backward or freed after the forward. The 128-expert MoE at
-# expert parallelism 2 with fsdp at micro-batch 20 (12 micro-batches, 13 units) on 2 H200s, one call: 1191 ms kept
-# gathered against 1407 resharded (2026-11-30-2xh200-moe-gpt2-125m-128x-ep2-fsdp-mb20-gathered-h100mem.json)
-FSDP_GATHERED_HOST = 0.6e-3
+# micro-batch, but nothing is gathered again for the backward or freed after the forward. Solved from what keeping
+# them gathered saved in two pairs of the 128-expert MoE at expert parallelism 2 with fsdp on 2 H200s, each pair on
+# one host: fp32 moments at micro-batch 20, 1191 against 1407 ms (0.6 ms), and bf16 moments at 40, 825 against 984 ms
+# (0.0 ms: there it saved all of FSDP_HOST); the median of the two
+# (2026-11-30-2xh200-moe-gpt2-125m-128x-ep2-fsdp-mb20-gathered-h100mem.json, -fsdp-gathered-bf16-mb40-h100mem.json)
+FSDP_GATHERED_HOST = 0.3e-3
 # the share of a step above which the host sets the pace of an expert-parallel step (the `host` part, with the split
 # sizes read on the host): there model.moe.split_sizes=auto keeps them in the compiled graph (parallel/__init__.py:
 # split_sizes_in_graph), and the step is modelled with GRAPH_HOST. The 128-expert MoE at expert parallelism 2 on 2
