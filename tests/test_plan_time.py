@@ -172,6 +172,8 @@ STEPS = [
      ["train.reshard_after_forward=true"], 2, "baseline.median_step_ms"),
     ("2026-11-30-2xh200-moe-gpt2-125m-128x-ep2-fsdp-mb20-graph-h100mem-profile.json", [], 2, "step_ms"),
     ("2026-11-30-h200-moe-gpt2-125m-vs-gpt2-125m-1gpu-80g-plain.json", [], 1, "median_step_ms"),
+    ("2026-11-30-2xh200-llama-1b-fsdp-2gpu-bf16-gathered-vs-torchtitan.json", [], 2, "median_step_ms"),
+    ("2026-11-30-2xh200-llama-1b-fsdp-2gpu-bf16-vs-torchtitan.json", [], 2, "median_step_ms"),
     ("2026-11-30-2xh200-moe-gpt2-125m-128x-ep2-fsdp-mb20-host-h100mem-profile.json", [], 2, "step_ms"),
     ("2026-11-29-h200-gpt2-125m-1gpu-sdpa-default-profile.json", [], 1, "step_ms"),
     ("2026-11-29-h200-gpt2-125m-1gpu-sdpa-cudnn-profile.json", [], 1, "step_ms"),
