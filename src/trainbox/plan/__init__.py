@@ -76,7 +76,7 @@ from trainbox.plan.memory import (
     dtype_bytes,
     memory,
 )
-from trainbox.plan.suggest import fewer_exchanges, smaller_state, suggestions
+from trainbox.plan.suggest import fewer_exchanges, kept_gathered, smaller_state, suggestions
 from trainbox.plan.time import StepTime, step_time
 
 __all__ = ["BYTES", "CONTEXT", "FRAGMENTATION", "GPUS", "MARGIN", "MODES", "NCCL", "PRESSURE", "Kernels", "Layout",
@@ -118,7 +118,8 @@ def make_plan(cfg: RunConfig, vocab: int, target: Target, nproc: int = 1, kernel
     elif suggest and ep > 1:
         plan = replace(plan, fewer_exchanges=fewer_exchanges(cfg, vocab, plan))
     if suggest and plan.fits:
-        plan = replace(plan, smaller_state=smaller_state(cfg, vocab, plan))
+        plan = replace(plan, smaller_state=smaller_state(cfg, vocab, plan),
+                       kept_gathered=kept_gathered(cfg, vocab, plan))
     elif suggest and plan.suggestions and plan.suggestions[0].time is not None:
         plan = replace(plan, smaller_state=_smaller_state_of(plan.suggestions[0], cfg, vocab, target, kernels, flash,
                                                             dtype, side_stream_grads))

@@ -103,6 +103,11 @@ def format_plan(plan: MemoryPlan, overrides: list[str] | tuple[str, ...] = ()) -
                       "larger ones exchange less often (GiB per GPU"
                   + (", predicted step time, tokens/s per GPU" if f.time else "") + "):",
                   _row(f, plan.recipe, overrides)]
+    if (f := plan.kept_gathered) is not None:
+        lines += ["", "fsdp: with the blocks kept gathered from forward to backward and between micro-batches "
+                      "(train.reshard_after_forward=false), nothing is gathered again for the backward and FSDP's "
+                      "hooks do less each micro-batch; that fits (GiB per GPU, predicted step time, tokens/s per GPU):",
+                  _row(f, plan.recipe, overrides)]
     smaller = []
     if (f := plan.smaller_state) is not None:
         smaller = ["", "with AdamW's moments in bf16 (optim.state_dtype=bf16: 4 bytes a parameter instead of 8, "
