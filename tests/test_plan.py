@@ -25,7 +25,7 @@ from trainbox.plan.activations import Kernels, Widths, family_activations, weigh
 from trainbox.plan.count import count_parameters
 from trainbox.plan.gpus import GiB
 from trainbox.plan.report import format_plan
-from trainbox.plan.suggest import GATHERED_GAIN, _layouts
+from trainbox.plan.suggest import GATHERED, GATHERED_GAIN, _layouts
 
 SMALL = ["data.tokenizer=embedded:shakespeare-bpe", "model.n_head=4", "model.n_embd=64", "data.seq_len=64",
          "model.n_layer=2", "model.vocab_size=512"]
@@ -33,7 +33,6 @@ FAMILIES = {"gpt": [], "moe": ["model.moe.num_experts=4", "model.bias=false"],
             "speedrun": ["model.eot_id=0", "model.head_dim=16", "model.n_layer=4"], "t5": [],
             "llama": ["model.llama.n_kv_head=2", "model.llama.intermediate_size=160"]}
 MOE_128 = ["model.moe.num_experts=128", "model.moe.top_k=2", "model.moe.capacity_factor=2"]
-GATHERED = "train.reshard_after_forward=false"   # fsdp with its blocks kept gathered
 
 
 def small(family: str, *extra: str):

@@ -369,32 +369,39 @@ FSDP_PAIRS = [
 ]
 
 
+def gap_solved(name: str, record: str, slow: tuple, fast: tuple, hi: float) -> tuple[float, object, object]:
+    """The value of plan_time.NAME (in [1e-6, hi]) at which the model's step of the pair's slower run exceeds its
+    faster run's by what the pair `record` measured (one call on one host): the difference, not either step alone, so
+    the shared terms' error stays out of it. `slow`, `fast`: (extra overrides, where the record holds the step).
+    Asserts the plan predicts the order measured. -> (value, the slower run's plan, the faster run's plan)."""
+    rec = json.loads((RECORDS / record).read_text())
+    measured = measured_seconds(rec, slow[1]) - measured_seconds(rec, fast[1])
+    (slow_cfg, slow_plan), (fast_cfg, fast_plan) = predicted_step(rec, slow[0], 2), predicted_step(rec, fast[0], 2)
+    assert fast_plan.time.step < slow_plan.time.step
+
+    def gap(value: float) -> float:
+        setattr(plan_time, name, value)
+        return sum(sign * step_time(c, p.counts, p.target, p.layout, p.micro_batch, p.checkpointing, p.sequences).step
+                   for sign, c, p in ((1, slow_cfg, slow_plan), (-1, fast_cfg, fast_plan)))
+    kept = getattr(plan_time, name)
+    try:
+        return solve(gap, measured, 1e-6, hi), slow_plan, fast_plan
+    finally:
+        setattr(plan_time, name, kept)
+
+
 def fsdp_host_of(record: str, fsdp_at: str, ddp_at: str, fsdp_extra: list[str], ddp_extra: list[str]) -> float:
     """The FSDP_HOST at which the model's fsdp step exceeds its ddp step by what the pair `record` measured (one
     micro-batch, one call on one host); asserts the plan ranks ddp first."""
-    rec = json.loads((RECORDS / record).read_text())
-    measured = measured_seconds(rec, fsdp_at) - measured_seconds(rec, ddp_at)
-    cfg, fsdp = predicted_step(rec, fsdp_extra, 2)
-    ddp = predicted_step(rec, ddp_extra, 2)[1]
+    value, fsdp, ddp = gap_solved("FSDP_HOST", record, (fsdp_extra, fsdp_at), (ddp_extra, ddp_at), 1.0)
     assert (fsdp.layout.parallel, ddp.layout.parallel) == ("fsdp", "ddp") and fsdp.micro_batch == ddp.micro_batch
     assert fsdp.layout.reshard_after_forward
-    assert ddp.time.step < fsdp.time.step
-
-    def gap(value: float) -> float:
-        plan_time.FSDP_HOST = value
-        return (step_time(cfg, fsdp.counts, fsdp.target, fsdp.layout, fsdp.micro_batch, fsdp.checkpointing,
-                          fsdp.sequences).step - ddp.time.step)
-    kept = plan_time.FSDP_HOST
-    try:
-        return solve(gap, measured, 1e-6, 1.0)
-    finally:
-        plan_time.FSDP_HOST = kept
+    return value
 
 
 def test_fsdp_host_is_what_fsdp_adds_to_ddp_with_expert_parallelism():
-    """FSDP_HOST within 10% of the median over the pairs that measured it. The difference, not fsdp's step alone,
-    so the shared terms' error stays out of it; and the plan ranks the ddp layout first at each pair's micro-batch,
-    as measured."""
+    """FSDP_HOST within 10% of the median over the pairs that measured it; and the plan ranks the ddp layout first at
+    each pair's micro-batch, as measured."""
     values = [fsdp_host_of(*pair) for pair in FSDP_PAIRS]
     assert abs(plan_time.FSDP_HOST / statistics.median(values) - 1) < 0.10, values
 
@@ -404,25 +411,14 @@ GATHERED_PAIRS = ["2026-11-30-2xh200-moe-gpt2-125m-128x-ep2-fsdp-mb20-gathered-h
 
 
 def gathered_host_of(record: str) -> float:
-    """The FSDP_GATHERED_HOST at which the model's step with the blocks resharded after the forward exceeds its step
-    with them kept gathered (train.reshard_after_forward=false) by what the pair `record` measured (one call on one
-    host), at least 1e-6 s; asserts the plan predicts the gathered one faster."""
-    rec = json.loads((RECORDS / record).read_text())
-    measured = measured_seconds(rec, "baseline.median_step_ms") - measured_seconds(rec, "median_step_ms")
-    cfg, gathered = predicted_step(rec, [], 2)
-    resharded = predicted_step(rec, ["train.reshard_after_forward=true"], 2)[1]
+    """The FSDP_GATHERED_HOST (at least 1e-6 s) at which the model's step with the blocks resharded after the forward
+    exceeds its step with them kept gathered (train.reshard_after_forward=false) by what the pair `record` measured;
+    asserts the plan predicts the gathered one faster."""
+    value, resharded, gathered = gap_solved("FSDP_GATHERED_HOST", record,
+                                            (["train.reshard_after_forward=true"], "baseline.median_step_ms"),
+                                            ([], "median_step_ms"), plan_time.FSDP_HOST)
     assert (gathered.layout.reshard_after_forward, resharded.layout.reshard_after_forward) == (False, True)
-    assert gathered.time.step < resharded.time.step
-
-    def gathered_step(value: float) -> float:
-        plan_time.FSDP_GATHERED_HOST = value
-        return step_time(cfg, gathered.counts, gathered.target, gathered.layout, gathered.micro_batch,
-                         gathered.checkpointing, gathered.sequences).step
-    kept = plan_time.FSDP_GATHERED_HOST
-    try:
-        return solve(lambda v: resharded.time.step - gathered_step(v), measured, 1e-6, plan_time.FSDP_HOST)
-    finally:
-        plan_time.FSDP_GATHERED_HOST = kept
+    return value
 
 
 def test_fsdp_kept_gathered_saves_the_host_work_the_pairs_measured():

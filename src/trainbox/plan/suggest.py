@@ -23,6 +23,7 @@ from trainbox.plan.time import StepTime, step_time
 # saves FSDP's host work each micro-batch (1.18x and 1.19x measured, plan/time.py FSDP_GATHERED_HOST); a dense model
 # saves a hidden gather (llama-1b on 2 H200s: 1%, 2026-11-30-2xh200-llama-1b-fsdp-2gpu-bf16-gathered-vs-torchtitan.json)
 GATHERED_GAIN = 0.05
+GATHERED = "train.reshard_after_forward=false"   # an fsdp layout's blocks kept gathered
 
 
 class _Search:
@@ -92,7 +93,7 @@ def _layouts(cfg: RunConfig, base: Layout, n: int) -> list[tuple[Layout, tuple[s
         layout = replace(base, nproc=n, parallel=run.strategy, expert_parallel=run.expert_parallel)
         out.append((layout, over))
         if layout.parallel == "fsdp" and layout.reshard_after_forward:
-            out.append((replace(layout, reshard_after_forward=False), (*over, "train.reshard_after_forward=false")))
+            out.append((replace(layout, reshard_after_forward=False), (*over, GATHERED)))
     return out
 
 
@@ -181,4 +182,4 @@ def kept_gathered(cfg: RunConfig, vocab: int, plan: MemoryPlan) -> Suggestion | 
     time = search.time(gathered, plan.micro_batch, plan.checkpointing)
     if needed > plan.target.memory or time.step > (1 - GATHERED_GAIN) * plan.time.step:
         return None
-    return Suggestion("blocks kept gathered", ("train.reshard_after_forward=false",), lay.nproc, needed, time)
+    return Suggestion("blocks kept gathered", (GATHERED,), lay.nproc, needed, time)
