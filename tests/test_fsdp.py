@@ -2,7 +2,8 @@
 
 One chain of runs of the tiny recipe in fp32 against one uninterrupted single-process run (the reference):
 2 processes with FSDP (blocks kept gathered between micro-batches), resumed on 4 processes from its step-3
-checkpoint, that resumed on 2 processes (with selective activation checkpointing) and, by the same command, on
+checkpoint, that resumed on 2 processes (with selective activation checkpointing, the gradients reduce-scattered
+once a step: train.grad_reduce=step) and, by the same command, on
 one process from its step-6 checkpoint (nothing to shard there: the model runs whole); and the reference's own
 step-6 checkpoint resumed under FSDP. Every step's loss and gradient norm must equal the reference's within
 1e-5: sharding, gradient accumulation, clipping over the sharded norm and resharding a checkpoint to another
@@ -18,7 +19,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import TINY, run_cli
+from conftest import TINY, run_check_script, run_cli
 
 from trainbox import checkpoint
 from trainbox.config import load_config
@@ -65,7 +66,7 @@ def chain(reference, data_cache):
             f"run.resume={two / 'step_00000003'}")
     four = root / "four" / "checkpoints" / "step_00000006"
     run_cli("train", "--nproc", "2", *base, "run.name=back", "train.parallel=fsdp", f"run.resume={four}",
-            "train.activation_checkpointing=selective")
+            "train.activation_checkpointing=selective", "train.grad_reduce=step")
     train(load_config("tiny", [*base[1:], "run.name=one", f"run.resume={four}", "train.parallel=fsdp"]))
     single = root / "ref" / "checkpoints" / "step_00000006"
     run_cli("train", "--nproc", "2", *base, "run.name=mixed", "train.parallel=fsdp", f"run.resume={single}")
@@ -255,19 +256,53 @@ def test_moe_under_fsdp_equals_one_process(tmp_path, data_cache):
 def test_experts_split_with_the_dense_blocks_kept_gathered_equal_one_process(tmp_path, data_cache):
     """The layout `trainbox plan` names first for the 128-expert MoE on 2 H100s, in miniature: expert parallelism 2
     with fsdp for the dense part, its blocks kept gathered from forward to backward and between micro-batches
-    (train.reshard_after_forward=false), two micro-batches a step a rank, a capacity that drops: the same steps as
-    one process."""
+    (train.reshard_after_forward=false) and their gradients reduce-scattered once a step (train.grad_reduce=step),
+    two micro-batches a step a rank, a capacity that drops: the same steps as one process."""
     base = [*OWN, "model.family=moe", "model.moe.num_experts=4", "model.moe.capacity_factor=1.0",
             "train.max_steps=4", "train.dtype=fp32", "train.micro_batch_size=2", "monitor.enabled=false",
             "train.eval_tokens=512", "train.sample_tokens=0", f"run.dir={tmp_path}", f"data.cache_dir={data_cache}"]
     train(load_config("tiny", [*base, "run.name=one"]))
     run_cli("train", "--nproc", "2", "tiny", *base, "run.name=two", "train.parallel=fsdp",
-            "model.moe.expert_parallel=2", "train.reshard_after_forward=false")
+            "model.moe.expert_parallel=2", "train.reshard_after_forward=false", "train.grad_reduce=step")
     got, ref = _losses(tmp_path / "two"), _losses(tmp_path / "one")
     _same(got, ref, range(1, 5))
     events = [json.loads(line) for line in (tmp_path / "one" / "metrics.jsonl").open()]
     dropped = [v for e in events if e.get("event") == "train" for k, v in e.items() if k.endswith("dropped_frac")]
     assert dropped and max(dropped) > 0, "the capacity drops nothing: the case is not tested"
+
+
+STEP_REDUCTION = r"""
+import sys, tempfile, torch, torch.distributed as dist
+from trainbox.config import ModelSection
+from trainbox.model.build import build_model
+from trainbox.parallel.distributed import Dist
+from trainbox.parallel.fsdp import ShardedParallel
+dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+idx = torch.randint(0, 64, (2, 2, 17), generator=torch.Generator().manual_seed(1))
+grads = {}
+for mode in ("micro_batch", "step"):
+    torch.manual_seed(0)
+    model = build_model(ModelSection(n_layer=2, n_head=2, n_embd=32), 64, 16)
+    # resharded after each micro-batch, so that model.parameters() are the shards whose .grad FSDP sets
+    fsdp = ShardedParallel(model, Dist(), torch.device("cpu"), torch.float32, reshard_after_forward=True,
+                           compile=False, grad_reduce=mode)
+    for k in range(2):
+        with fsdp.micro_batch(k, 2):
+            (model(idx[k, :, :-1], idx[k, :, 1:]).loss / 2).backward()
+        reduced = [p.grad is not None for p in model.parameters()]
+        # before the last micro-batch: every shard's gradient (micro_batch), none of them (step)
+        assert all(reduced) if k == 1 or mode == "micro_batch" else not any(reduced), (mode, k, reduced)
+    grads[mode] = [p.grad.full_tensor() for p in model.parameters()]
+assert all(torch.allclose(a, b, rtol=0, atol=1e-6) for a, b in zip(*grads.values()))
+print("ok")
+"""
+
+
+def test_step_reduction_reduces_nothing_before_the_last_micro_batch():
+    """train.grad_reduce=step (FSDP2, one rank over gloo): after the first of two micro-batches no parameter has
+    its gradient shard yet (nothing was reduce-scattered; every micro-batch's reduction gives each one at once),
+    and after the last the gradient is the one reduced every micro-batch."""
+    run_check_script(STEP_REDUCTION)
 
 
 def test_llama_with_an_untied_table_under_fsdp_equals_one_process(tmp_path, data_cache):

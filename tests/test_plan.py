@@ -25,7 +25,7 @@ from trainbox.plan.activations import Kernels, Widths, family_activations, weigh
 from trainbox.plan.count import count_parameters
 from trainbox.plan.gpus import GiB
 from trainbox.plan.report import format_plan
-from trainbox.plan.suggest import GATHERED, GATHERED_GAIN, _layouts
+from trainbox.plan.suggest import GATHERED, GATHERED_GAIN, ONCE, _layouts
 
 SMALL = ["data.tokenizer=embedded:shakespeare-bpe", "model.n_head=4", "model.n_embd=64", "data.seq_len=64",
          "model.n_layer=2", "model.vocab_size=512"]
@@ -524,7 +524,8 @@ def test_verdicts_and_suggestions_that_fit_when_applied():
 
 def test_layouts_offer_every_expert_parallel_degree_with_ddp_and_with_fsdp():
     """On 4 GPUs the 128-expert MoE runs as configured (ddp), under fsdp, and at expert parallelism 2 and 4 with
-    each strategy, each fsdp layout also with its blocks kept gathered (train.reshard_after_forward=false): every
+    each strategy, each fsdp layout also with its blocks kept gathered (train.reshard_after_forward=false), and so
+    with its gradients reduced once a step (train.grad_reduce=step): every
     layout offered is the one config/layout.py decides for its overrides, and the one the config with them plans. A
     plan already at expert parallelism 2 is offered fsdp at that degree, and one configured with fsdp is offered ddp
     beside it."""
@@ -534,11 +535,15 @@ def test_layouts_offer_every_expert_parallel_degree_with_ddp_and_with_fsdp():
     layouts = _layouts(cfg, base, 4)
     fsdp1, fsdp2, fsdp4 = (("train.parallel=fsdp", *([f"model.moe.expert_parallel={n}"] if n > 1 else []))
                            for n in (1, 2, 4))
-    assert [((x.parallel, x.expert_parallel, x.reshard_after_forward), over) for x, over in layouts] == [
-        (("ddp", 1, True), ()), (("fsdp", 1, True), fsdp1), (("fsdp", 1, False), (*fsdp1, GATHERED)),
-        (("ddp", 2, True), ("model.moe.expert_parallel=2",)), (("ddp", 4, True), ("model.moe.expert_parallel=4",)),
-        (("fsdp", 2, True), fsdp2), (("fsdp", 2, False), (*fsdp2, GATHERED)),
-        (("fsdp", 4, True), fsdp4), (("fsdp", 4, False), (*fsdp4, GATHERED))]
+    def twins(x, over, ep):
+        return [(("fsdp", ep, True, "micro_batch"), over), (("fsdp", ep, False, "micro_batch"), (*over, GATHERED)),
+                (("fsdp", ep, False, "step"), (*over, GATHERED, ONCE))]
+    assert [((x.parallel, x.expert_parallel, x.reshard_after_forward, x.grad_reduce), over)
+            for x, over in layouts] == [
+        (("ddp", 1, True, "micro_batch"), ()), *twins("fsdp", fsdp1, 1),
+        (("ddp", 2, True, "micro_batch"), ("model.moe.expert_parallel=2",)),
+        (("ddp", 4, True, "micro_batch"), ("model.moe.expert_parallel=4",)), *twins("fsdp", fsdp2, 2),
+        *twins("fsdp", fsdp4, 4)]
     for x, over in layouts:
         run = decide_layout(load_config("moe-gpt2-125m", [*MOE_128, *over]), 4, "cuda", adapt_micro_batch=True)
         assert (run.strategy, run.expert_parallel) == (x.parallel, x.expert_parallel) and x.nproc == 4
@@ -548,7 +553,8 @@ def test_layouts_offer_every_expert_parallel_degree_with_ddp_and_with_fsdp():
     ep2 = load_config("moe-gpt2-125m", [*MOE_128, "model.moe.expert_parallel=2"])
     plan = make_plan(ep2, run_vocab(ep2), gpu("H100"), 2)
     assert [(x.parallel, x.expert_parallel, over) for x, over in _layouts(ep2, plan.layout, 2)] == [
-        ("ddp", 2, ()), ("fsdp", 2, ("train.parallel=fsdp",)), ("fsdp", 2, ("train.parallel=fsdp", GATHERED))]
+        ("ddp", 2, ()), ("fsdp", 2, ("train.parallel=fsdp",)), ("fsdp", 2, ("train.parallel=fsdp", GATHERED)),
+        ("fsdp", 2, ("train.parallel=fsdp", GATHERED, ONCE))]
     fsdp = next(s for s in plan.suggestions if s.what == "fsdp")
     assert fsdp.overrides[0] == "train.parallel=fsdp" and fsdp.time is not None
     applied = make_plan(load_config("moe-gpt2-125m", [*MOE_128, "model.moe.expert_parallel=2", *fsdp.overrides]),
@@ -558,10 +564,13 @@ def test_layouts_offer_every_expert_parallel_degree_with_ddp_and_with_fsdp():
     sharded = decide_layout(sharded, 4, "cuda", adapt_micro_batch=True).applied(sharded)
     base = make_plan(sharded, run_vocab(sharded), gpu("H100"), 4, suggest=False).layout
     assert [(x.parallel, x.expert_parallel, over) for x, over in _layouts(sharded, base, 4)] == [
-        ("fsdp", 1, ()), ("fsdp", 1, (GATHERED,)), ("ddp", 2, ("train.parallel=ddp", "model.moe.expert_parallel=2")),
+        ("fsdp", 1, ()), ("fsdp", 1, (GATHERED,)), ("fsdp", 1, (GATHERED, ONCE)),
+        ("ddp", 2, ("train.parallel=ddp", "model.moe.expert_parallel=2")),
         ("ddp", 4, ("train.parallel=ddp", "model.moe.expert_parallel=4")),
         ("fsdp", 2, ("model.moe.expert_parallel=2",)), ("fsdp", 2, ("model.moe.expert_parallel=2", GATHERED)),
-        ("fsdp", 4, ("model.moe.expert_parallel=4",)), ("fsdp", 4, ("model.moe.expert_parallel=4", GATHERED))]
+        ("fsdp", 2, ("model.moe.expert_parallel=2", GATHERED, ONCE)),
+        ("fsdp", 4, ("model.moe.expert_parallel=4",)), ("fsdp", 4, ("model.moe.expert_parallel=4", GATHERED)),
+        ("fsdp", 4, ("model.moe.expert_parallel=4", GATHERED, ONCE))]
 
 
 def test_expert_parallel_plan_names_the_largest_micro_batch_that_fits():
@@ -707,25 +716,32 @@ def test_a_fitting_fsdp_plan_names_its_blocks_kept_gathered_where_that_is_marked
     """The 128-expert MoE at expert parallelism 2 under fsdp at micro-batch 20 fits 2 H100s resharding its blocks
     after the forward; kept gathered (train.reshard_after_forward=false) it fits too and is predicted over GATHERED_GAIN
     faster (measured 1.18x on 2 H200s capped at an H100's memory:
-    2026-11-30-2xh200-moe-gpt2-125m-128x-ep2-fsdp-mb20-gathered-h100mem.json), so the plan names it beside itself, and
-    applied it fits in the time it gave. llama-1b under fsdp on 2 H200s kept gathered is predicted under GATHERED_GAIN
-    faster (measured 1%: 2026-11-30-2xh200-llama-1b-fsdp-2gpu-bf16-gathered-vs-torchtitan.json): no hint; none under
-    ddp, on one GPU, or for a plan already gathered."""
+    2026-11-30-2xh200-moe-gpt2-125m-128x-ep2-fsdp-mb20-gathered-h100mem.json), and faster still with its gradients
+    reduced once a step (train.grad_reduce=step; measured 1.03x and 1.08x that:
+    2026-11-30-2xh200-moe-gpt2-125m-128x-ep2-fsdp-mb20-gathered-once-h100mem.json, -gathered-vs-once-h100mem.json),
+    which fits as well: the plan names that beside itself, and applied it fits in the time it gave. llama-1b under
+    fsdp on 2 H200s kept gathered is predicted under GATHERED_GAIN faster (measured 1%:
+    2026-11-30-2xh200-llama-1b-fsdp-2gpu-bf16-gathered-vs-torchtitan.json): no hint; none under ddp, on one GPU, or
+    for a plan already gathered."""
     over = [*MOE_128, "model.moe.lb_loss_weight=0.05", "model.moe.expert_parallel=2", "train.parallel=fsdp",
             "train.micro_batch_size=20"]
     cfg = load_config("moe-gpt2-125m", over)
     vocab = run_vocab(cfg)
     plan = make_plan(cfg, vocab, gpu("H100"), 2)
     hint = plan.kept_gathered
-    assert plan.fits and hint.overrides == (GATHERED,) and hint.nproc == 2
+    assert plan.fits and hint.overrides == (GATHERED, ONCE) and hint.nproc == 2
     assert hint.time.step < (1 - GATHERED_GAIN) * plan.time.step and hint.needed <= gpu("H100").memory
-    applied = make_plan(load_config("moe-gpt2-125m", [*over, GATHERED]), vocab, gpu("H100"), 2)
+    gathered = make_plan(load_config("moe-gpt2-125m", [*over, GATHERED]), vocab, gpu("H100"), 2)
+    assert gathered.fits and gathered.time.step < (1 - GATHERED_GAIN) * plan.time.step
+    assert hint.time.step < gathered.time.step and gathered.memory.needed < hint.needed   # reduced once: more memory
+    applied = make_plan(load_config("moe-gpt2-125m", [*over, GATHERED, ONCE]), vocab, gpu("H100"), 2)
     assert applied.fits and applied.time == hint.time and applied.memory.needed == hint.needed
     assert applied.kept_gathered is None and not applied.layout.reshard_after_forward
+    assert applied.layout.grad_reduce == "step"
     text = format_plan(plan, over)
-    row = f"train.micro_batch_size=20 {GATHERED} --nproc 2"
+    row = f"train.micro_batch_size=20 {GATHERED} {ONCE} --nproc 2"
     assert text.index("fsdp: with the blocks kept gathered") < text.index(row)
-    assert tuple(plan.as_dict()["kept_gathered"]["overrides"]) == (GATHERED,)
+    assert tuple(plan.as_dict()["kept_gathered"]["overrides"]) == (GATHERED, ONCE)
     llama = load_config("llama-1b", ["train.parallel=fsdp", "train.micro_batch_size=2", "train.global_batch_size=4",
                                      "model.vocab_size=128256", "model.llama.tie_embeddings=false"])
     dense = make_plan(llama, run_vocab(llama), gpu("H200"), 2)
@@ -738,7 +754,8 @@ def test_a_fitting_fsdp_plan_names_its_blocks_kept_gathered_where_that_is_marked
 
 def test_bf16_moments_are_offered_beside_the_fastest_suggestion_when_the_run_does_not_fit():
     """The recipe's own layout of the 128-expert MoE does not fit 2 H100s; the plan's fastest suggestion is expert
-    parallelism 2 under fsdp, its blocks kept gathered, at micro-batch 20, and the hint is that layout with bf16
+    parallelism 2 under fsdp, its blocks kept gathered and its gradients reduced once a step, at micro-batch 20, and
+    the hint is that layout with bf16
     moments at its larger micro-batch, 40 (which peaked at 71.0 GiB on 2 H200s capped at an H100's memory,
     2026-11-28-2xh200-moe-gpt2-125m-128x-ep2-bf16-state-mb40-h100mem.json): its other overrides and GPU count kept,
     and applied, it fits in the time the hint gave."""
@@ -749,12 +766,12 @@ def test_bf16_moments_are_offered_beside_the_fastest_suggestion_when_the_run_doe
     first, hint = plan.suggestions[0], plan.smaller_state
     assert not plan.fits and first.overrides[:2] == ("train.parallel=fsdp", "model.moe.expert_parallel=2")
     assert hint.nproc == first.nproc == 2 and hint.time.step < first.time.step
-    assert first.overrides[2:] == (GATHERED, "train.micro_batch_size=20")
-    assert hint.overrides == ("train.parallel=fsdp", "model.moe.expert_parallel=2", GATHERED, "optim.state_dtype=bf16",
-                              "train.micro_batch_size=40")
+    assert first.overrides[2:] == (GATHERED, ONCE, "train.micro_batch_size=20")
+    assert hint.overrides == ("train.parallel=fsdp", "model.moe.expert_parallel=2", GATHERED, ONCE,
+                              "optim.state_dtype=bf16", "train.micro_batch_size=40")
     applied = make_plan(load_config("moe-gpt2-125m", [*over, *hint.overrides]), vocab, gpu("H100"), 2)
     assert applied.fits and applied.time == hint.time and applied.memory.needed == hint.needed
     text = format_plan(plan, over)
     assert text.index("what would fit") < text.index("in the first of these layouts") < text.index(
-        f"train.parallel=fsdp model.moe.expert_parallel=2 {GATHERED} optim.state_dtype=bf16 train.micro_batch_size=40 "
-        "--nproc 2")
+        f"train.parallel=fsdp model.moe.expert_parallel=2 {GATHERED} {ONCE} optim.state_dtype=bf16 "
+        "train.micro_batch_size=40 --nproc 2")

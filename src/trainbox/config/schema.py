@@ -137,6 +137,11 @@ class TrainSection(Section):
                                             "float8 all-gathers")
     reshard_after_forward: bool = Field(True, description="fsdp: free gathered parameters after each block's "
                                                           "forward (less memory, one more all-gather)")
+    grad_reduce: Literal["micro_batch", "step"] = Field(
+        "micro_batch", description="fsdp with several micro-batches a step: reduce-scatter the gradients after "
+                                   "every micro-batch (a rank keeps its shard), or once a step, after the last (a "
+                                   "rank keeps the whole fp32 gradient of what fsdp shards until then: 4 bytes a "
+                                   "parameter more; fewer collectives and host work, as ddp reduces once a step)")
     activation_checkpointing: Literal["none", "selective", "full"] = Field(
         "none", description="recompute in the backward to save memory: selective = keep matmul and attention "
                             "outputs, recompute the elementwise ops; full = keep only each block's input")

@@ -11,6 +11,11 @@ split over the ranks, and each block's parameters are all-gathered just before i
   keeps its parameters gathered after the forward (the backward needs them at once);
   `train.reshard_after_forward=false` keeps every block gathered (less traffic, more memory), and then also
   keeps them gathered between the micro-batches of one step.
+- Gradient reduction: with several micro-batches a step, each unit's gradient is reduce-scattered after every
+  micro-batch's backward (each rank keeps only its shard), or with `train.grad_reduce=step` once a step, after
+  the last: until then every rank accumulates the whole fp32 gradient of what FSDP shards (4 bytes a parameter
+  more), and the micro-batches before the last run no reduce-scatter and none of its hooks, as ddp reduces once
+  a step.
 - Gradient memory: FSDP reduce-scatters each unit's gradient on a side stream, and the caching allocator
   keeps what a stream allocated in that stream's own pool. The sharded gradients (fp32: one rank's share of
   4 bytes a parameter) would then sit in a pool that the forward's activations cannot use, so the peak of the
@@ -68,7 +73,7 @@ class ShardedParallel:
     collective = True   # a forward needs every rank (the blocks' all-gathers)
 
     def __init__(self, model: nn.Module, dist: Dist, device: torch.device, dtype: torch.dtype,
-                 reshard_after_forward: bool, compile: bool, float8: bool = False):
+                 reshard_after_forward: bool, compile: bool, float8: bool = False, grad_reduce: str = "micro_batch"):
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # heavy: torch.distributed.fsdp
         shape = mesh_shape(dist.world, dist.local_world)
         names = ("shard",) if len(shape) == 1 else ("replicate", "shard")
@@ -78,6 +83,7 @@ class ShardedParallel:
         policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32 if low is not None else None)
         blocks = units(model)
         self.reshard_after_forward = reshard_after_forward
+        self.once_a_step = grad_reduce == "step"
         self.experts = experts_sharded(model)
         shard = dict(mesh=self.mesh, mp_policy=policy, **_ignoring_experts(model))
         for i, block in enumerate(blocks):
@@ -108,9 +114,12 @@ class ShardedParallel:
 
     def micro_batch(self, k: int, accum: int):
         """Before the last micro-batch, blocks stay gathered after their backward when memory was allowed
-        for it (reshard_after_forward=false); gradients reduce-scatter after every micro-batch's backward."""
+        for it (reshard_after_forward=false); gradients reduce-scatter after every micro-batch's backward, or
+        after the last one's only (grad_reduce=step)."""
         if not self.reshard_after_forward and accum > 1:
             self.model.set_reshard_after_backward(k == accum - 1)
+        if self.once_a_step and accum > 1:
+            self.model.set_requires_gradient_sync(k == accum - 1)
         self.copies.before(k)
         return nullcontext()
 

@@ -11,7 +11,9 @@ model.moe.expert_parallel):
                    parallelism 1/E of the experts, whole, with either strategy (E ranks hold disjoint experts;
                    FSDP ignores them and shards the rest); frozen weights as built (LoRA bases)
     gradients      fp32, one per trainable parameter held (sharded like the parameters), at the peak only where
-                   the step has several micro-batches (the earlier ones' gradients are kept through the last)
+                   the step has several micro-batches (the earlier ones' gradients are kept through the last);
+                   under fsdp with train.grad_reduce=step and several micro-batches also the whole fp32 gradient
+                   of what FSDP shards, which the micro-batches before the last accumulate unreduced
     optimizer      AdamW: two moments, fp32 (8 bytes) or bf16 (4, optim.state_dtype); Muon: one fp32 momentum
                    (4) for the matrices it owns
     activations    plan/activations.py: what the blocks, the head and the loss keep for the backward of one
@@ -99,7 +101,7 @@ def make_plan(cfg: RunConfig, vocab: int, target: Target, nproc: int = 1, kernel
     ep = run.expert_parallel
     if side_stream_grads is None:
         side_stream_grads = not compute_pool_grads_available()
-    layout = Layout(run.strategy, nproc, ep, t.reshard_after_forward, side_stream_grads)
+    layout = Layout(run.strategy, nproc, ep, t.reshard_after_forward, side_stream_grads, t.grad_reduce)
     counts = count_parameters(cfg, vocab)
     kernels = kernels or assumed_kernels(cfg, target, flash)
     own = getattr(spec.memory(), "checkpointing", None)   # a family that recomputes in its own way (hf)

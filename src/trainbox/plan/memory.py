@@ -36,6 +36,7 @@ class Layout:
     expert_parallel: int = 1
     reshard_after_forward: bool = True
     side_stream_grads: bool = False    # fsdp: gradient shards in the reduce-scatter stream's own pool (HSDP, old torch)
+    grad_reduce: str = "micro_batch"   # fsdp: gradients reduce-scattered every micro-batch, or once a step ("step")
 
 
 @dataclass(frozen=True)
@@ -229,6 +230,8 @@ def memory(cfg: RunConfig, counts: ParamCount, vocab: int, target: Target, layou
     # activations are smaller than they are (then the end of the backward is the peak)
     accum = -(-cfg.train.global_batch_size // (micro * world))
     grads = 4 * local if accum > 1 or acts.peak < 4 * local else 0
+    if fsdp and accum > 1 and layout.grad_reduce == "step":   # the whole fp32 gradient of what FSDP shards, kept
+        grads += 4 * (counts.trainable if ep == 1 else counts.dense)   # until the last micro-batch reduces it
     # the frozen copy is spread like the model: under expert parallelism its experts are this rank's shard, whole
     whole = counts.total - counts.expert if ep > 1 else counts.total
     reference = a * (whole / shard + (counts.expert / ep if ep > 1 else 0)) if copy else 0

@@ -35,7 +35,8 @@ def layout_text(plan: MemoryPlan) -> str:
     if lay.parallel == "fsdp":
         dense = "dense " if plan.counts.expert and lay.expert_parallel > 1 else ""   # FSDP ignores the experts
         text += f" ({dense}parameters, gradients and optimizer state 1/{lay.nproc} per GPU; " \
-                f"reshard_after_forward={str(lay.reshard_after_forward).lower()})"
+                f"reshard_after_forward={str(lay.reshard_after_forward).lower()}" \
+                f"{'; gradients reduced once a step' if lay.grad_reduce == 'step' else ''})"
     if plan.counts.expert:
         text += f"; experts 1/{lay.expert_parallel} per GPU" if lay.expert_parallel > 1 else \
             "; every expert on every GPU"
@@ -106,7 +107,10 @@ def format_plan(plan: MemoryPlan, overrides: list[str] | tuple[str, ...] = ()) -
     if (f := plan.kept_gathered) is not None:
         lines += ["", "fsdp: with the blocks kept gathered from forward to backward and between micro-batches "
                       "(train.reshard_after_forward=false), nothing is gathered again for the backward and FSDP's "
-                      "hooks do less each micro-batch; that fits (GiB per GPU, predicted step time, tokens/s per GPU):",
+                      "hooks do less each micro-batch"
+                  + ("; with the gradients reduce-scattered once a step (train.grad_reduce=step), less still"
+                     if "train.grad_reduce=step" in f.overrides else "")
+                  + "; that fits (GiB per GPU, predicted step time, tokens/s per GPU):",
                   _row(f, plan.recipe, overrides)]
     smaller = []
     if (f := plan.smaller_state) is not None:

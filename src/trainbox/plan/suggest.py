@@ -3,8 +3,8 @@ fsdp, an expert-parallel degree (with ddp or fsdp), or more GPUs, each checked w
 plan itself; and, under expert parallelism, the largest micro-batch that fits (`MemoryPlan.fewer_exchanges`); for a
 plan that fits with AdamW's fp32 moments, the larger micro-batch bf16 moments would fit where it is faster
 (`MemoryPlan.smaller_state`: a change of numerics, so a hint beside the plan, never one of its ranked suggestions);
-for a plan under fsdp that fits, its blocks kept gathered where that fits and is predicted at least GATHERED_GAIN
-faster (`MemoryPlan.kept_gathered`).
+for a plan under fsdp that fits, its blocks kept gathered (and its gradients reduced once a step where that is
+faster still) where that fits and is predicted at least GATHERED_GAIN faster (`MemoryPlan.kept_gathered`).
 Every layout suggested is one config/layout.py accepts. Each carries its predicted step time (plan/time.py) where
 the GPU has rates: the expert-parallel degree suggested is the fastest that fits, and the suggestions on the plan's
 GPUs come fastest first, then those on more GPUs, fastest first."""
@@ -24,6 +24,7 @@ from trainbox.plan.time import StepTime, step_time
 # saves a hidden gather (llama-1b on 2 H200s: 1%, 2026-11-30-2xh200-llama-1b-fsdp-2gpu-bf16-gathered-vs-torchtitan.json)
 GATHERED_GAIN = 0.05
 GATHERED = "train.reshard_after_forward=false"   # an fsdp layout's blocks kept gathered
+ONCE = "train.grad_reduce=step"                  # ... and its gradients reduce-scattered once a step
 
 
 class _Search:
@@ -75,8 +76,9 @@ def _layouts(cfg: RunConfig, base: Layout, n: int) -> list[tuple[Layout, tuple[s
     each expert-parallel degree above the configured one, with ddp, then each with fsdp. Each fsdp layout that
     reshards its blocks after the forward is followed by its twin that keeps them gathered
     (train.reshard_after_forward=false: more memory, fewer gathers and, under expert parallelism, less host work a
-    micro-batch). A layout is kept where config/layout.py accepts the config with its overrides (and the config still
-    loads: no fsdp for t5, hf or Muon), in the strategy and degree it decides; the micro-batch is searched apart."""
+    micro-batch), and by that twin with its gradients reduced once a step (train.grad_reduce=step). A layout is kept
+    where config/layout.py accepts the config with its overrides (and the config still loads: no fsdp for t5, hf or
+    Muon), in the strategy and degree it decides; the micro-batch is searched apart."""
     ddp = cfg.train.parallel == "ddp"
     to_ddp, to_fsdp = ((), ("train.parallel=fsdp",)) if ddp else (("train.parallel=ddp",), ())
     degrees = range(base.expert_parallel + 1, n + 1)
@@ -93,8 +95,18 @@ def _layouts(cfg: RunConfig, base: Layout, n: int) -> list[tuple[Layout, tuple[s
         layout = replace(base, nproc=n, parallel=run.strategy, expert_parallel=run.expert_parallel)
         out.append((layout, over))
         if layout.parallel == "fsdp" and layout.reshard_after_forward:
-            out.append((replace(layout, reshard_after_forward=False), (*over, GATHERED)))
+            out += [(x, o) for x, o in _gathered(layout, over)]
     return out
+
+
+def _gathered(layout: Layout, over: tuple[str, ...]) -> list[tuple[Layout, tuple[str, ...]]]:
+    """An fsdp layout's twins that keep the blocks gathered: reducing gradients as it does, and, where it reduces
+    them every micro-batch, once a step (train.grad_reduce=step: the whole fp32 gradient of what FSDP shards kept
+    until the last micro-batch, fewer collectives and hooks)."""
+    twins = [(replace(layout, reshard_after_forward=False), (*over, GATHERED))]
+    if layout.grad_reduce != "step":
+        twins.append((replace(layout, reshard_after_forward=False, grad_reduce="step"), (*over, GATHERED, ONCE)))
+    return twins
 
 
 def suggestions(cfg: RunConfig, vocab: int, plan: MemoryPlan) -> list[Suggestion]:
@@ -172,14 +184,17 @@ def smaller_state(cfg: RunConfig, vocab: int, plan: MemoryPlan) -> Suggestion | 
 
 def kept_gathered(cfg: RunConfig, vocab: int, plan: MemoryPlan) -> Suggestion | None:
     """A plan under fsdp that reshards its blocks after the forward, with them kept gathered instead
-    (train.reshard_after_forward=false, at the plan's micro-batch): where that fits and its step is predicted at least
-    GATHERED_GAIN shorter; else None (another strategy, one GPU, already gathered, or a GPU without rates)."""
+    (train.reshard_after_forward=false, at the plan's micro-batch; with the gradients also reduced once a step where
+    that is faster still): the fastest twin that fits, where its step is predicted at least GATHERED_GAIN shorter;
+    else None (another strategy, one GPU, already gathered, or a GPU without rates)."""
     lay = plan.layout
     if lay.parallel != "fsdp" or lay.nproc < 2 or not lay.reshard_after_forward or plan.time is None:
         return None
-    gathered, search = replace(lay, reshard_after_forward=False), _Search(cfg, vocab, plan)
-    needed = search.needed(gathered, plan.micro_batch, plan.checkpointing)
-    time = search.time(gathered, plan.micro_batch, plan.checkpointing)
-    if needed > plan.target.memory or time.step > (1 - GATHERED_GAIN) * plan.time.step:
-        return None
-    return Suggestion("blocks kept gathered", (GATHERED,), lay.nproc, needed, time)
+    search, best = _Search(cfg, vocab, plan), None
+    for gathered, over in _gathered(lay, ()):
+        needed = search.needed(gathered, plan.micro_batch, plan.checkpointing)
+        time = search.time(gathered, plan.micro_batch, plan.checkpointing)
+        if needed <= plan.target.memory and time.step <= (1 - GATHERED_GAIN) * plan.time.step \
+                and (best is None or time.step < best.time.step):
+            best = Suggestion("blocks kept gathered", over, lay.nproc, needed, time)
+    return best

@@ -14,7 +14,9 @@ Per rank, for a step of `accumulation` micro-batches of `micro` sequences:
                 their bytes at all_reduce x COLLECTIVES; DDP overlaps it with the last micro-batch's backward,
                 all but the last bucket
     fsdp        per micro-batch: the bf16 parameters all-gathered for the forward and again for the backward
-                (once with train.reshard_after_forward=false) and the fp32 gradients reduce-scattered, (n-1)/n of
+                (once with train.reshard_after_forward=false) and the fp32 gradients reduce-scattered (on the
+                last micro-batch only with train.grad_reduce=step, the others adding theirs into the whole fp32
+                gradient at the memory bandwidth), (n-1)/n of
                 their bytes at all_reduce x COLLECTIVES, overlapped with the micro-batch's compute; the first
                 block's gather is not; the copies around them at the memory bandwidth (the gathered weights
                 copied out beside the compute, the gradients cast into the reduce-scatter's input before it).
@@ -34,7 +36,8 @@ Per rank, for a step of `accumulation` micro-batches of `micro` sequences:
                 h100mem.json). Under fsdp the uneven exchange also waits on FSDP's hooks: FSDP_HOST per
                 FSDP unit (each block and the root) per micro-batch, which the host cannot run ahead of
                 (FSDP_GATHERED_HOST with train.reshard_after_forward=false: no gather for the backward, no
-                reshard).
+                reshard; train.grad_reduce=step takes FSDP_GATHERED_HOST, the reduce-scatters' part, off every
+                micro-batch but the last).
                 Once a step, after the last backward, each expert shard's fp32 gradients summed over the
                 r = n / E ranks that hold it, 2(r-1)/r of their bytes at all_reduce x COLLECTIVES, not
                 overlapped (none where n = E)
@@ -114,7 +117,11 @@ FSDP_HOST = 2.0e-3
 # them gathered saved in two pairs of the 128-expert MoE at expert parallelism 2 with fsdp on 2 H200s, each pair on
 # one host: fp32 moments at micro-batch 20, 1191 against 1407 ms (0.6 ms), and bf16 moments at 40, 825 against 984 ms
 # (0.0 ms: there it saved all of FSDP_HOST); the median of the two
-# (2026-11-30-2xh200-moe-gpt2-125m-128x-ep2-fsdp-mb20-gathered-h100mem.json, -fsdp-gathered-bf16-mb40-h100mem.json)
+# (2026-11-30-2xh200-moe-gpt2-125m-128x-ep2-fsdp-mb20-gathered-h100mem.json, -fsdp-gathered-bf16-mb40-h100mem.json).
+# What is left is the reduce-scatters' part: train.grad_reduce=step, which runs them on the last micro-batch only,
+# saved 0.24 and 0.66 ms a unit and micro-batch at micro-batch 20 in two pairs (each order once, one host:
+# -fsdp-mb20-gathered-once-h100mem.json, -fsdp-mb20-gathered-vs-once-h100mem.json); with bf16 moments at micro-batch
+# 40 the pairs split (-1.0 and -0.4 ms; four single runs +0.4), within that host's spread
 FSDP_GATHERED_HOST = 0.3e-3
 # the share of a step above which the host sets the pace of an expert-parallel step (the `host` part, with the split
 # sizes read on the host): there model.moe.split_sizes=auto keeps them in the compiled graph (parallel/__init__.py:
@@ -187,6 +194,8 @@ def _step_time(cfg: RunConfig, counts: ParamCount, target: Target, layout, micro
     m, seq, ep = cfg.model, cfg.data.seq_len, layout.expert_parallel
     parallel, nproc, reshard_after_forward = layout.parallel, layout.nproc, layout.reshard_after_forward
     accumulation = max(1, cfg.train.global_batch_size // (micro * nproc))
+    # fsdp's reduce-scatters a micro-batch, over the step: every micro-batch's, or the last one's (grad_reduce=step)
+    reduces = 1 / accumulation if layout.grad_reduce == "step" else 1.0
     n_moe = moe_layers(cfg)
     tokens = micro * seq * sequences                    # one micro-batch on one rank
     expert_flops = 6 * counts.expert * m.moe.top_k / m.moe.num_experts if n_moe else 0.0
@@ -214,11 +223,13 @@ def _step_time(cfg: RunConfig, counts: ParamCount, target: Target, layout, micro
         managed = counts.total - (counts.expert if ep > 1 else 0)
         block = counts.largest_block - (counts.expert / max(1, counts.n_blocks) if ep > 1 else 0)
         gathers = 2 if reshard_after_forward else 1
-        comm = (2 * gathers + 4) * managed * (nproc - 1) / nproc / link
+        comm = (2 * gathers + 4 * reduces) * managed * (nproc - 1) / nproc / link
         first = 2 * (block + counts.root) * (nproc - 1) / nproc / link
         # the copies around them: the gathered parameters copied out on the compute stream (2 bytes read, 2
         # written), the bf16 gradients cast into the reduce-scatter's fp32 input on its stream (2 read, 4 written)
-        copy_out, copy_in = 4 * gathers * managed / rates.memory, 6 * managed / rates.memory
+        # or, before the last micro-batch under grad_reduce=step, added into the whole fp32 gradient (6 read, 4)
+        copy_out = 4 * gathers * managed / rates.memory
+        copy_in = (6 * reduces + 10 * (1 - reduces)) * managed / rates.memory
         micro_s = max(compute + copy_out, comm + copy_in) + first
     if ep > 1 and n_moe:
         rows = tokens * m.moe.top_k * pad
@@ -229,8 +240,10 @@ def _step_time(cfg: RunConfig, counts: ParamCount, target: Target, layout, micro
                    else max(busy + exchange, n_moe * host_per_layer) + n_moe * rates.host_sync)
         if checkpointing != "none" and not padded:   # the recomputed layers read their split sizes again
             micro_s += n_moe * RECOMPUTE_HOST
-        if fsdp and nproc > 1 and not padded:   # FSDP's hooks, after the host reads
-            micro_s += (counts.n_blocks + 1) * (FSDP_HOST if reshard_after_forward else FSDP_GATHERED_HOST)
+        if fsdp and nproc > 1 and not padded:   # FSDP's hooks, after the host reads; the reduce-scatters' part
+            # (FSDP_GATHERED_HOST) on the last micro-batch only under grad_reduce=step
+            unit = (FSDP_HOST if reshard_after_forward else FSDP_GATHERED_HOST) - FSDP_GATHERED_HOST * (1 - reduces)
+            micro_s += (counts.n_blocks + 1) * unit
         host = micro_s - busy - exchange
         comm += exchange
     all_reduce = exposed = 0.0

@@ -125,7 +125,7 @@ def build_model_side(cfg: RunConfig, layout: RunLayout, vocab: int, device: torc
         allow_cached_autograd_functions()
     if sharded:
         parallel = ShardedParallel(model, dist, device, dtype, cfg.train.reshard_after_forward, cfg.train.compile,
-                                   float8=cfg.train.float8)
+                                   float8=cfg.train.float8, grad_reduce=cfg.train.grad_reduce)
         if frozen is not None:   # sharded like the policy: each block gathered for its forward, then freed
             ShardedParallel(frozen, dist, device, dtype, reshard_after_forward=True, compile=False)
     else:

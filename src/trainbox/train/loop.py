@@ -132,7 +132,7 @@ class Trainer(RunFiles, Checkpointing, Evaluations, Reporting):
                      f"all-to-all exchanges; {f.overrides[0]} fits by the memory plan ({f.needed / 2**30:.1f} GiB of "
                      f"{memory_plan.target.memory / 2**30:.1f} free) and exchanges less often")
         if memory_plan is not None and (f := memory_plan.kept_gathered) is not None and d.is_main:
-            log.info(f"fsdp: {f.overrides[0]} fits by the memory plan ({f.needed / 2**30:.1f} GiB of "
+            log.info(f"fsdp: {' '.join(f.overrides)} fits by the memory plan ({f.needed / 2**30:.1f} GiB of "
                      f"{memory_plan.target.memory / 2**30:.1f} free) and keeps the blocks gathered: a step of "
                      f"{f.time.step:.2f} s predicted, against {memory_plan.time.step:.2f} s resharding them")
         if keeps_split_sizes_in_graph(cfg, memory_plan.time if memory_plan is not None else None):

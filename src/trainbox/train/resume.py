@@ -40,7 +40,7 @@ RUNTIME = ("recipe", "requires_gpu", "required", "run.name", "run.dir", "run.res
            "train.sample_tokens", "train.sample_prompt", "train.compile", "train.peak_tflops", "train.memory_check",
            "train.memory_limit_gib",
            "train.eval_every", "train.eval_tokens", "train.eval_tasks", "train.eval_tasks_every",
-           "train.eval_tasks_limit", "train.parallel", "train.reshard_after_forward",
+           "train.eval_tasks_limit", "train.parallel", "train.reshard_after_forward", "train.grad_reduce",
            "model.moe.expert_parallel", "model.moe.exchange", "model.moe.split_sizes", "train.checkpoint_every",
            "train.checkpoints", "train.keep_last",
            "train.activation_checkpointing", "train.micro_batch_size", "lora.gradient_checkpointing")
