@@ -178,6 +178,7 @@ STEPS = [
     ("2026-11-30-2xh200-moe-gpt2-125m-128x-ep2-fsdp-gathered-bf16-mb40-h100mem.json",
      ["train.reshard_after_forward=true"], 2, "baseline.median_step_ms"),
     ("2026-11-30-2xh200-moe-gpt2-125m-128x-ep2-fsdp-mb20-graph-h100mem-profile.json", [], 2, "step_ms"),
+    ("2026-11-30-2xh200-moe-gpt2-125m-128x-ep2-fsdp-mb20-gathered-once-h100mem-profile.json", [], 2, "step_ms"),
     *((record, [], 2, "median_step_ms") for record in ONCE_PAIRS),
     ("2026-11-30-2xh200-moe-gpt2-125m-128x-ep2-fsdp-mb20-gathered-once-h100mem.json", ["train.grad_reduce=micro_batch"],
      2, "baseline.median_step_ms"),
