@@ -535,15 +535,15 @@ def test_layouts_offer_every_expert_parallel_degree_with_ddp_and_with_fsdp():
     layouts = _layouts(cfg, base, 4)
     fsdp1, fsdp2, fsdp4 = (("train.parallel=fsdp", *([f"model.moe.expert_parallel={n}"] if n > 1 else []))
                            for n in (1, 2, 4))
-    def twins(x, over, ep):
+    def twins(over, ep):
         return [(("fsdp", ep, True, "micro_batch"), over), (("fsdp", ep, False, "micro_batch"), (*over, GATHERED)),
                 (("fsdp", ep, False, "step"), (*over, GATHERED, ONCE))]
     assert [((x.parallel, x.expert_parallel, x.reshard_after_forward, x.grad_reduce), over)
             for x, over in layouts] == [
-        (("ddp", 1, True, "micro_batch"), ()), *twins("fsdp", fsdp1, 1),
+        (("ddp", 1, True, "micro_batch"), ()), *twins(fsdp1, 1),
         (("ddp", 2, True, "micro_batch"), ("model.moe.expert_parallel=2",)),
-        (("ddp", 4, True, "micro_batch"), ("model.moe.expert_parallel=4",)), *twins("fsdp", fsdp2, 2),
-        *twins("fsdp", fsdp4, 4)]
+        (("ddp", 4, True, "micro_batch"), ("model.moe.expert_parallel=4",)), *twins(fsdp2, 2),
+        *twins(fsdp4, 4)]
     for x, over in layouts:
         run = decide_layout(load_config("moe-gpt2-125m", [*MOE_128, *over]), 4, "cuda", adapt_micro_batch=True)
         assert (run.strategy, run.expert_parallel) == (x.parallel, x.expert_parallel) and x.nproc == 4

@@ -193,7 +193,8 @@ def memory(cfg: RunConfig, counts: ParamCount, vocab: int, target: Target, layou
     shard = world if fsdp else 1
     # ... and keeps: fsdp shards what it manages over all ranks (every trainable parameter, or under expert
     # parallelism the dense ones: it ignores the experts, whose shard a rank keeps whole as under ddp)
-    sharded = (counts.trainable if ep == 1 else counts.dense) / world if fsdp else 0
+    managed = counts.trainable if ep == 1 else counts.dense
+    sharded = managed / world if fsdp else 0
     local = sharded + (counts.expert / ep if ep > 1 else 0) if fsdp else held
     muon = counts.muon * local / max(1, counts.trainable)
     acts = family_activations(cfg, counts, vocab, rows, mode, widths, kernels, autocast_copies=not fsdp)
@@ -214,8 +215,7 @@ def memory(cfg: RunConfig, counts: ParamCount, vocab: int, target: Target, layou
         unit = counts.largest_block - (counts.expert / max(1, counts.n_blocks) if ep > 1 else 0)
         # bf16 weights gathered: two blocks in flight (or all of them) and the root, which stays gathered with its
         # bf16 gradients through the backward; a block's bf16 gradients and two fp32 reduce-scatter inputs
-        gathered = 2 * (2 * unit + counts.root) if layout.reshard_after_forward else \
-            2 * (counts.trainable if ep == 1 else counts.dense)
+        gathered = 2 * (2 * unit + counts.root) if layout.reshard_after_forward else 2 * managed
         comm += gathered + 2 * counts.root + (2 + 2 * 4) * unit
     if ep > 1 and spec.experts:
         comm += 4 * m.moe.top_k * rows * cfg.data.seq_len * m.n_embd * a   # dispatch and combine, both ways
@@ -231,7 +231,7 @@ def memory(cfg: RunConfig, counts: ParamCount, vocab: int, target: Target, layou
     accum = -(-cfg.train.global_batch_size // (micro * world))
     grads = 4 * local if accum > 1 or acts.peak < 4 * local else 0
     if fsdp and accum > 1 and layout.grad_reduce == "step":   # the whole fp32 gradient of what FSDP shards, kept
-        grads += 4 * (counts.trainable if ep == 1 else counts.dense)   # until the last micro-batch reduces it
+        grads += 4 * managed                                   # until the last micro-batch reduces it
     # the frozen copy is spread like the model: under expert parallelism its experts are this rank's shard, whole
     whole = counts.total - counts.expert if ep > 1 else counts.total
     reference = a * (whole / shard + (counts.expert / ep if ep > 1 else 0)) if copy else 0

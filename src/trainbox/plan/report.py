@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from trainbox.plan import MARGIN, MemoryPlan, StepTime, Suggestion
 from trainbox.plan.gpus import GiB
+from trainbox.plan.suggest import ONCE
 
 OPTIMIZER = {"adamw": "AdamW: two {state} moments",
              "muon": "Muon: one fp32 momentum (matrices), AdamW's two {state} (rest)"}
@@ -109,7 +110,7 @@ def format_plan(plan: MemoryPlan, overrides: list[str] | tuple[str, ...] = ()) -
                       "(train.reshard_after_forward=false), nothing is gathered again for the backward and FSDP's "
                       "hooks do less each micro-batch"
                   + ("; with the gradients reduce-scattered once a step (train.grad_reduce=step), less still"
-                     if "train.grad_reduce=step" in f.overrides else "")
+                     if ONCE in f.overrides else "")
                   + "; that fits (GiB per GPU, predicted step time, tokens/s per GPU):",
                   _row(f, plan.recipe, overrides)]
     smaller = []

@@ -95,7 +95,7 @@ def _layouts(cfg: RunConfig, base: Layout, n: int) -> list[tuple[Layout, tuple[s
         layout = replace(base, nproc=n, parallel=run.strategy, expert_parallel=run.expert_parallel)
         out.append((layout, over))
         if layout.parallel == "fsdp" and layout.reshard_after_forward:
-            out += [(x, o) for x, o in _gathered(layout, over)]
+            out += _gathered(layout, over)
     return out
 
 
