@@ -156,7 +156,7 @@ def _same_weights(got: Path, want: Path) -> None:
         torch.testing.assert_close(final[1][k], final[0][k], **WEIGHT_TOL, msg=lambda m, k=k: f"{k}: {m}")
 
 
-COMPILED = [("ddp", "none", "0"), ("fsdp", "none", "0.5"), ("ddp", "selective", "0.5")]
+COMPILED = [("ddp", "none", "0"), ("fsdp", "none", "0.5"), ("ddp", "selective", "0.5"), ("fsdp", "experts", "0.5")]
 
 
 @pytest.fixture(scope="module")
@@ -175,7 +175,8 @@ def test_compiled_expert_parallelism_can_read_its_split_sizes_inside_the_graph(c
                                                                                capacity):
     """Where the host paces the step, the uneven exchange's split sizes stay in the compiled graph: no graph breaks
     at them, and the loss and gradients equal the uncompiled model's (tests/expert_compile_worker.py, 2 processes,
-    the trainer's build): dropless and dropping, under ddp, fsdp and selective activation checkpointing."""
+    the trainer's build): dropless and dropping, under ddp, fsdp, and selective and experts activation
+    checkpointing."""
     done = compiled.stdout.split()[1::2]   # rank 0's "ok CONFIG" lines, nothing else
     assert compiled.stdout.split()[::2] == ["ok"] * len(done), compiled.stdout[-3000:]
     assert f"{parallel},{checkpointing},{capacity}" in done, compiled.stdout[-3000:] + compiled.stderr[-6000:]

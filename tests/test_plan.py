@@ -137,8 +137,8 @@ def measure(cfg, mode: str, bf16: bool, batch: int = 3) -> int:
     return kept.total
 
 
-@pytest.mark.parametrize("mode", ["none", "selective", "full"])
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("family, mode", [(f, m) for f in FAMILIES for m in ("none", "selective", "full")]
+                         + [("moe", "experts")])
 def test_activation_formulas_equal_what_autograd_keeps(family, mode):
     """fp32 as a CPU run trains (the plan as `trainbox plan` makes it here), and under bf16 autocast (the
     formulas' 16-bit widths), within 1% of the bytes really kept; gpt with its fused loss."""
@@ -754,10 +754,11 @@ def test_a_fitting_fsdp_plan_names_its_blocks_kept_gathered_where_that_is_marked
 
 def test_bf16_moments_are_offered_beside_the_fastest_suggestion_when_the_run_does_not_fit():
     """The recipe's own layout of the 128-expert MoE does not fit 2 H100s; the plan's fastest suggestion is expert
-    parallelism 2 under fsdp, its blocks kept gathered and its gradients reduced once a step, at micro-batch 20, and
-    the hint is that layout with bf16
-    moments at its larger micro-batch, 40 (which peaked at 71.0 GiB on 2 H200s capped at an H100's memory,
-    2026-11-28-2xh200-moe-gpt2-125m-128x-ep2-bf16-state-mb40-h100mem.json): its other overrides and GPU count kept,
+    parallelism 2 under fsdp, its blocks kept gathered and its gradients reduced once a step, at micro-batch 30 with
+    the experts' hidden layer recomputed, and the hint is that layout with bf16 moments at micro-batch 40, the
+    experts kept (which peaked at 71.0 GiB on 2 H200s capped at an H100's memory,
+    2026-11-28-2xh200-moe-gpt2-125m-128x-ep2-bf16-state-mb40-h100mem.json; recomputing them there would fit
+    micro-batch 60 and be predicted slower): its other overrides and GPU count kept, no mode named (the run's own),
     and applied, it fits in the time the hint gave."""
     over = ["model.moe.num_experts=128"]
     cfg = load_config("moe-gpt2-125m", over)
@@ -766,7 +767,8 @@ def test_bf16_moments_are_offered_beside_the_fastest_suggestion_when_the_run_doe
     first, hint = plan.suggestions[0], plan.smaller_state
     assert not plan.fits and first.overrides[:2] == ("train.parallel=fsdp", "model.moe.expert_parallel=2")
     assert hint.nproc == first.nproc == 2 and hint.time.step < first.time.step
-    assert first.overrides[2:] == (GATHERED, ONCE, "train.micro_batch_size=20")
+    assert first.overrides[2:] == (GATHERED, ONCE, "train.micro_batch_size=30",
+                                   "train.activation_checkpointing=experts")
     assert hint.overrides == ("train.parallel=fsdp", "model.moe.expert_parallel=2", GATHERED, ONCE,
                               "optim.state_dtype=bf16", "train.micro_batch_size=40")
     applied = make_plan(load_config("moe-gpt2-125m", [*over, *hint.overrides]), vocab, gpu("H100"), 2)

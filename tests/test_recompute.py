@@ -42,9 +42,9 @@ class Count(TorchDispatchMode):
         return sum(n for f, n in self.calls.items() if f in ops)
 
 
-def grads_and_backward_ops(family: str, mode: str):
+def grads_and_backward_ops(family: str, mode: str, **model):
     torch.manual_seed(0)
-    model = build_model(ModelSection(**FAMILIES[family]), VOCAB.get(family, 64), 16)
+    model = build_model(ModelSection(**{**FAMILIES[family], **model}), VOCAB.get(family, 64), 16)
     apply_activation_checkpointing(model, mode)
     model.train()
     g = torch.Generator().manual_seed(1)
@@ -77,6 +77,31 @@ def test_what_each_mode_runs_again_in_the_backward():
     assert none.count(NORMS) == 0 and sel.count(NORMS) == 4 and full.count(NORMS) == 4
     assert sel.count(MATMULS) == none.count(MATMULS)
     assert full.count(MATMULS) == none.count(MATMULS) + 2 * 4
+
+
+@pytest.mark.parametrize("capacity", [0.0, 0.5])
+@pytest.mark.parametrize("bias", [False, True])
+def test_experts_mode_recomputes_the_experts_hidden_layer_to_the_same_gradients(bias, capacity):
+    """experts: the MoE layers keep only the rows that enter their experts; the backward runs the first grouped
+    matmul again (and, eager, the second: model/moe/model.py `_recomputed`), to gradients equal to mode none's, with
+    the experts' biases and with a capacity that drops assignments. The dense part is recomputed nowhere."""
+    moe = {"bias": bias, "moe": {"num_experts": 4, "capacity_factor": capacity}}
+    ref, none = grads_and_backward_ops("moe", "none", **moe)
+    got, experts = grads_and_backward_ops("moe", "experts", **moe)
+    assert got.keys() == ref.keys()
+    for name in ref:
+        torch.testing.assert_close(got[name], ref[name], rtol=1e-5, atol=1e-7, msg=name)
+    grouped = {torch.ops.aten._grouped_mm.default}
+    assert none.count(grouped) == 2 * 4   # 2 MoE layers: each linear's input and weight gradients
+    assert experts.count(grouped) == none.count(grouped) + 2 * 2
+    assert experts.count(NORMS) == none.count(NORMS) == 0 and experts.count(MATMULS) == none.count(MATMULS)
+
+
+def test_experts_mode_is_refused_where_there_are_no_experts():
+    with pytest.raises(ConfigError, match="has no experts: use selective or full"):
+        load_config("gpt2-125m", ["train.activation_checkpointing=experts"])
+    assert load_config("moe-gpt2-125m", ["train.activation_checkpointing=experts"]).train.activation_checkpointing \
+        == "experts"
 
 
 @pytest.mark.parametrize("compile_", [False, True])

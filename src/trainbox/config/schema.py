@@ -142,9 +142,11 @@ class TrainSection(Section):
                                    "every micro-batch (a rank keeps its shard), or once a step, after the last (a "
                                    "rank keeps the whole fp32 gradient of what fsdp shards until then: 4 bytes a "
                                    "parameter more; fewer collectives and host work, as ddp reduces once a step)")
-    activation_checkpointing: Literal["none", "selective", "full"] = Field(
-        "none", description="recompute in the backward to save memory: selective = keep matmul and attention "
-                            "outputs, recompute the elementwise ops; full = keep only each block's input")
+    activation_checkpointing: Literal["none", "experts", "selective", "full"] = Field(
+        "none", description="recompute in the backward to save memory: experts (families with experts) = keep "
+                            "only the rows that enter the experts, recompute their hidden layer (one grouped "
+                            "matmul and its GELU); selective = keep matmul and attention outputs, recompute the "
+                            "elementwise ops; full = keep only each block's input")
     dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
     device: str = Field("auto", description="auto, cpu, cuda, cuda:N")
     pg_timeout_s: int = Field(1800, ge=10, description="process-group timeout (covers rank-0 saves and evals)")
@@ -294,6 +296,9 @@ class RunConfig(Section):
         if why and self.train.activation_checkpointing != "none":
             raise ValueError(f"train.activation_checkpointing={self.train.activation_checkpointing} does not apply "
                              f"to model.family={self.model.family}: {why}")
+        if self.train.activation_checkpointing == "experts" and not family(self.model.family).experts:
+            raise ValueError(f"train.activation_checkpointing=experts recomputes the experts' hidden layer; "
+                             f"model.family={self.model.family} has no experts: use selective or full")
         return self
 
     @model_validator(mode="after")

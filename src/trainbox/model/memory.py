@@ -10,6 +10,8 @@ them (the comments name the op that saves each). `Block` tags each one with when
           eager mode (its policy caches the outputs of matmuls: train/recompute.py) and, compiled, unless it only
           feeds a residual sum (residual=True): the partitioner saves a must-save output only where the backward
           reads it (the compiled Llama peaks in benchmarks/records/ agree)
+    hidden=True (on keep and mm) the experts' hidden layer (model/moe/memory.py): kept by none, not by experts
+          (train.activation_checkpointing=experts keeps everything else as none does)
     attn  the attention kernel's output and log-sum-exp: kept by none; by selective where the kernel is one of
           the ops its policy saves (SDPA and FlexAttention; not FlashAttention-4's custom op, which is
           recomputed). The kernel's inputs (q, k, v) are tagged by what makes them.
@@ -92,7 +94,7 @@ class Block:
     """Per-token bytes of one block, by mode (see the module docstring for the tags)."""
 
     def __init__(self, attn_saved: bool, compiled: bool = False):
-        self.none = self.selective = self.inputs = 0.0
+        self.none = self.selective = self.inputs = self.hidden = 0.0
         self.attn_saved, self.compiled = attn_saved, compiled
 
     def inp(self, n: float) -> None:
@@ -100,11 +102,13 @@ class Block:
         self.selective += n
         self.inputs += n
 
-    def keep(self, n: float) -> None:
+    def keep(self, n: float, hidden: bool = False) -> None:
         self.none += n
+        self.hidden += n if hidden else 0
 
-    def mm(self, n: float, keep: bool = True, residual: bool = False) -> None:
+    def mm(self, n: float, keep: bool = True, residual: bool = False, hidden: bool = False) -> None:
         self.none += n if keep else 0
+        self.hidden += n if keep and hidden else 0
         self.selective += 0 if residual and self.compiled else n
 
     def attn(self, n: float) -> None:
@@ -112,7 +116,8 @@ class Block:
         self.selective += n if self.attn_saved else 0
 
     def bytes(self, mode: str) -> float:
-        return {"none": self.none, "selective": self.selective, "full": self.inputs}[mode]
+        return {"none": self.none, "experts": self.none - self.hidden, "selective": self.selective,
+                "full": self.inputs}[mode]
 
 
 @dataclass(frozen=True)

@@ -31,9 +31,10 @@ def family_activations(cfg, counts: ParamCount, vocab: int, micro: int, mode: st
 def weight_copy_bytes(counts: ParamCount, w: Widths, mode: str) -> int:
     """16-bit copies of the matmul weights that autocast makes and the backward keeps: 2 bytes per weight in
     matrices (not embedding tables: a lookup casts nothing), none when the weights are already 16-bit (FSDP)
-    or in fp32 runs. Activation checkpointing recomputes the casts inside the blocks."""
+    or in fp32 runs. Activation checkpointing recomputes the casts inside the blocks (experts: the experts')."""
     if w.a == 4 or counts.matmul == 0:
         return 0
-    return int((counts.matmul if mode == "none" else counts.matmul - counts.blocks_matmul) * w.a)
+    recast = {"none": 0, "experts": counts.expert}.get(mode, counts.blocks_matmul)
+    return int((counts.matmul - recast) * w.a)
 
 

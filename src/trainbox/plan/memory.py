@@ -23,7 +23,7 @@ FRAGMENTATION = 0.08           # allocator slack while memory is ample: reserved
 # the slack a run needs near the GPU's limit, where the allocator frees its cache and retries before it fails: every
 # record run under a memory cap near its peak reserved 0.1% to 3.3% beyond what it allocated (the *-h100mem records)
 PRESSURE = 0.035
-MODES = ("none", "selective", "full")
+MODES = ("none", "experts", "selective", "full")
 BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 
@@ -200,11 +200,11 @@ def memory(cfg: RunConfig, counts: ParamCount, vocab: int, target: Target, layou
     acts = family_activations(cfg, counts, vocab, rows, mode, widths, kernels, autocast_copies=not fsdp)
     # FSDP's 16-bit weights are the gathered ones (communication); autocast's copies are there outside fsdp
     copies = 0 if fsdp else weight_copy_bytes(counts, widths, mode)
-    if copies and counts.expert and ep > 1:
-        copies = int(copies * (counts.matmul - counts.expert + counts.expert / ep) / counts.matmul)
-    # the experts' 16-bit copies live through the step (expert.keep_casts): under fsdp in every mode, outside it
-    # where checkpointing leaves them out of weight_copy_bytes
-    if ep > 1 and a < 4 and (fsdp or mode != "none"):
+    if copies and ep > 1 and mode == "none":   # the experts' casts: the copies below instead
+        copies -= int(counts.expert * a)
+    # under expert parallelism the experts' 16-bit copies live through the step (expert.keep_casts), a rank's shard
+    # of them, in every mode
+    if ep > 1 and a < 4:
         copies += int(counts.expert / ep * a)
     acts = replace(acts, weight_copies=copies)
     comm = 0.0

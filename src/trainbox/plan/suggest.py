@@ -115,15 +115,23 @@ def suggestions(cfg: RunConfig, vocab: int, plan: MemoryPlan) -> list[Suggestion
     largest micro-batch that then fits); more GPUs (the fewest, with the simplest layout, mode and largest
     micro-batch that fit)."""
     search, lay, mode = _Search(cfg, vocab, plan), plan.layout, plan.checkpointing
-    modes = (mode, *(MODES[MODES.index(mode) + 1:] if not family(cfg.model.family).recompute else ()))
+    spec = family(cfg.model.family)
+    later = MODES[MODES.index(mode) + 1:] if not spec.recompute else ()
+    modes = (mode, *(m for m in later if m != "experts" or spec.experts))
+    # a model with experts may keep only what enters them (train.activation_checkpointing=experts): a larger
+    # micro-batch for one grouped matmul more, which competes on time with the first mode that fits
+    recompute_experts = spec.experts and mode == "none"
 
     def first(what: str, options, modes=modes, same_micro=False) -> Suggestion | None:
         return next((s for m in modes for layout, over in options
                      if (s := search.suggest(what, layout, m, over, same_micro))), None)
 
     def fastest(what: str, options) -> Suggestion | None:
-        """Of the options, each with the first mode that fits, the fastest (the first where none has a time)."""
+        """Of the options, each with the first mode that fits (and, for a model with experts, with the experts
+        recomputed), the fastest (the first where none has a time)."""
         found = [s for option in options if (s := first(what, [option]))]
+        if recompute_experts:
+            found += [s for layout, over in options if (s := search.suggest(what, layout, "experts", over))]
         return min(found, key=_seconds, default=None)
 
     out = [search.suggest("micro-batch", lay, mode, ()),
@@ -170,16 +178,21 @@ def smaller_state(cfg: RunConfig, vocab: int, plan: MemoryPlan) -> Suggestion | 
         return None
     bf16 = cfg.model_copy(update={"optim": cfg.optim.model_copy(update={"state_dtype": "bf16"})})
     search, lay = _Search(bf16, vocab, plan), plan.layout
-    for b in micro_batches(cfg.train.global_batch_size, lay.nproc, cfg.train.global_batch_size):
-        if b <= plan.micro_batch:
-            return None
-        if (needed := search.needed(lay, b, plan.checkpointing)) <= plan.target.memory:
-            time = search.time(lay, b, plan.checkpointing)
-            if time.step >= plan.time.step:
-                return None
-            return Suggestion("bf16 moments", ("optim.state_dtype=bf16", f"train.micro_batch_size={b}"), lay.nproc,
-                              needed, time)
-    return None
+    # a plan that recomputes its experts only to fit a larger micro-batch may keep them with the memory saved
+    modes = (plan.checkpointing, "none") if plan.checkpointing == "experts" else (plan.checkpointing,)
+    found = []
+    for mode in modes:
+        for b in micro_batches(cfg.train.global_batch_size, lay.nproc, cfg.train.global_batch_size):
+            if b <= plan.micro_batch:
+                break
+            if (needed := search.needed(lay, b, mode)) <= plan.target.memory:
+                time = search.time(lay, b, mode)
+                if time.step < plan.time.step:
+                    over = ("optim.state_dtype=bf16", f"train.micro_batch_size={b}",
+                            *((f"train.activation_checkpointing={mode}",) if mode != plan.checkpointing else ()))
+                    found.append(Suggestion("bf16 moments", over, lay.nproc, needed, time))
+                break
+    return min(found, key=_seconds, default=None)
 
 
 def kept_gathered(cfg: RunConfig, vocab: int, plan: MemoryPlan) -> Suggestion | None:

@@ -8,7 +8,8 @@ Per rank, for a step of `accumulation` micro-batches of `micro` sequences:
     compute     the model's FLOPs per token (its flops_per_token) x the micro-batch's tokens, the dense part at
                 rate x DENSE x d / (d + WIDTH) at width d (x the family's speed, where its memory module gives
                 one: t5) and the experts' grouped matmuls (6 x top_k x an expert's parameters per MoE layer)
-                at rate x EXPERTS; full activation checkpointing runs the blocks' forward twice; train.float8
+                at rate x EXPERTS; full activation checkpointing runs the blocks' forward twice, experts the
+                experts' first grouped matmul (7 grouped matmuls a layer where there were 6); train.float8
                 runs the blocks' linears FLOAT8 times faster
     ddp         the fp32 gradients all-reduced once a step (the dense ones under expert parallelism), 2(n-1)/n of
                 their bytes at all_reduce x COLLECTIVES; DDP overlaps it with the last micro-batch's backward,
@@ -28,7 +29,7 @@ Per rank, for a step of `accumulation` micro-batches of `micro` sequences:
                 runs); one host read of the split sizes (host_sync each), after which the host launches the
                 layer's work: a micro-batch takes at least HOST per MoE layer, the host's time to run the layer's
                 forward and backward (GRAPH_HOST where the split sizes stay in the compiled graph: step_time,
-                model.moe.split_sizes); with activation checkpointing the
+                model.moe.split_sizes); with selective or full activation checkpointing the
                 recomputed layer reads them again in the backward (RECOMPUTE_HOST each). Under
                 model.moe.exchange=padded, capacity_factor times the rows are sent and computed and nothing
                 is read back: the host runs ahead of the GPU and sets no floor (the padded step on 2 H200s is
@@ -203,6 +204,8 @@ def _step_time(cfg: RunConfig, counts: ParamCount, target: Target, layout, micro
     if checkpointing == "full":   # the blocks' forward again in the backward: a third of their FLOPs
         dense_flops *= 1 + counts.blocks_matmul / max(1, counts.matmul) / 3
         expert_flops *= 4 / 3
+    elif checkpointing == "experts":   # the experts' first grouped matmul again: 7 of them where there were 6
+        expert_flops *= 7 / 6
     # a family whose FLOPs run slower than a GPT's says by how much (its memory module's `speed`: t5)
     speed = getattr(family(m.family).memory(), "speed", lambda model: 1.0)(m)
     width = counts.shapes.d if counts.shapes is not None else m.n_embd
@@ -238,7 +241,8 @@ def _step_time(cfg: RunConfig, counts: ParamCount, target: Target, layout, micro
         # the padded exchange reads nothing back, so the host runs ahead of the GPU and sets no floor
         micro_s = (busy + exchange if padded
                    else max(busy + exchange, n_moe * host_per_layer) + n_moe * rates.host_sync)
-        if checkpointing != "none" and not padded:   # the recomputed layers read their split sizes again
+        # the recomputed layers read their split sizes again (experts recomputes after the exchange: nothing to read)
+        if checkpointing in ("selective", "full") and not padded:
             micro_s += n_moe * RECOMPUTE_HOST
         if fsdp and nproc > 1 and not padded:   # FSDP's hooks, after the host reads; the reduce-scatters' part
             # (FSDP_GATHERED_HOST) on the last micro-batch only under grad_reduce=step

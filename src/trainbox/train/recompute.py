@@ -4,6 +4,9 @@
 
 Modes, applied to each transformer block (a family lists its blocks in `checkpoint_units()`):
 - none: autograd keeps what the backward needs (the default);
+- experts (a family with experts, model/moe/model.py): each MoE layer keeps only the rows that enter its experts,
+  and the backward runs the experts' hidden layer (their first grouped matmul and its GELU, 4 x n_embd wide per
+  routed row: the largest activations of such a model) again. Everything else is kept as under none;
 - selective: the block's matmul and attention outputs (and expert parallelism's exchanged rows) are kept and
   the elementwise work between them (norms, activations, residual mixing, dtype casts) is recomputed in the
   backward. The recomputed ops
@@ -72,6 +75,14 @@ def apply_activation_checkpointing(model: nn.Module, mode: str) -> int:
     """Wrap every block of `model` for `mode`; returns how many blocks were wrapped."""
     if mode == "none":
         return 0
+    if mode == "experts":   # the family's MoE layers recompute their experts' hidden layer (MoEFFN.experts)
+        layers = [m for _, m in getattr(model, "moe_layers", [])]
+        if not layers:
+            raise ConfigError(f"train.activation_checkpointing=experts: model.family={getattr(model, 'family', '?')} "
+                              "has no expert layers", hint="use train.activation_checkpointing=selective or full")
+        for m in layers:
+            m.recompute = True
+        return len(layers)
     units = getattr(model, "checkpoint_units", None)
     if units is None:  # (model.family=hf is refused earlier, by the config, with a pointer to its own option)
         raise ConfigError(f"train.activation_checkpointing={mode} is not available for model.family="

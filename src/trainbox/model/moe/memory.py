@@ -29,12 +29,13 @@ def moe_ffn(b: Block, d: int, moe, w: Widths, kern: Kernels, bias: bool, padded:
         return
     b.keep(k * a * d)              # dispatched rows (c_fc's input)
     fused = kern.fused_mlp in ("quack", "torch") and not bias
-    b.mm(4 * k * a * d) if not fused else b.keep(4 * k * a * d)   # h, kept by the GELU
+    # the hidden layer (train.activation_checkpointing=experts keeps neither and runs the experts unfused)
+    b.mm(4 * k * a * d, hidden=True) if not fused else b.keep(4 * k * a * d, hidden=True)   # h, kept by the GELU
     # GELU(h), kept for the second matmul's weight gradient. Under expert parallelism too: the experts' compiled
     # graph holds the exchanges (functional collectives), and the partitioner keeps it there rather than write it
     # again in the backward (2026-11-29-2xh200-moe-gpt2-125m-ep2-vs-ddp-2gpu.json: 39.2 GiB; before the exchanges
     # joined the graph it was recomputed, 30.3 GiB in 2026-11-27-2xh200-moe-gpt2-125m-ep2-vs-ddp-2gpu.json)
-    b.keep(4 * k * a * d)
+    b.keep(4 * k * a * d, hidden=True)
     b.mm(k * a * d) if not fused else b.keep(k * a * d)   # expert outputs, kept by the gate multiply
     b.keep(4 * k)                  # the gates, in fp32
     if w.expert_parallel > 1:      # selective: the rows the exchanges returned, there and back (train/recompute.py)
@@ -50,7 +51,9 @@ def forward(cfg, counts, micro: int, mode: str, w: Widths, kern: Kernels) -> For
     experts = partial(moe_ffn, d=d, moe=m.moe, w=w, kern=kern, bias=m.bias, padded=padded)
     per_layer = [gpt_block(d, m.n_head, w, kern, m.bias, ffn=experts if i % m.moe.every == 0 else None)
                  for i in range(m.n_layer)]
-    return Forward(blocks=N * sum(b.bytes(mode) for b in per_layer), recompute=N * max(b.none for b in per_layer),
+    # what the backward makes again at once: a whole block, or under experts one layer's hidden layer
+    again = max(b.hidden if mode == "experts" else b.none for b in per_layer)
+    return Forward(blocks=N * sum(b.bytes(mode) for b in per_layer), recompute=N * again,
                    other=N * (8 + w.r * d + 8) + 8 * T, head_tokens=N, width=d, widest=4 * d * m.moe.top_k)
 
 
@@ -60,11 +63,11 @@ def _padded_experts(b: Block, d: int, k: int, rows: float, w: Widths, kern: Kern
     b.keep(9 * rows + 9 * k)       # the buffer and row maps, int64 indices and bool masks, both ways
     b.keep(rows * a * d)           # the buffer of every local expert (the first batched matmul's input)
     fused = kern.fused_mlp in ("quack", "torch")
-    b.mm(4 * rows * a * d) if not fused else b.keep(4 * rows * a * d)   # h, kept by the GELU
+    b.mm(4 * rows * a * d, hidden=True) if not fused else b.keep(4 * rows * a * d, hidden=True)   # h, for the GELU
     if not (w.compiled and not fused):
         # GELU(h); compiled, the partitioner recomputes it in the backward (measured: 2026-11-28-2xh200-moe-gpt2-
         # 125m-128x-ep2-padded-vs-uneven-h100mem.json)
-        b.keep(4 * rows * a * d)
+        b.keep(4 * rows * a * d, hidden=True)
     b.keep(k * a * d)              # the results back in this rank's rows, kept by the gate multiply
     # selective: the second batched matmul's output, and the buffers the exchanges returned (train/recompute.py).
     # Compiled, the run keeps these three buffers without checkpointing too (the exchanges sit inside the graph,

@@ -39,12 +39,14 @@ MoE class: `trainbox export RUN --format hf` writes this family's own folder (`s
 """
 from __future__ import annotations
 
+import functools
 import logging
 from typing import NamedTuple
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from trainbox.kernels.fused_mlp import moe_gelu_mlp
 from trainbox.model.gpt.model import GPT
@@ -241,6 +243,7 @@ class MoEFFN(nn.Module):
         self.c_proj = GroupedLinear(moe.num_experts, 4 * n_embd, n_embd, bias)
         self.dropout = nn.Dropout(dropout)
         self.use_kernel = True  # tests switch to the loop-over-experts path
+        self.recompute = False  # train.activation_checkpointing=experts (train/recompute.py): see experts()
         self.parallel = None    # set by trainbox.parallel.expert.shard_experts: this rank holds a shard of the experts
         self.aux: dict[str, torch.Tensor] = {}
 
@@ -297,20 +300,33 @@ class MoEFFN(nn.Module):
 
     def experts(self, rows: torch.Tensor, offsets: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
         """Rows sorted by expert (`offsets`: int32 cumulative row counts, `expert`: each row's index into this
-        module's experts) -> each row through its expert's MLP."""
+        module's experts) -> each row through its expert's MLP. With `recompute` (`_recomputed`) only the rows are
+        kept for the backward, which runs the hidden layer (c_fc and its GELU, 4C wide) again; the experts then run
+        on torch's grouped matmuls, model.fused_mlp aside (its fused op keeps the hidden layer)."""
+        if self.recompute and torch.is_grad_enabled():
+            return _recomputed(self._experts, rows, offsets, expert)
         if self.fused:
             return moe_gelu_mlp(rows, self.c_fc.weight_as(rows.dtype), self.c_proj.weight_as(rows.dtype), offsets)
+        return self._experts(rows, offsets, expert)
+
+    def _experts(self, rows: torch.Tensor, offsets: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
         h = self.c_fc(rows, offsets, expert, self.use_kernel)                                   # (rows, 4C)
         return self.c_proj(h, offsets, expert, self.use_kernel, gelu=True)                      # (rows, C)
 
     def experts_padded(self, x: torch.Tensor) -> torch.Tensor:
         """Equal groups of rows, x (experts, rows, C) -> each group through its expert's MLP (experts, rows, C), as
-        two batched matmuls (equal groups need no offsets, so nothing is read on the host)."""
+        two batched matmuls (equal groups need no offsets, so nothing is read on the host); with `recompute`, as
+        `experts` says."""
+        if self.recompute and torch.is_grad_enabled():
+            return _recomputed(self._experts_padded, x)
         El, R, C = x.shape
         if self.fused:   # QuACK's grouped GEMMs with offsets built on the device: every group R rows
             offsets = torch.arange(1, El + 1, device=x.device, dtype=torch.int32) * R
             w1, w2 = self.c_fc.weight_as(x.dtype), self.c_proj.weight_as(x.dtype)
             return moe_gelu_mlp(x.reshape(El * R, C), w1, w2, offsets).view(El, R, C)
+        return self._experts_padded(x)
+
+    def _experts_padded(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.bmm(x, self.c_fc.weight_as(x.dtype))                                          # (El, R, 4C)
         if self.c_fc.bias is not None:
             h = h + self.c_fc.bias.to(h.dtype).unsqueeze(1)
@@ -325,6 +341,23 @@ class MoEFFN(nn.Module):
         balance = E / (N * k) * (counts.to(mean_prob.dtype) * mean_prob).sum()
         z = torch.logsumexp(logits, dim=-1).square().mean()
         return {"balance": balance, "z": z, "tokens_per_expert": counts.detach(), "dropped": dropped.detach()}
+
+
+def _recompute_all(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_RECOMPUTE
+
+
+def _recomputed(fn, *args: torch.Tensor) -> torch.Tensor:
+    """fn(*args), keeping only `args` for the backward (train.activation_checkpointing=experts): what the backward
+    needs of fn's intermediates is computed again there. For the experts' MLP that is the hidden layer h = c_fc(x)
+    and GELU(h), the second matmul's input (its weight gradient reads it). Every op of fn is tagged to be recomputed,
+    which torch.compile's partitioner honours: neither h nor GELU(h) is saved, however it would rather trade, and on
+    a CUDA GPU the backward runs the first grouped matmul again and not the second, whose output it never reads (7
+    grouped matmuls a layer where there were 6: 2026-11-30-2xh200-moe-gpt2-125m-128x-ep2-fsdp-experts-mb30-h100mem-
+    profile.json). Eager, and compiled for a CPU, the recomputation runs the second one too: autograd keeps what a
+    custom autograd function saves only once its forward has run."""
+    return checkpoint(fn, *args, use_reentrant=False,
+                      context_fn=functools.partial(create_selective_checkpoint_contexts, _recompute_all))
 
 
 class MoEGPT(GPT):
