@@ -311,6 +311,11 @@ RECORDS = [
     ("2026-11-28-h200-speedrun-124m-scaling-1gpu.json", [], ("flex", "triton", "off", "fp8")),
     ("2026-11-28-2xh200-speedrun-124m-scaling-2gpu.json", [], ("flex", "triton", "off", "fp8")),
     ("2026-11-28-4xh200-speedrun-124m-scaling-4gpu.json", [], ("flex", "triton", "off", "fp8")),
+    # the experts' hidden layer recomputed (train.activation_checkpointing=experts) at micro-batch 30
+    ("2026-11-30-2xh200-moe-gpt2-125m-128x-ep2-fsdp-experts-mb30-h100mem.json", [],
+     ("sdpa", "triton", "unfused", "off")),
+    ("2026-11-30-2xh200-moe-gpt2-125m-128x-ep2-fsdp-experts-mb30-alternating-1-h100mem.json", [],
+     ("sdpa", "triton", "unfused", "off")),
 ]
 # Not listed: the expert-parallel runs measured before the exchanges were functional collectives inside the experts'
 # compiled graph (commit e95f0b8): there the partitioner recomputed the experts' GELU in the backward, which it now
