@@ -316,6 +316,8 @@ RECORDS = [
      ("sdpa", "triton", "unfused", "off")),
     ("2026-11-30-2xh200-moe-gpt2-125m-128x-ep2-fsdp-experts-mb30-alternating-1-h100mem.json", [],
      ("sdpa", "triton", "unfused", "off")),
+    ("2026-11-30-2xh200-moe-gpt2-125m-128x-ep2-fsdp-experts-mb30-graph-vs-host-h100mem.json", [],
+     ("sdpa", "triton", "unfused", "off")),
 ]
 # Not listed: the expert-parallel runs measured before the exchanges were functional collectives inside the experts'
 # compiled graph (commit e95f0b8): there the partitioner recomputed the experts' GELU in the backward, which it now

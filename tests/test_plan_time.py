@@ -210,6 +210,9 @@ STEPS = [
     # out: 23% under the plan's 1.24 s (30% over it as the test counts), the fastest run of that layout in any record,
     # where the other eleven took 1041 to 1303 ms)
     ("2026-11-30-2xh200-moe-gpt2-125m-128x-ep2-fsdp-experts-mb30-h100mem-profile.json", [], 2, "step_ms"),
+    ("2026-11-30-2xh200-moe-gpt2-125m-128x-ep2-fsdp-experts-mb30-graph-vs-host-h100mem.json", [], 2, "median_step_ms"),
+    ("2026-11-30-2xh200-moe-gpt2-125m-128x-ep2-fsdp-experts-mb30-graph-vs-host-h100mem.json", HOST_READS, 2,
+     "baseline.median_step_ms"),
     ("2026-11-30-2xh200-llama-1b-fsdp-2gpu-bf16-gathered-vs-torchtitan.json", [], 2, "median_step_ms"),
     ("2026-11-30-2xh200-llama-1b-fsdp-2gpu-bf16-vs-torchtitan.json", [], 2, "median_step_ms"),
     ("2026-11-30-2xh200-moe-gpt2-125m-128x-ep2-fsdp-mb20-host-h100mem-profile.json", [], 2, "step_ms"),
