@@ -9,7 +9,7 @@ Per rank, for a step of `accumulation` micro-batches of `micro` sequences:
                 rate x DENSE x d / (d + WIDTH) at width d (x the family's speed, where its memory module gives
                 one: t5) and the experts' grouped matmuls (6 x top_k x an expert's parameters per MoE layer)
                 at rate x EXPERTS; full activation checkpointing runs the blocks' forward twice, experts the
-                experts' first grouped matmul (7 grouped matmuls a layer where there were 6); train.float8
+                experts' first grouped matmul (7 grouped matmuls a layer, 6 without it); train.float8
                 runs the blocks' linears FLOAT8 times faster
     ddp         the fp32 gradients all-reduced once a step (the dense ones under expert parallelism), 2(n-1)/n of
                 their bytes at all_reduce x COLLECTIVES; DDP overlaps it with the last micro-batch's backward,
@@ -204,7 +204,7 @@ def _step_time(cfg: RunConfig, counts: ParamCount, target: Target, layout, micro
     if checkpointing == "full":   # the blocks' forward again in the backward: a third of their FLOPs
         dense_flops *= 1 + counts.blocks_matmul / max(1, counts.matmul) / 3
         expert_flops *= 4 / 3
-    elif checkpointing == "experts":   # the experts' first grouped matmul again: 7 of them where there were 6
+    elif checkpointing == "experts":   # the experts' first grouped matmul again: 7 of them, 6 without
         expert_flops *= 7 / 6
     # a family whose FLOPs run slower than a GPT's says by how much (its memory module's `speed`: t5)
     speed = getattr(family(m.family).memory(), "speed", lambda model: 1.0)(m)

@@ -351,11 +351,12 @@ def _recomputed(fn, *args: torch.Tensor) -> torch.Tensor:
     """fn(*args), keeping only `args` for the backward (train.activation_checkpointing=experts): what the backward
     needs of fn's intermediates is computed again there. For the experts' MLP that is the hidden layer h = c_fc(x)
     and GELU(h), the second matmul's input (its weight gradient reads it). Every op of fn is tagged to be recomputed,
-    which torch.compile's partitioner honours: neither h nor GELU(h) is saved, however it would rather trade, and on
-    a CUDA GPU the backward runs the first grouped matmul again and not the second, whose output it never reads (7
-    grouped matmuls a layer where there were 6: 2026-11-30-2xh200-moe-gpt2-125m-128x-ep2-fsdp-experts-mb30-h100mem-
-    profile.json). Eager, and compiled for a CPU, the recomputation runs the second one too: autograd keeps what a
-    custom autograd function saves only once its forward has run."""
+    which torch.compile's partitioner honours: neither h nor GELU(h) is saved, however it would rather trade.
+    Compiled on CUDA GPUs under expert parallelism the backward runs the first grouped matmul again and not the
+    second, whose output it never reads (7 grouped matmuls a layer, 6 without it: 2026-11-30-2xh200-moe-gpt2-125m-128x-
+    ep2-fsdp-experts-mb30-h100mem-profile.json). Eager (autograd keeps what a custom autograd function saves only once
+    its forward has run), and compiled on a CPU in one process (Inductor's graph, counted), it runs the second one
+    too."""
     return checkpoint(fn, *args, use_reentrant=False,
                       context_fn=functools.partial(create_selective_checkpoint_contexts, _recompute_all))
 
