@@ -354,9 +354,9 @@ def _recomputed(fn, *args: torch.Tensor) -> torch.Tensor:
     which torch.compile's partitioner honours: neither h nor GELU(h) is saved, however it would rather trade.
     Compiled on CUDA GPUs under expert parallelism the backward runs the first grouped matmul again and not the
     second, whose output it never reads (7 grouped matmuls a layer, 6 without it: 2026-11-30-2xh200-moe-gpt2-125m-128x-
-    ep2-fsdp-experts-mb30-h100mem-profile.json). Eager (autograd keeps what a custom autograd function saves only once
-    its forward has run), and compiled on a CPU in one process (Inductor's graph, counted), it runs the second one
-    too."""
+    ep2-fsdp-experts-mb30-h100mem-profile.json). Eager it runs the second one too, since autograd keeps what a custom
+    autograd function saves only once its forward has run (tests/test_recompute.py counts it); so did Inductor's
+    graph for a CPU in one process, counted once by hand."""
     return checkpoint(fn, *args, use_reentrant=False,
                       context_fn=functools.partial(create_selective_checkpoint_contexts, _recompute_all))
 
