@@ -94,7 +94,7 @@ def test_grouped_linear_backward_matches_autograd(gelu, n_in, n_out):
     """The hand-written backward of the experts' grouped matmul (GELU output saved, its derivative applied to
     dA; dw as a^T g where the input is the narrower side, as (g^T a)^T where it is the wider) against autograd
     through F.gelu and a loop over experts, fp32, an empty expert included."""
-    from trainbox.model.moe.model import grouped_mm
+    from trainbox.model.moe.experts import grouped_mm
     torch.manual_seed(0)
     sizes = [5, 0, 11, 8]
     offsets = torch.tensor(sizes).cumsum(0).to(torch.int32)

@@ -44,7 +44,7 @@ def small(family: str, *extra: str):
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_parameter_counts_equal_the_built_model(family):
-    from trainbox.model.moe.model import GroupedLinear
+    from trainbox.model.moe.experts import GroupedLinear
     from trainbox.optim.muon import split_params
     cfg = small(family, "optim.name=muon" if family == "speedrun" else "optim.name=adamw")
     counts = count_parameters(cfg, 512)

@@ -83,7 +83,7 @@ def test_what_each_mode_runs_again_in_the_backward():
 @pytest.mark.parametrize("bias", [False, True])
 def test_experts_mode_recomputes_the_experts_hidden_layer_to_the_same_gradients(bias, capacity):
     """experts: the MoE layers keep only the rows that enter their experts; the backward runs the first grouped
-    matmul again (and, eager, the second: model/moe/model.py `_recomputed`), to gradients equal to mode none's, with
+    matmul again (and, eager, the second: model/moe/experts.py `recomputed`), to gradients equal to mode none's, with
     the experts' biases and with a capacity that drops assignments. The dense part is recomputed nowhere."""
     moe = {"bias": bias, "moe": {"num_experts": 4, "capacity_factor": capacity}}
     ref, none = grads_and_backward_ops("moe", "none", **moe)

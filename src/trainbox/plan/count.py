@@ -16,7 +16,7 @@ import torch.nn as nn
 
 from trainbox.config import RunConfig
 from trainbox.model.build import build_model
-from trainbox.model.moe.model import GroupedLinear
+from trainbox.model.moe.experts import GroupedLinear
 from trainbox.model.spec import family
 from trainbox.optim.muon import split_params
 from trainbox.parallel import apart

@@ -4,7 +4,7 @@
 
 Modes, applied to each transformer block (a family lists its blocks in `checkpoint_units()`):
 - none: autograd keeps what the backward needs (the default);
-- experts (a family with experts, model/moe/model.py): each MoE layer keeps only the rows that enter its experts,
+- experts (a family with experts, model/moe/experts.py): each MoE layer keeps only the rows that enter its experts,
   and the backward runs the experts' hidden layer (their first grouped matmul and its GELU, 4 x n_embd wide per
   routed row: the largest activations of such a model) again. Everything else is kept as under none;
 - selective: the block's matmul and attention outputs (and expert parallelism's exchanged rows) are kept and
