@@ -765,8 +765,8 @@ def test_bf16_moments_are_offered_beside_the_fastest_suggestion_when_the_run_doe
     the experts' hidden layer recomputed, and the hint is that layout with bf16 moments at micro-batch 40, the
     experts kept (which peaked at 71.0 GiB on 2 H200s capped at an H100's memory,
     2026-11-28-2xh200-moe-gpt2-125m-128x-ep2-bf16-state-mb40-h100mem.json; recomputing them there would fit
-    micro-batch 60 and be predicted slower): its other overrides and GPU count kept, no mode named (the run's own),
-    and applied, it fits in the time the hint gave."""
+    micro-batch 60 and be predicted slower): its other overrides and GPU count kept, the mode named (none in place of
+    the suggestion's experts), and applied, it fits in the time the hint gave."""
     over = ["model.moe.num_experts=128"]
     cfg = load_config("moe-gpt2-125m", over)
     vocab = run_vocab(cfg)
@@ -777,10 +777,11 @@ def test_bf16_moments_are_offered_beside_the_fastest_suggestion_when_the_run_doe
     assert first.overrides[2:] == (GATHERED, ONCE, "train.micro_batch_size=30",
                                    "train.activation_checkpointing=experts")
     assert hint.overrides == ("train.parallel=fsdp", "model.moe.expert_parallel=2", GATHERED, ONCE,
-                              "optim.state_dtype=bf16", "train.micro_batch_size=40")
+                              "optim.state_dtype=bf16", "train.micro_batch_size=40",
+                              "train.activation_checkpointing=none")
     applied = make_plan(load_config("moe-gpt2-125m", [*over, *hint.overrides]), vocab, gpu("H100"), 2)
     assert applied.fits and applied.time == hint.time and applied.memory.needed == hint.needed
     text = format_plan(plan, over)
     assert text.index("what would fit") < text.index("in the first of these layouts") < text.index(
         f"train.parallel=fsdp model.moe.expert_parallel=2 {GATHERED} {ONCE} optim.state_dtype=bf16 "
-        "train.micro_batch_size=40 --nproc 2")
+        "train.micro_batch_size=40 train.activation_checkpointing=none --nproc 2")

@@ -139,10 +139,8 @@ def _smaller_state_of(first: Suggestion, cfg: RunConfig, vocab: int, target: Tar
     if hint is None:
         return None
     keys = {o.split("=", 1)[0] for o in hint.overrides}
-    # a hint that keeps the experts' hidden layer again where the run itself does names no mode
-    own = f"train.activation_checkpointing={cfg.train.activation_checkpointing}"
-    return replace(hint, overrides=(*(o for o in first.overrides if o.split("=", 1)[0] not in keys),
-                                    *(o for o in hint.overrides if o != own)), nproc=first.nproc)
+    return replace(hint, overrides=(*(o for o in first.overrides if o.split("=", 1)[0] not in keys), *hint.overrides),
+                   nproc=first.nproc)
 
 
 def run_vocab(cfg: RunConfig) -> int:
