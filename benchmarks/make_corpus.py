@@ -145,9 +145,11 @@ def _documents_task(task: tuple[list[str], int]):
 
 def tokenized(tasks: list[tuple[list[str], int]], workers: int):
     """documents() of each task, in order: in this process for workers <= 1, else in `workers` spawned processes
-    with at most 2 x workers tasks submitted ahead. Closing the generator early lets the tasks in flight finish."""
+    with at most 2 x workers tasks submitted ahead. Closing the generator early lets the tasks in flight finish.
+    The tokenizer loads here first, so that one which cannot load (trainbox not importable) fails with its own
+    error instead of killing every worker as it starts."""
+    _load_tokenizer()
     if workers <= 1:
-        _load_tokenizer()
         yield from map(_documents_task, tasks)
         return
     pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"), initializer=_load_tokenizer)

@@ -203,3 +203,16 @@ def test_a_stuck_or_dead_worker_names_its_files():
         with pytest.raises(RuntimeError, match="task 1 of 2 \\(1 files, the first /lib/c.py\\)") as e:
             make_corpus._result(1, future, tasks, 4)
         assert says in str(e.value)
+
+
+def test_a_tokenizer_that_cannot_load_fails_with_its_own_error(monkeypatch):
+    """Without trainbox importable, every spawned worker's initializer fails; the build must say that, not that a
+    worker died (out of memory?)."""
+    make_corpus = load_benchmark("make_corpus")
+
+    def missing():
+        raise ModuleNotFoundError("No module named 'trainbox'")
+
+    monkeypatch.setattr(make_corpus, "_load_tokenizer", missing)
+    with pytest.raises(ModuleNotFoundError, match="trainbox"):
+        next(make_corpus.tokenized([(["/lib/a.py"], 0)], 2))
