@@ -1,6 +1,7 @@
 """MoE family: the vectorised layer against a slow per-token reference, losses, capacity, FLOPs, CLI."""
 from __future__ import annotations
 
+import functools
 import json
 import math
 
@@ -216,3 +217,56 @@ def test_layer_traces_as_one_graph_in_bf16():
         got = compiled(x)
     assert got.dtype == want.dtype and torch.equal(got, want)
     assert m.aux["tokens_per_expert"].sum() == 2 * 24
+
+
+def test_the_experts_elementwise_work_runs_as_opaque_ops_where_the_split_sizes_stay_in_the_graph(monkeypatch):
+    """kernels/rows.py: with OPAQUE (set where the split sizes stay in the compiled graph) the regrouping gather, the
+    experts' GELU and its derivative reach the compiled graphs as trainbox's custom ops, which Inductor leaves to
+    ATen's kernels, forward and backward; without it, as aten ops Inductor writes kernels for. The values and
+    gradients are the same either way."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    from trainbox.kernels import rows
+    from trainbox.model.moe.experts import _GroupedMM
+    from trainbox.parallel.expert import _Permute
+
+    def experts(x, perm, inverse, w, offsets):
+        return _GroupedMM.apply(_Permute.apply(x, perm, inverse), w, offsets, True)
+
+    torch.manual_seed(0)
+    x, w = torch.randn(12, 8, requires_grad=True), torch.randn(2, 8, 4, requires_grad=True)
+    perm = torch.randperm(12)
+    inverse, offsets = torch.argsort(perm), torch.tensor([5, 12], dtype=torch.int32)
+    groups = [(0, 5), (5, 12)]   # offsets' groups, as Python ints: no read of them in the traced loop
+
+    def loop(a, b, offs):   # the grouped matmul as a loop over groups (CPU builds may lack the kernel in fp32)
+        if b.dim() == 3:    # rows of a in groups, times b[e]
+            return torch.cat([a[lo:hi] @ b[e] for e, (lo, hi) in enumerate(groups)])
+        return torch.stack([a[:, lo:hi] @ b[lo:hi] for lo, hi in groups])   # the weights' gradients, by group
+
+    monkeypatch.setattr("trainbox.model.moe.experts._GROUPED_MM", loop)
+    results = {}
+    for opaque in (False, True):
+        monkeypatch.setattr(rows, "OPAQUE", opaque)
+        graphs = {"forward": [], "backward": []}
+
+        def keep(kind, gm, _, graphs=graphs):
+            graphs[kind].append(str(gm.graph))
+            return make_boxed_func(gm)
+
+        capture = aot_autograd(fw_compiler=functools.partial(keep, "forward"),
+                               bw_compiler=functools.partial(keep, "backward"))
+        torch._dynamo.reset()
+        y = torch.compile(experts, backend=capture)(x, perm, inverse, w, offsets)
+        gx, gw = torch.autograd.grad(y.square().sum(), (x, w))
+        results[opaque] = (y.detach(), gx, gw)
+        forward, backward = "".join(graphs["forward"]), "".join(graphs["backward"])
+        assert ("trainbox.take_rows" in forward and "trainbox.gelu_tanh" in forward
+                and "trainbox.gelu_tanh_backward" in backward) == opaque, graphs
+        assert ("aten.gelu_backward" in backward) != opaque and ("aten.gelu." in forward) != opaque, graphs
+    torch._dynamo.reset()
+    for plain, opaque in zip(results[False], results[True]):
+        torch.testing.assert_close(opaque, plain, rtol=0, atol=0)
+    ref = torch.cat([F.gelu(x[perm][lo:hi], approximate="tanh") @ w[e] for e, (lo, hi) in enumerate(groups)])
+    torch.testing.assert_close(results[True][0], ref.detach())

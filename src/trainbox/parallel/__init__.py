@@ -26,11 +26,14 @@ def split_sizes_in_graph() -> None:
     `tolist` per MoE layer and micro-batch) stay in the compiled graph as symbolic sizes (Dynamo's
     capture_scalar_outputs) instead of breaking it there. After each read the host goes on launching the graph's
     kernels, where it would otherwise enter Dynamo again for the rest of the layer while the GPU's queue is empty.
-    Inductor runs the elementwise kernels over tensors of those sizes slower (torch 2.11 sizes their blocks for 8,192
-    elements where it does not know a size), so where the GPU sets the pace the sizes stay on the host. A setting of
-    the process, which runs the one model."""
+    Inductor runs the elementwise kernels it writes over tensors of those sizes slower (torch 2.11 sizes their blocks
+    for 8,192 elements where it does not know a size), so the experts' GELU and regrouping gathers run as ATen's
+    kernels instead (kernels/rows.py). A setting of the process, which runs the one model."""
     import torch._dynamo  # heavy: only where the run compiles
+
+    from trainbox.kernels import rows
     torch._dynamo.config.capture_scalar_outputs = True
+    rows.use_opaque()
 
 
 def apart(model) -> list:

@@ -57,6 +57,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from trainbox.config.layout import RunLayout
 from trainbox.kernels.accumulate import accumulate_
+from trainbox.kernels.rows import take_rows
 from trainbox.model.moe.model import MoEFFN, Sorted
 
 log = logging.getLogger("trainbox")  # the library logger
@@ -161,7 +162,7 @@ class _Permute(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, perm: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(perm, inverse)
-        return x[perm]
+        return take_rows(x, perm)
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):

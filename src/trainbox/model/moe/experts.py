@@ -12,7 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from trainbox.model.layers import gelu_tanh
+from trainbox.kernels import rows
 
 log = logging.getLogger("trainbox")  # the library logger (model/ never imports monitor/)
 
@@ -44,7 +44,7 @@ class _GroupedMM(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, gelu: bool) -> torch.Tensor:
-        a = gelu_tanh(x) if gelu else x
+        a = rows.gelu(x) if gelu else x
         ctx.save_for_backward(x, a, w, offsets)
         ctx.gelu = gelu
         return _GROUPED_MM(a, w, offs=offsets)
@@ -54,7 +54,7 @@ class _GroupedMM(torch.autograd.Function):
         x, a, w, offsets = ctx.saved_tensors
         g = g.contiguous()
         da = _GROUPED_MM(g, w.transpose(1, 2), offs=offsets)
-        dx = torch.ops.aten.gelu_backward(da, x, approximate="tanh") if ctx.gelu else da
+        dx = rows.gelu_backward(da, x) if ctx.gelu else da
         dw = None
         if ctx.needs_input_grad[1]:  # dw[e] = a_e^T @ g_e. Compiled, the kernel's first operand is laid out
             # transposed: a copy of a^T, or of g^T for dw = (g^T @ a)^T. Copy the narrower of the two: with
@@ -83,7 +83,7 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, use_kern
         _warned.add(reason)
         log.warning(f"MoE experts run as a loop over experts ({reason}); slower than one grouped matmul")
     if gelu:
-        x = gelu_tanh(x)
+        x = rows.gelu(x)
     bounds = [0, *offsets.tolist()]  # the fallback needs the group sizes on the host
     return torch.cat([x[bounds[e]:bounds[e + 1]] @ w[e] for e in range(w.size(0))])
 
