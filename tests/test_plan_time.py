@@ -217,6 +217,11 @@ STEPS = [
        where) for k in (1, 2) for extra, where in (([], "median_step_ms"), (HOST_READS, "baseline.median_step_ms"))),
     *((f"2026-11-30-2xh200-moe-gpt2-125m-128x-ep2-fsdp-experts-mb30-{side}-h100mem-profile.json", [], 2, "step_ms")
       for side in ("graph", "host")),
+    *((record, extra, 2, where)
+      for record in ("2026-11-30-2xh200-moe-gpt2-125m-128x-ep2-fsdp-experts-mb30-graph-opaque-vs-host-h100mem.json",
+                     "2026-11-30-2xh200-moe-gpt2-125m-ep2-graph-opaque-vs-host.json",
+                     "2026-11-30-2xh200-moe-gpt2-125m-ep2-graph-opaque-vs-host-2.json")
+      for extra, where in (([], "median_step_ms"), (HOST_READS, "baseline.median_step_ms"))),
     ("2026-11-30-2xh200-llama-1b-fsdp-2gpu-bf16-gathered-vs-torchtitan.json", [], 2, "median_step_ms"),
     ("2026-11-30-2xh200-llama-1b-fsdp-2gpu-bf16-vs-torchtitan.json", [], 2, "median_step_ms"),
     ("2026-11-30-2xh200-moe-gpt2-125m-128x-ep2-fsdp-mb20-host-h100mem-profile.json", [], 2, "step_ms"),
