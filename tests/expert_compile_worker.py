@@ -71,7 +71,7 @@ def main() -> None:
     torch.set_num_threads(1)
     d = Dist(rank=int(os.environ["RANK"]), world=int(os.environ["WORLD_SIZE"]))
     d.init(torch.device("cpu"), 120)
-    split_sizes_in_graph()   # as the loop does where the plan says the host paces the step
+    split_sizes_in_graph()   # as the loop does where model.moe.split_sizes keeps them in the graph
     for spec in sys.argv[1:]:
         torch._dynamo.reset()   # this configuration's graphs compiled from nothing, as in a process of its own
         check(d, *spec.split(","))

@@ -173,9 +173,10 @@ def compiled() -> subprocess.CompletedProcess:
 @pytest.mark.parametrize("parallel, checkpointing, capacity", COMPILED)
 def test_compiled_expert_parallelism_can_read_its_split_sizes_inside_the_graph(compiled, parallel, checkpointing,
                                                                                capacity):
-    """Where the host paces the step, the uneven exchange's split sizes stay in the compiled graph: no graph breaks
-    at them, and the loss and gradients equal the uncompiled model's (tests/expert_compile_worker.py, 2 processes,
-    the trainer's build): dropless and dropping, under ddp, fsdp, and selective and experts activation
+    """With the uneven exchange's split sizes in the compiled graph (model.moe.split_sizes: auto on a GPU the plan
+    knows, or graph), and with them the experts' GELU and regrouping gathers as ATen's kernels (kernels/rows.py): no
+    graph breaks at them, and the loss and gradients equal the uncompiled model's (tests/expert_compile_worker.py, 2
+    processes, the trainer's build): dropless and dropping, under ddp, fsdp, and selective and experts activation
     checkpointing."""
     done = compiled.stdout.split()[1::2]   # rank 0's "ok CONFIG" lines, nothing else
     assert compiled.stdout.split()[::2] == ["ok"] * len(done), compiled.stdout[-3000:]

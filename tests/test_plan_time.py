@@ -28,8 +28,8 @@ RECORDS = REPO / "benchmarks" / "records"
 MOE_128 = ["model.moe.num_experts=128", "model.moe.top_k=2", "model.moe.capacity_factor=2",
            "model.moe.lb_loss_weight=0.05"]
 
-# the records of expert-parallel runs whose split sizes were read on the host, where model.moe.split_sizes=auto now
-# keeps them in the compiled graph (plan/time.py: HOST_PACED)
+# the records of expert-parallel runs whose split sizes were read on the host, where model.moe.split_sizes=auto
+# keeps them in the compiled graph (plan/time.py: step_time)
 HOST_READS = ["model.moe.split_sizes=host"]
 T5_BATCH = ["train.micro_batch_size=32", "train.global_batch_size=32"]   # benchmarks/t5_speed.py's step
 T5_MB32 = ["train.micro_batch_size=32"]   # the t5-base recipe's micro-batch when these records were made
@@ -647,38 +647,37 @@ def test_recomputed_experts_are_ranked_first_as_measured():
     assert first.overrides == ("train.parallel=fsdp", "model.moe.expert_parallel=2",
                                "train.reshard_after_forward=false", "train.grad_reduce=step",
                                "train.micro_batch_size=30", EXPERTS)
-    assert first.time == experts.time and not first.time.sizes_in_graph   # the H100 plan, the loop's last
+    assert first.time == experts.time and first.time.sizes_in_graph   # the H100 plan; auto: the sizes in the graph
 
 
-@pytest.mark.parametrize("overrides, in_graph", [
-    (["model.moe.expert_parallel=2", "train.micro_batch_size=16"], True),
-    (["model.moe.expert_parallel=2", "train.parallel=fsdp", "train.micro_batch_size=20"], True),
-    (["model.moe.expert_parallel=2", "train.micro_batch_size=16", "model.moe.split_sizes=host"], False),
-    (["model.moe.expert_parallel=2", "train.micro_batch_size=16", "train.compile=false"], False),
-    (["model.moe.expert_parallel=2", "train.micro_batch_size=16", "model.moe.exchange=padded"], False),  # no reads
-    (["model.moe.expert_parallel=2", "optim.state_dtype=bf16", "train.micro_batch_size=40"], False),
+@pytest.mark.parametrize("overrides, in_graph, paced", [
+    (["model.moe.expert_parallel=2", "train.micro_batch_size=16"], True, True),
+    (["model.moe.expert_parallel=2", "train.parallel=fsdp", "train.micro_batch_size=20"], True, True),
+    (["model.moe.expert_parallel=2", "train.micro_batch_size=16", "model.moe.split_sizes=host"], False, True),
+    (["model.moe.expert_parallel=2", "train.micro_batch_size=16", "train.compile=false"], False, True),
+    (["model.moe.expert_parallel=2", "train.micro_batch_size=16", "model.moe.exchange=padded"], False, False),
+    (["model.moe.expert_parallel=2", "optim.state_dtype=bf16", "train.micro_batch_size=40"], True, False),
     (["model.moe.expert_parallel=2", "optim.state_dtype=bf16", "train.micro_batch_size=40",
-      "model.moe.split_sizes=graph"], True),
+      "model.moe.split_sizes=graph"], True, False),
 ])
-def test_the_split_sizes_stay_in_the_graph_where_the_host_paces_the_step(overrides, in_graph):
+def test_auto_keeps_the_split_sizes_of_a_compiled_uneven_exchange_in_the_graph(overrides, in_graph, paced):
     """StepTime.sizes_in_graph, on which the loop keeps the split sizes in the compiled graph: under
-    model.moe.split_sizes=auto, the 128-expert MoE at expert parallelism 2 on 2 H200s at micro-batch 16 or 20 (the
-    host's work per MoE layer above the GPU's), not at 40, nor under the padded exchange, which reads nothing back,
-    nor uncompiled; nor the 8-expert recipe at micro-batch 48, which ran 0.93x as fast with them in the graph. The
-    step is then shorter by GRAPH_HOST; split_sizes=graph keeps them there at any micro-batch."""
+    model.moe.split_sizes=auto or graph wherever the uneven exchange is compiled (the 128-expert MoE at expert
+    parallelism 2 on 2 H200s, at micro-batch 16 or 20, where the host's work per MoE layer is above the GPU's, and at
+    40, where it is not; the 8-expert recipe), not with host, nor under the padded exchange, which reads nothing back,
+    nor uncompiled. The step is shorter by GRAPH_HOST where the host paces it, and the same elsewhere."""
     plan = predicted("moe-gpt2-125m", [*MOE_128, *overrides], "H200", 2)
     assert plan.time.sizes_in_graph == in_graph, plan.time
     host = predicted("moe-gpt2-125m", [*MOE_128, *overrides, "model.moe.split_sizes=host"], "H200", 2)
     assert not host.time.sizes_in_graph
-    forced = "model.moe.split_sizes=graph" in overrides   # where the GPU paces the step, the host's part is no floor
-    assert plan.time.step < host.time.step if in_graph and not forced else plan.time.step == host.time.step
+    assert plan.time.step < host.time.step if in_graph and paced else plan.time.step == host.time.step
     recipe = predicted("moe-gpt2-125m", ["model.moe.expert_parallel=2"], "H200", 2)
-    assert not recipe.time.sizes_in_graph, recipe.time
+    assert recipe.time.sizes_in_graph, recipe.time
 
 
 @pytest.mark.parametrize("overrides, card, keeps", [
     ([], "H200", True),                                           # auto, host-paced by the plan
-    (["train.micro_batch_size=40", "optim.state_dtype=bf16"], "H200", False),   # auto, the GPU paces it
+    (["train.micro_batch_size=40", "optim.state_dtype=bf16"], "H200", True),    # auto, the GPU paces it
     (["model.moe.split_sizes=graph"], "CPU", True),               # no step time: only where asked
     ([], "CPU", False),
     (["model.moe.split_sizes=host"], "H200", False),

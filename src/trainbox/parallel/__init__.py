@@ -21,7 +21,7 @@ def keeps_split_sizes_in_graph(cfg, step) -> bool:
 
 
 def split_sizes_in_graph() -> None:
-    """Before torch.compile, where model.moe.split_sizes says so (auto: where the host paces the step, plan/time.py's
+    """Before torch.compile, where model.moe.split_sizes says so (auto: where the plan has a step time, plan/time.py's
     StepTime.sizes_in_graph): the split sizes the uneven exchange reads on the host (expert.py's `_uneven`, one
     `tolist` per MoE layer and micro-batch) stay in the compiled graph as symbolic sizes (Dynamo's
     capture_scalar_outputs) instead of breaking it there. After each read the host goes on launching the graph's

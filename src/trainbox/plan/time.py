@@ -124,13 +124,6 @@ FSDP_HOST = 2.0e-3
 # -fsdp-mb20-gathered-once-h100mem.json, -fsdp-mb20-gathered-vs-once-h100mem.json); with bf16 moments at micro-batch
 # 40 the pairs split (-1.0 and -0.4 ms; four single runs +0.4), within that host's spread
 FSDP_GATHERED_HOST = 0.3e-3
-# the share of a step above which the host sets the pace of an expert-parallel step (the `host` part, with the split
-# sizes read on the host): there model.moe.split_sizes=auto keeps them in the compiled graph (parallel/__init__.py:
-# split_sizes_in_graph), and the step is modelled with GRAPH_HOST. The 128-expert MoE at expert parallelism 2 on 2
-# H200s, micro-batch 16 or 20 (the host 38% of the step by this model), ran 1.13x and 1.20x faster so; the 8-expert
-# recipe at micro-batch 48 (the host 0.4%) 0.93x as fast, its elementwise kernels over the exchanged row counts
-# slower (torch 2.11's Inductor sizes their blocks for 8,192 elements where it does not know a size)
-HOST_PACED = 0.2
 # seconds of host work per MoE layer and micro-batch with the split sizes in the compiled graph, in place of HOST:
 # the host still waits for each read, then runs on through the compiled graph instead of entering Dynamo's next one.
 # Solved from the ratio of two runs of the 128-expert MoE at expert parallelism 2 on 2 H200s capped at an H100's
@@ -174,16 +167,18 @@ def step_time(cfg: RunConfig, counts: ParamCount, target: Target, layout, micro:
     """The step time of `cfg` in `layout` (plan/memory.py's Layout) on GPUs like `target`, at micro-batch `micro`
     with `sequences` sequences a sample; None where the target has no rates (a CPU, a GPU kind without an entry in
     plan/gpus.py's RATES) or the model has no FLOP count. Under expert parallelism's uneven exchange, compiled, with
-    the split sizes where model.moe.split_sizes puts them: auto puts them in the graph where the host, with them read
-    on the host, takes over HOST_PACED of the step (`StepTime.sizes_in_graph` says which the step assumes)."""
+    the split sizes where model.moe.split_sizes puts them (`StepTime.sizes_in_graph` says which the step assumes):
+    auto and graph keep them in the compiled graph, which measured faster at every layout paired with them read on
+    the host (the 128-expert MoE at micro-batches 16, 20 and 30; the 8-expert recipe in a pair of each order,
+    2026-11-30-2xh200-moe-gpt2-125m-ep2-graph-opaque-vs-host.json and -2.json). The model counts the graph's gain
+    only where the host paces the step (GRAPH_HOST against HOST)."""
     if target.rates is None or not target.cuda or not counts.flops_per_token:
         return None
     args = cfg, counts, target, layout, micro, checkpointing, sequences
     t = _step_time(*args, HOST)
     moe = cfg.model.moe
     uneven = layout.expert_parallel > 1 and moe_layers(cfg) and not (moe.exchange == "padded" and moe.capacity_factor)
-    if uneven and cfg.train.compile and (moe.split_sizes == "graph" or
-                                         moe.split_sizes == "auto" and t.host > HOST_PACED * t.step):
+    if uneven and cfg.train.compile and moe.split_sizes in ("auto", "graph"):
         t = replace(_step_time(*args, GRAPH_HOST), sizes_in_graph=True)
     return t
 

@@ -138,7 +138,7 @@ class Trainer(RunFiles, Checkpointing, Evaluations, Reporting):
         if keeps_split_sizes_in_graph(cfg, memory_plan.time if memory_plan is not None else None):
             split_sizes_in_graph()   # every rank compiles alike (the plan is the same on every rank)
             if d.is_main:
-                why = "the host would pace the step with them read on the host, by the plan" \
+                why = "model.moe.split_sizes=auto on a GPU the plan knows" \
                     if cfg.model.moe.split_sizes == "auto" else "model.moe.split_sizes=graph"
                 log.info(f"expert parallelism: the exchanges' split sizes stay in the compiled graph ({why})")
         if cfg.monitor.memory_snapshot:   # from before the first weight to the end of step N

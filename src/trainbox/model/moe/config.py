@@ -27,8 +27,8 @@ class MoESection(Section):
     split_sizes: Literal["auto", "host", "graph"] = Field(
         "auto", description="the uneven exchange's split sizes under train.compile: host = read on the host between "
                             "compiled graphs; graph = kept in the compiled graph as symbolic sizes, one graph for the "
-                            "forward and one for the backward; auto = graph where the step-time plan says the host "
-                            "paces the step (trainbox plan: the host's part over a fifth of the step), else host")
+                            "forward and one for the backward; auto = graph on a GPU the step-time plan knows "
+                            "(trainbox plan), else host")
 
     @model_validator(mode="after")
     def _consistent(self) -> "MoESection":
