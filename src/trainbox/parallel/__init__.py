@@ -31,7 +31,7 @@ def split_sizes_in_graph() -> None:
     kernels instead (kernels/rows.py). A setting of the process, which runs the one model."""
     import torch._dynamo  # heavy: only where the run compiles
 
-    from trainbox.kernels import rows
+    from trainbox.kernels import rows  # heavy: the custom ops register with torch, only where the run compiles
     torch._dynamo.config.capture_scalar_outputs = True
     rows.use_opaque()
 
