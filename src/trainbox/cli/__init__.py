@@ -1,6 +1,6 @@
-"""trainbox command line. `main` is the entry point (`trainbox`, `python -m trainbox`); the parser and the verbs
-are in cli/app.py, cli/train.py, cli/model.py, cli/configure.py, cli/data.py, cli/runs.py, cli/ops.py and
-cli/evaluate.py.
+"""trainbox command line. `main` is the entry point (`trainbox`, `python -m trainbox`); the dispatch is in cli/app.py,
+the parser in cli/parser.py, the verbs in cli/train.py, cli/model.py, cli/configure.py, cli/data.py, cli/runs.py,
+cli/ops.py and cli/evaluate.py.
 
 This package is the only place that reads environment variables, prints for humans, or exits. Library code
 raises typed errors (trainbox.errors); the CLI turns each into one short message and an exit code.
