@@ -8,8 +8,8 @@ so it never touches the training step. /health is what Docker HEALTHCHECK and Ku
        preempted
 
 /metrics answers JSON by default and Prometheus text (or OpenMetrics) when the Accept header asks for
-`text/plain` or `application/openmetrics-text`, as Prometheus' scraper does. Metric names carry the
-`trainbox_` prefix and base units (seconds, bytes, ratios); counters end in `_total`.
+`text/plain` or `application/openmetrics-text`, as Prometheus' scraper does (monitor/metrics.py). Metric names
+carry the `trainbox_` prefix and base units (seconds, bytes, ratios); counters end in `_total`.
 
 Access rules:
 
@@ -43,15 +43,14 @@ from importlib import resources
 from urllib.parse import parse_qs, urlparse
 
 from prometheus_client import CollectorRegistry
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import choose_encoder
 
 from trainbox.errors import ConfigError
 from trainbox.monitor.console import log
-from trainbox.monitor.state import PREFERENCE, RunState
-from trainbox.rundir import ranks
+from trainbox.monitor.metrics import Collector, metrics_json, rank_beats, wants_prometheus
+from trainbox.monitor.state import RunState
 from trainbox.rundir.runs import latest_eval
-from trainbox.rundir.status import ACTIVE_PHASES, health
+from trainbox.rundir.status import health
 
 REQUEST_TIMEOUT = 10.0  # seconds a connection has to send its request (and the server to send the reply)
 STOP_POLL_S = 0.05      # seconds between the serving thread's checks for a stop (the end of a run waits this long)
@@ -110,105 +109,6 @@ class _Server(ThreadingHTTPServer):
     request_queue_size = 64
 
 
-def metrics_json(s: dict) -> dict:
-    """The JSON body of /metrics (what scripts and `trainbox status URL` read)."""
-    return {"current_step": s["step"], "total_steps": s["total_steps"], "last_loss": s["loss"],
-            "is_training": s["phase"] in ACTIVE_PHASES,
-            "gpu_memory_allocated": s["gpu_memory_allocated"], "val_loss": s["val_loss"], "lr": s["lr"],
-            "grad_norm": s["grad_norm"], "tokens_per_s": s["tokens_per_s"], "mfu": s["mfu"],
-            "tokens_seen": s["tokens_seen"], "checkpoints_saved": s["checkpoints_saved"],
-            "restarts": s["restarts"], "eta_s": s["eta_s"], "phase": s["phase"],
-            **{k: s[k] for k in PREFERENCE}}
-
-
-# name -> (help, snapshot key); counters get `_total` appended by prometheus_client
-COUNTERS = {"steps": ("optimizer steps taken by the run (resumed runs count from their checkpoint)", "step"),
-            "tokens": ("training tokens consumed by the run", "tokens_seen"),
-            "checkpoints": ("checkpoints saved by this process", "checkpoints_saved"),
-            "restarts": ("times this run was resumed from a checkpoint", "restarts")}
-GAUGES = {"loss": ("last training loss in nats per token", "loss"),
-          "val_loss": ("last validation loss in nats per token", "val_loss"),
-          "val_bits_per_byte": ("last validation loss in bits per byte", "val_bpb"),
-          "learning_rate": ("current learning rate", "lr"),
-          "grad_norm": ("gradient norm before clipping at the last logged step", "grad_norm"),
-          "tokens_per_second": ("training throughput in tokens per second", "tokens_per_s"),
-          "mfu_ratio": ("model FLOPs utilisation, 0 to 1", "mfu"),
-          "gpu_memory_allocated_bytes": ("GPU memory allocated by tensors on rank 0", "gpu_memory_allocated"),
-          "total_steps": ("optimizer steps planned", "total_steps"),
-          "epoch": ("current epoch (0-based)", "epoch"),
-          "eta_seconds": ("estimated seconds until the last step", "eta_s"),
-          "step_duration_seconds": ("mean seconds per optimizer step in this process", "step_time_s"),
-          "heartbeat_timestamp_seconds": ("unix time of the last progress", "heartbeat"),
-          "start_timestamp_seconds": ("unix time this process started the run", "started_at"),
-          # train.objective=dpo (absent otherwise): means over the last logged step's pairs
-          "reward_chosen": ("preference: mean reward of the chosen responses", "reward_chosen"),
-          "reward_rejected": ("preference: mean reward of the rejected responses", "reward_rejected"),
-          "reward_margin": ("preference: mean reward margin, chosen minus rejected", "reward_margin"),
-          "reward_accuracy_ratio": ("preference: share of pairs whose chosen reward is higher, 0 to 1",
-                                    "reward_accuracy"),
-          "val_reward_accuracy_ratio": ("preference: reward accuracy on the validation pairs", "val_reward_accuracy")}
-
-
-class _Collector:
-    """Prometheus view of one snapshot: `trainbox_` prefix, base units, a `run` label."""
-
-    def __init__(self, state: RunState, cfg):
-        self.state, self.cfg = state, cfg
-
-    def collect(self):
-        s = self.state.snapshot()
-        run = [s["run_name"]]
-        for name, (doc, key) in COUNTERS.items():
-            c = CounterMetricFamily(f"trainbox_{name}", doc, labels=["run"])
-            c.add_metric(run, float(s[key] or 0))
-            yield c
-        for name, (doc, key) in GAUGES.items():
-            if s[key] is None:  # not measured yet: absent rather than a made-up 0
-                continue
-            g = GaugeMetricFamily(f"trainbox_{name}", doc, labels=["run"])
-            g.add_metric(run, float(s[key]))
-            yield g
-        ok, _ = health(s, self.cfg.stall_after, self.cfg.log_every, ranks=_ranks(s))
-        for name, doc, value in (("healthy", "1 when /health answers 200", ok),
-                                 ("is_training", "1 while the run is loading, compiling, training, evaluating "
-                                  "or checkpointing", s["phase"] in ACTIVE_PHASES)):
-            g = GaugeMetricFamily(f"trainbox_{name}", doc, labels=["run"])
-            g.add_metric(run, 1.0 if value else 0.0)
-            yield g
-        info = GaugeMetricFamily("trainbox_phase", "current phase (1 for the phase the run is in)",
-                                 labels=["run", "phase"])
-        info.add_metric([s["run_name"], s["phase"]], 1.0)
-        yield info
-        scores = latest_eval(s["run_dir"])
-        if scores is not None:   # the newest record in RUN/eval/ (train.eval_tasks or `trainbox eval`)
-            g = GaugeMetricFamily("trainbox_eval_task_score", "lm-eval score of the newest evaluation, by task "
-                                  "and metric", labels=["run", "task", "metric"])
-            for task, metrics in scores["scores"].items():
-                for metric, value in metrics.items():
-                    g.add_metric([s["run_name"], task, metric], float(value))
-            yield g
-            if scores.get("step") is not None:
-                g = GaugeMetricFamily("trainbox_eval_task_step", "step of the checkpoint the newest lm-eval "
-                                      "scores are of", labels=["run"])
-                g.add_metric(run, float(scores["step"]))
-                yield g
-
-
-def _ranks(snap: dict) -> list:
-    """The heartbeats of the run's ranks (rundir/ranks.py) while it is active: a silent rank makes it unhealthy."""
-    return ranks.read(snap["run_dir"]) if snap.get("phase") in ACTIVE_PHASES and snap.get("run_dir") else []
-
-
-def wants_prometheus(accept: str) -> bool:
-    """Prometheus text unless the client prefers JSON (browsers and curl send */*: JSON)."""
-    accept = accept.lower()
-    if "openmetrics" in accept:
-        return True
-    if "text/plain" not in accept:
-        return False
-    return "application/json" not in accept or accept.index("text/plain") < accept.index("application/json")
-
-
 def _dashboard_html() -> bytes:
     return resources.files("trainbox.monitor").joinpath("dashboard.html").read_bytes()
 
@@ -225,7 +125,7 @@ class MonitorServer:
         self.session = (hmac.new(cfg.token.encode(), b"trainbox dashboard session", hashlib.sha256).hexdigest()
                         if cfg.token else None)
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(_Collector(state, cfg))
+        self.registry.register(Collector(state, cfg))
         handler = self._handler_class()
         try:
             self.httpd = _Server((cfg.host, cfg.port), handler)
@@ -348,7 +248,7 @@ class MonitorServer:
                                             f"monitor.token only requests addressed to {allowed} are answered"},
                                       head)
                 if url.path == "/health":
-                    ok, reason = health(snap, cfg.stall_after, cfg.log_every, ranks=_ranks(snap))
+                    ok, reason = health(snap, cfg.stall_after, cfg.log_every, ranks=rank_beats(snap))
                     return self._json(200 if ok else 503, {"healthy": ok, "reason": reason, "phase": snap["phase"],
                                                            "step": snap["step"], "total_steps": snap["total_steps"]},
                                       head)
@@ -363,7 +263,7 @@ class MonitorServer:
                         return self._send(200, encoder(server.registry), ctype, head)
                     return self._json(200, metrics_json(snap), head)
                 if url.path == "/status":
-                    ok, reason = health(snap, cfg.stall_after, cfg.log_every, ranks=_ranks(snap))
+                    ok, reason = health(snap, cfg.stall_after, cfg.log_every, ranks=rank_beats(snap))
                     return self._json(200, {**snap, "healthy": ok, "health_reason": reason,
                                             "eval_tasks": latest_eval(snap["run_dir"])}, head)
                 if url.path == "/history":
