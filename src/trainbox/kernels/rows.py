@@ -12,9 +12,8 @@ kernels, which it fuses with their neighbours, are the faster.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from trainbox.kernels.ops import inductor_fallback
+from trainbox.kernels.ops import gelu_tanh, inductor_fallback
 
 OPAQUE = False   # the experts' GELU and regrouping gathers through the ops below (parallel/__init__.py sets it)
 
@@ -22,7 +21,7 @@ OPAQUE = False   # the experts' GELU and regrouping gathers through the ops belo
 @torch.library.custom_op("trainbox::gelu_tanh", mutates_args=())
 def gelu_op(x: torch.Tensor) -> torch.Tensor:
     """GPT-2's GELU (the tanh approximation), ATen's kernel."""
-    return F.gelu(x, approximate="tanh")
+    return gelu_tanh(x)
 
 
 @gelu_op.register_fake
@@ -65,7 +64,7 @@ def _(x, index):
 
 
 def gelu(x: torch.Tensor) -> torch.Tensor:
-    return gelu_op(x) if OPAQUE else F.gelu(x, approximate="tanh")
+    return gelu_op(x) if OPAQUE else gelu_tanh(x)
 
 
 def gelu_backward(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

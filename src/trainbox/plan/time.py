@@ -174,13 +174,11 @@ def step_time(cfg: RunConfig, counts: ParamCount, target: Target, layout, micro:
     only where the host paces the step (GRAPH_HOST against HOST)."""
     if target.rates is None or not target.cuda or not counts.flops_per_token:
         return None
-    args = cfg, counts, target, layout, micro, checkpointing, sequences
-    t = _step_time(*args, HOST)
     moe = cfg.model.moe
     uneven = layout.expert_parallel > 1 and moe_layers(cfg) and not (moe.exchange == "padded" and moe.capacity_factor)
-    if uneven and cfg.train.compile and moe.split_sizes in ("auto", "graph"):
-        t = replace(_step_time(*args, GRAPH_HOST), sizes_in_graph=True)
-    return t
+    in_graph = bool(uneven and cfg.train.compile and moe.split_sizes in ("auto", "graph"))
+    t = _step_time(cfg, counts, target, layout, micro, checkpointing, sequences, GRAPH_HOST if in_graph else HOST)
+    return replace(t, sizes_in_graph=in_graph)
 
 
 def _step_time(cfg: RunConfig, counts: ParamCount, target: Target, layout, micro: int, checkpointing: str,
