@@ -367,6 +367,16 @@ def biased_attention(rec: dict) -> list[tuple]:
     return rows
 
 
+def megablocks_speed(rec: dict) -> list[tuple]:
+    m = rec["metrics"]
+    return [(f" ({m['experts']} experts)",
+             f"{m['experts']} experts, top-{m['top_k']}, {m['tokens']:,} tokens: {m['ms_compiled']:.2f} ms forward + "
+             f"backward compiled ({m['expert_tflops_compiled']:.0f} TFLOP/s in the experts), {m['ms_eager']:.2f} ms "
+             f"eager, {gib(m['peak_gib_compiled'])}",
+             f"{rec['baseline']['name']}: {m['ms_megablocks']:.2f} ms, {gib(m['peak_gib_megablocks'])}",
+             f"{m['speedup_compiled_vs_megablocks']:.2f}x")]
+
+
 def generic(rec: dict) -> list[tuple]:
     scalars = [f"{k} {v}" for k, v in rec["metrics"].items() if isinstance(v, (int, float, str))][:4]
     return [("", ", ".join(scalars) or "—", rec["baseline"]["name"] if rec["baseline"] else "—", "—")]
@@ -380,7 +390,7 @@ ROWS = {"train_speed": train_speed, "profile_step": profile_step, "time_to_loss"
         "tiny_default_run": trainbox_train,
         "resume_check": resume_check, "batch_invariance": batch_invariance, "eval_speed": eval_speed,
         "eval_tasks_overhead": eval_tasks_overhead, "dpo_real_run": dpo_real_run, "dpo_speed": dpo_speed,
-        "hw_rates": hw_rates, "biased_attention": biased_attention}
+        "hw_rates": hw_rates, "biased_attention": biased_attention, "megablocks_speed": megablocks_speed}
 
 
 # ----------------------------------------------------------------------------------------------- the page
@@ -405,7 +415,7 @@ def area(rec: dict) -> str:
         return "Fine-tuning"
     if rec["tool"] in ("t5_speed", "biased_attention") or recipe.startswith("t5"):
         return "T5"
-    if recipe.startswith("moe"):
+    if recipe.startswith("moe") or rec["tool"] == "megablocks_speed":
         return "Mixture of Experts"
     if recipe.startswith("speedrun"):
         return "Speedrun"
