@@ -56,12 +56,20 @@ def theirs(layer: MoEFFN, d: int, device: torch.device):
                                return_bias=False, mlp_impl="grouped", fp16=False, bf16=True, device=device,
                                moe_normalize_expert_weights=1, moe_loss_weight=0.01)
     m = dmoe.dMoE(args).to(device)
+    router, w1, w2 = megablocks_weights(layer)
     with torch.no_grad():
-        m.router.layer.weight.copy_(layer.router.weight)
-        # theirs: w1 (E * 4d, d) viewed (E, 4d, d), used as x @ w1[e].T; w2 (E * 4d, d), used as h @ w2[e]
-        m.experts.mlp.w1.copy_(layer.c_fc.weight.transpose(1, 2).reshape(E * 4 * d, d))
-        m.experts.mlp.w2.copy_(layer.c_proj.weight.reshape(E * 4 * d, d))
+        m.router.layer.weight.copy_(router)
+        m.experts.mlp.w1.copy_(w1)
+        m.experts.mlp.w2.copy_(w2)
     return m.train()
+
+
+def megablocks_weights(layer: MoEFFN) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`layer`'s weights in MegaBlocks' layout: the router's (E, d); w1 and w2, each (E * 4d, d), which MegaBlocks
+    views as (E, 4d, d) and uses as GELU(x @ w1[e].T) @ w2[e]. Ours are stored (E, in, out) and used as x @ w[e]."""
+    E, d = layer.moe.num_experts, layer.c_fc.weight.size(1)
+    return (layer.router.weight.detach(), layer.c_fc.weight.detach().transpose(1, 2).reshape(E * 4 * d, d),
+            layer.c_proj.weight.detach().reshape(E * 4 * d, d))
 
 
 def timed(fn, steps: int, warmup: int) -> float:
