@@ -98,10 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt", default="\n")
     g.add_argument("--max-tokens", type=int, default=100)
     g.add_argument("--temperature", type=float, default=0.8)
-    g.add_argument("--top-k", type=int, default=None)
-    g.add_argument("--top-p", type=float, default=None)
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--device", default=None)
+    _sampling(g)
     g.set_defaults(func=cmd_generate)
 
     ev = verb("eval", "lm-eval tasks on a run, a checkpoint or a Hugging Face folder (needs trainbox[eval]); "
@@ -125,10 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     ch.add_argument("--system", default=None, help="a system message that opens the conversation")
     ch.add_argument("--max-tokens", type=int, default=256, help="most tokens an answer may have (default 256)")
     ch.add_argument("--temperature", type=float, default=0.7, help="0: greedy (default 0.7)")
-    ch.add_argument("--top-k", type=int, default=None)
-    ch.add_argument("--top-p", type=float, default=None)
-    ch.add_argument("--seed", type=int, default=0)
-    ch.add_argument("--device", default=None)
+    _sampling(ch)
     ch.set_defaults(func=cmd_chat)
 
     e = verb("export", "write a run or checkpoint in Hugging Face format (LoRA: adapter, or merged with --merge) "
@@ -320,6 +314,14 @@ def build_parser() -> argparse.ArgumentParser:
     db.add_argument("--root", default="runs", help="folder holding run directories (default runs)")
     db.set_defaults(func=_ops("cmd_dashboard"))
     return p
+
+
+def _sampling(p: argparse.ArgumentParser) -> None:
+    """The sampling options `generate` and `chat` share (each sets its own --max-tokens and --temperature)."""
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default=None)
 
 
 def _version() -> str:
