@@ -20,7 +20,6 @@ backward of the layer over --tokens tokens, the mean of --steps after --warmup, 
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import json
 
 import common
@@ -73,7 +72,9 @@ def megablocks_weights(layer: MoEFFN) -> tuple[torch.Tensor, torch.Tensor, torch
 
 
 def timed(fn, steps: int, warmup: int) -> float:
-    """Mean milliseconds of fn() over `steps` calls after `warmup`."""
+    """Mean milliseconds of fn() over `steps` calls after `warmup`, back to back: the layer as a training step runs it,
+    its host work overlapping the GPU's (common.median_ms synchronises after every call, which would charge each
+    call its launch time)."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -146,7 +147,8 @@ def main() -> None:
     ms_theirs = timed(step_theirs, args.steps, args.warmup)
     peak_theirs = torch.cuda.max_memory_allocated() / 2**30
     flops = 12 * args.top_k * args.d * 4 * args.d * args.tokens   # forward + backward of the two expert matmuls
-    version = importlib.metadata.version("megablocks")
+    software = common.software("megablocks", "grouped_gemm", "stanford-stk")
+    version = software["megablocks"]
     result = {
         "experts": args.experts, "top_k": args.top_k, "d": args.d, "tokens": args.tokens, "steps": args.steps,
         "ms_compiled": round(ms_compiled, 3), "ms_eager": round(ms_eager, 3), "ms_megablocks": round(ms_theirs, 3),
@@ -160,8 +162,7 @@ def main() -> None:
     print(json.dumps(result, indent=1))
     what = args.what or f"moe-layer-{args.experts}x-vs-megablocks"
     common.emit(common.Result(
-        tool="megablocks_speed", what=what, gpu=common.gpu_info(),
-        software=common.software("megablocks", "grouped_gemm", "stanford-stk"),
+        tool="megablocks_speed", what=what, gpu=common.gpu_info(), software=software,
         metrics={"ms": result["ms_compiled"], **result},
         baseline={"name": f"MegaBlocks {version} dMoE (grouped)", "command": None,
                   "metrics": {"ms": result["ms_megablocks"], "peak_gib": result["peak_gib_megablocks"]}}),
