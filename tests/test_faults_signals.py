@@ -28,6 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from conftest import run_check_script
 
 from trainbox import checkpoint
 
@@ -342,6 +343,32 @@ def test_a_second_ctrl_c_while_the_run_starts_stops_at_once(tmp_path, cache):
         seg.proc.send_signal(signal.SIGINT)
     code, out = seg.wait()
     assert code == 130 and out.strip().splitlines()[-1] == "interrupted", out
+
+
+# A Ctrl-C between two of the stop handlers being installed: SIGTERM's is in place (what the test above waits for),
+# SIGINT's is still Python's own, which raises KeyboardInterrupt wherever the code is
+BETWEEN_HANDLERS = r"""
+import os, signal
+import trainbox.train.stop as stop
+
+real = signal.signal
+def install_then_ctrl_c(s, h):
+    old = real(s, h)
+    if s == signal.SIGTERM:
+        os.kill(os.getpid(), signal.SIGINT)
+    return old
+
+signal.signal = install_then_ctrl_c
+stop.STOP.install()
+signal.signal = real
+assert stop.STOP.signum == signal.SIGINT, stop.STOP.signum
+stop.STOP.restore()
+print("ok")
+"""
+
+
+def test_a_ctrl_c_while_the_stop_handlers_go_in_reaches_its_handler():
+    run_check_script(BETWEEN_HANDLERS)
 
 
 # The second Ctrl-C lands inside code run by exec() of a string, as while dataclasses or pydantic build a class

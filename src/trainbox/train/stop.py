@@ -58,10 +58,13 @@ class StopFlag:
             return
         self._depth += 1
         if not self._old:
+            # blocked while the handlers go in, so a signal between two of them (a Ctrl-C just after SIGTERM's
+            # handler is in place, while Python's own SIGINT handler would still raise KeyboardInterrupt here)
+            # waits for its handler; a parent that started this process with them blocked (to keep them until a
+            # handler is in place) hands them over the same way: a pending one is delivered to the handler
+            signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
             for s in STOP_SIGNALS:
                 self._old[s] = signal.signal(s, self._handle)
-            # a parent that started this process with the signals blocked (to keep them until a handler is in
-            # place) hands them over now: a pending one is delivered to the handler
             signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
 
     def _handle(self, signum, frame) -> None:
