@@ -377,6 +377,15 @@ def megablocks_speed(rec: dict) -> list[tuple]:
              f"{m['speedup_compiled_vs_megablocks']:.2f}x")]
 
 
+def pin_speed(rec: dict) -> list[tuple]:
+    m, b = rec["metrics"], rec["baseline"]["metrics"]
+    return [("", f"one rank's shard of {m['world']}-way FSDP ({m['shard_gib']:.1f} GiB), {m['procs']} processes at "
+                 f"once: pinned in {m['pin_s_median']:.1f} s, {gib(m['pinned_gib'])} pinned, staged in "
+                 f"{m['stage_s_median']:.2f} s",
+             f"{rec['baseline']['name']}: {b['pin_s_median']:.1f} s, {gib(b['pinned_gib'])} pinned",
+             f"{m['speedup']:.2f}x")]
+
+
 def generic(rec: dict) -> list[tuple]:
     scalars = [f"{k} {v}" for k, v in rec["metrics"].items() if isinstance(v, (int, float, str))][:4]
     return [("", ", ".join(scalars) or "—", rec["baseline"]["name"] if rec["baseline"] else "—", "—")]
@@ -390,7 +399,8 @@ ROWS = {"train_speed": train_speed, "profile_step": profile_step, "time_to_loss"
         "tiny_default_run": trainbox_train,
         "resume_check": resume_check, "batch_invariance": batch_invariance, "eval_speed": eval_speed,
         "eval_tasks_overhead": eval_tasks_overhead, "dpo_real_run": dpo_real_run, "dpo_speed": dpo_speed,
-        "hw_rates": hw_rates, "biased_attention": biased_attention, "megablocks_speed": megablocks_speed}
+        "hw_rates": hw_rates, "biased_attention": biased_attention, "megablocks_speed": megablocks_speed,
+        "pin_speed": pin_speed}
 
 
 # ----------------------------------------------------------------------------------------------- the page

@@ -27,8 +27,10 @@ DCP's metadata classes, and non-tensor values by `torch.load(weights_only=True)`
 """
 from __future__ import annotations
 
+import concurrent.futures
 import inspect
 import logging
+import mmap
 import os
 import shutil
 import threading
@@ -39,11 +41,10 @@ import torch
 import torch.distributed as tdist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from torch.distributed._state_dict_utils import _create_cpu_state_dict
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch.distributed.tensor import DTensor
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map
 
 from trainbox import checkpoint
 from trainbox.checkpoint import room as checkpoint_room
@@ -79,16 +80,83 @@ def pinned_stager():
     return BlockingAsyncStager(cache_staged_state_dict=True)
 
 
-def _pin_like(state: dict, stager) -> None:
-    """The stager's host buffers for `state`, allocated (and pinned) ahead of the first save."""
-    # the function the stager itself calls on its first stage()
-    stager.state_dict_cache = _create_cpu_state_dict(state, pin_memory=True)
+# host buffers are pinned in pieces of about this size, each registered with CUDA by one of several threads
+PIN_PIECE = 1 << 30
+_ALIGN = 4096
+
+
+class PinnedHost:
+    """Host buffers shaped like a state dict's tensors (a DTensor: its local shard, as a DTensor of the same spec),
+    pinned without PyTorch's caching host allocator, whose per-tensor `pin_memory()` rounds every buffer up to a
+    power of two and pins it from one thread (and torch's `_create_cpu_state_dict` first copies every DTensor to
+    host memory to learn its layout). Here the tensors are laid out in pieces of plain host memory of `piece`
+    bytes or more (a tensor never spans two), which `threads` threads page in side by side and register with
+    CUDA (cudaHostRegister). `state` is the copy the stager fills on every save; `close` unregisters.
+    `pin=False` lays out the same buffers unpinned (a machine without CUDA)."""
+
+    def __init__(self, state: dict, threads: int, piece: int = PIN_PIECE, pin: bool = True):
+        sizes, place = [], {}   # the pieces' sizes; id(tensor) -> (piece, offset) of each tensor with elements
+        for t in tree_leaves(state):
+            if isinstance(t, torch.Tensor) and t.dim() and t.numel() and id(t) not in place:
+                if not sizes or sizes[-1] >= piece:
+                    sizes.append(0)
+                place[id(t)] = (len(sizes) - 1, sizes[-1])
+                sizes[-1] += -(-_local(t).nbytes // _ALIGN) * _ALIGN
+        self.ptrs: list[int] = []
+        self.pin = pin
+        try:
+            with concurrent.futures.ThreadPoolExecutor(max(1, threads), thread_name_prefix="pin") as pool:
+                self.pieces = list(pool.map(self._piece, sizes))
+        except BaseException:
+            self.close()
+            raise
+
+        def like(t):
+            if not isinstance(t, torch.Tensor):
+                return t
+            local = _local(t)
+            if id(t) in place:
+                piece, at = place[id(t)]
+                host = self.pieces[piece][at:at + local.nbytes].view(local.dtype).view(local.shape)
+            else:   # a scalar (an optimizer's step) or an empty tensor: a small host tensor of its own
+                host = torch.zeros_like(local, device="cpu")
+            return DTensor(host, t._spec, requires_grad=False) if isinstance(t, DTensor) else host
+
+        self.state = tree_map(like, state)
+        self.nbytes = sum(sizes)
+
+    def _piece(self, nbytes: int) -> torch.Tensor:
+        """One piece: an anonymous mapping of its own (page-aligned, so no two registrations share a page), huge
+        pages asked for where the kernel offers them, paged in by this thread, then registered with CUDA. Paging
+        in is most of the cost, and cudaHostRegister left to do it pages in from one thread at a time, so each
+        thread writes its pieces first."""
+        area = mmap.mmap(-1, nbytes)
+        if hasattr(mmap, "MADV_HUGEPAGE"):
+            area.madvise(mmap.MADV_HUGEPAGE)
+        buf = torch.frombuffer(area, dtype=torch.uint8)   # keeps the mapping alive as long as any view of it
+        buf.zero_()
+        if self.pin:
+            err = int(torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), nbytes, 0))
+            if err:
+                raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed with CUDA error {err}")
+            self.ptrs.append(buf.data_ptr())
+        return buf
+
+    def close(self) -> None:
+        """Unpin the buffers (no copy into them is in flight: staging is blocking); they are freed with the last
+        reference to them."""
+        for ptr in self.ptrs:
+            torch.cuda.cudart().cudaHostUnregister(ptr)
+        self.ptrs = []
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def host_bytes(state: dict) -> int:
     """The bytes this rank holds for `state`: a DTensor counts its local shard (its nbytes is the global size)."""
-    return sum((t.to_local() if isinstance(t, DTensor) else t).nbytes
-               for t in tree_leaves(state) if isinstance(t, torch.Tensor))
+    return sum(_local(t).nbytes for t in tree_leaves(state) if isinstance(t, torch.Tensor))
 
 
 def _quiet_writer_threads() -> None:
@@ -123,12 +191,15 @@ class AsyncSaver:
         self.stager = pinned_stager()
         self.threads = max(1, min(8, (os.cpu_count() or 1) // max(1, dist.local_world)))
         self.pinning: threading.Thread | None = None
+        self.pinned: PinnedHost | None = None
         _quiet_writer_threads()
 
     def prepare(self, model: nn.Module, optimizers: list) -> None:
         """After the first step (the optimizer state exists): allocate the pinned host buffers in a background
-        thread while training goes on. Pinning tens of GiB takes up to a minute, which the first save would
-        otherwise wait for. Where it fails, the first save allocates them."""
+        thread while training goes on, so the first save need not wait for them (a rank's 22.4 GiB of llama-8b
+        under 4-way FSDP: 5.1 s with four ranks pinning at once, against 48.5 s through torch's stager;
+        benchmarks/records/2026-11-30-2xh200-llama-8b-rank-of-4-pin-4-procs.json). Where it fails, the first
+        save allocates them."""
         if self.stager is None or self.pinning is not None:
             return
         state = state_dict(model, optimizers)   # references and shapes, read here; only allocation is threaded
@@ -138,12 +209,15 @@ class AsyncSaver:
             try:
                 t0 = time.perf_counter()
                 torch.cuda.set_device(device)   # this rank's GPU (not a context on GPU 0)
-                _pin_like(state, self.stager)
+                self.pinned = PinnedHost(state, self.threads)
+                # what the stager would otherwise allocate itself on its first stage()
+                self.stager.state_dict_cache = self.pinned.state
                 if self.dist.is_main:
-                    gib = host_bytes(self.stager.state_dict_cache) / 2**30
+                    gib = self.pinned.nbytes / 2**30
                     log.info(f"checkpoint staging buffers pinned: {gib:.1f} GiB of host memory per rank in "
                              f"{time.perf_counter() - t0:.1f}s (a save before then waits for the rest)")
-            except Exception:  # noqa: BLE001 - the stager then allocates at the first save
+            except Exception as e:  # noqa: BLE001 - the stager then allocates at the first save
+                log.debug(f"pinning the checkpoint staging buffers failed ({e}); the first save allocates them")
                 self.stager.state_dict_cache = None
 
         self.pinning = threading.Thread(target=pin, daemon=True, name="pin-checkpoint-buffers")
@@ -199,6 +273,16 @@ class AsyncSaver:
         the publisher's last act, so a value here is a finished publish."""
         done, self.done = self.done, None
         return done
+
+    def close(self) -> None:
+        """At the end of the run, after the last wait(): unpin the staging buffers (a saver's pinned memory would
+        otherwise stay locked for the life of the process)."""
+        if self.pinning is not None:
+            self.pinning.join()
+        if self.pinned is not None:
+            self.stager.state_dict_cache = None
+            self.pinned.close()
+            self.pinned = None
 
     def wait(self) -> None:
         """Block until the save in flight is published; raise CheckpointError on every rank if it failed."""

@@ -196,6 +196,8 @@ class Trainer(RunFiles, Checkpointing, Evaluations, Reporting):
             if self.heartbeat is not None:
                 self.heartbeat.end("finished" if graceful else "failed")
             torch.set_float32_matmul_precision(self._fp32_matmuls)
+            if self.saver is not None:
+                self.saver.close()   # its pinned staging buffers
             self.stop.restore()
             if self.sinks is not None:
                 self.sinks.close()

@@ -1,0 +1,91 @@
+"""The host buffers a sharded async save stages into (parallel/dcp.PinnedHost), laid out without pinning on this
+CPU machine: every tensor of the state gets its own bytes inside one piece, a DTensor stays a DTensor of the same
+spec over its local shard, the stager's copy fills them exactly, and DCP writes and reads them back. The pinning
+itself (cudaHostRegister) runs in tests/test_gpu_staging.py."""
+from __future__ import annotations
+
+import torch
+import torch.multiprocessing as mp
+
+
+def _stage_and_save(init_file: str, folder: str, out_file: str) -> None:
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed._state_dict_utils import _copy_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    from trainbox.parallel.dcp import PinnedHost
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=0, world_size=1)
+    mesh = init_device_mesh("cpu", (1,))
+    gen = torch.Generator().manual_seed(0)
+    tied = torch.randn(7, 5, generator=gen)
+    weight = distribute_tensor(torch.randn(300, 64, generator=gen), mesh, [Shard(0)])
+    state = {"model": {"wte": tied, "head": tied, "w": weight, "b": torch.randn(3, generator=gen, dtype=torch.bfloat16),
+                       "empty": torch.empty(0, 4)},
+             "optim": {"state": {"w": {"step": torch.tensor(12.0), "exp_avg": weight * 2,
+                                       "exp_avg_sq": torch.randn(300, 64, generator=gen).abs()}},
+                       "param_groups": [{"lr": 3e-4, "params": ["w"], "betas": (0.9, 0.95)}]}}
+    host = PinnedHost(state, threads=2, piece=40_000, pin=False)
+    # where each tensor's bytes lie: (piece, first byte, last byte) by the piece's storage
+    spans = {}
+    for key, t in [("wte", host.state["model"]["wte"]), ("w", host.state["model"]["w"]),
+                   ("b", host.state["model"]["b"]), ("exp_avg", host.state["optim"]["state"]["w"]["exp_avg"]),
+                   ("exp_avg_sq", host.state["optim"]["state"]["w"]["exp_avg_sq"])]:
+        local = t.to_local() if isinstance(t, DTensor) else t
+        base = local.untyped_storage().data_ptr()
+        spans[key] = (base, local.data_ptr() - base, local.data_ptr() - base + local.nbytes,
+                      local.untyped_storage().nbytes())
+    layout = {"pieces": len(host.pieces), "nbytes": host.nbytes, "spans": spans,
+              "tied_shared": host.state["model"]["wte"].data_ptr() == host.state["model"]["head"].data_ptr(),
+              "dtensor": [isinstance(host.state["model"]["w"], DTensor),
+                          host.state["model"]["w"].placements == weight.placements,
+                          tuple(host.state["model"]["w"].shape) == tuple(weight.shape)],
+              "step_apart": host.state["optim"]["state"]["w"]["step"].untyped_storage().data_ptr()
+              not in {s[0] for s in spans.values()}}
+    staged = _copy_state_dict(state, host.state)
+    dcp.save(staged, checkpoint_id=folder)
+    fresh = {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()},
+             "optim": {"state": {"w": {k: torch.zeros_like(v) for k, v in state["optim"]["state"]["w"].items()}},
+                       "param_groups": state["optim"]["param_groups"]}}
+    dcp.load(fresh, checkpoint_id=folder)
+
+    def full(t):
+        return t.full_tensor() if isinstance(t, DTensor) else t
+
+    torch.save({"layout": layout,
+                "staged_equal": all(torch.equal(full(a), full(b)) for a, b in
+                                    [(state["model"][k], staged["model"][k]) for k in state["model"]] +
+                                    [(state["optim"]["state"]["w"][k], staged["optim"]["state"]["w"][k])
+                                     for k in state["optim"]["state"]["w"]]),
+                "loaded_equal": all(torch.equal(full(v), full(fresh["model"][k])) for k, v in state["model"].items())
+                and all(torch.equal(full(v), full(fresh["optim"]["state"]["w"][k]))
+                        for k, v in state["optim"]["state"]["w"].items())}, out_file)
+    dist.destroy_process_group()
+
+
+def test_staging_buffers_hold_each_tensor_once_in_one_piece_and_save_through_dcp(tmp_path):
+    ctx = mp.get_context("spawn")   # a process group of its own, apart from the test process
+    p = ctx.Process(target=_stage_and_save, args=(str(tmp_path / "init"), str(tmp_path / "ckpt"),
+                                                  str(tmp_path / "out.pt")))
+    p.start()
+    p.join(timeout=300)
+    assert p.exitcode == 0
+    got = torch.load(tmp_path / "out.pt", weights_only=False)
+    layout = got["layout"]
+    # in order: 7x5 fp32 (one 4 KiB unit), 300x64 fp32 (19 units), 3 bf16 (one), then 300x64 twice; a piece
+    # takes tensors until it holds 40,000 bytes or more: [1 + 19], [1 + 19], [19]
+    spans = layout["spans"]
+    assert layout["pieces"] == 3, layout
+    assert layout["nbytes"] == (1 + 19 + 1 + 19 + 19) * 4096
+    by_piece = {}
+    for key, (base, first, last, size) in spans.items():
+        assert 0 <= first < last <= size, (key, spans)
+        assert first % 4096 == 0
+        by_piece.setdefault(base, []).append((first, last))
+    for ranges in by_piece.values():   # no two tensors share a byte
+        ranges.sort()
+        assert all(a[1] <= b[0] for a, b in zip(ranges, ranges[1:])), by_piece
+    assert layout["tied_shared"] and all(layout["dtensor"]) and layout["step_apart"], layout
+    assert got["staged_equal"] and got["loaded_equal"]
