@@ -102,14 +102,23 @@ def speed(m: dict, tokens_key: str = "tokens_per_s", ms_key: str = "median_step_
 # ----------------------------------------------------------------------------------------------- rows per tool
 # each returns [(label suffix, ours, baseline, ratio)]
 
+def saves(m: dict) -> str:
+    """What each checkpoint added to the step time around it, where the run saved."""
+    added = m.get("save_block_ms") or {}
+    if not added:
+        return ""
+    which = "the save at step " if len(added) == 1 else "the saves at steps "
+    return f", {which}{', '.join(added)} added {', '.join(f'{v:,.0f}' for v in added.values())} ms"
+
+
 def train_speed(rec: dict) -> list[tuple]:
     m, b = rec["metrics"], rec["baseline"]
-    ours = speed(m) + (f", val loss {m['val_loss']:.3f}" if m.get("val_loss") else "")
+    ours = speed(m) + (f", val loss {m['val_loss']:.3f}" if m.get("val_loss") else "") + saves(m)
     if not b:
         return [("", ours, "—", "—")]
     bm = b["metrics"]
     base = f"{b['name']}: {ms(bm['median_step_ms'])}/step" + (
-        f", {gib(bm['peak_memory_reserved_gib'])} reserved" if bm.get("peak_memory_reserved_gib") else "")
+        f", {gib(bm['peak_memory_reserved_gib'])} reserved" if bm.get("peak_memory_reserved_gib") else "") + saves(bm)
     if "per_gpu_vs_baseline" in m:   # another model on another GPU count: tokens/s per GPU against its
         ratio = f"{m['per_gpu_vs_baseline']:.2f}x its tokens/s per GPU"
     elif bm.get("recipe") and bm["recipe"] != rec["recipe"]:
