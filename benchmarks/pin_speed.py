@@ -6,10 +6,13 @@
 Each of --procs processes holds one rank's shard of the recipe's model and AdamW state as FSDP holds them: fp32
 DTensors, dim 0 split --world ways (the parameters, exp_avg and exp_avg_sq), on GPU `i % device count`. All
 processes pin at the same moment, as the ranks of one host do after their first step. Per side and process: the
-seconds to allocate and pin the buffers, the host memory pinned, and one staging copy into them (GPU to host,
-what a save makes training wait for). The sides alternate (torch, ours, ours, torch, ...) for --rounds rounds,
-each side's buffers freed before the next. The result record (common.Result, torch's side its baseline) follows
-the JSON: the slowest process of each side, per round.
+seconds to allocate and pin the buffers (in a thread, as the saver pins them), the host memory pinned, and one
+staging copy into them (GPU to host, what a save makes training wait for). While a side pins, the process's
+main thread runs a loop of 8192x8192 bf16 matmuls, each waited for, standing for a training step's launches and
+waits: its rate against the same loop alone (every process running it, just before) and the longest time
+between two of its iterations say how much the pinning holds training back. The sides alternate (torch, ours,
+ours, torch, ...) for --rounds rounds, each side's buffers freed before the next. The result record
+(common.Result, torch's side its baseline) follows the JSON: the slowest process of each side, per round.
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ import math
 import os
 import statistics
 import tempfile
+import threading
 import time
 
 import common
@@ -55,15 +59,45 @@ def rank_state(shapes, device) -> dict:
     return {"model": model, "optim": {"state": optim, "param_groups": [{"lr": 3e-4, "params": list(model)}]}}
 
 
-def torch_side(state):
+def torch_side(state, args):
     from torch.distributed._state_dict_utils import _create_cpu_state_dict
     return _create_cpu_state_dict(state, pin_memory=True), None
 
 
-def our_side(state, threads):
+def our_side(state, args):
     from trainbox.parallel.dcp import PinnedHost
-    pinned = PinnedHost(state, threads)
+    pinned = PinnedHost(state, args.threads, piece=args.piece_mib << 20)
     return pinned.state, pinned
+
+
+def gpu_loop(until, a: torch.Tensor) -> tuple[int, float, float]:
+    """Matmuls, each waited for, until `until()` holds, as a training step's launches and waits stand for:
+    (iterations, seconds, the longest time between two)."""
+    n, t0 = 0, time.perf_counter()
+    last, longest = t0, 0.0
+    while not until():
+        torch.mm(a, a)
+        torch.cuda.synchronize()
+        now = time.perf_counter()
+        longest, last, n = max(longest, now - last), now, n + 1
+    return n, last - t0, longest
+
+
+def pin_beside_loop(side: str, state, args, a: torch.Tensor):
+    """One side's pinning in a thread, as the saver pins, while this thread runs the GPU loop: (host state,
+    PinnedHost or None, seconds to pin, the loop's (iterations, seconds, longest gap))."""
+    out = {}
+
+    def pin():
+        t0 = time.perf_counter()
+        out["host"], out["pinned"] = (torch_side if side == "torch" else our_side)(state, args)
+        out["pin_s"] = time.perf_counter() - t0
+
+    thread = threading.Thread(target=pin)
+    thread.start()
+    loop = gpu_loop(lambda: not thread.is_alive(), a)
+    thread.join()
+    return out["host"], out["pinned"], out["pin_s"], loop
 
 
 def pinned_host_bytes() -> int | None:
@@ -87,13 +121,16 @@ def worker(i: int, args, shapes, barrier, results) -> None:
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     state = rank_state(shapes, device)
     torch.cuda.synchronize()
-    order = ["torch", "ours"]
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    order = args.sides
     for r in range(args.rounds):
         for side in order if r % 2 == 0 else order[::-1]:
+            barrier.wait()   # the GPU loop alone, every process at once: its rate without pinning
+            deadline = time.perf_counter() + 2.0
+            n, secs, _ = gpu_loop(lambda t=deadline: time.perf_counter() > t, a)
+            alone = n / secs
             barrier.wait()
-            t0 = time.perf_counter()
-            host, pinned = torch_side(state) if side == "torch" else our_side(state, args.threads)
-            pin_s = time.perf_counter() - t0
+            host, pinned, pin_s, (n, secs, longest) = pin_beside_loop(side, state, args, a)
             held = pinned_host_bytes() if side == "torch" else pinned.nbytes
             barrier.wait()
             t0 = time.perf_counter()
@@ -101,6 +138,7 @@ def worker(i: int, args, shapes, barrier, results) -> None:
             torch.cuda.synchronize()
             stage_s = time.perf_counter() - t0
             results.put({"proc": i, "round": r, "side": side, "pin_s": round(pin_s, 2), "stage_s": round(stage_s, 3),
+                         "loop_rate_while_pinning": round(n / secs / alone, 3), "loop_longest_gap_s": round(longest, 3),
                          "shard_gib": round(host_bytes(state) / 2**30, 2),
                          "pinned_gib": round(held / 2**30, 2) if held is not None else None})
             del host
@@ -121,6 +159,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, help="our side's threads (default: as the saver picks them, "
                     "cores per process up to 8)")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--sides", nargs="+", choices=["torch", "ours"], default=["torch", "ours"],
+                    help="ours alone: a try of --threads or --piece-mib, nothing to record")
+    ap.add_argument("--piece-mib", type=int, default=1024, help="our side's pieces: MiB registered at a time")
     ap.add_argument("--set", nargs="*", default=[], help="key=value overrides of the recipe")
     ap.add_argument("--record", action="store_true")
     args = ap.parse_args()
@@ -135,7 +176,7 @@ def main() -> None:
         procs = [ctx.Process(target=worker, args=(i, args, shapes, barrier, results)) for i in range(args.procs)]
         for p in procs:
             p.start()
-        rows = [results.get() for _ in range(args.procs * args.rounds * 2)]
+        rows = [results.get() for _ in range(args.procs * args.rounds * len(args.sides))]
         for p in procs:
             p.join()
             if p.exitcode:
@@ -148,18 +189,26 @@ def main() -> None:
         per_round = [max(r["pin_s"] for r in mine if r["round"] == k) for k in range(args.rounds)]
         return {"pin_s_slowest": per_round, "pin_s_median": round(statistics.median(per_round), 2),
                 "stage_s_median": round(statistics.median(r["stage_s"] for r in mine), 3),
+                "loop_rate_while_pinning": min(r["loop_rate_while_pinning"] for r in mine),
+                "loop_rate_while_pinning_mean": round(statistics.mean(r["loop_rate_while_pinning"] for r in mine), 3),
+                # the loop's time lost to the pinning: seconds it would have needed alone, less the pinning's
+                "loop_s_lost_max": round(max(r["pin_s"] * (1 - r["loop_rate_while_pinning"]) for r in mine), 1),
+                "loop_longest_gap_s": max(r["loop_longest_gap_s"] for r in mine),
                 "shard_gib": mine[0]["shard_gib"], "pinned_gib": mine[0]["pinned_gib"],
                 "pin_gib_per_s": round(mine[0]["shard_gib"] / statistics.median(per_round), 2)}
 
+    if "torch" not in args.sides:
+        print(json.dumps(side("ours")))
+        return
     ours, theirs = side("ours"), side("torch")
-    metrics = {**ours, "procs": args.procs, "world": args.world, "threads": args.threads,
+    metrics = {**ours, "procs": args.procs, "world": args.world, "threads": args.threads, "piece_mib": args.piece_mib,
                "speedup": round(theirs["pin_s_median"] / ours["pin_s_median"], 2)}
     result = common.Result(
         tool="pin_speed", what=f"{args.recipe}-rank-of-{args.world}-pin-{args.procs}-procs", gpu=common.gpu_info(),
         recipe=args.recipe, overrides=args.set, metrics=metrics,
         baseline={"name": "torch _create_cpu_state_dict(pin_memory=True)", "command": None, "metrics": theirs},
         notes=f"{args.procs} processes on one host, each one rank's shard of a {args.world}-way FSDP state; "
-              f"our side with {args.threads} threads per process")
+              f"our side with {args.threads} threads per process, pieces of {args.piece_mib} MiB")
     common.emit(result, record=args.record)
 
 

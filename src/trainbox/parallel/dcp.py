@@ -80,7 +80,8 @@ def pinned_stager():
     return BlockingAsyncStager(cache_staged_state_dict=True)
 
 
-# host buffers are pinned in pieces of about this size, each registered with CUDA by one of several threads
+# host buffers are pinned in pieces of about this size, each paged in and registered with CUDA by one of the
+# saver's threads
 PIN_PIECE = 1 << 30
 _ALIGN = 4096
 
@@ -198,8 +199,9 @@ class AsyncSaver:
         """After the first step (the optimizer state exists): allocate the pinned host buffers in a background
         thread while training goes on, so the first save need not wait for them (a rank's 22.4 GiB of llama-8b
         under 4-way FSDP: 5.1 s with four ranks pinning at once, against 48.5 s through torch's stager;
-        benchmarks/records/2026-11-30-2xh200-llama-8b-rank-of-4-pin-4-procs.json). Where it fails, the first
-        save allocates them."""
+        benchmarks/records/2026-11-30-2xh200-llama-8b-rank-of-4-pin-4-procs.json). Training slows while they
+        are paged in: its host work contends with the page faults. Fewer threads slow it less but pin for
+        longer, and the first save may then wait. Where pinning fails, the first save allocates them."""
         if self.stager is None or self.pinning is not None:
             return
         state = state_dict(model, optimizers)   # references and shapes, read here; only allocation is threaded
