@@ -388,10 +388,14 @@ def megablocks_speed(rec: dict) -> list[tuple]:
 
 def pin_speed(rec: dict) -> list[tuple]:
     m, b = rec["metrics"], rec["baseline"]["metrics"]
+
+    def lost(x):   # what a GPU loop beside the pinning lost, where the record measured it
+        return f", a GPU loop beside it lost up to {x['loop_s_lost_max']:.1f} s" if "loop_s_lost_max" in x else ""
+
     return [("", f"one rank's shard of {m['world']}-way FSDP ({m['shard_gib']:.1f} GiB), {m['procs']} processes at "
                  f"once: pinned in {m['pin_s_median']:.1f} s, {gib(m['pinned_gib'])} pinned, staged in "
-                 f"{m['stage_s_median']:.2f} s",
-             f"{rec['baseline']['name']}: {b['pin_s_median']:.1f} s, {gib(b['pinned_gib'])} pinned",
+                 f"{m['stage_s_median']:.2f} s{lost(m)}",
+             f"{rec['baseline']['name']}: {b['pin_s_median']:.1f} s, {gib(b['pinned_gib'])} pinned{lost(b)}",
              f"{m['speedup']:.2f}x")]
 
 
