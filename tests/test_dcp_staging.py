@@ -89,3 +89,36 @@ def test_staging_buffers_hold_each_tensor_once_in_one_piece_and_save_through_dcp
         assert all(a[1] <= b[0] for a, b in zip(ranges, ranges[1:])), by_piece
     assert layout["tied_shared"] and all(layout["dtensor"]) and layout["step_apart"], layout
     assert got["staged_equal"] and got["loaded_equal"]
+
+
+def test_a_host_that_cannot_hold_the_shards_host_copies_is_refused_at_the_first_step(tmp_path):
+    """Each rank's shards are copied to host memory for every sharded save (pinned once on a GPU): a state larger
+    than the host's available memory is refused where the saver prepares, after the first step, in one message
+    with the bytes, instead of the kernel killing a rank when the copy outgrows the memory."""
+    from trainbox.checkpoint import room
+    from trainbox.errors import CheckpointError
+    from trainbox.parallel.dcp import AsyncSaver
+    from trainbox.parallel.distributed import Dist
+
+    available = room.host_available()
+    assert available is not None and available > 2**28   # this Linux machine says what it has
+    room.check_host_room(available // 4, 2, available)    # half of it fits
+    room.check_host_room(available, 3, None)              # unknown: nothing refused
+    try:
+        room.check_host_room(available // 2 + 2**20, 2, available)
+        raise AssertionError("not refused")
+    except CheckpointError as e:
+        assert "for this host's 2 rank(s)" in str(e) and "train.checkpoints=false" in e.hint
+    # the saver's own check, on the real /proc/meminfo: a model (on the meta device: no memory taken) whose
+    # weights alone are four times what the host has
+    with torch.device("meta"):
+        big = torch.nn.Linear(available // 2**16 + 1, 2**16, bias=False)   # fp32: 4 bytes a weight
+    saver = AsyncSaver(tmp_path, Dist(), 1, None)
+    try:
+        saver.prepare(big, [])
+        raise AssertionError("not refused")
+    except CheckpointError as e:
+        assert "bytes) per rank" in str(e) and "for this host's 1 rank(s)" in str(e), e
+    assert saver.pinning is None   # nothing was pinned
+    small = torch.nn.Linear(8, 8)
+    AsyncSaver(tmp_path, Dist(), 1, None).prepare(small, [])   # a state that fits goes on

@@ -67,6 +67,33 @@ def file_size_limit() -> int | None:
     return None if soft == resource.RLIM_INFINITY else soft
 
 
+def host_available() -> int | None:
+    """Bytes of host memory available now (MemAvailable of /proc/meminfo: free, and the page cache the kernel can
+    drop); None where unknown (not Linux)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def check_host_room(per_rank: int, ranks: int, available: int | None) -> None:
+    """Refuse sharded async saves whose host copies cannot fit: every rank of this host keeps a copy of its shards
+    in host memory (`per_rank` bytes each, `ranks` ranks), which would otherwise take the host's memory as it is
+    paged in, and the kernel's out-of-memory killer would end a rank without a word."""
+    if available is None or per_rank * ranks <= available:
+        return
+    raise CheckpointError(
+        f"sharded checkpoints keep a host copy of each rank's shards to write in the background: "
+        f"{_size(per_rank)} per rank, {_size(per_rank * ranks)} for this host's {ranks} rank(s), and the host has "
+        f"{_size(available)} of memory available",
+        hint="free host memory, spread the run over more hosts (smaller shards per rank), or train without "
+             "checkpoints (train.checkpoints=false)")
+
+
 def check_room(ckpt_root: Path, final: Path, need: dict[str, int], more: int = 0) -> None:
     """Before a save writes anything, refuse it when it surely cannot fit: a file over the file size limit, or the
     checkpoint over the free space. `need` (file -> bytes) and `more` (bytes spread over other files: shards) are

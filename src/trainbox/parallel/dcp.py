@@ -201,10 +201,24 @@ class AsyncSaver:
         under 4-way FSDP: 5.1 s with four ranks pinning at once, against 48.5 s through torch's stager;
         benchmarks/records/2026-11-30-2xh200-llama-8b-rank-of-4-pin-4-procs.json). Training slows while they
         are paged in: its host work contends with the page faults. Fewer threads slow it less but pin for
-        longer, and the first save may then wait. Where pinning fails, the first save allocates them."""
-        if self.stager is None or self.pinning is not None:
+        longer, and the first save may then wait. Where pinning fails, the first save allocates them. Every rank first
+        holds its shards' bytes against the host's available memory (all ranks of the host together), and the
+        run is refused on every rank where they cannot fit (checkpoint/room.py check_host_room)."""
+        if self.pinning is not None:
             return
         state = state_dict(model, optimizers)   # references and shapes, read here; only allocation is threaded
+        # every rank measures before any rank pins, then all refuse together where the host copies cannot fit
+        per_rank, available = host_bytes(state), checkpoint_room.host_available()
+        try:
+            checkpoint_room.check_host_room(per_rank, self.dist.local_world, available)
+            short = None
+        except CheckpointError as e:
+            short = e
+        if self.dist.any(short is not None):
+            raise short or CheckpointError("another rank's host cannot hold the host copies of its shards for the "
+                                           "sharded checkpoints", hint="see that rank's message")
+        if self.stager is None:
+            return
         device = torch.cuda.current_device()
 
         def pin():

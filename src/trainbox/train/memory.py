@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from trainbox.checkpoint.room import host_available
 from trainbox.config import RunConfig
 from trainbox.errors import ConfigError
 from trainbox.kernels.choice import choose
@@ -25,14 +26,7 @@ def available(device: torch.device) -> int | None:
     """Bytes the device has free now: MemAvailable on a CPU (Linux), free GPU memory on CUDA; None if unknown."""
     if device.type == "cuda":
         return int(torch.cuda.mem_get_info(device)[0])
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
+    return host_available()
 
 
 def gib(n: float) -> str:
