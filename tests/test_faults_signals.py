@@ -397,6 +397,36 @@ def test_a_second_ctrl_c_inside_exec_code_exits_130_under_python_m(tmp_path):
     assert p.returncode == 130 and p.stderr.strip().splitlines()[-1] == "interrupted", (p.returncode, p.stderr)
 
 
+# `trainbox train` as the process's entry point, its command done; then a process that sends it SIGTERM every
+# millisecond until it is gone, so signals land all through the interpreter's shutdown, where CPython puts back the
+# default action (which kills) of every signal with a Python handler
+SIGNALS_AT_THE_EXIT = r"""
+import os, subprocess, sys
+import trainbox.cli as cli
+
+cli.run = lambda argv: 0   # the command, done at once
+sys.argv = ["trainbox", "train"]
+code = cli.main()
+spam = ("import os, signal, sys, time\npid = int(sys.argv[1])\nprint('on', flush=True)\n"
+        "while True:\n    try:\n        os.kill(pid, signal.SIGTERM)\n    except ProcessLookupError:\n        break\n"
+        "    time.sleep(0.001)\n")
+sender = subprocess.Popen([sys.executable, "-c", spam, str(os.getpid())], stdin=subprocess.DEVNULL,
+                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)   # holds none of the test's pipes
+assert sender.stdout.readline() == b"on\n"
+raise SystemExit(code)
+"""
+
+
+def test_a_stop_signal_while_the_process_exits_leaves_the_commands_exit_status(tmp_path):
+    """A stop signal that lands after the command is done (a --detach front that has handed its run over, a run
+    that has finished) changes nothing: the exit status is the command's, not the signal's 143."""
+    (tmp_path / "signals_at_the_exit.py").write_text(SIGNALS_AT_THE_EXIT)
+    for _ in range(3):
+        p = subprocess.run([sys.executable, "-m", "signals_at_the_exit"], cwd=tmp_path, capture_output=True,
+                           text=True, env=ENV, timeout=60)
+        assert p.returncode == 0, (p.returncode, p.stderr)
+
+
 def _workers_of(launcher: int) -> list[int]:
     from trainbox.cli.train import workers
     return [w for t in workers(launcher) for w in workers(t)]

@@ -30,6 +30,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     finally:
         # called in-process (argv given): the caller gets its handlers back. As the process's entry point the
-        # handler stays until the exit, so a signal that lands while the interpreter shuts down changes nothing
-        if armed is not None and argv is not None:
-            armed.restore()
+        # command is done: a stop signal from now until the exit is ignored, so one that lands while the
+        # interpreter shuts down changes nothing (the interpreter would put back the default action, which kills)
+        if armed is not None:
+            armed.restore() if argv is not None else armed.ignore()

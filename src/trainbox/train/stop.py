@@ -6,7 +6,7 @@ signal that arrives while the run starts is kept: before the first step the run 
 first step; nothing to save" and exit 0. Until the loop runs, a signal is only noted (the loop, or the CLI
 before it, says what it did); from the first step boundary on, each is logged as it arrives. A second SIGINT
 stops at once (`SecondInterrupt`, a KeyboardInterrupt: exit 130). The handlers are restored, and the flag
-cleared, when the command ends.
+cleared, when the command ends; as the process's entry point ends, the signals are ignored instead (`ignore`).
 
 `stop_when_gone(pid, who)` asks for a stop once another process ends: a torchrun worker watches its launcher and
 its torchrun, so a launcher killed with SIGKILL leaves no workers training unsupervised; they save and exit.
@@ -80,6 +80,15 @@ class StopFlag:
             self.reason = reason
             if self.announce:
                 log.info(f"{reason}: saving a checkpoint at the next step boundary")
+
+    def ignore(self) -> None:
+        """For the process's entry point as it exits: the stop signals ignored from now on. As the interpreter
+        shuts down it puts back the default action (which kills) for every signal that has a Python handler, but
+        keeps an ignored one ignored, so a stop signal in that last moment would otherwise end the process with
+        the signal's status (143, 130) instead of the command's."""
+        if threading.current_thread() is threading.main_thread():
+            for s in STOP_SIGNALS:
+                signal.signal(s, signal.SIG_IGN)
 
     def restore(self) -> None:
         if threading.current_thread() is not threading.main_thread():
