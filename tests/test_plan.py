@@ -785,3 +785,23 @@ def test_bf16_moments_are_offered_beside_the_fastest_suggestion_when_the_run_doe
     assert text.index("what would fit") < text.index("in the first of these layouts") < text.index(
         f"train.parallel=fsdp model.moe.expert_parallel=2 {GATHERED} {ONCE} optim.state_dtype=bf16 "
         "train.micro_batch_size=40 train.activation_checkpointing=none --nproc 2")
+
+
+def test_the_plan_says_the_host_memory_sharded_checkpoints_stage_into():
+    """Sharded async saves keep a host copy of each rank's parameters and optimizer state (parallel/dcp.py): the
+    plan states it per GPU and per host, and its bytes are the shard that benchmarks/pin_speed.py pinned for llama-8b
+    at 4-way FSDP (the record's shard_gib)."""
+    rec = json.loads((REPO / "benchmarks/records/2026-11-30-2xh200-llama-8b-rank-of-4-pin-4-procs.json").read_text())
+    cfg = load_config("llama-8b", rec["overrides"])
+    plan = make_plan(cfg, run_vocab(cfg), gpu("H100"), 4)
+    assert plan.layout.parallel == "fsdp"
+    assert plan.staged / GiB == pytest.approx(rec["metrics"]["shard_gib"], rel=0.005)
+    text = format_plan(plan)
+    assert f"{plan.staged / GiB:.1f} GiB each, {4 * plan.staged / GiB:.1f} GiB where all 4 share one host" in text
+    # nothing staged where checkpoints are single files (one process, ddp) or off
+    assert make_plan(cfg, run_vocab(cfg), gpu("H100"), 4).as_dict()["staged_host_bytes"] == plan.staged
+    off = load_config("llama-8b", [*rec["overrides"], "train.checkpoints=false"])
+    assert make_plan(off, run_vocab(off), gpu("H100"), 4).staged == 0
+    one = load_config("gpt2-125m", [])
+    assert make_plan(one, run_vocab(one), gpu("H100")).staged == 0
+    assert "host memory" not in format_plan(make_plan(one, run_vocab(one), gpu("H100")))

@@ -117,6 +117,9 @@ class MemoryPlan:
     time: StepTime | None = None   # the predicted step time (plan/time.py); None where the GPU has no rates
     state_dtype: str = "fp32"   # optim.state_dtype: AdamW's moments
     base: str = "bf16"          # a frozen base's linear layers: bf16, or nf4 / int8 (quant.load_in_4bit / 8bit)
+    # host memory per GPU that sharded async checkpoints stage into (pinned on a GPU, parallel/dcp.py): its
+    # parameters and optimizer state; 0 where checkpoints are single files (one process, ddp) or off
+    staged: int = 0
 
     @property
     def fits(self) -> bool:
@@ -136,7 +139,8 @@ class MemoryPlan:
                 "suggestions": [asdict(s) for s in self.suggestions],
                 "fewer_exchanges": asdict(self.fewer_exchanges) if self.fewer_exchanges else None,
                 "smaller_state": asdict(self.smaller_state) if self.smaller_state else None,
-                "kept_gathered": asdict(self.kept_gathered) if self.kept_gathered else None}
+                "kept_gathered": asdict(self.kept_gathered) if self.kept_gathered else None,
+                "staged_host_bytes": self.staged}
 
 
 # ----------------------------------------------------------------------------- kernels and widths

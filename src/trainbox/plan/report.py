@@ -96,6 +96,12 @@ def format_plan(plan: MemoryPlan, overrides: list[str] | tuple[str, ...] = ()) -
                   f"(the prediction aims at {MARGIN:.0%} of the measured peak)"]
     if plan.time is not None and plan.fits:
         lines += [f"step time: {time_text(plan.time)}", f"  (plan/time.py; rates of {t.name}: {t.rates.source})"]
+    if plan.staged:
+        n = lay.nproc
+        lines += [f"host memory: sharded checkpoints keep each {'GPU' if t.cuda else 'process'}'s parameters and "
+                  f"optimizer state in host memory{' (pinned)' if t.cuda else ''} to write them in the background: "
+                  f"{plan.staged / GiB:.1f} GiB each" + (f", {plan.staged * n / GiB:.1f} GiB where all {n} share "
+                                                          f"one host" if n > 1 else "")]
     if plan.drops_unsent:
         lines += ["experts: every routed assignment counted; under expert parallelism the ones the capacity drops "
                   "are not sent, so a step whose router drops assignments holds less"]
