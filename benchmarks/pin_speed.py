@@ -30,6 +30,8 @@ import common
 import torch
 import torch.multiprocessing as mp
 
+from trainbox.parallel.dcp import PIN_PIECE, PinnedHost, saver_threads
+
 
 def shard_shapes(recipe: str, world: int, overrides: list[str]) -> list[tuple[str, tuple[int, ...]]]:
     """(name, local shape) of each parameter of the recipe's model, dim 0 split as FSDP2 splits it (chunks of
@@ -65,7 +67,6 @@ def torch_side(state, args):
 
 
 def our_side(state, args):
-    from trainbox.parallel.dcp import PinnedHost
     pinned = PinnedHost(state, args.threads, piece=args.piece_mib << 20)
     return pinned.state, pinned
 
@@ -160,14 +161,15 @@ def main() -> None:
                     "cores per process up to 8)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--sides", nargs="+", choices=["torch", "ours"], default=["torch", "ours"],
-                    help="ours alone: a try of --threads or --piece-mib, nothing to record")
-    ap.add_argument("--piece-mib", type=int, default=1024, help="our side's pieces: MiB registered at a time")
+                    help="one side alone (ours: a try of --threads or --piece-mib): nothing to compare or record")
+    ap.add_argument("--piece-mib", type=int, default=PIN_PIECE >> 20,
+                    help="our side's pieces: MiB registered at a time")
     ap.add_argument("--set", nargs="*", default=[], help="key=value overrides of the recipe")
     ap.add_argument("--record", action="store_true")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("pin_speed.py measures pinned (CUDA) host memory: run it on a machine with a GPU")
-    args.threads = args.threads or max(1, min(8, (os.cpu_count() or 1) // args.procs))
+    args.threads = args.threads or saver_threads(args.procs)
     shapes = shard_shapes(args.recipe, args.world, args.set)
     ctx = mp.get_context("spawn")
     barrier, results = ctx.Barrier(args.procs), ctx.Queue()
@@ -197,8 +199,8 @@ def main() -> None:
                 "shard_gib": mine[0]["shard_gib"], "pinned_gib": mine[0]["pinned_gib"],
                 "pin_gib_per_s": round(mine[0]["shard_gib"] / statistics.median(per_round), 2)}
 
-    if "torch" not in args.sides:
-        print(json.dumps(side("ours")))
+    if len(args.sides) < 2:   # one side alone: its figures, nothing to compare or record
+        print(json.dumps(side(args.sides[0])))
         return
     ours, theirs = side("ours"), side("torch")
     metrics = {**ours, "procs": args.procs, "world": args.world, "threads": args.threads, "piece_mib": args.piece_mib,

@@ -799,7 +799,6 @@ def test_the_plan_says_the_host_memory_sharded_checkpoints_stage_into():
     text = format_plan(plan)
     assert f"{plan.staged / GiB:.1f} GiB each, {4 * plan.staged / GiB:.1f} GiB where all 4 share one host" in text
     # nothing staged where checkpoints are single files (one process, ddp) or off
-    assert make_plan(cfg, run_vocab(cfg), gpu("H100"), 4).as_dict()["staged_host_bytes"] == plan.staged
     off = load_config("llama-8b", [*rec["overrides"], "train.checkpoints=false"])
     assert make_plan(off, run_vocab(off), gpu("H100"), 4).staged == 0
     one = load_config("gpt2-125m", [])

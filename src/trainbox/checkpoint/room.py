@@ -80,13 +80,14 @@ def host_available() -> int | None:
     return None
 
 
-def check_host_room(per_rank: int, ranks: int, available: int | None) -> None:
-    """Refuse sharded async saves whose host copies cannot fit: every rank of this host keeps a copy of its shards
-    in host memory (`per_rank` bytes each, `ranks` ranks), which would otherwise take the host's memory as it is
-    paged in, and the kernel's out-of-memory killer would end a rank without a word."""
+def no_host_room(per_rank: int, ranks: int, available: int | None) -> CheckpointError | None:
+    """The refusal of sharded async saves whose host copies cannot fit, None where they can (or the host does not
+    say): every rank of this host keeps a copy of its shards in host memory (`per_rank` bytes each, `ranks` ranks),
+    which would otherwise take the host's memory as it is paged in, and the kernel's out-of-memory killer would end
+    a rank without a word."""
     if available is None or per_rank * ranks <= available:
-        return
-    raise CheckpointError(
+        return None
+    return CheckpointError(
         f"sharded checkpoints keep a host copy of each rank's shards to write in the background: "
         f"{_size(per_rank)} per rank, {_size(per_rank * ranks)} for this host's {ranks} rank(s), and the host has "
         f"{_size(available)} of memory available",

@@ -178,6 +178,12 @@ def _quiet_writer_threads() -> None:
     threading.excepthook = hook
 
 
+def saver_threads(local_ranks: int) -> int:
+    """Threads per rank that page in the staging buffers and write the shards: this host's cores shared by its
+    ranks, at most 8."""
+    return max(1, min(8, (os.cpu_count() or 1) // max(1, local_ranks)))
+
+
 class AsyncSaver:
     """One sharded save in flight at a time; rank 0 publishes it when every rank has written its shards."""
 
@@ -190,7 +196,7 @@ class AsyncSaver:
         self.error: BaseException | None = None
         self.done: tuple[Path, float] | None = None   # (published folder, seconds from start to publish)
         self.stager = pinned_stager()
-        self.threads = max(1, min(8, (os.cpu_count() or 1) // max(1, dist.local_world)))
+        self.threads = saver_threads(dist.local_world)
         self.pinning: threading.Thread | None = None
         self.pinned: PinnedHost | None = None
         _quiet_writer_threads()
@@ -201,19 +207,16 @@ class AsyncSaver:
         under 4-way FSDP: 5.1 s with four ranks pinning at once, against 48.5 s through torch's stager;
         benchmarks/records/2026-11-30-2xh200-llama-8b-rank-of-4-pin-4-procs.json). Training slows while they
         are paged in: its host work contends with the page faults. Fewer threads slow it less but pin for
-        longer, and the first save may then wait. Where pinning fails, the first save allocates them. Every rank first
-        holds its shards' bytes against the host's available memory (all ranks of the host together), and the
-        run is refused on every rank where they cannot fit (checkpoint/room.py check_host_room)."""
+        longer, and the first save may then wait. Where pinning fails, the first save allocates them.
+
+        Every rank first holds its shards' bytes against the host's available memory (all ranks of the host
+        together), and the run is refused on every rank where they cannot fit (checkpoint/room.py no_host_room)."""
         if self.pinning is not None:
             return
         state = state_dict(model, optimizers)   # references and shapes, read here; only allocation is threaded
         # every rank measures before any rank pins, then all refuse together where the host copies cannot fit
-        per_rank, available = host_bytes(state), checkpoint_room.host_available()
-        try:
-            checkpoint_room.check_host_room(per_rank, self.dist.local_world, available)
-            short = None
-        except CheckpointError as e:
-            short = e
+        short = checkpoint_room.no_host_room(host_bytes(state), self.dist.local_world,
+                                             checkpoint_room.host_available())
         if self.dist.any(short is not None):
             raise short or CheckpointError("another rank's host cannot hold the host copies of its shards for the "
                                            "sharded checkpoints", hint="see that rank's message")
