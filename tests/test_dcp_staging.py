@@ -91,10 +91,101 @@ def test_staging_buffers_hold_each_tensor_once_in_one_piece_and_save_through_dcp
     assert got["staged_equal"] and got["loaded_equal"]
 
 
+def _state(gen: torch.Generator) -> dict:
+    """A state dict as a save stages it: 300x64 fp32 weights (19 pages of 4 KiB) and their two moments, a 7x5
+    table tied under two names (one page), 3 bf16 values (one page), an empty tensor and a scalar step."""
+    tied, w = torch.randn(7, 5, generator=gen), torch.randn(300, 64, generator=gen)
+    return {"model": {"wte": tied, "head": tied, "w": w, "b": torch.randn(3, generator=gen, dtype=torch.bfloat16),
+                      "empty": torch.empty(0, 4)},
+            "optim": {"state": {"w": {"step": torch.tensor(12.0), "exp_avg": w * 2, "exp_avg_sq": w.abs()}},
+                      "param_groups": [{"lr": 3e-4, "params": ["w"]}]}}
+
+
+def _spans(host) -> dict:
+    """name -> (the piece's address, first byte, end) of each laid-out tensor."""
+    out = {}
+    model, moments = host.state["model"], host.state["optim"]["state"]["w"]
+    for key, t in [("wte", model["wte"]), ("w", model["w"]), ("b", model["b"]), ("exp_avg", moments["exp_avg"]),
+                   ("exp_avg_sq", moments["exp_avg_sq"])]:
+        base = t.untyped_storage().data_ptr()
+        out[key] = (base, t.data_ptr() - base, t.data_ptr() - base + t.nbytes)
+    return out
+
+
+def test_the_state_is_laid_out_in_the_reserved_pieces_first_and_the_unused_ones_are_released():
+    """Pieces reserved before the state existed (AsyncSaver.reserve) take its tensors largest first, each in the
+    first piece with room; what they cannot hold gets new pieces; a reserved piece left empty is released. Every
+    tensor lies whole in one piece, no two share a byte, and the stager's copy fills them exactly."""
+    from torch.distributed._state_dict_utils import _copy_state_dict
+
+    from trainbox.parallel.dcp import HostPieces, PinnedHost, reserve_sizes
+
+    page = 4096
+    state = _state(torch.Generator().manual_seed(0))
+    assert reserve_sizes(39 * page + 5, piece=20 * page) == [20 * page, 20 * page]   # the last one page-aligned
+    for reserved, pieces, used, new in [
+        # over-reserved: the three 19-page tensors one to a piece, the two 1-page ones beside the first two
+        ([20 * page] * 4, 3, 3, 0),
+        # short by one 19-page tensor and one page: a new piece holds them, in the state's order (b, exp_avg_sq)
+        ([20 * page, 19 * page], 3, 2, 1),
+    ]:
+        spare = HostPieces(pin=False)
+        spare.add(reserved, threads=2)
+        kept = [b.data_ptr() for b in spare.bufs]
+        host = PinnedHost(state, threads=2, piece=10 * page, pin=False, spare=spare)
+        assert len(host.pieces) == pieces and host.host is spare
+        assert [b.data_ptr() for b in host.pieces[:used]] == kept[:used]   # the reserved pieces, in order
+        assert host.nbytes == sum(reserved[:used]) + (20 * page if new else 0)
+        spans = _spans(host)
+        assert spans["w"][0] == kept[0] and spans["wte"][0] == kept[0]   # largest first, then the first with room
+        if new:
+            assert spans["exp_avg_sq"][0] == spans["b"][0] == host.pieces[2].data_ptr()
+            assert spans["b"][1] == 0 and spans["exp_avg_sq"][1] == page
+        by_piece = {}
+        for key, (base, first, end) in spans.items():
+            assert first % page == 0 and end <= next(b.numel() for b in host.pieces if b.data_ptr() == base), key
+            by_piece.setdefault(base, []).append((first, end))
+        for ranges in by_piece.values():   # no two tensors share a byte
+            ranges.sort()
+            assert all(a[1] <= b[0] for a, b in zip(ranges, ranges[1:])), by_piece
+        assert host.state["model"]["head"].data_ptr() == host.state["model"]["wte"].data_ptr()
+        staged = _copy_state_dict(state, host.state)
+        for k, v in state["model"].items():
+            assert torch.equal(staged["model"][k], v), k
+        for k, v in state["optim"]["state"]["w"].items():
+            assert torch.equal(staged["optim"]["state"]["w"][k], v), k
+
+
+def test_the_reserved_bytes_are_the_bytes_the_state_is_laid_out_in_after_the_first_step():
+    """AsyncSaver.reserve foresees the state before any optimizer step: AdamW with fp32 and with bfloat16 moments,
+    a resumed optimizer (its state already there), and parameters the optimizer does not hold (frozen)."""
+    from trainbox.config import OptimSection
+    from trainbox.optim.adamw import adamw_groups, make_adamw
+    from trainbox.parallel.dcp import _laid_out, expected_bytes, state_dict
+
+    for state_dtype in ("fp32", "bf16"):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Embedding(50, 24), torch.nn.Linear(24, 70), torch.nn.LayerNorm(70),
+                                    torch.nn.Linear(70, 50, bias=False))
+        model[0].weight.requires_grad_(False)
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        opt = make_adamw(adamw_groups(named, 0.1, 1e-3), OptimSection(state_dtype=state_dtype), torch.device("cpu"))
+        before = expected_bytes(model, [opt])
+        model(torch.randint(0, 50, (4, 8))).sum().backward()
+        opt.step()
+        after = sum(_laid_out(state_dict(model, [opt])).values())
+        assert before == after and expected_bytes(model, [opt]) == after, (state_dtype, before, after)
+        # each tensor on 4 KiB pages of its own: the parameters 2 + 2 + 1 + 1 + 1 + 4 pages (fp32: embedding,
+        # linear, its bias, the norm's two, the head); two moments of all but the frozen embedding: 2 x 9 pages in
+        # fp32, 2 x (1 + 1 + 1 + 1 + 2) in bf16
+        assert after == {"fp32": 29, "bf16": 23}[state_dtype] * 4096, after
+
+
 def test_a_host_that_cannot_hold_the_shards_host_copies_is_refused_at_the_first_step(tmp_path):
     """Each rank's shards are copied to host memory for every sharded save (pinned once on a GPU): a state larger
-    than the host's available memory is refused where the saver prepares, after the first step, in one message
-    with the bytes, instead of the kernel killing a rank when the copy outgrows the memory."""
+    than the host's available memory is refused where the saver reserves them, before the first step, and where
+    it prepares them after it, in one message with the bytes, instead of the kernel killing a rank when the copy
+    outgrows the memory."""
     from trainbox.checkpoint import room
     from trainbox.errors import CheckpointError
     from trainbox.parallel.dcp import AsyncSaver
@@ -110,12 +201,15 @@ def test_a_host_that_cannot_hold_the_shards_host_copies_is_refused_at_the_first_
     # weights alone are four times what the host has
     with torch.device("meta"):
         big = torch.nn.Linear(available // 2**16 + 1, 2**16, bias=False)   # fp32: 4 bytes a weight
-    saver = AsyncSaver(tmp_path, Dist(), 1, None)
-    try:
-        saver.prepare(big, [])
-        raise AssertionError("not refused")
-    except CheckpointError as e:
-        assert "bytes) per rank" in str(e) and "for this host's 1 rank(s)" in str(e), e
-    assert saver.pinning is None   # nothing was pinned
+    for when in ("reserve", "prepare"):
+        saver = AsyncSaver(tmp_path, Dist(), 1, None)
+        try:
+            getattr(saver, when)(big, [])
+            raise AssertionError(f"{when}: not refused")
+        except CheckpointError as e:
+            assert "bytes) per rank" in str(e) and "for this host's 1 rank(s)" in str(e), e
+        assert saver.pinning is None and saver.reserving is None   # nothing was pinned
     small = torch.nn.Linear(8, 8)
-    AsyncSaver(tmp_path, Dist(), 1, None).prepare(small, [])   # a state that fits goes on
+    saver = AsyncSaver(tmp_path, Dist(), 1, None)
+    saver.reserve(small, [])   # a state that fits goes on
+    saver.prepare(small, [])

@@ -1,5 +1,6 @@
 """The pinned host buffers of a sharded async save (parallel/dcp.PinnedHost) on a GPU: registered with CUDA, so
-the stager's device-to-host copies are pinned copies, filled exactly, and unpinned by `close`.
+the stager's device-to-host copies are pinned copies, filled exactly, and unpinned by `close`; laid out in pieces
+pinned before the state existed (HostPieces), the unused one unpinned.
 
     python -m pytest -q -m gpu tests/test_gpu_staging.py
 """
@@ -18,7 +19,7 @@ def _pin(init_file: str, out_file: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-    from trainbox.parallel.dcp import PinnedHost
+    from trainbox.parallel.dcp import HostPieces, PinnedHost
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=0, world_size=1)
     mesh = init_device_mesh("cuda", (1,))
@@ -37,8 +38,26 @@ def _pin(init_file: str, out_file: str) -> None:
              and isinstance(staged["model"]["w"], DTensor))
     pieces = len(host.pieces)
     host.close()
+    # pieces reserved before the state existed: pinned when made, the state laid out in them, the one left empty
+    # unpinned at once
+    spare = HostPieces()
+    spare.add([16 << 20] * 4, threads=4)
+    reserved = [b.is_pinned() for b in spare.bufs]
+    left = spare.bufs[3]
+    again = PinnedHost(state, threads=4, piece=8 << 20, spare=spare)
+    in_spare = [again.state["model"]["w"].to_local(), again.state["optim"]["state"]["w"]["exp_avg"].to_local(),
+                again.state["model"]["b"]]
+    staged = _copy_state_dict(state, again.state)
+    torch.cuda.synchronize()
+    refilled = torch.equal(staged["optim"]["state"]["w"]["exp_avg"].to_local(), (w * 3).to_local().cpu())
+    spare_pieces, left_pinned = len(again.pieces), left.is_pinned()
+    in_spare_pinned = [t.is_pinned() for t in in_spare]
+    again.close()
     torch.save({"pinned": pinned, "equal": equal, "pieces": pieces,
-                "unpinned": [not t.is_pinned() for t in leaves]}, out_file)
+                "unpinned": [not t.is_pinned() for t in leaves],
+                "reserved": reserved, "in_spare": in_spare_pinned, "refilled": refilled,
+                "spare_pieces": spare_pieces, "left_pinned": left_pinned,
+                "spare_unpinned": [not t.is_pinned() for t in in_spare]}, out_file)
     dist.destroy_process_group()
 
 
@@ -51,3 +70,5 @@ def test_staging_buffers_are_pinned_filled_and_unpinned(tmp_path):
     assert got["pinned"] == [True] * 3 and got["equal"], got
     assert got["pieces"] == 2   # 16 MiB, then 2 KiB + 16 MiB: pieces of 8 MiB or more
     assert got["unpinned"] == [True] * 3
+    assert got["reserved"] == [True] * 4 and got["in_spare"] == [True] * 3 and got["refilled"], got
+    assert got["spare_pieces"] == 3 and not got["left_pinned"] and got["spare_unpinned"] == [True] * 3, got

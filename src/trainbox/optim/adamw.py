@@ -47,6 +47,17 @@ def adamw_groups(params: list[tuple[str, nn.Parameter]], weight_decay: float, lr
     return [g for g in groups if g["params"]]
 
 
+def state_sizes(opt: torch.optim.Optimizer, p: torch.Tensor) -> list[int]:
+    """The bytes of each tensor of state `opt` will keep for a parameter whose local tensor is `p`, once it steps:
+    AdamW's moments (two, three with amsgrad; in bfloat16 under BF16StateAdamW, else in p's dtype), none for an
+    optimizer not known here. The scalar step is left out."""
+    if isinstance(opt, BF16StateAdamW):
+        return [p.numel() * 2] * len(MOMENTS)
+    if isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)):
+        return [p.nbytes] * (len(MOMENTS) + bool(opt.defaults.get("amsgrad")))
+    return []
+
+
 def make_adamw(groups: list[dict], cfg: OptimSection, device: torch.device) -> torch.optim.Optimizer:
     if cfg.state_dtype == "bf16":
         return BF16StateAdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)

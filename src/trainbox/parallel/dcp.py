@@ -50,6 +50,7 @@ from trainbox import checkpoint
 from trainbox.checkpoint import room as checkpoint_room
 from trainbox.checkpoint import sharded
 from trainbox.errors import CheckpointError
+from trainbox.optim.adamw import state_sizes
 from trainbox.parallel import expert_state
 from trainbox.parallel.distributed import Dist
 
@@ -86,51 +87,32 @@ PIN_PIECE = 1 << 30
 _ALIGN = 4096
 
 
-class PinnedHost:
-    """Host buffers shaped like a state dict's tensors (a DTensor: its local shard, as a DTensor of the same spec),
-    pinned without PyTorch's caching host allocator, whose per-tensor `pin_memory()` rounds every buffer up to a
-    power of two and pins it from one thread (and torch's `_create_cpu_state_dict` first copies every DTensor to
-    host memory to learn its layout). Here the tensors are laid out in pieces of plain host memory of `piece`
-    bytes or more (a tensor never spans two), which `threads` threads page in side by side and register with
-    CUDA (cudaHostRegister). `state` is the copy the stager fills on every save; `close` unregisters.
-    `pin=False` lays out the same buffers unpinned (a machine without CUDA)."""
+class HostPieces:
+    """Pieces of host memory, each an anonymous mapping of its own (page-aligned, so no two registrations share a
+    page) with huge pages asked for where the kernel offers them, paged in by the thread that makes it and then
+    registered with CUDA (cudaHostRegister). Paging in is most of the cost, and cudaHostRegister left to do it
+    pages in from one thread at a time, so each thread writes its pieces first. `pin=False`: the same pieces
+    unpinned (a machine without CUDA)."""
 
-    def __init__(self, state: dict, threads: int, piece: int = PIN_PIECE, pin: bool = True):
-        sizes, place = [], {}   # the pieces' sizes; id(tensor) -> (piece, offset) of each tensor with elements
-        for t in tree_leaves(state):
-            if isinstance(t, torch.Tensor) and t.dim() and t.numel() and id(t) not in place:
-                if not sizes or sizes[-1] >= piece:
-                    sizes.append(0)
-                place[id(t)] = (len(sizes) - 1, sizes[-1])
-                sizes[-1] += -(-_local(t).nbytes // _ALIGN) * _ALIGN
-        self.ptrs: list[int] = []
+    def __init__(self, pin: bool = True):
         self.pin = pin
-        try:
+        self.bufs: list[torch.Tensor] = []
+        self.ptrs: list[int] = []   # the registered pieces' addresses
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() for b in self.bufs)
+
+    def add(self, sizes: list[int], threads: int) -> list[int]:
+        """New pieces of `sizes` bytes, made by `threads` threads side by side; returns their indices in `bufs`."""
+        first = len(self.bufs)
+        if sizes:
             with concurrent.futures.ThreadPoolExecutor(max(1, threads), thread_name_prefix="pin") as pool:
-                self.pieces = list(pool.map(self._piece, sizes))
-        except BaseException:
-            self.close()
-            raise
-
-        def like(t):
-            if not isinstance(t, torch.Tensor):
-                return t
-            local = _local(t)
-            if id(t) in place:
-                piece, at = place[id(t)]
-                host = self.pieces[piece][at:at + local.nbytes].view(local.dtype).view(local.shape)
-            else:   # a scalar (an optimizer's step) or an empty tensor: a small host tensor of its own
-                host = torch.zeros_like(local, device="cpu")
-            return DTensor(host, t._spec, requires_grad=False) if isinstance(t, DTensor) else host
-
-        self.state = tree_map(like, state)
-        self.nbytes = sum(sizes)
+                for buf in pool.map(self._piece, sizes):
+                    self.bufs.append(buf)
+        return list(range(first, len(self.bufs)))
 
     def _piece(self, nbytes: int) -> torch.Tensor:
-        """One piece: an anonymous mapping of its own (page-aligned, so no two registrations share a page), huge
-        pages asked for where the kernel offers them, paged in by this thread, then registered with CUDA. Paging
-        in is most of the cost, and cudaHostRegister left to do it pages in from one thread at a time, so each
-        thread writes its pieces first."""
         area = mmap.mmap(-1, nbytes)
         if hasattr(mmap, "MADV_HUGEPAGE"):
             area.madvise(mmap.MADV_HUGEPAGE)
@@ -143,16 +125,121 @@ class PinnedHost:
             self.ptrs.append(buf.data_ptr())
         return buf
 
+    def keep(self, used: set[int]) -> None:
+        """Unregister and drop the pieces whose indices are not in `used` (the others keep their indices' order)."""
+        for i, buf in enumerate(self.bufs):
+            if i not in used and buf.data_ptr() in self.ptrs:
+                torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())
+                self.ptrs.remove(buf.data_ptr())
+        self.bufs = [b for i, b in enumerate(self.bufs) if i in used]
+
     def close(self) -> None:
-        """Unpin the buffers (no copy into them is in flight: staging is blocking); they are freed with the last
-        reference to them."""
+        """Unpin every piece (no copy into them is in flight: staging is blocking); each is freed with the last
+        reference to it."""
         for ptr in self.ptrs:
             torch.cuda.cudart().cudaHostUnregister(ptr)
         self.ptrs = []
 
 
+def reserve_sizes(nbytes: int, piece: int = PIN_PIECE) -> list[int]:
+    """Pieces of `piece` bytes that hold `nbytes` (the last one smaller, page-aligned), for a state whose layout is
+    not known yet."""
+    full, rest = divmod(nbytes, piece)
+    return [piece] * full + ([-(-rest // _ALIGN) * _ALIGN] if rest else [])
+
+
+class PinnedHost:
+    """Host buffers shaped like a state dict's tensors (a DTensor: its local shard, as a DTensor of the same spec),
+    pinned without PyTorch's caching host allocator, whose per-tensor `pin_memory()` rounds every buffer up to a
+    power of two and pins it from one thread (and torch's `_create_cpu_state_dict` first copies every DTensor to
+    host memory to learn its layout). The tensors are laid out in HostPieces (a tensor never spans two): first in
+    `spare`, pieces made before the state existed (AsyncSaver.reserve), largest tensors first, each in the first
+    spare piece with room; the rest in new pieces of `piece` bytes or more, which `threads` threads make side by
+    side. Spare pieces left empty are released. `state` is the copy the stager fills on every save; `close`
+    unregisters. `pin=False` lays out the same buffers unpinned (a machine without CUDA)."""
+
+    def __init__(self, state: dict, threads: int, piece: int = PIN_PIECE, pin: bool = True,
+                 spare: HostPieces | None = None):
+        tensors = _laid_out(state)
+        self.host = spare if spare is not None else HostPieces(pin)
+        place = {}   # id(tensor) -> (index of its piece in host.bufs, offset)
+        free = [b.numel() for b in self.host.bufs]
+        for key, n in sorted(tensors.items(), key=lambda kv: -kv[1]):
+            i = next((i for i, f in enumerate(free) if f >= n), None)
+            if i is not None:
+                place[key] = (i, len(self.host.bufs[i]) - free[i])
+                free[i] -= n
+        sizes, later = [], {}   # the new pieces' sizes; id(tensor) -> (new piece, offset), in the state's order
+        for key in (k for k in tensors if k not in place):
+            if not sizes or sizes[-1] >= piece:
+                sizes.append(0)
+            later[key] = (len(sizes) - 1, sizes[-1])
+            sizes[-1] += tensors[key]
+        try:
+            used = sorted({i for i, _ in place.values()})
+            self.host.keep(set(used))
+            renumber = {old: new for new, old in enumerate(used)}
+            place = {key: (renumber[i], at) for key, (i, at) in place.items()}
+            added = self.host.add(sizes, threads)
+        except BaseException:
+            self.host.close()
+            raise
+        place.update({key: (added[i], at) for key, (i, at) in later.items()})
+        self.pieces = self.host.bufs
+
+        def like(t):
+            if not isinstance(t, torch.Tensor):
+                return t
+            local = _local(t)
+            if id(t) in place:
+                i, at = place[id(t)]
+                host = self.pieces[i][at:at + local.nbytes].view(local.dtype).view(local.shape)
+            else:   # a scalar (an optimizer's step) or an empty tensor: a small host tensor of its own
+                host = torch.zeros_like(local, device="cpu")
+            return DTensor(host, t._spec, requires_grad=False) if isinstance(t, DTensor) else host
+
+        self.state = tree_map(like, state)
+        self.nbytes = self.host.nbytes
+
+    def close(self) -> None:
+        """Unpin the buffers; they are freed with the last reference to them."""
+        self.host.close()
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
+def _laid_out(state: dict) -> dict[int, int]:
+    """id(tensor) -> the bytes PinnedHost gives it (its local shard's, page-aligned), for each tensor of `state`
+    with elements, once; scalars (an optimizer's step) are left out, kept apart in small tensors of their own."""
+    out: dict[int, int] = {}
+    for t in tree_leaves(state):
+        if isinstance(t, torch.Tensor) and t.dim() and t.numel() and id(t) not in out:
+            out[id(t)] = _aligned(_local(t).nbytes)
+    return out
+
+
+def expected_bytes(model: nn.Module, optimizers: list) -> int:
+    """The bytes PinnedHost will lay this rank's state out in once the optimizers have stepped, foreseen before the
+    first step: the parameters' local shards, and for each parameter the optimizer's state where it exists (a
+    resumed run) or the state it will make (optim/adamw.py state_sizes: the moments; nothing for an optimizer it
+    does not know). Buffers are left out."""
+    total = sum(_aligned(_local(p).nbytes) for p in model.parameters())
+    for opt in optimizers:
+        for group in opt.param_groups:
+            for p in group["params"]:
+                state = opt.state.get(p)
+                if state:
+                    total += sum(_aligned(_local(t).nbytes) for t in state.values()
+                                 if isinstance(t, torch.Tensor) and t.dim() and t.numel())
+                else:
+                    total += sum(_aligned(n) for n in state_sizes(opt, _local(p)))
+    return total
 
 
 def host_bytes(state: dict) -> int:
@@ -199,42 +286,86 @@ class AsyncSaver:
         self.threads = saver_threads(dist.local_world)
         self.pinning: threading.Thread | None = None
         self.pinned: PinnedHost | None = None
+        self.expected = 0   # the bytes `reserve` foresaw for this rank's state
+        self.reserving: threading.Thread | None = None
+        self.spare: HostPieces | None = None   # the pieces it pinned
         _quiet_writer_threads()
 
-    def prepare(self, model: nn.Module, optimizers: list) -> None:
-        """After the first step (the optimizer state exists): allocate the pinned host buffers in a background
-        thread while training goes on, so the first save need not wait for them (a rank's 22.4 GiB of llama-8b
-        under 4-way FSDP: 5.1 s with four ranks pinning at once, against 48.5 s through torch's stager;
-        benchmarks/records/2026-11-30-2xh200-llama-8b-rank-of-4-pin-4-procs.json). Training slows while they
-        are paged in: its host work contends with the page faults. Fewer threads slow it less but pin for
-        longer, and the first save may then wait. Where pinning fails, the first save allocates them.
-
-        Every rank first holds its shards' bytes against the host's available memory (all ranks of the host
-        together), and the run is refused on every rank where they cannot fit (checkpoint/room.py no_host_room)."""
-        if self.pinning is not None:
+    def reserve(self, model: nn.Module, optimizers: list) -> None:
+        """At the end of setup, before the first step: every rank holds the bytes its state will have once the
+        optimizers have stepped (`expected_bytes`) against the host's available memory, and the run is refused
+        on every rank where they cannot fit (checkpoint/room.py no_host_room). On a GPU, pinned pieces of that
+        size are then made in the background while the first step runs (its compilation, on a compiled run), so
+        the page-ins that slow training happen while the GPU waits for the compiler; `prepare` lays the state
+        out in them once it exists."""
+        if self.reserving is not None or self.pinning is not None:
             return
-        state = state_dict(model, optimizers)   # references and shapes, read here; only allocation is threaded
-        # every rank measures before any rank pins, then all refuse together where the host copies cannot fit
-        short = checkpoint_room.no_host_room(host_bytes(state), self.dist.local_world,
-                                             checkpoint_room.host_available())
+        self.expected = expected_bytes(model, optimizers)
+        self._refuse_short(self.expected, 0)
+        if self.stager is None or not self.expected:
+            return
+        device, spare = torch.cuda.current_device(), HostPieces()
+
+        def pin():
+            try:
+                torch.cuda.set_device(device)   # this rank's GPU (not a context on GPU 0)
+                spare.add(reserve_sizes(self.expected), self.threads)
+                self.spare = spare
+            except Exception as e:  # noqa: BLE001 - prepare then pins what the state needs
+                log.debug(f"pinning host memory for the checkpoint staging buffers failed ({e})")
+                spare.close()
+
+        self.reserving = threading.Thread(target=pin, daemon=True, name="pin-checkpoint-reserve")
+        self.reserving.start()
+
+    def _refuse_short(self, per_rank: int, held: int) -> None:
+        """Refuse the run on every rank (a collective) where this rank's `per_rank` bytes of host copies cannot
+        fit beside the other ranks' of this host, `held` bytes of them already pinned by each."""
+        available = checkpoint_room.host_available()
+        short = checkpoint_room.no_host_room(per_rank, self.dist.local_world, available and
+                                             available + held * self.dist.local_world)
         if self.dist.any(short is not None):
             raise short or CheckpointError("another rank's host cannot hold the host copies of its shards for the "
                                            "sharded checkpoints", hint="see that rank's message")
+
+    def prepare(self, model: nn.Module, optimizers: list) -> None:
+        """After the first step (the optimizer state exists): lay the pinned host buffers out in the pieces
+        `reserve` pinned, and pin what they lack, in a background thread while training goes on, so the first
+        save need not wait for them (a rank's 22.4 GiB of llama-8b under 4-way FSDP: 5.1 s with four ranks
+        pinning at once, against 48.5 s through torch's stager;
+        benchmarks/records/2026-11-30-2xh200-llama-8b-rank-of-4-pin-4-procs.json). Training slows while pieces
+        are paged in: its host work contends with the page faults. Fewer threads slow it less but pin for
+        longer, and the first save may then wait. Where pinning fails, the first save allocates them.
+
+        Where the state holds more than `reserve` foresaw, every rank holds its bytes against the host's available
+        memory again (each rank's reserved pieces counted as its own), and the run is refused on every rank where
+        they cannot fit."""
+        if self.pinning is not None:
+            return
+        state = state_dict(model, optimizers)   # references and shapes, read here; only allocation is threaded
+        more = sum(_laid_out(state).values()) > self.expected   # than reserve foresaw
+        if more and self.reserving is not None:
+            self.reserving.join()   # what is pinned already counts as this rank's
+        held = self.spare.nbytes if more and self.spare is not None else 0
+        self._refuse_short(host_bytes(state) if more else 0, held)
         if self.stager is None:
             return
-        device = torch.cuda.current_device()
+        device, reserving = torch.cuda.current_device(), self.reserving
 
         def pin():
             try:
                 t0 = time.perf_counter()
                 torch.cuda.set_device(device)   # this rank's GPU (not a context on GPU 0)
-                self.pinned = PinnedHost(state, self.threads)
+                if reserving is not None:
+                    reserving.join()
+                self.pinned = PinnedHost(state, self.threads, spare=self.spare)
+                self.spare = None
                 # what the stager would otherwise allocate itself on its first stage()
                 self.stager.state_dict_cache = self.pinned.state
                 if self.dist.is_main:
                     gib = self.pinned.nbytes / 2**30
-                    log.info(f"checkpoint staging buffers pinned: {gib:.1f} GiB of host memory per rank in "
-                             f"{time.perf_counter() - t0:.1f}s (a save before then waits for the rest)")
+                    log.info(f"checkpoint staging buffers pinned: {gib:.1f} GiB of host memory per rank, laid out "
+                             f"{time.perf_counter() - t0:.1f}s after the first step (a save before then waits)")
             except Exception as e:  # noqa: BLE001 - the stager then allocates at the first save
                 log.debug(f"pinning the checkpoint staging buffers failed ({e}); the first save allocates them")
                 self.stager.state_dict_cache = None
@@ -296,8 +427,12 @@ class AsyncSaver:
     def close(self) -> None:
         """At the end of the run, after the last wait(): unpin the staging buffers (a saver's pinned memory would
         otherwise stay locked for the life of the process)."""
-        if self.pinning is not None:
-            self.pinning.join()
+        for thread in (self.reserving, self.pinning):
+            if thread is not None:
+                thread.join()
+        if self.spare is not None:   # reserved, never laid out (the run ended before its first step)
+            self.spare.close()
+            self.spare = None
         if self.pinned is not None:
             self.stager.state_dict_cache = None
             self.pinned.close()

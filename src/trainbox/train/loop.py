@@ -164,6 +164,8 @@ class Trainer(RunFiles, Checkpointing, Evaluations, Reporting):
             self.last_saved_step = self.start_step
         else:
             torch.manual_seed(cfg.run.seed + 1000 * d.rank)  # dropout differs per rank, init did not
+        if self.saver is not None:   # the host memory its saves stage into: checked, and pinned in the background
+            self.saver.reserve(self.model, self.optimizers)
         self.tokens_seen = trainer_state.get("tokens_seen", 0)
         self.state = RunState(cfg.run_name, self.run_dir, self.total)
         self._setup_run_files(trainer_state)
