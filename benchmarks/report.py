@@ -111,14 +111,26 @@ def saves(m: dict) -> str:
     return f", {which}{', '.join(added)} added {', '.join(f'{v:,.0f}' for v in added.values())} ms"
 
 
+def stood(m: dict) -> str:
+    """Where a run records every step's time: the first step, and the time the later ones took beyond their
+    median (what pinning, a save or anything else outside the step cost training)."""
+    steps = m.get("step_s")
+    if not steps:
+        return ""
+    over = max(0.0, sum(steps) - len(steps) * statistics.median(steps))
+    return (f", first step {m['first_step_s']:.1f} s, steps 2-{len(steps) + 1} {sum(steps):.1f} s ({over:.1f} s "
+            f"over their median)")
+
+
 def train_speed(rec: dict) -> list[tuple]:
     m, b = rec["metrics"], rec["baseline"]
-    ours = speed(m) + (f", val loss {m['val_loss']:.3f}" if m.get("val_loss") else "") + saves(m)
+    ours = speed(m) + (f", val loss {m['val_loss']:.3f}" if m.get("val_loss") else "") + saves(m) + stood(m)
     if not b:
         return [("", ours, "—", "—")]
     bm = b["metrics"]
     base = f"{b['name']}: {ms(bm['median_step_ms'])}/step" + (
-        f", {gib(bm['peak_memory_reserved_gib'])} reserved" if bm.get("peak_memory_reserved_gib") else "") + saves(bm)
+        f", {gib(bm['peak_memory_reserved_gib'])} reserved" if bm.get("peak_memory_reserved_gib") else "")
+    base += saves(bm) + stood(bm)
     if "per_gpu_vs_baseline" in m:   # another model on another GPU count: tokens/s per GPU against its
         ratio = f"{m['per_gpu_vs_baseline']:.2f}x its tokens/s per GPU"
     elif bm.get("recipe") and bm["recipe"] != rec["recipe"]:

@@ -63,8 +63,8 @@ def run_ours(recipe: str, data: str, steps: int, warmup: int, overrides: list[st
     start, train = run_events(cfg)
     flops_per_token = start.get("flops_per_token", flops_per_token)
     peak = start.get("peak_flops", peak)
-    times = [b["time"] - a["time"] for a, b in zip(train, train[1:])][warmup:]
-    step_s = statistics.median(times)
+    every_step = [b["time"] - a["time"] for a, b in zip(train, train[1:])]
+    step_s = statistics.median(every_step[warmup:])
     tokens = cfg.train.global_batch_size * cfg.data.seq_len
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     mem = [e["peak_mem_gib"] for e in train if "peak_mem_gib" in e]
@@ -86,6 +86,7 @@ def run_ours(recipe: str, data: str, steps: int, warmup: int, overrides: list[st
         "peak_reserved_gib": max((e["peak_reserved_gib"] for e in train if "peak_reserved_gib" in e), default=None),
         "plan_peak_gib": round(planned_peak(cfg, nproc) / 2**30, 2) if torch.cuda.is_available() else None,
         "save_block_ms": around,   # per checkpoint step: what the save added to the step time around it
+        "step_s": [round(t, 3) for t in every_step],   # every step's time after the first: where training stood
         "final_loss": train[-1]["loss"], "val_loss": summary.get("val_loss"), "val_tokens": summary.get("val_tokens"),
         "losses": [round(e["loss"], 4) for e in train],  # every step's training loss: where a bad seed went wrong
         **dropped(train),

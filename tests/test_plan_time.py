@@ -99,6 +99,8 @@ STEPS = [
     ("2026-11-27-2xh200-llama-1b-fsdp-2gpu-bf16-async-save.json", [], 2, "median_step_ms"),
     ("2026-11-27-2xh200-llama-1b-fsdp-2gpu-bf16-async-save-every-40.json", [], 2, "median_step_ms"),
     ("2026-11-30-2xh200-llama-1b-fsdp-2gpu-bf16-first-save.json", [], 2, "median_step_ms"),
+    ("2026-11-30-2xh200-llama-8b-16-layers-fsdp-2gpu-pin-before-first-step.json", [], 2, "median_step_ms"),
+    ("2026-11-30-2xh200-llama-8b-16-layers-fsdp-2gpu-pin-before-first-step-2.json", [], 2, "median_step_ms"),
     ("2026-11-27-2xh200-llama-1b-fsdp-2gpu-bf16-flash.json", [], 2, "median_step_ms"),
     ("2026-11-27-2xh200-llama-1b-fsdp-2gpu-bf16-flash-grads-in-compute-pool.json", [], 2, "median_step_ms"),
     ("2026-11-27-2xh200-llama-1b-fsdp-2gpu-bf16-table-apart.json", [], 2, "median_step_ms"),
