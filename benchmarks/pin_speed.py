@@ -1,4 +1,4 @@
-"""Pinning the host buffers of a sharded async checkpoint: trainbox's `parallel/dcp.PinnedHost` against torch's
+"""Pinning the host buffers of a sharded async checkpoint: trainbox's `parallel/staging.PinnedHost` against torch's
 `_create_cpu_state_dict(pin_memory=True)`, which DCP's BlockingAsyncStager calls on its first stage.
 
     python benchmarks/pin_speed.py --recipe llama-8b --world 4 --procs 4 --record   # one rank of 4, 4 at once
@@ -30,7 +30,7 @@ import common
 import torch
 import torch.multiprocessing as mp
 
-from trainbox.parallel.dcp import PIN_PIECE, PinnedHost, saver_threads
+from trainbox.parallel.staging import PIN_PIECE, PinnedHost, saver_threads
 
 
 def shard_shapes(recipe: str, world: int, overrides: list[str]) -> list[tuple[str, tuple[int, ...]]]:
@@ -114,7 +114,7 @@ def worker(i: int, args, shapes, barrier, results) -> None:
     import torch.distributed as dist
     from torch.distributed._state_dict_utils import _copy_state_dict
 
-    from trainbox.parallel.dcp import host_bytes
+    from trainbox.parallel.staging import host_bytes
 
     device = torch.device("cuda", i % torch.cuda.device_count())
     torch.cuda.set_device(device)

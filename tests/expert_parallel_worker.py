@@ -170,13 +170,13 @@ def check_case(d: Dist, n: int, cf: float, exchange: str, checkpointing: str, pa
         torch.testing.assert_close(whole(p), want, **WEIGHT_TOL, msg=lambda m, name=name: f"{name}: {m}")
 
     # the checkpoint's view (parallel/dcp.py): every expert tensor a DTensor whose whole is the unsharded model's
-    from trainbox.parallel import dcp
+    from trainbox.parallel import dcp, staging
     # the host memory a save stages on this rank (logged with the pinned buffers): its own expert shards, not
     # their global size, and the dense tensors whole (counted before state_dict(), which makes them DTensors)
     own_bytes = sum(local(t).nbytes for t in model.state_dict().values()) + sum(
         local(v).nbytes for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor))
     state = dcp.state_dict(model, ep.optimizers)
-    assert dcp.host_bytes(state) == own_bytes, (n, dcp.host_bytes(state), own_bytes)
+    assert staging.host_bytes(state) == own_bytes, (n, staging.host_bytes(state), own_bytes)
     ref_state = ref_opt.state_dict()["state"]
     index = {name: expert_state._indices(ref_opt)[id(p)] for name, p in ref_model.named_parameters()}
     for name, t in ref_model.state_dict().items():

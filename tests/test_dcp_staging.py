@@ -1,4 +1,4 @@
-"""The host buffers a sharded async save stages into (parallel/dcp.PinnedHost), laid out without pinning on this
+"""The host buffers a sharded async save stages into (parallel/staging.PinnedHost), laid out without pinning on this
 CPU machine: every tensor of the state gets its own bytes inside one piece, a DTensor stays a DTensor of the same
 spec over its local shard, the stager's copy fills them exactly, and DCP writes and reads them back. The pinning
 itself (cudaHostRegister) runs in tests/test_gpu_staging.py."""
@@ -15,7 +15,7 @@ def _stage_and_save(init_file: str, folder: str, out_file: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-    from trainbox.parallel.dcp import PinnedHost
+    from trainbox.parallel.staging import PinnedHost
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=0, world_size=1)
     mesh = init_device_mesh("cpu", (1,))
@@ -118,7 +118,7 @@ def test_the_state_is_laid_out_in_the_reserved_pieces_first_and_the_unused_ones_
     tensor lies whole in one piece, no two share a byte, and the stager's copy fills them exactly."""
     from torch.distributed._state_dict_utils import _copy_state_dict
 
-    from trainbox.parallel.dcp import HostPieces, PinnedHost, reserve_sizes
+    from trainbox.parallel.staging import HostPieces, PinnedHost, reserve_sizes
 
     page = 4096
     state = _state(torch.Generator().manual_seed(0))
@@ -161,7 +161,8 @@ def test_the_reserved_bytes_are_the_bytes_the_state_is_laid_out_in_after_the_fir
     a resumed optimizer (its state already there), and parameters the optimizer does not hold (frozen)."""
     from trainbox.config import OptimSection
     from trainbox.optim.adamw import adamw_groups, make_adamw
-    from trainbox.parallel.dcp import _laid_out, expected_bytes, state_dict
+    from trainbox.parallel.dcp import state_dict
+    from trainbox.parallel.staging import expected_bytes, laid_out
 
     for state_dtype in ("fp32", "bf16"):
         torch.manual_seed(0)
@@ -173,7 +174,7 @@ def test_the_reserved_bytes_are_the_bytes_the_state_is_laid_out_in_after_the_fir
         before = expected_bytes(model, [opt])
         model(torch.randint(0, 50, (4, 8))).sum().backward()
         opt.step()
-        after = sum(_laid_out(state_dict(model, [opt])).values())
+        after = sum(laid_out(state_dict(model, [opt])).values())
         assert before == after and expected_bytes(model, [opt]) == after, (state_dtype, before, after)
         # each tensor on 4 KiB pages of its own: the parameters 2 + 2 + 1 + 1 + 1 + 4 pages (fp32: embedding,
         # linear, its bias, the norm's two, the head); two moments of all but the frozen embedding: 2 x 9 pages in

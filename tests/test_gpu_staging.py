@@ -1,4 +1,4 @@
-"""The pinned host buffers of a sharded async save (parallel/dcp.PinnedHost) on a GPU: registered with CUDA, so
+"""The pinned host buffers of a sharded async save (parallel/staging.PinnedHost) on a GPU: registered with CUDA, so
 the stager's device-to-host copies are pinned copies, filled exactly, and unpinned by `close`; laid out in pieces
 pinned before the state existed (HostPieces), the unused one unpinned.
 
@@ -19,7 +19,7 @@ def _pin(init_file: str, out_file: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-    from trainbox.parallel.dcp import HostPieces, PinnedHost
+    from trainbox.parallel.staging import HostPieces, PinnedHost
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=0, world_size=1)
     mesh = init_device_mesh("cuda", (1,))

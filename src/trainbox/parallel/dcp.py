@@ -7,9 +7,9 @@ expert parallelism (`model.moe.expert_parallel`: each rank writes its experts, t
         rng.pt
         COMPLETE            written last, over every file (state/ included)
 
-A save (`AsyncSaver.start`) stages this rank's shards into host memory (on a GPU, pinned buffers that a
-background thread allocates after the first step and every save reuses), which is the only time training
-waits unless the previous save is still being written, and then writes them from background threads while
+A save (`AsyncSaver.start`) stages this rank's shards into host memory (on a GPU, pinned buffers that every
+save reuses, pinned in the background while the first step runs: parallel/staging.py), which is the only time
+training waits unless the previous save is still being written, and then writes them from background threads while
 training goes on. The collectives of the write use a gloo group of their own, so they never interleave with
 the training's. When the write has finished on every rank (DCP's coordinator writes `.metadata` after all
 ranks report), rank 0 publishes the folder in a background thread exactly like a single-file save
@@ -27,11 +27,8 @@ DCP's metadata classes, and non-tensor values by `torch.load(weights_only=True)`
 """
 from __future__ import annotations
 
-import concurrent.futures
 import inspect
 import logging
-import mmap
-import os
 import shutil
 import threading
 import time
@@ -43,16 +40,22 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.staging import BlockingAsyncStager
-from torch.distributed.tensor import DTensor
-from torch.utils._pytree import tree_leaves, tree_map
 
 from trainbox import checkpoint
 from trainbox.checkpoint import room as checkpoint_room
 from trainbox.checkpoint import sharded
 from trainbox.errors import CheckpointError
-from trainbox.optim.adamw import state_sizes
 from trainbox.parallel import expert_state
 from trainbox.parallel.distributed import Dist
+from trainbox.parallel.staging import (
+    HostPieces,
+    PinnedHost,
+    expected_bytes,
+    host_bytes,
+    laid_out,
+    reserve_sizes,
+    saver_threads,
+)
 
 log = logging.getLogger("trainbox")  # the library logger
 
@@ -81,172 +84,6 @@ def pinned_stager():
     return BlockingAsyncStager(cache_staged_state_dict=True)
 
 
-# host buffers are pinned in pieces of about this size, each paged in and registered with CUDA by one of the
-# saver's threads
-PIN_PIECE = 1 << 30
-_ALIGN = 4096
-
-
-class HostPieces:
-    """Pieces of host memory, each an anonymous mapping of its own (page-aligned, so no two registrations share a
-    page) with huge pages asked for where the kernel offers them, paged in by the thread that makes it and then
-    registered with CUDA (cudaHostRegister). Paging in is most of the cost, and cudaHostRegister left to do it
-    pages in from one thread at a time, so each thread writes its pieces first. `pin=False`: the same pieces
-    unpinned (a machine without CUDA)."""
-
-    def __init__(self, pin: bool = True):
-        self.pin = pin
-        self.bufs: list[torch.Tensor] = []
-        self.ptrs: list[int] = []   # the registered pieces' addresses
-
-    @property
-    def nbytes(self) -> int:
-        return sum(b.numel() for b in self.bufs)
-
-    def add(self, sizes: list[int], threads: int) -> list[int]:
-        """New pieces of `sizes` bytes, made by `threads` threads side by side; returns their indices in `bufs`."""
-        first = len(self.bufs)
-        if sizes:
-            with concurrent.futures.ThreadPoolExecutor(max(1, threads), thread_name_prefix="pin") as pool:
-                for buf in pool.map(self._piece, sizes):
-                    self.bufs.append(buf)
-        return list(range(first, len(self.bufs)))
-
-    def _piece(self, nbytes: int) -> torch.Tensor:
-        area = mmap.mmap(-1, nbytes)
-        if hasattr(mmap, "MADV_HUGEPAGE"):
-            area.madvise(mmap.MADV_HUGEPAGE)
-        buf = torch.frombuffer(area, dtype=torch.uint8)   # keeps the mapping alive as long as any view of it
-        buf.zero_()
-        if self.pin:
-            err = int(torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), nbytes, 0))
-            if err:
-                raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed with CUDA error {err}")
-            self.ptrs.append(buf.data_ptr())
-        return buf
-
-    def keep(self, used: set[int]) -> None:
-        """Unregister and drop the pieces whose indices are not in `used` (the others keep their indices' order)."""
-        for i, buf in enumerate(self.bufs):
-            if i not in used and buf.data_ptr() in self.ptrs:
-                torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())
-                self.ptrs.remove(buf.data_ptr())
-        self.bufs = [b for i, b in enumerate(self.bufs) if i in used]
-
-    def close(self) -> None:
-        """Unpin every piece (no copy into them is in flight: staging is blocking); each is freed with the last
-        reference to it."""
-        for ptr in self.ptrs:
-            torch.cuda.cudart().cudaHostUnregister(ptr)
-        self.ptrs = []
-
-
-def reserve_sizes(nbytes: int, piece: int = PIN_PIECE) -> list[int]:
-    """Pieces of `piece` bytes that hold `nbytes` (the last one smaller, page-aligned), for a state whose layout is
-    not known yet."""
-    full, rest = divmod(nbytes, piece)
-    return [piece] * full + ([-(-rest // _ALIGN) * _ALIGN] if rest else [])
-
-
-class PinnedHost:
-    """Host buffers shaped like a state dict's tensors (a DTensor: its local shard, as a DTensor of the same spec),
-    pinned without PyTorch's caching host allocator, whose per-tensor `pin_memory()` rounds every buffer up to a
-    power of two and pins it from one thread (and torch's `_create_cpu_state_dict` first copies every DTensor to
-    host memory to learn its layout). The tensors are laid out in HostPieces (a tensor never spans two): first in
-    `spare`, pieces made before the state existed (AsyncSaver.reserve), largest tensors first, each in the first
-    spare piece with room; the rest in new pieces of `piece` bytes or more, which `threads` threads make side by
-    side. Spare pieces left empty are released. `state` is the copy the stager fills on every save; `close`
-    unregisters. `pin=False` lays out the same buffers unpinned (a machine without CUDA)."""
-
-    def __init__(self, state: dict, threads: int, piece: int = PIN_PIECE, pin: bool = True,
-                 spare: HostPieces | None = None):
-        tensors = _laid_out(state)
-        self.host = spare if spare is not None else HostPieces(pin)
-        place = {}   # id(tensor) -> (index of its piece in host.bufs, offset)
-        free = [b.numel() for b in self.host.bufs]
-        for key, n in sorted(tensors.items(), key=lambda kv: -kv[1]):
-            i = next((i for i, f in enumerate(free) if f >= n), None)
-            if i is not None:
-                place[key] = (i, len(self.host.bufs[i]) - free[i])
-                free[i] -= n
-        sizes, later = [], {}   # the new pieces' sizes; id(tensor) -> (new piece, offset), in the state's order
-        for key in (k for k in tensors if k not in place):
-            if not sizes or sizes[-1] >= piece:
-                sizes.append(0)
-            later[key] = (len(sizes) - 1, sizes[-1])
-            sizes[-1] += tensors[key]
-        try:
-            used = sorted({i for i, _ in place.values()})
-            self.host.keep(set(used))
-            renumber = {old: new for new, old in enumerate(used)}
-            place = {key: (renumber[i], at) for key, (i, at) in place.items()}
-            added = self.host.add(sizes, threads)
-        except BaseException:
-            self.host.close()
-            raise
-        place.update({key: (added[i], at) for key, (i, at) in later.items()})
-        self.pieces = self.host.bufs
-
-        def like(t):
-            if not isinstance(t, torch.Tensor):
-                return t
-            local = _local(t)
-            if id(t) in place:
-                i, at = place[id(t)]
-                host = self.pieces[i][at:at + local.nbytes].view(local.dtype).view(local.shape)
-            else:   # a scalar (an optimizer's step) or an empty tensor: a small host tensor of its own
-                host = torch.zeros_like(local, device="cpu")
-            return DTensor(host, t._spec, requires_grad=False) if isinstance(t, DTensor) else host
-
-        self.state = tree_map(like, state)
-        self.nbytes = self.host.nbytes
-
-    def close(self) -> None:
-        """Unpin the buffers; they are freed with the last reference to them."""
-        self.host.close()
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def _aligned(nbytes: int) -> int:
-    return -(-nbytes // _ALIGN) * _ALIGN
-
-
-def _laid_out(state: dict) -> dict[int, int]:
-    """id(tensor) -> the bytes PinnedHost gives it (its local shard's, page-aligned), for each tensor of `state`
-    with elements, once; scalars (an optimizer's step) are left out, kept apart in small tensors of their own."""
-    out: dict[int, int] = {}
-    for t in tree_leaves(state):
-        if isinstance(t, torch.Tensor) and t.dim() and t.numel() and id(t) not in out:
-            out[id(t)] = _aligned(_local(t).nbytes)
-    return out
-
-
-def expected_bytes(model: nn.Module, optimizers: list) -> int:
-    """The bytes PinnedHost will lay this rank's state out in once the optimizers have stepped, foreseen before the
-    first step: the parameters' local shards, and for each parameter the optimizer's state where it exists (a
-    resumed run) or the state it will make (optim/adamw.py state_sizes: the moments; nothing for an optimizer it
-    does not know). Buffers are left out."""
-    total = sum(_aligned(_local(p).nbytes) for p in model.parameters())
-    for opt in optimizers:
-        for group in opt.param_groups:
-            for p in group["params"]:
-                state = opt.state.get(p)
-                if state:
-                    total += sum(_aligned(_local(t).nbytes) for t in state.values()
-                                 if isinstance(t, torch.Tensor) and t.dim() and t.numel())
-                else:
-                    total += sum(_aligned(n) for n in state_sizes(opt, _local(p)))
-    return total
-
-
-def host_bytes(state: dict) -> int:
-    """The bytes this rank holds for `state`: a DTensor counts its local shard (its nbytes is the global size)."""
-    return sum(_local(t).nbytes for t in tree_leaves(state) if isinstance(t, torch.Tensor))
-
-
 def _quiet_writer_threads() -> None:
     """DCP's extra writer threads end with their write's exception, which threading would print as a traceback;
     the same failure reaches the save's future and is reported once, plainly (AsyncSaver.wait). Other threads'
@@ -263,12 +100,6 @@ def _quiet_writer_threads() -> None:
 
     hook.dcp_writers = True
     threading.excepthook = hook
-
-
-def saver_threads(local_ranks: int) -> int:
-    """Threads per rank that page in the staging buffers and write the shards: this host's cores shared by its
-    ranks, at most 8."""
-    return max(1, min(8, (os.cpu_count() or 1) // max(1, local_ranks)))
 
 
 class AsyncSaver:
@@ -343,7 +174,7 @@ class AsyncSaver:
         if self.pinning is not None:
             return
         state = state_dict(model, optimizers)   # references and shapes, read here; only allocation is threaded
-        more = sum(_laid_out(state).values()) > self.expected   # than reserve foresaw
+        more = sum(laid_out(state).values()) > self.expected   # than reserve foresaw
         if more and self.reserving is not None:
             self.reserving.join()   # what is pinned already counts as this rank's
         held = self.spare.nbytes if more and self.spare is not None else 0
