@@ -97,6 +97,10 @@ def check_case(d: Dist, n: int, cf: float, exchange: str, checkpointing: str, pa
     if parallel == "fsdp":   # FSDP shards the dense parameters only: the experts stay this rank's plain tensors
         assert all(isinstance(p, DTensor) != (name in shard.params) for name, p in model.named_parameters())
         register_fsdp_forward_method(model, "hidden")   # a forward of the root, as FSDP sees it
+    from trainbox.parallel import dcp, staging
+    # what a sharded save reserves host buffers for before the first step (AsyncSaver.reserve): the bytes the
+    # state is laid out in after it (checked below)
+    foreseen = staging.expected_bytes(dcp.state_dict(model, None)["model"], ep.optimizers)
     model.train(), ref_model.train()
     if shard is not None and exchange == "padded":   # training under the padded exchange never takes the uneven one
         shard._uneven = _refuse
@@ -170,13 +174,13 @@ def check_case(d: Dist, n: int, cf: float, exchange: str, checkpointing: str, pa
         torch.testing.assert_close(whole(p), want, **WEIGHT_TOL, msg=lambda m, name=name: f"{name}: {m}")
 
     # the checkpoint's view (parallel/dcp.py): every expert tensor a DTensor whose whole is the unsharded model's
-    from trainbox.parallel import dcp, staging
     # the host memory a save stages on this rank (logged with the pinned buffers): its own expert shards, not
     # their global size, and the dense tensors whole (counted before state_dict(), which makes them DTensors)
     own_bytes = sum(local(t).nbytes for t in model.state_dict().values()) + sum(
         local(v).nbytes for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor))
     state = dcp.state_dict(model, ep.optimizers)
     assert staging.host_bytes(state) == own_bytes, (n, staging.host_bytes(state), own_bytes)
+    assert sum(staging.laid_out(state).values()) == foreseen, (n, sum(staging.laid_out(state).values()), foreseen)
     ref_state = ref_opt.state_dict()["state"]
     index = {name: expert_state._indices(ref_opt)[id(p)] for name, p in ref_model.named_parameters()}
     for name, t in ref_model.state_dict().items():

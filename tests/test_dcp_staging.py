@@ -158,7 +158,8 @@ def test_the_state_is_laid_out_in_the_reserved_pieces_first_and_the_unused_ones_
 
 def test_the_reserved_bytes_are_the_bytes_the_state_is_laid_out_in_after_the_first_step():
     """AsyncSaver.reserve foresees the state before any optimizer step: AdamW with fp32 and with bfloat16 moments,
-    a resumed optimizer (its state already there), and parameters the optimizer does not hold (frozen)."""
+    a resumed optimizer (its state already there), parameters the optimizer does not hold (frozen) and buffers
+    (those a save takes)."""
     from trainbox.config import OptimSection
     from trainbox.optim.adamw import adamw_groups, make_adamw
     from trainbox.parallel.dcp import state_dict
@@ -169,17 +170,20 @@ def test_the_reserved_bytes_are_the_bytes_the_state_is_laid_out_in_after_the_fir
         model = torch.nn.Sequential(torch.nn.Embedding(50, 24), torch.nn.Linear(24, 70), torch.nn.LayerNorm(70),
                                     torch.nn.Linear(70, 50, bias=False))
         model[0].weight.requires_grad_(False)
+        model[2].register_buffer("kept", torch.ones(3))                   # saved: a page of its own
+        model[2].register_buffer("cache", torch.ones(99), persistent=False)   # not saved
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         opt = make_adamw(adamw_groups(named, 0.1, 1e-3), OptimSection(state_dtype=state_dtype), torch.device("cpu"))
-        before = expected_bytes(model, [opt])
+        before = expected_bytes(state_dict(model, None)["model"], [opt])
         model(torch.randint(0, 50, (4, 8))).sum().backward()
         opt.step()
         after = sum(laid_out(state_dict(model, [opt])).values())
-        assert before == after and expected_bytes(model, [opt]) == after, (state_dtype, before, after)
+        resumed = expected_bytes(state_dict(model, None)["model"], [opt])   # the optimizer's state there
+        assert before == after == resumed, (state_dtype, before, after, resumed)
         # each tensor on 4 KiB pages of its own: the parameters 2 + 2 + 1 + 1 + 1 + 4 pages (fp32: embedding,
-        # linear, its bias, the norm's two, the head); two moments of all but the frozen embedding: 2 x 9 pages in
-        # fp32, 2 x (1 + 1 + 1 + 1 + 2) in bf16
-        assert after == {"fp32": 29, "bf16": 23}[state_dtype] * 4096, after
+        # linear, its bias, the norm's two, the head) and the saved buffer's page; two moments of all but the frozen
+        # embedding: 2 x 9 pages in fp32, 2 x (1 + 1 + 1 + 1 + 2) in bf16
+        assert after == {"fp32": 30, "bf16": 24}[state_dtype] * 4096, after
 
 
 def test_a_host_that_cannot_hold_the_shards_host_copies_is_refused_at_the_first_step(tmp_path):

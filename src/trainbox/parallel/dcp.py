@@ -131,7 +131,7 @@ class AsyncSaver:
         out in them once it exists."""
         if self.reserving is not None or self.pinning is not None:
             return
-        self.expected = expected_bytes(model, optimizers)
+        self.expected = expected_bytes(state_dict(model, None)["model"], optimizers)
         self._refuse_short(self.expected, 0)
         if self.stager is None or not self.expected:
             return

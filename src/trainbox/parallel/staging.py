@@ -1,7 +1,7 @@
 """The host buffers a sharded async save stages into (parallel/dcp.py AsyncSaver): on a GPU, pinned pieces that every
 save reuses.
 
-    spare = HostPieces(); spare.add(reserve_sizes(expected_bytes(model, optimizers)), threads)   # before step 1
+    spare = HostPieces(); spare.add(reserve_sizes(expected_bytes(model_state, optimizers)), threads)   # before step 1
     host = PinnedHost(state, threads, spare=spare)   # after it: host.state is the copy the stager fills
 
 Pinning through PyTorch's caching host allocator rounds every buffer up to a power of two and pins from one
@@ -17,7 +17,6 @@ import mmap
 import os
 
 import torch
-import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_leaves, tree_map
 
@@ -166,12 +165,12 @@ def laid_out(state: dict) -> dict[int, int]:
     return out
 
 
-def expected_bytes(model: nn.Module, optimizers: list) -> int:
+def expected_bytes(model_state: dict, optimizers: list) -> int:
     """The bytes PinnedHost will lay this rank's state out in once the optimizers have stepped, foreseen before the
-    first step: the parameters' local shards, and for each parameter the optimizer's state where it exists (a
-    resumed run) or the state it will make (optim/adamw.py state_sizes: the moments; nothing for an optimizer it
-    does not know). Buffers are left out."""
-    total = sum(_aligned(_local(p).nbytes) for p in model.parameters())
+    first step: the model's state dict as a save takes it (`model_state`: parameters and persistent buffers, their
+    local shards), and for each parameter the optimizer's state where it exists (a resumed run) or the state it
+    will make (optim/adamw.py state_sizes: the moments; nothing for an optimizer it does not know)."""
+    total = sum(laid_out(model_state).values())
     for opt in optimizers:
         for group in opt.param_groups:
             for p in group["params"]:
