@@ -4,6 +4,7 @@ spec over its local shard, the stager's copy fills them exactly, and DCP writes 
 itself (cudaHostRegister) runs in tests/test_gpu_staging.py."""
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 
@@ -154,6 +155,30 @@ def test_the_state_is_laid_out_in_the_reserved_pieces_first_and_the_unused_ones_
             assert torch.equal(staged["model"][k], v), k
         for k, v in state["optim"]["state"]["w"].items():
             assert torch.equal(staged["optim"]["state"]["w"][k], v), k
+
+
+def test_pinning_stops_after_the_pieces_in_hand_when_asked():
+    """AsyncSaver.close sets HostPieces' stop (a run that ends during its first steps, a stop signal): no thread
+    starts another piece, the pieces made are kept (for close to unpin), and PinnedHost over a stopped pool gives
+    up, keeping nothing."""
+    import threading
+
+    from trainbox.parallel.staging import HostPieces, PinnedHost
+
+    class StopAfterOne(HostPieces):
+        def _piece(self, nbytes):
+            buf = super()._piece(nbytes)
+            self.stop.set()   # as close() would, while the first piece is made
+            return buf
+
+    pieces = StopAfterOne(pin=False)
+    with pytest.raises(RuntimeError, match="pinning stopped after 1 of 4 pieces"):
+        pieces.add([4096] * 4, threads=1)
+    assert len(pieces.bufs) == 1 and pieces.nbytes == 4096
+    stop = threading.Event()
+    stop.set()
+    with pytest.raises(RuntimeError, match="pinning stopped after 0 of 3 pieces"):
+        PinnedHost(_state(torch.Generator().manual_seed(0)), threads=2, piece=10 * 4096, pin=False, stop=stop)
 
 
 def test_the_reserved_bytes_are_the_bytes_the_state_is_laid_out_in_after_the_first_step():

@@ -1,6 +1,7 @@
 """The pinned host buffers of a sharded async save (parallel/staging.PinnedHost) on a GPU: registered with CUDA, so
 the stager's device-to-host copies are pinned copies, filled exactly, and unpinned by `close`; laid out in pieces
-pinned before the state existed (HostPieces), the unused one unpinned.
+pinned before the state existed (HostPieces), the unused one unpinned; pinning told to stop keeps the piece in
+hand pinned until `close`.
 
     python -m pytest -q -m gpu tests/test_gpu_staging.py
 """
@@ -53,11 +54,27 @@ def _pin(init_file: str, out_file: str) -> None:
     spare_pieces, left_pinned = len(again.pieces), left.is_pinned()
     in_spare_pinned = [t.is_pinned() for t in in_spare]
     again.close()
+
+    # pinning told to stop (AsyncSaver.close) after its first piece: that piece pinned, then unpinned by close
+    class StopAfterOne(HostPieces):
+        def _piece(self, nbytes):
+            buf = super()._piece(nbytes)
+            self.stop.set()
+            return buf
+
+    cut, stopped = StopAfterOne(), ""
+    try:
+        cut.add([8 << 20] * 3, threads=1)
+    except RuntimeError as e:
+        stopped = str(e)
+    cut_pinned, first = [b.is_pinned() for b in cut.bufs], cut.bufs[0]
+    cut.close()
     torch.save({"pinned": pinned, "equal": equal, "pieces": pieces,
                 "unpinned": [not t.is_pinned() for t in leaves],
                 "reserved": reserved, "in_spare": in_spare_pinned, "refilled": refilled,
                 "spare_pieces": spare_pieces, "left_pinned": left_pinned,
-                "spare_unpinned": [not t.is_pinned() for t in in_spare]}, out_file)
+                "spare_unpinned": [not t.is_pinned() for t in in_spare],
+                "stopped": stopped, "cut_pinned": cut_pinned, "cut_unpinned": not first.is_pinned()}, out_file)
     dist.destroy_process_group()
 
 
@@ -72,3 +89,4 @@ def test_staging_buffers_are_pinned_filled_and_unpinned(tmp_path):
     assert got["unpinned"] == [True] * 3
     assert got["reserved"] == [True] * 4 and got["in_spare"] == [True] * 3 and got["refilled"], got
     assert got["spare_pieces"] == 3 and not got["left_pinned"] and got["spare_unpinned"] == [True] * 3, got
+    assert "after 1 of 3 pieces" in got["stopped"] and got["cut_pinned"] == [True] and got["cut_unpinned"], got

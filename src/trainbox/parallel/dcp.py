@@ -120,6 +120,7 @@ class AsyncSaver:
         self.expected = 0   # the bytes `reserve` foresaw for this rank's state
         self.reserving: threading.Thread | None = None
         self.spare: HostPieces | None = None   # the pieces it pinned
+        self.stop_pinning = threading.Event()   # set by close: the threads start no more pieces
         _quiet_writer_threads()
 
     def reserve(self, model: nn.Module, optimizers: list) -> None:
@@ -135,7 +136,7 @@ class AsyncSaver:
         self._refuse_short(self.expected, 0)
         if self.stager is None or not self.expected:
             return
-        device, spare = torch.cuda.current_device(), HostPieces()
+        device, spare = torch.cuda.current_device(), HostPieces(stop=self.stop_pinning)
 
         def pin():
             try:
@@ -189,7 +190,7 @@ class AsyncSaver:
                 torch.cuda.set_device(device)   # this rank's GPU (not a context on GPU 0)
                 if reserving is not None:
                     reserving.join()
-                self.pinned = PinnedHost(state, self.threads, spare=self.spare)
+                self.pinned = PinnedHost(state, self.threads, spare=self.spare, stop=self.stop_pinning)
                 self.spare = None
                 # what the stager would otherwise allocate itself on its first stage()
                 self.stager.state_dict_cache = self.pinned.state
@@ -257,7 +258,9 @@ class AsyncSaver:
 
     def close(self) -> None:
         """At the end of the run, after the last wait(): unpin the staging buffers (a saver's pinned memory would
-        otherwise stay locked for the life of the process)."""
+        otherwise stay locked for the life of the process). Pinning still under way (a run stopped during its
+        first steps) stops after the pieces in hand, so the run's end waits for no more."""
+        self.stop_pinning.set()
         for thread in (self.reserving, self.pinning):
             if thread is not None:
                 thread.join()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import concurrent.futures
 import mmap
 import os
+import threading
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -33,10 +34,12 @@ class HostPieces:
     page) with huge pages asked for where the kernel offers them, paged in by the thread that makes it and then
     registered with CUDA (cudaHostRegister). Paging in is most of the cost, and cudaHostRegister left to do it
     pages in from one thread at a time, so each thread writes its pieces first. `pin=False`: the same pieces
-    unpinned (a machine without CUDA)."""
+    unpinned (a machine without CUDA). Once `stop` is set, no thread starts another piece (a run that ends, a
+    stop signal, need not wait for the rest)."""
 
-    def __init__(self, pin: bool = True):
+    def __init__(self, pin: bool = True, stop: threading.Event | None = None):
         self.pin = pin
+        self.stop = stop or threading.Event()
         self.bufs: list[torch.Tensor] = []
         self.ptrs: list[int] = []   # the registered pieces' addresses
 
@@ -45,15 +48,20 @@ class HostPieces:
         return sum(b.numel() for b in self.bufs)
 
     def add(self, sizes: list[int], threads: int) -> list[int]:
-        """New pieces of `sizes` bytes, made by `threads` threads side by side; returns their indices in `bufs`."""
+        """New pieces of `sizes` bytes, made by `threads` threads side by side; returns their indices in `bufs`.
+        Raises RuntimeError where `stop` was set before all were made (those made are kept, for `close`)."""
         first = len(self.bufs)
         if sizes:
             with concurrent.futures.ThreadPoolExecutor(max(1, threads), thread_name_prefix="pin") as pool:
-                for buf in pool.map(self._piece, sizes):
-                    self.bufs.append(buf)
+                made = list(pool.map(self._piece, sizes))
+            self.bufs += [buf for buf in made if buf is not None]
+            if len(self.bufs) - first < len(sizes):
+                raise RuntimeError(f"pinning stopped after {len(self.bufs) - first} of {len(sizes)} pieces")
         return list(range(first, len(self.bufs)))
 
-    def _piece(self, nbytes: int) -> torch.Tensor:
+    def _piece(self, nbytes: int) -> torch.Tensor | None:
+        if self.stop.is_set():
+            return None
         area = mmap.mmap(-1, nbytes)
         if hasattr(mmap, "MADV_HUGEPAGE"):
             area.madvise(mmap.MADV_HUGEPAGE)
@@ -97,12 +105,13 @@ class PinnedHost:
     `spare`, pieces made before the state existed (AsyncSaver.reserve), largest tensors first, each in the first
     spare piece with room; the rest in new pieces of `piece` bytes or more, which `threads` threads make side by
     side. Spare pieces left empty are released. `state` is the copy the stager fills on every save; `close`
-    unregisters. `pin=False` lays out the same buffers unpinned (a machine without CUDA)."""
+    unregisters. `stop`: HostPieces' (the spare's own where there is one). `pin=False` lays out the same buffers
+    unpinned (a machine without CUDA)."""
 
     def __init__(self, state: dict, threads: int, piece: int = PIN_PIECE, pin: bool = True,
-                 spare: HostPieces | None = None):
+                 spare: HostPieces | None = None, stop: threading.Event | None = None):
         tensors = laid_out(state)
-        self.host = spare if spare is not None else HostPieces(pin)
+        self.host = spare if spare is not None else HostPieces(pin, stop)
         place = {}   # id(tensor) -> (index of its piece in host.bufs, offset)
         free = [b.numel() for b in self.host.bufs]
         for key, n in sorted(tensors.items(), key=lambda kv: -kv[1]):
