@@ -573,6 +573,45 @@ def test_a_lock_holder_is_seen_from_another_thread_of_the_same_host(tmp_path):
     RunLock(tmp_path / "r").acquire().release()
 
 
+BLOCKED_WRITER = r"""
+import logging, os, sys
+from trainbox.monitor.console import log
+from trainbox.train.stop import STOP
+os.close(int(sys.argv[1]))
+stream = os.fdopen(int(sys.argv[2]), "w", buffering=1)   # a line-buffered file, as train.log and the console are
+handler = logging.StreamHandler(stream)
+log.addHandler(handler), log.setLevel(logging.INFO)
+STOP.install()
+STOP.announce = True                                    # the loop runs: signals are announced
+log.info("x" * 200_000)                                 # blocks in write() until the test drains the pipe
+STOP.settle()
+print("stop", STOP.why(), flush=True)
+"""
+
+
+def test_a_stop_signal_inside_a_blocked_log_write_is_announced_without_a_logging_error():
+    """A signal that arrives while the loop is inside a write of its log (a slow disk, a full pipe) is announced
+    after the write, in its own line, not from the handler: Python's buffered files refuse a write inside a write
+    of the same file, which logging would print as a "--- Logging error ---" traceback (a Ctrl-C while the
+    progress bar or train.log was written). The process is held inside the write by a pipe it has filled."""
+    read, write = os.pipe()
+    proc = subprocess.Popen([sys.executable, "-c", BLOCKED_WRITER, str(read), str(write)], pass_fds=(read, write),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    os.close(write)
+    wchan = Path(f"/proc/{proc.pid}/wchan")
+    while "pipe_write" not in wchan.read_text():   # until the process waits inside its write
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGUSR1)
+    with os.fdopen(read) as pipe:
+        logged = pipe.read()                       # the write completes; the process ends, closing its end
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0 and out == "stop SIGUSR1\n", (out, err)
+    assert "Logging error" not in err and "Traceback" not in err, err
+    lines = logged.splitlines()
+    assert lines == ["x" * 200_000, "received SIGUSR1: saving a checkpoint at the next step boundary"], lines[1:]
+
+
 def test_a_run_without_checkpoints_writes_none_and_a_stop_says_it_cannot_continue(tmp_path, cache):
     """train.checkpoints=false (benchmarks, throwaway runs): no save at the recipe's intervals, at the end, or on
     a stop signal, which still ends the run cleanly at a step boundary."""

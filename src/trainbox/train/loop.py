@@ -299,6 +299,7 @@ class Trainer(RunFiles, Checkpointing, Evaluations, Reporting):
             self._saves_published(wait=True)
             self._phase("preempted")
             why = f" on {self.stop.why()}" if self.stop.signum or not self.stop.reason else f": {self.stop.why()}"
+            self.stop.settle()   # "received SIGTERM: ..." first
             if step == 0:
                 log.info(BEFORE_FIRST_STEP)
             else:

@@ -4,7 +4,10 @@ worker, set a flag that the loop acts on at the next step boundary, agreed acros
 `STOP` is the process's one flag. `trainbox train` installs it before its heavy imports (cli/__init__.py), so a
 signal that arrives while the run starts is kept: before the first step the run ends with "stopped before the
 first step; nothing to save" and exit 0. Until the loop runs, a signal is only noted (the loop, or the CLI
-before it, says what it did); from the first step boundary on, each is logged as it arrives. A second SIGINT
+before it, says what it did); from the first step boundary on, each is logged as it arrives: by a thread of its
+own, which the handler wakes through a pipe, because a handler that wrote the line itself could run inside a write
+of the same stream, where Python's buffered files refuse the second write (a "--- Logging error ---" traceback on
+the console). The loop waits for that line (`settle`) before it says how it stopped. A second SIGINT
 stops at once (`SecondInterrupt`, a KeyboardInterrupt: exit 130). The handlers are restored, and the flag
 cleared, when the command ends; as the process's entry point ends, the signals are ignored instead (`ignore`).
 
@@ -42,6 +45,8 @@ class StopFlag:
         self.announce = False            # the loop runs: log each signal as it arrives
         self._old: dict = {}
         self._depth = 0
+        self._wake: int | None = None    # the pipe's write end: the handler's signals for the announcing thread
+        self._sent = self._announced = 0
 
     @property
     def requested(self) -> bool:
@@ -63,16 +68,43 @@ class StopFlag:
             # waits for its handler; a parent that started this process with them blocked (to keep them until a
             # handler is in place) hands them over the same way: a pending one is delivered to the handler
             signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+            self._start_announcer()   # made now, its thread keeps them blocked: they always reach this one
             for s in STOP_SIGNALS:
                 self._old[s] = signal.signal(s, self._handle)
             signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+
+    def _start_announcer(self) -> None:
+        """Once per process: the pipe and the thread that logs each signal the handler writes into it."""
+        if self._wake is not None:
+            return
+        read, self._wake = os.pipe()
+        os.set_blocking(self._wake, False)   # a full pipe drops a line rather than block the handler
+
+        def announce() -> None:
+            while data := os.read(read, 64):
+                for signum in data:
+                    log.info(f"received {signal.Signals(signum).name}: saving a checkpoint at the next step boundary")
+                    self._announced += 1
+
+        threading.Thread(target=announce, name="trainbox-stop-announce", daemon=True).start()
 
     def _handle(self, signum, frame) -> None:
         if self.signum is not None and signum == signal.SIGINT:  # a second Ctrl-C stops at once
             raise SecondInterrupt
         self.signum = signum
-        if self.announce:
-            log.info(f"received {signal.Signals(signum).name}: saving a checkpoint at the next step boundary")
+        if self.announce and self._wake is not None:
+            try:
+                os.write(self._wake, bytes([signum]))   # one byte, atomic; no lock, no buffered stream
+                self._sent += 1
+            except OSError:   # the pipe is full: the stop still happens, unannounced
+                pass
+
+    def settle(self, timeout: float = 2.0) -> None:
+        """Until the announcing thread has logged every signal the handler passed it (at most `timeout` s): the loop
+        calls it before it logs how the run stopped, so that line comes after them."""
+        deadline = time.monotonic() + timeout
+        while self._announced < self._sent and time.monotonic() < deadline:
+            time.sleep(0.001)
 
     def request(self, reason: str) -> None:
         """A stop without a signal (from any thread): acted on like SIGTERM."""
