@@ -94,7 +94,7 @@ def reserve_sizes(nbytes: int, piece: int = PIN_PIECE) -> list[int]:
     """Pieces of `piece` bytes that hold `nbytes` (the last one smaller, page-aligned), for a state whose layout is
     not known yet."""
     full, rest = divmod(nbytes, piece)
-    return [piece] * full + ([-(-rest // _ALIGN) * _ALIGN] if rest else [])
+    return [piece] * full + ([_aligned(rest)] if rest else [])
 
 
 class PinnedHost:

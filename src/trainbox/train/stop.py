@@ -47,6 +47,7 @@ class StopFlag:
         self._depth = 0
         self._wake: int | None = None    # the pipe's write end: the handler's signals for the announcing thread
         self._sent = self._announced = 0
+        self._logged = threading.Condition()   # notified by the announcing thread after each line
 
     @property
     def requested(self) -> bool:
@@ -84,7 +85,9 @@ class StopFlag:
             while data := os.read(read, 64):
                 for signum in data:
                     log.info(f"received {signal.Signals(signum).name}: saving a checkpoint at the next step boundary")
-                    self._announced += 1
+                    with self._logged:
+                        self._announced += 1
+                        self._logged.notify_all()
 
         threading.Thread(target=announce, name="trainbox-stop-announce", daemon=True).start()
 
@@ -102,9 +105,8 @@ class StopFlag:
     def settle(self, timeout: float = 2.0) -> None:
         """Until the announcing thread has logged every signal the handler passed it (at most `timeout` s): the loop
         calls it before it logs how the run stopped, so that line comes after them."""
-        deadline = time.monotonic() + timeout
-        while self._announced < self._sent and time.monotonic() < deadline:
-            time.sleep(0.001)
+        with self._logged:   # the handler never takes this lock: it only writes to the pipe and counts
+            self._logged.wait_for(lambda: self._announced >= self._sent, timeout)
 
     def request(self, reason: str) -> None:
         """A stop without a signal (from any thread): acted on like SIGTERM."""
