@@ -12,8 +12,9 @@ kernels in ms per step, and the GPU's idle time inside the profiled steps with i
 kernels on either side and the host ops that ran meanwhile: where the host, not the GPU, set the pace),
 and how much of the communication kernels' time ran under other kernels (hidden) or alone (exposed).
 Under torchrun every rank trains and profiles the same steps and rank 0 reports.
-`--sdpa` pins PyTorch's attention backend for the whole run (tracing included). The output is the result
-record (common.Result); --record also writes it to benchmarks/records/.
+`--sdpa` pins PyTorch's attention backend for the whole run (tracing included); `--trace FILE` writes rank 0's
+profiled steps as a Chrome trace (chrome://tracing, Perfetto) for a look at the timeline itself. The output is
+the result record (common.Result); --record also writes it to benchmarks/records/.
 """
 from __future__ import annotations
 
@@ -112,6 +113,7 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=15)
     ap.add_argument("--record", action="store_true", help="write the result record to benchmarks/records/")
     ap.add_argument("--what", help="the record's slug (default: RECIPE-profile)")
+    ap.add_argument("--trace", help="write rank 0's profiled steps as a Chrome trace (JSON) to this file")
     args = ap.parse_intermixed_args()
 
     import torch
@@ -159,6 +161,8 @@ def main() -> None:
                 step += 1
             sync()
             prof_s = (time.time() - t1) / args.profile
+    if args.trace and dist.is_main:
+        prof.export_chrome_trace(args.trace)
     per_kind: dict[str, float] = defaultdict(float)
     kernels = []
     optimizer_ms: dict[str, float] = {}  # GPU span of each optimizer's step (torch annotates Optimizer.step#Name.step)
