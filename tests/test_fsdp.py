@@ -189,7 +189,7 @@ def test_float8_converts_the_blocks_linears_and_is_refused_without_fp8_cores():
     kinds = {name: type(m).__name__ for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
     assert swapped == 2 * 7   # q, k, v, o, gate, up, down in each block
     assert all(k == "Float8Linear" for n, k in kinds.items() if ".layers." in n), kinds
-    assert kinds["lm_head"] == "Linear"   # the head keeps its precision
+    assert kinds["lm_head"] == "Head"   # the head keeps its precision (not a Float8Linear)
     with pytest.raises(ConfigError, match="FP8 tensor cores"):
         float8.require_float8(torch.device("cpu"))
     with pytest.raises(ConfigError, match="FP8 tensor cores"):
@@ -305,16 +305,19 @@ def test_step_reduction_reduces_nothing_before_the_last_micro_batch():
     run_check_script(STEP_REDUCTION)
 
 
-def test_llama_with_an_untied_table_under_fsdp_equals_one_process(tmp_path, data_cache):
+def test_llama_with_an_untied_table_and_head_under_fsdp_equals_one_process(tmp_path, data_cache):
     """Llama with its own head: the token table is an FSDP unit of its own (gathered for the lookup and again
-    for its gradient), the root holds the final norm and the head. The same steps as one process."""
+    for its gradient), the head another (called for the fused loss, so gathered by its own hooks), the root holds
+    the final norm. The same steps as one process, with the fused head and cross-entropy on both sides."""
     from trainbox.model.build import build_model
-    from trainbox.parallel import apart
-    llama = ["model.family=llama", "model.llama.n_kv_head=2", "model.llama.intermediate_size=96"]
+    from trainbox.parallel import apart, heads
+    llama = ["model.family=llama", "model.llama.n_kv_head=2", "model.llama.intermediate_size=96",
+             "model.fused_loss=true"]
     for tied, units in (("false", 1), ("true", 0)):
         cfg = load_config("tiny", [*llama, f"model.llama.tie_embeddings={tied}"])
         model = build_model(cfg.model, 128, 32)
         assert [type(m).__name__ for m in apart(model)] == ["Embedding"] * units
+        assert heads(model) == [model.lm_head] * units
     base = [*OWN, *llama, "model.llama.tie_embeddings=false", "train.max_steps=4", "train.dtype=fp32",
             "train.micro_batch_size=2", "monitor.enabled=false", "train.eval_tokens=512", "train.sample_tokens=0",
             f"run.dir={tmp_path}", f"data.cache_dir={data_cache}"]

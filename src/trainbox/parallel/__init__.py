@@ -44,6 +44,13 @@ def apart(model) -> list:
     return list(listed()) if listed is not None else []
 
 
+def heads(model) -> list:
+    """The family's `head_units()`: an untied output head that FSDP shards as a unit of its own, out of the root,
+    whose gradient would be reduced only after the whole backward."""
+    listed = getattr(model, "head_units", None)
+    return list(listed()) if listed is not None else []
+
+
 class ExpertCopies:
     """The experts' 16-bit copies (expert.py's keep_casts) kept equal to their weights, for either strategy: set by
     the first micro-batch after the model was built or loaded, and again after every optimizer step (evaluation,

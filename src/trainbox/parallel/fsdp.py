@@ -7,10 +7,13 @@ split over the ranks, and each block's parameters are all-gathered just before i
   parameters are sharded inside a node (fast links) and replicated across nodes, so the all-gathers of the
   forward and backward stay inside a node and only one all-reduce of the gradient shards crosses nodes.
 - Units: every block the family lists in `checkpoint_units()` is one `fully_shard` unit, an untied token table
-  (`embedding_units()`) another, and the root holds the rest (final norm, head, a tied table). The last block
-  keeps its parameters gathered after the forward (the backward needs them at once);
-  `train.reshard_after_forward=false` keeps every block gathered (less traffic, more memory), and then also
-  keeps them gathered between the micro-batches of one step.
+  (`embedding_units()`) another, an untied head (`head_units()`) another, and the root holds the rest (final
+  norm, a tied head and table). The root's gradient is reduced after the whole backward, a unit's as soon as
+  the backward is through it: an untied head's (a quarter of llama-1b's parameters with Llama 3's vocabulary)
+  then goes under the blocks' backward instead of after it, and it is gathered when it runs, not at the
+  start of the forward. The last block keeps its parameters gathered after the forward (the backward needs
+  them at once); `train.reshard_after_forward=false` keeps every block gathered (less traffic, more memory),
+  and then also keeps them gathered between the micro-batches of one step.
 - Gradient reduction: with several micro-batches a step, each unit's gradient is reduce-scattered after every
   micro-batch's backward (each rank keeps only its shard), or with `train.grad_reduce=step` once a step, after
   the last: until then every rank accumulates the whole fp32 gradient of what FSDP shards (4 bytes a parameter
@@ -46,7 +49,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from trainbox.errors import ConfigError
 from trainbox.kernels.float8 import after_step
-from trainbox.parallel import ExpertCopies, apart, experts_sharded
+from trainbox.parallel import ExpertCopies, apart, experts_sharded, heads
 from trainbox.parallel.distributed import Dist
 
 
@@ -92,8 +95,10 @@ class ShardedParallel:
             fully_shard(block, reshard_after_forward=reshard_after_forward and i < len(blocks) - 1, **shard)
         for table in apart(model):   # gathered for the lookup and for its gradient at the end of the backward
             fully_shard(table, reshard_after_forward=reshard_after_forward, **shard)
-        # the root (final norm, head, a tied table) stays gathered from forward to backward: the head is needed
-        # again at once, and the fused loss keeps it for its backward
+        # the head, and the root (final norm, a tied head and table), stay gathered from forward to backward: the
+        # head is needed again at once, and the fused loss keeps it for its backward
+        for head in heads(model):
+            fully_shard(head, reshard_after_forward=False, **shard)
         fully_shard(model, reshard_after_forward=False, **shard)
         if device.type == "cuda" and len(shape) == 1:
             from trainbox.parallel.grad_pool import grads_on_compute_stream  # heavy: torch.distributed.fsdp

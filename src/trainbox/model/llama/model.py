@@ -115,6 +115,23 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+class Head(nn.Linear):
+    """The output head (no bias). head(x) gives the logits; head(x, targets, loss_mask, reduction) the loss of the
+    head fused with the cross-entropy (kernels/fused_ce.py), which never keeps the logits. The loss, too, is a call
+    of this module, not a read of its weight, so FSDP can shard an untied head as a unit of its own
+    (`head_units`, parallel/fsdp.py): its gradient is then reduced as soon as the backward has it, under the
+    blocks' backward, not after the whole backward with the root's."""
+
+    def __init__(self, n_embd: int, vocab_size: int):
+        super().__init__(n_embd, vocab_size, bias=False)
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None, loss_mask: torch.Tensor | None = None,
+                reduction: str = "mean") -> torch.Tensor:
+        if targets is None:
+            return super().forward(x)
+        return head_cross_entropy(x, self.weight, targets, loss_mask, 0.0, reduction)
+
+
 class Block(nn.Module):
     """One transformer layer: x + attn(norm(x)), then + mlp(norm(x))."""
 
@@ -146,7 +163,7 @@ class Llama(nn.Module):
             layers=nn.ModuleList([Block(cfg) for _ in range(cfg.n_layer)]),
             norm=RMSNorm(cfg.n_embd, cfg.llama.rms_norm_eps),
         ))
-        self.lm_head = nn.Linear(cfg.n_embd, vocab_size, bias=False)
+        self.lm_head = Head(cfg.n_embd, vocab_size)
         if cfg.llama.tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         init_normal_(self)
@@ -173,7 +190,8 @@ class Llama(nn.Module):
         """Packed rows' attention mask for every layer, in the kernel kernels/choice.py picks for the device."""
         if self.packed_kernel is None:
             self.packed_kernel = packed_on(family(self.cfg.family), self.cfg, doc_ids.device)
-        return doc_mask(doc_ids, self.packed_kernel, half_precision(doc_ids.device, self.lm_head.weight.dtype))
+        # the final norm's weight: in the root FSDP unit, so gathered (in the compute dtype) when this runs
+        return doc_mask(doc_ids, self.packed_kernel, half_precision(doc_ids.device, self.model.norm.weight.dtype))
 
     def hidden(self, idx: torch.Tensor, caches: list[KVCache] | None = None, pos: int = 0,
                doc_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
@@ -198,7 +216,7 @@ class Llama(nn.Module):
         if targets is None:
             return Output(logits=self.lm_head(x[:, -logits_to_keep:, :]))
         if self.cfg.fused_loss:
-            loss = head_cross_entropy(x, self.lm_head.weight, targets, loss_mask, 0.0, reduction)
+            loss = self.lm_head(x, targets, loss_mask, reduction)
         else:
             loss = cross_entropy(self.lm_head(x), targets, loss_mask, reduction)
         return Output(loss=loss)
@@ -210,6 +228,11 @@ class Llama(nn.Module):
     def embedding_units(self) -> list[nn.Module]:
         """The token table when it is not the head's weight: FSDP shards it as its own unit (parallel/fsdp.py)."""
         return [] if self.cfg.llama.tie_embeddings else [self.model.embed_tokens]
+
+    def head_units(self) -> list[nn.Module]:
+        """The head when it is not the token table: FSDP shards it as its own unit, kept gathered from its forward
+        to its backward (parallel/fsdp.py)."""
+        return [] if self.cfg.llama.tie_embeddings else [self.lm_head]
 
     def make_caches(self, batch: int, max_len: int, dtype, device) -> list[KVCache]:
         kv = self.cfg.llama.n_kv_head or self.cfg.n_head
