@@ -154,7 +154,7 @@ def check_case(d: Dist, n: int, cf: float, exchange: str, checkpointing: str, pa
         exchanged = sum(e.name == "gloo:all_to_all" for e in prof.events())
         per_layer = 2 if exchange == "padded" else 3
         assert exchanged == len(model.moe_layers) * (2 + (per_layer if checkpointing == "full" else 0)), exchanged
-    norm = ep.parallel.clip(cfg.optim.grad_clip)   # the loop's call: expert shards reduced, then clipped
+    norm = ep.parallel.clip(cfg.optim.grad_clip, ep.optimizers)   # the loop's call: expert shards reduced, then clipped
     for i, (xi, yi) in enumerate(batches):
         ref_out = ref_model(xi, yi, reduction="sum")
         loss_of(ref_out, 1 / tokens, W).backward()
@@ -221,7 +221,7 @@ def check_casts(d: Dist, batches: list[tuple[torch.Tensor, torch.Tensor]], paral
                 with built.parallel.micro_batch(k, 2), torch.autocast("cpu", dtype=torch.bfloat16):
                     out = built.parallel.forward(x[k:k + 1], y[k:k + 1], reduction="sum")
                     loss_of(out, 1 / (W * B * T), 2).backward()
-            built.parallel.clip(cfg.optim.grad_clip)
+            built.parallel.clip(cfg.optim.grad_clip, built.optimizers)
             grads.append({n: whole(p.grad).clone() for n, p in built.model.named_parameters()})
             built.optimizers[0].step()
             built.parallel.after_step()
@@ -261,7 +261,7 @@ def check_reference(d: Dist, batches: list[tuple[torch.Tensor, torch.Tensor]], p
         torch.testing.assert_close(before, built.parallel.forward(x, y).loss, **TOL)
     model.train()
     loss_of(built.parallel.forward(x, y, reduction="sum"), 1 / (d.world * B * T), 1).backward()
-    built.parallel.clip(cfg.optim.grad_clip)
+    built.parallel.clip(cfg.optim.grad_clip, built.optimizers)
     built.optimizers[0].step()
     built.parallel.after_step()
     with torch.no_grad():

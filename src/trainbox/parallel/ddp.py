@@ -13,6 +13,7 @@ from contextlib import nullcontext
 import torch
 import torch.nn as nn
 
+from trainbox.optim.clip import clip_
 from trainbox.parallel import ExpertCopies, experts_sharded
 from trainbox.parallel.distributed import Dist
 
@@ -56,10 +57,10 @@ class DataParallel:
         the next step read them)."""
         self.copies.refresh()
 
-    def clip(self, max_norm: float) -> torch.Tensor | None:
+    def clip(self, max_norm: float, optimizers: list[torch.optim.Optimizer]) -> torch.Tensor | None:
         """After the last backward: reduce the expert shards' gradients (expert parallelism), then clip by the
-        norm of the whole gradient."""
-        clip = torch.nn.utils.clip_grad_norm_
+        norm of the whole gradient, in the optimizers' step where they take the scale (optim/clip.py)."""
+        clip = functools.partial(clip_, optimizers=optimizers)
         if self.collective:   # expert shards: reduced over their replicas, each counted once in the norm
             from trainbox.parallel import expert  # heavy: torch.distributed.tensor, for expert parallelism only
             expert.sync_grads(self.model)

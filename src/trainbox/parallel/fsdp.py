@@ -49,6 +49,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from trainbox.errors import ConfigError
 from trainbox.kernels.float8 import after_step
+from trainbox.optim.clip import clip_
 from trainbox.parallel import ExpertCopies, apart, experts_sharded, heads
 from trainbox.parallel.distributed import Dist
 
@@ -128,19 +129,16 @@ class ShardedParallel:
         self.copies.before(k)
         return nullcontext()
 
-    def clip(self, max_norm: float) -> torch.Tensor | None:
-        """Clip by the norm of the whole (sharded) gradient; returns it as a plain tensor. With expert parallelism
-        the expert shards' gradients are first reduced over their replicas (parallel/expert.py)."""
+    def clip(self, max_norm: float, optimizers: list[torch.optim.Optimizer]) -> torch.Tensor | None:
+        """Clip by the norm of the whole (sharded) gradient, in the optimizers' step where they take the scale
+        (optim/clip.py); returns the norm as a plain tensor. With expert parallelism the expert shards' gradients
+        are first reduced over their replicas (parallel/expert.py)."""
         params = [p for p in self.model.parameters() if p.grad is not None]
         if self.experts:
             from trainbox.parallel import expert  # heavy: torch.distributed.tensor, for expert parallelism only
             expert.sync_grads(self.model)
             return expert.clip_grad_norm_(self.model, params, max_norm) if max_norm > 0 else None
-        if max_norm <= 0:
-            return None
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-        from torch.distributed.tensor import DTensor  # heavy: torch.distributed.tensor (loaded here by fully_shard)
-        return norm.full_tensor() if isinstance(norm, DTensor) else norm
+        return clip_(params, max_norm, optimizers) if max_norm > 0 else None
 
 
 def _ignoring_experts(model: nn.Module) -> dict:

@@ -342,7 +342,7 @@ class Trainer(RunFiles, Checkpointing, Evaluations, Reporting):
             loss_sum += part.loss.detach() / self.dist.world
             if part.stats is not None:
                 stats = part.stats / self.dist.world + (0 if stats is None else stats)
-        grad_norm = self.parallel.clip(cfg.optim.grad_clip)
+        grad_norm = self.parallel.clip(cfg.optim.grad_clip, self.optimizers)
         for opt in self.optimizers:
             opt.step()
         self.parallel.after_step()
