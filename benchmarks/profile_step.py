@@ -45,6 +45,34 @@ def kind_of(name: str) -> str:
     return next((k for k, pat in KINDS if re.search(pat, low)), "other")
 
 
+def kernel_times(rows, steps: int, cuda: bool) -> tuple[dict[str, float], list, dict[str, float]]:
+    """From the profiler's key_averages(): GPU ms per step by kind, the kernels as (ms per step, calls per step,
+    name), and each optimizer's GPU span (torch annotates Optimizer.step#Name.step). Only kernels count: CPU-side
+    ops and the GPU-side ranges of user annotations (FSDP's "FSDP::all_gather (...)", c10d's
+    "nccl:_all_gather_base" around its kernel) are left out, or the time under them would count twice."""
+    import torch  # heavy: the profiler's device types (the rest of this module's arithmetic imports without it)
+    per_kind: dict[str, float] = defaultdict(float)
+    kernels = []
+    optimizer_ms: dict[str, float] = {}
+    for evt in rows:
+        on_gpu = evt.device_type == torch.autograd.DeviceType.CUDA
+        if evt.key.startswith("Optimizer.step#") and on_gpu:
+            name = evt.key.split("#")[1].split(".")[0]
+            optimizer_ms[name] = round(evt.self_device_time_total / 1e3 / steps, 1)
+        if cuda and (not on_gpu or getattr(evt, "is_user_annotation", False)
+                     or evt.key.startswith(("Optimizer.", "ProfilerStep"))):
+            continue
+        us = getattr(evt, "self_device_time_total", None)
+        if us is None:
+            us = evt.self_cuda_time_total
+        if us <= 0:
+            continue
+        ms = us / 1e3 / steps
+        per_kind[kind_of(evt.key)] += ms
+        kernels.append((ms, evt.count // steps, evt.key[:120]))
+    return per_kind, kernels, optimizer_ms
+
+
 def idle_gaps(kernels: list[tuple[float, float, str]], host: list[tuple[float, float, str]], top: int = 8):
     """GPU idle time between the first and the last kernel, and its largest gaps.
 
@@ -163,24 +191,7 @@ def main() -> None:
             prof_s = (time.time() - t1) / args.profile
     if args.trace and dist.is_main:
         prof.export_chrome_trace(args.trace)
-    per_kind: dict[str, float] = defaultdict(float)
-    kernels = []
-    optimizer_ms: dict[str, float] = {}  # GPU span of each optimizer's step (torch annotates Optimizer.step#Name.step)
-    for evt in prof.key_averages():
-        on_gpu = evt.device_type == torch.autograd.DeviceType.CUDA
-        if evt.key.startswith("Optimizer.step#") and on_gpu:
-            name = evt.key.split("#")[1].split(".")[0]
-            optimizer_ms[name] = round(evt.self_device_time_total / 1e3 / args.profile, 1)
-        if cuda and (not on_gpu or evt.key.startswith(("Optimizer.", "ProfilerStep"))):
-            continue  # CPU-side ops and GPU-side annotations: only kernels are counted
-        us = getattr(evt, "self_device_time_total", None)
-        if us is None:
-            us = evt.self_cuda_time_total
-        if us <= 0:
-            continue
-        ms = us / 1e3 / args.profile
-        per_kind[kind_of(evt.key)] += ms
-        kernels.append((ms, evt.count // args.profile, evt.key[:120]))
+    per_kind, kernels, optimizer_ms = kernel_times(prof.key_averages(), args.profile, cuda)
     busy = sum(per_kind.values())
     kernels.sort(reverse=True)
     idle: dict = {}

@@ -225,3 +225,25 @@ def test_train_speed_reports_the_moe_drop_rate_per_step():
     assert dropped(train) == {"moe_dropped_frac": [0.2, 0.025]}
     assert dropped([{"step": 1, "loss": 9.0, "moe.0.dropped_frac": 0.0}]) == {}
     assert dropped([{"step": 1, "loss": 9.0, "grad_norm": 1.0}]) == {}
+
+
+def test_profile_counts_kernels_once_and_never_the_annotations_around_them():
+    """profile_step.py's time by kind: a reduce-scatter kernel and the "nccl:_reduce_scatter_base" range c10d
+    records around it on the GPU, or FSDP's "FSDP::all_gather (...)": the kernel counts, the annotations do not;
+    the CPU side of an op is left out; an optimizer's annotated GPU span is reported apart."""
+    from types import SimpleNamespace as Row
+
+    import torch
+    gpu, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+
+    def row(key, us, device=gpu, count=2, note=False):
+        return Row(key=key, device_type=device, self_device_time_total=us, count=count, is_user_annotation=note)
+    rows = [row("ncclDevKernel_ReduceScatter_Sum_f32_RING_LL", 4000), row("nccl:_reduce_scatter_base", 4000, note=True),
+            row("FSDP::all_gather (model.layers.0)", 600, note=True), row("nvjet_sm90_tst_128x256", 10000, count=8),
+            row("aten::mm", 10000, device=cpu), row("Optimizer.step#AdamW.step", 3000, note=True),
+            row("multi_tensor_apply_kernel<FusedOptimizerTensorListMetadata", 2400)]
+    per_kind, kernels, optimizer = load("profile_step").kernel_times(rows, 2, cuda=True)
+    assert dict(per_kind) == {"communication": 2.0, "matmul": 5.0, "optimizer": 1.2}
+    assert kernels == [(2.0, 1, "ncclDevKernel_ReduceScatter_Sum_f32_RING_LL"), (5.0, 4, "nvjet_sm90_tst_128x256"),
+                       (1.2, 1, "multi_tensor_apply_kernel<FusedOptimizerTensorListMetadata")]
+    assert optimizer == {"AdamW": 1.5}
