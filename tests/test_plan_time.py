@@ -229,6 +229,7 @@ STEPS = [
     ("2026-11-30-2xh200-llama-1b-fsdp-2gpu-bf16-vs-torchtitan.json", [], 2, "median_step_ms"),
     *((f"2026-11-30-2xh200-llama-1b-fsdp-2gpu-bf16-{what}.json", [], 2, "median_step_ms")
       for what in ("head-unit-vs-torchtitan", "head-unit-vs-main", "gathered-head-unit-vs-main")),
+    ("2026-11-30-2xh200-llama-1b-fsdp-2gpu-head-unit-profile.json", [], 2, "step_ms"),
     ("2026-11-30-2xh200-moe-gpt2-125m-128x-ep2-fsdp-mb20-host-h100mem-profile.json", [], 2, "step_ms"),
     ("2026-11-29-h200-gpt2-125m-1gpu-sdpa-default-profile.json", [], 1, "step_ms"),
     ("2026-11-29-h200-gpt2-125m-1gpu-sdpa-cudnn-profile.json", [], 1, "step_ms"),
