@@ -90,26 +90,13 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(n_embd, n_kv_head * head_dim, bias=qkv_bias)
         self.o_proj = nn.Linear(n_head * head_dim, n_embd, bias=False)
 
-    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q, k and v of x. In training, one matmul over the three weights side by side: k and v are a quarter of
-        q's width under grouped-query attention, too narrow alone for a GPU's matmul to run at its rate. Without
-        gradients (evaluation, a KV cache's one token a step), where copying the weights side by side would cost
-        more than it saves, and where a projection is another kind of module (a float8 layer), each runs alone."""
-        projections = (self.q_proj, self.k_proj, self.v_proj)
-        if not torch.is_grad_enabled() or any(type(m) is not nn.Linear for m in projections):
-            return tuple(m(x) for m in projections)
-        weight = torch.cat([m.weight for m in projections])
-        bias = None if self.q_proj.bias is None else torch.cat([m.bias for m in projections])
-        return F.linear(x, weight, bias).split([m.out_features for m in projections], dim=-1)
-
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None = None,
                 pos: int = 0, docs: DocMask | None = None) -> torch.Tensor:
         B, T, _ = x.shape
         # (B, T, H * D) -> (B, H, T, D)
-        q, k, v = self.project(x)
-        q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)
-        k = k.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
-        v = v.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        q = self.q_proj(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         y = cached_attention(q, k, v, cache, pos) if docs is None else doc_attention(q, k, v, docs)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim))
