@@ -21,11 +21,9 @@ def folds_into_step(optimizers: list[torch.optim.Optimizer]) -> bool:
 def clip_(params: list[torch.Tensor], max_norm: float, optimizers: list[torch.optim.Optimizer]) -> torch.Tensor:
     """Clip the gradients of `params` (plain tensors or DTensors) to `max_norm` by their global norm, at once or
     in the coming optimizer step (see the module docstring); returns the norm before clipping, a plain tensor."""
-    grads = [p.grad for p in params if p.grad is not None]
     if not folds_into_step(optimizers) or not hasattr(torch.nn.utils, "get_total_norm"):
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-        return _plain(norm)
-    norm = _plain(torch.nn.utils.get_total_norm(grads, foreach=True))
+        return _plain(torch.nn.utils.clip_grad_norm_(params, max_norm))
+    norm = _plain(torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None], foreach=True))
     scale = ((norm.float() + 1e-6) / max_norm).clamp(min=1.0)
     for opt in optimizers:
         opt.grad_scale = scale

@@ -40,14 +40,17 @@ def apart(model) -> list:
     """Modules outside the blocks that FSDP shards as units of their own (the family's `embedding_units()`: an
     untied token table), so that the root, gathered through the whole step, holds only the final norm and the
     head."""
-    listed = getattr(model, "embedding_units", None)
-    return list(listed()) if listed is not None else []
+    return _listed(model, "embedding_units")
 
 
 def heads(model) -> list:
     """The family's `head_units()`: an untied output head that FSDP shards as a unit of its own, out of the root,
     whose gradient would be reduced only after the whole backward."""
-    listed = getattr(model, "head_units", None)
+    return _listed(model, "head_units")
+
+
+def _listed(model, units: str) -> list:
+    listed = getattr(model, units, None)
     return list(listed()) if listed is not None else []
 
 

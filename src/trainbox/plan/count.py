@@ -19,7 +19,7 @@ from trainbox.model.build import build_model
 from trainbox.model.moe.experts import GroupedLinear
 from trainbox.model.spec import family
 from trainbox.optim.muon import split_params
-from trainbox.parallel import apart
+from trainbox.parallel import apart, heads
 
 
 @dataclass(frozen=True)
@@ -53,6 +53,8 @@ class ParamCount:
     matmul: int         # trainable weights that matmuls read (autocast keeps a 16-bit copy of each)
     blocks_matmul: int  # of those, the ones inside the blocks
     apart: int = 0      # outside the blocks in FSDP units of their own (parallel/fsdp.apart: an untied table)
+    head: int = 0       # an untied head: a unit of its own too (parallel.heads), gathered when it runs, then kept
+    #                     gathered to its backward like the root, so counted in `root`
     head_frozen: bool = False   # the output head's weight does not train (a LoRA base's)
     frozen_linear: int = 0      # frozen weights of linear layers other than the output head: what 4/8-bit loading
     #                             quantizes (bitsandbytes through transformers keeps the head as it is)
@@ -180,7 +182,8 @@ def _count(cfg: RunConfig, vocab: int) -> ParamCount:
         frozen=sum(p.numel() for _, p, _ in params if not p.requires_grad),
         matmul=sum(p.numel() for p in matmul.values() if p.requires_grad),
         blocks_matmul=sum(p.numel() for i, p in matmul.items() if p.requires_grad and i in in_blocks),
-        apart=sum(p.numel() for m in apart(model) for p in m.parameters()), shapes=shapes,
+        apart=sum(p.numel() for m in apart(model) for p in m.parameters()),
+        head=sum(p.numel() for m in heads(model) for p in m.parameters()), shapes=shapes,
         head_frozen=any(not m.weight.requires_grad for name, m in model.named_modules()
                         if name.rsplit(".", 1)[-1] == "lm_head" and isinstance(m, nn.Linear)),
         frozen_linear=sum(m.weight.numel() for name, m in model.named_modules()

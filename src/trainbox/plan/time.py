@@ -19,8 +19,9 @@ Per rank, for a step of `accumulation` micro-batches of `micro` sequences:
                 last micro-batch only with train.grad_reduce=step, the others adding theirs into the whole fp32
                 gradient at the memory bandwidth), (n-1)/n of
                 their bytes at all_reduce x COLLECTIVES, overlapped with the micro-batch's compute; the first
-                block's gather is not; the copies around them at the memory bandwidth (the gathered weights
-                copied out beside the compute, the gradients cast into the reduce-scatter's input before it).
+                block's and the root's gathers are not (an untied head, a unit of its own, is not the root's);
+                the copies around them at the memory bandwidth (the gathered weights copied out beside the
+                compute, the gradients cast into the reduce-scatter's input before it).
                 Under expert parallelism FSDP ignores the experts: all of this counts the other parameters only
                 (the first block's gather too)
     experts     expert parallelism, with either strategy, per MoE layer per micro-batch: the routed rows (tokens x
@@ -220,7 +221,8 @@ def _step_time(cfg: RunConfig, counts: ParamCount, target: Target, layout, micro
         block = counts.largest_block - (counts.expert / max(1, counts.n_blocks) if ep > 1 else 0)
         gathers = 2 if reshard_after_forward else 1
         comm = (2 * gathers + 4 * reduces) * managed * (nproc - 1) / nproc / link
-        first = 2 * (block + counts.root) * (nproc - 1) / nproc / link
+        # the first block's and the root's gather start the step (an untied head's runs under the last block)
+        first = 2 * (block + counts.root - counts.head) * (nproc - 1) / nproc / link
         # the copies around them: the gathered parameters copied out on the compute stream (2 bytes read, 2
         # written), the bf16 gradients cast into the reduce-scatter's fp32 input on its stream (2 read, 4 written)
         # or, before the last micro-batch under grad_reduce=step, added into the whole fp32 gradient (6 read, 4)
