@@ -111,6 +111,7 @@ STEPS = [
     ("2026-11-27-2xh200-llama-1b-fsdp-2gpu-float8-table-in-root.json", [], 2, "median_step_ms"),
     ("2026-11-30-2xh200-llama-1b-fsdp-2gpu-float8-vs-torchtitan.json", [], 2, "median_step_ms"),
     ("2026-11-30-2xh200-llama-1b-fsdp-2gpu-float8-gathered-vs-torchtitan.json", [], 2, "median_step_ms"),
+    ("2026-11-30-2xh200-llama-1b-fsdp-2gpu-float8-profile.json", [], 2, "step_ms"),
     ("2026-11-27-2xh200-llama-8b-fsdp-2gpu-bf16.json", [], 2, "median_step_ms"),
     ("2026-11-27-2xh200-llama-8b-fsdp-2gpu-bf16-flash.json", [], 2, "median_step_ms"),
     ("2026-11-27-2xh200-llama-8b-fsdp-2gpu-bf16-flash-grads-in-compute-pool.json", [], 2, "median_step_ms"),
