@@ -120,6 +120,7 @@ STEPS = [
     ("2026-11-27-4xh200-llama-8b-fsdp-4gpu-bf16.json", [], 4, "median_step_ms"),
     ("2026-11-28-4xh200-llama-8b-fsdp-4gpu-bf16.json", [], 4, "median_step_ms"),
     ("2026-11-28-4xh200-llama-8b-fsdp-4gpu-float8.json", [], 4, "median_step_ms"),
+    ("2026-11-30-4xh200-llama-8b-fsdp-4gpu-async-save-every-save.json", [], 4, "median_step_ms"),
     ("2026-11-27-2xh200-moe-gpt2-125m-ep2-vs-ddp-2gpu.json", [], 2, "median_step_ms"),
     ("2026-11-27-2xh200-moe-gpt2-125m-128x-ep2-2gpu.json", [], 2, "median_step_ms"),
     ("2026-11-27-2xh200-moe-gpt2-125m-128x-ep2-2gpu-drops.json", [], 2, "median_step_ms"),
