@@ -149,6 +149,10 @@ class TrainSection(Section):
                             "elementwise ops; full = keep only each block's input")
     dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
     device: str = Field("auto", description="auto, cpu, cuda, cuda:N")
+    gc_every: int = Field(50, ge=0, le=MAX_STEPS, description=(
+        "Python's garbage collection while training: automatic collection off, the young generations collected "
+        "every this many steps and a full pass at each evaluation and save, on every rank at the same step "
+        "(train/collect.py); 0 = Python's automatic collection"))
     pg_timeout_s: int = Field(1800, ge=10, description="process-group timeout (covers rank-0 saves and evals)")
     collective_timeout: float = Field(300, gt=0, description="seconds a rank may go without a heartbeat (killed, "
                                       "stopped, cut off) before the other ranks end the job naming it")

@@ -56,6 +56,7 @@ from trainbox.train.build import (  # noqa: F401 - plan_length: tests
     keeps_gradients,
     plan_length,
 )
+from trainbox.train.collect import StepCollector
 from trainbox.train.device import is_out_of_memory, out_of_memory, use_device
 from trainbox.train.evaluate import Evaluations, autocast_context
 from trainbox.train.memory import check_memory
@@ -101,6 +102,7 @@ class Trainer(RunFiles, Checkpointing, Evaluations, Reporting):
         self.optimizers: list = []
         self.last_saved_step: int | None = None
         self.saver = None        # parallel/dcp.py AsyncSaver of a sharded run
+        self.collector = StepCollector(cfg.train.gc_every)   # Python's garbage collection at step boundaries
         self.snapshot = None     # monitor/memory_snapshot.py, through step monitor.memory_snapshot
         self.state: RunState | None = None
         self.tasks: TaskEvaluation | None = None   # train.eval_tasks, on rank 0
@@ -193,6 +195,7 @@ class Trainer(RunFiles, Checkpointing, Evaluations, Reporting):
                 raise lost from e
             raise
         finally:
+            self.collector.stop()
             if self.watchdog is not None:
                 self.watchdog.stop()
             if self.heartbeat is not None:
@@ -253,6 +256,7 @@ class Trainer(RunFiles, Checkpointing, Evaluations, Reporting):
         self.progress.update(self.start_step, self.total, None, None, None, force=True)
         step, stopped, last_eval = self.start_step, False, None
         lr = grad_norm = None   # of the last step taken: a stop logs the open window with them
+        self.collector.start()
         while step < self.total:
             if d.any(self.stop.requested):  # every rank stops at the same step boundary
                 stopped = True
@@ -286,10 +290,12 @@ class Trainer(RunFiles, Checkpointing, Evaluations, Reporting):
                 window, window_start = [], step
             if do_eval:
                 last_eval = self._evaluate(step)
-            if self.tasks is not None and self.tasks.due(step, self.total):
+            tasks = self.tasks is not None and self.tasks.due(step, self.total)
+            if tasks:
                 meter.exclude(self._evaluate_tasks(step))
             if do_save:
                 self._save(step)
+            self.collector.after_step(step, paused=bool(do_eval or tasks or do_save))
         if stopped:
             if window:
                 self._log_window(window, window_start, step, grad_norm, lr, meter)

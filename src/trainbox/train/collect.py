@@ -1,0 +1,61 @@
+"""Python's cyclic garbage collector while training: run at step boundaries, not whenever allocations trip it.
+
+Left to itself, Python runs a full collection once enough objects have survived its younger ones. In a training
+process that holds millions of objects (a compiled model's graphs and guards, the tokenizer, the data index) one
+such pass stops the host for a tenth of a second or more, in the middle of whatever step it falls in; under
+several processes each rank's pass falls in a different step and the others wait for it in the next collective.
+With `train.gc_every=N` (N > 0) the loop turns automatic collection off for the run and moves what exists before
+the first step, and what the first step makes (compiled graphs), to Python's permanent generation (gc.freeze),
+which no collection scans; it then collects the young generations (0 and 1) every N steps and makes a full pass,
+over what the run made since, at each evaluation and save, where the step is paused anyway: on every rank at the
+same step. When the loop ends, automatic collection is as it was found and the frozen objects are back in the
+oldest generation (gc.unfreeze). A reference cycle that holds tensors would
+live up to N steps longer; the families' training steps make none (tests/test_gc.py).
+"""
+from __future__ import annotations
+
+import gc
+import time
+
+
+class StepCollector:
+    """The loop's garbage collection: `start()` before the first step, `after_step()` after each step's
+    evaluation and save, `stop()` when the loop ends (also on an error). `every=0` leaves Python's own."""
+
+    def __init__(self, every: int):
+        self.every = every
+        self.seconds = 0.0          # spent in the collections this class ran
+        self._enabled = None        # whether automatic collection was on before start()
+        self._first = False         # the first step not yet frozen
+
+    def start(self) -> None:
+        if self.every and self._enabled is None:
+            self._enabled = gc.isenabled()
+            gc.disable()
+            gc.freeze()             # the run as set up: long-lived, never scanned again while it trains
+            self._first = True
+
+    def after_step(self, step: int, paused: bool) -> None:
+        """After `step` (1-based): the full pass where the loop evaluated or saved (`paused`), the young
+        generations every `every` steps."""
+        if self._enabled is None:
+            return
+        if self._first:             # the first step's compiled graphs and caches: long-lived too
+            self._first = False
+            gc.freeze()
+        if paused:
+            self._collect(2)
+        elif step % self.every == 0:
+            self._collect(1)
+
+    def stop(self) -> None:
+        if self._enabled is not None:
+            gc.unfreeze()           # back to the oldest generation, where a full collection reaches them
+            if self._enabled:
+                gc.enable()
+            self._enabled = None
+
+    def _collect(self, generation: int) -> None:
+        t0 = time.perf_counter()
+        gc.collect(generation)
+        self.seconds += time.perf_counter() - t0

@@ -1,0 +1,86 @@
+"""Python's garbage collection while training (train/collect.py): automatic collection off inside the loop, the
+young generations collected every train.gc_every steps and a full pass where the loop evaluates or saves; the
+collector as it was found afterwards; and no reference cycles holding tensors in a family's training steps, which
+would otherwise live up to train.gc_every steps."""
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+from conftest import TINY
+
+from trainbox.config import load_config
+from trainbox.train import collect, loop
+
+
+def _events(monkeypatch, cfg) -> list:
+    """("step", n) as each step starts and ("gc", generation) for each collection, from the first step on."""
+    events: list = []
+    step = loop.Trainer.train_step
+    monkeypatch.setattr(loop.Trainer, "train_step", lambda self, s: (events.append(("step", s + 1)), step(self, s))[1])
+
+    def seen(phase, info):
+        if phase == "start" and events:
+            events.append(("gc", info["generation"]))
+    gc.callbacks.append(seen)
+    try:
+        loop.train(cfg)
+    finally:
+        gc.callbacks.remove(seen)
+    return events
+
+
+def test_collections_run_at_step_boundaries_only(tmp_path, data_cache, monkeypatch):
+    base = [*TINY, f"run.dir={tmp_path}", f"data.cache_dir={data_cache}", "train.max_steps=8", "train.eval_every=4",
+            "train.sample_tokens=0"]
+    got = _events(monkeypatch, load_config("tiny", [*base, "run.name=steps", "train.gc_every=3"]))
+    # young generations after steps 3 and 6; full passes after the evaluation of step 4 and the evaluation and save
+    # of step 8; nothing automatic in between
+    assert got == [("step", 1), ("step", 2), ("step", 3), ("gc", 1), ("step", 4), ("gc", 2), ("step", 5),
+                   ("step", 6), ("gc", 1), ("step", 7), ("step", 8), ("gc", 2)], got
+    assert gc.isenabled()
+    # train.gc_every=0: Python's own collections, wherever allocations trip them
+    auto = _events(monkeypatch, load_config("tiny", [*base, "run.name=auto", "train.gc_every=0"]))
+    assert [e for e in auto if e[0] == "step"] == [("step", s) for s in range(1, 9)]
+    assert ("gc", 0) in auto
+
+
+def test_a_collector_the_caller_turned_off_stays_off(tmp_path, data_cache):
+    gc.disable()
+    try:
+        loop.train(load_config("tiny", [*TINY, f"run.dir={tmp_path}", f"data.cache_dir={data_cache}",
+                                        "train.max_steps=2", "train.sample_tokens=0", "train.gc_every=1"]))
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
+@pytest.mark.parametrize("family", [["model.family=gpt"],
+                                    ["model.family=moe", "model.moe.num_experts=4", "model.moe.top_k=2"],
+                                    ["model.family=llama", "train.activation_checkpointing=selective"]],
+                         ids=["gpt", "moe", "llama"])
+def test_training_steps_leave_no_cycles_holding_tensors(tmp_path, data_cache, monkeypatch, family):
+    """What the steps and evaluations left unreachable, read at each full pass while the run still holds its model
+    (gc.DEBUG_SAVEALL keeps it in gc.garbage): no tensor, so collecting only every train.gc_every steps keeps no
+    activation or gradient alive longer."""
+    found, passes = [], []
+    after = collect.StepCollector.after_step
+
+    def read(self, step, paused):
+        after(self, step, paused)
+        if paused:
+            passes.append(step)
+            found.extend((step, tuple(o.shape)) for o in gc.garbage if isinstance(o, torch.Tensor))
+            gc.garbage.clear()
+    monkeypatch.setattr(collect.StepCollector, "after_step", read)
+    gc.collect()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        loop.train(load_config("tiny", [*TINY, *family, f"run.dir={tmp_path}", f"data.cache_dir={data_cache}",
+                                        "train.max_steps=6", "train.eval_every=2", "train.sample_tokens=0",
+                                        "train.gc_every=1000"]))
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+    assert passes == [2, 4, 6] and found == [], (passes, found[:10])
