@@ -78,6 +78,9 @@ def run_ours(recipe: str, data: str, steps: int, warmup: int, overrides: list[st
         "who": "trainbox", "recipe": recipe, "gpu": gpu, "torch": torch.__version__, "commit": common.git_state()[0],
         "overrides": overrides, "nproc": nproc, "tokens_per_step": tokens, "steps": steps,
         "median_step_ms": round(step_s * 1e3, 2), "tokens_per_s": round(tokens / step_s),
+        # what a long run sees beside the median: stalls (a save, a collection, a straggling rank) raise these
+        "mean_step_ms": round(statistics.mean(every_step[warmup:]) * 1e3, 2),
+        "slowest_step_ms": round(max(every_step[warmup:]) * 1e3, 2),
         "tokens_per_s_per_gpu": round(tokens / step_s / nproc),
         "mfu": round(flops_per_token * tokens / step_s / (peak * nproc), 4) if peak else None,
         "flops_per_token": flops_per_token,
