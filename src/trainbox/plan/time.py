@@ -57,7 +57,8 @@ Per rank, for a step of `accumulation` micro-batches of `micro` sequences:
 
 The plan counts every routed assignment; with a capacity, expert parallelism's uneven exchange computes and sends
 only the kept ones, so a run whose router drops assignments can take less (the 128-expert runs on 4 H200s that
-dropped 45% of them: 10-19% less than predicted; the slowest rank, not the mean, sets the step).
+dropped 45% of them: 10-19% less than predicted; one that dropped 28-64% over its first 12 steps, with the split
+sizes in the compiled graph: 31% less; the slowest rank, not the mean, sets the step).
 tests/test_plan_time.py holds the prediction to within TOLERANCE of every step time in benchmarks/records/ whose
 configuration the plan rebuilds, and the calibration constants below to the records they come from. The
 links' rates are those measured at the layout's GPU count (plan/gpus.py's `Rates.at`).
