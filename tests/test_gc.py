@@ -56,6 +56,26 @@ def test_a_collector_the_caller_turned_off_stays_off(tmp_path, data_cache):
         gc.enable()
 
 
+def test_objects_the_process_froze_stay_frozen(tmp_path, data_cache):
+    """A process that froze objects of its own before training (a server that forks workers) finds them frozen
+    after the loop; the loop's own run froze and released what it made."""
+    held = [object() for _ in range(1000)]
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        loop.train(load_config("tiny", [*TINY, f"run.dir={tmp_path}", f"data.cache_dir={data_cache}",
+                                        "train.max_steps=2", "train.sample_tokens=0", "train.gc_every=1"]))
+        # still frozen (objects freed meanwhile leave the count), and nothing of the run's added
+        assert 0 < gc.get_freeze_count() <= frozen and gc.isenabled()
+    finally:
+        gc.unfreeze()
+    assert held
+    # on its own, the loop leaves nothing frozen
+    loop.train(load_config("tiny", [*TINY, f"run.dir={tmp_path}", f"data.cache_dir={data_cache}", "run.name=own",
+                                    "train.max_steps=2", "train.sample_tokens=0", "train.gc_every=1"]))
+    assert gc.get_freeze_count() == 0
+
+
 @pytest.mark.parametrize("family", [["model.family=gpt"],
                                     ["model.family=moe", "model.moe.num_experts=4", "model.moe.top_k=2"],
                                     ["model.family=llama", "train.activation_checkpointing=selective"]],

@@ -243,7 +243,8 @@ STEPS = [
      ["model.moe.expert_parallel=1", "train.parallel=fsdp", "train.micro_batch_size=60"], 4,
      "baseline.median_step_ms"),
     ("2026-11-30-2xh200-llama-1b-fsdp-2gpu-gc-at-step-boundaries-vs-automatic.json", [], 2, "median_step_ms"),
-    ("2026-11-30-2xh200-moe-gpt2-125m-128x-ep2-plan-first-120-steps-h100mem.json", [], 2, "windows.steps_82_120.median_step_ms"),
+    ("2026-11-30-2xh200-moe-gpt2-125m-128x-ep2-plan-first-120-steps-h100mem.json", [], 2,
+     "windows.steps_82_120.median_step_ms"),
     ("2026-11-30-2xh200-moe-gpt2-125m-128x-ep2-plan-first-settled-h100mem-profile.json", [], 2, "step_ms"),
 ]
 

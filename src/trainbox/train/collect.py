@@ -9,7 +9,8 @@ the first step, and what the first step makes (compiled graphs), to Python's per
 which no collection scans; it then collects the young generations (0 and 1) every N steps and makes a full pass,
 over what the run made since, at each evaluation and save, where the step is paused anyway: on every rank at the
 same step. When the loop ends, automatic collection is as it was found and the frozen objects are back in the
-oldest generation (gc.unfreeze). A reference cycle that holds tensors would
+oldest generation (gc.unfreeze); a process that had frozen objects of its own before the loop is not frozen or
+unfrozen by it. A reference cycle that holds tensors would
 live up to N steps longer; the families' training steps make none (tests/test_gc.py).
 """
 from __future__ import annotations
@@ -27,13 +28,18 @@ class StepCollector:
         self.seconds = 0.0          # spent in the collections this class ran
         self._enabled = None        # whether automatic collection was on before start()
         self._first = False         # the first step not yet frozen
+        self._freeze = False        # whether this collector freezes (not where the process had frozen objects)
 
     def start(self) -> None:
         if self.every and self._enabled is None:
             self._enabled = gc.isenabled()
             gc.disable()
-            gc.freeze()             # the run as set up: long-lived, never scanned again while it trains
-            self._first = True
+            # a process that froze objects of its own (a server that forks workers) keeps them frozen: unfreeze()
+            # would release them too, so such a process is left unfrozen by the loop
+            self._freeze = gc.get_freeze_count() == 0
+            if self._freeze:
+                gc.freeze()         # the run as set up: long-lived, never scanned again while it trains
+            self._first = self._freeze
 
     def after_step(self, step: int, paused: bool) -> None:
         """After `step` (1-based): the full pass where the loop evaluated or saved (`paused`), the young
@@ -50,7 +56,8 @@ class StepCollector:
 
     def stop(self) -> None:
         if self._enabled is not None:
-            gc.unfreeze()           # back to the oldest generation, where a full collection reaches them
+            if self._freeze:
+                gc.unfreeze()       # back to the oldest generation, where a full collection reaches them
             if self._enabled:
                 gc.enable()
             self._enabled = None
