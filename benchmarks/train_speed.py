@@ -93,6 +93,7 @@ def run_ours(recipe: str, data: str, steps: int, warmup: int, overrides: list[st
         "final_loss": train[-1]["loss"], "val_loss": summary.get("val_loss"), "val_tokens": summary.get("val_tokens"),
         "losses": [round(e["loss"], 4) for e in train],  # every step's training loss: where a bad seed went wrong
         **dropped(train),
+        **settled(train, every_step, warmup, flops_per_token * tokens / (peak * nproc) if peak else None),
     }
 
 
@@ -104,6 +105,24 @@ def dropped(train: list[dict]) -> dict:
     if not per_step or not any(per_step):
         return {}
     return {"moe_dropped_frac": [round(f, 4) for f in per_step]}
+
+
+SETTLED = 0.10   # a step whose router drops at most this share of the assignments
+
+
+def settled(train: list[dict], every_step: list[float], warmup: int, mfu_seconds: float | None) -> dict:
+    """An MoE run with a capacity: the median step over the steps after the warm-up whose router dropped at most
+    SETTLED of the assignments. Expert parallelism computes only the kept ones, so the first steps of a run, before
+    the balance loss spreads the tokens, run faster than the run will: the median alone would flatter it."""
+    drops = dropped(train).get("moe_dropped_frac")
+    if not drops or len(drops) != len(train):
+        return {}
+    times = [t for i, t in enumerate(every_step) if i >= warmup and drops[i + 1] <= SETTLED]
+    if not times:
+        return {"settled_steps": 0}
+    step = statistics.median(times)
+    return {"settled_steps": len(times), "settled_median_step_ms": round(step * 1e3, 2),
+            "settled_mfu": round(mfu_seconds / step, 4) if mfu_seconds else None}
 
 
 def planned_peak(cfg, nproc: int) -> int:
