@@ -5,10 +5,11 @@ would otherwise live up to train.gc_every steps."""
 from __future__ import annotations
 
 import gc
+import sys
 
 import pytest
 import torch
-from conftest import TINY
+from conftest import REPO, TINY
 
 from trainbox.config import load_config
 from trainbox.train import collect, loop
@@ -76,14 +77,8 @@ def test_objects_the_process_froze_stay_frozen(tmp_path, data_cache):
     assert gc.get_freeze_count() == 0
 
 
-@pytest.mark.parametrize("family", [["model.family=gpt"],
-                                    ["model.family=moe", "model.moe.num_experts=4", "model.moe.top_k=2"],
-                                    ["model.family=llama", "train.activation_checkpointing=selective"]],
-                         ids=["gpt", "moe", "llama"])
-def test_training_steps_leave_no_cycles_holding_tensors(tmp_path, data_cache, monkeypatch, family):
-    """What the steps and evaluations left unreachable, read at each full pass while the run still holds its model
-    (gc.DEBUG_SAVEALL keeps it in gc.garbage): no tensor, so collecting only every train.gc_every steps keeps no
-    activation or gradient alive longer."""
+def _tensors_in_cycles(monkeypatch, cfg) -> tuple[list, list]:
+    """(the steps of the full passes, the tensors each found unreachable) of a run with DEBUG_SAVEALL on."""
     found, passes = [], []
     after = collect.StepCollector.after_step
 
@@ -97,10 +92,40 @@ def test_training_steps_leave_no_cycles_holding_tensors(tmp_path, data_cache, mo
     gc.collect()
     gc.set_debug(gc.DEBUG_SAVEALL)
     try:
-        loop.train(load_config("tiny", [*TINY, *family, f"run.dir={tmp_path}", f"data.cache_dir={data_cache}",
-                                        "train.max_steps=6", "train.eval_every=2", "train.sample_tokens=0",
-                                        "train.gc_every=1000"]))
+        loop.train(cfg)
     finally:
         gc.set_debug(0)
         gc.garbage.clear()
+    return passes, found
+
+
+@pytest.mark.parametrize("family", [["model.family=gpt"],
+                                    ["model.family=moe", "model.moe.num_experts=4", "model.moe.top_k=2"],
+                                    ["model.family=llama", "train.activation_checkpointing=selective"],
+                                    ["model.family=t5", "model.tie_embeddings=false", "model.t5.d_ff=64",
+                                     "model.t5.d_kv=16"]],
+                         ids=["gpt", "moe", "llama", "t5"])
+def test_training_steps_leave_no_cycles_holding_tensors(tmp_path, data_cache, monkeypatch, family):
+    """What the steps and evaluations left unreachable, read at each full pass while the run still holds its model
+    (gc.DEBUG_SAVEALL keeps it in gc.garbage): no tensor, so collecting only every train.gc_every steps keeps no
+    activation or gradient alive longer."""
+    passes, found = _tensors_in_cycles(monkeypatch, load_config(
+        "tiny", [*TINY, *family, f"run.dir={tmp_path}", f"data.cache_dir={data_cache}", "train.max_steps=6",
+                 "train.eval_every=2", "train.sample_tokens=0", "train.gc_every=1000"]))
     assert passes == [2, 4, 6] and found == [], (passes, found[:10])
+
+
+@pytest.mark.parametrize("model", [[], ["model.family=hf"]], ids=["llama-folder", "hf-lora"])
+def test_preference_steps_leave_no_cycles_holding_tensors(tmp_path, monkeypatch, model):
+    """The same for the dpo recipe on a tiny Hugging Face folder: every weight (the llama family) and LoRA
+    adapters on the transformers model (model.family=hf, peft)."""
+    sys.path.insert(0, str(REPO / "tests"))
+    import hf_tiny
+    folder = hf_tiny.make_model(tmp_path / "base", seed=1)
+    prefs = hf_tiny.make_preference_file(tmp_path / "train.jsonl", n=32, seed=0)
+    passes, found = _tensors_in_cycles(monkeypatch, load_config("dpo", [
+        f"model.path={folder}", f"data.path={prefs}", "data.seq_len=48", "train.global_batch_size=8",
+        "train.micro_batch_size=4", f"run.dir={tmp_path}", "run.name=dpo", f"data.cache_dir={tmp_path / 'cache'}",
+        "monitor.enabled=false", "train.sample_tokens=0", "train.threads=1", "train.max_steps=4",
+        "train.checkpoint_every=2", "train.gc_every=1000", *model]))
+    assert passes == [2, 4] and found == [], (passes, found[:10])
