@@ -10,13 +10,12 @@ which no collection scans; it then collects the young generations (0 and 1) ever
 over what the run made since, at each evaluation and save, where the step is paused anyway: on every rank at the
 same step. When the loop ends, automatic collection is as it was found and the frozen objects are back in the
 oldest generation (gc.unfreeze); a process that had frozen objects of its own before the loop is not frozen or
-unfrozen by it. A reference cycle that holds tensors would
-live up to N steps longer; the families' training steps make none (tests/test_gc.py).
+unfrozen by it. A reference cycle that holds tensors would live up to N steps longer; the families' training steps
+and the dpo recipe's make none (tests/test_gc.py).
 """
 from __future__ import annotations
 
 import gc
-import time
 
 
 class StepCollector:
@@ -25,7 +24,6 @@ class StepCollector:
 
     def __init__(self, every: int):
         self.every = every
-        self.seconds = 0.0          # spent in the collections this class ran
         self._enabled = None        # whether automatic collection was on before start()
         self._first = False         # the first step not yet frozen
         self._freeze = False        # whether this collector freezes (not where the process had frozen objects)
@@ -50,9 +48,9 @@ class StepCollector:
             self._first = False
             gc.freeze()
         if paused:
-            self._collect(2)
+            gc.collect(2)
         elif step % self.every == 0:
-            self._collect(1)
+            gc.collect(1)
 
     def stop(self) -> None:
         if self._enabled is not None:
@@ -61,8 +59,3 @@ class StepCollector:
             if self._enabled:
                 gc.enable()
             self._enabled = None
-
-    def _collect(self, generation: int) -> None:
-        t0 = time.perf_counter()
-        gc.collect(generation)
-        self.seconds += time.perf_counter() - t0
