@@ -67,6 +67,7 @@ def run_ours(recipe: str, data: str, steps: int, warmup: int, overrides: list[st
     step_s = statistics.median(every_step[warmup:])
     tokens = cfg.train.global_batch_size * cfg.data.seq_len
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    drops = dropped(train)
     mem = [e["peak_mem_gib"] for e in train if "peak_mem_gib" in e]
     every, t_of = cfg.train.checkpoint_every, {e["step"]: e["time"] for e in train}
     around = {}   # a save at step s: the longer of the two step times around it, less the median step
@@ -92,8 +93,9 @@ def run_ours(recipe: str, data: str, steps: int, warmup: int, overrides: list[st
         "step_s": [round(t, 3) for t in every_step],   # every step's time after the first: where training stood
         "final_loss": train[-1]["loss"], "val_loss": summary.get("val_loss"), "val_tokens": summary.get("val_tokens"),
         "losses": [round(e["loss"], 4) for e in train],  # every step's training loss: where a bad seed went wrong
-        **dropped(train),
-        **settled(train, every_step, warmup, flops_per_token * tokens / (peak * nproc) if peak else None),
+        **drops,
+        **settled(drops.get("moe_dropped_frac"), every_step, warmup,
+                  flops_per_token * tokens / (peak * nproc) if peak else None),
     }
 
 
@@ -110,12 +112,12 @@ def dropped(train: list[dict]) -> dict:
 SETTLED = 0.10   # a step whose router drops at most this share of the assignments
 
 
-def settled(train: list[dict], every_step: list[float], warmup: int, mfu_seconds: float | None) -> dict:
-    """An MoE run with a capacity: the median step over the steps after the warm-up whose router dropped at most
-    SETTLED of the assignments. Expert parallelism computes only the kept ones, so the first steps of a run, before
-    the balance loss spreads the tokens, run faster than the run will: the median alone would flatter it."""
-    drops = dropped(train).get("moe_dropped_frac")
-    if not drops or len(drops) != len(train):
+def settled(drops: list[float] | None, every_step: list[float], warmup: int, mfu_seconds: float | None) -> dict:
+    """An MoE run with a capacity (`drops`: `dropped`'s share per step, every step logged): the median step over the
+    steps after the warm-up whose router dropped at most SETTLED of the assignments. Expert parallelism computes only
+    the kept ones, so the first steps of a run, before the balance loss spreads the tokens, run faster than the run
+    will: the median alone would flatter it."""
+    if not drops or len(drops) != len(every_step) + 1:
         return {}
     times = [t for i, t in enumerate(every_step) if i >= warmup and drops[i + 1] <= SETTLED]
     if not times:

@@ -5,11 +5,11 @@ would otherwise live up to train.gc_every steps."""
 from __future__ import annotations
 
 import gc
-import sys
 
+import hf_tiny
 import pytest
 import torch
-from conftest import REPO, TINY
+from conftest import TINY
 
 from trainbox.config import load_config
 from trainbox.train import collect, loop
@@ -119,8 +119,6 @@ def test_training_steps_leave_no_cycles_holding_tensors(tmp_path, data_cache, mo
 def test_preference_steps_leave_no_cycles_holding_tensors(tmp_path, monkeypatch, model):
     """The same for the dpo recipe on a tiny Hugging Face folder: every weight (the llama family) and LoRA
     adapters on the transformers model (model.family=hf, peft)."""
-    sys.path.insert(0, str(REPO / "tests"))
-    import hf_tiny
     folder = hf_tiny.make_model(tmp_path / "base", seed=1)
     prefs = hf_tiny.make_preference_file(tmp_path / "train.jsonl", n=32, seed=0)
     passes, found = _tensors_in_cycles(monkeypatch, load_config("dpo", [

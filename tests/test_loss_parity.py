@@ -232,14 +232,14 @@ def test_train_speed_reports_the_settled_steps_of_a_dropping_router():
     assignments (expert parallelism computes only the kept ones, so the earlier, dropping steps run faster)."""
     settled = load("train_speed").settled
     drops = [0.6, 0.5, 0.4, 0.2, 0.08, 0.05, 0.04]   # steps 1-7
-    train = [{"step": i + 1, "loss": 9.0, "moe.0.dropped_frac": d} for i, d in enumerate(drops)]
     every_step = [0.8, 0.85, 0.9, 1.1, 1.2, 1.15]    # steps 2-7
-    got = settled(train, every_step, 1, 0.27)
+    got = settled(drops, every_step, 1, 0.27)
     # steps 5, 6, 7 (drops 0.08, 0.05, 0.04): 1.1, 1.2, 1.15 s; the dropping steps 3 and 4 are left out
     assert got == {"settled_steps": 3, "settled_median_step_ms": 1150.0, "settled_mfu": pytest.approx(0.27 / 1.15,
                                                                                                        abs=1e-4)}
-    assert settled(train[:4], every_step[:3], 1, 0.27) == {"settled_steps": 0}
-    assert settled([{"step": 1, "loss": 9.0}], [], 0, 0.27) == {}   # dense or dropless
+    assert settled(drops[:4], every_step[:3], 1, 0.27) == {"settled_steps": 0}
+    assert settled(None, [], 0, 0.27) == {}   # dense or dropless
+    assert settled(drops[:3], every_step, 1, 0.27) == {}   # not every step logged
 
 
 def test_profile_counts_kernels_once_and_never_the_annotations_around_them():
