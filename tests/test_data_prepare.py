@@ -6,7 +6,6 @@ from __future__ import annotations
 import functools
 import gzip
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -216,9 +215,11 @@ def test_cli_prepare_inspect_and_zero_steps(corpus, tmp_path, tiny):
 
 def test_raw_jsonl_as_data_path_trains(corpus, tmp_path, tiny):
     d, _ = corpus
-    p = run_cli("train", *tiny, f"data.path={d / 'a.jsonl'}", "train.max_steps=2", "train.sample_tokens=0")
+    cache = tmp_path / "cache"   # its own: the session's cache holds what other tests prepared
+    args = [a for a in tiny if not a.startswith("data.cache_dir=")]
+    p = run_cli("train", *args, f"data.cache_dir={cache}", f"data.path={d / 'a.jsonl'}", "train.max_steps=2",
+                "train.sample_tokens=0")
     assert "run directory" in p.stdout
-    cache = Path(next(a for a in tiny if a.startswith("data.cache_dir=")).split("=", 1)[1])
     prepared = list(cache.glob("prepared-*/data_train_000001.bin"))
     assert len(prepared) == 1 and (prepared[0].parent / "COMPLETE").is_file()
 
