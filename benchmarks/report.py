@@ -426,6 +426,17 @@ def pin_speed(rec: dict) -> list[tuple]:
              f"{m['speedup']:.2f}x")]
 
 
+def grouped_mm_rates(rec: dict) -> list[tuple]:
+    m = rec["metrics"]
+    aten, best = m["per_layer_ms"]["aten"], m["per_layer_ms"]["fastest_each"]
+    dw = ", ".join(f"{lin} {m[lin]['aten_dw_tflops']:.0f}" for lin in m if "x" in lin and isinstance(m[lin], dict))
+    return [(f" ({m['experts']} experts)",
+             f"{m['experts']} experts, {m['rows']:,} rows: one layer's six grouped matmuls {aten:.3f} ms in ATen's "
+             f"kernel, {best:.3f} ms with the fastest kernel for each; ATen's weight gradients at {dw} TFLOP/s",
+             "the fastest of ATen, Inductor's Triton template and a cuBLAS loop, for each matmul",
+             f"ATen's kernel takes {aten / best:.2f}x the time")]
+
+
 def generic(rec: dict) -> list[tuple]:
     scalars = [f"{k} {v}" for k, v in rec["metrics"].items() if isinstance(v, (int, float, str))][:4]
     return [("", ", ".join(scalars) or "—", rec["baseline"]["name"] if rec["baseline"] else "—", "—")]
@@ -440,7 +451,7 @@ ROWS = {"train_speed": train_speed, "profile_step": profile_step, "time_to_loss"
         "resume_check": resume_check, "batch_invariance": batch_invariance, "eval_speed": eval_speed,
         "eval_tasks_overhead": eval_tasks_overhead, "dpo_real_run": dpo_real_run, "dpo_speed": dpo_speed,
         "hw_rates": hw_rates, "biased_attention": biased_attention, "megablocks_speed": megablocks_speed,
-        "pin_speed": pin_speed}
+        "pin_speed": pin_speed, "grouped_mm_rates": grouped_mm_rates}
 
 
 # ----------------------------------------------------------------------------------------------- the page
@@ -465,7 +476,7 @@ def area(rec: dict) -> str:
         return "Fine-tuning"
     if rec["tool"] in ("t5_speed", "biased_attention") or recipe.startswith("t5"):
         return "T5"
-    if recipe.startswith("moe") or rec["tool"] == "megablocks_speed":
+    if recipe.startswith("moe") or rec["tool"] in ("megablocks_speed", "grouped_mm_rates"):
         return "Mixture of Experts"
     if recipe.startswith("speedrun"):
         return "Speedrun"
