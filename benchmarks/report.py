@@ -64,6 +64,12 @@ FINISHED = [
     ("init_parity.py", "At initialisation gpt2-125m is nanoGPT's model: nanoGPT's weights in ours give its loss to "
      "1e-5 (the GELU's tanh form), and 16 draws of each side's initialisation give mean losses 0.010 apart (95% "
      "interval -0.159 to 0.180; CPU).", "4684d78"),
+    ("model.moe.overlap (not kept)", "Each rank running its own experts' rows while the other rank's are exchanged "
+     "hid the 128-expert model's exchange on 2 H200s at H100 memory (exposed communication 52.6 against 177.1 ms a "
+     "step, GPU idle 79.4 against 200.0), but its grouped matmuls, split in two, took 415.1 against 331.8 ms and "
+     "the two halves' weight gradients another 40 ms to sum: the settled step ran 7-10% slower in two pairs, so "
+     "the branch moe-exchange-overlap was not merged.",
+     "2026-12-01-2xh200-moe-gpt2-125m-128x-ep2-overlap-vs-plain-h100mem.json"),
     ("learning-rate warm-up", "A warm-up of lr (s+1)/W, 5% above nanoGPT's (s+1)/(W+1) over 20 steps, ended 0.097 "
      "and 0.165 above nanoGPT after 200 steps on one of two seeds (H200), so the loop's warm-up is nanoGPT's.",
      "2026-11-27-2xh200-gpt2-125m-step-parity-warmup.json"),
