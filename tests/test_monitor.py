@@ -253,7 +253,9 @@ def test_dashboard_in_headless_chromium(live, tmp_path):
         assert ((abs(rgb - colour)).sum(1) <= 30).sum() > 100, colour
 
 
-def test_runs_status_and_logs_on_a_live_run_then_sigterm(live, tmp_path):
+def test_runs_status_and_logs_on_a_live_run_then_sigterm(tmp_path, data_cache):
+    """On a run of its own: the SIGTERM ends it, and the other tests of this module share theirs in any order."""
+    live = LiveRun(tmp_path / "runs", data_cache, "live", ["monitor.plot=true"], min_step=6)
     root = live.root
     table = run_cli("runs", str(root)).stdout.splitlines()
     assert table[0].split()[:3] == ["NAME", "STATE", "STEP"] and table[1].split()[:2] == ["live", "running"]
