@@ -381,11 +381,19 @@ def paired(diffs: list[float]) -> dict:
 
 # ----------------------------------------------------------------------------------------------- GPU timing
 
-def median_ms(f, reps: int = 30, warmup: int = 3) -> float:
-    """Median over `reps` of one call of f, each timed alone between CUDA events (L2 left warm), in ms."""
+def median_ms(f, reps: int = 30, warmup: int = 3, device: str = "cuda") -> float:
+    """Median over `reps` of one call of f, each timed alone between CUDA events (L2 left warm), in ms; on
+    device="cpu" between two clock reads."""
     import torch
     for _ in range(warmup):
         f()
+    if device == "cpu":
+        ts = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            f()
+            ts.append((time.perf_counter() - t0) * 1e3)
+        return sorted(ts)[len(ts) // 2]
     torch.cuda.synchronize()
     ts = []
     for _ in range(reps):

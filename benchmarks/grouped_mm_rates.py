@@ -8,34 +8,20 @@ matmuls over the experts, and one dense matmul of the same FLOPs as the referenc
 For each linear of the expert MLP (hidden -> ffn, ffn -> hidden): the forward y = x @ w[e], the input gradient
 dx = g @ w[e]^T and the weight gradient dw[e] = x_e^T @ g_e, over `--rows` rows split unevenly (0.8-1.2x the mean)
 over `--experts` experts. Each kernel's output is checked against ATen's first. One GPU (the Triton template needs
-a Hopper or newer); ms are means over --iters calls after 5 warm-up calls. `per_layer_ms` sums the six matmuls of
-one layer and one micro-batch: ATen's, and the fastest kernel's for each. `--device cpu` (small shapes, no Triton
-template) checks the tool on a CPU.
+a Hopper or newer). `per_layer_ms` sums the six matmuls of
+one layer and one micro-batch: ATen's, and the fastest kernel's for each. Each time is the median of --iters calls,
+each timed alone (common.median_ms). `--device cpu` (small shapes, no Triton template) checks the tool on a CPU.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import common
 import torch
 import torch.nn.functional as F
 
 GMM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
-
-
-def timed(fn, iters: int, device: str) -> float:
-    """Mean ms of fn() over `iters` calls, after 5 warm-up calls."""
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    for _ in range(5):
-        fn()
-    sync()
-    start = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    sync()
-    return (time.perf_counter() - start) * 1e3 / iters
 
 
 def uneven_sizes(rows: int, experts: int) -> list[int]:
@@ -51,28 +37,31 @@ def linear_rates(sizes: list[int], k: int, n: int, iters: int, device: str) -> d
     import torch._inductor.config as inductor
 
     rows, experts = sum(sizes), len(sizes)
-    offs = torch.tensor(sizes).cumsum(0).to(torch.int32).to(device)
-    bounds = [0, *torch.tensor(sizes).cumsum(0).tolist()]
+    ends = torch.tensor(sizes).cumsum(0)
+    offs, bounds = ends.to(torch.int32).to(device), [0, *ends.tolist()]
     x = torch.randn(rows, k, device=device, dtype=torch.bfloat16)
     w = torch.randn(experts, k, n, device=device, dtype=torch.bfloat16) * 0.02
     g = torch.randn(rows, n, device=device, dtype=torch.bfloat16)
     ops = {"fwd": (lambda x, w, g, o: GMM(x, w, offs=o)),
            "dx": (lambda x, w, g, o: GMM(g, w.transpose(1, 2), offs=o)),
            "dw": (lambda x, w, g, o: GMM(x.t(), g, offs=o))}
+
+    def timed(fn) -> float:
+        return common.median_ms(fn, reps=iters, warmup=5, device=device)
+
     r: dict = {}
     for name, op in ops.items():
-        r[f"aten_{name}_ms"] = timed(lambda op=op: op(x, w, g, offs), iters, device)
+        r[f"aten_{name}_ms"] = timed(lambda op=op: op(x, w, g, offs))
     loops = {"fwd": lambda: torch.cat([x[bounds[e]:bounds[e + 1]] @ w[e] for e in range(experts)]),
              "dw": lambda: torch.stack([x[bounds[e]:bounds[e + 1]].t() @ g[bounds[e]:bounds[e + 1]]
                                         for e in range(experts)])}
     for name, loop in loops.items():
         r[f"loop_{name}_maxdiff"] = (loop().float() - ops[name](x, w, g, offs).float()).abs().max().item()
-        r[f"loop_{name}_ms"] = timed(loop, iters, device)
-    r["dense_mm_ms"] = timed(lambda: x @ w[0], iters, device)
-    if device != "cuda":
-        return _rates(r, rows * k * n * 2)
+        r[f"loop_{name}_ms"] = timed(loop)
+    r["dense_mm_ms"] = timed(lambda: x @ w[0])
+    triton = ops if device == "cuda" else {}   # Inductor's template: a Hopper GPU's
     with inductor.patch(max_autotune_gemm=True, max_autotune_gemm_backends="ATEN,TRITON"):
-        for name, op in ops.items():
+        for name, op in triton.items():
             torch._dynamo.reset()
             compiled = torch.compile(op, dynamic=False)
             try:
@@ -81,13 +70,9 @@ def linear_rates(sizes: list[int], k: int, n: int, iters: int, device: str) -> d
                 r[f"triton_{name}_error"] = str(e).splitlines()[0][:300]
                 continue
             r[f"triton_{name}_maxdiff"] = (out.float() - op(x, w, g, offs).float()).abs().max().item()
-            r[f"triton_{name}_ms"] = timed(lambda c=compiled: c(x, w, g, offs), iters, device)
-    return _rates(r, rows * k * n * 2)
-
-
-def _rates(r: dict, flops: int) -> dict:
-    """r with each time rounded and its TFLOP/s beside it."""
-    for key in [key for key in r if key.endswith("_ms")]:
+            r[f"triton_{name}_ms"] = timed(lambda c=compiled: c(x, w, g, offs))
+    flops = 2 * rows * k * n
+    for key in [key for key in r if key.endswith("_ms")]:   # each time rounded, its TFLOP/s beside it
         r[key.replace("_ms", "_tflops")] = round(flops / (r[key] * 1e-3) / 1e12, 3)
         r[key] = round(r[key], 4)
     return r

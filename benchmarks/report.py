@@ -435,7 +435,8 @@ def pin_speed(rec: dict) -> list[tuple]:
 def grouped_mm_rates(rec: dict) -> list[tuple]:
     m = rec["metrics"]
     aten, best = m["per_layer_ms"]["aten"], m["per_layer_ms"]["fastest_each"]
-    dw = ", ".join(f"{lin} {m[lin]['aten_dw_tflops']:.0f}" for lin in m if "x" in lin and isinstance(m[lin], dict))
+    dw = ", ".join(f"{lin} {v['aten_dw_tflops']:.0f}" for lin, v in m.items()
+                   if isinstance(v, dict) and "aten_dw_tflops" in v)
     return [(f" ({m['experts']} experts)",
              f"{m['experts']} experts, {m['rows']:,} rows: one layer's six grouped matmuls {aten:.3f} ms in ATen's "
              f"kernel, {best:.3f} ms with the fastest kernel for each; ATen's weight gradients at {dw} TFLOP/s",
