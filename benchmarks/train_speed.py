@@ -35,6 +35,7 @@ import sys
 import time
 
 import common
+import inductor_templates
 from common import bench_config, bench_overrides, run_events, run_nanogpt, seeded_script  # noqa: F401 (seeded_script: tests)
 
 
@@ -155,7 +156,13 @@ def main() -> None:
     ap.add_argument("--what", help="the record's slug (default: RECIPE-train-speed)")
     ap.add_argument("--memory-gib", type=float, help="cap every process's GPU memory at this many GiB "
                                                      "(train.memory_limit_gib), both runs: as on a smaller GPU")
+    ap.add_argument("--templates", choices=inductor_templates.KINDS,
+                    help="an experiment: Inductor's GEMM autotuning for these matmuls (inductor_templates.py), in our "
+                         "run only, after any baseline; one process (--nproc 1)")
+    ap.add_argument("--template-backends", default="TRITON", help="with --templates: TRITON or ATEN,TRITON")
     args = ap.parse_intermixed_args()
+    if args.templates and args.nproc != 1:
+        ap.error("--templates changes this process's compiler: --nproc 1")
     if sum(x is not None for x in (args.nanogpt, args.titan, args.baseline_overrides)) > 1:
         ap.error("one baseline a run: --nanogpt, --titan or --baseline-overrides")
     if args.memory_gib:
@@ -172,6 +179,8 @@ def main() -> None:
         base = run_ours(args.recipe, args.data, args.steps, args.warmup,
                         [*args.overrides, *shlex.split(args.baseline_overrides)], args.nproc)
         print(json.dumps(base), flush=True)
+    if args.templates:
+        inductor_templates.install(args.templates, args.template_backends)
     result = run_ours(args.recipe, args.data, args.steps, args.warmup, args.overrides, args.nproc)
     print(json.dumps(result), flush=True)
     skip = ("who", "recipe", "gpu", "torch", "commit", "overrides")
