@@ -404,3 +404,70 @@ def median_ms(f, reps: int = 30, warmup: int = 3, device: str = "cuda") -> float
         torch.cuda.synchronize()
         ts.append(a.elapsed_time(b))
     return sorted(ts)[len(ts) // 2]
+
+
+TEMPLATE_KINDS = ("grouped", "mlp")
+
+
+def inductor_templates(kind: str, backends: str = "TRITON", width: int = 3072):
+    """From now on in this process, lower `kind`'s matmuls with Inductor's GEMM autotuning over `backends`; returns a
+    function that puts Inductor back as it was. The experiment switch behind train_speed.py's and profile_step.py's
+    `--templates`, not a product setting.
+
+    Autotuning every matmul of moe-gpt2-125m (`TORCHINDUCTOR_MAX_AUTOTUNE_GEMM=1`) crashed with torch 2.11 on an
+    H200: an illegal memory access while it benchmarked Triton choices for the loss head's weight gradient
+    (50304 x 49152 @ 49152 x 768), which poisons the process. This switch turns autotuning on for one kind only:
+
+        grouped  the MoE experts' grouped matmuls (aten._grouped_mm): Inductor's Triton grouped template, autotuned
+        mlp      the plain matmuls with an operand dimension of `width` (gpt2-125m's 4 * n_embd = 3072: the MLP's)
+
+    Inductor then fuses the neighbouring elementwise work (the GELU, its derivative, casts) into the chosen Triton
+    template's epilogue as it does under max-autotune. `backends` as Inductor's max_autotune_gemm_backends: TRITON
+    (the templates only) or ATEN,TRITON (the faster of the library kernel and the templates, each matmul)."""
+    import torch
+    import torch._inductor.config as inductor
+    import torch._inductor.kernel.mm  # noqa: F401 - registers the matmul lowerings wrapped below
+    import torch._inductor.kernel.mm_grouped  # noqa: F401
+    from torch._inductor import lowering
+
+    if kind not in TEMPLATE_KINDS:
+        raise ValueError(f"--templates {kind}: one of {', '.join(TEMPLATE_KINDS)}")
+    # graphs compiled before the switch (a baseline run in this process) are dropped: Dynamo would otherwise reuse
+    # them for the next model of the same code and shapes, which would then never be lowered again
+    torch._dynamo.reset()
+    # nor are graphs compiled and cached on disk: their cache keys know Inductor's settings, not this switch
+    from torch._functorch import config as functorch
+    before = (inductor.fx_graph_cache, functorch.enable_autograd_cache)
+    inductor.fx_graph_cache = functorch.enable_autograd_cache = False
+    aten = torch.ops.aten
+    ops = [aten._grouped_mm.default] if kind == "grouped" else [aten.mm.default, aten.addmm.default]
+
+    def chosen(args) -> bool:
+        if kind == "grouped":
+            return True
+        dims = [str(d) for a in args if hasattr(a, "get_size") for d in a.get_size()]
+        return str(width) in dims
+
+    def wrap(op):
+        base = lowering.lowerings[op]
+
+        def tuned(*args, **kwargs):
+            if not chosen(args):
+                return base(*args, **kwargs)
+            print(f"templates: autotuning {op} over {backends}", file=sys.stderr, flush=True)
+            with inductor.patch(max_autotune_gemm=True, max_autotune_gemm_backends=backends,
+                                benchmark_epilogue_fusion=False):
+                return base(*args, **kwargs)
+
+        lowering.lowerings[op] = tuned
+
+    originals = {op: lowering.lowerings[op] for op in ops}
+    for op in ops:
+        wrap(op)
+
+    def restore() -> None:
+        lowering.lowerings.update(originals)
+        inductor.fx_graph_cache, functorch.enable_autograd_cache = before
+        torch._dynamo.reset()
+
+    return restore

@@ -29,7 +29,6 @@ from contextlib import nullcontext
 from pathlib import Path
 
 import common
-import inductor_templates
 
 KINDS = [  # first match wins
     ("attention", r"flash|fmha|attn|attention|sdpa|cudnn"),
@@ -143,12 +142,12 @@ def main() -> None:
     ap.add_argument("--record", action="store_true", help="write the result record to benchmarks/records/")
     ap.add_argument("--what", help="the record's slug (default: RECIPE-profile)")
     ap.add_argument("--trace", help="write rank 0's profiled steps as a Chrome trace (JSON) to this file")
-    ap.add_argument("--templates", choices=inductor_templates.KINDS,
-                    help="an experiment: Inductor's GEMM autotuning for these matmuls (inductor_templates.py)")
+    ap.add_argument("--templates", choices=common.TEMPLATE_KINDS,
+                    help="an experiment: Inductor's GEMM autotuning for these matmuls (common.inductor_templates)")
     ap.add_argument("--template-backends", default="TRITON", help="with --templates: TRITON or ATEN,TRITON")
     args = ap.parse_intermixed_args()
     if args.templates:
-        inductor_templates.install(args.templates, args.template_backends)
+        common.inductor_templates(args.templates, args.template_backends)
 
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel

@@ -35,7 +35,6 @@ import sys
 import time
 
 import common
-import inductor_templates
 from common import bench_config, bench_overrides, run_events, run_nanogpt, seeded_script  # noqa: F401 (seeded_script: tests)
 
 
@@ -156,9 +155,9 @@ def main() -> None:
     ap.add_argument("--what", help="the record's slug (default: RECIPE-train-speed)")
     ap.add_argument("--memory-gib", type=float, help="cap every process's GPU memory at this many GiB "
                                                      "(train.memory_limit_gib), both runs: as on a smaller GPU")
-    ap.add_argument("--templates", choices=inductor_templates.KINDS,
-                    help="an experiment: Inductor's GEMM autotuning for these matmuls (inductor_templates.py), in our "
-                         "run only, after any baseline; one process (--nproc 1)")
+    ap.add_argument("--templates", choices=common.TEMPLATE_KINDS,
+                    help="an experiment: Inductor's GEMM autotuning for these matmuls (common.inductor_templates), "
+                         "in our run only, after any baseline; one process (--nproc 1)")
     ap.add_argument("--template-backends", default="TRITON", help="with --templates: TRITON or ATEN,TRITON")
     args = ap.parse_intermixed_args()
     if args.templates and args.nproc != 1:
@@ -180,7 +179,7 @@ def main() -> None:
                         [*args.overrides, *shlex.split(args.baseline_overrides)], args.nproc)
         print(json.dumps(base), flush=True)
     if args.templates:
-        inductor_templates.install(args.templates, args.template_backends)
+        common.inductor_templates(args.templates, args.template_backends)
     result = run_ours(args.recipe, args.data, args.steps, args.warmup, args.overrides, args.nproc)
     print(json.dumps(result), flush=True)
     skip = ("who", "recipe", "gpu", "torch", "commit", "overrides")
