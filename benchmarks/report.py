@@ -70,6 +70,11 @@ FINISHED = [
      "the two halves' weight gradients another 40 ms to sum: the settled step ran 7-10% slower in two pairs, so "
      "the branch moe-exchange-overlap was not merged.",
      "2026-12-01-2xh200-moe-gpt2-125m-128x-ep2-overlap-vs-plain-h100mem.json"),
+    ("Inductor's GEMM templates (train_speed.py --templates)", "Autotuning only the experts' grouped "
+     "matmuls over Inductor's Triton template took moe-gpt2-125m's step from 1,417 to 1,797 ms on an H200 (the GELU "
+     "and its derivative fused into the templates ran 1.9 and 4.4 ms a call), and only the MLP's matmuls gpt2-125m's "
+     "from 879.5 to 905.0 ms (the templates 15-25% behind cuBLAS at its shapes), same process, plain install, so "
+     "neither model runs them.", "2026-12-01-h200-moe-gpt2-125m-triton-grouped-templates.json"),
     ("learning-rate warm-up", "A warm-up of lr (s+1)/W, 5% above nanoGPT's (s+1)/(W+1) over 20 steps, ended 0.097 "
      "and 0.165 above nanoGPT after 200 steps on one of two seeds (H200), so the loop's warm-up is nanoGPT's.",
      "2026-11-27-2xh200-gpt2-125m-step-parity-warmup.json"),

@@ -303,6 +303,10 @@ SKIPPED = {
                     "model.moe.overlap is an unmerged branch's code, which the plan cannot build; the plain exchange "
                     "beside it ran 1.096-1.100 s settled against the plan's 1.096 s, as the 120-step record above "
                     "holds"),
+    **dict.fromkeys(["2026-12-01-h200-moe-gpt2-125m-triton-grouped-templates.json",
+                     "2026-12-01-h200-gpt2-125m-triton-mlp-templates.json"],
+                    "Inductor's Triton templates for chosen matmuls, the experiment switch --templates "
+                    "switch, which no config key sets and the plan does not model"),
     "baselines": "a record's baseline: another program (nanoGPT, torchtitan, TRL, transformers), or the record's own "
                  "configuration at an older commit or on one GPU, which the rows above hold",
 }
