@@ -10,7 +10,8 @@ dx = g @ w[e]^T and the weight gradient dw[e] = x_e^T @ g_e, over `--rows` rows 
 over `--experts` experts. Each kernel's output is checked against ATen's first. One GPU (the Triton template needs
 a Hopper or newer). `per_layer_ms` sums the six matmuls of
 one layer and one micro-batch: ATen's, and the fastest kernel's for each. Each time is the median of --iters calls,
-each timed alone (common.median_ms). `--device cpu` (small shapes, no Triton template) checks the tool on a CPU.
+each timed alone (common.median_ms). On an H200 Inductor benchmarks 40 Triton configurations for each matmul, up to 26 s
+each: allow the tool about 3 minutes. `--device cpu` (small shapes, no Triton template) checks the tool on a CPU.
 """
 from __future__ import annotations
 
