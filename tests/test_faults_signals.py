@@ -270,21 +270,25 @@ def _armed(seg: Segment) -> float:
 def _signal_at(cmd: list[str], log: Path, sig: str, delay: float) -> tuple[int, str, int | None]:
     """Start `trainbox CMD`, send `sig` `delay` seconds after the start (or once its handler is in place, if
     that is later), wait for the end. A --detach front that has already handed the run over ("detached: process
-    P") has ended: the signal goes to P, the run itself. Returns (the front's exit status, its output, P or
-    None)."""
+    P") has ended: the signal goes to P, the run itself; one that takes the signal while it prints that and exits
+    passes it on to P. Returns (the front's exit status, its output, P or None)."""
     seg = Segment(cmd, log)
     _armed(seg)
     while seg.proc.poll() is None and time.time() < seg.t0 + delay:
         time.sleep(0.005)
     if seg.proc.poll() is None:
         seg.proc.send_signal(getattr(signal, sig))
-        return (*seg.wait(), None)
-    code, out = seg.wait()   # only --detach returns on its own, once the run is handed over
-    assert code == 0 and "detached: process" in out, out
-    run = int(out.split("detached: process ")[1].split(",")[0])
-    while time.time() < seg.t0 + delay:
-        time.sleep(0.005)
-    os.kill(run, getattr(signal, sig))
+        code, out = seg.wait()
+        if "detached: process" not in out:
+            return code, out, None
+        run = int(out.split("detached: process ")[1].split(",")[0])
+    else:
+        code, out = seg.wait()   # only --detach returns on its own, once the run is handed over
+        assert code == 0 and "detached: process" in out, out
+        run = int(out.split("detached: process ")[1].split(",")[0])
+        while time.time() < seg.t0 + delay:
+            time.sleep(0.005)
+        os.kill(run, getattr(signal, sig))
     while _pid_running(run):   # a child of no one here: it ends by itself
         time.sleep(0.05)
     return code, out, run

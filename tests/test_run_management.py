@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -140,6 +141,48 @@ def _fake_run(root: Path, name: str, **status) -> Path:
     (run / "status.json").write_text(json.dumps({"run_name": name, "step": 7, "total_steps": 10, "started_at": now,
                                                  "heartbeat": now, **status}))
     return run
+
+
+# In the front's process only: after it prints its hand-over line it holds for a second, so that a signal can be
+# sent while it still runs (the front alone ends within milliseconds of that line). Loaded through PYTHONPATH.
+HOLD_AFTER_HANDOVER = """
+import builtins, sys, time
+_print = builtins.print
+def _held(*args, **kwargs):
+    _print(*args, **kwargs)
+    if args and str(args[0]).startswith("detached: process"):
+        sys.stdout.flush()
+        time.sleep(1.0)
+builtins.print = _held
+"""
+
+
+def test_a_stop_signal_to_the_front_after_the_hand_over_stops_the_run(tmp_path, data_cache):
+    """`trainbox train --detach` that takes a SIGTERM after it handed the run over (while it prints the commands
+    and exits) passes it on: the run stops with a checkpoint of the step it reports, where the signal would
+    otherwise be lost and the run train on."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(HOLD_AFTER_HANDOVER)
+    out = tmp_path / "front.log"
+    with open(out, "w") as f:
+        front = subprocess.Popen([sys.executable, "-m", "trainbox", *_train_args(tmp_path, data_cache), "--detach"],
+                                 stdout=f, stderr=subprocess.STDOUT, env={**ENV, "PYTHONPATH": str(hook)})
+    deadline = time.monotonic() + 60
+    while "detached: process" not in out.read_text():
+        assert front.poll() is None and time.monotonic() < deadline, out.read_text()
+        time.sleep(0.01)
+    front.send_signal(signal.SIGTERM)
+    assert front.wait(timeout=30) == 0, out.read_text()
+    pid = int(out.read_text().split("detached: process ")[1].split(",")[0])
+    deadline = time.monotonic() + 60
+    while pid_alive(pid):
+        assert time.monotonic() < deadline, f"the run went on training: {_status(tmp_path / 'tiny')}"
+        time.sleep(0.05)
+    run = tmp_path / "tiny"
+    assert _status(run).get("phase") == "preempted", _status(run)
+    step = _assert_stopped_at_checkpoint(run, (run / "console.log").read_text())
+    assert step < TOTAL
 
 
 def test_stop_refuses_runs_that_are_not_running_here(tmp_path, capsys):

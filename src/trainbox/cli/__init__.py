@@ -11,6 +11,7 @@ acted on at the first point where stopping is safe, never by the default action 
 """
 from __future__ import annotations
 
+import os
 import sys
 
 from trainbox.cli.app import run  # after the handler: the verbs' modules and what they import
@@ -24,7 +25,14 @@ def main(argv: list[str] | None = None) -> int:
         STOP.install()
         armed = STOP
     try:
-        return run(argv)
+        code = run(argv)
+        if argv is None and armed is not None and armed.handed_over is not None:
+            # `train --detach` has handed its run over and passes stop signals on to it: the process ends here,
+            # with that handler in place, not in the interpreter's shutdown, where a signal would be lost
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+        return code
     except KeyboardInterrupt:   # a second Ctrl-C while the run was still starting
         print("interrupted", file=sys.stderr)
         return 130

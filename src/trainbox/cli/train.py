@@ -327,7 +327,8 @@ def _detach(args, cfg) -> int:
     always). Prints the run directory, its monitor URL once status.json of the new process shows one (up to
     DETACH_WAIT_S), and the commands to follow and stop it, then returns. A process that ends first (a busy or
     finished run, a config error) has its exit status and last console lines passed on. A stop signal while it
-    waits stops the new process too (the run was not handed over yet), as it would have stopped this one."""
+    waits stops the new process too (the run was not handed over yet), as it would have stopped this one; one that
+    lands after the hand-over, while this command prints and exits, is passed on to the run."""
 
 
     if STOP.requested:
@@ -368,6 +369,24 @@ def _detach(args, cfg) -> int:
                 url = s["url"]
                 break
         time.sleep(0.2)
+    if code is None and forwarded is None:
+        # handed over. A stop signal from here until this command exits goes on to the run, which stops as if it
+        # had taken it itself; one that came while the hand-over was decided is answered as one during the wait
+        def pass_on(signum, frame):
+            try:
+                os.kill(proc.pid, signum)
+            except ProcessLookupError:   # the run has ended
+                pass
+
+        signals = {s: signal.signal(s, pass_on) for s in STOP_SIGNALS}
+        if STOP.requested:
+            for s, h in signals.items():
+                signal.signal(s, h)
+            forwarded = STOP.signum
+            os.kill(proc.pid, forwarded)
+            code = proc.wait()
+        else:
+            STOP.handed_over = proc.pid   # cli.main ends the process with pass_on in place
     if forwarded is not None and code == 0:
         status = _read_status(run_dir, started)
         step = status.get("step") if status.get("phase") == "preempted" else None
