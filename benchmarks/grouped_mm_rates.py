@@ -8,10 +8,10 @@ matmuls over the experts, and one dense matmul of the same FLOPs as the referenc
 For each linear of the expert MLP (hidden -> ffn, ffn -> hidden): the forward y = x @ w[e], the input gradient
 dx = g @ w[e]^T and the weight gradient dw[e] = x_e^T @ g_e, over `--rows` rows split unevenly (0.8-1.2x the mean)
 over `--experts` experts. Each kernel's output is checked against ATen's first. One GPU (the Triton template needs
-a Hopper or newer). `per_layer_ms` sums the six matmuls of
-one layer and one micro-batch: ATen's, and the fastest kernel's for each. Each time is the median of --iters calls,
-each timed alone (common.median_ms). On an H200 Inductor benchmarks 40 Triton configurations for each matmul, up to 26 s
-each: allow the tool about 3 minutes. `--device cpu` (small shapes, no Triton template) checks the tool on a CPU.
+a Hopper or newer). `per_layer_ms` sums the six matmuls of one layer and one micro-batch: ATen's, and the fastest
+kernel's for each. Each time is the median of --iters calls, each timed alone (common.median_ms). On an H200
+Inductor benchmarks 40 Triton configurations for each matmul, up to 26 s each: allow the tool about 3 minutes.
+`--device cpu` (small shapes, no Triton template) checks the tool on a CPU.
 """
 from __future__ import annotations
 

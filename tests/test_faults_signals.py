@@ -276,16 +276,16 @@ def _signal_at(cmd: list[str], log: Path, sig: str, delay: float) -> tuple[int, 
     _armed(seg)
     while seg.proc.poll() is None and time.time() < seg.t0 + delay:
         time.sleep(0.005)
-    if seg.proc.poll() is None:
+    sent = seg.proc.poll() is None
+    if sent:
         seg.proc.send_signal(getattr(signal, sig))
-        code, out = seg.wait()
-        if "detached: process" not in out:
-            return code, out, None
-        run = int(out.split("detached: process ")[1].split(",")[0])
-    else:
-        code, out = seg.wait()   # only --detach returns on its own, once the run is handed over
-        assert code == 0 and "detached: process" in out, out
-        run = int(out.split("detached: process ")[1].split(",")[0])
+    code, out = seg.wait()
+    if "detached: process" not in out:
+        assert sent, out   # only --detach returns on its own, once the run is handed over
+        return code, out, None
+    run = int(out.split("detached: process ")[1].split(",")[0])
+    if not sent:
+        assert code == 0, out
         while time.time() < seg.t0 + delay:
             time.sleep(0.005)
         os.kill(run, getattr(signal, sig))

@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
         armed = STOP
     try:
         code = run(argv)
-        if argv is None and armed is not None and armed.handed_over is not None:
+        if argv is None and armed is not None and armed.handed_over:
             # `train --detach` has handed its run over and passes stop signals on to it: the process ends here,
             # with that handler in place, not in the interpreter's shutdown, where a signal would be lost
             sys.stdout.flush()

@@ -48,7 +48,7 @@ class StopFlag:
         self._wake: int | None = None    # the pipe's write end: the handler's signals for the announcing thread
         self._sent = self._announced = 0
         self._logged = threading.Condition()   # notified by the announcing thread after each line
-        self.handed_over: int | None = None    # `train --detach`: the run's pid, once stop signals go on to it
+        self.handed_over = False   # `train --detach`: stop signals go on to the run it handed over
 
     @property
     def requested(self) -> bool:
@@ -134,7 +134,8 @@ class StopFlag:
         for s, h in self._old.items():
             signal.signal(s, h)
         self._old = {}
-        self.signum = self.reason = self.handed_over = None
+        self.signum = self.reason = None
+        self.handed_over = False
         self.announce = False
 
 
