@@ -13,7 +13,7 @@ import tiktoken
 from conftest import run_check_script, run_cli
 from tiktoken.load import data_gym_to_mergeable_bpe_ranks
 
-from trainbox.data import formats, megatron
+from trainbox.data import embedded, formats, megatron
 from trainbox.data import readers as prep
 from trainbox.data.prepare import PrepareOptions, prepare
 from trainbox.data.tokenizer import GPT2_PATTERN, asset_path, get_tokenizer
@@ -94,6 +94,24 @@ with contextlib.redirect_stdout(io.StringIO()):
     assert main(["prepare", {str(d / "a.jsonl")!r}, "--out", {str(tmp_path / "x")!r}, "--workers", "2", "--quiet"]) == 0
 assert "torch" not in sys.modules, "prepare imported torch"
 print("ok")""")
+
+
+def test_workers_after_an_encode_in_the_same_process_finish(tmp_path):
+    """fastokens spreads a long text over threads; a process forked after that waits for those threads forever
+    when it encodes a long text itself. So after a one-worker prepare in this process, the 2 workers come from a
+    fork server, and finish."""
+    long = tmp_path / "long.jsonl"  # one 5 MB document: long enough for the threads
+    long.write_text(json.dumps({"text": "\n\n".join(embedded.works().values())}) + "\n")
+    run_check_script(f"""
+import os
+from pathlib import Path
+from trainbox.data.prepare import PrepareOptions, prepare
+one = prepare(PrepareOptions([{str(long)!r}], {str(tmp_path / "one" / "x")!r}, val_docs=0))
+assert len(os.listdir("/proc/self/task")) > 1, "no threads started: not the case under test"
+two = prepare(PrepareOptions([{str(long)!r}], {str(tmp_path / "two" / "x")!r}, val_docs=0, workers=2))
+assert [Path(f).read_bytes() for f in one.files if f.endswith(".bin")] == \\
+    [Path(f).read_bytes() for f in two.files if f.endswith(".bin")]
+print("ok")""", timeout=120)
 
 
 def test_large_txt_is_read_in_pieces_with_the_same_tokens(tmp_path, monkeypatch):

@@ -17,6 +17,7 @@ from trainbox.data.tokenizer import (
     GPT2_VOCAB_BPE_SHA256,
     HFTokenizer,
     asset_path,
+    fast_gpt2,
     get_tokenizer,
     gpt2_ranks,
     tiktoken_twin,
@@ -62,6 +63,26 @@ def test_gpt2_ranks_equal_tiktokens_reading_of_the_merges():
         vocab_bpe_hash=GPT2_VOCAB_BPE_SHA256, encoder_json_hash=GPT2_ENCODER_SHA256)
     ours = gpt2_ranks()
     assert ours == ref and len(ours) == 50256
+
+
+def test_fast_gpt2_gives_tiktokens_ids():
+    """prepare's fastokens encoder against tiktoken: the varied texts, random strings of characters that the
+    GPT-2 pattern splits on, every work of the embedded corpus as one document, and the whole corpus as one
+    5 MB text (long enough for fastokens to split it over threads)."""
+    fast, enc = fast_gpt2(), get_tokenizer("gpt2").enc
+    assert fast is not None  # fastokens is a dependency: the fast path is the one prepare takes
+    rng = np.random.default_rng(0)
+    alphabet = [*"abcXYZ éß'sdtlmrev0123456789.,!?-_\"()<>/\\@#$%&*+=~`|:;", " ", "  ", "\t", "\n", "\r\n",
+                "\n\n", "\u00a0", "\u3000", "\u2028", "\u200b",
+                "日本", "語", "😀", "Ω", "ﬁ", "١٢", "Ⅻ", "'S", "'LL", "<|endoftext|>"]
+    texts = VARIED + ["".join(rng.choice(alphabet, size=int(rng.integers(0, 40)))) for _ in range(5000)]
+    texts += list(embedded.works().values())
+    ids, offsets = fast.encode_batch_flat(texts)
+    ids, offsets = np.frombuffer(ids, np.uint32), np.frombuffer(offsets, np.uint64)
+    for i, text in enumerate(texts):
+        assert ids[offsets[i]:offsets[i + 1]].tolist() == enc.encode_ordinary(text), text[:60]
+    whole = "\n\n".join(texts[-len(embedded.works()):])
+    assert np.array_equal(np.frombuffer(fast.encode_batch_flat([whole])[0], np.uint32), enc.encode_to_numpy(whole))
 
 
 def test_embedded_corpus_shards_equal_the_bpe_tokenizers_own_encoding(tmp_path):

@@ -158,7 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--text-key", action="append", help="JSONL field(s) holding text (repeatable; default text)")
     pr.add_argument("--chat-template", default=None, help="chatml or a .jinja file (default: the tokenizer's, "
                     "else chatml)")
-    pr.add_argument("--workers", type=int, default=1, help="tokenizer processes (output identical for any N)")
+    pr.add_argument("--workers", type=int, default=1, help="tokenizer processes (output identical for any N; "
+                    "with gpt2, one process already encodes on several threads)")
     pr.add_argument("--shard-tokens", type=int, default=100_000_000, help="tokens per shard")
     pr.add_argument("--val-docs", type=int, default=0, help="hold out the first N documents for validation")
     pr.add_argument("--val-fraction", type=float, default=0.0, help="hold out this fraction of documents")

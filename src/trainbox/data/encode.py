@@ -1,16 +1,19 @@
 """Tokenizing for `trainbox prepare`, in worker processes: work items of raw entries (JSON lines, text files)
 -> per entry (starts_document, [ids per key], loss mask or None). EncodePool keeps the input order with a
-bounded number of items in flight; with one worker it encodes in this process.
+bounded number of items in flight; with one worker it encodes in this process. GPT-2's ordinary text goes
+through fastokens where it is installed (tokenizer.fast_gpt2), tiktoken otherwise: the same ids.
 """
 from __future__ import annotations
 
 import collections
 import multiprocessing as mp
+import os
 import sys
 from typing import Iterator
 
 import numpy as np
 
+from trainbox.data import tokenizer as tokenizers
 from trainbox.data.chat import encode_chat, load_template
 from trainbox.data.readers import decode_utf8, parse_json_line
 from trainbox.data.tokenizer import get_tokenizer
@@ -19,9 +22,12 @@ from trainbox.errors import DataError
 _WORKER: dict = {}
 
 
-def _init_worker(tokenizer_spec: str, chat_template: str | None, chat: bool, keys: list[str]) -> None:
-
-    _WORKER.update(tok=get_tokenizer(tokenizer_spec), chat=chat, keys=keys)
+def _init_worker(tokenizer_spec: str, chat_template: str | None, chat: bool, keys: list[str],
+                 pooled: bool = False) -> None:
+    if pooled:  # the worker processes are the parallelism: fastokens runs on one thread in each
+        os.environ.update(FASTOKENS_BPE_THREADS="1", RAYON_NUM_THREADS="1")
+    fast = tokenizers.fast_gpt2() if tokenizer_spec == "gpt2" else None
+    _WORKER.update(tok=get_tokenizer(tokenizer_spec), fast=fast, chat=chat, keys=keys)
     if chat:
         _WORKER["template"] = load_template(tokenizer_spec, chat_template)
 
@@ -50,7 +56,7 @@ def _encode_parsed(item: list) -> list:
     plain = [(i, e) for i, e in enumerate(item) if e[0] == "text"]
     if plain:
         flat = [t for _, e in plain for t in e[1]]
-        ids = _encode_texts(tok, flat)
+        ids = _encode_texts(tok, flat, _WORKER.get("fast"))
         j = 0
         for i, e in plain:
             k = len(e[1])
@@ -63,8 +69,13 @@ def _encode_parsed(item: list) -> list:
     return out
 
 
-def _encode_texts(tok, texts: list[str]) -> list:
+def _encode_texts(tok, texts: list[str], fast=None) -> list:
     """Token ids of ordinary text (special-token strings are plain text, as in encode_ordinary)."""
+    if fast is not None:
+        # one flat uint32 buffer and the texts' offsets into it: no Python int per token
+        ids, offsets = fast.encode_batch_flat(texts)
+        ids, offsets = np.frombuffer(ids, np.uint32), np.frombuffer(offsets, np.uint64).tolist()
+        return [ids[a:b] for a, b in zip(offsets, offsets[1:])]
     enc = getattr(tok, "enc", None)
     if enc is not None and hasattr(enc, "encode_to_numpy"):
         # tiktoken straight into a numpy buffer: no Python int per token. With no special token allowed
@@ -90,8 +101,10 @@ class EncodePool:
     def __init__(self, workers: int, initargs: tuple):
         self.pool = None
         if workers > 1:
-            ctx = mp.get_context("fork" if sys.platform.startswith("linux") else "spawn")
-            self.pool = ctx.Pool(workers, initializer=_init_worker, initargs=initargs)
+            # fork is quickest, but fastokens' threads, once started, would be missing in a forked worker
+            fork = sys.platform.startswith("linux") and not tokenizers.FAST_STARTED
+            ctx = mp.get_context("fork" if fork else "forkserver" if sys.platform.startswith("linux") else "spawn")
+            self.pool = ctx.Pool(workers, initializer=_init_worker, initargs=(*initargs, True))
         else:
             _init_worker(*initargs)
         self.depth = 2 * workers + 2

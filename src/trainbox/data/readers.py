@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Iterator
 
 from trainbox.data.chat import is_chat_record, messages_of
+from trainbox.data.tokenizer import GPT2Tokenizer
 from trainbox.errors import DataError
 
 TEXT_SUFFIXES = (".txt", ".md", ".text")
@@ -98,7 +99,7 @@ def first_row_is_preference(path: Path) -> bool:
 def splits_like_gpt2(tok) -> bool:
     """True when the tokenizer pre-splits text with the GPT-2 regex and nothing else (tiktoken gpt2, or a
     `tokenizers` ByteLevel pre-tokenizer without prefix space or normalizer), so .txt pieces are safe."""
-    if hasattr(tok, "enc"):
+    if isinstance(tok, GPT2Tokenizer):
         return True
     try:
         cfg = json.loads(tok.tok.to_str())
