@@ -206,6 +206,34 @@ def test_bad_inputs(tmp_path):
         prepare(PrepareOptions([str(tmp_path / "nope.jsonl")], str(tmp_path / "o")))
 
 
+def test_lone_surrogate_escapes_become_the_replacement_character(tmp_path):
+    """JSON allows a surrogate escape alone (an emoji cut in half); such a string has no UTF-8 form. Each lone
+    one is U+FFFD, as in tiktoken's encode_ordinary (the reference), through every tokenizer path; a pair is
+    the character it spells."""
+    texts = ["cut \ud83d emoji", "low \udc00 alone, upper \ud800", "whole \ud83d\ude00 pair", "plain"]
+    raw = "".join(json.dumps({"text": t}) + "\n" for t in texts).replace("\\ud800", "\\uD800")
+    assert "\\ud83d" in raw and "\\uD800" in raw   # escapes, as they arrive
+    (tmp_path / "s.jsonl").write_text(raw)
+    for workers in (1, 2):
+        prepare(PrepareOptions([str(tmp_path / "s.jsonl")], str(tmp_path / f"w{workers}" / "x"), workers=workers))
+        got = formats.read_shard(tmp_path / f"w{workers}" / "x_train_000001.bin")
+        assert np.array_equal(got, np.concatenate(reference(texts))), workers
+    assert tiktoken_gpt2().decode(reference(texts)[0]) == "<|endoftext|>cut \ufffd emoji"
+    bpe = "embedded:shakespeare-bpe"
+    prepare(PrepareOptions([str(tmp_path / "s.jsonl")], str(tmp_path / "hf" / "x"), tokenizer=bpe))
+    mended = ["cut \ufffd emoji", "low \ufffd alone, upper \ufffd", "whole \U0001f600 pair", "plain"]
+    want = [[get_tokenizer(bpe).eot_id, *hf_ordinary(bpe, t)] for t in mended]
+    assert np.array_equal(formats.read_shard(tmp_path / "hf" / "x_train_000001.bin"), np.concatenate(want))
+    chat = {"messages": [{"role": "user", "content": "hi \ud83d"}, {"role": "assistant", "content": "\udc00 yo"}]}
+    (tmp_path / "c.jsonl").write_text(json.dumps(chat) + "\n")
+    for tok in ("gpt2", "embedded:shakespeare-bpe"):
+        st = prepare(PrepareOptions([str(tmp_path / "c.jsonl")], str(tmp_path / "c" / tok.replace(":", "-")),
+                                    tokenizer=tok))
+        assert st.documents == 1 and st.tokens > 0, tok
+    rows = list(prep.json_objects(tmp_path / "c.jsonl"))  # the SFT and preference readers
+    assert rows[0][0]["messages"][1]["content"] == "\ufffd yo"
+
+
 def test_cli_prepare_inspect_and_zero_steps(corpus, tmp_path, tiny):
     d, docs = corpus
     out = tmp_path / "data/x"

@@ -54,6 +54,24 @@ def _open(path: Path):
     return gzip.open(path, "rb") if path.name.endswith(".gz") else open(path, "rb")
 
 
+def mend_surrogates(value):
+    """`value` (a parsed JSON value) with each lone UTF-16 surrogate in its strings made U+FFFD, as tiktoken's
+    encode_ordinary does. JSON allows the escape alone ("\\ud83d": an emoji cut in half, common in scraped text),
+    but such a string has no UTF-8 form, and no tokenizer takes it."""
+    if isinstance(value, str):
+        return value.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+    if isinstance(value, list):
+        return [mend_surrogates(v) for v in value]
+    if isinstance(value, dict):
+        return {k: mend_surrogates(v) for k, v in value.items()}
+    return value
+
+
+def _surrogate_escape(line: str | bytes) -> bool:
+    """Whether a raw JSON line may hold a surrogate escape: the only way a parsed string gets a lone one."""
+    return ("\\ud" in line or "\\uD" in line) if isinstance(line, str) else (b"\\ud" in line or b"\\uD" in line)
+
+
 def json_objects(path: Path) -> Iterator[tuple[dict, int]]:
     """(object, line number) of each non-empty line of a JSONL (.gz) file, or a DataError naming the line."""
     opener = gzip.open if path.name.endswith(".gz") else open
@@ -65,6 +83,8 @@ def json_objects(path: Path) -> Iterator[tuple[dict, int]]:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
                 raise DataError(f"{path}:{n}: not valid JSON ({e.msg} at column {e.colno})") from None
+            if _surrogate_escape(line):
+                row = mend_surrogates(row)
             if not isinstance(row, dict):
                 raise DataError(f"{path}:{n}: each line must be a JSON object, not {type(row).__name__}")
             yield row, n
@@ -178,6 +198,8 @@ def parse_json_line(line: bytes, where: str, offset: int, keys: list[str], chat:
         raise DataError(f"{where}: invalid JSON at byte offset {offset + e.pos} ({e.msg})") from None
     except UnicodeDecodeError as e:
         raise DataError(f"{where}: invalid UTF-8 at byte offset {offset + e.start}") from None
+    if _surrogate_escape(line):
+        rec = mend_surrogates(rec)
     if chat and is_chat_record(rec):
         return "chat", messages_of(rec, where), where
     if chat:
