@@ -28,6 +28,7 @@ def test_doctor_reports_facts(tmp_path, monkeypatch, capsys):
     assert rc == 0
     assert checks["python"]["value"] == platform.python_version()
     assert checks["torch"]["value"] == torch.__version__
+    assert checks["encoder"]["status"] == "ok" and checks["encoder"]["value"].startswith("fastokens ")
     assert checks["inductor_cache"]["value"] == f"{tmp_path / 'inductor'} (3.0 MiB)"
     assert checks["triton_cache"]["value"].startswith(str(tmp_path / "triton"))
     assert checks["hf_cache"]["value"] == f"{hf / 'hub'} (0 B)"
@@ -106,6 +107,20 @@ def test_flash_extra_advice_names_its_cost_and_records():
     assert "flash-attn-4" in fast["software"] and "did not import" in plain["notes"]
     assert f"{nanogpt_ms / fast['metrics']['median_step_ms']:.2f}x" == FLASH_SPEED[0]
     assert f"{nanogpt_ms / plain['metrics']['median_step_ms']:.2f}x" == PLAIN_SPEED[0]
+
+
+def test_encoder_advice_names_the_records_figures():
+    """With fastokens or without it, the speeds named are the prepare record's: ours and the tiktoken build's."""
+    from conftest import REPO
+
+    from trainbox.doctor import PREPARE_SPEED, encoder_check
+
+    record = json.loads((REPO / PREPARE_SPEED[2]).read_text())
+    assert f"{record['metrics']['ratio_2_workers_vs_plain']:.2f}x" == PREPARE_SPEED[0]
+    assert f"with 2 workers, 3.92M with 1, against the plain loop's 4.32M: {PREPARE_SPEED[1]}" in record["notes"]
+    assert record["software"]["fastokens"] and f"{PREPARE_SPEED[0]} a plain" in encoder_check(True).value
+    slow = encoder_check(False)
+    assert slow.status == "warn" and slow.fix == "pip install fastokens" and PREPARE_SPEED[1] in slow.value
 
 
 def test_flash_problem_tells_missing_from_installed_but_broken(tmp_path, monkeypatch):
