@@ -106,8 +106,8 @@ def test_without_fastokens_tiktoken_gives_the_same_tokens_and_says_so(corpus, tm
         got = formats.read_shard(tmp_path / f"w{workers}" / "x_train_000001.bin")
         assert np.array_equal(got, np.concatenate(reference(docs[:200]))), workers
         assert [r.getMessage() for r in caplog.records] == [
-            "fastokens is not installed: GPT-2 text is encoded through tiktoken, the same tokens at about a third of "
-            "the speed (pip install fastokens)"]
+            "fastokens is not installed: GPT-2 text is encoded through tiktoken, the same tokens more slowly "
+            "(pip install fastokens)"]
     assert tokenizer.fast_gpt2() is None and not tokenizer.FAST_STARTED
 
 

@@ -159,8 +159,8 @@ def prepare(opts: PrepareOptions, progress: Callable[[PrepareStats], None] | Non
     _check(opts, files)
     tok = get_tokenizer(opts.tokenizer)
     if opts.tokenizer == "gpt2" and tokenizers.fastokens is None:
-        log.warning("fastokens is not installed: GPT-2 text is encoded through tiktoken, the same tokens at about "
-                    "a third of the speed (pip install fastokens)")
+        log.warning("fastokens is not installed: GPT-2 text is encoded through tiktoken, the same tokens more "
+                    "slowly (pip install fastokens)")
     chat = any(is_jsonl(f) and first_record_is_chat(f) for f in files)
     if chat:
         load_template(opts.tokenizer, opts.chat_template)  # fail early on a bad template

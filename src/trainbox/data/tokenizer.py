@@ -7,8 +7,8 @@
   nothing else from it.
 - a Hugging Face `tokenizer.json` (or a folder holding one), through the `tokenizers` library;
   `embedded:shakespeare-bpe` is such a file, a byte-level BPE trained on the embedded training works.
-- `fast_gpt2`: the same GPT-2 ids through fastokens (a Rust BPE) at about a third of tiktoken's CPU time, for
-  `prepare`'s bulk encoding; tiktoken where fastokens is not installed.
+- `fast_gpt2`: the same GPT-2 ids through fastokens (a Rust BPE), faster than tiktoken, for `prepare`'s bulk
+  encoding (benchmarks/prepare_speed.py measures it); tiktoken where fastokens is not installed.
 - `train_bpe` trains a byte-level BPE with `tokenizers` (`trainbox tokenizer train`).
 """
 from __future__ import annotations
@@ -84,7 +84,7 @@ class GPT2Tokenizer:
 
     @functools.cached_property
     def enc(self) -> tiktoken.Encoding:
-        """Built at first use (a fifth of a second): `prepare` encodes through fast_gpt2 and needs none."""
+        """Built at first use: `prepare` encodes through fast_gpt2 and needs none."""
         return tiktoken.Encoding(name="gpt2", pat_str=GPT2_PATTERN, mergeable_ranks=gpt2_ranks(),
                                  special_tokens={EOT_TEXT: GPT2_EOT}, explicit_n_vocab=50257)
 
