@@ -81,6 +81,7 @@ STEPS = [
     ("2026-11-27-h100-speedrun-124m-flash-step-time-vs-70ca097.json", [], 1, "median_step_ms"),
     ("2026-11-27-h200-moe-gpt2-125m-1gpu-baseline.json", [], 1, "median_step_ms"),
     ("2026-11-28-h200-moe-gpt2-125m-1gpu-baseline.json", [], 1, "median_step_ms"),
+    ("2026-12-01-h200-moe-gpt2-125m-1gpu-mb80-vs-mb48-h100mem.json", [], 1, "median_step_ms"),
     ("2026-11-28-h200-gpt2-125m-step-time-vs-de3474f.json", [], 1, "median_step_ms"),
     ("2026-11-28-h200-speedrun-124m-scaling-1gpu.json", [], 1, "median_step_ms"),
     ("2026-11-27-2xh200-gpt2-125m-ddp-scaling.json", [], 1, "world_size_invariance.step_time_s_1gpu"),
