@@ -13,7 +13,7 @@ import tiktoken
 from conftest import run_check_script, run_cli
 from tiktoken.load import data_gym_to_mergeable_bpe_ranks
 
-from trainbox.data import embedded, formats, megatron, tokenizer
+from trainbox.data import embedded, encode, formats, megatron
 from trainbox.data import readers as prep
 from trainbox.data.prepare import PrepareOptions, prepare
 from trainbox.data.tokenizer import GPT2_PATTERN, asset_path, get_tokenizer
@@ -98,17 +98,17 @@ print("ok")""")
 
 def test_without_fastokens_tiktoken_gives_the_same_tokens_and_says_so(corpus, tmp_path, monkeypatch, caplog):
     d, docs = corpus
-    monkeypatch.setattr(tokenizer, "fastokens", None)
-    monkeypatch.setattr(tokenizer, "FAST_STARTED", False)  # forked workers then inherit the missing fastokens
+    monkeypatch.setattr(encode, "fastokens", None)
+    monkeypatch.setattr(encode.FastEncoder, "encoded", False)  # forked workers inherit the missing fastokens
     for workers in (1, 2):
         caplog.clear()
         prepare(PrepareOptions([str(d / "a.jsonl")], str(tmp_path / f"w{workers}" / "x"), workers=workers))
         got = formats.read_shard(tmp_path / f"w{workers}" / "x_train_000001.bin")
         assert np.array_equal(got, np.concatenate(reference(docs[:200]))), workers
         assert [r.getMessage() for r in caplog.records] == [
-            "fastokens is not installed: GPT-2 text is encoded through tiktoken, the same tokens more slowly "
-            "(pip install fastokens)"]
-    assert tokenizer.fast_gpt2() is None and not tokenizer.FAST_STARTED
+            "fastokens is not installed (pip install fastokens): the text is encoded through tiktoken, the same "
+            "tokens more slowly"]
+    assert encode.fast_encoder(get_tokenizer("gpt2"))[0] is None and not encode.FastEncoder.encoded
 
 
 def test_workers_after_an_encode_in_the_same_process_finish(tmp_path):

@@ -10,6 +10,7 @@ import torch
 
 from trainbox.config import ModelSection
 from trainbox.data import embedded, formats
+from trainbox.data.encode import FastEncoder, _encode_texts, fast_encoder
 from trainbox.data.loader import TokenDataset
 from trainbox.data.sources import tokenize_embedded
 from trainbox.data.tokenizer import (
@@ -17,7 +18,6 @@ from trainbox.data.tokenizer import (
     GPT2_VOCAB_BPE_SHA256,
     HFTokenizer,
     asset_path,
-    fast_gpt2,
     get_tokenizer,
     gpt2_ranks,
     tiktoken_twin,
@@ -69,20 +69,90 @@ def test_fast_gpt2_gives_tiktokens_ids():
     """prepare's fastokens encoder against tiktoken: the varied texts, random strings of characters that the
     GPT-2 pattern splits on, every work of the embedded corpus as one document, and the whole corpus as one
     5 MB text (long enough for fastokens to split it over threads)."""
-    fast, enc = fast_gpt2(), get_tokenizer("gpt2").enc
-    assert fast is not None  # fastokens is a dependency: the fast path is the one prepare takes
+    (fast, why_not), enc = fast_encoder(get_tokenizer("gpt2")), get_tokenizer("gpt2").enc
+    assert fast is not None and why_not == ""  # fastokens is a dependency: the fast path is the one prepare takes
     rng = np.random.default_rng(0)
     alphabet = [*"abcXYZ éß'sdtlmrev0123456789.,!?-_\"()<>/\\@#$%&*+=~`|:;", " ", "  ", "\t", "\n", "\r\n",
                 "\n\n", "\u00a0", "\u3000", "\u2028", "\u200b",
                 "日本", "語", "😀", "Ω", "ﬁ", "١٢", "Ⅻ", "'S", "'LL", "<|endoftext|>"]
     texts = VARIED + ["".join(rng.choice(alphabet, size=int(rng.integers(0, 40)))) for _ in range(5000)]
     texts += list(embedded.works().values())
-    ids, offsets = fast.encode_batch_flat(texts)
-    ids, offsets = np.frombuffer(ids, np.uint32), np.frombuffer(offsets, np.uint64)
-    for i, text in enumerate(texts):
-        assert ids[offsets[i]:offsets[i + 1]].tolist() == enc.encode_ordinary(text), text[:60]
+    for text, ids in zip(texts, fast.encode(texts)):
+        assert ids.tolist() == enc.encode_ordinary(text), text[:60]
     whole = "\n\n".join(texts[-len(embedded.works()):])
-    assert np.array_equal(np.frombuffer(fast.encode_batch_flat([whole])[0], np.uint32), enc.encode_to_numpy(whole))
+    assert np.array_equal(fast.encode([whole])[0], enc.encode_to_numpy(whole))
+
+
+LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+def _trained(tmp_path, name, pre, normalizer=None, model=None, added=(), all_bytes=True):
+    """A small tokenizer.json trained on the embedded works with the given parts."""
+    from tokenizers import Tokenizer, models, trainers
+
+    tok = Tokenizer(model or models.BPE())
+    tok.pre_tokenizer, tok.normalizer = pre, normalizer
+    from tokenizers import pre_tokenizers
+
+    kind = dict(vocab_size=1500, special_tokens=["<|endoftext|>", "<|im_start|>"], show_progress=False)
+    trainer = (trainers.WordPieceTrainer(**kind) if isinstance(model, models.WordPiece) else trainers.BpeTrainer(
+        **kind, initial_alphabet=pre_tokenizers.ByteLevel.alphabet() if all_bytes else []))
+    tok.train_from_iterator([w[:30_000] for w in embedded.works().values()], trainer=trainer)
+    spec = json.loads(tok.to_str())
+    if name == "llama3":
+        spec["model"]["ignore_merges"] = True
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps(spec))
+    hf = HFTokenizer(path)
+    if added:
+        from tokenizers import AddedToken
+        hf.tok.add_tokens([AddedToken(t, special=False) for t in added])
+        hf.tok.save(str(path))
+        hf = HFTokenizer(path)
+    return hf
+
+
+def test_fast_encoder_gives_tokenizers_ids_for_byte_level_bpes_and_refuses_the_rest(tmp_path, monkeypatch):
+    """fastokens reads the byte-level BPE tokenizer.json files (GPT-2, Llama 3 and Qwen2 style: a split regex, NFC,
+    ignore_merges, added tokens) and gives `tokenizers`' ids on texts of every kind; it refuses other parts, and a
+    reading whose ids differ on the probe text is not used."""
+    from tokenizers import Regex, models, normalizers, pre_tokenizers
+
+    split = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(LLAMA3_SPLIT), behavior="isolated"),
+                                     pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    read = {"bytelevel": _trained(tmp_path, "bytelevel", pre_tokenizers.ByteLevel(add_prefix_space=False)),
+            "llama3": _trained(tmp_path, "llama3", split),
+            "qwen2": _trained(tmp_path, "qwen2", split, normalizers.NFC(), added=["<tool_call>"])}
+    rng = np.random.default_rng(1)
+    alphabet = [*"aZ é'sdlt09.,!-\"<>", " ", "  ", "\t", "\n", "\r\n", "\u00a0", "日本", "😀", "ﬁ", "e\u0301", "١٢",
+                "<|endoftext|>", "<|im_start|>", "<tool_call>", "'LL", "12345"]
+    texts = VARIED + ["".join(rng.choice(alphabet, size=int(rng.integers(0, 50)))) for _ in range(2000)]
+    texts += [w[:100_000] for w in embedded.works().values()][:4]
+    for name, tok in read.items():
+        fast, why_not = fast_encoder(tok)
+        assert fast is not None and why_not == "", name
+        assert [ids.tolist() for ids in fast.encode(texts)] == tok.encode_texts(texts), name
+    meta = _trained(tmp_path, "metaspace", pre_tokenizers.Metaspace())
+    piece = _trained(tmp_path, "wordpiece", pre_tokenizers.BertPreTokenizer(), normalizers.BertNormalizer(),
+                     models.WordPiece(unk_token="<|endoftext|>"))
+    for tok, part in ((meta, "Metaspace"), (piece, "BertNormalizer")):
+        fast, why_not = fast_encoder(tok)
+        assert fast is None and why_not.startswith(f"fastokens cannot read {tok.name}") and part in why_not
+    # bytes the vocabulary lacks: `tokenizers` drops them, fastokens refuses the text
+    some = _trained(tmp_path, "some-bytes", pre_tokenizers.ByteLevel(add_prefix_space=False), all_bytes=False)
+    fast, why_not = fast_encoder(some)
+    assert fast is None and why_not.startswith(f"fastokens cannot encode a probe text with {some.name}")
+    # and should a text reach such bytes past the probe, prepare's workers take `tokenizers`' ids for it
+    unchecked = FastEncoder(fast_encoder.__globals__["fastokens"].Tokenizer.from_json_str(some.tok.to_str()))
+    assert _encode_texts(some, ["tab\there"], unchecked) == some.encode_texts(["tab\there"])
+    # a reading with other ids (here: another tokenizer's vocabulary) is caught by the probe
+    other = read["bytelevel"].tok.to_str()
+    monkeypatch.setattr(fast_encoder.__globals__["fastokens"].Tokenizer, "from_json_str",
+                        staticmethod(lambda _s, _f=fast_encoder.__globals__["fastokens"].Tokenizer.from_json_str:
+                                     _f(other)))
+    assert fast_encoder(read["qwen2"]) == (None, f"fastokens' ids for {read['qwen2'].name} differ from tokenizers' "
+                                                 "on a probe text")
 
 
 def test_embedded_corpus_shards_equal_the_bpe_tokenizers_own_encoding(tmp_path):

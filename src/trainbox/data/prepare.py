@@ -40,9 +40,8 @@ from typing import Callable
 import numpy as np
 
 from trainbox.data import formats, manifest, megatron
-from trainbox.data import tokenizer as tokenizers
 from trainbox.data.chat import load_template
-from trainbox.data.encode import EncodePool
+from trainbox.data.encode import EncodePool, fast_encoder
 from trainbox.data.readers import (
     first_record_is_chat,
     is_jsonl,
@@ -158,18 +157,19 @@ def prepare(opts: PrepareOptions, progress: Callable[[PrepareStats], None] | Non
     files = list_input_files(opts.inputs)
     _check(opts, files)
     tok = get_tokenizer(opts.tokenizer)
-    if opts.tokenizer == "gpt2" and tokenizers.fastokens is None:
-        log.warning("fastokens is not installed: GPT-2 text is encoded through tiktoken, the same tokens more "
-                    "slowly (pip install fastokens)")
     chat = any(is_jsonl(f) and first_record_is_chat(f) for f in files)
     if chat:
         load_template(opts.tokenizer, opts.chat_template)  # fail early on a bad template
     if opts.format == "shard" and tok.vocab_size > 65536:
         raise DataError(f"tokenizer {opts.tokenizer} has {tok.vocab_size} ids; shards hold uint16",
                         hint="use --format megatron")
+    fast, why_not = (None, "") if chat else fast_encoder(tok)   # chat renders a template per message: no bulk text
+    if why_not:
+        log.warning(f"{why_not}: the text is encoded through {'tiktoken' if opts.tokenizer == 'gpt2' else 'tokenizers'}"
+                    ", the same tokens more slowly")
     stats = PrepareStats(masked=chat, total_bytes=_total_bytes(files))
     sinks = _make_sinks(opts, tok, chat)
-    pool = EncodePool(opts.workers, (opts.tokenizer, opts.chat_template, chat, list(opts.text_keys)))
+    pool = EncodePool(opts.workers, (opts.tokenizer, opts.chat_template, chat, list(opts.text_keys)), fast)
     start, last = time.perf_counter(), 0.0
     try:
         doc, split, content = -1, "train", 0

@@ -7,17 +7,13 @@
   nothing else from it.
 - a Hugging Face `tokenizer.json` (or a folder holding one), through the `tokenizers` library;
   `embedded:shakespeare-bpe` is such a file, a byte-level BPE trained on the embedded training works.
-- `fast_gpt2`: the same GPT-2 ids through fastokens (a Rust BPE), faster than tiktoken, for `prepare`'s bulk
-  encoding (benchmarks/prepare_speed.py measures it); tiktoken where fastokens is not installed.
 - `train_bpe` trains a byte-level BPE with `tokenizers` (`trainbox tokenizer train`).
 """
 from __future__ import annotations
 
-import base64
 import functools
 import hashlib
 import json
-import tempfile
 from importlib import resources
 from pathlib import Path
 from typing import Iterable, Protocol
@@ -27,11 +23,6 @@ from tokenizers import Tokenizer as _Tok
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from trainbox.errors import DataError
-
-try:  # a dependency, with wheels for the common platforms; tiktoken does its work where it has none
-    import fastokens
-except ImportError:  # pragma: no cover
-    fastokens = None
 
 GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
 GPT2_ENCODER_SHA256 = "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783"
@@ -84,7 +75,7 @@ class GPT2Tokenizer:
 
     @functools.cached_property
     def enc(self) -> tiktoken.Encoding:
-        """Built at first use: `prepare` encodes through fast_gpt2 and needs none."""
+        """Built at first use: `prepare` encodes through data/encode.py's fast encoder and needs none."""
         return tiktoken.Encoding(name="gpt2", pat_str=GPT2_PATTERN, mergeable_ranks=gpt2_ranks(),
                                  special_tokens={EOT_TEXT: GPT2_EOT}, explicit_n_vocab=50257)
 
@@ -99,26 +90,6 @@ class GPT2Tokenizer:
 
     def token_bytes(self) -> list[int]:
         return [0 if i == GPT2_EOT else len(self.enc.decode_single_token_bytes(i)) for i in range(self.vocab_size)]
-
-
-FAST_STARTED = False  # fast_gpt2 ran in this process: its threads do not survive a fork (data/encode.py)
-
-
-def fast_gpt2():
-    """GPT-2 for ordinary text through fastokens' `Tokenizer`, or None where fastokens is not installed.
-
-    The ids equal tiktoken's (tests hold them equal on the embedded corpus and on random text); it has no
-    special tokens, so "<|endoftext|>" in a text is text, as in encode_ordinary. It starts threads for long
-    texts: a process that built it must not fork workers that use it (FAST_STARTED).
-    """
-    global FAST_STARTED
-    if fastokens is None:
-        return None
-    FAST_STARTED = True
-    with tempfile.TemporaryDirectory(prefix="trainbox-gpt2-") as folder:
-        path = Path(folder) / "gpt2.tiktoken"   # tiktoken's rank file: base64 of the token's bytes, its id
-        path.write_bytes(b"".join(base64.b64encode(t) + b" %d\n" % i for t, i in gpt2_ranks().items()))
-        return fastokens.Tokenizer.from_tiktoken(str(path), pattern=GPT2_PATTERN, special_tokens={})
 
 
 class HFTokenizer:
@@ -147,6 +118,15 @@ class HFTokenizer:
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [e.ids for e in self.tok.encode_batch(texts, add_special_tokens=False)]
+
+    def encode_texts(self, texts: list[str]) -> list[list[int]]:
+        """Ids of ordinary texts: special-token strings are text, as in encode_ordinary (`tokenizers` matches them
+        otherwise, and a literal "<|endoftext|>" in a web page must not become a document boundary)."""
+        before, self.tok.encode_special_tokens = self.tok.encode_special_tokens, True
+        try:
+            return [e.ids for e in self.tok.encode_batch(texts, add_special_tokens=False)]
+        finally:
+            self.tok.encode_special_tokens = before
 
     def decode(self, ids: Iterable[int]) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=False)
