@@ -90,9 +90,10 @@ def encoder_check(fast: bool) -> Check:
     """Which encoder `prepare` runs GPT-2 text through (`fast`: fastokens imports here)."""
     if fast:
         return Check("encoder", "ok", f"fastokens {importlib.metadata.version('fastokens')}: prepare encodes GPT-2 "
-                     f"text at {PREPARE_SPEED[0]} a plain tiktoken loop's speed (2 workers, 2 cores: "
-                     f"{PREPARE_SPEED[2]})")
-    return Check("encoder", "warn", f"fastokens is not installed: prepare encodes GPT-2 text through tiktoken "
+                     f"and byte-level BPE tokenizer.json text through it, GPT-2 at {PREPARE_SPEED[0]} a plain tiktoken "
+                     f"loop's speed (2 workers, 2 cores: {PREPARE_SPEED[2]})")
+    return Check("encoder", "warn", f"fastokens is not installed: prepare encodes tokenizer.json text through "
+                 f"`tokenizers`, and GPT-2 text through tiktoken "
                  f"({PREPARE_SPEED[1]} a plain tiktoken loop's speed, against {PREPARE_SPEED[0]} with fastokens; 2 "
                  f"workers, 2 cores: {PREPARE_SPEED[2]}); the tokens are the same", "pip install fastokens")
 
