@@ -88,13 +88,14 @@ _WORKER: dict = {}
 
 
 def _init_worker(tokenizer_spec: str, chat_template: str | None, chat: bool, keys: list[str],
-                 pooled: bool = False) -> None:
-    """`_WORKER["fast"]` is the encoder EncodePool built (inherited through a fork), else built here."""
+                 pooled: bool = False, fast: bool = False) -> None:
+    """`_WORKER["fast"]` is the encoder EncodePool was given (inherited through a fork); a worker started from a fork
+    server or spawned builds its own where EncodePool had one (`fast`)."""
     if pooled:  # the worker processes are the parallelism: fastokens runs on one thread in each
         os.environ.update(FASTOKENS_BPE_THREADS="1", RAYON_NUM_THREADS="1")
     tok = get_tokenizer(tokenizer_spec)
-    if "fast" not in _WORKER:   # chat renders a template per message: no bulk text to encode
-        _WORKER["fast"] = None if chat else fast_encoder(tok)[0]
+    if "fast" not in _WORKER:
+        _WORKER["fast"] = fast_encoder(tok)[0] if fast else None
     _WORKER.update(tok=tok, chat=chat, keys=keys)
     if chat:
         _WORKER["template"] = load_template(tokenizer_spec, chat_template)
@@ -159,7 +160,7 @@ class EncodePool:
     """Ordered, bounded map: at most `depth` items in flight (Pool.imap would read the whole input)."""
 
     def __init__(self, workers: int, initargs: tuple, fast: FastEncoder | None = None):
-        """`fast`: the tokenizer's fast encoder, built once here (tokenizer.fast_encoder), or None."""
+        """`fast`: the tokenizer's fast encoder (fast_encoder, built once by the caller), or None."""
         self.pool = None
         _WORKER.clear()
         _WORKER["fast"] = fast
@@ -169,7 +170,7 @@ class EncodePool:
             linux = sys.platform.startswith("linux")
             fork = linux and not FastEncoder.encoded
             ctx = mp.get_context("fork" if fork else "forkserver" if linux else "spawn")
-            self.pool = ctx.Pool(workers, initializer=_init_worker, initargs=(*initargs, True))
+            self.pool = ctx.Pool(workers, initializer=_init_worker, initargs=(*initargs, True, fast is not None))
         else:
             _init_worker(*initargs)
         self.depth = 2 * workers + 2
