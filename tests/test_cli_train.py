@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 
+import pytest
 import yaml
 from conftest import run_cli
 
@@ -68,6 +69,14 @@ def test_generate_errors_on_missing_checkpoint(tmp_path):
     proc = run_cli("generate", str(tmp_path / "nope"), check=False)
     assert proc.returncode == 1
     assert "no complete checkpoint" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("verb", ["generate", "chat"])
+def test_sampling_options_that_mean_nothing_are_refused_before_the_checkpoint_is_read(tmp_path, verb):
+    proc = run_cli(verb, str(tmp_path / "nope"), "--top-p", "0", "--temperature", "-1", check=False)
+    assert proc.returncode == 2 and "checkpoint" not in proc.stderr and "Traceback" not in proc.stderr
+    assert proc.stderr.strip() == (f"trainbox {verb}: --temperature -1.0: must be 0 (greedy) or more; --top-p 0.0: "
+                                   "must be above 0 and at most 1 (1: off)")
 
 
 def test_nproc_flag_help_lists_examples():

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import numpy as np
 import pytest
@@ -22,6 +23,7 @@ from trainbox.data.tokenizer import (
     gpt2_ranks,
     tiktoken_twin,
 )
+from trainbox.errors import BadInput
 from trainbox.generate import filter_logits, sample
 from trainbox.model.gpt.model import GPT
 from trainbox.model.layers import Output
@@ -222,6 +224,54 @@ def test_sampling_is_seeded_and_top_k_top_p_filter():
     p = logits.softmax(-1)[0]  # 0.636, 0.234, 0.086, ...: the 0.8 nucleus is the first two
     kept = torch.isfinite(filter_logits(logits, 1.0, None, 0.8))
     assert kept.tolist() == [[True, True, False, False, False]] and p[0] < 0.8 < p[0] + p[1]
+
+
+def test_text_past_the_context_slides_the_window_like_a_full_forward(caplog):
+    """A prompt longer than the model's context, and more tokens than it holds: every token asked for comes, each
+    the greedy choice of a full forward (no cache) over its window: the last block - 1 tokens at first, then, each
+    time the caches fill, the last block // 2; one warning says so. A short prompt and text stay in one window."""
+    block = 16
+    model = _tiny_gpt(vocab=2048, block=block)
+    tok = get_tokenizer("embedded:shakespeare-bpe")
+    prompt = embedded.split("val")[1][:400]
+    ids = tok.encode(prompt)
+    assert len(ids) > block
+
+    def reference(ids, n):
+        seq, start = list(ids), max(0, len(ids) - (block - 1))
+        for _ in range(n):
+            if len(seq) - start >= block:
+                start = len(seq) - block // 2
+            with torch.no_grad():
+                logits = model(torch.tensor([seq[start:]])).logits[0, -1, :tok.vocab_size]
+            seq.append(int(logits.argmax()))
+        return seq[len(ids):]
+
+    with caplog.at_level("WARNING", logger="trainbox"):
+        text = sample(model, tok, prompt, max_tokens=40, temperature=0, stop_at_eot=False)
+    assert tok.encode(text) == tok.encode(tok.decode(reference(ids, 40)))
+    assert [r.getMessage() for r in caplog.records] == [
+        "the prompt and the text exceed the model's 16-token context: each token is drawn from the last 8 to 15 "
+        "tokens before it"]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="trainbox"):
+        short = sample(model, tok, "ROMEO:", max_tokens=5, temperature=0, stop_at_eot=False)
+    assert tok.encode(short) == tok.encode(tok.decode(reference(tok.encode("ROMEO:"), 5))) and not caplog.records
+
+
+@pytest.mark.parametrize("options, named", [
+    (dict(temperature=-0.5), "--temperature -0.5: must be 0 (greedy) or more"),
+    (dict(temperature=float("nan")), "--temperature nan"),
+    (dict(top_k=-1), "--top-k -1: must be 0 (off) or more"),
+    (dict(top_p=0.0), "--top-p 0.0: must be above 0 and at most 1"),
+    (dict(top_p=1.5), "--top-p 1.5"),
+    (dict(max_tokens=-3), "--max-tokens -3: must be 0 or more"),
+])
+def test_sampling_options_that_mean_nothing_are_refused(options, named):
+    model = _tiny_gpt(vocab=2048)
+    tok = get_tokenizer("embedded:shakespeare-bpe")
+    with pytest.raises(BadInput, match=re.escape(named)):
+        sample(model, tok, "x", **{"max_tokens": 5, **options})
 
 
 class _Uniform(torch.nn.Module):

@@ -26,7 +26,7 @@ from trainbox import checkpoint
 from trainbox.config import build_config
 from trainbox.data.chat import ChatTemplate, end_of_turn, template_for, token_of
 from trainbox.errors import BadCheckpoint, CheckpointError, ConfigError
-from trainbox.generate import stream
+from trainbox.generate import check_sampling, stream
 from trainbox.model.load import load_for_inference
 from trainbox.model.spec import family
 
@@ -49,6 +49,7 @@ class ChatSession:
     def __init__(self, model, tokenizer, template: ChatTemplate, system: str | None = None,
                  temperature: float = 0.7, top_k: int | None = None, top_p: float | None = None,
                  max_tokens: int = 256, seed: int = 0):
+        check_sampling(temperature, top_k, top_p, max_tokens)
         self.model, self.tokenizer, self.template = model.eval(), tokenizer, template
         self.system, self.temperature, self.top_k, self.top_p = system, temperature, top_k, top_p
         self.max_tokens = max_tokens

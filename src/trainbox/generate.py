@@ -4,16 +4,33 @@ one at a time over caches the caller keeps (`trainbox chat` keeps them across tu
     trainbox generate runs/tiny --prompt "ROMEO:" --max-tokens 100 --temperature 0.8 --top-k 50 --seed 1
 
 Needs only the model, a checkpoint and the tokenizer (never the training loop). The same seed on the
-same device gives the same text: sampling draws from one seeded torch.Generator.
+same device gives the same text: sampling draws from one seeded torch.Generator. Text longer than the model's
+context goes on as nanoGPT's `generate` does: each token is drawn from the last tokens that fit.
 """
 from __future__ import annotations
 
+import logging
 from typing import Iterator
 
 import torch
 
 from trainbox.data.spans import encode_with_sentinels, split_spans
 from trainbox.data.tokenizer import Tokenizer
+from trainbox.errors import BadInput
+
+log = logging.getLogger("trainbox")  # the library logger
+
+
+def check_sampling(temperature: float, top_k: int | None, top_p: float | None, max_tokens: int) -> None:
+    """Refuse sampling options that mean nothing (BadInput, naming the option as the CLI spells it)."""
+    bad = [(f"--temperature {temperature}", "0 (greedy) or more") if not temperature >= 0 else None,
+           (f"--top-k {top_k}", "0 (off) or more") if top_k is not None and top_k < 0 else None,
+           (f"--top-p {top_p}", "above 0 and at most 1 (1: off)") if top_p is not None and not 0 < top_p <= 1
+           else None,
+           (f"--max-tokens {max_tokens}", "0 or more") if max_tokens < 0 else None]
+    bad = [b for b in bad if b]
+    if bad:
+        raise BadInput("; ".join(f"{opt}: must be {want}" for opt, want in bad))
 
 
 def filter_logits(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None) -> torch.Tensor:
@@ -66,18 +83,30 @@ def stream(model, ids: list[int], caches, pos: int, max_tokens: int, vocab: int,
 def sample(model, tokenizer: Tokenizer, prompt: str, max_tokens: int = 100, temperature: float = 1.0,
            top_k: int | None = None, top_p: float | None = None, seed: int = 0,
            device: torch.device | str = "cpu", stop_at_eot: bool = True) -> str:
-    """Generate a continuation of `prompt` (returned without the prompt)."""
+    """Generate a continuation of `prompt` (returned without the prompt): `max_tokens` tokens, fewer only where
+    the end-of-text token stops it. Past the model's context (`block_size`) the window slides: the caches are
+    filled again from the last half-context of tokens, so each token is drawn from at least that many before it
+    (a warning says so once)."""
+    check_sampling(temperature, top_k, top_p, max_tokens)
     device = torch.device(device)
     model.eval()
     ids = tokenizer.encode(prompt) or [tokenizer.eot_id]
-    limit = getattr(model, "block_size", len(ids) + max_tokens)
-    ids = ids[-limit:]
-    max_tokens = min(max_tokens, limit - len(ids))
+    limit = getattr(model, "block_size", None) or len(ids) + max_tokens
     gen = torch.Generator(device=device).manual_seed(seed)
     dtype = next(model.parameters()).dtype
-    caches = model.make_caches(1, len(ids) + max_tokens, dtype, device)
     stop = frozenset({tokenizer.eot_id}) if stop_at_eot else frozenset()
-    out = list(stream(model, ids, caches, 0, max_tokens, tokenizer.vocab_size, gen, temperature, top_k, top_p, stop))
+    out: list[int] = []
+    keep, warned = limit - 1, False   # the first window holds as much of the prompt as leaves room for one token
+    while len(out) < max_tokens and not (out and out[-1] in stop):
+        window = (ids + out)[-keep:]
+        n = min(max_tokens - len(out), limit - len(window))
+        if len(window) < len(ids) + len(out) and not warned:
+            warned = True
+            log.warning(f"the prompt and the text exceed the model's {limit}-token context: each token is drawn "
+                        f"from the last {max(1, limit // 2)} to {limit - 1} tokens before it")
+        caches = model.make_caches(1, len(window) + n, dtype, device)
+        out += stream(model, window, caches, 0, n, tokenizer.vocab_size, gen, temperature, top_k, top_p, stop)
+        keep = max(1, limit // 2)
     return tokenizer.decode(out[:-1] if out and out[-1] in stop else out)
 
 
@@ -117,6 +146,7 @@ def fill_spans(model, tokenizer: Tokenizer, prompt: str, max_tokens: int = 100, 
                top_k: int | None = None, top_p: float | None = None, seed: int = 0,
                device: torch.device | str = "cpu") -> list[tuple[int, str]]:
     """T5: `prompt` holds <extra_id_K> markers; returns [(K, text the model generates for it), ...]."""
+    check_sampling(temperature, top_k, top_p, max_tokens)
 
     V, S = model.vocab_size, model.sentinel_tokens
     ids = encode_with_sentinels(tokenizer, prompt, V, S) + [tokenizer.eot_id]
