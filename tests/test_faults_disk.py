@@ -285,3 +285,35 @@ def test_a_failure_not_for_want_of_room_keeps_its_own_message(tmp_path, monkeypa
     assert err.value.message == f"saving checkpoint {root / 'step_00000001'} failed: {said}{KEPT}"
     assert err.value.hint == f"check that {root} is writable, then resume with the same command"
     assert not list(root.iterdir()), "the staging folder is removed"
+
+
+@pytest.mark.parametrize("verb, args, named, hint", [
+    ("prepare", ["{jsonl}", "--out", "{file}/x"], "{file}: File exists", "a file is where a folder is needed"),
+    ("tokenizer", ["train", "{jsonl}", "--vocab-size", "300", "--out", "{file}/tok.json"], "{file}: File exists",
+     "a file is where a folder is needed"),
+    ("train", ["tiny", *SMALL, "train.max_steps=1", "run.dir={file}"], "{file}/tiny: Not a directory",
+     "a folder on this path is a file"),
+    ("train", ["tiny", *SMALL, "train.max_steps=1", "run.dir={tmp}/runs", "data.cache_dir={file}"],
+     "{file}/shakespeare-", "a folder on this path is a file"),
+    ("prepare", ["{jsonl}", "--out", "{ro}/x"], "{ro}/x_train_000001.bin.partial: Read-only file system",
+     "the file system is read-only: choose a location on a writable one"),
+])
+def test_a_location_that_cannot_be_written_is_named_in_one_line(tmp_path, verb, args, named, hint):
+    """An output path the user chose (a run directory, a cache folder, --out) under a file, or on a read-only file
+    system (a tmpfs mounted read-only in a private namespace): exit 1, one line naming the path and the cause, one
+    saying what to do; no traceback, nothing called unexpected."""
+    (tmp_path / "a.jsonl").write_text('{"text": "to be or not to be"}\n{"text": "that is the question"}\n')
+    (tmp_path / "file").write_text("in the way\n")
+    (tmp_path / "ro").mkdir()
+    where = {"jsonl": tmp_path / "a.jsonl", "file": tmp_path / "file", "ro": tmp_path / "ro", "tmp": tmp_path}
+    cmd = [sys.executable, "-m", "trainbox", verb, *(a.format(**where) for a in args)]
+    if "{ro}" in " ".join(args):
+        if shutil.which("unshare") is None:
+            pytest.skip("no read-only file system: unshare (util-linux) is not installed")
+        cmd = ["unshare", "-rm", "sh", "-c", f'mount -t tmpfs -o ro none {where["ro"]} && exec "$@"', "sh", *cmd]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=ENV, cwd=tmp_path, timeout=300)
+    if "{ro}" in " ".join(args) and "mount:" in proc.stderr:
+        pytest.skip(f"no read-only file system here: {proc.stderr.strip()}")
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 1 and len(lines) == 2, proc.stderr
+    assert lines[0].startswith(f"trainbox {verb}: {named.format(**where)}") and lines[1].startswith(f"  -> {hint}")

@@ -3,6 +3,7 @@ error into one short message and an exit code, with a traceback only when TRAINB
 `trainbox.cli.main`, which arms the stop signals first."""
 from __future__ import annotations
 
+import errno
 import os
 import select
 import shlex
@@ -10,6 +11,18 @@ import sys
 
 from trainbox.cli.parser import build_parser
 from trainbox.errors import TrainboxError
+
+# What to do about a file-system error on a path the user chose (a run directory, --out, a cache folder): one line
+# naming the path, instead of an unexpected error. Other errors (a missing file among them) stay unexpected.
+PATH_HINTS = {
+    errno.ENOTDIR: "a folder on this path is a file: choose another location",
+    errno.EEXIST: "a file is where a folder is needed: choose another location, or move the file",
+    errno.EISDIR: "this is a folder where a file is needed: give a file's path",
+    errno.EACCES: "no permission to write there: choose a location you can write, or change its permissions",
+    errno.EPERM: "no permission to write there: choose a location you can write, or change its permissions",
+    errno.EROFS: "the file system is read-only: choose a location on a writable one",
+    errno.ENAMETOOLONG: "the name is longer than the file system allows: choose a shorter one",
+}
 
 
 def _split_overrides(args) -> None:
@@ -78,6 +91,9 @@ def run(argv: list[str] | None = None) -> int:
     except Exception as e:  # an unexpected bug: one line, and how to see the traceback
         if debug:
             raise
+        if isinstance(e, OSError) and e.filename is not None and e.errno in PATH_HINTS:
+            print(f"trainbox {args.verb}: {e.filename}: {e.strerror}\n  -> {PATH_HINTS[e.errno]}", file=sys.stderr)
+            return 1
         print(f"trainbox {args.verb}: unexpected error: {type(e).__name__}: {e}\n"
               f"  -> run again with TRAINBOX_DEBUG=1 for the traceback", file=sys.stderr)
         return 1
