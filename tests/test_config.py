@@ -74,6 +74,28 @@ def test_json_and_yaml_files(tmp_path):
         load_config(str(tmp_path / "c.yaml"))
 
 
+def test_a_key_given_twice_in_a_config_file_is_refused_and_merge_keys_may_be_overridden(tmp_path):
+    """Plain YAML and JSON keep the last of two equal keys without a word: a file that sets train.max_steps twice
+    would train the second length. Refused with both lines; a key brought in by a YAML merge key (<<) may still be
+    overridden, as YAML means it to be. An empty file is said to be empty."""
+    (tmp_path / "twice.yaml").write_text("recipe: tiny\ntrain:\n  max_steps: 5\n  eval_every: 2\n  max_steps: 6\n")
+    with pytest.raises(ConfigError, match="line 5: max_steps is given twice in one mapping \\(first on line 3\\)"):
+        load_config(str(tmp_path / "twice.yaml"))
+    (tmp_path / "twice.json").write_text('{"train": {"max_steps": 5, "max_steps": 6}}')
+    with pytest.raises(ConfigError, match="max_steps given twice in one object"):
+        load_config(str(tmp_path / "twice.json"))
+    (tmp_path / "same.yaml").write_text("recipe: tiny\ntrain:\n  max_steps: 5\nmodel:\n  max_steps: 5\n")
+    with pytest.raises(ConfigError, match="model.max_steps"):   # the same name in two sections is no duplicate
+        load_config(str(tmp_path / "same.yaml"))
+    (tmp_path / "over.yaml").write_text("recipe: tiny\ntrain:\n  <<: {max_steps: 4, eval_every: 2}\n"
+                                        "  max_steps: 9\n")
+    cfg = load_config(str(tmp_path / "over.yaml"))
+    assert cfg.train.max_steps == 9 and cfg.train.eval_every == 2
+    (tmp_path / "empty.yaml").write_text("")
+    with pytest.raises(ConfigError, match="empty.yaml is empty"):
+        load_config(str(tmp_path / "empty.yaml"))
+
+
 def test_cli_config_errors_exit_2_without_traceback(tmp_path):
     for args, needle in ((["train", "tiny", "train.max_step=5"], "train.max_steps"),
                          (["train", "tiny", "model.n_layer=two"], "model.n_layer"),

@@ -39,15 +39,51 @@ def _check_size(data: Any, where: str) -> None:
             stack.extend(node)
 
 
+class _UniqueKeys(yaml.SafeLoader):
+    """YAML that refuses a key given twice in one mapping (plain YAML keeps the last one without a word)."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            first: dict = {}
+            for key_node, _ in node.value:   # before merge keys (<<) bring theirs in, which these may override
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                line = key_node.start_mark.line + 1
+                if isinstance(key, str) and first.setdefault(key, line) != line:
+                    raise _Duplicate(f"line {line}: {key} is given twice in one mapping (first on line "
+                                     f"{first[key]})")
+        return super().construct_mapping(node, deep)
+
+
+class _Duplicate(Exception):
+    pass
+
+
+def _unique_pairs(pairs: list) -> dict:
+    """json.loads' object_pairs_hook: a key given twice in one object is refused."""
+    keys = [k for k, _ in pairs]
+    twice = sorted({k for k in keys if keys.count(k) > 1})
+    if twice:
+        raise _Duplicate(f"{', '.join(twice)} given twice in one object")
+    return dict(pairs)
+
+
 def _read_file(path: Path) -> dict:
     try:
         text = path.read_text()
     except OSError as e:
         raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
     try:
-        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+        data = (json.loads(text, object_pairs_hook=_unique_pairs) if path.suffix == ".json"
+                else yaml.load(text, Loader=_UniqueKeys))
     except (json.JSONDecodeError, yaml.YAMLError) as e:
         raise ConfigError(f"{path} is not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {e}") from None
+    except _Duplicate as e:
+        raise ConfigError(f"{path}: {e}", hint="keep one of them: only the last would count") from None
+    if data is None:
+        raise ConfigError(f"{path} is empty", hint="write config sections in it, e.g. `recipe: tiny`, or use a "
+                          "recipe by name")
     if not isinstance(data, dict):
         raise ConfigError(f"{path} must hold a mapping of config sections, not {type(data).__name__}")
     _check_size(data, str(path))
