@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import gzip
 import json
+import re
 
 import numpy as np
 import pytest
@@ -214,6 +215,14 @@ def test_bad_inputs(tmp_path):
     (tmp_path / "k.jsonl").write_text('{"body": "x"}\n')
     with pytest.raises(DataError, match=r"k\.jsonl:1: no string field 'text' \(fields: body\)"):
         prepare(PrepareOptions([str(tmp_path / "k.jsonl")], str(tmp_path / "o")))
+    # a record meant as a preference pair or a chat, not quite one: what it lacks, not --text-key
+    for name, row, said in (("p", '{"prompt": "a", "chosen": "b"}', "a preference row needs 'chosen' and 'rejected'; "
+                             "'rejected' missing (fields: chosen, prompt)"),
+                            ("c", '{"messages": "hi"}', "a chat record's 'messages' is a list of messages, not a str")):
+        (tmp_path / f"{name}.jsonl").write_text(row + "\n")
+        with pytest.raises(DataError, match=re.escape(f"{name}.jsonl:1: {said}")) as e:
+            prepare(PrepareOptions([str(tmp_path / f"{name}.jsonl")], str(tmp_path / "o")))
+        assert "row forms" in e.value.hint
     (tmp_path / "u.txt").write_bytes(b"abc\xffdef")
     with pytest.raises(DataError, match=r"u\.txt: invalid UTF-8 at byte offset 3"):
         prepare(PrepareOptions([str(tmp_path / "u.txt")], str(tmp_path / "o")))

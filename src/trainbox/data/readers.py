@@ -208,9 +208,24 @@ def parse_json_line(line: bytes, where: str, offset: int, keys: list[str], chat:
     missing = [k for k in keys if not isinstance(rec, dict) or not isinstance(rec.get(k), str)]
     if missing:
         have = ", ".join(sorted(rec)) if isinstance(rec, dict) else type(rec).__name__
+        near = _meant(rec) if isinstance(rec, dict) else None
+        if near:
+            raise DataError(f"{where}: {near} (fields: {have})", hint="see `trainbox prepare --help` for the row forms")
         raise DataError(f"{where}: no string field {missing[0]!r} (fields: {have})",
                         hint="choose the field with --text-key")
     return "text", [rec[k] for k in keys], True
+
+
+def _meant(rec: dict) -> str | None:
+    """What a record that is not plain text seems meant to be, and what it lacks (None: nothing recognised)."""
+    for key in ("messages", "conversations"):
+        if key in rec:
+            return f"a chat record's {key!r} is a list of messages, not a {type(rec[key]).__name__}"
+    pair = [k for k in ("prompt", "chosen", "rejected") if k in rec]
+    if "chosen" in pair or "rejected" in pair:
+        lacks = [k for k in ("chosen", "rejected") if k not in rec]
+        return f"a preference row needs 'chosen' and 'rejected'; {' and '.join(map(repr, lacks))} missing"
+    return None
 
 
 def read_jsonl(path: Path) -> Iterator[tuple[bytes, str, int]]:
