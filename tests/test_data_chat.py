@@ -14,6 +14,7 @@ from trainbox.data.chat import ChatTemplate, encode_chat, load_template, message
 from trainbox.data.loader import TokenDataset, open_tokens
 from trainbox.data.prepare import PrepareOptions, prepare
 from trainbox.data.tokenizer import asset_path, get_tokenizer
+from trainbox.errors import NoData
 
 MESSAGES = [{"role": "system", "content": "You are terse."},
             {"role": "user", "content": "Name a colour."},
@@ -80,6 +81,7 @@ def test_prepare_chat_jsonl_writes_masks_the_loader_serves(tmp_path):
         st = prepare(PrepareOptions([str(tmp_path / "c.jsonl")], str(out), format=fmt, workers=2))
         assert st.masked and st.documents == 2
         tokens, mask = open_tokens(src)
+        assert st.trained == int(np.count_nonzero(mask)) > 0 and st.unanswered == 0
         tok = get_tokenizer("gpt2")
         ids, m = encode_chat(load_template("gpt2"), tok, MESSAGES)
         if fmt == "shard":  # EOT (untrained) before each conversation
@@ -91,6 +93,23 @@ def test_prepare_chat_jsonl_writes_masks_the_loader_serves(tmp_path):
         batch = TokenDataset([tokens], 16, masks=[mask]).batch([0, 1])
         want = np.stack([np.asarray(mask[1:17]), np.asarray(mask[17:33])]).astype(bool)
         assert np.array_equal(batch["loss_mask"].numpy(), want)
+
+
+def test_chat_records_without_an_assistant_turn_are_counted_and_a_set_of_only_those_refused(tmp_path, caplog):
+    """A conversation with no assistant turn (a role spelt otherwise, a prompt alone) trains nothing: prepare says how
+    many such records there are; when no record has one, the set would train at loss 0, so nothing is written."""
+    asked = {"messages": [{"role": "user", "content": "Name a colour."}, {"role": "model", "content": "Blue."}]}
+    (tmp_path / "some.jsonl").write_text(json.dumps({"messages": MESSAGES}) + "\n" + json.dumps(asked) + "\n")
+    with caplog.at_level("WARNING", logger="trainbox"):
+        st = prepare(PrepareOptions([str(tmp_path / "some.jsonl")], str(tmp_path / "a" / "x")))
+    assert st.unanswered == 1 and st.trained == sum(encode_chat(load_template("gpt2"), get_tokenizer("gpt2"),
+                                                               MESSAGES)[1])
+    assert "1 of 2 chat records have no assistant turn" in caplog.text
+    assert st.mask_summary() == f"; the loss on {st.trained:,} assistant tokens ({st.trained / st.tokens:.1%})"
+    (tmp_path / "none.jsonl").write_text(json.dumps(asked) + "\n" + json.dumps(asked) + "\n")
+    with pytest.raises(NoData, match="none.jsonl: no assistant tokens to train on in 2 chat record") as e:
+        prepare(PrepareOptions([str(tmp_path / "none.jsonl")], str(tmp_path / "b" / "x")))
+    assert "role 'assistant'" in e.value.hint and not list((tmp_path / "b").glob("*"))
 
 
 def test_masked_targets_do_not_reach_loss_or_gradients():

@@ -65,7 +65,7 @@ def cmd_prepare(args) -> int:
     secs = max(st.seconds, 1e-9)
     print(f"{st.documents:,} documents, {st.tokens:,} tokens ({st.val_documents:,} documents, {st.val_tokens:,} "
           f"tokens for validation) in {st.seconds:.1f}s: {st.documents / secs:,.0f} docs/s, "
-          f"{st.tokens / secs:,.0f} tokens/s" + ("; loss mask on assistant tokens" if st.masked else ""))
+          f"{st.tokens / secs:,.0f} tokens/s" + st.mask_summary())
     for f in st.files:
         print(f"  {f}")
     print(f"train on it with: {train_hint(args.out, args.tokenizer)}")

@@ -87,7 +87,15 @@ class PrepareStats:
     total_bytes: int | None = None        # input size when known (regular, uncompressed files)
     seconds: float = 0.0
     files: list[str] = field(default_factory=list)
-    masked: bool = False
+    masked: bool = False                  # chat records: a loss mask on the assistant's tokens
+    trained: int = 0                      # tokens the loss mask keeps
+    unanswered: int = 0                   # chat records with no assistant token
+
+    def mask_summary(self) -> str:
+        """The summary line's end: what the loss mask keeps ("" for plain text)."""
+        if not self.masked:
+            return ""
+        return f"; the loss on {self.trained:,} assistant tokens ({self.trained / max(1, self.tokens):.1%})"
 
 
 # ----------------------------------------------------------------------------- the command
@@ -183,6 +191,10 @@ def prepare(opts: PrepareOptions, progress: Callable[[PrepareStats], None] | Non
                     split = "val" if _is_val(doc, opts) else "train"
                 n = _emit(sinks[split], ids_per_key, mask, starts)
                 _count(stats, split, n, starts)
+                if mask is not None:
+                    kept = int(np.count_nonzero(mask))
+                    stats.trained += kept
+                    stats.unanswered += int(kept == 0)
                 content += sum(len(ids) for ids in ids_per_key)
             stats.bytes_read += nbytes
             stats.seconds = time.perf_counter() - start
@@ -190,16 +202,22 @@ def prepare(opts: PrepareOptions, progress: Callable[[PrepareStats], None] | Non
                 last = stats.seconds
                 progress(stats)
         if content == 0:
-            names = ", ".join(map(str, files[:3])) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
             what = f"{stats.documents} empty document(s)" if stats.documents else "no documents"
-            raise NoData(f"{names}: no tokens to write ({what}); nothing was written",
+            raise NoData(f"{_names(files)}: no tokens to write ({what}); nothing was written",
                          hint="check the input files" + (" and --text-key" if any(map(is_jsonl, files)) else ""))
+        if chat and stats.trained == 0:
+            raise NoData(f"{_names(files)}: no assistant tokens to train on in {stats.documents:,} chat record(s); "
+                         "nothing was written", hint="only turns with role 'assistant' (ShareGPT: from 'gpt') are "
+                         "trained: check the records' roles")
         outputs = _close_sinks(sinks, stats)
     except BaseException:
         pool.close()
         _abort(sinks)
         raise
     pool.close()
+    if stats.unanswered:
+        log.warning(f"{stats.unanswered:,} of {stats.documents:,} chat records have no assistant turn: their tokens "
+                    "are context, with nothing to learn")
     stats.files.append(str(_commit(outputs, opts, tok)))
     if opts.write_vocab:
         stats.files += [str(p) for p in write_vocab(opts.tokenizer, Path(opts.out).parent)]
@@ -207,6 +225,10 @@ def prepare(opts: PrepareOptions, progress: Callable[[PrepareStats], None] | Non
     if progress:
         progress(stats)
     return stats
+
+
+def _names(files: list[Path]) -> str:
+    return ", ".join(map(str, files[:3])) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
 
 
 def _total_bytes(files: list[Path]) -> int | None:

@@ -111,7 +111,7 @@ def prepare_into_cache(cfg: DataSection, progress=None) -> str:
                                     text_keys=list(cfg.text_key), chat_template=cfg.chat_template,
                                     workers=max(1, cfg.num_workers), val_fraction=0.01, overwrite=True), progress)
         log.info(f"data: {st.documents:,} documents, {st.tokens:,} tokens ({st.val_documents:,} documents held out "
-                 f"for validation) in {st.seconds:.1f}s" + ("; loss mask on assistant tokens" if st.masked else ""))
+                 f"for validation) in {st.seconds:.1f}s" + st.mask_summary())
         (out / "COMPLETE").write_text(cfg.path + "\n")
     return str(prefix)
 
