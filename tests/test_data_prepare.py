@@ -298,7 +298,7 @@ def test_trained_tokenizer_output_is_accepted(corpus, tmp_path):
     from trainbox.data.tokenizer import train_bpe
 
     d, docs = corpus
-    tok_file = train_bpe(docs, 300, tmp_path / "tok")
+    tok_file, _ = train_bpe(docs, 300, tmp_path / "tok")
     st = prepare(PrepareOptions([str(d / "a.jsonl")], str(tmp_path / "x"), tokenizer=str(tmp_path / "tok")))
     tok = get_tokenizer(str(tok_file.parent))
     got = formats.read_shard(tmp_path / "x_train_000001.bin")
@@ -306,6 +306,35 @@ def test_trained_tokenizer_output_is_accepted(corpus, tmp_path):
     assert np.array_equal(got, np.concatenate(want))
     assert int((got == tok.eot_id).sum()) == 200  # a literal "<|endoftext|>" in the text is not a boundary
     assert st.tokens == len(got) and int(got.max()) < 300
+
+
+def test_tokenizer_train_reads_inputs_as_prepare_does(tmp_path, capsys):
+    """`trainbox tokenizer train` learns from the texts prepare would tokenize (a JSONL file's text fields and a
+    chat record's messages, never their JSON syntax; a .txt file whole): the tokenizer equals one trained on those
+    texts. It says when the text had fewer merges than asked, and refuses a missing input, a record without the
+    field, empty text (nothing written) and a vocabulary too small to hold the bytes (a usage error)."""
+    from trainbox.cli import main
+    from trainbox.data.tokenizer import train_bpe
+
+    rows = [{"text": "the quick brown fox jumps"}, {"text": "over the lazy dog, the end"}]
+    chat = {"messages": [{"role": "user", "content": "who jumps?"}, {"role": "assistant", "content": "the fox"}]}
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [*rows, chat]))
+    (tmp_path / "b.txt").write_text("a plain text file, whole")
+    texts = [r["text"] for r in rows] + ["who jumps?", "the fox", "a plain text file, whole"]
+    assert main(["tokenizer", "train", str(tmp_path / "a.jsonl"), str(tmp_path / "b.txt"), "--vocab-size", "400",
+                 "--out", str(tmp_path / "cli.json")]) == 0
+    ref, size = train_bpe(texts, 400, tmp_path / "ref.json")
+    assert json.loads((tmp_path / "cli.json").read_text()) == json.loads(ref.read_text())
+    assert size < 400 and f"(vocab {size}, fewer than the 400 asked" in capsys.readouterr().out
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "k.jsonl").write_text('{"body": "x"}\n')
+    for args, code, said in (([str(tmp_path / "nope.txt")], 1, "input "), ([str(tmp_path / "k.jsonl")], 1,
+                             "k.jsonl:1: no string field 'text' (fields: body)"),
+                             ([str(tmp_path / "empty.txt")], 2, "no text to learn from"),
+                             ([str(tmp_path / "b.txt"), "--vocab-size", "256"], 2, "--vocab-size 256 is too small")):
+        size_given = [] if "--vocab-size" in args else ["--vocab-size", "300"]
+        assert main(["tokenizer", "train", *args, *size_given, "--out", str(tmp_path / "t.json")]) == code
+        assert said in capsys.readouterr().err and not (tmp_path / "t.json").exists()
 
 
 def test_killed_prepare_leaves_no_final_file(tmp_path):

@@ -16,8 +16,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from trainbox.data import embedded
-from trainbox.data.readers import first_row_is_preference, list_input_files
+from trainbox.data.readers import first_row_is_preference, list_input_files, tokenizer_texts
 from trainbox.data.tokenizer import get_tokenizer, train_bpe
 from trainbox.errors import DataError
 from trainbox.monitor.console import fmt_duration
@@ -272,16 +271,7 @@ class DownloadLine:
 
 
 def cmd_tokenizer(args) -> int:
-    def texts():
-        for f in args.files:
-            if f.startswith("embedded:"):
-                yield from embedded.split("train")
-                continue
-            p = Path(f)
-            for path in sorted(p.rglob("*")) if p.is_dir() else [p]:
-                if path.is_file():
-                    yield path.read_text(encoding="utf-8", errors="replace")
-
-    out = train_bpe(texts(), args.vocab_size, args.out)
-    print(f"wrote {out} (vocab {args.vocab_size}); use it with data.tokenizer={out}")
+    out, size = train_bpe(tokenizer_texts(args.files, args.text_key or ["text"]), args.vocab_size, args.out)
+    fewer = f", fewer than the {args.vocab_size:,} asked: the text has no more merges" if size < args.vocab_size else ""
+    print(f"wrote {out} (vocab {size:,}{fewer}); use it with data.tokenizer={out}")
     return 0

@@ -200,8 +200,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     k = verb("tokenizer", "train a byte-level BPE tokenizer")
     k.add_argument("action", choices=["train"])
-    k.add_argument("files", nargs="+", help="text files or folders (or embedded:shakespeare)")
+    k.add_argument("files", nargs="+", help=".txt and JSONL files or folders, as prepare reads them (or "
+                   "embedded:shakespeare)")
     k.add_argument("--vocab-size", type=int, required=True)
+    k.add_argument("--text-key", action="append", help="JSONL field(s) holding text (repeatable; default text)")
     k.add_argument("--out", required=True, help="output folder (tokenizer.json) or .json path")
     k.set_defaults(func=cmd_tokenizer)
 

@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 from typing import Iterator
 
+from trainbox.data import embedded
 from trainbox.data.chat import is_chat_record, messages_of
 from trainbox.data.tokenizer import GPT2Tokenizer
 from trainbox.errors import DataError
@@ -258,3 +259,30 @@ def work_items(files: list[Path], piece_bytes: int | None = None) -> Iterator[tu
                 item, nbytes = [], 0
     if item:
         yield item, nbytes
+
+
+def tokenizer_texts(inputs: list[str], keys: list[str]) -> Iterator[str]:
+    """The texts `trainbox tokenizer train` learns from, read as prepare reads them: a .txt file whole, each JSONL
+    line's `keys` fields (a chat record: its messages' contents), never the JSON syntax around them. A missing
+    input, bad UTF-8 or JSON, or a record without the field is a DataError naming the file and line."""
+    for spec in inputs:
+        if spec.startswith("embedded:"):
+            yield from embedded.split("train")
+            continue
+        for path in list_input_files([spec]):
+            if not is_jsonl(path):
+                with _open(path) as f:
+                    yield decode_utf8(f.read(), str(path), 0)
+                continue
+            for row, n in json_objects(path):
+                where = f"{path}:{n}"
+                if is_chat_record(row):
+                    yield from (m["content"] for m in messages_of(row, where))
+                    continue
+                missing = [k for k in keys if not isinstance(row.get(k), str)]
+                if missing:
+                    near = _meant(row)
+                    raise DataError(f"{where}: " + (near or f"no string field {missing[0]!r}")
+                                    + f" (fields: {', '.join(sorted(row))})",
+                                    hint="choose the field with --text-key")
+                yield from (row[k] for k in keys)

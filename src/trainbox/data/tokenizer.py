@@ -22,7 +22,7 @@ import tiktoken
 from tokenizers import Tokenizer as _Tok
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from trainbox.errors import DataError
+from trainbox.errors import ConfigError, DataError, NoData
 
 GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
 GPT2_ENCODER_SHA256 = "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783"
@@ -181,21 +181,32 @@ def get_tokenizer(spec: str) -> Tokenizer:
     return HFTokenizer(spec)
 
 
-def train_bpe(texts: Iterable[str], vocab_size: int, out: str | Path) -> Path:
-    """Train a byte-level BPE (GPT-2 style pre-tokenization) with <|endoftext|> as its only special token."""
-
+def train_bpe(texts: Iterable[str], vocab_size: int, out: str | Path) -> tuple[Path, int]:
+    """Train a byte-level BPE (GPT-2 style pre-tokenization) with <|endoftext|> as its only special token; ->
+    (the tokenizer.json written, its vocabulary size: `vocab_size`, or fewer where the text has no more merges).
+    Text with no characters is refused (NoData), before anything is written."""
     if vocab_size < 257:
-        raise DataError(f"vocab size {vocab_size} is too small for a byte-level BPE (needs >= 257)")
+        raise ConfigError(f"--vocab-size {vocab_size} is too small for a byte-level BPE (needs >= 257: 256 bytes "
+                          "and <|endoftext|>)")
+    seen = [0]
+
+    def counted():
+        for text in texts:
+            seen[0] += len(text)
+            yield text
+
     tok = _Tok(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOT_TEXT], show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(texts, trainer=trainer)
+    tok.train_from_iterator(counted(), trainer=trainer)
+    if not seen[0]:
+        raise NoData("no text to learn from: the inputs are empty; nothing was written")
     out = Path(out)
     file = out / "tokenizer.json" if out.suffix != ".json" else out
     file.parent.mkdir(parents=True, exist_ok=True)
     tmp = file.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(json.loads(tok.to_str()), ensure_ascii=False))
     tmp.replace(file)
-    return file
+    return file, tok.get_vocab_size()
