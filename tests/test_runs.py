@@ -131,3 +131,21 @@ def test_run_on_another_host_is_judged_by_its_heartbeat(tmp_path):
     assert info["state"] == "running" and info["healthy"]
     later = runs.run_info(tmp_path, now=info["heartbeat"] + 61)  # > max(60 s, 10 x 0.5 s x log_every 1)
     assert later["state"] == "stalled" and not later["healthy"] and "no progress for 61s" in later["reason"]
+
+
+def test_a_run_whose_status_json_cannot_be_read_is_named_not_hidden(tmp_path, capsys, caplog):
+    """`trainbox runs` lists the readable runs and says which it leaves out and why; `status` on it says the file
+    cannot be read, not that the run never started."""
+    from trainbox.monitor.state import RunState
+
+    for name in ("good", "torn"):
+        (tmp_path / name).mkdir()
+        state = RunState(name, tmp_path / name)
+        state.update(phase="finished", step=5, host="elsewhere", pid=1)
+        state.write_status(tmp_path / name / "status.json")
+    (tmp_path / "torn" / "status.json").write_text('{"phase": "fini')
+    with caplog.at_level("WARNING", logger="trainbox"):
+        assert list(table(capsys, tmp_path)) == ["good"]
+    assert f"{tmp_path / 'torn'}: not listed: {tmp_path / 'torn' / 'status.json'} is not readable JSON" in caplog.text
+    rc, out = status(capsys, tmp_path / "torn")
+    assert rc == 1 and out == f"unhealthy: {tmp_path / 'torn' / 'status.json'} is not readable JSON"

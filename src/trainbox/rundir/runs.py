@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
 import platform
 import socket
@@ -25,6 +26,8 @@ import trainbox
 from trainbox.errors import DataError, RunFinished, RunNotRunning
 from trainbox.rundir import ranks
 from trainbox.rundir.status import ACTIVE_PHASES, health
+
+log = logging.getLogger("trainbox")  # the library logger
 
 
 def git_commit() -> str | None:
@@ -179,8 +182,11 @@ def run_info(run_dir: Path, now: float | None = None) -> dict:
 
     run_dir = Path(run_dir)
     s = read_json(run_dir / "status.json")
+    if s is None and (run_dir / "status.json").exists():
+        raise DataError(f"{run_dir / 'status.json'} is not readable JSON", hint=f"`trainbox logs {run_dir}` shows the "
+                        "run's log")
     if s is None:
-        raise DataError(f"{run_dir / 'status.json'} is missing or unreadable: {run_dir} is not a started run",
+        raise DataError(f"{run_dir / 'status.json'} is missing: {run_dir} is not a started run",
                         hint="list runs with `trainbox runs DIR`")
     now = time.time() if now is None else now
     stall, log_every = _monitor_settings(run_dir)
@@ -208,8 +214,8 @@ def list_runs(root: Path) -> list[dict]:
     for d in dirs:
         try:
             infos.append(run_info(d))
-        except Exception:  # noqa: BLE001 - one unreadable run must not hide the others
-            continue
+        except Exception as e:  # noqa: BLE001 - one unreadable run must not hide the others, nor go unsaid
+            log.warning(f"{d}: not listed: {getattr(e, 'message', None) or f'{type(e).__name__}: {e}'}")
     return sorted(infos, key=lambda r: r.get("started_at") or 0, reverse=True)
 
 
