@@ -14,12 +14,13 @@ from trainbox.errors import TrainboxError
 
 # What to do about a file-system error on a path the user chose (a run directory, --out, a cache folder): one line
 # naming the path, instead of an unexpected error. Other errors (a missing file among them) stay unexpected.
+_DENIED = "no permission to write there: choose a location you can write, or change its permissions"
 PATH_HINTS = {
     errno.ENOTDIR: "a folder on this path is a file: choose another location",
     errno.EEXIST: "a file is where a folder is needed: choose another location, or move the file",
     errno.EISDIR: "this is a folder where a file is needed: give a file's path",
-    errno.EACCES: "no permission to write there: choose a location you can write, or change its permissions",
-    errno.EPERM: "no permission to write there: choose a location you can write, or change its permissions",
+    errno.EACCES: _DENIED,
+    errno.EPERM: _DENIED,
     errno.EROFS: "the file system is read-only: choose a location on a writable one",
     errno.ENAMETOOLONG: "the name is longer than the file system allows: choose a shorter one",
 }

@@ -62,11 +62,12 @@ class _Duplicate(Exception):
 
 def _unique_pairs(pairs: list) -> dict:
     """json.loads' object_pairs_hook: a key given twice in one object is refused."""
-    keys = [k for k, _ in pairs]
-    twice = sorted({k for k in keys if keys.count(k) > 1})
-    if twice:
+    out = dict(pairs)
+    if len(out) < len(pairs):
+        seen: set = set()
+        twice = sorted({k for k, _ in pairs if k in seen or seen.add(k)})
         raise _Duplicate(f"{', '.join(twice)} given twice in one object")
-    return dict(pairs)
+    return out
 
 
 def _read_file(path: Path) -> dict:

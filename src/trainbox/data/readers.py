@@ -206,6 +206,12 @@ def parse_json_line(line: bytes, where: str, offset: int, keys: list[str], chat:
     if chat:
         raise DataError(f"{where}: expected a chat record (`messages` or `conversations`)",
                         hint="keep chat and plain-text JSONL in separate prepare runs")
+    return "text", text_fields(rec, keys, where), True
+
+
+def text_fields(rec, keys: list[str], where: str) -> list[str]:
+    """The string fields `keys` of a plain-text JSONL record, or a DataError saying what the record lacks (or what
+    it seems meant to be: a chat record or a preference row that is not quite one)."""
     missing = [k for k in keys if not isinstance(rec, dict) or not isinstance(rec.get(k), str)]
     if missing:
         have = ", ".join(sorted(rec)) if isinstance(rec, dict) else type(rec).__name__
@@ -214,7 +220,7 @@ def parse_json_line(line: bytes, where: str, offset: int, keys: list[str], chat:
             raise DataError(f"{where}: {near} (fields: {have})", hint="see `trainbox prepare --help` for the row forms")
         raise DataError(f"{where}: no string field {missing[0]!r} (fields: {have})",
                         hint="choose the field with --text-key")
-    return "text", [rec[k] for k in keys], True
+    return [rec[k] for k in keys]
 
 
 def _meant(rec: dict) -> str | None:
@@ -278,11 +284,5 @@ def tokenizer_texts(inputs: list[str], keys: list[str]) -> Iterator[str]:
                 where = f"{path}:{n}"
                 if is_chat_record(row):
                     yield from (m["content"] for m in messages_of(row, where))
-                    continue
-                missing = [k for k in keys if not isinstance(row.get(k), str)]
-                if missing:
-                    near = _meant(row)
-                    raise DataError(f"{where}: " + (near or f"no string field {missing[0]!r}")
-                                    + f" (fields: {', '.join(sorted(row))})",
-                                    hint="choose the field with --text-key")
-                yield from (row[k] for k in keys)
+                else:
+                    yield from text_fields(row, keys, where)

@@ -188,11 +188,12 @@ def train_bpe(texts: Iterable[str], vocab_size: int, out: str | Path) -> tuple[P
     if vocab_size < 257:
         raise ConfigError(f"--vocab-size {vocab_size} is too small for a byte-level BPE (needs >= 257: 256 bytes "
                           "and <|endoftext|>)")
-    seen = [0]
+    chars = 0
 
     def counted():
+        nonlocal chars
         for text in texts:
-            seen[0] += len(text)
+            chars += len(text)
             yield text
 
     tok = _Tok(models.BPE())
@@ -201,7 +202,7 @@ def train_bpe(texts: Iterable[str], vocab_size: int, out: str | Path) -> tuple[P
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOT_TEXT], show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(counted(), trainer=trainer)
-    if not seen[0]:
+    if not chars:
         raise NoData("no text to learn from: the inputs are empty; nothing was written")
     out = Path(out)
     file = out / "tokenizer.json" if out.suffix != ".json" else out
