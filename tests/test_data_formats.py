@@ -273,3 +273,43 @@ def test_megatron_document_indices_are_checked(tmp_path):
     idx.write_bytes(bytes(raw))
     with pytest.raises(DataError, match=rf"{idx}: document index 4 at byte offset {len(raw) - 8} is 9"):
         megatron.read_megatron(tmp_path / "d")
+
+
+def test_text_is_never_read_as_headerless_tokens(tmp_path):
+    """A file with no header and no text suffix is read as flat uint16 tokens only when its first bytes are not
+    printable UTF-8 text: a checkpoint's `latest` pointer, a YAML file, or text whose first 1,024 bytes end inside a
+    two-byte character are refused under data.format=auto, and read as data.format=flat asks; GPT-2 tokens of
+    text, written headerless, still read as flat."""
+    from trainbox.data.tokenizer import get_tokenizer
+
+    ids = np.array(get_tokenizer("gpt2").encode("To be, or not to be, that is the question.\n" * 40), np.uint16)
+    ids.tofile(tmp_path / "tokens")
+    assert formats.detect_format(tmp_path / "tokens") == "flat"
+    assert open_tokens(tmp_path / "tokens")[0].tolist() == ids.tolist()
+    texts = {"latest": b"step_00000030\n", "config.yaml": b"run:\n  name: x\n  seed: 12\n",
+             "cut": b"a" + "\u00e9".encode() * 600 + b"\n"}   # the 1,024th byte starts a two-byte character
+    for name, raw in texts.items():
+        (tmp_path / name).write_bytes(raw)
+        with pytest.raises(DataError, match=rf"{tmp_path / name}: its first {min(len(raw), 1024):,} bytes are text "
+                                            r"\(printable UTF-8\), not headerless uint16 tokens") as e:
+            open_for_training(tmp_path / name)
+        assert "data.format=flat" in e.value.hint and "trainbox prepare" in e.value.hint
+        assert len(open_tokens(tmp_path / name, "flat")[0]) == len(raw) // 2
+
+
+def test_a_folder_of_token_files_that_are_not_shards_names_them_and_a_dataset_to_give(tmp_path):
+    """A folder with .bin files is read as a folder of shards (PREFIX_train_*.bin); when none is named so, the
+    message lists its .bin files and the hint names one dataset as data.path takes it (a Megatron dataset by its
+    prefix), instead of a search for FOLDER_train_*.bin."""
+    (tmp_path / "mix").mkdir()
+    (tmp_path / "mix" / "notes.txt").write_text("text beside the tokens\n")
+    np.arange(100, dtype=np.uint16).tofile(tmp_path / "mix" / "b.bin")
+    (tmp_path / "meg").mkdir()
+    write_megatron(tmp_path / "meg" / "corpus_text_document", [np.arange(100, dtype=np.uint16)])
+    for folder, names, first in (("mix", "b.bin", "mix/b.bin"),
+                                 ("meg", "corpus_text_document.bin", "meg/corpus_text_document")):
+        with pytest.raises(DataError, match=rf"data\.path={tmp_path / folder} is a folder of \.bin files, none of "
+                                            rf"them a shard named PREFIX_train_\*\.bin, .* \({names}\)\n") as e:
+            open_for_training(tmp_path / folder)
+        assert e.value.hint.startswith(f"name one dataset, e.g. data.path={tmp_path / first};")
+        assert len(open_for_training(tmp_path / first)[0].arrays[0]) == 100   # the dataset the hint names

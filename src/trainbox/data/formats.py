@@ -19,7 +19,8 @@ Which reader opens a path (`detect_format`, data.format):
             version 1 with a token count that fits the file's size, or the 253 reserved header ints all zero
             together with either of those fields; else flat. A flat file is thus read only when no header
             of a known format fits it (a shard whose first 12 bytes were zeroed reads as flat: set
-            data.format=shard to refuse it).
+            data.format=shard to refuse it), and a file whose first bytes are printable UTF-8 text is refused: no
+            token file reads so (`reads_as_text`).
 A 0-byte file is a DataError in every format.
 
 Prepared output sets: `trainbox prepare` writes OUT.manifest.json (state "committing", listing the new files
@@ -225,7 +226,25 @@ def detect_format(path: str | Path, fmt: str = "auto") -> str:
         raise DataError(f"{path}: bad magic {magic} at byte offset 0 (expected {SHARD_MAGIC}), but {why}: a damaged "
                         f"shard header, so the file is not read as headerless tokens (data.format=auto)",
                         hint=f"{REBUILD}; if it really is a headerless nanoGPT token file, set data.format=flat")
+    if reads_as_text(head):
+        raise DataError(f"{path}: its first {len(head):,} bytes are text (printable UTF-8), not headerless uint16 "
+                        f"tokens, so the file is not read as a token file (data.format=auto)",
+                        hint="text is tokenized when its file name ends in .txt, .md or .text (JSON lines: .jsonl), "
+                             "or by `trainbox prepare FILE --out DATA`; if it really is a headerless nanoGPT token "
+                             "file, set data.format=flat")
     return "flat"
+
+
+def reads_as_text(head: bytes) -> bool:
+    """Whether a file's first bytes are UTF-8 text of printable characters and white space. No token file's are:
+    the ids below 8,192, common in every tokenizer's output, put a control byte in each pair they occupy."""
+    for cut in range(min(4, len(head))):   # the head may end inside a multi-byte character
+        try:
+            text = head[:len(head) - cut].decode("utf-8")
+        except UnicodeDecodeError:
+            continue
+        return all(c.isprintable() or c in "\t\n\r" for c in text)
+    return False
 
 
 def open_tokens(path: str | Path, fmt: str = "auto") -> tuple[np.ndarray, np.ndarray | None]:

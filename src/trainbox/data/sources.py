@@ -91,7 +91,14 @@ def _folder_prefix(path: str) -> str:
     if names:
         raise DataError(f"data.path={path} holds shards of several prefixes ({', '.join(sorted(names))})",
                         hint=f"name one, e.g. data.path={os.path.join(path, sorted(names)[0])}")
-    return path
+    found = sorted(os.path.basename(p) for p in glob.glob(os.path.join(glob.escape(path), "*.bin")))
+    first = os.path.join(path, found[0].removesuffix(".bin") if megatron.is_megatron_prefix(
+        Path(path, found[0]).with_suffix("")) else found[0])
+    raise DataError(f"data.path={path} is a folder of .bin files, none of them a shard named PREFIX_train_*.bin, "
+                    f"which is what a folder of token files must hold ({', '.join(found[:4])}"
+                    f"{f' and {len(found) - 4} more' if len(found) > 4 else ''})",
+                    hint=f"name one dataset, e.g. data.path={first}; a folder of text or JSONL files is tokenized "
+                         "when it holds no .bin file")
 
 
 def prepare_into_cache(cfg: DataSection, progress=None) -> str:
