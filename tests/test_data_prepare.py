@@ -283,6 +283,40 @@ def test_cli_prepare_inspect_and_zero_steps(corpus, tmp_path, tiny):
     assert t.returncode == 1 and msg in t.stderr  # the loop gives the very same message
 
 
+def test_inspect_of_a_run_reads_its_data_as_the_run_did(tmp_path, tiny, capsys):
+    """`trainbox inspect RUN` (or a checkpoint of it): the run's data.path with its tokenizer, window and global
+    batch, so its samples and steps per epoch are the ones the run's train.log states; an option given overrides
+    the run's. A run that reads its data as examples (preference pairs) is refused in one message."""
+    from trainbox.cli import main
+    from trainbox.config import load_config
+    from trainbox.config.load import dump_yaml
+
+    assert main(["train", "tiny", *tiny, "train.max_steps=2", "train.eval_every=0", "train.sample_tokens=0"]) == 0
+    run = tmp_path / "runs" / "tiny"
+    log = (run / "train.log").read_text()
+    said = re.search(r"([\d,]+) samples of 32; global batch 8 .*; ([\d,]+) steps/epoch", log)
+    samples, per_epoch = (int(g.replace(",", "")) for g in said.groups())
+    capsys.readouterr()
+    assert main(["inspect", str(run), "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert (r["path"], r["seq_len"], r["tokenizer"]) == ("embedded:shakespeare", 32, "embedded:shakespeare-bpe")
+    assert (r["train"]["samples"], r["steps_per_epoch"], r["global_batch"]) == (samples, per_epoch, 8)
+    assert r["run"] == {"path": str(run), "data.path": "embedded:shakespeare", "data.tokenizer":
+                        "embedded:shakespeare-bpe", "max_steps": 2, "epochs": round(2 / per_epoch, 4)}
+    assert main(["inspect", str(run / "checkpoints" / "step_00000002"), "--global-batch", "4"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"run {run / 'checkpoints' / 'step_00000002'}: data.path=embedded:shakespeare, "
+                          "data.tokenizer=embedded:shakespeare-bpe, whose 2 steps are ")
+    assert f"global batch 4: {samples // 4:,} steps per epoch" in out
+    pairs = tmp_path / "runs" / "pairs"
+    pairs.mkdir()
+    (pairs / "config.yaml").write_text(dump_yaml(load_config("tiny", [*tiny, "train.objective=dpo"])))
+    (pairs / "status.json").write_text("{}")
+    assert main(["inspect", str(pairs)]) == 1
+    assert capsys.readouterr().err.startswith(f"trainbox inspect: {pairs} trains on embedded:shakespeare as "
+                                              "preference pairs, not as windows of a token dataset")
+
+
 def test_raw_jsonl_as_data_path_trains(corpus, tmp_path, tiny):
     d, _ = corpus
     cache = tmp_path / "cache"   # its own: the session's cache holds what other tests prepared

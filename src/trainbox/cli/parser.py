@@ -173,14 +173,18 @@ def build_parser() -> argparse.ArgumentParser:
                     "that count (default half of --seq-len)")
     pr.set_defaults(func=cmd_prepare)
 
-    ins = verb("inspect", "documents, tokens, samples and steps of a token dataset")
-    ins.add_argument("path", help="token file, Megatron prefix, shard prefix or folder")
-    ins.add_argument("--seq-len", type=int, default=1024)
-    ins.add_argument("--global-batch", type=int, default=None, help="sequences per step: prints steps per epoch")
-    ins.add_argument("--epochs", type=float, default=1.0)
-    ins.add_argument("--tokenizer", default=None, help="count documents by its EOT and check ids against its vocab")
-    ins.add_argument("--format", choices=["auto", "shard", "megatron", "flat"], default="auto",
-                     help="which token file format to accept, as data.format (auto: detected by content)")
+    ins = verb("inspect", "documents, tokens, samples and steps of a token dataset, or of the data a run trains on")
+    ins.add_argument("path", help="token file, Megatron prefix, shard prefix or folder; or a run directory or "
+                                  "checkpoint: its data, with its settings")
+    ins.add_argument("--seq-len", type=int, default=None, help="default 1024, or the run's data.seq_len")
+    ins.add_argument("--global-batch", type=int, default=None, help="sequences per step: prints steps per epoch "
+                                                                    "(default: the run's train.global_batch_size)")
+    ins.add_argument("--epochs", type=float, default=None, help="default 1, or the run's train.epochs")
+    ins.add_argument("--tokenizer", default=None, help="count documents by its EOT and check ids against its vocab "
+                                                       "(default: the run's data.tokenizer)")
+    ins.add_argument("--format", choices=["auto", "shard", "megatron", "flat"], default=None,
+                     help="which token file format to accept, as data.format (default auto: detected by content; "
+                          "or the run's data.format)")
     ins.add_argument("--json", action="store_true", help="print the report as JSON")
     ins.set_defaults(func=cmd_inspect)
 

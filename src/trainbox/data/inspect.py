@@ -100,6 +100,11 @@ def inspect_data(path: str, seq_len: int, global_batch: int | None = None, epoch
 def format_report(r: dict) -> str:
     """The human-readable text `trainbox inspect` prints."""
     lines = [f"{r['path']}  (seq_len {r['seq_len']})"]
+    if "run" in r:
+        run = r["run"]
+        length = f", whose {run['max_steps']:,} steps are {run['epochs']:g} epoch(s)" if run["max_steps"] else ""
+        lines.insert(0, f"run {run['path']}: data.path={run['data.path']}, data.tokenizer={run['data.tokenizer']}"
+                        + length)
     for split in ("train", "val"):
         if split not in r:
             continue
