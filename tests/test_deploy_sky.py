@@ -98,7 +98,9 @@ def test_launch_sky_cli_writes_the_task_and_refuses_bad_input(tmp_path):
     out = tmp_path / "sky"
     proc = run_cli("launch", "sky", "tiny", "train.max_steps=5", "--nodes", "2", "--gpus", "L4:2", "--bucket",
                    "my-runs", "--out", str(out))
-    assert "sky jobs launch --yes --name tiny" in proc.stdout
+    # both ways to start it name the file written, so either line runs from where the command ran
+    assert f"to apply: sky jobs launch --yes --name tiny {out / 'task.yaml'}\n" in proc.stdout
+    assert f"or without managed recovery: sky launch -c tiny {out / 'task.yaml'}; dashboard:" in proc.stdout
     task = yaml.safe_load((out / "task.yaml").read_text())
     assert task["resources"]["accelerators"] == "L4:2" and task["file_mounts"]["/trainbox/runs"]["name"] == "my-runs"
     for args, message in [(["--gpus", "H100:0"], "--gpus H100:0: expected NAME or NAME:COUNT"),

@@ -51,7 +51,7 @@ def cmd_launch(args) -> int:
     commands = rendered.apply_commands(out)
     for cmd in commands:
         print(f"{'apply' if args.apply else 'to apply'}: {' '.join(cmd)}")
-    for note in rendered.notes:
+    for note in rendered.notes_at(out):
         print(note)
     if args.apply and not args.dry_run:
         return run_commands(commands, Path.cwd())

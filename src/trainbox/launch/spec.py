@@ -112,6 +112,14 @@ class Rendered:
     def apply_commands(self, out: Path) -> list[list[str]]:
         return [[str(out / a) if a in self.files else a for a in cmd] for cmd in self.apply]
 
+    def notes_at(self, out: Path) -> list[str]:
+        """The notes, with each file name in them replaced by its path once written (as in apply_commands)."""
+        if not self.files:
+            return list(self.notes)
+        names = "|".join(re.escape(n) for n in sorted(self.files, key=len, reverse=True))
+        word = re.compile(rf"(?<![\w/.-])({names})(?![\w/-]|\.\w)")
+        return [word.sub(lambda m: str(out / m.group(1)), note) for note in self.notes]
+
 
 def gpus_count(gpus: str) -> int:
     """The count of `--gpus NAME[:COUNT]` (SkyPilot's accelerator syntax), or a ConfigError."""
