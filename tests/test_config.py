@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import run_cli
+from conftest import run_check_script, run_cli
 
 from trainbox.config import RunConfig, load_config, recipe_names
 from trainbox.errors import ConfigError
@@ -243,3 +243,19 @@ def test_the_layout_is_decided_in_one_place():
     others = [p for p in src.rglob("*.py") if p != src / "config" / "layout.py"]
     for needle in ("does not divide", "does not split over", "expert_parallel %", "% t.micro_batch_size"):
         assert [p.relative_to(src) for p in others if needle in p.read_text()] == [], needle
+
+
+@pytest.mark.parametrize("first", ["from trainbox.model.spec import families; families()",
+                                   "from trainbox.model.spec import family; family('gpt')",
+                                   "import trainbox.config"])
+def test_the_config_holds_every_family_whichever_module_loads_first(first):
+    """The model section is assembled from the families as trainbox.config loads, and the families' own sections
+    import trainbox.config: a program that asks for the families before it reads a config (a fresh process each)
+    gets every family's section in the config all the same."""
+    run_check_script(first + """
+from trainbox.config import ModelSection, load_config
+from trainbox.model.spec import families
+own = {name for name, spec in families().items() if spec.section is not None}
+assert {"llama", "moe", "t5"} <= own <= set(ModelSection.model_fields), (own, sorted(ModelSection.model_fields))
+assert load_config("tiny", ["model.family=llama", "model.llama.n_kv_head=2"]).model.llama.n_kv_head == 2
+print("ok")""")

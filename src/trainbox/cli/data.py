@@ -19,6 +19,7 @@ from pathlib import Path
 from trainbox.data.readers import first_row_is_preference, list_input_files, tokenizer_texts
 from trainbox.data.tokenizer import get_tokenizer, train_bpe
 from trainbox.errors import DataError
+from trainbox.model.spec import family
 from trainbox.monitor.console import fmt_duration
 from trainbox.train.stop import STOP  # `train` keeps stop signals for its loop: a download ends on them
 
@@ -129,8 +130,6 @@ def _inspect_run(args, run, inspect_data) -> dict:
     """`inspect` of a run directory or checkpoint: the token dataset of its data.path, read with its tokenizer,
     format, cache and window, and stepped by its global batch (each an option given on the command line
     overrides); the report's "run" says which, and how many epochs the run's length covers."""
-    from trainbox.model.spec import family  # heavy: torch
-
     reads = family(run.model.family).hook("reads_examples")
     if run.train.objective != "next_token" or (reads is not None and reads(run)):
         what = "preference pairs" if run.train.objective != "next_token" else "fine-tuning examples"
