@@ -328,6 +328,30 @@ def test_raw_jsonl_as_data_path_trains(corpus, tmp_path, tiny):
     assert len(prepared) == 1 and (prepared[0].parent / "COMPLETE").is_file()
 
 
+def test_text_with_no_document_held_out_says_so_and_data_val_path_takes_text(corpus, tmp_path, tiny):
+    """A text file is one document, and 1% of one document held out is none: the run says it reports no validation
+    loss. data.val_path takes text too, tokenized whole into the cache as the validation data; a data.val_path that
+    names nothing is refused before training."""
+    d, docs = corpus
+    (tmp_path / "train.txt").write_text("\n\n".join(docs[:100]))
+    held = "To be, or not to be, that is the question.\n" * 5
+    (tmp_path / "val.txt").write_text(held)
+    base = ["train", *tiny, f"data.path={tmp_path / 'train.txt'}", "train.max_steps=2", "train.sample_tokens=0"]
+    p = run_cli(*base)
+    assert f"no validation data in data.path={tmp_path / 'train.txt'}: the run reports no validation loss" in p.stderr
+    events = [json.loads(e) for e in (tmp_path / "runs" / "tiny" / "metrics.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in events if e["event"] == "train"] == [1, 2]
+    assert not [e for e in events if e["event"] == "eval"] and "validation:" not in p.stdout
+    p = run_cli(*base, f"data.val_path={tmp_path / 'val.txt'}", "run.name=val")
+    n = len(get_tokenizer("embedded:shakespeare-bpe").encode(held)) + 1   # with the EOT before the document
+    assert f"data: 1 documents, {n:,} tokens (all for validation)" in p.stderr, p.stderr
+    # evaluated in whole windows of data.seq_len=32 (+1) tokens: all of the held-out text's that fit
+    assert "no validation data" not in p.stderr and f"bits/byte ({(n - 1) // 32 * 32} tokens)" in p.stdout
+    bad = run_cli(*base, f"data.val_path={tmp_path / 'nope.bin'}", "run.name=bad", check=False)
+    assert bad.returncode == 1 and f"data.val_path={tmp_path / 'nope.bin'}: no such file" in bad.stderr
+    assert not (tmp_path / "runs" / "bad" / "metrics.jsonl").exists()
+
+
 def test_trained_tokenizer_output_is_accepted(corpus, tmp_path):
     from trainbox.data.tokenizer import train_bpe
 

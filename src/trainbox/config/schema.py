@@ -38,7 +38,9 @@ class RunSection(Section):
 
 class DataSection(Section):
     path: str = Field("embedded:shakespeare", description="embedded corpus, token-file prefix, or text/JSONL input")
-    val_path: str | None = Field(None, description="validation token files (default: the _val split of path)")
+    val_path: str | None = Field(None, description="validation data: token files, or text / JSONL tokenized as path "
+                                                   "is (default: the _val split of path; text input holds out 1% of "
+                                                   "its documents)")
     tokenizer: str = Field("gpt2", description="gpt2, embedded:shakespeare-bpe, a tokenizer.json or folder")
     seq_len: int = Field(1024, ge=8, le=MAX_POSITIONS)
     format: Literal["auto", "shard", "megatron", "flat"] = "auto"

@@ -5,6 +5,8 @@ Accepted forms:
   PREFIX                   shard files PREFIX_train_*.bin and PREFIX_val_*.bin (`trainbox prepare` output,
                            downloaded FineWeb shards)
   FILE.bin                 one shard or flat uint16 file (validation from data.val_path)
+  data.val_path            any of the token forms above, or text / JSONL (tokenized once into the cache, all of
+                           it for validation); it replaces the validation split of data.path
   MEGATRON_PREFIX          a Megatron dataset (PREFIX.bin + PREFIX.idx, as Megatron's --data-path); its
                            validation is data.val_path or the sibling `{out}_val_{key}_document`
   OUT                      the --out of `trainbox prepare --format megatron`: {OUT}_{key}_document (train)
@@ -101,11 +103,12 @@ def _folder_prefix(path: str) -> str:
                          "when it holds no .bin file")
 
 
-def prepare_into_cache(cfg: DataSection, progress=None) -> str:
-    """Tokenize a raw text/JSONL data.path once into the cache; returns the shard prefix."""
+def prepare_into_cache(cfg: DataSection, progress=None, path: str | None = None, validation: bool = False) -> str:
+    """Tokenize a raw text/JSONL data.path (or `path`) once into the cache; returns the shard prefix. With
+    `validation` (data.val_path) every document goes to the prefix's _train_ files, none is held out."""
 
-    files = list_input_files([cfg.path])
-    ident = [cfg.tokenizer, cfg.chat_template or "", *cfg.text_key]
+    files = list_input_files([path or cfg.path])
+    ident = [cfg.tokenizer, cfg.chat_template or "", *cfg.text_key, *(["validation"] if validation else [])]
     for f in files:
         st = f.stat()
         ident += [str(f.resolve()), str(st.st_size), str(st.st_mtime_ns)]
@@ -113,13 +116,15 @@ def prepare_into_cache(cfg: DataSection, progress=None) -> str:
     prefix = out / "data"
     if not (out / "COMPLETE").exists():
         out.mkdir(parents=True, exist_ok=True)
-        log.info(f"data: tokenizing {cfg.path} ({len(files)} file(s)) into {out} with {cfg.tokenizer}")
+        log.info(f"data: tokenizing {path or cfg.path} ({len(files)} file(s)) into {out} with {cfg.tokenizer}")
         st = prepare(PrepareOptions(inputs=[str(f) for f in files], out=str(prefix), tokenizer=cfg.tokenizer,
                                     text_keys=list(cfg.text_key), chat_template=cfg.chat_template,
-                                    workers=max(1, cfg.num_workers), val_fraction=0.01, overwrite=True), progress)
-        log.info(f"data: {st.documents:,} documents, {st.tokens:,} tokens ({st.val_documents:,} documents held out "
-                 f"for validation) in {st.seconds:.1f}s" + st.mask_summary())
-        (out / "COMPLETE").write_text(cfg.path + "\n")
+                                    workers=max(1, cfg.num_workers), val_fraction=0.0 if validation else 0.01,
+                                    overwrite=True), progress)
+        held = "all for validation" if validation else f"{st.val_documents:,} documents held out for validation"
+        log.info(f"data: {st.documents:,} documents, {st.tokens:,} tokens ({held}) in {st.seconds:.1f}s"
+                 + st.mask_summary())
+        (out / "COMPLETE").write_text((path or cfg.path) + "\n")
     return str(prefix)
 
 
@@ -158,23 +163,36 @@ def resolve(cfg: DataSection, tokenizer: Tokenizer) -> tuple[list[Path], list[Pa
                         hint="give the prefix of PREFIX.idx / PREFIX.bin, or set data.format=auto")
     if meg is not None:
         train, val = meg
-        if cfg.val_path:
-            val = [Path(cfg.val_path)]
     elif os.path.isfile(path):
-        train = [Path(path)]
-        val = [Path(cfg.val_path)] if cfg.val_path else []
+        train, val = [Path(path)], []
     else:
         train, val = _split_files(path, "train"), _split_files(path, "val")
-        if cfg.val_path:
-            val = [Path(cfg.val_path)] if os.path.isfile(cfg.val_path) else _split_files(cfg.val_path, "val")
         if not train:
             found = sorted(glob.glob(f"{glob.escape(path)}*"))[:5]
             raise DataError(f"data.path={cfg.path}: no token files {path}_train_*.bin" +
                             (f" (found: {', '.join(found)})" if found else ""),
                             hint="create them with `trainbox prepare INPUT --out PREFIX`, "
                                  "or use data.path=embedded:shakespeare")
+    if cfg.val_path:
+        val = _val_files(cfg)
     manifest.check_output_sets(train + val)
     return train, val
+
+
+def _val_files(cfg: DataSection) -> list[Path]:
+    """data.val_path: a token file, a Megatron prefix, a shard prefix's _val_ files, or text / JSONL tokenized whole
+    into the cache (as data.path is, with none of it held out)."""
+    path = cfg.val_path
+    if _is_raw_input(path) and os.path.exists(path):
+        return _split_files(prepare_into_cache(cfg, path=path, validation=True), "train")
+    if os.path.isfile(path) or megatron.is_megatron_prefix(path):
+        return [Path(path)]
+    found = _split_files(path, "val")
+    if not found:
+        raise DataError(f"data.val_path={path}: no such file, Megatron prefix (PREFIX.idx and .bin) or shard "
+                        f"prefix ({path}_val_*.bin)",
+                        hint="give token files, or a .txt / .jsonl file or folder (tokenized as data.path is)")
+    return found
 
 
 def open_datasets(cfg: DataSection, tokenizer: Tokenizer, vocab_size: int) -> tuple[TokenDataset, TokenDataset | None]:

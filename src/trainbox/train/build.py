@@ -66,6 +66,9 @@ def build_data(cfg: RunConfig, layout: RunLayout, dist: Dist, objective: Objecti
     batches = BatchOrder(train, layout.global_batch, layout.micro_batch, layout.world, dist.rank, cfg.run.seed)
     batches.check_nonempty()
     check_validation(val)   # evaluation runs at the end of every run that has validation data
+    if val is None:
+        log.warning(f"data: no validation data in data.path={cfg.data.path}: the run reports no validation loss; "
+                    "give it some with data.val_path (token files, or text / JSONL tokenized as data.path is)")
     return RunData(cfg, tokenizer, vocab, train, val, batches, plan_length(cfg, batches))
 
 
