@@ -79,6 +79,17 @@ def test_sampling_options_that_mean_nothing_are_refused_before_the_checkpoint_is
                                    "must be above 0 and at most 1 (1: off)")
 
 
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a machine without a CUDA GPU")
+@pytest.mark.parametrize("verb", ["generate", "chat", "eval"])
+def test_a_device_this_machine_lacks_is_refused_before_the_checkpoint_is_read(tmp_path, verb):
+    extra = ["--tasks", "hellaswag"] if verb == "eval" else []
+    for device, says in (("cuda", "--device cuda: no CUDA GPU is visible"),
+                         ("tpu", "--device tpu: trainbox runs on cpu, cuda or cuda:N")):
+        proc = run_cli(verb, str(tmp_path / "nope"), *extra, "--device", device, check=False)
+        assert proc.returncode == 2 and "checkpoint" not in proc.stderr and "Traceback" not in proc.stderr
+        assert proc.stderr.startswith(f"trainbox {verb}: {says}"), proc.stderr
+
+
 def test_nproc_flag_help_lists_examples():
     out = run_cli("train", "--help").stdout
     assert "examples:" in out and "trainbox train gpt2-125m" in out

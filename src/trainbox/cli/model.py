@@ -9,13 +9,11 @@ from trainbox.model.spec import family
 
 
 def cmd_generate(args) -> int:
-    import torch  # heavy: torch
-
     from trainbox.generate import check_sampling, sample  # heavy: numpy, torch
-    from trainbox.model.load import load_for_inference  # heavy: numpy, torch
+    from trainbox.model.load import inference_device, load_for_inference  # heavy: numpy, torch
 
     check_sampling(args.temperature, args.top_k, args.top_p, args.max_tokens)  # before the weights are read
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = inference_device(args.device)
     model, tokenizer, cfg = load_for_inference(args.path, device)
     if family(cfg.model.family).generate == "spans":  # encoder-decoder: what the model fills in for each sentinel
         from trainbox.data.spans import fill_prompt  # heavy: numpy, torch
@@ -38,13 +36,12 @@ def cmd_generate(args) -> int:
 def cmd_chat(args) -> int:
     """Read user messages from standard input, one a line (a terminal or a pipe; EOF ends), and print each
     answer as it streams; `/reset` clears the history. Only the answers go to stdout."""
-    import torch  # heavy: torch
-
     from trainbox.chat import open_chat  # heavy: numpy, torch
     from trainbox.generate import check_sampling  # heavy: numpy, torch
+    from trainbox.model.load import inference_device  # heavy: numpy, torch
 
     check_sampling(args.temperature, args.top_k, args.top_p, args.max_tokens)  # before the weights are read
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = inference_device(args.device)
     session = open_chat(args.path, device, system=args.system, temperature=args.temperature, top_k=args.top_k,
                         top_p=args.top_p, max_tokens=args.max_tokens, seed=args.seed)
     tty = sys.stdin.isatty()

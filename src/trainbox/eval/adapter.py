@@ -51,7 +51,7 @@ from lm_eval.api.registry import register_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window, simple_parse_args_string
 
 from trainbox.generate import filter_logits
-from trainbox.model.load import load_for_inference
+from trainbox.model.load import inference_device, load_for_inference
 
 
 @register_model("trainbox")
@@ -89,10 +89,10 @@ class TrainboxLM(TemplateLM):
     @classmethod
     def create_from_arg_obj(cls, arg_dict: dict, additional_config: dict | None = None) -> "TrainboxLM":
         args, extra = dict(arg_dict), {k: v for k, v in (additional_config or {}).items() if v is not None}
-        device = extra.get("device") or args.pop("device", None) or ("cuda" if torch.cuda.is_available() else "cpu")
+        device = inference_device(extra.get("device") or args.pop("device", None))
         model, tokenizer, _ = load_for_inference(args.pop("path"), device)
         dtype = getattr(torch, args.pop("dtype", "float32"))   # autocast over fp32 weights, as `trainbox eval`
-        autocast = None if dtype == torch.float32 else lambda: torch.autocast(torch.device(device).type, dtype)
+        autocast = None if dtype == torch.float32 else lambda: torch.autocast(device.type, dtype)
         batch = extra.get("batch_size", args.pop("batch_size", 32))
         return cls(model, tokenizer, batch_size=int(batch) if str(batch).isdigit() else 32, autocast=autocast,
                    **args)

@@ -25,7 +25,7 @@ from trainbox.config import build_config
 from trainbox.errors import BadInput, CheckpointError
 from trainbox.eval import results as records
 from trainbox.model.hf_folder import is_hf_folder
-from trainbox.model.load import load_verified
+from trainbox.model.load import inference_device, load_verified
 from trainbox.model.spec import family, which
 from trainbox.rundir.runs import git_commit
 
@@ -68,6 +68,7 @@ def evaluate(source: str | Path, tasks: list[str], include: list[str] | tuple = 
     """Run lm-eval `tasks` on `source` (run directory, checkpoint folder or Hugging Face folder); write the record to
     `out` (default: the run's eval/ folder; a Hugging Face folder's own eval/ folder)."""
     require_lm_eval()
+    device = inference_device(device)
     source = Path(source)
     hf = is_hf_folder(source)
     ckpt = None if hf else _verified(source)
@@ -79,7 +80,6 @@ def evaluate(source: str | Path, tasks: list[str], include: list[str] | tuple = 
         kinds = task_specs.output_types(manager, names)
     if cfg is not None:
         refuse_non_causal(cfg.model.family, kinds)
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     torch_dtype = _dtype(dtype, device)
     t0 = time.time()
     if hf:

@@ -9,9 +9,35 @@ import torch.nn as nn
 
 from trainbox import checkpoint
 from trainbox.config import RunConfig, build_config
+from trainbox.errors import BadInput
 from trainbox.model.build import build_model, build_tokenizer, model_vocab_size
 from trainbox.model.hf_folder import is_hf_folder
 from trainbox.model.spec import family
+
+
+def inference_device(name: str | None) -> torch.device:
+    """The --device of generate, chat and eval: by default a CUDA GPU where one is visible, else the CPU; a device
+    this machine does not have is refused (BadInput) before any weight is read."""
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise BadInput(f"--device {name}: trainbox runs on cpu, cuda or cuda:N", hint="drop --device for the default "
+                       "(a CUDA GPU where one is visible, else the CPU)")
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            build = " (this torch is a CPU-only build)" if torch.version.cuda is None and torch.version.hip is None \
+                else ""
+            raise BadInput(f"--device {name}: no CUDA GPU is visible{build}",
+                           hint="drop --device to run on the CPU, or see `trainbox doctor`")
+        if device.index is not None and device.index >= count:
+            raise BadInput(f"--device {name}: this machine has {count} CUDA GPU(s), cuda:0 to cuda:{count - 1}",
+                           hint="name one of those, or drop --device for cuda:0")
+    return device
 
 
 def load_for_inference(path: str | Path, device: str | torch.device = "cpu"):
