@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import select
+import shutil
 import subprocess
 import sys
 
@@ -396,6 +397,29 @@ def test_bad_exports_are_refused_in_one_message_before_any_work(gguf_runs, tmp_p
         lines = proc.stderr.strip().splitlines()
         assert proc.returncode == 2 and message in lines[0] and len(lines) <= 2, (args, proc.stderr)
         assert "Traceback" not in proc.stderr and proc.stdout == "" and not out.exists()
+
+
+def test_an_out_that_is_holds_or_lies_in_the_checkpoint_is_refused_even_with_force(gguf_runs, tmp_path):
+    """--force replaces --out: an --out that is the run (or holds it, or lies inside its checkpoint) would delete the
+    checkpoint being exported. It is refused in one message, and the run is left as it was."""
+    from trainbox.errors import ConfigError
+    from trainbox.export import export
+
+    run = tmp_path / "runs" / "mine"
+    shutil.copytree(gguf_runs["gpt2"], run)
+    ckpt = sorted((run / "checkpoints").glob("step_*"))[-1]
+    before = sorted(str(p.relative_to(run)) for p in run.rglob("*"))
+    proc = run_cli("export", str(run), "--out", str(run), "--force", check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.startswith(f"trainbox export: --out {run} holds the checkpoint it exports, {ckpt}: the export "
+                                  "would write over what it reads\n  -> choose an --out outside it, e.g. the default "
+                                  "mine-hf"), proc.stderr
+    for out, fmt, where in ((tmp_path / "runs", "hf", "holds"), (ckpt, "hf", "is"),
+                            (ckpt / "model.gguf", "gguf", "is inside")):
+        with pytest.raises(ConfigError, match=f"--out {out} {where} the checkpoint it exports"):
+            export(run, out, force=True, format=fmt)
+    assert sorted(str(p.relative_to(run)) for p in run.rglob("*")) == before
+    assert export(run, run / "hf", force=True)[0].startswith(f"wrote {run / 'hf'}")   # beside it is fine
 
 
 def test_a_missing_gguf_package_names_the_extra(gguf_runs, monkeypatch):

@@ -7,7 +7,8 @@ families that declare GGUF types.
     trainbox export runs/sft --format gguf --gguf-type q8_0 --out sft-q8_0.gguf
 
 What can be refused is refused before any weights are read, in one message: a checkpoint that does not verify,
-a family without GGUF or a GGUF type it does not write, options of the other format, the `gguf` extra missing.
+a family without GGUF or a GGUF type it does not write, options of the other format, the `gguf` extra missing, an
+--out that is, holds or lies inside the checkpoint or the run's base model folder (--force would replace it).
 """
 from __future__ import annotations
 
@@ -32,18 +33,29 @@ def export(path: str | Path, out: str | Path | None = None, merge: bool = False,
         ckpt = checkpoint.resolve(path)
     except CheckpointError as e:
         raise BadCheckpoint(e.message, e.hint) from None
-    name = build_config(checkpoint.load_trainer(ckpt)["config"]).model.family
+    cfg = build_config(checkpoint.load_trainer(ckpt)["config"])
+    name = cfg.model.family
     spec = family(name)
     run = Path(str(path).rstrip("/")).name
     if format not in FORMATS:
         raise ConfigError(f"--format {format} is not one of {', '.join(FORMATS)}")
+    default = run + ("-merged" if merge else "-hf") if format == "hf" else f"{run}-{gguf_type or 'f16'}.gguf"
+    out = Path(out or default)
+    sources = [(ckpt, "the checkpoint it exports")]
+    if cfg.model.path and Path(cfg.model.path).is_dir():
+        sources.append((Path(cfg.model.path), "the run's base model (model.path)"))
+    for source, what in sources:   # --force replaces --out: never with what the export reads
+        o, src = out.resolve(), source.resolve()
+        if o == src or o in src.parents or src in o.parents:
+            where = "is" if o == src else "holds" if o in src.parents else "is inside"
+            raise ConfigError(f"--out {out} {where} {what}, {source}: the export would write over what it reads",
+                              hint=f"choose an --out outside it, e.g. the default {default}")
     if dtype is not None and dtype not in DTYPES:
         raise ConfigError(f"--dtype {dtype} is not one of {', '.join(DTYPES)}")
     if format == "hf":
         if gguf_type is not None:
             raise ConfigError(f"--gguf-type {gguf_type} applies to --format gguf", hint="drop it, or add --format gguf")
-        return spec.hf().export(str(path), str(out or run + ("-merged" if merge else "-hf")), merge=merge,
-                                force=force, dtype=dtype)
+        return spec.hf().export(str(path), str(out), merge=merge, force=force, dtype=dtype)
     gguf_type = gguf_type or "f16"
     gguf_file.check_type(gguf_type, name, spec.gguf)
     for flag, given in (("--merge", merge), (f"--dtype {dtype}", dtype)):
@@ -51,4 +63,4 @@ def export(path: str | Path, out: str | Path | None = None, merge: bool = False,
             raise ConfigError(f"{flag} applies to --format hf; GGUF's precision is --gguf-type",
                               hint=f"drop {flag.split()[0]}")
     require("gguf", "gguf", "export --format gguf")
-    return gguf_file.export(spec.hf(), str(path), str(out or f"{run}-{gguf_type}.gguf"), gguf_type, force, run)
+    return gguf_file.export(spec.hf(), str(path), str(out), gguf_type, force, run)
