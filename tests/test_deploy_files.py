@@ -14,7 +14,7 @@ import pytest
 import yaml
 from conftest import REPO, run_cli
 
-from trainbox.launch import LaunchSpec, render
+from trainbox.launch import LaunchSpec, render, write_rendered
 from trainbox.launch.image import build_commands, dockerfile_args
 from trainbox.launch.k8s import pod_templates_of
 
@@ -36,10 +36,9 @@ def validate(cmd: list[str]) -> None:
 def rendered(target: str, tmp_path, **kw) -> dict[str, str]:
     spec = LaunchSpec(target=target, recipe=kw.pop("recipe", "gpt2-125m"), image=kw.pop("image", "reg/trainbox:t"),
                       **kw)
-    files = render(spec).files
-    for name, text in files.items():
-        (tmp_path / name).write_text(text)
-    return files
+    out = render(spec)
+    write_rendered(out, tmp_path)   # as `trainbox launch` writes them: the validators read those files
+    return {name: (tmp_path / name).read_text() for name in out.files}
 
 
 # ----------------------------------------------------------------------------- Dockerfiles
@@ -161,6 +160,28 @@ def test_launch_image_dry_run_prints_only():
 def test_shellcheck_entrypoint_and_rendered_sbatch(tmp_path):
     files = rendered("slurm", tmp_path, nodes=2, gpus_per_node=4, partition="gpu", image="reg/img:1")
     validate([tool("shellcheck"), str(REPO / "docker" / "entrypoint.sh"), *(str(tmp_path / f) for f in files)])
+
+
+def test_rendering_again_replaces_its_own_files_and_never_one_it_did_not_write(tmp_path):
+    """`trainbox launch` marks what it writes (after a #! line); rendering again replaces those files. A file of the
+    same name it did not write (the user's own compose.yaml in --out) is refused in one message and left as it
+    was, before any file is written."""
+    from trainbox.launch.spec import MARK
+
+    out = tmp_path / "deploy"
+    first = rendered("slurm", out, image=None)
+    [script] = first
+    assert first[script].split("\n")[:2] == ["#!/bin/bash", MARK]
+    again = rendered("slurm", out, image=None, nodes=2)   # replaced: its own file
+    assert "#SBATCH --nodes=2\n" in again[script]
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "compose.yaml").write_text("services: {mine: {image: x}}\n")
+    proc = run_cli("launch", "compose", "tiny", "--image", "x/y:1", "--out", str(mine), check=False)
+    assert proc.returncode == 2 and proc.stderr.startswith(
+        f"trainbox launch: --out {mine}: {mine / 'compose.yaml'} exists and was not written by `trainbox launch`")
+    assert (mine / "compose.yaml").read_text() == "services: {mine: {image: x}}\n" and proc.stdout == ""
+    assert sorted(p.name for p in mine.iterdir()) == ["compose.yaml"]
 
 
 def test_sbatch_directives(tmp_path):

@@ -169,14 +169,32 @@ def quote(args: list[str]) -> str:
     return " ".join(shlex.quote(a) for a in args)
 
 
+MARK = "# written by `trainbox launch`: rendering again replaces this file"
+
+
+def _marked(text: str) -> str:
+    """`text` with MARK as its first comment line (after a #! line)."""
+    if text.startswith("#!"):
+        first, _, rest = text.partition("\n")
+        return f"{first}\n{MARK}\n{rest}"
+    return f"{MARK}\n{text}"
+
+
 def write_rendered(rendered: Rendered, out: Path) -> list[Path]:
-    """Write each file atomically (temp name + rename) into `out`; returns the paths."""
+    """Write each file atomically (temp name + rename) into `out`, marked as ours (MARK); returns the paths. A file
+    of the same name there that `trainbox launch` did not write (no MARK in its first lines) is never replaced:
+    ConfigError before anything is written."""
+    for name in rendered.files:
+        path = out / name
+        if path.is_dir() or (path.exists() and MARK not in path.read_text(errors="replace").split("\n", 2)[:2]):
+            raise ConfigError(f"--out {out}: {path} exists and was not written by `trainbox launch`, so it is not "
+                              "replaced", hint="move it away, or choose another --out")
     out.mkdir(parents=True, exist_ok=True)
     paths = []
     for name, text in rendered.files.items():
         path = out / name
         tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text(text)
+        tmp.write_text(_marked(text))
         if name.endswith(".sh"):
             os.chmod(tmp, 0o755)
         os.replace(tmp, path)
