@@ -7,10 +7,12 @@ import io
 import json
 import signal
 
+import pytest
 import torch
 
 from trainbox import checkpoint
 from trainbox.config import load_config
+from trainbox.errors import CheckpointError
 from trainbox.model.build import build_model
 from trainbox.monitor.console import ProgressBar
 from trainbox.train.loop import Trainer, train
@@ -106,7 +108,8 @@ def test_resume_is_bit_identical_and_meters_count_this_process(tiny):
     assert resumed_rates == [None]   # no rate before this process has a timed step
 
 
-def test_init_from_loads_weights_only(tiny):
+def test_init_from_loads_weights_only(tiny, tmp_path):
+    tmp = tmp_path / "nothing-here"
     src = _cfg(tiny, "run.name=src", "train.max_steps=6")
     train(src)
     ckpt = checkpoint.latest(src.run_dir / "checkpoints")
@@ -127,3 +130,14 @@ def test_init_from_loads_weights_only(tiny):
     scratch = _cfg(tiny, "run.name=scratch", "train.max_steps=1")
     train(scratch)
     assert abs(_train_losses(scratch.run_dir)[0][1] - expected) > 0.1   # not the random initialisation
+    # what it cannot load is named as run.init_from, with a hint for a new run (not a resume's)
+    with pytest.raises(CheckpointError) as e:
+        train(_cfg(tiny, "run.name=none", "train.max_steps=1", f"run.init_from={tmp}"))
+    assert e.value.message == f"run.init_from={tmp}: no complete checkpoint found at {tmp}"
+    assert "Hugging Face model folder" in e.value.hint
+    wider = _cfg(tiny, "run.name=wider", "train.max_steps=1", "model.n_embd=64", f"run.init_from={ckpt}")
+    with pytest.raises(CheckpointError) as e:
+        train(wider)
+    assert e.value.message.startswith(f"run.init_from={ckpt}: checkpoint {ckpt} holds a differently shaped model (")
+    assert e.value.message.endswith(" vs (192,))")   # c_attn's bias, 3 x 64; no resume's "changed since it was saved"
+    assert e.value.hint.startswith("run.init_from loads a model of this run's shape") and "resume" not in e.value.hint

@@ -55,6 +55,7 @@ from trainbox.checkpoint.room import check_room, disk_cause, payload_bytes, save
 from trainbox.errors import CheckpointError
 from trainbox.files import atomic_write_text, fsync_dir
 
+SINCE = ": the config's model section changed since it was saved"   # what a resume is told
 
 def _fsync_file(path: Path) -> None:
     with open(path, "rb") as f:
@@ -287,7 +288,7 @@ def load_weights(ckpt: Path, model: nn.Module, strict: bool = True, adapt=None) 
              if k in own_shapes and tuple(v.shape) != own_shapes[k]]
     if wrong:
         raise CheckpointError(f"checkpoint {ckpt} holds a differently shaped model ({len(wrong)} tensors differ, "
-                              f"e.g. {wrong[0]}): the config's model section changed since it was saved",
+                              f"e.g. {wrong[0]}){SINCE}",
                               hint="start a new run with run.name=NEW_NAME (or run.resume=never), "
                                    "or restore the model settings of that run's config.yaml")
     result = model.load_state_dict(state, strict=False)

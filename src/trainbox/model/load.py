@@ -8,8 +8,9 @@ import torch
 import torch.nn as nn
 
 from trainbox import checkpoint
+from trainbox.checkpoint import SINCE
 from trainbox.config import RunConfig, build_config
-from trainbox.errors import BadInput
+from trainbox.errors import BadInput, CheckpointError
 from trainbox.model.build import build_model, build_tokenizer, model_vocab_size
 from trainbox.model.hf_folder import is_hf_folder
 from trainbox.model.spec import family
@@ -60,5 +61,16 @@ def load_init_weights(path: str | Path, model: nn.Module, cfg) -> None:
     directories / checkpoints."""
     if is_hf_folder(path):
         family(cfg.family).hf().import_hf(path, model, cfg)
-    else:
-        checkpoint.load_weights(checkpoint.resolve(path), model)
+        return
+    try:
+        ckpt = checkpoint.resolve(path)
+    except CheckpointError as e:
+        raise CheckpointError(f"run.init_from={path}: {e.message}", hint="run.init_from takes a run directory, "
+                              "a checkpoint (a step_* folder) or a Hugging Face model folder") from None
+    try:
+        checkpoint.load_weights(ckpt, model)
+    except CheckpointError as e:   # another shape: the hint of a resume does not apply to a new run
+        raise CheckpointError(f"run.init_from={path}: {e.message.replace(SINCE, '')}",
+                              hint=f"run.init_from loads a model of this run's shape: give the run the model "
+                                   f"settings of the run that saved {ckpt} (its config.yaml), or drop run.init_from"
+                              ) from None
