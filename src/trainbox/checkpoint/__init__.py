@@ -57,6 +57,7 @@ from trainbox.files import atomic_write_text, fsync_dir
 
 SINCE = ": the config's model section changed since it was saved"   # what a resume is told
 
+
 def _fsync_file(path: Path) -> None:
     with open(path, "rb") as f:
         os.fsync(f.fileno())
