@@ -291,7 +291,7 @@ def test_inspect_of_a_run_reads_its_data_as_the_run_did(tmp_path, tiny, capsys):
     from trainbox.config import load_config
     from trainbox.config.load import dump_yaml
 
-    assert main(["train", "tiny", *tiny, "train.max_steps=2", "train.eval_every=0", "train.sample_tokens=0"]) == 0
+    run_cli("train", "tiny", *tiny, "train.max_steps=2", "train.eval_every=0", "train.sample_tokens=0")
     run = tmp_path / "runs" / "tiny"
     log = (run / "train.log").read_text()
     said = re.search(r"([\d,]+) samples of 32; global batch 8 .*; ([\d,]+) steps/epoch", log)
