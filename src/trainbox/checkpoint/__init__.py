@@ -55,7 +55,14 @@ from trainbox.checkpoint.room import check_room, disk_cause, payload_bytes, save
 from trainbox.errors import CheckpointError
 from trainbox.files import atomic_write_text, fsync_dir
 
-SINCE = ": the config's model section changed since it was saved"   # what a resume is told
+
+class OtherShape(CheckpointError):
+    """A checkpoint whose weights have other shapes than the model's. The message reads it as a resume would (the
+    config changed since the save); `shapes` says only which tensors differ, for callers that start a new run."""
+
+    def __init__(self, shapes: str, message: str, hint: str):
+        super().__init__(message, hint)
+        self.shapes = shapes
 
 
 def _fsync_file(path: Path) -> None:
@@ -288,10 +295,10 @@ def load_weights(ckpt: Path, model: nn.Module, strict: bool = True, adapt=None) 
     wrong = [f"{k} {tuple(v.shape)} vs {own_shapes[k]}" for k, v in state.items()
              if k in own_shapes and tuple(v.shape) != own_shapes[k]]
     if wrong:
-        raise CheckpointError(f"checkpoint {ckpt} holds a differently shaped model ({len(wrong)} tensors differ, "
-                              f"e.g. {wrong[0]}){SINCE}",
-                              hint="start a new run with run.name=NEW_NAME (or run.resume=never), "
-                                   "or restore the model settings of that run's config.yaml")
+        shapes = f"checkpoint {ckpt} holds a differently shaped model ({len(wrong)} tensors differ, e.g. {wrong[0]})"
+        raise OtherShape(shapes, f"{shapes}: the config's model section changed since it was saved",
+                         hint="start a new run with run.name=NEW_NAME (or run.resume=never), "
+                              "or restore the model settings of that run's config.yaml")
     result = model.load_state_dict(state, strict=False)
     if strict and (result.missing_keys or result.unexpected_keys):
         raise CheckpointError(f"checkpoint {ckpt} does not match the model: missing {result.missing_keys[:5]}, "

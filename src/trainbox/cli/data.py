@@ -106,8 +106,14 @@ def cmd_inspect(args) -> int:
     if run is None:
         report = inspect_data(args.path, args.seq_len or 1024, args.global_batch, args.epochs or 1.0, args.tokenizer,
                               data_format=args.format or "auto")
-    else:
-        report = _inspect_run(args, run, inspect_data)
+    else:   # the run's data with its settings; an option given on the command line overrides the run's
+        _refuse_examples(args.path, run)
+        seq_len, batch = args.seq_len or run.data.seq_len, args.global_batch or run.train.global_batch_size
+        report = inspect_data(run.data.path, seq_len, batch, args.epochs or run.train.epochs or 1.0,
+                              args.tokenizer or run.data.tokenizer, run.data.cache_dir, args.format or run.data.format)
+        steps = run.train.max_steps or (run.train.max_tokens // (batch * seq_len) if run.train.max_tokens else None)
+        report["run"] = {"path": args.path, "data.path": run.data.path, "data.tokenizer": run.data.tokenizer,
+                         "max_steps": steps, "epochs": round(steps / report["steps_per_epoch"], 4) if steps else None}
     print(json.dumps(report, indent=1) if args.json else format_report(report))
     return 0
 
@@ -126,23 +132,14 @@ def _run_config(path: Path):
     return None
 
 
-def _inspect_run(args, run, inspect_data) -> dict:
-    """`inspect` of a run directory or checkpoint: the token dataset of its data.path, read with its tokenizer,
-    format, cache and window, and stepped by its global batch (each an option given on the command line
-    overrides); the report's "run" says which, and how many epochs the run's length covers."""
+def _refuse_examples(path: str, run) -> None:
+    """`inspect` reads windows of a token dataset: a run that reads its data as examples is refused."""
     reads = family(run.model.family).hook("reads_examples")
     if run.train.objective != "next_token" or (reads is not None and reads(run)):
         what = "preference pairs" if run.train.objective != "next_token" else "fine-tuning examples"
-        raise DataError(f"{args.path} trains on {run.data.path} as {what}, not as windows of a token dataset, "
+        raise DataError(f"{path} trains on {run.data.path} as {what}, not as windows of a token dataset, "
                         f"which is what `trainbox inspect` reads",
-                        hint=f"the run's train.log names the {what} and tokens it read: trainbox logs {args.path}")
-    seq_len, batch = args.seq_len or run.data.seq_len, args.global_batch or run.train.global_batch_size
-    report = inspect_data(run.data.path, seq_len, batch, args.epochs or run.train.epochs or 1.0,
-                          args.tokenizer or run.data.tokenizer, run.data.cache_dir, args.format or run.data.format)
-    steps = run.train.max_steps or (run.train.max_tokens // (batch * seq_len) if run.train.max_tokens else None)
-    report["run"] = {"path": args.path, "data.path": run.data.path, "data.tokenizer": run.data.tokenizer,
-                     "max_steps": steps, "epochs": round(steps / report["steps_per_epoch"], 4) if steps else None}
-    return report
+                        hint=f"the run's train.log names the {what} and tokens it read: trainbox logs {path}")
 
 
 def cmd_data(args) -> int:

@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 
 from trainbox import checkpoint
-from trainbox.checkpoint import SINCE
+from trainbox.checkpoint import OtherShape
 from trainbox.config import RunConfig, build_config
 from trainbox.errors import BadInput, CheckpointError
 from trainbox.model.build import build_model, build_tokenizer, model_vocab_size
@@ -69,8 +69,8 @@ def load_init_weights(path: str | Path, model: nn.Module, cfg) -> None:
                               "a checkpoint (a step_* folder) or a Hugging Face model folder") from None
     try:
         checkpoint.load_weights(ckpt, model)
-    except CheckpointError as e:   # another shape: the hint of a resume does not apply to a new run
-        raise CheckpointError(f"run.init_from={path}: {e.message.replace(SINCE, '')}",
+    except OtherShape as e:   # a new run: a resume's reading and hint do not apply
+        raise CheckpointError(f"run.init_from={path}: {e.shapes}",
                               hint=f"run.init_from loads a model of this run's shape: give the run the model "
                                    f"settings of the run that saved {ckpt} (its config.yaml), or drop run.init_from"
                               ) from None
