@@ -31,7 +31,9 @@ the same training loop as every other family. Choices:
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import logging
+import warnings
 
 import torch
 import torch.nn as nn
@@ -135,6 +137,10 @@ class HFCausalLM(nn.Module):
         self.hf_config = conf
         self.block_size = getattr(conf, "max_position_embeddings", None) or getattr(conf, "n_positions", 2048)
         self.fused_loss = fused_loss and self._plain_head(path)
+        # the KV cache's argument: `cache` from transformers 5.x on (`past_key_values` there is deprecated), the
+        # older name before
+        forward = inspect.signature(peft_model.get_base_model().forward).parameters
+        self._cache_arg = "cache" if "cache" in forward else "past_key_values"
 
     @property
     def recompute_custom_ops(self) -> bool:
@@ -169,7 +175,7 @@ class HFCausalLM(nn.Module):
             return Output(logits=out.logits)
         if targets is None:  # inference: the last `logits_to_keep` positions' logits (0: all; HF tracks
             # positions in its cache)
-            out = self.peft(input_ids=idx, past_key_values=caches.cache if caches is not None else None,
+            out = self.peft(input_ids=idx, **{self._cache_arg: caches.cache if caches is not None else None},
                             use_cache=caches is not None, logits_to_keep=logits_to_keep)
             return Output(logits=out.logits)
         if self.fused_loss and doc_ids is None:   # the decoder alone (PEFT's adapters sit inside it)
@@ -255,11 +261,15 @@ def wrap_lora(base: nn.Module, lora, quantized: bool) -> nn.Module:
     if quantized:  # fp32 norms/head for stability, input grads; checkpointing per lora.gradient_checkpointing
         base = prepare_model_for_kbit_training(base, use_gradient_checkpointing=lora.gradient_checkpointing,
                                                gradient_checkpointing_kwargs=gc_kwargs)
+    elif lora.gradient_checkpointing and hasattr(base, "activation_checkpointing_enable"):   # transformers >= 5.x
+        base.activation_checkpointing_enable(activation_checkpointing_kwargs=gc_kwargs)
     elif lora.gradient_checkpointing:
         base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=gc_kwargs)
     base.config.use_cache = False
     try:
-        return get_peft_model(base, lora_config(lora))
+        with warnings.catch_warnings():   # PEFT asks transformers 5.x's deprecated alias; nothing a user can change
+            warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
+            return get_peft_model(base, lora_config(lora))
     except ValueError as e:
         raise ConfigError(f"lora.target_modules={lora.target_modules!r}: {e}",
                           hint='use "all-linear", or names of the model\'s nn.Linear layers '
