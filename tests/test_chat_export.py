@@ -234,7 +234,8 @@ def expected_tensors(folder) -> dict[str, np.ndarray]:
         out["output.weight"] = state["lm_head.weight"]
     names = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
              "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
-             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+             "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}   # the last two: Qwen3's
     heads = {"attn_q": hf["num_attention_heads"], "attn_k": hf["num_key_value_heads"]}
     for i in range(hf["num_hidden_layers"]):
         for theirs, ours in names.items():
@@ -273,7 +274,8 @@ def check_values(name: str, qtype: str, got: np.ndarray, want: np.ndarray) -> No
 
 @pytest.fixture(scope="module")
 def gguf_runs(runs, tmp_path_factory):
-    """The three GGUF architectures: llama (the sft run), qwen2 (llama family with q/k/v biases) and gpt2."""
+    """The four GGUF architectures: llama (the sft run), qwen2 (llama family with q/k/v biases), qwen3 (with q/k
+    norms, and heads wider than n_embd / n_head) and gpt2."""
     pytest.importorskip("gguf")
     from conftest import TINY
     tmp = tmp_path_factory.mktemp("gguf")
@@ -282,10 +284,13 @@ def gguf_runs(runs, tmp_path_factory):
             "qwen2": tiny_run(tmp, tiny, "qwen2", "model.family=llama", "model.llama.qkv_bias=true",
                               "model.n_head=4", "model.llama.n_kv_head=2", "model.llama.intermediate_size=64",
                               "model.llama.rope_theta=10000"),
+            "qwen3": tiny_run(tmp, tiny, "qwen3", "model.family=llama", "model.llama.qk_norm=true",
+                              "model.n_head=4", "model.head_dim=16", "model.llama.n_kv_head=2",
+                              "model.llama.intermediate_size=64", "model.llama.rope_theta=10000"),
             "gpt2": tiny_run(tmp, tiny, "gpt2"), "tmp": tmp}
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gpt2"])
 def test_gguf_reads_back_with_every_tensor_and_the_metadata(gguf_runs, arch, request):
     tmp, run = gguf_runs["tmp"], gguf_runs[arch]
     folder = request.getfixturevalue("sft_hf") if arch == "llama" else _export(run, tmp / f"{arch}-hf")
@@ -319,6 +324,9 @@ def test_gguf_reads_back_with_every_tensor_and_the_metadata(gguf_runs, arch, req
         else:
             assert meta[f"{arch}.context_length"] == hf["max_position_embeddings"]
             assert meta[f"{arch}.attention.head_count_kv"] == hf["num_key_value_heads"]
+            assert meta[f"{arch}.attention.key_length"] == hf["head_dim"]
+            if arch == "qwen3":   # heads wider than hidden / heads: llama.cpp reads the width from key_length
+                assert hf["head_dim"] == 16 != hf["hidden_size"] // hf["num_attention_heads"]
             assert meta[f"{arch}.rope.freq_base"] == hf["rope_theta"]
             assert meta[f"{arch}.attention.layer_norm_rms_epsilon"] == pytest.approx(hf["rms_norm_eps"])
     if arch == "llama":   # the chat run: <|im_end|> is the end-of-turn token llama.cpp stops at
@@ -326,7 +334,7 @@ def test_gguf_reads_back_with_every_tensor_and_the_metadata(gguf_runs, arch, req
         assert meta["tokenizer.ggml.tokens"][meta["tokenizer.ggml.eot_token_id"]] == "<|im_end|>" == vocab[eos[1]]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gpt2"])
 def test_llama_cpp_runs_the_gguf_with_our_logits(gguf_runs, arch):
     """llama.cpp (llama-cpp-python) loads the f16 file, tokenizes as we do, and its logits are ours within f16
     rounding; the chat run's answer, through llama.cpp's own chat, stops at <|im_end|> with our words."""

@@ -1,5 +1,5 @@
-"""model.family=llama against Hugging Face's LlamaForCausalLM and Qwen2ForCausalLM (transformers is the
-reference): logits and gradients after import, Llama 3 RoPE scaling, grouped-query attention, the KV cache,
+"""model.family=llama against Hugging Face's LlamaForCausalLM, Qwen2ForCausalLM and Qwen3ForCausalLM (transformers
+is the reference): logits and gradients after import, Llama 3 RoPE scaling, grouped-query attention, the KV cache,
 export loaded back by transformers, a short training run, and full fine-tuning of a Qwen2 folder on chat
 data (`trainbox train sft`) with the loss on assistant tokens only."""
 from __future__ import annotations
@@ -29,16 +29,20 @@ LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_fr
 
 def hf_model(arch: str, vocab: int = 100, seed: int = 0, **kw):
     """A 2-layer model with 4 query heads sharing 2 key/value heads; every weight random (norms and biases too).
-    llama: Llama 3 RoPE scaling over an original 16-token context, untied head; qwen2: q/k/v biases, tied."""
+    llama: Llama 3 RoPE scaling over an original 16-token context, untied head; qwen2: q/k/v biases, tied; qwen3:
+    q/k norms, heads of 16 (twice hidden / heads), tied."""
     torch.manual_seed(seed)
     shape = dict(vocab_size=vocab, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6, **kw)
     if arch == "llama":
         cfg = transformers.LlamaConfig(rope_theta=10000.0, rope_scaling=LLAMA3, tie_word_embeddings=False, **shape)
         model = transformers.LlamaForCausalLM(cfg)
-    else:
+    elif arch == "qwen2":
         cfg = transformers.Qwen2Config(rope_theta=1000.0, tie_word_embeddings=True, **shape)
         model = transformers.Qwen2ForCausalLM(cfg)
+    else:
+        cfg = transformers.Qwen3Config(rope_theta=1000.0, tie_word_embeddings=True, head_dim=16, **shape)
+        model = transformers.Qwen3ForCausalLM(cfg)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.05 * torch.randn_like(p))
@@ -75,14 +79,16 @@ def train_losses(run_dir) -> list[float]:
     return [r["loss"] for r in rows if r["event"] == "train"]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_import_matches_hf_and_export_loads_back(tmp_path, arch):
     hf = hf_model(arch)
     hf.save_pretrained(tmp_path / "in", **({"max_shard_size": "20KB"} if arch == "qwen2" else {}))
     assert (tmp_path / "in" / "model.safetensors.index.json").is_file() == (arch == "qwen2")   # sharded: qwen2
     ours, run = ours_from(tmp_path / "in")
-    assert (run.model.llama.qkv_bias, run.model.llama.tie_embeddings) == ((False, False) if arch == "llama"
-                                                                          else (True, True))
+    lc = run.model.llama
+    assert (lc.qkv_bias, lc.qk_norm, lc.tie_embeddings) == {
+        "llama": (False, False, False), "qwen2": (True, False, True), "qwen3": (False, True, True)}[arch]
+    assert run.model.head_dim == (16 if arch == "qwen3" else 8)
     idx = torch.randint(0, 100, (2, 40))   # 40 positions > 16: llama3 scaling's stretched frequencies matter
     with torch.no_grad():
         want = hf(idx).logits
@@ -96,7 +102,8 @@ def test_import_matches_hf_and_export_loads_back(tmp_path, arch):
 
     write_hf(ours, run.model, (tmp_path / "out").mkdir() or tmp_path / "out", eot_id=0, block=64)
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
-    assert type(back).__name__ == ("LlamaForCausalLM" if arch == "llama" else "Qwen2ForCausalLM")
+    assert type(back).__name__ == {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                                   "qwen3": "Qwen3ForCausalLM"}[arch]
     with torch.no_grad():
         assert (back(idx).logits - want).abs().max() < 1e-4
     again, _ = ours_from(tmp_path / "out")   # our config.json (rope_theta + rope_scaling) read back
@@ -136,6 +143,14 @@ def test_folder_errors_name_the_setting(tmp_path):
                                   "llama": {"n_kv_head": 4, "intermediate_size": 48}}})
     with pytest.raises(ConfigError, match="model.llama.n_kv_head=4 but run.init_from=.* has 2"):
         load_init_weights(tmp_path / "llama", build_model(run.model, 128, 32), run.model)
+    sliding = hf_model("qwen3", layer_types=["full_attention", "sliding_attention"], use_sliding_window=True,
+                       sliding_window=8)
+    sliding.config.use_sliding_window = False   # the layer types alone name the windowed layers
+    sliding.save_pretrained(tmp_path / "sliding")
+    with pytest.raises(ConfigError, match=r"layer_types \['full_attention', 'sliding_attention'\] \(ours: "):
+        ours_from(tmp_path / "sliding")
+    with pytest.raises(ConfigError, match="qk_norm and model.llama.qkv_bias together match no Hugging Face"):
+        build_config({"model": {"family": "llama", "llama": {"qk_norm": True, "qkv_bias": True}}})
     with pytest.raises(ConfigError, match="sft needs model.path"):
         resolve_model(load_config("sft"))
     with pytest.raises(ConfigError, match="'model.nope' is not a config key"):

@@ -31,12 +31,15 @@ SMALL = ["data.tokenizer=embedded:shakespeare-bpe", "model.n_head=4", "model.n_e
          "model.n_layer=2", "model.vocab_size=512"]
 FAMILIES = {"gpt": [], "moe": ["model.moe.num_experts=4", "model.bias=false"],
             "speedrun": ["model.eot_id=0", "model.head_dim=16", "model.n_layer=4"], "t5": [],
-            "llama": ["model.llama.n_kv_head=2", "model.llama.intermediate_size=160"]}
+            "llama": ["model.llama.n_kv_head=2", "model.llama.intermediate_size=160"],
+            "llama+qk_norm": ["model.llama.n_kv_head=2", "model.llama.intermediate_size=160",   # Qwen3's block:
+                              "model.llama.qk_norm=true", "model.head_dim=16"]}   # q/k norms, wider heads
 MOE_128 = ["model.moe.num_experts=128", "model.moe.top_k=2", "model.moe.capacity_factor=2"]
 
 
 def small(family: str, *extra: str):
-    return load_config("tiny", [*SMALL, f"model.family={family}", *FAMILIES[family], *extra])
+    """The tiny recipe at SMALL's size as `family` (a key of FAMILIES: the family, or FAMILY+VARIANT)."""
+    return load_config("tiny", [*SMALL, f"model.family={family.split('+')[0]}", *FAMILIES[family], *extra])
 
 
 # ----------------------------------------------------------------------------- parameters

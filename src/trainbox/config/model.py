@@ -78,7 +78,7 @@ class ModelBase(Section):
                                                "'trainbox[flash]'; torch ops elsewhere). MLPs with biases "
                                                "(model.bias=true) run unfused")
     path: str | None = Field(None, description="hub id or local folder of a Hugging Face causal LM; llama: a "
-                                               "local Llama or Qwen2 folder that gives the run its shape, "
+                                               "local Llama, Qwen2 or Qwen3 folder that gives the run its shape, "
                                                "tokenizer and initial weights (full fine-tuning)")
 
     @property

@@ -157,6 +157,9 @@ def decoder_block(shapes, w: Widths, kern: Kernels, frozen: bool = False, lora_d
     if not frozen:
         b.keep(norm_out(3) * a * d)            # the norm's output, q's, k's and v's input
     b.mm(a * (shapes.q + 2 * shapes.kv), keep=False)   # q, k, v (RoPE makes new q and k)
+    if shapes.qk_norm:   # Qwen3: q and k normalized a head at a time, each head a row of the norm
+        head = shapes.q // shapes.heads
+        b.keep(w.rms(head, True, a) * (shapes.q + shapes.kv) // head)
     b.keep(a * (shapes.q + 2 * shapes.kv))     # the attention's inputs: rotated q and k, v
     b.attn(a * shapes.q + 4 * shapes.heads)    # its output and log-sum-exp
     if not frozen:

@@ -34,6 +34,7 @@ class Shapes:
     heads: int
     lora_in: int = 0    # LoRA: the input widths of the adapted projections, summed
     lora_r: int = 0     # ... and their ranks, summed
+    qk_norm: bool = False   # an RMSNorm over each head of q and of k (Qwen3's q_norm, k_norm)
 
 
 # the names of a block's projections: Hugging Face's Llama (q_proj, ...) and torchtitan's (wq, w1, ...)
@@ -129,7 +130,8 @@ def shapes_of(block: nn.Module, cfg) -> Shapes:
         heads = getattr(hf, "num_attention_heads", heads)
     return Shapes(d=d, q=q.out_features if q is not None else d, kv=(k or q).out_features if (k or q) else d,
                   ffn=up.out_features if up is not None else 4 * d, gated=gate is not None and up is not None,
-                  heads=heads, lora_in=lora_in, lora_r=lora_r)
+                  heads=heads, lora_in=lora_in, lora_r=lora_r,
+                  qk_norm=any(name.rsplit(".", 1)[-1] == "q_norm" for name, _ in block.named_modules()))
 
 
 def build_meta(cfg: RunConfig, vocab: int) -> nn.Module:

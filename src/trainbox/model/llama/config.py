@@ -1,4 +1,5 @@
-"""model.llama: Llama / Qwen2 options (`model.family: llama`), and the family's own rules on the model section."""
+"""model.llama: Llama / Qwen2 / Qwen3 options (`model.family: llama`), and the family's own rules on the model
+section."""
 from __future__ import annotations
 
 import math
@@ -30,7 +31,8 @@ class RopeScalingSection(Section):
 
 
 class LlamaSection(Section):
-    """Llama / Qwen2 options (`model.family: llama`); model.n_layer, n_head, n_embd and head_dim give the shape."""
+    """Llama / Qwen2 / Qwen3 options (`model.family: llama`); model.n_layer, n_head, n_embd and head_dim give the
+    shape."""
 
     n_kv_head: int | None = Field(None, ge=1, description="key/value heads of grouped-query attention (default "
                                                           "model.n_head); model.n_head must be a multiple of it")
@@ -42,6 +44,8 @@ class LlamaSection(Section):
     rms_norm_eps: float = Field(1e-5, gt=0)
     qkv_bias: bool = Field(False, description="biases on the q, k and v projections (Qwen2; exported as "
                                               "Qwen2ForCausalLM)")
+    qk_norm: bool = Field(False, description="an RMSNorm over each head of q and of k before RoPE (Qwen3; exported "
+                                             "as Qwen3ForCausalLM)")
     tie_embeddings: bool = Field(False, description="the output head shares the token embedding (Llama 3.2 1B "
                                                     "and 3B, small Qwen2 models); model.tie_embeddings is the "
                                                     "gpt family's")
@@ -53,6 +57,9 @@ def check(m) -> None:
         raise ValueError(f"model.n_embd={m.n_embd} is not divisible by model.n_head={m.n_head}")
     if m.n_head % (m.llama.n_kv_head or m.n_head):
         raise ValueError(f"model.n_head={m.n_head} is not a multiple of model.llama.n_kv_head={m.llama.n_kv_head}")
+    if m.llama.qk_norm and m.llama.qkv_bias:
+        raise ValueError("model.llama.qk_norm and model.llama.qkv_bias together match no Hugging Face architecture "
+                         "(Qwen3 has the first, Qwen2 the second): set one")
 
 
 def intermediate_size(cfg) -> int:

@@ -1,8 +1,8 @@
-"""Hugging Face Llama and Qwen2 folders <-> the llama family (`model.family: llama`), both directions.
+"""Hugging Face Llama, Qwen2 and Qwen3 folders <-> the llama family (`model.family: llama`), both directions.
 
     trainbox train sft model.path=FOLDER data.path=chat.jsonl     # shape, tokenizer and weights from FOLDER
     trainbox train llama-1b run.init_from=FOLDER                  # weights only; the recipe's shape must match
-    trainbox export runs/sft --format hf --out hf/                # LlamaForCausalLM (Qwen2ForCausalLM: qkv_bias)
+    trainbox export runs/sft --format hf --out hf/                # LlamaForCausalLM (qkv_bias: Qwen2, qk_norm: Qwen3)
 
 Our parameter names are Hugging Face's and our RoPE uses its rotate_half convention, so the weights copy
 across unchanged: no renames, no permutation of q_proj / k_proj rows. What the conversion does: it reads
@@ -42,12 +42,12 @@ from trainbox.model.hf_folder import (
 from trainbox.model.llama.config import head_dim, intermediate_size, tokenizer_spec
 from trainbox.model.load import load_for_inference
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
 def read_config(folder: str | Path, key: str) -> dict:
-    """FOLDER/config.json of a Llama or Qwen2 model; `key` names the setting that gave the folder."""
+    """FOLDER/config.json of a Llama, Qwen2 or Qwen3 model; `key` names the setting that gave the folder."""
     path = Path(folder) / "config.json"
     if not path.is_file():
         raise ConfigError(f"{key}={folder}: no config.json there; model.family=llama reads a local Hugging Face "
@@ -56,18 +56,22 @@ def read_config(folder: str | Path, key: str) -> dict:
     hf = json.loads(path.read_text())
     if hf.get("model_type") not in ARCHITECTURES:
         raise ConfigError(f"{key}={folder} holds a {hf.get('model_type')!r} model; model.family=llama supports "
-                          f"model_type llama (LlamaForCausalLM) and qwen2 (Qwen2ForCausalLM)",
+                          f"model_type llama (LlamaForCausalLM), qwen2 (Qwen2ForCausalLM) and qwen3 "
+                          "(Qwen3ForCausalLM)",
                           hint="GPT-2 folders load into model.family=gpt (run.init_from); other causal LMs "
                                "fine-tune with LoRA: trainbox train lora model.path=...")
     return hf
 
 
 def shape(hf: dict, where: str) -> dict:
-    """A Llama / Qwen2 config.json as our model keys (dotted) -> values; refuses what we do not implement."""
+    """A Llama / Qwen2 / Qwen3 config.json as our model keys (dotted) -> values; refuses what we do not
+    implement."""
+    layer_types = set(hf.get("layer_types") or ["full_attention"])
     refused = [(hf.get("hidden_act", "silu") == "silu", f"hidden_act={hf.get('hidden_act')} (ours is silu)"),
                (not hf.get("attention_bias", False), "attention_bias=true (biases on every attention projection)"),
                (not hf.get("mlp_bias", False), "mlp_bias=true"),
-               (not hf.get("use_sliding_window", False), "use_sliding_window=true")]
+               (not hf.get("use_sliding_window", False), "use_sliding_window=true"),
+               (layer_types == {"full_attention"}, f"layer_types {sorted(layer_types)} (ours: full_attention)")]
     for ok, what in refused:
         if not ok:
             raise ConfigError(f"{where}/config.json has {what}, which model.family=llama does not implement")
@@ -83,7 +87,7 @@ def shape(hf: dict, where: str) -> dict:
            "model.llama.intermediate_size": hf["intermediate_size"],
            "model.llama.rope_theta": float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
            "model.llama.rms_norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
-           "model.llama.qkv_bias": hf["model_type"] == "qwen2",
+           "model.llama.qkv_bias": hf["model_type"] == "qwen2", "model.llama.qk_norm": hf["model_type"] == "qwen3",
            "model.llama.tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
            "model.llama.rope_scaling.rope_type": "llama3" if rope_type == "llama3" else "none"}
     if rope_type == "llama3":
@@ -99,6 +103,7 @@ def ours(cfg) -> dict:
            "model.head_dim": head_dim(cfg), "model.llama.n_kv_head": lc.n_kv_head or cfg.n_head,
            "model.llama.intermediate_size": intermediate_size(cfg), "model.llama.rope_theta": lc.rope_theta,
            "model.llama.rms_norm_eps": lc.rms_norm_eps, "model.llama.qkv_bias": lc.qkv_bias,
+           "model.llama.qk_norm": lc.qk_norm,
            "model.llama.tie_embeddings": lc.tie_embeddings, "model.llama.rope_scaling.rope_type": rs.rope_type}
     if rs.rope_type == "llama3":
         out.update({f"model.llama.rope_scaling.{k}": getattr(rs, k) for k in ROPE_KEYS})
@@ -165,7 +170,7 @@ def read_weights(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def import_hf(folder: str | Path, model: nn.Module, cfg) -> None:
-    """`run.init_from` of a Llama / Qwen2 folder: its config must match the model section; weights copied,
+    """`run.init_from` of a Llama / Qwen2 / Qwen3 folder: its config must match the model section; weights copied,
     the vocabulary padded with zero rows where ours is larger."""
     folder = Path(folder)
     hf = read_config(folder, "run.init_from")
@@ -183,17 +188,18 @@ def import_hf(folder: str | Path, model: nn.Module, cfg) -> None:
     if cfg.llama.tie_embeddings:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     copy_mapped(model, state, ("model.embed_tokens.weight", "lm_head.weight"), folder, "our llama model",
-                "the folder must hold a LlamaForCausalLM or Qwen2ForCausalLM")
+                "the folder must hold a LlamaForCausalLM, Qwen2ForCausalLM or Qwen3ForCausalLM")
 
 
 # ----------------------------------------------------------------------------- weights out
 
 
 def hf_config(cfg, vocab: int, block: int, source: dict | None = None) -> dict:
-    """config.json for our model section: Qwen2ForCausalLM with q/k/v biases, else LlamaForCausalLM. Token ids
-    and the context length come from `source` (the config.json of model.path) where there is one."""
+    """config.json for our model section: Qwen2ForCausalLM with q/k/v biases, Qwen3ForCausalLM with q/k norms,
+    else LlamaForCausalLM. Token ids and the context length come from `source` (the config.json of model.path) where
+    there is one."""
     lc, rs = cfg.llama, cfg.llama.rope_scaling
-    model_type = "qwen2" if lc.qkv_bias else "llama"
+    model_type = "qwen2" if lc.qkv_bias else "qwen3" if lc.qk_norm else "llama"
     scaling = None
     context = block
     if rs.rope_type == "llama3":
@@ -209,7 +215,9 @@ def hf_config(cfg, vocab: int, block: int, source: dict | None = None) -> dict:
     if model_type == "llama":
         out.update(attention_bias=False, mlp_bias=False)
     else:
-        out.update(use_sliding_window=False)
+        out.update(use_sliding_window=False, sliding_window=None)
+    if model_type == "qwen3":
+        out.update(attention_bias=False, max_window_layers=cfg.n_layer, layer_types=["full_attention"] * cfg.n_layer)
     for key in ("bos_token_id", "eos_token_id", "pad_token_id", "max_position_embeddings"):
         if source and source.get(key) is not None:
             out[key] = source[key]
@@ -241,7 +249,8 @@ def write_hf(model: nn.Module, cfg, folder: Path, eot_id: int, block: int, dtype
 
 
 def export(path: str, out: str, merge: bool = False, force: bool = False, dtype: str | None = None) -> list[str]:
-    """`trainbox export` of a llama run: a LlamaForCausalLM (or, with q/k/v biases, Qwen2ForCausalLM) folder with
+    """`trainbox export` of a llama run: a LlamaForCausalLM (Qwen2ForCausalLM with q/k/v biases, Qwen3ForCausalLM
+    with q/k norms) folder with
     the run's tokenizer (the files of its tokenizer folder, model.path's, copied; else written as for gpt), its
     chat template, and generation_config.json stopping at end-of-text and the end-of-turn token."""
     no_merge(path, merge)
@@ -288,8 +297,9 @@ def rope_factors(hf: dict, dim: int) -> torch.Tensor:
 
 
 def gguf_model(folder: Path) -> GGUFModel:
-    """A LlamaForCausalLM / Qwen2ForCausalLM folder (written by export) as llama.cpp's llama or qwen2 architecture:
-    llama's q/k rows permuted to interleaved RoPE pairs (qwen2 keeps rotate_half: RoPE type NEOX), Llama 3
+    """A LlamaForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM folder (written by export) as llama.cpp's llama,
+    qwen2 or qwen3 architecture: llama's q/k rows permuted to interleaved RoPE pairs (qwen2 and qwen3 keep
+    rotate_half: RoPE type NEOX; qwen3's q/k norms go as attn_q_norm / attn_k_norm), Llama 3
     scaling as rope_freqs.weight, the hyperparameters as convert_hf_to_gguf.py writes them."""
     hf = read_config(folder, "export")
     heads, kv = hf["num_attention_heads"], hf["num_key_value_heads"]

@@ -1,5 +1,5 @@
-"""Llama family (`model.family: llama`): Llama 2/3 and Qwen2 models, parameter names as Hugging Face's
-LlamaForCausalLM and Qwen2ForCausalLM.
+"""Llama family (`model.family: llama`): Llama 2/3, Qwen2 and Qwen3 models, parameter names as Hugging Face's
+LlamaForCausalLM, Qwen2ForCausalLM and Qwen3ForCausalLM.
 
     trainbox train llama-1b data.path=PREFIX                        # Llama 3.2 1B shape, random init
     trainbox train sft model.path=FOLDER data.path=chat.jsonl       # full fine-tuning of a HF folder
@@ -7,7 +7,8 @@ LlamaForCausalLM and Qwen2ForCausalLM.
 Architecture (Touvron et al. 2023, Llama 3 2024): token embedding; pre-RMSNorm blocks of grouped-query
 attention (`model.llama.n_kv_head` key/value heads, each shared by n_head / n_kv_head query heads) with
 rotary positions, and a SwiGLU MLP, down(silu(gate(x)) * up(x)); a final RMSNorm; an output head, untied
-unless `model.llama.tie_embeddings`. No biases, except Qwen2's on q, k and v (`model.llama.qkv_bias`).
+unless `model.llama.tie_embeddings`. No biases, except Qwen2's on q, k and v (`model.llama.qkv_bias`). Qwen3
+normalizes each head of q and k (an RMSNorm over the head's width) before the rotation (`model.llama.qk_norm`).
 
 RoPE rotates the two halves of each head against each other (Hugging Face's rotate_half convention), so
 q_proj and k_proj load from and export to Hugging Face folders as they are, with no permutation of their
@@ -82,20 +83,26 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
-    def __init__(self, n_embd: int, n_head: int, n_kv_head: int, head_dim: int, qkv_bias: bool):
+    def __init__(self, n_embd: int, n_head: int, n_kv_head: int, head_dim: int, qkv_bias: bool,
+                 qk_norm_eps: float | None = None):
         super().__init__()
         self.n_head, self.n_kv_head, self.head_dim = n_head, n_kv_head, head_dim
         self.q_proj = nn.Linear(n_embd, n_head * head_dim, bias=qkv_bias)
         self.k_proj = nn.Linear(n_embd, n_kv_head * head_dim, bias=qkv_bias)
         self.v_proj = nn.Linear(n_embd, n_kv_head * head_dim, bias=qkv_bias)
         self.o_proj = nn.Linear(n_head * head_dim, n_embd, bias=False)
+        if qk_norm_eps is not None:   # Qwen3: each head of q and k normalized over its width
+            self.q_norm, self.k_norm = RMSNorm(head_dim, qk_norm_eps), RMSNorm(head_dim, qk_norm_eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None = None,
                 pos: int = 0, docs: DocMask | None = None) -> torch.Tensor:
         B, T, _ = x.shape
-        # (B, T, H * D) -> (B, H, T, D)
-        q = self.q_proj(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        # (B, T, H * D) -> (B, T, H, D), each head normalized where the model does (qk_norm), -> (B, H, T, D)
+        q = self.q_proj(x).view(B, T, self.n_head, self.head_dim)
+        k = self.k_proj(x).view(B, T, self.n_kv_head, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         y = cached_attention(q, k, v, cache, pos) if docs is None else doc_attention(q, k, v, docs)
@@ -139,7 +146,8 @@ class Block(nn.Module):
         super().__init__()
         lc = cfg.llama
         self.input_layernorm = RMSNorm(cfg.n_embd, lc.rms_norm_eps)
-        self.self_attn = Attention(cfg.n_embd, cfg.n_head, lc.n_kv_head or cfg.n_head, head_dim(cfg), lc.qkv_bias)
+        self.self_attn = Attention(cfg.n_embd, cfg.n_head, lc.n_kv_head or cfg.n_head, head_dim(cfg), lc.qkv_bias,
+                                   lc.rms_norm_eps if lc.qk_norm else None)
         self.post_attention_layernorm = RMSNorm(cfg.n_embd, lc.rms_norm_eps)
         self.mlp = MLP(cfg.n_embd, intermediate_size(cfg))
 
@@ -150,7 +158,7 @@ class Block(nn.Module):
 
 
 class Llama(nn.Module):
-    """Llama / Qwen2. `cfg` is a ModelSection; `vocab_size` and `block_size` are already resolved."""
+    """Llama / Qwen2 / Qwen3. `cfg` is a ModelSection; `vocab_size` and `block_size` are already resolved."""
 
     family = "llama"
     masks_attention = True   # forward(..., visible=, position_ids=): rows of any layout (eval/adapter.py)
