@@ -59,7 +59,7 @@ def test_full_fine_tuning_on_gpus_exports_what_transformers_loads(tmp_path, arch
     layout = ["--nproc", "2", "sft", "train.parallel=fsdp"] if nproc == 2 else ["sft"]
     run_cli("train", *layout, f"model.path={base}", f"data.path={chats}",
             "data.seq_len=512", "train.global_batch_size=16", "train.micro_batch_size=4", "train.max_steps=40",
-            "train.epochs=10", "optim.lr=3e-4", "optim.warmup_steps=5", "train.dtype=bf16", "train.compile=true",
+            "optim.lr=3e-4", "optim.warmup_steps=5", "train.dtype=bf16", "train.compile=true",
             "train.checkpoint_every=20", "train.sample_tokens=0", "monitor.enabled=false", "monitor.log_every=1",
             f"run.dir={tmp_path / 'runs'}", "run.name=sft", f"data.cache_dir={tmp_path / 'cache'}", timeout=1200)
     run = tmp_path / "runs" / "sft"
