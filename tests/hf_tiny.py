@@ -10,6 +10,16 @@ CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 WORDS = "one two three four five six seven eight nine ten plus minus equals what is the sum of and".split()
 
+# Qwen3's rule, written small: an answer after the last question opens with an empty reasoning block, an earlier
+# one is rendered without it and without any reasoning its text holds; so a longer conversation renders the
+# earlier answers otherwise
+REASONING = ("{%- set ns = namespace(last=messages|length - 1) %}{%- for m in messages %}{%- if m.role == 'user' %}"
+             "{%- set ns.last = loop.index0 %}{%- endif %}{%- endfor %}{%- for m in messages %}"
+             "{%- if m.role == 'assistant' %}{{- '<|im_start|>assistant\n' }}{%- if loop.index0 > ns.last %}"
+             "{{- '<think>\n\n</think>\n\n' + m.content }}{%- else %}{{- m.content.split('</think>')[-1] }}{%- endif %}"
+             "{{- '<|im_end|>\n' }}{%- else %}{{- '<|im_start|>' + m.role + '\n' + m.content + '<|im_end|>\n' }}"
+             "{%- endif %}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}")
+
 
 def make_tokenizer(folder: Path, vocab_size: int = 320, chat_template: str | None = CHATML):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers

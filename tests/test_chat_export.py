@@ -111,6 +111,26 @@ def test_chat_keeps_the_cache_and_answers_as_a_fresh_encoding_does(runs):
                 assert kept.reused >= before - 1 > 0, (run, kept.reused, before)
 
 
+def test_chat_goes_on_in_a_template_that_renders_earlier_answers_again(runs):
+    """Qwen3's template renders an answer without its reasoning block once a question follows it: each turn's prompt
+    is the conversation as the template renders it whole, and the answers are those of a session that encodes
+    the whole conversation afresh every turn."""
+    from trainbox.data.chat import ChatTemplate
+    from trainbox.model.load import load_for_inference
+    model, tok, _ = load_for_inference(runs["sft"])
+    template = ChatTemplate(hf_tiny.REASONING, "reasoning")
+    kept = ChatSession(model, tok, template, temperature=0, max_tokens=12)
+    fresh = ChatSession(model, tok, template, temperature=0, max_tokens=12)
+    assert kept.end_text == "<|im_end|>"
+    for q in QUESTIONS[:2]:
+        answer = "".join(kept.turn(q))
+        fresh.cached = []
+        assert answer == "".join(fresh.turn(q)) and kept.last.ids == fresh.last.ids
+    asked = kept.messages[:3]   # the first question and answer, then the second question
+    assert tok.decode(kept.prompt_ids(asked)) == template.render(asked, add_generation_prompt=True)
+    assert "<think>" not in tok.decode(kept.prompt_ids(asked))   # the first answer, no longer the last, has none
+
+
 def test_chat_drops_the_oldest_turns_at_the_context(runs, caplog):
     session = open_chat(runs["sft"], "cpu", temperature=0, max_tokens=24)
     for q in QUESTIONS:

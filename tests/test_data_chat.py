@@ -5,12 +5,13 @@ from __future__ import annotations
 import json
 import shutil
 
+import hf_tiny
 import numpy as np
 import pytest
 import torch
 
 from trainbox.data import megatron
-from trainbox.data.chat import ChatTemplate, encode_chat, load_template, messages_of
+from trainbox.data.chat import CHATML, ChatTemplate, encode_chat, load_template, messages_of
 from trainbox.data.loader import TokenDataset, open_tokens
 from trainbox.data.prepare import PrepareOptions, prepare
 from trainbox.data.tokenizer import asset_path, get_tokenizer
@@ -65,10 +66,36 @@ def test_hf_tokenizer_template_matches_transformers(tmp_path):
     assert tok.eot_id in [i for i, m in zip(ids, mask) if m]  # eos is one special token, and trained
 
 
-def test_template_that_is_not_prefix_stable_is_refused():
+def test_a_template_that_renders_earlier_answers_again_is_masked_in_its_whole_rendering():
+    """Qwen3's template renders an answer once it is followed by a question without the reasoning block it had as
+    the last one, so no growing prefixes exist: the conversation is rendered whole, as at inference, and each
+    answer trains from its generation prompt's end to its <|im_end|>. Where both ways apply (ChatML, Zephyr),
+    they train the same text."""
+    from trainbox.errors import DataError
+    tok = get_tokenizer("gpt2")
+    reasoning = ChatTemplate(hf_tiny.REASONING, "reasoning")
+    assert reasoning.grown_spans(MESSAGES) is None
+    ids, mask = encode_chat(reasoning, tok, MESSAGES)
+    assert tok.decode(ids) == reasoning.render(MESSAGES)
+    trained, untrained = split_by_mask(tok, ids, mask)
+    assert trained == "Blue.<|im_end|>\n<think>\n\n</think>\n\nGreen, or perhaps red.<|im_end|>\n"
+    assert untrained.count("<|im_start|>assistant\n") == 2 and "Blue" not in untrained
+    # an earlier answer whose text the template rewrites (its reasoning dropped) is not in the rendering
+    thought = [*MESSAGES[:2], {"role": "assistant", "content": "<think>sky</think>Blue."}, *MESSAGES[3:]]
+    with pytest.raises(DataError, match="assistant message 3 is not in its rendering") as e:
+        encode_chat(reasoning, tok, thought)
+    assert "reasoning_content" in e.value.hint
+    for source in (CHATML, ZEPHYR):
+        tpl = ChatTemplate(source, "t", eos_token="<|endoftext|>")
+        grown, located = tpl.grown_spans(MESSAGES), tpl.located_spans(MESSAGES)
+        assert grown is not None and [t for t, on in located if on] == [t for t, on in grown if on]
+        assert "".join(t for t, _ in located) == "".join(t for t, _ in grown) == tpl.render(MESSAGES)
+
+
+def test_template_whose_answer_is_no_prefix_of_its_question_is_refused():
     from trainbox.errors import DataError
     bad = ChatTemplate("{{ messages | length }}{% for m in messages %}{{ m['content'] }}{% endfor %}", "bad")
-    with pytest.raises(DataError, match="growing prefixes|re-renders"):
+    with pytest.raises(DataError, match="renders a question and its answer as no prefix"):
         encode_chat(bad, get_tokenizer("gpt2"), MESSAGES)
 
 

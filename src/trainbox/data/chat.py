@@ -8,8 +8,12 @@ the same template `transformers`' apply_chat_template uses.
 The loss mask marks the tokens the model is trained on: an assistant message's content and its
 end-of-turn marker, never the system/user turns or the assistant header. It is found by rendering
 growing prefixes of the conversation (as axolotl and TRL do): the text an assistant message adds
-after the generation prompt is that message's trainable span. Each span is tokenized on its own, so a
-token never straddles a trained and an untrained region.
+after the generation prompt is that message's trainable span. A template that renders earlier turns
+again once the conversation grows (Qwen3's drops the reasoning block of every answer before the last
+question) has no such prefixes: the conversation is then rendered once, whole, as the model sees it at
+inference, and each assistant span runs from the generation prompt's text before its content to the
+end-of-turn marker after it. Each span is tokenized on its own, so a token never straddles a trained and
+an untrained region.
 """
 from __future__ import annotations
 
@@ -86,7 +90,14 @@ class ChatTemplate:
         return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt, **self.extra)
 
     def spans(self, messages: list[dict], where: str = "record") -> list[tuple[str, bool]]:
-        """The rendered conversation cut into (text, trained) spans; trained spans are assistant output."""
+        """The rendered conversation cut into (text, trained) spans; trained spans are assistant output: by growing
+        prefixes, or located in the whole rendering where the template renders earlier turns again (module
+        docstring)."""
+        grown = self.grown_spans(messages)
+        return grown if grown is not None else self.located_spans(messages, where)
+
+    def grown_spans(self, messages: list[dict]) -> list[tuple[str, bool]] | None:
+        """`spans` by growing prefixes; None where a longer conversation renders an earlier turn otherwise."""
         out: list[tuple[str, bool]] = []
         prev = ""
         for i, m in enumerate(messages):
@@ -94,15 +105,41 @@ class ChatTemplate:
             if m["role"] == "assistant":
                 gen = self.render(messages[:i], add_generation_prompt=True)
                 if not gen.startswith(prev) or not full.startswith(gen):
-                    raise DataError(f"{where}: chat template {self.name} does not render conversations as "
-                                    f"growing prefixes, so assistant tokens cannot be located for the loss mask")
+                    return None
                 out += [(gen[len(prev):], False), (full[len(gen):], True)]
             else:
                 if not full.startswith(prev):
-                    raise DataError(f"{where}: chat template {self.name} re-renders earlier turns; "
-                                    f"cannot build a loss mask")
+                    return None
                 out.append((full[len(prev):], False))
             prev = full
+        return [(t, trained) for t, trained in out if t]
+
+    def located_spans(self, messages: list[dict], where: str = "record") -> list[tuple[str, bool]]:
+        """`spans` of the whole rendering: each assistant span runs from the end of its generation prompt's text
+        (what add_generation_prompt adds before it, a span of its own, as by growing prefixes) past its content to
+        the end-of-turn marker and the line breaks after it."""
+        whole, end_mark = self.render(messages), end_of_turn(self)
+        out: list[tuple[str, bool]] = []
+        at = 0
+        for i, m in enumerate(messages):
+            if m["role"] != "assistant":
+                continue
+            before = self.render(messages[:i])
+            header = self.render(messages[:i], add_generation_prompt=True)[len(before):]
+            start = whole.find(header, at)
+            body = whole.find(m["content"], start + len(header)) if start >= 0 else -1
+            end = whole.find(end_mark, body + len(m["content"])) if body >= 0 else -1
+            if end < 0:
+                raise DataError(f"{where}: chat template {self.name} renders earlier turns again, and assistant "
+                                f"message {i + 1} is not in its rendering of the whole conversation as given "
+                                f"(the template rewrites it, as Qwen3's drops the reasoning of earlier answers)",
+                                hint="give the reasoning in a reasoning_content field, or one answer per record")
+            end += len(end_mark)
+            while end < len(whole) and whole[end] in "\r\n":
+                end += 1
+            out += [(whole[at:start], False), (header, False), (whole[start + len(header):end], True)]
+            at = end
+        out.append((whole[at:], False))
         return [(t, trained) for t, trained in out if t]
 
 
@@ -181,7 +218,13 @@ def end_of_turn(template: ChatTemplate) -> str:
     Llama 3), whitespace stripped: what a model trained on the template emits to end its turn ("" if nothing)."""
     probe = "\x00"
     msgs = [{"role": "user", "content": "?"}, {"role": "assistant", "content": probe}]
-    trained = "".join(text for text, is_trained in template.spans(msgs, "the end-of-turn probe") if is_trained)
+    grown = template.grown_spans(msgs)
+    if grown is None:
+        raise DataError(f"chat template {template.name} renders a question and its answer as no prefix of what it "
+                        "renders for the question alone, so the answer's tokens cannot be found for the loss mask",
+                        hint="use a template whose generation prompt starts every answer (data.chat_template="
+                             "chatml, or a .jinja file)")
+    trained = "".join(text for text, is_trained in grown if is_trained)
     return trained.split(probe, 1)[-1].strip()
 
 
