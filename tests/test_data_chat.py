@@ -47,6 +47,27 @@ def test_chatml_mask_is_assistant_only():
     assert messages_of(SHAREGPT, "x") == MESSAGES
 
 
+# what transformers' template environment has beyond Jinja's: loop controls, generation blocks, today's date, and a
+# tojson that keeps non-ASCII text and the keys' order
+TRANSFORMERS_ONLY = ("{%- for m in messages %}{%- if loop.index0 == 4 %}{%- break %}{%- endif %}"
+                     "{%- if m.role == 'assistant' %}{% generation %}{{ m.content }}{{ eos_token }}{% endgeneration %}"
+                     "{%- else %}{{ m | tojson }}{%- endif %}{%- endfor %}{{ strftime_now('%Y') }}")
+
+
+def test_templates_render_as_transformers_renders_them():
+    transformers = pytest.importorskip("transformers")
+    ref = transformers.PreTrainedTokenizerFast(tokenizer_file=str(asset_path("shakespeare-bpe.json")),
+                                               eos_token="<|endoftext|>")
+    messages = [{"role": "system", "content": "Réponds en français."}, *MESSAGES[1:]]
+    for source in (TRANSFORMERS_ONLY, hf_tiny.REASONING, ZEPHYR):
+        ref.chat_template = source
+        tpl = ChatTemplate(source, "t", eos_token="<|endoftext|>")
+        assert tpl.render(messages) == ref.apply_chat_template(messages, tokenize=False)
+        assert tpl.render(messages[:2], True) == ref.apply_chat_template(messages[:2], tokenize=False,
+                                                                         add_generation_prompt=True)
+    assert '{"role": "system", "content": "Réponds' in ChatTemplate(TRANSFORMERS_ONLY).render(messages)
+
+
 def test_hf_tokenizer_template_matches_transformers(tmp_path):
     transformers = pytest.importorskip("transformers")
     folder = tmp_path / "tok"
@@ -97,6 +118,8 @@ def test_template_whose_answer_is_no_prefix_of_its_question_is_refused():
     bad = ChatTemplate("{{ messages | length }}{% for m in messages %}{{ m['content'] }}{% endfor %}", "bad")
     with pytest.raises(DataError, match="renders a question and its answer as no prefix"):
         encode_chat(bad, get_tokenizer("gpt2"), MESSAGES)
+    with pytest.raises(DataError, match="chat template broken.jinja: line 2: Expected an expression"):
+        ChatTemplate("{{ bos_token }}\n{% if %}", "broken.jinja")
 
 
 def test_prepare_chat_jsonl_writes_masks_the_loader_serves(tmp_path):

@@ -17,7 +17,9 @@ an untrained region.
 """
 from __future__ import annotations
 
+import functools
 import json
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -69,21 +71,55 @@ def messages_of(rec: dict, where: str) -> list[dict[str, str]]:
     return out
 
 
+@functools.cache
+def _environment():
+    """The Jinja environment transformers renders chat templates in (its apply_chat_template): sandboxed,
+    trim_blocks and lstrip_blocks, {% break %} and {% continue %}, `{% generation %}` blocks (its marker of assistant
+    text, rendered as they are), `strftime_now(format)` (today's date, as Llama 3.2's template asks), and a
+    `tojson` that keeps non-ASCII text and the keys' order (Jinja's own escapes and sorts: tool schemas would read
+    otherwise than at inference)."""
+    try:
+        import jinja2  # heavy: jinja2
+        from jinja2.ext import Extension, loopcontrols  # heavy: jinja2
+        from jinja2.sandbox import ImmutableSandboxedEnvironment  # heavy: jinja2
+    except ImportError:  # pragma: no cover - jinja2 ships with torch
+        raise MissingDependency("jinja2", "hf", "rendering chat templates") from None
+
+    class Generation(Extension):
+        tags = {"generation"}
+
+        def parse(self, parser):
+            line = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(line)
+
+        def _body(self, caller):
+            return caller()
+
+    def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["strftime_now"] = lambda format: datetime.now().strftime(format)
+    return env
+
+
 class ChatTemplate:
-    """A Jinja chat template rendered the way transformers does (sandboxed, trim_blocks, lstrip_blocks)."""
+    """A Jinja chat template rendered the way transformers does (`_environment`)."""
 
     def __init__(self, source: str, name: str = "chatml", bos_token: str = "", eos_token: str = ""):
-        try:
-            from jinja2.sandbox import ImmutableSandboxedEnvironment  # heavy: jinja2
-        except ImportError:  # pragma: no cover - jinja2 ships with torch
-            raise MissingDependency("jinja2", "hf", "rendering chat templates") from None
+        from jinja2 import TemplateSyntaxError  # heavy: jinja2
 
         def raise_exception(msg):
             raise DataError(f"chat template {name}: {msg}")
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = raise_exception
-        self.template, self.name, self.source = env.from_string(source), name, source
+        try:
+            self.template = _environment().from_string(source, globals={"raise_exception": raise_exception})
+        except TemplateSyntaxError as e:
+            raise DataError(f"chat template {name}: line {e.lineno}: {e.message}",
+                            hint="fix the template, or use data.chat_template=chatml") from None
+        self.name, self.source = name, source
         self.extra = {"bos_token": bos_token, "eos_token": eos_token}
 
     def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
