@@ -3,7 +3,10 @@
 Records are JSON objects with either `messages` ([{role, content}], OpenAI style) or ShareGPT
 `conversations` ([{from, value}]). They are rendered with a Jinja chat template: ChatML by default, or
 the `chat_template` of a Hugging Face tokenizer folder (tokenizer_config.json or chat_template.jinja),
-the same template `transformers`' apply_chat_template uses.
+the same template `transformers`' apply_chat_template uses. A message's other fields (an assistant's
+`tool_calls` or `reasoning_content`, a tool result's `tool_call_id` or `name`) and the record's `tools`
+(function schemas) reach the template as apply_chat_template passes them, so tool calls train as the
+template writes them.
 
 The loss mask marks the tokens the model is trained on: an assistant message's content and its
 end-of-turn marker, never the system/user turns or the assistant header. It is found by rendering
@@ -42,6 +45,16 @@ def is_chat_record(rec: Any) -> bool:
                                       or isinstance(rec.get("conversations"), list))
 
 
+def tools_of(rec: dict, where: str) -> list | None:
+    """The record's `tools` (function schemas, as the template reads them), or None."""
+    tools = rec.get("tools")
+    if tools is None:
+        return None
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise DataError(f"{where}: `tools` must be a list of function schemas (objects), got {tools!r:.80}")
+    return tools
+
+
 def _content(value: Any, where: str) -> str:
     if isinstance(value, str):
         return value
@@ -50,14 +63,15 @@ def _content(value: Any, where: str) -> str:
     raise DataError(f"{where}: message content must be a string, got {type(value).__name__}")
 
 
-def messages_of(rec: dict, where: str) -> list[dict[str, str]]:
-    """Normalise a `messages` or ShareGPT `conversations` record to [{role, content}]."""
+def messages_of(rec: dict, where: str) -> list[dict]:
+    """Normalise a `messages` or ShareGPT `conversations` record to [{role, content, ...}]: content as text, a
+    message's other fields (tool_calls, reasoning_content, tool_call_id, name) kept as they are."""
     if isinstance(rec.get("messages"), list):
         out = []
         for m in rec["messages"]:
             if not isinstance(m, dict) or "role" not in m:
                 raise DataError(f"{where}: each of `messages` needs a `role` and `content`, got {m!r:.80}")
-            out.append({"role": str(m["role"]), "content": _content(m.get("content") or "", where)})
+            out.append({**m, "role": str(m["role"]), "content": _content(m.get("content") or "", where)})
         return out
     out = []
     for m in rec["conversations"]:
@@ -122,24 +136,35 @@ class ChatTemplate:
         self.name, self.source = name, source
         self.extra = {"bos_token": bos_token, "eos_token": eos_token}
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
-        return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt, **self.extra)
+    def render(self, messages: list[dict], add_generation_prompt: bool = False, tools: list | None = None) -> str:
+        return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt, tools=tools,
+                                    **self.extra)
 
-    def spans(self, messages: list[dict], where: str = "record") -> list[tuple[str, bool]]:
+    def spans(self, messages: list[dict], where: str = "record", tools: list | None = None
+              ) -> list[tuple[str, bool]]:
         """The rendered conversation cut into (text, trained) spans; trained spans are assistant output: by growing
         prefixes, or located in the whole rendering where the template renders earlier turns again (module
-        docstring)."""
-        grown = self.grown_spans(messages)
-        return grown if grown is not None else self.located_spans(messages, where)
+        docstring). `tools`: the record's function schemas."""
+        grown = self.grown_spans(messages, tools)
+        out = grown if grown is not None else self.located_spans(messages, where, tools)
+        trained = "".join(t for t, on in out if on)
+        for i, m in enumerate(messages):   # a template that writes no tool calls would train such a turn as nothing
+            for call in m.get("tool_calls") or []:
+                name = (call.get("function", call) if isinstance(call, dict) else {}).get("name")
+                if not isinstance(name, str) or name not in trained:
+                    raise DataError(f"{where}: message {i + 1}'s tool call {name or call!r:.60} is not in what chat "
+                                    f"template {self.name} renders for it", hint="use the model's own chat template "
+                                    "(one that writes tool calls), or leave tool_calls out of the data")
+        return out
 
-    def grown_spans(self, messages: list[dict]) -> list[tuple[str, bool]] | None:
+    def grown_spans(self, messages: list[dict], tools: list | None = None) -> list[tuple[str, bool]] | None:
         """`spans` by growing prefixes; None where a longer conversation renders an earlier turn otherwise."""
         out: list[tuple[str, bool]] = []
         prev = ""
         for i, m in enumerate(messages):
-            full = self.render(messages[: i + 1])
+            full = self.render(messages[: i + 1], tools=tools)
             if m["role"] == "assistant":
-                gen = self.render(messages[:i], add_generation_prompt=True)
+                gen = self.render(messages[:i], add_generation_prompt=True, tools=tools)
                 if not gen.startswith(prev) or not full.startswith(gen):
                     return None
                 out += [(gen[len(prev):], False), (full[len(gen):], True)]
@@ -150,18 +175,19 @@ class ChatTemplate:
             prev = full
         return [(t, trained) for t, trained in out if t]
 
-    def located_spans(self, messages: list[dict], where: str = "record") -> list[tuple[str, bool]]:
+    def located_spans(self, messages: list[dict], where: str = "record", tools: list | None = None
+                      ) -> list[tuple[str, bool]]:
         """`spans` of the whole rendering: each assistant span runs from the end of its generation prompt's text
         (what add_generation_prompt adds before it, a span of its own, as by growing prefixes) past its content to
         the end-of-turn marker and the line breaks after it."""
-        whole, end_mark = self.render(messages), end_of_turn(self)
+        whole, end_mark = self.render(messages, tools=tools), end_of_turn(self)
         out: list[tuple[str, bool]] = []
         at = 0
         for i, m in enumerate(messages):
             if m["role"] != "assistant":
                 continue
-            before = self.render(messages[:i])
-            header = self.render(messages[:i], add_generation_prompt=True)[len(before):]
+            before = self.render(messages[:i], tools=tools)
+            header = self.render(messages[:i], add_generation_prompt=True, tools=tools)[len(before):]
             start = whole.find(header, at)
             body = whole.find(m["content"], start + len(header)) if start >= 0 else -1
             end = whole.find(end_mark, body + len(m["content"])) if body >= 0 else -1
@@ -179,12 +205,12 @@ class ChatTemplate:
         return [(t, trained) for t, trained in out if t]
 
 
-def render_spans(template: ChatTemplate, messages: list[dict], where: str = "record"
+def render_spans(template: ChatTemplate, messages: list[dict], where: str = "record", tools: list | None = None
                  ) -> tuple[str, list[tuple[int, int]]]:
     """The rendered conversation and the character spans of its assistant output (for tokenizers that map
     tokens back to characters)."""
     text, spans = "", []
-    for piece, trained in template.spans(messages, where):
+    for piece, trained in template.spans(messages, where, tools):
         if trained:
             spans.append((len(text), len(text) + len(piece)))
         text += piece
@@ -202,12 +228,12 @@ def tokenizer_template(hf, name: str) -> ChatTemplate | None:
                         eos_token=getattr(hf, "eos_token", None) or "")
 
 
-def encode_chat(template: ChatTemplate, tokenizer, messages: list[dict], where: str = "record"
-                ) -> tuple[list[int], list[int]]:
+def encode_chat(template: ChatTemplate, tokenizer, messages: list[dict], where: str = "record",
+                tools: list | None = None) -> tuple[list[int], list[int]]:
     """-> (token ids, loss mask of 0/1), the mask 1 exactly on assistant tokens."""
     ids: list[int] = []
     mask: list[int] = []
-    for text, trained in template.spans(messages, where):
+    for text, trained in template.spans(messages, where, tools):
         piece = tokenizer.encode(text)
         ids += piece
         mask += [int(trained)] * len(piece)

@@ -133,7 +133,7 @@ def _encode_parsed(item: list) -> list:
             j += k
     for i, e in enumerate(item):
         if e[0] == "chat":
-            ids, mask = encode_chat(_WORKER["template"], tok, e[1], e[2])
+            ids, mask = encode_chat(_WORKER["template"], tok, e[1], e[2], e[3])
             out[i] = (True, [np.asarray(ids, dtype=dtype)], np.asarray(mask, dtype=np.uint8))
     return out
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Iterator
 
 from trainbox.data import embedded
-from trainbox.data.chat import is_chat_record, messages_of
+from trainbox.data.chat import is_chat_record, messages_of, tools_of
 from trainbox.data.tokenizer import GPT2Tokenizer
 from trainbox.errors import DataError
 
@@ -191,7 +191,7 @@ def decode_utf8(data: bytes, where: str, offset: int) -> str:
 
 
 def parse_json_line(line: bytes, where: str, offset: int, keys: list[str], chat: bool) -> tuple:
-    """One JSONL line -> ("text", [text per key], True) or ("chat", messages, where)."""
+    """One JSONL line -> ("text", [text per key], True) or ("chat", messages, where, tools)."""
 
     try:
         rec = json.loads(line)
@@ -202,7 +202,7 @@ def parse_json_line(line: bytes, where: str, offset: int, keys: list[str], chat:
     if _surrogate_escape(line):
         rec = mend_surrogates(rec)
     if chat and is_chat_record(rec):
-        return "chat", messages_of(rec, where), where
+        return "chat", messages_of(rec, where), where, tools_of(rec, where)
     if chat:
         raise DataError(f"{where}: expected a chat record (`messages` or `conversations`)",
                         hint="keep chat and plain-text JSONL in separate prepare runs")

@@ -47,6 +47,7 @@ from trainbox.data.chat import (
     messages_of,
     render_spans,
     tokenizer_template,
+    tools_of,
 )
 from trainbox.data.packing import ExampleDataset
 from trainbox.data.readers import json_objects
@@ -153,7 +154,7 @@ def encode_row(row: dict, tok, template: str | None, text_keys: list[str], where
         if chat is None:
             raise DataError(f"{where}: chat data, but the tokenizer {tok.name} has no chat template",
                             hint="use the built-in one: data.chat_template=chatml")
-    text, spans = render_spans(chat, msgs, where)
+    text, spans = render_spans(chat, msgs, where, tools_of(row, where))
     return tokenize_spans(tok, text, spans)
 
 
