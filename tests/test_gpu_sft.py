@@ -53,7 +53,7 @@ def test_full_fine_tuning_on_gpus_exports_what_transformers_loads(tmp_path, arch
     from trainbox.model.load import load_for_inference
 
     if torch.cuda.device_count() < nproc:
-        pytest.skip(f"needs {nproc} CUDA GPUs")
+        pytest.skip("needs a CUDA GPU" if nproc == 1 else f"needs {nproc} CUDA GPUs")
     base = hf_folder(tmp_path / "base", arch)
     chats = hf_tiny.make_chat_file(tmp_path / "chat.jsonl", n=4000)
     layout = ["--nproc", "2", "sft", "train.parallel=fsdp"] if nproc == 2 else ["sft"]
