@@ -1,5 +1,6 @@
 """Tiny Hugging Face models for the LoRA tests: random weights, a small BPE tokenizer with a ChatML
-template, saved to a folder exactly as `save_pretrained` writes them. Nothing is downloaded."""
+template, saved to a folder exactly as `save_pretrained` writes them. Nothing is downloaded. Also the chat
+templates and the tool-calling record the chat-data tests share."""
 from __future__ import annotations
 
 import json
@@ -19,6 +20,25 @@ REASONING = ("{%- set ns = namespace(last=messages|length - 1) %}{%- for m in me
              "{{- '<think>\n\n</think>\n\n' + m.content }}{%- else %}{{- m.content.split('</think>')[-1] }}{%- endif %}"
              "{{- '<|im_end|>\n' }}{%- else %}{{- '<|im_start|>' + m.role + '\n' + m.content + '<|im_end|>\n' }}"
              "{%- endif %}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}")
+
+# a template that writes function schemas and tool calls (Qwen2.5's way, written small)
+TOOLS = ("{%- if tools %}{{- '<|im_start|>system\n# Tools\n' }}{%- for t in tools %}{{- t | tojson + '\n' }}"
+         "{%- endfor %}{{- '<|im_end|>\n' }}{%- endif %}{%- for m in messages %}{%- if m.role == 'assistant' %}"
+         "{{- '<|im_start|>assistant\n' + m.content }}{%- for c in m.tool_calls or [] %}{{- '<tool_call>\n' }}"
+         "{{- {'name': c.function.name, 'arguments': c.function.arguments} | tojson }}{{- '\n</tool_call>' }}"
+         "{%- endfor %}{{- '<|im_end|>\n' }}{%- elif m.role == 'tool' %}"
+         "{{- '<|im_start|>user\n<tool_response>\n' + m.content + '\n</tool_response><|im_end|>\n' }}{%- else %}"
+         "{{- '<|im_start|>' + m.role + '\n' + m.content + '<|im_end|>\n' }}{%- endif %}{%- endfor %}"
+         "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}")
+TOOL_RECORD = {
+    "tools": [{"type": "function", "function": {"name": "get_weather", "description": "Météo d'une ville",
+                                                "parameters": {"type": "object",
+                                                               "properties": {"city": {"type": "string"}}}}}],
+    "messages": [{"role": "user", "content": "Weather in Paris?"},
+                 {"role": "assistant", "content": None, "tool_calls": [
+                     {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+                 {"role": "tool", "tool_call_id": "0", "content": '{"temp": 21}'},
+                 {"role": "assistant", "content": "21 degrees."}]}
 
 
 def make_tokenizer(folder: Path, vocab_size: int = 320, chat_template: str | None = CHATML):

@@ -113,26 +113,6 @@ def test_a_template_that_renders_earlier_answers_again_is_masked_in_its_whole_re
         assert "".join(t for t, _ in located) == "".join(t for t, _ in grown) == tpl.render(MESSAGES)
 
 
-# a template that writes function schemas and tool calls (Qwen2.5's way, written small)
-TOOLS = ("{%- if tools %}{{- '<|im_start|>system\n# Tools\n' }}{%- for t in tools %}{{- t | tojson + '\n' }}"
-         "{%- endfor %}{{- '<|im_end|>\n' }}{%- endif %}{%- for m in messages %}{%- if m.role == 'assistant' %}"
-         "{{- '<|im_start|>assistant\n' + m.content }}{%- for c in m.tool_calls or [] %}{{- '<tool_call>\n' }}"
-         "{{- {'name': c.function.name, 'arguments': c.function.arguments} | tojson }}{{- '\n</tool_call>' }}"
-         "{%- endfor %}{{- '<|im_end|>\n' }}{%- elif m.role == 'tool' %}"
-         "{{- '<|im_start|>user\n<tool_response>\n' + m.content + '\n</tool_response><|im_end|>\n' }}{%- else %}"
-         "{{- '<|im_start|>' + m.role + '\n' + m.content + '<|im_end|>\n' }}{%- endif %}{%- endfor %}"
-         "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}")
-TOOL_RECORD = {
-    "tools": [{"type": "function", "function": {"name": "get_weather", "description": "Météo d'une ville",
-                                                "parameters": {"type": "object",
-                                                               "properties": {"city": {"type": "string"}}}}}],
-    "messages": [{"role": "user", "content": "Weather in Paris?"},
-                 {"role": "assistant", "content": None, "tool_calls": [
-                     {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
-                 {"role": "tool", "tool_call_id": "0", "content": '{"temp": 21}'},
-                 {"role": "assistant", "content": "21 degrees."}]}
-
-
 def test_tool_calls_and_function_schemas_reach_the_template_and_the_calls_train(tmp_path):
     """A record's `tools` and an assistant's `tool_calls` render as transformers renders them (schemas untrained,
     calls trained), through prepare's workers too; a template that writes no tool calls is refused, where the
@@ -141,28 +121,29 @@ def test_tool_calls_and_function_schemas_reach_the_template_and_the_calls_train(
     from trainbox.errors import DataError
     transformers = pytest.importorskip("transformers")
     tok = get_tokenizer("gpt2")
-    tpl = ChatTemplate(TOOLS, "tools")
-    messages, tools = messages_of(TOOL_RECORD, "x"), tools_of(TOOL_RECORD, "x")
+    tpl = ChatTemplate(hf_tiny.TOOLS, "tools")
+    messages, tools = messages_of(hf_tiny.TOOL_RECORD, "x"), tools_of(hf_tiny.TOOL_RECORD, "x")
     ref = transformers.PreTrainedTokenizerFast(tokenizer_file=str(asset_path("shakespeare-bpe.json")))
-    ref.chat_template = TOOLS
+    ref.chat_template = hf_tiny.TOOLS
     assert tpl.render(messages, tools=tools) == ref.apply_chat_template(messages, tools=tools, tokenize=False)
-    assert messages[1]["content"] == "" and messages[1]["tool_calls"] == TOOL_RECORD["messages"][1]["tool_calls"]
+    assert messages[1]["content"] == ""
+    assert messages[1]["tool_calls"] == hf_tiny.TOOL_RECORD["messages"][1]["tool_calls"]
     ids, mask = encode_chat(tpl, tok, messages, "x", tools)
     trained, untrained = split_by_mask(tok, ids, mask)
     assert trained == ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>\n'
                        "21 degrees.<|im_end|>\n")
     assert "Météo d'une ville" in untrained and '{"temp": 21}' in untrained
-    (tmp_path / "tools.jinja").write_text(TOOLS)
-    (tmp_path / "t.jsonl").write_text(json.dumps(TOOL_RECORD) + "\n")
+    (tmp_path / "tools.jinja").write_text(hf_tiny.TOOLS)
+    (tmp_path / "t.jsonl").write_text(json.dumps(hf_tiny.TOOL_RECORD) + "\n")
     prepare(PrepareOptions([str(tmp_path / "t.jsonl")], str(tmp_path / "m" / "x"), format="megatron", workers=2,
                            chat_template=str(tmp_path / "tools.jinja")))
     tokens, m = open_tokens(tmp_path / "m" / "x_text_document")
     assert np.array_equal(tokens, ids) and np.array_equal(m, mask)
     # the fine-tuning path (sft, lora): the tokenizer folder's own template, spans mapped to tokens by offsets
     from trainbox.data.sft import encode_row, load_hf_tokenizer
-    hf_tiny.make_tokenizer(tmp_path / "tok", chat_template=TOOLS)
+    hf_tiny.make_tokenizer(tmp_path / "tok", chat_template=hf_tiny.TOOLS)
     hf_tok = load_hf_tokenizer(str(tmp_path / "tok"))
-    ids, mask = encode_row(TOOL_RECORD, hf_tok, None, ["text"], "x")
+    ids, mask = encode_row(hf_tiny.TOOL_RECORD, hf_tok, None, ["text"], "x")
     assert hf_tok.decode(ids) == tpl.render(messages, tools=tools)
     assert split_by_mask(hf_tok, ids, mask)[0] == trained
     with pytest.raises(DataError, match="message 2's tool call 'get_weather' is not in what chat template chatml"):

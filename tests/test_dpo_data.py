@@ -69,6 +69,23 @@ def test_only_assistant_tokens_of_a_response_carry_loss(tok):
     assert "and five" in untrained and "two plus two" not in untrained
 
 
+def test_a_rows_tools_reach_the_prompt_and_its_tool_calls_train(tok):
+    """A preference row of function calls: its `tools` are in the prompt (untrained), each response's tool call is
+    trained, and the two responses differ only where their calls do."""
+    from trainbox.data.chat import ChatTemplate
+    call = hf_tiny.TOOL_RECORD["messages"][1]
+    wrong = {**call, "tool_calls": [{"type": "function", "function": {"name": "get_weather",
+                                                                      "arguments": {"city": "Lyon"}}}]}
+    row = {"tools": hf_tiny.TOOL_RECORD["tools"], "prompt": hf_tiny.TOOL_RECORD["messages"][:1], "chosen": [call],
+           "rejected": [wrong]}
+    template = ChatTemplate(hf_tiny.TOOLS, "tools")
+    prompt, chosen, cmask, rejected, rmask = encode_pair(pair_of(row, "r"), tok, template, "r")
+    assert "Météo d'une ville" in tok.decode(prompt) and tok.decode(prompt).endswith("<|im_start|>assistant\n")
+    assert tok.decode([t for t, m in zip(chosen, cmask) if m]) == \
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>\n'
+    assert '"Lyon"' in tok.decode([t for t, m in zip(rejected, rmask) if m])
+
+
 def test_text_rows_end_with_the_end_of_text_token(tok):
     p, c, cm, r, rm = encode_pair(pair_of({"prompt": "Q: two plus two?", "chosen": " four", "rejected": " five"},
                                           "r"), tok, None, "r")

@@ -43,7 +43,15 @@ from pathlib import Path
 import numpy as np
 
 from trainbox.data import manifest
-from trainbox.data.chat import BUILTIN, ChatTemplate, hf_chat_template, load_template, messages_of, render_spans
+from trainbox.data.chat import (
+    BUILTIN,
+    ChatTemplate,
+    hf_chat_template,
+    load_template,
+    messages_of,
+    render_spans,
+    tools_of,
+)
 from trainbox.data.readers import json_objects, list_input_files
 from trainbox.data.sft import tokenize_spans
 from trainbox.errors import DataError, NoData
@@ -60,11 +68,12 @@ INDEX_COLUMNS = ("start", "prompt", "chosen", "rejected", "file", "line")
 
 @dataclass
 class Pair:
-    """One row: plain text (`chat` False: strings) or messages ([{role, content}])."""
+    """One row: plain text (`chat` False: strings) or messages ([{role, content}]), with the row's `tools`."""
     chat: bool
     prompt: str | list
     chosen: str | list
     rejected: str | list
+    tools: list | None = None
 
 
 def _shared_prefix(a: list, b: list) -> int:
@@ -108,7 +117,7 @@ def pair_of(row, where: str) -> Pair:
         raise DataError(f"{where}: 'chosen' equals 'rejected'", hint="remove the row: it prefers nothing")
     if not c or not r:
         raise DataError(f"{where}: '{'chosen' if not c else 'rejected'}' has no turns after the prompt")
-    return Pair(True, p, c, r)
+    return Pair(True, p, c, r, tools_of(row, where))
 
 
 def read_pairs(path: Path):
@@ -144,7 +153,7 @@ def encode_pair(pair: Pair, tok, template: ChatTemplate | None, where: str) -> t
                 raise DataError(f"{where}: message rows, but the tokenizer {tok.name} has no chat template",
                                 hint=f"use a built-in one: data.chat_template={next(iter(BUILTIN))} (prepare: "
                                      f"--chat-template {next(iter(BUILTIN))})")
-            text, spans = render_spans(template, pair.prompt + response, where)
+            text, spans = render_spans(template, pair.prompt + response, where, pair.tools)
             ids, mask = tokenize_spans(tok, text, spans)
         else:
             text = pair.prompt + response

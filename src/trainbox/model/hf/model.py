@@ -137,8 +137,8 @@ class HFCausalLM(nn.Module):
         self.hf_config = conf
         self.block_size = getattr(conf, "max_position_embeddings", None) or getattr(conf, "n_positions", 2048)
         self.fused_loss = fused_loss and self._plain_head(path)
-        # the KV cache's argument: `cache` from transformers 5.x on (`past_key_values` there is deprecated), the
-        # older name before
+        # the KV cache's argument, by the forward's signature: `cache` where it has one (transformers 5 releases that
+        # deprecate `past_key_values`), else `past_key_values`
         forward = inspect.signature(peft_model.get_base_model().forward).parameters
         self._cache_arg = "cache" if "cache" in forward else "past_key_values"
 
@@ -261,7 +261,7 @@ def wrap_lora(base: nn.Module, lora, quantized: bool) -> nn.Module:
     if quantized:  # fp32 norms/head for stability, input grads; checkpointing per lora.gradient_checkpointing
         base = prepare_model_for_kbit_training(base, use_gradient_checkpointing=lora.gradient_checkpointing,
                                                gradient_checkpointing_kwargs=gc_kwargs)
-    elif lora.gradient_checkpointing and hasattr(base, "activation_checkpointing_enable"):   # transformers >= 5.x
+    elif lora.gradient_checkpointing and hasattr(base, "activation_checkpointing_enable"):   # its name in 5.x
         base.activation_checkpointing_enable(activation_checkpointing_kwargs=gc_kwargs)
     elif lora.gradient_checkpointing:
         base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=gc_kwargs)
