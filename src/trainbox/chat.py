@@ -24,7 +24,7 @@ import torch
 
 from trainbox import checkpoint
 from trainbox.config import build_config
-from trainbox.data.chat import ChatTemplate, end_of_turn, template_for, token_of
+from trainbox.data.chat import ChatTemplate, template_for, token_of
 from trainbox.errors import BadCheckpoint, CheckpointError, ConfigError
 from trainbox.generate import check_sampling, stream
 from trainbox.model.load import load_for_inference
@@ -53,7 +53,7 @@ class ChatSession:
         self.model, self.tokenizer, self.template = model.eval(), tokenizer, template
         self.system, self.temperature, self.top_k, self.top_p = system, temperature, top_k, top_p
         self.max_tokens = max_tokens
-        self.end_text = end_of_turn(template)
+        self.end_text = template.end_mark
         self.end_id = token_of(tokenizer, self.end_text)
         self.stop = frozenset({tokenizer.eot_id} | ({self.end_id} if self.end_id is not None else set()))
         param = next(model.parameters())

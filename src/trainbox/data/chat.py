@@ -136,6 +136,20 @@ class ChatTemplate:
         self.name, self.source = name, source
         self.extra = {"bos_token": bos_token, "eos_token": eos_token}
 
+    @functools.cached_property
+    def end_mark(self) -> str:
+        """The text the template puts after an assistant message's content ("<|im_end|>" for ChatML, "<|eot_id|>" for
+        Llama 3), whitespace stripped: what a model trained on the template emits to end its turn ("" if nothing)."""
+        probe = "\x00"
+        grown = self.grown_spans([{"role": "user", "content": "?"}, {"role": "assistant", "content": probe}])
+        if grown is None:
+            raise DataError(f"chat template {self.name} renders a question and its answer as no prefix of what it "
+                            "renders for the question alone, so the answer's tokens cannot be found for the loss "
+                            "mask", hint="use a template whose generation prompt starts every answer "
+                                         "(data.chat_template=chatml, or a .jinja file)")
+        trained = "".join(text for text, is_trained in grown if is_trained)
+        return trained.split(probe, 1)[-1].strip()
+
     def render(self, messages: list[dict], add_generation_prompt: bool = False, tools: list | None = None) -> str:
         return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt, tools=tools,
                                     **self.extra)
@@ -180,7 +194,7 @@ class ChatTemplate:
         """`spans` of the whole rendering: each assistant span runs from the end of its generation prompt's text
         (what add_generation_prompt adds before it, a span of its own, as by growing prefixes) past its content to
         the end-of-turn marker and the line breaks after it."""
-        whole, end_mark = self.render(messages, tools=tools), end_of_turn(self)
+        whole, end_mark = self.render(messages, tools=tools), self.end_mark
         out: list[tuple[str, bool]] = []
         at = 0
         for i, m in enumerate(messages):
@@ -273,21 +287,6 @@ def hf_chat_template(tokenizer_spec: str) -> ChatTemplate | None:
     def tok(v):
         return v.get("content", "") if isinstance(v, dict) else (v or "")
     return ChatTemplate(source, str(folder), bos_token=tok(cfg.get("bos_token")), eos_token=tok(cfg.get("eos_token")))
-
-
-def end_of_turn(template: ChatTemplate) -> str:
-    """The text the template puts after an assistant message's content ("<|im_end|>" for ChatML, "<|eot_id|>" for
-    Llama 3), whitespace stripped: what a model trained on the template emits to end its turn ("" if nothing)."""
-    probe = "\x00"
-    msgs = [{"role": "user", "content": "?"}, {"role": "assistant", "content": probe}]
-    grown = template.grown_spans(msgs)
-    if grown is None:
-        raise DataError(f"chat template {template.name} renders a question and its answer as no prefix of what it "
-                        "renders for the question alone, so the answer's tokens cannot be found for the loss mask",
-                        hint="use a template whose generation prompt starts every answer (data.chat_template="
-                             "chatml, or a .jinja file)")
-    trained = "".join(text for text, is_trained in grown if is_trained)
-    return trained.split(probe, 1)[-1].strip()
 
 
 def template_for(tokenizer, name: str | None = None) -> ChatTemplate:

@@ -15,7 +15,7 @@ import torch.nn as nn
 from safetensors.torch import load_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-from trainbox.data.chat import ChatTemplate, end_of_turn, token_of
+from trainbox.data.chat import ChatTemplate, token_of
 from trainbox.data.tokenizer import EOT_TEXT, asset_path
 from trainbox.errors import CheckpointError, ConfigError
 from trainbox.files import default_modes
@@ -141,7 +141,7 @@ def stop_ids(tokenizer, template: ChatTemplate, also: list[int] | int | None = N
     """The ids a generation must stop at: `also` (a source folder's eos_token_id), end-of-text, and the template's
     end-of-turn token where the tokenizer has one token for it; each once, in that order."""
     found = [also] if isinstance(also, int) else list(also or [])
-    found += [tokenizer.eot_id, token_of(tokenizer, end_of_turn(template))]
+    found += [tokenizer.eot_id, token_of(tokenizer, template.end_mark)]
     return list(dict.fromkeys(int(i) for i in found if i is not None))
 
 

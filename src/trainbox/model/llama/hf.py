@@ -217,7 +217,7 @@ def hf_config(cfg, vocab: int, block: int, source: dict | None = None) -> dict:
     else:
         out.update(use_sliding_window=False, sliding_window=None)
     if model_type == "qwen3":
-        out.update(attention_bias=False, max_window_layers=cfg.n_layer, layer_types=["full_attention"] * cfg.n_layer)
+        out.update(attention_bias=False)   # every layer full attention: transformers reads it from sliding_window
     for key in ("bos_token_id", "eos_token_id", "pad_token_id", "max_position_embeddings"):
         if source and source.get(key) is not None:
             out[key] = source[key]
