@@ -30,13 +30,18 @@ LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_fr
 def hf_model(arch: str, vocab: int = 100, seed: int = 0, **kw):
     """A 2-layer model with 4 query heads sharing 2 key/value heads; every weight random (norms and biases too).
     llama: Llama 3 RoPE scaling over an original 16-token context, untied head; qwen2: q/k/v biases, tied; qwen3:
-    q/k norms, heads of 16 (twice hidden / heads), tied."""
+    q/k norms, heads of 16 (twice hidden / heads), tied; mistral: heads of 16 (as Mistral Nemo's are wider than
+    hidden / heads), no sliding window (Mistral 7B v0.2 on), untied."""
     torch.manual_seed(seed)
     shape = dict(vocab_size=vocab, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6, **kw)
     if arch == "llama":
         cfg = transformers.LlamaConfig(rope_theta=10000.0, rope_scaling=LLAMA3, tie_word_embeddings=False, **shape)
         model = transformers.LlamaForCausalLM(cfg)
+    elif arch == "mistral":
+        cfg = transformers.MistralConfig(**{"rope_theta": 1e6, "sliding_window": None, "head_dim": 16,
+                                            "tie_word_embeddings": False, **shape})
+        model = transformers.MistralForCausalLM(cfg)
     elif arch == "qwen2":
         cfg = transformers.Qwen2Config(rope_theta=1000.0, tie_word_embeddings=True, **shape)
         model = transformers.Qwen2ForCausalLM(cfg)
@@ -79,7 +84,7 @@ def train_losses(run_dir) -> list[float]:
     return [r["loss"] for r in rows if r["event"] == "train"]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
 def test_import_matches_hf_and_export_loads_back(tmp_path, arch):
     hf = hf_model(arch)
     hf.save_pretrained(tmp_path / "in", **({"max_shard_size": "20KB"} if arch == "qwen2" else {}))
@@ -87,8 +92,9 @@ def test_import_matches_hf_and_export_loads_back(tmp_path, arch):
     ours, run = ours_from(tmp_path / "in")
     lc = run.model.llama
     assert (lc.qkv_bias, lc.qk_norm, lc.tie_embeddings) == {
-        "llama": (False, False, False), "qwen2": (True, False, True), "qwen3": (False, True, True)}[arch]
-    assert run.model.head_dim == (16 if arch == "qwen3" else 8)
+        "llama": (False, False, False), "qwen2": (True, False, True), "qwen3": (False, True, True),
+        "mistral": (False, False, False)}[arch]
+    assert run.model.head_dim == (16 if arch in ("qwen3", "mistral") else 8)
     idx = torch.randint(0, 100, (2, 40))   # 40 positions > 16: llama3 scaling's stretched frequencies matter
     with torch.no_grad():
         want = hf(idx).logits
@@ -103,7 +109,8 @@ def test_import_matches_hf_and_export_loads_back(tmp_path, arch):
     write_hf(ours, run.model, (tmp_path / "out").mkdir() or tmp_path / "out", eot_id=0, block=64)
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     assert type(back).__name__ == {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                                   "qwen3": "Qwen3ForCausalLM"}[arch]
+                                   "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM"}[arch]
+    assert back.config.sliding_window is None if arch == "mistral" else True
     with torch.no_grad():
         assert (back(idx).logits - want).abs().max() < 1e-4
     again, _ = ours_from(tmp_path / "out")   # our config.json (rope_theta + rope_scaling) read back
@@ -149,6 +156,12 @@ def test_folder_errors_name_the_setting(tmp_path):
     sliding.save_pretrained(tmp_path / "sliding")
     with pytest.raises(ConfigError, match=r"layer_types \['full_attention', 'sliding_attention'\] \(ours: "):
         ours_from(tmp_path / "sliding")
+    hf_model("mistral", sliding_window=32).save_pretrained(tmp_path / "window")   # Mistral 7B v0.1's kind
+    with pytest.raises(ConfigError, match=r"has sliding_window=32 \(each position attends to the last 32 only; ours: "
+                                          r"the whole context of max_position_embeddings=256\)"):
+        ours_from(tmp_path / "window")
+    hf_model("mistral", sliding_window=256).save_pretrained(tmp_path / "wide")   # a window that never binds
+    assert ours_from(tmp_path / "wide")[1].model.llama.rope_theta == 1e6
     with pytest.raises(ConfigError, match="qk_norm and model.llama.qkv_bias together match no Hugging Face"):
         build_config({"model": {"family": "llama", "llama": {"qk_norm": True, "qkv_bias": True}}})
     with pytest.raises(ConfigError, match="sft needs model.path"):

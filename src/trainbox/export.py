@@ -1,7 +1,7 @@
 """`trainbox export`: a run or checkpoint written in the format inference engines read, by its family's own
-mapping (model/<family>/hf.py: GPT2LMHeadModel, LlamaForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM,
-T5ForConditionalGeneration, a PEFT adapter or merged model, the moe family's own folder), or as a GGUF file
-(model/gguf_file.py) for the families that declare GGUF types.
+mapping (model/<family>/hf.py: GPT2LMHeadModel, LlamaForCausalLM / MistralForCausalLM / Qwen2ForCausalLM /
+Qwen3ForCausalLM, T5ForConditionalGeneration, a PEFT adapter or merged model, the moe family's own folder), or as a
+GGUF file (model/gguf_file.py) for the families that declare GGUF types.
 
     trainbox export runs/gpt2-125m --format hf --out hf/gpt2-125m --dtype bf16
     trainbox export runs/sft --format gguf --gguf-type q8_0 --out sft-q8_0.gguf

@@ -78,8 +78,8 @@ class ModelBase(Section):
                                                "'trainbox[flash]'; torch ops elsewhere). MLPs with biases "
                                                "(model.bias=true) run unfused")
     path: str | None = Field(None, description="hub id or local folder of a Hugging Face causal LM; llama: a "
-                                               "local Llama, Qwen2 or Qwen3 folder that gives the run its shape, "
-                                               "tokenizer and initial weights (full fine-tuning)")
+                                               "local Llama, Mistral, Qwen2 or Qwen3 folder that gives the run its "
+                                               "shape, tokenizer and initial weights (full fine-tuning)")
 
     @property
     def fp8_options(self) -> list[str]:

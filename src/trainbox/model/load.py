@@ -57,8 +57,8 @@ def load_verified(ckpt: Path, device: str | torch.device = "cpu"):
 
 
 def load_init_weights(path: str | Path, model: nn.Module, cfg) -> None:
-    """`run.init_from`: a Hugging Face folder (the family's import_hf: GPT-2, Llama / Qwen2 / Qwen3) or one of our run
-    directories / checkpoints."""
+    """`run.init_from`: a Hugging Face folder (the family's import_hf: GPT-2, Llama / Mistral / Qwen2 /
+    Qwen3) or one of our run directories / checkpoints."""
     if is_hf_folder(path):
         family(cfg.family).hf().import_hf(path, model, cfg)
         return

@@ -55,8 +55,8 @@ def check_hf_config(hf: dict, cfg, vocab_size: int, block_size: int, where: str)
     if hf.get("model_type") != "gpt2":
         raise ConfigError(f"run.init_from={where} holds a '{hf.get('model_type')}' model; only GPT-2 folders "
                           f"load into model.family=gpt",
-                          hint="Llama, Qwen2 and Qwen3 folders: model.family=llama (full fine-tuning: trainbox train "
-                               "sft model.path=...); other causal LMs: model.family=hf model.path=...")
+                          hint="Llama, Mistral, Qwen2 and Qwen3 folders: model.family=llama (full fine-tuning: "
+                               "trainbox train sft model.path=...); other causal LMs: model.family=hf model.path=...")
     if cfg.family != "gpt":
         raise ConfigError(f"run.init_from={where} is a GPT-2 folder but model.family={cfg.family}",
                           hint="use model.family=gpt")

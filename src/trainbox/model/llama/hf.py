@@ -1,15 +1,18 @@
-"""Hugging Face Llama, Qwen2 and Qwen3 folders <-> the llama family (`model.family: llama`), both directions.
+"""Hugging Face Llama, Mistral, Qwen2 and Qwen3 folders <-> the llama family (`model.family: llama`), both
+directions.
 
     trainbox train sft model.path=FOLDER data.path=chat.jsonl     # shape, tokenizer and weights from FOLDER
     trainbox train llama-1b run.init_from=FOLDER                  # weights only; the recipe's shape must match
-    trainbox export runs/sft --format hf --out hf/                # LlamaForCausalLM (qkv_bias: Qwen2, qk_norm: Qwen3)
+    trainbox export runs/sft --format hf --out hf/     # LlamaForCausalLM (qkv_bias: Qwen2, qk_norm: Qwen3;
+                                                       # a Mistral folder's run: MistralForCausalLM)
 
 Our parameter names are Hugging Face's and our RoPE uses its rotate_half convention, so the weights copy
 across unchanged: no renames, no permutation of q_proj / k_proj rows. What the conversion does: it reads
 config.json into the model section (`shape`: both the `rope_theta` + `rope_scaling` keys of transformers 4
 and the `rope_parameters` of transformers 5; written back in the first form, which both read), refuses what
-the family does not implement (other activations, sliding windows, biases beyond Qwen2's q/k/v, other RoPE
-scalings), pads the vocabulary rows when ours is larger, and fills a tied head from the embedding.
+the family does not implement (other activations, sliding windows shorter than the context, biases beyond
+Qwen2's q/k/v, other RoPE scalings), pads the vocabulary rows when ours is larger, and fills a tied head from the
+embedding.
 Weights come from model.safetensors or a sharded model.safetensors.index.json.
 """
 from __future__ import annotations
@@ -42,12 +45,14 @@ from trainbox.model.hf_folder import (
 from trainbox.model.llama.config import head_dim, intermediate_size, tokenizer_spec
 from trainbox.model.load import load_for_inference
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+# Mistral is Llama's architecture with a sliding-window option: only folders whose window never binds are read
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                 "qwen3": "Qwen3ForCausalLM"}
 ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
 def read_config(folder: str | Path, key: str) -> dict:
-    """FOLDER/config.json of a Llama, Qwen2 or Qwen3 model; `key` names the setting that gave the folder."""
+    """FOLDER/config.json of a Llama, Mistral, Qwen2 or Qwen3 model; `key` names the setting that gave the folder."""
     path = Path(folder) / "config.json"
     if not path.is_file():
         raise ConfigError(f"{key}={folder}: no config.json there; model.family=llama reads a local Hugging Face "
@@ -56,21 +61,25 @@ def read_config(folder: str | Path, key: str) -> dict:
     hf = json.loads(path.read_text())
     if hf.get("model_type") not in ARCHITECTURES:
         raise ConfigError(f"{key}={folder} holds a {hf.get('model_type')!r} model; model.family=llama supports "
-                          f"model_type llama (LlamaForCausalLM), qwen2 (Qwen2ForCausalLM) and qwen3 "
-                          "(Qwen3ForCausalLM)",
+                          "model_type llama (LlamaForCausalLM), mistral (MistralForCausalLM), qwen2 "
+                          "(Qwen2ForCausalLM) and qwen3 (Qwen3ForCausalLM)",
                           hint="GPT-2 folders load into model.family=gpt (run.init_from); other causal LMs "
                                "fine-tune with LoRA: trainbox train lora model.path=...")
     return hf
 
 
 def shape(hf: dict, where: str) -> dict:
-    """A Llama / Qwen2 / Qwen3 config.json as our model keys (dotted) -> values; refuses what we do not
+    """A Llama / Mistral / Qwen2 / Qwen3 config.json as our model keys (dotted) -> values; refuses what we do not
     implement."""
     layer_types = set(hf.get("layer_types") or ["full_attention"])
+    window = hf.get("sliding_window") if hf.get("model_type") == "mistral" else None   # Mistral applies any it has
     refused = [(hf.get("hidden_act", "silu") == "silu", f"hidden_act={hf.get('hidden_act')} (ours is silu)"),
                (not hf.get("attention_bias", False), "attention_bias=true (biases on every attention projection)"),
                (not hf.get("mlp_bias", False), "mlp_bias=true"),
                (not hf.get("use_sliding_window", False), "use_sliding_window=true"),
+               (window is None or window >= hf.get("max_position_embeddings", 0),
+                f"sliding_window={window} (each position attends to the last {window} only; ours: the whole "
+                f"context of max_position_embeddings={hf.get('max_position_embeddings')})"),
                (layer_types == {"full_attention"}, f"layer_types {sorted(layer_types)} (ours: full_attention)")]
     for ok, what in refused:
         if not ok:
@@ -188,7 +197,7 @@ def import_hf(folder: str | Path, model: nn.Module, cfg) -> None:
     if cfg.llama.tie_embeddings:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     copy_mapped(model, state, ("model.embed_tokens.weight", "lm_head.weight"), folder, "our llama model",
-                "the folder must hold a LlamaForCausalLM, Qwen2ForCausalLM or Qwen3ForCausalLM")
+                "the folder must hold a LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM or Qwen3ForCausalLM")
 
 
 # ----------------------------------------------------------------------------- weights out
@@ -196,10 +205,11 @@ def import_hf(folder: str | Path, model: nn.Module, cfg) -> None:
 
 def hf_config(cfg, vocab: int, block: int, source: dict | None = None) -> dict:
     """config.json for our model section: Qwen2ForCausalLM with q/k/v biases, Qwen3ForCausalLM with q/k norms,
-    else LlamaForCausalLM. Token ids and the context length come from `source` (the config.json of model.path) where
-    there is one."""
+    else MistralForCausalLM where `source` (the config.json of model.path, where there is one) is a Mistral, else
+    LlamaForCausalLM. Token ids and the context length come from `source`."""
     lc, rs = cfg.llama, cfg.llama.rope_scaling
-    model_type = "qwen2" if lc.qkv_bias else "qwen3" if lc.qk_norm else "llama"
+    model_type = "qwen2" if lc.qkv_bias else "qwen3" if lc.qk_norm else \
+        "mistral" if (source or {}).get("model_type") == "mistral" else "llama"
     scaling = None
     context = block
     if rs.rope_type == "llama3":
@@ -214,6 +224,8 @@ def hf_config(cfg, vocab: int, block: int, source: dict | None = None) -> dict:
            "attention_dropout": 0.0, "use_cache": True, "dtype": "float32"}
     if model_type == "llama":
         out.update(attention_bias=False, mlp_bias=False)
+    elif model_type == "mistral":
+        out.update(sliding_window=None)   # every position attends to the whole context, as ours did
     else:
         out.update(use_sliding_window=False, sliding_window=None)
     if model_type == "qwen3":
@@ -250,7 +262,7 @@ def write_hf(model: nn.Module, cfg, folder: Path, eot_id: int, block: int, dtype
 
 def export(path: str, out: str, merge: bool = False, force: bool = False, dtype: str | None = None) -> list[str]:
     """`trainbox export` of a llama run: a LlamaForCausalLM (Qwen2ForCausalLM with q/k/v biases, Qwen3ForCausalLM
-    with q/k norms) folder with
+    with q/k norms, MistralForCausalLM for a Mistral folder's run) folder with
     the run's tokenizer (the files of its tokenizer folder, model.path's, copied; else written as for gpt), its
     chat template, and generation_config.json stopping at end-of-text and the end-of-turn token."""
     no_merge(path, merge)
@@ -297,25 +309,28 @@ def rope_factors(hf: dict, dim: int) -> torch.Tensor:
 
 
 def gguf_model(folder: Path) -> GGUFModel:
-    """A LlamaForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM folder (written by export) as llama.cpp's llama,
-    qwen2 or qwen3 architecture: llama's q/k rows permuted to interleaved RoPE pairs (qwen2 and qwen3 keep
-    rotate_half: RoPE type NEOX; qwen3's q/k norms go as attn_q_norm / attn_k_norm), Llama 3
-    scaling as rope_freqs.weight, the hyperparameters as convert_hf_to_gguf.py writes them."""
+    """A LlamaForCausalLM / MistralForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM folder (written by export) as
+    llama.cpp's llama (Mistral's too, as llama.cpp's converter writes it), qwen2 or qwen3 architecture: llama's q/k
+    rows permuted to interleaved RoPE pairs (qwen2 and qwen3 keep rotate_half: RoPE type NEOX; qwen3's q/k norms
+    go as attn_q_norm / attn_k_norm), Llama 3 scaling as rope_freqs.weight, the hyperparameters as
+    convert_hf_to_gguf.py writes them."""
     hf = read_config(folder, "export")
     heads, kv = hf["num_attention_heads"], hf["num_key_value_heads"]
     dim = hf.get("head_dim") or hf["hidden_size"] // heads
     state = read_weights(Path(folder))
-    if hf["model_type"] == "llama":
+    arch = "llama" if hf["model_type"] == "mistral" else hf["model_type"]
+    if arch == "llama":
         for k in state:
             if k.endswith(("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias")):
                 state[k] = permute(state[k], heads if ".q_proj." in k else kv)
     params = {"block_count": hf["num_hidden_layers"], "context_length": hf["max_position_embeddings"],
               "embedding_length": hf["hidden_size"], "feed_forward_length": hf["intermediate_size"],
-              "attention.head_count": heads, "attention.head_count_kv": kv, "rope.freq_base": float(hf["rope_theta"]),
+              "attention.head_count": heads, "attention.head_count_kv": kv,
+              "rope.freq_base": shape(hf, str(folder))["model.llama.rope_theta"],
               "attention.layer_norm_rms_epsilon": float(hf["rms_norm_eps"]), "attention.key_length": dim,
               "attention.value_length": dim}
-    if hf["model_type"] == "llama":
+    if arch == "llama":
         params.update({"vocab_size": hf["vocab_size"], "rope.dimension_count": dim})
     extra = {"rope_freqs.weight": rope_factors(hf, dim)} if (hf.get("rope_scaling") or {}).get("rope_type") == \
         "llama3" else {}
-    return GGUFModel(hf["model_type"], params, state, extra)
+    return GGUFModel(arch, params, state, extra)

@@ -1,5 +1,5 @@
-"""Llama family (`model.family: llama`): Llama 2/3, Qwen2 and Qwen3 models, parameter names as Hugging Face's
-LlamaForCausalLM, Qwen2ForCausalLM and Qwen3ForCausalLM.
+"""Llama family (`model.family: llama`): Llama 2/3, Mistral, Qwen2 and Qwen3 models, parameter names as Hugging
+Face's LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM and Qwen3ForCausalLM.
 
     trainbox train llama-1b data.path=PREFIX                        # Llama 3.2 1B shape, random init
     trainbox train sft model.path=FOLDER data.path=chat.jsonl       # full fine-tuning of a HF folder
