@@ -61,15 +61,74 @@ def make_tokenizer(folder: Path, vocab_size: int = 320, chat_template: str | Non
     return fast
 
 
-def make_model(folder: Path, arch: str = "llama", vocab_size: int = 320, seed: int = 0) -> Path:
-    """A 2-layer, width-32 causal LM with random weights and its tokenizer, saved to `folder`."""
+# Mistral's template (v0.1, v0.2): the beginning-of-text token in the text, [INST] in plain text, answers end at </s>
+MISTRAL = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}"
+           "{{ '[INST] ' + m['content'] + ' [/INST]' }}{% elif m['role'] == 'assistant' %}"
+           "{{ m['content'] + eos_token }}{% endif %}{% endfor %}")
+
+
+def make_sentencepiece_tokenizer(folder: Path, legacy: bool | None = None, vocab_size: int = 100):
+    """A Llama 2 / Mistral tokenizer.json as transformers converts a SentencePiece BPE model: <unk> <s> </s>, the 256
+    byte-fallback tokens, then pieces ("▁" marks a space) with every split of a piece into two pieces as a merge,
+    the pieces' order; a normalizer that puts "▁" before the text and for every space. `legacy` goes in
+    tokenizer_config.json (transformers then marks the first word only, unless true)."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+    from transformers import LlamaTokenizerFast
+
+    rng = random.Random(0)
+    marker = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    learn = Tokenizer(models.BPE())
+    learn.normalizer = marker
+    learn.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="never", split=True)
+    learn.train_from_iterator([" ".join(rng.choices(WORDS, k=12)) for _ in range(300)] + ["[INST] [/INST]"] * 3,
+                              trainers.BpeTrainer(vocab_size=vocab_size, show_progress=False))
+    specials = ["<unk>", "<s>", "</s>"]
+    vocab = {p: i for i, p in enumerate(specials + [f"<0x{b:02X}>" for b in range(256)])}
+    for piece in sorted(learn.get_vocab(), key=learn.get_vocab().get):
+        vocab.setdefault(piece, len(vocab))
+    merges = [(p[:i], p[i:]) for p in vocab if p not in specials and not p.startswith("<0x")
+              for i in range(1, len(p)) if p[:i] in vocab and p[i:] in vocab]
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    tok.normalizer = marker
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    tok.add_special_tokens(specials)
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
+                                                       special_tokens=[("<s>", 1)])
+    fast = LlamaTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    fast.chat_template = MISTRAL
+    fast.save_pretrained(folder)
+    if legacy is not None:
+        config = json.loads((Path(folder) / "tokenizer_config.json").read_text())
+        (Path(folder) / "tokenizer_config.json").write_text(json.dumps({**config, "legacy": legacy}))
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(folder)
+
+
+def make_model(folder: Path, arch: str = "llama", vocab_size: int = 320, seed: int = 0,
+               legacy: bool | None = None) -> Path:
+    """A 2-layer, width-32 causal LM with random weights and its tokenizer, saved to `folder`; mistral: 4 heads of
+    16 sharing 2 key/value heads, no sliding window, the SentencePiece tokenizer (`legacy` as there)."""
     import torch
-    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+    from transformers import (
+        GPT2Config,
+        GPT2LMHeadModel,
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+    )
 
     folder = Path(folder)
-    tok = make_tokenizer(folder, vocab_size)
+    tok = make_sentencepiece_tokenizer(folder, legacy) if arch == "mistral" else make_tokenizer(folder, vocab_size)
     torch.manual_seed(seed)
-    if arch == "llama":
+    if arch == "mistral":
+        cfg = MistralConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                            sliding_window=None, rope_theta=1e6, bos_token_id=tok.bos_token_id,
+                            eos_token_id=tok.eos_token_id, tie_word_embeddings=False)
+        model = MistralForCausalLM(cfg)
+    elif arch == "llama":
         cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                           num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=256,
                           eos_token_id=tok.eos_token_id, bos_token_id=tok.eos_token_id, tie_word_embeddings=False)

@@ -263,9 +263,31 @@ def expected_tensors(folder) -> dict[str, np.ndarray]:
                 key = f"model.layers.{i}.{theirs}.{kind}"
                 if key in state:
                     t = state[key]
-                    out[f"blk.{i}.{ours}.{kind}"] = permute(t, heads[ours]) if hf["model_type"] == "llama" and \
-                        ours in heads else t
+                    rotated = hf["model_type"] in ("llama", "mistral") and ours in heads
+                    out[f"blk.{i}.{ours}.{kind}"] = permute(t, heads[ours]) if rotated else t
     return out
+
+
+def check_sentencepiece(meta: dict, tok: dict, rows: int, space_prefix: bool) -> None:
+    """A BPE with byte fallback as llama.cpp's SentencePiece tokenizer: its kind, the types of the unknown, byte and
+    special tokens, each piece's score minus the rank of the first merge that makes it (0 where none does), no
+    merges, and whether a word marker goes before each text."""
+    from gguf import TokenType
+    assert meta["tokenizer.ggml.model"] == "llama" and "tokenizer.ggml.merges" not in meta
+    assert meta["tokenizer.ggml.add_space_prefix"] is space_prefix
+    types = [TokenType(t) for t in meta["tokenizer.ggml.token_type"]]
+    tokens = meta["tokenizer.ggml.tokens"]
+    assert types[:3] == [TokenType.UNKNOWN, TokenType.CONTROL, TokenType.CONTROL] and tokens[:3] == ["<unk>", "<s>",
+                                                                                                      "</s>"]
+    assert types[3:259] == [TokenType.BYTE] * 256 and tokens[3:259] == [f"<0x{b:02X}>" for b in range(256)]
+    assert set(types[259:rows]) <= {TokenType.NORMAL, TokenType.UNUSED}
+    first: dict[str, int] = {}
+    for r, (a, b) in enumerate(m if isinstance(m, list) else m.split(" ") for m in tok["model"]["merges"]):
+        first.setdefault(a + b, r)
+    assert meta["tokenizer.ggml.scores"] == [-float(first[t]) if t in first else 0.0 for t in tokens]
+    assert sum(t in first for t in tokens) > 50
+    assert (meta["tokenizer.ggml.bos_token_id"], meta["tokenizer.ggml.eos_token_id"],
+            meta["tokenizer.ggml.unknown_token_id"]) == (1, 2, 0)
 
 
 def read_gguf(path):
@@ -295,12 +317,16 @@ def check_values(name: str, qtype: str, got: np.ndarray, want: np.ndarray) -> No
 @pytest.fixture(scope="module")
 def gguf_runs(runs, tmp_path_factory):
     """The four GGUF architectures: llama (the sft run), qwen2 (llama family with q/k/v biases), qwen3 (with q/k
-    norms, and heads wider than n_embd / n_head) and gpt2."""
+    norms, and heads wider than n_embd / n_head) and gpt2; and a Mistral folder's sft run, whose tokenizer is
+    SentencePiece's kind (written as llama.cpp's `llama` tokenizer)."""
     pytest.importorskip("gguf")
     from conftest import TINY
     tmp = tmp_path_factory.mktemp("gguf")
     tiny = [*TINY, f"run.dir={tmp / 'runs'}", f"data.cache_dir={tmp / 'cache'}"]
-    return {"llama": runs["sft"],
+    mistral = load_config("sft", sft_args(tmp, hf_tiny.make_model(tmp / "mistral", "mistral"), runs["tmp"] /
+                                          "chat.jsonl", "mistral", "optim.lr=3e-3", "train.max_steps=40"))
+    Trainer(mistral).run()
+    return {"llama": runs["sft"], "mistral": mistral.run_dir,
             "qwen2": tiny_run(tmp, tiny, "qwen2", "model.family=llama", "model.llama.qkv_bias=true",
                               "model.n_head=4", "model.llama.n_kv_head=2", "model.llama.intermediate_size=64",
                               "model.llama.rope_theta=10000"),
@@ -310,11 +336,13 @@ def gguf_runs(runs, tmp_path_factory):
             "gpt2": tiny_run(tmp, tiny, "gpt2"), "tmp": tmp}
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gpt2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gpt2", "mistral"])
 def test_gguf_reads_back_with_every_tensor_and_the_metadata(gguf_runs, arch, request):
     tmp, run = gguf_runs["tmp"], gguf_runs[arch]
     folder = request.getfixturevalue("sft_hf") if arch == "llama" else _export(run, tmp / f"{arch}-hf")
     hf = json.loads((folder / "config.json").read_text())
+    assert hf["architectures"] == ["MistralForCausalLM"] if arch == "mistral" else True
+    kind = "llama" if arch == "mistral" else arch   # llama.cpp runs Mistral as its llama architecture
     want = expected_tensors(folder)
     for gguf_type in ("f16", "bf16", "q8_0"):
         out = tmp / f"{arch}-{gguf_type}.gguf"
@@ -324,15 +352,19 @@ def test_gguf_reads_back_with_every_tensor_and_the_metadata(gguf_runs, arch, req
         for name, (qtype, got) in tensors.items():
             assert qtype == ("F32" if got.ndim == 1 or name == "position_embd.weight" else gguf_type.upper()), name
             check_values(name, qtype, got, want[name])
-        assert meta["general.architecture"] == arch and meta["general.file_type"] == \
+        assert meta["general.architecture"] == kind and meta["general.file_type"] == \
             {"f16": 1, "bf16": 32, "q8_0": 7}[gguf_type]
-        assert meta["tokenizer.ggml.model"] == "gpt2" and meta["tokenizer.ggml.pre"] == "gpt-2"
-        assert meta[f"{arch}.block_count"] == 2 and meta[f"{arch}.embedding_length"] == 32
+        assert meta[f"{kind}.block_count"] == 2 and meta[f"{kind}.embedding_length"] == 32
         tok = json.loads((folder / "tokenizer.json").read_text())
         vocab = {i: t for t, i in tok["model"]["vocab"].items()} | {a["id"]: a["content"] for a in tok["added_tokens"]}
         rows = len(want["token_embd.weight"])
         assert meta["tokenizer.ggml.tokens"] == [vocab.get(i, f"[PAD{i}]") for i in range(rows)]
-        assert len(meta["tokenizer.ggml.token_type"]) == rows and len(meta["tokenizer.ggml.merges"]) > 0
+        assert len(meta["tokenizer.ggml.token_type"]) == rows
+        if arch == "mistral":
+            check_sentencepiece(meta, tok, rows, space_prefix=True)
+        else:
+            assert meta["tokenizer.ggml.model"] == "gpt2" and meta["tokenizer.ggml.pre"] == "gpt-2"
+            assert len(meta["tokenizer.ggml.merges"]) > 0
         eos = json.loads((folder / "generation_config.json").read_text())["eos_token_id"]
         eos = [eos] if isinstance(eos, int) else eos
         assert meta["tokenizer.ggml.eos_token_id"] == eos[0] and meta["tokenizer.ggml.add_bos_token"] is False
@@ -342,22 +374,23 @@ def test_gguf_reads_back_with_every_tensor_and_the_metadata(gguf_runs, arch, req
             assert meta["gpt2.context_length"] == hf["n_positions"] and meta["gpt2.attention.head_count"] == 2
             assert meta["gpt2.attention.layer_norm_epsilon"] == pytest.approx(1e-5)
         else:
-            assert meta[f"{arch}.context_length"] == hf["max_position_embeddings"]
-            assert meta[f"{arch}.attention.head_count_kv"] == hf["num_key_value_heads"]
-            assert meta[f"{arch}.attention.key_length"] == hf["head_dim"]
-            if arch == "qwen3":   # heads wider than hidden / heads: llama.cpp reads the width from key_length
+            assert meta[f"{kind}.context_length"] == hf["max_position_embeddings"]
+            assert meta[f"{kind}.attention.head_count_kv"] == hf["num_key_value_heads"]
+            assert meta[f"{kind}.attention.key_length"] == hf["head_dim"]
+            if arch in ("qwen3", "mistral"):   # heads wider than hidden / heads: llama.cpp reads key_length
                 assert hf["head_dim"] == 16 != hf["hidden_size"] // hf["num_attention_heads"]
-            assert meta[f"{arch}.rope.freq_base"] == hf["rope_theta"]
-            assert meta[f"{arch}.attention.layer_norm_rms_epsilon"] == pytest.approx(hf["rms_norm_eps"])
+            assert meta[f"{kind}.rope.freq_base"] == hf["rope_theta"]
+            assert meta[f"{kind}.attention.layer_norm_rms_epsilon"] == pytest.approx(hf["rms_norm_eps"])
     if arch == "llama":   # the chat run: <|im_end|> is the end-of-turn token llama.cpp stops at
         assert meta["tokenizer.chat_template"] == hf_tiny.CHATML
         assert meta["tokenizer.ggml.tokens"][meta["tokenizer.ggml.eot_token_id"]] == "<|im_end|>" == vocab[eos[1]]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gpt2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gpt2", "mistral"])
 def test_llama_cpp_runs_the_gguf_with_our_logits(gguf_runs, arch):
     """llama.cpp (llama-cpp-python) loads the f16 file, tokenizes as we do, and its logits are ours within f16
-    rounding; the chat run's answer, through llama.cpp's own chat, stops at <|im_end|> with our words."""
+    rounding; the chat runs' answers, through llama.cpp's own chat, are our words (the llama run's stops at
+    <|im_end|>)."""
     llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (pip install "
                                     "llama-cpp-python compiles llama.cpp: about 8 minutes on 2 cores)")
     from trainbox.model.load import load_for_inference
@@ -365,8 +398,9 @@ def test_llama_cpp_runs_the_gguf_with_our_logits(gguf_runs, arch):
     out = tmp / f"{arch}-cpp.gguf"
     run_cli("export", str(run), "--format", "gguf", "--out", str(out))
     ours, tok, _ = load_for_inference(run)
-    text = "<|im_start|>user\nwhat is two plus three<|im_end|>\n<|im_start|>assistant\n" if arch == "llama" \
-        else "ROMEO:\nWhat light through yonder window breaks?"
+    text = {"llama": "<|im_start|>user\nwhat is two plus three<|im_end|>\n<|im_start|>assistant\n",
+            "mistral": "<s>[INST] what is two plus three [/INST]four</s><s>[INST] and  one\nplus été? [/INST]"}.get(
+        arch, "ROMEO:\nWhat light through yonder window breaks?")
     ids = tok.encode(text)
     model = llama_cpp.Llama(model_path=str(out), n_ctx=len(ids) + 8, logits_all=True, verbose=False, n_threads=1)
     try:
@@ -376,12 +410,59 @@ def test_llama_cpp_runs_the_gguf_with_our_logits(gguf_runs, arch):
         mine = _all_logits(ours, ids)[:, :tok.vocab_size]
         assert np.abs(theirs - mine).max() < 2e-2 * max(1.0, np.abs(mine).max()), np.abs(theirs - mine).max()
         assert (theirs.argmax(-1) == mine.argmax(-1)).mean() > 0.9
-        if arch == "llama":
+        if arch in ("llama", "mistral"):
             model.reset()
             chat = model.create_chat_completion(messages=[{"role": "user", "content": QUESTIONS[0]}],
                                                 temperature=0, max_tokens=24)["choices"][0]
             session = open_chat(run, "cpu", temperature=0, max_tokens=24)
-            assert chat["finish_reason"] == "stop" and chat["message"]["content"] == "".join(session.turn(QUESTIONS[0]))
+            assert chat["message"]["content"] == "".join(session.turn(QUESTIONS[0]))
+            assert chat["finish_reason"] == "stop" if arch == "llama" else True
+    finally:
+        model.close()
+
+
+@pytest.mark.parametrize("kind", ["mistral", "llama", "llama-legacy"])
+def test_a_sentencepiece_folder_converts_to_what_llama_cpp_tokenizes_as_transformers(tmp_path, kind):
+    """A Llama 2 / Mistral folder (a BPE with byte fallback, converted from SentencePiece) straight to GGUF: the word
+    marker goes before each text where transformers puts it after a special token (a Mistral folder; a Llama folder
+    with legacy: true), not where it marks a text's first word only (a Llama folder without). Where llama-cpp-python
+    is installed, llama.cpp tokenizes chat text and text after a special token as transformers does, plain text too
+    but for that first word, and computes transformers' logits."""
+    pytest.importorskip("gguf")
+    from trainbox.model.gguf_file import write
+    from trainbox.model.llama.hf import gguf_model
+    folder = hf_tiny.make_model(tmp_path / "hf", "mistral", legacy=True if kind == "llama-legacy" else None)
+    if kind != "mistral":   # the same weights as a LlamaForCausalLM: transformers loads its LlamaTokenizer
+        config = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**config, "model_type": "llama",
+                                                        "architectures": ["LlamaForCausalLM"]}))
+    out = tmp_path / "m.gguf"
+    write(folder, out, "f16", gguf_model(folder), "m")
+    _, meta = read_gguf(out)
+    check_sentencepiece(meta, json.loads((folder / "tokenizer.json").read_text()), len(meta["tokenizer.ggml.tokens"]),
+                        space_prefix=kind != "llama")
+    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
+    tok = transformers.AutoTokenizer.from_pretrained(folder)
+    chat = tok.apply_chat_template([{"role": "user", "content": "what is two plus three"},
+                                    {"role": "assistant", "content": "four"},
+                                    {"role": "user", "content": "and  one\nplus été ☃?"}], tokenize=False)
+    plain = "what is one plus two\n\n  Météo ☃"
+    model = llama_cpp.Llama(model_path=str(out), n_ctx=128, logits_all=True, verbose=False, n_threads=1)
+    try:
+        def cpp(text: str) -> list[int]:
+            return model.tokenize(text.encode(), add_bos=False, special=True)
+
+        def hf(text: str) -> list[int]:
+            return tok.encode(text, add_special_tokens=False)
+        assert chat.startswith("<s>[INST]") and cpp(chat) == hf(chat) and cpp("</s>" + plain) == hf("</s>" + plain)
+        assert (cpp(plain) == hf(plain)) is (kind != "llama")
+        assert cpp(plain) == hf("</s>" + plain)[1:]   # llama, first word only: no marker before it in llama.cpp
+        ids = hf(chat)
+        model.eval(ids)
+        theirs = np.array(model.scores[:len(ids)])
+        with torch.no_grad():
+            want = transformers.AutoModelForCausalLM.from_pretrained(folder)(torch.tensor([ids])).logits[0].numpy()
+        assert np.abs(theirs - want).max() < 2e-2 * max(1.0, np.abs(want).max())
     finally:
         model.close()
 

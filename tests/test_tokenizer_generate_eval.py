@@ -190,6 +190,27 @@ def test_embedded_bpe_round_trips_and_split_holds_out_whole_works():
     assert sum(tb[i] for i in tok.encode(text)) == len(text.encode())
 
 
+def test_token_bytes_add_up_to_the_text_for_hugging_face_tokenizers(tmp_path):
+    """Bits per byte divides by the bytes the target tokens stand for. For a byte-level BPE, read by `tokenizers`
+    and by transformers, they add up to the text's UTF-8 length, characters whose bytes split across tokens
+    included (decoded alone, each such token was three bytes of U+FFFD); for Mistral's kind (byte fallback, a
+    SentencePiece marker for each space) to that plus the marker before the text (decoded alone, a piece that
+    starts a word lost its space)."""
+    pytest.importorskip("transformers")
+    import hf_tiny
+
+    from trainbox.data.sft import load_hf_tokenizer
+    text = "what is one plus two?\n\nMétéo à Paris: 21°C ☃ 東京 🎉 done"
+    hf_tiny.make_tokenizer(tmp_path / "bpe")
+    hf_tiny.make_sentencepiece_tokenizer(tmp_path / "spm")
+    for tok, extra in ((HFTokenizer(tmp_path / "bpe"), 0), (load_hf_tokenizer(str(tmp_path / "bpe")), 0),
+                       (HFTokenizer(tmp_path / "spm"), 1), (load_hf_tokenizer(str(tmp_path / "spm")), 1)):
+        lengths, ids = tok.token_bytes(), tok.encode(text)
+        assert len(lengths) == tok.vocab_size and lengths[tok.eot_id] == 0
+        assert sum(lengths[i] for i in ids) == len(text.encode()) + extra, tok
+        assert len(ids) > len(text.split()) + 10   # bytes spelled one token each: the case decoding alone got wrong
+
+
 def _tiny_gpt(vocab=64, block=32):
     torch.manual_seed(0)
     cfg = ModelSection(family="gpt", n_layer=2, n_head=2, n_embd=32)

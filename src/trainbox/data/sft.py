@@ -53,6 +53,7 @@ from trainbox.data.packing import ExampleDataset
 from trainbox.data.readers import json_objects
 from trainbox.data.sources import default_cache_dir
 from trainbox.data.sources import open_datasets as open_token_datasets
+from trainbox.data.tokenizer import token_lengths
 from trainbox.errors import ConfigError, DataError, require
 
 log = logging.getLogger("trainbox")
@@ -82,6 +83,9 @@ class HFModelTokenizer:
 
     def token_bytes(self) -> list[int]:
         special = set(self.hf.all_special_ids) | {i for i, t in self.hf.added_tokens_decoder.items() if t.special}
+        backend = getattr(self.hf, "backend_tokenizer", None)
+        if backend is not None:   # a fast tokenizer: its tokenizer.json's vocabulary, as data/tokenizer.py reads it
+            return token_lengths(backend, special, self.vocab_size)
         pieces = self.hf.batch_decode([[i] for i in range(self.vocab_size)], skip_special_tokens=False)
         return [0 if i in special else len(p.encode("utf-8")) for i, p in enumerate(pieces)]
 

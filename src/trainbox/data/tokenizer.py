@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import re
 from importlib import resources
 from pathlib import Path
 from typing import Iterable, Protocol
@@ -29,6 +30,7 @@ GPT2_ENCODER_SHA256 = "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256db
 GPT2_VOCAB_BPE_SHA256 = "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5"
 GPT2_EOT = 50256
 EOT_TEXT = "<|endoftext|>"
+BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")   # a byte-fallback token: a byte that no token of the vocabulary spells
 
 
 class Tokenizer(Protocol):
@@ -132,11 +134,44 @@ class HFTokenizer:
         return self.tok.decode(list(ids), skip_special_tokens=False)
 
     def token_bytes(self) -> list[int]:
-        # byte-level BPE: the decoder maps each id back to its bytes; decode one id at a time
-        out = []
-        for i in range(self.vocab_size):
-            out.append(0 if i in self._special else len(self.tok.decode([i]).encode("utf-8")))
-        return out
+        return token_lengths(self.tok, self._special, self.vocab_size)
+
+
+def token_lengths(tok: _Tok, special: set[int], rows: int) -> list[int]:
+    """Each of `rows` ids' length in bytes of the text it stands for (0 for special tokens and ids past the
+    vocabulary), what bits per byte divides by: a byte-level BPE's token maps back to its bytes a character at a
+    time (GPT-2's table); a byte-fallback token (<0xXX>) is one byte, and a SentencePiece piece's marker one space;
+    any other token, the UTF-8 length of its text decoded alone. Decoding a token alone would count a byte that is
+    part of a character as the three bytes of U+FFFD, and drop the space of a piece that starts a word. The marker
+    that a SentencePiece tokenizer puts before a text is counted as a space it does not have: one byte a text."""
+    spec = json.loads(tok.to_str())
+    model, decoder = spec.get("model") or {}, spec.get("decoder") or {}
+    steps = decoder.get("decoders") or [decoder]
+    byte_level = any(d.get("type") == "ByteLevel" for d in steps)
+    marker = next((d.get("pattern", {}).get("String") for d in steps if d.get("type") == "Replace"
+                   and d.get("content") == " "), None) or next((d.get("replacement") for d in steps
+                                                                if d.get("type") == "Metaspace"), None)
+    table, added = _byte_level_table(), tok.get_added_tokens_decoder()
+    out = []
+    for i in range(rows):
+        t = tok.id_to_token(i)
+        if t is None or i in special:
+            out.append(0)
+        elif i in added:   # a token added as text, matched before the model runs
+            out.append(len(added[i].content.encode("utf-8")))
+        elif byte_level and _latin(t.translate(table)):
+            out.append(len(t.translate(table).encode("latin-1")))
+        elif model.get("byte_fallback") and BYTE_TOKEN.fullmatch(t):
+            out.append(1)
+        elif marker:
+            out.append(len(t.replace(marker, " ").encode("utf-8")))
+        else:
+            out.append(len(tok.decode([i]).encode("utf-8")))
+    return out
+
+
+def _latin(text: str) -> bool:
+    return all(ord(c) < 256 for c in text)
 
 
 def tiktoken_twin(tok: HFTokenizer) -> tiktoken.Encoding | None:

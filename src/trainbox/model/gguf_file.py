@@ -10,8 +10,10 @@ folder as the converter does: `gguf_model` gives the architecture, its hyperpara
 llama.cpp's layout under Hugging Face names; here the names become llama.cpp's through gguf's own tensor mapping,
 each tensor gets the converter's type (1-D tensors, norms, biases and position embeddings F32; the rest f16, bf16
 or q8_0, a q8_0 row that is not a multiple of 32 values in f16 with a warning), and the tokenizer goes in as a
-byte-level BPE (tokenizer.ggml.model gpt2): every token with its type, the merges, the pre-tokenizer by llama.cpp's
-name, the end-of-text and end-of-turn ids, and the chat template, read by gguf's SpecialVocab from the folder.
+byte-level BPE (tokenizer.ggml.model gpt2: every token with its type, the merges, the pre-tokenizer by llama.cpp's
+name) or, for Llama 2's and Mistral's BPE with byte fallback, as SentencePiece (llama: every token with its type
+and a score from the merges' order, the space prefix), with the end-of-text and end-of-turn ids and the chat
+template, read by gguf's SpecialVocab from the folder.
 BOS and EOS are never added by llama.cpp's tokenizer: trainbox trains on the template's text alone.
 """
 from __future__ import annotations
@@ -25,6 +27,7 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
+from trainbox.data.tokenizer import BYTE_TOKEN
 from trainbox.errors import ConfigError, require
 from trainbox.model.spec import either, which
 
@@ -132,14 +135,19 @@ def _typed(name: str, data, gguf_type: str, gguf):
 
 
 def _tokenizer(writer, folder: Path, rows: int | None, gguf) -> tuple[int, str]:
-    """tokenizer.ggml.*: a byte-level BPE from FOLDER/tokenizer.json (ids past the tokenizer's up to the model's
-    rows as unused [PADi] tokens), with SpecialVocab's merges, ids and chat template; end-of-turn as eot_token_id.
-    Returns the token count and the stop tokens' names."""
+    """tokenizer.ggml.*: FOLDER/tokenizer.json as a byte-level BPE (tokenizer.ggml.model gpt2, with SpecialVocab's
+    merges) or, for a BPE with byte fallback (Llama 2's and Mistral's, converted from SentencePiece), as llama.cpp's
+    SentencePiece tokenizer (`llama`, `_sentencepiece`); ids past the tokenizer's up to the model's rows as unused
+    [PADi] tokens; SpecialVocab's ids and chat template; end-of-turn as eot_token_id. Returns the token count and
+    the stop tokens' names."""
     spec = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))
     tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
-    if (spec.get("model") or {}).get("type") != "BPE":
-        raise ConfigError(f"{folder}: the tokenizer is a {(spec.get('model') or {}).get('type')} model; GGUF export "
-                          "writes byte-level BPE tokenizers (GPT-2, Llama 3, Qwen2 and trainbox's own)")
+    model = spec.get("model") or {}
+    if model.get("type") != "BPE":
+        raise ConfigError(f"{folder}: the tokenizer is a {model.get('type')} model; GGUF export writes BPE "
+                          "tokenizers: byte-level (GPT-2, Llama 3, Qwen2, trainbox's own) or with byte fallback "
+                          "(Llama 2, Mistral)")
+    pieces = model.get("byte_fallback", False)
     vocab = tok.get_vocab(with_added_tokens=True)
     added = tok.get_added_tokens_decoder()
     rows = max(rows or 0, max(vocab.values()) + 1)
@@ -151,16 +159,32 @@ def _tokenizer(writer, folder: Path, rows: int | None, gguf) -> tuple[int, str]:
             types.append(gguf.TokenType.UNUSED)
             continue
         tokens.append(by_id[i])
-        if i in added:
+        if pieces and by_id[i] == model.get("unk_token"):
+            types.append(gguf.TokenType.UNKNOWN)
+        elif i in added:
             special = added[i].special or (by_id[i].startswith("<|") and by_id[i].endswith("|>"))
             types.append(gguf.TokenType.CONTROL if special else gguf.TokenType.USER_DEFINED)
+        elif pieces and BYTE_TOKEN.fullmatch(by_id[i]):
+            types.append(gguf.TokenType.BYTE)
         else:
             types.append(gguf.TokenType.NORMAL)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre(pre_tokenizer(spec.get("pre_tokenizer"), folder))
+    if pieces:
+        writer.add_tokenizer_model("llama")
+        writer.add_tokenizer_pre("default")
+        writer.add_token_scores(_sentencepiece(spec, tokens, folder))
+        writer.add_add_space_prefix(_space_prefix(folder))
+    else:
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre(pre_tokenizer(spec.get("pre_tokenizer"), folder))
     writer.add_token_list(tokens)
     writer.add_token_types(types)
-    special = gguf.SpecialVocab(folder, load_merges=True)
+    quiet = logging.getLogger("gguf.vocab")   # it reads add_bos / add_eos from the post-processor: set just below
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        special = gguf.SpecialVocab(folder, load_merges=not pieces)
+    finally:
+        quiet.setLevel(level)
     special.add_special_token.update(bos=False, eos=False)   # the template's text is all the model was trained on
     special.add_to_gguf(writer, quiet=True)
     generation = json.loads((folder / "generation_config.json").read_text())
@@ -170,6 +194,41 @@ def _tokenizer(writer, folder: Path, rows: int | None, gguf) -> tuple[int, str]:
     if turn:
         writer.add_eot_token_id(turn[0])
     return rows, ", ".join(tokens[i] for i in eos)
+
+
+def _sentencepiece(spec: dict, tokens: list[str], folder: Path) -> list[float]:
+    """Each token's score for llama.cpp's SentencePiece tokenizer, which joins the adjacent pair whose joined piece
+    scores highest: minus the rank of the first merge of tokenizer.json that makes it (the merge the Hugging Face
+    tokenizer applies first), 0 for a piece no merge makes (characters, bytes, special tokens). transformers'
+    converter lists a piece's merges in the order of the SentencePiece scores, so the two tokenizers agree."""
+    rank: dict[str, int] = {}
+    for r, merge in enumerate(spec["model"].get("merges") or []):
+        left, right = merge.split(" ", 1) if isinstance(merge, str) else merge
+        rank.setdefault(left + right, r)
+    if not rank:
+        raise ConfigError(f"{folder}/tokenizer.json: a BPE with byte fallback and no merges")
+    return [-float(rank[t]) if t in rank else 0.0 for t in tokens]
+
+
+def _space_prefix(folder: Path) -> bool:
+    """llama.cpp's add_space_prefix: whether the folder's tokenizer puts its word marker ("\u2581") before text that
+    follows a special token, as llama.cpp then does after every special token and at the start of every text.
+    Asked of the tokenizer inference engines load, transformers' AutoTokenizer (which rewrites a Llama tokenizer's
+    spacing by its `legacy` setting); of `tokenizers` where transformers is not installed. A chat template's text
+    opens with a special token and has one before every turn, so the chat tokenizes as in training; a tokenizer
+    that marks only a text's first word (transformers' `legacy: false`) differs from llama.cpp on that one word, of
+    a text that does not open with a special token."""
+    try:
+        from transformers import AutoTokenizer  # optional: transformers
+    except ImportError:
+        tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+        special = next(a.content for a in tok.get_added_tokens_decoder().values() if a.special)
+        pieces = tok.encode(special + "a", add_special_tokens=False).tokens[1:]
+    else:
+        hf = AutoTokenizer.from_pretrained(folder)
+        special = hf.bos_token or hf.eos_token
+        pieces = hf.convert_ids_to_tokens(hf.encode(special + "a", add_special_tokens=False))[1:]
+    return "".join(pieces).startswith("\u2581")
 
 
 def pre_tokenizer(pre: dict | None, folder: Path) -> str:
