@@ -216,8 +216,8 @@ def test_hf_export_dtype(runs, sft_hf):
         assert torch.equal(a.detach().to(torch.bfloat16), b.detach()), name
 
 
-def _export(run, out):
-    run_cli("export", str(run), "--out", str(out), "--force")
+def _export(run, out, *more: str):
+    run_cli("export", str(run), "--out", str(out), "--force", *more)
     return out
 
 
@@ -317,8 +317,8 @@ def check_values(name: str, qtype: str, got: np.ndarray, want: np.ndarray) -> No
 @pytest.fixture(scope="module")
 def gguf_runs(runs, tmp_path_factory):
     """The four GGUF architectures: llama (the sft run), qwen2 (llama family with q/k/v biases), qwen3 (with q/k
-    norms, and heads wider than n_embd / n_head) and gpt2; and a Mistral folder's sft run, whose tokenizer is
-    SentencePiece's kind (written as llama.cpp's `llama` tokenizer)."""
+    norms, and heads wider than n_embd / n_head) and gpt2; a Mistral folder's sft run, whose tokenizer is
+    SentencePiece's kind (written as llama.cpp's `llama` tokenizer); and the LoRA run (merged into its Llama base)."""
     pytest.importorskip("gguf")
     from conftest import TINY
     tmp = tmp_path_factory.mktemp("gguf")
@@ -326,7 +326,7 @@ def gguf_runs(runs, tmp_path_factory):
     mistral = load_config("sft", sft_args(tmp, hf_tiny.make_model(tmp / "mistral", "mistral"), runs["tmp"] /
                                           "chat.jsonl", "mistral", "optim.lr=3e-3", "train.max_steps=40"))
     Trainer(mistral).run()
-    return {"llama": runs["sft"], "mistral": mistral.run_dir,
+    return {"llama": runs["sft"], "mistral": mistral.run_dir, "lora": runs["lora"],
             "qwen2": tiny_run(tmp, tiny, "qwen2", "model.family=llama", "model.llama.qkv_bias=true",
                               "model.n_head=4", "model.llama.n_kv_head=2", "model.llama.intermediate_size=64",
                               "model.llama.rope_theta=10000"),
@@ -336,13 +336,15 @@ def gguf_runs(runs, tmp_path_factory):
             "gpt2": tiny_run(tmp, tiny, "gpt2"), "tmp": tmp}
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gpt2", "mistral"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gpt2", "mistral", "lora"])
 def test_gguf_reads_back_with_every_tensor_and_the_metadata(gguf_runs, arch, request):
+    """The LoRA run's file holds the weights of its --merge export (the adapters folded into the base)."""
     tmp, run = gguf_runs["tmp"], gguf_runs[arch]
-    folder = request.getfixturevalue("sft_hf") if arch == "llama" else _export(run, tmp / f"{arch}-hf")
+    folder = request.getfixturevalue("sft_hf") if arch == "llama" else \
+        _export(run, tmp / f"{arch}-hf", *(["--merge"] if arch == "lora" else []))
     hf = json.loads((folder / "config.json").read_text())
     assert hf["architectures"] == ["MistralForCausalLM"] if arch == "mistral" else True
-    kind = "llama" if arch == "mistral" else arch   # llama.cpp runs Mistral as its llama architecture
+    kind = "llama" if arch in ("mistral", "lora") else arch   # llama.cpp runs Mistral as its llama architecture
     want = expected_tensors(folder)
     for gguf_type in ("f16", "bf16", "q8_0"):
         out = tmp / f"{arch}-{gguf_type}.gguf"
@@ -379,18 +381,18 @@ def test_gguf_reads_back_with_every_tensor_and_the_metadata(gguf_runs, arch, req
             assert meta[f"{kind}.attention.key_length"] == hf["head_dim"]
             if arch in ("qwen3", "mistral"):   # heads wider than hidden / heads: llama.cpp reads key_length
                 assert hf["head_dim"] == 16 != hf["hidden_size"] // hf["num_attention_heads"]
-            assert meta[f"{kind}.rope.freq_base"] == hf["rope_theta"]
+            assert meta[f"{kind}.rope.freq_base"] == (hf.get("rope_parameters") or hf)["rope_theta"]
             assert meta[f"{kind}.attention.layer_norm_rms_epsilon"] == pytest.approx(hf["rms_norm_eps"])
-    if arch == "llama":   # the chat run: <|im_end|> is the end-of-turn token llama.cpp stops at
+    if arch in ("llama", "lora"):   # the chat runs: <|im_end|> is the end-of-turn token llama.cpp stops at
         assert meta["tokenizer.chat_template"] == hf_tiny.CHATML
         assert meta["tokenizer.ggml.tokens"][meta["tokenizer.ggml.eot_token_id"]] == "<|im_end|>" == vocab[eos[1]]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gpt2", "mistral"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gpt2", "mistral", "lora"])
 def test_llama_cpp_runs_the_gguf_with_our_logits(gguf_runs, arch):
     """llama.cpp (llama-cpp-python) loads the f16 file, tokenizes as we do, and its logits are ours within f16
-    rounding; the chat runs' answers, through llama.cpp's own chat, are our words (the llama run's stops at
-    <|im_end|>)."""
+    rounding (the LoRA run's: its base with the adapters); the chat runs' answers, through llama.cpp's own chat, are
+    our words (the llama and LoRA runs' stop at <|im_end|>)."""
     llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (pip install "
                                     "llama-cpp-python compiles llama.cpp: about 8 minutes on 2 cores)")
     from trainbox.model.load import load_for_inference
@@ -398,7 +400,8 @@ def test_llama_cpp_runs_the_gguf_with_our_logits(gguf_runs, arch):
     out = tmp / f"{arch}-cpp.gguf"
     run_cli("export", str(run), "--format", "gguf", "--out", str(out))
     ours, tok, _ = load_for_inference(run)
-    text = {"llama": "<|im_start|>user\nwhat is two plus three<|im_end|>\n<|im_start|>assistant\n",
+    chatml = "<|im_start|>user\nwhat is two plus three<|im_end|>\n<|im_start|>assistant\n"
+    text = {"llama": chatml, "lora": chatml,
             "mistral": "<s>[INST] what is two plus three [/INST]four</s><s>[INST] and  one\nplus été? [/INST]"}.get(
         arch, "ROMEO:\nWhat light through yonder window breaks?")
     ids = tok.encode(text)
@@ -410,13 +413,13 @@ def test_llama_cpp_runs_the_gguf_with_our_logits(gguf_runs, arch):
         mine = _all_logits(ours, ids)[:, :tok.vocab_size]
         assert np.abs(theirs - mine).max() < 2e-2 * max(1.0, np.abs(mine).max()), np.abs(theirs - mine).max()
         assert (theirs.argmax(-1) == mine.argmax(-1)).mean() > 0.9
-        if arch in ("llama", "mistral"):
+        if arch in ("llama", "mistral", "lora"):
             model.reset()
             chat = model.create_chat_completion(messages=[{"role": "user", "content": QUESTIONS[0]}],
                                                 temperature=0, max_tokens=24)["choices"][0]
             session = open_chat(run, "cpu", temperature=0, max_tokens=24)
             assert chat["message"]["content"] == "".join(session.turn(QUESTIONS[0]))
-            assert chat["finish_reason"] == "stop" if arch == "llama" else True
+            assert chat["finish_reason"] == "stop" if arch != "mistral" else True
     finally:
         model.close()
 
@@ -506,6 +509,30 @@ def test_bad_exports_are_refused_in_one_message_before_any_work(gguf_runs, tmp_p
         lines = proc.stderr.strip().splitlines()
         assert proc.returncode == 2 and message in lines[0] and len(lines) <= 2, (args, proc.stderr)
         assert "Traceback" not in proc.stderr and proc.stdout == "" and not out.exists()
+
+
+def test_gguf_of_a_lora_run_refuses_a_base_it_does_not_convert(tmp_path):
+    """Before any weights are read: a base whose architecture trainbox writes no GGUF for, and a Mistral base whose
+    sliding window binds (the llama family's rule); a Llama base passes."""
+    from trainbox.config import build_config
+    from trainbox.errors import ConfigError
+    from trainbox.model.hf.hf import check_gguf
+
+    def run(folder):
+        return build_config({"model": {"family": "hf", "path": str(folder)}})
+    transformers.GPTNeoXConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2).save_pretrained(
+        tmp_path / "neox")
+    with pytest.raises(ConfigError, match=r"is a 'gpt_neox' model; trainbox writes GGUF for gpt2, llama, mistral, "
+                                          r"qwen2, qwen3 bases") as e:
+        check_gguf(run(tmp_path / "neox"))
+    assert "convert_hf_to_gguf.py" in e.value.hint
+    transformers.MistralConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, sliding_window=32,
+                               max_position_embeddings=256).save_pretrained(tmp_path / "window")
+    with pytest.raises(ConfigError, match="has sliding_window=32"):
+        check_gguf(run(tmp_path / "window"))
+    transformers.LlamaConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2).save_pretrained(
+        tmp_path / "llama")
+    check_gguf(run(tmp_path / "llama"))
 
 
 def test_an_out_that_is_holds_or_lies_in_the_checkpoint_is_refused_even_with_force(gguf_runs, tmp_path):

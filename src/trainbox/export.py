@@ -63,4 +63,7 @@ def export(path: str | Path, out: str | Path | None = None, merge: bool = False,
             raise ConfigError(f"{flag} applies to --format hf; GGUF's precision is --gguf-type",
                               hint=f"drop {flag.split()[0]}")
     require("gguf", "gguf", "export --format gguf")
-    return gguf_file.export(spec.hf(), str(path), str(out), gguf_type, force, run)
+    mapping = spec.hf()
+    if spec.adapters:   # GGUF holds whole weights: the adapters merged into a base of an architecture that converts
+        mapping.check_gguf(cfg)
+    return gguf_file.export(mapping, str(path), str(out), gguf_type, force, run, merge=spec.adapters)

@@ -68,9 +68,10 @@ def check_type(gguf_type: str, family_name: str, writes: tuple[str, ...]) -> Non
                           f"{', '.join(writes)}", hint=f"use --gguf-type {writes[0]}")
 
 
-def export(hf, path: str, out: str, gguf_type: str, force: bool, name: str) -> list[str]:
-    """`trainbox export --format gguf`: the family's Hugging Face folder (its mapping `hf`), converted into the GGUF
-    file `out` of `gguf_type`."""
+def export(hf, path: str, out: str, gguf_type: str, force: bool, name: str, merge: bool = False) -> list[str]:
+    """`trainbox export --format gguf`: the family's Hugging Face folder (its mapping `hf`; with `merge`, the adapters
+    folded into the base, `force` merging into a quantised base's weights), converted into the GGUF file `out` of
+    `gguf_type`."""
     require("gguf", "gguf", "export --format gguf")
     out_path = Path(out)
     if out_path.is_dir():   # a folder: the file goes in it
@@ -80,7 +81,10 @@ def export(hf, path: str, out: str, gguf_type: str, force: bool, name: str) -> l
     out_path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out_path.parent, prefix=f".{out_path.name}.") as tmp:
         folder = Path(tmp) / "hf"
-        hf.export(path, str(folder), force=True)
+        if merge:
+            hf.export(path, str(folder), merge=True, force=force)
+        else:
+            hf.export(path, str(folder), force=True)
         staged = Path(tmp) / out_path.name
         summary = write(folder, staged, gguf_type, hf.gguf_model(folder), name)
         staged.replace(out_path)

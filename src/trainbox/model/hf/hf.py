@@ -1,7 +1,8 @@
-"""Export a LoRA run (`model.family: hf`) in Hugging Face formats.
+"""Export a LoRA run (`model.family: hf`) in Hugging Face formats, and as GGUF.
 
     trainbox export runs/lora --format hf --out adapter/            # PEFT adapter: PeftModel.from_pretrained
     trainbox export runs/lora --format hf --merge --out merged/     # base + adapter in the base's precision
+    trainbox export runs/lora --format gguf --out lora-f16.gguf     # merged, as llama.cpp's converter writes it
 
 The adapter is written by PEFT itself (`adapter_config.json` + `adapter_model.safetensors`, the base
 named by `model.path`), with the tokenizer beside it. `--merge` reloads the base unquantised in the
@@ -9,7 +10,10 @@ precision it is stored in (`dtype="auto"`), folds the adapter in (`merge_and_unl
 transformers model. A run trained on a 4-bit or 8-bit base is refused for merging unless `force`: the
 adapter learned to correct a quantised base, so merging into the full-precision weights changes the
 function; with `force` the base is reloaded in bf16 for the merge, as is common practice for QLoRA.
-Every export is written into a temporary folder next to `out` and renamed into place.
+Every export is written into a temporary folder next to `out` and renamed into place. GGUF is the merged model
+converted by the family that has the base's architecture (`gguf_model`: Llama, Mistral, Qwen2, Qwen3 as the llama
+family writes them, GPT-2 as the gpt family does); another base is refused before any weights are read
+(`check_gguf`).
 """
 from __future__ import annotations
 
@@ -26,8 +30,11 @@ from trainbox.data.chat import template_for
 from trainbox.data.sft import load_hf_tokenizer
 from trainbox.errors import ConfigError, require
 from trainbox.files import default_modes
+from trainbox.model.gguf_file import GGUFModel
+from trainbox.model.gpt import hf as gpt_hf
 from trainbox.model.hf.model import build_hf
 from trainbox.model.hf_folder import DTYPES, write_chat_template, write_generation
+from trainbox.model.llama import hf as llama_hf
 
 log = logging.getLogger("trainbox")
 
@@ -67,8 +74,8 @@ def export_lora_hf(path: str | Path, out: str | Path, merge: bool = False, force
         bits = 4 if cfg.quant.load_in_4bit else 8
         raise ConfigError(f"{ckpt} was trained on a {bits}-bit quantised base; merging its adapter into the "
                           f"full-precision base changes what the adapter corrects, so it is refused",
-                          hint="export the adapter alone (drop --merge), or pass --force to merge into the base "
-                               "reloaded in bf16")
+                          hint="export the adapter alone (--format hf without --merge), or pass --force to merge "
+                               "into the base reloaded in bf16")
     load_dtype = DTYPES[dtype] if dtype else torch.bfloat16 if (merge and quantized) else "auto"
     model, cfg, ckpt = load_lora_run(ckpt, load_dtype)
     out = Path(out)
@@ -108,3 +115,32 @@ def export(path: str, out: str, merge: bool = False, force: bool = False, dtype:
         lines.append(f"load it with: PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained({res['base']!r}), "
                      f"{res['out']!r})")
     return lines
+
+
+# ----------------------------------------------------------------------------- GGUF
+
+# the bases whose merged folder converts to GGUF, by config.json's model_type: the family that writes it
+GGUF_BASES = {**{t: llama_hf for t in llama_hf.ARCHITECTURES}, "gpt2": gpt_hf}
+
+
+def check_gguf(cfg: RunConfig) -> None:
+    """Refuse, before any weights are read, a base (model.path) whose architecture trainbox does not convert to GGUF,
+    or one the llama family does not implement as it is configured (a sliding window that binds)."""
+    require("transformers", "finetune", "exporting a LoRA run")
+    from transformers import AutoConfig  # optional: transformers
+
+    base = AutoConfig.from_pretrained(cfg.model.path).to_dict()
+    model_type = base.get("model_type")
+    if model_type not in GGUF_BASES:
+        raise ConfigError(f"the run's base {cfg.model.path} is a {model_type!r} model; trainbox writes GGUF for "
+                          f"{', '.join(sorted(GGUF_BASES))} bases",
+                          hint="export with --format hf --merge; where llama.cpp has the architecture, its "
+                               "convert_hf_to_gguf.py converts that folder")
+    if GGUF_BASES[model_type] is llama_hf:
+        llama_hf.shape(base, str(cfg.model.path))
+
+
+def gguf_model(folder: Path) -> GGUFModel:
+    """The merged folder (export with merge) as the family of its architecture converts it."""
+    model_type = json.loads((Path(folder) / "config.json").read_text()).get("model_type")
+    return GGUF_BASES[model_type].gguf_model(folder)
