@@ -41,19 +41,29 @@ TOOL_RECORD = {
                  {"role": "assistant", "content": "21 degrees."}]}
 
 
-def make_tokenizer(folder: Path, vocab_size: int = 320, chat_template: str | None = CHATML):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+MIXED = "He said: «It's 2024», HTTPServer's readyAPI?\n\n  Übergrößen 123456 i.e./etc/ CamelCase  \tend.\r\n"
+
+
+def make_tokenizer(folder: Path, vocab_size: int = 320, chat_template: str | None = CHATML, split: str | None = None):
+    """A byte-level BPE: GPT-2's pre-tokenizer, or a `split` regex before a regex-free byte level (Llama 3's way)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    # with a split regex, merges are learnt across every boundary, so that a regex that cuts otherwise tokenizes
+    # otherwise
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=split is None)
     tok.decoder = decoders.ByteLevel()
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     rng = random.Random(0)
-    tok.train_from_iterator([" ".join(rng.choices(WORDS, k=12)) for _ in range(300)] + ["user assistant system"],
-                            trainer=trainer)
+    mixed = [] if split is None else [MIXED] * 20   # what a split regex cuts otherwise than GPT-2's
+    tok.train_from_iterator([" ".join(rng.choices(WORDS, k=12)) for _ in range(300)] + ["user assistant system"]
+                            + mixed, trainer=trainer)
+    if split is not None:
+        tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), "isolated"),
+                                                     pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
     if chat_template:
         fast.chat_template = chat_template

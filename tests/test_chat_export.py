@@ -470,6 +470,37 @@ def test_a_sentencepiece_folder_converts_to_what_llama_cpp_tokenizes_as_transfor
         model.close()
 
 
+@pytest.mark.parametrize("pre", ["llama-bpe", "qwen2", "tekken"])
+def test_llama_cpp_splits_text_as_the_tokenizers_regex_does(tmp_path, pre):
+    """A byte-level BPE whose Split regex is Llama 3's, Qwen2's or Mistral's tekken (Mistral Nemo) goes into GGUF
+    under llama.cpp's name for that regex, and llama.cpp tokenizes text of mixed case, digits, punctuation and
+    spacing as `tokenizers` does."""
+    pytest.importorskip("gguf")
+    from trainbox.model.gguf_file import LLAMA3_NUMBERS, PRE_TOKENIZERS, QWEN2_NUMBERS, SPLIT_REGEX, TEKKEN_REGEX, write
+    from trainbox.model.llama.hf import gguf_model
+    regex = {"llama-bpe": SPLIT_REGEX.replace("NUMBERS", LLAMA3_NUMBERS), "tekken": TEKKEN_REGEX,
+             "qwen2": SPLIT_REGEX.replace("NUMBERS", QWEN2_NUMBERS)}[pre]
+    assert PRE_TOKENIZERS[regex] == pre
+    folder = tmp_path / "hf"
+    tok = hf_tiny.make_tokenizer(folder, 400, split=regex)
+    torch.manual_seed(0)
+    transformers.MistralForCausalLM(transformers.MistralConfig(
+        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=2, max_position_embeddings=256, sliding_window=None, eos_token_id=tok.eos_token_id,
+        bos_token_id=tok.eos_token_id)).save_pretrained(folder)
+    out = tmp_path / "m.gguf"
+    write(folder, out, "f16", gguf_model(folder), "m")
+    assert read_gguf(out)[1]["tokenizer.ggml.pre"] == pre
+    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
+    model = llama_cpp.Llama(model_path=str(out), n_ctx=256, verbose=False, n_threads=1, vocab_only=True)
+    try:
+        for text in (hf_tiny.MIXED, hf_tiny.MIXED.upper(), "one TWO three45 six" * 3, "a\n\n\n b  \n c"):
+            assert model.tokenize(text.encode(), add_bos=False, special=True) == \
+                tok.encode(text, add_special_tokens=False), text
+    finally:
+        model.close()
+
+
 def _all_logits(model, ids: list[int]) -> np.ndarray:
     """Every position's logits of one of our models (their forward returns only the last one's)."""
     with torch.no_grad():

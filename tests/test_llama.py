@@ -158,8 +158,9 @@ def test_folder_errors_name_the_setting(tmp_path):
         ours_from(tmp_path / "sliding")
     hf_model("mistral", sliding_window=32).save_pretrained(tmp_path / "window")   # Mistral 7B v0.1's kind
     with pytest.raises(ConfigError, match=r"has sliding_window=32 \(each position attends to the last 32 only; ours: "
-                                          r"the whole context of max_position_embeddings=256\)"):
+                                          r"the whole context of max_position_embeddings=256\)") as e:
         ours_from(tmp_path / "window")
+    assert e.value.hint == f"LoRA runs it through transformers: trainbox train lora model.path={tmp_path / 'window'}"
     hf_model("mistral", sliding_window=256).save_pretrained(tmp_path / "wide")   # a window that never binds
     assert ours_from(tmp_path / "wide")[1].model.llama.rope_theta == 1e6
     with pytest.raises(ConfigError, match="qk_norm and model.llama.qkv_bias together match no Hugging Face"):

@@ -11,9 +11,9 @@ llama.cpp's layout under Hugging Face names; here the names become llama.cpp's t
 each tensor gets the converter's type (1-D tensors, norms, biases and position embeddings F32; the rest f16, bf16
 or q8_0, a q8_0 row that is not a multiple of 32 values in f16 with a warning), and the tokenizer goes in as a
 byte-level BPE (tokenizer.ggml.model gpt2: every token with its type, the merges, the pre-tokenizer by llama.cpp's
-name) or, for Llama 2's and Mistral's BPE with byte fallback, as SentencePiece (llama: every token with its type
-and a score from the merges' order, the space prefix), with the end-of-text and end-of-turn ids and the chat
-template, read by gguf's SpecialVocab from the folder.
+name: gpt-2, llama-bpe, qwen2, tekken) or, for Llama 2's and Mistral's BPE with byte fallback, as SentencePiece
+(llama: every token with its type and a score from the merges' order, the space prefix), with the end-of-text and
+end-of-turn ids and the chat template, read by gguf's SpecialVocab from the folder.
 BOS and EOS are never added by llama.cpp's tokenizer: trainbox trains on the template's text alone.
 """
 from __future__ import annotations
@@ -40,8 +40,12 @@ GPT2_REGEX = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(
 LLAMA3_NUMBERS, QWEN2_NUMBERS = r"\p{N}{1,3}", r"\p{N}"   # the one difference of their regexes
 SPLIT_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|NUMBERS| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
                r"|\s+(?!\S)|\s+")
+# Mistral's tekken (Mistral Nemo, Ministral, Mistral Small 3): words by case, each digit alone
+TEKKEN_REGEX = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+|[^\r\n\p{L}\p{N}]?"
+                r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*"
+                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 PRE_TOKENIZERS = {SPLIT_REGEX.replace("NUMBERS", LLAMA3_NUMBERS): "llama-bpe",
-                  SPLIT_REGEX.replace("NUMBERS", QWEN2_NUMBERS): "qwen2", GPT2_REGEX: "gpt-2"}
+                  SPLIT_REGEX.replace("NUMBERS", QWEN2_NUMBERS): "qwen2", GPT2_REGEX: "gpt-2", TEKKEN_REGEX: "tekken"}
 
 
 @dataclass
@@ -237,7 +241,7 @@ def _space_prefix(folder: Path) -> bool:
 
 def pre_tokenizer(pre: dict | None, folder: Path) -> str:
     """llama.cpp's name (tokenizer.ggml.pre) for a tokenizer.json pre_tokenizer: GPT-2's byte-level regex, or the
-    Split regexes of Llama 3 and Qwen2 before a regex-free ByteLevel."""
+    Split regexes of Llama 3, Qwen2 and Mistral's tekken before a regex-free ByteLevel."""
     steps = (pre or {}).get("pretokenizers", [pre] if pre else [])
     regex = None
     for step in steps:
@@ -248,6 +252,6 @@ def pre_tokenizer(pre: dict | None, folder: Path) -> str:
     name = PRE_TOKENIZERS.get(regex)
     if name is None:
         raise ConfigError(f"{folder}: the tokenizer's pre-tokenizer {json.dumps(pre)[:200]} has no llama.cpp name "
-                          f"(known: GPT-2's byte-level regex, Llama 3's and Qwen2's Split regexes)",
+                          f"(known: GPT-2's byte-level regex, the Split regexes of Llama 3, Qwen2 and tekken)",
                           hint="export with --format hf and convert with llama.cpp's convert_hf_to_gguf.py")
     return name

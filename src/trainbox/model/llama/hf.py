@@ -83,7 +83,8 @@ def shape(hf: dict, where: str) -> dict:
                (layer_types == {"full_attention"}, f"layer_types {sorted(layer_types)} (ours: full_attention)")]
     for ok, what in refused:
         if not ok:
-            raise ConfigError(f"{where}/config.json has {what}, which model.family=llama does not implement")
+            raise ConfigError(f"{where}/config.json has {what}, which model.family=llama does not implement",
+                              hint=f"LoRA runs it through transformers: trainbox train lora model.path={where}")
     rope = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
     rope_type = rope.get("rope_type", rope.get("type")) or "default"
     if rope_type not in ("default", "llama3"):
