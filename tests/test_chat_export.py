@@ -229,6 +229,31 @@ def permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+LLAMA_NAMES = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+               "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
+               "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+               "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}   # the last two: Qwen3's
+
+
+def llama_state(tensors: dict, hf: dict) -> dict[str, torch.Tensor]:
+    """A llama GGUF file's tensors (read_gguf: dequantized) as a LlamaForCausalLM state dict: expected_tensors'
+    naming and q/k permutation undone."""
+    heads = {"attn_q": hf["num_attention_heads"], "attn_k": hf["num_key_value_heads"]}
+    top = {"token_embd.weight": "model.embed_tokens.weight", "output.weight": "lm_head.weight",
+           "output_norm.weight": "model.norm.weight"}
+    layer = {ours: theirs for theirs, ours in LLAMA_NAMES.items()}
+    state = {}
+    for name, (_, w) in tensors.items():
+        if name in top:
+            state[top[name]] = w
+            continue
+        _, i, kind, suffix = name.split(".")
+        if kind in heads:   # interleaved pairs back to the halves of each head
+            w = w.reshape(heads[kind], w.shape[0] // heads[kind] // 2, 2, -1).swapaxes(1, 2).reshape(w.shape)
+        state[f"model.layers.{i}.{layer[kind]}.{suffix}"] = w
+    return {k: torch.from_numpy(np.array(v)) for k, v in state.items()}
+
+
 def expected_tensors(folder) -> dict[str, np.ndarray]:
     """The tensors llama.cpp's converter writes for a Hugging Face folder, by its naming, written out here."""
     from safetensors.numpy import load_file
@@ -252,13 +277,9 @@ def expected_tensors(folder) -> dict[str, np.ndarray]:
                 "output_norm.weight": state["model.norm.weight"]})
     if "lm_head.weight" in state:
         out["output.weight"] = state["lm_head.weight"]
-    names = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
-             "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
-             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
-             "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}   # the last two: Qwen3's
     heads = {"attn_q": hf["num_attention_heads"], "attn_k": hf["num_key_value_heads"]}
     for i in range(hf["num_hidden_layers"]):
-        for theirs, ours in names.items():
+        for theirs, ours in LLAMA_NAMES.items():
             for kind in ("weight", "bias"):
                 key = f"model.layers.{i}.{theirs}.{kind}"
                 if key in state:
@@ -308,10 +329,17 @@ def check_values(name: str, qtype: str, got: np.ndarray, want: np.ndarray) -> No
         assert np.array_equal(got, want.astype(np.float16).astype(np.float32)), name
     elif qtype == "BF16":
         assert np.allclose(got, want, rtol=2 ** -8, atol=0), name
-    else:   # Q8_0: blocks of 32 values, each a multiple of its block's scale amax / 127 (an f16): half a step
-        g, w = got.reshape(-1, 32), want.reshape(-1, 32)   # off, plus up to 127 times the scale's rounding (2^-11)
+    elif qtype == "Q8_0":   # blocks of 32 values, each a multiple of its block's scale amax / 127 (an f16): half a
+        g, w = got.reshape(-1, 32), want.reshape(-1, 32)   # step off, plus up to 127 times the scale's rounding (2^-11)
         step = np.abs(w).max(axis=1, keepdims=True) / 127
         assert (np.abs(g - w) <= step * (0.5 + 127 * 2 ** -11) + 1e-7).all(), name
+    else:   # 4 and 5 bits: 16 or 32 levels a block, over [-amax, amax] (Q4_0, Q5_0) or [min, max] (Q4_1, Q5_1); the
+        g, w = got.reshape(-1, 32), want.reshape(-1, 32)   # end level is clamped: at most one step off
+        levels = {"Q4_0": 8, "Q5_0": 16, "Q4_1": 15, "Q5_1": 31}[qtype]
+        span = np.abs(w).max(axis=1, keepdims=True) if qtype.endswith("_0") else \
+            w.max(axis=1, keepdims=True) - w.min(axis=1, keepdims=True)
+        assert (np.abs(g - w) <= span / levels * (1 + 2 ** -8) + 1e-3 * np.abs(w).max(axis=1, keepdims=True)).all(), \
+            name
 
 
 @pytest.fixture(scope="module")
@@ -346,16 +374,19 @@ def test_gguf_reads_back_with_every_tensor_and_the_metadata(gguf_runs, arch, req
     assert hf["architectures"] == ["MistralForCausalLM"] if arch == "mistral" else True
     kind = "llama" if arch in ("mistral", "lora") else arch   # llama.cpp runs Mistral as its llama architecture
     want = expected_tensors(folder)
-    for gguf_type in ("f16", "bf16", "q8_0"):
+    low_bits = {"llama": ("q5_1", "q5_0", "q4_1", "q4_0"), "qwen2": ("q4_0",)}.get(arch, ())   # qwen2: a tied head
+    for gguf_type in ("f16", "bf16", "q8_0", *low_bits):
         out = tmp / f"{arch}-{gguf_type}.gguf"
         run_cli("export", str(run), "--format", "gguf", "--gguf-type", gguf_type, "--out", str(out))
         tensors, meta = read_gguf(out)
         assert sorted(tensors) == sorted(want), arch
-        for name, (qtype, got) in tensors.items():
-            assert qtype == ("F32" if got.ndim == 1 or name == "position_embd.weight" else gguf_type.upper()), name
+        head = "output.weight" if "output.weight" in tensors else "token_embd.weight"   # llama-quantize's rule:
+        for name, (qtype, got) in tensors.items():                                     # the head in q8_0
+            assert qtype == ("F32" if got.ndim == 1 or name == "position_embd.weight" else "Q8_0"
+                             if gguf_type in low_bits and name == head else gguf_type.upper()), name
             check_values(name, qtype, got, want[name])
         assert meta["general.architecture"] == kind and meta["general.file_type"] == \
-            {"f16": 1, "bf16": 32, "q8_0": 7}[gguf_type]
+            {"f16": 1, "bf16": 32, "q8_0": 7, "q4_0": 2, "q4_1": 3, "q5_0": 8, "q5_1": 9}[gguf_type]
         assert meta[f"{kind}.block_count"] == 2 and meta[f"{kind}.embedding_length"] == 32
         tok = json.loads((folder / "tokenizer.json").read_text())
         vocab = {i: t for t, i in tok["model"]["vocab"].items()} | {a["id"]: a["content"] for a in tok["added_tokens"]}
@@ -422,6 +453,33 @@ def test_llama_cpp_runs_the_gguf_with_our_logits(gguf_runs, arch):
             assert chat["finish_reason"] == "stop" if arch != "mistral" else True
     finally:
         model.close()
+
+
+@pytest.mark.parametrize("gguf_type", ["q5_1", "q4_0"])
+def test_llama_cpp_computes_a_low_bit_file_as_its_weights_say(runs, sft_hf, gguf_type):
+    """llama.cpp runs a 5- or 4-bit file as the model its dequantized weights make (those weights loaded into
+    transformers' model of the exported folder), within its own 8-bit rounding of the activations; and the file is
+    a real quantisation: several times further from the full-precision model."""
+    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
+    out = runs["tmp"] / f"sft-{gguf_type}.gguf"
+    run_cli("export", str(runs["sft"]), "--format", "gguf", "--gguf-type", gguf_type, "--out", str(out), "--force")
+    tensors, _ = read_gguf(out)
+    model = transformers.AutoModelForCausalLM.from_pretrained(sft_hf).eval()
+    tok = transformers.AutoTokenizer.from_pretrained(sft_hf)
+    ids = tok.apply_chat_template([{"role": "user", "content": QUESTIONS[0]}], add_generation_prompt=True,
+                                  return_dict=True)["input_ids"]
+    with torch.no_grad():
+        full = model(torch.tensor([ids])).logits[0].numpy()
+        model.load_state_dict(llama_state(tensors, model.config.to_dict()), strict=True)
+        quantized = model(torch.tensor([ids])).logits[0].numpy()
+    cpp = llama_cpp.Llama(model_path=str(out), n_ctx=64, logits_all=True, verbose=False, n_threads=1)
+    try:
+        cpp.eval(ids)
+        theirs = np.array(cpp.scores[:len(ids)])
+    finally:
+        cpp.close()
+    near, far = np.abs(theirs - quantized).max(), np.abs(theirs - full).max()
+    assert near < 1e-2 * max(1.0, np.abs(quantized).max()) and far > 3 * near, (near, far)
 
 
 @pytest.mark.parametrize("kind", ["mistral", "llama", "llama-legacy"])

@@ -28,7 +28,8 @@ def export(path: str | Path, out: str | Path | None = None, merge: bool = False,
            format: str = "hf", dtype: str | None = None, gguf_type: str | None = None) -> list[str]:
     """Write the newest verified checkpoint of `path` (a run, its checkpoints folder or a step folder) to `out`
     (default: RUN-hf, RUN-merged with `merge`, RUN-TYPE.gguf for gguf); returns the lines saying what was written.
-    `dtype` (fp32, bf16, fp16) is the weights' dtype of --format hf; `gguf_type` (f16, bf16, q8_0) GGUF's."""
+    `dtype` (fp32, bf16, fp16) is the weights' dtype of --format hf; `gguf_type` (model.spec.GGUF_TYPES: f16 to
+    q4_0) GGUF's."""
     try:
         ckpt = checkpoint.resolve(path)
     except CheckpointError as e:

@@ -134,7 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "--merge, RUN-TYPE.gguf)")
     e.add_argument("--dtype", default=None, help="hf: the weights' dtype, bf16, fp16 or fp32 (default: fp32; a "
                    "merged LoRA: the base's own)")
-    e.add_argument("--gguf-type", default=None, help="gguf: f16 (default), bf16 or q8_0")
+    e.add_argument("--gguf-type", default=None, help="gguf: f16 (default), bf16, q8_0, q5_1, q5_0, q4_1 or q4_0 (the "
+                                                      "output matrix of the last four in q8_0)")
     e.add_argument("--merge", action="store_true", help="LoRA: fold the adapter into the base and save the model")
     e.add_argument("--force", action="store_true",
                    help="replace an existing --out; LoRA: merge even into a 4/8-bit base (reloaded in bf16)")

@@ -8,8 +8,9 @@ A family that writes GGUF lists the types in its Family (`gguf`) and has `gguf_m
 export writes the family's Hugging Face folder first (its own export, in a temporary folder), then converts that
 folder as the converter does: `gguf_model` gives the architecture, its hyperparameters and the tensors in
 llama.cpp's layout under Hugging Face names; here the names become llama.cpp's through gguf's own tensor mapping,
-each tensor gets the converter's type (1-D tensors, norms, biases and position embeddings F32; the rest f16, bf16
-or q8_0, a q8_0 row that is not a multiple of 32 values in f16 with a warning), and the tokenizer goes in as a
+each tensor gets the converter's type (1-D tensors, norms, biases and position embeddings F32; the rest f16, bf16,
+q8_0 or, computed by the gguf package, llama.cpp's 5- and 4-bit blocks, the head then in q8_0 as llama-quantize keeps
+it higher; a quantised row that is not a multiple of 32 values in f16 with a warning), and the tokenizer goes in as a
 byte-level BPE (tokenizer.ggml.model gpt2: every token with its type, the merges, the pre-tokenizer by llama.cpp's
 name: gpt-2, llama-bpe, qwen2, tekken) or, for Llama 2's and Mistral's BPE with byte fallback, as SentencePiece
 (llama: every token with its type and a score from the merges' order, the space prefix), with the end-of-text and
@@ -29,11 +30,12 @@ from tokenizers import Tokenizer
 
 from trainbox.data.tokenizer import BYTE_TOKEN
 from trainbox.errors import ConfigError, require
-from trainbox.model.spec import either, which
+from trainbox.model.spec import GGUF_TYPES, either, which
 
 log = logging.getLogger("trainbox")
 
-TYPES = ("f16", "bf16", "q8_0")   # what --gguf-type may name; a family lists those it writes (Family.gguf)
+TYPES = GGUF_TYPES   # what --gguf-type may name; a family lists those it writes (Family.gguf)
+LOW_BITS = ("q5_1", "q5_0", "q4_1", "q4_0")   # their output matrix is q8_0, as llama-quantize keeps it higher
 
 # the pre-tokenizer regexes of tokenizer.json -> llama.cpp's name for them (tokenizer.ggml.pre)
 GPT2_REGEX = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
@@ -103,8 +105,7 @@ def write(folder: Path, out: Path, gguf_type: str, model: GGUFModel, name: str) 
     writer = gguf.GGUFWriter(str(out), model.arch)
     writer.add_type(gguf.GGUFType.MODEL)
     writer.add_name(name)
-    file_type = {"f16": gguf.LlamaFileType.MOSTLY_F16, "bf16": gguf.LlamaFileType.MOSTLY_BF16,
-                 "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[gguf_type]
+    file_type = getattr(gguf.LlamaFileType, f"MOSTLY_{gguf_type.upper()}")
     for key, value in model.params.items():
         full = f"{model.arch}.{key}"
         (writer.add_float32 if isinstance(value, float) else writer.add_uint32)(full, value)
@@ -112,29 +113,33 @@ def write(folder: Path, out: Path, gguf_type: str, model: GGUFModel, name: str) 
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     tokens, stops = _tokenizer(writer, folder, model.params.get("vocab_size"), gguf)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[model.arch.upper()], model.params["block_count"])
-    count = 0
-    for hf_name, tensor in [*model.extra.items(), *model.tensors.items()]:
-        new = hf_name if hf_name in model.extra else names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+    renamed = [(hf_name if hf_name in model.extra else names.get_name(hf_name, try_suffixes=(".weight", ".bias")),
+                hf_name, tensor) for hf_name, tensor in [*model.extra.items(), *model.tensors.items()]]
+    tied = all(new != "output.weight" for new, _, _ in renamed)   # llama.cpp's head is then token_embd
+    for new, hf_name, tensor in renamed:
         if new is None:
             raise ConfigError(f"{folder}: tensor {hf_name} has no llama.cpp name for architecture {model.arch}")
-        data, qtype = _typed(new, tensor.float().numpy(), gguf_type, gguf)
+        data, qtype = _typed(new, tensor.float().numpy(), gguf_type, gguf, tied)
         writer.add_tensor(new, data, raw_dtype=qtype)
-        count += 1
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return {"arch": model.arch, "tensors": count, "tokens": tokens, "stops": stops}
+    return {"arch": model.arch, "tensors": len(renamed), "tokens": tokens, "stops": stops}
 
 
-def _typed(name: str, data, gguf_type: str, gguf):
-    """The converter's rule: 1-D tensors, norms, biases and position embeddings in F32, the rest in `gguf_type`."""
+def _typed(name: str, data, gguf_type: str, gguf, tied: bool):
+    """The converter's rule: 1-D tensors, norms, biases and position embeddings in F32, the rest in `gguf_type`;
+    for the 4- and 5-bit types (LOW_BITS), llama-quantize's: the output matrix (the token embedding where the head is
+    tied to it) one step higher, q8_0 (llama-quantize's q6_K, which the gguf package does not compute)."""
     types = gguf.GGMLQuantizationType
     if data.ndim <= 1 or name.endswith("_norm.weight") or not name.endswith(".weight") \
             or name == "position_embd.weight":
         qtype = types.F32
+    elif gguf_type in LOW_BITS and (name == "output.weight" or (tied and name == "token_embd.weight")):
+        qtype = types.Q8_0
     else:
-        qtype = {"f16": types.F16, "bf16": types.BF16, "q8_0": types.Q8_0}[gguf_type]
+        qtype = getattr(types, gguf_type.upper())
     try:
         return gguf.quants.quantize(data, qtype), qtype
     except gguf.QuantError as e:

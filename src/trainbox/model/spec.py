@@ -42,6 +42,11 @@ OPTIONS = ("attention", "fused_loss", "fused_norm", "fused_mlp", "fp8_head", "fp
            "dropout", "bias", "tie_embeddings", "path")
 
 
+# the GGUF types model/gguf_file.py writes (`--gguf-type`): 16-bit, then llama.cpp's block quantisations of 8, 5 and 4
+# bits that the gguf package computes
+GGUF_TYPES = ("f16", "bf16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0")
+
+
 @dataclass(frozen=True)
 class Family:
     """What a family is and supports; its code is loaded only when it is used (`load`, `hf`, `memory`)."""
@@ -64,6 +69,7 @@ class Family:
     generate: str = "causal"              # causal (sampling with a KV cache) or spans (t5: fill sentinels)
     export: str | None = None             # what `trainbox export --format hf` writes (None: nothing)
     gguf: tuple[str, ...] = ()            # the GGUF types `export --format gguf` writes (hf.py's gguf_model); ()=none
+                                          # (GGUF_TYPES: all that model/gguf_file.py writes)
     steps: bool = False                   # the model takes set_step(step, total) before each step
     packing: tuple[str, ...] = ()         # the kernels it runs on packed rows (kernels/packed.py: flash, flex, sdpa;
                                           # hf: transformers' own); () = it cannot pack (data.packing is refused)

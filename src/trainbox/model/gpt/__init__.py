@@ -1,6 +1,6 @@
 """Dense GPT-2 (`model.family: gpt`): model.py, its GPT2LMHeadModel mapping (hf.py), its memory formula (memory.py)."""
 from trainbox.model.gpt.config import check
-from trainbox.model.spec import Family
+from trainbox.model.spec import GGUF_TYPES, Family
 
 FAMILY = Family(
     name="gpt",
@@ -9,6 +9,6 @@ FAMILY = Family(
     check=check,
     options=frozenset({"attention", "fused_loss", "fused_norm", "fused_mlp", "fp8_head", "fp8_mlp", "lowp_residual",
                        "dropout", "bias", "tie_embeddings"}),
-    attention=("flash", "sdpa"), export="GPT2LMHeadModel", gguf=("f16", "bf16", "q8_0"), steps=True,
+    attention=("flash", "sdpa"), export="GPT2LMHeadModel", gguf=GGUF_TYPES, steps=True,
     packing=("flash", "flex", "sdpa"),
 )

@@ -1,6 +1,6 @@
 """Hugging Face causal LMs with LoRA and QLoRA (`model.family: hf`): model.py (PEFT, bitsandbytes), the adapter
 or merged export (hf.py), the plan's formula (memory.py). Its options are the run's lora.* and quant.* sections."""
-from trainbox.model.spec import Family
+from trainbox.model.spec import GGUF_TYPES, Family
 
 FAMILY = Family(
     name="hf",
@@ -10,7 +10,7 @@ FAMILY = Family(
     fsdp="LoRA trains small adapters on a frozen base: use train.parallel=ddp",
     recompute="use lora.gradient_checkpointing (Hugging Face's own)",
     export="PEFT adapter or merged model", adapters=True,
-    gguf=("f16", "bf16", "q8_0"),   # of the merged model, for the bases hf.py's GGUF_BASES lists
+    gguf=GGUF_TYPES,   # of the merged model, for the bases hf.py's GGUF_BASES lists
     lowp_residual=True,   # the residual stream in the base's dtype: bf16 on a GPU (4/8-bit bases: fp32, plan/memory.py)
     packages=(("transformers", "finetune"), ("peft", "finetune")),
 )

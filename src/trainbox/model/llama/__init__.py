@@ -2,7 +2,7 @@
 its LlamaForCausalLM / MistralForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM mapping both ways (hf.py). The
 plan takes its block from the model's own projections (the decoder block of model/memory.py)."""
 from trainbox.model.llama.config import LlamaSection, check
-from trainbox.model.spec import Family
+from trainbox.model.spec import GGUF_TYPES, Family
 
 FAMILY = Family(
     name="llama",
@@ -12,6 +12,6 @@ FAMILY = Family(
     memory_module="trainbox.model.llama.memory", section=LlamaSection, check=check,
     options=frozenset({"fused_loss", "head_dim", "path"}),
     export="LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM or Qwen3ForCausalLM",
-    gguf=("f16", "bf16", "q8_0"),
+    gguf=GGUF_TYPES,
     packing=("flash", "flex", "sdpa"),
 )
