@@ -129,7 +129,12 @@ def check_gguf(cfg: RunConfig) -> None:
     require("transformers", "finetune", "exporting a LoRA run")
     from transformers import AutoConfig  # optional: transformers
 
-    base = AutoConfig.from_pretrained(cfg.model.path).to_dict()
+    try:
+        base = AutoConfig.from_pretrained(cfg.model.path).to_dict()
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"cannot read the config.json of the run's base {cfg.model.path}: "
+                          f"{str(e).splitlines()[0]}", hint="GGUF export reads the base the run was trained on: "
+                                                            "model.path must still be there") from None
     model_type = base.get("model_type")
     if model_type not in GGUF_BASES:
         raise ConfigError(f"the run's base {cfg.model.path} is a {model_type!r} model; trainbox writes GGUF for "
