@@ -455,6 +455,19 @@ def test_llama_cpp_runs_the_gguf_with_our_logits(gguf_runs, arch):
         model.close()
 
 
+def test_the_space_prefix_is_the_tokenizers_a_run_encodes_with(tmp_path, monkeypatch):
+    """add_space_prefix follows the tokenizer that encoded the run's text: transformers', which marks only the first
+    word of a Llama folder without legacy: true (no prefix after a special token), and `tokenizers`' where
+    transformers is not installed, which applies tokenizer.json's normalizer to every text between special tokens."""
+    from trainbox.model.gguf_file import _space_prefix
+    folder = hf_tiny.make_model(tmp_path / "hf", "mistral")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "model_type": "llama"}))
+    assert _space_prefix(folder) is False
+    monkeypatch.setitem(sys.modules, "transformers", None)   # `from transformers import ...` raises ImportError
+    assert _space_prefix(folder) is True
+
+
 @pytest.mark.parametrize("gguf_type", ["q5_1", "q4_0"])
 def test_llama_cpp_computes_a_low_bit_file_as_its_weights_say(runs, sft_hf, gguf_type):
     """llama.cpp runs a 5- or 4-bit file as the model its dequantized weights make (those weights loaded into

@@ -235,12 +235,12 @@ def _space_prefix(folder: Path) -> bool:
         from transformers import AutoTokenizer  # optional: transformers
     except ImportError:
         tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
-        special = next(a.content for a in tok.get_added_tokens_decoder().values() if a.special)
-        pieces = tok.encode(special + "a", add_special_tokens=False).tokens[1:]
+        special = next((a.content for a in tok.get_added_tokens_decoder().values() if a.special), "")
+        pieces = tok.encode(special + "a", add_special_tokens=False).tokens[1 if special else 0:]
     else:
         hf = AutoTokenizer.from_pretrained(folder)
-        special = hf.bos_token or hf.eos_token
-        pieces = hf.convert_ids_to_tokens(hf.encode(special + "a", add_special_tokens=False))[1:]
+        special = hf.bos_token or hf.eos_token or next(iter(hf.all_special_tokens), "")
+        pieces = hf.convert_ids_to_tokens(hf.encode(special + "a", add_special_tokens=False))[1 if special else 0:]
     return "".join(pieces).startswith("\u2581")
 
 
