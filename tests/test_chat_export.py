@@ -19,6 +19,7 @@ from conftest import run_cli
 from trainbox.chat import ChatSession, open_chat
 from trainbox.config import load_config
 from trainbox.data.chat import CHATML, template_for
+from trainbox.export import export
 from trainbox.train.loop import Trainer
 
 transformers = pytest.importorskip("transformers")
@@ -377,7 +378,10 @@ def test_gguf_reads_back_with_every_tensor_and_the_metadata(gguf_runs, arch, req
     low_bits = {"llama": ("q5_1", "q5_0", "q4_1", "q4_0"), "qwen2": ("q4_0",)}.get(arch, ())   # qwen2: a tied head
     for gguf_type in ("f16", "bf16", "q8_0", *low_bits):
         out = tmp / f"{arch}-{gguf_type}.gguf"
-        run_cli("export", str(run), "--format", "gguf", "--gguf-type", gguf_type, "--out", str(out))
+        if gguf_type == "f16":   # the command a user types; the other types through the same function, in process
+            run_cli("export", str(run), "--format", "gguf", "--gguf-type", gguf_type, "--out", str(out))
+        else:
+            export(run, out, format="gguf", gguf_type=gguf_type)
         tensors, meta = read_gguf(out)
         assert sorted(tensors) == sorted(want), arch
         head = "output.weight" if "output.weight" in tensors else "token_embd.weight"   # llama-quantize's rule:
@@ -641,7 +645,6 @@ def test_an_out_that_is_holds_or_lies_in_the_checkpoint_is_refused_even_with_for
     """--force replaces --out: an --out that is the run (or holds it, or lies inside its checkpoint) would delete the
     checkpoint being exported. It is refused in one message, and the run is left as it was."""
     from trainbox.errors import ConfigError
-    from trainbox.export import export
 
     run = tmp_path / "runs" / "mine"
     shutil.copytree(gguf_runs["gpt2"], run)
@@ -664,7 +667,6 @@ def test_a_missing_gguf_package_names_the_extra(gguf_runs, monkeypatch):
     import importlib.util
 
     from trainbox.errors import MissingDependency
-    from trainbox.export import export
     find = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else find(name, *a))
     with pytest.raises(MissingDependency, match=r"needs the Python package 'gguf'") as e:
