@@ -17,7 +17,7 @@ from trainbox.config import build_config, load_config
 from trainbox.errors import ConfigError
 from trainbox.model.build import build_model, resolve_model
 from trainbox.model.llama.config import RopeScalingSection
-from trainbox.model.llama.hf import resolve_from_folder, write_hf
+from trainbox.model.llama.hf import gguf_model, resolve_from_folder, write_hf
 from trainbox.model.load import load_init_weights
 
 transformers = pytest.importorskip("transformers")
@@ -113,6 +113,10 @@ def test_import_matches_hf_and_export_loads_back(tmp_path, arch):
     assert back.config.sliding_window is None if arch == "mistral" else True
     with torch.no_grad():
         assert (back(idx).logits - want).abs().max() < 1e-4
+    if arch == "llama":   # GGUF's RoPE factors from transformers' config.json (rope_parameters) and from ours
+        theirs, mine = gguf_model(tmp_path / "in").extra, gguf_model(tmp_path / "out").extra
+        assert torch.equal(theirs["rope_freqs.weight"], mine["rope_freqs.weight"])
+        assert (mine["rope_freqs.weight"] > 1).any()
     again, _ = ours_from(tmp_path / "out")   # our config.json (rope_theta + rope_scaling) read back
     with torch.no_grad():
         assert (logits(again, idx) - want).abs().max() < 1e-4

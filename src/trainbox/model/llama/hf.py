@@ -296,9 +296,11 @@ def permute(w: torch.Tensor, heads: int) -> torch.Tensor:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def rope_factors(hf: dict, dim: int) -> torch.Tensor:
-    """Llama 3 RoPE scaling as the per-frequency divisors llama.cpp reads from rope_freqs.weight."""
-    rope, base = hf["rope_scaling"], hf["rope_theta"]
+def rope_factors(theirs: dict, dim: int) -> torch.Tensor:
+    """Llama 3 RoPE scaling (`theirs`: a folder's `shape`) as the per-frequency divisors llama.cpp reads from
+    rope_freqs.weight."""
+    rope = {k: theirs[f"model.llama.rope_scaling.{k}"] for k in ROPE_KEYS}
+    base = theirs["model.llama.rope_theta"]
     freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
     wavelen = 2 * math.pi / freqs
     old = rope["original_max_position_embeddings"]
@@ -316,6 +318,7 @@ def gguf_model(folder: Path) -> GGUFModel:
     go as attn_q_norm / attn_k_norm), Llama 3 scaling as rope_freqs.weight, the hyperparameters as
     convert_hf_to_gguf.py writes them."""
     hf = read_config(folder, "export")
+    theirs = shape(hf, str(folder))   # RoPE as transformers 4 (rope_scaling) or 5 (rope_parameters) writes it
     heads, kv = hf["num_attention_heads"], hf["num_key_value_heads"]
     dim = hf.get("head_dim") or hf["hidden_size"] // heads
     state = read_weights(Path(folder))
@@ -327,11 +330,11 @@ def gguf_model(folder: Path) -> GGUFModel:
     params = {"block_count": hf["num_hidden_layers"], "context_length": hf["max_position_embeddings"],
               "embedding_length": hf["hidden_size"], "feed_forward_length": hf["intermediate_size"],
               "attention.head_count": heads, "attention.head_count_kv": kv,
-              "rope.freq_base": shape(hf, str(folder))["model.llama.rope_theta"],
+              "rope.freq_base": theirs["model.llama.rope_theta"],
               "attention.layer_norm_rms_epsilon": float(hf["rms_norm_eps"]), "attention.key_length": dim,
               "attention.value_length": dim}
     if arch == "llama":
         params.update({"vocab_size": hf["vocab_size"], "rope.dimension_count": dim})
-    extra = {"rope_freqs.weight": rope_factors(hf, dim)} if (hf.get("rope_scaling") or {}).get("rope_type") == \
-        "llama3" else {}
+    extra = {"rope_freqs.weight": rope_factors(theirs, dim)} \
+        if theirs["model.llama.rope_scaling.rope_type"] == "llama3" else {}
     return GGUFModel(arch, params, state, extra)
