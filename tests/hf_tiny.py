@@ -83,7 +83,7 @@ def make_sentencepiece_tokenizer(folder: Path, legacy: bool | None = None, vocab
     the pieces' order; a normalizer that puts "▁" before the text and for every space. `legacy` goes in
     tokenizer_config.json (transformers then marks the first word only, unless true)."""
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
-    from transformers import LlamaTokenizerFast
+    from transformers import AutoTokenizer, LlamaTokenizerFast
 
     rng = random.Random(0)
     marker = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
@@ -111,7 +111,6 @@ def make_sentencepiece_tokenizer(folder: Path, legacy: bool | None = None, vocab
     if legacy is not None:
         config = json.loads((Path(folder) / "tokenizer_config.json").read_text())
         (Path(folder) / "tokenizer_config.json").write_text(json.dumps({**config, "legacy": legacy}))
-    from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(folder)
 
 

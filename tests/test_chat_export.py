@@ -372,7 +372,8 @@ def test_gguf_reads_back_with_every_tensor_and_the_metadata(gguf_runs, arch, req
     folder = request.getfixturevalue("sft_hf") if arch == "llama" else \
         _export(run, tmp / f"{arch}-hf", *(["--merge"] if arch == "lora" else []))
     hf = json.loads((folder / "config.json").read_text())
-    assert hf["architectures"] == ["MistralForCausalLM"] if arch == "mistral" else True
+    if arch == "mistral":
+        assert hf["architectures"] == ["MistralForCausalLM"]
     kind = "llama" if arch in ("mistral", "lora") else arch   # llama.cpp runs Mistral as its llama architecture
     want = expected_tensors(folder)
     low_bits = {"llama": ("q5_1", "q5_0", "q4_1", "q4_0"), "qwen2": ("q4_0",)}.get(arch, ())   # qwen2: a tied head
@@ -454,7 +455,8 @@ def test_llama_cpp_runs_the_gguf_with_our_logits(gguf_runs, arch):
                                                 temperature=0, max_tokens=24)["choices"][0]
             session = open_chat(run, "cpu", temperature=0, max_tokens=24)
             assert chat["message"]["content"] == "".join(session.turn(QUESTIONS[0]))
-            assert chat["finish_reason"] == "stop" if arch != "mistral" else True
+            if arch != "mistral":   # the short Mistral run has not learnt to stop
+                assert chat["finish_reason"] == "stop"
     finally:
         model.close()
 

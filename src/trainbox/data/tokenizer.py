@@ -159,8 +159,8 @@ def token_lengths(tok: _Tok, special: set[int], rows: int) -> list[int]:
             out.append(0)
         elif i in added:   # a token added as text, matched before the model runs
             out.append(len(added[i].content.encode("utf-8")))
-        elif byte_level and _latin(t.translate(table)):
-            out.append(len(t.translate(table).encode("latin-1")))
+        elif byte_level and _latin(raw := t.translate(table)):
+            out.append(len(raw))
         elif model.get("byte_fallback") and BYTE_TOKEN.fullmatch(t):
             out.append(1)
         elif marker:
@@ -172,6 +172,12 @@ def token_lengths(tok: _Tok, special: set[int], rows: int) -> list[int]:
 
 def _latin(text: str) -> bool:
     return all(ord(c) < 256 for c in text)
+
+
+def merge_parts(merge: str | list[str]) -> tuple[str, str]:
+    """A tokenizer.json merge, "left right" (older files) or [left, right], as its two tokens."""
+    left, right = merge.split(" ", 1) if isinstance(merge, str) else merge
+    return left, right
 
 
 def tiktoken_twin(tok: HFTokenizer) -> tiktoken.Encoding | None:
@@ -193,7 +199,7 @@ def tiktoken_twin(tok: HFTokenizer) -> tiktoken.Encoding | None:
     if not plain:
         return None
     table, vocab = _byte_level_table(), model["vocab"]
-    merged = [vocab.get("".join(m) if isinstance(m, list) else m.replace(" ", "", 1), -1) for m in model["merges"]]
+    merged = [vocab.get("".join(merge_parts(m)), -1) for m in model["merges"]]
     specials = {t["content"]: t["id"] for t in spec.get("added_tokens", [])}
     ranks = {t.translate(table).encode("latin-1"): i for t, i in vocab.items() if t not in specials}
     singles = sum(len(b) == 1 for b in ranks)

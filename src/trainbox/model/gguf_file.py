@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
-from trainbox.data.tokenizer import BYTE_TOKEN
+from trainbox.data.tokenizer import BYTE_TOKEN, merge_parts
 from trainbox.errors import ConfigError, require
 from trainbox.model.spec import GGUF_TYPES, either, which
 
@@ -216,8 +216,7 @@ def _sentencepiece(spec: dict, tokens: list[str], folder: Path) -> list[float]:
     converter lists a piece's merges in the order of the SentencePiece scores, so the two tokenizers agree."""
     rank: dict[str, int] = {}
     for r, merge in enumerate(spec["model"].get("merges") or []):
-        left, right = merge.split(" ", 1) if isinstance(merge, str) else merge
-        rank.setdefault(left + right, r)
+        rank.setdefault("".join(merge_parts(merge)), r)
     if not rank:
         raise ConfigError(f"{folder}/tokenizer.json: a BPE with byte fallback and no merges")
     return [-float(rank[t]) if t in rank else 0.0 for t in tokens]
