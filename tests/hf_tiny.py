@@ -189,3 +189,35 @@ def make_preference_file(path: Path, n: int = 64, form: str = "messages", seed: 
                        "rejected": [user, {"role": "assistant", "content": bad}]}
             f.write(json.dumps(row) + "\n")
     return path
+
+
+def make_unpaired_file(path: Path, n: int = 64, form: str = "messages", seed: int = 0, desirable: float = 0.5) -> Path:
+    """Unpaired arithmetic feedback (TRL's unpaired form): each row one answer, desirable (label true) when it is the
+    right sum, with probability `desirable`. `form`: "text" or "messages"."""
+    rng = random.Random(seed)
+    names = WORDS[:10]
+    with open(path, "w") as f:
+        for _ in range(n):
+            a, b = rng.randrange(5), rng.randrange(5)
+            good = rng.random() < desirable
+            answer = a + b if good else rng.choice([k for k in range(10) if k != a + b])
+            question = f"what is {names[a]} plus {names[b]}"
+            reply = f"{names[a]} plus {names[b]} equals {names[answer]}" if good else f"it equals {names[answer]}"
+            if form == "text":
+                row = {"prompt": question + " ?", "completion": " " + reply, "label": good}
+            else:
+                row = {"prompt": [{"role": "user", "content": question}],
+                       "completion": [{"role": "assistant", "content": reply}], "label": good}
+            f.write(json.dumps(row) + "\n")
+    return path
+
+
+def trl_step(trainer):
+    """A TRL trainer's own loss on the first batch its collator makes, with its backward, in training mode ->
+    (the batch, the loss, each parameter's gradient by name, the metrics it logged for that batch)."""
+    batch = next(iter(trainer.get_train_dataloader()))
+    trainer.model.train()
+    loss = trainer.compute_loss(trainer.model, batch)
+    loss.backward()
+    grads = {n: p.grad for n, p in trainer.model.named_parameters()}
+    return batch, loss, grads, {k: v[-1] for k, v in trainer._metrics["train"].items()}

@@ -66,12 +66,7 @@ def test_loss_rewards_and_gradients_equal_trl(folder, tmp_path, loss, beta):
     gradient within 1e-4 (fp32, CPU)."""
     rows = rows_of(hf_tiny.make_preference_file(tmp_path / "prefs.jsonl", n=6, seed=1))
     trainer = trl_trainer(folder, rows, tmp_path, beta=beta, loss_type=["sigmoid" if loss == "dpo" else "ipo"])
-    batch = next(iter(trainer.get_train_dataloader()))
-    trainer.model.train()
-    reference_loss = trainer.compute_loss(trainer.model, batch)
-    reference_loss.backward()
-    theirs = {n: p.grad for n, p in trainer.model.named_parameters()}
-    metrics = {k: v[-1] for k, v in trainer._metrics["train"].items()}
+    batch, reference_loss, theirs, metrics = hf_tiny.trl_step(trainer)
 
     cfg, model = ours(folder, [f"dpo.loss={loss}", f"dpo.beta={beta}", "dpo.reference=model"])
     from trainbox.objective import Runtime

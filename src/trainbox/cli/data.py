@@ -73,11 +73,12 @@ def cmd_prepare(args) -> int:
 
 
 def _prepare_pairs(args) -> int:
-    """`prepare` of preference JSONL (rows with chosen and rejected): pair files for train.objective=dpo."""
+    """`prepare` of preference JSONL: pair files for train.objective=dpo (rows with chosen and rejected), or example
+    files for dpo.loss=kto (unpaired rows: completion and label)."""
     from trainbox.data.preference import describe, prepare_pairs  # heavy: numpy, torch
 
     if args.format != "shard" or args.append_eod or args.write_vocab or args.workers != 1:
-        raise DataError("preference pairs are written as pair files by one process: --format, --append-eod, "
+        raise DataError("preference data is written as pair or example files by one process: --format, --append-eod, "
                         "--write-vocab and --workers do not apply", hint="drop those options")
     st = prepare_pairs(args.inputs, args.out, get_tokenizer(args.tokenizer), args.tokenizer, args.chat_template,
                        val_docs=args.val_docs, val_fraction=args.val_fraction, seq_len=args.seq_len,
@@ -86,7 +87,8 @@ def _prepare_pairs(args) -> int:
     for f in st.files:
         print(f"  {f}")
     print(f"train on it with: trainbox train dpo model.path=MODEL data.path={shlex.quote(args.out)}"
-          + (f" data.seq_len={args.seq_len}" if args.seq_len else ""))
+          + (f" data.seq_len={args.seq_len}" if args.seq_len else "")
+          + (" dpo.loss=kto" if st.kind == "examples" else ""))
     return 0
 
 

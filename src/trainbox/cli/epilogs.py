@@ -10,6 +10,7 @@ EPILOGS = {
                                                            # node 0 of two; node 1: the same with --node-rank 1
           trainbox train sft model.path=./Qwen2.5-0.5B data.path=chat.jsonl   # every weight of a Llama / Qwen2
           trainbox train dpo model.path=./Qwen2.5-0.5B data.path=prefs.jsonl  # preference pairs (dpo, ipo, ...)
+          trainbox train dpo model.path=./Qwen2.5-0.5B data.path=feedback.jsonl dpo.loss=kto   # unpaired (KTO)
           trainbox train tiny --detach                     # in the background: prints the run directory, the
                                                            # monitor URL and the logs / attach / stop commands
           torchrun --nproc_per_node 8 --signals-to-handle SIGTERM,SIGINT,SIGUSR1 -m trainbox train gpt2-125m
@@ -60,6 +61,8 @@ EPILOGS = {
           trainbox prepare chats.jsonl --tokenizer tok/ --out data/sft --val-docs 100   # loss on assistant tokens only
           trainbox prepare prefs.jsonl --tokenizer model/ --out data/prefs --seq-len 1024 --val-docs 200
                                           # rows with chosen and rejected: pairs for `trainbox train dpo`
+          trainbox prepare feedback.jsonl --tokenizer model/ --out data/feedback   # rows with completion and label:
+                                          # examples for `trainbox train dpo dpo.loss=kto`
         """,
     "inspect": """
         examples:

@@ -151,7 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_config)
 
     pr = verb("prepare", "tokenize text / JSONL / chat JSONL into shard or Megatron token files, preference JSONL "
-                         "into pair files")
+                         "into pair (or, unpaired, example) files")
     pr.add_argument("inputs", nargs="+", help=".txt (one document each), .jsonl, .jsonl.gz, or folders of them")
     pr.add_argument("--out", required=True, help="output prefix, e.g. data/corpus")
     pr.add_argument("--tokenizer", default="gpt2", help="gpt2, embedded:shakespeare-bpe, tokenizer.json or folder")

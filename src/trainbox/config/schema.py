@@ -167,7 +167,7 @@ class TrainSection(Section):
         "next_token", description="what a step trains: next_token (pretraining, SFT: the token loss, masked where the "
                                   "data has a loss mask); dpo (preference pairs: chosen and rejected responses in "
                                   "one forward, the loss of the dpo section; train.global_batch_size then counts "
-                                  "pairs)")
+                                  "pairs, or examples under dpo.loss=kto)")
     memory_check: bool = Field(True, description="before the model is built, refuse a run whose memory plan "
                                                  "(`trainbox plan`: weights, gradients, optimizer state, "
                                                  "activations, communication, overhead) exceeds what the device "
@@ -223,23 +223,32 @@ class MonitorSection(Section):
 class DpoSection(Section):
     """Preference tuning (train.objective=dpo): the loss, its strengths, the reference and the prompt budget."""
 
-    loss: Literal["dpo", "ipo", "simpo", "orpo"] = Field(
+    loss: Literal["dpo", "ipo", "simpo", "orpo", "kto"] = Field(
         "dpo", description="dpo: -log sigmoid(beta x the log-ratio margin against the reference) (Rafailov et al. "
                            "2023; TRL's sigmoid loss); ipo: (margin of the per-token log-ratios - 1/(2 beta))^2 (Azar "
                            "et al. 2023, length-normalised as TRL); simpo: reference-free, -log sigmoid(beta x the "
                            "margin of the mean token log-probs - simpo_gamma) (Meng et al. 2024); orpo: "
                            "reference-free, the chosen response's mean token loss + orpo_lambda x -log sigmoid(log "
-                           "odds ratio) (Hong et al. 2024)")
-    beta: float = Field(0.1, gt=0, le=100, description="dpo: the strength of the reference (0.1 to 0.5 usual); ipo: "
-                                                      "tau; simpo: the reward scale (2 to 2.5 in its paper)")
+                           "odds ratio) (Hong et al. 2024); kto: unpaired examples, each desirable or not, "
+                           "weight x (1 - sigmoid(beta x (its log-ratio - KL))) for a desirable one and (1 - sigmoid("
+                           "beta x (KL - its log-ratio))) for an undesirable one, KL estimated over the step's "
+                           "mismatched prompts and completions (Ethayarajh et al. 2024; TRL's KTOTrainer)")
+    beta: float = Field(0.1, gt=0, le=100, description="dpo, kto: the strength of the reference (0.1 to 0.5 usual); "
+                                                      "ipo: tau; simpo: the reward scale (2 to 2.5 in its paper)")
     label_smoothing: float = Field(0.0, ge=0, lt=0.5, description="dpo, simpo: the probability that a pair's labels "
                                                                   "are flipped (conservative DPO)")
     simpo_gamma: float = Field(0.5, ge=0, le=100, description="simpo: the target margin between the chosen and the "
                                                              "rejected reward")
     orpo_lambda: float = Field(0.1, gt=0, le=100, description="orpo: the weight of the odds-ratio term beside the "
                                                              "chosen response's token loss")
+    desirable_weight: float = Field(1.0, gt=0, le=100, description="kto: the weight of a desirable example's loss "
+                                                                  "(lambda_D)")
+    undesirable_weight: float = Field(1.0, gt=0, le=100, description="kto: the weight of an undesirable example's "
+                                                                    "loss (lambda_U); the paper advises lambda_D n_D "
+                                                                    "/ (lambda_U n_U) between 1 and 4/3, which the "
+                                                                    "run's log checks against the data")
     reference: Literal["precompute", "model"] = Field(
-        "precompute", description="dpo, ipo: where the reference log-probabilities come from. precompute: the "
+        "precompute", description="dpo, ipo, kto: where the reference log-probabilities come from. precompute: the "
                                   "initial model's, computed once before training and stored beside the prepared "
                                   "data (reused by later runs and resumes of the same weights and data); model: a "
                                   "frozen copy of the initial model run beside the policy every step. LoRA "
@@ -320,6 +329,12 @@ class RunConfig(Section):
             users = which(lambda f: f.generate == "causal")
             raise ValueError(f"train.objective=dpo needs a causal language model (model.family={either(users)}), "
                              f"not {self.model.family}")
+        kto = self.dpo.loss == "kto"
+        wrong = [k for k in given if k in ("desirable_weight", "undesirable_weight") and not kto
+                 or k == "label_smoothing" and kto]
+        if wrong:
+            raise ValueError(f"dpo.{wrong[0]} does not apply to dpo.loss={self.dpo.loss}"
+                             + ("" if kto else ": it weighs dpo.loss=kto's examples"))
         if self.dpo.max_prompt_len is not None and self.dpo.max_prompt_len >= self.data.seq_len:
             raise ValueError(f"dpo.max_prompt_len={self.dpo.max_prompt_len} leaves no room for a response in "
                              f"data.seq_len={self.data.seq_len}: give less than {self.data.seq_len}")

@@ -1,6 +1,6 @@
-"""Preference pairs in training (train.objective=dpo): the token files of data/preference.py, memory-mapped and cut to
-data.seq_len by its truncation rule (`fit`), as the loop's batches of pairs. A raw JSONL data.path is prepared first,
-into data.cache_dir, keyed by the file, the tokenizer and the chat template."""
+"""Preference data in training (train.objective=dpo): the token files of data/preference.py, memory-mapped and cut to
+data.seq_len by its truncation rule (`fit`), as the loop's batches of pairs (or of examples, dpo.loss=kto). A raw
+JSONL data.path is prepared first, into data.cache_dir, keyed by the file, the tokenizer and the chat template."""
 from __future__ import annotations
 
 import hashlib
@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from trainbox.data import manifest
-from trainbox.data.preference import PARTS, describe, fit, part_path, prepare_pairs
+from trainbox.data.preference import PARTS, describe, fit, part_path, prepare_pairs, prepared_kind
 from trainbox.data.readers import JSONL_SUFFIXES
 from trainbox.data.sources import check_vocab, default_cache_dir
 from trainbox.errors import DataError
@@ -28,17 +28,16 @@ class PairDataset:
     reference log-probabilities once `reference` (N x 2: chosen, rejected) is set. The BatchOrder draws pairs as it
     draws a TokenDataset's windows (data/loader.py)."""
 
-    def __init__(self, prefix: Path, split: str, seq_len: int, max_prompt: int | None, pad_id: int, name: str):
+    unit = "pairs"
+
+    def __init__(self, prefix: Path, split: str, seq_len: int, max_prompt: int | None, pad_id: int, name: str,
+                 kind: str = "pairs"):
         self.prefix, self.split, self.seq_len, self.pad_id, self.name = prefix, split, seq_len, pad_id, name
-        self.files = [part_path(prefix, split, p) for p in PARTS]
+        self.kind, self.files = kind, [part_path(prefix, split, p, kind) for p in PARTS]
         self.tokens, self.mask, self.index = (np.load(f, mmap_mode="r") for f in self.files)
         cols = np.asarray(self.index)
-        too_long = np.flatnonzero(cols[:, 1] >= seq_len)
-        if len(too_long):
-            first = int(too_long[0])
-            raise DataError(f"{self._where(first)}: the prompt has {int(cols[first, 1])} tokens, which leaves no "
-                            f"room for a response in data.seq_len={seq_len} ({len(too_long)} such pairs in {name})",
-                            hint="raise data.seq_len, or leave those rows out")
+        self.source = cols[:, 4:6]   # (file, line) of each pair's row
+        self._check_prompts(cols[:, 1])
         self.kept = fit(cols[:, 1], cols[:, 2], cols[:, 3], seq_len, max_prompt)
         self.prompts_cut = int((self.kept[0] < cols[:, 1]).sum())
         self.responses_cut = int(((self.kept[1] < cols[:, 2]) | (self.kept[2] < cols[:, 3])).sum())
@@ -48,11 +47,19 @@ class PairDataset:
         self.reference: np.ndarray | None = None
         self.report = {"pairs": self.num_pairs, "prompts_cut": self.prompts_cut, "responses_cut": self.responses_cut}
 
+    def _check_prompts(self, prompts: np.ndarray) -> None:
+        too_long = np.flatnonzero(prompts >= self.seq_len)
+        if len(too_long):
+            first = int(too_long[0])
+            raise DataError(f"{self._where(first)}: the prompt has {int(prompts[first])} tokens, which leaves no "
+                            f"room for a response in data.seq_len={self.seq_len} ({len(too_long)} such {self.unit} "
+                            f"in {self.name})", hint="raise data.seq_len, or leave those rows out")
+
     def _where(self, i: int) -> str:
         path = manifest.manifest_path(self.prefix)
         m = manifest.read_manifest(path) if path.is_file() else {}
         sources = m.get("sources") or []
-        f, line = int(self.index[i, 4]), int(self.index[i, 5])
+        f, line = int(self.source[i, 0]), int(self.source[i, 1])
         return f"{sources[f] if f < len(sources) else self.files[2]}:{line}"
 
     def describe(self) -> str:
@@ -69,20 +76,21 @@ class PairDataset:
         """Trained tokens of the pairs `indices`, both responses (the preference objective averages over pairs)."""
         return int(sum(int(m[1:].sum()) for i in indices for _, m in self.sequences(int(i))))
 
+    def _cut(self, prompt: slice, start: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """(ids, mask) of the tokens `prompt` followed by the `n` from `start`."""
+        kp = prompt.stop - prompt.start
+        return (np.concatenate([self.tokens[prompt], self.tokens[start:start + n]]),
+                np.concatenate([np.zeros(kp, np.uint8), self.mask[start:start + n]]))
+
     def sequences(self, i: int) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]:
         """(ids, mask) of pair i's chosen and rejected sequences, as the truncation rule cuts them."""
         start, p, c, _, _, _ = (int(v) for v in self.index[i])
         kp, kc, kr = (int(k[i]) for k in self.kept)
         prompt = slice(start + p - kp, start + p)
-        out = []
-        for s, n in ((start + p, kc), (start + p + c, kr)):
-            ids = np.concatenate([self.tokens[prompt], self.tokens[s:s + n]])
-            mask = np.concatenate([np.zeros(kp, np.uint8), self.mask[s:s + n]])
-            out.append((ids, mask))
-        return out[0], out[1]
+        return self._cut(prompt, start + p, kc), self._cut(prompt, start + p + c, kr)
 
-    def batch(self, indices) -> dict[str, torch.Tensor]:
-        """x, y, loss_mask: (2B, seq_len), chosen rows first; ref_logps (2B,) where the reference is set."""
+    def _rows(self, indices) -> tuple[np.ndarray, np.ndarray]:
+        """(tokens, mask) of shape (2B, seq_len + 1): each index's first sequence, then the second ones."""
         B = len(indices)
         toks = np.full((2 * B, self.seq_len + 1), self.pad_id, dtype=np.int64)
         mask = np.zeros((2 * B, self.seq_len + 1), dtype=np.bool_)
@@ -90,16 +98,100 @@ class PairDataset:
             for row, (ids, m) in zip((b, B + b), self.sequences(int(i))):
                 toks[row, :len(ids)] = ids
                 mask[row, :len(m)] = m
+        return toks, mask
+
+    def _reference_of(self, indices) -> torch.Tensor:
+        ref = self.reference[np.asarray(indices, dtype=np.int64)]
+        return torch.from_numpy(np.concatenate([ref[:, 0], ref[:, 1]]).astype(np.float32))
+
+    def batch(self, indices) -> dict[str, torch.Tensor]:
+        """x, y, loss_mask: (2B, seq_len), chosen rows first; ref_logps (2B,) where the reference is set."""
+        toks, mask = self._rows(indices)
         t = torch.from_numpy(toks)
         out = {"x": t[:, :-1], "y": t[:, 1:], "loss_mask": torch.from_numpy(mask[:, 1:])}
         if self.reference is not None:
-            ref = self.reference[np.asarray(indices, dtype=np.int64)]
-            out["ref_logps"] = torch.from_numpy(np.concatenate([ref[:, 0], ref[:, 1]]).astype(np.float32))
+            out["ref_logps"] = self._reference_of(indices)
         return out
 
     def identity(self) -> list:
         """What the pairs are (file names, sizes, modification times), for keys of what is derived from them."""
         return [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in self.files]
+
+
+class UnpairedDataset(PairDataset):
+    """dpo.loss=kto's examples, each a prompt and a completion labelled desirable or not: an examples set, or a
+    pair set read as two examples a pair (2i its chosen response, desirable; 2i + 1 its rejected one). Example i
+    gives two sequences: its own (trained), and its prompt with the completion of example (i + N // 2) mod N, the
+    mismatched pair KTO's KL estimate reads. The partner is fixed by the data, not drawn with the batch (TRL rotates
+    completions within each device's batch): the estimate is then the same on any number of processes, and the
+    reference's log-probabilities of both sequences can be computed once. Half the set away, a pair set's two
+    examples of one prompt are never partners. Both sequences are cut by `fit`, as a pair's two responses are.
+
+    `batch`: x, y, loss_mask (B rows, the examples' own sequences), kl_x, kl_y, kl_loss_mask (B rows, the
+    mismatched ones), label (B, true: desirable), ref_logps (2B: own, then mismatched) where the reference is set."""
+
+    unit = "examples"
+
+    def __init__(self, prefix: Path, split: str, seq_len: int, max_prompt: int | None, pad_id: int, name: str,
+                 kind: str):
+        self.prefix, self.split, self.seq_len, self.pad_id, self.name = prefix, split, seq_len, pad_id, name
+        self.kind, self.files = kind, [part_path(prefix, split, p, kind) for p in PARTS]
+        self.tokens, self.mask, self.index = (np.load(f, mmap_mode="r") for f in self.files)
+        cols = np.asarray(self.index)
+        if kind == "pairs":   # 2i: chosen, desirable; 2i + 1: rejected
+            start, p, c, r = cols[:, 0], cols[:, 1], cols[:, 2], cols[:, 3]
+            self.prompt_start, self.prompt_len = np.repeat(start, 2), np.repeat(p, 2)
+            self.completion_start = np.stack([start + p, start + p + c], 1).reshape(-1)
+            self.completion_len = np.stack([c, r], 1).reshape(-1)
+            self.label = np.tile(np.array([True, False]), len(cols))
+            self.source = np.repeat(cols[:, 4:6], 2, axis=0)
+        else:
+            self.prompt_start, self.prompt_len = cols[:, 0], cols[:, 1]
+            self.completion_start, self.completion_len = cols[:, 0] + cols[:, 1], cols[:, 2]
+            self.label, self.source = cols[:, 3].astype(bool), cols[:, 4:6]
+        n = self.num_samples = self.num_pairs = len(self.label)
+        if n < 2:
+            raise DataError(f"{name}: {n} example; KTO's KL estimate pairs each prompt with another example's "
+                            "completion, so a set needs at least 2", hint="add examples, or leave out the val set")
+        self._check_prompts(self.prompt_len)
+        self.partner = (np.arange(n) + n // 2) % n
+        self.kept = fit(self.prompt_len, self.completion_len, self.completion_len[self.partner], seq_len, max_prompt)
+        self.prompts_cut = int((self.kept[0] < self.prompt_len).sum())
+        self.responses_cut = int((self.kept[1] < self.completion_len).sum())
+        self.desirable = int(self.label.sum())
+        self.num_tokens = len(self.tokens)
+        self.arrays, self.masks = [self.tokens], [self.mask]
+        self.reference = None
+        self.report = {"examples": n, "desirable": self.desirable, "prompts_cut": self.prompts_cut,
+                       "responses_cut": self.responses_cut}
+
+    def describe(self) -> str:
+        return (f"{self.name}: {self.num_samples:,} examples, {self.desirable:,} desirable and "
+                f"{self.num_samples - self.desirable:,} not, each with its prompt in a row of {self.seq_len} positions "
+                f"and again with another example's completion (the KL estimate's); {self.prompts_cut:,} lose the "
+                f"start of their prompt, {self.responses_cut:,} the end of their completion")
+
+    def target_count(self, indices) -> int:
+        """Trained tokens of the examples `indices` (their own sequences)."""
+        return int(sum(int(self.sequences(int(i))[0][1][1:].sum()) for i in indices))
+
+    def sequences(self, i: int) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]:
+        """(ids, mask) of example i's own sequence and of its prompt with its partner's completion."""
+        ps, p, j = int(self.prompt_start[i]), int(self.prompt_len[i]), int(self.partner[i])
+        kp, kc, kr = (int(k[i]) for k in self.kept)
+        prompt = slice(ps + p - kp, ps + p)
+        return (self._cut(prompt, int(self.completion_start[i]), kc),
+                self._cut(prompt, int(self.completion_start[j]), kr))
+
+    def batch(self, indices) -> dict[str, torch.Tensor]:
+        toks, mask = self._rows(indices)
+        B = len(indices)
+        t, m = torch.from_numpy(toks), torch.from_numpy(mask[:, 1:])
+        out = {"x": t[:B, :-1], "y": t[:B, 1:], "loss_mask": m[:B], "kl_x": t[B:, :-1], "kl_y": t[B:, 1:],
+               "kl_loss_mask": m[B:], "label": torch.from_numpy(self.label[np.asarray(indices, dtype=np.int64)])}
+        if self.reference is not None:
+            out["ref_logps"] = self._reference_of(indices)
+        return out
 
 
 def _raw(path: str) -> bool:
@@ -141,32 +233,49 @@ def _prefix(path: str, tok, data, label: str) -> Path:
         if not _complete(folder / "data"):
             _prepare_apart(path, folder, tok, data)
         return folder / "data"
-    if part_path(path, "train", "tokens").is_file() or part_path(path, "val", "tokens").is_file():
+    if prepared_kind(path) is not None:
         return Path(path)
-    raise DataError(f"{label}={path} holds no preference pairs: train.objective=dpo reads preference JSONL "
-                    f"(.jsonl, .jsonl.gz) or the output of `trainbox prepare` on it ({path}_train_pairs.*.npy)",
+    raise DataError(f"{label}={path} holds no preference data: train.objective=dpo reads preference JSONL "
+                    f"(.jsonl, .jsonl.gz) or the output of `trainbox prepare` on it ({path}_train_pairs.*.npy, or "
+                    f"_examples for unpaired rows)",
                     hint=f"trainbox prepare PREFS.jsonl --out PREFIX --tokenizer TOKENIZER, then {label}=PREFIX")
 
 
+def _kind(prefix: Path, label: str, path: str, examples: bool) -> str:
+    kind = prepared_kind(prefix) or "pairs"
+    if kind == "examples" and not examples:
+        raise DataError(f"{label}={path} holds unpaired examples (completion, label), and dpo.loss=dpo, ipo, simpo "
+                        "and orpo train on pairs of responses to one prompt", hint="train them with dpo.loss=kto")
+    return kind
+
+
 def open_pair_datasets(data, dpo, tok, vocab_size: int) -> tuple[PairDataset, PairDataset | None]:
-    """(train, val) pairs of data.path (val: data.val_path, else the prefix's val split where it has one)."""
+    """(train, val) of data.path (val: data.val_path, else the prefix's val split where it has one): pairs, or
+    under dpo.loss=kto examples (UnpairedDataset)."""
+    examples = dpo.loss == "kto"
     train_prefix = _prefix(data.path, tok, data, "data.path")
+    kinds = [_kind(train_prefix, "data.path", data.path, examples)]
     if data.val_path:   # a set of its own: its val split where it has one, else all of it
         val_prefix = _prefix(data.val_path, tok, data, "data.val_path")
-        val_split = "val" if part_path(val_prefix, "val", "tokens").is_file() else "train"
+        kinds.append(_kind(val_prefix, "data.val_path", data.val_path, examples))
+        val_split = "val" if part_path(val_prefix, "val", "tokens", kinds[1]).is_file() else "train"
     else:
         val_prefix, val_split = train_prefix, "val"
+        kinds.append(kinds[0])
     sets = []
-    for prefix, split, label in ((train_prefix, "train", "train"), (val_prefix, val_split, "val")):
-        files = [part_path(prefix, split, p) for p in PARTS]
+    for prefix, split, label, kind in ((train_prefix, "train", "train", kinds[0]),
+                                       (val_prefix, val_split, "val", kinds[1])):
+        files = [part_path(prefix, split, p, kind) for p in PARTS]
+        unit = "examples" if examples else "pairs"
         if not files[0].is_file():
             if label == "train":
-                raise DataError(f"data.path={data.path}: no training pairs ({files[0]} is missing)",
+                raise DataError(f"data.path={data.path}: no training {unit} ({files[0]} is missing)",
                                 hint="prepare the set again with `trainbox prepare ... --overwrite`")
             sets.append(None)
             continue
         manifest.check_output_sets(files)
-        ds = PairDataset(prefix, split, data.seq_len, dpo.max_prompt_len, tok.eot_id, f"{prefix} ({label} pairs)")
+        cls = UnpairedDataset if examples else PairDataset
+        ds = cls(prefix, split, data.seq_len, dpo.max_prompt_len, tok.eot_id, f"{prefix} ({label} {unit})", kind)
         check_vocab(ds.tokens, files[0], min(vocab_size, tok.vocab_size), tokenizer=tok.name)
         sets.append(ds)
     return sets[0], sets[1]

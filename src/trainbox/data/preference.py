@@ -1,5 +1,5 @@
-"""Preference pairs for train.objective=dpo: JSONL rows -> token files with loss masks (data/pairs.py reads them
-in training as batches of pairs).
+"""Preference data for train.objective=dpo: JSONL rows -> token files with loss masks (data/pairs.py reads them in
+training as batches of pairs, or of examples for dpo.loss=kto).
 
     trainbox prepare prefs.jsonl --out data/prefs --tokenizer FOLDER --seq-len 1024   # token files, a report
     trainbox train dpo model.path=FOLDER data.path=prefs.jsonl                          # or data.path=data/prefs
@@ -11,6 +11,14 @@ Rows (one JSON object a line), the forms preference sets come in:
     {"chosen": [messages], "rejected": [messages]}                           the prompt is their shared first turns
     {"prompt": "text", "chosen": [messages], "rejected": [messages]}         as UltraFeedback: the messages repeat
                                                                              the prompt, or it is the user turn
+
+Unpaired rows (dpo.loss=kto), each a response judged desirable (label true) or not, in TRL's unpaired forms:
+
+    {"prompt": "text", "completion": "text", "label": true}
+    {"prompt": [messages], "completion": [messages], "label": false}
+
+A set whose first row is unpaired is written as examples; a pair row in it gives two (chosen: true, rejected:
+false), as TRL's unpair_preference_dataset. A set of pairs trains dpo.loss=kto too, read as those examples.
 
 Plain text is tokenized as prompt + response, the response ending with the end-of-text token; every response
 token carries loss. Messages are rendered with the chat template (data/chat.py, as for SFT: data.chat_template
@@ -29,8 +37,9 @@ data.seq_len); then its responses lose their ends (their start is kept) to fit.
 Files of `trainbox prepare --out OUT` per split (train, val): OUT_{split}_pairs.tokens.npy (uint16, int32 for
 vocabularies over 65,536), OUT_{split}_pairs.mask.npy (uint8 loss mask, 0 on prompts), OUT_{split}_pairs.index.npy
 (int64 rows: start, prompt, chosen and rejected lengths, source file, line), under OUT.manifest.json as every
-prepared set. A raw JSONL data.path is prepared the same way into data.cache_dir. The reference log-probabilities
-of dpo.reference=precompute are stored beside a split's files (objective/preference.py).
+prepared set; examples as OUT_{split}_examples.*.npy, their index rows: start, prompt and completion lengths,
+label (1 desirable), source file, line. A raw JSONL data.path is prepared the same way into data.cache_dir. The
+reference log-probabilities of dpo.reference=precompute are stored beside a split's files (objective/preference.py).
 """
 from __future__ import annotations
 
@@ -52,7 +61,7 @@ from trainbox.data.chat import (
     render_spans,
     tools_of,
 )
-from trainbox.data.readers import json_objects, list_input_files
+from trainbox.data.readers import first_row_is_unpaired, is_unpaired_row, json_objects, list_input_files
 from trainbox.data.sft import tokenize_spans
 from trainbox.errors import DataError, NoData
 
@@ -61,6 +70,8 @@ log = logging.getLogger("trainbox")
 SPLITS = ("train", "val")
 PARTS = ("tokens", "mask", "index")
 INDEX_COLUMNS = ("start", "prompt", "chosen", "rejected", "file", "line")
+EXAMPLE_COLUMNS = ("start", "prompt", "completion", "label", "file", "line")
+KINDS = ("pairs", "examples")
 
 
 # ----------------------------------------------------------------------------- rows
@@ -120,10 +131,51 @@ def pair_of(row, where: str) -> Pair:
     return Pair(True, p, c, r, tools_of(row, where))
 
 
-def read_pairs(path: Path):
-    """(Pair, line number) of each non-empty line of a JSONL (.gz) file."""
+@dataclass
+class Example:
+    """One unpaired row: a prompt and a completion (text, or messages), desirable or not."""
+    chat: bool
+    prompt: str | list
+    completion: str | list
+    label: bool
+    tools: list | None = None
+
+
+def example_of(row, where: str) -> Example:
+    """An unpaired row in one of the module docstring's forms, checked (DataError naming `where`)."""
+    label, prompt, completion = row.get("label"), row.get("prompt"), row.get("completion")
+    if not isinstance(label, bool):
+        raise DataError(f"{where}: 'label' must be true (a desirable completion) or false, not {label!r}",
+                        hint='{"prompt": ..., "completion": ..., "label": true}')
+    if isinstance(prompt, str) and isinstance(completion, str):
+        return Example(False, prompt, completion, label)
+    if not (isinstance(prompt, list) and isinstance(completion, list)):
+        raise DataError(f"{where}: 'prompt' and 'completion' must both be text or both be message lists, got "
+                        f"{type(prompt).__name__} and {type(completion).__name__}")
+    p, c = messages_of({"messages": prompt}, where), messages_of({"messages": completion}, where)
+    if not p or not c:
+        raise DataError(f"{where}: '{'prompt' if not p else 'completion'}' has no turns")
+    return Example(True, p, c, label, tools_of(row, where))
+
+
+def read_rows(path: Path, examples: bool):
+    """(Pair or Example, line number) of each non-empty line of a JSONL (.gz) file; with `examples`, a pair row
+    gives its chosen and rejected responses as two Examples."""
     for row, n in json_objects(path):
-        yield pair_of(row, f"{path}:{n}"), n
+        where = f"{path}:{n}"
+        if is_unpaired_row(row):
+            if not examples:
+                raise DataError(f"{where}: an unpaired row (completion, label) in a set of pairs",
+                                hint="a set whose first row is unpaired is read as examples for dpo.loss=kto; "
+                                     "put such a row first, or give every row chosen and rejected")
+            yield example_of(row, where), n
+            continue
+        pair = pair_of(row, where)
+        if not examples:
+            yield pair, n
+            continue
+        for response, label in ((pair.chosen, True), (pair.rejected, False)):
+            yield Example(pair.chat, pair.prompt, response, label, pair.tools), n
 
 
 # ----------------------------------------------------------------------------- tokens
@@ -144,26 +196,37 @@ def pair_template(tok, name: str | None, spec: str | None = None) -> ChatTemplat
     return hf_chat_template(spec) if spec else None
 
 
+def encode_response(row: Pair | Example, response, tok, template: ChatTemplate | None, where: str,
+                    what: str) -> tuple[list, list]:
+    """The prompt of `row` followed by `response` -> (ids, loss mask: 1 on the response's assistant tokens)."""
+    if row.chat:
+        if template is None:
+            raise DataError(f"{where}: message rows, but the tokenizer {tok.name} has no chat template",
+                            hint=f"use a built-in one: data.chat_template={next(iter(BUILTIN))} (prepare: "
+                                 f"--chat-template {next(iter(BUILTIN))})")
+        text, spans = render_spans(template, row.prompt + response, where, row.tools)
+        ids, mask = tokenize_spans(tok, text, spans)
+    else:
+        text = row.prompt + response
+        ids, mask = tokenize_spans(tok, text, [(len(row.prompt), len(text))] if response else [])
+        ids, mask = ids + [tok.eot_id], mask + [1]
+    if 1 not in mask:
+        raise DataError(f"{where}: the {what} has no assistant tokens to train on",
+                        hint="its messages need an assistant turn after the prompt")
+    return ids, mask
+
+
+def encode_example(ex: Example, tok, template: ChatTemplate | None, where: str) -> tuple[list, list, list]:
+    """-> (prompt ids, completion ids, completion mask): the prompt ends before the first trained token."""
+    ids, mask = encode_response(ex, ex.completion, tok, template, where, "completion")
+    p = mask.index(1)
+    return ids[:p], ids[p:], mask[p:]
+
+
 def encode_pair(pair: Pair, tok, template: ChatTemplate | None, where: str) -> tuple[list, list, list, list, list]:
     """-> (prompt ids, chosen ids, chosen mask, rejected ids, rejected mask); see the module docstring."""
-    seqs = []
-    for response in (pair.chosen, pair.rejected):
-        if pair.chat:
-            if template is None:
-                raise DataError(f"{where}: message rows, but the tokenizer {tok.name} has no chat template",
-                                hint=f"use a built-in one: data.chat_template={next(iter(BUILTIN))} (prepare: "
-                                     f"--chat-template {next(iter(BUILTIN))})")
-            text, spans = render_spans(template, pair.prompt + response, where, pair.tools)
-            ids, mask = tokenize_spans(tok, text, spans)
-        else:
-            text = pair.prompt + response
-            ids, mask = tokenize_spans(tok, text, [(len(pair.prompt), len(text))] if response else [])
-            ids, mask = ids + [tok.eot_id], mask + [1]
-        if 1 not in mask:
-            raise DataError(f"{where}: the {'chosen' if not seqs else 'rejected'} response has no assistant tokens "
-                            "to train on", hint="its messages need an assistant turn after the prompt")
-        seqs.append((ids, mask))
-    (ci, cm), (ri, rm) = seqs
+    (ci, cm), (ri, rm) = (encode_response(pair, r, tok, template, where, f"{what} response")
+                          for r, what in ((pair.chosen, "chosen"), (pair.rejected, "rejected")))
     p = min(_shared_prefix(ci, ri), cm.index(1), rm.index(1))
     if ci[p:] == ri[p:]:
         raise DataError(f"{where}: 'chosen' and 'rejected' give the same tokens", hint="remove the row")
@@ -186,18 +249,20 @@ def fit(prompt: np.ndarray, chosen: np.ndarray, rejected: np.ndarray, seq_len: i
 
 @dataclass
 class PairStats:
-    """What `trainbox prepare` reports for preference data."""
+    """What `trainbox prepare` reports for preference data (pairs, or examples and how many are desirable)."""
     pairs: int = 0
     val_pairs: int = 0
     tokens: int = 0
-    prompts_cut: int = 0          # at --seq-len: pairs whose prompt lost its start
+    prompts_cut: int = 0          # at --seq-len: rows whose prompt lost its start
     responses_cut: int = 0        # ... whose responses lost their ends
     seq_len: int | None = None
     files: list[str] = field(default_factory=list)
+    kind: str = "pairs"
+    desirable: int = 0            # examples: those labelled true (train split)
 
 
 class PairWriter:
-    """One split's pairs, in memory until written (4 bytes a token)."""
+    """One split's pairs or examples, in memory until written (4 bytes a token)."""
 
     def __init__(self):
         self.tokens, self.mask, self.index = array("i"), array("B"), array("q")
@@ -211,6 +276,14 @@ class PairWriter:
         self.mask.extend(rmask)
         self.index.extend((start, len(prompt), len(chosen), len(rejected), file_no, line))
 
+    def add_example(self, prompt, completion, cmask, label: bool, file_no: int, line: int) -> None:
+        start = len(self.tokens)
+        self.tokens.extend(prompt)
+        self.tokens.extend(completion)
+        self.mask.extend([0] * len(prompt))
+        self.mask.extend(cmask)
+        self.index.extend((start, len(prompt), len(completion), int(label), file_no, line))
+
     def __len__(self) -> int:
         return len(self.index) // len(INDEX_COLUMNS)
 
@@ -221,8 +294,13 @@ class PairWriter:
                 "index": np.frombuffer(self.index, dtype=np.int64).reshape(-1, len(INDEX_COLUMNS))}
 
 
-def part_path(out: str | Path, split: str, part: str) -> Path:
-    return Path(f"{out}_{split}_pairs.{part}.npy")
+def part_path(out: str | Path, split: str, part: str, kind: str = "pairs") -> Path:
+    return Path(f"{out}_{split}_{kind}.{part}.npy")
+
+
+def prepared_kind(out: str | Path) -> str | None:
+    """Which preference files the prefix `out` holds ("pairs", "examples"), None for none."""
+    return next((k for k in KINDS for s in SPLITS if part_path(out, s, "tokens", k).is_file()), None)
 
 
 def _save_npy(path: Path, arr: np.ndarray) -> Path:
@@ -234,32 +312,46 @@ def _save_npy(path: Path, arr: np.ndarray) -> Path:
     return tmp
 
 
+def _count_cuts(stats: PairStats, cols: np.ndarray, seq_len: int, max_prompt_len: int | None) -> None:
+    second = cols[:, 3] if stats.kind == "pairs" else cols[:, 2]
+    kept, c, r = fit(cols[:, 1], cols[:, 2], second, seq_len, max_prompt_len)
+    stats.prompts_cut = int((kept < cols[:, 1]).sum())
+    stats.responses_cut = int(((c < cols[:, 2]) | (r < second)).sum())
+
+
 def prepare_pairs(inputs: list[str], out: str, tok, tokenizer_spec: str, chat_template: str | None = None,
                   val_docs: int = 0, val_fraction: float = 0.0, seq_len: int | None = None,
                   max_prompt_len: int | None = None, overwrite: bool = False) -> PairStats:
-    """Preference JSONL files -> OUT's pair files for train (and val), committed as one set under OUT.manifest.json.
-    With `seq_len`, prompts too long for it are refused and the truncation that training applies is counted."""
+    """Preference JSONL files -> OUT's pair (or example) files for train (and val), committed as one set under
+    OUT.manifest.json. Examples when the first file's first row is unpaired. With `seq_len`, prompts too long for
+    it are refused and the truncation that training applies is counted."""
     files = list_input_files(inputs)
     man = manifest.manifest_path(out)
-    olds = [part_path(out, s, p) for s in SPLITS for p in PARTS if part_path(out, s, p).exists()]
+    olds = [part_path(out, s, p, k) for k in KINDS for s in SPLITS for p in PARTS
+            if part_path(out, s, p, k).exists()]
     if (olds or man.exists()) and not overwrite:
         raise DataError(f"output {(olds or [man])[0]} already exists", hint="add --overwrite, or choose another --out")
+    kind = "examples" if files and first_row_is_unpaired(files[0]) else "pairs"
     template = pair_template(tok, chat_template, tokenizer_spec)
     man.parent.mkdir(parents=True, exist_ok=True)
     writers = {s: PairWriter() for s in SPLITS}
-    stats, n = PairStats(seq_len=seq_len), 0
+    stats, n = PairStats(seq_len=seq_len, kind=kind), 0
     for file_no, path in enumerate(files):
-        for pair, line in read_pairs(path):
+        for row, line in read_rows(path, kind == "examples"):
             where = f"{path}:{line}"
-            p, c, cm, r, rm = encode_pair(pair, tok, template, where)
-            if seq_len is not None and len(p) >= seq_len:
-                raise DataError(f"{where}: the prompt has {len(p)} tokens, which leaves no room for a response in "
-                                f"--seq-len {seq_len}", hint="raise --seq-len (data.seq_len) or shorten the prompt")
+            if kind == "pairs":
+                enc = encode_pair(row, tok, template, where)
+            else:
+                enc = encode_example(row, tok, template, where)
+            if seq_len is not None and len(enc[0]) >= seq_len:
+                raise DataError(f"{where}: the prompt has {len(enc[0])} tokens, which leaves no room for a response "
+                                f"in --seq-len {seq_len}", hint="raise --seq-len (data.seq_len) or shorten the prompt")
             held = val_docs and n < val_docs or val_fraction and int((n + 1) * val_fraction) > int(n * val_fraction)
-            writers["val" if held else "train"].add(p, c, cm, r, rm, file_no, line)
+            w = writers["val" if held else "train"]
+            w.add(*enc, file_no, line) if kind == "pairs" else w.add_example(*enc, row.label, file_no, line)
             n += 1
     if not len(writers["train"]):
-        raise NoData(f"{', '.join(map(str, files[:3]))}: no preference pairs for training ({n} in all)",
+        raise NoData(f"{', '.join(map(str, files[:3]))}: no preference {kind} for training ({n} in all)",
                      hint="check the input, --val-docs and --val-fraction")
     outputs = []
     for split, w in writers.items():
@@ -271,14 +363,13 @@ def prepare_pairs(inputs: list[str], out: str, tok, tokenizer_spec: str, chat_te
             stats.val_pairs = len(w)
         else:
             stats.pairs = len(w)
+            stats.desirable = int(arrays["index"][:, 3].sum()) if kind == "examples" else 0
             if seq_len is not None:
-                cols = arrays["index"]
-                kept, c, r = fit(cols[:, 1], cols[:, 2], cols[:, 3], seq_len, max_prompt_len)
-                stats.prompts_cut = int((kept < cols[:, 1]).sum())
-                stats.responses_cut = int(((c < cols[:, 2]) | (r < cols[:, 3])).sum())
-        outputs += [(_save_npy(part_path(out, split, k), a), part_path(out, split, k)) for k, a in arrays.items()]
+                _count_cuts(stats, arrays["index"], seq_len, max_prompt_len)
+        outputs += [(_save_npy(part_path(out, split, k, kind), a), part_path(out, split, k, kind))
+                    for k, a in arrays.items()]
     entries = [{"name": final.name, "bytes": tmp.stat().st_size} for tmp, final in outputs]
-    base = {"trainbox_prepare": 1, "out": Path(out).name, "format": "pairs", "tokenizer": tokenizer_spec,
+    base = {"trainbox_prepare": 1, "out": Path(out).name, "format": kind, "tokenizer": tokenizer_spec,
             "vocab_size": tok.vocab_size, "chat_template": chat_template, "sources": [str(f) for f in files],
             "files": entries}
     new = {final for _, final in outputs}
@@ -294,9 +385,13 @@ def prepare_pairs(inputs: list[str], out: str, tok, tokenizer_spec: str, chat_te
 
 
 def describe(stats: PairStats) -> str:
-    line = (f"{stats.pairs:,} pairs ({stats.val_pairs:,} more for validation), {stats.tokens:,} tokens; loss mask "
-            "on the responses' assistant tokens")
+    if stats.kind == "pairs":
+        line = f"{stats.pairs:,} pairs ({stats.val_pairs:,} more for validation)"
+    else:
+        line = (f"{stats.pairs:,} examples, {stats.desirable:,} desirable and {stats.pairs - stats.desirable:,} not "
+                f"({stats.val_pairs:,} more for validation)")
+    line += f", {stats.tokens:,} tokens; loss mask on the responses' assistant tokens"
     if stats.seq_len is not None:
         line += (f"; at seq_len {stats.seq_len}: {stats.prompts_cut:,} prompts lose their start, "
-                 f"{stats.responses_cut:,} pairs' responses lose their ends")
+                 f"{stats.responses_cut:,} {stats.kind}' responses lose their ends")
     return line

@@ -108,8 +108,20 @@ def first_record_is_chat(path: Path) -> bool:
     return path.is_file() and is_chat_record(_first_row(path))
 
 
+def is_unpaired_row(row) -> bool:
+    """An unpaired preference row: a completion and its label (dpo.loss=kto)."""
+    return isinstance(row, dict) and "completion" in row and "label" in row
+
+
 def is_preference_row(row) -> bool:
-    return isinstance(row, dict) and "chosen" in row and "rejected" in row
+    """Pairs (chosen, rejected), or an unpaired row."""
+    return isinstance(row, dict) and "chosen" in row and "rejected" in row or is_unpaired_row(row)
+
+
+def first_row_is_unpaired(path: Path) -> bool:
+    """Whether a preference JSONL file starts with an unpaired row, from its first non-empty line: its set is
+    written as examples (data/preference.py)."""
+    return is_unpaired_row(_first_row(path))
 
 
 def first_row_is_preference(path: Path) -> bool:

@@ -47,7 +47,9 @@ GAUGES = {"loss": ("last training loss in nats per token", "loss"),
           "reward_margin": ("preference: mean reward margin, chosen minus rejected", "reward_margin"),
           "reward_accuracy_ratio": ("preference: share of pairs whose chosen reward is higher, 0 to 1",
                                     "reward_accuracy"),
-          "val_reward_accuracy_ratio": ("preference: reward accuracy on the validation pairs", "val_reward_accuracy")}
+          "val_reward_accuracy_ratio": ("preference: reward accuracy on the validation pairs", "val_reward_accuracy"),
+          "kl": ("preference (dpo.loss=kto): the step's estimate of the policy's KL divergence from the reference",
+                 "kl")}
 
 
 class Collector:

@@ -33,7 +33,7 @@ class Curves:
 
 
 PREFERENCE = ("reward_accuracy", "val_reward_accuracy", "reward_chosen", "reward_rejected", "val_reward_chosen",
-              "val_reward_rejected")
+              "val_reward_rejected", "kl", "val_kl")
 
 
 def load_curves(run_dir: Path) -> Curves:
@@ -101,6 +101,7 @@ def plot_curves(runs: list[Curves], out: Path, title: str | None = None) -> Path
                 ax.plot([p[x] for p in run.val], [p[2] for p in run.val], color=c, ls="--", marker="o", ms=4,
                         label=f"{run.name} val")
         for key, ax, style in (("reward_accuracy", 0, "-"), ("val_reward_accuracy", 0, "--"),
+                               ("kl", 0, "-"), ("val_kl", 0, "--"),
                                ("reward_chosen", 1, "-"), ("reward_rejected", 1, ":"),
                                ("val_reward_chosen", 1, "--"), ("val_reward_rejected", 1, "-.")):
             pts = run.prefs.get(key)
@@ -113,7 +114,8 @@ def plot_curves(runs: list[Curves], out: Path, title: str | None = None) -> Path
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
     if pref:
-        for ax, ylabel in ((grid[1][0], "reward accuracy (chosen > rejected)"),
+        paired = any(run.prefs.get("reward_accuracy") for run in runs)
+        for ax, ylabel in ((grid[1][0], "reward accuracy (chosen > rejected)" if paired else "KL estimate (kto)"),
                            (grid[1][1], "reward (dpo: beta x log-prob. against the reference)")):
             ax.set_xlabel("step")
             ax.set_ylabel(ylabel)

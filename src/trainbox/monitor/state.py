@@ -17,9 +17,11 @@ from pathlib import Path
 from trainbox.files import atomic_write_text
 from trainbox.rundir.status import PHASES
 
-# the preference objective's logged values (objective/preference.py): the last logged step's, and validation's
-PREFERENCE = ("reward_chosen", "reward_rejected", "reward_margin", "reward_accuracy", "logp_chosen", "logp_rejected",
-              "val_reward_accuracy", "val_reward_margin")
+# the preference objective's logged values (objective/preference.py, kto.py): the last logged step's, and validation's
+PREFERENCE_TRAIN = ("reward_chosen", "reward_rejected", "reward_margin", "reward_accuracy", "logp_chosen",
+                    "logp_rejected", "kl")
+PREFERENCE_EVAL = ("val_reward_accuracy", "val_reward_margin", "val_kl")
+PREFERENCE = PREFERENCE_TRAIN + PREFERENCE_EVAL
 
 
 class RunState:
@@ -86,8 +88,8 @@ class RunState:
             kind, step = ev.get("event"), ev.get("step")
             if not isinstance(step, int):
                 continue
-            keys = {"train": ("loss", "lr", "tokens_per_s", "tokens", *PREFERENCE[:6]),
-                    "eval": ("val_loss", "tokens", *PREFERENCE[6:])}.get(kind)
+            keys = {"train": ("loss", "lr", "tokens_per_s", "tokens", *PREFERENCE_TRAIN),
+                    "eval": ("val_loss", "tokens", *PREFERENCE_EVAL)}.get(kind)
             if keys and ev.get(keys[0]) is not None:
                 points[(kind, step)] = {"step": step, **{k: ev[k] for k in keys if ev.get(k) is not None}}
             elif kind == "eval_tasks" and isinstance(ev.get("scores"), dict):

@@ -3,7 +3,8 @@
     next_token   pretraining and SFT: the token loss over the data's windows, masked where the data has a
                  loss mask (next_token.py)
     dpo          preference pairs, chosen and rejected in one forward: dpo, ipo, simpo, orpo (preference.py,
-                 the losses in losses.py, the pairs in data/preference.py and data/pairs.py)
+                 the losses in losses.py, the pairs in data/preference.py and data/pairs.py); under
+                 dpo.loss=kto, unpaired examples judged desirable or not (kto.py)
 
 The loop (train/loop.py) asks the run's objective for its datasets, the denominator of a step's mean, each
 micro-batch's loss and logged values, and the validation; the memory plan asks `memory_terms`. Objectives call
@@ -14,24 +15,31 @@ from __future__ import annotations
 import torch
 
 from trainbox.objective.base import Objective, Part, Runtime  # noqa: F401
+from trainbox.objective.kto import Kto
+from trainbox.objective.losses import UNPAIRED
 from trainbox.objective.next_token import NextToken
 from trainbox.objective.preference import Preference
 
 OBJECTIVES = {"next_token": NextToken, "dpo": Preference}
 
 
+def objective_class(cfg) -> type[Objective]:
+    """train.objective's class; dpo.loss=kto's examples have their own."""
+    return Kto if cfg.train.objective == "dpo" and cfg.dpo.loss in UNPAIRED else OBJECTIVES[cfg.train.objective]
+
+
 def build_objective(cfg, device: torch.device | None = None, dtype: torch.dtype | None = None) -> Objective:
     """The objective of train.objective for a run on `device` in `dtype` (the autocast dtype)."""
-    return OBJECTIVES[cfg.train.objective](cfg, device, dtype)
+    return objective_class(cfg)(cfg, device, dtype)
 
 
 def resolve_objective(cfg):
     """`cfg` as train.objective trains it (Objective.resolve): the pre-flight check's, once."""
-    return OBJECTIVES[cfg.train.objective].resolve(cfg)
+    return objective_class(cfg).resolve(cfg)
 
 
 def memory_terms(cfg) -> tuple[int, bool]:
-    """For the memory plan: (sequences a sample puts through the model, whether a frozen copy of the initial model
-    is kept beside it)."""
-    cls = OBJECTIVES[cfg.train.objective]
+    """For the memory plan: (sequences a sample puts through the model with gradients, whether a frozen copy of
+    the initial model is kept beside it)."""
+    cls = objective_class(cfg)
     return cls.sequences, cls.frozen_copy(cfg)

@@ -71,8 +71,16 @@ class Objective:
     def attach(self, run: Runtime) -> None:
         """Before the checkpoint's weights are loaded: what is taken from the initial model."""
 
+    def before_step(self, forward, batches: list[dict], rows: list[int] | None = None) -> None:
+        """Before a step's micro-batches (every rank, in the autocast): what the step's losses share across them (the
+        KL estimate of dpo.loss=kto). `rows`: how many leading rows of each batch are real (validation pads)."""
+
     def loss(self, forward, batch: dict, scale: float) -> Part:
         raise NotImplementedError
+
+    def step_stats(self, values: dict) -> dict:
+        """The logged values of a step (or a validation) from the sums of `stat_names`."""
+        return values
 
     def evaluate(self, run: Runtime) -> dict:
         """Validation over the fixed slice of the trainer's val data; the same on every rank."""

@@ -18,6 +18,13 @@ Each returns (loss per pair, chosen reward, rejected reward); the rewards are wh
     orpo   -pc / nc + l (-log sigmoid(log odds)),  log odds = log(p / (1 - p)) of the chosen minus the rejected's,
            p = exp(mean token log-prob); Hong et al. 2024, eqs. 2, 6-7 (l: dpo.orpo_lambda); rewards l pc / nc and
            l pr / nr
+
+Unpaired examples (kto), each with its label (true: desirable), its policy and reference log-probabilities p, r and
+the step's KL estimate z (objective/kto.py):
+
+    kto    w_D (1 - sigmoid(b (p - r - z))) for a desirable example, w_U (1 - sigmoid(b (z - (p - r)))) for an
+           undesirable one; Ethayarajh et al. 2024, eq. 7 (w_D, w_U: dpo.desirable_weight, dpo.undesirable_weight;
+           z detached, as the paper and TRL); reward b (p - r)
 """
 from __future__ import annotations
 
@@ -25,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 REFERENCE_FREE = ("simpo", "orpo")
+UNPAIRED = ("kto",)
 
 
 def smoothed(logit: torch.Tensor, eps: float) -> torch.Tensor:
@@ -64,3 +72,11 @@ def pair_loss(cfg, pc, pr, rc, rr, nc, nr):
     if cfg.loss == "simpo":
         return simpo(pc, pr, nc, nr, cfg.beta, cfg.simpo_gamma, cfg.label_smoothing)
     return orpo(pc, pr, nc, nr, cfg.orpo_lambda)
+
+
+def kto(p, r, label, kl, beta: float, w_desirable: float, w_undesirable: float):
+    """-> (loss per example, reward per example), in fp32; `label` bool, `kl` a detached scalar."""
+    ratio = p.float() - r.float()
+    loss = torch.where(label, w_desirable * (1 - torch.sigmoid(beta * (ratio - kl))),
+                       w_undesirable * (1 - torch.sigmoid(beta * (kl - ratio))))
+    return loss, beta * ratio

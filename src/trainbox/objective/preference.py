@@ -77,6 +77,7 @@ class Preference(Objective):
     sequences = 2
     stat_names = STATS
     eval_keys = ("val_loss", "val_reward_accuracy", "val_reward_margin")
+    val_stats = ("reward_accuracy", "reward_margin", "reward_chosen", "reward_rejected")   # validation's, of STATS
 
     def __init__(self, cfg, device: torch.device | None = None, dtype: torch.dtype | None = None):
         self.cfg, self.dpo = cfg, cfg.dpo
@@ -85,6 +86,7 @@ class Preference(Objective):
         self.adapters = family(cfg.model.family).adapters
         self.reference_forward = None   # dpo.reference=model: the reference's log-probabilities of a batch
         self.missing: list[tuple[PairDataset, Path]] = []   # precompute: (pairs, where to store their reference)
+        self.dist = None
 
     @classmethod
     def frozen_copy(cls, cfg) -> bool:
@@ -113,19 +115,20 @@ class Preference(Objective):
 
     def _find_reference(self, ds: PairDataset) -> None:
         key = hashlib.sha256(json.dumps([weights_identity(self.cfg), str(self.dtype), self.device.type,
-                                         ds.identity(), ds.seq_len, self.dpo.max_prompt_len, "ref-v1"],
+                                         ds.identity(), ds.seq_len, self.dpo.max_prompt_len, "ref-v1"]
+                                        + ([] if type(ds) is PairDataset else [type(ds).__name__]),
                                         default=str).encode()).hexdigest()[:16]
-        beside = Path(f"{ds.prefix}_{ds.split}_pairs.ref-{key}.npy")
+        beside = Path(f"{ds.prefix}_{ds.split}_{ds.kind}.ref-{key}.npy")
         apart = default_cache_dir(self.cfg.data) / "references" / f"{ds.prefix.parent.name}-{ds.prefix.name}-" \
                                                                    f"{ds.split}-{key}.npy"
         for path in (beside, apart):
             if path.is_file():
                 ref = np.load(path)
-                if ref.shape == (ds.num_pairs, 2) and np.isfinite(ref).all():
+                if ref.shape == (ds.num_samples, 2) and np.isfinite(ref).all():
                     ds.reference = ref
                     log.info(f"dpo: reference log-probabilities of {ds.name} from {path}")
                     return
-                log.info(f"warning: {path} does not hold {ds.num_pairs} pairs' reference log-probabilities; "
+                log.info(f"warning: {path} does not hold {ds.num_samples} {ds.unit}' reference log-probabilities; "
                          "computing them again")
         self.missing.append((ds, beside if os.access(beside.parent, os.W_OK) else apart))
 
@@ -147,7 +150,13 @@ class Preference(Objective):
                 return sequence_logps(model, batch)[0]
         return logps
 
+    def _both(self, reference):
+        """The reference's log-probabilities of both sequences of each sample of a batch (first ones, then
+        second ones), as `precompute` stores them: a pair batch's rows are already both."""
+        return reference
+
     def attach(self, run: Runtime) -> None:
+        self.dist = run.dist
         if self.dpo.disable_dropout:   # what the config's keys do not reach: a Hugging Face model's own dropout
             for m in run.model.modules():
                 if isinstance(m, torch.nn.Dropout):
@@ -156,7 +165,7 @@ class Preference(Objective):
             return
         reference = self._reference(run)
         for ds, path in self.missing:   # the initial model's, before any checkpoint is loaded
-            ds.reference = precompute(reference, ds, run)
+            ds.reference = precompute(self._both(reference), ds, run)
             if run.dist.is_main:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -186,26 +195,28 @@ class Preference(Objective):
     def evaluate(self, run: Runtime) -> dict:
         ds, cfg = run.val, run.cfg
         micro, world, rank = cfg.train.micro_batch_size, run.dist.world, run.dist.rank
-        n = min(ds.num_pairs, max(1, cfg.train.eval_tokens // (2 * ds.seq_len)))
+        n = min(ds.num_samples, max(1, cfg.train.eval_tokens // (2 * ds.seq_len)))
         mine = np.arange(n)[rank::world]
-        sums = torch.zeros(2 + len(STATS), dtype=torch.float64, device=run.device)   # loss, pairs, stats
+        sums = torch.zeros(2 + len(self.stat_names), dtype=torch.float64, device=run.device)   # loss, samples, stats
         forward = run.forward if not cfg.train.compile else run.model
+        rounds = math.ceil(math.ceil(n / world) / micro)   # as many forwards on every rank
+        ids = [mine[k * micro:(k + 1) * micro] for k in range(rounds)]
+        batches = [{key: v.to(run.device) for key, v in ds.batch(i if len(i) else np.arange(1)).items()} for i in ids]
         with eval_mode(run.model):
-            for k in range(math.ceil(math.ceil(n / world) / micro)):   # as many forwards on every rank
-                ids = mine[k * micro:(k + 1) * micro]
-                batch = {key: v.to(run.device) for key, v in ds.batch(ids if len(ids) else np.arange(1)).items()}
+            with run.autocast():
+                self.before_step(forward, batches, [len(i) for i in ids])
+            for i, batch in zip(ids, batches):
                 with run.autocast():
                     part = self.loss(forward, batch, 1.0)
-                if len(ids):
-                    sums += torch.cat([part.loss.detach().double().view(1), sums.new_tensor([len(ids)]),
+                if len(i):
+                    sums += torch.cat([part.loss.detach().double().view(1), sums.new_tensor([len(i)]),
                                        part.stats.double()])
         run.dist.all_reduce_sum(sums)
         total = sums.tolist()
-        pairs = max(total[1], 1)
-        stat = dict(zip(STATS, total[2:]))
-        return {"val_loss": total[0] / pairs, "val_reward_accuracy": stat["reward_accuracy"] / pairs,
-                "val_reward_margin": stat["reward_margin"] / pairs, "val_reward_chosen": stat["reward_chosen"] / pairs,
-                "val_reward_rejected": stat["reward_rejected"] / pairs, "val_pairs": int(total[1])}
+        count = max(total[1], 1)
+        stats = self.step_stats({k: v / count for k, v in zip(self.stat_names, total[2:])})
+        return {"val_loss": total[0] / count, **{f"val_{k}": v for k, v in stats.items() if k in self.val_stats},
+                f"val_{ds.unit}": int(total[1])}
 
     def eval_line(self, res: dict) -> str:
         return (f"val loss {res['val_loss']:.4f} ({self.dpo.loss}), reward accuracy {res['val_reward_accuracy']:.3f}, "
@@ -220,12 +231,12 @@ def _nothing():
 def precompute(reference, ds: PairDataset, run: Runtime) -> np.ndarray:
     """The reference's summed log-probabilities of every pair of `ds` -> (pairs, 2: chosen, rejected) float32. Rank r
     takes pairs r, r + world, ... in micro-batches; every rank runs as many forwards (fsdp gathers in each)."""
-    n, world, rank, micro = ds.num_pairs, run.dist.world, run.dist.rank, run.cfg.train.micro_batch_size
+    n, world, rank, micro = ds.num_samples, run.dist.world, run.dist.rank, run.cfg.train.micro_batch_size
     mine = np.arange(n)[rank::world]
     rounds = math.ceil(math.ceil(n / world) / micro)
     out = torch.zeros(n, 2, dtype=torch.float32, device=run.device)
     start = last = time.perf_counter()
-    log.info(f"dpo: computing the reference log-probabilities of {n:,} pairs of {ds.name}")
+    log.info(f"dpo: computing the reference log-probabilities of {n:,} {ds.unit} of {ds.name}")
     for k in range(rounds):
         ids = mine[k * micro:(k + 1) * micro]
         batch = {key: v.to(run.device) for key, v in ds.batch(ids if len(ids) else np.arange(1)).items()}
@@ -238,7 +249,7 @@ def precompute(reference, ds: PairDataset, run: Runtime) -> np.ndarray:
             last = time.perf_counter()
             log.info(f"dpo: reference log-probabilities {100 * (k + 1) / rounds:.0f}% done")
     run.dist.all_reduce_sum(out)
-    log.info(f"dpo: reference log-probabilities of {n:,} pairs in {time.perf_counter() - start:.1f}s")
+    log.info(f"dpo: reference log-probabilities of {n:,} {ds.unit} in {time.perf_counter() - start:.1f}s")
     return out.cpu().numpy()
 
 

@@ -337,6 +337,8 @@ class Trainer(RunFiles, Checkpointing, Evaluations, Reporting):
         stats = None
         graphs = cfg.train.cuda_graphs
         kept = keeps_gradients(cfg, accum)
+        with self.autocast():
+            self.objective.before_step(self.forward, batches)
         for k, b in enumerate(batches):
             if graphs:   # a new replay: the previous micro-batch's graph outputs may be overwritten (read above)
                 torch.compiler.cudagraph_mark_step_begin()
@@ -370,14 +372,16 @@ class Trainer(RunFiles, Checkpointing, Evaluations, Reporting):
 
     def _send_batches(self, step: int) -> list[dict[str, torch.Tensor]]:
         """to_device; a masked micro-batch also gets "rows": (its trained targets' flat indices, found on the host
-        and sent with it, how many targets there are), which its forward's head uses (fused_ce.trained_rows)."""
+        and sent with it, how many targets there are), which its forward's head uses (fused_ce.trained_rows); the
+        same as "kl_rows" for the mismatched sequences of dpo.loss=kto ("kl_y", "kl_loss_mask")."""
         host = self.batches.micro_batches(step)
         sent = to_device(host, self.device, self.pin)
         for h, b in zip(host, sent):
-            if "loss_mask" in h and "y" in h:
-                rows = host_trained_rows(h["y"], h["loss_mask"])
-                b["rows"] = (rows.pin_memory().to(self.device, non_blocking=True) if self.pin
-                             else rows.to(self.device), h["y"].numel())
+            for pre in ("", "kl_"):
+                if f"{pre}loss_mask" in h and f"{pre}y" in h:
+                    rows = host_trained_rows(h[f"{pre}y"], h[f"{pre}loss_mask"])
+                    b[f"{pre}rows"] = (rows.pin_memory().to(self.device, non_blocking=True) if self.pin
+                                       else rows.to(self.device), h[f"{pre}y"].numel())
         return sent
 
     # ------------------------------------------------------------------ logging, eval, checkpoints

@@ -31,7 +31,8 @@ class Reporting:
         losses = losses.tolist()  # one host sync per logged window
         objective = {}
         if self.objective_stats is not None:   # the last step's, over the global batch
-            objective = dict(zip(self.objective.stat_names, self.dist.all_reduce_sum(self.objective_stats).tolist()))
+            objective = self.objective.step_stats(dict(zip(self.objective.stat_names,
+                                                           self.dist.all_reduce_sum(self.objective_stats).tolist())))
         bad = next((i for i, v in enumerate(losses) if not math.isfinite(v)), None)
         if bad is not None:
             raise TrainingFailed(f"loss is {losses[bad]} at step {first_step + bad + 1}; stopping. The last good "
@@ -65,6 +66,9 @@ class Reporting:
         extra = f" mfu {100 * mfu:.1f}%" if mfu else ""
         if "reward_accuracy" in objective:
             extra += f" acc {objective['reward_accuracy']:.2f} margin {objective['reward_margin']:.3f}"
+        elif "kl" in objective:   # dpo.loss=kto
+            margin = objective.get("reward_margin")
+            extra += (f" margin {margin:.3f}" if margin is not None else "") + f" kl {objective['kl']:.3f}"
         if peaks:
             extra += f" mem {peaks['peak_mem_gib']:.1f}GiB peak"
         log.info(f"step {step}/{self.total} loss {losses[-1]:.4f}{f' lr {lr:.3g}' if lr is not None else ''}"
