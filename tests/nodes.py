@@ -1,14 +1,18 @@
 """Helpers for tests that start `trainbox train --nnodes 2 --node-rank R --rdzv-endpoint 127.0.0.1:PORT` twice on
-this host, as two nodes of one job (tests/test_multinode.py, tests/test_faults_nodes.py)."""
+this host, as two nodes of one job (tests/test_multinode.py, tests/test_faults_nodes.py), read a run's events, and
+serve a finished run's dashboard to a headless browser (tests/test_dpo_train.py, tests/test_kto.py)."""
 from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
@@ -147,3 +151,35 @@ def wait_for(cond, what: str, timeout: float, procs=()) -> float:
             assert n.proc.poll() is None, f"{n.log} ended while waiting for {what}\n{n.log.read_text()}"
         time.sleep(0.02)
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+@contextmanager
+def dashboard(run_dir: Path):
+    """`trainbox dashboard RUN --port 0` in a process of its own -> its URL, the process ended on exit."""
+    proc = subprocess.Popen([sys.executable, "-m", "trainbox", "dashboard", str(run_dir), "--port", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
+    try:
+        url = next(re.search(r"http://[\d.:]+", line).group(0) for line in proc.stdout if "http://" in line)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def gauges(url: str) -> dict[str, float]:
+    """The Prometheus samples of `url`/metrics by name (labels dropped)."""
+    import urllib.request
+    prom = urllib.request.urlopen(urllib.request.Request(url + "/metrics", headers={"Accept": "text/plain"}))
+    return {k: float(v) for k, v in re.findall(r"^(trainbox_\w+)(?:\{[^}]*\})? (\S+)$", prom.read().decode(), re.M)}
+
+
+def chart_points(url: str, profile: Path) -> tuple[dict[str, int], str] | None:
+    """The page at `url` in headless Chromium after 5 s of page time -> (points drawn on each chart canvas, the
+    DOM); None where Debian's chromium is not installed."""
+    exe = shutil.which("chromium") or shutil.which("chromium-browser")
+    if exe is None:
+        return None
+    dom = subprocess.run([exe, "--headless", "--no-sandbox", "--disable-gpu", f"--user-data-dir={profile}",
+                          "--virtual-time-budget=5000", "--dump-dom", url], capture_output=True, text=True,
+                         timeout=120).stdout
+    return {k: int(v) for k, v in re.findall(r'<canvas id="chart-(\w+)" data-points="(\d+)"', dom)}, dom

@@ -91,39 +91,23 @@ def test_train_dpo_logs_rewards_everywhere(folder, prefs, tmp_path):
 def test_dashboard_shows_the_preference_charts(folder, prefs, tmp_path):
     """`trainbox dashboard` of a finished dpo run: /metrics carries the last step's reward values, as JSON and as
     Prometheus gauges, and the page draws the reward accuracy and rewards charts (headless Chromium)."""
-    import re
-    import shutil
     import urllib.request
     root = tmp_path / "runs"
     train(load_config("dpo", args(folder, prefs, root, "dash", "train.max_steps=6")))
-    proc = subprocess.Popen([sys.executable, "-m", "trainbox", "dashboard", str(root / "dash"), "--port", "0"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
-    try:
-        url = None
-        for line in proc.stdout:
-            if "http://" in line:
-                url = re.search(r"http://[\d.:]+", line).group(0)
-                break
+    with nodes.dashboard(root / "dash") as url:
         m = json.loads(urllib.request.urlopen(url + "/metrics").read())
         last = events(root / "dash")[-1]
         assert m["reward_accuracy"] == last["reward_accuracy"] and m["reward_margin"] == last["reward_margin"] > 0
-        prom = urllib.request.urlopen(urllib.request.Request(url + "/metrics", headers={"Accept": "text/plain"}))
-        gauges = dict(re.findall(r"^(trainbox_reward_\w+)(?:\{[^}]*\})? (\S+)$", prom.read().decode(), re.M))
-        assert float(gauges["trainbox_reward_accuracy_ratio"]) == pytest.approx(last["reward_accuracy"])
-        assert float(gauges["trainbox_reward_margin"]) == pytest.approx(last["reward_margin"])
-        assert float(gauges["trainbox_reward_chosen"]) == pytest.approx(last["reward_chosen"])
-        exe = shutil.which("chromium") or shutil.which("chromium-browser")
-        if exe is None:
+        gauges = nodes.gauges(url)
+        assert gauges["trainbox_reward_accuracy_ratio"] == pytest.approx(last["reward_accuracy"])
+        assert gauges["trainbox_reward_margin"] == pytest.approx(last["reward_margin"])
+        assert gauges["trainbox_reward_chosen"] == pytest.approx(last["reward_chosen"])
+        page = nodes.chart_points(url, tmp_path / "p")
+        if page is None:
             pytest.skip("headless browser check needs Debian's chromium package")
-        dom = subprocess.run([exe, "--headless", "--no-sandbox", "--disable-gpu", f"--user-data-dir={tmp_path / 'p'}",
-                              "--virtual-time-budget=5000", "--dump-dom", url], capture_output=True, text=True,
-                             timeout=120).stdout
-        points = {k: int(v) for k, v in re.findall(r'<canvas id="chart-(\w+)" data-points="(\d+)"', dom)}
+        points, dom = page
         assert points["accuracy"] == 6 and points["rewards"] == 18, points
         assert "reward accuracy" in dom
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
 
 
 @pytest.mark.parametrize("family", ["llama", "hf"])

@@ -282,6 +282,24 @@ def test_train_kto_raises_the_reward_margin_and_logs_it(folder, feedback, one_pr
     assert "computing the reference" not in again.stdout + again.stderr
 
 
+def test_dashboard_shows_the_kl_estimate_and_the_rewards(one_process, tmp_path):
+    """`trainbox dashboard` of the finished kto run: /metrics carries the last step's KL estimate as a Prometheus
+    gauge, and the page draws it (16 steps and 2 validations) under its own caption, and the desirable and
+    undesirable rewards and their margin (headless Chromium)."""
+    root, _ = one_process
+    last = nodes.events(root / "run", "train")[-1]
+    with nodes.dashboard(root / "run") as url:
+        gauges = nodes.gauges(url)
+        assert gauges["trainbox_kl"] == pytest.approx(last["kl"])
+        assert gauges["trainbox_reward_margin"] == pytest.approx(last["reward_margin"])
+        page = nodes.chart_points(url, tmp_path / "p")
+        if page is None:
+            pytest.skip("headless browser check needs Debian's chromium package")
+        points, dom = page
+    assert points["accuracy"] == 16 + 2 and points["rewards"] == 3 * 16, points
+    assert "KL estimate (kto)" in dom and "reward undesirable" in dom
+
+
 def test_two_processes_equal_one(folder, feedback, one_process, tmp_path):
     """train.parallel=ddp over 2 processes (gloo), 2 micro-batches of 2 each: the KL estimate is the step's over
     both ranks, so every step's loss and KL equal one process's with 2 micro-batches of 4 (a constant learning rate:
