@@ -31,6 +31,11 @@ Each (side, mode) runs in its own process, so torch.cuda.max_memory_allocated is
 H100 each process caps its allocator at an H100's memory (torch.cuda.set_per_process_memory_fraction). Our full
 runs also give our memory plan's peak_allocated for the same run (plan_peak_gib, plan_error: the plan's 15% aim).
 
+--loss kto measures KTO instead, against TRL's KTOTrainer: the same folder, unpaired rows of the same lengths (a
+prompt and a completion, labelled desirable and undesirable in turn), --micro-batch counting examples, tokens/s
+counting the examples' own sequences (each side also runs the mismatched sequences of its KL estimate, without
+gradients), TRL's reference precomputed as DPO's (its precompute_ref_log_probs) in mode full.
+
 Then, for full DPO of a Llama-3.2-1B-shaped model (16 layers, width 2048, 128,256 ids) with one pair a step and
 activation checkpointing on both sides, the longest of --max-lens that trains two steps on one GPU, each side, found
 by bisection over the lengths (each its own process; ours with the plan's peak beside the measured one), and our
@@ -117,6 +122,24 @@ def make_pairs(root: Path, vocab: int, seq_len: int, n: int) -> Path:
     return path
 
 
+def make_examples(root: Path, vocab: int, seq_len: int, n: int) -> Path:
+    """n unpaired rows of words, each sequence exactly seq_len tokens, desirable and undesirable in turn."""
+    import numpy as np
+    path = root / f"examples-{vocab}-{seq_len}.jsonl"
+    if path.is_file():
+        return path
+    rng = np.random.default_rng(0)
+    prompt, response = seq_len // 2, seq_len - seq_len // 2 - 1
+
+    def words(k: int) -> str:
+        return " ".join(f"w{i}" for i in rng.integers(1, vocab, size=k))
+    with open(path, "w") as f:
+        for i in range(n):
+            f.write(json.dumps({"prompt": words(prompt), "completion": " " + words(response), "label": i % 2 == 0})
+                    + "\n")
+    return path
+
+
 def _peak_gib() -> float:
     import torch
     return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
@@ -159,8 +182,8 @@ def run_ours(folder: Path, data: Path, a) -> dict:
         f"model.path={folder}", f"data.tokenizer={tokenizer_folder(folder.parent, a.size)}", f"data.path={data}",
         f"data.seq_len={a.seq_len}",
         f"train.micro_batch_size={a.micro_batch}", f"train.global_batch_size={a.micro_batch * a.accum}",
-        f"train.max_steps={a.steps}", f"run.dir={a.root}/runs", f"run.name=ours-{a.mode}-{a.size}-{a.seq_len}",
-        "run.resume=never", f"data.cache_dir={a.root}/cache", f"dpo.beta={BETA}",
+        f"train.max_steps={a.steps}", f"run.dir={a.root}/runs", f"run.name=ours-{a.loss}-{a.mode}-{a.size}-{a.seq_len}",
+        "run.resume=never", f"data.cache_dir={a.root}/cache", f"dpo.beta={BETA}", f"dpo.loss={a.loss}",
         f"optim.lr={5e-6 if a.mode == 'lora' else 5e-7}", "optim.warmup_steps=0", "train.checkpoints=false",
         "train.eval_every=0", "train.sample_tokens=0", "monitor.log_every=1", "monitor.port=0",
         "train.memory_check=false", "train.dtype=bf16" if cuda else "train.dtype=fp32", *mode, *checkpointing,
@@ -176,6 +199,7 @@ def run_ours(folder: Path, data: Path, a) -> dict:
     rates = [e["tokens_per_s"] for e in train if e.get("tokens_per_s") and e["step"] > a.warmup]
     out = {"tokens_per_s": len(rates) / sum(1 / r for r in rates) if rates else None, "peak_memory_gib": _peak_gib(),
            "losses": [e["loss"] for e in train], "reward_accuracy": train[-1].get("reward_accuracy"),
+           "reward_margin": train[-1].get("reward_margin"),
            "attention": trainer.kernels.attention}
     if a.mode != "lora":   # the plan beside the measurement (full DPO: the plan's 15% aim)
         out["plan_peak_gib"] = planned_peak_gib(trainer)
@@ -190,9 +214,10 @@ def run_trl(folder: Path, data: Path, a) -> dict:
     from datasets import load_dataset
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from trl import DPOConfig, DPOTrainer
+    from trl import DPOConfig, DPOTrainer, KTOConfig, KTOTrainer
 
     cuda = torch.cuda.is_available()
+    kto = a.loss == "kto"
     lora = a.mode == "lora"
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16 if lora and cuda else torch.float32)
     times: dict[int, float] = {}
@@ -206,13 +231,15 @@ def run_trl(folder: Path, data: Path, a) -> dict:
                 torch.cuda.synchronize()
             times[state.global_step] = time.perf_counter()
 
-    args = DPOConfig(output_dir=f"{a.root}/runs/trl-{a.mode}-{a.size}-{a.seq_len}",
+    config, trainer_class = (KTOConfig, KTOTrainer) if kto else (DPOConfig, DPOTrainer)
+    loss = {"loss_type": "kto"} if kto else {"loss_type": ["sigmoid"]}
+    args = config(output_dir=f"{a.root}/runs/trl-{a.loss}-{a.mode}-{a.size}-{a.seq_len}",
                      per_device_train_batch_size=a.micro_batch, gradient_accumulation_steps=a.accum,
                      max_steps=a.steps, learning_rate=5e-6 if lora else 5e-7, lr_scheduler_type="linear",
                      warmup_steps=0, weight_decay=0.0, bf16=cuda, fp16=False, use_cpu=not cuda,
                      gradient_checkpointing=a.checkpointing, gradient_checkpointing_kwargs={"use_reentrant": False},
                      optim="adamw_torch_fused" if cuda else "adamw_torch", logging_steps=1, save_strategy="no",
-                     report_to=[], beta=BETA, loss_type=["sigmoid"], max_length=None,
+                     report_to=[], beta=BETA, max_length=None, **loss,
                      precompute_ref_log_probs=a.mode == "full", precompute_ref_batch_size=a.micro_batch,
                      disable_dropout=True, dataloader_num_workers=2,
                      seed=0, disable_tqdm=True)
@@ -220,14 +247,15 @@ def run_trl(folder: Path, data: Path, a) -> dict:
                              target_modules="all-linear", task_type="CAUSAL_LM") if lora else None
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    trainer = DPOTrainer(model=model, args=args, train_dataset=load_dataset("json", data_files=str(data))["train"],
+    trainer = trainer_class(model=model, args=args, train_dataset=load_dataset("json", data_files=str(data))["train"],
                          processing_class=AutoTokenizer.from_pretrained(tokenizer_folder(folder.parent, a.size)),
                          peft_config=peft_config,
                          callbacks=[Clock()])
     example = trainer.train_dataset[0]
-    assert len(example["prompt_ids"]) + len(example["chosen_ids"]) == a.seq_len, "TRL's sequences are not seq_len"
+    own = example["completion_ids" if kto else "chosen_ids"]
+    assert len(example["prompt_ids"]) + len(own) == a.seq_len, "TRL's sequences are not seq_len"
     out = trainer.train()
-    tokens = (a.steps - a.warmup) * a.micro_batch * a.accum * 2 * a.seq_len
+    tokens = (a.steps - a.warmup) * a.micro_batch * a.accum * (1 if kto else 2) * a.seq_len
     return {"tokens_per_s": tokens / (times[a.steps] - times[a.warmup]), "peak_memory_gib": _peak_gib(),
             "final_loss": out.training_loss}
 
@@ -236,7 +264,8 @@ def worker(a) -> dict:
     cap = cap_memory()
     folder = make_folder(Path(a.root), a.size)
     pairs = a.steps * a.micro_batch * a.accum   # one epoch: the precomputed reference covers only these
-    data = make_pairs(Path(a.root), SIZES[a.size]["vocab_size"], a.seq_len, max(pairs, 2))
+    data = (make_examples if a.loss == "kto" else make_pairs)(Path(a.root), SIZES[a.size]["vocab_size"], a.seq_len,
+                                                              max(pairs, 2))
     return {**(run_ours if a.worker == "ours" else run_trl)(folder, data, a), "memory_cap_gib": cap}
 
 
@@ -304,7 +333,9 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5, help="steps excluded from tokens/s")
     p.add_argument("--seq-len", type=int, default=1024)
-    p.add_argument("--micro-batch", type=int, default=4, help="pairs a forward (2 x that many sequences)")
+    p.add_argument("--loss", choices=["dpo", "kto"], default="dpo", help="kto: unpaired examples, TRL's KTOTrainer")
+    p.add_argument("--micro-batch", type=int, default=4, help="pairs a forward (2 x that many sequences); kto: "
+                                                              "examples")
     p.add_argument("--accum", type=int, default=1)
     p.add_argument("--checkpointing", action="store_true", help="activation checkpointing on both sides")
     p.add_argument("--max-len-size", choices=list(SIZES), default="1b")
@@ -327,10 +358,11 @@ def main() -> int:
             make_folder(Path(a.root), size)
         return 0
     Path(a.root).mkdir(parents=True, exist_ok=True)
-    shared = ["--size", a.size, "--seq-len", str(a.seq_len), "--micro-batch", str(a.micro_batch), "--accum",
-              str(a.accum), "--steps", str(a.steps), "--warmup", str(a.warmup), "--root", a.root,
+    shared = ["--size", a.size, "--loss", a.loss, "--seq-len", str(a.seq_len), "--micro-batch", str(a.micro_batch),
+              "--accum", str(a.accum), "--steps", str(a.steps), "--warmup", str(a.warmup), "--root", a.root,
               *(["--checkpointing"] if a.checkpointing else []), *(["--set", *a.set] if a.set else [])]
-    report = {"size": a.size, "seq_len": a.seq_len, "micro_batch_pairs": a.micro_batch, "accum": a.accum,
+    report = {"size": a.size, "loss": a.loss, "seq_len": a.seq_len,
+              f"micro_batch_{'examples' if a.loss == 'kto' else 'pairs'}": a.micro_batch, "accum": a.accum,
               "steps": a.steps, "warmup": a.warmup, "checkpointing": a.checkpointing, "beta": BETA, "lora": LORA,
               "ours_overrides": a.set, "runs": {}, "ratio": {}}
     modes = [m for m in a.modes.split(",") if m]
@@ -357,12 +389,12 @@ def main() -> int:
         Path(a.out).write_text(text + "\n")
     runs = report["runs"]
     common.emit(common.Result(
-        tool="dpo_speed", what=f"dpo-{a.size}-speed", gpu=gpu,
+        tool="dpo_speed", what=f"{a.loss}-{a.size}-speed", gpu=gpu,
         software=common.software("transformers", "peft", "trl"), recipe="dpo", overrides=a.set,
         metrics={**{k: v for k, v in report.items() if k not in ("device", "runs")},
                  **{m: runs.get(f"ours-{m}") for m in modes},
                  **({"longest_ours": report["longest"]["ours"]["longest"]} if a.max_lens else {})},
-        baseline={"name": "TRL DPOTrainer", "command": None,
+        baseline={"name": f"TRL {'KTOTrainer' if a.loss == 'kto' else 'DPOTrainer'}", "command": None,
                   "metrics": {**{m: runs.get(f"trl-{m}") for m in modes},
                               **({"longest": report["longest"]["trl"]["longest"]} if a.max_lens else {})}}),
         a.record)
