@@ -103,23 +103,46 @@ def tokenizer_folder(root: Path, size: str) -> Path:
     return root / f"tokenizer-{size}"
 
 
-def make_pairs(root: Path, vocab: int, seq_len: int, n: int) -> Path:
+def make_pairs(root: Path, vocab: int, seq_len: int, n: int, variable: bool = False) -> Path:
     """n pairs of words, each sequence exactly seq_len tokens: a prompt of seq_len // 2 words, a response of the
-    rest less one, the end-of-text token (both sides append it to text responses)."""
+    rest less one, the end-of-text token (both sides append it to text responses). `variable`: lengths as real
+    preference sets have them, a prompt of 16 to seq_len / 4 words and each response, drawn on its own, of 16 to
+    the rest less one."""
     import numpy as np
-    path = root / f"pairs-{vocab}-{seq_len}.jsonl"
+    path = root / f"pairs-{vocab}-{seq_len}{'-variable' if variable else ''}.jsonl"
     if path.is_file():
         return path
     rng = np.random.default_rng(0)
-    prompt, response = seq_len // 2, seq_len - seq_len // 2 - 1
 
     def words(k: int) -> str:
         return " ".join(f"w{i}" for i in rng.integers(1, vocab, size=k))
     with open(path, "w") as f:
         for _ in range(n):
-            f.write(json.dumps({"prompt": words(prompt), "chosen": " " + words(response),
-                                "rejected": " " + words(response)}) + "\n")
+            prompt = int(rng.integers(16, seq_len // 4 + 1)) if variable else seq_len // 2
+            longest = seq_len - prompt - 1
+            chosen, rejected = (int(rng.integers(16, longest + 1)) if variable else longest for _ in range(2))
+            f.write(json.dumps({"prompt": words(prompt), "chosen": " " + words(chosen),
+                                "rejected": " " + words(rejected)}) + "\n")
     return path
+
+
+def pairs_per_s(trainer, events: list[dict], warmup: int) -> tuple[float, float]:
+    """(pairs/s, tokens/s of the pairs' own tokens, padding left out) over the steps after `warmup`, from each
+    logged step's rate and the pairs its global batch held."""
+    import numpy as np
+    pairs = trainer.train_data.pairs if hasattr(trainer.train_data, "row_pairs") else trainer.train_data
+    kp, kc, kr = (np.asarray(k, dtype=np.int64) for k in pairs.kept)
+    seconds = done = tokens = 0.0
+    per_step = trainer.cfg.train.global_batch_size * trainer.cfg.data.seq_len * trainer.objective.sequences
+    for e in events:
+        if e.get("tokens_per_s") and e["step"] > warmup:
+            ids = trainer.batches.global_indices(e["step"] - 1)
+            if hasattr(trainer.train_data, "row_pairs"):
+                ids = np.concatenate([trainer.train_data._pairs_of(int(r)) for r in ids])
+            seconds += per_step / e["tokens_per_s"]
+            done += len(ids)
+            tokens += float((2 * kp[ids] + kc[ids] + kr[ids]).sum())
+    return done / seconds, tokens / seconds
 
 
 def make_examples(root: Path, vocab: int, seq_len: int, n: int) -> Path:
@@ -174,6 +197,7 @@ def run_ours(folder: Path, data: Path, a) -> dict:
 
     cuda = torch.cuda.is_available()
     mode = {"full": ["model.fused_loss=true"], "full-ref": ["model.fused_loss=true", "dpo.reference=model"],
+            "full-packed": ["model.fused_loss=true", "data.packing=true"],
             "lora": ["model.family=hf", "model.fused_loss=true", f"lora.r={LORA['r']}", f"lora.alpha={LORA['alpha']}",
                      f"lora.dropout={LORA['dropout']}", "lora.gradient_checkpointing=false"]}[a.mode]
     checkpointing = ["train.activation_checkpointing=full"] if a.checkpointing and a.mode != "lora" else \
@@ -192,12 +216,15 @@ def run_ours(folder: Path, data: Path, a) -> dict:
         torch.cuda.reset_peak_memory_stats()
     trainer = Trainer(cfg)
     trainer.run()
-    (chosen, _), (rejected, _) = trainer.train_data.sequences(0)
-    assert len(chosen) == len(rejected) == a.seq_len, "our sequences are not seq_len"   # no padding
+    if not a.variable and a.mode != "full-packed":
+        (chosen, _), (rejected, _) = trainer.train_data.sequences(0)
+        assert len(chosen) == len(rejected) == a.seq_len, "our sequences are not seq_len"   # no padding
     events = [json.loads(x) for x in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
     train = [e for e in events if e.get("event") == "train"]
     rates = [e["tokens_per_s"] for e in train if e.get("tokens_per_s") and e["step"] > a.warmup]
-    out = {"tokens_per_s": len(rates) / sum(1 / r for r in rates) if rates else None, "peak_memory_gib": _peak_gib(),
+    pairs, real = pairs_per_s(trainer, train, a.warmup) if a.loss == "dpo" and rates else (None, None)
+    out = {"tokens_per_s": len(rates) / sum(1 / r for r in rates) if rates else None, "pairs_per_s": pairs,
+           "real_tokens_per_s": real, "peak_memory_gib": _peak_gib(),
            "losses": [e["loss"] for e in train], "reward_accuracy": train[-1].get("reward_accuracy"),
            "reward_margin": train[-1].get("reward_margin"),
            "attention": trainer.kernels.attention}
@@ -240,7 +267,8 @@ def run_trl(folder: Path, data: Path, a) -> dict:
                      gradient_checkpointing=a.checkpointing, gradient_checkpointing_kwargs={"use_reentrant": False},
                      optim="adamw_torch_fused" if cuda else "adamw_torch", logging_steps=1, save_strategy="no",
                      report_to=[], beta=BETA, max_length=None, **loss,
-                     precompute_ref_log_probs=a.mode == "full", precompute_ref_batch_size=a.micro_batch,
+                     precompute_ref_log_probs=a.mode in ("full", "full-packed"),
+                     precompute_ref_batch_size=a.micro_batch,
                      disable_dropout=True, dataloader_num_workers=2,
                      seed=0, disable_tqdm=True)
     peft_config = LoraConfig(r=LORA["r"], lora_alpha=LORA["alpha"], lora_dropout=LORA["dropout"],
@@ -253,10 +281,15 @@ def run_trl(folder: Path, data: Path, a) -> dict:
                          callbacks=[Clock()])
     example = trainer.train_dataset[0]
     own = example["completion_ids" if kto else "chosen_ids"]
-    assert len(example["prompt_ids"]) + len(own) == a.seq_len, "TRL's sequences are not seq_len"
+    assert a.variable or len(example["prompt_ids"]) + len(own) == a.seq_len, "TRL's sequences are not seq_len"
     out = trainer.train()
-    tokens = (a.steps - a.warmup) * a.micro_batch * a.accum * (1 if kto else 2) * a.seq_len
-    return {"tokens_per_s": tokens / (times[a.steps] - times[a.warmup]), "peak_memory_gib": _peak_gib(),
+    seconds = times[a.steps] - times[a.warmup]
+    done = (a.steps - a.warmup) * a.micro_batch * a.accum
+    data = trainer.train_dataset
+    mean = sum(2 * len(r["prompt_ids"]) + len(r["chosen_ids"]) + len(r["rejected_ids"]) for r in data) / len(data) \
+        if not kto else None   # TRL draws pairs at random: its mean pair, for the tokens of the pairs it trained
+    return {"tokens_per_s": done * (1 if kto else 2) * a.seq_len / seconds, "pairs_per_s": done / seconds,
+            "real_tokens_per_s": done * mean / seconds if mean else None, "peak_memory_gib": _peak_gib(),
             "final_loss": out.training_loss}
 
 
@@ -264,8 +297,9 @@ def worker(a) -> dict:
     cap = cap_memory()
     folder = make_folder(Path(a.root), a.size)
     pairs = a.steps * a.micro_batch * a.accum   # one epoch: the precomputed reference covers only these
-    data = (make_examples if a.loss == "kto" else make_pairs)(Path(a.root), SIZES[a.size]["vocab_size"], a.seq_len,
-                                                              max(pairs, 2))
+    vocab = SIZES[a.size]["vocab_size"]
+    data = make_examples(Path(a.root), vocab, a.seq_len, max(pairs, 2)) if a.loss == "kto" else \
+        make_pairs(Path(a.root), vocab, a.seq_len, max(pairs * (6 if a.variable else 1), 2), a.variable)
     return {**(run_ours if a.worker == "ours" else run_trl)(folder, data, a), "memory_cap_gib": cap}
 
 
@@ -329,7 +363,10 @@ def planned_longest(a) -> dict:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size", choices=list(SIZES), default="0.5b")
-    p.add_argument("--modes", default="full,lora", help="comma list of full, full-ref, lora ('' skips them)")
+    p.add_argument("--modes", default="full,lora", help="comma list of full, full-ref, full-packed, lora ('' skips "
+                                                         "them); full-packed: ours with data.packing=true (rows of "
+                                                         "2 x --seq-len, --micro-batch of them), TRL as in full")
+    p.add_argument("--variable", action="store_true", help="pairs of varied lengths (make_pairs); compare pairs/s")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5, help="steps excluded from tokens/s")
     p.add_argument("--seq-len", type=int, default=1024)
@@ -348,7 +385,7 @@ def main() -> int:
     p.add_argument("--set", nargs="*", default=[], help="extra overrides for our runs (e.g. train.compile=true)")
     p.add_argument("--worker", choices=["ours", "trl"], help=argparse.SUPPRESS)
     p.add_argument("--build", nargs="*", choices=list(SIZES), help=argparse.SUPPRESS)
-    p.add_argument("--mode", choices=["full", "full-ref", "lora"], help=argparse.SUPPRESS)
+    p.add_argument("--mode", choices=["full", "full-ref", "full-packed", "lora"], help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.worker:
         print("RESULT " + json.dumps(worker(a)))
@@ -360,22 +397,28 @@ def main() -> int:
     Path(a.root).mkdir(parents=True, exist_ok=True)
     shared = ["--size", a.size, "--loss", a.loss, "--seq-len", str(a.seq_len), "--micro-batch", str(a.micro_batch),
               "--accum", str(a.accum), "--steps", str(a.steps), "--warmup", str(a.warmup), "--root", a.root,
-              *(["--checkpointing"] if a.checkpointing else []), *(["--set", *a.set] if a.set else [])]
+              *(["--checkpointing"] if a.checkpointing else []), *(["--variable"] if a.variable else []),
+              *(["--set", *a.set] if a.set else [])]
     report = {"size": a.size, "loss": a.loss, "seq_len": a.seq_len,
               f"micro_batch_{'examples' if a.loss == 'kto' else 'pairs'}": a.micro_batch, "accum": a.accum,
               "steps": a.steps, "warmup": a.warmup, "checkpointing": a.checkpointing, "beta": BETA, "lora": LORA,
-              "ours_overrides": a.set, "runs": {}, "ratio": {}}
+              "variable": a.variable, "ours_overrides": a.set, "runs": {}, "ratio": {}}
     modes = [m for m in a.modes.split(",") if m]
     if modes or a.max_lens:   # the folders, once, before any run
         subprocess.run([sys.executable, __file__, "--build", *(a.size,) * bool(modes),
                         *(a.max_len_size,) * bool(a.max_lens), "--root", a.root], check=True)
     for mode in modes:
         for side in ("trl", "ours"):
+            if side == "trl" and mode == "full-packed" and "trl-full" in report["runs"]:
+                report["runs"]["trl-full-packed"] = report["runs"]["trl-full"]   # TRL's run is the same
+                continue
             report["runs"][f"{side}-{mode}"] = spawn(side, mode, shared, a.timeout)
             print(json.dumps({f"{side}-{mode}": report["runs"][f"{side}-{mode}"]}), file=sys.stderr, flush=True)
         ours, ref = report["runs"][f"ours-{mode}"], report["runs"][f"trl-{mode}"]
         if ours.get("tokens_per_s") and ref.get("tokens_per_s"):
             report["ratio"][mode] = {"tokens_per_s": ours["tokens_per_s"] / ref["tokens_per_s"],
+                                     "pairs_per_s": ours["pairs_per_s"] / ref["pairs_per_s"]
+                                     if ours.get("pairs_per_s") and ref.get("pairs_per_s") else None,
                                      "peak_memory": ours["peak_memory_gib"] / ref["peak_memory_gib"]
                                      if ref["peak_memory_gib"] else None}   # (none measured on a CPU)
     if a.max_lens:
@@ -389,7 +432,7 @@ def main() -> int:
         Path(a.out).write_text(text + "\n")
     runs = report["runs"]
     common.emit(common.Result(
-        tool="dpo_speed", what=f"{a.loss}-{a.size}-speed", gpu=gpu,
+        tool="dpo_speed", what=f"{a.loss}-{a.size}-speed{'-variable' if a.variable else ''}", gpu=gpu,
         software=common.software("transformers", "peft", "trl"), recipe="dpo", overrides=a.set,
         metrics={**{k: v for k, v in report.items() if k not in ("device", "runs")},
                  **{m: runs.get(f"ours-{m}") for m in modes},

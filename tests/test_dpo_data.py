@@ -4,6 +4,7 @@ JSONL, and the batches of pairs the loop gets."""
 from __future__ import annotations
 
 import json
+import re
 import sys
 
 import numpy as np
@@ -18,7 +19,7 @@ from trainbox.config import load_config  # noqa: E402
 from trainbox.data import pairs, preference  # noqa: E402
 from trainbox.data.pairs import open_pair_datasets  # noqa: E402
 from trainbox.data.preference import encode_pair, fit, pair_of, pair_template  # noqa: E402
-from trainbox.errors import DataError  # noqa: E402
+from trainbox.errors import ConfigError, DataError  # noqa: E402
 from trainbox.model.build import build_tokenizer, resolve_model  # noqa: E402
 
 
@@ -209,3 +210,70 @@ def test_ranks_that_prepare_the_same_raw_file_leave_one_complete_set(tmp_path, f
     assert [p.name for p in (tmp_path / "cache").iterdir()] == [done.name]   # no folder of the losing rank
     again, _ = open_pair_datasets(cfg.data, cfg.dpo, tok, tok.vocab_size)
     assert torch.equal(again.batch([1, 2])["x"], first.batch([1, 2])["x"])
+
+
+# ----------------------------------------------------------------------------- packed pairs
+
+
+def test_packed_pairs_give_each_pair_the_log_probabilities_and_loss_it_has_alone(folder, tmp_path):
+    """data.packing=true: pairs packed whole into rows of 2 x seq_len (several a row here), each sequence seeing only
+    itself, from position 0. Every slot's summed log-probabilities equal the same pair's unpacked ones (fp32, CPU,
+    1e-5), and so do the loss and every gradient of a micro-batch against the unpacked micro-batch of the same pairs,
+    with the precomputed reference in both; the empty slots weigh nothing."""
+    from trainbox.data.pairs import PackedPairs
+    from trainbox.model.build import build_model
+    from trainbox.model.load import load_init_weights
+    from trainbox.objective import build_objective
+    from trainbox.objective.preference import sequence_logps
+
+    src = hf_tiny.make_preference_file(tmp_path / "prefs.jsonl", n=24, form="text", seed=5)
+    cfg = resolve_model(load_config("dpo", [f"model.path={folder}", f"data.path={src}", "train.device=cpu",
+                                            "data.seq_len=64", "data.packing=true", f"data.cache_dir={tmp_path}"]))
+    tok = build_tokenizer(cfg)
+    objective = build_objective(cfg)
+    train, _ = objective.open_datasets(cfg, tok, tok.vocab_size)
+    assert isinstance(train, PackedPairs) and train.per_row >= 3 and train.report["fill"] > 0.6
+    assert sorted(train.row_pairs.tolist()) == list(range(24))   # every pair once
+    unpacked = train.pairs
+    unpacked.reference = np.random.default_rng(0).normal(-30, 5, size=(24, 2)).astype(np.float32)
+    torch.manual_seed(0)
+    model = build_model(cfg.model, tok.vocab_size, 128)
+    load_init_weights(cfg.run.init_from, model, cfg.model)
+    rows = [0, 1, train.num_samples - 1]
+    packed = train.batch(rows)
+    ids = np.concatenate([train._pairs_of(r) for r in rows])
+    assert train.pairs_in(rows) == len(ids) == int(packed["pair_valid"].sum())
+    plain = unpacked.batch(ids)
+    logps, n, _ = sequence_logps(model, packed)
+    valid = packed["pair_valid"]
+    slots = torch.cat([torch.nonzero(valid)[:, 0], len(valid) + torch.nonzero(valid)[:, 0]])
+    want, want_n, _ = sequence_logps(model, plain)
+    torch.testing.assert_close(logps[slots], want, atol=1e-5, rtol=0)
+    assert n[slots].tolist() == want_n.tolist()
+
+    grads = []
+    for batch in (packed, plain):
+        model.zero_grad()
+        part = objective.loss(model, batch, 1.0 / len(ids))
+        part.loss.backward()
+        grads.append((part.loss.item(), part.stats.tolist(), [p.grad.clone() for p in model.parameters()]))
+    (a, sa, ga), (b, sb, gb) = grads
+    assert a == pytest.approx(b, abs=1e-6) and sa == pytest.approx(sb, abs=1e-5)
+    for x, y in zip(ga, gb):
+        torch.testing.assert_close(x, y, atol=1e-5, rtol=0)
+
+
+def test_packed_pairs_train_and_are_refused_where_they_cannot_run(folder, tmp_path):
+    """`trainbox train dpo data.packing=true` logs the rows and their fill and trains to the end; kto's examples
+    are refused packed, in one message naming the setting."""
+    src = hf_tiny.make_preference_file(tmp_path / "prefs.jsonl", n=48, seed=0)
+    res = run_cli("train", "dpo", f"model.path={folder}", f"data.path={src}", "data.seq_len=48", "data.packing=true",
+                  "train.global_batch_size=4", "train.micro_batch_size=2", f"run.dir={tmp_path}", "run.name=packed",
+                  f"data.cache_dir={tmp_path / 'cache'}", "monitor.port=0", "train.sample_tokens=0",
+                  "train.max_steps=3", "train.threads=1")
+    log = res.stdout + res.stderr
+    assert re.search(r"packed by first-fit decreasing into \d+ rows of 96 positions", log), log[-2000:]
+    assert json.loads((tmp_path / "packed" / "status.json").read_text())["step"] == 3
+    with pytest.raises(ConfigError) as e:
+        load_config("dpo", [f"model.path={folder}", "dpo.loss=kto", "data.packing=true"])
+    assert "data.packing=false" in e.value.message

@@ -50,7 +50,9 @@ class DataSection(Section):
                           "with model.path, reads as examples): true packs whole examples into rows of data.seq_len "
                           "(first-fit decreasing; positions restart and attention stays inside each example; an "
                           "example keeps its first data.seq_len + 1 tokens); false gives each example its own row, "
-                          "padded. Token files are always windows of their stream")
+                          "padded. Preference pairs (train.objective=dpo; the dpo recipe sets false): true packs "
+                          "whole pairs into rows of 2 x data.seq_len, and train.global_batch_size counts rows. Token "
+                          "files are always windows of their stream")
     cache_dir: str | None = Field(None, description="where tokenized data is cached (default ~/.cache/trainbox)")
     num_workers: int = Field(1, ge=0, description="tokenizer worker processes for raw-text inputs")
     source: Literal["fineweb10B-gpt2"] | None = Field(
@@ -335,6 +337,9 @@ class RunConfig(Section):
         if wrong:
             raise ValueError(f"dpo.{wrong[0]} does not apply to dpo.loss={self.dpo.loss}"
                              + ("" if kto else ": it weighs dpo.loss=kto's examples"))
+        if kto and self.data.packing:
+            raise ValueError("data.packing=true packs preference pairs; dpo.loss=kto's examples run one a row (their "
+                             "mismatched sequences apart, without gradients): set data.packing=false")
         if self.dpo.max_prompt_len is not None and self.dpo.max_prompt_len >= self.data.seq_len:
             raise ValueError(f"dpo.max_prompt_len={self.dpo.max_prompt_len} leaves no room for a response in "
                              f"data.seq_len={self.data.seq_len}: give less than {self.data.seq_len}")

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from trainbox.data import manifest
+from trainbox.data.packing import first_fit_decreasing
 from trainbox.data.preference import PARTS, describe, fit, part_path, prepare_pairs, prepared_kind
 from trainbox.data.readers import JSONL_SUFFIXES
 from trainbox.data.sources import check_vocab, default_cache_dir
@@ -191,6 +192,96 @@ class UnpairedDataset(PairDataset):
                "kl_loss_mask": m[B:], "label": torch.from_numpy(self.label[np.asarray(indices, dtype=np.int64)])}
         if self.reference is not None:
             out["ref_logps"] = self._reference_of(indices)
+        return out
+
+
+class PackedPairs:
+    """Pairs packed into rows of 2 x seq_len positions (data.packing=true under train.objective=dpo): each pair's
+    chosen and rejected sequences whole and side by side in one row, pairs placed by first-fit decreasing on their
+    positions (data/packing.py), attention and positions restarting at each sequence. Unpacked, a micro-batch of B
+    pairs is 2B rows of seq_len positions, each padded; packed, it is B rows of 2 x seq_len holding as many pairs
+    as fit, so the same tensor shapes carry more pairs where responses are shorter than seq_len. A sample is a row
+    and train.global_batch_size counts rows; the objective's mean is over the pairs in them (`pairs_in`).
+
+    `batch` adds to x, y, loss_mask (B, 2T), doc_ids and position_ids (data/packing.py), seq_index (B, 2T: the slot
+    of each position's sequence, chosen of slot s = s, rejected = P + s, padding 2P) and pair_valid (P = B x the
+    most pairs any row holds); ref_logps (2P: chosen slots, then rejected) where the pairs' reference is set."""
+
+    unit = "pairs"
+
+    def __init__(self, pairs: PairDataset):
+        self.pairs, self.seq_len, self.name = pairs, pairs.seq_len, pairs.name
+        self.kind, self.files, self.prefix, self.split = pairs.kind, pairs.files, pairs.prefix, pairs.split
+        self.row_len = 2 * pairs.seq_len
+        kp, kc, kr = (np.asarray(k, dtype=np.int64) for k in pairs.kept)
+        self.lengths = 2 * kp + kc + kr - 2   # positions: a sequence of n tokens takes n - 1
+        rows = first_fit_decreasing(self.lengths, self.row_len)
+        self.row_offsets = np.cumsum([0] + [len(r) for r in rows]).astype(np.int64)
+        self.row_pairs = np.asarray([i for r in rows for i in r], dtype=np.int64)
+        self.per_row = max((len(r) for r in rows), default=1)
+        self.arrays, self.masks, self.num_tokens = pairs.arrays, pairs.masks, pairs.num_tokens
+        self.report = {**pairs.report, "rows": len(rows), "packed": True,
+                       "fill": int(self.lengths.sum()) / max(1, len(rows) * self.row_len)}
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.row_offsets) - 1
+
+    @property
+    def reference(self) -> np.ndarray | None:
+        return self.pairs.reference
+
+    def describe(self) -> str:
+        return (f"{self.pairs.describe()}; packed by first-fit decreasing into {self.num_samples:,} rows of "
+                f"{self.row_len} positions ({100 * self.report['fill']:.1f}% filled, up to {self.per_row} pairs a "
+                f"row)")
+
+    def tail_tokens(self) -> int:
+        return 0
+
+    def _pairs_of(self, row: int) -> np.ndarray:
+        return self.row_pairs[self.row_offsets[row]:self.row_offsets[row + 1]]
+
+    def pairs_in(self, indices) -> int:
+        """Pairs in the rows `indices` (what a step's mean is over)."""
+        rows = np.asarray(indices, dtype=np.int64)
+        return int((self.row_offsets[rows + 1] - self.row_offsets[rows]).sum())
+
+    def target_count(self, indices) -> int:
+        return int(sum(self.pairs.target_count(self._pairs_of(int(r))) for r in indices))
+
+    def identity(self) -> list:
+        return self.pairs.identity()
+
+    def batch(self, indices) -> dict[str, torch.Tensor]:
+        B, T, R = len(indices), self.row_len, self.per_row
+        P = B * R
+        x = np.full((B, T), self.pairs.pad_id, dtype=np.int64)
+        y = np.full((B, T), self.pairs.pad_id, dtype=np.int64)
+        loss = np.zeros((B, T), dtype=np.bool_)
+        docs = np.empty((B, T), dtype=np.int32)
+        pos = np.empty((B, T), dtype=np.int64)
+        slot = np.full((B, T), 2 * P, dtype=np.int64)
+        valid = np.zeros(P, dtype=np.bool_)
+        which = np.zeros(P, dtype=np.int64)   # the pair in each slot (0 where none)
+        arange = np.arange(T)
+        for b, r in enumerate(indices):
+            p = d = 0
+            for k, i in enumerate(self._pairs_of(int(r)).tolist()):
+                s = b * R + k
+                valid[s], which[s] = True, i
+                for seq, (ids, m) in zip((s, P + s), self.pairs.sequences(i)):
+                    n = len(ids) - 1
+                    x[b, p:p + n], y[b, p:p + n], loss[b, p:p + n] = ids[:-1], ids[1:], m[1:]
+                    docs[b, p:p + n], pos[b, p:p + n], slot[b, p:p + n] = d, arange[:n], seq
+                    p, d = p + n, d + 1
+            docs[b, p:], pos[b, p:] = d, arange[:T - p]   # the padding: a sequence of its own
+        out = {"x": torch.from_numpy(x), "y": torch.from_numpy(y), "loss_mask": torch.from_numpy(loss),
+               "doc_ids": torch.from_numpy(docs), "position_ids": torch.from_numpy(pos),
+               "seq_index": torch.from_numpy(slot), "pair_valid": torch.from_numpy(valid)}
+        if self.reference is not None:
+            ref = np.where(valid[:, None], self.reference[which], 0.0)
+            out["ref_logps"] = torch.from_numpy(np.concatenate([ref[:, 0], ref[:, 1]]).astype(np.float32))
         return out
 
 

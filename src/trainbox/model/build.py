@@ -85,10 +85,16 @@ def packs_examples(run) -> bool:
     return bool(run.data.packing and reads is not None and reads(run))
 
 
+def packs_pairs(run) -> bool:
+    """Whether the run's preference pairs are packed into rows (data.packing under train.objective=dpo; kto's
+    examples are refused packed by the config)."""
+    return bool(run.data.packing and run.train.objective == "dpo")
+
+
 def check_packing(run) -> None:
-    """Refuse packed examples for a family that cannot keep attention and positions inside each (a pre-flight
-    check: the message names data.packing)."""
-    if packs_examples(run):
+    """Refuse packed examples (or pairs) for a family that cannot keep attention and positions inside each (a
+    pre-flight check: the message names data.packing)."""
+    if packs_examples(run) or packs_pairs(run):
         family(run.model.family).check_packing()
 
 

@@ -24,6 +24,10 @@ The reference (dpo, ipo; simpo and orpo have none) is the initial model:
 - LoRA (a family whose `adapters` are switched off to give its frozen base): the base itself, PEFT's
   disable_adapter, for either setting: no copy and no extra memory.
 
+Packed (data.packing=true, data/pairs.py PackedPairs): B rows of 2 x data.seq_len positions, each holding whole pairs,
+instead of 2B padded rows; a sequence's log-probability is summed over its slot (`seq_index`), empty slots weigh
+nothing, and a step's loss is the mean over the pairs in its rows.
+
 Logged with the loss (the mean over the global batch): reward_chosen, reward_rejected, reward_margin,
 reward_accuracy (the share of pairs whose chosen reward is higher), logp_chosen, logp_rejected (summed
 log-probabilities of the responses). Validation: val_loss, val_reward_accuracy, val_reward_margin,
@@ -43,8 +47,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from trainbox.data.pairs import PairDataset, open_pair_datasets
+from trainbox.data.packing import packed_inputs
+from trainbox.data.pairs import PackedPairs, PairDataset, open_pair_datasets
 from trainbox.data.sources import default_cache_dir
+from trainbox.model.build import packs_pairs
 from trainbox.model.spec import family
 from trainbox.objective.base import Objective, Part, Runtime
 from trainbox.objective.losses import REFERENCE_FREE, pair_loss
@@ -56,10 +62,17 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".json", ".model")
 
 
 def sequence_logps(forward, batch: dict) -> tuple[torch.Tensor, torch.Tensor, object]:
-    """(summed log-probability of each row's trained tokens in fp32, how many there are, the model's Output)."""
+    """(summed log-probability of each sequence's trained tokens in fp32, how many there are, the model's Output):
+    a sequence a row, or in packed rows (data/pairs.py PackedPairs) a sequence a slot of `seq_index`."""
     mask = batch["loss_mask"]
-    out = forward(batch["x"], batch["y"], loss_mask=mask, reduction="none")
-    return -out.loss.float().sum(-1), mask.sum(-1), out
+    out = forward(batch["x"], batch["y"], loss_mask=mask, reduction="none", **packed_inputs(batch))
+    if "seq_index" not in batch:
+        return -out.loss.float().sum(-1), mask.sum(-1), out
+    slots = 2 * batch["pair_valid"].shape[0]   # and one more, where the padding goes
+    index = batch["seq_index"].reshape(-1)
+    logps = torch.zeros(slots + 1, device=index.device).index_add_(0, index, out.loss.float().reshape(-1))
+    n = torch.zeros(slots + 1, dtype=torch.int64, device=index.device).index_add_(0, index, mask.reshape(-1).long())
+    return -logps[:slots], n[:slots], out
 
 
 @contextmanager
@@ -111,6 +124,9 @@ class Preference(Objective):
             for ds in (train, val):
                 if ds is not None:
                     self._find_reference(ds)
+        if packs_pairs(cfg):   # the reference is the pairs' own, found (and computed) unpacked
+            train, val = (PackedPairs(ds) if ds is not None else None for ds in (train, val))
+            log.info(train.describe())
         return train, val
 
     def _find_reference(self, ds: PairDataset) -> None:
@@ -136,7 +152,9 @@ class Preference(Objective):
         return bool(self.missing) or self.frozen_copy(cfg)
 
     def denominator(self, batches, step: int) -> int:
-        return batches.global_batch   # pairs
+        """Pairs: the global batch's, or those in its packed rows."""
+        ds = batches.dataset
+        return ds.pairs_in(batches.global_indices(step)) if isinstance(ds, PackedPairs) else batches.global_batch
 
     # ------------------------------------------------------------------ the reference
     def _reference(self, run: Runtime):
@@ -186,16 +204,28 @@ class Preference(Objective):
         logps, n, out = sequence_logps(forward, batch)
         pc, pr = logps.chunk(2)
         nc, nr = n.chunk(2)
+        valid = batch.get("pair_valid")
+        if valid is not None:   # packed rows' empty slots: a stand-in pair that every loss keeps finite, weighed 0
+            pc, pr, nc, nr = (torch.where(valid, v, v.new_ones(()) * f) for v, f in
+                              ((pc, -1), (pr, -1), (nc, 1), (nr, 1)))
+            if rc is not None:
+                rc, rr = (torch.where(valid, v, v.new_ones(()) * -1) for v in (rc, rr))
         per_pair, chosen, rejected = pair_loss(self.dpo, pc, pr, rc, rr, nc, nr)
-        stats = torch.stack([chosen.sum(), rejected.sum(), (chosen - rejected).sum(), (chosen > rejected).sum(),
-                             pc.sum(), pr.sum()]).detach().float()
-        return Part(per_pair.sum() * scale, out.aux_loss, stats * scale, out.stats)
+        w = valid.float() if valid is not None else torch.ones_like(per_pair)
+        stats = torch.stack([(chosen * w).sum(), (rejected * w).sum(), ((chosen - rejected) * w).sum(),
+                             ((chosen > rejected) * w).sum(), (pc * w).sum(), (pr * w).sum()]).detach().float()
+        return Part((per_pair * w).sum() * scale, out.aux_loss, stats * scale, out.stats)
+
+    def samples(self, batch: dict, rows: int) -> torch.Tensor | int:
+        """How many pairs the first `rows` rows of a validation batch hold."""
+        valid = batch.get("pair_valid")
+        return rows if valid is None else valid.view(len(batch["x"]), -1)[:rows].sum()
 
     @torch.no_grad()
     def evaluate(self, run: Runtime) -> dict:
         ds, cfg = run.val, run.cfg
         micro, world, rank = cfg.train.micro_batch_size, run.dist.world, run.dist.rank
-        n = min(ds.num_samples, max(1, cfg.train.eval_tokens // (2 * ds.seq_len)))
+        n = min(ds.num_samples, max(1, cfg.train.eval_tokens // (2 * ds.seq_len)))   # pairs, or packed rows
         mine = np.arange(n)[rank::world]
         sums = torch.zeros(2 + len(self.stat_names), dtype=torch.float64, device=run.device)   # loss, samples, stats
         forward = run.forward if not cfg.train.compile else run.model
@@ -209,8 +239,8 @@ class Preference(Objective):
                 with run.autocast():
                     part = self.loss(forward, batch, 1.0)
                 if len(i):
-                    sums += torch.cat([part.loss.detach().double().view(1), sums.new_tensor([len(i)]),
-                                       part.stats.double()])
+                    count = torch.as_tensor(self.samples(batch, len(i)), dtype=torch.float64, device=run.device)
+                    sums += torch.cat([part.loss.detach().double().view(1), count.view(1), part.stats.double()])
         run.dist.all_reduce_sum(sums)
         total = sums.tolist()
         count = max(total[1], 1)
