@@ -361,11 +361,17 @@ def dpo_real_run(rec: dict) -> list[tuple]:
 def dpo_speed(rec: dict) -> list[tuple]:
     m, b = rec["metrics"], rec["baseline"]
     rows = []
-    for mode in ("full", "full-ref", "lora"):
+    for mode in ("full", "full-ref", "full-packed", "lora"):
         o, t = m.get(mode), (b["metrics"].get(mode) if b else None)
         if not (o and t and o.get("tokens_per_s") and t.get("tokens_per_s")):
             continue
         plan = f" (plan {gib(o['plan_peak_gib'])})" if o.get("plan_peak_gib") else ""
+        if m.get("variable"):   # pairs of varied lengths: pairs/s, the padding each side adds left out
+            rows.append((f" ({mode}, pairs of varied lengths)", f"{o['pairs_per_s']:.1f} pairs/s ({kilo(o['real_tokens_per_s'])} of their "
+                         f"tokens/s), {gib(o['peak_memory_gib'])}{plan}",
+                         f"{b['name']}: {t['pairs_per_s']:.1f} pairs/s, {gib(t['peak_memory_gib'])}",
+                         f"{o['pairs_per_s'] / t['pairs_per_s']:.2f}x"))
+            continue
         rows.append((f" ({mode})", f"{kilo(o['tokens_per_s'])} tokens/s, {gib(o['peak_memory_gib'])}{plan}",
                      f"{b['name']}: {kilo(t['tokens_per_s'])} tokens/s, {gib(t['peak_memory_gib'])}",
                      f"{o['tokens_per_s'] / t['tokens_per_s']:.2f}x"))
