@@ -367,8 +367,9 @@ def dpo_speed(rec: dict) -> list[tuple]:
             continue
         plan = f" (plan {gib(o['plan_peak_gib'])})" if o.get("plan_peak_gib") else ""
         if m.get("variable"):   # pairs of varied lengths: pairs/s, the padding each side adds left out
-            rows.append((f" ({mode}, pairs of varied lengths)", f"{o['pairs_per_s']:.1f} pairs/s ({kilo(o['real_tokens_per_s'])} of their "
-                         f"tokens/s), {gib(o['peak_memory_gib'])}{plan}",
+            rows.append((f" ({mode}, pairs of varied lengths)",
+                         f"{o['pairs_per_s']:.1f} pairs/s ({kilo(o['real_tokens_per_s'])} of their tokens/s), "
+                         f"{gib(o['peak_memory_gib'])}{plan}",
                          f"{b['name']}: {t['pairs_per_s']:.1f} pairs/s, {gib(t['peak_memory_gib'])}",
                          f"{o['pairs_per_s'] / t['pairs_per_s']:.2f}x"))
             continue
