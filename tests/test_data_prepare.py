@@ -312,9 +312,9 @@ def test_inspect_of_a_run_reads_its_data_as_the_run_did(tmp_path, tiny, capsys):
     pairs.mkdir()
     (pairs / "config.yaml").write_text(dump_yaml(load_config("tiny", [*tiny, "train.objective=dpo"])))
     (pairs / "status.json").write_text("{}")
-    assert main(["inspect", str(pairs)]) == 1
-    assert capsys.readouterr().err.startswith(f"trainbox inspect: {pairs} trains on embedded:shakespeare as "
-                                              "preference pairs, not as windows of a token dataset")
+    assert main(["inspect", str(pairs)]) == 1   # its pairs, as the run reads them: there are none
+    assert capsys.readouterr().err.startswith("trainbox inspect: data.path=embedded:shakespeare holds no preference "
+                                              "data")
 
 
 def test_raw_jsonl_as_data_path_trains(corpus, tmp_path, tiny):

@@ -277,3 +277,37 @@ def test_packed_pairs_train_and_are_refused_where_they_cannot_run(folder, tmp_pa
     with pytest.raises(ConfigError) as e:
         load_config("dpo", [f"model.path={folder}", "dpo.loss=kto", "data.packing=true"])
     assert "data.packing=false" in e.value.message
+
+
+def test_inspect_reads_preference_sets_as_training_does(folder, tmp_path, capsys):
+    """`trainbox inspect` of a prepared pair set (its manifest's tokenizer), of the same set packed, of an example
+    set and of a raw preference JSONL: the pairs or examples, what the truncation at --seq-len cuts, the packed rows
+    and their fill, and the steps a global batch gives, each equal to the dataset training opens."""
+    from trainbox.cli import main
+    from trainbox.data.pairs import PackedPairs, PairDataset, UnpairedDataset
+
+    tok = build_tokenizer(resolve_model(load_config("dpo", [f"model.path={folder}", "train.device=cpu"])))
+    src = hf_tiny.make_preference_file(tmp_path / "prefs.jsonl", n=40, form="text", seed=6)
+    preference.prepare_pairs([str(src)], str(tmp_path / "pp"), tok, str(folder))
+    plain = PairDataset(tmp_path / "pp", "train", 8, None, tok.eot_id, "pp")
+    packed = PackedPairs(plain)
+    assert plain.responses_cut > 0   # 8 positions cut some
+    capsys.readouterr()
+    assert main(["inspect", str(tmp_path / "pp"), "--seq-len", "8", "--global-batch", "8", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert (r["unit"], r["packed"], r["train"]["pairs"], r["train"]["responses_cut"]) == \
+        ("pairs", False, 40, plain.responses_cut)
+    assert (r["steps_per_epoch"], r["batch_unit"], r["tokenizer"]) == (5, "pairs", f"{folder}/tokenizer.json")
+    assert main(["inspect", str(tmp_path / "pp"), "--seq-len", "8", "--global-batch", "2", "--packing"]) == 0
+    out = capsys.readouterr().out
+    assert f"into {packed.num_samples} rows of 16 positions" in out
+    assert f"global batch 2 packed rows: {packed.num_samples // 2} steps per epoch" in out
+
+    feedback = hf_tiny.make_unpaired_file(tmp_path / "feedback.jsonl", n=12, form="text", seed=2)
+    preference.prepare_pairs([str(feedback)], str(tmp_path / "ex"), tok, str(folder))
+    examples = UnpairedDataset(tmp_path / "ex", "train", 64, None, tok.eot_id, "ex", "examples")
+    assert main(["inspect", str(tmp_path / "ex"), "--seq-len", "64", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert (r["unit"], r["train"]["examples"], r["train"]["desirable"]) == ("examples", 12, examples.desirable)
+    assert main(["inspect", str(src), "--tokenizer", str(folder), "--seq-len", "8", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["train"]["responses_cut"] == plain.responses_cut

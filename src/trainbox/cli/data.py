@@ -102,12 +102,28 @@ def train_hint(out: str, tokenizer: str) -> str:
 
 
 def cmd_inspect(args) -> int:
-    from trainbox.data.inspect import format_report, inspect_data  # heavy: numpy, torch
+    from trainbox.data.inspect import (  # heavy: numpy, torch
+        format_report,
+        inspect_data,
+        inspect_preferences,
+        is_preference_data,
+    )
 
     run = _run_config(Path(args.path))
-    if run is None:
+    if run is None and is_preference_data(args.path):
+        report = _inspect_preferences(args)
+    elif run is None:
         report = inspect_data(args.path, args.seq_len or 1024, args.global_batch, args.epochs or 1.0, args.tokenizer,
                               data_format=args.format or "auto")
+    elif run.train.objective == "dpo":   # its pairs (or examples), as the run reads them, with the run's tokenizer
+        from trainbox.model.build import build_tokenizer, resolve_model  # heavy: torch
+
+        data = run.data.model_copy(update={k: v for k, v in (("seq_len", args.seq_len), ("packing", args.packing))
+                                           if v is not None})
+        tok = get_tokenizer(args.tokenizer) if args.tokenizer else build_tokenizer(resolve_model(run))
+        report = inspect_preferences(data, run.dpo, tok, args.global_batch or run.train.global_batch_size,
+                                     args.epochs or run.train.epochs or 1.0)
+        report["run"] = {"path": args.path, "data.path": run.data.path}
     else:   # the run's data with its settings; an option given on the command line overrides the run's
         _refuse_examples(args.path, run)
         seq_len, batch = args.seq_len or run.data.seq_len, args.global_batch or run.train.global_batch_size
@@ -118,6 +134,16 @@ def cmd_inspect(args) -> int:
                          "max_steps": steps, "epochs": round(steps / report["steps_per_epoch"], 4) if steps else None}
     print(json.dumps(report, indent=1) if args.json else format_report(report))
     return 0
+
+
+def _inspect_preferences(args) -> dict:
+    """`inspect` of a prepared preference set (its manifest's tokenizer unless --tokenizer) or preference JSONL."""
+    from trainbox.config import DataSection, DpoSection  # heavy: the config schema (pydantic)
+    from trainbox.data.inspect import inspect_preferences, preference_tokenizer  # heavy: numpy, torch
+
+    spec = args.tokenizer or preference_tokenizer(args.path) or "gpt2"
+    data = DataSection(path=args.path, tokenizer=spec, seq_len=args.seq_len or 1024, packing=bool(args.packing))
+    return inspect_preferences(data, DpoSection(), get_tokenizer(spec), args.global_batch, args.epochs or 1.0)
 
 
 def _run_config(path: Path):
@@ -137,8 +163,8 @@ def _run_config(path: Path):
 def _refuse_examples(path: str, run) -> None:
     """`inspect` reads windows of a token dataset: a run that reads its data as examples is refused."""
     reads = family(run.model.family).hook("reads_examples")
-    if run.train.objective != "next_token" or (reads is not None and reads(run)):
-        what = "preference pairs" if run.train.objective != "next_token" else "fine-tuning examples"
+    if reads is not None and reads(run):
+        what = "fine-tuning examples"
         raise DataError(f"{path} trains on {run.data.path} as {what}, not as windows of a token dataset, "
                         f"which is what `trainbox inspect` reads",
                         hint=f"the run's train.log names the {what} and tokens it read: trainbox logs {path}")

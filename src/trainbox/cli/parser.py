@@ -186,6 +186,9 @@ def build_parser() -> argparse.ArgumentParser:
     ins.add_argument("--format", choices=["auto", "shard", "megatron", "flat"], default=None,
                      help="which token file format to accept, as data.format (default auto: detected by content; "
                           "or the run's data.format)")
+    ins.add_argument("--packing", action=argparse.BooleanOptionalAction, default=None,
+                     help="preference pairs: packed into rows of 2 x seq_len, as data.packing=true trains them "
+                          "(default: off, or the run's data.packing)")
     ins.add_argument("--json", action="store_true", help="print the report as JSON")
     ins.set_defaults(func=cmd_inspect)
 

@@ -1,4 +1,4 @@
-"""`trainbox inspect`: what a token dataset holds and how many training steps it gives.
+"""`trainbox inspect`: what a token dataset (or preference set) holds and how many training steps it gives.
 
 Reads any supported format (shard, Megatron, flat uint16; a file, a Megatron prefix, a shard prefix with
 its _train_/_val_ files, or a folder of shards) through the same resolution and the same packed-sample
@@ -6,6 +6,11 @@ rule as the training loader, so the step count printed here is the one `trainbox
 
     samples = sum over files of (tokens - 1) // seq_len      (windows of seq_len + 1 never cross files)
     steps_per_epoch = samples // global_batch; total = ceil(epochs x steps_per_epoch)
+
+Preference data (a `trainbox prepare` set of pairs or unpaired examples, raw preference JSONL, or a run of
+train.objective=dpo) is read as training reads it (data/pairs.py: the truncation at seq_len, the mismatched
+partners of unpaired examples, packed rows): pairs or examples, tokens, what the truncation cuts, and the steps
+a global batch of them (of packed rows under data.packing) gives.
 
 Zero steps raise the loader's own error message (data/loader.py: zero_steps_message). Files are opened under
 the same data.format rule and the same output-set check (a `trainbox prepare` set whose manifest is not
@@ -19,8 +24,10 @@ from pathlib import Path
 import numpy as np
 
 from trainbox.config import DataSection
-from trainbox.data import formats, megatron
+from trainbox.data import formats, manifest, megatron
 from trainbox.data.loader import TokenDataset, open_tokens, zero_steps_message
+from trainbox.data.preference import prepared_kind
+from trainbox.data.readers import first_row_is_preference, first_row_is_unpaired
 from trainbox.data.sources import check_vocab, resolve
 from trainbox.data.tokenizer import get_tokenizer
 from trainbox.errors import DataError
@@ -97,9 +104,56 @@ def inspect_data(path: str, seq_len: int, global_batch: int | None = None, epoch
     return report
 
 
+def is_preference_data(path: str) -> bool:
+    """A prepared preference set (pair or example files) or a preference JSONL file."""
+    p = Path(path)
+    return prepared_kind(path) is not None or (p.is_file() and first_row_is_preference(p))
+
+
+def preference_tokenizer(path: str) -> str | None:
+    """The tokenizer a prepared preference set was made with (its manifest's), None for raw JSONL."""
+    man = manifest.manifest_path(path)
+    return manifest.read_manifest(man).get("tokenizer") if man.is_file() else None
+
+
+def inspect_preferences(data, dpo, tok, global_batch: int | None = None, epochs: float = 1.0) -> dict:
+    """A report of data.path's preference pairs (or examples) as training reads them: `data` and `dpo` are the run's
+    sections (or made from the command line); a raw JSONL file is prepared into data.cache_dir as training does."""
+    from trainbox.data.pairs import PackedPairs, open_pair_datasets  # heavy: torch (the datasets' batches)
+    if prepared_kind(data.path) == "examples" or Path(data.path).is_file() and first_row_is_unpaired(Path(data.path)):
+        dpo = dpo.model_copy(update={"loss": "kto"})
+    train, val = open_pair_datasets(data, dpo, tok, tok.vocab_size)
+    packed = data.packing and dpo.loss != "kto"
+    report: dict = {"path": data.path, "seq_len": data.seq_len, "tokenizer": tok.name,
+                    "unit": train.unit, "packed": bool(packed)}
+    for split, ds in (("train", train), ("val", val)):
+        if ds is None:
+            continue
+        ds = PackedPairs(ds) if packed else ds
+        report[split] = {**ds.report, "samples": ds.num_samples, "tokens": ds.num_tokens, "text": ds.describe()}
+    if global_batch is not None:
+        samples = report["train"]["samples"]
+        per_epoch = samples // global_batch
+        what = "packed rows" if packed else train.unit
+        if per_epoch == 0:
+            raise DataError(f"{data.path}: {samples:,} {what} make no step of train.global_batch_size={global_batch}",
+                            hint=f"lower the global batch to at most {samples}, or add data")
+        report.update(global_batch=global_batch, epochs=epochs, steps_per_epoch=per_epoch,
+                      total_steps=max(1, int(math.ceil(epochs * per_epoch))), batch_unit=what)
+    return report
+
+
 def format_report(r: dict) -> str:
     """The human-readable text `trainbox inspect` prints."""
     lines = [f"{r['path']}  (seq_len {r['seq_len']})"]
+    if "unit" in r:   # preference data
+        if "run" in r:
+            lines.insert(0, f"run {r['run']['path']}: data.path={r['run']['data.path']}")
+        lines += [f"{split}: {r[split]['text']}" for split in ("train", "val") if split in r]
+        if "steps_per_epoch" in r:
+            lines.append(f"global batch {r['global_batch']} {r['batch_unit']}: {r['steps_per_epoch']:,} steps per "
+                         f"epoch, {r['total_steps']:,} steps for {r['epochs']:g} epoch(s)")
+        return "\n".join(lines)
     if "run" in r:
         run = r["run"]
         length = f", whose {run['max_steps']:,} steps are {run['epochs']:g} epoch(s)" if run["max_steps"] else ""
