@@ -221,3 +221,20 @@ def trl_step(trainer):
     loss.backward()
     grads = {n: p.grad for n, p in trainer.model.named_parameters()}
     return batch, loss, grads, {k: v[-1] for k, v in trainer._metrics["train"].items()}
+
+
+def perturbed(folder: Path, out: Path, seed: int, scale: float = 0.05) -> Path:
+    """A copy of the model folder with every weight moved by scale x N(0, 1) noise drawn from `seed`, its tokenizer
+    and template beside: a policy whose log-ratios against `folder` are not 0."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(scale * torch.randn(p.shape, generator=g))
+    model.save_pretrained(out)
+    for f in folder.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            (out / f.name).write_bytes(f.read_bytes())
+    return out

@@ -38,19 +38,7 @@ def folder(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def policy(folder, tmp_path_factory):
-    """The base with every weight moved a little: a policy whose log-ratios against the base are not 0."""
-    from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    g = torch.Generator().manual_seed(NOISE_SEED)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn(p.shape, generator=g))
-    out = tmp_path_factory.mktemp("kto") / "policy"
-    model.save_pretrained(out)
-    for f in folder.iterdir():   # the tokenizer and its template
-        if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
-            (out / f.name).write_bytes(f.read_bytes())
-    return out
+    return hf_tiny.perturbed(folder, tmp_path_factory.mktemp("kto") / "policy", NOISE_SEED)
 
 
 def rows_of(path):
@@ -80,8 +68,9 @@ def trl_trainer(policy, folder, rows, tmp_path, **args):
                       processing_class=AutoTokenizer.from_pretrained(folder))
 
 
-@pytest.mark.parametrize("beta, wd, wu", [(0.1, 1.0, 1.0), (0.5, 1.0, 1.3)])
-def test_loss_kl_rewards_and_gradients_equal_trl(folder, policy, tmp_path, beta, wd, wu):
+@pytest.mark.parametrize("loss, beta, wd, wu", [("kto", 0.1, 1.0, 1.0), ("kto", 0.5, 1.0, 1.3),
+                                                 ("apo_zero_unpaired", 0.3, 1.2, 1.0)])
+def test_loss_kl_rewards_and_gradients_equal_trl(folder, policy, tmp_path, loss, beta, wd, wu):
     """TRL's KTOTrainer.compute_loss on the batch its collator makes (its mismatched KL sequences, a reference model
     beside the policy), and our objective on the same token ids as one micro-batch on one process: the loss, the KL
     estimate (positive here, so not clamped), the mean rewards and log-probabilities of the desirable and the
@@ -89,12 +78,13 @@ def test_loss_kl_rewards_and_gradients_equal_trl(folder, policy, tmp_path, beta,
     pytest.importorskip("trl")
     rows = rows_of(hf_tiny.make_unpaired_file(tmp_path / "feedback.jsonl", n=6, seed=1))
     assert {r["label"] for r in rows} == {True, False}
-    trainer = trl_trainer(policy, folder, rows, tmp_path, beta=beta, desirable_weight=wd, undesirable_weight=wu)
+    trainer = trl_trainer(policy, folder, rows, tmp_path, beta=beta, desirable_weight=wd, undesirable_weight=wu,
+                          loss_type=loss)
     batch, reference_loss, theirs, metrics = hf_tiny.trl_step(trainer)
-    assert metrics["kl"] > 0.01
+    assert metrics["kl"] > 0.01 if loss == "kto" else metrics["kl"] == 0   # apo_zero_unpaired: no KL term
 
-    cfg, model = ours(policy, f"dpo.beta={beta}", f"dpo.desirable_weight={wd}", f"dpo.undesirable_weight={wu}",
-                      "dpo.reference=model")
+    cfg, model = ours(policy, f"dpo.loss={loss}", f"dpo.beta={beta}", f"dpo.desirable_weight={wd}",
+                      f"dpo.undesirable_weight={wu}", "dpo.reference=model")
     _, reference = ours(folder)
     objective = build_objective(cfg)
     assert isinstance(objective, Kto)
@@ -106,17 +96,18 @@ def test_loss_kl_rewards_and_gradients_equal_trl(folder, policy, tmp_path, beta,
         keep = batch[f"{prefix}completion_mask"].bool() & batch[f"{prefix}attention_mask"].bool()
         return ids[:, :-1], ids[:, 1:], keep[:, 1:]
     x, y, m = rows_from("")
-    kx, ky, km = rows_from("KL_")
-    ours_batch = {"x": x, "y": y, "loss_mask": m, "kl_x": kx, "kl_y": ky, "kl_loss_mask": km,
-                  "label": batch["label"].bool()}
+    ours_batch = {"x": x, "y": y, "loss_mask": m, "label": batch["label"].bool()}
+    if loss == "kto":
+        ours_batch.update(zip(("kl_x", "kl_y", "kl_loss_mask"), rows_from("KL_")))
     objective.before_step(model, [ours_batch])
     part = objective.loss(model, ours_batch, 1.0 / len(rows))   # the mean over the examples, one process
     part.loss.backward()
     assert part.loss.item() == pytest.approx(reference_loss.item(), abs=1e-5)
     stats = objective.step_stats(dict(zip(objective.stat_names, part.stats.tolist())))
-    for mine, key in (("kl", "kl"), ("reward_chosen", "rewards/chosen"), ("reward_rejected", "rewards/rejected"),
-                      ("reward_margin", "rewards/margins"), ("logp_chosen", "logps/chosen"),
-                      ("logp_rejected", "logps/rejected")):
+    assert ("kl" in stats) == (loss == "kto")   # apo_zero_unpaired logs no KL estimate: it has none
+    pairs = [("reward_chosen", "rewards/chosen"), ("reward_rejected", "rewards/rejected"),
+             ("reward_margin", "rewards/margins"), ("logp_chosen", "logps/chosen"), ("logp_rejected", "logps/rejected")]
+    for mine, key in pairs + ([("kl", "kl")] if loss == "kto" else []):
         assert stats[mine] == pytest.approx(metrics[key], abs=1e-4), mine
     grads = dict(model.named_parameters())
     assert set(grads) == set(theirs)

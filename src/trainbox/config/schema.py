@@ -222,10 +222,14 @@ class MonitorSection(Section):
         "memory_peak.rankR.json to the run directory"))
 
 
+UNPAIRED_LOSSES = ("kto", "apo_zero_unpaired")   # dpo.loss on unpaired examples (objective/kto.py)
+
+
 class DpoSection(Section):
     """Preference tuning (train.objective=dpo): the loss, its strengths, the reference and the prompt budget."""
 
-    loss: Literal["dpo", "ipo", "simpo", "orpo", "kto"] = Field(
+    loss: Literal["dpo", "ipo", "simpo", "orpo", "kto", "hinge", "robust", "exo_pair", "nca_pair", "bco_pair",
+                  "sppo_hard", "apo_zero", "apo_down", "discopop", "sigmoid_norm", "apo_zero_unpaired"] = Field(
         "dpo", description="dpo: -log sigmoid(beta x the log-ratio margin against the reference) (Rafailov et al. "
                            "2023; TRL's sigmoid loss); ipo: (margin of the per-token log-ratios - 1/(2 beta))^2 (Azar "
                            "et al. 2023, length-normalised as TRL); simpo: reference-free, -log sigmoid(beta x the "
@@ -234,11 +238,18 @@ class DpoSection(Section):
                            "odds ratio) (Hong et al. 2024); kto: unpaired examples, each desirable or not, "
                            "weight x (1 - sigmoid(beta x (its log-ratio - KL))) for a desirable one and (1 - sigmoid("
                            "beta x (KL - its log-ratio))) for an undesirable one, KL estimated over the step's "
-                           "mismatched prompts and completions (Ethayarajh et al. 2024; TRL's KTOTrainer)")
+                           "mismatched prompts and completions (Ethayarajh et al. 2024; TRL's KTOTrainer); "
+                           "apo_zero_unpaired: kto's examples without the KL term (TRL's KTO option). TRL's "
+                           "DPOTrainer loss types by its names: hinge, robust, exo_pair, nca_pair, bco_pair, "
+                           "sppo_hard, apo_zero, apo_down, discopop, sigmoid_norm (objective/losses.py)")
     beta: float = Field(0.1, gt=0, le=100, description="dpo, kto: the strength of the reference (0.1 to 0.5 usual); "
                                                       "ipo: tau; simpo: the reward scale (2 to 2.5 in its paper)")
-    label_smoothing: float = Field(0.0, ge=0, lt=0.5, description="dpo, simpo: the probability that a pair's labels "
-                                                                  "are flipped (conservative DPO)")
+    label_smoothing: float = Field(0.0, ge=0, lt=0.5, description="dpo, simpo, robust, exo_pair: the probability "
+                                                                  "that a pair's labels are flipped (conservative "
+                                                                  "DPO; exo_pair needs more than 0: 1e-3 in its "
+                                                                  "paper)")
+    discopop_tau: float = Field(0.05, gt=0, le=100, description="discopop: the temperature of its mix of the "
+                                                               "logistic and the exponential loss")
     simpo_gamma: float = Field(0.5, ge=0, le=100, description="simpo: the target margin between the chosen and the "
                                                              "rejected reward")
     orpo_lambda: float = Field(0.1, gt=0, le=100, description="orpo: the weight of the odds-ratio term beside the "
@@ -331,12 +342,18 @@ class RunConfig(Section):
             users = which(lambda f: f.generate == "causal")
             raise ValueError(f"train.objective=dpo needs a causal language model (model.family={either(users)}), "
                              f"not {self.model.family}")
-        kto = self.dpo.loss == "kto"
+        loss = self.dpo.loss
+        kto = loss in UNPAIRED_LOSSES
         wrong = [k for k in given if k in ("desirable_weight", "undesirable_weight") and not kto
-                 or k == "label_smoothing" and kto]
+                 or k == "label_smoothing" and loss not in ("dpo", "simpo", "robust", "exo_pair")
+                 or k == "discopop_tau" and loss != "discopop"]
         if wrong:
-            raise ValueError(f"dpo.{wrong[0]} does not apply to dpo.loss={self.dpo.loss}"
-                             + ("" if kto else ": it weighs dpo.loss=kto's examples"))
+            weighs = wrong[0].endswith("desirable_weight")
+            raise ValueError(f"dpo.{wrong[0]} does not apply to dpo.loss={loss}"
+                             + (": it weighs dpo.loss=kto's examples" if weighs else ""))
+        if loss == "exo_pair" and not self.dpo.label_smoothing:
+            raise ValueError("dpo.loss=exo_pair takes the log of dpo.label_smoothing: give it more than 0 (1e-3 in "
+                             "its paper)")
         if kto and self.data.packing:
             raise ValueError("data.packing=true packs preference pairs; dpo.loss=kto's examples run one a row (their "
                              "mismatched sequences apart, without gradients): set data.packing=false")

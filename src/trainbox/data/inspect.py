@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from trainbox.config import DataSection
+from trainbox.config.schema import UNPAIRED_LOSSES
 from trainbox.data import formats, manifest, megatron
 from trainbox.data.loader import TokenDataset, open_tokens, zero_steps_message
 from trainbox.data.preference import prepared_kind
@@ -123,7 +124,7 @@ def inspect_preferences(data, dpo, tok, global_batch: int | None = None, epochs:
     if prepared_kind(data.path) == "examples" or Path(data.path).is_file() and first_row_is_unpaired(Path(data.path)):
         dpo = dpo.model_copy(update={"loss": "kto"})
     train, val = open_pair_datasets(data, dpo, tok, tok.vocab_size)
-    packed = data.packing and dpo.loss != "kto"
+    packed = data.packing and dpo.loss not in UNPAIRED_LOSSES
     report: dict = {"path": data.path, "seq_len": data.seq_len, "tokenizer": tok.name,
                     "unit": train.unit, "packed": bool(packed)}
     for split, ds in (("train", train), ("val", val)):

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from trainbox.config.schema import UNPAIRED_LOSSES
 from trainbox.data import manifest
 from trainbox.data.packing import first_fit_decreasing
 from trainbox.data.preference import PARTS, describe, fit, part_path, prepare_pairs, prepared_kind
@@ -343,7 +344,7 @@ def _kind(prefix: Path, label: str, path: str, examples: bool) -> str:
 def open_pair_datasets(data, dpo, tok, vocab_size: int) -> tuple[PairDataset, PairDataset | None]:
     """(train, val) of data.path (val: data.val_path, else the prefix's val split where it has one): pairs, or
     under dpo.loss=kto examples (UnpairedDataset)."""
-    examples = dpo.loss == "kto"
+    examples = dpo.loss in UNPAIRED_LOSSES
     train_prefix = _prefix(data.path, tok, data, "data.path")
     kinds = [_kind(train_prefix, "data.path", data.path, examples)]
     if data.val_path:   # a set of its own: its val split where it has one, else all of it

@@ -7,6 +7,7 @@ from contextlib import nullcontext
 import torch
 from torch.overrides import TorchFunctionMode
 
+from trainbox.config.schema import UNPAIRED_LOSSES
 from trainbox.data.sources import open_datasets as open_token_datasets
 from trainbox.data.tokenizer import get_tokenizer
 from trainbox.errors import ConfigError
@@ -88,7 +89,7 @@ def packs_examples(run) -> bool:
 def packs_pairs(run) -> bool:
     """Whether the run's preference pairs are packed into rows (data.packing under train.objective=dpo; kto's
     examples are refused packed by the config)."""
-    return bool(run.data.packing and run.train.objective == "dpo")
+    return bool(run.data.packing and run.train.objective == "dpo" and run.dpo.loss not in UNPAIRED_LOSSES)
 
 
 def check_packing(run) -> None:

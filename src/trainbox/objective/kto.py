@@ -4,6 +4,8 @@ al. 2024, "KTO: Model Alignment as Prospect Theoretic Optimization"; TRL's KTOTr
     trainbox train dpo dpo.loss=kto model.path=FOLDER data.path=feedback.jsonl      # {"prompt", "completion", "label"}
     trainbox train dpo dpo.loss=kto model.path=FOLDER data.path=prefs.jsonl         # pairs: 2 examples each
 
+dpo.loss=apo_zero_unpaired (TRL's KTO option) is the same loss without z: no mismatched forward.
+
 An example's reward is beta x its log-ratio (policy over reference, summed over the completion's trained tokens);
 its loss compares that log-ratio with z, the policy's KL divergence from the reference, estimated from mismatched
 prompts and completions (each example's prompt with another example's completion: data/pairs.py UnpairedDataset):
@@ -52,6 +54,7 @@ class Kto(Preference):
     def __init__(self, cfg, device: torch.device | None = None, dtype: torch.dtype | None = None):
         super().__init__(cfg, device, dtype)
         self.kl = torch.zeros((), device=self.device)   # the step's z, set by before_step
+        self.uses_kl = cfg.dpo.loss == "kto"            # apo_zero_unpaired has none
 
     def open_datasets(self, cfg, tokenizer, vocab: int):
         train, val = super().open_datasets(cfg, tokenizer, vocab)
@@ -73,6 +76,8 @@ class Kto(Preference):
     def before_step(self, forward, batches: list[dict], rows: list[int] | None = None) -> None:
         """z over every example of the step on every rank: the policy's and the reference's log-probabilities of
         the mismatched sequences (the reference's from the batch where precomputed)."""
+        if not self.uses_kl:
+            return
         sums = torch.zeros(2, device=self.device)   # sum of log-ratios, examples
         for k, b in enumerate(batches):
             seqs = mismatched(b)
@@ -92,8 +97,8 @@ class Kto(Preference):
         ref = batch.get("ref_logps")
         ref = ref[:B] if ref is not None else self.reference_forward(batch)   # first: its transients go first
         logps, _, out = sequence_logps(forward, batch)
-        per, reward = kto(logps, ref, label, self.kl, self.dpo.beta, self.dpo.desirable_weight,
-                          self.dpo.undesirable_weight)
+        per, reward = kto(logps, ref, label, self.kl if self.uses_kl else None, self.dpo.beta,
+                          self.dpo.desirable_weight, self.dpo.undesirable_weight)
         good = label.float()
         bad = 1 - good
         stats = torch.stack([(reward * good).sum(), (reward * bad).sum(), (logps * good).sum(), (logps * bad).sum(),
@@ -103,7 +108,7 @@ class Kto(Preference):
     def step_stats(self, values: dict) -> dict:
         """Means over the desirable and the undesirable examples (left out where a step has none)."""
         good, bad = values["chosen"], values["rejected"]
-        out = {"kl": values["kl"], "desirable": good / max(good + bad, 1e-12)}
+        out = {"desirable": good / max(good + bad, 1e-12), **({"kl": values["kl"]} if self.uses_kl else {})}
         for side, n in (("chosen", good), ("rejected", bad)):
             if n > 0:
                 out[f"reward_{side}"] = values[f"reward_{side}"] / n
@@ -113,7 +118,7 @@ class Kto(Preference):
         return out
 
     def eval_line(self, res: dict) -> str:
-        margin = res.get("val_reward_margin")
-        return (f"val loss {res['val_loss']:.4f} (kto), "
-                + (f"reward margin {margin:.4f}, " if margin is not None else "")
-                + f"kl {res['val_kl']:.4f} over {res['val_examples']} examples")
+        parts = [f"val loss {res['val_loss']:.4f} ({self.dpo.loss})"]
+        parts += [f"{name} {res[key]:.4f}" for name, key in (("reward margin", "val_reward_margin"), ("kl", "val_kl"))
+                  if res.get(key) is not None]
+        return ", ".join(parts) + f" over {res['val_examples']} examples"

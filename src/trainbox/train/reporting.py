@@ -66,9 +66,10 @@ class Reporting:
         extra = f" mfu {100 * mfu:.1f}%" if mfu else ""
         if "reward_accuracy" in objective:
             extra += f" acc {objective['reward_accuracy']:.2f} margin {objective['reward_margin']:.3f}"
-        elif "kl" in objective:   # dpo.loss=kto
+        elif "desirable" in objective:   # unpaired examples (objective/kto.py)
             margin = objective.get("reward_margin")
-            extra += (f" margin {margin:.3f}" if margin is not None else "") + f" kl {objective['kl']:.3f}"
+            extra += (f" margin {margin:.3f}" if margin is not None else "") + \
+                (f" kl {objective['kl']:.3f}" if "kl" in objective else "")
         if peaks:
             extra += f" mem {peaks['peak_mem_gib']:.1f}GiB peak"
         log.info(f"step {step}/{self.total} loss {losses[-1]:.4f}{f' lr {lr:.3g}' if lr is not None else ''}"
