@@ -102,37 +102,33 @@ def train_hint(out: str, tokenizer: str) -> str:
 
 
 def cmd_inspect(args) -> int:
-    from trainbox.data.inspect import (  # heavy: numpy, torch
-        format_report,
-        inspect_data,
-        inspect_preferences,
-        is_preference_data,
-    )
+    from trainbox.data import inspect as inspection  # heavy: numpy, torch
 
     run = _run_config(Path(args.path))
-    if run is None and is_preference_data(args.path):
+    if run is None and inspection.is_preference_data(args.path):
         report = _inspect_preferences(args)
     elif run is None:
-        report = inspect_data(args.path, args.seq_len or 1024, args.global_batch, args.epochs or 1.0, args.tokenizer,
-                              data_format=args.format or "auto")
+        report = inspection.inspect_data(args.path, args.seq_len or 1024, args.global_batch, args.epochs or 1.0,
+                                         args.tokenizer, data_format=args.format or "auto")
     elif run.train.objective == "dpo":   # its pairs (or examples), as the run reads them, with the run's tokenizer
         from trainbox.model.build import build_tokenizer, resolve_model  # heavy: torch
 
         data = run.data.model_copy(update={k: v for k, v in (("seq_len", args.seq_len), ("packing", args.packing))
                                            if v is not None})
         tok = get_tokenizer(args.tokenizer) if args.tokenizer else build_tokenizer(resolve_model(run))
-        report = inspect_preferences(data, run.dpo, tok, args.global_batch or run.train.global_batch_size,
-                                     args.epochs or run.train.epochs or 1.0)
+        report = inspection.inspect_preferences(data, run.dpo, tok, args.global_batch or run.train.global_batch_size,
+                                                args.epochs or run.train.epochs or 1.0)
         report["run"] = {"path": args.path, "data.path": run.data.path}
     else:   # the run's data with its settings; an option given on the command line overrides the run's
         _refuse_examples(args.path, run)
         seq_len, batch = args.seq_len or run.data.seq_len, args.global_batch or run.train.global_batch_size
-        report = inspect_data(run.data.path, seq_len, batch, args.epochs or run.train.epochs or 1.0,
-                              args.tokenizer or run.data.tokenizer, run.data.cache_dir, args.format or run.data.format)
+        report = inspection.inspect_data(run.data.path, seq_len, batch, args.epochs or run.train.epochs or 1.0,
+                                         args.tokenizer or run.data.tokenizer, run.data.cache_dir,
+                                         args.format or run.data.format)
         steps = run.train.max_steps or (run.train.max_tokens // (batch * seq_len) if run.train.max_tokens else None)
         report["run"] = {"path": args.path, "data.path": run.data.path, "data.tokenizer": run.data.tokenizer,
                          "max_steps": steps, "epochs": round(steps / report["steps_per_epoch"], 4) if steps else None}
-    print(json.dumps(report, indent=1) if args.json else format_report(report))
+    print(json.dumps(report, indent=1) if args.json else inspection.format_report(report))
     return 0
 
 

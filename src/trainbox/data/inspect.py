@@ -27,6 +27,7 @@ from trainbox.config import DataSection
 from trainbox.config.schema import UNPAIRED_LOSSES
 from trainbox.data import formats, manifest, megatron
 from trainbox.data.loader import TokenDataset, open_tokens, zero_steps_message
+from trainbox.data.pairs import PackedPairs, open_pair_datasets
 from trainbox.data.preference import prepared_kind
 from trainbox.data.readers import first_row_is_preference, first_row_is_unpaired
 from trainbox.data.sources import check_vocab, resolve
@@ -120,7 +121,6 @@ def preference_tokenizer(path: str) -> str | None:
 def inspect_preferences(data, dpo, tok, global_batch: int | None = None, epochs: float = 1.0) -> dict:
     """A report of data.path's preference pairs (or examples) as training reads them: `data` and `dpo` are the run's
     sections (or made from the command line); a raw JSONL file is prepared into data.cache_dir as training does."""
-    from trainbox.data.pairs import PackedPairs, open_pair_datasets  # heavy: torch (the datasets' batches)
     if prepared_kind(data.path) == "examples" or Path(data.path).is_file() and first_row_is_unpaired(Path(data.path)):
         dpo = dpo.model_copy(update={"loss": "kto"})
     train, val = open_pair_datasets(data, dpo, tok, tok.vocab_size)
