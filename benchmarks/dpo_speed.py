@@ -26,6 +26,11 @@ train.activation_checkpointing=full or lora.gradient_checkpointing, TRL gradient
                 bf16 copy; TRL: its reference model)
     lora        LoRA adapters (ours: model.family=hf with model.fused_loss), the reference the base with the
                 adapters off on both sides
+    full-packed full, ours with data.packing=true (--micro-batch rows of 2 x --seq-len holding whole pairs); TRL's
+                run is full's (it pads each batch to its longest sequence)
+
+--variable draws pairs of varied lengths (make_pairs) and compares pairs/s, and the tokens/s of the pairs' own
+tokens, padding left out (tokens_per_s then counts each side's padded positions).
 
 Each (side, mode) runs in its own process, so torch.cuda.max_memory_allocated is its own; on a GPU larger than an
 H100 each process caps its allocator at an H100's memory (torch.cuda.set_per_process_memory_fraction). Our full
