@@ -251,8 +251,8 @@ def one_process(folder, feedback, tmp_path_factory):
 def test_train_kto_raises_the_reward_margin_and_logs_it(folder, feedback, one_process):
     """From the reference (loss 1 - sigmoid(0) = 0.5 at step 1, z = 0), 16 steps raise the margin between the
     desirable and the undesirable rewards on the training and the validation examples; metrics.jsonl and
-    status.json carry the KL estimate and the rewards; a second run of the same weights and data reads the
-    precomputed reference back."""
+    status.json carry the KL estimate and the rewards; a second run of the same weights and data at the recipe's
+    own log cadence reads the precomputed reference back and logs the same losses, KL and rewards."""
     root, log = one_process
     run = root / "run"
     train = nodes.events(run, "train")
@@ -269,8 +269,22 @@ def test_train_kto_raises_the_reward_margin_and_logs_it(folder, feedback, one_pr
     assert "computing the reference log-probabilities of 64 examples" in log
     refs = sorted((root / "cache").glob("pairs-*/*_examples.ref-*.npy"))
     assert len(refs) == 2 and np.load(refs[0]).shape in ((64, 2), (16, 2))
-    again = run_cli("train", "dpo", *args(folder, feedback, root, "again", "train.max_steps=1"))
+    # the recipe's own log cadence (every 10 steps, and before each evaluation): the same training, and each
+    # logged step's KL and rewards
+    recipe = [a for a in args(folder, feedback, root, "again", "train.max_steps=16", "train.eval_every=8")
+              if a != "monitor.log_every=1"]
+    again = run_cli("train", "dpo", *recipe)
     assert "computing the reference" not in again.stdout + again.stderr
+    logged = nodes.events(root / "again", "train")
+    assert [e["step"] for e in logged if "kl" in e] == [8, 10, 16]
+    by_step = {e["step"]: e for e in train}
+    for e in logged:
+        assert e["loss"] == pytest.approx(by_step[e["step"]]["loss"], abs=1e-6)
+        if "kl" in e:
+            for k in ("kl", "reward_margin", "reward_chosen", "desirable"):
+                assert e[k] == pytest.approx(by_step[e["step"]][k], abs=1e-6), k
+    again_evals = nodes.events(root / "again", "eval")
+    assert [e["val_loss"] for e in again_evals] == pytest.approx([e["val_loss"] for e in evals], abs=1e-6)
 
 
 def test_dashboard_shows_the_kl_estimate_and_the_rewards(one_process, tmp_path):

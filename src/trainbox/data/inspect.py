@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from trainbox.config import DataSection
-from trainbox.config.schema import UNPAIRED_LOSSES
+from trainbox.config.preference import UNPAIRED_LOSSES
 from trainbox.data import formats, manifest, megatron
 from trainbox.data.loader import TokenDataset, open_tokens, zero_steps_message
 from trainbox.data.pairs import PackedPairs, open_pair_datasets

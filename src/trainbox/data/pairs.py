@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from trainbox.config.schema import UNPAIRED_LOSSES
+from trainbox.config.preference import UNPAIRED_LOSSES
 from trainbox.data import manifest
 from trainbox.data.packing import first_fit_decreasing
 from trainbox.data.preference import PARTS, describe, fit, part_path, prepare_pairs, prepared_kind
@@ -212,7 +212,6 @@ class PackedPairs:
 
     def __init__(self, pairs: PairDataset):
         self.pairs, self.seq_len, self.name = pairs, pairs.seq_len, pairs.name
-        self.kind, self.files, self.prefix, self.split = pairs.kind, pairs.files, pairs.prefix, pairs.split
         self.row_len = 2 * pairs.seq_len
         kp, kc, kr = (np.asarray(k, dtype=np.int64) for k in pairs.kept)
         self.lengths = 2 * kp + kc + kr - 2   # positions: a sequence of n tokens takes n - 1

@@ -7,7 +7,7 @@ from contextlib import nullcontext
 import torch
 from torch.overrides import TorchFunctionMode
 
-from trainbox.config.schema import UNPAIRED_LOSSES
+from trainbox.config.preference import UNPAIRED_LOSSES
 from trainbox.data.sources import open_datasets as open_token_datasets
 from trainbox.data.tokenizer import get_tokenizer
 from trainbox.errors import ConfigError

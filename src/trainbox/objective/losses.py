@@ -52,7 +52,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from trainbox.config.schema import UNPAIRED_LOSSES
+from trainbox.config.preference import UNPAIRED_LOSSES
 
 REFERENCE_FREE = ("simpo", "orpo")
 UNPAIRED = UNPAIRED_LOSSES
