@@ -167,6 +167,7 @@ def test_two_nodes_match_one_process_and_only_rank0_writes(two_nodes, one_proces
     assert len(rngs) == 2 and not torch.equal(rngs[0]["torch"], rngs[1]["torch"])
 
 
+@pytest.mark.slow
 def test_nproc_sigterm_stops_all_ranks_and_resume_is_bit_identical(base, two_nodes):
     args = [sys.executable, "-m", "trainbox", "train", "--nproc", "2", *base, "run.name=nproc"]
     run_dir = two_nodes.parent / "nproc"

@@ -207,6 +207,7 @@ def straight(folder, prefs, tmp_path_factory):
     return want
 
 
+@pytest.mark.slow
 @pytest.mark.faults
 @pytest.mark.parametrize("lose_cache", [False, True])
 def test_sigkill_resumes_bit_for_bit_with_the_precomputed_reference(folder, prefs, straight, tmp_path, lose_cache):
@@ -250,7 +251,7 @@ def one_process(folder, prefs, tmp_path_factory):
     return one
 
 
-@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+@pytest.mark.parametrize("parallel", ["ddp", pytest.param("fsdp", marks=pytest.mark.slow)])
 def test_two_processes_equal_one(folder, prefs, one_process, tmp_path, parallel):
     """train.parallel=ddp or fsdp over 2 processes (gloo), each preparing the raw JSONL: the precompute splits the
     pairs over the ranks and every step's loss and reward accuracy equal one process's."""
@@ -267,6 +268,7 @@ def test_two_processes_equal_one(folder, prefs, one_process, tmp_path, parallel)
     np.testing.assert_allclose(refs[0], refs[1], atol=1e-5)
 
 
+@pytest.mark.slow
 def test_the_real_run_in_miniature_raises_the_reward_accuracy(tmp_path):
     """benchmarks/dpo_real_run.py at its tiny size (SFT of a 2-layer Llama on 400 Shakespeare rows, DPO on 240
     pairs from held-out plays, chosen the true next line, rejected its words shuffled): SFT lowers its loss and DPO

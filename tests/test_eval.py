@@ -164,6 +164,7 @@ def test_eval_command_writes_the_record_and_runs_and_status_show_it(runs, tmp_pa
     assert hf["trainbox"]["scores"]["tiny_mc"] == info["scores"]["tiny_mc"]
 
 
+@pytest.mark.slow
 def test_a_sharded_checkpoint_is_scored_as_its_export(runs, tmp_path, data_cache):
     """An fsdp run on two processes (gloo) leaves sharded checkpoints: `trainbox eval` reads one and scores it as
     lm-eval's hf model scores the run's export."""

@@ -94,6 +94,7 @@ def _same_losses(want: list[dict], got: list[dict]) -> None:
         assert [v for _, v in b] == pytest.approx([v for _, v in a], abs=1e-5), kind
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("run,exchanges,strategies", [("ep", ["padded", "uneven"], ["ddp", "ddp"]),
                                                       ("pad", ["padded", "padded"], ["ddp", "fsdp"])])
 def test_layouts_match_one_process_and_resume_on_fewer_processes_continues_exactly(runs, run, exchanges, strategies):
@@ -128,6 +129,7 @@ def test_layouts_match_one_process_and_resume_on_fewer_processes_continues_exact
     assert last[0].startswith("4\n") and last[0] == last[1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("run,layouts", [("mixed", [(4, "fsdp", 2), (2, "ddp", 2)]), ("cut", [(2, "ddp", 2)])])
 def test_a_single_file_checkpoint_resumes_with_the_experts_split(runs, run, layouts):
     """One process's checkpoint (whole tensors in one file) cut to this rank's expert shards: under fsdp on 4
@@ -170,6 +172,7 @@ def compiled() -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=600, env=env)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("parallel, checkpointing, capacity", COMPILED)
 def test_compiled_expert_parallelism_can_read_its_split_sizes_inside_the_graph(compiled, parallel, checkpointing,
                                                                                capacity):

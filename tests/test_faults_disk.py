@@ -124,7 +124,8 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
+# the cases that run the same command again with room (a second run) are in the slow tier
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if CASES[c][3] else c for c in CASES])
 def test_a_save_that_does_not_fit_says_why_and_the_same_command_resumes(base, data_cache, tmp_path, case, request):
     where, amount, said, resumes = CASES[case]
     run_dir = tmp_path / "run"

@@ -39,6 +39,7 @@ def _args(root, cache, name: str, *extra: str) -> list[str]:
             f"data.cache_dir={cache}", *extra]
 
 
+@pytest.mark.slow
 def test_a_killed_node_stops_the_job_by_name_and_a_relaunch_continues_exactly(tmp_path, data_cache):
     run_dir = tmp_path / "job"
     nodes = start_nodes(_args(tmp_path, data_cache, "job"), tmp_path, "job")

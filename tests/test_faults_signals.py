@@ -196,6 +196,7 @@ def _signal_chain(root: Path, cache: Path, reference: dict, sig: str, hook_at_ev
     return stops
 
 
+@pytest.mark.slow
 def test_stop_signals_at_any_moment_lose_nothing_and_resume_bit_identically(root, cache, reference):
     """STOPS stops per signal, each resumed; SIGUSR1's run logs every 7 steps, the others every 20 (the recipe)."""
     chains = {"SIGTERM": ("save", 11, ()), "SIGINT": ("eval", 12, ()),
@@ -227,6 +228,7 @@ def torchrun_reference(root, cache) -> dict:
     return {"losses": _losses(run_dir), "busy": busy}
 
 
+@pytest.mark.slow
 def test_stop_signals_under_torchrun_lose_nothing(root, cache, reference, torchrun_reference):
     """`trainbox train --nproc 2`: each signal to the launcher stops both ranks at one step with a checkpoint;
     the resumed chain matches an uninterrupted 2-process run bit for bit. The launcher passes the signal to the
@@ -456,6 +458,7 @@ def _kill_launcher(launcher: int, run_dir: Path, timeout: float = 60) -> tuple[i
     return checkpoint.step_of(ckpt), gone
 
 
+@pytest.mark.slow
 def test_a_killed_launcher_leaves_no_workers_and_the_run_resumes_exactly(root, cache, reference, torchrun_reference):
     """SIGKILL of `trainbox train --nproc 2` (and then of its --detach form) at a seeded moment: the workers see
     their launcher gone, stop at the next step boundary with a checkpoint and release the run directory within
@@ -485,6 +488,7 @@ def test_a_killed_launcher_leaves_no_workers_and_the_run_resumes_exactly(root, c
     assert got == torchrun_reference["losses"]
 
 
+@pytest.mark.slow
 def test_a_busy_run_directory_is_refused_under_nproc(torchrun_reference):
     """While a `--nproc 2` run trains (the uninterrupted 2-process run), a second launch on its run directory is
     refused in one message (exit 2) before torchrun starts; the first trains on to its end (the fixture)."""
@@ -499,6 +503,7 @@ def _wait_for_step(run_dir: Path, step: int, timeout: float = 120) -> None:
         time.sleep(0.02)
 
 
+@pytest.mark.slow
 def test_sigkill_at_random_moments_resumes_from_the_newest_checkpoint(root, cache, reference):
     """SIGKILL 4 times at seeded moments (before and after the checkpoint of step 300); each restart resumes
     from the newest checkpoint. metrics.jsonl ends with each step once, equal to the straight run's, and the
@@ -535,6 +540,7 @@ def test_sigkill_at_random_moments_resumes_from_the_newest_checkpoint(root, cach
     assert all(v == reference["losses"][s] for s, v in lost)
 
 
+@pytest.mark.slow
 def test_second_run_on_a_run_directory_is_refused_and_a_stale_lock_is_taken(root, cache, reference):
     """The second run started while the reference run trained is refused, naming the holder's pid, and writes
     nothing into its files; the holder ran to its end with every step once (the fixture): the losses every chain

@@ -73,6 +73,7 @@ def chain(reference, data_cache):
     return root
 
 
+@pytest.mark.slow
 def test_fsdp_steps_equal_one_process_and_reshard_on_resume(chain):
     ref = _losses(chain / "ref")
     _same(_losses(chain / "two"), ref, range(1, 10))       # 2 processes, accumulation 2
@@ -82,6 +83,7 @@ def test_fsdp_steps_equal_one_process_and_reshard_on_resume(chain):
     _same(_losses(chain / "mixed"), ref, range(7, 10))     # a single-file checkpoint -> fsdp on 2
 
 
+@pytest.mark.slow
 def test_sharded_checkpoint_layout_is_verified(chain):
     events = [json.loads(x) for x in (chain / "two" / "metrics.jsonl").read_text().splitlines()]
     assert [e["step"] for e in events if e["event"] == "checkpoint"] == [3, 6, 9]   # each save logged once
@@ -113,6 +115,7 @@ def test_sharded_checkpoint_layout_is_verified(chain):
 WEIGHT_ATOL = 1e-4
 
 
+@pytest.mark.slow
 def test_sharded_weights_load_into_a_plain_model_and_export(chain, tmp_path):
     from trainbox.model.load import load_for_inference
     sharded, _, _ = load_for_inference(chain / "two" / "checkpoints" / "step_00000009")
@@ -131,6 +134,7 @@ def test_sharded_weights_load_into_a_plain_model_and_export(chain, tmp_path):
     assert torch.equal(wte, got["transformer.wte.weight"][: wte.shape[0]])   # the checkpoint's own weights, exactly
 
 
+@pytest.mark.slow
 def test_metadata_that_would_run_code_is_refused(chain, tmp_path):
     import os
 
@@ -214,6 +218,7 @@ sys.exit(main(sys.argv[3:]))
 """
 
 
+@pytest.mark.slow
 @pytest.mark.faults
 @pytest.mark.parametrize("where", ["write", "publish"])
 def test_sigkill_during_an_async_save_keeps_the_previous_checkpoint(reference, tmp_path, data_cache, where):

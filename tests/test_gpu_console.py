@@ -28,6 +28,7 @@ def _console(p) -> str:
     return p.stdout + p.stderr
 
 
+@pytest.mark.slow
 def test_compiled_ddp_start_is_quiet_on_cpu(tmp_path, data_cache):
     args = [*TINY, "train.device=cpu", "train.compile=true", "train.max_steps=2", "train.eval_tokens=256",
             "train.sample_tokens=0", f"run.dir={tmp_path}", "run.name=ddp", f"data.cache_dir={data_cache}"]

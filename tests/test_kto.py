@@ -305,6 +305,7 @@ def test_dashboard_shows_the_kl_estimate_and_the_rewards(one_process, tmp_path):
     assert "KL estimate (kto)" in dom and "reward undesirable" in dom
 
 
+@pytest.mark.slow
 def test_two_processes_equal_one(folder, feedback, one_process, tmp_path):
     """train.parallel=ddp over 2 processes (gloo), 2 micro-batches of 2 each: the KL estimate is the step's over
     both ranks, so every step's loss and KL equal one process's with 2 micro-batches of 4 (a constant learning rate:

@@ -62,6 +62,7 @@ def runs(reference):
     return root, outs, base
 
 
+@pytest.mark.slow
 def test_two_nodes_build_hsdp_and_equal_one_process(runs):
     root, outs, _ = runs
     ref = losses(root / "ref")
@@ -77,6 +78,7 @@ def test_two_nodes_build_hsdp_and_equal_one_process(runs):
     assert {b.ended for b in ranks.read(root / "two")} == {"finished"}
 
 
+@pytest.mark.slow
 def test_a_two_node_checkpoint_resumes_on_one_process_and_on_four(runs):
     root, _, _ = runs
     ref = losses(root / "ref")
@@ -84,6 +86,7 @@ def test_a_two_node_checkpoint_resumes_on_one_process_and_on_four(runs):
     _same(losses(root / "four"), ref, range(4, 10))     # 2 nodes x 2 -> 1 node x 4
 
 
+@pytest.mark.slow
 def test_the_rendered_slurm_lines_run_as_two_nodes(reference, tmp_path):
     """The sbatch script's own TRAIN array and srun line, run by bash on this host as Slurm would run them on two
     nodes (srun's options dropped, SLURM_NODEID, the head node and its port set; `trainbox` this checkout): one
@@ -110,6 +113,7 @@ def test_the_rendered_slurm_lines_run_as_two_nodes(reference, tmp_path):
     _same(losses(root / "slurm"), losses(root / "ref"), range(1, 10))
 
 
+@pytest.mark.slow
 def test_the_rendered_skypilot_run_script_runs_as_two_nodes(reference, tmp_path):
     """task.yaml's `run` script from `trainbox launch sky --nodes 2 --gpus H100:1`, run by bash on this host as
     SkyPilot runs it on each node: its variables set as SkyPilot sets them (both nodes' IPs this host's, so node 0

@@ -303,6 +303,7 @@ DIST = ["train.max_steps=6", "train.checkpoint_every=3", "train.dtype=fp32", "mo
 MOE = ["model.family=moe", "model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.capacity_factor=1.0"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", [["train.parallel=ddp"], ["train.parallel=fsdp"],
                                     [*MOE, "model.moe.expert_parallel=2"],
                                     [*MOE, "model.moe.expert_parallel=2", "optim.state_dtype=fp32"]],

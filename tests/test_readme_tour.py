@@ -11,6 +11,7 @@ import subprocess
 import sys
 import urllib.request
 
+import pytest
 from conftest import REPO, TINY, run_cli
 
 # command prefix -> why the line does not run here
@@ -77,6 +78,7 @@ def _small(words: list[str], cache) -> list[str]:
     return [o for o in extra if o.split("=", 1)[0] not in own]
 
 
+@pytest.mark.slow
 def test_readme_tour_runs(tmp_path, data_cache):
     from trainbox.data import embedded
 

@@ -119,6 +119,7 @@ def test_detach_runs_attach_stop_resume(tmp_path, data_cache):
     assert finished.returncode == 0 and "already finished" in finished.stderr, finished.stderr
 
 
+@pytest.mark.slow
 def test_detach_nproc_stops_through_the_launcher(tmp_path, data_cache):
     root = tmp_path / "runs"
     run, _ = _detach(root, data_cache, "--nproc", "2")
