@@ -41,6 +41,10 @@ prompt and a completion, labelled desirable and undesirable in turn), --micro-ba
 counting the examples' own sequences (each side also runs the mismatched sequences of its KL estimate, without
 gradients), TRL's reference precomputed as DPO's (its precompute_ref_log_probs) in mode full.
 
+--loss reward measures a reward model instead (train.objective=reward, the reward recipe), against TRL's
+RewardTrainer on transformers' Qwen2ForSequenceClassification of the same folder (num_labels=1): the same pairs,
+mode full only (every weight; no reference on either side).
+
 Then, for full DPO of a Llama-3.2-1B-shaped model (16 layers, width 2048, 128,256 ids) with one pair a step and
 activation checkpointing on both sides, the longest of --max-lens that trains two steps on one GPU, each side, found
 by bisection over the lengths (each its own process; ours with the plan's peak beside the measured one), and our
@@ -207,12 +211,14 @@ def run_ours(folder: Path, data: Path, a) -> dict:
                      f"lora.dropout={LORA['dropout']}", "lora.gradient_checkpointing=false"]}[a.mode]
     checkpointing = ["train.activation_checkpointing=full"] if a.checkpointing and a.mode != "lora" else \
         ["lora.gradient_checkpointing=true"] if a.checkpointing else []
-    cfg = load_config("dpo", [
+    reward = a.loss == "reward"
+    cfg = load_config("reward" if reward else "dpo", [
         f"model.path={folder}", f"data.tokenizer={tokenizer_folder(folder.parent, a.size)}", f"data.path={data}",
         f"data.seq_len={a.seq_len}",
         f"train.micro_batch_size={a.micro_batch}", f"train.global_batch_size={a.micro_batch * a.accum}",
         f"train.max_steps={a.steps}", f"run.dir={a.root}/runs", f"run.name=ours-{a.loss}-{a.mode}-{a.size}-{a.seq_len}",
-        "run.resume=never", f"data.cache_dir={a.root}/cache", f"dpo.beta={BETA}", f"dpo.loss={a.loss}",
+        "run.resume=never", f"data.cache_dir={a.root}/cache", *([] if reward else [f"dpo.beta={BETA}",
+                                                                                    f"dpo.loss={a.loss}"]),
         f"optim.lr={5e-6 if a.mode == 'lora' else 5e-7}", "optim.warmup_steps=0", "train.checkpoints=false",
         "train.eval_every=0", "train.sample_tokens=0", "monitor.log_every=1", "monitor.port=0",
         "train.memory_check=false", "train.dtype=bf16" if cuda else "train.dtype=fp32", *mode, *checkpointing,
@@ -245,13 +251,15 @@ def run_trl(folder: Path, data: Path, a) -> dict:
     import torch
     from datasets import load_dataset
     from peft import LoraConfig
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from trl import DPOConfig, DPOTrainer, KTOConfig, KTOTrainer
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, TrainerCallback
+    from trl import DPOConfig, DPOTrainer, KTOConfig, KTOTrainer, RewardConfig, RewardTrainer
 
     cuda = torch.cuda.is_available()
-    kto = a.loss == "kto"
+    kto, reward = a.loss == "kto", a.loss == "reward"
     lora = a.mode == "lora"
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16 if lora and cuda else torch.float32)
+    dtype = torch.bfloat16 if lora and cuda else torch.float32
+    model = AutoModelForSequenceClassification.from_pretrained(folder, num_labels=1, dtype=dtype) if reward else \
+        AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
     times: dict[int, float] = {}
 
     class Clock(TrainerCallback):
@@ -263,18 +271,18 @@ def run_trl(folder: Path, data: Path, a) -> dict:
                 torch.cuda.synchronize()
             times[state.global_step] = time.perf_counter()
 
-    config, trainer_class = (KTOConfig, KTOTrainer) if kto else (DPOConfig, DPOTrainer)
-    loss = {"loss_type": "kto"} if kto else {"loss_type": ["sigmoid"]}
+    config, trainer_class = (KTOConfig, KTOTrainer) if kto else (RewardConfig, RewardTrainer) if reward else \
+        (DPOConfig, DPOTrainer)
+    loss = {} if reward else {"beta": BETA, "loss_type": "kto" if kto else ["sigmoid"],
+                              "precompute_ref_log_probs": a.mode in ("full", "full-packed"),
+                              "precompute_ref_batch_size": a.micro_batch}
     args = config(output_dir=f"{a.root}/runs/trl-{a.loss}-{a.mode}-{a.size}-{a.seq_len}",
                      per_device_train_batch_size=a.micro_batch, gradient_accumulation_steps=a.accum,
                      max_steps=a.steps, learning_rate=5e-6 if lora else 5e-7, lr_scheduler_type="linear",
                      warmup_steps=0, weight_decay=0.0, bf16=cuda, fp16=False, use_cpu=not cuda,
                      gradient_checkpointing=a.checkpointing, gradient_checkpointing_kwargs={"use_reentrant": False},
                      optim="adamw_torch_fused" if cuda else "adamw_torch", logging_steps=1, save_strategy="no",
-                     report_to=[], beta=BETA, max_length=None, **loss,
-                     precompute_ref_log_probs=a.mode in ("full", "full-packed"),
-                     precompute_ref_batch_size=a.micro_batch,
-                     disable_dropout=True, dataloader_num_workers=2,
+                     report_to=[], max_length=None, **loss, disable_dropout=True, dataloader_num_workers=2,
                      seed=0, disable_tqdm=True)
     peft_config = LoraConfig(r=LORA["r"], lora_alpha=LORA["alpha"], lora_dropout=LORA["dropout"],
                              target_modules="all-linear", task_type="CAUSAL_LM") if lora else None
@@ -286,13 +294,14 @@ def run_trl(folder: Path, data: Path, a) -> dict:
                          callbacks=[Clock()])
     example = trainer.train_dataset[0]
     own = example["completion_ids" if kto else "chosen_ids"]
-    assert a.variable or len(example["prompt_ids"]) + len(own) == a.seq_len, "TRL's sequences are not seq_len"
+    prompt = 0 if reward else len(example["prompt_ids"])   # the reward trainer's sequences hold their prompt
+    assert a.variable or prompt + len(own) == a.seq_len, "TRL's sequences are not seq_len"
     out = trainer.train()
     seconds = times[a.steps] - times[a.warmup]
     done = (a.steps - a.warmup) * a.micro_batch * a.accum
     data = trainer.train_dataset
-    mean = sum(2 * len(r["prompt_ids"]) + len(r["chosen_ids"]) + len(r["rejected_ids"]) for r in data) / len(data) \
-        if not kto else None   # TRL draws pairs at random: its mean pair, for the tokens of the pairs it trained
+    mean = sum(2 * len(r.get("prompt_ids", [])) + len(r["chosen_ids"]) + len(r["rejected_ids"]) for r in data) \
+        / len(data) if not kto else None   # TRL draws pairs at random: its mean pair, for the tokens it trained
     return {"tokens_per_s": done * (1 if kto else 2) * a.seq_len / seconds, "pairs_per_s": done / seconds,
             "real_tokens_per_s": done * mean / seconds if mean else None, "peak_memory_gib": _peak_gib(),
             "final_loss": out.training_loss}
@@ -365,6 +374,9 @@ def planned_longest(a) -> dict:
     return out
 
 
+TRAINERS = {"dpo": "DPOTrainer", "kto": "KTOTrainer", "reward": "RewardTrainer"}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size", choices=list(SIZES), default="0.5b")
@@ -375,7 +387,8 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5, help="steps excluded from tokens/s")
     p.add_argument("--seq-len", type=int, default=1024)
-    p.add_argument("--loss", choices=["dpo", "kto"], default="dpo", help="kto: unpaired examples, TRL's KTOTrainer")
+    p.add_argument("--loss", choices=["dpo", "kto", "reward"], default="dpo",
+                   help="kto: unpaired examples, TRL's KTOTrainer; reward: a reward model, TRL's RewardTrainer")
     p.add_argument("--micro-batch", type=int, default=4, help="pairs a forward (2 x that many sequences); kto: "
                                                               "examples")
     p.add_argument("--accum", type=int, default=1)
@@ -438,11 +451,12 @@ def main() -> int:
     runs = report["runs"]
     common.emit(common.Result(
         tool="dpo_speed", what=f"{a.loss}-{a.size}-speed{'-variable' if a.variable else ''}", gpu=gpu,
-        software=common.software("transformers", "peft", "trl"), recipe="dpo", overrides=a.set,
+        software=common.software("transformers", "peft", "trl"), recipe="reward" if a.loss == "reward" else "dpo",
+        overrides=a.set,
         metrics={**{k: v for k, v in report.items() if k not in ("device", "runs")},
                  **{m: runs.get(f"ours-{m}") for m in modes},
                  **({"longest_ours": report["longest"]["ours"]["longest"]} if a.max_lens else {})},
-        baseline={"name": f"TRL {'KTOTrainer' if a.loss == 'kto' else 'DPOTrainer'}", "command": None,
+        baseline={"name": f"TRL {TRAINERS[a.loss]}", "command": None,
                   "metrics": {**{m: runs.get(f"trl-{m}") for m in modes},
                               **({"longest": report["longest"]["trl"]["longest"]} if a.max_lens else {})}}),
         a.record)

@@ -57,6 +57,11 @@ def export(path: str | Path, out: str | Path | None = None, merge: bool = False,
         if gguf_type is not None:
             raise ConfigError(f"--gguf-type {gguf_type} applies to --format gguf", hint="drop it, or add --format gguf")
         return spec.hf().export(str(path), str(out), merge=merge, force=force, dtype=dtype)
+    if cfg.train.objective == "reward":
+        raise ConfigError(f"{ckpt} holds a reward model (train.objective=reward), and GGUF files hold language "
+                          "models (llama.cpp generates with them)",
+                          hint=f"export it with --format hf: a *ForSequenceClassification folder that transformers "
+                               f"and vLLM score with (trainbox export {path} --format hf)")
     gguf_type = gguf_type or "f16"
     gguf_file.check_type(gguf_type, name, spec.gguf)
     for flag, given in (("--merge", merge), (f"--dtype {dtype}", dtype)):

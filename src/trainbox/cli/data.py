@@ -110,13 +110,15 @@ def cmd_inspect(args) -> int:
     elif run is None:
         report = inspection.inspect_data(args.path, args.seq_len or 1024, args.global_batch, args.epochs or 1.0,
                                          args.tokenizer, data_format=args.format or "auto")
-    elif run.train.objective == "dpo":   # its pairs (or examples), as the run reads them, with the run's tokenizer
+    elif run.train.objective in ("dpo", "reward"):   # its pairs (or examples) as the run reads them, its tokenizer
         from trainbox.model.build import build_tokenizer, resolve_model  # heavy: torch
 
         data = run.data.model_copy(update={k: v for k, v in (("seq_len", args.seq_len), ("packing", args.packing))
                                            if v is not None})
         tok = get_tokenizer(args.tokenizer) if args.tokenizer else build_tokenizer(resolve_model(run))
-        report = inspection.inspect_preferences(data, run.dpo, tok, args.global_batch or run.train.global_batch_size,
+        pairs = run.dpo if run.train.objective == "dpo" else \
+            run.dpo.model_copy(update={"max_prompt_len": run.reward.max_prompt_len})   # the reward's truncation
+        report = inspection.inspect_preferences(data, pairs, tok, args.global_batch or run.train.global_batch_size,
                                                 args.epochs or run.train.epochs or 1.0)
         report["run"] = {"path": args.path, "data.path": run.data.path}
     else:   # the run's data with its settings; an option given on the command line overrides the run's

@@ -1,5 +1,6 @@
-"""The dpo section of a run's config: preference tuning's loss, its strengths, the reference and the prompt budget
-(objective/preference.py and objective/kto.py read it; RunConfig checks which keys apply to which loss)."""
+"""The dpo and reward sections of a run's config: preference tuning's loss, its strengths, the reference and the
+prompt budget (objective/preference.py and objective/kto.py read it; RunConfig checks which keys apply to which
+loss), and reward modeling's (objective/reward.py)."""
 from __future__ import annotations
 
 from typing import Literal
@@ -57,6 +58,19 @@ class DpoSection(Section):
         True, description="train the policy without dropout (model.dropout and lora.dropout resolve to 0), as TRL's "
                           "DPOConfig does by default: the reference's log-probabilities are taken without it, and "
                           "dropout in the policy alone adds noise to every log-ratio")
+    max_prompt_len: int | None = Field(
+        None, ge=1, le=MAX_POSITIONS, description="a pair longer than data.seq_len loses the start of its prompt "
+                                                  "down to this many tokens, then the ends of its responses "
+                                                  "(default: half of data.seq_len)")
+
+
+class RewardSection(Section):
+    """Reward modeling (train.objective=reward): a score head on the model, trained on preference pairs."""
+
+    center_coefficient: float | None = Field(
+        None, ge=0, le=100, description="the weight of the mean squared sum of a pair's two rewards added to the "
+                                        "loss, which keeps the rewards centred on 0 (TRL's "
+                                        "center_rewards_coefficient; 0.01 in Eisenstein et al. 2023); none: no term")
     max_prompt_len: int | None = Field(
         None, ge=1, le=MAX_POSITIONS, description="a pair longer than data.seq_len loses the start of its prompt "
                                                   "down to this many tokens, then the ends of its responses "

@@ -12,7 +12,7 @@ from pydantic import BaseModel, Field, model_validator
 from trainbox.config.families import Section
 from trainbox.config.limits import MAX_POSITIONS, MAX_SEQUENCES, MAX_STEPS, MAX_TOKENS
 from trainbox.config.model import ModelSection
-from trainbox.config.preference import UNPAIRED_LOSSES, DpoSection
+from trainbox.config.preference import UNPAIRED_LOSSES, DpoSection, RewardSection
 from trainbox.errors import ConfigError
 from trainbox.model.spec import either, family, which
 
@@ -166,11 +166,13 @@ class TrainSection(Section):
     sample_prompt: str = "\n"
     threads: int | None = Field(None, ge=1, description="CPU threads (default: all cores)")
     peak_tflops: float | None = Field(None, gt=0, description="per-device peak for MFU (default: from the GPU name)")
-    objective: Literal["next_token", "dpo"] = Field(
+    objective: Literal["next_token", "dpo", "reward"] = Field(
         "next_token", description="what a step trains: next_token (pretraining, SFT: the token loss, masked where the "
                                   "data has a loss mask); dpo (preference pairs: chosen and rejected responses in "
                                   "one forward, the loss of the dpo section; train.global_batch_size then counts "
-                                  "pairs, or examples under dpo.loss=kto)")
+                                  "pairs, or examples under dpo.loss=kto); reward (a reward model: a score head "
+                                  "in place of the token head, trained on preference pairs so that the chosen "
+                                  "response scores higher; global_batch_size counts pairs)")
     memory_check: bool = Field(True, description="before the model is built, refuse a run whose memory plan "
                                                  "(`trainbox plan`: weights, gradients, optimizer state, "
                                                  "activations, communication, overhead) exceeds what the device "
@@ -262,6 +264,8 @@ class RunConfig(Section):
     train: TrainSection = Field(default_factory=TrainSection)
     monitor: MonitorSection = Field(default_factory=MonitorSection)
     dpo: DpoSection = Field(default_factory=DpoSection, description="preference tuning (train.objective=dpo)")
+    reward: RewardSection = Field(default_factory=RewardSection, description="reward modeling "
+                                                                            "(train.objective=reward)")
     lora: LoraSection = Field(default_factory=LoraSection)
     quant: QuantSection = Field(default_factory=QuantSection)
 
@@ -306,6 +310,25 @@ class RunConfig(Section):
                              "mismatched sequences apart, without gradients): set data.packing=false")
         if self.dpo.max_prompt_len is not None and self.dpo.max_prompt_len >= self.data.seq_len:
             raise ValueError(f"dpo.max_prompt_len={self.dpo.max_prompt_len} leaves no room for a response in "
+                             f"data.seq_len={self.data.seq_len}: give less than {self.data.seq_len}")
+        return self
+
+    @model_validator(mode="after")
+    def _reward_applies(self) -> "RunConfig":
+        given = self.reward.model_dump(exclude_defaults=True)
+        if given and self.train.objective != "reward":
+            raise ValueError(f"reward.{next(iter(given))} applies to train.objective=reward, not "
+                             f"{self.train.objective}")
+        if self.train.objective != "reward":
+            return self
+        if not family(self.model.family).scores:
+            raise ValueError(f"train.objective=reward puts a score head on the model, which model.family="
+                             f"{self.model.family} does not take: use model.family={either(which(lambda f: f.scores))}")
+        if self.data.packing:
+            raise ValueError("data.packing=true: a reward model scores each sequence at its last token, one "
+                             "sequence a row; set data.packing=false")
+        if self.reward.max_prompt_len is not None and self.reward.max_prompt_len >= self.data.seq_len:
+            raise ValueError(f"reward.max_prompt_len={self.reward.max_prompt_len} leaves no room for a response in "
                              f"data.seq_len={self.data.seq_len}: give less than {self.data.seq_len}")
         return self
 

@@ -47,6 +47,7 @@ class PairDataset:
         self.num_tokens = len(self.tokens)
         self.arrays, self.masks = [self.tokens], [self.mask]   # as TokenDataset: the data behind the pairs
         self.reference: np.ndarray | None = None
+        self.score_pad: int | None = None   # a reward model's padding id (data/tokenizer.py pad_id), where one reads
         self.report = {"pairs": self.num_pairs, "prompts_cut": self.prompts_cut, "responses_cut": self.responses_cut}
 
     def _check_prompts(self, prompts: np.ndarray) -> None:
@@ -107,12 +108,20 @@ class PairDataset:
         return torch.from_numpy(np.concatenate([ref[:, 0], ref[:, 1]]).astype(np.float32))
 
     def batch(self, indices) -> dict[str, torch.Tensor]:
-        """x, y, loss_mask: (2B, seq_len), chosen rows first; ref_logps (2B,) where the reference is set."""
+        """x, y, loss_mask: (2B, seq_len), chosen rows first; ref_logps (2B,) where the reference is set; score_at
+        (2B,) where `score_pad` is: each sequence's last position in x whose token is not that id (0 where none is),
+        the one a reward model scores (all of a sequence lies in x: the truncation keeps it within seq_len)."""
         toks, mask = self._rows(indices)
         t = torch.from_numpy(toks)
         out = {"x": t[:, :-1], "y": t[:, 1:], "loss_mask": torch.from_numpy(mask[:, 1:])}
         if self.reference is not None:
             out["ref_logps"] = self._reference_of(indices)
+        if self.score_pad is not None:
+            kp, kc, kr = (k[np.asarray(indices, dtype=np.int64)] for k in self.kept)
+            lengths = np.concatenate([kp + kc, kp + kr])[:, None]
+            x = toks[:, :-1]
+            pos = np.arange(x.shape[1])[None, :]
+            out["score_at"] = torch.from_numpy((pos * ((pos < lengths) & (x != self.score_pad))).argmax(-1))
         return out
 
     def identity(self) -> list:
@@ -326,7 +335,7 @@ def _prefix(path: str, tok, data, label: str) -> Path:
         return folder / "data"
     if prepared_kind(path) is not None:
         return Path(path)
-    raise DataError(f"{label}={path} holds no preference data: train.objective=dpo reads preference JSONL "
+    raise DataError(f"{label}={path} holds no preference data: train.objective=dpo and reward read preference JSONL "
                     f"(.jsonl, .jsonl.gz) or the output of `trainbox prepare` on it ({path}_train_pairs.*.npy, or "
                     f"_examples for unpaired rows)",
                     hint=f"trainbox prepare PREFS.jsonl --out PREFIX --tokenizer TOKENIZER, then {label}=PREFIX")
@@ -342,8 +351,9 @@ def _kind(prefix: Path, label: str, path: str, examples: bool) -> str:
 
 def open_pair_datasets(data, dpo, tok, vocab_size: int) -> tuple[PairDataset, PairDataset | None]:
     """(train, val) of data.path (val: data.val_path, else the prefix's val split where it has one): pairs, or
-    under dpo.loss=kto examples (UnpairedDataset)."""
-    examples = dpo.loss in UNPAIRED_LOSSES
+    under dpo.loss=kto examples (UnpairedDataset). `dpo`: the dpo section, or the reward one (pairs, its
+    max_prompt_len)."""
+    examples = getattr(dpo, "loss", None) in UNPAIRED_LOSSES
     train_prefix = _prefix(data.path, tok, data, "data.path")
     kinds = [_kind(train_prefix, "data.path", data.path, examples)]
     if data.val_path:   # a set of its own: its val split where it has one, else all of it

@@ -252,3 +252,12 @@ def train_bpe(texts: Iterable[str], vocab_size: int, out: str | Path) -> tuple[P
     tmp.write_text(json.dumps(json.loads(tok.to_str()), ensure_ascii=False))
     tmp.replace(file)
     return file, tok.get_vocab_size()
+
+
+def pad_id(tok) -> int:
+    """The padding id of a sequence classifier on `tok`: the tokenizer's pad token, else its end-of-text (TRL's
+    reward trainer's rule). A reward model's score is read at a sequence's last token that is not this id, as
+    Hugging Face's *ForSequenceClassification reads it (its config's pad_token_id)."""
+    hf = getattr(tok, "hf", None)
+    pad = getattr(hf, "pad_token_id", None) if hf is not None else None
+    return int(pad) if pad is not None else tok.eot_id

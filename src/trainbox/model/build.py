@@ -5,6 +5,7 @@ from __future__ import annotations
 from contextlib import nullcontext
 
 import torch
+import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 
 from trainbox.config.preference import UNPAIRED_LOSSES
@@ -29,10 +30,31 @@ def resolve_model(run):
 
 
 def build_model(cfg, vocab_size: int, block_size: int, run=None):
-    """`cfg` is the ModelSection; `run` the whole RunConfig, which some families read (hf: LoRA, quantisation)."""
+    """`cfg` is the ModelSection; `run` the whole RunConfig, which some families read (hf: LoRA, quantisation). A
+    reward model (train.objective=reward) gets a score head beside the family's (`scores`)."""
     meta = torch.get_default_device().type == "meta"   # the memory plan counts a model built there
     with _NoDrawsOnMeta() if meta else nullcontext():
-        return family(cfg.family).load().build(cfg, vocab_size, block_size, run=run)
+        model = family(cfg.family).load().build(cfg, vocab_size, block_size, run=run)
+        if run is not None and run.train.objective == "reward":
+            model.score = ScoreHead(cfg.n_embd)
+            # the token head is not trained (its weight stays the initial one where it is not the token table)
+            head = getattr(model, "lm_head", None)
+            if head is not None and not any(p is head.weight for n, p in model.named_parameters(
+                    remove_duplicate=False) if not n.startswith("lm_head.")):
+                head.requires_grad_(False)
+    return model
+
+
+class ScoreHead(nn.Linear):
+    """A reward model's head: the final hidden state -> one score, no bias (Hugging Face's
+    *ForSequenceClassification `score` with num_labels=1), drawn from N(0, 0.02) as transformers initialises it."""
+
+    def __init__(self, n_embd: int):
+        super().__init__(n_embd, 1, bias=False)
+        nn.init.normal_(self.weight, std=0.02)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x).squeeze(-1).float()
 
 
 class _NoDrawsOnMeta(TorchFunctionMode):

@@ -10,7 +10,7 @@ import torch.nn as nn
 from trainbox import checkpoint
 from trainbox.checkpoint import OtherShape
 from trainbox.config import RunConfig, build_config
-from trainbox.errors import BadInput, CheckpointError
+from trainbox.errors import BadInput, CheckpointError, ConfigError
 from trainbox.model.build import build_model, build_tokenizer, model_vocab_size
 from trainbox.model.hf_folder import is_hf_folder
 from trainbox.model.spec import family
@@ -41,14 +41,19 @@ def inference_device(name: str | None) -> torch.device:
     return device
 
 
-def load_for_inference(path: str | Path, device: str | torch.device = "cpu"):
-    """Run directory or checkpoint -> (model, tokenizer, config) ready to sample."""
-    return load_verified(checkpoint.resolve(path), device)
+def load_for_inference(path: str | Path, device: str | torch.device = "cpu", generates: bool = True):
+    """Run directory or checkpoint -> (model, tokenizer, config) ready to sample (`generates`: a reward model, which
+    only scores, is refused) or to export."""
+    return load_verified(checkpoint.resolve(path), device, generates)
 
 
-def load_verified(ckpt: Path, device: str | torch.device = "cpu"):
+def load_verified(ckpt: Path, device: str | torch.device = "cpu", generates: bool = True):
     """A step folder that `checkpoint.resolve` returned (verified) -> (model, tokenizer, config)."""
     cfg: RunConfig = build_config(checkpoint.load_trainer(ckpt)["config"])
+    if generates and cfg.train.objective == "reward":
+        raise ConfigError(f"{ckpt} holds a reward model (train.objective=reward): it scores text, it does not "
+                          "generate any", hint=f"export it to score with transformers or vLLM: trainbox export "
+                                               f"{ckpt} --format hf --out FOLDER")
     tokenizer = build_tokenizer(cfg)
     vocab = model_vocab_size(cfg.model, tokenizer.vocab_size)
     model = build_model(cfg.model, vocab, cfg.model.block_size or cfg.data.seq_len, run=cfg)

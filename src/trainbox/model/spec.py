@@ -17,7 +17,10 @@ A family's folder holds
                   own), extra_ids(cfg) (ids above the tokenizer's), open_datasets(run, tokenizer, vocab) (its own
                   examples), adapt_dataset(cfg, tokenizer, dataset, vocab, split) (examples from packed windows),
                   build_meta(run) (the model on the meta device, for the plan), reads_examples(run) (data.path
-                  is read as whole examples, data/sft.py, so data.packing applies)
+                  is read as whole examples, data/sft.py, so data.packing applies). A family that scores
+                  (`Family.scores`) also takes forward(idx, score_at=(B,) positions) -> Output(logits=(B,) fp32
+                  scores): its `score` head (model/build.py's ScoreHead) on the final hidden state at each row's
+                  position
     hf.py         its Hugging Face mapping: export(path, out, merge, force, dtype) -> lines, import_hf(folder, model,
                   cfg); gguf_model(folder) where the family writes GGUF (Family.gguf lists the types)
     memory.py     what one micro-batch's forward keeps for the backward, for the plan: activations(...)
@@ -73,6 +76,9 @@ class Family:
     steps: bool = False                   # the model takes set_step(step, total) before each step
     packing: tuple[str, ...] = ()         # the kernels it runs on packed rows (kernels/packed.py: flash, flex, sdpa;
                                           # hf: transformers' own); () = it cannot pack (data.packing is refused)
+    scores: bool = False                  # forward(idx, score_at=) gives one score a row from a `score` head that
+                                          # model/build.py puts on it (train.objective=reward); export writes the
+                                          # *ForSequenceClassification form
     adapters: bool = False                # trains adapters on a frozen base; the model's adapters_off() context
                                           # gives the base (the preference objective's reference)
     packages: tuple[tuple[str, str], ...] = ()   # (package, extra) it needs to train (`doctor`)

@@ -5,10 +5,13 @@
     dpo          preference pairs, chosen and rejected in one forward: dpo, ipo, simpo, orpo (preference.py,
                  the losses in losses.py, the pairs in data/preference.py and data/pairs.py); under
                  dpo.loss=kto, unpaired examples judged desirable or not (kto.py)
+    reward       a reward model: a score head trained on the same pairs, the chosen response to score higher
+                 (reward.py)
 
 The loop (train/loop.py) asks the run's objective for its datasets, the denominator of a step's mean, each
 micro-batch's loss and logged values, and the validation; the memory plan asks `memory_terms`. Objectives call
-the family's own forward, so every causal family trains with every objective and no objective names a family.
+the family's own forward, so every causal family trains with every objective (reward: every family whose forward
+scores, `Family.scores`) and no objective names a family.
 """
 from __future__ import annotations
 
@@ -19,8 +22,9 @@ from trainbox.objective.kto import Kto
 from trainbox.objective.losses import UNPAIRED
 from trainbox.objective.next_token import NextToken
 from trainbox.objective.preference import Preference
+from trainbox.objective.reward import Reward
 
-OBJECTIVES = {"next_token": NextToken, "dpo": Preference}
+OBJECTIVES = {"next_token": NextToken, "dpo": Preference, "reward": Reward}
 
 
 def objective_class(cfg) -> type[Objective]:

@@ -44,6 +44,7 @@ class Objective:
     sequences = 1                       # sequences one sample puts through the model (a pair: 2)
     stat_names: tuple[str, ...] = ()    # what Part.stats holds, logged with the loss
     eval_keys: tuple[str, ...] = ("val_loss", "val_bpb")   # what evaluate returns for the run state
+    token_head = True                   # the token head (and its loss) runs over the sequences (the memory plan)
 
     def open_datasets(self, cfg, tokenizer, vocab: int):
         """(train, val) datasets whose `batch` gives this objective's micro-batches."""

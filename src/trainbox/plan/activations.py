@@ -8,6 +8,7 @@ from dataclasses import replace
 
 from trainbox.model.memory import Activations, Kernels, Widths, head_bytes
 from trainbox.model.spec import family
+from trainbox.objective import objective_class
 from trainbox.plan.count import ParamCount
 
 
@@ -20,7 +21,8 @@ def family_activations(cfg, counts: ParamCount, vocab: int, micro: int, mode: st
     f = memory.forward(cfg, counts, micro, mode, w, kern)
     blocks = f.blocks * (getattr(memory, "COMPILE_FACTOR", 1.0) if w.compiled else 1.0)
     fp8_head = cfg.model.fp8_head and kern.fp8 == "fp8"
-    head_saved, head_transient = head_bytes(f.head_tokens, f.width, vocab, w, kern, f.softcap, fp8_head, w.compiled,
+    head_tokens = f.head_tokens if objective_class(cfg).token_head else 0   # a reward model's score head: no logits
+    head_saved, head_transient = head_bytes(head_tokens, f.width, vocab, w, kern, f.softcap, fp8_head, w.compiled,
                                             frozen=counts.frozen > 0 and counts.head_frozen)
     # one block's backward: the gradient of its largest intermediates, and under recomputation the block itself
     workspace = 2 * w.a * f.head_tokens * (f.widest or 4 * f.width) + (f.recompute if mode != "none" else 0)

@@ -14,4 +14,5 @@ FAMILY = Family(
     export="LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM or Qwen3ForCausalLM",
     gguf=GGUF_TYPES,
     packing=("flash", "flex", "sdpa"),
+    scores=True,
 )

@@ -4,7 +4,8 @@ directions.
     trainbox train sft model.path=FOLDER data.path=chat.jsonl     # shape, tokenizer and weights from FOLDER
     trainbox train llama-1b run.init_from=FOLDER                  # weights only; the recipe's shape must match
     trainbox export runs/sft --format hf --out hf/     # LlamaForCausalLM (qkv_bias: Qwen2, qk_norm: Qwen3;
-                                                       # a Mistral folder's run: MistralForCausalLM)
+                                                       # a Mistral folder's run: MistralForCausalLM; a reward
+                                                       # model's run: *ForSequenceClassification)
 
 Our parameter names are Hugging Face's and our RoPE uses its rotate_half convention, so the weights copy
 across unchanged: no renames, no permutation of q_proj / k_proj rows. What the conversion does: it reads
@@ -27,6 +28,7 @@ import torch.nn as nn
 from safetensors.torch import save_file
 
 from trainbox.data.chat import template_for
+from trainbox.data.tokenizer import pad_id
 from trainbox.errors import ConfigError
 from trainbox.model.gguf_file import GGUFModel
 from trainbox.model.hf_folder import (
@@ -197,6 +199,8 @@ def import_hf(folder: str | Path, model: nn.Module, cfg) -> None:
     state = read_weights(folder)
     if cfg.llama.tie_embeddings:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    if hasattr(model, "score"):   # a reward model on a causal folder: its score head starts as drawn (ScoreHead)
+        state.setdefault("score.weight", model.score.weight.detach().clone())
     copy_mapped(model, state, ("model.embed_tokens.weight", "lm_head.weight"), folder, "our llama model",
                 "the folder must hold a LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM or Qwen3ForCausalLM")
 
@@ -204,10 +208,12 @@ def import_hf(folder: str | Path, model: nn.Module, cfg) -> None:
 # ----------------------------------------------------------------------------- weights out
 
 
-def hf_config(cfg, vocab: int, block: int, source: dict | None = None) -> dict:
+def hf_config(cfg, vocab: int, block: int, source: dict | None = None, pad: int | None = None) -> dict:
     """config.json for our model section: Qwen2ForCausalLM with q/k/v biases, Qwen3ForCausalLM with q/k norms,
     else MistralForCausalLM where `source` (the config.json of model.path, where there is one) is a Mistral, else
-    LlamaForCausalLM. Token ids and the context length come from `source`."""
+    LlamaForCausalLM. Token ids and the context length come from `source`. A reward model's (`pad`: its padding
+    id, data/tokenizer.py pad_id): the *ForSequenceClassification of the same, one label, scoring at the last
+    token that is not `pad`."""
     lc, rs = cfg.llama, cfg.llama.rope_scaling
     model_type = "qwen2" if lc.qkv_bias else "qwen3" if lc.qk_norm else \
         "mistral" if (source or {}).get("model_type") == "mistral" else "llama"
@@ -234,22 +240,29 @@ def hf_config(cfg, vocab: int, block: int, source: dict | None = None) -> dict:
     for key in ("bos_token_id", "eos_token_id", "pad_token_id", "max_position_embeddings"):
         if source and source.get(key) is not None:
             out[key] = source[key]
+    if pad is not None:
+        out.update(architectures=[ARCHITECTURES[model_type].replace("ForCausalLM", "ForSequenceClassification")],
+                   num_labels=1, id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0}, pad_token_id=pad)
     return out
 
 
 def hf_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Our weights under their (Hugging Face) names in fp32; a tied head is left out (transformers re-ties it)."""
+    """Our weights under their (Hugging Face) names in fp32; a tied head is left out (transformers re-ties it), and
+    a reward model's token head (its `score` is its head)."""
+    drop = hasattr(model, "score") or model.cfg.llama.tie_embeddings
     return {k: v.detach().float().cpu().contiguous() for k, v in model.state_dict().items()
-            if not (k == "lm_head.weight" and model.cfg.llama.tie_embeddings)}
+            if not (k == "lm_head.weight" and drop)}
 
 
-def write_hf(model: nn.Module, cfg, folder: Path, eot_id: int, block: int, dtype: str | None = None) -> str:
+def write_hf(model: nn.Module, cfg, folder: Path, eot_id: int, block: int, dtype: str | None = None,
+             pad: int | None = None) -> str:
     """model.safetensors (in `dtype`: fp32, bf16, fp16; default fp32), config.json and generation_config.json
-    (model.path's, else end-of-text's ids) into `folder`; returns the architecture."""
+    (model.path's, else end-of-text's ids) into `folder`; returns the architecture. `pad`: a reward model's
+    padding id (hf_config)."""
     source_dir = Path(cfg.path) if cfg.path else None
     source = json.loads((source_dir / "config.json").read_text()) if source_dir and \
         (source_dir / "config.json").is_file() else {"bos_token_id": eot_id, "eos_token_id": eot_id}
-    config = {**hf_config(cfg, model.vocab_size, block, source), "dtype": dtype_name(dtype)}
+    config = {**hf_config(cfg, model.vocab_size, block, source, pad), "dtype": dtype_name(dtype)}
     save_file(cast(hf_state(model), dtype), str(folder / "model.safetensors"), metadata={"format": "pt"})
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     generation = source_dir / "generation_config.json" if source_dir else None
@@ -263,17 +276,19 @@ def write_hf(model: nn.Module, cfg, folder: Path, eot_id: int, block: int, dtype
 
 def export(path: str, out: str, merge: bool = False, force: bool = False, dtype: str | None = None) -> list[str]:
     """`trainbox export` of a llama run: a LlamaForCausalLM (Qwen2ForCausalLM with q/k/v biases, Qwen3ForCausalLM
-    with q/k norms, MistralForCausalLM for a Mistral folder's run) folder with
+    with q/k norms, MistralForCausalLM for a Mistral folder's run; a reward model's *ForSequenceClassification) folder
+    with
     the run's tokenizer (the files of its tokenizer folder, model.path's, copied; else written as for gpt), its
     chat template, and generation_config.json stopping at end-of-text and the end-of-turn token."""
     no_merge(path, merge)
     out = Path(out)
     check_out(out, force)
-    model, tokenizer, cfg = load_for_inference(path)
+    model, tokenizer, cfg = load_for_inference(path, generates=False)
     block = cfg.model.block_size or cfg.data.seq_len
     template = template_for(tokenizer, cfg.data.chat_template)
     with staged(out) as tmp:
-        arch = write_hf(model, cfg.model, tmp, tokenizer.eot_id, block, dtype)
+        arch = write_hf(model, cfg.model, tmp, tokenizer.eot_id, block, dtype,
+                        pad_id(tokenizer) if hasattr(model, "score") else None)
         write_generation(tmp, tokenizer, template, json.loads((tmp / "generation_config.json").read_text()))
         spec = Path(tokenizer_spec(cfg))
         if (spec / "tokenizer_config.json").is_file():  # a Hugging Face tokenizer folder: its files as they are

@@ -215,12 +215,16 @@ class Llama(nn.Module):
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, loss_mask: torch.Tensor | None = None,
                 caches: list[KVCache] | None = None, pos: int = 0, reduction: str = "mean",
                 doc_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-                logits_to_keep: int = 1, visible: torch.Tensor | None = None) -> Output:
+                logits_to_keep: int = 1, visible: torch.Tensor | None = None,
+                score_at: torch.Tensor | None = None) -> Output:
         """Packed rows: `doc_ids` (B, T), each token's example in its row, and `position_ids` (B, T), its position
         inside that example (data/packing.py). Rows of any other layout: `visible` (B, T, T) bool, True where a
         query sees a key, with `position_ids` (eval/adapter.py's contexts shared by their continuations). Without
-        targets: the logits of the last `logits_to_keep` positions (0: all), as Hugging Face's forward."""
+        targets: the logits of the last `logits_to_keep` positions (0: all), as Hugging Face's forward. A reward
+        model's `score_at` (B,): each row's score at that position, in `logits`."""
         x = self.hidden(idx, caches, pos, doc_ids, position_ids, visible)
+        if score_at is not None:
+            return Output(logits=self.score(x[torch.arange(x.size(0), device=x.device), score_at]))
         if targets is None:
             return Output(logits=self.lm_head(x[:, -logits_to_keep:, :]))
         if self.cfg.fused_loss:
