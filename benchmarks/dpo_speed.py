@@ -43,7 +43,8 @@ gradients), TRL's reference precomputed as DPO's (its precompute_ref_log_probs) 
 
 --loss reward measures a reward model instead (train.objective=reward, the reward recipe), against TRL's
 RewardTrainer on transformers' Qwen2ForSequenceClassification of the same folder (num_labels=1): the same pairs,
-mode full only (every weight; no reference on either side).
+modes full and lora (no reference on either side; TRL's LoRA is PEFT's SEQ_CLS, the score head trained whole in
+its modules_to_save, as ours is).
 
 Then, for full DPO of a Llama-3.2-1B-shaped model (16 layers, width 2048, 128,256 ids) with one pair a step and
 activation checkpointing on both sides, the longest of --max-lens that trains two steps on one GPU, each side, found
@@ -285,7 +286,8 @@ def run_trl(folder: Path, data: Path, a) -> dict:
                      report_to=[], max_length=None, **loss, disable_dropout=True, dataloader_num_workers=2,
                      seed=0, disable_tqdm=True)
     peft_config = LoraConfig(r=LORA["r"], lora_alpha=LORA["alpha"], lora_dropout=LORA["dropout"],
-                             target_modules="all-linear", task_type="CAUSAL_LM") if lora else None
+                             target_modules="all-linear", task_type="SEQ_CLS" if reward else "CAUSAL_LM") \
+        if lora else None
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     trainer = trainer_class(model=model, args=args, train_dataset=load_dataset("json", data_files=str(data))["train"],

@@ -44,18 +44,31 @@ def ours(folder, *overrides):
     tok = build_tokenizer(cfg)
     torch.manual_seed(0)
     model = build_model(cfg.model, tok.vocab_size, 64, run=cfg)
-    load_init_weights(cfg.run.init_from, model, cfg.model)
+    if cfg.run.init_from:   # the llama family's folder (LoRA's base is loaded by the build)
+        load_init_weights(cfg.run.init_from, model, cfg.model)
     return cfg, tok, model
 
 
-def trl_trainer(folder, rows, tmp_path, **args):
+def trl_trainer(folder, rows, tmp_path, peft_config=None, **args):
     from trl import RewardConfig, RewardTrainer
 
     datasets = pytest.importorskip("datasets")
     config = RewardConfig(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=len(rows), report_to=[],
                           use_cpu=True, bf16=False, fp16=False, max_length=None, seed=0, **args)
     return RewardTrainer(model=str(folder), args=config, train_dataset=datasets.Dataset.from_list(rows),
-                         processing_class=transformers.AutoTokenizer.from_pretrained(folder))
+                         processing_class=transformers.AutoTokenizer.from_pretrained(folder), peft_config=peft_config)
+
+
+def our_batch(train, batch, n):
+    """Our micro-batch of the pairs in TRL's `batch` (its sampler shuffles them), after checking that each of TRL's
+    sequences (right-padded with its pad id) is ours, row for row."""
+    ids = batch["input_ids"]
+    theirs_rows = [ids[r, :int(batch["attention_mask"][r].sum())].tolist() for r in range(2 * n)]
+    pairs = [[seq.tolist() for seq, _ in train.sequences(i)] for i in range(n)]
+    mine = train.batch(np.array([pairs.index([theirs_rows[r], theirs_rows[n + r]]) for r in range(n)]))
+    for row in range(2 * n):
+        assert mine["x"][row, :len(theirs_rows[row])].tolist() == theirs_rows[row], row
+    return mine
 
 
 @pytest.mark.parametrize("form, center", [("messages", None), ("text", None), ("implicit", 0.01)])
@@ -77,12 +90,7 @@ def test_loss_rewards_and_gradients_equal_trl(folder, tmp_path, form, center):
     assert isinstance(objective, Reward)
     train, _ = objective.open_datasets(cfg, tok, tok.vocab_size)
     n, ids = len(rows), batch["input_ids"]
-    theirs_rows = [ids[r, :int(batch["attention_mask"][r].sum())].tolist() for r in range(2 * n)]
-    pairs = [[seq.tolist() for seq, _ in train.sequences(i)] for i in range(n)]
-    order = [pairs.index([theirs_rows[r], theirs_rows[n + r]]) for r in range(n)]   # TRL's sampler shuffles
-    mine = train.batch(np.array(order))
-    for row in range(2 * n):   # TRL's sequence (right-padded with its pad id) is ours, row for row
-        assert mine["x"][row, :len(theirs_rows[row])].tolist() == theirs_rows[row], row
+    mine = our_batch(train, batch, n)
     part = objective.loss(model, mine, 1.0 / n)   # the mean over the pairs, one process
     part.loss.backward()
     assert part.loss.item() == pytest.approx(reference_loss.item(), abs=1e-6)
@@ -98,6 +106,72 @@ def test_loss_rewards_and_gradients_equal_trl(folder, tmp_path, form, center):
         torch.testing.assert_close(g, theirs[name], atol=1e-5, rtol=0, msg=name)
     assert theirs["score.weight"].abs().max() > 1e-3
     assert model.lm_head.weight.grad is None and not model.lm_head.weight.requires_grad   # not trained
+
+
+def test_lora_reward_equals_trl_with_peft(tmp_path):
+    """model.family=hf (LoRA r=8 on every linear layer of the base, the score head trained whole) against TRL's
+    RewardTrainer with PEFT's SEQ_CLS LoRA of the same settings (the score in modules_to_save), with the same
+    adapter and head weights: the loss and the gradient of every adapter and of the head agree (fp32, CPU)."""
+    peft = pytest.importorskip("peft")
+    pytest.importorskip("trl")
+    folder = hf_tiny.make_model(tmp_path / "base", seed=3)
+    rows = [json.loads(line) for line in open(hf_tiny.make_preference_file(tmp_path / "p.jsonl", n=6))]
+    lora = peft.LoraConfig(task_type="SEQ_CLS", r=8, lora_alpha=16, lora_dropout=0.0, target_modules="all-linear")
+    trainer = trl_trainer(folder, rows, tmp_path, peft_config=lora)
+    theirs = dict(trainer.model.named_parameters())
+    with torch.no_grad():   # B of every adapter starts at 0: a nonzero one makes the test see A's gradients too
+        for name, p in theirs.items():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    batch, reference_loss, grads, _ = hf_tiny.trl_step(trainer)
+
+    cfg, tok, model = ours(folder, "model.family=hf", "lora.r=8", "lora.alpha=16", "lora.dropout=0",
+                           f"data.path={tmp_path / 'p.jsonl'}")
+    head = "base_model.model.score.modules_to_save.default.weight"
+    adapters = {n: p for n, p in model.named_parameters() if "lora_" in n}
+    assert len(adapters) == len([n for n in theirs if "lora_" in n]) > 0
+    with torch.no_grad():
+        for name, p in adapters.items():
+            p.copy_(theirs[name.removeprefix("peft.")])
+        model.score.weight.copy_(theirs[head])
+    objective = build_objective(cfg)
+    train, _ = objective.open_datasets(cfg, tok, tok.vocab_size)
+    part = objective.loss(model, our_batch(train, batch, len(rows)), 1.0 / len(rows))
+    part.loss.backward()
+    assert part.loss.item() == pytest.approx(reference_loss.item(), abs=1e-6)
+    for name, p in adapters.items():
+        torch.testing.assert_close(p.grad, grads[name.removeprefix("peft.")], atol=1e-6, rtol=0, msg=name)
+    torch.testing.assert_close(model.score.weight.grad, grads[head], atol=1e-6, rtol=0)
+    assert {n for n, p in model.named_parameters() if p.requires_grad} == {*adapters, "score.weight"}
+
+
+def test_a_lora_reward_run_exports_merged_and_transformers_scores_as_we_do(tmp_path):
+    """`trainbox train reward model.family=hf`, then `export --merge`: a LlamaForSequenceClassification of the base
+    with the adapters folded in, whose scores are the run's; the adapter alone is refused (the head is no
+    adapter)."""
+    folder = hf_tiny.make_model(tmp_path / "base", seed=3)
+    path = hf_tiny.make_preference_file(tmp_path / "p.jsonl", n=32)
+    run_cli("train", "reward", "model.family=hf", f"model.path={folder}", f"data.path={path}", "data.seq_len=64",
+            "train.global_batch_size=8", "train.max_steps=6", "optim.lr=1e-3", f"run.dir={tmp_path / 'runs'}",
+            "monitor.port=0", "monitor.plot=false", f"data.cache_dir={tmp_path / 'cache'}", cwd=tmp_path)
+    run = tmp_path / "runs" / "reward"
+    refused = run_cli("export", str(run), "--format", "hf", "--out", str(tmp_path / "a"), check=False)
+    assert refused.returncode == 2 and "add --merge" in refused.stderr and not (tmp_path / "a").exists()
+    run_cli("export", str(run), "--format", "hf", "--merge", "--out", str(tmp_path / "rm"))
+    hf = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path / "rm", dtype=torch.float32)
+    assert hf.config.architectures == ["LlamaForSequenceClassification"] and hf.config.num_labels == 1
+    from trainbox.model.hf.hf import load_lora_run
+    model, _, _ = load_lora_run(run, torch.float32)
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "rm")
+    chats = [[{"role": "user", "content": "what is one plus two"}, {"role": "assistant", "content": a}]
+             for a in ("one plus two equals three", "it equals seven", "three")]
+    enc = tok([tok.apply_chat_template(c, tokenize=False) for c in chats], return_tensors="pt", padding=True,
+              add_special_tokens=False)
+    with torch.no_grad():
+        theirs = hf.eval()(**enc).logits.squeeze(-1)
+        mine = model(enc["input_ids"], score_at=enc["attention_mask"].sum(-1) - 1).logits
+    torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=0)
+    assert model.score.weight.abs().max() > 0 and not torch.equal(theirs[0], theirs[1])
 
 
 def test_the_loss_by_hand():
@@ -204,3 +278,21 @@ def test_reward_pairs_are_the_dpo_pairs(folder, tmp_path):
     pairs, _ = open_pair_datasets(dpo.data, dpo.dpo, tok, tok.vocab_size)
     a, b = reward.batch(np.arange(8)), pairs.batch(np.arange(8))
     assert "score_at" not in a and all(torch.equal(a[k], b[k]) for k in b)
+
+
+@pytest.mark.parametrize("parallel", ["fsdp", pytest.param("ddp", marks=pytest.mark.slow)])
+def test_two_processes_equal_one(run, tmp_path, parallel):
+    """train.parallel=fsdp or ddp over 2 processes (gloo), the same command otherwise: every step's loss, and the
+    validation's loss and accuracy, equal the one-process run's (the score head in the root unit, the token head
+    frozen and never run)."""
+    root, args, _ = run
+    run_cli("train", "reward", "--nproc", "2", *[a for a in args if not a.startswith("run.dir=")],
+            f"run.dir={tmp_path}", f"train.parallel={parallel}", "train.micro_batch_size=2", cwd=root, timeout=600)
+    want, got = _losses(root / "runs" / "reward"), _losses(tmp_path / "reward")
+    assert sorted(got) == sorted(want) == list(range(1, 25))
+    assert [got[s] for s in sorted(got)] == pytest.approx([want[s] for s in sorted(want)], abs=1e-5)
+    evals = [[e for e in map(json.loads, open(d / "metrics.jsonl")) if e["event"] == "eval"]
+             for d in (root / "runs" / "reward", tmp_path / "reward")]
+    for a, b in zip(*evals, strict=True):
+        assert b["val_loss"] == pytest.approx(a["val_loss"], abs=1e-5)
+        assert b["val_reward_accuracy"] == a["val_reward_accuracy"]

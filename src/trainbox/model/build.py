@@ -35,14 +35,21 @@ def build_model(cfg, vocab_size: int, block_size: int, run=None):
     meta = torch.get_default_device().type == "meta"   # the memory plan counts a model built there
     with _NoDrawsOnMeta() if meta else nullcontext():
         model = family(cfg.family).load().build(cfg, vocab_size, block_size, run=run)
-        if run is not None and run.train.objective == "reward":
-            model.score = ScoreHead(cfg.n_embd)
-            # the token head is not trained (its weight stays the initial one where it is not the token table)
-            head = getattr(model, "lm_head", None)
-            if head is not None and not any(p is head.weight for n, p in model.named_parameters(
-                    remove_duplicate=False) if not n.startswith("lm_head.")):
-                head.requires_grad_(False)
+        add_score_head(model, cfg, run)
     return model
+
+
+def add_score_head(model, cfg, run) -> None:
+    """A reward model's (train.objective=reward) score head on `model`, as wide as its hidden state (`model.width`
+    where the family has one, else model.n_embd). The token head is not trained: its weight stays the initial
+    one, where it is not the token table."""
+    if run is None or run.train.objective != "reward":
+        return
+    model.score = ScoreHead(getattr(model, "width", cfg.n_embd))
+    head = getattr(model, "lm_head", None)
+    if head is not None and not any(p is head.weight for n, p in model.named_parameters(remove_duplicate=False)
+                                    if not n.startswith("lm_head.")):
+        head.requires_grad_(False)
 
 
 class ScoreHead(nn.Linear):

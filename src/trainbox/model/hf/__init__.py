@@ -9,7 +9,8 @@ FAMILY = Family(
     options=frozenset({"path", "fused_loss"}), own_attention="hf", packing=("hf",),
     fsdp="LoRA trains small adapters on a frozen base: use train.parallel=ddp",
     recompute="use lora.gradient_checkpointing (Hugging Face's own)",
-    export="PEFT adapter or merged model", adapters=True,
+    export="PEFT adapter or merged model (a reward model: merged, *ForSequenceClassification)", adapters=True,
+    scores=True,
     gguf=GGUF_TYPES,   # of the merged model, for the bases hf.py's GGUF_BASES lists
     lowp_residual=True,   # the residual stream in the base's dtype: bf16 on a GPU (4/8-bit bases: fp32, plan/memory.py)
     packages=(("transformers", "finetune"), ("peft", "finetune")),

@@ -23,13 +23,16 @@ import shutil
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from trainbox import checkpoint
 from trainbox.config import RunConfig, build_config
 from trainbox.data.chat import template_for
 from trainbox.data.sft import load_hf_tokenizer
+from trainbox.data.tokenizer import pad_id
 from trainbox.errors import ConfigError, require
 from trainbox.files import default_modes
+from trainbox.model.build import add_score_head
 from trainbox.model.gguf_file import GGUFModel
 from trainbox.model.gpt import hf as gpt_hf
 from trainbox.model.hf.model import build_hf
@@ -46,6 +49,7 @@ def load_lora_run(path: str | Path, dtype) -> tuple:
     if cfg.model.family != "hf":
         raise ConfigError(f"{ckpt} is a model.family={cfg.model.family} run, not a LoRA (hf) run")
     model = build_hf(cfg, dtype=dtype, quantize=False)
+    add_score_head(model, cfg.model, cfg)
     checkpoint.load_weights(ckpt, model)
     return model.eval(), cfg, ckpt
 
@@ -70,6 +74,11 @@ def export_lora_hf(path: str | Path, out: str | Path, merge: bool = False, force
         raise ConfigError(f"--dtype {dtype} applies to a whole model; a PEFT adapter is written as trained",
                           hint="add --merge to write the base with the adapter folded in, in that dtype")
     quantized = cfg.quant.quantized
+    reward = cfg.train.objective == "reward"
+    if reward and not merge:
+        raise ConfigError(f"{ckpt} holds a reward model (train.objective=reward): its score head is not an adapter, "
+                          "so it is written with the adapters merged, as a *ForSequenceClassification model",
+                          hint=f"add --merge: trainbox export {path} --format hf --merge")
     if merge and quantized and not force:
         bits = 4 if cfg.quant.load_in_4bit else 8
         raise ConfigError(f"{ckpt} was trained on a {bits}-bit quantised base; merging its adapter into the "
@@ -93,6 +102,8 @@ def export_lora_hf(path: str | Path, out: str | Path, merge: bool = False, force
         tok_src = cfg.data.tokenizer if cfg.data.tokenizer != "gpt2" else cfg.model.path
         tokenizer = load_hf_tokenizer(tok_src)
         tokenizer.hf.save_pretrained(tmp)
+        if reward:
+            kind = f"merged reward model ({as_sequence_classifier(tmp, model.score.weight, pad_id(tokenizer))})"
         template = template_for(tokenizer, cfg.data.chat_template)
         write_chat_template(tmp, template)
         if merge:
@@ -104,6 +115,37 @@ def export_lora_hf(path: str | Path, out: str | Path, merge: bool = False, force
     log.info(f"exported {kind} of {ckpt} to {out} ({dt})")
     return {"checkpoint": str(ckpt), "out": str(out), "kind": kind, "dtype": dt, "base": cfg.model.path,
             "merged": merge}
+
+
+def as_sequence_classifier(folder: Path, score: torch.Tensor, pad: int) -> str:
+    """Turn a saved causal LM (`folder`: config.json and its safetensors files) into the *ForSequenceClassification
+    of its architecture with one label and `score` as its head, scoring at the last token that is not `pad`: the
+    token head leaves the weights, score.weight joins them (in the weights' dtype). Returns the architecture."""
+    config = json.loads((folder / "config.json").read_text())
+    arch = [a.replace("ForCausalLM", "ForSequenceClassification").replace("LMHeadModel", "ForSequenceClassification")
+            for a in config.get("architectures") or []]
+    config.update(architectures=arch, num_labels=1, id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0},
+                  pad_token_id=pad)
+    files = sorted(folder.glob("*.safetensors"))
+    dtype = None
+    for f in files:
+        state = load_file(f)
+        dtype = dtype or next(iter(state.values())).dtype
+        if state.pop("lm_head.weight", None) is not None:
+            save_file(state, f, metadata={"format": "pt"})
+    weight = score.detach().to("cpu", dtype or torch.float32).contiguous()
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():   # sharded: the head in a file of its own, named in the index
+        save_file({"score.weight": weight}, folder / "score.safetensors", metadata={"format": "pt"})
+        mapping = json.loads(index.read_text())
+        mapping["weight_map"].pop("lm_head.weight", None)
+        mapping["weight_map"]["score.weight"] = "score.safetensors"
+        index.write_text(json.dumps(mapping, indent=2) + "\n")
+    else:
+        state = load_file(folder / "model.safetensors")
+        save_file({**state, "score.weight": weight}, folder / "model.safetensors", metadata={"format": "pt"})
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return ", ".join(arch)
 
 
 def export(path: str, out: str, merge: bool = False, force: bool = False, dtype: str | None = None) -> list[str]:

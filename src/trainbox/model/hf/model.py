@@ -135,6 +135,7 @@ class HFCausalLM(nn.Module):
         self.peft, self.path, self.quantized = peft_model, path, quantized
         conf = peft_model.get_base_model().config
         self.hf_config = conf
+        self.width = getattr(conf, "hidden_size", None) or getattr(conf, "n_embd", None)   # a score head's input
         self.block_size = getattr(conf, "max_position_embeddings", None) or getattr(conf, "n_positions", 2048)
         self.fused_loss = fused_loss and self._plain_head(path)
         # the KV cache's argument, by the forward's signature: `cache` where it has one (transformers 5 releases that
@@ -168,7 +169,11 @@ class HFCausalLM(nn.Module):
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, loss_mask: torch.Tensor | None = None,
                 caches: HFCache | None = None, pos: int = 0, reduction: str = "mean",
                 doc_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-                logits_to_keep: int = 1, visible: torch.Tensor | None = None) -> Output:
+                logits_to_keep: int = 1, visible: torch.Tensor | None = None,
+                score_at: torch.Tensor | None = None) -> Output:
+        if score_at is not None:   # a reward model: the decoder (its adapters inside), the score head at score_at
+            hidden = self.peft.get_base_model().get_decoder()(input_ids=idx, use_cache=False).last_hidden_state
+            return Output(logits=self.score(hidden[torch.arange(idx.size(0), device=idx.device), score_at]))
         if visible is not None:   # rows of any layout (eval/adapter.py): (B, T, T) keys each query sees
             out = self.peft(input_ids=idx, position_ids=position_ids, attention_mask=self._additive_mask(visible),
                             use_cache=False, logits_to_keep=logits_to_keep)
@@ -238,7 +243,10 @@ class HFCausalLM(nn.Module):
         return 4 * frozen + 6 * self.num_trainable() + 12 * layers * width * seq_len
 
     def _apply(self, fn, recurse=True):
-        # bitsandbytes weights were placed on the GPU at load time and must not be cast or moved again
+        # bitsandbytes weights were placed on the GPU at load time and must not be cast or moved again (a reward
+        # model's score head, built on the CPU, moves)
+        if self.quantized and hasattr(self, "score"):
+            self.score._apply(fn, recurse)
         return self if self.quantized else super()._apply(fn, recurse)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
