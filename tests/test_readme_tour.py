@@ -30,6 +30,9 @@ SKIP = {
     "trainbox chat runs/sft": "needs the sft run above (tests/test_chat_export.py chats with a tiny one in a pipe)",
     "trainbox train dpo": "needs the sft run's export above and the user's prefs.jsonl (tests/test_dpo_train.py runs "
                           "`trainbox train dpo` on a tiny folder)",
+    "trainbox train reward": "needs the sft run's export above and the user's prefs.jsonl (tests/test_reward.py runs "
+                             "`trainbox train reward` on a tiny folder)",
+    "trainbox export runs/reward": "needs the reward run above",
     "trainbox train llama-1b": "a GPU recipe on eight GPUs, on the FineWeb download",
     "trainbox train moe-gpt2-125m": "a GPU recipe on two GPUs, on the FineWeb download (tests/test_expert_parallel.py "
                                     "runs expert parallelism under gloo)",
