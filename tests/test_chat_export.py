@@ -365,7 +365,8 @@ def gguf_runs(runs, tmp_path_factory):
             "gpt2": tiny_run(tmp, tiny, "gpt2"), "tmp": tmp}
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gpt2", "mistral", "lora"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gpt2", "mistral",
+                                  pytest.param("lora", marks=pytest.mark.slow)])
 def test_gguf_reads_back_with_every_tensor_and_the_metadata(gguf_runs, arch, request):
     """The LoRA run's file holds the weights of its --merge export (the adapters folded into the base)."""
     tmp, run = gguf_runs["tmp"], gguf_runs[arch]

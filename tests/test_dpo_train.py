@@ -251,7 +251,7 @@ def one_process(folder, prefs, tmp_path_factory):
     return one
 
 
-@pytest.mark.parametrize("parallel", ["ddp", pytest.param("fsdp", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("parallel", [pytest.param(p, marks=pytest.mark.slow) for p in ("ddp", "fsdp")])
 def test_two_processes_equal_one(folder, prefs, one_process, tmp_path, parallel):
     """train.parallel=ddp or fsdp over 2 processes (gloo), each preparing the raw JSONL: the precompute splits the
     pairs over the ranks and every step's loss and reward accuracy equal one process's."""

@@ -107,6 +107,7 @@ def check_whole_or_refused(out, refs: dict) -> str:
                          f"({len(train)} train tokens; old {len(refs['old'][0])}, new {len(refs['new'][0])})")
 
 
+@pytest.mark.slow
 def test_prepare_killed_at_random_moments_and_between_renames(tmp_path):
     write_corpus(tmp_path / "old.jsonl", 1500, seed=1)
     write_corpus(tmp_path / "new.jsonl", 2000, seed=2)

@@ -301,7 +301,8 @@ def _pid_running(pid: int) -> bool:
     return pid_alive(pid)
 
 
-@pytest.mark.parametrize("mode", ["one", "nproc", "detach"])
+@pytest.mark.parametrize("mode", ["one", pytest.param("nproc", marks=pytest.mark.slow),
+                                  pytest.param("detach", marks=pytest.mark.slow)])
 def test_a_stop_signal_at_any_moment_from_the_start_is_graceful(tmp_path, cache, mode):
     """SIGTERM, SIGINT and SIGUSR1 at seeded random moments 0.05-10 s after `trainbox train` starts (the tiny
     recipe as shipped), alone, under --nproc 2 and through --detach: whether it lands while Python imports torch,
