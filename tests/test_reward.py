@@ -213,6 +213,8 @@ def test_train_reward_learns_exports_and_transformers_scores_as_we_do(run):
     assert _losses(out)[1] > 0.6   # log 2 = 0.693: the new score head starts near 0 on both sequences
     assert evals[-1]["val_loss"] < 0.3 and evals[-1]["val_reward_margin"] > 1, evals
     assert not (out / "samples.txt").exists()   # a reward model does not generate
+    inspected = run_cli("inspect", str(out)).stdout   # the run's pairs, as it reads them
+    assert "96 pairs" in inspected and "12 steps per epoch" in inspected, inspected
 
     run_cli("export", str(out), "--format", "hf", "--out", str(root / "rm"))
     config = json.loads((root / "rm" / "config.json").read_text())
@@ -296,3 +298,18 @@ def test_two_processes_equal_one(run, tmp_path, parallel):
     for a, b in zip(*evals, strict=True):
         assert b["val_loss"] == pytest.approx(a["val_loss"], abs=1e-5)
         assert b["val_reward_accuracy"] == a["val_reward_accuracy"]
+
+
+def test_the_plan_counts_a_reward_models_weights_and_no_logits(folder):
+    """`trainbox plan` of a reward run on an H100: every weight in fp32 (the frozen token head too: it is not a LoRA
+    base loaded in bf16), the score head among the trainable ones, and no token head's logits among the
+    activations (the same run as dpo keeps them)."""
+    from trainbox.plan import gpu, make_plan, run_vocab
+    cfg = resolve_model(load_config("reward", [f"model.path={folder}", "data.seq_len=64"]))
+    plan = make_plan(cfg, run_vocab(cfg), gpu("H100"))
+    c = plan.counts
+    assert c.frozen == run_vocab(cfg) * 32   # the token head alone (width 32): the score head trains
+    assert plan.memory.params == 4 * c.total and plan.base == "fp32"
+    pairs = resolve_model(load_config("dpo", [f"model.path={folder}", "data.seq_len=64"]))
+    logits = 8 * 64 * run_vocab(pairs)   # 4 pairs: 8 sequences of 64 positions, a logit each per id
+    assert plan.activations.other < make_plan(pairs, run_vocab(pairs), gpu("H100")).activations.other - logits

@@ -114,7 +114,8 @@ def make_plan(cfg: RunConfig, vocab: int, target: Target, nproc: int = 1, kernel
     plan = MemoryPlan(cfg.recipe, target, layout, run.micro_batch, cfg.data.seq_len, dtype, compiled, mode, kernels,
                 counts, mem, acts, drops_unsent=ep > 1 and cfg.model.moe.capacity_factor > 0,
                 accumulation=run.accumulation, sequences=sequences, time=time, state_dtype=cfg.optim.state_dtype,
-                base="nf4" if cfg.quant.load_in_4bit else "int8" if cfg.quant.load_in_8bit else "bf16",
+                base="nf4" if cfg.quant.load_in_4bit else "int8" if cfg.quant.load_in_8bit else
+                "bf16" if family(cfg.model.family).adapters else "fp32",
                 staged=mem.params + mem.optimizer if cfg.train.checkpoints and (
                     layout.parallel == "fsdp" or ep > 1) else 0)
     if suggest and not plan.fits:

@@ -116,7 +116,8 @@ class MemoryPlan:
     sequences: int = 1      # sequences a sample puts through the model (train.objective=dpo: a pair, two)
     time: StepTime | None = None   # the predicted step time (plan/time.py); None where the GPU has no rates
     state_dtype: str = "fp32"   # optim.state_dtype: AdamW's moments
-    base: str = "bf16"          # a frozen base's linear layers: bf16, or nf4 / int8 (quant.load_in_4bit / 8bit)
+    base: str = "bf16"          # frozen weights: a LoRA base's linear layers in bf16, nf4 or int8 (quant.load_in_4bit
+                                # / 8bit); fp32 where the family has no adapters (a reward model's token head)
     # host memory per GPU that sharded async checkpoints stage into (pinned on a GPU, parallel/dcp.py): its
     # parameters and optimizer state; 0 where checkpoints are single files (one process, ddp) or off
     staged: int = 0
@@ -224,9 +225,11 @@ def memory(cfg: RunConfig, counts: ParamCount, vocab: int, target: Target, layou
     if ep > 1 and spec.experts:
         comm += 4 * m.moe.top_k * rows * cfg.data.seq_len * m.n_embd * a   # dispatch and combine, both ways
     # frozen bases: bf16 on a GPU; 4/8-bit loading quantizes the linear layers (NF4: 4.5 bits with its scales) and
-    # PEFT's prepare_model_for_kbit_training casts the rest (embeddings, norms, the head) to fp32
+    # PEFT's prepare_model_for_kbit_training casts the rest (embeddings, norms, the head) to fp32. A family without
+    # adapters keeps its frozen weights (a reward model's token head) in fp32 as the rest
     frozen = (counts.frozen_linear * (0.5625 if cfg.quant.load_in_4bit else 1)
-              + 4 * (counts.frozen - counts.frozen_linear)) if cfg.quant.quantized else counts.frozen * a
+              + 4 * (counts.frozen - counts.frozen_linear)) if cfg.quant.quantized else \
+        counts.frozen * (a if spec.adapters else 4)
     params = 4 * local + frozen / shard
     overhead = pools = cache = 0
     # the peak is at the start of the last micro-batch's backward: gradients are there only where earlier

@@ -68,7 +68,7 @@ def format_plan(plan: MemoryPlan, overrides: list[str] | tuple[str, ...] = ()) -
     comm = {"ddp": "DDP's gradient buckets", "fsdp": "gathered blocks, reduce-scatter buffers"}[lay.parallel]
     if lay.expert_parallel > 1:
         comm += ", all-to-all buffers"
-    base = ("bf16 frozen base" if plan.base == "bf16" else
+    base = ("bf16 frozen base" if plan.base == "bf16" else "fp32 frozen weights" if plan.base == "fp32" else
             f"frozen base: {plan.base} linear layers, the rest fp32 (prepare_model_for_kbit_training)")
     rows = [("parameters", mem.params, "fp32" + (f", {base}" if c.frozen else "")),
             ("gradients", mem.gradients, "fp32" if mem.gradients else
