@@ -155,6 +155,9 @@ def test_a_lora_reward_run_exports_merged_and_transformers_scores_as_we_do(tmp_p
             "train.global_batch_size=8", "train.max_steps=6", "optim.lr=1e-3", f"run.dir={tmp_path / 'runs'}",
             "monitor.port=0", "monitor.plot=false", f"data.cache_dir={tmp_path / 'cache'}", cwd=tmp_path)
     run = tmp_path / "runs" / "reward"
+    import yaml
+    resolved = yaml.safe_load((run / "config.yaml").read_text())
+    assert resolved["lora"]["dropout"] == 0 and resolved["train"]["sample_tokens"] == 0   # reward.disable_dropout
     refused = run_cli("export", str(run), "--format", "hf", "--out", str(tmp_path / "a"), check=False)
     assert refused.returncode == 2 and "add --merge" in refused.stderr and not (tmp_path / "a").exists()
     run_cli("export", str(run), "--format", "hf", "--merge", "--out", str(tmp_path / "rm"))

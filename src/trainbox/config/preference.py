@@ -75,3 +75,6 @@ class RewardSection(Section):
         None, ge=1, le=MAX_POSITIONS, description="a pair longer than data.seq_len loses the start of its prompt "
                                                   "down to this many tokens, then the ends of its responses "
                                                   "(default: half of data.seq_len)")
+    disable_dropout: bool = Field(
+        True, description="train without dropout (model.dropout and lora.dropout resolve to 0, and a Hugging Face "
+                          "model's own dropout is off), as TRL's RewardConfig does by default")

@@ -96,6 +96,7 @@ class Preference(Objective):
         self.cfg, self.dpo = cfg, cfg.dpo
         self.device, self.dtype = device or torch.device("cpu"), dtype or torch.float32
         self.needs_reference = cfg.dpo.loss not in REFERENCE_FREE
+        self.disable_dropout = cfg.dpo.disable_dropout
         self.adapters = family(cfg.model.family).adapters
         self.reference_forward = None   # dpo.reference=model: the reference's log-probabilities of a batch
         self.missing: list[tuple[PairDataset, Path]] = []   # precompute: (pairs, where to store their reference)
@@ -109,10 +110,7 @@ class Preference(Objective):
     @classmethod
     def resolve(cls, cfg):
         """dpo.disable_dropout: the policy trains with model.dropout and lora.dropout at 0."""
-        if not cfg.dpo.disable_dropout or (cfg.model.dropout == 0 and cfg.lora.dropout == 0):
-            return cfg
-        return cfg.model_copy(update={"model": cfg.model.model_copy(update={"dropout": 0.0}),
-                                      "lora": cfg.lora.model_copy(update={"dropout": 0.0})})
+        return without_dropout(cfg) if cfg.dpo.disable_dropout else cfg
 
     # ------------------------------------------------------------------ data
     def open_datasets(self, cfg, tokenizer, vocab: int):
@@ -175,7 +173,7 @@ class Preference(Objective):
 
     def attach(self, run: Runtime) -> None:
         self.dist = run.dist
-        if self.dpo.disable_dropout:   # what the config's keys do not reach: a Hugging Face model's own dropout
+        if self.disable_dropout:   # what the config's keys do not reach: a Hugging Face model's own dropout
             for m in run.model.modules():
                 if isinstance(m, torch.nn.Dropout):
                     m.p = 0.0
@@ -251,6 +249,14 @@ class Preference(Objective):
     def eval_line(self, res: dict) -> str:
         return (f"val loss {res['val_loss']:.4f} ({self.dpo.loss}), reward accuracy {res['val_reward_accuracy']:.3f}, "
                 f"margin {res['val_reward_margin']:.4f} over {res['val_pairs']} pairs")
+
+
+def without_dropout(cfg):
+    """`cfg` with model.dropout and lora.dropout at 0 (a new config where either was not)."""
+    if cfg.model.dropout == 0 and cfg.lora.dropout == 0:
+        return cfg
+    return cfg.model_copy(update={"model": cfg.model.model_copy(update={"dropout": 0.0}),
+                                  "lora": cfg.lora.model_copy(update={"dropout": 0.0})})
 
 
 @contextmanager

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from trainbox.data.pairs import open_pair_datasets
 from trainbox.data.tokenizer import pad_id
 from trainbox.objective.base import Part, Runtime
-from trainbox.objective.preference import Preference
+from trainbox.objective.preference import Preference, without_dropout
 
 log = logging.getLogger("trainbox")
 
@@ -48,6 +48,7 @@ class Reward(Preference):
     def __init__(self, cfg, device: torch.device | None = None, dtype: torch.dtype | None = None):
         super().__init__(cfg, device, dtype)
         self.needs_reference = False
+        self.disable_dropout = cfg.reward.disable_dropout
         self.center = cfg.reward.center_coefficient
 
     @classmethod
@@ -57,7 +58,8 @@ class Reward(Preference):
     @classmethod
     def resolve(cls, cfg):
         """No end-of-run sample (train.sample_tokens resolves to 0): a reward model scores text, its token head is
-        the initial one."""
+        the initial one. reward.disable_dropout: model.dropout and lora.dropout at 0."""
+        cfg = without_dropout(cfg) if cfg.reward.disable_dropout else cfg
         if not cfg.train.sample_tokens:
             return cfg
         return cfg.model_copy(update={"train": cfg.train.model_copy(update={"sample_tokens": 0})})
@@ -76,7 +78,7 @@ class Reward(Preference):
         return batches.global_batch
 
     def attach(self, run: Runtime) -> None:
-        self.dist = run.dist
+        super().attach(run)   # a Hugging Face model's own dropout off (reward.disable_dropout); no reference
 
     def loss(self, forward, batch: dict, scale: float) -> Part:
         out = forward(batch["x"], score_at=batch["score_at"])
