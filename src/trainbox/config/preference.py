@@ -13,6 +13,13 @@ from trainbox.config.limits import MAX_POSITIONS
 UNPAIRED_LOSSES = ("kto", "apo_zero_unpaired")   # dpo.loss on unpaired examples (objective/kto.py)
 
 
+def prompt_budget():
+    """max_prompt_len of the dpo and reward sections: the truncation rule of their pairs (data/preference.py fit)."""
+    return Field(None, ge=1, le=MAX_POSITIONS, description="a pair longer than data.seq_len loses the start of its "
+                                                           "prompt down to this many tokens, then the ends of its "
+                                                           "responses (default: half of data.seq_len)")
+
+
 class DpoSection(Section):
     """Preference tuning (train.objective=dpo): the loss, its strengths, the reference and the prompt budget."""
 
@@ -58,10 +65,7 @@ class DpoSection(Section):
         True, description="train the policy without dropout (model.dropout and lora.dropout resolve to 0), as TRL's "
                           "DPOConfig does by default: the reference's log-probabilities are taken without it, and "
                           "dropout in the policy alone adds noise to every log-ratio")
-    max_prompt_len: int | None = Field(
-        None, ge=1, le=MAX_POSITIONS, description="a pair longer than data.seq_len loses the start of its prompt "
-                                                  "down to this many tokens, then the ends of its responses "
-                                                  "(default: half of data.seq_len)")
+    max_prompt_len: int | None = prompt_budget()
 
 
 class RewardSection(Section):
@@ -71,10 +75,7 @@ class RewardSection(Section):
         None, ge=0, le=100, description="the weight of the mean squared sum of a pair's two rewards added to the "
                                         "loss, which keeps the rewards centred on 0 (TRL's "
                                         "center_rewards_coefficient; 0.01 in Eisenstein et al. 2023); none: no term")
-    max_prompt_len: int | None = Field(
-        None, ge=1, le=MAX_POSITIONS, description="a pair longer than data.seq_len loses the start of its prompt "
-                                                  "down to this many tokens, then the ends of its responses "
-                                                  "(default: half of data.seq_len)")
+    max_prompt_len: int | None = prompt_budget()
     disable_dropout: bool = Field(
         True, description="train without dropout (model.dropout and lora.dropout resolve to 0, and a Hugging Face "
                           "model's own dropout is off), as TRL's RewardConfig does by default")

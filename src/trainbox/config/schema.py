@@ -280,14 +280,26 @@ class RunConfig(Section):
                              f"model.family={self.model.family} has no experts: use selective or full")
         return self
 
+    def _objective_is(self, objective: str) -> bool:
+        """Whether train.objective is `objective`, whose section (dpo, reward) is named the same; keys given in that
+        section under another objective are refused."""
+        given = getattr(self, objective).model_dump(exclude_defaults=True)
+        if given and self.train.objective != objective:
+            raise ValueError(f"{objective}.{next(iter(given))} applies to train.objective={objective}, not "
+                             f"{self.train.objective}")
+        return self.train.objective == objective
+
+    def _check_prompt_budget(self, section: str) -> None:
+        budget = getattr(self, section).max_prompt_len
+        if budget is not None and budget >= self.data.seq_len:
+            raise ValueError(f"{section}.max_prompt_len={budget} leaves no room for a response in "
+                             f"data.seq_len={self.data.seq_len}: give less than {self.data.seq_len}")
+
     @model_validator(mode="after")
     def _preference_applies(self) -> "RunConfig":
-        given = self.dpo.model_dump(exclude_defaults=True)
-        if given and self.train.objective != "dpo":
-            raise ValueError(f"dpo.{next(iter(given))} applies to train.objective=dpo, not "
-                             f"{self.train.objective}")
-        if self.train.objective != "dpo":
+        if not self._objective_is("dpo"):
             return self
+        given = self.dpo.model_dump(exclude_defaults=True)
         spec = family(self.model.family)
         if spec.generate != "causal":
             users = which(lambda f: f.generate == "causal")
@@ -308,18 +320,12 @@ class RunConfig(Section):
         if kto and self.data.packing:
             raise ValueError("data.packing=true packs preference pairs; dpo.loss=kto's examples run one a row (their "
                              "mismatched sequences apart, without gradients): set data.packing=false")
-        if self.dpo.max_prompt_len is not None and self.dpo.max_prompt_len >= self.data.seq_len:
-            raise ValueError(f"dpo.max_prompt_len={self.dpo.max_prompt_len} leaves no room for a response in "
-                             f"data.seq_len={self.data.seq_len}: give less than {self.data.seq_len}")
+        self._check_prompt_budget("dpo")
         return self
 
     @model_validator(mode="after")
     def _reward_applies(self) -> "RunConfig":
-        given = self.reward.model_dump(exclude_defaults=True)
-        if given and self.train.objective != "reward":
-            raise ValueError(f"reward.{next(iter(given))} applies to train.objective=reward, not "
-                             f"{self.train.objective}")
-        if self.train.objective != "reward":
+        if not self._objective_is("reward"):
             return self
         if not family(self.model.family).scores:
             raise ValueError(f"train.objective=reward puts a score head on the model, which model.family="
@@ -327,9 +333,7 @@ class RunConfig(Section):
         if self.data.packing:
             raise ValueError("data.packing=true: a reward model scores each sequence at its last token, one "
                              "sequence a row; set data.packing=false")
-        if self.reward.max_prompt_len is not None and self.reward.max_prompt_len >= self.data.seq_len:
-            raise ValueError(f"reward.max_prompt_len={self.reward.max_prompt_len} leaves no room for a response in "
-                             f"data.seq_len={self.data.seq_len}: give less than {self.data.seq_len}")
+        self._check_prompt_budget("reward")
         return self
 
     @model_validator(mode="after")

@@ -74,9 +74,6 @@ class Reward(Preference):
         log.info(f"reward: each sequence scored at its last token other than id {pad} (the padding id)")
         return train, val
 
-    def denominator(self, batches, step: int) -> int:
-        return batches.global_batch
-
     def attach(self, run: Runtime) -> None:
         super().attach(run)   # a Hugging Face model's own dropout off (reward.disable_dropout); no reference
 
@@ -87,9 +84,6 @@ class Reward(Preference):
         stats = torch.stack([chosen.sum(), rejected.sum(), (chosen - rejected).sum(),
                              (chosen > rejected).sum()]).detach().float()
         return Part(per_pair.sum() * scale, out.aux_loss, stats * scale, out.stats)
-
-    def samples(self, batch: dict, rows: int) -> int:
-        return rows
 
     def eval_line(self, res: dict) -> str:
         return (f"val loss {res['val_loss']:.4f} (reward), accuracy {res['val_reward_accuracy']:.3f}, margin "
