@@ -6,6 +6,11 @@ one at a time over caches the caller keeps (`trainbox chat` keeps them across tu
 Needs only the model, a checkpoint and the tokenizer (never the training loop). The same seed on the
 same device gives the same text: sampling draws from one seeded torch.Generator. Text longer than the model's
 context goes on as nanoGPT's `generate` does: each token is drawn from the last tokens that fit.
+
+`rollout` samples completions of many prompts at once, for online RL objectives (GRPO draws G completions of each
+prompt): the prompts are left-padded into one batch that goes through the KV caches together. Its sampling is
+counter-based: the noise of a draw is a hash of (the row's seed, the token's index in the completion, the id), never
+a shared generator, so a row's completion is the same in any batch, in any order, on any number of processes.
 """
 from __future__ import annotations
 
@@ -77,6 +82,110 @@ def stream(model, ids: list[int], caches, pos: int, max_tokens: int, vocab: int,
         if token in stop:
             return
         x = nxt
+
+
+_M32 = 0xFFFFFFFF
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """lowbias32 (Wellons' hash prospector): a bijective mix of 32-bit values held in int64, elementwise."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """(x * c) mod 2**32 for 32-bit x, in 16-bit halves, so no int64 product overflows (each stays below 2**49)."""
+    return ((x & 0xFFFF) * c + ((((x >> 16) * c) & 0xFFFF) << 16)) & _M32
+
+
+def gumbel_noise(seeds: torch.Tensor, t: int, V: int, device: torch.device | str) -> torch.Tensor:
+    """(B, V) float32 Gumbel noise, a function of (seeds[r], t, id) alone: the noise of row r's draw at completion
+    index t. The int64 seed's two 32-bit halves and t are mixed into two 32-bit row keys; id v's uniform comes from
+    mix(mix(mix(v + c) ^ key1) ^ key2) (`_mix32`, in 32-bit integer ops), its top 23 bits as u = (2m + 1) / 2**24,
+    strictly inside (0, 1) and exact in float32; the noise is -log(-log(u))."""
+    seeds = seeds.to(device=device, dtype=torch.int64)
+    key = _mix32(((seeds >> 32) & _M32) ^ 0x9E3779B9)
+    key = _mix32(key ^ (seeds & _M32))
+    key1 = _mix32(key ^ (t & _M32))
+    key2 = _mix32(key1 ^ 0x85EBCA6B)
+    ids = _mix32((torch.arange(V, device=device, dtype=torch.int64) + 0x27D4EB2F) & _M32)
+    h = _mix32(_mix32(ids[None, :] ^ key1[:, None]) ^ key2[:, None])        # (B, V)
+    u = ((h >> 9) * 2 + 1).float() / 2 ** 24
+    return -torch.log(-torch.log(u))
+
+
+def draw(logits: torch.Tensor, seeds: torch.Tensor, t: int, vocab: int, temperature: float, top_k: int | None,
+         top_p: float | None) -> torch.Tensor:
+    """(B, V) logits -> (B,) ids: argmax at temperature 0, else the Gumbel-max draw from the filtered logits with
+    `gumbel_noise(seeds, t)` (an exact sample of softmax(filtered logits)). Ids from `vocab` up are never drawn."""
+    logits = logits.float()
+    if vocab < logits.size(-1):
+        logits = logits.masked_fill(torch.arange(logits.size(-1), device=logits.device) >= vocab, float("-inf"))
+    if temperature == 0:
+        return logits.argmax(-1)
+    filtered = filter_logits(logits, temperature, top_k, top_p)
+    return (filtered + gumbel_noise(seeds, t, logits.size(-1), logits.device)).argmax(-1)
+
+
+@torch.no_grad()
+def rollout(model, prompts: list[list[int]], seeds: list[int], max_tokens: int, vocab: int, stop: frozenset[int],
+            temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
+            pad: int = 0) -> list[list[int]]:
+    """Completions of B prompts drawn together: each row's ids up to and including its first id in `stop`, or
+    `max_tokens` ids where none was drawn. Row r draws with seeds[r] (`draw`), so its completion does not depend on
+    the other rows. The prompts are left-padded with `pad` to the longest (P tokens); one prefill, then one forward
+    per token over all rows, through KV caches of P + max_tokens positions (in the autocast dtype where one is on); padded positions are never attended to
+    and each row's positions count from its own first token, so its logits are those of its prompt alone. A row
+    that has stopped is fed `pad` until every row has. Needs a family whose forward takes `attend` and
+    `position_ids` with caches (llama, hf); the model runs in eval mode and gets its mode back."""
+    check_sampling(temperature, top_k, top_p, max_tokens)
+    B = len(prompts)
+    if len(seeds) != B:
+        raise BadInput(f"rollout: {B} prompts but {len(seeds)} seeds (one seed a row)")
+    if any(not p for p in prompts):
+        raise BadInput(f"rollout: prompt {[not p for p in prompts].index(True)} is empty (each row needs a token)")
+    if B == 0 or max_tokens == 0:
+        return [[] for _ in prompts]
+    P = max(len(p) for p in prompts)
+    limit = getattr(model, "block_size", None)
+    if limit and P + max_tokens > limit:
+        raise BadInput(f"rollout: the longest prompt ({P} tokens) and max_tokens={max_tokens} exceed the model's "
+                       f"{limit}-token context")
+    param = next(model.parameters())
+    device = param.device
+    # the caches hold what the forward computes: the autocast dtype where one is on (fp32 weights trained in bf16)
+    dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else param.dtype
+    left = torch.tensor([P - len(p) for p in prompts], device=device)                # (B,) pads before each row
+    x = torch.tensor([[pad] * (P - len(p)) + list(p) for p in prompts], dtype=torch.long, device=device)
+    attend = torch.arange(P + max_tokens, device=device)[None, :] >= left[:, None]   # (B, P + max_tokens)
+    seed_ids = torch.tensor(seeds, dtype=torch.int64, device=device)
+    stop_ids = torch.tensor(sorted(stop), dtype=torch.long, device=device)
+    out = torch.full((B, max_tokens), pad, dtype=torch.long, device=device)
+    length = torch.full((B,), max_tokens, dtype=torch.long, device=device)        # each row's completion length
+    done = torch.zeros(B, dtype=torch.bool, device=device)
+    was_training = model.training
+    model.eval()
+    try:
+        caches = model.make_caches(B, P + max_tokens, dtype, device)
+        pos = 0
+        for t in range(max_tokens):
+            position_ids = (torch.arange(pos, pos + x.size(1), device=device)[None, :] - left[:, None]).clamp(min=0)
+            logits = model(x, caches=caches, pos=pos, position_ids=position_ids, attend=attend).logits[:, -1, :]
+            nxt = draw(logits, seed_ids, t, vocab, temperature, top_k, top_p).masked_fill(done, pad)
+            out[:, t] = nxt
+            stopped = ~done & torch.isin(nxt, stop_ids)
+            length = torch.where(stopped, t + 1, length)
+            done |= stopped
+            pos += x.size(1)
+            x = nxt[:, None]
+            if bool(done.all()):
+                break
+    finally:
+        model.train(was_training)
+    return [row[:n] for row, n in zip(out.tolist(), length.tolist())]
 
 
 @torch.no_grad()

@@ -46,13 +46,19 @@ class KVCache(nn.Module):
 SDPA_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")  # torch 2.5+
 
 
-def cached_attention(q, k, v, cache: KVCache | None, pos: int) -> torch.Tensor:
+def cached_attention(q, k, v, cache: KVCache | None, pos: int, attend: torch.Tensor | None = None) -> torch.Tensor:
     """Causal SDPA over (B, H, T, D) tensors, appending k/v to the cache when one is given.
 
     With a cache, the T new queries sit at positions pos..pos+T-1 and see every cached key up to their
     own position, so prefill (T > 1) and one-token decode (T = 1) are the same code. Keys and values with
     fewer heads than the queries (grouped-query attention: each serves H_q / H_kv query heads) go through
     SDPA's enable_gqa, or are repeated where torch lacks it.
+
+    `attend` (B, S_max) bool, with a cache only: True where a cache position holds a real token; keys where it is
+    False are never seen (left-padded rows of a batch, generate.py `rollout`). A query always sees its own key, so no
+    row of the mask is all False: SDPA's kernels differ on such a row (zeros, NaN or arbitrary values), and what a
+    padding query computes becomes the next layer's keys and values at its position, where a NaN would reach every
+    real row as 0 x NaN.
     """
     if cache is not None:
         k, v = cache.update(pos, k, v)
@@ -65,6 +71,11 @@ def cached_attention(q, k, v, cache: KVCache | None, pos: int) -> torch.Tensor:
     if cache is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, **gqa)
     t, s = q.size(2), k.size(2)
+    if attend is not None:
+        own = torch.arange(s - t, s, device=q.device)[:, None]   # (t, 1): each query's position
+        keys = torch.arange(s, device=q.device)
+        mask = (attend[:, None, None, :s] & (keys <= own)) | (keys == own)   # (B, 1, t, s)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **gqa)
     if t == 1:
         return F.scaled_dot_product_attention(q, k, v, **gqa)
     mask = torch.ones(t, s, dtype=torch.bool, device=q.device).tril(diagonal=s - t)

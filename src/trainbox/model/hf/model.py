@@ -170,7 +170,13 @@ class HFCausalLM(nn.Module):
                 caches: HFCache | None = None, pos: int = 0, reduction: str = "mean",
                 doc_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
                 logits_to_keep: int = 1, visible: torch.Tensor | None = None,
-                score_at: torch.Tensor | None = None) -> Output:
+                score_at: torch.Tensor | None = None, attend: torch.Tensor | None = None,
+                temperature: float = 1.0) -> Output:
+        """As every family's forward (model/llama/model.py). With `caches`, left-padded rows (generate.py `rollout`):
+        `attend` (B, S_max) bool, True where a cache position holds a real token, reaches transformers as the
+        attention mask of the positions up to pos + T, and `position_ids` (B, T) as they are; transformers' generate
+        passes left padding the same way. `pos` must equal the length the cache holds. The loss at a `temperature`
+        is that of the logits divided by it (grpo's log-probabilities at its sampling temperature)."""
         if score_at is not None:   # a reward model: the decoder (its adapters inside), the score head at score_at
             hidden = self.peft.get_base_model().get_decoder()(input_ids=idx, use_cache=False).last_hidden_state
             return Output(logits=self.score(hidden[torch.arange(idx.size(0), device=idx.device), score_at]))
@@ -180,14 +186,21 @@ class HFCausalLM(nn.Module):
             return Output(logits=out.logits)
         if targets is None:  # inference: the last `logits_to_keep` positions' logits (0: all; HF tracks
             # positions in its cache)
+            padded = {} if attend is None else {"attention_mask": attend[:, :pos + idx.size(1)].long()}
+            if position_ids is not None:
+                padded["position_ids"] = position_ids
             out = self.peft(input_ids=idx, **{self._cache_arg: caches.cache if caches is not None else None},
-                            use_cache=caches is not None, logits_to_keep=logits_to_keep)
+                            use_cache=caches is not None, logits_to_keep=logits_to_keep, **padded)
             return Output(logits=out.logits)
-        if self.fused_loss and doc_ids is None:   # the decoder alone (PEFT's adapters sit inside it)
+        capped = bool(getattr(self.hf_config, "final_logit_softcapping", None))
+        if self.fused_loss and doc_ids is None and not (capped and temperature != 1):   # the decoder alone (PEFT's
+            # adapters sit inside it); a head without bias, so dividing its input divides the logits
             hidden = self.peft.get_base_model().get_decoder()(input_ids=idx, use_cache=False).last_hidden_state
+            hidden = hidden / temperature if temperature != 1 else hidden
             return Output(loss=self._fused_head_loss(hidden, targets, loss_mask, reduction))
         logits = self.peft(input_ids=idx, use_cache=False).logits if doc_ids is None else \
             self.packed_logits(idx, doc_ids, position_ids)
+        logits = logits / temperature if temperature != 1 else logits
         return Output(loss=cross_entropy(logits, targets, loss_mask, reduction))
 
     def packed_logits(self, idx: torch.Tensor, doc_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:

@@ -95,7 +95,7 @@ class Attention(nn.Module):
             self.q_norm, self.k_norm = RMSNorm(head_dim, qk_norm_eps), RMSNorm(head_dim, qk_norm_eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None = None,
-                pos: int = 0, docs: DocMask | None = None) -> torch.Tensor:
+                pos: int = 0, docs: DocMask | None = None, attend: torch.Tensor | None = None) -> torch.Tensor:
         B, T, _ = x.shape
         # (B, T, H * D) -> (B, T, H, D), each head normalized where the model does (qk_norm), -> (B, H, T, D)
         q = self.q_proj(x).view(B, T, self.n_head, self.head_dim)
@@ -105,7 +105,7 @@ class Attention(nn.Module):
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        y = cached_attention(q, k, v, cache, pos) if docs is None else doc_attention(q, k, v, docs)
+        y = cached_attention(q, k, v, cache, pos, attend) if docs is None else doc_attention(q, k, v, docs)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim))
 
 
@@ -152,8 +152,8 @@ class Block(nn.Module):
         self.mlp = MLP(cfg.n_embd, intermediate_size(cfg))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None = None,
-                pos: int = 0, docs: DocMask | None = None) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, pos, docs)
+                pos: int = 0, docs: DocMask | None = None, attend: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, pos, docs, attend)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -203,30 +203,37 @@ class Llama(nn.Module):
 
     def hidden(self, idx: torch.Tensor, caches: list[KVCache] | None = None, pos: int = 0,
                doc_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-               visible: torch.Tensor | None = None) -> torch.Tensor:
+               visible: torch.Tensor | None = None, attend: torch.Tensor | None = None) -> torch.Tensor:
         cos, sin = self.rope(pos, idx.size(1), idx.device, position_ids)
         docs = self.doc_mask(doc_ids) if doc_ids is not None else None if visible is None else \
             DocMask("sdpa", dense=visible[:, None])
         x = self.model.embed_tokens(idx)
         for i, block in enumerate(self.model.layers):
-            x = block(x, cos, sin, caches[i] if caches else None, pos, docs)
+            x = block(x, cos, sin, caches[i] if caches else None, pos, docs, attend)
         return self.model.norm(x)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, loss_mask: torch.Tensor | None = None,
                 caches: list[KVCache] | None = None, pos: int = 0, reduction: str = "mean",
                 doc_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
                 logits_to_keep: int = 1, visible: torch.Tensor | None = None,
-                score_at: torch.Tensor | None = None) -> Output:
+                score_at: torch.Tensor | None = None, attend: torch.Tensor | None = None,
+                temperature: float = 1.0) -> Output:
         """Packed rows: `doc_ids` (B, T), each token's example in its row, and `position_ids` (B, T), its position
         inside that example (data/packing.py). Rows of any other layout: `visible` (B, T, T) bool, True where a
         query sees a key, with `position_ids` (eval/adapter.py's contexts shared by their continuations). Without
         targets: the logits of the last `logits_to_keep` positions (0: all), as Hugging Face's forward. A reward
-        model's `score_at` (B,): each row's score at that position, in `logits`."""
-        x = self.hidden(idx, caches, pos, doc_ids, position_ids, visible)
+        model's `score_at` (B,): each row's score at that position, in `logits`. With `caches`, left-padded rows
+        (generate.py `rollout`): `attend` (B, S_max) bool, True where a cache position holds a real token, and
+        `position_ids` (B, T) counting from each row's first real token; the cache slots are pos..pos+T-1. The loss
+        at a `temperature` is that of the logits divided by it (the head has no bias, so the final hidden state is
+        divided instead: grpo's log-probabilities at its sampling temperature)."""
+        x = self.hidden(idx, caches, pos, doc_ids, position_ids, visible, attend)
         if score_at is not None:
             return Output(logits=self.score(x[torch.arange(x.size(0), device=x.device), score_at]))
         if targets is None:
             return Output(logits=self.lm_head(x[:, -logits_to_keep:, :]))
+        if temperature != 1:
+            x = x / temperature
         if self.cfg.fused_loss:
             loss = self.lm_head(x, targets, loss_mask, reduction)
         else:
