@@ -319,9 +319,10 @@ def worker(a) -> dict:
     return {**(run_ours if a.worker == "ours" else run_trl)(folder, data, a), "memory_cap_gib": cap}
 
 
-def spawn(side: str, mode: str, extra: list[str], timeout: float) -> dict:
-    """One (side, mode) run in a process of its own -> its result, with the seconds it took (start-up included)."""
-    cmd = [sys.executable, __file__, "--worker", side, "--mode", mode, *extra]
+def spawn(side: str, mode: str, extra: list[str], timeout: float, script: str = __file__) -> dict:
+    """One (side, mode) run of `script` in a process of its own -> its result, with the seconds it took (start-up
+    included)."""
+    cmd = [sys.executable, script, "--worker", side, "--mode", mode, *extra]
     start = time.perf_counter()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},

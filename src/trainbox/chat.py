@@ -24,7 +24,7 @@ import torch
 
 from trainbox import checkpoint
 from trainbox.config import build_config
-from trainbox.data.chat import ChatTemplate, template_for, token_of
+from trainbox.data.chat import ChatTemplate, generation_prompt_ids, template_for, token_of
 from trainbox.errors import BadCheckpoint, CheckpointError, ConfigError
 from trainbox.generate import check_sampling, stream
 from trainbox.model.load import load_for_inference
@@ -70,11 +70,7 @@ class ChatSession:
         self.messages = [{"role": "system", "content": self.system}] if self.system else []
 
     def prompt_ids(self, messages: list[dict]) -> list[int]:
-        """The conversation and the generation prompt as SFT training tokenizes them: each template span alone."""
-        pieces = [text for text, _ in self.template.spans(messages, "the conversation")] if messages else []
-        whole = self.template.render(messages)
-        pieces.append(self.template.render(messages, add_generation_prompt=True)[len(whole):])
-        return [i for piece in pieces if piece for i in self.tokenizer.encode(piece)]
+        return generation_prompt_ids(self.template, self.tokenizer, messages)
 
     def _fit(self) -> list[int]:
         """The prompt ids of the conversation, its oldest turns dropped while it leaves no room to answer."""

@@ -121,6 +121,14 @@ def cmd_inspect(args) -> int:
         report = inspection.inspect_preferences(data, pairs, tok, args.global_batch or run.train.global_batch_size,
                                                 args.epochs or run.train.epochs or 1.0)
         report["run"] = {"path": args.path, "data.path": run.data.path}
+    elif run.train.objective == "grpo":   # its prompts, as the run reads them
+        from trainbox.model.build import build_tokenizer, resolve_model  # heavy: torch
+
+        data = run.data.model_copy(update={"seq_len": args.seq_len} if args.seq_len else {})
+        tok = get_tokenizer(args.tokenizer) if args.tokenizer else build_tokenizer(resolve_model(run))
+        report = inspection.inspect_prompts(data, run.grpo, tok, args.global_batch or run.train.global_batch_size,
+                                            args.epochs or run.train.epochs or 1.0)
+        report["run"] = {"path": args.path, "data.path": run.data.path}
     else:   # the run's data with its settings; an option given on the command line overrides the run's
         _refuse_examples(args.path, run)
         seq_len, batch = args.seq_len or run.data.seq_len, args.global_batch or run.train.global_batch_size

@@ -10,6 +10,7 @@ from typing import Literal
 from pydantic import BaseModel, Field, model_validator
 
 from trainbox.config.families import Section
+from trainbox.config.grpo import GrpoSection
 from trainbox.config.limits import MAX_POSITIONS, MAX_SEQUENCES, MAX_STEPS, MAX_TOKENS
 from trainbox.config.model import ModelSection
 from trainbox.config.preference import UNPAIRED_LOSSES, DpoSection, RewardSection
@@ -166,13 +167,16 @@ class TrainSection(Section):
     sample_prompt: str = "\n"
     threads: int | None = Field(None, ge=1, description="CPU threads (default: all cores)")
     peak_tflops: float | None = Field(None, gt=0, description="per-device peak for MFU (default: from the GPU name)")
-    objective: Literal["next_token", "dpo", "reward"] = Field(
+    objective: Literal["next_token", "dpo", "reward", "grpo"] = Field(
         "next_token", description="what a step trains: next_token (pretraining, SFT: the token loss, masked where the "
                                   "data has a loss mask); dpo (preference pairs: chosen and rejected responses in "
                                   "one forward, the loss of the dpo section; train.global_batch_size then counts "
                                   "pairs, or examples under dpo.loss=kto); reward (a reward model: a score head "
                                   "in place of the token head, trained on preference pairs so that the chosen "
-                                  "response scores higher; global_batch_size counts pairs)")
+                                  "response scores higher; global_batch_size counts pairs); grpo (online "
+                                  "reinforcement learning: completions sampled from the model for each prompt, "
+                                  "scored by the grpo section's reward functions, each trained on its advantage "
+                                  "over its group; global_batch_size counts prompts)")
     memory_check: bool = Field(True, description="before the model is built, refuse a run whose memory plan "
                                                  "(`trainbox plan`: weights, gradients, optimizer state, "
                                                  "activations, communication, overhead) exceeds what the device "
@@ -266,6 +270,8 @@ class RunConfig(Section):
     dpo: DpoSection = Field(default_factory=DpoSection, description="preference tuning (train.objective=dpo)")
     reward: RewardSection = Field(default_factory=RewardSection, description="reward modeling "
                                                                             "(train.objective=reward)")
+    grpo: GrpoSection = Field(default_factory=GrpoSection, description="online reinforcement learning from rewards "
+                                                                       "(train.objective=grpo)")
     lora: LoraSection = Field(default_factory=LoraSection)
     quant: QuantSection = Field(default_factory=QuantSection)
 
@@ -281,8 +287,8 @@ class RunConfig(Section):
         return self
 
     def _objective_is(self, objective: str) -> bool:
-        """Whether train.objective is `objective`, whose section (dpo, reward) is named the same; keys given in that
-        section under another objective are refused."""
+        """Whether train.objective is `objective`, whose section (dpo, reward, grpo) is named the same; keys given in
+        that section under another objective are refused."""
         given = getattr(self, objective).model_dump(exclude_defaults=True)
         if given and self.train.objective != objective:
             raise ValueError(f"{objective}.{next(iter(given))} applies to train.objective={objective}, not "
@@ -334,6 +340,27 @@ class RunConfig(Section):
             raise ValueError("data.packing=true: a reward model scores each sequence at its last token, one "
                              "sequence a row; set data.packing=false")
         self._check_prompt_budget("reward")
+        return self
+
+    @model_validator(mode="after")
+    def _grpo_applies(self) -> "RunConfig":
+        if not self._objective_is("grpo"):
+            return self
+        g = self.grpo
+        if not family(self.model.family).rollouts:
+            raise ValueError(f"train.objective=grpo samples completions from the model and trains their "
+                             f"log-probabilities at the sampling temperature, which model.family={self.model.family} "
+                             f"does not give: use model.family={either(which(lambda f: f.rollouts))}")
+        if self.data.packing:
+            raise ValueError("data.packing=true: grpo trains each sampled completion in a row of its own; set "
+                             "data.packing=false")
+        if g.max_completion_len >= self.data.seq_len:
+            raise ValueError(f"grpo.max_completion_len={g.max_completion_len} leaves no room for a prompt in "
+                             f"data.seq_len={self.data.seq_len}: give data.seq_len more than the prompt and the "
+                             "completion together")
+        if self.train.parallel == "fsdp":
+            raise ValueError("train.objective=grpo samples completions with the whole model on each process: use "
+                             "train.parallel=ddp (LoRA, and models whose training fits one GPU)")
         return self
 
     @model_validator(mode="after")

@@ -254,6 +254,16 @@ def encode_chat(template: ChatTemplate, tokenizer, messages: list[dict], where: 
     return ids, mask
 
 
+def generation_prompt_ids(template: ChatTemplate, tokenizer, messages: list[dict], where: str = "the conversation",
+                          tools: list | None = None) -> list[int]:
+    """`messages` and the template's generation prompt as token ids, tokenized as SFT training tokenizes a
+    conversation (each template span alone): what a model answers from (`trainbox chat`, grpo's prompts)."""
+    pieces = [text for text, _ in template.spans(messages, where, tools)] if messages else []
+    whole = template.render(messages, tools=tools)
+    pieces.append(template.render(messages, add_generation_prompt=True, tools=tools)[len(whole):])
+    return [i for piece in pieces if piece for i in tokenizer.encode(piece)]
+
+
 def load_template(tokenizer_spec: str, name: str | None = None) -> ChatTemplate:
     """A built-in template by name, else the tokenizer folder's chat template, else ChatML."""
     if name:

@@ -29,6 +29,7 @@ from trainbox.data import formats, manifest, megatron
 from trainbox.data.loader import TokenDataset, open_tokens, zero_steps_message
 from trainbox.data.pairs import PackedPairs, open_pair_datasets
 from trainbox.data.preference import prepared_kind
+from trainbox.data.prompts import open_prompt_datasets
 from trainbox.data.readers import first_row_is_preference, first_row_is_unpaired
 from trainbox.data.sources import check_vocab, resolve
 from trainbox.data.tokenizer import get_tokenizer
@@ -141,6 +142,22 @@ def inspect_preferences(data, dpo, tok, global_batch: int | None = None, epochs:
                             hint=f"lower the global batch to at most {samples}, or add data")
         report.update(global_batch=global_batch, epochs=epochs, steps_per_epoch=per_epoch,
                       total_steps=max(1, int(math.ceil(epochs * per_epoch))), batch_unit=what)
+    return report
+
+
+def inspect_prompts(data, grpo, tok, global_batch: int, epochs: float = 1.0) -> dict:
+    """A report of a grpo run's prompts (data.path, data.val_path) as training reads them (data/prompts.py)."""
+    train, val = open_prompt_datasets(data, grpo, tok)
+    report: dict = {"path": data.path, "seq_len": data.seq_len, "tokenizer": tok.name, "unit": "prompts"}
+    for split, ds in (("train", train), ("val", val)):
+        if ds is not None:
+            report[split] = {**ds.report, "samples": ds.num_samples, "tokens": ds.num_tokens, "text": ds.describe()}
+    per_epoch = train.num_samples // global_batch
+    if per_epoch == 0:
+        raise DataError(f"{data.path}: {train.num_samples:,} prompts make no step of train.global_batch_size="
+                        f"{global_batch}", hint=f"lower the global batch to at most {train.num_samples}, or add data")
+    report.update(global_batch=global_batch, epochs=epochs, steps_per_epoch=per_epoch,
+                  total_steps=max(1, int(math.ceil(epochs * per_epoch))), batch_unit="prompts")
     return report
 
 

@@ -79,6 +79,9 @@ class Family:
     scores: bool = False                  # forward(idx, score_at=) gives one score a row from a `score` head that
                                           # model/build.py puts on it (train.objective=reward); export writes the
                                           # *ForSequenceClassification form
+    rollouts: bool = False                # forward(..., temperature=) gives the token losses of the logits divided by
+                                          # it, and sampling many prompts at once (generate.py rollout) is exact:
+                                          # train.objective=grpo
     adapters: bool = False                # trains adapters on a frozen base; the model's adapters_off() context
                                           # gives the base (the preference objective's reference)
     packages: tuple[tuple[str, str], ...] = ()   # (package, extra) it needs to train (`doctor`)

@@ -7,6 +7,9 @@
                  dpo.loss=kto, unpaired examples judged desirable or not (kto.py)
     reward       a reward model: a score head trained on the same pairs, the chosen response to score higher
                  (reward.py)
+    grpo         online reinforcement learning: completions sampled from the model for each prompt, scored by
+                 reward functions, each trained on its advantage over its group (grpo.py, the prompts in
+                 data/prompts.py, the sampling in generate.py rollout)
 
 The loop (train/loop.py) asks the run's objective for its datasets, the denominator of a step's mean, each
 micro-batch's loss and logged values, and the validation; the memory plan asks `memory_terms`. Objectives call
@@ -18,13 +21,14 @@ from __future__ import annotations
 import torch
 
 from trainbox.objective.base import Objective, Part, Runtime  # noqa: F401
+from trainbox.objective.grpo import Grpo
 from trainbox.objective.kto import Kto
 from trainbox.objective.losses import UNPAIRED
 from trainbox.objective.next_token import NextToken
 from trainbox.objective.preference import Preference
 from trainbox.objective.reward import Reward
 
-OBJECTIVES = {"next_token": NextToken, "dpo": Preference, "reward": Reward}
+OBJECTIVES = {"next_token": NextToken, "dpo": Preference, "reward": Reward, "grpo": Grpo}
 
 
 def objective_class(cfg) -> type[Objective]:
@@ -46,4 +50,4 @@ def memory_terms(cfg) -> tuple[int, bool]:
     """For the memory plan: (sequences a sample puts through the model with gradients, whether a frozen copy of
     the initial model is kept beside it)."""
     cls = objective_class(cfg)
-    return cls.sequences, cls.frozen_copy(cfg)
+    return cls.sequences_of(cfg), cls.frozen_copy(cfg)

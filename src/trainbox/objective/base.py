@@ -42,6 +42,7 @@ class Objective:
 
     name = "objective"
     sequences = 1                       # sequences one sample puts through the model (a pair: 2)
+    unit = "sequences"                  # what a sample is, as reports name it
     stat_names: tuple[str, ...] = ()    # what Part.stats holds, logged with the loss
     eval_keys: tuple[str, ...] = ("val_loss", "val_bpb")   # what evaluate returns for the run state
     token_head = True                   # the token head (and its loss) runs over the sequences (the memory plan)
@@ -71,6 +72,16 @@ class Objective:
 
     def attach(self, run: Runtime) -> None:
         """Before the checkpoint's weights are loaded: what is taken from the initial model."""
+
+    @classmethod
+    def sequences_of(cls, cfg) -> int:
+        """Sequences one sample of `cfg`'s run puts through the model (the memory plan's count)."""
+        return cls.sequences
+
+    def step_batches(self, step: int, batches: list[dict]) -> list[dict]:
+        """What a step trains on, from its micro-batches of data (on the device): the same, or what the objective
+        makes of them before the step (grpo: its prompts' completions, sampled and scored)."""
+        return batches
 
     def before_step(self, forward, batches: list[dict], rows: list[int] | None = None) -> None:
         """Before a step's micro-batches (every rank, in the autocast): what the step's losses share across them (the

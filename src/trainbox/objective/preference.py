@@ -88,6 +88,7 @@ def eval_mode(model: torch.nn.Module):
 class Preference(Objective):
     name = "dpo"
     sequences = 2
+    unit = "pairs"
     stat_names = STATS
     eval_keys = ("val_loss", "val_reward_accuracy", "val_reward_margin")
     val_stats = ("reward_accuracy", "reward_margin", "reward_chosen", "reward_rejected")   # validation's, of STATS

@@ -57,7 +57,7 @@ from trainbox.config.load import apply_overrides
 from trainbox.errors import ConfigError
 from trainbox.model.build import build_tokenizer, model_vocab_size
 from trainbox.model.spec import family
-from trainbox.objective import memory_terms
+from trainbox.objective import memory_terms, objective_class
 from trainbox.parallel.fsdp import compute_pool_grads_available
 from trainbox.plan.activations import Kernels
 from trainbox.plan.count import count_parameters
@@ -113,7 +113,8 @@ def make_plan(cfg: RunConfig, vocab: int, target: Target, nproc: int = 1, kernel
     time = step_time(cfg, counts, target, layout, run.micro_batch, mode, sequences)
     plan = MemoryPlan(cfg.recipe, target, layout, run.micro_batch, cfg.data.seq_len, dtype, compiled, mode, kernels,
                 counts, mem, acts, drops_unsent=ep > 1 and cfg.model.moe.capacity_factor > 0,
-                accumulation=run.accumulation, sequences=sequences, time=time, state_dtype=cfg.optim.state_dtype,
+                accumulation=run.accumulation, sequences=sequences, unit=objective_class(cfg).unit, time=time,
+                state_dtype=cfg.optim.state_dtype,
                 base="nf4" if cfg.quant.load_in_4bit else "int8" if cfg.quant.load_in_8bit else
                 "bf16" if family(cfg.model.family).adapters else "fp32",
                 staged=mem.params + mem.optimizer if cfg.train.checkpoints and (

@@ -114,6 +114,7 @@ class MemoryPlan:
     kept_gathered: Suggestion | None = None
     accumulation: int = 1   # micro-batches a step on each rank
     sequences: int = 1      # sequences a sample puts through the model (train.objective=dpo: a pair, two)
+    unit: str = "sequences"   # what a sample is (pairs, prompts), as the report names a micro-batch's
     time: StepTime | None = None   # the predicted step time (plan/time.py); None where the GPU has no rates
     state_dtype: str = "fp32"   # optim.state_dtype: AdamW's moments
     base: str = "bf16"          # frozen weights: a LoRA base's linear layers in bf16, nf4 or int8 (quant.load_in_4bit

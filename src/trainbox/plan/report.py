@@ -54,7 +54,7 @@ def format_plan(plan: MemoryPlan, overrides: list[str] | tuple[str, ...] = ()) -
              f"{plan.recipe or 'config'} on this CPU ({t.gib:.1f} GiB of RAM)",
              f"  layout       {layout_text(plan)}",
              f"  batch        micro-batch {plan.micro_batch}"
-             + (f" pairs ({plan.micro_batch * plan.sequences} sequences)" if plan.sequences > 1 else "")
+             + (f" {plan.unit} ({plan.micro_batch * plan.sequences} sequences)" if plan.sequences > 1 else "")
              + f" x {plan.seq_len:,} tokens, {plan.dtype}, "
              f"{'compiled' if plan.compiled else 'eager'}, activation checkpointing {plan.checkpointing}",
              f"  kernels      attention {k.attention}, fused loss {k.fused_loss}, fused MLP {k.fused_mlp}, fp8 {k.fp8}"

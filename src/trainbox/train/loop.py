@@ -328,7 +328,7 @@ class Trainer(RunFiles, Checkpointing, Evaluations, Reporting):
         lr = set_lr(self.optimizers, lr_multiplier(step, self.total, cfg.optim))
         if self.family.steps:  # inside the model: the speedrun window warm-up, the attention kernel
             self.model.set_step(step, self.total)
-        batches = self._device_batches(step)
+        batches = self.objective.step_batches(step, self._device_batches(step))
         accum = len(batches)
         # a micro-batch's loss is its sum over this count (target tokens, pairs) of the global batch: its share of
         # the global mean, times the world size that DDP's gradient average divides by

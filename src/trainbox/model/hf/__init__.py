@@ -11,6 +11,7 @@ FAMILY = Family(
     recompute="use lora.gradient_checkpointing (Hugging Face's own)",
     export="PEFT adapter or merged model (a reward model: merged, *ForSequenceClassification)", adapters=True,
     scores=True,
+    rollouts=True,
     gguf=GGUF_TYPES,   # of the merged model, for the bases hf.py's GGUF_BASES lists
     lowp_residual=True,   # the residual stream in the base's dtype: bf16 on a GPU (4/8-bit bases: fp32, plan/memory.py)
     packages=(("transformers", "finetune"), ("peft", "finetune")),

@@ -15,4 +15,5 @@ FAMILY = Family(
     gguf=GGUF_TYPES,
     packing=("flash", "flex", "sdpa"),
     scores=True,
+    rollouts=True,
 )

@@ -1,0 +1,62 @@
+"""The grpo section of a run's config: online reinforcement learning from rewards (objective/grpo.py reads it;
+RunConfig checks where it applies)."""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from trainbox.config.families import Section
+from trainbox.config.limits import MAX_POSITIONS
+
+
+class GrpoSection(Section):
+    """Group Relative Policy Optimization (train.objective=grpo): completions sampled from the policy, scored by the
+    reward functions, each trained on its advantage over its group."""
+
+    rewards: list[str] = Field(
+        default_factory=list, description="the reward functions, each 'module:function' (an importable module) or "
+                                          "'path/to/file.py:function'. A function takes prompts, completions (text; "
+                                          "for message prompts, [{'role': 'assistant', 'content': text}]), "
+                                          "completion_ids and every other field of the prompt rows as keyword lists, "
+                                          "one item a completion, and returns one float (or None: not scored) a "
+                                          "completion, as TRL's GRPOTrainer calls them")
+    reward_weights: list[float] | None = Field(None, description="one weight a reward function (default: 1 each); "
+                                                                 "a completion's reward is the weighted sum")
+    num_generations: int = Field(8, ge=2, le=1024, description="completions sampled for each prompt (the group whose "
+                                                               "mean reward is each one's baseline)")
+    max_completion_len: int = Field(256, ge=1, le=MAX_POSITIONS, description="tokens a completion may have; a prompt "
+                                                                            "keeps its last data.seq_len - this many")
+    temperature: float = Field(1.0, gt=0, le=100, description="the sampling temperature; the log-probabilities "
+                                                             "trained are those of the logits divided by it, as TRL "
+                                                             "computes them")
+    generation_batch_size: int | None = Field(None, ge=1, description="completions sampled together on a process "
+                                                                    "(one forward a token for all of them; their "
+                                                                    "KV caches are held together); default: all of "
+                                                                    "its step's, as TRL's generation_batch_size")
+    top_k: int | None = Field(None, ge=1, description="sample from the k likeliest tokens (default: all)")
+    top_p: float | None = Field(None, gt=0, le=1, description="sample from the nucleus of this probability mass "
+                                                             "(default: all)")
+    beta: float = Field(0.0, ge=0, le=100, description="the weight of the KL divergence from the reference (the "
+                                                      "initial model; LoRA: the base) added to every token's loss, "
+                                                      "estimated as exp(ref - logp) - (ref - logp) - 1 times the "
+                                                      "importance ratio (its gradient the unbiased one, as TRL's "
+                                                      "use_bias_correction_kl); 0: no reference is kept (TRL's "
+                                                      "default)")
+    loss: Literal["dapo", "grpo", "dr_grpo"] = Field(
+        "dapo", description="how token losses make a step's loss. dapo: their mean over every completion token of the "
+                            "step (Yu et al. 2025; TRL's default); grpo: each completion's token mean, then the mean "
+                            "over completions (Shao et al. 2024); dr_grpo: their sum over completions x "
+                            "max_completion_len (Liu et al. 2025)")
+    scale_rewards: Literal["group", "batch", "none"] = Field(
+        "group", description="an advantage is the reward minus its group's mean, divided by group: the group's "
+                             "standard deviation; batch: the step's; none: nothing (Dr. GRPO)")
+    mask_truncated_completions: bool = Field(False, description="completions cut at max_completion_len (no end of "
+                                                                "text drawn) train no token (DAPO's advice)")
+
+    @model_validator(mode="after")
+    def _weights_match(self) -> "GrpoSection":
+        if self.reward_weights is not None and len(self.reward_weights) != len(self.rewards):
+            raise ValueError(f"grpo.reward_weights has {len(self.reward_weights)} weight(s) for "
+                             f"{len(self.rewards)} reward function(s) in grpo.rewards: give one each")
+        return self

@@ -1,0 +1,381 @@
+"""Group Relative Policy Optimization (train.objective=grpo): online reinforcement learning from reward functions
+(Shao et al. 2024, DeepSeekMath; TRL's GRPOTrainer).
+
+    trainbox train grpo model.path=FOLDER data.path=prompts.jsonl grpo.rewards=[rewards.py:correct]
+    trainbox train grpo model.family=hf model.path=FOLDER data.path=prompts.jsonl grpo.rewards=[...]   # LoRA
+
+A step takes train.global_batch_size prompts (data/prompts.py) and, before its micro-batches, samples
+grpo.num_generations completions of each from the model as it stands (generate.py `rollout`: every completion of the
+process's step at once, or grpo.generation_batch_size of them, through the KV caches, in eval mode and the
+autocast), up to grpo.max_completion_len tokens or an end (end of text, or the chat template's end of turn, which
+the completion keeps). A completion's draws depend on (run.seed, the step, the prompt's index, its number in the
+group) alone, so a step samples the same completions on any number of processes, in any batch and after a resume.
+
+Rewards: each function of grpo.rewards scores the rank's completions of the step in one go (TRL's signature:
+prompts, completions, completion_ids and the rows' other fields as keyword lists); a completion's reward is the
+weighted sum of its scores (None: not scored, left out; a completion no function scores has no reward and
+trains with advantage 0). Its advantage is its reward minus its group's mean reward, divided by the group's standard
+deviation (grpo.scale_rewards=group, + 1e-4), the step's (batch) or nothing (none); a group's completions are
+sampled, scored and trained on one process.
+
+Loss: one policy update a generation (TRL's num_iterations=1), so the importance ratio pi / pi_old is 1 in value and
+the clipped surrogate is -A x ratio a token, ratio = exp(logp - logp.detach()): its gradient is -A x grad logp. logp
+is the token's log-probability at grpo.temperature (the logits divided by it, as sampled). With grpo.beta > 0, beta
+x k3 x ratio is added a token, k3 = exp(ref - logp) - (ref - logp) - 1 the estimate of the KL divergence from the
+reference (ref its log-probability: a frozen copy of the initial model; LoRA: the base with its adapters off), times
+the ratio so that its gradient is the unbiased one of the reverse KL (DeepSeek-V3.2; TRL's use_bias_correction_kl,
+on by default). The tokens trained are the completion's (its end included); grpo.loss makes them a step's loss:
+dapo, the mean over every completion token of the step (counted over the ranks); grpo, each completion's mean, then
+the mean over the step's completions; dr_grpo, the sum over the step's completions x grpo.max_completion_len.
+
+Logged with the loss: reward (the mean over scored completions), reward_std (the mean of the groups' standard
+deviations), zero_std (the share of groups whose completions all scored the same: no signal), completion_len,
+truncated (the share cut at max_completion_len), reward_NAME for each function, kl where beta > 0. Validation
+(data.val_path): one completion for each of up to train.eval_tokens / data.seq_len prompts, drawn with seeds fixed
+by the prompt, so evaluations compare: val_reward, val_completion_len.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import logging
+import math
+import sys
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from trainbox.data.chat import template_for, token_of
+from trainbox.data.prompts import PromptDataset, open_prompt_datasets
+from trainbox.data.tokenizer import pad_id
+from trainbox.errors import ConfigError, TrainingFailed
+from trainbox.generate import rollout
+from trainbox.kernels.fused_ce import host_trained_rows
+from trainbox.model.spec import family
+from trainbox.objective.base import Objective, Part, Runtime
+from trainbox.objective.preference import eval_mode
+
+log = logging.getLogger("trainbox")
+
+ROW_STATS = ("completions", "scored", "reward", "reward_std", "zero_std", "completion_len", "truncated")
+SHAPE = 64   # training rows are padded to a multiple of this many positions (few compiled shapes)
+
+
+def load_reward(spec: str) -> Callable:
+    """grpo.rewards' 'module:function' or 'file.py:function' -> the function (ConfigError where it is not one)."""
+    target, sep, name = spec.rpartition(":")
+    if not sep or not target or not name.isidentifier():
+        raise ConfigError(f"grpo.rewards: {spec!r} is not 'module:function' or 'path/to/file.py:function'")
+    if target.endswith(".py"):
+        path = Path(target).expanduser()
+        if not path.is_file():
+            raise ConfigError(f"grpo.rewards: {spec!r}: no file {path}")
+        key = f"trainbox_rewards_{abs(hash(str(path.resolve())))}"
+        module = sys.modules.get(key)
+        if module is None:
+            found = importlib.util.spec_from_file_location(key, path)
+            module = importlib.util.module_from_spec(found)
+            sys.modules[key] = module
+            try:
+                found.loader.exec_module(module)
+            except Exception as e:
+                del sys.modules[key]
+                raise ConfigError(f"grpo.rewards: {spec!r}: {path} raised {type(e).__name__}: {e}") from e
+    else:
+        try:
+            module = importlib.import_module(target)
+        except ImportError as e:
+            raise ConfigError(f"grpo.rewards: {spec!r}: cannot import {target} ({e})",
+                              hint="give an importable module, or the path of a .py file") from e
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise ConfigError(f"grpo.rewards: {spec!r}: {target} has no function {name}")
+    return fn
+
+
+def reward_names(specs: list[str]) -> list[str]:
+    """A name each for the log: the function's, numbered where two share one."""
+    names = [s.rpartition(":")[2] for s in specs]
+    return [n if names.count(n) == 1 else f"{n}_{i}" for i, n in enumerate(names)]
+
+
+def group_advantages(rewards: torch.Tensor, group: int, scale: str, batch_std: float | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N,) rewards, NaN where not scored, in groups of `group` consecutive rows -> (advantages, each row's group
+    standard deviation): reward minus the group's mean over its scored rows, divided by the group's (sample)
+    standard deviation + 1e-4 (scale=group), by `batch_std` + 1e-4 (batch) or not at all (none); 0 where not
+    scored."""
+    g = rewards.view(-1, group)
+    n = (~g.isnan()).sum(1, keepdim=True)
+    mean = g.nansum(1, keepdim=True) / n
+    std = (((g - mean) ** 2).nansum(1, keepdim=True) / (n - 1)).sqrt()
+    adv = g - mean
+    if scale == "group":
+        adv = adv / (std + 1e-4)
+    elif scale == "batch":
+        adv = adv / (batch_std + 1e-4)
+    return adv.reshape(-1).nan_to_num(0.0), std.expand_as(g).reshape(-1)
+
+
+def training_rows(prompts: list[list[int]], completions: list[list[int]], seq_len: int, pad: int
+                  ) -> dict[str, torch.Tensor]:
+    """Each prompt followed by its completion, one row each, right-padded with `pad` to the longest (rounded up to
+    a multiple of SHAPE, at most seq_len): x, y (the next tokens) and loss_mask (on the completion's tokens)."""
+    n = [len(p) + len(c) - 1 for p, c in zip(prompts, completions)]
+    T = min(seq_len, -(-max(n) // SHAPE) * SHAPE)
+    x = torch.full((len(n), T), pad, dtype=torch.int64)
+    y = torch.full((len(n), T), pad, dtype=torch.int64)
+    mask = torch.zeros(len(n), T, dtype=torch.bool)
+    for i, (p, c) in enumerate(zip(prompts, completions)):
+        ids = torch.tensor(p + c, dtype=torch.int64)
+        x[i, :n[i]], y[i, :n[i]] = ids[:-1], ids[1:]
+        mask[i, len(p) - 1:n[i]] = True
+    return {"x": x, "y": y, "loss_mask": mask}
+
+
+class Grpo(Objective):
+    name = "grpo"
+    unit = "prompts"
+    eval_keys = ("val_reward", "val_completion_len")
+
+    def __init__(self, cfg, device: torch.device | None = None, dtype: torch.dtype | None = None):
+        self.cfg, self.g = cfg, cfg.grpo
+        self.device, self.dtype = device or torch.device("cpu"), dtype or torch.float32
+        self.sequences = self.g.num_generations
+        if not self.g.rewards:
+            raise ConfigError("train.objective=grpo needs at least one reward function",
+                              hint="grpo.rewards=[module:function] or grpo.rewards=[path/to/file.py:function]")
+        self.functions = [load_reward(s) for s in self.g.rewards]
+        self.names = reward_names(self.g.rewards)
+        self.weights = torch.tensor(self.g.reward_weights or [1.0] * len(self.functions), dtype=torch.float64)
+        self.stat_names = ROW_STATS + ("tokens", "kl") + tuple(f"{k}_{n}" for n in self.names
+                                                              for k in ("reward", "scored"))
+        self.adapters = family(cfg.model.family).adapters
+        self.run: Runtime | None = None
+        self.stop: frozenset[int] = frozenset()
+        self.pad = 0
+        self._denominator: tuple[int, int] | None = None   # (step, the step's count its loss is a mean over)
+
+    @classmethod
+    def sequences_of(cls, cfg) -> int:
+        return cfg.grpo.num_generations
+
+    @classmethod
+    def frozen_copy(cls, cfg) -> bool:
+        return cfg.grpo.beta > 0 and not family(cfg.model.family).adapters
+
+    def needs_initial_weights(self, cfg) -> bool:
+        return self.frozen_copy(cfg)
+
+    @classmethod
+    def resolve(cls, cfg):
+        """No end-of-run sample (train.sample_tokens resolves to 0): the prompts' completions are the samples."""
+        if not cfg.train.sample_tokens:
+            return cfg
+        return cfg.model_copy(update={"train": cfg.train.model_copy(update={"sample_tokens": 0})})
+
+    # ------------------------------------------------------------------ data
+    def open_datasets(self, cfg, tokenizer, vocab: int):
+        train, val = open_prompt_datasets(cfg.data, self.g, tokenizer)
+        for ds in (train, val):
+            if ds is not None:
+                log.info(ds.describe())
+        ends = {tokenizer.eot_id}
+        if any(train.chat):
+            end = token_of(tokenizer, template_for(tokenizer, cfg.data.chat_template).end_mark)
+            ends |= {end} if end is not None else set()
+        self.stop, self.pad = frozenset(ends), pad_id(tokenizer)
+        log.info(f"grpo: {self.g.num_generations} completions a prompt, up to {self.g.max_completion_len} tokens, "
+                 f"ending at id {' or '.join(map(str, sorted(ends)))}; rewards: {', '.join(self.g.rewards)}")
+        return train, val
+
+    def attach(self, run: Runtime) -> None:
+        self.run = run
+
+    def denominator(self, batches, step: int) -> int:
+        assert self._denominator is not None and self._denominator[0] == step, "step_batches runs first"
+        return self._denominator[1]
+
+    # ------------------------------------------------------------------ sampling and scoring
+    def _sample(self, ds: PromptDataset, indices: list[int], seeds: list[int]) -> list[list[int]]:
+        """The completions of prompts `indices`, one a seed, by the model as it stands (eval mode, no gradients)."""
+        run, g = self.run, self.g
+        with eval_mode(run.model), run.autocast():
+            return rollout(run.model, [ds.ids[i] for i in indices], seeds, g.max_completion_len,
+                           run.tokenizer.vocab_size, self.stop, g.temperature, g.top_k, g.top_p, self.pad)
+
+    def _score(self, ds: PromptDataset, indices: list[int], completions: list[list[int]]) -> torch.Tensor:
+        """(N, functions) float64 scores of each completion (NaN: not scored) by each reward function."""
+        tok = self.run.tokenizer
+        texts = [tok.decode(c[:-1] if c and c[-1] in self.stop else c) for c in completions]
+        prompts = [ds.rows[i]["prompt"] for i in indices]
+        chat = [ds.chat[i] for i in indices]
+        shown = [[{"role": "assistant", "content": t}] if c else t for t, c in zip(texts, chat)]
+        out = torch.full((len(indices), len(self.functions)), float("nan"), dtype=torch.float64)
+        for k, (fn, spec) in enumerate(zip(self.functions, self.g.rewards)):
+            try:
+                got = fn(prompts=prompts, completions=shown, completion_ids=completions, **ds.columns(indices))
+            except Exception as e:
+                raise TrainingFailed(f"grpo.rewards {spec} raised {type(e).__name__}: {e}") from e
+            got = list(got) if got is not None and not isinstance(got, (str, bytes)) else got
+            if not isinstance(got, list) or len(got) != len(indices):
+                raise TrainingFailed(f"grpo.rewards {spec} returned {type(got).__name__} for {len(indices)} "
+                                     "completions: it must return a list of one number (or None) a completion")
+            for i, v in enumerate(got):
+                if v is None:
+                    continue
+                try:
+                    out[i, k] = float(v)
+                except (TypeError, ValueError):
+                    raise TrainingFailed(f"grpo.rewards {spec} returned {v!r} for completion {i}: give a number "
+                                         "or None") from None
+                if not math.isfinite(out[i, k]):
+                    raise TrainingFailed(f"grpo.rewards {spec} returned {v!r} for completion {i}: give a finite "
+                                         "number or None")
+        return out
+
+    def _rewards(self, scores: torch.Tensor) -> torch.Tensor:
+        """The weighted sum of each completion's scores, NaN where no function scored it."""
+        total = (scores.nan_to_num(0.0) * self.weights).sum(1)
+        return torch.where(scores.isnan().all(1), float("nan"), total)
+
+    def _batch_std(self, rewards: torch.Tensor) -> float:
+        """The sample standard deviation of the step's scored rewards over every rank (grpo.scale_rewards=batch)."""
+        ok = rewards[~rewards.isnan()]
+        sums = torch.tensor([ok.sum(), (ok ** 2).sum(), len(ok)], dtype=torch.float64, device=self.run.device)
+        s, q, n = self.run.dist.all_reduce_sum(sums).tolist()
+        return math.sqrt(max(q - s * s / n, 0.0) / (n - 1)) if n > 1 else 0.0
+
+    def step_batches(self, step: int, batches: list[dict]) -> list[dict]:
+        """The step's completions, sampled and scored, as training rows in place of its prompts' indices."""
+        run, g, G = self.run, self.g, self.g.num_generations
+        ds: PromptDataset = run.train
+        seed = run.cfg.run.seed
+        chunks = [[int(i) for i in b["prompt_index"].tolist() for _ in range(G)] for b in batches]
+        indices = [i for idx in chunks for i in idx]
+        seeds = [row_seed(seed, step, i, j % G) for j, i in enumerate(indices)]
+        together = g.generation_batch_size or len(indices)
+        completions = [c for k in range(0, len(indices), together)
+                       for c in self._sample(ds, indices[k:k + together], seeds[k:k + together])]
+        sampled, start = [], 0
+        for idx in chunks:
+            sampled.append(completions[start:start + len(idx)])
+            start += len(idx)
+        scores = self._score(ds, indices, completions)
+        rewards = self._rewards(scores)
+        batch_std = self._batch_std(rewards) if g.scale_rewards == "batch" else None
+        adv, std = group_advantages(rewards, G, g.scale_rewards, batch_std)
+        truncated = torch.tensor([not (c and c[-1] in self.stop) for c in completions])
+        out, start = [], 0
+        for idx, part in zip(chunks, sampled):
+            sl = slice(start, start + len(idx))
+            start += len(idx)
+            b = self.micro_batch([ds.ids[i] for i in idx], part, adv[sl], truncated[sl])
+            r, s = rewards[sl], scores[sl]
+            group_std = std[sl].view(-1, G)[:, 0]
+            b["row_stats"] = torch.tensor(
+                [len(idx), (~r.isnan()).sum(), r.nan_to_num(0.0).sum(), std[sl].nansum(),
+                 (group_std.nan_to_num(0.0) == 0).sum() * G, sum(len(c) for c in part), truncated[sl].sum()]
+                + [v for k in range(s.size(1)) for v in (s[:, k].nan_to_num(0.0).sum(), (~s[:, k].isnan()).sum())],
+                dtype=torch.float32)
+            out.append(b)
+        tokens = torch.tensor([float(sum(b["loss_mask"].sum() for b in out))], dtype=torch.float64,
+                              device=run.device)
+        tokens = int(run.dist.all_reduce_sum(tokens).item())
+        global_rows = run.cfg.train.global_batch_size * G
+        self._denominator = (step, {"dapo": tokens, "grpo": global_rows,
+                                    "dr_grpo": global_rows * g.max_completion_len}[g.loss])
+        sent = []
+        for b in out:
+            b["token_count"] = torch.tensor(float(tokens))
+            rows_of = host_trained_rows(b["y"], b["loss_mask"])
+            d = {k: v.to(run.device, non_blocking=True) for k, v in b.items()}
+            d["rows"] = (rows_of.to(run.device), b["y"].numel())
+            sent.append(d)
+        return sent
+
+    def micro_batch(self, prompts: list[list[int]], completions: list[list[int]], advantages: torch.Tensor,
+                    truncated: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Training rows of completions (on the host): training_rows, with each row's advantage and the weight of
+        its tokens in the step's loss (grpo.loss=grpo: 1 / its trained tokens; else 1)."""
+        b = training_rows(prompts, completions, self.cfg.data.seq_len, self.pad)
+        if self.g.mask_truncated_completions:
+            b["loss_mask"] &= ~truncated[:, None]
+        n = b["loss_mask"].sum(1)
+        weight = 1.0 / n.clamp(min=1) if self.g.loss == "grpo" else torch.ones(len(n))
+        b["weight"] = (weight * (n > 0)).float()
+        b["advantages"] = advantages.float()
+        return b
+
+    # ------------------------------------------------------------------ the loss
+    def _token_logps(self, forward, b: dict) -> tuple[torch.Tensor, object]:
+        temp = {"temperature": self.g.temperature} if self.g.temperature != 1 else {}
+        out = forward(b["x"], b["y"], loss_mask=b["loss_mask"], reduction="none", **temp)
+        return -out.loss.float(), out
+
+    @torch.no_grad()
+    def _reference_logps(self, b: dict) -> torch.Tensor:
+        run = self.run
+        model = run.reference if run.reference is not None else run.model
+        with eval_mode(model), (model.adapters_off() if self.adapters else nullcontext()):
+            return self._token_logps(model, b)[0]
+
+    def loss(self, forward, b: dict, scale: float) -> Part:
+        ref = self._reference_logps(b) if self.g.beta > 0 else None   # first: its transients go first
+        logp, out = self._token_logps(forward, b)
+        mask = b["loss_mask"].float() * b["weight"][:, None]
+        ratio = torch.exp(logp - logp.detach())   # 1, with the gradient of logp
+        per_token = -ratio * b["advantages"][:, None]
+        kl = None
+        if ref is not None:
+            d = ref - logp
+            kl = torch.exp(d) - d - 1
+            per_token = per_token + self.g.beta * kl * ratio
+        world = self.run.dist.world
+        kl_sum = (kl.detach() * b["loss_mask"]).sum() if kl is not None else torch.zeros((), device=logp.device)
+        rs = b["row_stats"]
+        stats = torch.cat([rs[:len(ROW_STATS)], b["token_count"].view(1) / world, kl_sum.view(1).float(),
+                           rs[len(ROW_STATS):]]) * world
+        return Part((per_token * mask).sum() * scale, out.aux_loss, stats, out.stats)
+
+    def step_stats(self, values: dict) -> dict:
+        n = max(values["completions"], 1)
+        out = {"reward": values["reward"] / max(values["scored"], 1), "reward_std": values["reward_std"] / n,
+               "zero_std": values["zero_std"] / n, "completion_len": values["completion_len"] / n,
+               "truncated": values["truncated"] / n}
+        if self.g.beta > 0:
+            out["kl"] = values["kl"] / max(values["tokens"], 1)
+        for name in self.names:
+            if values[f"scored_{name}"]:
+                out[f"reward_{name}"] = values[f"reward_{name}"] / values[f"scored_{name}"]
+        return out
+
+    # ------------------------------------------------------------------ validation
+    @torch.no_grad()
+    def evaluate(self, run: Runtime) -> dict:
+        ds: PromptDataset = run.val
+        n = min(ds.num_samples, max(1, run.cfg.train.eval_tokens // ds.seq_len))
+        mine = list(range(n))[run.dist.rank::run.dist.world]
+        chunk = run.cfg.train.micro_batch_size * self.g.num_generations
+        sums = torch.zeros(4, dtype=torch.float64, device=run.device)   # reward, scored, completion tokens, prompts
+        for k in range(0, len(mine), chunk):
+            idx = mine[k:k + chunk]
+            completions = self._sample(ds, idx, [row_seed(run.cfg.run.seed, -1, i, 0) for i in idx])
+            rewards = self._rewards(self._score(ds, idx, completions))
+            sums += torch.tensor([rewards.nan_to_num(0.0).sum(), (~rewards.isnan()).sum(),
+                                  sum(len(c) for c in completions), len(idx)], dtype=torch.float64,
+                                 device=run.device)
+        total = run.dist.all_reduce_sum(sums).tolist()
+        return {"val_reward": total[0] / max(total[1], 1), "val_completion_len": total[2] / max(total[3], 1),
+                "val_prompts": int(total[3])}
+
+    def eval_line(self, res: dict) -> str:
+        return (f"val reward {res['val_reward']:.4f}, completion length {res['val_completion_len']:.1f} over "
+                f"{res['val_prompts']} prompts")
+
+
+def row_seed(seed: int, step: int, index: int, j: int) -> int:
+    """The sampling seed of completion j of prompt `index` at `step` (-1: validation): a pure function of the four."""
+    return hash((seed, step, index, j)) & (2**63 - 1)

@@ -1,0 +1,350 @@
+"""train.objective=grpo, online reinforcement learning from reward functions, against its references: TRL's
+GRPOTrainer (its own _compute_loss on the same prompts, completions and advantages, a transformers LlamaForCausalLM:
+the loss and every gradient of a tiny Llama in fp32, for each loss, with and without the KL term and at a
+temperature), TRL's advantages (its nanstd), and `trainbox train grpo` end to end: the reward rises, a resumed run
+continues exactly, two processes equal one, and what it refuses."""
+from __future__ import annotations
+
+import copy
+import json
+import random
+import shutil
+import sys
+from contextlib import nullcontext
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import REPO, run_cli
+
+sys.path.insert(0, str(REPO / "tests"))
+import hf_tiny  # noqa: E402
+
+from trainbox.config import load_config  # noqa: E402
+from trainbox.model.build import build_model, build_tokenizer, resolve_model  # noqa: E402
+from trainbox.model.load import load_init_weights  # noqa: E402
+from trainbox.objective import Runtime, build_objective  # noqa: E402
+from trainbox.objective.grpo import ROW_STATS, group_advantages, row_seed, training_rows  # noqa: E402
+from trainbox.parallel.distributed import Dist  # noqa: E402
+
+transformers = pytest.importorskip("transformers")
+
+REWARDS = '''
+def low_ids(prompts, completions, completion_ids, **rows):
+    """The share of a completion's tokens in the lower half of the vocabulary (a reward a policy can learn)."""
+    return [sum(i < 160 for i in c) / len(c) for c in completion_ids]
+
+
+def has_answer(prompts, completions, answer, **rows):
+    """1 where the completion's text holds the row's answer; None for a row without one (not scored)."""
+    return [None if a is None else float(a in c[0]["content"]) for c, a in zip(completions, answer)]
+
+
+SEEN = []
+
+
+def record(prompts, completions, completion_ids, **rows):
+    SEEN.append({"prompts": prompts, "completions": completions, "completion_ids": completion_ids, **rows})
+    return [0.0] * len(prompts)
+
+
+def broken(prompts, completions, **rows):
+    return [1.0]
+'''
+
+
+def write_rewards(folder: Path) -> Path:
+    path = folder / "rewards.py"
+    path.write_text(REWARDS)
+    return path
+
+
+def make_prompt_file(path: Path, n: int = 32, seed: int = 0, answers: bool = True) -> Path:
+    """Arithmetic questions as message prompts, each with its answer (a field the reward functions read)."""
+    rng = random.Random(seed)
+    names = hf_tiny.WORDS[:10]
+    with open(path, "w") as f:
+        for k in range(n):
+            a, b = rng.randrange(5), rng.randrange(5)
+            row = {"prompt": [{"role": "user", "content": f"what is {names[a]} plus {names[b]}"}],
+                   "answer": names[a + b] if answers or k % 2 else None}
+            f.write(json.dumps(row) + "\n")
+    return path
+
+
+def ours(folder, rewards, *overrides):
+    cfg = resolve_model(load_config("grpo", [f"model.path={folder}", "train.device=cpu", "data.seq_len=64",
+                                             "grpo.max_completion_len=16", f"grpo.rewards=[{rewards}:low_ids]",
+                                             *overrides]))
+    tok = build_tokenizer(cfg)
+    torch.manual_seed(0)
+    model = build_model(cfg.model, tok.vocab_size, 64, run=cfg)
+    if cfg.run.init_from:
+        load_init_weights(cfg.run.init_from, model, cfg.model)
+    return cfg, tok, model
+
+
+def runtime(cfg, model, reference, train, tok) -> Runtime:
+    return Runtime(cfg, model, model, reference, torch.device("cpu"), nullcontext, Dist(), train, None, tok,
+                   tok.vocab_size)
+
+
+@pytest.mark.parametrize("loss, beta, temperature", [("dapo", 0.0, 1.0), ("grpo", 0.0, 1.0), ("dapo", 0.0, 0.7),
+                                                     ("dapo", 0.04, 1.0), ("grpo", 0.04, 0.7), ("dr_grpo", 0.1, 1.3)])
+def test_loss_and_gradients_equal_trl(tmp_path, loss, beta, temperature):
+    """TRL's GRPOTrainer._compute_loss on prompts left-padded and completions right-padded as its generation leaves
+    them (some ended by end of text, some cut at max_completion_length), with the same advantages, and with beta > 0
+    the log-probabilities of a perturbed reference; our objective on its training rows of the same tokens: the loss
+    and every parameter's gradient agree (fp32, CPU)."""
+    pytest.importorskip("trl")
+    datasets = pytest.importorskip("datasets")
+    from trl import GRPOConfig, GRPOTrainer
+
+    folder = hf_tiny.make_model(tmp_path / "base", seed=3)
+    rewards = write_rewards(tmp_path)
+    prompts_file = make_prompt_file(tmp_path / "p.jsonl", n=4)
+    cfg, tok, model = ours(folder, rewards, f"data.path={prompts_file}", f"grpo.loss={loss}", f"grpo.beta={beta}",
+                           f"grpo.temperature={temperature}", "grpo.num_generations=3")
+    C, G = cfg.grpo.max_completion_len, 3
+    objective = build_objective(cfg)
+    train, _ = objective.open_datasets(cfg, tok, tok.vocab_size)
+    reference = None
+    if beta:
+        reference = copy.deepcopy(model)
+        with torch.no_grad():
+            for p in reference.parameters():
+                p.add_(torch.randn_like(p) * 0.05)
+    objective.attach(runtime(cfg, model, reference, train, tok))
+
+    gen = torch.Generator().manual_seed(1)
+    prompts = [train.ids[i] for i in (0, 0, 0, 1, 1, 1)]
+    eot = tok.eot_id
+    completions = []
+    for k in range(6):
+        n = int(torch.randint(3, C + 1, (1,), generator=gen))
+        ids = torch.randint(0, 300, (n,), generator=gen).tolist()
+        ids = [i if i != eot else 5 for i in ids]
+        completions.append(ids[:-1] + [eot] if k % 3 != 2 else ids + [7] * (C - n))   # every third one cut
+    truncated = torch.tensor([k % 3 == 2 for k in range(6)])
+    advantages = torch.randn(6, generator=gen)
+    b = objective.micro_batch(prompts, completions, advantages, truncated)
+    tokens = int(b["loss_mask"].sum())
+    b["row_stats"] = torch.zeros(len(ROW_STATS) + 2)
+    b["token_count"] = torch.tensor(float(tokens))
+    denominator = {"dapo": tokens, "grpo": 6, "dr_grpo": 6 * C}[loss]
+    part = objective.loss(model, b, 1.0 / denominator)
+    part.loss.backward()
+
+    hf_tok = transformers.AutoTokenizer.from_pretrained(folder)
+    args = GRPOConfig(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=6, num_generations=G,
+                      max_completion_length=C, temperature=temperature, beta=beta, loss_type=loss, report_to=[],
+                      use_cpu=True, bf16=False, fp16=False, seed=0)
+    rows = [{"prompt": json.loads(line)["prompt"]} for line in open(prompts_file)]
+    trainer = GRPOTrainer(model=str(folder), reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+                          args=args, train_dataset=datasets.Dataset.from_list(rows), processing_class=hf_tok)
+    trainer.current_gradient_accumulation_steps = 1
+    pad = hf_tok.pad_token_id
+    P = max(len(p) for p in prompts)
+    prompt_ids = torch.tensor([[pad] * (P - len(p)) + p for p in prompts])
+    prompt_mask = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in prompts])
+    completion_ids = torch.tensor([c + [pad] * (C - len(c)) for c in completions])
+    completion_mask = torch.tensor([[1] * len(c) + [0] * (C - len(c)) for c in completions])
+    inputs = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids,
+              "completion_mask": completion_mask, "advantages": advantages,
+              "num_items_in_batch": torch.tensor(float(tokens))}
+    if beta:   # the reference's log-probabilities of the completions at the temperature, by transformers
+        ref_hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        ref_hf.load_state_dict({k: v for k, v in reference.state_dict().items()}, strict=False)
+        with torch.no_grad():
+            ids = torch.cat([prompt_ids, completion_ids], 1)
+            logits = ref_hf(input_ids=ids, attention_mask=torch.cat([prompt_mask, completion_mask], 1)).logits
+            logps = (logits[:, P - 1:-1].float() / temperature).log_softmax(-1)
+            inputs["ref_per_token_logps"] = logps.gather(-1, completion_ids[..., None]).squeeze(-1)
+    theirs = trainer._compute_loss(trainer.model, inputs)
+    theirs.backward()
+
+    assert part.loss.item() == pytest.approx(theirs.item(), abs=1e-6)
+    grads = {n: p.grad for n, p in trainer.model.named_parameters()}
+    mine = dict(model.named_parameters())
+    assert set(mine) == set(grads)
+    for name, p in mine.items():
+        torch.testing.assert_close(p.grad, grads[name], atol=1e-6, rtol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_advantages_equal_trls(scale):
+    """group_advantages against TRL's own formula and nanstd: a group of identical rewards, a reward left out
+    (None), a group with one scored completion, a completion no function scored."""
+    from trl.trainer.utils import nanstd
+
+    r = torch.tensor([1.0, 0.0, 0.5, 2.0, 2.0, 2.0, float("nan"), 1.0, 3.0, float("nan"), float("nan"), 4.0],
+                     dtype=torch.float64)
+    G = 3
+    mean = torch.nanmean(r.view(-1, G), dim=1).repeat_interleave(G)
+    std = nanstd(r.view(-1, G), dim=1).repeat_interleave(G) if scale != "batch" else nanstd(r).expand_as(r)
+    want = r - mean
+    if scale != "none":
+        want = want / (std + 1e-4)
+    want = want.nan_to_num(0.0)
+    batch = float(nanstd(r)) if scale == "batch" else None
+    got, _ = group_advantages(r, G, scale, batch)
+    torch.testing.assert_close(got, want)
+
+
+def test_training_rows_mark_the_completions():
+    rows = training_rows([[5, 6, 7], [8]], [[1, 2, 0], [3]], 64, 99)
+    assert rows["x"].shape == (2, 64)
+    assert rows["x"][0, :5].tolist() == [5, 6, 7, 1, 2] and rows["y"][0, :5].tolist() == [6, 7, 1, 2, 0]
+    assert rows["loss_mask"][0].nonzero().flatten().tolist() == [2, 3, 4]   # the targets 1, 2, 0
+    assert rows["loss_mask"][1].nonzero().flatten().tolist() == [0]
+    assert rows["x"][1, 1:].eq(99).all() and rows["y"][1, 1:].eq(99).all()
+
+
+def test_seeds_are_a_pure_function_and_differ():
+    seeds = {row_seed(1337, s, i, j) for s in range(3) for i in range(20) for j in range(8)}
+    assert len(seeds) == 3 * 20 * 8 and row_seed(1337, 2, 5, 3) == row_seed(1337, 2, 5, 3)
+    assert all(0 <= s < 2**63 for s in seeds)
+
+
+def test_rewards_get_the_rows_fields_and_chat_completions(tmp_path):
+    """A reward function is called as TRL calls it: prompts (the rows' message lists), completions as assistant
+    messages holding the text without its end, completion_ids with it, and each other field, one item a
+    completion; a function that returns the wrong count is named in one message."""
+    folder = hf_tiny.make_model(tmp_path / "base", seed=3)
+    rewards = write_rewards(tmp_path)
+    prompts_file = make_prompt_file(tmp_path / "p.jsonl", n=4, answers=False)
+    cfg, tok, model = ours(folder, rewards, f"data.path={prompts_file}",
+                           f"grpo.rewards=[{rewards}:record,{rewards}:has_answer]", "grpo.reward_weights=[1,2]")
+    objective = build_objective(cfg)
+    train, _ = objective.open_datasets(cfg, tok, tok.vocab_size)
+    objective.attach(runtime(cfg, model, None, train, tok))
+    module = sys.modules[objective.functions[0].__module__]
+    module.SEEN.clear()
+    answer = train.rows[1]["answer"]
+    completions = [tok.encode(f"it is {answer}") + [tok.eot_id], tok.encode("no idea"), tok.encode("x")]
+    scores = objective._score(train, [1, 1, 0], completions)
+    seen = module.SEEN[0]
+    assert seen["prompts"] == [train.rows[1]["prompt"]] * 2 + [train.rows[0]["prompt"]]
+    assert seen["completions"][0] == [{"role": "assistant", "content": f"it is {answer}"}]
+    assert seen["completion_ids"] == completions and seen["answer"] == [answer, answer, None]
+    assert scores[:2].tolist() == [[0.0, 1.0], [0.0, 0.0]] and scores[2, 1].isnan()
+    assert objective._rewards(scores).tolist()[:2] == [2.0, 0.0]
+
+    cfg, tok, model = ours(folder, rewards, f"data.path={prompts_file}", f"grpo.rewards=[{rewards}:broken]")
+    objective = build_objective(cfg)
+    train, _ = objective.open_datasets(cfg, tok, tok.vocab_size)
+    objective.attach(runtime(cfg, model, None, train, tok))
+    from trainbox.errors import TrainingFailed
+    with pytest.raises(TrainingFailed, match=r"rewards.py:broken returned list for 3 completions"):
+        objective._score(train, [1, 1, 0], completions)
+
+
+VARY = ("time", "tokens_per_s", "mfu", "step_time", "eta")   # what a resumed run logs otherwise: the clock's
+
+
+def _metrics(run) -> dict[int, dict]:
+    return {e["step"]: e for e in map(json.loads, open(run / "metrics.jsonl")) if e["event"] == "train"}
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """`trainbox train grpo` on a tiny Llama folder: 24 steps of 4 prompts x 4 completions (16 steps an epoch),
+    checkpoints every 12 and at the epoch's end, validation prompts every 8 steps."""
+    root = tmp_path_factory.mktemp("grpo-run")
+    base = hf_tiny.make_model(root / "base", seed=3)
+    rewards = write_rewards(root)
+    make_prompt_file(root / "train.jsonl", n=64, seed=1)
+    make_prompt_file(root / "val.jsonl", n=16, seed=2)
+    args = [f"model.path={base}", f"data.path={root / 'train.jsonl'}", f"data.val_path={root / 'val.jsonl'}",
+            "data.seq_len=64", "grpo.max_completion_len=8", "grpo.num_generations=4",
+            f"grpo.rewards=[{rewards}:low_ids,{rewards}:has_answer]", "train.global_batch_size=4",
+            "train.max_steps=24", "train.checkpoint_every=12", "train.eval_every=8", "train.eval_tokens=1024",
+            "optim.lr=3e-2", f"run.dir={root / 'runs'}", "monitor.port=0", "monitor.plot=false"]
+    proc = run_cli("train", "grpo", *args, cwd=root)
+    return root, args, proc
+
+
+def test_train_grpo_raises_the_reward(run):
+    """The validation reward (one completion of each of 16 prompts, drawn with the same seeds at every evaluation)
+    rises from about one half (the policy's first draws: half the vocabulary is low) as the policy learns to draw
+    low ids; the logged figures are consistent with one another."""
+    root, _, proc = run
+    out = root / "runs" / "grpo"
+    events = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    evals = [e for e in events if e["event"] == "eval"]
+    assert [e["step"] for e in evals] == [8, 16, 24] and all(e["val_prompts"] == 16 for e in evals)
+    assert evals[0]["val_reward"] < 0.65 and evals[-1]["val_reward"] > evals[0]["val_reward"] + 0.2, evals
+    logged = [e for e in events if e["event"] == "train" and "reward" in e]
+    assert logged and logged[-1]["reward_low_ids"] > 0.7, logged[-1]
+    for e in logged:
+        assert 0 < e["completion_len"] <= 8 and 0 <= e["truncated"] <= 1 and 0 <= e["zero_std"] <= 1
+        assert e["reward"] == pytest.approx(e["reward_low_ids"] + e.get("reward_has_answer", 0), abs=1e-5)
+    assert "val reward" in proc.stdout + proc.stderr
+    assert not (out / "samples.txt").exists()
+
+
+def test_a_resumed_grpo_run_continues_exactly(run):
+    """The checkpoint at step 16 (the end of the first epoch) resumed to the end: steps 17 to 24 sample the same
+    completions and lose what the uninterrupted run lost, bit for bit (CPU); so does the validation at step 24."""
+    root, args, _ = run
+    whole = root / "runs" / "grpo"
+    cut = root / "cut" / "grpo"
+    shutil.copytree(whole, cut, ignore=shutil.ignore_patterns("step_00000024", "metrics.jsonl"))
+    (cut / "checkpoints" / "latest").write_text("step_00000016")
+    run_cli("train", "grpo", *[a for a in args if not a.startswith("run.dir=")], f"run.dir={root / 'cut'}", cwd=root)
+    want, got = _metrics(whole), _metrics(cut)
+    assert sorted(got) == list(range(17, 25))
+    for s in got:
+        assert {k: v for k, v in got[s].items() if k not in VARY} == {k: v for k, v in want[s].items()
+                                                                     if k not in VARY}, s
+    evals = [[e for e in map(json.loads, open(d / "metrics.jsonl")) if e["event"] == "eval" and e["step"] > 16]
+             for d in (whole, cut)]
+    assert [{k: v for k, v in e.items() if k != "time"} for e in evals[0]] == \
+        [{k: v for k, v in e.items() if k != "time"} for e in evals[1]]
+
+
+@pytest.mark.slow
+def test_two_processes_equal_one(run, tmp_path):
+    """The run's first 8 steps (its own settings otherwise) under train.parallel=ddp over 2 processes (gloo), and on
+    one: each process samples its prompts' completions with the same seeds, so every step's reward and completion
+    length are the one-process run's, its loss within 1e-5 and its gradient norm within 1e-4. (Further on, Adam
+    grows the rounding of gradients summed in another order: an element near 0 moves by about the learning rate
+    either way.)"""
+    root, args, _ = run
+    args = [a for a in args if not a.startswith(("run.dir=", "train.max_steps="))] + ["train.max_steps=8"]
+    run_cli("train", "grpo", *args, f"run.dir={tmp_path / 'one'}", cwd=root)
+    run_cli("train", "grpo", "--nproc", "2", *args, f"run.dir={tmp_path / 'two'}", "train.micro_batch_size=1",
+            cwd=root, timeout=600)
+    want, got = _metrics(tmp_path / "one" / "grpo"), _metrics(tmp_path / "two" / "grpo")
+    assert sorted(got) == sorted(want) == list(range(1, 9))
+    for s in want:
+        for key in ("loss", "reward", "reward_low_ids", "completion_len"):
+            if key in want[s]:
+                assert got[s][key] == pytest.approx(want[s][key], abs=1e-5), (s, key)
+    assert "reward" in want[8] and got[8]["grad_norm"] == pytest.approx(want[8]["grad_norm"], rel=1e-4)
+
+
+@pytest.mark.parametrize("overrides, says", [
+    (["train.parallel=fsdp"], "use train.parallel=ddp"),
+    (["model.family=gpt", "model.path=null"], "model.family=gpt does not give"),
+    (["data.packing=true"], "each sampled completion in a row of its own"),
+    (["grpo.max_completion_len=64"], "leaves no room for a prompt"),
+    (["grpo.reward_weights=[1,2]"], "2 weight(s) for 1 reward function"),
+    (["train.objective=dpo", "grpo.beta=0.1"], "applies to train.objective=grpo, not dpo"),
+])
+def test_refused_settings_name_the_key(overrides, says):
+    from trainbox.errors import ConfigError
+    with pytest.raises((ConfigError, ValueError)) as e:
+        load_config("grpo", ["model.path=/nowhere", "data.seq_len=64", "grpo.max_completion_len=16",
+                             "grpo.rewards=[x.py:f]", *overrides])
+    assert says in str(e.value)
+
+
+@pytest.mark.parametrize("spec, says", [("nowhere.py:f", "no file"), ("{rewards}:missing", "has no function missing"),
+                                        ("no_such_module_x:f", "cannot import"), ("justaname", "is not 'module")])
+def test_bad_reward_functions_are_named(tmp_path, spec, says):
+    from trainbox.errors import ConfigError
+    from trainbox.objective.grpo import load_reward
+    rewards = write_rewards(tmp_path)
+    with pytest.raises(ConfigError, match=says):
+        load_reward(spec.format(rewards=rewards))
