@@ -1,0 +1,200 @@
+"""GRPO step time and peak memory, trainbox's loop against TRL's GRPOTrainer (transformers generation, no vLLM).
+
+    python benchmarks/grpo_speed.py --record                       # one H100 (an H200 is capped at an H100's memory)
+    python benchmarks/grpo_speed.py --size tiny --steps 3 --warmup 1 --prompt-len 16 --completion-len 8 \\
+        --modes full,lora                                           # a check of the script on a CPU
+
+Both sides train the SAME model folder (dpo_speed.py's: a Qwen2.5-0.5B-shaped Qwen2 with random weights and a
+word-level tokenizer, one id a word, 0 end-of-text) on the SAME prompts (--prompt-len words each), with the same
+reward function (`reward` below: the share of a completion's ids that are even, a pure function of the ids). A
+step: --prompts prompts x --generations completions of up to --completion-len tokens, sampled at temperature 1
+from the model as it stands, then trained (grpo.loss=dapo, TRL's default loss, beta 0: no reference, one policy
+update a generation) in micro-batches of --micro-prompts prompts (--micro-prompts x --generations
+completions a forward); bf16 autocast over fp32 weights and AdamW (full), or a bf16 frozen base with LoRA r=16,
+alpha 32, dropout 0.05, all-linear (lora); lr 1e-6 (LoRA 1e-5). A model of random weights draws end-of-text about
+once in 150k ids, so on both sides nearly every completion is --completion-len tokens: the work of a step is the
+same. TRL samples a step's completions in one generate (its generation_batch_size, the default: every completion
+of the step), as ours does (grpo.generation_batch_size, default the same).
+
+Measured: seconds a step after --warmup steps (ours from the logged rate, TRL from a callback's clock after CUDA
+syncs), completion tokens a second (a step's completions' own tokens over its time), peak allocated memory, and the
+mean completion length each side logged. Each (side, mode) runs in its own process, capped at an H100's memory on a
+larger GPU. Prints one JSON report, then the result record (common.Result: ours measured, TRL its baseline);
+--record writes it to benchmarks/records/.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import common
+from dpo_speed import LORA, SIZES, _peak_gib, cap_memory, make_folder, spawn, tokenizer_folder
+
+
+def reward(prompts, completions, completion_ids=None, **rows):
+    """The share of a completion's ids that are even (TRL's signature; ours passes the same)."""
+    return [sum(i % 2 == 0 for i in c) / max(len(c), 1) for c in completion_ids]
+
+
+def make_prompts(root: Path, vocab: int, words: int, n: int) -> Path:
+    import numpy as np
+    path = root / f"prompts-{vocab}-{words}.jsonl"
+    if path.is_file():
+        return path
+    rng = np.random.default_rng(0)
+    with open(path, "w") as f:
+        for _ in range(n):
+            f.write(json.dumps({"prompt": " ".join(f"w{i}" for i in rng.integers(1, vocab, size=words))}) + "\n")
+    return path
+
+
+def run_ours(folder: Path, data: Path, a) -> dict:
+    import torch
+
+    from trainbox.config import load_config
+    from trainbox.train.loop import Trainer
+
+    cuda = torch.cuda.is_available()
+    lora = ["model.family=hf", f"lora.r={LORA['r']}", f"lora.alpha={LORA['alpha']}", f"lora.dropout={LORA['dropout']}",
+            "lora.gradient_checkpointing=false"] if a.mode == "lora" else []
+    cfg = load_config("grpo", [
+        f"model.path={folder}", f"data.tokenizer={tokenizer_folder(folder.parent, a.size)}", f"data.path={data}",
+        f"data.seq_len={a.prompt_len + a.completion_len}", f"grpo.max_completion_len={a.completion_len}",
+        f"grpo.num_generations={a.generations}", f"grpo.rewards=[{Path(__file__).resolve()}:reward]",
+        f"train.micro_batch_size={a.micro_prompts}", f"train.global_batch_size={a.prompts}",
+        f"train.max_steps={a.steps}", f"run.dir={a.root}/runs", f"run.name=ours-grpo-{a.mode}-{a.size}",
+        "run.resume=never", f"optim.lr={1e-5 if a.mode == 'lora' else 1e-6}", "optim.warmup_steps=0",
+        "train.checkpoints=false", "train.eval_every=0", "monitor.log_every=1", "monitor.port=0",
+        "train.memory_check=false", "train.dtype=bf16" if cuda else "train.dtype=fp32", *lora, *a.set])
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    trainer = Trainer(cfg)
+    trainer.run()
+    events = [json.loads(x) for x in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
+    train = [e for e in events if e.get("event") == "train"]
+    per_step = cfg.train.global_batch_size * cfg.data.seq_len * a.generations   # what tokens_per_s counts
+    seconds = [per_step / e["tokens_per_s"] for e in train if e.get("tokens_per_s") and e["step"] > a.warmup]
+    length = sum(e["completion_len"] for e in train if e["step"] > a.warmup) / max(len(seconds), 1)
+    step_s = sum(seconds) / len(seconds) if seconds else None
+    return {"step_s": step_s, "completion_tokens_per_s": a.prompts * a.generations * length / step_s if step_s else
+            None, "completion_len": length, "peak_memory_gib": _peak_gib(), "rewards": [e["reward"] for e in train]}
+
+
+def run_trl(folder: Path, data: Path, a) -> dict:
+    """The reference: what a user writes with TRL, no trainbox involved."""
+    import torch
+    from datasets import load_dataset
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    cuda = torch.cuda.is_available()
+    lora = a.mode == "lora"
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16 if lora and cuda else torch.float32)
+    times: dict[int, float] = {}
+    history: list[dict] = []
+
+    class Clock(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kw):
+            times[0] = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            if cuda:
+                torch.cuda.synchronize()
+            times[state.global_step] = time.perf_counter()
+
+        def on_log(self, args, state, control, logs=None, **kw):
+            history.append({**(logs or {}), "step": state.global_step})
+
+    accum = a.prompts // a.micro_prompts
+    args = GRPOConfig(output_dir=f"{a.root}/runs/trl-grpo-{a.mode}-{a.size}",
+                      per_device_train_batch_size=a.micro_prompts * a.generations, gradient_accumulation_steps=accum,
+                      num_generations=a.generations, max_completion_length=a.completion_len, temperature=1.0,
+                      beta=0.0, loss_type="dapo", max_steps=a.steps, learning_rate=1e-5 if lora else 1e-6,
+                      lr_scheduler_type="linear", warmup_steps=0, weight_decay=0.0, bf16=cuda, fp16=False,
+                      use_cpu=not cuda, optim="adamw_torch_fused" if cuda else "adamw_torch", logging_steps=1,
+                      save_strategy="no", report_to=[], seed=0, disable_tqdm=True, dataloader_num_workers=0)
+    peft_config = LoraConfig(r=LORA["r"], lora_alpha=LORA["alpha"], lora_dropout=LORA["dropout"],
+                             target_modules="all-linear", task_type="CAUSAL_LM") if lora else None
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args,
+                          train_dataset=load_dataset("json", data_files=str(data))["train"],
+                          processing_class=AutoTokenizer.from_pretrained(tokenizer_folder(folder.parent, a.size)),
+                          peft_config=peft_config, callbacks=[Clock()])
+    trainer.train()
+    step_s = (times[a.steps] - times[a.warmup]) / (a.steps - a.warmup)
+    lengths = [e["completions/mean_length"] for e in history if "completions/mean_length" in e and e["step"] > a.warmup]
+    length = sum(lengths) / len(lengths) if lengths else None
+    return {"step_s": step_s, "completion_tokens_per_s": a.prompts * a.generations * length / step_s if length else
+            None, "completion_len": length, "peak_memory_gib": _peak_gib(),
+            "rewards": [e.get("reward") for e in history if "reward" in e]}
+
+
+def worker(a) -> dict:
+    cap = cap_memory()
+    folder = make_folder(Path(a.root), a.size)
+    data = make_prompts(Path(a.root), SIZES[a.size]["vocab_size"], a.prompt_len, a.prompts * a.steps)
+    return {**(run_ours if a.worker == "ours" else run_trl)(folder, data, a), "memory_cap_gib": cap}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--size", choices=list(SIZES), default="0.5b")
+    p.add_argument("--modes", default="full,lora")
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--warmup", type=int, default=3, help="steps left out of the time")
+    p.add_argument("--prompts", type=int, default=8, help="prompts a step")
+    p.add_argument("--micro-prompts", type=int, default=2, help="prompts a micro-batch")
+    p.add_argument("--generations", type=int, default=8, help="completions a prompt")
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--completion-len", type=int, default=256)
+    p.add_argument("--timeout", type=float, default=400)
+    p.add_argument("--root", default="/tmp/trainbox-grpo-bench")
+    p.add_argument("--record", action="store_true")
+    p.add_argument("--set", nargs="*", default=[], help="extra overrides for our runs")
+    p.add_argument("--worker", choices=["ours", "trl"], help=argparse.SUPPRESS)
+    p.add_argument("--mode", choices=["full", "lora"], help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.worker:
+        print("RESULT " + json.dumps(worker(a)))
+        return 0
+    Path(a.root).mkdir(parents=True, exist_ok=True)
+    shared = ["--size", a.size, "--steps", str(a.steps), "--warmup", str(a.warmup), "--prompts", str(a.prompts),
+              "--micro-prompts", str(a.micro_prompts), "--generations", str(a.generations), "--prompt-len",
+              str(a.prompt_len), "--completion-len", str(a.completion_len), "--root", a.root,
+              *(["--set", *a.set] if a.set else [])]
+    report = {k: getattr(a, k) for k in ("size", "steps", "warmup", "prompts", "micro_prompts", "generations",
+                                         "prompt_len", "completion_len")}
+    report.update(lora=LORA, ours_overrides=a.set, runs={}, ratio={})
+    modes = [m for m in a.modes.split(",") if m]
+    for mode in modes:
+        for side in ("trl", "ours"):
+            report["runs"][f"{side}-{mode}"] = spawn(side, mode, shared, a.timeout, script=__file__)
+            print(json.dumps({f"{side}-{mode}": report["runs"][f"{side}-{mode}"]}), file=sys.stderr, flush=True)
+        ours, ref = report["runs"][f"ours-{mode}"], report["runs"][f"trl-{mode}"]
+        if ours.get("completion_tokens_per_s") and ref.get("completion_tokens_per_s"):
+            report["ratio"][mode] = {"completion_tokens_per_s": ours["completion_tokens_per_s"]
+                                     / ref["completion_tokens_per_s"],
+                                     "step_s": ours["step_s"] / ref["step_s"],
+                                     "peak_memory": ours["peak_memory_gib"] / ref["peak_memory_gib"]
+                                     if ref["peak_memory_gib"] else None}
+    gpu = common.gpu_info()
+    report["device"] = gpu["name"] if gpu else "cpu"
+    print(json.dumps(report, indent=1))
+    runs = report["runs"]
+    common.emit(common.Result(
+        tool="grpo_speed", what=f"grpo-{a.size}-speed", gpu=gpu,
+        software=common.software("transformers", "peft", "trl"), recipe="grpo", overrides=a.set,
+        metrics={**{k: v for k, v in report.items() if k not in ("device", "runs")},
+                 **{m: runs.get(f"ours-{m}") for m in modes}},
+        baseline={"name": "TRL GRPOTrainer", "command": None, "metrics": {m: runs.get(f"trl-{m}") for m in modes}}),
+        a.record)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
