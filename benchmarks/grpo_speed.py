@@ -11,10 +11,11 @@ step: --prompts prompts x --generations completions of up to --completion-len to
 from the model as it stands, then trained (grpo.loss=dapo, TRL's default loss, beta 0: no reference, one policy
 update a generation) in micro-batches of --micro-prompts prompts (--micro-prompts x --generations
 completions a forward); bf16 autocast over fp32 weights and AdamW (full), or a bf16 frozen base with LoRA r=16,
-alpha 32, dropout 0.05, all-linear (lora); lr 1e-6 (LoRA 1e-5). A model of random weights draws end-of-text about
-once in 150k ids, so on both sides nearly every completion is --completion-len tokens: the work of a step is the
-same. TRL samples a step's completions in one generate (its generation_batch_size, the default: every completion
-of the step), as ours does (grpo.generation_batch_size, default the same).
+alpha 32, dropout 0.05, all-linear (lora); lr 1e-6 (LoRA 1e-5); activation checkpointing on neither side
+(--checkpointing: on both; TRL's GRPOConfig turns it on by default, which is set off here). A model of random weights
+draws end-of-text about once in 150k ids, so on both sides nearly every completion is --completion-len tokens: the
+work of a step is the same. TRL samples a step's completions in one generate (its generation_batch_size, the
+default: every completion of the step), as ours does (grpo.generation_batch_size, default the same).
 
 Measured: seconds a step after --warmup steps (ours from the logged rate, TRL from a callback's clock after CUDA
 syncs), completion tokens a second (a step's completions' own tokens over its time), peak allocated memory, and the
@@ -59,7 +60,7 @@ def run_ours(folder: Path, data: Path, a) -> dict:
 
     cuda = torch.cuda.is_available()
     lora = ["model.family=hf", f"lora.r={LORA['r']}", f"lora.alpha={LORA['alpha']}", f"lora.dropout={LORA['dropout']}",
-            "lora.gradient_checkpointing=false"] if a.mode == "lora" else []
+            f"lora.gradient_checkpointing={str(a.checkpointing).lower()}"] if a.mode == "lora" else []
     cfg = load_config("grpo", [
         f"model.path={folder}", f"data.tokenizer={tokenizer_folder(folder.parent, a.size)}", f"data.path={data}",
         f"data.seq_len={a.prompt_len + a.completion_len}", f"grpo.max_completion_len={a.completion_len}",
@@ -68,7 +69,9 @@ def run_ours(folder: Path, data: Path, a) -> dict:
         f"train.max_steps={a.steps}", f"run.dir={a.root}/runs", f"run.name=ours-grpo-{a.mode}-{a.size}",
         "run.resume=never", f"optim.lr={1e-5 if a.mode == 'lora' else 1e-6}", "optim.warmup_steps=0",
         "train.checkpoints=false", "train.eval_every=0", "monitor.log_every=1", "monitor.port=0",
-        "train.memory_check=false", "train.dtype=bf16" if cuda else "train.dtype=fp32", *lora, *a.set])
+        "train.memory_check=false", "train.dtype=bf16" if cuda else "train.dtype=fp32", *lora,
+        *(["lora.gradient_checkpointing=true"] if a.mode == "lora" else ["train.activation_checkpointing=full"])
+        * a.checkpointing, *a.set])
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     trainer = Trainer(cfg)
@@ -116,7 +119,9 @@ def run_trl(folder: Path, data: Path, a) -> dict:
                       beta=0.0, loss_type="dapo", max_steps=a.steps, learning_rate=1e-5 if lora else 1e-6,
                       lr_scheduler_type="linear", warmup_steps=0, weight_decay=0.0, bf16=cuda, fp16=False,
                       use_cpu=not cuda, optim="adamw_torch_fused" if cuda else "adamw_torch", logging_steps=1,
-                      save_strategy="no", report_to=[], seed=0, disable_tqdm=True, dataloader_num_workers=0)
+                      save_strategy="no", report_to=[], seed=0, disable_tqdm=True, dataloader_num_workers=0,
+                      gradient_checkpointing=a.checkpointing,
+                      gradient_checkpointing_kwargs={"use_reentrant": False} if a.checkpointing else None)
     peft_config = LoraConfig(r=LORA["r"], lora_alpha=LORA["alpha"], lora_dropout=LORA["dropout"],
                              target_modules="all-linear", task_type="CAUSAL_LM") if lora else None
     if cuda:
@@ -152,6 +157,9 @@ def main() -> int:
     p.add_argument("--generations", type=int, default=8, help="completions a prompt")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--completion-len", type=int, default=256)
+    p.add_argument("--checkpointing", action="store_true", help="activation checkpointing on both sides (TRL's "
+                                                                "GRPOConfig turns it on by default; off here unless "
+                                                                "given, on both)")
     p.add_argument("--timeout", type=float, default=400)
     p.add_argument("--root", default="/tmp/trainbox-grpo-bench")
     p.add_argument("--record", action="store_true")
@@ -166,9 +174,10 @@ def main() -> int:
     shared = ["--size", a.size, "--steps", str(a.steps), "--warmup", str(a.warmup), "--prompts", str(a.prompts),
               "--micro-prompts", str(a.micro_prompts), "--generations", str(a.generations), "--prompt-len",
               str(a.prompt_len), "--completion-len", str(a.completion_len), "--root", a.root,
+              *(["--checkpointing"] if a.checkpointing else []),
               *(["--set", *a.set] if a.set else [])]
     report = {k: getattr(a, k) for k in ("size", "steps", "warmup", "prompts", "micro_prompts", "generations",
-                                         "prompt_len", "completion_len")}
+                                         "prompt_len", "completion_len", "checkpointing")}
     report.update(lora=LORA, ours_overrides=a.set, runs={}, ratio={})
     modes = [m for m in a.modes.split(",") if m]
     for mode in modes:

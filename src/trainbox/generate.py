@@ -101,7 +101,7 @@ def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
     return ((x & 0xFFFF) * c + ((((x >> 16) * c) & 0xFFFF) << 16)) & _M32
 
 
-def gumbel_noise(seeds: torch.Tensor, t: int, V: int, device: torch.device | str) -> torch.Tensor:
+def gumbel_noise(seeds: torch.Tensor, t: int | torch.Tensor, V: int, device: torch.device | str) -> torch.Tensor:
     """(B, V) float32 Gumbel noise, a function of (seeds[r], t, id) alone: the noise of row r's draw at completion
     index t. The int64 seed's two 32-bit halves and t are mixed into two 32-bit row keys; id v's uniform comes from
     mix(mix(mix(v + c) ^ key1) ^ key2) (`_mix32`, in 32-bit integer ops), its top 23 bits as u = (2m + 1) / 2**24,
@@ -117,8 +117,8 @@ def gumbel_noise(seeds: torch.Tensor, t: int, V: int, device: torch.device | str
     return -torch.log(-torch.log(u))
 
 
-def draw(logits: torch.Tensor, seeds: torch.Tensor, t: int, vocab: int, temperature: float, top_k: int | None,
-         top_p: float | None) -> torch.Tensor:
+def draw(logits: torch.Tensor, seeds: torch.Tensor, t: int | torch.Tensor, vocab: int, temperature: float,
+         top_k: int | None, top_p: float | None) -> torch.Tensor:
     """(B, V) logits -> (B,) ids: argmax at temperature 0, else the Gumbel-max draw from the filtered logits with
     `gumbel_noise(seeds, t)` (an exact sample of softmax(filtered logits)). Ids from `vocab` up are never drawn."""
     logits = logits.float()
@@ -133,14 +133,21 @@ def draw(logits: torch.Tensor, seeds: torch.Tensor, t: int, vocab: int, temperat
 @torch.no_grad()
 def rollout(model, prompts: list[list[int]], seeds: list[int], max_tokens: int, vocab: int, stop: frozenset[int],
             temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
-            pad: int = 0) -> list[list[int]]:
+            pad: int = 0, graphs: bool = True) -> list[list[int]]:
     """Completions of B prompts drawn together: each row's ids up to and including its first id in `stop`, or
     `max_tokens` ids where none was drawn. Row r draws with seeds[r] (`draw`), so its completion does not depend on
     the other rows. The prompts are left-padded with `pad` to the longest (P tokens); one prefill, then one forward
-    per token over all rows, through KV caches of P + max_tokens positions (in the autocast dtype where one is on); padded positions are never attended to
-    and each row's positions count from its own first token, so its logits are those of its prompt alone. A row
-    that has stopped is fed `pad` until every row has. Needs a family whose forward takes `attend` and
-    `position_ids` with caches (llama, hf); the model runs in eval mode and gets its mode back."""
+    per token over all rows, through KV caches of P + max_tokens positions (in the autocast dtype where one is on);
+    padded positions are never attended to and each row's positions count from its own first token, so its logits
+    are those of its prompt alone. A row that has stopped is fed `pad` until every row has (read every 8 tokens).
+    Needs a family whose
+    forward takes `attend` and `position_ids` with caches (llama, hf); the model runs in eval mode and gets its mode
+    back.
+
+    A model whose forward takes its cache position as a device tensor (`static_decode`: llama) decodes with shapes
+    that do not change from token to token, over the whole cache; on a CUDA GPU (and `graphs`) that token step (the
+    forward, the draw and the bookkeeping) is captured once in a CUDA graph and replayed for every token, which
+    takes the host's kernel launches out of the loop."""
     check_sampling(temperature, top_k, top_p, max_tokens)
     B = len(prompts)
     if len(seeds) != B:
@@ -157,35 +164,78 @@ def rollout(model, prompts: list[list[int]], seeds: list[int], max_tokens: int, 
     param = next(model.parameters())
     device = param.device
     # the caches hold what the forward computes: the autocast dtype where one is on (fp32 weights trained in bf16)
-    dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else param.dtype
+    autocast = torch.is_autocast_enabled(device.type)
+    dtype = torch.get_autocast_dtype(device.type) if autocast else param.dtype
     left = torch.tensor([P - len(p) for p in prompts], device=device)                # (B,) pads before each row
     x = torch.tensor([[pad] * (P - len(p)) + list(p) for p in prompts], dtype=torch.long, device=device)
     attend = torch.arange(P + max_tokens, device=device)[None, :] >= left[:, None]   # (B, P + max_tokens)
     seed_ids = torch.tensor(seeds, dtype=torch.int64, device=device)
     stop_ids = torch.tensor(sorted(stop), dtype=torch.long, device=device)
-    out = torch.full((B, max_tokens), pad, dtype=torch.long, device=device)
-    length = torch.full((B,), max_tokens, dtype=torch.long, device=device)        # each row's completion length
-    done = torch.zeros(B, dtype=torch.bool, device=device)
+    static = bool(getattr(model, "static_decode", False))
+    # the state of a token step, changed in place by it: the ids fed, the cache slot, each row's position, the
+    # completion's index, what is drawn, each row's length, which rows have stopped
+    st = {"x": x, "pos": torch.zeros((), dtype=torch.long, device=device), "positions": -left[:, None],
+          "t": torch.zeros((), dtype=torch.long, device=device),
+          "out": torch.full((B, max_tokens), pad, dtype=torch.long, device=device),
+          "length": torch.full((B,), max_tokens, dtype=torch.long, device=device),
+          "done": torch.zeros(B, dtype=torch.bool, device=device)}
+    host = {"pos": 0}   # the cache slot of a model that takes it as an int
+
+    def step() -> None:
+        T = st["x"].size(1)
+        positions = (st["positions"] + torch.arange(T, device=device)).clamp(min=0)
+        pos = st["pos"] if static and T == 1 else host["pos"]
+        with torch.autocast(device.type, dtype=dtype, enabled=autocast, cache_enabled=False):
+            logits = model(st["x"], caches=caches, pos=pos, position_ids=positions, attend=attend).logits[:, -1, :]
+        done = st["done"]
+        nxt = draw(logits, seed_ids, st["t"], vocab, temperature, top_k, top_p).masked_fill(done, pad)
+        st["out"].index_copy_(1, st["t"].view(1), nxt[:, None])
+        stopped = ~done & (nxt[:, None] == stop_ids).any(1)
+        st["length"].copy_(torch.where(stopped, st["t"] + 1, st["length"]))
+        done.logical_or_(stopped)
+        st["pos"].add_(T)
+        st["positions"].add_(T)
+        st["t"].add_(1)
+        host["pos"] += T
+        if T == 1:
+            st["x"].copy_(nxt[:, None])
+        else:
+            st["x"] = nxt[:, None].clone()
+
     was_training = model.training
     model.eval()
     try:
         caches = model.make_caches(B, P + max_tokens, dtype, device)
-        pos = 0
-        for t in range(max_tokens):
-            position_ids = (torch.arange(pos, pos + x.size(1), device=device)[None, :] - left[:, None]).clamp(min=0)
-            logits = model(x, caches=caches, pos=pos, position_ids=position_ids, attend=attend).logits[:, -1, :]
-            nxt = draw(logits, seed_ids, t, vocab, temperature, top_k, top_p).masked_fill(done, pad)
-            out[:, t] = nxt
-            stopped = ~done & torch.isin(nxt, stop_ids)
-            length = torch.where(stopped, t + 1, length)
-            done |= stopped
-            pos += x.size(1)
-            x = nxt[:, None]
-            if bool(done.all()):
+        step()   # the prefill and the first token
+        replay = step
+        if static and graphs and device.type == "cuda" and max_tokens > 2 and not bool(st["done"].all()):
+            replay = _captured(step, st)
+        for t in range(1, max_tokens):
+            if t % 8 == 1 and bool(st["done"].all()):   # a host read every 8 tokens: stopped rows cost little
                 break
+            replay()
     finally:
         model.train(was_training)
-    return [row[:n] for row, n in zip(out.tolist(), length.tolist())]
+    return [row[:n] for row, n in zip(st["out"].tolist(), st["length"].tolist())]
+
+
+def _captured(step, st: dict):
+    """`step` captured in a CUDA graph -> a function that replays it. It runs twice first on a side stream (to
+    settle its allocations), from a copy of the state that is put back afterwards: the cache slot it writes is
+    written again, with the same keys and values, by the first replay."""
+    saved = {k: v.clone() for k, v in st.items()}
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            step()
+            for k, v in saved.items():
+                st[k].copy_(v)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph.replay
 
 
 @torch.no_grad()

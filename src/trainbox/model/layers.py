@@ -36,7 +36,13 @@ class KVCache(nn.Module):
         self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
 
-    def update(self, pos: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(self, pos: int | torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write k, v at positions pos..pos+T-1 -> the keys and values up to there; a device tensor `pos` (one
+        token) writes there and gives the whole cache, the same shapes at every position."""
+        if isinstance(pos, torch.Tensor):
+            self.k.index_copy_(2, pos.view(1), k)
+            self.v.index_copy_(2, pos.view(1), v)
+            return self.k, self.v
         t = k.size(2)
         self.k[:, :, pos:pos + t] = k
         self.v[:, :, pos:pos + t] = v
@@ -46,7 +52,8 @@ class KVCache(nn.Module):
 SDPA_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")  # torch 2.5+
 
 
-def cached_attention(q, k, v, cache: KVCache | None, pos: int, attend: torch.Tensor | None = None) -> torch.Tensor:
+def cached_attention(q, k, v, cache: KVCache | None, pos: int | torch.Tensor,
+                     attend: torch.Tensor | None = None) -> torch.Tensor:
     """Causal SDPA over (B, H, T, D) tensors, appending k/v to the cache when one is given.
 
     With a cache, the T new queries sit at positions pos..pos+T-1 and see every cached key up to their
@@ -59,6 +66,9 @@ def cached_attention(q, k, v, cache: KVCache | None, pos: int, attend: torch.Ten
     row of the mask is all False: SDPA's kernels differ on such a row (zeros, NaN or arbitrary values), and what a
     padding query computes becomes the next layer's keys and values at its position, where a NaN would reach every
     real row as 0 x NaN.
+
+    `pos` a device tensor (one query, with `attend`): the query sees the whole cache up to its position, shapes that
+    do not change with it (generate.py `rollout` replays such a step in a CUDA graph).
     """
     if cache is not None:
         k, v = cache.update(pos, k, v)
@@ -71,6 +81,10 @@ def cached_attention(q, k, v, cache: KVCache | None, pos: int, attend: torch.Ten
     if cache is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, **gqa)
     t, s = q.size(2), k.size(2)
+    if isinstance(pos, torch.Tensor):
+        keys = torch.arange(s, device=q.device)
+        mask = (keys <= pos) if attend is None else (attend[:, None, None, :] & (keys <= pos)) | (keys == pos)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **gqa)
     if attend is not None:
         own = torch.arange(s - t, s, device=q.device)[:, None]   # (t, 1): each query's position
         keys = torch.arange(s, device=q.device)

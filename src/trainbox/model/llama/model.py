@@ -162,6 +162,7 @@ class Llama(nn.Module):
 
     family = "llama"
     masks_attention = True   # forward(..., visible=, position_ids=): rows of any layout (eval/adapter.py)
+    static_decode = True     # forward(x, caches=, pos=device tensor, position_ids=, attend=): generate.py rollout
 
     def __init__(self, cfg, vocab_size: int, block_size: int):
         super().__init__()
