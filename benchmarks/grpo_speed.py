@@ -82,8 +82,10 @@ def run_ours(folder: Path, data: Path, a) -> dict:
     seconds = [per_step / e["tokens_per_s"] for e in train if e.get("tokens_per_s") and e["step"] > a.warmup]
     length = sum(e["completion_len"] for e in train if e["step"] > a.warmup) / max(len(seconds), 1)
     step_s = sum(seconds) / len(seconds) if seconds else None
+    sampling = [e["sample_s"] for e in train if e["step"] > a.warmup]
     return {"step_s": step_s, "completion_tokens_per_s": a.prompts * a.generations * length / step_s if step_s else
-            None, "completion_len": length, "peak_memory_gib": _peak_gib(), "rewards": [e["reward"] for e in train]}
+            None, "completion_len": length, "sample_s": sum(sampling) / len(sampling) if sampling else None,
+            "peak_memory_gib": _peak_gib(), "rewards": [e["reward"] for e in train]}
 
 
 def run_trl(folder: Path, data: Path, a) -> dict:
@@ -161,6 +163,7 @@ def main() -> int:
                                                                 "GRPOConfig turns it on by default; off here unless "
                                                                 "given, on both)")
     p.add_argument("--timeout", type=float, default=400)
+    p.add_argument("--sides", default="trl,ours", help="which sides run (a side left out is not compared)")
     p.add_argument("--root", default="/tmp/trainbox-grpo-bench")
     p.add_argument("--record", action="store_true")
     p.add_argument("--set", nargs="*", default=[], help="extra overrides for our runs")
@@ -181,10 +184,10 @@ def main() -> int:
     report.update(lora=LORA, ours_overrides=a.set, runs={}, ratio={})
     modes = [m for m in a.modes.split(",") if m]
     for mode in modes:
-        for side in ("trl", "ours"):
+        for side in a.sides.split(","):
             report["runs"][f"{side}-{mode}"] = spawn(side, mode, shared, a.timeout, script=__file__)
             print(json.dumps({f"{side}-{mode}": report["runs"][f"{side}-{mode}"]}), file=sys.stderr, flush=True)
-        ours, ref = report["runs"][f"ours-{mode}"], report["runs"][f"trl-{mode}"]
+        ours, ref = report["runs"].get(f"ours-{mode}", {}), report["runs"].get(f"trl-{mode}", {})
         if ours.get("completion_tokens_per_s") and ref.get("completion_tokens_per_s"):
             report["ratio"][mode] = {"completion_tokens_per_s": ours["completion_tokens_per_s"]
                                      / ref["completion_tokens_per_s"],

@@ -239,7 +239,7 @@ def test_rewards_get_the_rows_fields_and_chat_completions(tmp_path):
         objective._score(train, [1, 1, 0], completions)
 
 
-VARY = ("time", "tokens_per_s", "mfu", "step_time", "eta")   # what a resumed run logs otherwise: the clock's
+VARY = ("time", "tokens_per_s", "mfu", "step_time", "eta", "sample_s")   # the clock's readings
 
 
 def _metrics(run) -> dict[int, dict]:

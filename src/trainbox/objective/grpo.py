@@ -30,7 +30,8 @@ the mean over the step's completions; dr_grpo, the sum over the step's completio
 
 Logged with the loss: reward (the mean over scored completions), reward_std (the mean of the groups' standard
 deviations), zero_std (the share of groups whose completions all scored the same: no signal), completion_len,
-truncated (the share cut at max_completion_len), reward_NAME for each function, kl where beta > 0. Validation
+truncated (the share cut at max_completion_len), sample_s (the seconds a process spent sampling the step's
+completions, a mean over the processes), reward_NAME for each function, kl where beta > 0. Validation
 (data.val_path): one completion for each of up to train.eval_tokens / data.seq_len prompts, drawn with seeds fixed
 by the prompt, so evaluations compare: val_reward, val_completion_len.
 """
@@ -41,6 +42,7 @@ import importlib.util
 import logging
 import math
 import sys
+import time
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Callable
@@ -59,7 +61,7 @@ from trainbox.objective.preference import eval_mode
 
 log = logging.getLogger("trainbox")
 
-ROW_STATS = ("completions", "scored", "reward", "reward_std", "zero_std", "completion_len", "truncated")
+ROW_STATS = ("completions", "scored", "reward", "reward_std", "zero_std", "completion_len", "truncated", "sample_s")
 SHAPE = 64   # training rows are padded to a multiple of this many positions (few compiled shapes)
 
 
@@ -257,8 +259,10 @@ class Grpo(Objective):
         indices = [i for idx in chunks for i in idx]
         seeds = [row_seed(seed, step, i, j % G) for j, i in enumerate(indices)]
         together = g.generation_batch_size or len(indices)
+        start = time.perf_counter()
         completions = [c for k in range(0, len(indices), together)
                        for c in self._sample(ds, indices[k:k + together], seeds[k:k + together])]
+        seconds = time.perf_counter() - start   # the completions are on the host: the sampling has finished
         sampled, start = [], 0
         for idx in chunks:
             sampled.append(completions[start:start + len(idx)])
@@ -277,7 +281,8 @@ class Grpo(Objective):
             group_std = std[sl].view(-1, G)[:, 0]
             b["row_stats"] = torch.tensor(
                 [len(idx), (~r.isnan()).sum(), r.nan_to_num(0.0).sum(), std[sl].nansum(),
-                 (group_std.nan_to_num(0.0) == 0).sum() * G, sum(len(c) for c in part), truncated[sl].sum()]
+                 (group_std.nan_to_num(0.0) == 0).sum() * G, sum(len(c) for c in part), truncated[sl].sum(),
+                 seconds if not out else 0.0]
                 + [v for k in range(s.size(1)) for v in (s[:, k].nan_to_num(0.0).sum(), (~s[:, k].isnan()).sum())],
                 dtype=torch.float32)
             out.append(b)
@@ -344,7 +349,7 @@ class Grpo(Objective):
         n = max(values["completions"], 1)
         out = {"reward": values["reward"] / max(values["scored"], 1), "reward_std": values["reward_std"] / n,
                "zero_std": values["zero_std"] / n, "completion_len": values["completion_len"] / n,
-               "truncated": values["truncated"] / n}
+               "truncated": values["truncated"] / n, "sample_s": values["sample_s"] / self.run.dist.world}
         if self.g.beta > 0:
             out["kl"] = values["kl"] / max(values["tokens"], 1)
         for name in self.names:
