@@ -471,3 +471,85 @@ def inductor_templates(kind: str, backends: str = "TRITON", width: int = 3072):
         torch._dynamo.reset()
 
     return restore
+
+
+# ---------------------------------------------------------------- Hugging Face peers (TRL): the model, a process a side
+
+HF_SIZES = {  # Qwen2 / Llama configs
+    "0.5b": dict(arch="qwen2", hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                 num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True, rope_theta=1e6),
+    "1b": dict(arch="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+               num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True, rope_theta=5e5),
+    "tiny": dict(arch="qwen2", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=1000, tie_word_embeddings=True, rope_theta=1e6),
+}
+POSITIONS = 131072           # max_position_embeddings of every folder (Llama 3.2's), so one folder serves all lengths
+H100_BYTES = 85_045_149_696  # torch.cuda.get_device_properties(0).total_memory of an H100 80GB HBM3
+
+
+def hf_model_folder(root: Path, size: str) -> Path:
+    """The model (random weights drawn on the GPU where there is one, bf16 files), built once and read by every run
+    of both sides, and, in a folder of its own (transformers 5 would read a tokenizer beside a Qwen2 config.json as
+    Qwen2's BPE), a word-level tokenizer: id i is the word `w{i}`, 0 end-of-text."""
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    folder = root / f"model-{size}"
+    if (folder / "config.json").is_file():
+        return folder
+    spec = dict(HF_SIZES[size])
+    arch = spec.pop("arch")
+    vocab = {"<|endoftext|>": 0, **{f"w{i}": i for i in range(1, spec["vocab_size"])}}
+    inner = Tokenizer(models.WordLevel(vocab, unk_token="<|endoftext|>"))
+    inner.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = PreTrainedTokenizerFast(tokenizer_object=inner, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+    torch.manual_seed(0)
+    config, model = (Qwen2Config, Qwen2ForCausalLM) if arch == "qwen2" else (LlamaConfig, LlamaForCausalLM)
+    cfg = config(**spec, max_position_embeddings=POSITIONS, eos_token_id=0, bos_token_id=0)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        built = model(cfg)
+    built.to(torch.bfloat16).save_pretrained(folder)
+    tok.save_pretrained(tokenizer_folder(root, size))
+    return folder
+
+
+def tokenizer_folder(root: Path, size: str) -> Path:
+    return root / f"tokenizer-{size}"
+
+
+def peak_gib() -> float:
+    import torch
+    return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
+
+
+def cap_to_h100() -> float | None:
+    """On a GPU larger than an H100 (an H200), cap this process's allocator at an H100's memory, so that what fits
+    is what fits one H100; -> the cap in GiB (None: no cap)."""
+    import torch
+    if not torch.cuda.is_available():
+        return None
+    total = torch.cuda.get_device_properties(0).total_memory
+    if total <= H100_BYTES:
+        return None
+    torch.cuda.set_per_process_memory_fraction(H100_BYTES / total)
+    return round(H100_BYTES / 2**30, 2)
+
+
+def spawn_side(script: str, side: str, mode: str, extra: list[str], timeout: float) -> dict:
+    """One (side, mode) run of `script` in a process of its own -> its result, with the seconds it took (start-up
+    included)."""
+    cmd = [sys.executable, script, "--worker", side, "--mode", mode, *extra]
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                              timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout:.0f}s", "wall_s": round(time.perf_counter() - start, 1)}
+    wall = round(time.perf_counter() - start, 1)
+    line = next((x for x in proc.stdout.splitlines()[::-1] if x.startswith("RESULT ")), None)
+    if proc.returncode or line is None:
+        oom = "out of memory" in proc.stderr.lower() or "outofmemoryerror" in proc.stderr.lower()
+        tail = "\n".join(proc.stderr.strip().splitlines()[-6:])
+        return {"error": "out of memory" if oom else tail, "wall_s": wall}
+    return {**json.loads(line[7:]), "wall_s": wall}

@@ -60,7 +60,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time
@@ -68,50 +67,9 @@ from pathlib import Path
 
 import common
 
-SIZES = {  # Qwen2 / Llama configs
-    "0.5b": dict(arch="qwen2", hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                 num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True, rope_theta=1e6),
-    "1b": dict(arch="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-               num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True, rope_theta=5e5),
-    "tiny": dict(arch="qwen2", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, vocab_size=1000, tie_word_embeddings=True, rope_theta=1e6),
-}
 LORA = dict(r=16, alpha=32, dropout=0.05)
+SIZES = common.HF_SIZES
 BETA = 0.1
-POSITIONS = 131072           # max_position_embeddings of every folder (Llama 3.2's), so one folder serves all lengths
-H100_BYTES = 85_045_149_696  # torch.cuda.get_device_properties(0).total_memory of an H100 80GB HBM3
-
-
-def make_folder(root: Path, size: str) -> Path:
-    """The model (random weights drawn on the GPU where there is one, bf16 files), built once and read by every run
-    of both sides, and, in a folder of its own (transformers 5 would read a tokenizer beside a Qwen2 config.json as
-    Qwen2's BPE), a word-level tokenizer: id i is the word `w{i}`, 0 end-of-text."""
-    import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
-
-    folder = root / f"model-{size}"
-    if (folder / "config.json").is_file():
-        return folder
-    spec = dict(SIZES[size])
-    arch = spec.pop("arch")
-    vocab = {"<|endoftext|>": 0, **{f"w{i}": i for i in range(1, spec["vocab_size"])}}
-    inner = Tokenizer(models.WordLevel(vocab, unk_token="<|endoftext|>"))
-    inner.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok = PreTrainedTokenizerFast(tokenizer_object=inner, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
-    torch.manual_seed(0)
-    config, model = (Qwen2Config, Qwen2ForCausalLM) if arch == "qwen2" else (LlamaConfig, LlamaForCausalLM)
-    cfg = config(**spec, max_position_embeddings=POSITIONS, eos_token_id=0, bos_token_id=0)
-    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-        built = model(cfg)
-    built.to(torch.bfloat16).save_pretrained(folder)
-    tok.save_pretrained(tokenizer_folder(root, size))
-    return folder
-
-
-def tokenizer_folder(root: Path, size: str) -> Path:
-    return root / f"tokenizer-{size}"
-
 
 def make_pairs(root: Path, vocab: int, seq_len: int, n: int, variable: bool = False) -> Path:
     """n pairs of words, each sequence exactly seq_len tokens: a prompt of seq_len // 2 words, a response of the
@@ -173,29 +131,11 @@ def make_examples(root: Path, vocab: int, seq_len: int, n: int) -> Path:
     return path
 
 
-def _peak_gib() -> float:
-    import torch
-    return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
-
-
-def cap_memory() -> float | None:
-    """On a GPU larger than an H100 (an H200), cap this process's allocator at an H100's memory, so that what fits
-    is what fits one H100; -> the cap in GiB (None: no cap)."""
-    import torch
-    if not torch.cuda.is_available():
-        return None
-    total = torch.cuda.get_device_properties(0).total_memory
-    if total <= H100_BYTES:
-        return None
-    torch.cuda.set_per_process_memory_fraction(H100_BYTES / total)
-    return round(H100_BYTES / 2**30, 2)
-
-
 def planned_peak_gib(trainer) -> float:
     """Our memory plan's peak_allocated (what torch.cuda.max_memory_allocated reports) for the run `trainer` made,
     with the kernels it chose, as the pre-flight check plans it."""
     from trainbox.train.memory import device_plan
-    plan = device_plan(trainer.cfg, trainer.vocab, trainer.device, trainer.dtype, H100_BYTES)
+    plan = device_plan(trainer.cfg, trainer.vocab, trainer.device, trainer.dtype, common.H100_BYTES)
     return plan.memory.peak_allocated / 2**30
 
 
@@ -214,7 +154,7 @@ def run_ours(folder: Path, data: Path, a) -> dict:
         ["lora.gradient_checkpointing=true"] if a.checkpointing else []
     reward = a.loss == "reward"
     cfg = load_config("reward" if reward else "dpo", [
-        f"model.path={folder}", f"data.tokenizer={tokenizer_folder(folder.parent, a.size)}", f"data.path={data}",
+        f"model.path={folder}", f"data.tokenizer={common.tokenizer_folder(folder.parent, a.size)}", f"data.path={data}",
         f"data.seq_len={a.seq_len}",
         f"train.micro_batch_size={a.micro_batch}", f"train.global_batch_size={a.micro_batch * a.accum}",
         f"train.max_steps={a.steps}", f"run.dir={a.root}/runs", f"run.name=ours-{a.loss}-{a.mode}-{a.size}-{a.seq_len}",
@@ -236,7 +176,7 @@ def run_ours(folder: Path, data: Path, a) -> dict:
     rates = [e["tokens_per_s"] for e in train if e.get("tokens_per_s") and e["step"] > a.warmup]
     pairs, real = pairs_per_s(trainer, train, a.warmup) if a.loss == "dpo" and rates else (None, None)
     out = {"tokens_per_s": len(rates) / sum(1 / r for r in rates) if rates else None, "pairs_per_s": pairs,
-           "real_tokens_per_s": real, "peak_memory_gib": _peak_gib(),
+           "real_tokens_per_s": real, "peak_memory_gib": common.peak_gib(),
            "losses": [e["loss"] for e in train], "reward_accuracy": train[-1].get("reward_accuracy"),
            "reward_margin": train[-1].get("reward_margin"),
            "attention": trainer.kernels.attention}
@@ -291,7 +231,7 @@ def run_trl(folder: Path, data: Path, a) -> dict:
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     trainer = trainer_class(model=model, args=args, train_dataset=load_dataset("json", data_files=str(data))["train"],
-                         processing_class=AutoTokenizer.from_pretrained(tokenizer_folder(folder.parent, a.size)),
+                         processing_class=AutoTokenizer.from_pretrained(common.tokenizer_folder(folder.parent, a.size)),
                          peft_config=peft_config,
                          callbacks=[Clock()])
     example = trainer.train_dataset[0]
@@ -305,37 +245,18 @@ def run_trl(folder: Path, data: Path, a) -> dict:
     mean = sum(2 * len(r.get("prompt_ids", [])) + len(r["chosen_ids"]) + len(r["rejected_ids"]) for r in data) \
         / len(data) if not kto else None   # TRL draws pairs at random: its mean pair, for the tokens it trained
     return {"tokens_per_s": done * (1 if kto else 2) * a.seq_len / seconds, "pairs_per_s": done / seconds,
-            "real_tokens_per_s": done * mean / seconds if mean else None, "peak_memory_gib": _peak_gib(),
+            "real_tokens_per_s": done * mean / seconds if mean else None, "peak_memory_gib": common.peak_gib(),
             "final_loss": out.training_loss}
 
 
 def worker(a) -> dict:
-    cap = cap_memory()
-    folder = make_folder(Path(a.root), a.size)
+    cap = common.cap_to_h100()
+    folder = common.hf_model_folder(Path(a.root), a.size)
     pairs = a.steps * a.micro_batch * a.accum   # one epoch: the precomputed reference covers only these
     vocab = SIZES[a.size]["vocab_size"]
     data = make_examples(Path(a.root), vocab, a.seq_len, max(pairs, 2)) if a.loss == "kto" else \
         make_pairs(Path(a.root), vocab, a.seq_len, max(pairs * (6 if a.variable else 1), 2), a.variable)
     return {**(run_ours if a.worker == "ours" else run_trl)(folder, data, a), "memory_cap_gib": cap}
-
-
-def spawn(side: str, mode: str, extra: list[str], timeout: float, script: str = __file__) -> dict:
-    """One (side, mode) run of `script` in a process of its own -> its result, with the seconds it took (start-up
-    included)."""
-    cmd = [sys.executable, script, "--worker", side, "--mode", mode, *extra]
-    start = time.perf_counter()
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-                              timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {timeout:.0f}s", "wall_s": round(time.perf_counter() - start, 1)}
-    wall = round(time.perf_counter() - start, 1)
-    line = next((x for x in proc.stdout.splitlines()[::-1] if x.startswith("RESULT ")), None)
-    if proc.returncode or line is None:
-        oom = "out of memory" in proc.stderr.lower() or "outofmemoryerror" in proc.stderr.lower()
-        tail = "\n".join(proc.stderr.strip().splitlines()[-6:])
-        return {"error": "out of memory" if oom else tail, "wall_s": wall}
-    return {**json.loads(line[7:]), "wall_s": wall}
 
 
 def longest(side: str, a) -> dict:
@@ -347,9 +268,9 @@ def longest(side: str, a) -> dict:
     while hi - lo > 1:
         mid = (lo + hi) // 2
         n = lengths[mid]
-        res = spawn(side, "full", ["--size", a.max_len_size, "--seq-len", str(n), "--micro-batch", "1", "--accum",
-                                   "1", "--steps", "2", "--warmup", "0", "--checkpointing", "--root", a.root,
-                                   *(["--set", *a.set] if a.set else [])], a.timeout)
+        res = common.spawn_side(__file__, side, "full", [
+            "--size", a.max_len_size, "--seq-len", str(n), "--micro-batch", "1", "--accum", "1", "--steps", "2",
+            "--warmup", "0", "--checkpointing", "--root", a.root, *(["--set", *a.set] if a.set else [])], a.timeout)
         runs[n] = {k: res[k] for k in ("peak_memory_gib", "plan_peak_gib", "plan_error", "error", "wall_s",
                                        "memory_cap_gib") if k in res}
         lo, hi = (mid, hi) if "error" not in res else (lo, mid)
@@ -363,12 +284,12 @@ def planned_longest(a) -> dict:
     from trainbox.config import load_config
     from trainbox.model.build import resolve_model
     from trainbox.plan import gpu, make_plan, run_vocab
-    folder = make_folder(Path(a.root), a.max_len_size)
+    folder = common.hf_model_folder(Path(a.root), a.max_len_size)
     out = {}
     for n in (int(x) for x in a.max_lens.split(",")):
+        tokenizer = common.tokenizer_folder(folder.parent, a.max_len_size)
         cfg = resolve_model(load_config("dpo", [f"model.path={folder}", f"data.seq_len={n}",
-                                                f"data.tokenizer={tokenizer_folder(folder.parent, a.max_len_size)}",
-                                                "train.micro_batch_size=1",
+                                                f"data.tokenizer={tokenizer}", "train.micro_batch_size=1",
                                                 "train.global_batch_size=1", "train.activation_checkpointing=full",
                                                 "model.fused_loss=true"]))
         plan = make_plan(cfg, run_vocab(cfg), gpu("H100"), suggest=False)
@@ -413,7 +334,7 @@ def main() -> int:
         return 0
     if a.build is not None:
         for size in a.build:
-            make_folder(Path(a.root), size)
+            common.hf_model_folder(Path(a.root), size)
         return 0
     Path(a.root).mkdir(parents=True, exist_ok=True)
     shared = ["--size", a.size, "--loss", a.loss, "--seq-len", str(a.seq_len), "--micro-batch", str(a.micro_batch),
@@ -433,7 +354,7 @@ def main() -> int:
             if side == "trl" and mode == "full-packed" and "trl-full" in report["runs"]:
                 report["runs"]["trl-full-packed"] = report["runs"]["trl-full"]   # TRL's run is the same
                 continue
-            report["runs"][f"{side}-{mode}"] = spawn(side, mode, shared, a.timeout)
+            report["runs"][f"{side}-{mode}"] = common.spawn_side(__file__, side, mode, shared, a.timeout)
             print(json.dumps({f"{side}-{mode}": report["runs"][f"{side}-{mode}"]}), file=sys.stderr, flush=True)
         ours, ref = report["runs"][f"ours-{mode}"], report["runs"][f"trl-{mode}"]
         if ours.get("tokens_per_s") and ref.get("tokens_per_s"):

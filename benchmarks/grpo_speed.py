@@ -32,7 +32,8 @@ import time
 from pathlib import Path
 
 import common
-from dpo_speed import LORA, SIZES, _peak_gib, cap_memory, make_folder, spawn, tokenizer_folder
+
+LORA = dict(r=16, alpha=32, dropout=0.05)   # dpo_speed.py's
 
 
 def reward(prompts, completions, completion_ids=None, **rows):
@@ -62,7 +63,7 @@ def run_ours(folder: Path, data: Path, a) -> dict:
     lora = ["model.family=hf", f"lora.r={LORA['r']}", f"lora.alpha={LORA['alpha']}", f"lora.dropout={LORA['dropout']}",
             f"lora.gradient_checkpointing={str(a.checkpointing).lower()}"] if a.mode == "lora" else []
     cfg = load_config("grpo", [
-        f"model.path={folder}", f"data.tokenizer={tokenizer_folder(folder.parent, a.size)}", f"data.path={data}",
+        f"model.path={folder}", f"data.tokenizer={common.tokenizer_folder(folder.parent, a.size)}", f"data.path={data}",
         f"data.seq_len={a.prompt_len + a.completion_len}", f"grpo.max_completion_len={a.completion_len}",
         f"grpo.num_generations={a.generations}", f"grpo.rewards=[{Path(__file__).resolve()}:reward]",
         f"train.micro_batch_size={a.micro_prompts}", f"train.global_batch_size={a.prompts}",
@@ -85,7 +86,7 @@ def run_ours(folder: Path, data: Path, a) -> dict:
     sampling = [e["sample_s"] for e in train if e["step"] > a.warmup]
     return {"step_s": step_s, "completion_tokens_per_s": a.prompts * a.generations * length / step_s if step_s else
             None, "completion_len": length, "sample_s": sum(sampling) / len(sampling) if sampling else None,
-            "peak_memory_gib": _peak_gib(), "rewards": [e["reward"] for e in train]}
+            "peak_memory_gib": common.peak_gib(), "rewards": [e["reward"] for e in train]}
 
 
 def run_trl(folder: Path, data: Path, a) -> dict:
@@ -130,27 +131,28 @@ def run_trl(folder: Path, data: Path, a) -> dict:
         torch.cuda.reset_peak_memory_stats()
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args,
                           train_dataset=load_dataset("json", data_files=str(data))["train"],
-                          processing_class=AutoTokenizer.from_pretrained(tokenizer_folder(folder.parent, a.size)),
+                          processing_class=AutoTokenizer.from_pretrained(
+                              common.tokenizer_folder(folder.parent, a.size)),
                           peft_config=peft_config, callbacks=[Clock()])
     trainer.train()
     step_s = (times[a.steps] - times[a.warmup]) / (a.steps - a.warmup)
     lengths = [e["completions/mean_length"] for e in history if "completions/mean_length" in e and e["step"] > a.warmup]
     length = sum(lengths) / len(lengths) if lengths else None
     return {"step_s": step_s, "completion_tokens_per_s": a.prompts * a.generations * length / step_s if length else
-            None, "completion_len": length, "peak_memory_gib": _peak_gib(),
+            None, "completion_len": length, "peak_memory_gib": common.peak_gib(),
             "rewards": [e.get("reward") for e in history if "reward" in e]}
 
 
 def worker(a) -> dict:
-    cap = cap_memory()
-    folder = make_folder(Path(a.root), a.size)
-    data = make_prompts(Path(a.root), SIZES[a.size]["vocab_size"], a.prompt_len, a.prompts * a.steps)
+    cap = common.cap_to_h100()
+    folder = common.hf_model_folder(Path(a.root), a.size)
+    data = make_prompts(Path(a.root), common.HF_SIZES[a.size]["vocab_size"], a.prompt_len, a.prompts * a.steps)
     return {**(run_ours if a.worker == "ours" else run_trl)(folder, data, a), "memory_cap_gib": cap}
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--size", choices=list(SIZES), default="0.5b")
+    p.add_argument("--size", choices=list(common.HF_SIZES), default="0.5b")
     p.add_argument("--modes", default="full,lora")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=3, help="steps left out of the time")
@@ -185,7 +187,7 @@ def main() -> int:
     modes = [m for m in a.modes.split(",") if m]
     for mode in modes:
         for side in a.sides.split(","):
-            report["runs"][f"{side}-{mode}"] = spawn(side, mode, shared, a.timeout, script=__file__)
+            report["runs"][f"{side}-{mode}"] = common.spawn_side(__file__, side, mode, shared, a.timeout)
             print(json.dumps({f"{side}-{mode}": report["runs"][f"{side}-{mode}"]}), file=sys.stderr, flush=True)
         ours, ref = report["runs"].get(f"ours-{mode}", {}), report["runs"].get(f"trl-{mode}", {})
         if ours.get("completion_tokens_per_s") and ref.get("completion_tokens_per_s"):

@@ -382,6 +382,22 @@ def dpo_speed(rec: dict) -> list[tuple]:
     return rows
 
 
+def grpo_speed(rec: dict) -> list[tuple]:
+    m, b = rec["metrics"], rec["baseline"]
+    rows = []
+    for mode in ("full", "lora"):
+        o, t = m.get(mode), (b["metrics"].get(mode) if b else None)
+        if not (o and t and o.get("step_s") and t.get("step_s")):
+            continue
+        sampled = f" ({o['sample_s']:.1f} s sampling)" if o.get("sample_s") else ""
+        rows.append((f" ({mode}, {m['prompts']} prompts x {m['generations']} completions of {m['completion_len']} a "
+                     "step)", f"{o['step_s']:.2f} s/step{sampled}, {kilo(o['completion_tokens_per_s'])} completion "
+                     f"tokens/s, {gib(o['peak_memory_gib'])}",
+                     f"{b['name']}: {t['step_s']:.2f} s/step, {kilo(t['completion_tokens_per_s'])} completion "
+                     f"tokens/s, {gib(t['peak_memory_gib'])}", f"{t['step_s'] / o['step_s']:.2f}x"))
+    return rows
+
+
 def batch_invariance(rec: dict) -> list[tuple]:
     m, s = rec["metrics"], rec["metrics"]["summary"]
 
@@ -469,6 +485,7 @@ ROWS = {"train_speed": train_speed, "profile_step": profile_step, "time_to_loss"
         "tiny_default_run": trainbox_train,
         "resume_check": resume_check, "batch_invariance": batch_invariance, "eval_speed": eval_speed,
         "eval_tasks_overhead": eval_tasks_overhead, "dpo_real_run": dpo_real_run, "dpo_speed": dpo_speed,
+        "grpo_speed": grpo_speed,
         "hw_rates": hw_rates, "biased_attention": biased_attention, "megablocks_speed": megablocks_speed,
         "pin_speed": pin_speed, "grouped_mm_rates": grouped_mm_rates}
 
@@ -491,7 +508,7 @@ def area(rec: dict) -> str:
         return "Multi-GPU scaling"
     if rec["gpu"] is None:
         return "CPU"
-    if rec["tool"] in ("lora_speed", "packing_speed", "dpo_speed"):
+    if rec["tool"] in ("lora_speed", "packing_speed", "dpo_speed", "grpo_speed"):
         return "Fine-tuning"
     if rec["tool"] in ("t5_speed", "biased_attention") or recipe.startswith("t5"):
         return "T5"

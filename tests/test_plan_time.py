@@ -288,6 +288,10 @@ SKIPPED = {
     "2026-12-01-h200-kto-0.5b-speed.json": "unpaired preference examples of a Hugging Face model: no FLOP count",
     "2026-12-01-h200-reward-0.5b-speed.json": "a reward model on preference pairs of a Hugging Face model: no FLOP "
                                               "count",
+    "2026-12-02-h200-grpo-0.5b-speed.json": "online RL: a step samples completions, then trains them; no FLOP count "
+                                            "of the sampling",
+    "2026-12-02-h200-grpo-0.5b-lora-speed.json": "online RL: a step samples completions, then trains them; no FLOP "
+                                                 "count of the sampling",
     "2026-11-28-h100-sft-0.5b-packing-speed.json": "packed chat examples of a Hugging Face model: no FLOP count",
     "2026-11-28-h100-gpt2-125m-eval-speed.json": "evaluation (lm-eval), not training steps",
     "2026-11-28-h200-gpt2-125m-eval-speed.json": "evaluation (lm-eval), not training steps",
