@@ -33,6 +33,8 @@ SKIP = {
     "trainbox train reward": "needs the sft run's export above and the user's prefs.jsonl (tests/test_reward.py runs "
                              "`trainbox train reward` on a tiny folder)",
     "trainbox export runs/reward": "needs the reward run above",
+    "trainbox train grpo": "needs the sft run's export above and the user's prompts and reward functions "
+                           "(tests/test_grpo.py runs `trainbox train grpo` on a tiny folder)",
     "trainbox train llama-1b": "a GPU recipe on eight GPUs, on the FineWeb download",
     "trainbox train moe-gpt2-125m": "a GPU recipe on two GPUs, on the FineWeb download (tests/test_expert_parallel.py "
                                     "runs expert parallelism under gloo)",
