@@ -235,7 +235,7 @@ def test_rewards_get_the_rows_fields_and_chat_completions(tmp_path):
     train, _ = objective.open_datasets(cfg, tok, tok.vocab_size)
     objective.attach(runtime(cfg, model, None, train, tok))
     from trainbox.errors import TrainingFailed
-    with pytest.raises(TrainingFailed, match=r"rewards.py:broken returned list for 3 completions"):
+    with pytest.raises(TrainingFailed, match=r"rewards.py:broken returned 1 value\(s\) for 3 completions"):
         objective._score(train, [1, 1, 0], completions)
 
 

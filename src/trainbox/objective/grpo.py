@@ -223,8 +223,9 @@ class Grpo(Objective):
                 raise TrainingFailed(f"grpo.rewards {spec} raised {type(e).__name__}: {e}") from e
             got = list(got) if got is not None and not isinstance(got, (str, bytes)) else got
             if not isinstance(got, list) or len(got) != len(indices):
-                raise TrainingFailed(f"grpo.rewards {spec} returned {type(got).__name__} for {len(indices)} "
-                                     "completions: it must return a list of one number (or None) a completion")
+                what = f"{len(got)} value(s)" if isinstance(got, list) else type(got).__name__
+                raise TrainingFailed(f"grpo.rewards {spec} returned {what} for {len(indices)} completions: it must "
+                                     "return a list of one number (or None) a completion")
             for i, v in enumerate(got):
                 if v is None:
                     continue
