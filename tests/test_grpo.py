@@ -348,3 +348,55 @@ def test_bad_reward_functions_are_named(tmp_path, spec, says):
     rewards = write_rewards(tmp_path)
     with pytest.raises(ConfigError, match=says):
         load_reward(spec.format(rewards=rewards))
+
+
+@pytest.fixture(scope="module")
+def reward_run(tmp_path_factory):
+    """A tiny reward model, `trainbox train reward` on arithmetic preference pairs (its recipe's settings)."""
+    root = tmp_path_factory.mktemp("grpo-reward")
+    base = hf_tiny.make_model(root / "base", seed=3)
+    prefs = hf_tiny.make_preference_file(root / "prefs.jsonl", n=48, seed=1)
+    run_cli("train", "reward", f"model.path={base}", f"data.path={prefs}", "data.seq_len=64",
+            "train.global_batch_size=8", "train.max_steps=6", "optim.lr=2e-3", f"run.dir={root / 'runs'}",
+            "monitor.port=0", "monitor.plot=false", f"data.cache_dir={root / 'cache'}", cwd=root)
+    return root, base, root / "runs" / "reward"
+
+
+def test_a_reward_run_scores_completions_as_transformers_scores_its_export(reward_run):
+    """grpo.rewards=[a reward run's directory]: each completion (after its message prompt) scores what transformers'
+    LlamaForSequenceClassification of the run's export gives the same conversation, within 1e-5."""
+    root, base, run = reward_run
+    run_cli("export", str(run), "--format", "hf", "--out", str(root / "rm"))
+    prompts_file = make_prompt_file(root / "prompts.jsonl", n=8)
+    cfg, tok, model = ours(base, write_rewards(root), f"data.path={prompts_file}", f"grpo.rewards=[{run}]")
+    objective = build_objective(cfg)
+    train, _ = objective.open_datasets(cfg, tok, tok.vocab_size)
+    objective.attach(runtime(cfg, model, None, train, tok))
+    answers = ["one plus two equals three", "it equals seven", "two plus two equals four"]
+    completions = [tok.encode(a) + [tok.eot_id] for a in answers[:2]] + [tok.encode(answers[2])]   # the last cut
+    indices = [0, 0, 1]
+    scores = objective._score(train, indices, completions)[:, 0]
+
+    hf = transformers.AutoModelForSequenceClassification.from_pretrained(root / "rm", dtype=torch.float32).eval()
+    hf_tok = transformers.AutoTokenizer.from_pretrained(root / "rm")
+    chats = [train.rows[i]["prompt"] + [{"role": "assistant", "content": a}] for i, a in zip(indices, answers)]
+    enc = hf_tok([hf_tok.apply_chat_template(c, tokenize=False) for c in chats], return_tensors="pt", padding=True,
+                 add_special_tokens=False)
+    with torch.no_grad():
+        want = hf(**enc).logits.squeeze(-1).double()
+    torch.testing.assert_close(scores, want, atol=1e-5, rtol=0)
+
+
+@pytest.mark.slow
+def test_a_grpo_run_trains_on_a_reward_runs_scores(reward_run):
+    """`trainbox train grpo grpo.rewards=[a reward run]`: the steps are scored by it (logged as reward_reward), with
+    scores that differ within a group."""
+    root, base, run = reward_run
+    prompts_file = make_prompt_file(root / "prompts-run.jsonl", n=8)
+    run_cli("train", "grpo", f"model.path={base}", f"data.path={prompts_file}", "data.seq_len=64",
+            "grpo.max_completion_len=8", "grpo.num_generations=4", f"grpo.rewards=[{run}]",
+            "train.global_batch_size=4", "train.max_steps=2", "monitor.log_every=1", f"run.dir={root / 'grpo'}",
+            "monitor.port=0", "monitor.plot=false", cwd=root)
+    logged = _metrics(root / "grpo" / "grpo")
+    assert sorted(logged) == [1, 2] and all(e["reward"] == e["reward_reward"] for e in logged.values())
+    assert all(e["reward_std"] > 0 for e in logged.values())

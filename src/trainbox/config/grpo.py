@@ -15,12 +15,13 @@ class GrpoSection(Section):
     reward functions, each trained on its advantage over its group."""
 
     rewards: list[str] = Field(
-        default_factory=list, description="the reward functions, each 'module:function' (an importable module) or "
-                                          "'path/to/file.py:function'. A function takes prompts, completions (text; "
-                                          "for message prompts, [{'role': 'assistant', 'content': text}]), "
-                                          "completion_ids and every other field of the prompt rows as keyword lists, "
-                                          "one item a completion, and returns one float (or None: not scored) a "
-                                          "completion, as TRL's GRPOTrainer calls them")
+        default_factory=list, description="the reward functions, each 'module:function' (an importable module), "
+                                          "'path/to/file.py:function', or the directory of a reward model trained "
+                                          "here (a `trainbox train reward` run or checkpoint). A function takes "
+                                          "prompts, completions (text; for message prompts, [{'role': "
+                                          "'assistant', 'content': text}]), completion_ids and every other field of "
+                                          "the prompt rows as keyword lists, one item a completion, and returns one "
+                                          "float (or None: not scored) a completion, as TRL's GRPOTrainer calls them")
     reward_weights: list[float] | None = Field(None, description="one weight a reward function (default: 1 each); "
                                                                  "a completion's reward is the weighted sum")
     num_generations: int = Field(8, ge=2, le=1024, description="completions sampled for each prompt (the group whose "

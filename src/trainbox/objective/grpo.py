@@ -12,11 +12,12 @@ the completion keeps). A completion's draws depend on (run.seed, the step, the p
 group) alone, so a step samples the same completions on any number of processes, in any batch and after a resume.
 
 Rewards: each function of grpo.rewards scores the rank's completions of the step in one go (TRL's signature:
-prompts, completions, completion_ids and the rows' other fields as keyword lists); a completion's reward is the
-weighted sum of its scores (None: not scored, left out; a completion no function scores has no reward and
-trains with advantage 0). Its advantage is its reward minus its group's mean reward, divided by the group's standard
-deviation (grpo.scale_rewards=group, + 1e-4), the step's (batch) or nothing (none); a group's completions are
-sampled, scored and trained on one process.
+prompts, completions, completion_ids and the rows' other fields as keyword lists); an entry that is a directory is a
+reward model trained here (`trainbox train reward`; RewardRun), which scores a completion as it scored responses. A
+completion's reward is the weighted sum of its scores (None: not scored, left out; a completion no function scores
+has no reward and trains with advantage 0). Its advantage is its reward minus its group's mean reward, divided by
+the group's standard deviation (grpo.scale_rewards=group, + 1e-4), the step's (batch) or nothing (none); a group's
+completions are sampled, scored and trained on one process.
 
 Loss: one policy update a generation (TRL's num_iterations=1), so the importance ratio pi / pi_old is 1 in value and
 the clipped surrogate is -A x ratio a token, ratio = exp(logp - logp.detach()): its gradient is -A x grad logp. logp
@@ -50,11 +51,13 @@ from typing import Callable
 import torch
 
 from trainbox.data.chat import template_for, token_of
+from trainbox.data.preference import Example, encode_response, pair_template
 from trainbox.data.prompts import PromptDataset, open_prompt_datasets
 from trainbox.data.tokenizer import pad_id
 from trainbox.errors import ConfigError, TrainingFailed
 from trainbox.generate import rollout
 from trainbox.kernels.fused_ce import host_trained_rows
+from trainbox.model.load import load_for_inference
 from trainbox.model.spec import family
 from trainbox.objective.base import Objective, Part, Runtime
 from trainbox.objective.preference import eval_mode
@@ -65,11 +68,53 @@ ROW_STATS = ("completions", "scored", "reward", "reward_std", "zero_std", "compl
 SHAPE = 64   # training rows are padded to a multiple of this many positions (few compiled shapes)
 
 
-def load_reward(spec: str) -> Callable:
-    """grpo.rewards' 'module:function' or 'file.py:function' -> the function (ConfigError where it is not one)."""
+class RewardRun:
+    """A reward model trained here (a `trainbox train reward` run directory or checkpoint) as a reward function: a
+    completion is scored as that run scored a pair's response, its prompt and the completion encoded as the run's data
+    were (its tokenizer and chat template; a text row ends with end-of-text), the score read at the last token other
+    than its padding id; in batches of `batch` rows, without gradients, in the autocast of the caller. A sequence
+    longer than the run's data.seq_len keeps its last tokens."""
+
+    def __init__(self, path: str, device: torch.device, batch: int):
+        model, tok, cfg = load_for_inference(path, device, generates=False)
+        if cfg.train.objective != "reward":
+            raise ConfigError(f"grpo.rewards: {path} holds a train.objective={cfg.train.objective} run, not a reward "
+                              "model", hint="give a `trainbox train reward` run, or 'module:function'")
+        self.model, self.tok, self.batch, self.device = model.eval().requires_grad_(False), tok, batch, device
+        self.template = pair_template(tok, cfg.data.chat_template)
+        self.pad, self.limit = pad_id(tok), cfg.data.seq_len
+        self.__name__ = Path(path).name
+
+    @torch.no_grad()
+    def __call__(self, prompts: list, completions: list, **rows) -> list[float]:
+        rows_ids = []
+        for k, (prompt, completion) in enumerate(zip(prompts, completions)):
+            ex = Example(isinstance(prompt, list), prompt, completion, True)
+            rows_ids.append(encode_response(ex, completion, self.tok, self.template, f"completion {k}",
+                                            "completion")[0][-self.limit:])
+        scores: list[float] = []
+        for k in range(0, len(rows_ids), self.batch):
+            part = rows_ids[k:k + self.batch]
+            x = torch.full((len(part), max(map(len, part))), self.pad, dtype=torch.long)
+            at = []
+            for i, ids in enumerate(part):
+                x[i, :len(ids)] = torch.tensor(ids)
+                real = [j for j, t in enumerate(ids) if t != self.pad]
+                at.append(real[-1] if real else len(ids) - 1)
+            out = self.model(x.to(self.device), score_at=torch.tensor(at, device=self.device))
+            scores += out.logits.float().tolist()
+        return scores
+
+
+def load_reward(spec: str, device: torch.device | None = None, batch: int = 64) -> Callable:
+    """grpo.rewards' 'module:function', 'file.py:function' or a reward run's directory (or checkpoint) -> the function
+    (ConfigError where it is none of them)."""
+    if Path(spec).expanduser().is_dir():
+        return RewardRun(str(Path(spec).expanduser()), device or torch.device("cpu"), batch)
     target, sep, name = spec.rpartition(":")
     if not sep or not target or not name.isidentifier():
-        raise ConfigError(f"grpo.rewards: {spec!r} is not 'module:function' or 'path/to/file.py:function'")
+        raise ConfigError(f"grpo.rewards: {spec!r} is not 'module:function', 'path/to/file.py:function' or a reward "
+                          "run's directory")
     if target.endswith(".py"):
         path = Path(target).expanduser()
         if not path.is_file():
@@ -98,8 +143,8 @@ def load_reward(spec: str) -> Callable:
 
 
 def reward_names(specs: list[str]) -> list[str]:
-    """A name each for the log: the function's, numbered where two share one."""
-    names = [s.rpartition(":")[2] for s in specs]
+    """A name each for the log: the function's (a reward run's: its folder's), numbered where two share one."""
+    names = [s.rpartition(":")[2] if ":" in s else Path(s).name for s in specs]
     return [n if names.count(n) == 1 else f"{n}_{i}" for i, n in enumerate(names)]
 
 
@@ -149,7 +194,8 @@ class Grpo(Objective):
         if not self.g.rewards:
             raise ConfigError("train.objective=grpo needs at least one reward function",
                               hint="grpo.rewards=[module:function] or grpo.rewards=[path/to/file.py:function]")
-        self.functions = [load_reward(s) for s in self.g.rewards]
+        self.functions = [load_reward(s, self.device, cfg.train.micro_batch_size * self.g.num_generations)
+                          for s in self.g.rewards]
         self.names = reward_names(self.g.rewards)
         self.weights = torch.tensor(self.g.reward_weights or [1.0] * len(self.functions), dtype=torch.float64)
         self.stat_names = ROW_STATS + ("tokens", "kl") + tuple(f"{k}_{n}" for n in self.names
