@@ -365,7 +365,8 @@ def test_dpo_prediction_within_the_margin_of_its_measured_peaks(tmp_path, part):
     tokens, full checkpointing; the head's gradient recomputed by chunks), from their config.json alone."""
     from transformers import LlamaConfig, Qwen2Config
     sys.path.insert(0, str(REPO / "benchmarks"))
-    from dpo_speed import POSITIONS, SIZES
+    from common import HF_SIZES as SIZES
+    from common import POSITIONS
     rec = json.loads((REPO / "benchmarks/records/2026-11-28-h200-dpo-0.5b-speed.json").read_text())
     m = rec["metrics"]
     size = "0.5b" if part == "full" else m["longest"]["size"]
