@@ -266,14 +266,15 @@ def run(tmp_path_factory):
 
 def test_train_grpo_raises_the_reward(run):
     """The validation reward (one completion of each of 16 prompts, drawn with the same seeds at every evaluation)
-    rises from about one half (the policy's first draws: half the vocabulary is low) as the policy learns to draw
-    low ids; the logged figures are consistent with one another."""
+    rises to 0.8 or more, where the first policy scores about one half (its draws: half the vocabulary is low), as the
+    policy learns to draw low ids; the logged figures are consistent with one another. (CPU: 0.59, 0.85, 0.91; an
+    H200 in bf16: 0.67 to 0.95.)"""
     root, _, proc = run
     out = root / "runs" / "grpo"
     events = [json.loads(line) for line in open(out / "metrics.jsonl")]
     evals = [e for e in events if e["event"] == "eval"]
     assert [e["step"] for e in evals] == [8, 16, 24] and all(e["val_prompts"] == 16 for e in evals)
-    assert evals[0]["val_reward"] < 0.65 and evals[-1]["val_reward"] > evals[0]["val_reward"] + 0.2, evals
+    assert evals[-1]["val_reward"] >= 0.8 and evals[-1]["val_reward"] > evals[0]["val_reward"] + 0.15, evals
     logged = [e for e in events if e["event"] == "train" and "reward" in e]
     assert logged and logged[-1]["reward_low_ids"] > 0.7, logged[-1]
     for e in logged:
