@@ -145,6 +145,7 @@ def test_lora_reward_equals_trl_with_peft(tmp_path):
     assert {n for n, p in model.named_parameters() if p.requires_grad} == {*adapters, "score.weight"}
 
 
+@pytest.mark.slow   # the LoRA reward's loss and gradients are held to TRL's in the fast tier
 def test_a_lora_reward_run_exports_merged_and_transformers_scores_as_we_do(tmp_path):
     """`trainbox train reward model.family=hf`, then `export --merge`: a LlamaForSequenceClassification of the base
     with the adapters folded in, whose scores are the run's; the adapter alone is refused (the head is no
