@@ -72,8 +72,8 @@ class RewardRun:
     """A reward model trained here (a `trainbox train reward` run directory or checkpoint) as a reward function: a
     completion is scored as that run scored a pair's response, its prompt and the completion encoded as the run's data
     were (its tokenizer and chat template; a text row ends with end-of-text), the score read at the last token other
-    than its padding id; in batches of `batch` rows, without gradients, in the autocast of the caller. A sequence
-    longer than the run's data.seq_len keeps its last tokens."""
+    than its padding id; in batches of `batch` rows, without gradients, in the autocast of the caller (the policy
+    run's). A sequence longer than the run's data.seq_len keeps its last tokens."""
 
     def __init__(self, path: str, device: torch.device, batch: int):
         model, tok, cfg = load_for_inference(path, device, generates=False)
@@ -264,7 +264,8 @@ class Grpo(Objective):
         out = torch.full((len(indices), len(self.functions)), float("nan"), dtype=torch.float64)
         for k, (fn, spec) in enumerate(zip(self.functions, self.g.rewards)):
             try:
-                got = fn(prompts=prompts, completions=shown, completion_ids=completions, **ds.columns(indices))
+                with self.run.autocast():   # a reward model runs in the run's autocast
+                    got = fn(prompts=prompts, completions=shown, completion_ids=completions, **ds.columns(indices))
             except Exception as e:
                 raise TrainingFailed(f"grpo.rewards {spec} raised {type(e).__name__}: {e}") from e
             got = list(got) if got is not None and not isinstance(got, (str, bytes)) else got
