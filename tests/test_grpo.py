@@ -345,7 +345,7 @@ def test_refused_settings_name_the_key(overrides, says):
                                         ("no_such_module_x:f", "cannot import"), ("justaname", "is not 'module")])
 def test_bad_reward_functions_are_named(tmp_path, spec, says):
     from trainbox.errors import ConfigError
-    from trainbox.objective.grpo import load_reward
+    from trainbox.objective.rewards import load_reward
     rewards = write_rewards(tmp_path)
     with pytest.raises(ConfigError, match=says):
         load_reward(spec.format(rewards=rewards))
@@ -396,8 +396,9 @@ def test_a_grpo_run_trains_on_a_reward_runs_scores(reward_run):
     prompts_file = make_prompt_file(root / "prompts-run.jsonl", n=8)
     run_cli("train", "grpo", f"model.path={base}", f"data.path={prompts_file}", "data.seq_len=64",
             "grpo.max_completion_len=8", "grpo.num_generations=4", f"grpo.rewards=[{run}]",
-            "train.global_batch_size=4", "train.max_steps=2", "monitor.log_every=1", f"run.dir={root / 'grpo'}",
+            "train.global_batch_size=4", "train.max_steps=2", f"run.dir={root / 'grpo'}",
             "monitor.port=0", "monitor.plot=false", cwd=root)
     logged = _metrics(root / "grpo" / "grpo")
-    assert sorted(logged) == [1, 2] and all(e["reward"] == e["reward_reward"] for e in logged.values())
-    assert all(e["reward_std"] > 0 for e in logged.values())
+    scored = [e for e in logged.values() if "reward" in e]   # the recipe's log cadence: the last step at least
+    assert sorted(logged) == [1, 2] and scored and all(e["reward"] == e["reward_reward"] for e in scored)
+    assert all(e["reward_std"] > 0 for e in scored)

@@ -13,11 +13,11 @@ group) alone, so a step samples the same completions on any number of processes,
 
 Rewards: each function of grpo.rewards scores the rank's completions of the step in one go (TRL's signature:
 prompts, completions, completion_ids and the rows' other fields as keyword lists); an entry that is a directory is a
-reward model trained here (`trainbox train reward`; RewardRun), which scores a completion as it scored responses. A
-completion's reward is the weighted sum of its scores (None: not scored, left out; a completion no function scores
-has no reward and trains with advantage 0). Its advantage is its reward minus its group's mean reward, divided by
-the group's standard deviation (grpo.scale_rewards=group, + 1e-4), the step's (batch) or nothing (none); a group's
-completions are sampled, scored and trained on one process.
+reward model trained here (`trainbox train reward`; objective/rewards.py), which scores a completion as it scored
+responses. A completion's reward is the weighted sum of its scores (None: not scored, left out; a completion no
+function scores has no reward and trains with advantage 0). Its advantage is its reward minus its group's mean
+reward, divided by the group's standard deviation (grpo.scale_rewards=group, + 1e-4), the step's (batch) or nothing
+(none); a group's completions are sampled, scored and trained on one process.
 
 Loss: one policy update a generation (TRL's num_iterations=1), so the importance ratio pi / pi_old is 1 in value and
 the clipped surrogate is -A x ratio a token, ratio = exp(logp - logp.detach()): its gradient is -A x grad logp. logp
@@ -38,114 +38,28 @@ by the prompt, so evaluations compare: val_reward, val_completion_len.
 """
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import logging
 import math
-import sys
 import time
 from contextlib import nullcontext
-from pathlib import Path
-from typing import Callable
 
 import torch
 
 from trainbox.data.chat import template_for, token_of
-from trainbox.data.preference import Example, encode_response, pair_template
 from trainbox.data.prompts import PromptDataset, open_prompt_datasets
 from trainbox.data.tokenizer import pad_id
 from trainbox.errors import ConfigError, TrainingFailed
 from trainbox.generate import rollout
 from trainbox.kernels.fused_ce import host_trained_rows
-from trainbox.model.load import load_for_inference
 from trainbox.model.spec import family
 from trainbox.objective.base import Objective, Part, Runtime
 from trainbox.objective.preference import eval_mode
+from trainbox.objective.rewards import load_reward, reward_names
 
 log = logging.getLogger("trainbox")
 
 ROW_STATS = ("completions", "scored", "reward", "reward_std", "zero_std", "completion_len", "truncated", "sample_s")
 SHAPE = 64   # training rows are padded to a multiple of this many positions (few compiled shapes)
-
-
-class RewardRun:
-    """A reward model trained here (a `trainbox train reward` run directory or checkpoint) as a reward function: a
-    completion is scored as that run scored a pair's response, its prompt and the completion encoded as the run's data
-    were (its tokenizer and chat template; a text row ends with end-of-text), the score read at the last token other
-    than its padding id; in batches of `batch` rows, without gradients, in the autocast of the caller (the policy
-    run's). A sequence longer than the run's data.seq_len keeps its last tokens."""
-
-    def __init__(self, path: str, device: torch.device, batch: int):
-        model, tok, cfg = load_for_inference(path, device, generates=False)
-        if cfg.train.objective != "reward":
-            raise ConfigError(f"grpo.rewards: {path} holds a train.objective={cfg.train.objective} run, not a reward "
-                              "model", hint="give a `trainbox train reward` run, or 'module:function'")
-        self.model, self.tok, self.batch, self.device = model.eval().requires_grad_(False), tok, batch, device
-        self.template = pair_template(tok, cfg.data.chat_template)
-        self.pad, self.limit = pad_id(tok), cfg.data.seq_len
-        self.__name__ = Path(path).name
-
-    @torch.no_grad()
-    def __call__(self, prompts: list, completions: list, **rows) -> list[float]:
-        rows_ids = []
-        for k, (prompt, completion) in enumerate(zip(prompts, completions)):
-            ex = Example(isinstance(prompt, list), prompt, completion, True)
-            rows_ids.append(encode_response(ex, completion, self.tok, self.template, f"completion {k}",
-                                            "completion")[0][-self.limit:])
-        scores: list[float] = []
-        for k in range(0, len(rows_ids), self.batch):
-            part = rows_ids[k:k + self.batch]
-            x = torch.full((len(part), max(map(len, part))), self.pad, dtype=torch.long)
-            at = []
-            for i, ids in enumerate(part):
-                x[i, :len(ids)] = torch.tensor(ids)
-                real = [j for j, t in enumerate(ids) if t != self.pad]
-                at.append(real[-1] if real else len(ids) - 1)
-            out = self.model(x.to(self.device), score_at=torch.tensor(at, device=self.device))
-            scores += out.logits.float().tolist()
-        return scores
-
-
-def load_reward(spec: str, device: torch.device | None = None, batch: int = 64) -> Callable:
-    """grpo.rewards' 'module:function', 'file.py:function' or a reward run's directory (or checkpoint) -> the function
-    (ConfigError where it is none of them)."""
-    if Path(spec).expanduser().is_dir():
-        return RewardRun(str(Path(spec).expanduser()), device or torch.device("cpu"), batch)
-    target, sep, name = spec.rpartition(":")
-    if not sep or not target or not name.isidentifier():
-        raise ConfigError(f"grpo.rewards: {spec!r} is not 'module:function', 'path/to/file.py:function' or a reward "
-                          "run's directory")
-    if target.endswith(".py"):
-        path = Path(target).expanduser()
-        if not path.is_file():
-            raise ConfigError(f"grpo.rewards: {spec!r}: no file {path}")
-        key = f"trainbox_rewards_{abs(hash(str(path.resolve())))}"
-        module = sys.modules.get(key)
-        if module is None:
-            found = importlib.util.spec_from_file_location(key, path)
-            module = importlib.util.module_from_spec(found)
-            sys.modules[key] = module
-            try:
-                found.loader.exec_module(module)
-            except Exception as e:
-                del sys.modules[key]
-                raise ConfigError(f"grpo.rewards: {spec!r}: {path} raised {type(e).__name__}: {e}") from e
-    else:
-        try:
-            module = importlib.import_module(target)
-        except ImportError as e:
-            raise ConfigError(f"grpo.rewards: {spec!r}: cannot import {target} ({e})",
-                              hint="give an importable module, or the path of a .py file") from e
-    fn = getattr(module, name, None)
-    if not callable(fn):
-        raise ConfigError(f"grpo.rewards: {spec!r}: {target} has no function {name}")
-    return fn
-
-
-def reward_names(specs: list[str]) -> list[str]:
-    """A name each for the log: the function's (a reward run's: its folder's), numbered where two share one."""
-    names = [s.rpartition(":")[2] if ":" in s else Path(s).name for s in specs]
-    return [n if names.count(n) == 1 else f"{n}_{i}" for i, n in enumerate(names)]
 
 
 def group_advantages(rewards: torch.Tensor, group: int, scale: str, batch_std: float | None = None
@@ -262,10 +176,11 @@ class Grpo(Objective):
         chat = [ds.chat[i] for i in indices]
         shown = [[{"role": "assistant", "content": t}] if c else t for t, c in zip(texts, chat)]
         out = torch.full((len(indices), len(self.functions)), float("nan"), dtype=torch.float64)
+        columns = ds.columns(indices)
         for k, (fn, spec) in enumerate(zip(self.functions, self.g.rewards)):
             try:
                 with self.run.autocast():   # a reward model runs in the run's autocast
-                    got = fn(prompts=prompts, completions=shown, completion_ids=completions, **ds.columns(indices))
+                    got = fn(prompts=prompts, completions=shown, completion_ids=completions, **columns)
             except Exception as e:
                 raise TrainingFailed(f"grpo.rewards {spec} raised {type(e).__name__}: {e}") from e
             got = list(got) if got is not None and not isinstance(got, (str, bytes)) else got
