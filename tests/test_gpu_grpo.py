@@ -1,12 +1,13 @@
-"""GRPO's sampling on a CUDA GPU: generate.py `rollout` replays its token step in a CUDA graph for a llama model; the
-completions equal those of the same step run without the graph (greedy and sampled, bf16 autocast over fp32
-weights, as a training run samples), and `trainbox train grpo` on a tiny Llama folder (bf16, compiled) raises the
-validation reward.
+"""GRPO's sampling on a CUDA GPU: generate.py `rollout` replays its token step in a CUDA graph for a llama model,
+and for a LoRA run's view of a Llama folder (model/hf/view.py: a bf16 base or a 4-bit one); the completions equal
+those of the same step run without the graph (greedy and sampled, bf16 autocast, as a training run samples), and
+`trainbox train grpo` on a tiny Llama folder (bf16, compiled; every weight, and LoRA) raises the validation reward.
 
     python -m pytest -q -m gpu tests/test_gpu_grpo.py
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import hf_tiny
@@ -16,6 +17,7 @@ from conftest import run_cli
 from test_grpo import make_prompt_file, write_rewards
 from test_rollout import PROMPTS, VOCAB, tiny_llama
 
+from trainbox.config import load_config
 from trainbox.generate import rollout
 
 pytestmark = pytest.mark.gpu
@@ -35,17 +37,57 @@ def test_graph_replays_equal_the_step_run_eagerly(temperature, top_k):
     assert any(len(c) < 40 and c[-1] == 3 for c in eager) and any(len(c) == 40 for c in eager)
 
 
-def test_train_grpo_on_a_gpu_raises_the_reward(tmp_path):
+@pytest.mark.parametrize("quantized", [False, True])
+def test_a_lora_runs_view_replays_in_a_graph_as_it_runs_eagerly(tmp_path, quantized):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    if quantized and importlib.util.find_spec("bitsandbytes") is None:
+        pytest.skip("needs bitsandbytes")
+    from trainbox.model.hf.model import build_hf
+    folder = hf_tiny.make_model(tmp_path / "base", seed=3)
+    torch.manual_seed(0)
+    model = build_hf(load_config("lora", [f"model.path={folder}", "lora.r=4", "lora.alpha=8", "lora.dropout=0",
+                                          *(["quant.load_in_4bit=true"] if quantized else [])]))
+    model = model.cuda().eval()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(std=0.3)
+            elif "lm_head" in n:
+                p.mul_(10)   # a random head of std 0.02 gives near-uniform draws: every row would run to the end
+    view, vocab = model.rollout_model(), model.hf_config.vocab_size
+    assert view is not model and view.static_decode
+    prompts, seeds = PROMPTS * 4, list(range(100, 116))
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        for temperature in (0.0, 1.0):
+            eager = rollout(model, prompts, seeds, 40, vocab, frozenset({3}), temperature, pad=0, graphs=False)
+            graphed = rollout(model, prompts, seeds, 40, vocab, frozenset({3}), temperature, pad=0)
+            assert graphed == eager, temperature
+        x = torch.tensor([PROMPTS[2]], device="cuda")
+        ours, theirs = view(x, logits_to_keep=0).logits.float(), model(x, logits_to_keep=0).logits.float()
+    torch.testing.assert_close(ours, theirs, atol=0.05 * theirs.std().item(), rtol=0.02)
+
+
+@pytest.mark.parametrize("family", ["llama", "hf"])
+def test_train_grpo_on_a_gpu_raises_the_reward(tmp_path, family):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     base = hf_tiny.make_model(tmp_path / "base", seed=3)
+    lora = []
+    if family == "hf":   # the frozen head scaled up, as in test_grpo.py's LoRA run (further: bf16 learns slower)
+        from transformers import AutoModelForCausalLM
+        model = AutoModelForCausalLM.from_pretrained(base)
+        with torch.no_grad():
+            model.lm_head.weight.mul_(20)
+        model.save_pretrained(base)
+        lora = ["model.family=hf", "optim.lr=1e-2"]
     rewards = write_rewards(tmp_path)
     make_prompt_file(tmp_path / "train.jsonl", n=64, seed=1)
     make_prompt_file(tmp_path / "val.jsonl", n=16, seed=2)
     run_cli("train", "grpo", f"model.path={base}", f"data.path={tmp_path / 'train.jsonl'}",
             f"data.val_path={tmp_path / 'val.jsonl'}", "data.seq_len=64", "grpo.max_completion_len=8",
             "grpo.num_generations=4", f"grpo.rewards=[{rewards}:low_ids]", "train.global_batch_size=4",
-            "train.max_steps=24", "train.eval_every=8", "train.eval_tokens=1024", "optim.lr=3e-2",
+            "train.max_steps=24", "train.eval_every=8", "train.eval_tokens=1024", "optim.lr=3e-2", *lora,
             f"run.dir={tmp_path / 'runs'}", "monitor.port=0", "monitor.plot=false", cwd=tmp_path, timeout=900)
     events = [json.loads(line) for line in open(tmp_path / "runs" / "grpo" / "metrics.jsonl")]
     start = next(e for e in events if e["event"] == "start")

@@ -147,7 +147,9 @@ def rollout(model, prompts: list[list[int]], seeds: list[int], max_tokens: int, 
     A model whose forward takes its cache position as a device tensor (`static_decode`: llama) decodes with shapes
     that do not change from token to token, over the whole cache; on a CUDA GPU (and `graphs`) that token step (the
     forward, the draw and the bookkeeping) is captured once in a CUDA graph and replayed for every token, which
-    takes the host's kernel launches out of the loop."""
+    takes the host's kernel launches out of the loop. A model may hand over another module over its own weights to
+    decode (`rollout_model`: the hf family's Llama and Qwen models decode through the llama family's, model/hf/view.py);
+    the model itself is put in eval mode."""
     check_sampling(temperature, top_k, top_p, max_tokens)
     B = len(prompts)
     if len(seeds) != B:
@@ -157,11 +159,12 @@ def rollout(model, prompts: list[list[int]], seeds: list[int], max_tokens: int, 
     if B == 0 or max_tokens == 0:
         return [[] for _ in prompts]
     P = max(len(p) for p in prompts)
-    limit = getattr(model, "block_size", None)
+    runner = model.rollout_model() if hasattr(model, "rollout_model") else model   # the module that decodes
+    limit = getattr(runner, "block_size", None)
     if limit and P + max_tokens > limit:
         raise BadInput(f"rollout: the longest prompt ({P} tokens) and max_tokens={max_tokens} exceed the model's "
                        f"{limit}-token context")
-    param = next(model.parameters())
+    param = next(runner.parameters())
     device = param.device
     # the caches hold what the forward computes: the autocast dtype where one is on (fp32 weights trained in bf16)
     autocast = torch.is_autocast_enabled(device.type)
@@ -171,7 +174,7 @@ def rollout(model, prompts: list[list[int]], seeds: list[int], max_tokens: int, 
     attend = torch.arange(P + max_tokens, device=device)[None, :] >= left[:, None]   # (B, P + max_tokens)
     seed_ids = torch.tensor(seeds, dtype=torch.int64, device=device)
     stop_ids = torch.tensor(sorted(stop), dtype=torch.long, device=device)
-    static = bool(getattr(model, "static_decode", False))
+    static = bool(getattr(runner, "static_decode", False))
     # the state of a token step, changed in place by it: the ids fed, the cache slot, each row's position, the
     # completion's index, what is drawn, each row's length, which rows have stopped
     st = {"x": x, "pos": torch.zeros((), dtype=torch.long, device=device), "positions": -left[:, None],
@@ -186,7 +189,7 @@ def rollout(model, prompts: list[list[int]], seeds: list[int], max_tokens: int, 
         positions = (st["positions"] + torch.arange(T, device=device)).clamp(min=0)
         pos = st["pos"] if static and T == 1 else host["pos"]
         with torch.autocast(device.type, dtype=dtype, enabled=autocast, cache_enabled=False):
-            logits = model(st["x"], caches=caches, pos=pos, position_ids=positions, attend=attend).logits[:, -1, :]
+            logits = runner(st["x"], caches=caches, pos=pos, position_ids=positions, attend=attend).logits[:, -1, :]
         done = st["done"]
         nxt = draw(logits, seed_ids, st["t"], vocab, temperature, top_k, top_p).masked_fill(done, pad)
         st["out"].index_copy_(1, st["t"].view(1), nxt[:, None])
@@ -205,7 +208,7 @@ def rollout(model, prompts: list[list[int]], seeds: list[int], max_tokens: int, 
     was_training = model.training
     model.eval()
     try:
-        caches = model.make_caches(B, P + max_tokens, dtype, device)
+        caches = runner.make_caches(B, P + max_tokens, dtype, device)
         step()   # the prefill and the first token
         replay = step
         if static and graphs and device.type == "cuda" and max_tokens > 2 and not bool(st["done"].all()):

@@ -38,10 +38,11 @@ class KVCache(nn.Module):
 
     def update(self, pos: int | torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write k, v at positions pos..pos+T-1 -> the keys and values up to there; a device tensor `pos` (one
-        token) writes there and gives the whole cache, the same shapes at every position."""
+        token) writes there and gives the whole cache, the same shapes at every position. k and v are stored in the
+        cache's dtype (a 4-bit base's layers hand fp32 out of a bf16 autocast)."""
         if isinstance(pos, torch.Tensor):
-            self.k.index_copy_(2, pos.view(1), k)
-            self.v.index_copy_(2, pos.view(1), v)
+            self.k.index_copy_(2, pos.view(1), k.to(self.k.dtype))
+            self.v.index_copy_(2, pos.view(1), v.to(self.v.dtype))
             return self.k, self.v
         t = k.size(2)
         self.k[:, :, pos:pos + t] = k

@@ -42,6 +42,7 @@ from trainbox.data.sft import load_hf_tokenizer, open_finetuning_datasets
 from trainbox.data.sft import reads_examples as sft_examples
 from trainbox.errors import ConfigError, require
 from trainbox.kernels.fused_ce import head_cross_entropy
+from trainbox.model.hf.view import llama_view
 from trainbox.model.layers import Output, cross_entropy
 
 log = logging.getLogger("trainbox")
@@ -235,6 +236,14 @@ class HFCausalLM(nn.Module):
 
     def make_caches(self, batch: int, max_len: int, dtype, device) -> HFCache:
         return HFCache()
+
+    def rollout_model(self) -> nn.Module:
+        """What generate.py `rollout` runs: for a Llama, Mistral, Qwen2 or Qwen3 model, the llama family's decoder
+        over this model's own modules (model/hf/view.py), whose token step a CUDA graph replays; else this model.
+        Built once, and kept outside the module tree (its weights are this model's)."""
+        if "_rollout" not in self.__dict__:
+            self.__dict__["_rollout"] = llama_view(self) or self
+        return self.__dict__["_rollout"]
 
     def adapters_off(self):
         """A context in which the model is its frozen base (PEFT's disable_adapter): the preference objective's

@@ -27,6 +27,7 @@ import torch
 import torch.nn as nn
 from safetensors.torch import save_file
 
+from trainbox.config.model import ModelSection
 from trainbox.data.chat import template_for
 from trainbox.data.tokenizer import pad_id
 from trainbox.errors import ConfigError
@@ -146,6 +147,16 @@ def _set(data: dict, key: str, value) -> None:
     for part in sections:
         data = data[part]
     data[name] = value
+
+
+def model_section(hf: dict, where: str) -> ModelSection:
+    """A Llama / Mistral / Qwen2 / Qwen3 config.json as the llama family's model section: the folder's shape
+    (`shape`) and vocabulary, every other key at its default."""
+    data = ModelSection(family="llama").model_dump()
+    for key, value in shape(hf, where).items():
+        _set(data, key, value)
+    data["vocab_size"] = hf["vocab_size"]
+    return ModelSection.model_validate(data)
 
 
 def resolve_from_folder(run):
