@@ -70,27 +70,32 @@ def test_a_lora_runs_view_replays_in_a_graph_as_it_runs_eagerly(tmp_path, quanti
 
 @pytest.mark.parametrize("family", ["llama", "hf"])
 def test_train_grpo_on_a_gpu_raises_the_reward(tmp_path, family):
+    """Every weight (llama) from 0.67 at step 8 to 0.95 (H200); LoRA (hf) from the first policy's reward, about one
+    half (CPU: 0.50), evaluated every 2 steps: its scaled head learns fast (CPU: 0.58 at step 2, 0.95 at 8)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     base = hf_tiny.make_model(tmp_path / "base", seed=3)
-    lora = []
+    settings = ["train.eval_every=8", "optim.lr=3e-2"]
     if family == "hf":   # the frozen head scaled up, as in test_grpo.py's LoRA run (further: bf16 learns slower)
         from transformers import AutoModelForCausalLM
         model = AutoModelForCausalLM.from_pretrained(base)
         with torch.no_grad():
             model.lm_head.weight.mul_(20)
         model.save_pretrained(base)
-        lora = ["model.family=hf", "optim.lr=1e-2"]
+        settings = ["model.family=hf", "train.eval_every=2", "optim.lr=1e-2"]
     rewards = write_rewards(tmp_path)
     make_prompt_file(tmp_path / "train.jsonl", n=64, seed=1)
     make_prompt_file(tmp_path / "val.jsonl", n=16, seed=2)
     run_cli("train", "grpo", f"model.path={base}", f"data.path={tmp_path / 'train.jsonl'}",
             f"data.val_path={tmp_path / 'val.jsonl'}", "data.seq_len=64", "grpo.max_completion_len=8",
             "grpo.num_generations=4", f"grpo.rewards=[{rewards}:low_ids]", "train.global_batch_size=4",
-            "train.max_steps=24", "train.eval_every=8", "train.eval_tokens=1024", "optim.lr=3e-2", *lora,
+            "train.max_steps=24", "train.eval_tokens=1024", *settings,
             f"run.dir={tmp_path / 'runs'}", "monitor.port=0", "monitor.plot=false", cwd=tmp_path, timeout=900)
     events = [json.loads(line) for line in open(tmp_path / "runs" / "grpo" / "metrics.jsonl")]
     start = next(e for e in events if e["event"] == "start")
     assert start["layout"]["device"].startswith("cuda"), start["layout"]
     evals = [e["val_reward"] for e in events if e["event"] == "eval"]
-    assert len(evals) == 3 and evals[-1] > 0.75 and evals[-1] > evals[0], evals
+    if family == "llama":
+        assert len(evals) == 3 and evals[-1] > 0.75 and evals[-1] > evals[0], evals
+    else:
+        assert len(evals) == 12 and evals[-1] > 0.75 and evals[-1] > evals[0] + 0.15, evals
