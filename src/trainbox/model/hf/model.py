@@ -27,6 +27,9 @@ the same training loop as every other family. Choices:
   closed between examples (passed through as it is, by transformers 4 and 5 alike); for FlashAttention
   (flash_attention_2 / 3) the rows are flattened into one sequence, whose position_ids give transformers the
   examples' boundaries (its variable-length path). Other attention implementations are refused with packed rows.
+- Sampling many rows at once (generate.py `rollout`: grpo's completions): a Llama, Mistral, Qwen2 or Qwen3 model
+  decodes through the llama family's decoder over its own modules (view.py), its token step replayed in a CUDA graph
+  on a GPU; any other architecture through transformers' forward and cache.
 """
 from __future__ import annotations
 
