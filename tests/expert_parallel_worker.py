@@ -19,14 +19,13 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
 import torch._dynamo
-from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
+from torch.distributed.fsdp import register_fsdp_forward_method
 from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -40,6 +39,7 @@ from trainbox.model.memory import Kernels, Widths  # noqa: E402
 from trainbox.model.moe.memory import moe_ffn, padded_rows  # noqa: E402
 from trainbox.parallel import expert_state  # noqa: E402
 from trainbox.parallel.distributed import Dist  # noqa: E402
+from trainbox.parallel.fsdp import gathered  # noqa: E402
 from trainbox.plan import local_cpu, make_plan  # noqa: E402
 from trainbox.train import recompute  # noqa: E402
 from trainbox.train.build import build_model_side  # noqa: E402
@@ -276,20 +276,6 @@ def whole(t: torch.Tensor) -> torch.Tensor:
 def local(t: torch.Tensor) -> torch.Tensor:
     """What this rank holds of `t`: a DTensor's own shard."""
     return t.to_local() if isinstance(t, DTensor) else t
-
-
-@contextmanager
-def gathered(model: torch.nn.Module):
-    """Under fsdp, every FSDP unit's parameters gathered (as their forward gathers them), so that a part of the
-    model can be called on its own; nothing under ddp."""
-    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
-    for m in units:
-        m.unshard()
-    try:
-        yield
-    finally:
-        for m in units:
-            m.reshard()
 
 
 def saved_bytes(block: torch.nn.Module, h: torch.Tensor, params: list[torch.Tensor]) -> int:

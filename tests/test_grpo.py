@@ -331,28 +331,28 @@ def test_a_resumed_grpo_run_continues_exactly(run):
 
 
 @pytest.mark.slow
-def test_two_processes_equal_one(run, tmp_path):
-    """The run's first 8 steps (its own settings otherwise) under train.parallel=ddp over 2 processes (gloo), and on
-    one: each process samples its prompts' completions with the same seeds, so every step's reward and completion
-    length are the one-process run's, its loss within 1e-5 and its gradient norm within 1e-4. (Further on, Adam
-    grows the rounding of gradients summed in another order: an element near 0 moves by about the learning rate
-    either way.)"""
+@pytest.mark.parametrize("parallel, extra", [("ddp", []), ("fsdp", ["grpo.beta=0.04"])])
+def test_two_processes_equal_one(run, tmp_path, parallel, extra):
+    """The run's first 8 steps (its own settings otherwise) over 2 processes (gloo), and on one: each process samples
+    its prompts' completions with the same seeds, so every step's reward and completion length are the one-process
+    run's, its loss within 1e-5 and its gradient norm within 1e-4. (Further on, Adam grows the rounding of gradients
+    summed in another order: an element near 0 moves by about the learning rate either way.) Under fsdp each rank
+    samples from the gathered units, outside FSDP's hooks, and the KL term's reference is sharded too."""
     root, args, _ = run
-    args = [a for a in args if not a.startswith(("run.dir=", "train.max_steps="))] + ["train.max_steps=8"]
+    args = [a for a in args if not a.startswith(("run.dir=", "train.max_steps="))] + ["train.max_steps=8", *extra]
     run_cli("train", "grpo", *args, f"run.dir={tmp_path / 'one'}", cwd=root)
     run_cli("train", "grpo", "--nproc", "2", *args, f"run.dir={tmp_path / 'two'}", "train.micro_batch_size=1",
-            cwd=root, timeout=600)
+            f"train.parallel={parallel}", cwd=root, timeout=600)
     want, got = _metrics(tmp_path / "one" / "grpo"), _metrics(tmp_path / "two" / "grpo")
     assert sorted(got) == sorted(want) == list(range(1, 9))
     for s in want:
-        for key in ("loss", "reward", "reward_low_ids", "completion_len"):
+        for key in ("loss", "reward", "reward_low_ids", "completion_len", "kl"):
             if key in want[s]:
                 assert got[s][key] == pytest.approx(want[s][key], abs=1e-5), (s, key)
     assert "reward" in want[8] and got[8]["grad_norm"] == pytest.approx(want[8]["grad_norm"], rel=1e-4)
 
 
 @pytest.mark.parametrize("overrides, says", [
-    (["train.parallel=fsdp"], "use train.parallel=ddp"),
     (["model.family=gpt", "model.path=null"], "model.family=gpt does not give"),
     (["data.packing=true"], "each sampled completion in a row of its own"),
     (["grpo.max_completion_len=64"], "leaves no room for a prompt"),

@@ -358,9 +358,6 @@ class RunConfig(Section):
             raise ValueError(f"grpo.max_completion_len={g.max_completion_len} leaves no room for a prompt in "
                              f"data.seq_len={self.data.seq_len}: give data.seq_len more than the prompt and the "
                              "completion together")
-        if self.train.parallel == "fsdp":
-            raise ValueError("train.objective=grpo samples completions with the whole model on each process: use "
-                             "train.parallel=ddp (LoRA, and models whose training fits one GPU)")
         return self
 
     @model_validator(mode="after")

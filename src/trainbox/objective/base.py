@@ -2,6 +2,7 @@
 `Runtime`, what the loop hands an objective of its run."""
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -24,6 +25,7 @@ class Runtime:
     val: object | None
     tokenizer: object = None
     vocab: int = 0
+    whole: Callable = nullcontext   # a context in which each rank holds the whole model (fsdp: every unit gathered)
 
 
 @dataclass

@@ -10,6 +10,8 @@ process's step at once, or grpo.generation_batch_size of them, through the KV ca
 autocast), up to grpo.max_completion_len tokens or an end (end of text, or the chat template's end of turn, which
 the completion keeps). A completion's draws depend on (run.seed, the step, the prompt's index, its number in the
 group) alone, so a step samples the same completions on any number of processes, in any batch and after a resume.
+Under train.parallel=fsdp every unit is gathered for the sampling (the strategy's `whole`) and the model decodes
+through the family's `rollout_model`, which runs none of FSDP's hooks: each process samples its own rows alone.
 
 Rewards: each function of grpo.rewards scores the rank's completions of the step in one go (TRL's signature:
 prompts, completions, completion_ids and the rows' other fields as keyword lists); an entry that is a directory is a
@@ -223,8 +225,9 @@ class Grpo(Objective):
         seeds = [row_seed(seed, step, i, j % G) for j, i in enumerate(indices)]
         together = g.generation_batch_size or len(indices)
         start = time.perf_counter()
-        completions = [c for k in range(0, len(indices), together)
-                       for c in self._sample(ds, indices[k:k + together], seeds[k:k + together])]
+        with run.whole():
+            completions = [c for k in range(0, len(indices), together)
+                           for c in self._sample(ds, indices[k:k + together], seeds[k:k + together])]
         seconds = time.perf_counter() - start   # the completions are on the host: the sampling has finished
         sampled, start = [], 0
         for idx in chunks:
@@ -328,9 +331,10 @@ class Grpo(Objective):
         mine = list(range(n))[run.dist.rank::run.dist.world]
         chunk = run.cfg.train.micro_batch_size * self.g.num_generations
         sums = torch.zeros(4, dtype=torch.float64, device=run.device)   # reward, scored, completion tokens, prompts
-        for k in range(0, len(mine), chunk):
-            idx = mine[k:k + chunk]
-            completions = self._sample(ds, idx, [row_seed(run.cfg.run.seed, -1, i, 0) for i in idx])
+        with run.whole():   # every rank at once, whatever its share of the prompts
+            sampled = [(idx, self._sample(ds, idx, [row_seed(run.cfg.run.seed, -1, i, 0) for i in idx]))
+                       for idx in (mine[k:k + chunk] for k in range(0, len(mine), chunk))]
+        for idx, completions in sampled:
             rewards = self._rewards(self._score(ds, idx, completions))
             sums += torch.tensor([rewards.nan_to_num(0.0).sum(), (~rewards.isnan()).sum(),
                                   sum(len(c) for c in completions), len(idx)], dtype=torch.float64,

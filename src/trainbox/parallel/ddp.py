@@ -46,6 +46,10 @@ class DataParallel:
             _drop_record_function_notice()
         self.forward = torch.compile(self.forward, mode="reduce-overhead" if cuda_graphs else None)
 
+    def whole(self):
+        """Each rank holds the whole model: nothing to gather (ShardedParallel.whole)."""
+        return nullcontext()
+
     def micro_batch(self, k: int, accum: int):
         """Gradients are averaged over ranks only in the last micro-batch's backward. Under expert parallelism the
         first micro-batch after a build or a load sets the experts' 16-bit copies (parallel/expert.py)."""

@@ -30,6 +30,8 @@ split over the ranks, and each block's parameters are all-gathered just before i
 - torch.compile compiles each block (before sharding), as torchtitan does: FSDP's hooks stay outside the graphs.
 - The global batch stays a pure function of (seed, step) and the gradient is averaged over the ranks like
   DDP's, so the loss of a step equals the DDP loss (tested: 2 processes under gloo against 1 process).
+- `whole()` gathers every unit for a while: grpo samples its completions inside it, through a decoder over the
+  model's modules that runs none of FSDP's hooks, so each rank samples alone (its rows stop when they stop).
 - Checkpoints are sharded and written asynchronously with torch.distributed.checkpoint (parallel/dcp.py).
 - With expert parallelism (`model.moe.expert_parallel=N`, parallel/expert.py) FSDP shards the dense parameters
   only: every `fully_shard` call ignores the experts' weights (`ignored_params`), which stay this rank's expert
@@ -41,7 +43,7 @@ split over the ranks, and each block's parameters are all-gathered just before i
 from __future__ import annotations
 
 import inspect
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 
 import torch
 import torch.nn as nn
@@ -118,6 +120,12 @@ class ShardedParallel:
     def compile(self) -> None:
         """Blocks were compiled before sharding; the rest of the model runs eagerly."""
 
+    def whole(self):
+        """Every unit gathered until the block ends (`gathered`), on every rank at once: a forward through the
+        model's modules outside FSDP's hooks (the family's `rollout_model`: grpo's sampling) then needs no other
+        rank, and runs as many times as this rank's rows need."""
+        return gathered(self.model)
+
     def micro_batch(self, k: int, accum: int):
         """Before the last micro-batch, blocks stay gathered after their backward when memory was allowed
         for it (reshard_after_forward=false); gradients reduce-scatter after every micro-batch's backward, or
@@ -139,6 +147,21 @@ class ShardedParallel:
             expert.sync_grads(self.model)
             return expert.clip_grad_norm_(self.model, params, max_norm) if max_norm > 0 else None
         return clip_(params, max_norm, optimizers) if max_norm > 0 else None
+
+
+@contextmanager
+def gathered(model: nn.Module):
+    """Every FSDP unit's parameters of `model` gathered (in the compute dtype, as their forward gathers them) until
+    the block ends, so that its modules can be called on their own; nothing where no unit is sharded."""
+    from torch.distributed.fsdp import FSDPModule  # heavy: torch.distributed.fsdp
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    for m in units:
+        m.unshard()
+    try:
+        yield
+    finally:
+        for m in units:
+            m.reshard()
 
 
 def _ignoring_experts(model: nn.Module) -> dict:

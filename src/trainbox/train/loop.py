@@ -388,7 +388,7 @@ class Trainer(RunFiles, Checkpointing, Evaluations, Reporting):
     def runtime(self) -> Runtime:
         """The run as its objective sees it."""
         return Runtime(self.cfg, self.model, self.forward, self.reference, self.device, self.autocast, self.dist,
-                       self.train_data, self.val_data, self.tokenizer, self.vocab)
+                       self.train_data, self.val_data, self.tokenizer, self.vocab, self.parallel.whole)
 
 
 

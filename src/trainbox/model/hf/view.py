@@ -4,24 +4,22 @@
 transformers' forward with PEFT's adapters runs eagerly, one kernel launch at a time: decoding a token of a 0.5B model
 for 64 rows takes about 60 ms on an H200, nearly all of it the host's launches. The llama family decodes with a KV
 cache whose position is a device tensor (`static_decode`), so its whole token step is captured in one CUDA graph and
-replayed. `llama_view` builds that decoder on the meta device and puts the hf model's own modules in place of every
-module holding weights: each projection is PEFT's LoRA layer (base layer and adapters, quantized or not), each norm,
-the embedding and the head are transformers' own. No weight is copied, so the view samples from the adapters as
-they stand after every optimizer step, PEFT's `disable_adapter` holds for it, and it costs no memory. Its modules
-run as the hf model's mode sets them (the model, not the view, is put in eval mode to sample: no adapter dropout).
+replayed. `llama_view` builds that decoder (model/llama/model.py `decoder_over`) with the hf model's own modules in
+place of every module holding weights: each projection is PEFT's LoRA layer (base layer and adapters, quantized or
+not), each norm, the embedding and the head are transformers' own. No weight is copied, so the view samples from
+the adapters as they stand after every optimizer step, PEFT's `disable_adapter` holds for it, and it costs no
+memory. Its modules run as the hf model's mode sets them (the model, not the view, is put in eval mode to sample:
+no adapter dropout).
 
 The llama family's blocks, attention and rotary positions are ours; tests/test_hf_view.py holds the view's logits
 equal to transformers' (within 1e-5, fp32) for each architecture, with adapters, padding and caches."""
 from __future__ import annotations
 
 import logging
-from itertools import chain
-
-import torch
 
 from trainbox.errors import ConfigError
 from trainbox.model.llama.hf import ARCHITECTURES, model_section
-from trainbox.model.llama.model import Llama
+from trainbox.model.llama.model import Llama, decoder_over
 
 log = logging.getLogger("trainbox")
 
@@ -37,14 +35,4 @@ def llama_view(model) -> Llama | None:
     except ConfigError as e:   # a sliding window, a RoPE scaling or biases the llama family does not implement
         log.info(f"sampling {model.path} through transformers: {e.message}")
         return None
-    base = model.peft.get_base_model()
-    with torch.device("meta"):
-        view = Llama(section, conf["vocab_size"], model.block_size)
-    owners = [name for name, m in view.named_modules() if next(m.parameters(recurse=False), None) is not None]
-    for name in owners:   # each module that holds weights: the hf model's module of the same name
-        parent, _, attr = name.rpartition(".")
-        setattr(view.get_submodule(parent) if parent else view, attr, base.get_submodule(name))
-    left = [n for n, t in chain(view.named_parameters(), view.named_buffers()) if t.is_meta]
-    if left:
-        raise RuntimeError(f"{model.path}: the llama view has weights of its own: {left[:3]}")
-    return view
+    return decoder_over(section, conf["vocab_size"], model.block_size, model.peft.get_base_model())

@@ -32,6 +32,7 @@ every pretraining family. Conversion to and from Hugging Face folders: model/lla
 from __future__ import annotations
 
 import math
+from itertools import chain
 
 import torch
 import torch.nn as nn
@@ -258,6 +259,14 @@ class Llama(nn.Module):
         kv = self.cfg.llama.n_kv_head or self.cfg.n_head
         return [KVCache(batch, kv, max_len, head_dim(self.cfg), dtype, device) for _ in range(self.cfg.n_layer)]
 
+    def rollout_model(self) -> Llama:
+        """What generate.py `rollout` runs: a decoder over this model's modules (`decoder_over`), which runs none of
+        the hooks FSDP puts on the blocks. Under FSDP the caller holds every unit gathered (grpo: the strategy's
+        `whole`), so one process samples alone, for as many tokens as its rows need. Built once."""
+        if "_rollout" not in self.__dict__:
+            self.__dict__["_rollout"] = decoder_over(self.cfg, self.vocab_size, self.block_size, self)
+        return self.__dict__["_rollout"]
+
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
@@ -267,6 +276,36 @@ class Llama(nn.Module):
         attention (the full T x T score matrix, causal masking not subtracted)."""
         non_embedding = self.num_params() - self.model.embed_tokens.weight.numel()
         return 6 * non_embedding + 12 * self.cfg.n_layer * self.cfg.n_head * head_dim(self.cfg) * seq_len
+
+
+class Hookless(nn.Module):
+    """`module`'s own forward, without the hooks registered on it (FSDP's gather and free around a unit such as an
+    untied token table or head): the decoder's way to run a module whose weights the caller holds gathered."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args, **kwargs):
+        return self.module.forward(*args, **kwargs)
+
+
+def decoder_over(cfg, vocab_size: int, block_size: int, source: nn.Module) -> Llama:
+    """A Llama of model section `cfg` whose every module holding weights is `source`'s module of the same name (our
+    names are LlamaForCausalLM's), run without its hooks (`Hookless`): built on the meta device, it holds no weight
+    of its own and reads the source's as they stand. Its blocks, attention and rotary positions are this module's,
+    so it runs none of the source's hooks (FSDP's) or wrappers (transformers' forward, with PEFT's adapters inside
+    its layers)."""
+    with torch.device("meta"):
+        view = Llama(cfg, vocab_size, block_size)
+    owners = [name for name, m in view.named_modules() if next(m.parameters(recurse=False), None) is not None]
+    for name in owners:
+        parent, _, attr = name.rpartition(".")
+        setattr(view.get_submodule(parent) if parent else view, attr, Hookless(source.get_submodule(name)))
+    left = [n for n, t in chain(view.named_parameters(), view.named_buffers()) if t.is_meta]
+    if left:
+        raise RuntimeError(f"the decoder over {type(source).__name__} has weights of its own: {left[:3]}")
+    return view
 
 
 def build(cfg, vocab_size: int, block_size: int, run=None) -> Llama:
