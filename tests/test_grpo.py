@@ -90,13 +90,17 @@ def runtime(cfg, model, reference, train, tok) -> Runtime:
                    tok.vocab_size)
 
 
-@pytest.mark.parametrize("loss, beta, temperature", [("dapo", 0.0, 1.0), ("grpo", 0.0, 1.0), ("dapo", 0.0, 0.7),
-                                                     ("dapo", 0.04, 1.0), ("grpo", 0.04, 0.7), ("dr_grpo", 0.1, 1.3)])
-def test_loss_and_gradients_equal_trl(tmp_path, loss, beta, temperature):
+@pytest.mark.parametrize("loss, beta, temperature, level", [
+    ("dapo", 0.0, 1.0, "token"), ("grpo", 0.0, 1.0, "token"), ("dapo", 0.0, 0.7, "token"), ("dapo", 0.04, 1.0, "token"),
+    ("grpo", 0.04, 0.7, "token"), ("dr_grpo", 0.1, 1.3, "token"), ("dapo", 0.0, 1.0, "sequence"),
+    ("grpo", 0.04, 0.7, "sequence")])
+def test_loss_and_gradients_equal_trl(tmp_path, loss, beta, temperature, level):
     """TRL's GRPOTrainer._compute_loss on prompts left-padded and completions right-padded as its generation leaves
     them (some ended by end of text, some cut at max_completion_length), with the same advantages, and with beta > 0
     the log-probabilities of a perturbed reference; our objective on its training rows of the same tokens: the loss
-    and every parameter's gradient agree (fp32, CPU)."""
+    and every parameter's gradient agree (fp32, CPU), with token-level importance ratios and GSPO's sequence-level
+    ones (which change the gradient only through the KL term's correction: the case with beta > 0 fails with
+    token-level ratios in their place)."""
     pytest.importorskip("trl")
     datasets = pytest.importorskip("datasets")
     from trl import GRPOConfig, GRPOTrainer
@@ -105,7 +109,8 @@ def test_loss_and_gradients_equal_trl(tmp_path, loss, beta, temperature):
     rewards = write_rewards(tmp_path)
     prompts_file = make_prompt_file(tmp_path / "p.jsonl", n=4)
     cfg, tok, model = ours(folder, rewards, f"data.path={prompts_file}", f"grpo.loss={loss}", f"grpo.beta={beta}",
-                           f"grpo.temperature={temperature}", "grpo.num_generations=3")
+                           f"grpo.temperature={temperature}", "grpo.num_generations=3",
+                           f"grpo.importance_sampling_level={level}")
     C, G = cfg.grpo.max_completion_len, 3
     objective = build_objective(cfg)
     train, _ = objective.open_datasets(cfg, tok, tok.vocab_size)
@@ -139,6 +144,7 @@ def test_loss_and_gradients_equal_trl(tmp_path, loss, beta, temperature):
     hf_tok = transformers.AutoTokenizer.from_pretrained(folder)
     args = GRPOConfig(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=6, num_generations=G,
                       max_completion_length=C, temperature=temperature, beta=beta, loss_type=loss, report_to=[],
+                      importance_sampling_level=level,
                       use_cpu=True, bf16=False, fp16=False, seed=0)
     rows = [{"prompt": json.loads(line)["prompt"]} for line in open(prompts_file)]
     trainer = GRPOTrainer(model=str(folder), reward_funcs=lambda completions, **kw: [0.0] * len(completions),

@@ -49,6 +49,12 @@ class GrpoSection(Section):
                             "step (Yu et al. 2025; TRL's default); grpo: each completion's token mean, then the mean "
                             "over completions (Shao et al. 2024); dr_grpo: their sum over completions x "
                             "max_completion_len (Liu et al. 2025)")
+    importance_sampling_level: Literal["token", "sequence"] = Field(
+        "token", description="the importance ratio pi / pi_old a token trains with. token: its own (GRPO); sequence: "
+                             "the geometric mean of its completion's token ratios, one for all its tokens (GSPO, "
+                             "Zheng et al. 2025), as TRL's option of this name. At one update a generation the "
+                             "ratio is 1 in value and the advantage's gradient is the same at both levels; they "
+                             "differ in the KL term's correction (beta > 0)")
     scale_rewards: Literal["group", "batch", "none"] = Field(
         "group", description="an advantage is the reward minus its group's mean, divided by group: the group's "
                              "standard deviation; batch: the step's; none: nothing (Dr. GRPO)")

@@ -22,9 +22,11 @@ reward, divided by the group's standard deviation (grpo.scale_rewards=group, + 1
 (none); a group's completions are sampled, scored and trained on one process.
 
 Loss: one policy update a generation (TRL's num_iterations=1), so the importance ratio pi / pi_old is 1 in value and
-the clipped surrogate is -A x ratio a token, ratio = exp(logp - logp.detach()): its gradient is -A x grad logp. logp
-is the token's log-probability at grpo.temperature (the logits divided by it, as sampled). With grpo.beta > 0, beta
-x k3 x ratio is added a token, k3 = exp(ref - logp) - (ref - logp) - 1 the estimate of the KL divergence from the
+the clipped surrogate is -A x ratio a token, ratio = exp(logp - logp.detach()): its gradient is -A x grad logp
+(grpo.importance_sampling_level=sequence, GSPO: the ratio of a completion's mean log-probability, the same for each
+of its tokens; at one update a generation the advantage's gradient is the same, the KL term's correction is not).
+logp is the token's log-probability at grpo.temperature (the logits divided by it, as sampled). With grpo.beta > 0,
+beta x k3 x ratio is added a token, k3 = exp(ref - logp) - (ref - logp) - 1 the estimate of the KL divergence from the
 reference (ref its log-probability: a frozen copy of the initial model; LoRA: the base with its adapters off), times
 the ratio so that its gradient is the unbiased one of the reverse KL (DeepSeek-V3.2; TRL's use_bias_correction_kl,
 on by default). The tokens trained are the completion's (its end included); grpo.loss makes them a step's loss:
@@ -297,7 +299,11 @@ class Grpo(Objective):
         ref = self._reference_logps(b) if self.g.beta > 0 else None   # first: its transients go first
         logp, out = self._token_logps(forward, b)
         mask = b["loss_mask"].float() * b["weight"][:, None]
-        ratio = torch.exp(logp - logp.detach())   # 1, with the gradient of logp
+        log_ratio = logp - logp.detach()   # 0, with the gradient of logp
+        if self.g.importance_sampling_level == "sequence":   # GSPO: the completion's mean, for each of its tokens
+            trained = b["loss_mask"].float()
+            log_ratio = ((log_ratio * trained).sum(1) / trained.sum(1).clamp(min=1))[:, None]
+        ratio = torch.exp(log_ratio)
         per_token = -ratio * b["advantages"][:, None]
         kl = None
         if ref is not None:
