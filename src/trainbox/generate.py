@@ -148,7 +148,8 @@ def rollout(model, prompts: list[list[int]], seeds: list[int], max_tokens: int, 
     that do not change from token to token, over the whole cache; on a CUDA GPU (and `graphs`) that token step (the
     forward, the draw and the bookkeeping) is captured once in a CUDA graph and replayed for every token, which
     takes the host's kernel launches out of the loop. A model may hand over another module over its own weights to
-    decode (`rollout_model`: the hf family's Llama and Qwen models decode through the llama family's, model/hf/view.py);
+    decode (`rollout_model`: the llama family's decoder over its modules, which runs none of FSDP's hooks; for the
+    hf family's Llama and Qwen models, the same decoder over transformers' and PEFT's modules, model/hf/view.py);
     the model itself is put in eval mode."""
     check_sampling(temperature, top_k, top_p, max_tokens)
     B = len(prompts)
