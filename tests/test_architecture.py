@@ -202,3 +202,19 @@ def test_a_family_defined_in_tests_trains_plans_and_exports(tmp_path):
     path = os.pathsep.join(filter(None, [str(REPO / "tests"), os.environ.get("PYTHONPATH")]))   # this tree's src
     run_check_script(TOY.replace("sys.argv[1]", repr(str(tmp_path))), env={"PYTHONPATH": path})
 
+
+
+def test_every_family_is_known_whichever_family_module_a_program_imports_first():
+    """A program whose first trainbox import is a family's package or its config (`import trainbox.model.llama`) still
+    sees every family: the config's model section, assembled from them as trainbox.config loads, has each one's
+    section and validates model.family=<it> with its options."""
+    names = sorted(families())
+    script = ("import importlib, sys; importlib.import_module(sys.argv[1]); "
+              "from trainbox.model.spec import families; from trainbox.config import build_config; "
+              "print(sorted(families())); [build_config({'model': {'family': n}}) for n in families()]; "
+              "build_config({'model': {'family': 'llama', 'llama': {'rope_theta': 10000.0}}})")
+    first = [f"trainbox.model.{n}" for n in names] + [f"trainbox.model.{n}.config" for n in names
+                                                     if (SRC / "trainbox/model" / n / "config.py").exists()]
+    for module in first:
+        out = subprocess.run([sys.executable, "-c", script, module], capture_output=True, text=True, check=False)
+        assert out.returncode == 0 and out.stdout.split("\n")[0] == str(names), (module, out.stderr[-800:])

@@ -4,7 +4,6 @@ Flow: recipe name or file (YAML/JSON) -> dict -> dotted `key=value` overrides ->
 Every section owns the settings of one component; a wrong key or type fails here, before any work,
 with a message that names the exact dotted key and the closest valid keys.
 """
-from trainbox.config.families import Section  # noqa: F401
 from trainbox.config.load import (  # noqa: F401
     apply_overrides,
     build_config,
@@ -27,3 +26,4 @@ from trainbox.config.schema import (  # noqa: F401
     RunSection,
     TrainSection,
 )
+from trainbox.section import Section  # noqa: F401

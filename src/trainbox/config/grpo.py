@@ -6,8 +6,8 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from trainbox.config.families import Section
 from trainbox.config.limits import MAX_POSITIONS
+from trainbox.section import Section
 
 
 class GrpoSection(Section):

@@ -7,9 +7,9 @@ from typing import Literal
 
 from pydantic import Field, create_model, field_validator, model_validator
 
-from trainbox.config.families import Section
 from trainbox.config.limits import MAX_POSITIONS, MAX_VOCAB
 from trainbox.model.spec import OPTIONS, either, families, family, which
+from trainbox.section import Section
 
 
 class ModelBase(Section):

@@ -7,8 +7,8 @@ from typing import Literal
 
 from pydantic import Field
 
-from trainbox.config.families import Section
 from trainbox.config.limits import MAX_POSITIONS
+from trainbox.section import Section
 
 UNPAIRED_LOSSES = ("kto", "apo_zero_unpaired")   # dpo.loss on unpaired examples (objective/kto.py)
 

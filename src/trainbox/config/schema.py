@@ -9,13 +9,13 @@ from typing import Literal
 
 from pydantic import BaseModel, Field, model_validator
 
-from trainbox.config.families import Section
 from trainbox.config.grpo import GrpoSection
 from trainbox.config.limits import MAX_POSITIONS, MAX_SEQUENCES, MAX_STEPS, MAX_TOKENS
 from trainbox.config.model import ModelSection
 from trainbox.config.preference import UNPAIRED_LOSSES, DpoSection, RewardSection
 from trainbox.errors import ConfigError
 from trainbox.model.spec import either, family, which
+from trainbox.section import Section
 
 RUN_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 RUN_NAME_RULE = "one path component of letters, digits, '.', '_' and '-', starting with a letter or digit"

@@ -137,8 +137,9 @@ _REGISTRY: dict[str, Family] = {}
 def families() -> dict[str, Family]:
     """Every family, by name: model/'s sub-packages (each declares FAMILY) and those registered."""
     if not _REGISTRY:
-        # The families' config sections import trainbox.config, whose model section is assembled from this registry
-        # as it loads: it scans first, so that a scan begun here cannot hand it the families found so far.
+        # A family's package may import trainbox.config (those here import only trainbox.section), whose model
+        # section is assembled from this registry as it loads: it scans first, so that a scan begun here cannot
+        # hand it the families found so far.
         import trainbox.config  # noqa: F401 - heavy: pydantic (the config schema)
     if not _REGISTRY:
         for info in sorted(pkgutil.iter_modules(package.__path__), key=lambda i: i.name):

@@ -5,7 +5,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from trainbox.config.families import Section
+from trainbox.section import Section
 
 
 class MoESection(Section):

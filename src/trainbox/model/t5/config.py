@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from trainbox.config.families import Section
+from trainbox.section import Section
 
 
 class T5Section(Section):

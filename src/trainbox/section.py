@@ -1,6 +1,8 @@
 """The Section every part of the RunConfig tree (config/schema.py) derives from: unknown keys refused (extra="forbid"),
 values checked on assignment too, no infinities or NaNs, numbers read as numbers. The model families' own sections
-derive from it in their folders (model/<family>/config.py)."""
+derive from it in their folders (model/<family>/config.py). It sits outside trainbox.config so that a family's section
+is defined without loading the config tree, which is assembled from the families: a program whose first import is a
+family's package gets that family in the tree."""
 from __future__ import annotations
 
 import re
