@@ -5,6 +5,8 @@
         optimizer.pt        state of every optimizer (tensors and plain values only)
         trainer.json        step, epoch, loader position, tokens seen, run ids, config, versions
         rng.pt              python / numpy / torch CPU / CUDA RNG state of every rank (tensors and plain values)
+        objective.pt        where the objective needs more to resume exactly (grpo in the middle of a generation):
+                            every rank's, in rank order (tensors and plain values)
         COMPLETE            written last: JSON with the step and each file's size and sha256
     checkpoints/latest      name of the newest COMPLETE checkpoint
 
@@ -139,21 +141,26 @@ def newest_verified(ckpt_root: Path) -> tuple[Path | None, list[tuple[Path, str]
 
 
 def save(ckpt_root: Path, step: int, weights: dict[str, torch.Tensor], optimizers: list, trainer: dict,
-         rngs: list[dict], keep_last: int, protect: Path | None = None) -> Path:
-    """Write one checkpoint atomically, point `latest` at it, keep the newest `keep_last`."""
+         rngs: list[dict], keep_last: int, protect: Path | None = None, objective: list | None = None) -> Path:
+    """Write one checkpoint atomically, point `latest` at it, keep the newest `keep_last`; `objective`: every
+    rank's objective state, where any has one."""
     states = [o if isinstance(o, dict) else o.state_dict() for o in optimizers]
     files = {"model.safetensors": (payload_bytes(weights),
                                    lambda p: save_file(weights, str(p), metadata={"step": str(step)})),
              "optimizer.pt": (payload_bytes(states), lambda p: torch.save(states, p)),
-             **small_files(trainer, rngs)}
+             **small_files(trainer, rngs, objective)}
     return publish(write_staged(ckpt_root, step, files), ckpt_root, step, keep_last, protect)
 
 
-def small_files(trainer: dict, rngs: list[dict]) -> dict:
-    """rng.pt and trainer.json, as `write_staged` takes them: name -> (bytes it needs at least, writer)."""
+def small_files(trainer: dict, rngs: list[dict], objective: list | None = None) -> dict:
+    """rng.pt and trainer.json (and objective.pt where given), as `write_staged` takes them: name -> (bytes it needs
+    at least, writer)."""
     text = json.dumps(trainer, indent=1, default=str)
-    return {"rng.pt": (payload_bytes(rngs), lambda p: torch.save(rngs, p)),
-            "trainer.json": (len(text.encode()), lambda p: p.write_text(text))}
+    out = {"rng.pt": (payload_bytes(rngs), lambda p: torch.save(rngs, p)),
+           "trainer.json": (len(text.encode()), lambda p: p.write_text(text))}
+    if objective is not None:
+        out["objective.pt"] = (payload_bytes(objective), lambda p: torch.save(objective, p))
+    return out
 
 
 def write_staged(ckpt_root: Path, step: int, files: dict, more: int = 0) -> Path:
@@ -353,6 +360,12 @@ def keep_hyperparameters(optimizers: list):
     for opt, groups in zip(optimizers, built):
         for group, hyper in zip(opt.param_groups, groups):
             group.update(hyper)
+
+
+def load_objective(ckpt: Path) -> list | None:
+    """Every rank's objective state saved with `ckpt` (None where it has none)."""
+    path = ckpt / "objective.pt"
+    return load_safe(path) if path.is_file() else None
 
 
 def load_rng(ckpt: Path, rank: int) -> dict | None:

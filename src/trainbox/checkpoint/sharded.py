@@ -5,7 +5,7 @@ is a run's business (parallel/dcp.py: asynchronous saves that every rank joins).
 
     checkpoints/step_00001000/
         state/              DCP: .metadata + __R_K.distcp files, several per rank (weights and optimizer state)
-        trainer.json, rng.pt, COMPLETE   as in every checkpoint (checkpoint/__init__.py)
+        trainer.json, rng.pt, objective.pt, COMPLETE   as in every checkpoint (checkpoint/__init__.py)
 
 Nothing from the checkpoint is unpickled as code: `.metadata` is read by an unpickler that rebuilds only
 DCP's metadata classes, and non-tensor values by `torch.load(weights_only=True)`. A run whose state dict maps

@@ -91,7 +91,8 @@ class AllOnes:
 @dataclass
 class BatchOrder:
     """Which samples every rank sees at every step, for a layout that keeps the global batch (config/layout.py
-    decides it: global_batch = micro_batch x accum x world)."""
+    decides it: global_batch = micro_batch x accum x world). `repeat`: each global batch trains that many steps in a
+    row (grpo.num_iterations), so an epoch takes that many times the steps."""
 
     dataset: TokenDataset       # or data/packing.py's ExampleDataset (rows of examples)
     global_batch: int
@@ -99,6 +100,7 @@ class BatchOrder:
     world: int = 1
     rank: int = 0
     seed: int = 0
+    repeat: int = 1
 
     def __post_init__(self):
         self.accum = self.global_batch // (self.micro_batch * self.world)
@@ -106,7 +108,7 @@ class BatchOrder:
 
     @property
     def steps_per_epoch(self) -> int:
-        return self.dataset.num_samples // self.global_batch
+        return self.dataset.num_samples // self.global_batch * self.repeat
 
     def target_tokens(self, step: int) -> int:
         """Target tokens that carry loss in the global batch of `step` (the same number on every rank)."""
@@ -126,7 +128,7 @@ class BatchOrder:
         return self._perm
 
     def global_indices(self, step: int) -> np.ndarray:
-        epoch, pos = divmod(step, self.steps_per_epoch)
+        epoch, pos = divmod(step // self.repeat, self.steps_per_epoch // self.repeat)
         return self.permutation(epoch)[pos * self.global_batch:(pos + 1) * self.global_batch]
 
     def micro_batches(self, step: int) -> list[dict[str, torch.Tensor]]:

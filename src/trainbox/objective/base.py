@@ -76,6 +76,11 @@ class Objective:
         """Before the checkpoint's weights are loaded: what is taken from the initial model."""
 
     @classmethod
+    def repeats(cls, cfg) -> int:
+        """Optimizer steps each global batch of data trains in a row (grpo: grpo.num_iterations)."""
+        return 1
+
+    @classmethod
     def sequences_of(cls, cfg) -> int:
         """Sequences one sample of `cfg`'s run puts through the model (the memory plan's count)."""
         return cls.sequences
@@ -91,6 +96,15 @@ class Objective:
 
     def loss(self, forward, batch: dict, scale: float) -> Part:
         raise NotImplementedError
+
+    def state(self, step: int):
+        """What an exact resume at `step` needs of this rank beyond the weights and the data's order (grpo: the
+        generation its next steps train on), picklable with tensors and plain values only; None: nothing. Every
+        rank calls it at every checkpoint."""
+        return None
+
+    def load_state(self, states: list) -> None:
+        """Every rank's `state` from the checkpoint resumed (in rank order, from a world of any size)."""
 
     def step_stats(self, values: dict) -> dict:
         """The logged values of a step (or a validation) from the sums of `stat_names`."""

@@ -3,8 +3,8 @@ expert parallelism (`model.moe.expert_parallel`: each rank writes its experts, t
 
     checkpoints/step_00001000/
         state/              DCP: .metadata + __R_K.distcp files, several per rank (weights and optimizer state)
-        trainer.json        as in every checkpoint (checkpoint.py)
-        rng.pt
+        trainer.json        as in every checkpoint (checkpoint/__init__.py)
+        rng.pt, objective.pt
         COMPLETE            written last, over every file (state/ included)
 
 A save (`AsyncSaver.start`) stages this rank's shards into host memory (on a GPU, pinned buffers that every
@@ -205,7 +205,8 @@ class AsyncSaver:
         self.pinning = threading.Thread(target=pin, daemon=True, name="pin-checkpoint-buffers")
         self.pinning.start()
 
-    def start(self, step: int, model: nn.Module, optimizers: list, trainer: dict | None, rngs: list) -> float:
+    def start(self, step: int, model: nn.Module, optimizers: list, trainer: dict | None, rngs: list,
+              objective: list | None = None) -> float:
         """Stage this rank's shards and start writing them; returns the seconds training waited."""
         t0 = time.perf_counter()
         self.wait()
@@ -217,7 +218,7 @@ class AsyncSaver:
         shards = self.need = sum(self.dist.gather_objects(host_bytes(state)))
         failed = None
         if self.dist.is_main:
-            small = checkpoint.small_files(trainer, rngs)
+            small = checkpoint.small_files(trainer, rngs, objective)
             self.need += sum(n for n, _ in small.values())
             try:
                 tmp = checkpoint.write_staged(self.root, step, small, more=shards)

@@ -62,8 +62,10 @@ def build_data(cfg: RunConfig, layout: RunLayout, dist: Dist, objective: Objecti
     if cfg.model.eot_id is None and family(cfg.model.family).supports("eot_id"):   # documents split at EOT
         cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"eot_id": tokenizer.eot_id})})
     vocab = model_vocab_size(cfg.model, tokenizer.vocab_size)
-    train, val = (objective or build_objective(cfg)).open_datasets(cfg, tokenizer, vocab)
-    batches = BatchOrder(train, layout.global_batch, layout.micro_batch, layout.world, dist.rank, cfg.run.seed)
+    objective = objective or build_objective(cfg)
+    train, val = objective.open_datasets(cfg, tokenizer, vocab)
+    batches = BatchOrder(train, layout.global_batch, layout.micro_batch, layout.world, dist.rank, cfg.run.seed,
+                         objective.repeats(cfg))
     batches.check_nonempty()
     check_validation(val)   # evaluation runs at the end of every run that has validation data
     if val is None:

@@ -15,7 +15,8 @@ from trainbox.rundir import runs
 
 
 class Checkpointing:
-    """Mixed into Trainer: uses its cfg, dist, model, optimizers, plan, state, sinks, saver and resume_from."""
+    """Mixed into Trainer: uses its cfg, dist, model, optimizers, objective, plan, state, sinks, saver and
+    resume_from."""
 
     def _save(self, step: int) -> None:
         """Rank 0 writes the checkpoint (sharded runs: every rank its shards, in the background); every rank
@@ -23,11 +24,14 @@ class Checkpointing:
         self._phase("checkpointing")
         self.last_saved_step = step
         rngs = self.dist.gather_objects(checkpoint.rng_state())
+        objective = self.dist.gather_objects(self.objective.state(step))
+        objective = objective if any(o is not None for o in objective) else None
         if self.saver is not None:
             t0 = time.perf_counter()
             self._saves_published(wait=True)   # the previous save, finished and logged first
             staged = self.saver.start(step, self.model, self.optimizers,
-                                      self._trainer_state(step) if self.dist.is_main else None, rngs)
+                                      self._trainer_state(step) if self.dist.is_main else None, rngs,
+                                      objective)
             if self.dist.is_main:
                 waited = time.perf_counter() - t0
                 log.info(f"checkpoint of step {step} is being written in the background (training waited "
@@ -40,7 +44,7 @@ class Checkpointing:
                 t0 = time.time()
                 path = checkpoint.save(self.ckpt_root, step, self._weights(), self.optimizers,
                                        self._trainer_state(step), rngs, self.cfg.train.keep_last,
-                                       protect=self.resume_from)
+                                       protect=self.resume_from, objective=objective)
                 self._saved(step, path, time.time() - t0)
             except CheckpointError as e:
                 error = e
