@@ -90,17 +90,24 @@ def runtime(cfg, model, reference, train, tok) -> Runtime:
                    tok.vocab_size)
 
 
-@pytest.mark.parametrize("loss, beta, temperature, level", [
-    ("dapo", 0.0, 1.0, "token"), ("grpo", 0.0, 1.0, "token"), ("dapo", 0.0, 0.7, "token"), ("dapo", 0.04, 1.0, "token"),
-    ("grpo", 0.04, 0.7, "token"), ("dr_grpo", 0.1, 1.3, "token"), ("dapo", 0.0, 1.0, "sequence"),
-    ("grpo", 0.04, 0.7, "sequence")])
-def test_loss_and_gradients_equal_trl(tmp_path, loss, beta, temperature, level):
+CLIPS = {"high": ["grpo.epsilon_high=0.28"], "delta": ["grpo.epsilon=0.1", "grpo.delta=1.2"]}
+
+
+@pytest.mark.parametrize("loss, beta, temperature, level, clip", [
+    ("dapo", 0.0, 1.0, "token", None), ("grpo", 0.0, 1.0, "token", None), ("dapo", 0.0, 0.7, "token", None),
+    ("dapo", 0.04, 1.0, "token", None), ("grpo", 0.04, 0.7, "token", None), ("dr_grpo", 0.1, 1.3, "token", None),
+    ("dapo", 0.0, 1.0, "sequence", None), ("grpo", 0.04, 0.7, "sequence", None),
+    ("dapo", 0.0, 1.0, "token", "high"), ("grpo", 0.04, 0.7, "token", "delta"),
+    ("dapo", 0.04, 1.0, "sequence", "high")])
+def test_loss_and_gradients_equal_trl(tmp_path, loss, beta, temperature, level, clip):
     """TRL's GRPOTrainer._compute_loss on prompts left-padded and completions right-padded as its generation leaves
     them (some ended by end of text, some cut at max_completion_length), with the same advantages, and with beta > 0
     the log-probabilities of a perturbed reference; our objective on its training rows of the same tokens: the loss
     and every parameter's gradient agree (fp32, CPU), with token-level importance ratios and GSPO's sequence-level
     ones (which change the gradient only through the KL term's correction: the case with beta > 0 fails with
-    token-level ratios in their place)."""
+    token-level ratios in their place). `clip`: a later step of a generation (grpo.num_iterations=2), pi_old the
+    log-probabilities of another perturbed copy, so that the clip binds at some tokens (the test checks it does),
+    with DAPO's higher upper clip, or with TRL's two-sided delta."""
     pytest.importorskip("trl")
     datasets = pytest.importorskip("datasets")
     from trl import GRPOConfig, GRPOTrainer
@@ -110,7 +117,8 @@ def test_loss_and_gradients_equal_trl(tmp_path, loss, beta, temperature, level):
     prompts_file = make_prompt_file(tmp_path / "p.jsonl", n=4)
     cfg, tok, model = ours(folder, rewards, f"data.path={prompts_file}", f"grpo.loss={loss}", f"grpo.beta={beta}",
                            f"grpo.temperature={temperature}", "grpo.num_generations=3",
-                           f"grpo.importance_sampling_level={level}")
+                           f"grpo.importance_sampling_level={level}",
+                           *(["grpo.num_iterations=2", *CLIPS[clip]] if clip else []))
     C, G = cfg.grpo.max_completion_len, 3
     objective = build_objective(cfg)
     train, _ = objective.open_datasets(cfg, tok, tok.vocab_size)
@@ -137,14 +145,23 @@ def test_loss_and_gradients_equal_trl(tmp_path, loss, beta, temperature, level):
     tokens = int(b["loss_mask"].sum())
     b["row_stats"] = torch.zeros(len(ROW_STATS) + 2)
     b["token_count"] = torch.tensor(float(tokens))
+    if clip:   # pi_old: the log-probabilities of a copy moved as a few updates would move it
+        moved = copy.deepcopy(model)
+        with torch.no_grad():
+            for p in moved.parameters():
+                p.add_(torch.randn_like(p) * (0.05 if level == "token" else 0.2))   # a sequence's mean moves less
+            b["old_logps"] = objective._token_logps(moved, b)[0]
     denominator = {"dapo": tokens, "grpo": 6, "dr_grpo": 6 * C}[loss]
     part = objective.loss(model, b, 1.0 / denominator)
     part.loss.backward()
+    clipped = part.stats[objective.stat_names.index("clipped")].item()
+    assert (clipped > 0) == bool(clip), clipped   # the clip binds at some tokens of a later step, never at the first
 
     hf_tok = transformers.AutoTokenizer.from_pretrained(folder)
     args = GRPOConfig(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=6, num_generations=G,
                       max_completion_length=C, temperature=temperature, beta=beta, loss_type=loss, report_to=[],
-                      importance_sampling_level=level,
+                      importance_sampling_level=level, num_iterations=2 if clip else 1,
+                      **({"epsilon_high": 0.28} if clip == "high" else {"epsilon": 0.1, "delta": 1.2} if clip else {}),
                       use_cpu=True, bf16=False, fp16=False, seed=0)
     rows = [{"prompt": json.loads(line)["prompt"]} for line in open(prompts_file)]
     trainer = GRPOTrainer(model=str(folder), reward_funcs=lambda completions, **kw: [0.0] * len(completions),
@@ -159,6 +176,10 @@ def test_loss_and_gradients_equal_trl(tmp_path, loss, beta, temperature, level):
     inputs = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids,
               "completion_mask": completion_mask, "advantages": advantages,
               "num_items_in_batch": torch.tensor(float(tokens))}
+    if clip:   # the same pi_old in TRL's completion layout
+        inputs["old_per_token_logps"] = torch.stack([
+            torch.nn.functional.pad(b["old_logps"][r, len(p) - 1:len(p) - 1 + len(c)], (0, C - len(c)))
+            for r, (p, c) in enumerate(zip(prompts, completions))])
     if beta:   # the reference's log-probabilities of the completions at the temperature, by transformers
         ref_hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
         ref_hf.load_state_dict({k: v for k, v in reference.state_dict().items()}, strict=False)
@@ -336,8 +357,56 @@ def test_a_resumed_grpo_run_continues_exactly(run):
         [{k: v for k, v in e.items() if k != "time"} for e in evals[1]]
 
 
+def test_several_updates_a_generation_resume_exactly_in_any_micro_batch(run, tmp_path):
+    """grpo.num_iterations=2 with the KL term, the fixture's run otherwise, 10 steps, a checkpoint every 5 and a
+    validation every 6 (the steps logged in full: 5, 6, 10): steps 5 and 6 train one generation, the same
+    completions (their rewards and lengths logged twice, sampled once), the clip binding at the second only; an
+    epoch takes twice the steps. The checkpoint at step 5, in the middle of a generation, holds it (pi_old
+    included), and resumed it continues bit for bit; the one at step 10 needs none. The same run at a micro-batch
+    of 4 prompts (one a step, not two) logs the same losses, kl and clipped share."""
+    root, args, _ = run
+    args = [a for a in args if not a.startswith(("run.dir=", "train.max_steps=", "train.checkpoint_every=",
+                                                 "train.eval_every="))] + [
+        "grpo.num_iterations=2", "grpo.epsilon_high=0.28", "grpo.beta=0.04", "train.checkpoint_every=5",
+        "train.eval_every=6"]
+    run_cli("train", "grpo", *args, "train.max_steps=10", f"run.dir={tmp_path / 'whole'}", cwd=root)
+    whole = tmp_path / "whole" / "grpo"
+    want = _metrics(whole)
+    assert sorted(want) == list(range(1, 11)) and all("reward" in want[s] for s in (5, 6, 10))
+    first, second = want[5], want[6]
+    assert first["sample_s"] > 0 and second["sample_s"] == 0 and want[10]["sample_s"] == 0
+    assert first["clipped"] == 0 and second["clipped"] > 0, (first, second)
+    for key in ("reward", "reward_low_ids", "reward_std", "completion_len", "truncated", "zero_std"):
+        assert first[key] == second[key], key
+    ckpts = whole / "checkpoints"
+    assert (ckpts / "step_00000005" / "objective.pt").is_file()
+    assert not (ckpts / "step_00000010" / "objective.pt").exists()
+    report = json.loads(run_cli("inspect", str(whole), "--json", cwd=root).stdout)
+    assert report["steps_per_epoch"] == 2 * 64 // 4
+
+    cut = tmp_path / "cut" / "grpo"
+    shutil.copytree(whole, cut, ignore=shutil.ignore_patterns("step_00000010", "metrics.jsonl"))
+    (cut / "checkpoints" / "latest").write_text("step_00000005")
+    run_cli("train", "grpo", *args, "train.max_steps=10", f"run.dir={tmp_path / 'cut'}", cwd=root)
+    got = _metrics(cut)
+    assert sorted(got) == list(range(6, 11))
+    for s in got:
+        assert {k: v for k, v in got[s].items() if k not in VARY} == {k: v for k, v in want[s].items()
+                                                                     if k not in VARY}, s
+
+    run_cli("train", "grpo", *args, "train.max_steps=10", "train.micro_batch_size=4", "train.checkpoints=false",
+            f"run.dir={tmp_path / 'one'}", cwd=root)
+    one = _metrics(tmp_path / "one" / "grpo")
+    assert sorted(one) == list(range(1, 11)) and one[6]["kl"] > 0 and one[10]["kl"] > 0
+    for s in range(1, 11):
+        for key in ("loss", "kl", "clipped", "reward"):
+            if key in one[s]:
+                assert one[s][key] == pytest.approx(want[s][key], abs=1e-5), (s, key)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("parallel, extra", [("ddp", []), ("fsdp", ["grpo.beta=0.04"])])
+@pytest.mark.parametrize("parallel, extra", [("ddp", []), ("fsdp", ["grpo.beta=0.04"]),
+                                             ("ddp", ["grpo.num_iterations=2", "grpo.beta=0.04"])])
 def test_two_processes_equal_one(run, tmp_path, parallel, extra):
     """The run's first 8 steps (its own settings otherwise) over 2 processes (gloo), and on one: each process samples
     its prompts' completions with the same seeds, so every step's reward and completion length are the one-process
@@ -356,6 +425,32 @@ def test_two_processes_equal_one(run, tmp_path, parallel, extra):
             if key in want[s]:
                 assert got[s][key] == pytest.approx(want[s][key], abs=1e-5), (s, key)
     assert "reward" in want[8] and got[8]["grad_norm"] == pytest.approx(want[8]["grad_norm"], rel=1e-4)
+
+
+@pytest.mark.slow
+def test_a_generation_saved_by_two_processes_resumes_on_one(run, tmp_path):
+    """grpo.num_iterations=2 over 2 processes (gloo), a checkpoint at step 3, in the middle of the second
+    generation: each rank saves its own completions, and one process resuming it takes them all, so steps 4 to 8
+    lose what the two processes lost (within 1e-5) and log their rewards."""
+    root, args, _ = run
+    args = [a for a in args if not a.startswith(("run.dir=", "train.max_steps=", "train.checkpoint_every="))] + [
+        "train.max_steps=8", "train.checkpoint_every=3", "train.keep_last=3", "grpo.num_iterations=2"]
+    run_cli("train", "grpo", "--nproc", "2", *args, f"run.dir={tmp_path / 'two'}", "train.micro_batch_size=1",
+            cwd=root, timeout=600)
+    two = tmp_path / "two" / "grpo"
+    saved = torch.load(two / "checkpoints" / "step_00000003" / "objective.pt", weights_only=True)
+    assert len(saved) == 2 and all(len(s["rows"]) == 2 * 4 for s in saved)   # 2 prompts x 4 completions a rank
+    cut = tmp_path / "one" / "grpo"
+    shutil.copytree(two, cut, ignore=shutil.ignore_patterns("step_0000000[68]", "metrics.jsonl"))
+    (cut / "checkpoints" / "latest").write_text("step_00000003")
+    run_cli("train", "grpo", *args, f"run.dir={tmp_path / 'one'}", cwd=root)
+    want, got = _metrics(two), _metrics(cut)
+    assert sorted(got) == list(range(4, 9))
+    for s in got:
+        for key in ("loss", "reward", "completion_len", "clipped"):
+            if key in want[s]:
+                assert got[s][key] == pytest.approx(want[s][key], abs=1e-5), (s, key)
+    assert "reward" in got[8]
 
 
 @pytest.mark.parametrize("overrides, says", [

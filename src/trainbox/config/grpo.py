@@ -55,6 +55,21 @@ class GrpoSection(Section):
                              "Zheng et al. 2025), as TRL's option of this name. At one update a generation the "
                              "ratio is 1 in value and the advantage's gradient is the same at both levels; they "
                              "differ in the KL term's correction (beta > 0)")
+    num_iterations: int = Field(1, ge=1, le=1024, description="optimizer steps on each generation (mu, TRL's "
+                                                              "num_iterations): the step's prompts and completions "
+                                                              "train this many steps in a row, each token's ratio "
+                                                              "pi / pi_old taken against its log-probability at the "
+                                                              "first and clipped (grpo.epsilon); an epoch takes this "
+                                                              "many times the steps")
+    epsilon: float = Field(0.2, ge=0, lt=1, description="the clip of the importance ratio below: a token's ratio "
+                                                       "counts down to 1 - epsilon for a negative advantage (binds "
+                                                       "only where grpo.num_iterations > 1)")
+    epsilon_high: float | None = Field(None, ge=0, le=100, description="the clip above: up to 1 + epsilon_high for a "
+                                                                      "positive advantage (default: grpo.epsilon; "
+                                                                      "DAPO's clip-higher: 0.28)")
+    delta: float | None = Field(None, gt=1, le=100, description="two-sided clipping (INTELLECT-2, TRL's delta): the "
+                                                               "unclipped ratio is capped at delta too (default: "
+                                                               "none)")
     scale_rewards: Literal["group", "batch", "none"] = Field(
         "group", description="an advantage is the reward minus its group's mean, divided by group: the group's "
                              "standard deviation; batch: the step's; none: nothing (Dr. GRPO)")

@@ -152,7 +152,7 @@ def inspect_prompts(data, grpo, tok, global_batch: int, epochs: float = 1.0) -> 
     for split, ds in (("train", train), ("val", val)):
         if ds is not None:
             report[split] = {**ds.report, "samples": ds.num_samples, "tokens": ds.num_tokens, "text": ds.describe()}
-    per_epoch = train.num_samples // global_batch
+    per_epoch = train.num_samples // global_batch * grpo.num_iterations   # each batch trains that many steps
     if per_epoch == 0:
         raise DataError(f"{data.path}: {train.num_samples:,} prompts make no step of train.global_batch_size="
                         f"{global_batch}", hint=f"lower the global batch to at most {train.num_samples}, or add data")

@@ -21,22 +21,31 @@ function scores has no reward and trains with advantage 0). Its advantage is its
 reward, divided by the group's standard deviation (grpo.scale_rewards=group, + 1e-4), the step's (batch) or nothing
 (none); a group's completions are sampled, scored and trained on one process.
 
-Loss: one policy update a generation (TRL's num_iterations=1), so the importance ratio pi / pi_old is 1 in value and
-the clipped surrogate is -A x ratio a token, ratio = exp(logp - logp.detach()): its gradient is -A x grad logp
-(grpo.importance_sampling_level=sequence, GSPO: the ratio of a completion's mean log-probability, the same for each
-of its tokens; at one update a generation the advantage's gradient is the same, the KL term's correction is not).
-logp is the token's log-probability at grpo.temperature (the logits divided by it, as sampled). With grpo.beta > 0,
-beta x k3 x ratio is added a token, k3 = exp(ref - logp) - (ref - logp) - 1 the estimate of the KL divergence from the
-reference (ref its log-probability: a frozen copy of the initial model; LoRA: the base with its adapters off), times
-the ratio so that its gradient is the unbiased one of the reverse KL (DeepSeek-V3.2; TRL's use_bias_correction_kl,
-on by default). The tokens trained are the completion's (its end included); grpo.loss makes them a step's loss:
-dapo, the mean over every completion token of the step (counted over the ranks); grpo, each completion's mean, then
-the mean over the step's completions; dr_grpo, the sum over the step's completions x grpo.max_completion_len.
+Generations: each step's completions are trained on for grpo.num_iterations optimizer steps in a row (TRL's
+num_iterations; the data order repeats each global batch that many times, so an epoch takes that many times the
+steps); they are sampled at the first of them, which keeps each token's log-probability (pi_old) as its forward
+computes it. A checkpoint in the middle of a generation holds it (objective.pt: every rank's completions, scores,
+advantages and pi_old), so a resume continues it exactly, on any number of processes.
+
+Loss: the clipped surrogate a token, -min(ratio x A, clip(ratio, 1 - grpo.epsilon, 1 + grpo.epsilon_high) x A),
+ratio = exp(logp - pi_old): at the first step of a generation pi_old is logp.detach(), the ratio 1 in value and the
+gradient -A x grad logp; at the later ones the clip binds where the policy has moved (grpo.delta also caps the
+unclipped ratio). grpo.importance_sampling_level=sequence (GSPO) takes the ratio of a completion's mean
+log-probability, the same for each of its tokens. logp is the token's log-probability at grpo.temperature (the
+logits divided by it, as sampled). With grpo.beta > 0, beta x k3 x ratio is added a token, k3 = exp(ref - logp) -
+(ref - logp) - 1 the estimate of the KL divergence from the reference (ref its log-probability: a frozen copy of the
+initial model; LoRA: the base with its adapters off), times the ratio so that its gradient is the unbiased one of
+the reverse KL (DeepSeek-V3.2; TRL's use_bias_correction_kl, on by default). The tokens trained are the
+completion's (its end included); grpo.loss makes them a step's loss: dapo, the mean over every completion token of
+the step (counted over the ranks); grpo, each completion's mean, then the mean over the step's completions; dr_grpo,
+the sum over the step's completions x grpo.max_completion_len.
 
 Logged with the loss: reward (the mean over scored completions), reward_std (the mean of the groups' standard
 deviations), zero_std (the share of groups whose completions all scored the same: no signal), completion_len,
 truncated (the share cut at max_completion_len), sample_s (the seconds a process spent sampling the step's
-completions, a mean over the processes), reward_NAME for each function, kl where beta > 0. Validation
+completions, a mean over the processes; 0 at the later steps of a generation), reward_NAME for each function, kl
+where beta > 0 (its mean over the step's trained tokens), clipped where grpo.num_iterations > 1 (the share of the
+step's trained tokens whose clipped term is taken). Validation
 (data.val_path): one completion for each of up to train.eval_tokens / data.seq_len prompts, drawn with seeds fixed
 by the prompt, so evaluations compare: val_reward, val_completion_len.
 """
@@ -46,6 +55,7 @@ import logging
 import math
 import time
 from contextlib import nullcontext
+from dataclasses import dataclass
 
 import torch
 
@@ -64,6 +74,29 @@ log = logging.getLogger("trainbox")
 
 ROW_STATS = ("completions", "scored", "reward", "reward_std", "zero_std", "completion_len", "truncated", "sample_s")
 SHAPE = 64   # training rows are padded to a multiple of this many positions (few compiled shapes)
+
+
+@dataclass
+class Row:
+    """One completion of a generation, as the generation's steps train it."""
+    completion: list[int]
+    scores: torch.Tensor          # (functions,) float64; NaN: not scored
+    reward: float                 # the weighted sum; NaN: not scored
+    advantage: float
+    std: float                    # its group's reward standard deviation
+    truncated: bool
+    old: torch.Tensor | None = None   # its tokens' log-probabilities at the generation's first step (host, fp32)
+
+
+@dataclass
+class Generation:
+    """The completions that grpo.num_iterations steps in a row train on: this rank's, keyed by (prompt index, number
+    in its group). `parts`: the keys of each micro-batch and, as the first step's forwards computed them, their
+    log-probabilities on the device ((rows, positions) each; the later steps' pi_old)."""
+    index: int                    # step // grpo.num_iterations
+    rows: dict[tuple[int, int], Row]
+    seconds: float = 0.0          # spent sampling them
+    parts: tuple[list, list] | None = None
 
 
 def group_advantages(rewards: torch.Tensor, group: int, scale: str, batch_std: float | None = None
@@ -116,13 +149,18 @@ class Grpo(Objective):
                           for s in self.g.rewards]
         self.names = reward_names(self.g.rewards)
         self.weights = torch.tensor(self.g.reward_weights or [1.0] * len(self.functions), dtype=torch.float64)
-        self.stat_names = ROW_STATS + ("tokens", "kl") + tuple(f"{k}_{n}" for n in self.names
-                                                              for k in ("reward", "scored"))
+        self.stat_names = ROW_STATS + ("tokens", "kl", "clipped") + tuple(f"{k}_{n}" for n in self.names
+                                                                         for k in ("reward", "scored"))
         self.adapters = family(cfg.model.family).adapters
         self.run: Runtime | None = None
         self.stop: frozenset[int] = frozenset()
         self.pad = 0
         self._denominator: tuple[int, int] | None = None   # (step, the step's count its loss is a mean over)
+        self.generation: Generation | None = None   # the completions the current steps train on
+
+    @classmethod
+    def repeats(cls, cfg) -> int:
+        return cfg.grpo.num_iterations
 
     @classmethod
     def sequences_of(cls, cfg) -> int:
@@ -217,40 +255,62 @@ class Grpo(Objective):
         s, q, n = self.run.dist.all_reduce_sum(sums).tolist()
         return math.sqrt(max(q - s * s / n, 0.0) / (n - 1)) if n > 1 else 0.0
 
-    def step_batches(self, step: int, batches: list[dict]) -> list[dict]:
-        """The step's completions, sampled and scored, as training rows in place of its prompts' indices."""
+    def _generate(self, ds: PromptDataset, step: int, keys: list[tuple[int, int]]) -> Generation:
+        """The completions of `keys` (prompt index, number in its group; groups of num_generations in a row),
+        sampled by the model as it stands at `step`, scored, with their advantages."""
         run, g, G = self.run, self.g, self.g.num_generations
-        ds: PromptDataset = run.train
-        seed = run.cfg.run.seed
-        chunks = [[int(i) for i in b["prompt_index"].tolist() for _ in range(G)] for b in batches]
-        indices = [i for idx in chunks for i in idx]
-        seeds = [row_seed(seed, step, i, j % G) for j, i in enumerate(indices)]
+        indices = [i for i, _ in keys]
+        seeds = [row_seed(run.cfg.run.seed, step, i, j) for i, j in keys]
         together = g.generation_batch_size or len(indices)
         start = time.perf_counter()
         with run.whole():
             completions = [c for k in range(0, len(indices), together)
                            for c in self._sample(ds, indices[k:k + together], seeds[k:k + together])]
         seconds = time.perf_counter() - start   # the completions are on the host: the sampling has finished
-        sampled, start = [], 0
-        for idx in chunks:
-            sampled.append(completions[start:start + len(idx)])
-            start += len(idx)
         scores = self._score(ds, indices, completions)
         rewards = self._rewards(scores)
         batch_std = self._batch_std(rewards) if g.scale_rewards == "batch" else None
         adv, std = group_advantages(rewards, G, g.scale_rewards, batch_std)
-        truncated = torch.tensor([not (c and c[-1] in self.stop) for c in completions])
-        out, start = [], 0
-        for idx, part in zip(chunks, sampled):
-            sl = slice(start, start + len(idx))
-            start += len(idx)
-            b = self.micro_batch([ds.ids[i] for i in idx], part, adv[sl], truncated[sl])
-            r, s = rewards[sl], scores[sl]
-            group_std = std[sl].view(-1, G)[:, 0]
+        rows = {k: Row(c, scores[n], float(rewards[n]), float(adv[n]), float(std[n]),
+                       not (c and c[-1] in self.stop))
+                for n, (k, c) in enumerate(zip(keys, completions))}
+        return Generation(step // g.num_iterations, rows, seconds)
+
+    def step_batches(self, step: int, batches: list[dict]) -> list[dict]:
+        """The step's completions as training rows in place of its prompts' indices: sampled and scored at the first
+        step of a generation, the same at its other grpo.num_iterations - 1 steps (with their pi_old)."""
+        run, g, G = self.run, self.g, self.g.num_generations
+        ds: PromptDataset = run.train
+        keys = [[(int(i), j) for i in b["prompt_index"].tolist() for j in range(G)] for b in batches]
+        gen = self.generation
+        fresh = gen is None or gen.index != step // g.num_iterations or \
+            any(k not in gen.rows for part in keys for k in part)
+        if fresh:
+            if step % g.num_iterations:   # a resume from a checkpoint without its generation (never written so)
+                log.warning(f"grpo: step {step + 1} is in the middle of a generation the checkpoint does not hold: "
+                            "it samples the step's completions anew")
+            gen = self.generation = self._generate(ds, step, [k for part in keys for k in part])
+            if g.num_iterations > 1:   # the first step's forwards keep each micro-batch's log-probabilities
+                gen.parts = (keys, [None] * len(keys))
+        elif gen.parts is not None and gen.parts[0] != keys:
+            self._keep_old(gen)   # another partition (never within one process): from the rows
+            gen.parts = None
+        out = []
+        for part in keys:
+            rows = [gen.rows[k] for k in part]
+            prompts = [ds.ids[i] for i, _ in part]
+            b = self.micro_batch(prompts, [r.completion for r in rows],
+                                 torch.tensor([r.advantage for r in rows]), torch.tensor([r.truncated for r in rows]))
+            if not fresh and gen.parts is None:
+                b["old_logps"] = old_logps(prompts, rows, b["x"].shape)
+            r = torch.tensor([row.reward for row in rows], dtype=torch.float64)
+            s = torch.stack([row.scores for row in rows])
+            std = torch.tensor([row.std for row in rows], dtype=torch.float64)
+            group_std = std.view(-1, G)[:, 0]
             b["row_stats"] = torch.tensor(
-                [len(idx), (~r.isnan()).sum(), r.nan_to_num(0.0).sum(), std[sl].nansum(),
-                 (group_std.nan_to_num(0.0) == 0).sum() * G, sum(len(c) for c in part), truncated[sl].sum(),
-                 seconds if not out else 0.0]
+                [len(rows), (~r.isnan()).sum(), r.nan_to_num(0.0).sum(), std.nansum(),
+                 (group_std.nan_to_num(0.0) == 0).sum() * G, sum(len(row.completion) for row in rows),
+                 sum(row.truncated for row in rows), gen.seconds if fresh and not out else 0.0]
                 + [v for k in range(s.size(1)) for v in (s[:, k].nan_to_num(0.0).sum(), (~s[:, k].isnan()).sum())],
                 dtype=torch.float32)
             out.append(b)
@@ -261,13 +321,50 @@ class Grpo(Objective):
         self._denominator = (step, {"dapo": tokens, "grpo": global_rows,
                                     "dr_grpo": global_rows * g.max_completion_len}[g.loss])
         sent = []
-        for b in out:
+        for n, b in enumerate(out):
             b["token_count"] = torch.tensor(float(tokens))
             rows_of = host_trained_rows(b["y"], b["loss_mask"])
             d = {k: v.to(run.device, non_blocking=True) for k, v in b.items()}
             d["rows"] = (rows_of.to(run.device), b["y"].numel())
+            if gen.parts is not None:
+                d["part"] = n
+                if not fresh:
+                    d["old_logps"] = gen.parts[1][n]
             sent.append(d)
         return sent
+
+    def _keep_old(self, gen: Generation) -> None:
+        """The first step's log-probabilities of `gen`'s micro-batches, copied into its rows (on the host)."""
+        ds: PromptDataset = self.run.train
+        for part, logps in zip(*gen.parts):
+            if logps is None:
+                continue
+            logps = logps.float().cpu()
+            for r, (i, j) in enumerate(part):
+                row, at = gen.rows[(i, j)], len(ds.ids[i]) - 1
+                row.old = logps[r, at:at + len(row.completion)].clone()
+
+    def state(self, step: int):
+        """In the middle of a generation (the next step reuses it): this rank's rows, with their pi_old."""
+        gen = self.generation
+        if gen is None or step % self.g.num_iterations == 0 or gen.index != step // self.g.num_iterations:
+            return None
+        if gen.parts is not None:
+            self._keep_old(gen)
+        return {"generation": gen.index,
+                "rows": [{"prompt": i, "j": j, "completion": r.completion, "scores": r.scores, "reward": r.reward,
+                          "advantage": r.advantage, "std": r.std, "truncated": r.truncated, "old": r.old}
+                         for (i, j), r in gen.rows.items()]}
+
+    def load_state(self, states: list) -> None:
+        """Every rank's rows of the generation saved, whichever rank trains each now."""
+        states = [s for s in states if s is not None]
+        if not states:
+            return
+        rows = {(d["prompt"], d["j"]): Row(list(d["completion"]), d["scores"], d["reward"], d["advantage"], d["std"],
+                                           d["truncated"], d["old"])
+                for s in states for d in s["rows"]}
+        self.generation = Generation(states[0]["generation"], rows)
 
     def micro_batch(self, prompts: list[list[int]], completions: list[list[int]], advantages: torch.Tensor,
                     truncated: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -296,25 +393,35 @@ class Grpo(Objective):
             return self._token_logps(model, b)[0]
 
     def loss(self, forward, b: dict, scale: float) -> Part:
-        ref = self._reference_logps(b) if self.g.beta > 0 else None   # first: its transients go first
+        g = self.g
+        ref = self._reference_logps(b) if g.beta > 0 else None   # first: its transients go first
         logp, out = self._token_logps(forward, b)
+        old = b.get("old_logps")
+        if old is None and "part" in b:   # the generation's first step: pi_old for its later ones
+            self.generation.parts[1][b["part"]] = logp.detach()
         mask = b["loss_mask"].float() * b["weight"][:, None]
-        log_ratio = logp - logp.detach()   # 0, with the gradient of logp
-        if self.g.importance_sampling_level == "sequence":   # GSPO: the completion's mean, for each of its tokens
+        log_ratio = logp - (logp.detach() if old is None else old)   # first step: 0, with the gradient of logp
+        if g.importance_sampling_level == "sequence":   # GSPO: the completion's mean, for each of its tokens
             trained = b["loss_mask"].float()
             log_ratio = ((log_ratio * trained).sum(1) / trained.sum(1).clamp(min=1))[:, None]
         ratio = torch.exp(log_ratio)
-        per_token = -ratio * b["advantages"][:, None]
+        adv = b["advantages"][:, None]
+        low, high = 1 - g.epsilon, 1 + (g.epsilon if g.epsilon_high is None else g.epsilon_high)
+        capped = ratio if g.delta is None else ratio.clamp(max=g.delta)
+        per_token = -torch.minimum(capped * adv, ratio.clamp(low, high) * adv)
         kl = None
         if ref is not None:
             d = ref - logp
             kl = torch.exp(d) - d - 1
-            per_token = per_token + self.g.beta * kl * ratio
+            per_token = per_token + g.beta * kl * ratio
         world = self.run.dist.world
         kl_sum = (kl.detach() * b["loss_mask"]).sum() if kl is not None else torch.zeros((), device=logp.device)
+        with torch.no_grad():   # tokens whose clipped term is taken (their gradient is 0)
+            clipped = (((ratio < low) & (adv < 0)) | ((ratio > high) & (adv > 0))).expand_as(logp)
+            clipped = (clipped & b["loss_mask"]).sum()
         rs = b["row_stats"]
-        stats = torch.cat([rs[:len(ROW_STATS)], b["token_count"].view(1) / world, kl_sum.view(1).float(),
-                           rs[len(ROW_STATS):]]) * world
+        stats = torch.cat([rs[:len(ROW_STATS)], b["loss_mask"].sum().view(1).float(), kl_sum.view(1).float(),
+                           clipped.view(1).float(), rs[len(ROW_STATS):]]) * world
         return Part((per_token * mask).sum() * scale, out.aux_loss, stats, out.stats)
 
     def step_stats(self, values: dict) -> dict:
@@ -324,6 +431,8 @@ class Grpo(Objective):
                "truncated": values["truncated"] / n, "sample_s": values["sample_s"] / self.run.dist.world}
         if self.g.beta > 0:
             out["kl"] = values["kl"] / max(values["tokens"], 1)
+        if self.g.num_iterations > 1:
+            out["clipped"] = values["clipped"] / max(values["tokens"], 1)
         for name in self.names:
             if values[f"scored_{name}"]:
                 out[f"reward_{name}"] = values[f"reward_{name}"] / values[f"scored_{name}"]
@@ -352,6 +461,14 @@ class Grpo(Objective):
     def eval_line(self, res: dict) -> str:
         return (f"val reward {res['val_reward']:.4f}, completion length {res['val_completion_len']:.1f} over "
                 f"{res['val_prompts']} prompts")
+
+
+def old_logps(prompts: list[list[int]], rows: list[Row], shape: torch.Size) -> torch.Tensor:
+    """(rows, positions) pi_old of training_rows' layout from each row's kept log-probabilities (0 elsewhere)."""
+    out = torch.zeros(shape, dtype=torch.float32)
+    for r, (p, row) in enumerate(zip(prompts, rows)):
+        out[r, len(p) - 1:len(p) - 1 + len(row.completion)] = row.old
+    return out
 
 
 def row_seed(seed: int, step: int, index: int, j: int) -> int:
