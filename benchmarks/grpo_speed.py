@@ -8,9 +8,10 @@ Both sides train the SAME model folder (dpo_speed.py's: a Qwen2.5-0.5B-shaped Qw
 word-level tokenizer, one id a word, 0 end-of-text) on the SAME prompts (--prompt-len words each), with the same
 reward function (`reward` below: the share of a completion's ids that are even, a pure function of the ids). A
 step: --prompts prompts x --generations completions of up to --completion-len tokens, sampled at temperature 1
-from the model as it stands, then trained (grpo.loss=dapo, TRL's default loss, beta 0: no reference, one policy
-update a generation) in micro-batches of --micro-prompts prompts (--micro-prompts x --generations
-completions a forward); bf16 autocast over fp32 weights and AdamW (full), or a bf16 frozen base with LoRA r=16,
+from the model as it stands, then trained (grpo.loss=dapo, TRL's default loss, beta 0: no reference, --iterations
+policy updates a generation: grpo.num_iterations, TRL's num_iterations; default one) in micro-batches of
+--micro-prompts prompts (--micro-prompts x --generations completions a forward); bf16 autocast over fp32 weights
+and AdamW (full), or a bf16 frozen base with LoRA r=16,
 alpha 32, dropout 0.05, all-linear (lora); lr 1e-6 (LoRA 1e-5); activation checkpointing on neither side
 (--checkpointing: on both; TRL's GRPOConfig turns it on by default, which is set off here). A model of random weights
 draws end-of-text about once in 150k ids, so on both sides nearly every completion is --completion-len tokens: the
@@ -66,6 +67,7 @@ def run_ours(folder: Path, data: Path, a) -> dict:
         f"model.path={folder}", f"data.tokenizer={common.tokenizer_folder(folder.parent, a.size)}", f"data.path={data}",
         f"data.seq_len={a.prompt_len + a.completion_len}", f"grpo.max_completion_len={a.completion_len}",
         f"grpo.num_generations={a.generations}", f"grpo.rewards=[{Path(__file__).resolve()}:reward]",
+        f"grpo.num_iterations={a.iterations}",
         f"train.micro_batch_size={a.micro_prompts}", f"train.global_batch_size={a.prompts}",
         f"train.max_steps={a.steps}", f"run.dir={a.root}/runs", f"run.name=ours-grpo-{a.mode}-{a.size}",
         "run.resume=never", f"optim.lr={1e-5 if a.mode == 'lora' else 1e-6}", "optim.warmup_steps=0",
@@ -119,7 +121,8 @@ def run_trl(folder: Path, data: Path, a) -> dict:
     args = GRPOConfig(output_dir=f"{a.root}/runs/trl-grpo-{a.mode}-{a.size}",
                       per_device_train_batch_size=a.micro_prompts * a.generations, gradient_accumulation_steps=accum,
                       num_generations=a.generations, max_completion_length=a.completion_len, temperature=1.0,
-                      beta=0.0, loss_type="dapo", max_steps=a.steps, learning_rate=1e-5 if lora else 1e-6,
+                      beta=0.0, loss_type="dapo", num_iterations=a.iterations, max_steps=a.steps,
+                      learning_rate=1e-5 if lora else 1e-6,
                       lr_scheduler_type="linear", warmup_steps=0, weight_decay=0.0, bf16=cuda, fp16=False,
                       use_cpu=not cuda, optim="adamw_torch_fused" if cuda else "adamw_torch", logging_steps=1,
                       save_strategy="no", report_to=[], seed=0, disable_tqdm=True, dataloader_num_workers=0,
@@ -161,6 +164,8 @@ def main() -> int:
     p.add_argument("--generations", type=int, default=8, help="completions a prompt")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--completion-len", type=int, default=256)
+    p.add_argument("--iterations", type=int, default=1, help="policy updates a generation (grpo.num_iterations, "
+                                                               "TRL's num_iterations); --warmup a multiple of it")
     p.add_argument("--checkpointing", action="store_true", help="activation checkpointing on both sides (TRL's "
                                                                 "GRPOConfig turns it on by default; off here unless "
                                                                 "given, on both)")
@@ -179,10 +184,11 @@ def main() -> int:
     shared = ["--size", a.size, "--steps", str(a.steps), "--warmup", str(a.warmup), "--prompts", str(a.prompts),
               "--micro-prompts", str(a.micro_prompts), "--generations", str(a.generations), "--prompt-len",
               str(a.prompt_len), "--completion-len", str(a.completion_len), "--root", a.root,
+              "--iterations", str(a.iterations),
               *(["--checkpointing"] if a.checkpointing else []),
               *(["--set", *a.set] if a.set else [])]
     report = {k: getattr(a, k) for k in ("size", "steps", "warmup", "prompts", "micro_prompts", "generations",
-                                         "prompt_len", "completion_len", "checkpointing")}
+                                         "prompt_len", "completion_len", "checkpointing", "iterations")}
     report.update(lora=LORA, ours_overrides=a.set, runs={}, ratio={})
     modes = [m for m in a.modes.split(",") if m]
     for mode in modes:
@@ -201,7 +207,8 @@ def main() -> int:
     print(json.dumps(report, indent=1))
     runs = report["runs"]
     common.emit(common.Result(
-        tool="grpo_speed", what=f"grpo-{a.size}-speed", gpu=gpu,
+        tool="grpo_speed", what=f"grpo-{a.size}-speed" + (f"-{a.iterations}-updates" if a.iterations > 1 else ""),
+        gpu=gpu,
         software=common.software("transformers", "peft", "trl"), recipe="grpo", overrides=a.set,
         metrics={**{k: v for k, v in report.items() if k not in ("device", "runs")},
                  **{m: runs.get(f"ours-{m}") for m in modes}},

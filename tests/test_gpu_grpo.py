@@ -1,7 +1,8 @@
 """GRPO's sampling on a CUDA GPU: generate.py `rollout` replays its token step in a CUDA graph for a llama model,
 and for a LoRA run's view of a Llama folder (model/hf/view.py: a bf16 base or a 4-bit one); the completions equal
 those of the same step run without the graph (greedy and sampled, bf16 autocast, as a training run samples), and
-`trainbox train grpo` on a tiny Llama folder (bf16, compiled; every weight, and LoRA) raises the validation reward.
+`trainbox train grpo` on a tiny Llama folder (bf16, compiled; every weight, and LoRA) raises the validation reward,
+also with two clipped updates a generation, resumed in the middle of one.
 
     python -m pytest -q -m gpu tests/test_gpu_grpo.py
 """
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
 
 import hf_tiny
 import pytest
@@ -99,3 +101,39 @@ def test_train_grpo_on_a_gpu_raises_the_reward(tmp_path, family):
         assert len(evals) == 3 and evals[-1] > 0.75 and evals[-1] > evals[0], evals
     else:
         assert len(evals) == 12 and evals[-1] > 0.75 and evals[-1] > evals[0] + 0.15, evals
+
+
+def test_several_updates_a_generation_on_a_gpu(tmp_path):
+    """grpo.num_iterations=2 with the KL term and DAPO's upper clip, compiled and sampled through the CUDA graph: the
+    reward rises, the clip binds at the second step of a generation only, and a resume from the checkpoint in the
+    middle of one (step 5) trains step 6 on the completions it saved: the same rewards, the loss within 1e-3 (bf16)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    base = hf_tiny.make_model(tmp_path / "base", seed=3)
+    rewards = write_rewards(tmp_path)
+    make_prompt_file(tmp_path / "train.jsonl", n=64, seed=1)
+    make_prompt_file(tmp_path / "val.jsonl", n=16, seed=2)
+    args = [f"model.path={base}", f"data.path={tmp_path / 'train.jsonl'}", f"data.val_path={tmp_path / 'val.jsonl'}",
+            "data.seq_len=64", "grpo.max_completion_len=8", "grpo.num_generations=4",
+            f"grpo.rewards=[{rewards}:low_ids]", "train.global_batch_size=4", "train.max_steps=24",
+            "train.eval_tokens=1024", "train.eval_every=6", "train.checkpoint_every=5", "train.keep_last=10",
+            "optim.lr=3e-2", "grpo.num_iterations=2", "grpo.beta=0.04", "grpo.epsilon_high=0.28", "monitor.port=0",
+            "monitor.plot=false"]
+    run_cli("train", "grpo", *args, f"run.dir={tmp_path / 'whole'}", cwd=tmp_path, timeout=900)
+    whole = tmp_path / "whole" / "grpo"
+    events = [json.loads(line) for line in open(whole / "metrics.jsonl")]
+    assert next(e for e in events if e["event"] == "start")["layout"]["device"].startswith("cuda")
+    evals = [e["val_reward"] for e in events if e["event"] == "eval"]
+    assert len(evals) == 4 and evals[-1] > 0.75 and evals[-1] > evals[0], evals
+    train = {e["step"]: e for e in events if e["event"] == "train" and "reward" in e}
+    assert train[5]["clipped"] == 0 and train[6]["clipped"] > 0 and train[6]["sample_s"] == 0, (train[5], train[6])
+    cut = tmp_path / "cut" / "grpo"
+    shutil.copytree(whole, cut, ignore=shutil.ignore_patterns("metrics.jsonl"))
+    (cut / "checkpoints" / "latest").write_text("step_00000005")
+    for later in cut.glob("checkpoints/step_000000[12]*"):
+        shutil.rmtree(later)
+    run_cli("train", "grpo", *args, "train.max_steps=6", f"run.dir={tmp_path / 'cut'}", cwd=tmp_path, timeout=900)
+    step6 = next(e for e in map(json.loads, open(cut / "metrics.jsonl")) if e["event"] == "train" and e["step"] == 6)
+    for key in ("reward", "reward_low_ids", "completion_len", "truncated"):
+        assert step6[key] == train[6][key], key
+    assert step6["loss"] == pytest.approx(train[6]["loss"], abs=1e-3)
