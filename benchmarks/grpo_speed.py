@@ -209,7 +209,8 @@ def main() -> int:
     common.emit(common.Result(
         tool="grpo_speed", what=f"grpo-{a.size}-speed" + (f"-{a.iterations}-updates" if a.iterations > 1 else ""),
         gpu=gpu,
-        software=common.software("transformers", "peft", "trl"), recipe="grpo", overrides=a.set,
+        software=common.software("transformers", "peft", "trl"), recipe="grpo",
+        overrides=[*([f"grpo.num_iterations={a.iterations}"] if a.iterations > 1 else []), *a.set],
         metrics={**{k: v for k, v in report.items() if k not in ("device", "runs")},
                  **{m: runs.get(f"ours-{m}") for m in modes}},
         baseline={"name": "TRL GRPOTrainer", "command": None, "metrics": {m: runs.get(f"trl-{m}") for m in modes}}),
