@@ -90,7 +90,12 @@ def runtime(cfg, model, reference, train, tok) -> Runtime:
                    tok.vocab_size)
 
 
-CLIPS = {"high": ["grpo.epsilon_high=0.28"], "delta": ["grpo.epsilon=0.1", "grpo.delta=1.2"]}
+CLIPS = {   # a later step of a generation: our settings, TRL's
+    "high": (["grpo.epsilon_high=0.28"], {"epsilon_high": 0.28}),
+    "delta": (["grpo.epsilon=0.1", "grpo.delta=1.2"], {"epsilon": 0.1, "delta": 1.2}),
+    "cispo": (["grpo.epsilon_high=1.1"], {"epsilon_high": 1.1}),   # a cap that binds at some tokens
+    "sapo": (["grpo.sapo_temperature_pos=0.8"], {"sapo_temperature_pos": 0.8}),   # a soft gate: nothing clipped
+}
 
 
 @pytest.mark.parametrize("loss, beta, temperature, level, clip", [
@@ -98,16 +103,18 @@ CLIPS = {"high": ["grpo.epsilon_high=0.28"], "delta": ["grpo.epsilon=0.1", "grpo
     ("dapo", 0.04, 1.0, "token", None), ("grpo", 0.04, 0.7, "token", None), ("dr_grpo", 0.1, 1.3, "token", None),
     ("dapo", 0.0, 1.0, "sequence", None), ("grpo", 0.04, 0.7, "sequence", None),
     ("dapo", 0.0, 1.0, "token", "high"), ("grpo", 0.04, 0.7, "token", "delta"),
-    ("dapo", 0.04, 1.0, "sequence", "high")])
+    ("dapo", 0.04, 1.0, "sequence", "high"), ("cispo", 0.04, 1.0, "token", "cispo"),
+    ("sapo", 0.0, 0.7, "token", "sapo"), ("sapo", 0.04, 1.0, "sequence", None)])
 def test_loss_and_gradients_equal_trl(tmp_path, loss, beta, temperature, level, clip):
     """TRL's GRPOTrainer._compute_loss on prompts left-padded and completions right-padded as its generation leaves
     them (some ended by end of text, some cut at max_completion_length), with the same advantages, and with beta > 0
     the log-probabilities of a perturbed reference; our objective on its training rows of the same tokens: the loss
     and every parameter's gradient agree (fp32, CPU), with token-level importance ratios and GSPO's sequence-level
     ones (which change the gradient only through the KL term's correction: the case with beta > 0 fails with
-    token-level ratios in their place). `clip`: a later step of a generation (grpo.num_iterations=2), pi_old the
-    log-probabilities of another perturbed copy, so that the clip binds at some tokens (the test checks it does),
-    with DAPO's higher upper clip, or with TRL's two-sided delta."""
+    token-level ratios in their place); and TRL's cispo and sapo losses. `clip`: a later step of a generation
+    (grpo.num_iterations=2), pi_old the log-probabilities of another perturbed copy, so that the clip binds at some
+    tokens (the test checks it does), with DAPO's higher upper clip, with TRL's two-sided delta, cispo's cap; sapo's
+    soft gate, which clips nothing."""
     pytest.importorskip("trl")
     datasets = pytest.importorskip("datasets")
     from trl import GRPOConfig, GRPOTrainer
@@ -118,7 +125,7 @@ def test_loss_and_gradients_equal_trl(tmp_path, loss, beta, temperature, level, 
     cfg, tok, model = ours(folder, rewards, f"data.path={prompts_file}", f"grpo.loss={loss}", f"grpo.beta={beta}",
                            f"grpo.temperature={temperature}", "grpo.num_generations=3",
                            f"grpo.importance_sampling_level={level}",
-                           *(["grpo.num_iterations=2", *CLIPS[clip]] if clip else []))
+                           *(["grpo.num_iterations=2", *CLIPS[clip][0]] if clip else []))
     C, G = cfg.grpo.max_completion_len, 3
     objective = build_objective(cfg)
     train, _ = objective.open_datasets(cfg, tok, tok.vocab_size)
@@ -151,17 +158,17 @@ def test_loss_and_gradients_equal_trl(tmp_path, loss, beta, temperature, level, 
             for p in moved.parameters():
                 p.add_(torch.randn_like(p) * (0.05 if level == "token" else 0.2))   # a sequence's mean moves less
             b["old_logps"] = objective._token_logps(moved, b)[0]
-    denominator = {"dapo": tokens, "grpo": 6, "dr_grpo": 6 * C}[loss]
+    denominator = {"dapo": tokens, "cispo": tokens, "grpo": 6, "sapo": 6, "dr_grpo": 6 * C}[loss]
     part = objective.loss(model, b, 1.0 / denominator)
     part.loss.backward()
     clipped = part.stats[objective.stat_names.index("clipped")].item()
-    assert (clipped > 0) == bool(clip), clipped   # the clip binds at some tokens of a later step, never at the first
+    assert (clipped > 0) == (clip in ("high", "delta", "cispo")), clipped   # at some tokens of a later step
 
     hf_tok = transformers.AutoTokenizer.from_pretrained(folder)
     args = GRPOConfig(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=6, num_generations=G,
                       max_completion_length=C, temperature=temperature, beta=beta, loss_type=loss, report_to=[],
                       importance_sampling_level=level, num_iterations=2 if clip else 1,
-                      **({"epsilon_high": 0.28} if clip == "high" else {"epsilon": 0.1, "delta": 1.2} if clip else {}),
+                      **(CLIPS[clip][1] if clip else {}),
                       use_cpu=True, bf16=False, fp16=False, seed=0)
     rows = [{"prompt": json.loads(line)["prompt"]} for line in open(prompts_file)]
     trainer = GRPOTrainer(model=str(folder), reward_funcs=lambda completions, **kw: [0.0] * len(completions),
@@ -458,6 +465,7 @@ def test_a_generation_saved_by_two_processes_resumes_on_one(run, tmp_path):
     (["data.packing=true"], "each sampled completion in a row of its own"),
     (["grpo.max_completion_len=64"], "leaves no room for a prompt"),
     (["grpo.reward_weights=[1,2]"], "2 weight(s) for 1 reward function"),
+    (["grpo.loss=cispo"], "ScaleRL's choice: grpo.epsilon_high=5.0"),
     (["train.objective=dpo", "grpo.beta=0.1"], "applies to train.objective=grpo, not dpo"),
 ])
 def test_refused_settings_name_the_key(overrides, says):

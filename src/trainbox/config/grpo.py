@@ -44,11 +44,20 @@ class GrpoSection(Section):
                                                       "importance ratio (its gradient the unbiased one, as TRL's "
                                                       "use_bias_correction_kl); 0: no reference is kept (TRL's "
                                                       "default)")
-    loss: Literal["dapo", "grpo", "dr_grpo"] = Field(
-        "dapo", description="how token losses make a step's loss. dapo: their mean over every completion token of the "
-                            "step (Yu et al. 2025; TRL's default); grpo: each completion's token mean, then the mean "
-                            "over completions (Shao et al. 2024); dr_grpo: their sum over completions x "
-                            "max_completion_len (Liu et al. 2025)")
+    loss: Literal["dapo", "grpo", "dr_grpo", "cispo", "sapo"] = Field(
+        "dapo", description="a token's loss and how they make a step's. dapo: the clipped surrogate, the mean over "
+                            "every completion token of the step (Yu et al. 2025; TRL's default); grpo: each "
+                            "completion's token mean, then the mean over completions (Shao et al. 2024); dr_grpo: "
+                            "their sum over completions x max_completion_len (Liu et al. 2025); cispo: the importance "
+                            "weight, capped at grpo.epsilon_high and not trained through, times the advantage and the "
+                            "log-probability, as dapo's mean (MiniMax-M1, ScaleRL); sapo: a soft gate, sigmoid(tau x "
+                            "(ratio - 1)) x 4 / tau in place of the clipped ratio (tau: grpo.sapo_temperature_pos "
+                            "or _neg by the advantage's sign), as grpo's mean (Gao et al. 2025); each as TRL's "
+                            "loss_type of that name")
+    sapo_temperature_pos: float = Field(1.0, gt=0, le=100, description="grpo.loss=sapo: the gate's temperature for "
+                                                                      "a positive advantage")
+    sapo_temperature_neg: float = Field(1.05, gt=0, le=100, description="grpo.loss=sapo: the gate's temperature for "
+                                                                       "an advantage of 0 or less")
     importance_sampling_level: Literal["token", "sequence"] = Field(
         "token", description="the importance ratio pi / pi_old a token trains with. token: its own (GRPO); sequence: "
                              "the geometric mean of its completion's token ratios, one for all its tokens (GSPO, "
@@ -66,7 +75,8 @@ class GrpoSection(Section):
                                                        "only where grpo.num_iterations > 1)")
     epsilon_high: float | None = Field(None, ge=0, le=100, description="the clip above: up to 1 + epsilon_high for a "
                                                                       "positive advantage (default: grpo.epsilon; "
-                                                                      "DAPO's clip-higher: 0.28)")
+                                                                      "DAPO's clip-higher: 0.28); grpo.loss=cispo: "
+                                                                      "the cap of the importance weight itself")
     delta: float | None = Field(None, gt=1, le=100, description="two-sided clipping (INTELLECT-2, TRL's delta): the "
                                                                "unclipped ratio is capped at delta too (default: "
                                                                "none)")
@@ -81,4 +91,7 @@ class GrpoSection(Section):
         if self.reward_weights is not None and len(self.reward_weights) != len(self.rewards):
             raise ValueError(f"grpo.reward_weights has {len(self.reward_weights)} weight(s) for "
                              f"{len(self.rewards)} reward function(s) in grpo.rewards: give one each")
+        if self.loss == "cispo" and self.epsilon_high is None:   # TRL would cap the weight at epsilon, 0.2
+            raise ValueError("grpo.loss=cispo caps each token's importance weight at grpo.epsilon_high, which has no "
+                             "default here: set it (ScaleRL's choice: grpo.epsilon_high=5.0)")
         return self

@@ -38,7 +38,10 @@ initial model; LoRA: the base with its adapters off), times the ratio so that it
 the reverse KL (DeepSeek-V3.2; TRL's use_bias_correction_kl, on by default). The tokens trained are the
 completion's (its end included); grpo.loss makes them a step's loss: dapo, the mean over every completion token of
 the step (counted over the ranks); grpo, each completion's mean, then the mean over the step's completions; dr_grpo,
-the sum over the step's completions x grpo.max_completion_len.
+the sum over the step's completions x grpo.max_completion_len. Two losses change the token's term too, as TRL's of
+their names: cispo, -min(ratio, grpo.epsilon_high) x A x logp with the weight held constant (MiniMax-M1), as dapo's
+mean; sapo, -sigmoid(tau (ratio - 1)) x 4 / tau x A, a soft gate in place of the clip (tau by the advantage's sign),
+as grpo's mean.
 
 Logged with the loss: reward (the mean over scored completions), reward_std (the mean of the groups' standard
 deviations), zero_std (the share of groups whose completions all scored the same: no signal), completion_len,
@@ -318,7 +321,7 @@ class Grpo(Objective):
                               device=run.device)
         tokens = int(run.dist.all_reduce_sum(tokens).item())
         global_rows = run.cfg.train.global_batch_size * G
-        self._denominator = (step, {"dapo": tokens, "grpo": global_rows,
+        self._denominator = (step, {"dapo": tokens, "cispo": tokens, "grpo": global_rows, "sapo": global_rows,
                                     "dr_grpo": global_rows * g.max_completion_len}[g.loss])
         sent = []
         for n, b in enumerate(out):
@@ -369,12 +372,12 @@ class Grpo(Objective):
     def micro_batch(self, prompts: list[list[int]], completions: list[list[int]], advantages: torch.Tensor,
                     truncated: torch.Tensor) -> dict[str, torch.Tensor]:
         """Training rows of completions (on the host): training_rows, with each row's advantage and the weight of
-        its tokens in the step's loss (grpo.loss=grpo: 1 / its trained tokens; else 1)."""
+        its tokens in the step's loss (grpo.loss=grpo or sapo: 1 / its trained tokens; else 1)."""
         b = training_rows(prompts, completions, self.cfg.data.seq_len, self.pad)
         if self.g.mask_truncated_completions:
             b["loss_mask"] &= ~truncated[:, None]
         n = b["loss_mask"].sum(1)
-        weight = 1.0 / n.clamp(min=1) if self.g.loss == "grpo" else torch.ones(len(n))
+        weight = 1.0 / n.clamp(min=1) if self.g.loss in ("grpo", "sapo") else torch.ones(len(n))
         b["weight"] = (weight * (n > 0)).float()
         b["advantages"] = advantages.float()
         return b
@@ -407,8 +410,16 @@ class Grpo(Objective):
         ratio = torch.exp(log_ratio)
         adv = b["advantages"][:, None]
         low, high = 1 - g.epsilon, 1 + (g.epsilon if g.epsilon_high is None else g.epsilon_high)
-        capped = ratio if g.delta is None else ratio.clamp(max=g.delta)
-        per_token = -torch.minimum(capped * adv, ratio.clamp(low, high) * adv)
+        if g.loss == "cispo":   # the weight capped, held constant: the gradient goes through logp alone
+            per_token = -ratio.clamp(max=g.epsilon_high).detach() * adv * logp
+            low, high = 0.0, g.epsilon_high   # `clipped`: the weights capped (none below)
+        elif g.loss == "sapo":   # a soft gate of slope 1 at ratio 1, by the advantage's sign
+            tau = torch.where(adv > 0, g.sapo_temperature_pos, g.sapo_temperature_neg)
+            per_token = -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * adv
+            low, high = -math.inf, math.inf   # nothing clipped
+        else:
+            capped = ratio if g.delta is None else ratio.clamp(max=g.delta)
+            per_token = -torch.minimum(capped * adv, ratio.clamp(low, high) * adv)
         kl = None
         if ref is not None:
             d = ref - logp
