@@ -518,6 +518,14 @@ def tokenizer_folder(root: Path, size: str) -> Path:
     return root / f"tokenizer-{size}"
 
 
+def planned_peak_gib(trainer) -> float:
+    """Our memory plan's peak_allocated (what torch.cuda.max_memory_allocated reports) for the run `trainer` made,
+    with the kernels it chose, as the pre-flight check plans it."""
+    from trainbox.train.memory import device_plan
+    plan = device_plan(trainer.cfg, trainer.vocab, trainer.device, trainer.dtype, H100_BYTES)
+    return plan.memory.peak_allocated / 2**30
+
+
 def peak_gib() -> float:
     import torch
     return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0

@@ -131,14 +131,6 @@ def make_examples(root: Path, vocab: int, seq_len: int, n: int) -> Path:
     return path
 
 
-def planned_peak_gib(trainer) -> float:
-    """Our memory plan's peak_allocated (what torch.cuda.max_memory_allocated reports) for the run `trainer` made,
-    with the kernels it chose, as the pre-flight check plans it."""
-    from trainbox.train.memory import device_plan
-    plan = device_plan(trainer.cfg, trainer.vocab, trainer.device, trainer.dtype, common.H100_BYTES)
-    return plan.memory.peak_allocated / 2**30
-
-
 def run_ours(folder: Path, data: Path, a) -> dict:
     import torch
 
@@ -181,7 +173,7 @@ def run_ours(folder: Path, data: Path, a) -> dict:
            "reward_margin": train[-1].get("reward_margin"),
            "attention": trainer.kernels.attention}
     if a.mode != "lora":   # the plan beside the measurement (full DPO: the plan's 15% aim)
-        out["plan_peak_gib"] = planned_peak_gib(trainer)
+        out["plan_peak_gib"] = common.planned_peak_gib(trainer)
         if out["peak_memory_gib"]:
             out["plan_error"] = out["plan_peak_gib"] / out["peak_memory_gib"] - 1
     return out

@@ -20,8 +20,9 @@ default: every completion of the step), as ours does (grpo.generation_batch_size
 
 Measured: seconds a step after --warmup steps (ours from the logged rate, TRL from a callback's clock after CUDA
 syncs), completion tokens a second (a step's completions' own tokens over its time), peak allocated memory, and the
-mean completion length each side logged. Each (side, mode) runs in its own process, capped at an H100's memory on a
-larger GPU. Prints one JSON report, then the result record (common.Result: ours measured, TRL its baseline);
+mean completion length each side logged, and our memory plan's peak (plan_peak_gib: its sampling row counts the
+KV caches and the prefill of a step's completions). Each (side, mode) runs in its own process, capped at an H100's
+memory on a larger GPU. Prints one JSON report, then the result record (common.Result: ours measured, TRL its baseline);
 --record writes it to benchmarks/records/.
 """
 from __future__ import annotations
@@ -79,6 +80,7 @@ def run_ours(folder: Path, data: Path, a) -> dict:
         torch.cuda.reset_peak_memory_stats()
     trainer = Trainer(cfg)
     trainer.run()
+    planned = common.planned_peak_gib(trainer) if cuda else None
     events = [json.loads(x) for x in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
     train = [e for e in events if e.get("event") == "train"]
     per_step = cfg.train.global_batch_size * cfg.data.seq_len * a.generations   # what tokens_per_s counts
@@ -88,7 +90,7 @@ def run_ours(folder: Path, data: Path, a) -> dict:
     sampling = [e["sample_s"] for e in train if e["step"] > a.warmup]
     return {"step_s": step_s, "completion_tokens_per_s": a.prompts * a.generations * length / step_s if step_s else
             None, "completion_len": length, "sample_s": sum(sampling) / len(sampling) if sampling else None,
-            "peak_memory_gib": common.peak_gib(), "rewards": [e["reward"] for e in train]}
+            "peak_memory_gib": common.peak_gib(), "plan_peak_gib": planned, "rewards": [e["reward"] for e in train]}
 
 
 def run_trl(folder: Path, data: Path, a) -> dict:

@@ -226,6 +226,27 @@ def test_advantages_equal_trls(scale):
     torch.testing.assert_close(got, want)
 
 
+@pytest.mark.parametrize("together", [None, 6])
+def test_the_plan_counts_the_caches_that_sampling_makes(tmp_path, together):
+    """The memory plan of a grpo run counts KV caches that are, to the byte, those that rollout makes for the rows a
+    process samples together (a step's 4 prompts x 4 completions, or grpo.generation_batch_size of them), at
+    data.seq_len positions. (The whole sampling's peak against an H200's: tests/test_plan.py.)"""
+    from trainbox.model.build import model_vocab_size
+    from trainbox.plan import local_cpu, make_plan
+    folder = hf_tiny.make_model(tmp_path / "base", seed=3)
+    rewards = write_rewards(tmp_path)
+    prompts_file = make_prompt_file(tmp_path / "p.jsonl", n=8)
+    extra = [f"grpo.generation_batch_size={together}"] if together else []
+    cfg, tok, model = ours(folder, rewards, f"data.path={prompts_file}", "grpo.num_generations=4",
+                           "train.global_batch_size=4", "train.micro_batch_size=1", *extra)
+    vocab = model_vocab_size(cfg.model, tok.vocab_size)
+    plan = make_plan(cfg, vocab, local_cpu(), suggest=False)
+    rows = together or 16
+    caches = model.make_caches(rows, cfg.data.seq_len, torch.float32, torch.device("cpu"))
+    made = sum(b.numel() * b.element_size() for c in caches for b in c.buffers())
+    assert plan.memory.kv_cache == made > 0
+
+
 def test_training_rows_mark_the_completions():
     rows = training_rows([[5, 6, 7], [8]], [[1, 2, 0], [3]], 64, 99)
     assert rows["x"].shape == (2, 64)

@@ -12,9 +12,9 @@
                  data/prompts.py, the sampling in generate.py rollout)
 
 The loop (train/loop.py) asks the run's objective for its datasets, the denominator of a step's mean, each
-micro-batch's loss and logged values, and the validation; the memory plan asks `memory_terms`. Objectives call
-the family's own forward, so every causal family trains with every objective (reward: every family whose forward
-scores, `Family.scores`) and no objective names a family.
+micro-batch's loss and logged values, and the validation; the memory plan asks `memory_terms` and `rollout_terms`.
+Objectives call the family's own forward, so every causal family trains with every objective (reward: every family
+whose forward scores, `Family.scores`) and no objective names a family.
 """
 from __future__ import annotations
 
@@ -51,3 +51,8 @@ def memory_terms(cfg) -> tuple[int, bool]:
     the initial model is kept beside it)."""
     cls = objective_class(cfg)
     return cls.sequences_of(cfg), cls.frozen_copy(cfg)
+
+
+def rollout_terms(cfg, world: int) -> tuple[int, int, int] | None:
+    """For the memory plan: what the objective samples before its steps (Objective.rollout_shape), or None."""
+    return objective_class(cfg).rollout_shape(cfg, world)

@@ -76,6 +76,12 @@ class Objective:
         """Before the checkpoint's weights are loaded: what is taken from the initial model."""
 
     @classmethod
+    def rollout_shape(cls, cfg, world: int) -> tuple[int, int, int] | None:
+        """For the memory plan: (rows a process samples together, their prompts' positions, their caches'
+        positions), where the objective samples from the model before its steps; None: it does not."""
+        return None
+
+    @classmethod
     def repeats(cls, cfg) -> int:
         """Optimizer steps each global batch of data trains in a row (grpo: grpo.num_iterations)."""
         return 1

@@ -166,6 +166,14 @@ class Grpo(Objective):
         return cfg.grpo.num_iterations
 
     @classmethod
+    def rollout_shape(cls, cfg, world: int) -> tuple[int, int, int]:
+        """A process's completions of a step, or grpo.generation_batch_size of them; prompts of at most data.seq_len
+        - grpo.max_completion_len tokens, caches of data.seq_len positions."""
+        rows = -(-cfg.train.global_batch_size // world) * cfg.grpo.num_generations
+        together = min(cfg.grpo.generation_batch_size or rows, rows)
+        return together, cfg.data.seq_len - cfg.grpo.max_completion_len, cfg.data.seq_len
+
+    @classmethod
     def sequences_of(cls, cfg) -> int:
         return cfg.grpo.num_generations
 

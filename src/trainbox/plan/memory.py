@@ -10,7 +10,7 @@ from trainbox.config import RunConfig
 from trainbox.kernels.choice import attention_on, choose
 from trainbox.model.memory import WHOLE_SHARE
 from trainbox.model.spec import family
-from trainbox.objective import memory_terms
+from trainbox.objective import memory_terms, rollout_terms
 from trainbox.plan.activations import Activations, Kernels, Widths, family_activations, weight_copy_bytes
 from trainbox.plan.count import ParamCount
 from trainbox.plan.gpus import GiB, Target
@@ -51,10 +51,13 @@ class Memory:
     pools: int = 0      # FSDP's side-stream pools: held while memory is ample, given back under pressure
     cache: int = 0      # the allocator's slack beyond PRESSURE while memory is ample, given back under pressure
     reference: int = 0  # a frozen copy of the initial model beside it (the preference objective's reference)
+    sampling: int = 0   # what sampling before a step (grpo) holds beyond the step's own peak
+    kv_cache: int = 0   # of it: the sampling's KV caches (shown, already in `sampling`)
 
     @property
     def peak_allocated(self) -> int:
-        return self.params + self.gradients + self.optimizer + self.activations + self.comm + self.reference
+        return self.params + self.gradients + self.optimizer + self.activations + self.comm + self.reference \
+            + self.sampling
 
     @property
     def needed(self) -> int:
@@ -246,6 +249,11 @@ def memory(cfg: RunConfig, counts: ParamCount, vocab: int, target: Target, layou
     # AdamW's two moments, 4 or 2 bytes each (optim.state_dtype); Muon's one fp32 momentum
     optimizer = 4 * muon + (4 if cfg.optim.state_dtype == "bf16" else 8) * (local - muon)
     peak = params + grads + optimizer + acts.peak + comm + reference
+    kept = 4 * local if cfg.train.cuda_graphs and accum > 1 else 0   # train/build.py keeps_gradients
+    kv, sampling = _sampling(cfg, counts, vocab, world, a, fsdp, kept)
+    if sampling:   # the weights, the optimizer state and the reference stay; the step's gradients are gone
+        sampling = max(0.0, params + optimizer + reference + sampling - peak)
+        peak += sampling
     if target.cuda:
         overhead = CONTEXT + (NCCL if world > 1 else 0) + PRESSURE * peak
         cache = (FRAGMENTATION - PRESSURE) * peak
@@ -254,8 +262,28 @@ def memory(cfg: RunConfig, counts: ParamCount, vocab: int, target: Target, layou
                 + 2 * (2 * unit + counts.root + counts.apart)
     mem = Memory(params=int(params), gradients=int(grads), optimizer=int(optimizer),
                  activations=acts.peak, comm=int(comm), overhead=int(overhead), pools=int(pools), cache=int(cache),
-                 reference=int(reference))
+                 reference=int(reference), sampling=int(sampling), kv_cache=int(kv))
     return mem, acts
+
+
+def _sampling(cfg: RunConfig, counts: ParamCount, vocab: int, world: int, a: int, fsdp: bool,
+              kept_grads: float) -> tuple[float, float]:
+    """(KV caches, all) bytes that sampling before a step holds beside the weights, the optimizer state and the
+    reference (Objective.rollout_shape; 0 where the objective samples nothing): each row's keys and values at every
+    block for the caches' positions in the autocast dtype, the prefill's largest transients (a block's input and
+    residual, q, k, v and the attention's output, the MLP's hidden widths) over the prompts, the draw's fp32 logits
+    (three: the logits, the filtered and the probabilities), the gradients where train.cuda_graphs keeps them, and
+    under fsdp every unit gathered (the whole model in the autocast dtype: `whole()`)."""
+    shape = rollout_terms(cfg, world)
+    s = counts.shapes
+    if shape is None or s is None:
+        return 0.0, 0.0
+    rows, prompt, positions = shape
+    kv = rows * positions * counts.n_blocks * 2 * s.kv * a
+    prefill = rows * prompt * (2 * s.d + 2 * s.q + 2 * s.kv + (3 if s.gated else 2) * s.ffn) * a
+    draw = 3 * 4 * rows * vocab
+    gathered = a * counts.total if fsdp else 0
+    return kv, kv + prefill + draw + kept_grads + gathered
 
 
 # ----------------------------------------------------------------------------- the plan

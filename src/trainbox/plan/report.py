@@ -81,6 +81,8 @@ def format_plan(plan: MemoryPlan, overrides: list[str] | tuple[str, ...] = ()) -
             ("communication", mem.comm, comm if mem.comm else ""),
             *([("reference", mem.reference, "a frozen copy of the initial model (dpo.reference=model)")]
               if mem.reference else []),
+            *([("sampling", mem.sampling, f"above the step's peak while completions are sampled (KV caches "
+                                          f"{_gib(mem.kv_cache).strip()} GiB)")] if mem.sampling else []),
             ("peak allocated", mem.peak_allocated, "torch.cuda.max_memory_allocated() during training"
              if t.cuda else ""),
             ("overhead", mem.overhead, "CUDA context, NCCL, allocator slack" if t.cuda else ""),
