@@ -387,6 +387,32 @@ def test_dpo_prediction_within_the_margin_of_its_measured_peaks(tmp_path, part):
     assert abs(plan.memory.peak_allocated / (measured * GiB) - 1) < MARGIN, plan.memory
 
 
+def test_grpo_prediction_within_the_margin_of_its_measured_peak(tmp_path):
+    """GRPO as benchmarks/grpo_speed.py ran it on an H100's memory, a step whose sampling holds more than its training
+    (1,024 completions of 512 tokens sampled together, 4 prompts a micro-batch): the Qwen2.5-0.5B-shaped model from
+    its config.json alone. The plan's sampling row (KV caches, prefill, draw) makes its peak; without it the plan is
+    22% short."""
+    from transformers import LlamaConfig, Qwen2Config
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from common import HF_SIZES as SIZES
+    from common import POSITIONS
+    rec = json.loads((REPO / "benchmarks/records/2026-12-02-h200-grpo-0.5b-speed-2.json").read_text())
+    m = rec["metrics"]
+    spec = dict(SIZES[m["size"]])
+    config = Qwen2Config if spec.pop("arch") == "qwen2" else LlamaConfig
+    config(**spec, max_position_embeddings=POSITIONS, eos_token_id=0, bos_token_id=0).save_pretrained(tmp_path)
+    from trainbox.model.build import resolve_model
+    cfg = resolve_model(load_config("grpo", [
+        f"model.path={tmp_path}", "data.tokenizer=gpt2", f"data.seq_len={m['prompt_len'] + m['completion_len']}",
+        f"grpo.max_completion_len={m['completion_len']}", f"grpo.num_generations={m['generations']}",
+        "grpo.rewards=[rewards.py:f]", f"train.micro_batch_size={m['micro_prompts']}",
+        f"train.global_batch_size={m['prompts']}", "train.dtype=bf16", *rec["overrides"]]))
+    plan = make_plan(cfg, run_vocab(cfg), gpu("H100"), kernels=Kernels("sdpa", "triton", "off", "off"))
+    measured = m["full"]["peak_memory_gib"] * GiB
+    assert plan.memory.sampling > 0 and abs(plan.memory.peak_allocated / measured - 1) < MARGIN, plan.memory
+    assert (plan.memory.peak_allocated - plan.memory.sampling) / measured - 1 < -MARGIN   # the row is needed
+
+
 @pytest.mark.parametrize("mode, record", [("lora", "2026-11-29-h200-lora-0.5b-speed.json"),
                                           ("qlora", "2026-11-29-h200-lora-0.5b-speed-2.json")])
 def test_lora_and_qlora_predictions_within_the_margin_of_their_measured_peaks(tmp_path, mode, record):
