@@ -385,20 +385,26 @@ def test_a_resumed_grpo_run_continues_exactly(run):
         [{k: v for k, v in e.items() if k != "time"} for e in evals[1]]
 
 
-def test_several_updates_a_generation_resume_exactly_in_any_micro_batch(run, tmp_path):
-    """grpo.num_iterations=2 with the KL term, the fixture's run otherwise, 10 steps, a checkpoint every 5 and a
-    validation every 6 (the steps logged in full: 5, 6, 10): steps 5 and 6 train one generation, the same
-    completions (their rewards and lengths logged twice, sampled once), the clip binding at the second only; an
-    epoch takes twice the steps. The checkpoint at step 5, in the middle of a generation, holds it (pi_old
-    included), and resumed it continues bit for bit; the one at step 10 needs none. The same run at a micro-batch
-    of 4 prompts (one a step, not two) logs the same losses, kl and clipped share."""
+@pytest.fixture(scope="module")
+def updates_run(run, tmp_path_factory):
+    """The fixture's run with grpo.num_iterations=2, the KL term and DAPO's upper clip, 10 steps, a checkpoint every 5
+    and a validation every 6 (the steps logged in full: 5, 6, 10)."""
     root, args, _ = run
     args = [a for a in args if not a.startswith(("run.dir=", "train.max_steps=", "train.checkpoint_every=",
                                                  "train.eval_every="))] + [
         "grpo.num_iterations=2", "grpo.epsilon_high=0.28", "grpo.beta=0.04", "train.checkpoint_every=5",
-        "train.eval_every=6"]
-    run_cli("train", "grpo", *args, "train.max_steps=10", f"run.dir={tmp_path / 'whole'}", cwd=root)
-    whole = tmp_path / "whole" / "grpo"
+        "train.eval_every=6", "train.max_steps=10"]
+    out = tmp_path_factory.mktemp("updates")
+    run_cli("train", "grpo", *args, f"run.dir={out / 'whole'}", cwd=root)
+    return root, args, out / "whole" / "grpo"
+
+
+def test_several_updates_a_generation_resume_exactly(updates_run, tmp_path):
+    """Steps 5 and 6 train one generation, the same completions (their rewards and lengths logged twice, sampled
+    once), the clip binding at the second only; an epoch takes twice the steps. The checkpoint at step 5, in the
+    middle of a generation, holds it (pi_old included), and resumed it continues bit for bit; the one at step 10
+    needs none."""
+    root, args, whole = updates_run
     want = _metrics(whole)
     assert sorted(want) == list(range(1, 11)) and all("reward" in want[s] for s in (5, 6, 10))
     first, second = want[5], want[6]
@@ -415,16 +421,22 @@ def test_several_updates_a_generation_resume_exactly_in_any_micro_batch(run, tmp
     cut = tmp_path / "cut" / "grpo"
     shutil.copytree(whole, cut, ignore=shutil.ignore_patterns("step_00000010", "metrics.jsonl"))
     (cut / "checkpoints" / "latest").write_text("step_00000005")
-    run_cli("train", "grpo", *args, "train.max_steps=10", f"run.dir={tmp_path / 'cut'}", cwd=root)
+    run_cli("train", "grpo", *args, f"run.dir={tmp_path / 'cut'}", cwd=root)
     got = _metrics(cut)
     assert sorted(got) == list(range(6, 11))
     for s in got:
         assert {k: v for k, v in got[s].items() if k not in VARY} == {k: v for k, v in want[s].items()
                                                                      if k not in VARY}, s
 
-    run_cli("train", "grpo", *args, "train.max_steps=10", "train.micro_batch_size=4", "train.checkpoints=false",
+
+@pytest.mark.slow
+def test_several_updates_a_generation_in_any_micro_batch(updates_run, tmp_path):
+    """The same run at a micro-batch of 4 prompts (one a step, not two): the same losses, kl (a mean over the step's
+    trained tokens, whatever the accumulation) and clipped share."""
+    root, args, whole = updates_run
+    run_cli("train", "grpo", *args, "train.micro_batch_size=4", "train.checkpoints=false",
             f"run.dir={tmp_path / 'one'}", cwd=root)
-    one = _metrics(tmp_path / "one" / "grpo")
+    want, one = _metrics(whole), _metrics(tmp_path / "one" / "grpo")
     assert sorted(one) == list(range(1, 11)) and one[6]["kl"] > 0 and one[10]["kl"] > 0
     for s in range(1, 11):
         for key in ("loss", "kl", "clipped", "reward"):
