@@ -20,7 +20,7 @@ from test_grpo import make_prompt_file, write_rewards
 from test_rollout import PROMPTS, VOCAB, tiny_llama
 
 from trainbox.config import load_config
-from trainbox.generate import rollout
+from trainbox.generate import fused_noise, gumbel_noise, rollout
 
 pytestmark = pytest.mark.gpu
 
@@ -137,3 +137,15 @@ def test_several_updates_a_generation_on_a_gpu(tmp_path):
     for key in ("reward", "reward_low_ids", "completion_len", "truncated"):
         assert step6[key] == train[6][key], key
     assert step6["loss"] == pytest.approx(train[6]["loss"], abs=1e-3)
+
+
+def test_the_fused_noise_is_the_eager_hash():
+    """fused_noise (gumbel_noise compiled, as rollout draws on a CUDA GPU) gives the eager function's noise at every
+    id of a 151,936-id vocabulary (its integers exactly: the same argmax in every row), from a device index."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    seeds = torch.tensor([0, 1, 2**40 + 5, -3, 123456789], device="cuda")
+    got = fused_noise(seeds, torch.tensor(7, device="cuda"), 151936, seeds.device).cpu()
+    want = gumbel_noise(seeds.cpu(), 7, 151936, "cpu")
+    torch.testing.assert_close(got, want, rtol=2e-6, atol=2e-6)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))

@@ -117,17 +117,33 @@ def gumbel_noise(seeds: torch.Tensor, t: int | torch.Tensor, V: int, device: tor
     return -torch.log(-torch.log(u))
 
 
+_FUSED_NOISE = None
+
+
+def fused_noise(seeds: torch.Tensor, t: torch.Tensor, V: int, device: torch.device) -> torch.Tensor:
+    """gumbel_noise compiled (a CUDA GPU, the completion index a device tensor): Inductor makes the (B, V) hash one
+    kernel, where eager runs some forty int64 kernels over B x V elements (2.2 ms a token for 64 rows of a
+    151,936-id vocabulary on an H200, more than a 0.5B model's forward). The same integers; the logarithms are
+    Triton's."""
+    global _FUSED_NOISE
+    if _FUSED_NOISE is None:
+        _FUSED_NOISE = torch.compile(gumbel_noise, dynamic=False, fullgraph=True)
+    return _FUSED_NOISE(seeds, t, V, device)
+
+
 def draw(logits: torch.Tensor, seeds: torch.Tensor, t: int | torch.Tensor, vocab: int, temperature: float,
          top_k: int | None, top_p: float | None) -> torch.Tensor:
     """(B, V) logits -> (B,) ids: argmax at temperature 0, else the Gumbel-max draw from the filtered logits with
-    `gumbel_noise(seeds, t)` (an exact sample of softmax(filtered logits)). Ids from `vocab` up are never drawn."""
+    `gumbel_noise(seeds, t)` (an exact sample of softmax(filtered logits); on a CUDA GPU with t a device tensor, its
+    `fused_noise`). Ids from `vocab` up are never drawn."""
     logits = logits.float()
     if vocab < logits.size(-1):
         logits = logits.masked_fill(torch.arange(logits.size(-1), device=logits.device) >= vocab, float("-inf"))
     if temperature == 0:
         return logits.argmax(-1)
     filtered = filter_logits(logits, temperature, top_k, top_p)
-    return (filtered + gumbel_noise(seeds, t, logits.size(-1), logits.device)).argmax(-1)
+    fused = logits.is_cuda and isinstance(t, torch.Tensor)
+    return (filtered + (fused_noise if fused else gumbel_noise)(seeds, t, logits.size(-1), logits.device)).argmax(-1)
 
 
 @torch.no_grad()
