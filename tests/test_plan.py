@@ -411,6 +411,10 @@ def test_grpo_prediction_within_the_margin_of_its_measured_peak(tmp_path):
     measured = m["full"]["peak_memory_gib"] * GiB
     assert plan.memory.sampling > 0 and abs(plan.memory.peak_allocated / measured - 1) < MARGIN, plan.memory
     assert (plan.memory.peak_allocated - plan.memory.sampling) / measured - 1 < -MARGIN   # the row is needed
+    from trainbox.plan.report import format_plan
+    row = next(line for line in format_plan(plan).splitlines() if line.strip().startswith("sampling"))
+    # the caches: 1,024 rows x 640 positions x 24 blocks x keys and values x 128 wide x 2 bytes
+    assert f"{plan.memory.sampling / GiB:.2f}" in row and "KV caches 7.50 GiB" in row, row
 
 
 @pytest.mark.parametrize("mode, record", [("lora", "2026-11-29-h200-lora-0.5b-speed.json"),
