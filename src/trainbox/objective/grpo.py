@@ -58,7 +58,6 @@ import logging
 import math
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass
 
 import torch
 
@@ -70,70 +69,20 @@ from trainbox.generate import rollout
 from trainbox.kernels.fused_ce import host_trained_rows
 from trainbox.model.spec import family
 from trainbox.objective.base import Objective, Part, Runtime
+from trainbox.objective.generation import (
+    Generation,
+    Row,
+    group_advantages,
+    old_logps,
+    row_seed,
+    training_rows,
+)
 from trainbox.objective.preference import eval_mode
 from trainbox.objective.rewards import load_reward, reward_names
 
 log = logging.getLogger("trainbox")
 
 ROW_STATS = ("completions", "scored", "reward", "reward_std", "zero_std", "completion_len", "truncated", "sample_s")
-SHAPE = 64   # training rows are padded to a multiple of this many positions (few compiled shapes)
-
-
-@dataclass
-class Row:
-    """One completion of a generation, as the generation's steps train it."""
-    completion: list[int]
-    scores: torch.Tensor          # (functions,) float64; NaN: not scored
-    reward: float                 # the weighted sum; NaN: not scored
-    advantage: float
-    std: float                    # its group's reward standard deviation
-    truncated: bool
-    old: torch.Tensor | None = None   # its tokens' log-probabilities at the generation's first step (host, fp32)
-
-
-@dataclass
-class Generation:
-    """The completions that grpo.num_iterations steps in a row train on: this rank's, keyed by (prompt index, number
-    in its group). `parts`: the keys of each micro-batch and, as the first step's forwards computed them, their
-    log-probabilities on the device ((rows, positions) each; the later steps' pi_old)."""
-    index: int                    # step // grpo.num_iterations
-    rows: dict[tuple[int, int], Row]
-    seconds: float = 0.0          # spent sampling them
-    parts: tuple[list, list] | None = None
-
-
-def group_advantages(rewards: torch.Tensor, group: int, scale: str, batch_std: float | None = None
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(N,) rewards, NaN where not scored, in groups of `group` consecutive rows -> (advantages, each row's group
-    standard deviation): reward minus the group's mean over its scored rows, divided by the group's (sample)
-    standard deviation + 1e-4 (scale=group), by `batch_std` + 1e-4 (batch) or not at all (none); 0 where not
-    scored."""
-    g = rewards.view(-1, group)
-    n = (~g.isnan()).sum(1, keepdim=True)
-    mean = g.nansum(1, keepdim=True) / n
-    std = (((g - mean) ** 2).nansum(1, keepdim=True) / (n - 1)).sqrt()
-    adv = g - mean
-    if scale == "group":
-        adv = adv / (std + 1e-4)
-    elif scale == "batch":
-        adv = adv / (batch_std + 1e-4)
-    return adv.reshape(-1).nan_to_num(0.0), std.expand_as(g).reshape(-1)
-
-
-def training_rows(prompts: list[list[int]], completions: list[list[int]], seq_len: int, pad: int
-                  ) -> dict[str, torch.Tensor]:
-    """Each prompt followed by its completion, one row each, right-padded with `pad` to the longest (rounded up to
-    a multiple of SHAPE, at most seq_len): x, y (the next tokens) and loss_mask (on the completion's tokens)."""
-    n = [len(p) + len(c) - 1 for p, c in zip(prompts, completions)]
-    T = min(seq_len, -(-max(n) // SHAPE) * SHAPE)
-    x = torch.full((len(n), T), pad, dtype=torch.int64)
-    y = torch.full((len(n), T), pad, dtype=torch.int64)
-    mask = torch.zeros(len(n), T, dtype=torch.bool)
-    for i, (p, c) in enumerate(zip(prompts, completions)):
-        ids = torch.tensor(p + c, dtype=torch.int64)
-        x[i, :n[i]], y[i, :n[i]] = ids[:-1], ids[1:]
-        mask[i, len(p) - 1:n[i]] = True
-    return {"x": x, "y": y, "loss_mask": mask}
 
 
 class Grpo(Objective):
@@ -303,9 +252,8 @@ class Grpo(Objective):
             gen = self.generation = self._generate(ds, step, [k for part in keys for k in part])
             if g.num_iterations > 1:   # the first step's forwards keep each micro-batch's log-probabilities
                 gen.parts = (keys, [None] * len(keys))
-        elif gen.parts is not None and gen.parts[0] != keys:
-            self._keep_old(gen)   # another partition (never within one process): from the rows
-            gen.parts = None
+        else:   # the data order repeats the batch: the same micro-batches, whose first forwards kept pi_old
+            assert gen.parts is None or gen.parts[0] == keys, "a generation's micro-batches changed"
         out = []
         for part in keys:
             rows = [gen.rows[k] for k in part]
@@ -344,38 +292,16 @@ class Grpo(Objective):
             sent.append(d)
         return sent
 
-    def _keep_old(self, gen: Generation) -> None:
-        """The first step's log-probabilities of `gen`'s micro-batches, copied into its rows (on the host)."""
-        ds: PromptDataset = self.run.train
-        for part, logps in zip(*gen.parts):
-            if logps is None:
-                continue
-            logps = logps.float().cpu()
-            for r, (i, j) in enumerate(part):
-                row, at = gen.rows[(i, j)], len(ds.ids[i]) - 1
-                row.old = logps[r, at:at + len(row.completion)].clone()
-
     def state(self, step: int):
         """In the middle of a generation (the next step reuses it): this rank's rows, with their pi_old."""
         gen = self.generation
         if gen is None or step % self.g.num_iterations == 0 or gen.index != step // self.g.num_iterations:
             return None
-        if gen.parts is not None:
-            self._keep_old(gen)
-        return {"generation": gen.index,
-                "rows": [{"prompt": i, "j": j, "completion": r.completion, "scores": r.scores, "reward": r.reward,
-                          "advantage": r.advantage, "std": r.std, "truncated": r.truncated, "old": r.old}
-                         for (i, j), r in gen.rows.items()]}
+        return gen.state([len(self.run.train.ids[i]) for i, _ in gen.rows])
 
     def load_state(self, states: list) -> None:
         """Every rank's rows of the generation saved, whichever rank trains each now."""
-        states = [s for s in states if s is not None]
-        if not states:
-            return
-        rows = {(d["prompt"], d["j"]): Row(list(d["completion"]), d["scores"], d["reward"], d["advantage"], d["std"],
-                                           d["truncated"], d["old"])
-                for s in states for d in s["rows"]}
-        self.generation = Generation(states[0]["generation"], rows)
+        self.generation = Generation.merged(states) or self.generation
 
     def micro_batch(self, prompts: list[list[int]], completions: list[list[int]], advantages: torch.Tensor,
                     truncated: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -480,16 +406,3 @@ class Grpo(Objective):
     def eval_line(self, res: dict) -> str:
         return (f"val reward {res['val_reward']:.4f}, completion length {res['val_completion_len']:.1f} over "
                 f"{res['val_prompts']} prompts")
-
-
-def old_logps(prompts: list[list[int]], rows: list[Row], shape: torch.Size) -> torch.Tensor:
-    """(rows, positions) pi_old of training_rows' layout from each row's kept log-probabilities (0 elsewhere)."""
-    out = torch.zeros(shape, dtype=torch.float32)
-    for r, (p, row) in enumerate(zip(prompts, rows)):
-        out[r, len(p) - 1:len(p) - 1 + len(row.completion)] = row.old
-    return out
-
-
-def row_seed(seed: int, step: int, index: int, j: int) -> int:
-    """The sampling seed of completion j of prompt `index` at `step` (-1: validation): a pure function of the four."""
-    return hash((seed, step, index, j)) & (2**63 - 1)

@@ -162,9 +162,8 @@ class Trainer(RunFiles, Checkpointing, Evaluations, Reporting):
             from trainbox.parallel.dcp import AsyncSaver  # heavy: torch.distributed.checkpoint, sharded runs only
             self.saver = AsyncSaver(self.ckpt_root, d, cfg.train.keep_last, self.resume_from)
         if self.resume_from is not None:
-            resume.restore(self.resume_from, self.model, self.optimizers, trainer_state, d.rank, d.world, cfg.run.seed)
-            if (states := checkpoint.load_objective(self.resume_from)) is not None:
-                self.objective.load_state(states)
+            resume.restore(self.resume_from, self.model, self.optimizers, trainer_state, d.rank, d.world, cfg.run.seed,
+                           self.objective)
             self.last_saved_step = self.start_step
         else:
             torch.manual_seed(cfg.run.seed + 1000 * d.rank)  # dropout differs per rank, init did not

@@ -174,9 +174,10 @@ def check_finished(step: int, total: int, saved_total: int | None, cfg: RunConfi
                       hint="start a new run with run.name=NEW_NAME, or raise train.max_steps to continue this one")
 
 
-def restore(ckpt: Path, model, optimizers: list, trainer_state: dict, rank: int, world: int, seed: int) -> None:
-    """Load weights, optimizer states and this rank's RNG from `ckpt` (reseeded by step when the world size
-    changed: the RNG streams of other ranks do not carry over)."""
+def restore(ckpt: Path, model, optimizers: list, trainer_state: dict, rank: int, world: int, seed: int,
+            objective=None) -> None:
+    """Load weights, optimizer states, this rank's RNG (reseeded by step when the world size changed: the RNG
+    streams of other ranks do not carry over) and the objective's state where it saved one from `ckpt`."""
     if checkpoint.is_sharded(ckpt) or checkpoint.is_fsdp(model):
         from trainbox.parallel.dcp import load_state  # heavy: torch.distributed.checkpoint; resharded to this layout
         load_state(ckpt, model, optimizers)
@@ -189,6 +190,8 @@ def restore(ckpt: Path, model, optimizers: list, trainer_state: dict, rank: int,
     else:
         checkpoint.load_weights(ckpt, model)
         checkpoint.load_optimizers(ckpt, optimizers)
+    if objective is not None and (states := checkpoint.load_objective(ckpt)) is not None:
+        objective.load_state(states)
     rng = checkpoint.load_rng(ckpt, rank)
     if rng is not None and trainer_state.get("world") == world:
         checkpoint.set_rng_state(rng)
