@@ -3,6 +3,7 @@
     python benchmarks/grpo_speed.py --record                       # one H100 (an H200 is capped at an H100's memory)
     python benchmarks/grpo_speed.py --size tiny --steps 3 --warmup 1 --prompt-len 16 --completion-len 8 \\
         --modes full,lora                                           # a check of the script on a CPU
+    python benchmarks/grpo_speed.py --sides ours --set grpo.sampling_copy=false   # ours through the model's weights
 
 Both sides train the SAME model folder (dpo_speed.py's: a Qwen2.5-0.5B-shaped Qwen2 with random weights and a
 word-level tokenizer, one id a word, 0 end-of-text) on the SAME prompts (--prompt-len words each), with the same
@@ -11,8 +12,9 @@ step: --prompts prompts x --generations completions of up to --completion-len to
 from the model as it stands, then trained (grpo.loss=dapo, TRL's default loss, beta 0: no reference, --iterations
 policy updates a generation: grpo.num_iterations, TRL's num_iterations; default one) in micro-batches of
 --micro-prompts prompts (--micro-prompts x --generations completions a forward); bf16 autocast over fp32 weights
-and AdamW (full), or a bf16 frozen base with LoRA r=16,
-alpha 32, dropout 0.05, all-linear (lora); lr 1e-6 (LoRA 1e-5); activation checkpointing on neither side
+and AdamW (full), or a bf16 frozen base with LoRA r=16, alpha 32, dropout 0.05, all-linear (lora), or that on a
+4-bit base (qlora: NF4, double quantization, bf16 compute, on both sides); lr 1e-6 (LoRA 1e-5); activation
+checkpointing on neither side
 (--checkpointing: on both; TRL's GRPOConfig turns it on by default, which is set off here). A model of random weights
 draws end-of-text about once in 150k ids, so on both sides nearly every completion is --completion-len tokens: the
 work of a step is the same. TRL samples a step's completions in one generate (its generation_batch_size, the
@@ -63,7 +65,8 @@ def run_ours(folder: Path, data: Path, a) -> dict:
 
     cuda = torch.cuda.is_available()
     lora = ["model.family=hf", f"lora.r={LORA['r']}", f"lora.alpha={LORA['alpha']}", f"lora.dropout={LORA['dropout']}",
-            f"lora.gradient_checkpointing={str(a.checkpointing).lower()}"] if a.mode == "lora" else []
+            f"lora.gradient_checkpointing={str(a.checkpointing).lower()}",
+            *(["quant.load_in_4bit=true"] if a.mode == "qlora" else [])] if a.mode != "full" else []
     cfg = load_config("grpo", [
         f"model.path={folder}", f"data.tokenizer={common.tokenizer_folder(folder.parent, a.size)}", f"data.path={data}",
         f"data.seq_len={a.prompt_len + a.completion_len}", f"grpo.max_completion_len={a.completion_len}",
@@ -71,10 +74,10 @@ def run_ours(folder: Path, data: Path, a) -> dict:
         f"grpo.num_iterations={a.iterations}",
         f"train.micro_batch_size={a.micro_prompts}", f"train.global_batch_size={a.prompts}",
         f"train.max_steps={a.steps}", f"run.dir={a.root}/runs", f"run.name=ours-grpo-{a.mode}-{a.size}",
-        "run.resume=never", f"optim.lr={1e-5 if a.mode == 'lora' else 1e-6}", "optim.warmup_steps=0",
+        "run.resume=never", f"optim.lr={1e-6 if a.mode == 'full' else 1e-5}", "optim.warmup_steps=0",
         "train.checkpoints=false", "train.eval_every=0", "monitor.log_every=1", "monitor.port=0",
         "train.memory_check=false", "train.dtype=bf16" if cuda else "train.dtype=fp32", *lora,
-        *(["lora.gradient_checkpointing=true"] if a.mode == "lora" else ["train.activation_checkpointing=full"])
+        *(["lora.gradient_checkpointing=true"] if a.mode != "full" else ["train.activation_checkpointing=full"])
         * a.checkpointing, *a.set])
     if cuda:
         torch.cuda.reset_peak_memory_stats()
@@ -98,12 +101,18 @@ def run_trl(folder: Path, data: Path, a) -> dict:
     import torch
     from datasets import load_dataset
     from peft import LoraConfig
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
     cuda = torch.cuda.is_available()
-    lora = a.mode == "lora"
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16 if lora and cuda else torch.float32)
+    lora = a.mode != "full"
+    # QLoRA as lora_speed.py loads it; GRPOTrainer prepares a 4-bit model for training itself (TRL's
+    # prepare_peft_model: PEFT's prepare_model_for_kbit_training)
+    quant = dict(device_map={"": 0}, quantization_config=BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch.bfloat16)) if a.mode == "qlora" else {}
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16 if lora and cuda else torch.float32,
+                                                 **quant)
     times: dict[int, float] = {}
     history: list[dict] = []
 
@@ -177,7 +186,7 @@ def main() -> int:
     p.add_argument("--record", action="store_true")
     p.add_argument("--set", nargs="*", default=[], help="extra overrides for our runs")
     p.add_argument("--worker", choices=["ours", "trl"], help=argparse.SUPPRESS)
-    p.add_argument("--mode", choices=["full", "lora"], help=argparse.SUPPRESS)
+    p.add_argument("--mode", choices=["full", "lora", "qlora"], help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.worker:
         print("RESULT " + json.dumps(worker(a)))

@@ -1,8 +1,10 @@
 """GRPO's sampling on a CUDA GPU: generate.py `rollout` replays its token step in a CUDA graph for a llama model,
 and for a LoRA run's view of a Llama folder (model/hf/view.py: a bf16 base or a 4-bit one); the completions equal
-those of the same step run without the graph (greedy and sampled, bf16 autocast, as a training run samples), and
-`trainbox train grpo` on a tiny Llama folder (bf16, compiled; every weight, and LoRA) raises the validation reward,
-also with two clipped updates a generation, resumed in the middle of one.
+those of the same step run without the graph (greedy and sampled, bf16 autocast, as a training run samples), also
+through the sampling copy (grpo.sampling_copy: the fp32 weights' bf16 copy draws what autocast's casts draw; LoRA's
+merged copy computes the view's logits within bf16's rounding), and `trainbox train grpo` on a tiny Llama folder
+(bf16, compiled; every weight, and LoRA) raises the validation reward, also with two clipped updates a generation,
+resumed in the middle of one.
 
     python -m pytest -q -m gpu tests/test_gpu_grpo.py
 """
@@ -21,6 +23,7 @@ from test_rollout import PROMPTS, VOCAB, tiny_llama
 
 from trainbox.config import load_config
 from trainbox.generate import fused_noise, gumbel_noise, rollout
+from trainbox.model.llama.model import Weights
 
 pytestmark = pytest.mark.gpu
 
@@ -35,7 +38,9 @@ def test_graph_replays_equal_the_step_run_eagerly(temperature, top_k):
     with torch.autocast("cuda", dtype=torch.bfloat16):
         eager = rollout(model, prompts, seeds, 40, VOCAB, frozenset({3}), temperature, top_k, pad=0, graphs=False)
         graphed = rollout(model, prompts, seeds, 40, VOCAB, frozenset({3}), temperature, top_k, pad=0)
-    assert graphed == eager
+        copied = rollout(model, prompts, seeds, 40, VOCAB, frozenset({3}), temperature, top_k, pad=0,
+                         copy_weights=True)   # the fp32 weights' bf16 copy: autocast's casts, made once
+    assert graphed == eager == copied
     assert any(len(c) < 40 and c[-1] == 3 for c in eager) and any(len(c) == 40 for c in eager)
 
 
@@ -65,9 +70,18 @@ def test_a_lora_runs_view_replays_in_a_graph_as_it_runs_eagerly(tmp_path, quanti
             eager = rollout(model, prompts, seeds, 40, vocab, frozenset({3}), temperature, pad=0, graphs=False)
             graphed = rollout(model, prompts, seeds, 40, vocab, frozenset({3}), temperature, pad=0)
             assert graphed == eager, temperature
+        # the sampling copy: adapters merged into a bf16 copy of the base (dequantized where 4-bit)
+        copied = rollout(model, prompts, seeds, 40, vocab, frozenset({3}), 1.0, pad=0, copy_weights=True)
+        assert copied == rollout(model, prompts, seeds, 40, vocab, frozenset({3}), 1.0, pad=0, graphs=False,
+                                 copy_weights=True)
+        copy = model.sampling_model(torch.bfloat16)
+        assert isinstance(copy.model.layers[0].mlp.down_proj, Weights)
+        assert copy.model.layers[0].mlp.down_proj.weight.dtype == torch.bfloat16
         x = torch.tensor([PROMPTS[2]], device="cuda")
         ours, theirs = view(x, logits_to_keep=0).logits.float(), model(x, logits_to_keep=0).logits.float()
+        merged = copy(x, logits_to_keep=0).logits.float()
     torch.testing.assert_close(ours, theirs, atol=0.05 * theirs.std().item(), rtol=0.02)
+    torch.testing.assert_close(merged, theirs, atol=0.05 * theirs.std().item(), rtol=0.02)
 
 
 @pytest.mark.parametrize("family", ["llama", "hf"])

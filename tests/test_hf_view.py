@@ -111,10 +111,55 @@ def test_rollouts_through_the_view_equal_those_through_transformers(run, tempera
     assert len(set(map(len, got))) > 1 or temperature == 0   # some rows stopped, others went on
 
 
+@torch.no_grad()
+def test_the_sampling_copy_merges_the_adapters(run):
+    """`sampling_model`: every projection a copy (`Weights`) of its LoRA layer's base plus scaling x B @ A, the head
+    and the norms the model's own (fp32: nothing to cast). Its logits are the view's within 1e-5, prefill and
+    cached steps; an adapter stepped afterwards leaves a copy made before it as it was, and one made with the
+    adapters off is the base model."""
+    from trainbox.model.llama.model import Hookless, Weights
+    view, copy = run.rollout_model(), run.sampling_model(torch.float32)
+    layer = copy.model.layers[0]
+    projections = [layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.o_proj,
+                   layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj]
+    assert all(isinstance(m, Weights) and m.weight.dtype == torch.float32 for m in projections)
+    assert isinstance(copy.lm_head, Hookless) and isinstance(layer.input_layernorm, Hookless)
+    want, got = padded_logits(view, PROMPTS, [11, 3, 40], pad=5), padded_logits(copy, PROMPTS, [11, 3, 40], pad=5)
+    P = max(map(len, PROMPTS))
+    for r, prompt in enumerate(PROMPTS):
+        torch.testing.assert_close(got[0][r, P - len(prompt):], want[0][r, P - len(prompt):], rtol=1e-5, atol=1e-5)
+    for g, w in zip(got[1:], want[1:]):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+    x = torch.tensor([PROMPTS[2]])
+    before = copy(x, logits_to_keep=0).logits
+    lora_b = next(p for n, p in run.named_parameters() if "lora_B" in n and "v_proj" in n)
+    saved = lora_b.clone()
+    try:
+        lora_b.add_(0.5)
+        assert torch.equal(copy(x, logits_to_keep=0).logits, before)   # a copy: made as the weights stood
+        torch.testing.assert_close(run.sampling_model(torch.float32)(x, logits_to_keep=0).logits,
+                                   run(x, logits_to_keep=0).logits, rtol=1e-5, atol=1e-5)
+        with run.adapters_off():
+            base = run.peft.get_base_model()(x).logits
+            torch.testing.assert_close(run.sampling_model(torch.float32)(x, logits_to_keep=0).logits, base,
+                                       rtol=1e-5, atol=1e-5)
+        assert (base - before).abs().max() > 1e-2
+    finally:
+        lora_b.copy_(saved)
+
+
+def test_rollouts_through_the_copy_equal_those_through_the_view(run):
+    """Sampled with a stop id, in fp32: the same completions through the merged copy as through the view."""
+    vocab = run.hf_config.vocab_size
+    kw = dict(temperature=1.0, pad=5)
+    got = rollout(run, PROMPTS, [3, 1, 4, 1], 12, vocab, frozenset({7, 19}), copy_weights=True, **kw)
+    assert got == rollout(run, PROMPTS, [3, 1, 4, 1], 12, vocab, frozenset({7, 19}), **kw)
+
+
 def test_other_architectures_and_unsupported_options_sample_through_transformers(tmp_path):
     """A GPT-2 folder, and a Mistral folder whose sliding window binds, have no view: the run itself decodes."""
     gpt2 = lora_run(hf_tiny.make_model(tmp_path / "gpt2", "gpt2"))
-    assert gpt2.rollout_model() is gpt2
+    assert gpt2.rollout_model() is gpt2 and gpt2.sampling_model(torch.bfloat16) is gpt2
     hf_model("mistral", sliding_window=8).save_pretrained(tmp_path / "window")
     windowed = lora_run(tmp_path / "window")
     assert windowed.rollout_model() is windowed

@@ -265,6 +265,33 @@ def test_dpo_plan_of_lora_has_no_reference_and_the_preflight_check_uses_the_plan
         check_memory(cfgs["model"], 512, torch.device("cpu"), torch.float32, free=free)
 
 
+def test_the_grpo_plan_counts_the_weights_copy_it_samples_through(hf_llama):
+    """grpo.sampling_copy, in the compute dtype (bf16 on an H200): a LoRA run copies its base's linear layers with
+    the adapters merged (the head is bf16 already), a 4-bit one its linear layers dequantized and its fp32 head;
+    full fine-tuning of fp32 weights under autocast every weight a matmul reads; fsdp's gathered weights are bf16
+    already, and grpo.sampling_copy=false copies nothing. The sampling row names the copy."""
+    from trainbox.model.build import resolve_model
+    common = [f"model.path={hf_llama}", "grpo.rewards=[rewards.py:f]", "train.dtype=bf16", "data.seq_len=64",
+              "grpo.max_completion_len=32"]
+
+    def copy(*extra: str, family: str = "hf", nproc: int = 1) -> tuple[int, object]:
+        cfg = resolve_model(load_config("grpo", [*common, f"model.family={family}", *extra]))
+        plan = make_plan(cfg, run_vocab(cfg), gpu("H200"), nproc)
+        return plan.memory.sampling_copy, plan
+
+    lora, plan = copy()
+    vocab = run_vocab(resolve_model(load_config("grpo", [*common, "model.family=hf"])))
+    linear, head = plan.counts.frozen_linear, plan.counts.shapes.d * vocab
+    assert lora == 2 * linear > 0
+    assert copy("quant.load_in_4bit=true")[0] == 2 * (linear + head)
+    full, plan = copy(family="llama")
+    assert full == 2 * plan.counts.matmul and plan.counts.matmul == linear + head   # untied: the head's own
+    assert copy("train.parallel=fsdp", family="llama", nproc=2)[0] == 0
+    assert copy("grpo.sampling_copy=false")[0] == copy("grpo.sampling_copy=false", family="llama")[0] == 0
+    big, plan = copy("train.global_batch_size=64", "grpo.num_generations=64")   # sampling above the step's peak
+    assert plan.memory.sampling > 0 and f"the weights' copy {lora / GiB:.1f}" in format_plan(plan)
+
+
 def test_plan_command_shows_the_pairs_and_the_reference(hf_llama):
     out = run_cli("plan", "dpo", f"model.path={hf_llama}", "dpo.reference=model", "train.micro_batch_size=4",
                   "--gpu", "H100").stdout
@@ -406,7 +433,8 @@ def test_grpo_prediction_within_the_margin_of_its_measured_peak(tmp_path):
         f"model.path={tmp_path}", "data.tokenizer=gpt2", f"data.seq_len={m['prompt_len'] + m['completion_len']}",
         f"grpo.max_completion_len={m['completion_len']}", f"grpo.num_generations={m['generations']}",
         "grpo.rewards=[rewards.py:f]", f"train.micro_batch_size={m['micro_prompts']}",
-        f"train.global_batch_size={m['prompts']}", "train.dtype=bf16", *rec["overrides"]]))
+        f"train.global_batch_size={m['prompts']}", "train.dtype=bf16", "grpo.sampling_copy=false",   # as it ran
+        *rec["overrides"]]))
     plan = make_plan(cfg, run_vocab(cfg), gpu("H100"), kernels=Kernels("sdpa", "triton", "off", "off"))
     measured = m["full"]["peak_memory_gib"] * GiB
     assert plan.memory.sampling > 0 and abs(plan.memory.peak_allocated / measured - 1) < MARGIN, plan.memory

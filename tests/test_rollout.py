@@ -157,6 +157,32 @@ def test_a_sampled_row_is_the_same_in_any_batch(llama):
     assert group[4] == group[0] and len({tuple(g) for g in group[:4]}) == 4
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_sampling_copy_under_autocast_draws_what_the_model_draws(tied):
+    """fp32 weights sampled under bf16 autocast: `sampling_model`'s linear layers (the projections, and the head,
+    tied to the token table or not) are bf16 copies (`Weights`) while the table and the norms stay the model's, and
+    a rollout through them draws exactly what one through the model's own weights draws (autocast casts each fp32
+    weight to the same bf16 values). The model's weights are left as they were."""
+    from trainbox.model.llama.model import Hookless, Weights
+    model = tiny_llama()
+    if tied:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    before = {n: p.clone() for n, p in model.state_dict().items()}
+    copy = model.sampling_model(torch.bfloat16)
+    layer = copy.model.layers[1]
+    assert all(isinstance(m, Weights) and m.weight.dtype == torch.bfloat16
+               for m in (layer.self_attn.q_proj, layer.mlp.down_proj, copy.lm_head))
+    assert isinstance(copy.model.embed_tokens, Hookless) and isinstance(copy.model.norm, Hookless)
+    assert model.sampling_model(torch.float32).lm_head.__class__ is Hookless   # fp32 weights in fp32: no copy
+    seeds = list(range(8))
+    prompts = [PROMPTS[r % 4] for r in seeds]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = rollout(model, prompts, seeds, 12, VOCAB, frozenset({3}), top_k=20, pad=5)
+        got = rollout(model, prompts, seeds, 12, VOCAB, frozenset({3}), top_k=20, pad=5, copy_weights=True)
+    assert got == want and len(set(map(len, got))) > 1
+    assert all(torch.equal(p, before[n]) for n, p in model.state_dict().items())
+
+
 def gumbel_reference(seed: int, t: int, v: int) -> float:
     """gumbel_noise's documented formula in Python integers (no int64 arithmetic to overflow)."""
     M = 0xFFFFFFFF

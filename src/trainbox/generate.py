@@ -149,16 +149,15 @@ def draw(logits: torch.Tensor, seeds: torch.Tensor, t: int | torch.Tensor, vocab
 @torch.no_grad()
 def rollout(model, prompts: list[list[int]], seeds: list[int], max_tokens: int, vocab: int, stop: frozenset[int],
             temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
-            pad: int = 0, graphs: bool = True) -> list[list[int]]:
+            pad: int = 0, graphs: bool = True, copy_weights: bool = False) -> list[list[int]]:
     """Completions of B prompts drawn together: each row's ids up to and including its first id in `stop`, or
     `max_tokens` ids where none was drawn. Row r draws with seeds[r] (`draw`), so its completion does not depend on
     the other rows. The prompts are left-padded with `pad` to the longest (P tokens); one prefill, then one forward
     per token over all rows, through KV caches of P + max_tokens positions (in the autocast dtype where one is on);
     padded positions are never attended to and each row's positions count from its own first token, so its logits
     are those of its prompt alone. A row that has stopped is fed `pad` until every row has (read every 8 tokens).
-    Needs a family whose
-    forward takes `attend` and `position_ids` with caches (llama, hf); the model runs in eval mode and gets its mode
-    back.
+    Needs a family whose forward takes `attend` and `position_ids` with caches (llama, hf); the model runs in eval
+    mode and gets its mode back.
 
     A model whose forward takes its cache position as a device tensor (`static_decode`: llama) decodes with shapes
     that do not change from token to token, over the whole cache; on a CUDA GPU (and `graphs`) that token step (the
@@ -166,7 +165,10 @@ def rollout(model, prompts: list[list[int]], seeds: list[int], max_tokens: int, 
     takes the host's kernel launches out of the loop. A model may hand over another module over its own weights to
     decode (`rollout_model`: the llama family's decoder over its modules, which runs none of FSDP's hooks; for the
     hf family's Llama and Qwen models, the same decoder over transformers' and PEFT's modules, model/hf/view.py);
-    the model itself is put in eval mode."""
+    the model itself is put in eval mode. With `copy_weights`, it decodes through the model's `sampling_model`:
+    the linear layers' weights copied in the compute dtype as they stand, LoRA's adapters merged and a quantized
+    base dequantized, which the token steps read without a cast or an adapter's matmuls; the copy is freed on
+    return."""
     check_sampling(temperature, top_k, top_p, max_tokens)
     B = len(prompts)
     if len(seeds) != B:
@@ -186,6 +188,8 @@ def rollout(model, prompts: list[list[int]], seeds: list[int], max_tokens: int, 
     # the caches hold what the forward computes: the autocast dtype where one is on (fp32 weights trained in bf16)
     autocast = torch.is_autocast_enabled(device.type)
     dtype = torch.get_autocast_dtype(device.type) if autocast else param.dtype
+    if copy_weights and hasattr(model, "sampling_model"):
+        runner = model.sampling_model(dtype)
     left = torch.tensor([P - len(p) for p in prompts], device=device)                # (B,) pads before each row
     x = torch.tensor([[pad] * (P - len(p)) + list(p) for p in prompts], dtype=torch.long, device=device)
     attend = torch.arange(P + max_tokens, device=device)[None, :] >= left[:, None]   # (B, P + max_tokens)

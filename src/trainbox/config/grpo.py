@@ -35,6 +35,13 @@ class GrpoSection(Section):
                                                                     "(one forward a token for all of them; their "
                                                                     "KV caches are held together); default: all of "
                                                                     "its step's, as TRL's generation_batch_size")
+    sampling_copy: bool = Field(True, description="sample through a copy of the linear layers' weights in the "
+                                                  "compute dtype, made at each sampling: LoRA's adapters merged into "
+                                                  "it, a 4- or 8-bit base dequantized, fp32 weights cast once, so a "
+                                                  "token step runs one matmul a layer (as TRL's vLLM holds its own "
+                                                  "bf16 weights). It holds 2 bytes a weight (bf16) while sampling, "
+                                                  "which `trainbox plan` counts; false: sample through the model's "
+                                                  "own weights")
     top_k: int | None = Field(None, ge=1, description="sample from the k likeliest tokens (default: all)")
     top_p: float | None = Field(None, gt=0, le=1, description="sample from the nucleus of this probability mass "
                                                              "(default: all)")

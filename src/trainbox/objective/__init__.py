@@ -53,6 +53,6 @@ def memory_terms(cfg) -> tuple[int, bool]:
     return cls.sequences_of(cfg), cls.frozen_copy(cfg)
 
 
-def rollout_terms(cfg, world: int) -> tuple[int, int, int] | None:
+def rollout_terms(cfg, world: int) -> tuple[int, int, int, bool] | None:
     """For the memory plan: what the objective samples before its steps (Objective.rollout_shape), or None."""
     return objective_class(cfg).rollout_shape(cfg, world)

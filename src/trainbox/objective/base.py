@@ -76,9 +76,10 @@ class Objective:
         """Before the checkpoint's weights are loaded: what is taken from the initial model."""
 
     @classmethod
-    def rollout_shape(cls, cfg, world: int) -> tuple[int, int, int] | None:
+    def rollout_shape(cls, cfg, world: int) -> tuple[int, int, int, bool] | None:
         """For the memory plan: (rows a process samples together, their prompts' positions, their caches'
-        positions), where the objective samples from the model before its steps; None: it does not."""
+        positions, whether it samples through a copy of the linear layers' weights in the compute dtype), where the
+        objective samples from the model before its steps; None: it does not."""
         return None
 
     @classmethod

@@ -12,6 +12,10 @@ the completion keeps). A completion's draws depend on (run.seed, the step, the p
 group) alone, so a step samples the same completions on any number of processes, in any batch and after a resume.
 Under train.parallel=fsdp every unit is gathered for the sampling (the strategy's `whole`) and the model decodes
 through the family's `rollout_model`, which runs none of FSDP's hooks: each process samples its own rows alone.
+With grpo.sampling_copy the decoder reads a copy of the linear layers' weights in the compute dtype, LoRA's
+adapters merged and a quantized base dequantized, made at each sampling (the family's `sampling_model`); the
+log-probabilities trained are the training forward's own, so the copy changes which tokens are drawn only by its
+rounding.
 
 Rewards: each function of grpo.rewards scores the rank's completions of the step in one go (TRL's signature:
 prompts, completions, completion_ids and the rows' other fields as keyword lists); an entry that is a directory is a
@@ -115,12 +119,12 @@ class Grpo(Objective):
         return cfg.grpo.num_iterations
 
     @classmethod
-    def rollout_shape(cls, cfg, world: int) -> tuple[int, int, int]:
+    def rollout_shape(cls, cfg, world: int) -> tuple[int, int, int, bool]:
         """A process's completions of a step, or grpo.generation_batch_size of them; prompts of at most data.seq_len
-        - grpo.max_completion_len tokens, caches of data.seq_len positions."""
+        - grpo.max_completion_len tokens, caches of data.seq_len positions; the weights' copy of grpo.sampling_copy."""
         rows = -(-cfg.train.global_batch_size // world) * cfg.grpo.num_generations
         together = min(cfg.grpo.generation_batch_size or rows, rows)
-        return together, cfg.data.seq_len - cfg.grpo.max_completion_len, cfg.data.seq_len
+        return together, cfg.data.seq_len - cfg.grpo.max_completion_len, cfg.data.seq_len, cfg.grpo.sampling_copy
 
     @classmethod
     def sequences_of(cls, cfg) -> int:
@@ -168,7 +172,8 @@ class Grpo(Objective):
         run, g = self.run, self.g
         with eval_mode(run.model), run.autocast():
             return rollout(run.model, [ds.ids[i] for i in indices], seeds, g.max_completion_len,
-                           run.tokenizer.vocab_size, self.stop, g.temperature, g.top_k, g.top_p, self.pad)
+                           run.tokenizer.vocab_size, self.stop, g.temperature, g.top_k, g.top_p, self.pad,
+                           copy_weights=g.sampling_copy)
 
     def _score(self, ds: PromptDataset, indices: list[int], completions: list[list[int]]) -> torch.Tensor:
         """(N, functions) float64 scores of each completion (NaN: not scored) by each reward function."""

@@ -53,6 +53,7 @@ class Memory:
     reference: int = 0  # a frozen copy of the initial model beside it (the preference objective's reference)
     sampling: int = 0   # what sampling before a step (grpo) holds beyond the step's own peak
     kv_cache: int = 0   # of it: the sampling's KV caches (shown, already in `sampling`)
+    sampling_copy: int = 0   # and the copy of the weights it samples through (grpo.sampling_copy; shown)
 
     @property
     def peak_allocated(self) -> int:
@@ -250,7 +251,7 @@ def memory(cfg: RunConfig, counts: ParamCount, vocab: int, target: Target, layou
     optimizer = 4 * muon + (4 if cfg.optim.state_dtype == "bf16" else 8) * (local - muon)
     peak = params + grads + optimizer + acts.peak + comm + reference
     kept = 4 * local if cfg.train.cuda_graphs and accum > 1 else 0   # train/build.py keeps_gradients
-    kv, sampling = _sampling(cfg, counts, vocab, world, a, fsdp, kept)
+    kv, weights, sampling = _sampling(cfg, counts, vocab, world, a, fsdp, kept)
     if sampling:   # the weights, the optimizer state and the reference stay; the step's gradients are gone
         sampling = max(0.0, params + optimizer + reference + sampling - peak)
         peak += sampling
@@ -262,28 +263,37 @@ def memory(cfg: RunConfig, counts: ParamCount, vocab: int, target: Target, layou
                 + 2 * (2 * unit + counts.root + counts.apart)
     mem = Memory(params=int(params), gradients=int(grads), optimizer=int(optimizer),
                  activations=acts.peak, comm=int(comm), overhead=int(overhead), pools=int(pools), cache=int(cache),
-                 reference=int(reference), sampling=int(sampling), kv_cache=int(kv))
+                 reference=int(reference), sampling=int(sampling), kv_cache=int(kv),
+                 sampling_copy=int(weights))
     return mem, acts
 
 
 def _sampling(cfg: RunConfig, counts: ParamCount, vocab: int, world: int, a: int, fsdp: bool,
-              kept_grads: float) -> tuple[float, float]:
-    """(KV caches, all) bytes that sampling before a step holds beside the weights, the optimizer state and the
-    reference (Objective.rollout_shape; 0 where the objective samples nothing): each row's keys and values at every
-    block for the caches' positions in the autocast dtype, the prefill's largest transients (a block's input and
-    residual, q, k, v and the attention's output, the MLP's hidden widths) over the prompts, the draw's fp32 logits
-    (three: the logits, the filtered and the probabilities), the gradients where train.cuda_graphs keeps them, and
-    under fsdp every unit gathered (the whole model in the autocast dtype: `whole()`)."""
+              kept_grads: float) -> tuple[float, float, float]:
+    """(KV caches, the weights' copy, all) bytes that sampling before a step holds beside the weights, the optimizer
+    state and the reference (Objective.rollout_shape; 0 where the objective samples nothing): each row's keys and
+    values at every block for the caches' positions in the autocast dtype, the prefill's largest transients (a
+    block's input and residual, q, k, v and the attention's output, the MLP's hidden widths) over the prompts, the
+    draw's fp32 logits (three: the logits, the filtered and the probabilities), the gradients where
+    train.cuda_graphs keeps them,
+    under fsdp every unit gathered (the whole model in the autocast dtype: `whole()`), and the copy of the linear
+    layers' weights it samples through (grpo.sampling_copy: a LoRA base's layers merged, and a 4- or 8-bit base's
+    fp32 head; fp32 weights trained under autocast cast, which fsdp's gathered ones are already)."""
     shape = rollout_terms(cfg, world)
     s = counts.shapes
     if shape is None or s is None:
-        return 0.0, 0.0
-    rows, prompt, positions = shape
+        return 0.0, 0.0, 0.0
+    rows, prompt, positions, copies = shape
     kv = rows * positions * counts.n_blocks * 2 * s.kv * a
     prefill = rows * prompt * (2 * s.d + 2 * s.q + 2 * s.kv + (3 if s.gated else 2) * s.ffn) * a
     draw = 3 * 4 * rows * vocab
     gathered = a * counts.total if fsdp else 0
-    return kv, kv + prefill + draw + kept_grads + gathered
+    weights = 0
+    if copies and counts.frozen_linear:
+        weights = a * (counts.frozen_linear + (vocab * s.d if cfg.quant.quantized else 0))
+    elif copies and a < 4 and not fsdp:
+        weights = a * counts.matmul
+    return kv, weights, kv + prefill + draw + kept_grads + gathered + weights
 
 
 # ----------------------------------------------------------------------------- the plan

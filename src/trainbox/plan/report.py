@@ -82,7 +82,9 @@ def format_plan(plan: MemoryPlan, overrides: list[str] | tuple[str, ...] = ()) -
             *([("reference", mem.reference, "a frozen copy of the initial model (dpo.reference=model)")]
               if mem.reference else []),
             *([("sampling", mem.sampling, f"above the step's peak while completions are sampled (KV caches "
-                                          f"{_gib(mem.kv_cache).strip()} GiB)")] if mem.sampling else []),
+                                          f"{_gib(mem.kv_cache).strip()} GiB"
+                                          + (f", the weights' copy {_gib(mem.sampling_copy).strip()} GiB"
+                                             if mem.sampling_copy else "") + ")")] if mem.sampling else []),
             ("peak allocated", mem.peak_allocated, "torch.cuda.max_memory_allocated() during training"
              if t.cuda else ""),
             ("overhead", mem.overhead, "CUDA context, NCCL, allocator slack" if t.cuda else ""),

@@ -45,7 +45,7 @@ from trainbox.data.sft import load_hf_tokenizer, open_finetuning_datasets
 from trainbox.data.sft import reads_examples as sft_examples
 from trainbox.errors import ConfigError, require
 from trainbox.kernels.fused_ce import head_cross_entropy
-from trainbox.model.hf.view import llama_view
+from trainbox.model.hf.view import llama_view, merged_linear
 from trainbox.model.layers import Output, cross_entropy
 
 log = logging.getLogger("trainbox")
@@ -247,6 +247,14 @@ class HFCausalLM(nn.Module):
         if "_rollout" not in self.__dict__:
             self.__dict__["_rollout"] = llama_view(self) or self
         return self.__dict__["_rollout"]
+
+    def sampling_model(self, dtype: torch.dtype) -> nn.Module:
+        """`rollout_model` with its linear layers copied in `dtype`, made now: LoRA's adapters merged into their
+        base, a 4- or 8-bit base dequantized (view.py `merged_linear`), so a token step runs one matmul a layer;
+        this model where it samples through transformers."""
+        if self.rollout_model() is self:
+            return self
+        return llama_view(self, merged_linear(dtype))
 
     def adapters_off(self):
         """A context in which the model is its frozen base (PEFT's disable_adapter): the preference objective's

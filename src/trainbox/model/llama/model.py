@@ -267,6 +267,11 @@ class Llama(nn.Module):
             self.__dict__["_rollout"] = decoder_over(self.cfg, self.vocab_size, self.block_size, self)
         return self.__dict__["_rollout"]
 
+    def sampling_model(self, dtype: torch.dtype) -> Llama:
+        """`rollout_model` with a copy of the linear layers' weights in `dtype` where they are in another (fp32
+        weights trained under autocast), made now: a token step then casts none of them."""
+        return decoder_over(self.cfg, self.vocab_size, self.block_size, self, cast_linear(dtype))
+
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
@@ -290,18 +295,48 @@ class Hookless(nn.Module):
         return self.module.forward(*args, **kwargs)
 
 
-def decoder_over(cfg, vocab_size: int, block_size: int, source: nn.Module) -> Llama:
+class Weights(nn.Module):
+    """A linear layer over weight and bias tensors of its own, none of them parameters: a sampling decoder's copy of
+    a linear layer (`decoder_over` with `linear`)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.register_buffer("weight", weight, persistent=False)
+        self.register_buffer("bias", bias, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+def cast_linear(dtype: torch.dtype):
+    """`decoder_over`'s `linear` for plain layers: an nn.Linear's weights copied in `dtype` (`Weights`), or None
+    where they are in it already (the decoder then reads them as they are: nothing is copied)."""
+    def copy(module: nn.Module) -> Weights | None:
+        if not isinstance(module, nn.Linear) or module.weight.dtype == dtype:
+            return None
+        bias = None if module.bias is None else module.bias.detach().to(dtype)
+        return Weights(module.weight.detach().to(dtype), bias)
+    return copy
+
+
+def decoder_over(cfg, vocab_size: int, block_size: int, source: nn.Module, linear=None) -> Llama:
     """A Llama of model section `cfg` whose every module holding weights is `source`'s module of the same name (our
     names are LlamaForCausalLM's), run without its hooks (`Hookless`): built on the meta device, it holds no weight
     of its own and reads the source's as they stand. Its blocks, attention and rotary positions are this module's,
     so it runs none of the source's hooks (FSDP's) or wrappers (transformers' forward, with PEFT's adapters inside
-    its layers)."""
+    its layers).
+
+    With `linear` (source module -> a module or None), each linear layer (the projections and the head) is what it
+    gives for the source's layer where it gives one: generate.py `rollout`'s copy of the weights in the compute
+    dtype (`cast_linear`; model/hf/view.py `merged_linear` with LoRA's adapters merged), made as they stand."""
     with torch.device("meta"):
         view = Llama(cfg, vocab_size, block_size)
     owners = [name for name, m in view.named_modules() if next(m.parameters(recurse=False), None) is not None]
     for name in owners:
         parent, _, attr = name.rpartition(".")
-        setattr(view.get_submodule(parent) if parent else view, attr, Hookless(source.get_submodule(name)))
+        module = source.get_submodule(name)
+        made = linear(module) if linear is not None and isinstance(view.get_submodule(name), nn.Linear) else None
+        setattr(view.get_submodule(parent) if parent else view, attr, Hookless(module) if made is None else made)
     left = [n for n, t in chain(view.named_parameters(), view.named_buffers()) if t.is_meta]
     if left:
         raise RuntimeError(f"the decoder over {type(source).__name__} has weights of its own: {left[:3]}")
