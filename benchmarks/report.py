@@ -385,7 +385,7 @@ def dpo_speed(rec: dict) -> list[tuple]:
 def grpo_speed(rec: dict) -> list[tuple]:
     m, b = rec["metrics"], rec["baseline"]
     rows = []
-    for mode in ("full", "lora"):
+    for mode in ("full", "lora", "qlora"):
         o, t = m.get(mode), (b["metrics"].get(mode) if b else None)
         if not (o and t and o.get("step_s") and t.get("step_s")):
             continue
