@@ -295,6 +295,25 @@ def test_rewards_get_the_rows_fields_and_chat_completions(tmp_path):
         objective._score(train, [1, 1, 0], completions)
 
 
+def test_a_step_no_reward_function_scored_logs_no_reward_and_warns_once(tmp_path, caplog):
+    """Every function returned None for every completion: the step's reward is None (logged empty, not a mean of
+    0), and one warning names the functions; a scored step's reward is the mean over its scored completions."""
+    folder = hf_tiny.make_model(tmp_path / "base", seed=3)
+    rewards = write_rewards(tmp_path)
+    prompts_file = make_prompt_file(tmp_path / "p.jsonl", n=4, answers=False)
+    cfg, tok, model = ours(folder, rewards, f"data.path={prompts_file}", f"grpo.rewards=[{rewards}:has_answer]")
+    objective = build_objective(cfg)
+    train, _ = objective.open_datasets(cfg, tok, tok.vocab_size)
+    objective.attach(runtime(cfg, model, None, train, tok))
+    values = dict.fromkeys(objective.stat_names, 0.0) | {"completions": 16.0, "completion_len": 64.0}
+    with caplog.at_level("WARNING", logger="trainbox"):
+        assert objective.step_stats(values)["reward"] is None
+        assert objective.step_stats(values)["reward"] is None
+    warned = [r.getMessage() for r in caplog.records if "no reward function scored" in r.getMessage()]
+    assert len(warned) == 1 and "16 completions" in warned[0] and "rewards.py:has_answer" in warned[0], warned
+    assert objective.step_stats(values | {"reward": 3.0, "scored": 4.0})["reward"] == 0.75
+
+
 VARY = ("time", "tokens_per_s", "mfu", "step_time", "eta", "sample_s")   # the clock's readings
 
 
@@ -570,3 +589,24 @@ def test_a_grpo_run_trains_on_a_reward_runs_scores(reward_run):
     scored = [e for e in logged.values() if "reward" in e]   # the recipe's log cadence: the last step at least
     assert sorted(logged) == [1, 2] and scored and all(e["reward"] == e["reward_reward"] for e in scored)
     assert all(e["reward_std"] > 0 for e in scored)
+
+
+def test_loss_png_of_a_grpo_run_draws_its_rewards_without_warnings(tmp_path):
+    """monitor/plot.py on a grpo run's metrics (reward each step, val_reward at validations, no KL: beta 0): the
+    rewards are curves of the preference row, and no panel without a curve asks for a legend (matplotlib's
+    warning, here an error)."""
+    import warnings
+
+    from trainbox.monitor.plot import load_curves, plot_curves
+    run = tmp_path / "grpo"
+    run.mkdir()
+    events = [{"event": "train", "step": s, "loss": 0.1, "reward": 0.5 + s / 100} for s in range(1, 9)]
+    events += [{"event": "eval", "step": s, "val_loss": 0.2, "val_reward": 0.6} for s in (4, 8)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    curves = load_curves(run)
+    assert [v for _, v in curves.prefs["reward"]] == [0.5 + s / 100 for s in range(1, 9)]
+    assert curves.prefs["val_reward"] == [(4, 0.6), (8, 0.6)] and "kl" not in curves.prefs
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = plot_curves([curves], tmp_path / "loss.png")
+    assert out.stat().st_size > 10_000

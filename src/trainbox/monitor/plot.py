@@ -7,7 +7,9 @@ row against steps: reward accuracy (train solid, validation dashed with markers)
 (solid) and rejected (dotted) responses, validation's with markers. Under dpo and ipo a reward is beta x (the
 response's log-probability - the reference's) on the same pairs, so the chosen reward above 0 is the chosen
 responses' log-probability risen since the start (the summed log-probabilities themselves, logp_chosen in
-metrics.jsonl, vary with each batch's responses). A resumed run appends to metrics.jsonl and may log some
+metrics.jsonl, vary with each batch's responses). Runs of grpo add the same row: the KL estimate against the
+reference where grpo.beta keeps one, and the reward (the reward functions' weighted sum, the step's mean, and
+validation's). A resumed run appends to metrics.jsonl and may log some
 steps twice (those after its last checkpoint); the later value wins, as it is the one the run kept.
 matplotlib is a core dependency, imported only here and only when plotting.
 """
@@ -33,7 +35,7 @@ class Curves:
 
 
 PREFERENCE = ("reward_accuracy", "val_reward_accuracy", "reward_chosen", "reward_rejected", "val_reward_chosen",
-              "val_reward_rejected", "kl", "val_kl")
+              "val_reward_rejected", "kl", "val_kl", "reward", "val_reward")
 
 
 def load_curves(run_dir: Path) -> Curves:
@@ -103,7 +105,8 @@ def plot_curves(runs: list[Curves], out: Path, title: str | None = None) -> Path
         for key, ax, style in (("reward_accuracy", 0, "-"), ("val_reward_accuracy", 0, "--"),
                                ("kl", 0, "-"), ("val_kl", 0, "--"),
                                ("reward_chosen", 1, "-"), ("reward_rejected", 1, ":"),
-                               ("val_reward_chosen", 1, "--"), ("val_reward_rejected", 1, "-.")):
+                               ("val_reward_chosen", 1, "--"), ("val_reward_rejected", 1, "-."),
+                               ("reward", 1, "-"), ("val_reward", 1, "--")):
             pts = run.prefs.get(key)
             if pts:
                 grid[1][ax].plot([p[0] for p in pts], [p[1] for p in pts], color=c, ls=style, lw=1.2,
@@ -115,12 +118,15 @@ def plot_curves(runs: list[Curves], out: Path, title: str | None = None) -> Path
     axes[0].legend(fontsize=8)
     if pref:
         paired = any(run.prefs.get("reward_accuracy") for run in runs)
-        for ax, ylabel in ((grid[1][0], "reward accuracy (chosen > rejected)" if paired else "KL estimate (kto)"),
-                           (grid[1][1], "reward (dpo: beta x log-prob. against the reference)")):
+        scored = any(run.prefs.get("reward") or run.prefs.get("val_reward") for run in runs)   # grpo's rewards
+        for ax, ylabel in ((grid[1][0], "reward accuracy (chosen > rejected)" if paired else "KL estimate"),
+                           (grid[1][1], "reward (grpo: the reward functions')" if scored and not paired else
+                            "reward (dpo: beta x log-prob. against the reference)")):
             ax.set_xlabel("step")
             ax.set_ylabel(ylabel)
             ax.grid(alpha=0.3)
-            ax.legend(fontsize=8)
+            if ax.get_legend_handles_labels()[0]:   # a panel no run has a curve in keeps no legend
+                ax.legend(fontsize=8)
     fig.suptitle(title or ", ".join(r.name for r in runs))
     fig.tight_layout()
     out = Path(out)

@@ -104,6 +104,7 @@ class Grpo(Objective):
         self.functions = [load_reward(s, self.device, cfg.train.micro_batch_size * self.g.num_generations)
                           for s in self.g.rewards]
         self.names = reward_names(self.g.rewards)
+        self._warned_unscored = False
         self.weights = torch.tensor(self.g.reward_weights or [1.0] * len(self.functions), dtype=torch.float64)
         self.stat_names = ROW_STATS + ("tokens", "kl", "clipped") + tuple(f"{k}_{n}" for n in self.names
                                                                          for k in ("reward", "scored"))
@@ -375,8 +376,16 @@ class Grpo(Objective):
         return Part((per_token * mask).sum() * scale, out.aux_loss, stats, out.stats)
 
     def step_stats(self, values: dict) -> dict:
+        """The step's means; reward is None (logged empty) where no reward function scored any completion, which
+        is warned of once: those completions train with advantage 0, so such a step changes nothing."""
         n = max(values["completions"], 1)
-        out = {"reward": values["reward"] / max(values["scored"], 1), "reward_std": values["reward_std"] / n,
+        if values["completions"] and not values["scored"] and not self._warned_unscored:
+            self._warned_unscored = True
+            log.warning(f"grpo: no reward function scored any of the step's {int(values['completions'])} completions "
+                        f"(each returned None for every one): they train with advantage 0, so the step changes "
+                        f"nothing, and its reward is logged empty. Check grpo.rewards: {', '.join(self.g.rewards)}")
+        out = {"reward": values["reward"] / values["scored"] if values["scored"] else None,
+               "reward_std": values["reward_std"] / n,
                "zero_std": values["zero_std"] / n, "completion_len": values["completion_len"] / n,
                "truncated": values["truncated"] / n, "sample_s": values["sample_s"] / self.run.dist.world}
         if self.g.beta > 0:
