@@ -165,7 +165,8 @@ def test_folder_errors_name_the_setting(tmp_path):
     with pytest.raises(ConfigError, match=r"has sliding_window=32 \(each position attends to the last 32 only; ours: "
                                           r"the whole context of max_position_embeddings=256\)") as e:
         ours_from(tmp_path / "window")
-    assert e.value.hint == f"LoRA runs it through transformers: trainbox train lora model.path={tmp_path / 'window'}"
+    assert e.value.hint.startswith("LoRA runs it through transformers: add model.family=hf to this command")
+    assert f"trainbox train lora model.path={tmp_path / 'window'}" in e.value.hint
     hf_model("mistral", sliding_window=256).save_pretrained(tmp_path / "wide")   # a window that never binds
     assert ours_from(tmp_path / "wide")[1].model.llama.rope_theta == 1e6
     with pytest.raises(ConfigError, match="qk_norm and model.llama.qkv_bias together match no Hugging Face"):
@@ -217,6 +218,36 @@ def test_trains_generates_and_exports(tiny, tmp_path, capsys):
     hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
     line = "ROMEO:\nWhat light through yonder window breaks?"
     assert hf_tok(line)["input_ids"] == get_tokenizer("embedded:shakespeare-bpe").encode(line)
+
+
+def test_a_gpt2_folder_in_a_dpo_run_is_refused_with_the_key_that_runs_it(tmp_path):
+    """The dpo recipe is the llama family's: a GPT-2 folder is refused with the hint to add model.family=hf, and
+    with it the same command resolves (LoRA through transformers)."""
+    from trainbox.model.build import resolve_model
+    folder = hf_tiny.make_model(tmp_path / "gpt2", "gpt2")
+    with pytest.raises(ConfigError, match="holds a 'gpt2' model") as e:
+        resolve_model(load_config("dpo", [f"model.path={folder}"]))
+    assert "add model.family=hf to this command" in e.value.hint
+    assert resolve_model(load_config("dpo", [f"model.path={folder}", "model.family=hf"])).model.family == "hf"
+
+
+def test_export_of_a_gpt2_tokenized_run_writes_gpt2s_tokenizer_wherever_it_runs(tmp_path):
+    """data.tokenizer=gpt2 is the built-in GPT-2 tokenizer in every path: an export run next to a folder named
+    gpt2 (a Hugging Face tokenizer of its own) still writes GPT-2's, which encodes as the run trained."""
+    from trainbox.data.tokenizer import get_tokenizer
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "a.txt").write_text("the king and the queen of the night\n" * 200)
+    run_cli("prepare", "c", "--out", "data/c", "--quiet", cwd=tmp_path)
+    run_cli("train", "tiny", "data.path=data/c", "data.tokenizer=gpt2", "model.family=llama", "model.n_layer=1",
+            "model.n_head=2", "model.n_embd=32", "model.llama.n_kv_head=1", "model.llama.intermediate_size=64",
+            "data.seq_len=32", "train.max_steps=1", "train.global_batch_size=2", "train.micro_batch_size=2",
+            "train.sample_tokens=0", "train.eval_every=0", "monitor.port=0", "monitor.plot=false", "run.name=ll",
+            cwd=tmp_path)
+    hf_tiny.make_tokenizer(tmp_path / "gpt2")   # another tokenizer, in a folder named as the built-in one
+    run_cli("export", "runs/ll", "--format", "hf", "--out", "ll-hf", cwd=tmp_path)
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path / "ll-hf")
+    line = "the king and the queen"
+    assert theirs(line)["input_ids"] == get_tokenizer("gpt2").encode(line) and len(theirs) == 50257
 
 
 def test_sft_fine_tunes_every_weight_of_a_qwen2_folder(tmp_path, capsys):

@@ -67,7 +67,8 @@ def read_config(folder: str | Path, key: str) -> dict:
                           "model_type llama (LlamaForCausalLM), mistral (MistralForCausalLM), qwen2 "
                           "(Qwen2ForCausalLM) and qwen3 (Qwen3ForCausalLM)",
                           hint="GPT-2 folders load into model.family=gpt (run.init_from); other causal LMs "
-                               "fine-tune with LoRA: trainbox train lora model.path=...")
+                               "train with LoRA through transformers: add model.family=hf to this command "
+                               "(as the lora recipe does: trainbox train lora model.path=...)")
     return hf
 
 
@@ -87,7 +88,8 @@ def shape(hf: dict, where: str) -> dict:
     for ok, what in refused:
         if not ok:
             raise ConfigError(f"{where}/config.json has {what}, which model.family=llama does not implement",
-                              hint=f"LoRA runs it through transformers: trainbox train lora model.path={where}")
+                              hint="LoRA runs it through transformers: add model.family=hf to this command (as "
+                                   f"the lora recipe does: trainbox train lora model.path={where})")
     rope = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
     rope_type = rope.get("rope_type", rope.get("type")) or "default"
     if rope_type not in ("default", "llama3"):
@@ -301,8 +303,10 @@ def export(path: str, out: str, merge: bool = False, force: bool = False, dtype:
         arch = write_hf(model, cfg.model, tmp, tokenizer.eot_id, block, dtype,
                         pad_id(tokenizer) if hasattr(model, "score") else None)
         write_generation(tmp, tokenizer, template, json.loads((tmp / "generation_config.json").read_text()))
-        spec = Path(tokenizer_spec(cfg))
-        if (spec / "tokenizer_config.json").is_file():  # a Hugging Face tokenizer folder: its files as they are
+        name = tokenizer_spec(cfg)
+        spec = Path(name)   # a Hugging Face tokenizer folder: its files as they are (gpt2 is the built-in one, never
+        builtin = name == "gpt2" or name.startswith("embedded:")   # a folder of that name where export runs)
+        if not builtin and (spec / "tokenizer_config.json").is_file():
             for name in TOKENIZER_FILES:
                 if (spec / name).is_file():
                     shutil.copyfile(spec / name, tmp / name)
