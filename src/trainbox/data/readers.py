@@ -91,15 +91,24 @@ def json_objects(path: Path) -> Iterator[tuple[dict, int]]:
             yield row, n
 
 
+def _bad_utf8(where: str, offset: int, e: UnicodeDecodeError) -> DataError:
+    return DataError(f"{where}: invalid UTF-8 at byte offset {offset + e.start}", hint="convert the file to UTF-8")
+
+
 def _first_row(path: Path):
-    """The first non-empty line of a JSONL file, parsed (None: no such line, or not JSON)."""
+    """The first non-empty line of a JSONL file, parsed (None: no such line, or not JSON, which the workers
+    report with its line). Bytes that are not UTF-8 are a DataError naming the file, line and byte offset."""
     with _open(path) as f:
-        for line in f:
+        offset = 0
+        for n, line in enumerate(f, 1):
             if line.strip():
                 try:
                     return json.loads(line)
                 except json.JSONDecodeError:
                     return None
+                except UnicodeDecodeError as e:
+                    raise _bad_utf8(f"{path}:{n}", offset, e) from None
+            offset += len(line)
     return None
 
 
@@ -198,8 +207,7 @@ def decode_utf8(data: bytes, where: str, offset: int) -> str:
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise DataError(f"{where}: invalid UTF-8 at byte offset {offset + e.start}",
-                        hint="convert the file to UTF-8") from None
+        raise _bad_utf8(where, offset, e) from None
 
 
 def parse_json_line(line: bytes, where: str, offset: int, keys: list[str], chat: bool) -> tuple:
@@ -210,7 +218,7 @@ def parse_json_line(line: bytes, where: str, offset: int, keys: list[str], chat:
     except json.JSONDecodeError as e:
         raise DataError(f"{where}: invalid JSON at byte offset {offset + e.pos} ({e.msg})") from None
     except UnicodeDecodeError as e:
-        raise DataError(f"{where}: invalid UTF-8 at byte offset {offset + e.start}") from None
+        raise _bad_utf8(where, offset, e) from None
     if _surrogate_escape(line):
         rec = mend_surrogates(rec)
     if chat and is_chat_record(rec):
@@ -229,21 +237,33 @@ def text_fields(rec, keys: list[str], where: str) -> list[str]:
         have = ", ".join(sorted(rec)) if isinstance(rec, dict) else type(rec).__name__
         near = _meant(rec) if isinstance(rec, dict) else None
         if near:
-            raise DataError(f"{where}: {near} (fields: {have})", hint="see `trainbox prepare --help` for the row forms")
-        raise DataError(f"{where}: no string field {missing[0]!r} (fields: {have})",
-                        hint="choose the field with --text-key")
+            raise DataError(f"{where}: {near[0]} (fields: {have})", hint=near[1])
+        raise DataError(f"{where}: no string field {missing[0]!r} (fields: {have})", hint=_text_key_hint(rec))
     return [rec[k] for k in keys]
 
 
-def _meant(rec: dict) -> str | None:
-    """What a record that is not plain text seems meant to be, and what it lacks (None: nothing recognised)."""
+def _text_key_hint(rec) -> str:
+    """How to name the text field, in each verb's spelling (this runs in the workers, for every verb that reads
+    JSONL; `inspect` has no such option and reads a raw file with the default field)."""
+    field = next((k for k, v in rec.items() if isinstance(v, str)), "FIELD") if isinstance(rec, dict) else "FIELD"
+    return (f"name the text field: `prepare --text-key {field}` (or `tokenizer train --text-key {field}`), "
+            f"data.text_key=[{field}] for train; to inspect it, inspect what that prepare writes")
+
+
+def _meant(rec: dict) -> tuple[str, str] | None:
+    """(what a record that is not plain text seems meant to be, and what it lacks; the next step), or None when
+    nothing is recognised."""
+    if is_chat_record(rec):
+        return ("a chat record, but the input is read as plain text (the first record of each file decides, and "
+                "none is a chat record)", "keep chat and plain-text records in separate files, prepared apart")
+    forms = "see `trainbox prepare --help` for the row forms"
     for key in ("messages", "conversations"):
         if key in rec:
-            return f"a chat record's {key!r} is a list of messages, not a {type(rec[key]).__name__}"
+            return f"a chat record's {key!r} is a list of messages, not a {type(rec[key]).__name__}", forms
     pair = [k for k in ("prompt", "chosen", "rejected") if k in rec]
     if "chosen" in pair or "rejected" in pair:
         lacks = [k for k in ("chosen", "rejected") if k not in rec]
-        return f"a preference row needs 'chosen' and 'rejected'; {' and '.join(map(repr, lacks))} missing"
+        return f"a preference row needs 'chosen' and 'rejected'; {' and '.join(map(repr, lacks))} missing", forms
     return None
 
 

@@ -104,7 +104,7 @@ class HFTokenizer:
         if not file.is_file():
             raise DataError(f"tokenizer file {file} does not exist",
                             hint="use gpt2, embedded:shakespeare-bpe, or `trainbox tokenizer train FILES --out DIR`")
-        self.tok = _Tok.from_file(str(file))
+        self.tok = _load_tokenizer_json(file)
         self.name = name or str(file)
         self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
         vocab = self.tok.get_vocab(with_added_tokens=True)
@@ -135,6 +135,27 @@ class HFTokenizer:
 
     def token_bytes(self) -> list[int]:
         return token_lengths(self.tok, self._special, self.vocab_size)
+
+
+def _load_tokenizer_json(file: Path) -> _Tok:
+    """`file` through `tokenizers`, or a DataError saying why it is not a tokenizer.json: the library's own message
+    on a valid JSON file of another kind (a model's config.json) reads as a JSON syntax error."""
+    try:
+        return _Tok.from_file(str(file))
+    except Exception as e:  # tokenizers raises a bare Exception
+        try:
+            spec = json.loads(file.read_bytes())
+        except ValueError as bad:  # not JSON, or not UTF-8
+            reason = f"not valid JSON ({bad})"
+        else:
+            if not isinstance(spec, dict):
+                reason = f"no 'model' section (it is a JSON {type(spec).__name__})"
+            elif "model" not in spec:
+                reason = f"no 'model' section (its keys: {', '.join(list(spec)[:8]) or 'none'})"
+            else:
+                reason = f"tokenizers cannot read it ({str(e).splitlines()[0][:300]})"
+        raise DataError(f"{file} is not a tokenizer.json (a Hugging Face tokenizers file): {reason}",
+                        hint="give a model folder with tokenizer.json, or gpt2") from None
 
 
 def token_lengths(tok: _Tok, special: set[int], rows: int) -> list[int]:
