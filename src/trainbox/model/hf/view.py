@@ -38,7 +38,7 @@ def merged_linear(dtype: torch.dtype):
     its forward adds), summed in fp32 and copied in `dtype`; a quantized layer without adapters dequantized; else
     `cast_linear`'s copy (None where the weights are in `dtype` already)."""
     from peft.tuners.lora import LoraLayer  # optional: peft (a LoRA run has it)
-    from peft.utils.integrations import dequantize_module_weight
+    from peft.utils.integrations import dequantize_module_weight  # optional: peft
     cast = cast_linear(dtype)
 
     def copy(module: nn.Module) -> Weights | None:
