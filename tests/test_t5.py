@@ -1,6 +1,7 @@
 """T5 family: parity with Hugging Face's T5ForConditionalGeneration (logits, gradients, export, greedy
 decoding), FLOP count against torch's FlopCounterMode, recipes, and training through the one loop
-(exact resume, world-size independence, `trainbox generate`)."""
+(exact resume, world-size independence, the logged loss as the mean over decoder targets, `trainbox generate`,
+`trainbox inspect` of a run)."""
 from __future__ import annotations
 
 import json
@@ -86,13 +87,19 @@ def test_bias_diagonals_and_their_gradient_equal_the_gather(q_len, k_len):
                                rtol=0, atol=1e-12)
 
 
-def test_export_loads_in_transformers_with_same_outputs(tmp_path):
+@pytest.mark.parametrize("tie", [False, True])
+def test_export_loads_in_transformers_with_same_outputs(tmp_path, tie):
+    """config.json states the model's own tie (T5 v1.1's untied head: false, as google/t5-v1_1-* say), and
+    transformers loads the head as we hold it: tied to `shared` and scaled, or a separate matrix."""
     from transformers import T5ForConditionalGeneration
 
     torch.manual_seed(3)
-    ours = T5(ModelSection(**SHAPE, tie_embeddings=False), VOCAB, 64).eval()
+    ours = T5(ModelSection(**SHAPE, tie_embeddings=tie), VOCAB, 64).eval()
     out = to_hf(ours, tmp_path / "hf", eos_token_id=5)
+    saved = json.loads((out / "config.json").read_text())
+    assert saved["tie_word_embeddings"] is tie and saved.get("scale_decoder_outputs", tie) is tie
     hf = T5ForConditionalGeneration.from_pretrained(out).eval()
+    assert (hf.lm_head.weight is hf.shared.weight) == tie
     x, y = torch.randint(0, VOCAB, (2, 30)), torch.randint(0, VOCAB, (2, 9))
     ref = hf(input_ids=x, labels=y)
     mine = ours(x, y)
@@ -222,6 +229,55 @@ def test_t5_batches_do_not_depend_on_world_size(tiny):
         whole = torch.cat([b[key] for b in one])
         assert torch.equal(whole, torch.cat([b[key] for rank in two for b in rank]))
     assert one[0]["x"].shape[1] == cfg.data.seq_len and np.all(one[0]["x"][:, -1].numpy() == tok.eot_id)
+
+
+def test_t5_logged_loss_is_the_mean_cross_entropy_over_decoder_targets(tmp_path, tiny):
+    """The loss the loop logs for step 1 (two micro-batches) is the mean cross-entropy over every decoder target
+    of its global batch, computed here by hand from the model's logits; lr 1e-12 keeps the checkpoint's weights
+    those of step 1's forward."""
+    import torch.nn.functional as F
+
+    from trainbox.data.loader import BatchOrder
+    from trainbox.data.sources import open_datasets
+    from trainbox.model.build import adapt_datasets
+    from trainbox.model.load import load_for_inference
+
+    train(load_config("tiny", [*tiny, *T5_TINY, "train.max_steps=1", "train.eval_every=0", "optim.lr=1e-12",
+                               "optim.warmup_steps=0", "run.name=m"]))
+    logged = _losses(tmp_path / "runs" / "m")[1]
+    model, tok, cfg = load_for_inference(tmp_path / "runs" / "m")
+    assert cfg.train.global_batch_size == 2 * cfg.train.micro_batch_size
+    vocab = model_vocab_size(cfg.model, tok.vocab_size)
+    data, _ = adapt_datasets(cfg, tok, vocab, *open_datasets(cfg.data, tok, vocab))
+    glob = cfg.train.global_batch_size
+    batch = BatchOrder(data, glob, glob, seed=cfg.run.seed).micro_batches(0)[0]   # step 1's whole global batch
+    x, y = batch["x"], batch["y"]
+    start = torch.full((len(y), 1), model.decoder_start_token_id)
+    with torch.no_grad():
+        logits = model.eval()(x, decoder_input_ids=torch.cat([start, y[:, :-1]], dim=1)).logits
+    by_hand = F.cross_entropy(logits.double().flatten(0, 1), y.flatten()).item()
+    assert y.shape[1] < x.shape[1] < data.seq_len      # targets, encoder input and raw window: three lengths
+    assert logged == pytest.approx(by_hand, rel=1e-5)
+
+
+def test_inspect_of_a_t5_run_counts_the_samples_and_steps_its_log_states(tmp_path, tiny, capsys):
+    """`trainbox inspect RUN` of a t5 run counts samples of its span-corruption windows (longer than data.seq_len),
+    as the run's loader does: the samples and steps per epoch of the run's train.log `data:` line."""
+    import re
+
+    from trainbox.cli import main
+
+    run_cli("train", "tiny", *tiny, *T5_TINY, "train.max_steps=1", "train.eval_every=0", "run.name=i")
+    run = tmp_path / "runs" / "i"
+    said = re.search(r"data: .* ([\d,]+) samples of 32; global batch 8 .*; ([\d,]+) steps/epoch",
+                     (run / "train.log").read_text())
+    samples, per_epoch = (int(g.replace(",", "")) for g in said.groups())
+    capsys.readouterr()
+    assert main(["inspect", str(run), "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert (r["seq_len"], r["global_batch"]) == (32, 8)
+    assert (r["train"]["samples"], r["steps_per_epoch"]) == (samples, per_epoch)
+    assert r["run"]["epochs"] == round(1 / per_epoch, 4)
 
 
 @pytest.mark.gpu

@@ -7,6 +7,7 @@ code is 128 + the signal's number, as a shell reports a process ended by it: 130
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shlex
@@ -14,11 +15,12 @@ import signal
 import sys
 import time
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 
 from trainbox.data.readers import first_row_is_preference, list_input_files, tokenizer_texts
 from trainbox.data.tokenizer import get_tokenizer, train_bpe
-from trainbox.errors import DataError
+from trainbox.errors import BadInput, DataError
 from trainbox.model.spec import family
 from trainbox.monitor.console import fmt_duration
 from trainbox.train.stop import STOP  # `train` keeps stop signals for its loop: a download ends on them
@@ -68,8 +70,20 @@ def cmd_prepare(args) -> int:
           f"{st.tokens / secs:,.0f} tokens/s" + st.mask_summary())
     for f in st.files:
         print(f"  {f}")
-    print(f"train on it with: {train_hint(args.out, args.tokenizer)}")
+    if opts.val_fraction and not st.val_documents:
+        print(f"trainbox prepare: warning: {_no_validation(opts.val_fraction, st.documents)}", file=sys.stderr)
+    keys = opts.text_keys if opts.format == "megatron" else None   # shards are named by split, not by key
+    print(f"train on it with: {train_hint(args.out, args.tokenizer, keys)}")
     return 0
+
+
+def _no_validation(fraction: float, documents: int) -> str:
+    """What a --val-fraction that held out no document left, and what holds one out (fraction f of n documents
+    holds one out when f >= 1/n)."""
+    said = f"--val-fraction {fraction:g} held out none of the {documents:,} documents: no validation data was written"
+    if documents < 2:
+        return f"{said}; one document is not split: give validation data with data.val_path when training"
+    return f"{said}; hold one out with --val-fraction {math.ceil(100 / documents) / 100:g} or --val-docs 1"
 
 
 def _prepare_pairs(args) -> int:
@@ -92,18 +106,21 @@ def _prepare_pairs(args) -> int:
     return 0
 
 
-def train_hint(out: str, tokenizer: str) -> str:
+def train_hint(out: str, tokenizer: str, text_keys: list[str] | None = None) -> str:
     """The `trainbox train` command for data written to `out`: a run of its own, named after `out` (the
-    default run, tiny, would resume, or refuse data it was not started on)."""
+    default run, tiny, would resume, or refuse data it was not started on). `text_keys`: those of a Megatron set,
+    whose `{out}_{key}_document` files training finds by data.text_key."""
 
     name = re.sub(r"[^A-Za-z0-9._-]+", "-", Path(out).name).lstrip("._-")[:128] or "data"
+    keys = [f"data.text_key=[{','.join(text_keys)}]"] if text_keys and list(text_keys) != ["text"] else []
     return " ".join(shlex.quote(a) for a in ("trainbox", "train", f"data.path={out}", f"data.tokenizer={tokenizer}",
-                                             f"run.name={name}"))
+                                             *keys, f"run.name={name}"))
 
 
 def cmd_inspect(args) -> int:
     from trainbox.data import inspect as inspection  # heavy: numpy, torch
 
+    _check_counts(args)
     run = _run_config(Path(args.path))
     if run is None and inspection.is_preference_data(args.path):
         report = _inspect_preferences(args)
@@ -130,16 +147,32 @@ def cmd_inspect(args) -> int:
                                             args.epochs or run.train.epochs or 1.0)
         report["run"] = {"path": args.path, "data.path": run.data.path}
     else:   # the run's data with its settings; an option given on the command line overrides the run's
+        from trainbox.model.build import adapt_datasets, model_vocab_size  # heavy: torch
+
         _refuse_examples(args.path, run)
         seq_len, batch = args.seq_len or run.data.seq_len, args.global_batch or run.train.global_batch_size
+        tok = get_tokenizer(args.tokenizer or run.data.tokenizer)
+        windows = run.model_copy(update={"data": run.data.model_copy(update={"seq_len": seq_len})})
+        adapt = partial(adapt_datasets, windows, tok, model_vocab_size(run.model, tok.vocab_size))  # t5: its spans
         report = inspection.inspect_data(run.data.path, seq_len, batch, args.epochs or run.train.epochs or 1.0,
                                          args.tokenizer or run.data.tokenizer, run.data.cache_dir,
-                                         args.format or run.data.format)
+                                         args.format or run.data.format, adapt=adapt)
         steps = run.train.max_steps or (run.train.max_tokens // (batch * seq_len) if run.train.max_tokens else None)
         report["run"] = {"path": args.path, "data.path": run.data.path, "data.tokenizer": run.data.tokenizer,
                          "max_steps": steps, "epochs": round(steps / report["steps_per_epoch"], 4) if steps else None}
     print(json.dumps(report, indent=1) if args.json else inspection.format_report(report))
     return 0
+
+
+def _check_counts(args) -> None:
+    """Refuse an `inspect` option that counts nothing (a usage error, as argparse's): --seq-len or --global-batch
+    below 1, --epochs at or below 0."""
+    default = "or leave it out for the default (a run directory's own setting)"
+    for flag, value in (("--seq-len", args.seq_len), ("--global-batch", args.global_batch)):
+        if value is not None and value < 1:
+            raise BadInput(f"{flag} {value}: must be at least 1", hint=f"give {flag} 1 or more, {default}")
+    if args.epochs is not None and args.epochs <= 0:
+        raise BadInput(f"--epochs {args.epochs:g}: must be above 0", hint=f"give --epochs 1 (or 0.5, 2 ...), {default}")
 
 
 def _inspect_preferences(args) -> dict:

@@ -7,6 +7,9 @@ rule as the training loader, so the step count printed here is the one `trainbox
     samples = sum over files of (tokens - 1) // seq_len      (windows of seq_len + 1 never cross files)
     steps_per_epoch = samples // global_batch; total = ceil(epochs x steps_per_epoch)
 
+A run's data is counted after its family's adaptation of the packed windows (`adapt`, which the caller takes
+from the run: t5's span corruption reads windows of more than seq_len tokens, data/spans.py), as its loader does.
+
 Preference data (a `trainbox prepare` set of pairs or unpaired examples, raw preference JSONL, or a run of
 train.objective=dpo) is read as training reads it (data/pairs.py: the truncation at seq_len, the mismatched
 partners of unpaired examples, packed rows): pairs or examples, tokens, what the truncation cuts, and the steps
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -74,8 +78,11 @@ def describe_file(path: Path, eot: int | None, vocab_size: int | None, data_form
 
 
 def inspect_data(path: str, seq_len: int, global_batch: int | None = None, epochs: float = 1.0,
-                 tokenizer: str | None = None, cache_dir: str | None = None, data_format: str = "auto") -> dict:
-    """A report of the train (and val) files behind `path`; DataError when an epoch would have 0 steps."""
+                 tokenizer: str | None = None, cache_dir: str | None = None, data_format: str = "auto",
+                 adapt: Callable | None = None) -> dict:
+    """A report of the train (and val) files behind `path`; DataError when an epoch would have 0 steps. `adapt`:
+    the run's rule for its packed windows, adapt(train, val) -> (train, val) (model/build.py's adapt_datasets for
+    the run); samples and steps are those of the datasets it returns."""
 
     tok = get_tokenizer(tokenizer or "gpt2")
     cfg = DataSection(path=path, tokenizer=tokenizer or "gpt2", seq_len=max(8, seq_len), cache_dir=cache_dir,
@@ -83,12 +90,15 @@ def inspect_data(path: str, seq_len: int, global_batch: int | None = None, epoch
     train_files, val_files = resolve(cfg, tok)
     vocab = tok.vocab_size if tokenizer else None
     report: dict = {"path": path, "seq_len": seq_len, "tokenizer": tokenizer or "gpt2 (for EOT only)"}
-    for split, files in (("train", train_files), ("val", val_files)):
+    datasets = [TokenDataset([open_tokens(f, data_format)[0] for f in files], seq_len, name=f"{path} ({split})")
+                if files else None for split, files in (("train", train_files), ("val", val_files))]
+    if adapt is not None:
+        datasets = adapt(*datasets)
+    for split, files, ds in zip(("train", "val"), (train_files, val_files), datasets):
         if not files:
             continue
         infos = [describe_file(f, tok.eot_id, vocab, data_format, tokenizer) for f in files]
-        ds = TokenDataset([open_tokens(f, data_format)[0] for f in files], seq_len, name=f"{path} ({split})")
-        report[split] = {"files": infos, "tokens": ds.num_tokens, "samples": ds.num_samples,
+        report[split] = {"files": infos, "tokens": ds.num_tokens, "samples": ds.num_samples, "window": ds.seq_len,
                          "documents": sum(i["documents"] for i in infos),
                          "min_id": (min(i["min_id"] for i in infos if i["min_id"] is not None)
                                     if ds.num_tokens else None),
@@ -182,7 +192,9 @@ def format_report(r: dict) -> str:
             continue
         s = r[split]
         lines.append(f"{split}: {len(s['files'])} file(s), {s['documents']:,} documents, {s['tokens']:,} tokens, "
-                     f"ids {s['min_id']}..{s['max_id']}, {s['samples']:,} samples of {r['seq_len']}")
+                     f"ids {s['min_id']}..{s['max_id']}, {s['samples']:,} samples of {r['seq_len']}"
+                     + (f" (each read from a window of {s['window']} tokens)" if s.get("window", r["seq_len"])
+                        != r["seq_len"] else ""))
         for f in s["files"]:
             extra = f", {f['trained_tokens']:,} trained (loss mask)" if "trained_tokens" in f else ""
             lines.append(f"  {f['path']}: {f['format']} {f['dtype']}, {f['documents']:,} documents, "

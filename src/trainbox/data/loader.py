@@ -35,7 +35,8 @@ class TokenDataset:
             masks = [AllOnes(len(a)) if m is None else m for a, m in zip(arrays, masks)]
         self.arrays, self.masks, self.seq_len, self.name = arrays, masks, seq_len, name
         # transform(windows (B, seq_len + 1), sample indices) -> batch dict, for families whose examples
-        # are not next-token windows (t5: span corruption, data/spans.py)
+        # are not next-token windows (t5: span corruption, data/spans.py); transform.target_count(indices) is
+        # the number of targets its batches of those samples train
         self.transform = transform
         per_file = [max(0, (len(a) - 1) // seq_len) for a in arrays]
         self.offsets = np.concatenate([[0], np.cumsum(per_file)]).astype(np.int64)
@@ -53,7 +54,9 @@ class TokenDataset:
         return toks, mask
 
     def target_count(self, indices) -> int:
-        """Targets that carry loss in the windows `indices`."""
+        """Targets that carry loss in the samples `indices` (the transform's, where one makes the batches)."""
+        if self.transform is not None:
+            return self.transform.target_count(indices)
         if self.masks is None:
             return len(indices) * self.seq_len
         return int(sum(int(self.window(int(i))[1][1:].sum()) for i in indices))

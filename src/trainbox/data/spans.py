@@ -161,6 +161,10 @@ class SpanCorruption:
                               f"model.t5.sentinel_tokens={sentinel_tokens} sentinels exist",
                               hint=f"raise model.t5.sentinel_tokens to {spans}, or lower data.seq_len")
 
+    def target_count(self, indices) -> int:
+        """Decoder targets that carry loss in the samples `indices`: all of them, `target_len` a sample."""
+        return len(indices) * self.target_len
+
     def example(self, tokens: np.ndarray, index: int) -> tuple[np.ndarray, np.ndarray]:
         """One sample, on its own: the definition the batch transform (`__call__`) is tested against."""
         rng = np.random.default_rng([self.seed, self.split, int(index)])

@@ -22,18 +22,24 @@ from trainbox.model.t5.model import T5, t5_d_ff, t5_d_kv, t5_decoder_layers
 
 
 def hf_config(model: T5, eos_token_id: int):
-    """The transformers T5Config describing `model`."""
+    """The transformers T5Config describing `model`, whose config.json says the model's own tie. transformers 5's
+    T5Config turns the `tie_word_embeddings` it is given into `scale_decoder_outputs` (the tied head's d_model^-0.5)
+    and sets `tie_word_embeddings` to True, which transformers 4 and T5 v1.1's own configs read as a tied, scaled
+    head; it is set again after construction. (transformers 5 loads an untied folder untied: its checkpoint holds
+    two different heads.)"""
     from transformers import T5Config  # optional: the `hf` extra
 
     cfg = model.cfg
-    return T5Config(vocab_size=model.vocab_size, d_model=cfg.n_embd, d_kv=t5_d_kv(cfg), d_ff=t5_d_ff(cfg),
-                    num_layers=cfg.n_layer, num_decoder_layers=t5_decoder_layers(cfg), num_heads=cfg.n_head,
-                    relative_attention_num_buckets=cfg.t5.relative_attention_num_buckets,
-                    relative_attention_max_distance=cfg.t5.relative_attention_max_distance,
-                    dropout_rate=cfg.dropout, layer_norm_epsilon=cfg.t5.layer_norm_eps,
-                    feed_forward_proj="gated-gelu", tie_word_embeddings=cfg.tie_embeddings,
-                    decoder_start_token_id=model.decoder_start_token_id, pad_token_id=model.decoder_start_token_id,
-                    eos_token_id=eos_token_id)
+    config = T5Config(vocab_size=model.vocab_size, d_model=cfg.n_embd, d_kv=t5_d_kv(cfg), d_ff=t5_d_ff(cfg),
+                      num_layers=cfg.n_layer, num_decoder_layers=t5_decoder_layers(cfg), num_heads=cfg.n_head,
+                      relative_attention_num_buckets=cfg.t5.relative_attention_num_buckets,
+                      relative_attention_max_distance=cfg.t5.relative_attention_max_distance,
+                      dropout_rate=cfg.dropout, layer_norm_epsilon=cfg.t5.layer_norm_eps,
+                      feed_forward_proj="gated-gelu", tie_word_embeddings=cfg.tie_embeddings,
+                      decoder_start_token_id=model.decoder_start_token_id, pad_token_id=model.decoder_start_token_id,
+                      eos_token_id=eos_token_id)
+    config.tie_word_embeddings = cfg.tie_embeddings
+    return config
 
 
 def to_hf(model: T5, out: str | Path, eos_token_id: int, dtype: str | None = None) -> Path:
