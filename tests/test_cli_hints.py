@@ -62,3 +62,52 @@ def test_prepare_hint_trains_a_new_run(tmp_path, data_cache):
     assert "already finished" not in proc.stdout + proc.stderr
     status = json.loads((tmp_path / "runs" / "mine" / "status.json").read_text())
     assert status["phase"] == "finished" and status["step"] == 2
+
+
+def test_prepare_hint_of_megatron_text_keys_trains(tmp_path, data_cache):
+    """`prepare --format megatron --text-key q` prints a command with data.text_key=[q], and it trains; training on
+    the set without it names data.text_key=[q]."""
+    rows = "".join(json.dumps({"q": f"the king and the queen of day {i}"}) + "\n" for i in range(200))
+    (tmp_path / "qa.jsonl").write_text(rows)
+    out = run_cli("prepare", "qa.jsonl", "--text-key", "q", "--format", "megatron", "--out", "data/qa",
+                  "--tokenizer", "embedded:shakespeare-bpe", "--quiet", cwd=tmp_path).stdout
+    cmd = shlex.split(next(ln for ln in out.splitlines() if ln.startswith("train on it with: ")).split(": ", 1)[1])
+    assert "data.text_key=[q]" in cmd
+    small = [o for o in TINY if not o.startswith("data.tokenizer=")]
+    run = [*small, f"data.cache_dir={data_cache}", "train.max_steps=1", "train.eval_every=0", "train.sample_tokens=0"]
+    run_cli(*cmd[1:], *run, cwd=tmp_path)
+    assert json.loads((tmp_path / "runs" / "qa" / "status.json").read_text())["phase"] == "finished"
+    bad = run_cli(*[a for a in cmd[1:] if not a.startswith("data.text_key=")], *run, "run.name=nokey", cwd=tmp_path,
+                  check=False)
+    assert bad.returncode == 1 and "data/qa_q_document" in bad.stderr and "data.text_key=[q]" in bad.stderr, bad.stderr
+
+
+@pytest.mark.parametrize("flag,value", [("--global-batch", "0"), ("--global-batch", "-4"), ("--seq-len", "0"),
+                                        ("--seq-len", "-5"), ("--epochs", "0"), ("--epochs", "-1")])
+def test_inspect_refuses_counts_below_one(tmp_path, capsys, flag, value):
+    from trainbox.cli import main
+    from trainbox.data.prepare import PrepareOptions, prepare
+
+    (tmp_path / "a.txt").write_text("the king and the queen " * 200)
+    prepare(PrepareOptions([str(tmp_path / "a.txt")], str(tmp_path / "x")))
+    capsys.readouterr()
+    assert main(["inspect", str(tmp_path / "x"), flag, value]) == 2
+    err = capsys.readouterr().err
+    assert f"{flag} {value}: " in err and "must be" in err and "-> " in err, err
+
+
+def test_data_of_another_tokenizer_than_the_models_says_to_prepare_it_again(tmp_path):
+    """Token data prepared with one model folder's tokenizer, trained with model.path of another whose vocabulary
+    is smaller: the hint is to prepare it again with this model's tokenizer, not to set data.tokenizer (which the
+    model's embedding cannot take)."""
+    import hf_tiny
+
+    a, b = hf_tiny.make_model(tmp_path / "a", vocab_size=320), hf_tiny.make_model(tmp_path / "b", vocab_size=280)
+    (tmp_path / "t.txt").write_text(" ".join(hf_tiny.WORDS * 40))
+    run_cli("prepare", "t.txt", "--tokenizer", str(a), "--out", "p", "--quiet", cwd=tmp_path)
+    t = run_cli("train", "lora", f"model.path={b}", "data.path=p", "data.seq_len=32", "train.global_batch_size=4",
+                "train.micro_batch_size=2", f"run.dir={tmp_path}", "monitor.port=0", "train.max_steps=1",
+                "train.sample_tokens=0", "train.threads=1", cwd=tmp_path, check=False)
+    assert t.returncode == 1 and "data.tokenizer=" not in t.stderr, t.stderr
+    assert f"it was prepared with --tokenizer {a}, not with {b}, the model's own" in t.stderr, t.stderr
+    assert f"trainbox prepare ... --tokenizer {b} --overwrite" in t.stderr, t.stderr

@@ -504,3 +504,47 @@ def test_prepared_set_is_whole_or_refused(corpus, tmp_path):
     prepare(PrepareOptions([str(d / "b.jsonl.gz")], str(out), overwrite=True))
     assert sorted(p.name for p in tmp_path.glob("x*")) == ["x.manifest.json", "x_train_000001.bin"]
     assert len(resolve(cfg, tok)[0]) == 1
+
+
+def test_write_vocab_replaces_no_file_without_overwrite_and_never_an_input(tmp_path):
+    """--write-vocab is refused before any work when gpt2-vocab.json or gpt2-merges.txt is an input (even with
+    --overwrite) or another file already there (without --overwrite); a file with the very bytes it would write
+    is left as it is."""
+    (tmp_path / "a.txt").write_text("some text\n")
+    notes = tmp_path / "gpt2-merges.txt"
+    notes.write_text("my notes\n")
+    for overwrite in (False, True):   # the folder is the input: gpt2-merges.txt is one of its documents
+        with pytest.raises(DataError, match=r"gpt2-merges\.txt is an input") as e:
+            prepare(PrepareOptions([str(tmp_path)], str(tmp_path / "x"), format="megatron", write_vocab=True,
+                                   overwrite=overwrite))
+        assert "--out" in e.value.hint
+    with pytest.raises(DataError, match=r"gpt2-merges\.txt already exists") as e:
+        prepare(PrepareOptions([str(tmp_path / "a.txt")], str(tmp_path / "x"), format="megatron", write_vocab=True))
+    assert "--overwrite" in e.value.hint
+    assert notes.read_text() == "my notes\n" and sorted(p.name for p in tmp_path.iterdir()) == ["a.txt", notes.name]
+    prepare(PrepareOptions([str(tmp_path / "a.txt")], str(tmp_path / "x"), format="megatron", write_vocab=True,
+                           overwrite=True))
+    assert notes.read_bytes() == asset_path("vocab.bpe").read_bytes()
+    st = prepare(PrepareOptions([str(tmp_path / "a.txt")], str(tmp_path / "y"), write_vocab=True))  # the same bytes
+    assert str(notes) in st.files
+
+
+def test_no_training_document_is_refused_and_an_empty_validation_split_is_said(tmp_path):
+    """--val-docs that holds out every document is refused and leaves the previous outputs as they were; a
+    --val-fraction that holds out no document says so, and what would hold one out."""
+    for i in range(6):
+        (tmp_path / f"d{i}.txt").write_text(" ".join(make_docs(3, seed=i)))
+    inputs, out = [str(tmp_path / f"d{i}.txt") for i in range(6)], tmp_path / "o/x"
+    prepare(PrepareOptions(inputs, str(out), val_docs=1))
+    before = {p.name: p.read_bytes() for p in out.parent.iterdir()}
+    for n in (6, 9):
+        with pytest.raises(DataError, match=f"--val-docs {n} holds out all 6 documents: none is left for training"
+                           ) as e:
+            prepare(PrepareOptions(inputs, str(out), val_docs=n, overwrite=True))
+        assert "--val-docs 5" in e.value.hint
+        assert {p.name: p.read_bytes() for p in out.parent.iterdir()} == before
+    p = run_cli("prepare", *inputs, "--out", str(tmp_path / "f/x"), "--val-fraction", "0.1", "--quiet")
+    assert ("--val-fraction 0.1 held out none of the 6 documents: no validation data was written; hold one out "
+            "with --val-fraction 0.17 or --val-docs 1") in p.stderr, p.stderr
+    assert "--val-fraction" not in run_cli("prepare", *inputs, "--out", str(tmp_path / "g/x"), "--val-fraction",
+                                           "0.17", "--quiet").stderr

@@ -11,7 +11,8 @@ Pipeline (one reader, N tokenizer processes, one writer):
   document does not depend on its neighbours.
 - Documents: a .txt file is one document; a JSONL line is one document per --text-key (or one chat).
   The validation split takes whole documents: the first --val-docs, or an evenly spread
-  --val-fraction (document i is held out when floor((i+1)f) > floor(if)).
+  --val-fraction (document i is held out when floor((i+1)f) > floor(if)). A --val-docs that holds out every
+  document is refused (DataError), with nothing written.
 - Atomic as a set: every output is written under a temporary name (NAME.partial). Once all are complete,
   {out}.manifest.json is written with state "committing" (the new files and the old ones they replace),
   the temporaries are renamed into place, stale outputs of the previous set and leftover temporaries
@@ -136,6 +137,9 @@ def _check(opts: PrepareOptions, files: list[Path]) -> None:
         raise DataError(f"unknown output format {opts.format!r}", hint="use --format shard or --format megatron")
     if opts.val_docs and opts.val_fraction:
         raise DataError("give either --val-docs or --val-fraction, not both")
+    if opts.val_docs < 0:
+        raise DataError(f"--val-docs {opts.val_docs} must be at least 0",
+                        hint="give the number of documents to hold out for validation")
     if not 0 <= opts.val_fraction < 1:
         raise DataError(f"--val-fraction {opts.val_fraction} must be in [0, 1)")
     if opts.workers < 1 or opts.shard_tokens < 1:
@@ -149,6 +153,8 @@ def _check(opts: PrepareOptions, files: list[Path]) -> None:
     if clash:
         raise DataError(f"{clash[0]} is both an input and an output; prepare never writes into an input",
                         hint="choose another --out")
+    if opts.write_vocab:
+        _vocab_targets(opts.tokenizer, Path(opts.out).parent, opts.overwrite, files)
     Path(opts.out).parent.mkdir(parents=True, exist_ok=True)
 
 
@@ -209,6 +215,11 @@ def prepare(opts: PrepareOptions, progress: Callable[[PrepareStats], None] | Non
             raise NoData(f"{_names(files)}: no assistant tokens to train on in {stats.documents:,} chat record(s); "
                          "nothing was written", hint="only turns with role 'assistant' (ShareGPT: from 'gpt') are "
                          "trained: check the records' roles")
+        if stats.documents == stats.val_documents:
+            raise DataError(f"--val-docs {opts.val_docs} holds out all {stats.documents:,} documents: none is left for "
+                            "training; nothing was written",
+                            hint=f"hold out fewer: --val-docs {stats.documents - 1}"
+                                 + (" or less, or --val-fraction" if stats.documents > 1 else " (no validation split)"))
         outputs = _close_sinks(sinks, stats)
     except BaseException:
         pool.close()
@@ -220,7 +231,7 @@ def prepare(opts: PrepareOptions, progress: Callable[[PrepareStats], None] | Non
                     "are context, with nothing to learn")
     stats.files.append(str(_commit(outputs, opts, tok)))
     if opts.write_vocab:
-        stats.files += [str(p) for p in write_vocab(opts.tokenizer, Path(opts.out).parent)]
+        stats.files += [str(p) for p in write_vocab(opts.tokenizer, Path(opts.out).parent, opts.overwrite, files)]
     stats.seconds = time.perf_counter() - start
     if progress:
         progress(stats)
@@ -305,17 +316,39 @@ def _commit(outputs: list[tuple[Path, Path, int | None]], opts: PrepareOptions, 
     return man
 
 
-def write_vocab(tokenizer: str, folder: Path) -> list[Path]:
-    """gpt2-vocab.json and gpt2-merges.txt, the files Megatron's GPT2BPETokenizer reads."""
+VOCAB_FILES = (("encoder.json", "gpt2-vocab.json"), ("vocab.bpe", "gpt2-merges.txt"))
 
+
+def _vocab_targets(tokenizer: str, folder: Path, overwrite: bool, inputs: list[Path]) -> list[tuple[Path, Path]]:
+    """(asset, destination) of each vocabulary file to write; DataError, before anything is written, for another
+    tokenizer than gpt2, a destination that is an input, or another file there without `overwrite`. A destination
+    that already holds the asset's bytes is left out: writing it would change nothing."""
     if tokenizer != "gpt2":
         raise DataError(f"--write-vocab writes the GPT-2 vocabulary; the tokenizer here is {tokenizer}",
                         hint="drop --write-vocab and point your trainer at the tokenizer.json instead")
-    out = []
-    for src, name in (("encoder.json", "gpt2-vocab.json"), ("vocab.bpe", "gpt2-merges.txt")):
-        final = folder / name
+    ins = {f.resolve() for f in inputs}
+    todo = []
+    for src, name in VOCAB_FILES:
+        final, asset = folder / name, asset_path(src)
+        if final.resolve() in ins:
+            raise DataError(f"{final} is an input, and --write-vocab would write {name} over it; prepare never "
+                            "writes into an input", hint=f"move {final} out of the inputs' way, or choose another "
+                                                         "--out folder for the vocabulary files")
+        if final.is_file() and final.read_bytes() == asset.read_bytes():
+            continue
+        if final.exists() and not overwrite:
+            raise DataError(f"{final} already exists, and --write-vocab would replace it with the GPT-2 {name}",
+                            hint="add --overwrite to replace it, choose another --out folder, or drop --write-vocab")
+        todo.append((asset, final))
+    return todo
+
+
+def write_vocab(tokenizer: str, folder: Path, overwrite: bool = False, inputs: list[Path] = ()) -> list[Path]:
+    """gpt2-vocab.json and gpt2-merges.txt in `folder`, the files Megatron's GPT2BPETokenizer reads. Refused
+    (_vocab_targets) where one is among `inputs`, or another file of that name is there without `overwrite`."""
+
+    for asset, final in _vocab_targets(tokenizer, folder, overwrite, list(inputs)):
         tmp = partial(final)
-        tmp.write_bytes(asset_path(src).read_bytes())
+        tmp.write_bytes(asset.read_bytes())
         os.replace(tmp, final)
-        out.append(final)
-    return out
+    return [folder / name for _, name in VOCAB_FILES]

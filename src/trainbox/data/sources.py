@@ -142,6 +142,15 @@ def _megatron_prefixes(path: str, keys: list[str]) -> tuple[list[Path], list[Pat
     return train, val
 
 
+def _other_text_keys(path: str, keys: list[str]) -> list[str]:
+    """The text keys of a `prepare --format megatron` set at `path` ({path}_{key}_document) other than `keys`:
+    what data.text_key must name to read it."""
+    found = [Path(p).name[len(Path(path).name) + 1:-len("_document.idx")]
+             for p in sorted(glob.glob(f"{glob.escape(path)}_*_document.idx"))]
+    found = [k for k in found if not (k.startswith("val_") and k[4:] in found)]   # {path}_val_{key}_document
+    return [k for k in found if k not in keys and megatron.is_megatron_prefix(f"{path}_{k}_document")]
+
+
 def resolve(cfg: DataSection, tokenizer: Tokenizer) -> tuple[list[Path], list[Path]]:
     """-> (train files, val files); Megatron datasets are given by their prefix."""
     path, fmt = cfg.path, cfg.format
@@ -156,11 +165,13 @@ def resolve(cfg: DataSection, tokenizer: Tokenizer) -> tuple[list[Path], list[Pa
     elif os.path.isdir(path):
         path = _folder_prefix(path)
     meg = _megatron_prefixes(path, list(cfg.text_key)) if fmt in ("auto", "megatron") else None
+    keys = _other_text_keys(path, list(cfg.text_key)) if meg is None else []
+    keys_hint = f"it holds {path}_{keys[0]}_document: set data.text_key=[{','.join(keys)}]" if keys else ""
     if fmt == "megatron" and meg is None:
         raise DataError(f"data.format=megatron, but {path} is not a Megatron dataset: no "
                         f"{path.removesuffix('.bin').removesuffix('.idx')}.idx and .bin, nor {path}_"
                         f"{cfg.text_key[0]}_document.idx and .bin",
-                        hint="give the prefix of PREFIX.idx / PREFIX.bin, or set data.format=auto")
+                        hint=keys_hint or "give the prefix of PREFIX.idx / PREFIX.bin, or set data.format=auto")
     if meg is not None:
         train, val = meg
     elif os.path.isfile(path):
@@ -171,8 +182,8 @@ def resolve(cfg: DataSection, tokenizer: Tokenizer) -> tuple[list[Path], list[Pa
             found = sorted(glob.glob(f"{glob.escape(path)}*"))[:5]
             raise DataError(f"data.path={cfg.path}: no token files {path}_train_*.bin" +
                             (f" (found: {', '.join(found)})" if found else ""),
-                            hint="create them with `trainbox prepare INPUT --out PREFIX`, "
-                                 "or use data.path=embedded:shakespeare")
+                            hint=keys_hint or "create them with `trainbox prepare INPUT --out PREFIX`, "
+                                              "or use data.path=embedded:shakespeare")
     if cfg.val_path:
         val = _val_files(cfg)
     manifest.check_output_sets(train + val)
@@ -232,11 +243,27 @@ def check_vocab(arr: np.ndarray, path: Path, vocab_size: int, chunk: int = 1 << 
             off = _byte_offset(path, arr, pos)
             used = manifest.prepared_with(path)
             tok = f" of tokenizer {tokenizer}" if tokenizer else ""
-            hint = (f"it was prepared with --tokenizer {used}; set data.tokenizer={used}" if used and used != tokenizer
-                    else f"the data was tokenized with another tokenizer than {tokenizer or 'this one'}; set "
-                         f"data.tokenizer to the one it was prepared with (`trainbox prepare --tokenizer`)")
+            was = f"it was prepared with --tokenizer {used}" if used and used != tokenizer else \
+                "the data was tokenized with another tokenizer"
+            if tokenizer and _is_model_tokenizer(tokenizer):   # the model's weights fix its vocabulary
+                hint = (f"{was}, not with {tokenizer}, the model's own; prepare it again with the model's tokenizer: "
+                        f"trainbox prepare ... --tokenizer {tokenizer} --overwrite (the same inputs and --out)")
+            elif used and used != tokenizer:
+                hint = f"{was}; set data.tokenizer={used}"
+            else:
+                hint = (f"{was} than {tokenizer or 'this one'}; set data.tokenizer to the one it was prepared with "
+                        "(`trainbox prepare --tokenizer`)")
             raise DataError(f"{path}: token id {int(arr[pos])} at token {pos} (byte offset {off}) is >= the "
                             f"vocab size {vocab_size}{tok}", hint=hint)
+
+
+def _is_model_tokenizer(spec: str) -> bool:
+    """Whether the tokenizer `spec` is a model's (a model.path run's, whose vocabulary the weights fix): a folder
+    holding the model's config.json, or a hub id (neither gpt2, embedded:, nor a local file)."""
+    if spec == "gpt2" or spec.startswith("embedded:"):
+        return False
+    folder = Path(spec).expanduser()
+    return (folder / "config.json").is_file() or not folder.exists()
 
 
 def _byte_offset(path: Path, arr: np.ndarray, pos: int) -> int:
