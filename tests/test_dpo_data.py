@@ -129,8 +129,8 @@ def test_truncation_keeps_the_prompts_end_and_the_responses_start():
 
 def test_prepare_command_reports_counts_and_training_reads_the_set(tmp_path, folder, tok):
     """`trainbox prepare` on preference JSONL writes the pair files under a manifest, reports pairs, validation
-    pairs and what --seq-len cuts; the datasets cut the same pairs the same way; a prompt too long for data.seq_len
-    is refused naming its file and line."""
+    pairs and what --seq-len cuts; the datasets cut the same pairs the same way, and a prompt longer than a shorter
+    data.seq_len keeps its end."""
     long_prompt = " ".join(["one two three four"] * 12)
     long_answer = " " + " ".join(["one two three four five six seven eight nine ten"] * 4)
     rows = [{"prompt": [USER], "chosen": [GOOD], "rejected": [BAD]}] * 6 + \
@@ -155,11 +155,9 @@ def test_prepare_command_reports_counts_and_training_reads_the_set(tmp_path, fol
     assert tok.decode(ci[40:]).startswith(" one two three")                # the response's start
     assert not cm[:40].any() and cm[40:].all()
     short = load_config("dpo", [f"model.path={folder}", f"data.path={out}", "data.seq_len=40"])
-    with pytest.raises(DataError, match=rf"{src}:7: the prompt has {len(prompt)} tokens"):
-        open_pair_datasets(short.data, short.dpo, tok, tok.vocab_size)
-    refused = run_cli("prepare", str(src), "--tokenizer", str(folder), "--out", str(tmp_path / "o2"), "--seq-len",
-                      "40", check=False)
-    assert refused.returncode == 1 and f"{src}:7: the prompt has" in refused.stderr
+    (ci, cm), _ = open_pair_datasets(short.data, short.dpo, tok, tok.vocab_size)[0].sequences(5)
+    kept = int((cm == 0).sum())
+    assert len(prompt) >= 40 and len(ci) == 40 and 20 <= kept and ci[:kept].tolist() == prompt[-kept:]
 
 
 def test_an_unfinished_prepared_set_is_refused(tmp_path, folder, tok):
@@ -311,3 +309,76 @@ def test_inspect_reads_preference_sets_as_training_does(folder, tmp_path, capsys
     assert (r["unit"], r["train"]["examples"], r["train"]["desirable"]) == ("examples", 12, examples.desirable)
     assert main(["inspect", str(src), "--tokenizer", str(folder), "--seq-len", "8", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["train"]["responses_cut"] == plain.responses_cut
+
+
+# ----------------------------------------------------------------------------- prompts longer than data.seq_len
+
+
+def test_a_prompt_longer_than_seq_len_is_cut_as_the_docs_say_by_every_reader(tmp_path, folder, tok):
+    """A prompt of data.seq_len tokens or more loses its start as a shorter one does (TRL's keep_end): at most down
+    to max_prompt_len (half of data.seq_len by default), its end kept, then the responses' start to fit; so for dpo's
+    pairs, kto's examples, reward's pairs and the count of `prepare --seq-len`. Only a budget that leaves no room for
+    a response is refused, naming the file and line."""
+    prompt = " ".join(["one two three"] * 40)
+    src = write(tmp_path / "long.jsonl", [{"prompt": prompt, "chosen": " one plus one", "rejected": " it equals"}] * 4)
+    ids = tok.encode(prompt)
+    assert len(ids) > 2 * 48
+    common = [f"model.path={folder}", f"data.path={src}", "data.seq_len=48", f"data.cache_dir={tmp_path / 'c'}"]
+    dpo = load_config("dpo", common)
+    kto = load_config("dpo", [*common, "dpo.loss=kto"])
+    reward = load_config("reward", common)
+    readers = [open_pair_datasets(dpo.data, dpo.dpo, tok, tok.vocab_size)[0],
+               open_pair_datasets(kto.data, kto.dpo, tok, tok.vocab_size)[0],
+               open_pair_datasets(reward.data, reward.reward, tok, tok.vocab_size)[0]]
+    pair, mismatched = (" one plus one", " it equals"), (" one plus one", " one plus one")   # kto: 0's, 4's
+    for ds, cut, answers in zip(readers, (4, 8, 4), (pair, mismatched, pair)):
+        assert (ds.prompts_cut, ds.responses_cut) == (cut, 0), ds.name
+        for (seq, mask), answer in zip(ds.sequences(0), answers):
+            kept = int((mask == 0).sum())
+            assert 24 <= kept < 48 and len(seq) <= 48
+            assert seq[:kept].tolist() == ids[-kept:]                    # the prompt's end
+            assert tok.decode(seq[kept:]) == answer + "<|endoftext|>"    # the response whole
+    readers[2].score_pad = tok.eot_id   # a reward model scores each sequence's last token before its padding
+    ends = [len(seq) - 2 for seq, _ in readers[2].sequences(0)]
+    assert readers[2].batch([0])["score_at"].tolist() == ends and max(ends) < 48
+    res = run_cli("prepare", str(src), "--tokenizer", str(folder), "--out", str(tmp_path / "p"), "--seq-len", "48")
+    assert "4 prompts lose their start, 0 pairs' responses lose their ends" in res.stdout
+    with pytest.raises(DataError) as e:
+        pairs.PairDataset(tmp_path / "p", "train", 48, 48, tok.eot_id, "p")
+    assert f"{src}:1: the prompt has {len(ids)} tokens" in e.value.message and "max_prompt_len=48" in e.value.message
+    refused = run_cli("prepare", str(src), "--tokenizer", str(folder), "--out", str(tmp_path / "q"), "--seq-len", "48",
+                      "--max-prompt-len", "48", check=False)
+    assert refused.returncode == 2 and "--max-prompt-len 48 leaves no room" in refused.stderr
+
+
+# ----------------------------------------------------------------------------- the tokenizer of a prepared set
+
+
+def test_a_prepared_set_is_refused_under_another_tokenizer(tmp_path, folder, tok):
+    """The Mistral folder's ids fit the vocabulary of a set prepared with another tokenizer, so only the manifest can
+    tell: a run with that tokenizer is refused, naming both and the command that prepares the set again. The same
+    tokenizer given by a relative path, a copy of its folder, and an older manifest with no digest whose path
+    names the same folder are accepted."""
+    import shutil
+
+    from trainbox.data import manifest
+    src = hf_tiny.make_preference_file(tmp_path / "prefs.jsonl", n=16)
+    out = tmp_path / "p"
+    run_cli("prepare", str(src), "--tokenizer", folder.name, "--out", str(out), "--val-docs", "4", cwd=folder.parent)
+    cfg = load_config("dpo", [f"model.path={folder}", f"data.path={out}", "data.seq_len=48"])
+    assert open_pair_datasets(cfg.data, cfg.dpo, tok, tok.vocab_size)[0].num_pairs == 12
+    copy = shutil.copytree(folder, tmp_path / "copy")
+    twin = build_tokenizer(resolve_model(load_config("dpo", [f"model.path={copy}", "train.device=cpu"])))
+    assert open_pair_datasets(cfg.data, cfg.dpo, twin, twin.vocab_size)[0].num_pairs == 12
+    other = hf_tiny.make_model(tmp_path / "mistral", "mistral")
+    mistral = build_tokenizer(resolve_model(load_config("dpo", [f"model.path={other}", "train.device=cpu"])))
+    with pytest.raises(DataError) as e:
+        open_pair_datasets(cfg.data, cfg.dpo, mistral, mistral.vocab_size)
+    assert f"prepared with the tokenizer {folder.name}" in e.value.message and str(other) in e.value.message
+    assert f"trainbox prepare {src} --tokenizer {other} --out {out} --overwrite" in e.value.hint
+    man = manifest.manifest_path(out)
+    old = {k: v for k, v in json.loads(man.read_text()).items() if k != "tokenizer_sha256"}
+    manifest.write_manifest(man, {**old, "tokenizer": str(folder)})
+    assert open_pair_datasets(cfg.data, cfg.dpo, tok, tok.vocab_size)[0].num_pairs == 12
+    with pytest.raises(DataError, match="prepared with the tokenizer"):
+        open_pair_datasets(cfg.data, cfg.dpo, mistral, mistral.vocab_size)

@@ -168,8 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--write-vocab", action="store_true", help="write gpt2-vocab.json and gpt2-merges.txt beside")
     pr.add_argument("--overwrite", action="store_true", help="replace existing outputs")
     pr.add_argument("--quiet", action="store_true", help="no progress line")
-    pr.add_argument("--seq-len", type=int, default=None, help="preference pairs: refuse prompts this long and "
-                    "count the pairs that training at this data.seq_len cuts")
+    pr.add_argument("--seq-len", type=int, default=None, help="preference pairs: count the pairs that training "
+                    "at this data.seq_len cuts (a prompt loses its start down to --max-prompt-len), and refuse "
+                    "those that even the cut leaves no room for a response")
     pr.add_argument("--max-prompt-len", type=int, default=None, help="preference pairs: dpo.max_prompt_len for "
                     "that count (default half of --seq-len)")
     pr.set_defaults(func=cmd_prepare)

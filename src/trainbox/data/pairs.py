@@ -1,12 +1,14 @@
 """Preference data in training (train.objective=dpo): the token files of data/preference.py, memory-mapped and cut to
 data.seq_len by its truncation rule (`fit`), as the loop's batches of pairs (or of examples, dpo.loss=kto). A raw
-JSONL data.path is prepared first, into data.cache_dir, keyed by the file, the tokenizer and the chat template."""
+JSONL data.path is prepared first, into data.cache_dir, keyed by the file, the tokenizer and the chat template; a
+prepared set whose manifest names another tokenizer than the run's is refused."""
 from __future__ import annotations
 
 import hashlib
 import json
 import logging
 import os
+import shlex
 import shutil
 from pathlib import Path
 
@@ -16,7 +18,16 @@ import torch
 from trainbox.config.preference import UNPAIRED_LOSSES
 from trainbox.data import manifest
 from trainbox.data.packing import first_fit_decreasing
-from trainbox.data.preference import PARTS, describe, fit, part_path, prepare_pairs, prepared_kind
+from trainbox.data.preference import (
+    PARTS,
+    describe,
+    fit,
+    no_room,
+    part_path,
+    prepare_pairs,
+    prepared_kind,
+    tokenizer_identity,
+)
 from trainbox.data.readers import JSONL_SUFFIXES
 from trainbox.data.sources import check_vocab, default_cache_dir
 from trainbox.errors import DataError
@@ -39,7 +50,7 @@ class PairDataset:
         self.tokens, self.mask, self.index = (np.load(f, mmap_mode="r") for f in self.files)
         cols = np.asarray(self.index)
         self.source = cols[:, 4:6]   # (file, line) of each pair's row
-        self._check_prompts(cols[:, 1])
+        self._check_prompts(cols[:, 1], max_prompt)
         self.kept = fit(cols[:, 1], cols[:, 2], cols[:, 3], seq_len, max_prompt)
         self.prompts_cut = int((self.kept[0] < cols[:, 1]).sum())
         self.responses_cut = int(((self.kept[1] < cols[:, 2]) | (self.kept[2] < cols[:, 3])).sum())
@@ -50,13 +61,16 @@ class PairDataset:
         self.score_pad: int | None = None   # a reward model's padding id (data/tokenizer.py pad_id), where one reads
         self.report = {"pairs": self.num_pairs, "prompts_cut": self.prompts_cut, "responses_cut": self.responses_cut}
 
-    def _check_prompts(self, prompts: np.ndarray) -> None:
-        too_long = np.flatnonzero(prompts >= self.seq_len)
+    def _check_prompts(self, prompts: np.ndarray, max_prompt: int | None) -> None:
+        """DataError naming the first row whose prompt the truncation rule cannot cut to leave a response room."""
+        too_long = no_room(prompts, self.seq_len, max_prompt)
         if len(too_long):
             first = int(too_long[0])
-            raise DataError(f"{self._where(first)}: the prompt has {int(prompts[first])} tokens, which leaves no "
-                            f"room for a response in data.seq_len={self.seq_len} ({len(too_long)} such {self.unit} "
-                            f"in {self.name})", hint="raise data.seq_len, or leave those rows out")
+            raise DataError(f"{self._where(first)}: the prompt has {int(prompts[first])} tokens, and cut to "
+                            f"max_prompt_len={max_prompt} it leaves no room for a response in data.seq_len="
+                            f"{self.seq_len} ({len(too_long)} such {self.unit} in {self.name})",
+                            hint=f"give dpo.max_prompt_len (reward.max_prompt_len) below {self.seq_len}, or leave it "
+                                 "out (default: half of data.seq_len)")
 
     def _where(self, i: int) -> str:
         path = manifest.manifest_path(self.prefix)
@@ -164,7 +178,7 @@ class UnpairedDataset(PairDataset):
         if n < 2:
             raise DataError(f"{name}: {n} example; KTO's KL estimate pairs each prompt with another example's "
                             "completion, so a set needs at least 2", hint="add examples, or leave out the val set")
-        self._check_prompts(self.prompt_len)
+        self._check_prompts(self.prompt_len, max_prompt)
         self.partner = (np.arange(n) + n // 2) % n
         self.kept = fit(self.prompt_len, self.completion_len, self.completion_len[self.partner], seq_len, max_prompt)
         self.prompts_cut = int((self.kept[0] < self.prompt_len).sum())
@@ -341,6 +355,25 @@ def _prefix(path: str, tok, data, label: str) -> Path:
                     hint=f"trainbox prepare PREFS.jsonl --out PREFIX --tokenizer TOKENIZER, then {label}=PREFIX")
 
 
+def _check_tokenizer(prefix: Path, tok, label: str, path: str) -> None:
+    """DataError when the manifest of the prepared set `prefix` names another tokenizer than the run's `tok`: by
+    their tokenizer.json's sha256 where both are known, else by name (preference.py tokenizer_identity)."""
+    man = manifest.manifest_path(prefix)
+    m = manifest.read_manifest(man) if man.is_file() else {}
+    if not m.get("tokenizer"):
+        return
+    (name, digest), (was, was_digest) = tokenizer_identity(tok.name), tokenizer_identity(m["tokenizer"])
+    was_digest = m.get("tokenizer_sha256") or was_digest
+    if (digest == was_digest) if digest and was_digest else (name == was):
+        return
+    again = ["trainbox", "prepare", *m.get("sources", []), "--tokenizer", tok.name, "--out", str(prefix),
+             *(["--chat-template", m["chat_template"]] if m.get("chat_template") else []), "--overwrite"]
+    raise DataError(f"{label}={path} was prepared with the tokenizer {m['tokenizer']} ({man}), and this run's is "
+                    f"{tok.name}: its token ids stand for other text under this tokenizer",
+                    hint=f"prepare it again with this model's tokenizer: {shlex.join(again)} (with its --val-docs "
+                         f"or --val-fraction), or train with the model it was prepared for")
+
+
 def _kind(prefix: Path, label: str, path: str, examples: bool) -> str:
     kind = prepared_kind(prefix) or "pairs"
     if kind == "examples" and not examples:
@@ -355,9 +388,11 @@ def open_pair_datasets(data, dpo, tok, vocab_size: int) -> tuple[PairDataset, Pa
     max_prompt_len)."""
     examples = getattr(dpo, "loss", None) in UNPAIRED_LOSSES
     train_prefix = _prefix(data.path, tok, data, "data.path")
+    _check_tokenizer(train_prefix, tok, "data.path", data.path)
     kinds = [_kind(train_prefix, "data.path", data.path, examples)]
     if data.val_path:   # a set of its own: its val split where it has one, else all of it
         val_prefix = _prefix(data.val_path, tok, data, "data.val_path")
+        _check_tokenizer(val_prefix, tok, "data.val_path", data.val_path)
         kinds.append(_kind(val_prefix, "data.val_path", data.val_path, examples))
         val_split = "val" if part_path(val_prefix, "val", "tokens", kinds[1]).is_file() else "train"
     else:

@@ -27,12 +27,12 @@ prompt, chosen and rejected tokens (no padding); the prompt is the longest commo
 rendered sequences that ends before either response's first trained token.
 
 Refused, naming the file and line: a row without chosen or rejected (or without a prompt for text responses),
-a chosen response equal to the rejected one, a response without assistant tokens, and (when the length is
-known: `prepare --seq-len`, or training at data.seq_len) a prompt of data.seq_len tokens or more.
+a chosen response equal to the rejected one, and a response without assistant tokens.
 
-Truncation (counted in the report and the run's log): a pair whose longer sequence exceeds data.seq_len loses
-the start of its prompt (its end is kept), down to dpo.max_prompt_len tokens at most (default half of
-data.seq_len); then its responses lose their ends (their start is kept) to fit.
+Truncation (counted in the report and the run's log), for prompts of any length: a pair whose longer sequence
+exceeds data.seq_len loses the start of its prompt (its end is kept, TRL's keep_end), down to dpo.max_prompt_len
+tokens at most (default half of data.seq_len); then its responses lose their ends (their start is kept) to fit.
+A max_prompt_len of data.seq_len or more is refused (`no_room`: the rows it cannot fit).
 
 Files of `trainbox prepare --out OUT` per split (train, val): OUT_{split}_pairs.tokens.npy (uint16, int32 for
 vocabularies over 65,536), OUT_{split}_pairs.mask.npy (uint8 loss mask, 0 on prompts), OUT_{split}_pairs.index.npy
@@ -43,6 +43,7 @@ reference log-probabilities of dpo.reference=precompute are stored beside a spli
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 from array import array
@@ -63,7 +64,8 @@ from trainbox.data.chat import (
 )
 from trainbox.data.readers import first_row_is_unpaired, is_unpaired_row, json_objects, list_input_files
 from trainbox.data.sft import tokenize_spans
-from trainbox.errors import DataError, NoData
+from trainbox.data.tokenizer import asset_path
+from trainbox.errors import ConfigError, DataError, NoData
 
 log = logging.getLogger("trainbox")
 
@@ -233,11 +235,23 @@ def encode_pair(pair: Pair, tok, template: ChatTemplate | None, where: str) -> t
     return ci[:p], ci[p:], cm[p:], ri[p:], rm[p:]
 
 
+def prompt_budget(seq_len: int, max_prompt: int | None) -> int:
+    """The fewest prompt tokens the truncation rule keeps: max_prompt_len, default half of seq_len."""
+    return max_prompt if max_prompt is not None else seq_len // 2
+
+
+def no_room(prompt: np.ndarray, seq_len: int, max_prompt: int | None) -> np.ndarray:
+    """Indices of the rows whose prompt, cut to the budget, still leaves no room for a response in seq_len (none
+    while the budget is below seq_len)."""
+    return np.flatnonzero(np.minimum(prompt, prompt_budget(seq_len, max_prompt)) >= seq_len)
+
+
 def fit(prompt: np.ndarray, chosen: np.ndarray, rejected: np.ndarray, seq_len: int, max_prompt: int | None
         ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The truncation rule, over arrays of lengths -> (prompt tokens kept from its end, chosen and rejected tokens
-    kept from their start) so that prompt + the longer response <= seq_len. Prompts must be < seq_len."""
-    keep_min = np.minimum(prompt, max_prompt if max_prompt is not None else seq_len // 2)
+    kept from their start) so that prompt + the longer response <= seq_len, for prompts of any length; a prompt
+    keeps at least min(its length, the budget) tokens, so the rows of `no_room` are the ones it cannot fit."""
+    keep_min = np.minimum(prompt, prompt_budget(seq_len, max_prompt))
     excess = np.maximum(prompt + np.maximum(chosen, rejected) - seq_len, 0)
     kept = prompt - np.minimum(excess, prompt - keep_min)
     room = seq_len - kept
@@ -323,8 +337,11 @@ def prepare_pairs(inputs: list[str], out: str, tok, tokenizer_spec: str, chat_te
                   val_docs: int = 0, val_fraction: float = 0.0, seq_len: int | None = None,
                   max_prompt_len: int | None = None, overwrite: bool = False) -> PairStats:
     """Preference JSONL files -> OUT's pair (or example) files for train (and val), committed as one set under
-    OUT.manifest.json. Examples when the first file's first row is unpaired. With `seq_len`, prompts too long for
-    it are refused and the truncation that training applies is counted."""
+    OUT.manifest.json. Examples when the first file's first row is unpaired. With `seq_len`, the truncation that
+    training applies is counted (a `max_prompt_len` that leaves no room for a response is refused)."""
+    if seq_len is not None and prompt_budget(seq_len, max_prompt_len) >= seq_len:
+        raise ConfigError(f"--max-prompt-len {max_prompt_len} leaves no room for a response in --seq-len {seq_len}",
+                          hint=f"give less than {seq_len}, or leave it out (default: half of --seq-len)")
     files = list_input_files(inputs)
     man = manifest.manifest_path(out)
     olds = [part_path(out, s, p, k) for k in KINDS for s in SPLITS for p in PARTS
@@ -343,9 +360,6 @@ def prepare_pairs(inputs: list[str], out: str, tok, tokenizer_spec: str, chat_te
                 enc = encode_pair(row, tok, template, where)
             else:
                 enc = encode_example(row, tok, template, where)
-            if seq_len is not None and len(enc[0]) >= seq_len:
-                raise DataError(f"{where}: the prompt has {len(enc[0])} tokens, which leaves no room for a response "
-                                f"in --seq-len {seq_len}", hint="raise --seq-len (data.seq_len) or shorten the prompt")
             held = val_docs and n < val_docs or val_fraction and int((n + 1) * val_fraction) > int(n * val_fraction)
             w = writers["val" if held else "train"]
             w.add(*enc, file_no, line) if kind == "pairs" else w.add_example(*enc, row.label, file_no, line)
@@ -370,8 +384,8 @@ def prepare_pairs(inputs: list[str], out: str, tok, tokenizer_spec: str, chat_te
                     for k, a in arrays.items()]
     entries = [{"name": final.name, "bytes": tmp.stat().st_size} for tmp, final in outputs]
     base = {"trainbox_prepare": 1, "out": Path(out).name, "format": kind, "tokenizer": tokenizer_spec,
-            "vocab_size": tok.vocab_size, "chat_template": chat_template, "sources": [str(f) for f in files],
-            "files": entries}
+            "tokenizer_sha256": tokenizer_identity(tokenizer_spec)[1], "vocab_size": tok.vocab_size,
+            "chat_template": chat_template, "sources": [str(f) for f in files], "files": entries}
     new = {final for _, final in outputs}
     manifest.write_manifest(man, {**base, "state": "committing", "replaces": [p.name for p in olds if p not in new]})
     for tmp, final in outputs:
@@ -382,6 +396,19 @@ def prepare_pairs(inputs: list[str], out: str, tok, tokenizer_spec: str, chat_te
     manifest.write_manifest(man, {**base, "state": "complete"})
     stats.files = [str(final) for _, final in outputs] + [str(man)]
     return stats
+
+
+def tokenizer_identity(spec: str) -> tuple[str, str | None]:
+    """(the tokenizer `spec` by a name: a local one's real path, so one folder given by different paths has one
+    name, else `spec` (gpt2, a hub id); the sha256 of its tokenizer.json, local or embedded, else None), as a
+    manifest records the tokenizer of its set ("tokenizer_sha256") and data/pairs.py compares a run's with it."""
+    if spec == "gpt2" or spec.startswith("embedded:"):   # data/tokenizer.py get_tokenizer's own names
+        file = asset_path(f"{spec.split(':', 1)[1]}.json") if spec != "gpt2" else None
+    else:
+        local = Path(spec).expanduser()
+        file = local / "tokenizer.json" if local.is_dir() else local
+        spec = os.path.realpath(file if file.is_file() else local) if local.exists() else spec
+    return spec, hashlib.sha256(file.read_bytes()).hexdigest() if file is not None and file.is_file() else None
 
 
 def describe(stats: PairStats) -> str:
