@@ -149,3 +149,33 @@ def test_a_run_whose_status_json_cannot_be_read_is_named_not_hidden(tmp_path, ca
     assert f"{tmp_path / 'torn'}: not listed: {tmp_path / 'torn' / 'status.json'} is not readable JSON" in caplog.text
     rc, out = status(capsys, tmp_path / "torn")
     assert rc == 1 and out == f"unhealthy: {tmp_path / 'torn' / 'status.json'} is not readable JSON"
+
+
+def test_a_monitor_token_is_in_no_run_file(tiny, tmp_path):
+    """monitor.token on the command line: every file of the run (env.json's recorded command, config.yaml, the
+    log, metrics, status, the checkpoint) holds it masked as config.yaml masks it, never in plain text."""
+    secret = "SuperSecret123"
+    run_cli("train", *tiny, "run.name=tok", "train.max_steps=2", "train.checkpoint_every=2",
+            f"monitor.token={secret}")
+    run_dir = tmp_path / "runs" / "tok"
+    files = [p for p in run_dir.rglob("*") if p.is_file()]
+    assert {"env.json", "config.yaml", "train.log", "metrics.jsonl", "status.json", "trainer.json"} <= {
+        p.name for p in files}
+    assert [p for p in files if secret.encode() in p.read_bytes()] == []
+    command = json.loads((run_dir / "env.json").read_text())["command"]
+    assert command[:2] == ["trainbox", "train"] and "monitor.token=***" in command and "run.name=tok" in command
+    assert runs.recorded_command(["trainbox", "train", f" monitor.token ={secret}", "monitor.token=",
+                                  "x=monitor.token=1"]) == [
+        "trainbox", "train", " monitor.token =***", "monitor.token=", "x=monitor.token=1"]
+
+
+def test_the_run_lock_records_the_command_with_the_token_masked(tmp_path, monkeypatch):
+    """RUN/.lock holds the holder's command while the run lasts (and after a kill): monitor.token masked there too."""
+    from trainbox.rundir.lock import RunLock
+    monkeypatch.setattr("sys.argv", ["trainbox", "train", "tiny", "monitor.token=SuperSecret123"])
+    lock = RunLock(tmp_path).acquire()
+    try:
+        held = (tmp_path / ".lock").read_text()
+        assert "SuperSecret123" not in held and json.loads(held)["command"][-1] == "monitor.token=***"
+    finally:
+        lock.release()

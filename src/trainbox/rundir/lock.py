@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from trainbox.errors import ConfigError, RunBusy
-from trainbox.rundir.runs import pid_alive, read_json
+from trainbox.rundir.runs import pid_alive, read_json, recorded_command
 
 LOCK_NAME = ".lock"
 RUN_FILES = (LOCK_NAME, "checkpoints", "superseded", "config.yaml", "env.json", "train.log", "metrics.jsonl",
@@ -84,7 +84,8 @@ class RunLock:
                 os.close(fd)
                 self._refuse(holder)
         self.previous = self._holder(fd)
-        me = {"pid": os.getpid(), "host": socket.gethostname(), "started_at": time.time(), "command": sys.argv}
+        me = {"pid": os.getpid(), "host": socket.gethostname(), "started_at": time.time(),
+              "command": recorded_command(sys.argv)}   # monitor.token masked, as in env.json
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(me).encode(), 0)
         self.fd = fd

@@ -63,9 +63,17 @@ def environment(device: torch.device | None = None, world: int = 1) -> dict:
         "float32_matmul_precision": torch.get_float32_matmul_precision(),   # train/device.py set_float32_matmuls
         "gpus": gpus, "device": str(device) if device else None, "world_size": world,
         "host": socket.gethostname(), "platform": platform.platform(), "cpu_count": os.cpu_count(),
-        "git_commit": git_commit(), "command": sys.argv if not hasattr(sys, "ps1") else [],
+        "git_commit": git_commit(), "command": recorded_command(sys.argv) if not hasattr(sys, "ps1") else [],
         "allocator": os.environ.get("PYTORCH_ALLOC_CONF") or os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
     }
+
+
+def recorded_command(argv: list[str]) -> list[str]:
+    """A command line as a run file records it (env.json): secret overrides (monitor.token=...) masked as
+    config.yaml masks them."""
+    from trainbox.config.load import public_args  # heavy: the config schema (pydantic)
+
+    return public_args(list(argv))
 
 
 def write_env(run_dir: Path, argv: list[str], device: torch.device, world: int, kernels: dict | None = None,
@@ -76,7 +84,7 @@ def write_env(run_dir: Path, argv: list[str], device: torch.device, world: int, 
     if layout is not None:
         env["layout"] = layout
     if argv:
-        env["command"] = argv
+        env["command"] = recorded_command(argv)
     atomic_write_text(run_dir / "env.json", json.dumps(env, indent=1), fsync=False)
 
 
