@@ -68,7 +68,7 @@ def test_json_and_yaml_files(tmp_path):
     (tmp_path / "b.yaml").write_text("train:\n  max_steps: 8\n")
     assert load_config(str(tmp_path / "a.json")).train.max_steps == 7
     cfg = load_config(str(tmp_path / "b.yaml"), ["train.max_steps=9"])
-    assert cfg.train.max_steps == 9 and cfg.recipe == "b"
+    assert cfg.train.max_steps == 9 and cfg.recipe is None and cfg.run_name == "b"
     (tmp_path / "c.yaml").write_text("train: [1, 2\n")
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_config(str(tmp_path / "c.yaml"))
@@ -259,3 +259,83 @@ own = {name for name, spec in families().items() if spec.section is not None}
 assert {"llama", "moe", "t5"} <= own <= set(ModelSection.model_fields), (own, sorted(ModelSection.model_fields))
 assert load_config("tiny", ["model.family=llama", "model.llama.n_kv_head=2"]).model.llama.n_kv_head == 2
 print("ok")""")
+
+
+# ----------------------------------------------------------------------------- config files and recipe names
+
+
+def test_a_folder_named_like_a_recipe_does_not_hide_the_recipe(tmp_path, monkeypatch, caplog):
+    """A folder `tiny` in the current directory is no config file: `tiny` is still the recipe. A file `tiny` is
+    read when written as a path, and the bare name says which of the two it took."""
+    (tmp_path / "tiny").mkdir()
+    for verb in (["config", "show", "tiny"], ["config", "validate", "tiny", "train.max_steps=5"]):
+        proc = run_cli(*verb, cwd=tmp_path, check=False)
+        assert proc.returncode == 0 and "does not exist" not in proc.stderr, proc.stderr
+    assert "n_embd: 96" in run_cli("config", "show", "tiny", cwd=tmp_path).stdout   # the recipe's own width
+    monkeypatch.chdir(tmp_path)
+    assert load_config("tiny").recipe == "tiny"
+    with pytest.raises(ConfigError, match="config file ./tiny is a folder, not a config file"):
+        load_config("./tiny")
+    (tmp_path / "tiny").rmdir()
+    (tmp_path / "tiny").write_text("train:\n  max_steps: 7\n")
+    with caplog.at_level("WARNING", logger="trainbox"):
+        assert load_config("tiny").train.max_steps == 300   # the recipe's
+    assert "tiny: the recipe tiny, not the file tiny here (pass ./tiny for the file)" in caplog.text
+    assert load_config("./tiny").train.max_steps == 7
+
+
+def test_a_config_files_recipe_line_applies_the_file_over_that_recipe(tmp_path):
+    """`recipe: tiny` in a file means tiny's settings with the file's on top, key by key as overrides would (a
+    length in the file replaces the recipe's); the command line's overrides come last. The config records the
+    recipe, and the recorded config loads back to the same config."""
+    from trainbox.config import dump_yaml
+    ok = tmp_path / "ok.yaml"
+    ok.write_text("recipe: tiny\ntrain:\n  max_steps: 5\nmodel:\n  n_layer: 2\n")
+    cfg = load_config(str(ok), ["optim.lr=1e-3"])
+    tiny = load_config("tiny")
+    assert (cfg.model.n_layer, cfg.model.n_embd, cfg.data.tokenizer) == (2, tiny.model.n_embd, tiny.data.tokenizer)
+    assert (cfg.train.max_steps, cfg.optim.lr, cfg.optim.name) == (5, 1e-3, "muon")
+    assert cfg.recipe == "tiny" and cfg.run_name == "tiny"
+    recorded = tmp_path / "config.yaml"
+    recorded.write_text(dump_yaml(cfg))   # what a run's config.yaml holds
+    assert "\nrecipe: tiny\n" in f"\n{recorded.read_text()}" and load_config(str(recorded)) == cfg
+    (tmp_path / "tokens.yaml").write_text("recipe: tiny\ntrain:\n  max_tokens: 2e6\n")
+    length = load_config(str(tmp_path / "tokens.yaml")).train
+    assert (length.max_steps, length.max_tokens) == (None, 2_000_000)
+    shown = run_cli("config", "show", str(ok)).stdout
+    assert "n_layer: 2" in shown and "tokenizer: embedded:shakespeare-bpe" in shown and "max_steps: 5" in shown
+
+
+def test_a_config_files_unknown_recipe_is_refused_with_the_recipes(tmp_path):
+    (tmp_path / "n.yaml").write_text("recipe: nosuch\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(str(tmp_path / "n.yaml"))
+    assert e.value.message == f"{tmp_path / 'n.yaml'}: recipe: nosuch names no recipe"
+    assert "recipes: " in e.value.hint and "tiny" in e.value.hint
+    (tmp_path / "t.yaml").write_text("recipe: tinny\n")
+    with pytest.raises(ConfigError, match="did you mean tiny"):
+        load_config(str(tmp_path / "t.yaml"))
+    proc = run_cli("config", "validate", "n.yaml", cwd=tmp_path, check=False)
+    assert proc.returncode == 2 and "recipe: nosuch names no recipe" in proc.stderr and "valid" not in proc.stdout
+
+
+def test_a_config_file_without_a_recipe_line_starts_from_the_defaults_named_after_the_file(tmp_path):
+    """No `recipe:` line: the defaults, the run named after the file (one safe path component); the recorded
+    config loads back to the same config and the same run folder."""
+    from trainbox.config import dump_yaml
+    path = tmp_path / "my run.yaml"
+    path.write_text("train:\n  max_steps: 8\n")
+    cfg = load_config(str(path))
+    assert cfg.recipe is None and cfg.run_name == "my-run" and cfg.model.n_layer == RunConfig().model.n_layer
+    assert load_config(str(path), ["run.name=other"]).run_name == "other"
+    (tmp_path / "config.yaml").write_text(dump_yaml(cfg))
+    assert load_config(str(tmp_path / "config.yaml")) == cfg
+
+
+def test_a_yaml_syntax_error_names_the_file_and_line(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train:\n  max_steps: 5\n  x: [1,\n  y: 2\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(str(bad))
+    assert e.value.message.startswith(f"{bad} is not valid YAML")
+    assert f'in "{bad}", line 3' in e.value.message and "<unicode string>" not in e.value.message

@@ -144,8 +144,22 @@ def test_entrypoint_passes_programs_through_and_reports_unwritable_runs(tmp_path
 
 
 def _k8s_expand(arg: str, env: dict) -> str:
-    """Kubernetes' $(VAR) expansion of container args."""
-    return re.sub(r"\$\((\w+)\)", lambda m: env.get(m.group(1), m.group(0)), arg)
+    """Kubernetes' expansion of a container's command and args (its third_party/forked/golang/expansion): `$(VAR)` of
+    a set variable is its value, `$$` is one `$`, any other `$` and what follows it stay."""
+    out, i = [], 0
+    while i < len(arg):
+        end = arg.find(")", i + 2) if arg.startswith("$(", i) else -1
+        if end != -1:
+            out.append(env.get(arg[i + 2:end], arg[i:end + 1]))
+            i = end + 1
+        elif arg.startswith("$$", i):
+            out.append("$")
+            i += 2
+        else:
+            step = 2 if arg[i] == "$" else 1
+            out.append(arg[i:i + step])
+            i += step
+    return "".join(out)
 
 
 @pytest.mark.parametrize("elastic", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["static", "elastic"])
@@ -208,3 +222,92 @@ def test_nproc_parent_forwards_sigterm_to_torchrun(tmp_path, bin_dir, data_cache
     st = status(run_dir)
     assert st.get("phase") == "preempted" and st["step"] < 400, out[-3000:]
     assert (run_dir / "checkpoints" / f"step_{st['step']:08d}" / "COMPLETE").exists(), out[-3000:]
+
+
+# ----------------------------------------------------------------------------- a $ in a setting
+
+# an override as a user gives it, with what each target could take for a reference: trainbox must get it unchanged
+DOLLAR = "train.sample_prompt=It costs $HOME, ${USER:-me}, $(RANK) and $$"
+TARGET_ENV = {"HOME": "/home/u", "USER": "u", "RANK": "1", "MASTER_ADDR": "head", "MASTER_PORT": "29500",
+              "PET_NPROC_PER_NODE": "2", "PET_NNODES": "2", "PET_NODE_RANK": "1", "PET_MASTER_ADDR": "head",
+              "PET_MASTER_PORT": "29500"}
+
+
+def _compose_interpolate(value: str, env: dict) -> str:
+    """Compose's interpolation of a value (the Compose Specification's "Interpolation"; the engine is not installed
+    here): `$$` is one `$`; `$VAR`, `${VAR}`, `${VAR:-default}` and `${VAR-default}` are replaced."""
+    def one(m: re.Match) -> str:
+        if m.group(0) == "$$":
+            return "$"
+        name = m.group(1) or m.group(4)
+        value = env.get(name)
+        if m.group(2) == ":-" and not value or m.group(2) == "-" and value is None:
+            return m.group(3)
+        return value or ""
+    return re.sub(r"\$\$|\$\{(\w+)(:?-)?([^}]*)\}|\$([A-Za-z_]\w*)", one, value)
+
+
+def test_a_dollar_in_an_override_reaches_trainbox_from_compose_and_kubernetes(tmp_path):
+    """Compose interpolates $VAR in every value and Kubernetes expands $(VAR) in container args: the rendered files
+    pass the validators and, read as those two read them, hand trainbox the override as given (and the host paths
+    of the compose volumes as they are), while the operator's $(RANK) and $(PET_*) still expand."""
+    from test_deploy_files import compose_check, tool, validate
+
+    from trainbox.launch import write_rendered
+    from trainbox.launch.k8s import pod_templates_of
+    project = tmp_path / "p$HOME"
+    for gpus in (1, 2):
+        out = tmp_path / f"compose{gpus}"
+        write_rendered(render(LaunchSpec("compose", "tiny", [DOLLAR], image="i:1", gpus_per_node=gpus,
+                                         project_dir=project)), out)
+        compose_check(out / "compose.yaml")
+        svc = yaml.safe_load((out / "compose.yaml").read_text())["services"]["trainbox"]
+        assert [_compose_interpolate(a, TARGET_ENV) for a in svc["command"]][-3:] == ["train", "tiny", DOLLAR]
+        assert _compose_interpolate(svc["volumes"][1], TARGET_ENV) == f"{project / 'runs'}:/workspace/runs"
+    kv = tool("kubernetes-validate")
+    for kw in ({}, {"min_nodes": 1}, {"api": "trainer"}):
+        files = render(LaunchSpec("k8s", "tiny", [DOLLAR], image="i:1", nodes=2, gpus_per_node=2, **kw)).files
+        if "pytorchjob.yaml" in files:
+            pods = pod_templates_of(yaml.safe_load(files["pytorchjob.yaml"])).values()
+        else:
+            [job] = yaml.safe_load(files["runtime.yaml"])["spec"]["template"]["spec"]["replicatedJobs"]
+            pods = [{"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "node"},
+                     "template": job["template"]["spec"]["template"]}]
+        for i, pod in enumerate(pods):
+            path = tmp_path / f"pod-{kw}-{i}.yaml"
+            path.write_text(yaml.safe_dump(pod))
+            validate([kv, "--strict", str(path)])
+            [c] = pod["template"]["spec"]["containers"]
+            args = [_k8s_expand(a, TARGET_ENV) for a in c["args"]]
+            assert "train" in args and args[-2:] == ["tiny", DOLLAR], args
+            ranks = " ".join(args).replace("--node-rank 1", "--node-rank=1")   # the trainer's flags take a space
+            assert ("--node-rank=1" in ranks) == ("min_nodes" not in kw)   # elastic: torchrun reads PET_* itself
+
+
+def test_a_dollar_in_an_override_reaches_trainbox_from_slurm_and_skypilot(tmp_path):
+    """The sbatch script and SkyPilot's run script single-quote the override: shellcheck passes both (its SC2016
+    is off for that one command, with the reason), and bash hands it to trainbox as given."""
+    from test_deploy_files import tool, validate
+
+    from trainbox.launch.sky import task
+    shellcheck = tool("shellcheck")
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "trainbox").write_text('#!/bin/sh\nprintf "%s\\n" "$@"\n')   # prints the arguments it gets
+    (fake / "trainbox").chmod(0o755)
+    env = {**os.environ, "PATH": f"{fake}:{os.environ['PATH']}", "HEAD_NODE": "head", "RDZV_PORT": "29500",
+           "SLURM_JOB_ID": "7", "TRAINBOX_RUNS": "/runs", "SKYPILOT_NODE_IPS": "10.0.0.1", "SKYPILOT_NUM_NODES": "2",
+           "SKYPILOT_NODE_RANK": "1", "TRAINBOX_RDZV_PORT": "29500"}
+    [script] = render(LaunchSpec("slurm", "tiny", [DOLLAR], nodes=2, gpus_per_node=2)).files.values()
+    (tmp_path / "job.sbatch").write_text(script)
+    validate([shellcheck, str(tmp_path / "job.sbatch")])
+    block = re.search(r"^TRAIN=\(\n.*?^\)\n", script, re.M | re.S).group(0)
+    got = subprocess.run(["bash", "-c", f'set -euo pipefail\n{block}"${{TRAIN[@]}}"'], env=env, capture_output=True,
+                         text=True, check=True).stdout.splitlines()
+    assert got[-2:] == ["tiny", DOLLAR] and "--rdzv-endpoint=head:29500" in got
+    for nodes in (1, 2):
+        run = tmp_path / f"run{nodes}.sh"
+        run.write_text("#!/usr/bin/env bash\n" + task(LaunchSpec("sky", "tiny", [DOLLAR], nodes=nodes), "t")["run"])
+        validate([shellcheck, str(run)])
+        got = subprocess.run(["bash", str(run)], env=env, capture_output=True, text=True, check=True).stdout
+        assert got.splitlines()[-3:] == ["tiny", "run.dir=/runs", DOLLAR]

@@ -9,6 +9,7 @@ from trainbox.launch.spec import (
     Rendered,
     dump,
     job_name,
+    literal_dollars,
     torchrun_args,
     yaml_template,
 )
@@ -24,15 +25,16 @@ def render_compose(spec: LaunchSpec, cfg: RunConfig) -> Rendered:
     svc = doc["services"]["trainbox"]
     svc["image"] = spec.image
     # one process: trainbox train; several GPUs: torchrun on this host (standalone rendezvous)
-    svc["command"] = torchrun_args(spec, ["--standalone"])
+    # Compose expands $VAR and ${VAR} in every value: the command and the host paths write each $ as $$
+    svc["command"] = torchrun_args(spec, ["--standalone"], expanded=True)
     svc["volumes"] = [
-        f"{spec.project_dir / 'data'}:/workspace/data:ro",
-        f"{spec.project_dir / 'runs'}:/workspace/runs",
+        literal_dollars(f"{spec.project_dir / 'data'}:/workspace/data:ro"),
+        literal_dollars(f"{spec.project_dir / 'runs'}:/workspace/runs"),
         "hf-cache:/cache/huggingface",
         "compile-cache:/cache/compile",
     ]
     if spec.config_file:
-        svc["volumes"].append(f"{spec.config_file}:{CONFIG_MOUNT}/{spec.config_file.name}:ro")
+        svc["volumes"].append(literal_dollars(f"{spec.config_file}:{CONFIG_MOUNT}/{spec.config_file.name}:ro"))
     svc["shm_size"] = _gib_to_docker(spec.shm)
     svc["ports"] = [f"127.0.0.1:{spec.host_port}:{MONITOR_PORT}"]
     resources = svc["deploy"]["resources"]

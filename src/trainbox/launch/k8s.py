@@ -81,7 +81,8 @@ def pytorchjob(spec: LaunchSpec, name: str) -> dict:
     job["spec"]["nprocPerNode"] = str(spec.procs)
     if spec.min_nodes is not None:
         return _elastic(job, spec, name)
-    args = torchrun_args(spec, RENDEZVOUS, always=True)
+    # Kubernetes expands $(VAR) in args: RENDEZVOUS's are meant to, the recipe's and overrides' $ are escaped
+    args = torchrun_args(spec, RENDEZVOUS, always=True, expanded=True)
     replicas = job["spec"]["pytorchReplicaSpecs"]
     replicas["Master"]["template"] = pod_template(spec, name, "master", args, probes=True)
     if spec.nodes > 1:
@@ -96,7 +97,8 @@ def _elastic(job: dict, spec: LaunchSpec, name: str) -> dict:
     replicas = job["spec"]["pytorchReplicaSpecs"]
     del replicas["Master"]
     replicas["Worker"]["replicas"] = spec.nodes
-    args = ["torchrun", "-m", "trainbox", *train_args(spec)]  # nnodes, nproc, rendezvous: PET_* from the operator
+    # nnodes, nproc, rendezvous: PET_* from the operator
+    args = ["torchrun", "-m", "trainbox", *train_args(spec, expanded=True)]
     replicas["Worker"]["template"] = pod_template(spec, name, "worker", args, probes=False)
     job["spec"]["elasticPolicy"] = {"rdzvBackend": "c10d", "minReplicas": spec.min_nodes,
                                     "maxReplicas": spec.nodes, "maxRestarts": 10}

@@ -40,6 +40,7 @@ from trainbox.launch.spec import (
     LaunchSpec,
     Rendered,
     job_name,
+    literal_quotes_note,
 )
 
 RUNS_MOUNT = "/trainbox/runs"
@@ -56,9 +57,10 @@ def run_lines(spec: LaunchSpec) -> list[str]:
     if spec.nodes > 1:
         lines.append(f'--nnodes "$SKYPILOT_NUM_NODES" --node-rank "$SKYPILOT_NODE_RANK" --rdzv-endpoint '
                      f'"$HEAD_IP:$TRAINBOX_RDZV_PORT" --max-restarts {TORCHRUN_RESTARTS}')
+    words = [*([recipe] if recipe else []), *spec.overrides]   # the user's, quoted to reach trainbox as given
     lines.append(" ".join([*([shlex.quote(recipe)] if recipe else []), 'run.dir="$TRAINBOX_RUNS"',
                            *map(shlex.quote, spec.overrides)]))
-    return ([HEAD] if spec.nodes > 1 else []) + [" \\\n  ".join(lines)]
+    return ([HEAD] if spec.nodes > 1 else []) + literal_quotes_note(words) + [" \\\n  ".join(lines)]
 
 
 def task(spec: LaunchSpec, name: str) -> dict:

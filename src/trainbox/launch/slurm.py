@@ -24,6 +24,7 @@ from trainbox.launch.spec import (
     LaunchSpec,
     Rendered,
     job_name,
+    literal_quotes_note,
     template,
     train_args,
 )
@@ -69,12 +70,14 @@ def render_slurm(spec: LaunchSpec, cfg: RunConfig) -> Rendered:
                     f"export TRITON_CACHE_DIR={shlex.quote(str(cache / 'compile' / 'triton'))}",
                     f"export HF_HOME=\"${{HF_HOME:-{cache / 'huggingface'}}}\""]
     status = spec.project_dir / cfg.run.dir / cfg.run_name / "status.json"
+    command = train_command(spec)
     text = Template(template("sbatch.sh")).substitute(
         run_name=cfg.run_name, job_name=name, script=script, nodes=spec.nodes, gpus=spec.gpus_per_node,
         cpus=spec.cpus, time=spec.time, extra_directives="\n".join(directives),
         workdir=shlex.quote(str(spec.project_dir)), workdir_raw=spec.project_dir, exports="\n".join(exports),
         rdzv_port=RDZV_PORT, node_rank=f"{NODE_RANK} " if spec.nodes > 1 else "",
-        train_command="\n".join(f"    {_shell_word(a)}" for a in train_command(spec)),
+        train_command="\n".join(f"    {_shell_word(a)}" for a in command), train_note="".join(
+            f"{line}\n" for line in literal_quotes_note([a for a in command if a not in RENDEZVOUS])),
         srun_flags=srun_flags, status_file=shlex.quote(str(status)))
     return Rendered(files={script: text}, apply=[["sbatch", script]],
                     notes=[f"logs: {spec.project_dir}/slurm-{name}-<jobid>.out; the run directory: {status.parent}"])

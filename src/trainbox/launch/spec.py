@@ -136,21 +136,40 @@ def job_name(cfg: RunConfig) -> str:
     return name or "trainbox"
 
 
-def train_args(spec: LaunchSpec, recipe: str | None = None) -> list[str]:
-    """`train RECIPE overrides`; `recipe` replaces the spec's (a path inside the container or on the cluster)."""
+def literal_dollars(text: str) -> str:
+    """`text` for a field that expands `$` references (Compose's $VAR and ${VAR} anywhere in the file, Kubernetes'
+    $(VAR) in a container's command and args): each `$` written `$$`, which both read as one literal `$`."""
+    return text.replace("$", "$$")
+
+
+def train_args(spec: LaunchSpec, recipe: str | None = None, expanded: bool = False) -> list[str]:
+    """`train RECIPE overrides`; `recipe` replaces the spec's (a path inside the container or on the cluster).
+    `expanded`: the target expands `$` references in these arguments, so the recipe's and the overrides' `$` are
+    escaped (literal_dollars) and reach trainbox as given."""
     recipe = recipe or spec.recipe_in_container()
-    return ["train", *([recipe] if recipe else []), *spec.overrides]
+    words = [*([recipe] if recipe else []), *spec.overrides]
+    return ["train", *(map(literal_dollars, words) if expanded else words)]
 
 
-def torchrun_args(spec: LaunchSpec, rendezvous: list[str], always: bool = False, recipe: str | None = None
-                  ) -> list[str]:
-    """torchrun for one node; `rendezvous` says how nodes find each other. One process on one node runs
-    `trainbox train` directly unless `always` (clusters keep torchrun: it forwards the stop signals)."""
+def torchrun_args(spec: LaunchSpec, rendezvous: list[str], always: bool = False, recipe: str | None = None,
+                  expanded: bool = False) -> list[str]:
+    """torchrun for one node; `rendezvous` says how nodes find each other (kept as written: its references are
+    meant to expand). One process on one node runs `trainbox train` directly unless `always` (clusters keep
+    torchrun: it forwards the stop signals). `expanded`: as for train_args."""
     if spec.nodes == 1 and spec.procs == 1 and not always:
-        return train_args(spec, recipe)
+        return train_args(spec, recipe, expanded)
     restarts = [f"--max-restarts={TORCHRUN_RESTARTS}"] if spec.nodes > 1 else []
     return ["torchrun", f"--nnodes={spec.nodes}", f"--nproc-per-node={spec.procs}", *rendezvous, *restarts,
-            "-m", "trainbox", *train_args(spec, recipe)]
+            "-m", "trainbox", *train_args(spec, recipe, expanded)]
+
+
+def literal_quotes_note(words: list[str]) -> list[str]:
+    """Comment lines for a shell command whose `words` are single-quoted (shlex.quote): where one holds a `$` or a
+    backquote, shellcheck's SC2016 ("expressions don't expand in single quotes") is off for that command, since
+    the quotes are there to keep it literal."""
+    if not any("$" in w or "`" in w for w in words):
+        return []
+    return ["# single quotes keep the $ of a setting literal, as given", "# shellcheck disable=SC2016"]
 
 
 def template(name: str) -> str:

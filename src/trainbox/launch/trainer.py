@@ -38,7 +38,7 @@ LAUNCHER = ["--nproc", "$(PET_NPROC_PER_NODE)", "--nnodes", "$(PET_NNODES)", "--
 
 def node_args(spec: LaunchSpec) -> list[str]:
     """`trainbox train` with the launcher flags from the Trainer's PET_* variables, then the recipe and overrides."""
-    train = train_args(spec)
+    train = train_args(spec, expanded=True)   # Kubernetes expands $(VAR) in args: the user's $ stay literal
     return ["trainbox", train[0], *LAUNCHER, *train[1:]]
 
 

@@ -25,7 +25,7 @@ HEAD_NODE="$$(scontrol show hostnames "$$SLURM_JOB_NODELIST" | head -n 1)"
 RDZV_PORT=${rdzv_port}
 echo "trainbox: job $$SLURM_JOB_ID (restart $${SLURM_RESTART_COUNT:-0}) on $$SLURM_JOB_NODELIST; rendezvous $$HEAD_NODE:$$RDZV_PORT"
 
-TRAIN=(
+${train_note}TRAIN=(
 ${train_command}
 )
 
