@@ -55,7 +55,7 @@ from trainbox.checkpoint.manifest import (  # noqa: F401 - also the package's ow
 )
 from trainbox.checkpoint.room import check_room, disk_cause, payload_bytes, save_error
 from trainbox.errors import CheckpointError
-from trainbox.files import atomic_write_text, fsync_dir
+from trainbox.files import atomic_write_text, default_modes, fsync_dir
 
 
 class OtherShape(CheckpointError):
@@ -165,8 +165,9 @@ def small_files(trainer: dict, rngs: list[dict], objective: list | None = None) 
 
 def write_staged(ckpt_root: Path, step: int, files: dict, more: int = 0) -> Path:
     """Write `files` (name -> (bytes it needs at least, writer(path))) into a fresh `.tmp-step_X` and return it.
-    `more`: bytes that others write there too (a sharded save's shards). Refused before anything is written
-    when they surely cannot fit (`check_room`); a failure removes the folder and raises `save_failed`'s error."""
+    `more`: bytes that others write there too (a sharded save's shards). Each file gets the mode a new file gets
+    under the umask (0644 under 022), whatever its writer chose. Refused before anything is written when they
+    surely cannot fit (`check_room`); a failure removes the folder and raises `save_failed`'s error."""
     final = ckpt_root / f"step_{step:08d}"
     tmp = ckpt_root / f".tmp-{final.name}"
     need = {name: n for name, (n, _) in files.items()}
@@ -176,6 +177,7 @@ def write_staged(ckpt_root: Path, step: int, files: dict, more: int = 0) -> Path
         check_room(ckpt_root, final, need, more)
         for writing, (_, write) in files.items():
             write(tmp / writing)
+        default_modes(tmp)   # safetensors writes 0600: another user (the host's, for a container's run) reads these
     except CheckpointError:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
