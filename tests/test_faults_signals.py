@@ -9,7 +9,10 @@ seconds). Nothing may be lost:
 - SIGKILL at seeded random moments: the run resumes from its newest checkpoint and every logged loss, the
   re-run steps' included, equals the uninterrupted run's;
 - a second run on the same run directory is refused naming the holder's pid; a lock left by a gone process
-  is taken over.
+  is taken over;
+- a stop signal during the end of a run (its final evaluation) cuts the end short, and SIGKILL there leaves a
+  crashed run: either way the same command does the end again from the final checkpoint, and then says the run
+  is finished.
 
 A moment inside the first step, an evaluation or a save is hit exactly by a wrapper that signals the process
 itself when the loop reaches that function (`_hooked`); the other moments are signals from outside.
@@ -59,6 +62,10 @@ elif where == "eval":    # while the evaluation at step `at` runs (the run's obj
 elif where == "save":    # while the checkpoint of step `at` is written
     save = ckpt.save
     ckpt.save = lambda root, s, *a, **k: (fire() if s == at else None, save(root, s, *a, **k))[1]
+elif where == "sample":  # while the end-of-run sample is drawn
+    import trainbox.train.evaluate as evaluations
+    draw = evaluations.sample
+    evaluations.sample = lambda *a, **k: (fire(), draw(*a, **k))[1]
 from trainbox.cli import main
 sys.exit(main(sys.argv[4:]))
 """
@@ -636,3 +643,66 @@ def test_a_run_without_checkpoints_writes_none_and_a_stop_says_it_cannot_continu
     code, out = stop.wait()
     assert code == 0 and "stopped at step 3" in out and "cannot be continued" in out, out
     assert not (tmp_path / "stop" / "checkpoints").exists()
+
+
+# the tiny recipe's own length, intervals and sample: its one evaluation and save come at its last step, 300
+RECIPE = ["train.max_steps=300", "train.eval_every=300", "train.checkpoint_every=300", "train.sample_tokens=120"]
+
+
+def _events(run_dir: Path, kind: str) -> list[dict]:
+    return [e for e in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if e["event"] == kind]
+
+
+def _end_done_again(root: Path, cache: Path, name: str, status_before: str) -> None:
+    """The same command on a run whose final checkpoint is written but whose end is not: it does the end again
+    (the final evaluation, the sample, loss.png, status finished) without training a step, and the command after it
+    is told the run is finished and changes nothing."""
+    run_dir = root / name
+    code, out = Segment(_args(root, cache, name, *RECIPE), root / f"{name}-again.log").wait()
+    assert code == 0 and "stopped" not in out and "Traceback" not in out, out
+    assert (f"the checkpoint of step 300 is the run's last, but the run did not finish (status: {status_before}); "
+            "doing the end of the run again from it") in out, out
+    status = _status(run_dir)
+    assert status["phase"] == "finished" and status["step"] == 300 and status["val_bpb"] is not None, status
+    assert [s for s, _ in _losses(run_dir)] == list(range(1, 301))   # no step trained again
+    assert _events(run_dir, "eval")[-1]["step"] == 300
+    assert (run_dir / "samples.txt").read_text().count("--- step 300\n") == 1
+    assert (run_dir / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert [checkpoint.step_of(c) for c in checkpoint.list_complete(run_dir / "checkpoints")] == [300]
+    before = (run_dir / "status.json").read_text()
+    code, out = Segment(_args(root, cache, name, *RECIPE), root / f"{name}-done.log").wait()
+    assert code == 0 and "already finished: it is at step 300 (of 300)" in out, out
+    assert (run_dir / "status.json").read_text() == before
+
+
+def test_a_stop_signal_during_the_final_evaluation_cuts_the_end_short_and_the_same_command_does_it(tmp_path, cache):
+    """SIGTERM while the final evaluation runs (after the final checkpoint): the evaluation and the sample are cut
+    short, not run to the end past a scheduler's grace period; the run is preempted at step 300 with its checkpoint,
+    which is what the sbatch script requeues on, and the requeued command does the end and finishes."""
+    run_dir = tmp_path / "end"
+    code, out = Segment(_args(tmp_path, cache, "end", *RECIPE), tmp_path / "end.log", hook=("SIGTERM", "eval", 300)
+                        ).wait()
+    assert _check_stop(code, out, run_dir, 300) == 300
+    assert "received SIGTERM: the final checkpoint is written; cutting the end of the run short" in out, out
+    assert ("stopped at step 300 on SIGTERM, during the end of the run (the final evaluation and sample), which was "
+            "cut short") in out, out
+    status = _status(run_dir)
+    assert status["phase"] == "preempted" and status["step"] == 300 and status["last_checkpoint"] == "step_00000300"
+    assert not _events(run_dir, "eval") and not (run_dir / "samples.txt").exists()
+    _end_done_again(tmp_path, cache, "end", "preempted")
+
+
+@pytest.mark.slow
+def test_a_run_killed_during_its_final_sample_has_its_end_done_by_the_same_command(tmp_path, cache):
+    """SIGKILL while the end-of-run sample is drawn (the final checkpoint and evaluation are written): `trainbox
+    status` says crashed, and the same command does the end again instead of calling the run finished."""
+    run_dir = tmp_path / "killed"
+    code, out = Segment(_args(tmp_path, cache, "killed", *RECIPE), tmp_path / "killed.log",
+                        hook=("SIGKILL", "sample", 300)).wait()
+    assert code == -signal.SIGKILL, out
+    assert checkpoint.step_of(checkpoint.latest(run_dir / "checkpoints")) == 300
+    assert [e["step"] for e in _events(run_dir, "eval")] == [300] and not (run_dir / "samples.txt").exists()
+    said = subprocess.run([sys.executable, "-m", "trainbox", "status", str(run_dir)], capture_output=True, text=True,
+                          env=ENV)
+    assert said.returncode == 1 and said.stdout.startswith("unhealthy: crashed"), said.stdout
+    _end_done_again(tmp_path, cache, "killed", f"crashed, last phase {_status(run_dir)['phase']}")

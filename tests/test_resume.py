@@ -141,3 +141,39 @@ def test_init_from_loads_weights_only(tiny, tmp_path):
     assert e.value.message.startswith(f"run.init_from={ckpt}: checkpoint {ckpt} holds a differently shaped model (")
     assert e.value.message.endswith(" vs (192,))")   # c_attn's bias, 3 x 64; no resume's "changed since it was saved"
     assert e.value.hint.startswith("run.init_from loads a model of this run's shape") and "resume" not in e.value.hint
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_every_checkpoint_file_gets_the_mode_of_a_new_file(tmp_path, umask):
+    """safetensors writes its file 0600: a checkpoint's files all get what a new file gets under the umask, so
+    whoever may read the run (the host's user, for a container's run) reads the weights too."""
+    import os
+    old = os.umask(umask)
+    try:
+        ckpt = checkpoint.save(tmp_path, 1, {"w": torch.ones(2, 2)}, [{"state": {}}], {"step": 1}, [{}], keep_last=1)
+    finally:
+        os.umask(old)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in ckpt.iterdir()}
+    assert {"model.safetensors", "optimizer.pt", "trainer.json", "rng.pt", "COMPLETE"} <= set(modes)
+    assert modes == dict.fromkeys(modes, 0o666 & ~umask)
+
+
+def test_a_resume_on_training_data_changed_in_place_is_refused(tiny, tmp_path):
+    """The same data.path with other contents (a text file cut to half its documents): the checkpoint records its
+    training set's samples and tokens, and the resume is refused naming both and the way to train the new data
+    from the checkpoint's weights; on the data it was trained on it continues."""
+    from trainbox.errors import ConfigError
+    text = tmp_path / "plays.txt"
+    lines = [f"line {i}: to be or not to be, that is the question of the day number {i}\n" for i in range(400)]
+    text.write_text("".join(lines))
+    args = [f"data.path={text}", "train.checkpoint_every=5"]
+    train(_cfg(tiny, *args, "train.max_steps=5"))
+    saved = json.loads((checkpoint.latest(tmp_path / "runs" / "tiny" / "checkpoints") / "trainer.json").read_text())
+    assert saved["data"]["samples"] > 0 and saved["data"]["tokens"] > 0
+    text.write_text("".join(lines[:200]))
+    with pytest.raises(ConfigError, match=r"is not the training data .*step_00000005 was trained on \(samples "
+                                          r"\d+ then, \d+ now; tokens [\d,]+ then, [\d,]+ now\)") as e:
+        train(_cfg(tiny, *args, "train.max_steps=10"))
+    assert "run.init_from=" in e.value.hint
+    text.write_text("".join(lines))
+    assert train(_cfg(tiny, *args, "train.max_steps=10"))["step"] == 10

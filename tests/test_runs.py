@@ -83,7 +83,7 @@ def test_finished_failed_logs_follow_and_plot(tiny, tmp_path, capsys):
     follow = run_cli("logs", "a", "--root", str(root), "-f", timeout=120)
     assert train.wait(60) == 0
     assert follow.stdout == (root / "a" / "train.log").read_text()  # every line, nothing after the end
-    assert "checkpoint" in follow.stdout.splitlines()[-1]
+    assert "eval step 12" in follow.stdout.splitlines()[-1]   # the run's end: its checkpoint, then validation
     more = ["train.max_steps=12", "train.eval_every=6"]
     run_cli("train", *tiny, "run.name=b", "optim.lr=3e-3", "monitor.plot=true", *more)   # stderr shown if it fails
     nan = run_cli("train", *tiny, "run.name=nan", "optim.lr=1e30", *more, check=False)

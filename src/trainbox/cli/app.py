@@ -1,16 +1,19 @@
 """The dispatch of the command line: `run` parses (cli/parser.py), calls the verb's function and turns a library
-error into one short message and an exit code, with a traceback only when TRAINBOX_DEBUG=1. The entry point is
-`trainbox.cli.main`, which arms the stop signals first."""
+error into one short message and an exit code, with a traceback only when TRAINBOX_DEBUG=1. The message goes to
+stderr and, where the command keeps a log file (`trainbox train`'s RUN/train.log, which `trainbox logs` and `trainbox
+stop` point to), to the end of that file. The entry point is `trainbox.cli.main`, which arms the stop signals first."""
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import select
 import shlex
 import sys
 
 from trainbox.cli.parser import build_parser
-from trainbox.errors import TrainboxError
+from trainbox.errors import RunBusy, TrainboxError
+from trainbox.monitor.console import log
 
 # What to do about a file-system error on a path the user chose (a run directory, --out, a cache folder): one line
 # naming the path, instead of an unexpected error. Other errors (a missing file among them) stay unexpected.
@@ -56,6 +59,18 @@ def _stdout_closed() -> bool:
     return True
 
 
+def _report(message: str, logged: bool = True) -> None:
+    """An error's message, on stderr and (`logged`) at the end of the command's log files: the trainbox logger's file
+    handlers, train.log; its console handler is left out, stderr has the message already."""
+    print(message, file=sys.stderr)
+    if not logged:
+        return
+    record = log.makeRecord(log.name, logging.ERROR, __file__, 0, message, None, None)
+    for handler in log.handlers:
+        if isinstance(handler, logging.FileHandler):
+            handler.handle(record)
+
+
 def run(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
@@ -82,20 +97,20 @@ def run(argv: list[str] | None = None) -> int:
     except TrainboxError as e:
         if debug:
             raise
-        print(f"trainbox {args.verb}: {e.message}", file=sys.stderr)
-        if e.hint:
-            print(f"  -> {e.hint}", file=sys.stderr)
+        # a finished run is no failure, and a busy run's train.log is its live holder's
+        _report(f"trainbox {args.verb}: {e.message}" + (f"\n  -> {e.hint}" if e.hint else ""),
+                logged=e.exit_code != 0 and not isinstance(e, RunBusy))
         return e.exit_code
     except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
+        _report("interrupted")
         return 130
     except Exception as e:  # an unexpected bug: one line, and how to see the traceback
         if debug:
             raise
         if isinstance(e, OSError) and e.filename is not None and e.errno in PATH_HINTS:
-            print(f"trainbox {args.verb}: {e.filename}: {e.strerror}\n  -> {PATH_HINTS[e.errno]}", file=sys.stderr)
+            _report(f"trainbox {args.verb}: {e.filename}: {e.strerror}\n  -> {PATH_HINTS[e.errno]}")
             return 1
-        print(f"trainbox {args.verb}: unexpected error: {type(e).__name__}: {e}\n"
-              f"  -> run again with TRAINBOX_DEBUG=1 for the traceback", file=sys.stderr)
+        _report(f"trainbox {args.verb}: unexpected error: {type(e).__name__}: {e}\n"
+                f"  -> run again with TRAINBOX_DEBUG=1 for the traceback")
         return 1
 

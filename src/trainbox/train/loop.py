@@ -21,7 +21,9 @@ which runs on a gloo group over CPU tensors (parallel/distributed.py).
 Preemption. SIGTERM / SIGINT / SIGUSR1 only set a flag (train/stop.py); before every step all ranks vote
 (any rank flagged -> all stop), so they stop at the same step boundary, save once and return normally (exit 0).
 A signal during an evaluation or a save is acted on at the next boundary; one before the first step ends the
-run with nothing to save. Under a plain `torchrun`, SIGTERM and SIGINT reach the workers by default; add
+run with nothing to save. The end of a run (final evaluation, lm-eval tasks, sample) follows its final checkpoint; a
+signal there cuts it short, and the same command does it again from that checkpoint (train/stop.py). Under a plain
+`torchrun`, SIGTERM and SIGINT reach the workers by default; add
 `--signals-to-handle SIGTERM,SIGINT,SIGUSR1` for SIGUSR1 (Slurm `--signal`) and a `--shutdown-timeout` long
 enough for a save. `trainbox train --nproc` signals its workers itself (cli/train.py).
 """
@@ -65,10 +67,10 @@ from trainbox.train.preflight import Preflight, preflight
 from trainbox.train.reporting import Reporting
 from trainbox.train.run_files import RunFiles
 from trainbox.train.saving import Checkpointing
-from trainbox.train.stop import BEFORE_FIRST_STEP, STOP
+from trainbox.train.stop import STOP, Ending
 
 
-class Trainer(RunFiles, Checkpointing, Evaluations, Reporting):
+class Trainer(RunFiles, Checkpointing, Evaluations, Reporting, Ending):
     """Builds everything from a RunConfig, then `run()` trains. `dist` comes from the CLI (torchrun env); `checked`:
     the run's pre-flight checks where the CLI ran them (train/preflight.py), else they run here, on `cfg` as it
     is (its micro-batch not adapted)."""
@@ -95,6 +97,8 @@ class Trainer(RunFiles, Checkpointing, Evaluations, Reporting):
         self.heartbeat: Heartbeat | None = None   # this rank's, and its watch over the others' (train/peers.py)
         self.watchdog: Watchdog | None = None
         self.resume_from: Path | None = None
+        self.end_again: str | None = None   # the status of a run resumed at its final checkpoint to do its end again
+        self.cut_short = False   # the end was cut short on several ranks: their collectives may be broken
         self.tokenizer = self.train_data = self.val_data = self.batches = None
         self.vocab = self.total = self.start_step = self.tokens_seen = 0
         self.changed: dict = {}
@@ -150,7 +154,12 @@ class Trainer(RunFiles, Checkpointing, Evaluations, Reporting):
             trainer_state = checkpoint.load_trainer(self.resume_from)
             self.start_step = trainer_state["step"]
             self.changed = resume.check_changes(trainer_state.get("config", {}), cfg, self.resume_from)
-            resume.check_finished(self.start_step, self.total, trainer_state.get("total_steps"), cfg)
+            resume.check_data(trainer_state.get("data"), self.data_identity(), self.resume_from, cfg)
+            if self.start_step == self.total:   # the run's last checkpoint: is its end still to do?
+                status = resume.unfinished(self.run_dir) if d.is_main else None
+                self.end_again = (status or "unfinished") if d.any(status is not None) else None
+            resume.check_finished(self.start_step, self.total, trainer_state.get("total_steps"), cfg,
+                                  ended=self.end_again is None)
         # a resumed run builds the initial weights too where the objective takes something from them (a reference)
         initial = self.resume_from is None or self.objective.needs_initial_weights(cfg)
         built = build_model_side(cfg, self.layout, self.vocab, self.device, d, init_weights=initial,
@@ -210,7 +219,7 @@ class Trainer(RunFiles, Checkpointing, Evaluations, Reporting):
             self.progress.close()
             if self.server is not None:
                 self.server.stop()
-            self.dist.shutdown(graceful)
+            self.dist.shutdown(graceful and not self.cut_short)
             if self.lock is not None:
                 unlock_run(self.run_dir)
 
@@ -255,7 +264,7 @@ class Trainer(RunFiles, Checkpointing, Evaluations, Reporting):
         # training mode (dropout, gradient checkpointing): from_pretrained hands Hugging Face models over in eval mode
         self.model.train()
         self.progress.update(self.start_step, self.total, None, None, None, force=True)
-        step, stopped, last_eval = self.start_step, False, None
+        step, stopped = self.start_step, False
         lr = grad_norm = None   # of the last step taken: a stop logs the open window with them
         self.collector.start()
         while step < self.total:
@@ -282,46 +291,31 @@ class Trainer(RunFiles, Checkpointing, Evaluations, Reporting):
                 if self.saver is not None:
                     self.saver.prepare(self.model, self.optimizers)   # the save's host buffers, in the background
             end_of_epoch = step % self.batches.steps_per_epoch == 0
-            do_eval = self.val_data is not None and cfg.train.eval_every and step % cfg.train.eval_every == 0
+            # the last step's evaluation and tasks come after its checkpoint, in the end of the run (self._end)
+            do_eval = (self.val_data is not None and cfg.train.eval_every and step % cfg.train.eval_every == 0
+                       and step < self.total)
             do_save = cfg.train.checkpoints and (step == self.total or end_of_epoch or (
                 cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0))
             # the NaN check runs on every logged window: flush before eval/save so bad weights are never saved
             if step % every == 0 or do_eval or do_save or step == self.total:
                 self._log_window(window, window_start, step, grad_norm, lr, meter)
                 window, window_start = [], step
-            if do_eval:
-                last_eval = self._evaluate(step)
-            tasks = self.tasks is not None and self.tasks.due(step, self.total)
-            if tasks:
-                meter.exclude(self._evaluate_tasks(step))
-            if do_save:
-                self._save(step)
+            tasks = self.tasks is not None and step < self.total and self.tasks.due(step, self.total)
+            with meter.outside_steps():   # tokens/s and the ETA count the steps alone
+                if do_eval:
+                    self._evaluate(step)
+                if tasks:
+                    self._evaluate_tasks(step)
+                if do_save:
+                    self._save(step)
             self.collector.after_step(step, paused=bool(do_eval or tasks or do_save))
         if stopped:
             if window:
                 self._log_window(window, window_start, step, grad_norm, lr, meter)
-            saves = cfg.train.checkpoints
-            if saves and step > 0 and self.last_saved_step != step:   # the same on every rank: all save or none
+            if cfg.train.checkpoints and step > 0 and self.last_saved_step != step:   # the same on every rank
                 self._save(step)
-            self._saves_published(wait=True)
-            self._phase("preempted")
-            why = f" on {self.stop.why()}" if self.stop.signum or not self.stop.reason else f": {self.stop.why()}"
-            self.stop.settle()   # "received SIGTERM: ..." first
-            if step == 0:
-                log.info(BEFORE_FIRST_STEP)
-            else:
-                log.info(f"stopped at step {step}{why}; " + (
-                    "run `trainbox train` again with the same arguments to continue" if saves else
-                    "no checkpoint was written (train.checkpoints=false), so the run cannot be continued"))
-            return {"step": step, "total": self.total, "stopped": True, "sample": None, "run_dir": str(self.run_dir)}
-        if self.val_data is not None and (last_eval is None or last_eval["step"] != step):
-            last_eval = self._evaluate(step)
-        sample = self._final_sample()
-        self._saves_published(wait=True)
-        self._phase("finished")
-        return {"step": step, "total": self.total, "stopped": False, "sample": sample,
-                "run_dir": str(self.run_dir), **(last_eval or {}),
-                "validation": self.objective.eval_line(last_eval) if last_eval else None}
+            return self._stopped(step)
+        return self._end(step)
 
     def train_step(self, step: int):
         """One optimizer step over the global batch; returns device tensors (no host sync)."""
@@ -390,7 +384,6 @@ class Trainer(RunFiles, Checkpointing, Evaluations, Reporting):
         """The run as its objective sees it."""
         return Runtime(self.cfg, self.model, self.forward, self.reference, self.device, self.autocast, self.dist,
                        self.train_data, self.val_data, self.tokenizer, self.vocab, self.parallel.whole)
-
 
 
 def train(cfg: RunConfig, dist: Dist | None = None, argv: list[str] | None = None,

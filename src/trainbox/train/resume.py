@@ -165,13 +165,43 @@ def supersede(run_dir: Path, ckpt_root: Path, start: Path | None) -> Path | None
     return dest
 
 
-def check_finished(step: int, total: int, saved_total: int | None, cfg: RunConfig) -> None:
-    """Raise RunFinished when the checkpoint is at or past the run's planned length."""
-    if step < total:
+def check_finished(step: int, total: int, saved_total: int | None, cfg: RunConfig, ended: bool = True) -> None:
+    """Raise RunFinished when the checkpoint is past the run's planned length, or at it in a run that `ended` (see
+    `unfinished`). At it in a run that did not, the start goes on: the loop does the end of the run again."""
+    if step < total or (step == total and not ended):
         return
     how = f"train.max_steps={total} now" if saved_total != total else f"of {total}"
     raise RunFinished(f"run {cfg.run_dir} already finished: it is at step {step} ({how})",
                       hint="start a new run with run.name=NEW_NAME, or raise train.max_steps to continue this one")
+
+
+def unfinished(run_dir: Path) -> str | None:
+    """What the run's status.json says of a run that did not finish (preempted, failed with its error, or crashed
+    in its last phase), or None when it finished. The final checkpoint is written before the end of the run (the
+    final evaluation, lm-eval tasks, sample), so a crash, a stop or an error there leaves one in a run that did not
+    finish. None too where there is no status.json to read: the final checkpoint is all there is to go by."""
+    try:
+        status = json.loads((run_dir / "status.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(status, dict) or status.get("phase") == "finished":
+        return None
+    phase, error = status.get("phase"), status.get("error")
+    if phase not in ("failed", "preempted"):   # the run directory is this process's now: its writer is gone
+        return f"crashed, last phase {phase}"
+    return f"{phase}: {error}" if error else phase
+
+
+def check_data(saved: dict | None, now: dict, ckpt: Path, cfg) -> None:
+    """Refuse to resume on another training set than the checkpoint's (its samples and tokens, as saved:
+    `data_identity`): the batch order would go on over other samples, so the run would not be the one continued.
+    A file changed in place under the same data.path is caught here, where the config comparison sees nothing."""
+    if not saved or saved == now:
+        return
+    what = "; ".join(f"{k} {saved.get(k, 0):,} then, {now[k]:,} now" for k in now if saved.get(k) != now[k])
+    raise ConfigError(f"data.path={cfg.data.path} is not the training data {ckpt} was trained on ({what})",
+                      hint="resume with the data it was trained on; to train on this data from its weights, start a "
+                           f"new run from the checkpoint: run.name=NEW_NAME run.init_from={ckpt}")
 
 
 def restore(ckpt: Path, model, optimizers: list, trainer_state: dict, rank: int, world: int, seed: int,

@@ -74,7 +74,13 @@ class Checkpointing:
                 "loader": {"step": step, "seed": self.cfg.run.seed}, "tokens_seen": self.tokens_seen,
                 "world": self.dist.world, "finished": step >= self.total,
                 "restarts": self.state.snapshot()["restarts"], "wandb_id": self.sinks.wandb_id,
-                "config": public_dict(self.cfg), "versions": runs.versions(), "parallel": self.parallel.name}
+                "config": public_dict(self.cfg), "versions": runs.versions(), "parallel": self.parallel.name,
+                "data": self.data_identity()}
+
+    def data_identity(self) -> dict:
+        """What a resume checks its training set against (resume.check_data): its samples and tokens."""
+        ds = self.batches.dataset
+        return {"samples": int(ds.num_samples), "tokens": int(getattr(ds, "num_tokens", 0))}
 
     def _weights(self) -> dict:
         return checkpoint.model_state(self.model, trainable_only=getattr(self.model, "adapter_only", False))
