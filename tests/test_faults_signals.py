@@ -675,6 +675,7 @@ def _end_done_again(root: Path, cache: Path, name: str, status_before: str) -> N
     assert (run_dir / "status.json").read_text() == before
 
 
+@pytest.mark.slow
 def test_a_stop_signal_during_the_final_evaluation_cuts_the_end_short_and_the_same_command_does_it(tmp_path, cache):
     """SIGTERM while the final evaluation runs (after the final checkpoint): the evaluation and the sample are cut
     short, not run to the end past a scheduler's grace period; the run is preempted at step 300 with its checkpoint,

@@ -148,8 +148,11 @@ def test_the_sampling_copy_merges_the_adapters(run):
         lora_b.copy_(saved)
 
 
-def test_rollouts_through_the_copy_equal_those_through_the_view(run):
-    """Sampled with a stop id, in fp32: the same completions through the merged copy as through the view."""
+def test_rollouts_through_the_copy_equal_those_through_the_view(tmp_path):
+    """Sampled with a stop id, in fp32, a Qwen2 folder's run (GRPO's usual kind; the logits of every architecture's
+    copy are held above): the same completions through the merged copy as through the view."""
+    hf_model("qwen2").save_pretrained(tmp_path)
+    run = lora_run(tmp_path)
     vocab = run.hf_config.vocab_size
     kw = dict(temperature=1.0, pad=5)
     got = rollout(run, PROMPTS, [3, 1, 4, 1], 12, vocab, frozenset({7, 19}), copy_weights=True, **kw)

@@ -88,6 +88,16 @@ def test_finished_failed_logs_follow_and_plot(tiny, tmp_path, capsys):
     run_cli("train", *tiny, "run.name=b", "optim.lr=3e-3", "monitor.plot=true", *more)   # stderr shown if it fails
     nan = run_cli("train", *tiny, "run.name=nan", "optim.lr=1e30", *more, check=False)
     assert nan.returncode == 1 and "loss is nan" in nan.stderr, nan.stderr
+    # the error that ends a run is said on stderr and, in the same words, at the end of train.log, where `trainbox
+    # logs` and `trainbox stop` send the user
+    said = nan.stderr.rstrip().splitlines()[-2:]
+    assert said[0].startswith("trainbox train: loss is nan at step 2") and said[1].startswith("  -> "), nan.stderr
+    logged = (root / "nan" / "train.log").read_text().rstrip().splitlines()[-2:]
+    assert logged[0].endswith(" " + said[0]) and logged[1] == said[1], logged
+    # a finished run's log is left as it is when the same command is refused
+    log_b = (root / "b" / "train.log").read_text()
+    again = run_cli("train", *tiny, "run.name=b", "optim.lr=3e-3", "monitor.plot=true", *more)
+    assert "already finished" in again.stderr and (root / "b" / "train.log").read_text() == log_b
 
     rows = table(capsys, root)
     assert [rows[n][1] for n in ("a", "b", "nan")] == ["finished", "finished", "failed"]
