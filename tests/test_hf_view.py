@@ -5,6 +5,8 @@ changes the model), rollouts through it equal rollouts through transformers, and
 through transformers."""
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import pytest
 import torch
 
@@ -41,19 +43,25 @@ def run(request, tmp_path_factory):
     return lora_run(folder)
 
 
+def same_logits(got_model, want_model) -> None:
+    """Left-padded rows with a real token as the pad, the prefill's logits at every position and three cached
+    decode steps: `got_model`'s within 1e-5 of `want_model`'s."""
+    want = padded_logits(want_model, PROMPTS, [11, 3, 40], pad=5)
+    got = padded_logits(got_model, PROMPTS, [11, 3, 40], pad=5)
+    P = max(map(len, PROMPTS))
+    for r, prompt in enumerate(PROMPTS):   # padded positions' logits are never read
+        torch.testing.assert_close(got[0][r, P - len(prompt):], want[0][r, P - len(prompt):], rtol=1e-5, atol=1e-5)
+    for g, w in zip(got[1:], want[1:]):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
+
 @torch.no_grad()
 def test_the_view_computes_what_transformers_computes(run):
     """Left-padded rows with a real token as the pad, the prefill's logits at every position and three cached decode
     steps: the view within 1e-5 of transformers with PEFT's adapters."""
     view = run.rollout_model()
     assert view is not run and view.family == "llama" and view.static_decode
-    want = padded_logits(run, PROMPTS, [11, 3, 40], pad=5)
-    got = padded_logits(view, PROMPTS, [11, 3, 40], pad=5)
-    P = max(map(len, PROMPTS))
-    for r, prompt in enumerate(PROMPTS):   # padded positions' logits are never read
-        torch.testing.assert_close(got[0][r, P - len(prompt):], want[0][r, P - len(prompt):], rtol=1e-5, atol=1e-5)
-    for g, w in zip(got[1:], want[1:]):
-        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+    same_logits(view, run)
 
 
 @torch.no_grad()
@@ -65,10 +73,7 @@ def test_the_view_holds_no_weight_of_its_own(run):
     assert view is run.rollout_model()   # built once
     x = torch.tensor([PROMPTS[2]])
     before = view(x, logits_to_keep=0).logits
-    lora_b = next(p for n, p in run.named_parameters() if "lora_B" in n and "v_proj" in n)
-    saved = lora_b.clone()
-    try:
-        lora_b.add_(0.5)
+    with adapter_stepped(run):
         after = view(x, logits_to_keep=0).logits
         assert (after - before).abs().max() > 1e-2
         torch.testing.assert_close(after, run(x, logits_to_keep=0).logits, rtol=1e-5, atol=1e-5)
@@ -76,6 +81,16 @@ def test_the_view_holds_no_weight_of_its_own(run):
             base = run.peft.get_base_model()(x).logits
             torch.testing.assert_close(view(x, logits_to_keep=0).logits, base, rtol=1e-5, atol=1e-5)
         assert (base - after).abs().max() > 1e-2
+
+
+@contextmanager
+def adapter_stepped(run):
+    """One adapter's B moved in place (as an optimizer step moves it), put back afterwards."""
+    lora_b = next(p for n, p in run.named_parameters() if "lora_B" in n and "v_proj" in n)
+    saved = lora_b.clone()
+    try:
+        lora_b.add_(0.5)
+        yield
     finally:
         lora_b.copy_(saved)
 
@@ -124,18 +139,10 @@ def test_the_sampling_copy_merges_the_adapters(run):
                    layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj]
     assert all(isinstance(m, Weights) and m.weight.dtype == torch.float32 for m in projections)
     assert isinstance(copy.lm_head, Hookless) and isinstance(layer.input_layernorm, Hookless)
-    want, got = padded_logits(view, PROMPTS, [11, 3, 40], pad=5), padded_logits(copy, PROMPTS, [11, 3, 40], pad=5)
-    P = max(map(len, PROMPTS))
-    for r, prompt in enumerate(PROMPTS):
-        torch.testing.assert_close(got[0][r, P - len(prompt):], want[0][r, P - len(prompt):], rtol=1e-5, atol=1e-5)
-    for g, w in zip(got[1:], want[1:]):
-        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+    same_logits(copy, view)
     x = torch.tensor([PROMPTS[2]])
     before = copy(x, logits_to_keep=0).logits
-    lora_b = next(p for n, p in run.named_parameters() if "lora_B" in n and "v_proj" in n)
-    saved = lora_b.clone()
-    try:
-        lora_b.add_(0.5)
+    with adapter_stepped(run):
         assert torch.equal(copy(x, logits_to_keep=0).logits, before)   # a copy: made as the weights stood
         torch.testing.assert_close(run.sampling_model(torch.float32)(x, logits_to_keep=0).logits,
                                    run(x, logits_to_keep=0).logits, rtol=1e-5, atol=1e-5)
@@ -144,8 +151,6 @@ def test_the_sampling_copy_merges_the_adapters(run):
             torch.testing.assert_close(run.sampling_model(torch.float32)(x, logits_to_keep=0).logits, base,
                                        rtol=1e-5, atol=1e-5)
         assert (base - before).abs().max() > 1e-2
-    finally:
-        lora_b.copy_(saved)
 
 
 def test_rollouts_through_the_copy_equal_those_through_the_view(tmp_path):

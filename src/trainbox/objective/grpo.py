@@ -68,7 +68,7 @@ import torch
 from trainbox.data.chat import template_for, token_of
 from trainbox.data.prompts import PromptDataset, open_prompt_datasets
 from trainbox.data.tokenizer import pad_id
-from trainbox.errors import ConfigError, TrainingFailed
+from trainbox.errors import ConfigError
 from trainbox.generate import rollout
 from trainbox.kernels.fused_ce import host_trained_rows
 from trainbox.model.spec import family
@@ -82,7 +82,7 @@ from trainbox.objective.generation import (
     training_rows,
 )
 from trainbox.objective.preference import eval_mode
-from trainbox.objective.rewards import load_reward, reward_names
+from trainbox.objective.rewards import load_reward, reward_names, score
 
 log = logging.getLogger("trainbox")
 
@@ -183,31 +183,9 @@ class Grpo(Objective):
         prompts = [ds.rows[i]["prompt"] for i in indices]
         chat = [ds.chat[i] for i in indices]
         shown = [[{"role": "assistant", "content": t}] if c else t for t, c in zip(texts, chat)]
-        out = torch.full((len(indices), len(self.functions)), float("nan"), dtype=torch.float64)
-        columns = ds.columns(indices)
-        for k, (fn, spec) in enumerate(zip(self.functions, self.g.rewards)):
-            try:
-                with self.run.autocast():   # a reward model runs in the run's autocast
-                    got = fn(prompts=prompts, completions=shown, completion_ids=completions, **columns)
-            except Exception as e:
-                raise TrainingFailed(f"grpo.rewards {spec} raised {type(e).__name__}: {e}") from e
-            got = list(got) if got is not None and not isinstance(got, (str, bytes)) else got
-            if not isinstance(got, list) or len(got) != len(indices):
-                what = f"{len(got)} value(s)" if isinstance(got, list) else type(got).__name__
-                raise TrainingFailed(f"grpo.rewards {spec} returned {what} for {len(indices)} completions: it must "
-                                     "return a list of one number (or None) a completion")
-            for i, v in enumerate(got):
-                if v is None:
-                    continue
-                try:
-                    out[i, k] = float(v)
-                except (TypeError, ValueError):
-                    raise TrainingFailed(f"grpo.rewards {spec} returned {v!r} for completion {i}: give a number "
-                                         "or None") from None
-                if not math.isfinite(out[i, k]):
-                    raise TrainingFailed(f"grpo.rewards {spec} returned {v!r} for completion {i}: give a finite "
-                                         "number or None")
-        return out
+        with self.run.autocast():   # a reward model runs in the run's autocast
+            return score(self.functions, self.g.rewards, len(indices), prompts=prompts, completions=shown,
+                         completion_ids=completions, **ds.columns(indices))
 
     def _rewards(self, scores: torch.Tensor) -> torch.Tensor:
         """The weighted sum of each completion's scores, NaN where no function scored it."""

@@ -1,9 +1,11 @@
 """grpo.rewards, made into callables (objective/grpo.py calls them): 'module:function', 'path/to/file.py:function',
-or the directory of a reward model trained here (RewardRun), and the names the log gives them."""
+or the directory of a reward model trained here (RewardRun), and the names the log gives them; `score` calls them on
+a batch of completions and checks what each returns."""
 from __future__ import annotations
 
 import importlib
 import importlib.util
+import math
 import sys
 from pathlib import Path
 from typing import Callable
@@ -12,7 +14,7 @@ import torch
 
 from trainbox.data.preference import Example, encode_response, pair_template
 from trainbox.data.tokenizer import pad_id
-from trainbox.errors import ConfigError
+from trainbox.errors import ConfigError, TrainingFailed
 from trainbox.model.load import load_for_inference
 
 
@@ -94,3 +96,32 @@ def reward_names(specs: list[str]) -> list[str]:
     """A name each for the log: the function's (a reward run's: its folder's), numbered where two share one."""
     names = [s.rpartition(":")[2] if ":" in s else Path(s).name for s in specs]
     return [n if names.count(n) == 1 else f"{n}_{i}" for i, n in enumerate(names)]
+
+
+def score(functions: list[Callable], specs: list[str], n: int, **batch) -> torch.Tensor:
+    """(n, functions) float64 scores of `n` completions (NaN: not scored), each function called once with `batch`
+    (TRL's keywords); a function that raises, returns another count, or a value that is not a finite number or None
+    fails the run naming it (its grpo.rewards spec)."""
+    out = torch.full((n, len(functions)), float("nan"), dtype=torch.float64)
+    for k, (fn, spec) in enumerate(zip(functions, specs)):
+        try:
+            got = fn(**batch)
+        except Exception as e:
+            raise TrainingFailed(f"grpo.rewards {spec} raised {type(e).__name__}: {e}") from e
+        got = list(got) if got is not None and not isinstance(got, (str, bytes)) else got
+        if not isinstance(got, list) or len(got) != n:
+            what = f"{len(got)} value(s)" if isinstance(got, list) else type(got).__name__
+            raise TrainingFailed(f"grpo.rewards {spec} returned {what} for {n} completions: it must return a list of "
+                                 "one number (or None) a completion")
+        for i, v in enumerate(got):
+            if v is None:
+                continue
+            try:
+                out[i, k] = float(v)
+            except (TypeError, ValueError):
+                raise TrainingFailed(f"grpo.rewards {spec} returned {v!r} for completion {i}: give a number or "
+                                     "None") from None
+            if not math.isfinite(out[i, k]):
+                raise TrainingFailed(f"grpo.rewards {spec} returned {v!r} for completion {i}: give a finite number "
+                                     "or None")
+    return out
