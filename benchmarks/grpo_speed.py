@@ -4,6 +4,7 @@
     python benchmarks/grpo_speed.py --size tiny --steps 3 --warmup 1 --prompt-len 16 --completion-len 8 \\
         --modes full,lora                                           # a check of the script on a CPU
     python benchmarks/grpo_speed.py --sides ours --set grpo.sampling_copy=false   # ours through the model's weights
+    python benchmarks/grpo_speed.py --sides ours --profile-sampling  # where a sampling's time goes, ms a token
 
 Both sides train the SAME model folder (dpo_speed.py's: a Qwen2.5-0.5B-shaped Qwen2 with random weights and a
 word-level tokenizer, one id a word, 0 end-of-text) on the SAME prompts (--prompt-len words each), with the same
@@ -82,6 +83,7 @@ def run_ours(folder: Path, data: Path, a) -> dict:
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     trainer = Trainer(cfg)
+    profiled = profile_sampling(a.warmup + 1, a.completion_len, cuda) if a.profile_sampling else None
     trainer.run()
     planned = common.planned_peak_gib(trainer) if cuda else None
     events = [json.loads(x) for x in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -93,7 +95,41 @@ def run_ours(folder: Path, data: Path, a) -> dict:
     sampling = [e["sample_s"] for e in train if e["step"] > a.warmup]
     return {"step_s": step_s, "completion_tokens_per_s": a.prompts * a.generations * length / step_s if step_s else
             None, "completion_len": length, "sample_s": sum(sampling) / len(sampling) if sampling else None,
-            "peak_memory_gib": common.peak_gib(), "plan_peak_gib": planned, "rewards": [e["reward"] for e in train]}
+            "peak_memory_gib": common.peak_gib(), "plan_peak_gib": planned, "rewards": [e["reward"] for e in train],
+            **({"sampling_profile": profiled} if profiled is not None else {})}
+
+
+def profile_sampling(call: int, tokens: int, cuda: bool) -> dict:
+    """Puts the `call`-th sampling of the run (objective/grpo.py's rollout) under torch.profiler; the dict returned
+    is filled when it has run: its wall time, the GPU's busy time, and the kernels by kind and the top ones, in ms a
+    token (profile_step.py's accounting)."""
+    import torch
+    from profile_step import kernel_times
+    from torch.profiler import ProfilerActivity, profile
+
+    import trainbox.objective.grpo as grpo
+
+    plain, calls, out = grpo.rollout, [0], {}
+
+    def rollout(*args, **kw):
+        calls[0] += 1
+        if calls[0] != call:
+            return plain(*args, **kw)
+        with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]) as prof:
+            start = time.perf_counter()
+            result = plain(*args, **kw)
+            if cuda:
+                torch.cuda.synchronize()
+            wall = time.perf_counter() - start
+        per_kind, kernels, _ = kernel_times(prof.key_averages(), tokens, cuda)
+        out.update(wall_ms_per_token=round(wall * 1e3 / tokens, 3),
+                   gpu_busy_ms_per_token=round(sum(per_kind.values()), 3),
+                   ms_per_token_by_kind={k: round(v, 3) for k, v in sorted(per_kind.items(), key=lambda kv: -kv[1])},
+                   top_kernels=[(round(ms, 3), n, name) for ms, n, name in sorted(kernels, reverse=True)[:25]])
+        return result
+
+    grpo.rollout = rollout
+    return out
 
 
 def run_trl(folder: Path, data: Path, a) -> dict:
@@ -185,6 +221,8 @@ def main() -> int:
     p.add_argument("--root", default="/tmp/trainbox-grpo-bench")
     p.add_argument("--record", action="store_true")
     p.add_argument("--set", nargs="*", default=[], help="extra overrides for our runs")
+    p.add_argument("--profile-sampling", action="store_true", help="profile our first sampling after --warmup "
+                                                                   "steps: its kernels in ms a token, in our result")
     p.add_argument("--worker", choices=["ours", "trl"], help=argparse.SUPPRESS)
     p.add_argument("--mode", choices=["full", "lora", "qlora"], help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -197,6 +235,7 @@ def main() -> int:
               str(a.prompt_len), "--completion-len", str(a.completion_len), "--root", a.root,
               "--iterations", str(a.iterations),
               *(["--checkpointing"] if a.checkpointing else []),
+              *(["--profile-sampling"] if a.profile_sampling else []),
               *(["--set", *a.set] if a.set else [])]
     report = {k: getattr(a, k) for k in ("size", "steps", "warmup", "prompts", "micro_prompts", "generations",
                                          "prompt_len", "completion_len", "checkpointing", "iterations")}

@@ -183,6 +183,36 @@ def test_the_sampling_copy_under_autocast_draws_what_the_model_draws(tied):
     assert all(torch.equal(p, before[n]) for n, p in model.state_dict().items())
 
 
+@pytest.mark.slow   # Inductor compiles the token step on the CPU
+def test_a_compiled_token_step_draws_what_the_eager_one_draws_and_compiles_once():
+    """rollout(compiled=True): the one-token forward runs through torch.compile over caches rounded up to CACHE_ROUND
+    positions, and draws what the eager step draws (fp32). Later rollouts of as many rows (a GRPO run's samplings),
+    with prompts of other lengths, another number of tokens and (under autocast) through each sampling's fresh copy
+    of the weights, run the code already compiled: no new graph."""
+    from torch._dynamo.utils import counters
+
+    from trainbox.generate import CACHE_ROUND
+    model = tiny_llama()
+    kw = dict(vocab=VOCAB, stop=frozenset({3}), top_k=20, pad=5)
+    seeds = list(range(6))
+    prompts = [PROMPTS[r % 4] for r in seeds]
+    torch._dynamo.reset()
+    counters.clear()
+    want = rollout(model, prompts, seeds, 12, **kw)
+    assert rollout(model, prompts, seeds, 12, compiled=True, **kw) == want and len(set(map(len, want))) > 1
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs >= 1
+    later = [PROMPTS[1], PROMPTS[3]] * 3   # as many rows, 2 tokens, not 9: the same rounded caches
+    assert 2 + 30 <= CACHE_ROUND
+    assert rollout(model, later, seeds, 30, compiled=True, **kw) == rollout(model, later, seeds, 30, **kw)
+    assert counters["stats"]["unique_graphs"] == graphs
+    with torch.autocast("cpu", dtype=torch.bfloat16):   # each sampling copies the weights into new tensors
+        first = rollout(model, prompts, seeds, 12, copy_weights=True, compiled=True, **kw)
+        graphs = counters["stats"]["unique_graphs"]
+        again = rollout(model, later, seeds, 12, copy_weights=True, compiled=True, **kw)
+    assert counters["stats"]["unique_graphs"] == graphs and len(first) == len(again) == 6
+
+
 def gumbel_reference(seed: int, t: int, v: int) -> float:
     """gumbel_noise's documented formula in Python integers (no int64 arithmetic to overflow)."""
     M = 0xFFFFFFFF

@@ -149,7 +149,8 @@ def draw(logits: torch.Tensor, seeds: torch.Tensor, t: int | torch.Tensor, vocab
 @torch.no_grad()
 def rollout(model, prompts: list[list[int]], seeds: list[int], max_tokens: int, vocab: int, stop: frozenset[int],
             temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
-            pad: int = 0, graphs: bool = True, copy_weights: bool = False) -> list[list[int]]:
+            pad: int = 0, graphs: bool = True, copy_weights: bool = False,
+            compiled: bool = False) -> list[list[int]]:
     """Completions of B prompts drawn together: each row's ids up to and including its first id in `stop`, or
     `max_tokens` ids where none was drawn. Row r draws with seeds[r] (`draw`), so its completion does not depend on
     the other rows. The prompts are left-padded with `pad` to the longest (P tokens); one prefill, then one forward
@@ -168,7 +169,9 @@ def rollout(model, prompts: list[list[int]], seeds: list[int], max_tokens: int, 
     the model itself is put in eval mode. With `copy_weights`, it decodes through the model's `sampling_model`:
     the linear layers' weights copied in the compute dtype as they stand, LoRA's adapters merged and a quantized
     base dequantized, which the token steps read without a cast or an adapter's matmuls; the copy is freed on
-    return."""
+    return. With `compiled` (a static-decode model), the one-token forward runs through torch.compile (the prefill
+    does not), over caches whose length is rounded up to a multiple of CACHE_ROUND: a later rollout with prompts of
+    another length, or through another copy of the weights, reuses the compiled code."""
     check_sampling(temperature, top_k, top_p, max_tokens)
     B = len(prompts)
     if len(seeds) != B:
@@ -196,6 +199,11 @@ def rollout(model, prompts: list[list[int]], seeds: list[int], max_tokens: int, 
     seed_ids = torch.tensor(seeds, dtype=torch.int64, device=device)
     stop_ids = torch.tensor(sorted(stop), dtype=torch.long, device=device)
     static = bool(getattr(runner, "static_decode", False))
+    compiled = compiled and static
+    decode = compiled_step(runner) if compiled else runner   # the one-token forward
+    slots = -(-(P + max_tokens) // CACHE_ROUND) * CACHE_ROUND if compiled else P + max_tokens   # the caches' length
+    if slots > P + max_tokens:   # positions past the last token: never written, never attended to
+        attend = torch.cat([attend, attend.new_zeros(B, slots - P - max_tokens)], 1)
     # the state of a token step, changed in place by it: the ids fed, the cache slot, each row's position, the
     # completion's index, what is drawn, each row's length, which rows have stopped
     st = {"x": x, "pos": torch.zeros((), dtype=torch.long, device=device), "positions": -left[:, None],
@@ -209,8 +217,9 @@ def rollout(model, prompts: list[list[int]], seeds: list[int], max_tokens: int, 
         T = st["x"].size(1)
         positions = (st["positions"] + torch.arange(T, device=device)).clamp(min=0)
         pos = st["pos"] if static and T == 1 else host["pos"]
+        forward = decode if static and T == 1 else runner
         with torch.autocast(device.type, dtype=dtype, enabled=autocast, cache_enabled=False):
-            logits = runner(st["x"], caches=caches, pos=pos, position_ids=positions, attend=attend).logits[:, -1, :]
+            logits = forward(st["x"], caches=caches, pos=pos, position_ids=positions, attend=attend).logits[:, -1, :]
         done = st["done"]
         nxt = draw(logits, seed_ids, st["t"], vocab, temperature, top_k, top_p).masked_fill(done, pad)
         st["out"].index_copy_(1, st["t"].view(1), nxt[:, None])
@@ -229,7 +238,7 @@ def rollout(model, prompts: list[list[int]], seeds: list[int], max_tokens: int, 
     was_training = model.training
     model.eval()
     try:
-        caches = runner.make_caches(B, P + max_tokens, dtype, device)
+        caches = runner.make_caches(B, slots, dtype, device)
         step()   # the prefill and the first token
         replay = step
         if static and graphs and device.type == "cuda" and max_tokens > 2 and not bool(st["done"].all()):
@@ -241,6 +250,16 @@ def rollout(model, prompts: list[list[int]], seeds: list[int], max_tokens: int, 
     finally:
         model.train(was_training)
     return [row[:n] for row, n in zip(st["out"].tolist(), st["length"].tolist())]
+
+
+CACHE_ROUND = 128   # a compiled token step's caches hold a multiple of this many positions
+
+
+def compiled_step(runner):
+    """`runner` (a static-decode module) under torch.compile, fixed shapes. Compiled code is kept per forward's code
+    and guarded on the shapes and types it was traced with, so another module of the same layout (the next
+    sampling's copy of the weights) runs it again without a recompile."""
+    return torch.compile(runner, dynamic=False)
 
 
 def _captured(step, st: dict):

@@ -42,6 +42,11 @@ class GrpoSection(Section):
                                                   "bf16 weights). It holds 2 bytes a weight (bf16) while sampling, "
                                                   "which `trainbox plan` counts; false: sample through the model's "
                                                   "own weights")
+    compile_sampling: bool | Literal["auto"] = Field(
+        "auto", description="torch.compile the sampling's token step (the decoder's forward for one token; Inductor "
+                            "fuses its norms, rotations, casts and residual adds, which otherwise run as a thousand "
+                            "small kernels a token); its caches' length rounded up to a multiple of 128 so that "
+                            "prompts of other lengths reuse the compiled step. auto: where train.compile is on")
     top_k: int | None = Field(None, ge=1, description="sample from the k likeliest tokens (default: all)")
     top_p: float | None = Field(None, gt=0, le=1, description="sample from the nucleus of this probability mass "
                                                              "(default: all)")

@@ -162,6 +162,9 @@ class Grpo(Objective):
 
     def attach(self, run: Runtime) -> None:
         self.run = run
+        g = self.g   # the token step compiled where asked, or (auto) where the run compiles its training forward
+        self.compiled_sampling = g.compile_sampling is True or (g.compile_sampling == "auto"
+                                                                and run.cfg.train.compile is True)
 
     def denominator(self, batches, step: int) -> int:
         assert self._denominator is not None and self._denominator[0] == step, "step_batches runs first"
@@ -174,7 +177,7 @@ class Grpo(Objective):
         with eval_mode(run.model), run.autocast():
             return rollout(run.model, [ds.ids[i] for i in indices], seeds, g.max_completion_len,
                            run.tokenizer.vocab_size, self.stop, g.temperature, g.top_k, g.top_p, self.pad,
-                           copy_weights=g.sampling_copy)
+                           copy_weights=g.sampling_copy, compiled=self.compiled_sampling)
 
     def _score(self, ds: PromptDataset, indices: list[int], completions: list[list[int]]) -> torch.Tensor:
         """(N, functions) float64 scores of each completion (NaN: not scored) by each reward function."""
