@@ -304,6 +304,8 @@ SKIPPED = {
                                                    "FLOP count of the sampling",
     "2026-12-02-h200-grpo-0.5b-sampling-copy.json": "online RL: a step samples completions, then trains them; no "
                                                     "FLOP count of the sampling",
+    "2026-12-02-h200-grpo-0.5b-compiled-sampling.json": "online RL: a step samples completions, then trains "
+                                                        "them; no FLOP count of the sampling",
     "2026-11-28-h100-sft-0.5b-packing-speed.json": "packed chat examples of a Hugging Face model: no FLOP count",
     "2026-11-28-h100-gpt2-125m-eval-speed.json": "evaluation (lm-eval), not training steps",
     "2026-11-28-h200-gpt2-125m-eval-speed.json": "evaluation (lm-eval), not training steps",
