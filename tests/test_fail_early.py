@@ -74,6 +74,26 @@ def test_memory_check_refuses_beyond_the_plans_margin():
     assert 4 * m.counts.total < m.memory.optimizer < 8 * m.counts.total   # Muon's matrices keep one momentum
 
 
+def test_memory_check_gives_each_cpu_process_its_share_of_the_hosts_ram():
+    """The processes of a run on one host share its RAM: each is held to its share of the available figure, so two
+    processes that each need more than half of it are refused (the message names the share), while the same
+    processes spread one per host (`local_world=1`) each have it whole."""
+    from trainbox.train.memory import check_memory
+    cfg = load_config("tiny", ["train.device=cpu", "model.n_layer=2", "model.n_embd=32", "model.n_head=2",
+                               "data.seq_len=64", "train.micro_batch_size=8", "train.global_batch_size=16",
+                               "optim.name=adamw"])
+    cpu = torch.device("cpu")
+    needed = check_memory(cfg, 1024, cpu, torch.float32, free=10**12, world=2).memory.needed
+    free = int(1.5 * needed)   # holds one process's need whole, not in half of it
+    with pytest.raises(ConfigError) as e:
+        check_memory(cfg, 1024, cpu, torch.float32, free=free, world=2)
+    assert f"per process of this machine's available RAM ({free / 2**30:.1f} GiB shared by the run's 2 processes" \
+        in str(e.value)
+    plan = check_memory(cfg, 1024, cpu, torch.float32, free=free, world=2, local_world=1)
+    assert plan is not None and plan.target.memory == free
+    assert check_memory(cfg, 1024, cpu, torch.float32, free=2 * needed, world=2).target.memory == needed
+
+
 def test_run_that_does_not_fit_is_refused_before_the_model(tmp_path, data_cache):
     """gpt2-125m at its micro-batch of 120 on a 24 GB CPU machine would grow until the kernel killed it: refused."""
     corpus = tmp_path / "corpus.jsonl"   # ~190k GPT-2 tokens: one global batch of 120 x 1024, and validation

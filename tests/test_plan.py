@@ -5,6 +5,7 @@ fit / does-not-fit verdicts and their suggestions hold when applied."""
 from __future__ import annotations
 
 import json
+import re
 import statistics
 import sys
 
@@ -22,7 +23,7 @@ from trainbox.model.build import build_model
 from trainbox.model.spec import family as family_spec
 from trainbox.plan import CONTEXT, MARGIN, NCCL, gpu, local_cpu, make_plan, run_vocab
 from trainbox.plan.activations import Kernels, Widths, family_activations, weight_copy_bytes
-from trainbox.plan.count import count_parameters
+from trainbox.plan.count import build_meta, count_parameters
 from trainbox.plan.gpus import GiB
 from trainbox.plan.report import format_plan
 from trainbox.plan.suggest import GATHERED, GATHERED_GAIN, ONCE, _layouts
@@ -90,6 +91,15 @@ def test_hugging_face_model_counted_from_its_config(hf_llama):
     assert counts.total == sum(p.numel() for p in model.parameters())
     assert counts.trainable == sum(p.numel() for p in model.parameters() if p.requires_grad) > 0
     assert counts.shapes.gated and counts.shapes.d == 32 and counts.shapes.ffn == 64
+
+
+def test_the_plan_builds_the_model_with_the_context_it_trains_with(hf_llama):
+    """A Llama folder's model supports its max_position_embeddings (256), which a fine-tune's data.seq_len does not
+    limit: the plan's model is built with model/build.py context_length, as training builds it."""
+    from trainbox.model.build import context_length, resolve_model
+    cfg = resolve_model(load_config("sft", [f"model.path={hf_llama}", "data.seq_len=64"]))
+    assert cfg.model.family == "llama" and context_length(cfg) == 256
+    assert build_meta(cfg, run_vocab(cfg)).block_size == 256
 
 
 @pytest.mark.parametrize("quant, linear_bytes", [("quant.load_in_4bit=true", 0.5625), ("quant.load_in_8bit=true", 1),
@@ -866,3 +876,57 @@ def test_the_plan_says_the_host_memory_sharded_checkpoints_stage_into():
     one = load_config("gpt2-125m", [])
     assert make_plan(one, run_vocab(one), gpu("H100")).staged == 0
     assert "host memory" not in format_plan(make_plan(one, run_vocab(one), gpu("H100")))
+
+
+# ----------------------------------------------------------------------------- a CPU: processes share its RAM
+
+CPU_RUN = [*SMALL, "data.seq_len=256", "optim.name=adamw", "train.global_batch_size=16", "train.micro_batch_size=8"]
+
+
+def test_cpu_processes_share_the_hosts_ram(monkeypatch, capsys):
+    """The processes of one host share its RAM: `trainbox plan --nproc 2` holds each to half of the host's available
+    figure, says the run does not fit where the whole would hold one process, names what each has, and suggests a
+    micro-batch that fits a process's half and that the pre-flight check accepts on the same figure."""
+    from trainbox.cli import main
+    from trainbox.train.memory import check_memory
+    cfg = load_config("tiny", CPU_RUN)
+    needed = make_plan(cfg, 512, local_cpu(10**12), 2, suggest=False).memory.needed
+    ram = int(1.5 * needed)   # holds one process's need whole, not in half of it
+    monkeypatch.setattr("trainbox.plan.gpus.host_available", lambda: ram)   # this machine's MemAvailable, given
+    assert main(["plan", "tiny", *CPU_RUN, "--nproc", "2"]) == 1
+    out = capsys.readouterr().out
+    assert f"tiny on 2 processes of this CPU ({ram // 2 / GiB:.1f} GiB each of the {ram / GiB:.1f} GiB of RAM " \
+           "available to a run: MemAvailable)" in out
+    assert f"does not fit: {needed / GiB:.1f} of {ram // 2 / GiB:.1f} GiB per process" in out
+    assert "what would fit (GiB per process):" in out and "per GPU" not in out
+    micro = int(re.search(r"micro-batch +trainbox train tiny .*train\.micro_batch_size=(\d+) --nproc 2", out)[1])
+    assert micro < 8
+    applied = load_config("tiny", [*CPU_RUN, f"train.micro_batch_size={micro}"])
+    plan = make_plan(applied, 512, local_cpu(ram), 2)
+    assert plan.fits and plan.target.memory == ram // 2 and plan.memory.needed <= ram // 2
+    assert check_memory(applied, 512, torch.device("cpu"), torch.float32, free=ram, world=2) is not None
+    assert main(["plan", "tiny", *CPU_RUN, "--nproc", "2", f"train.micro_batch_size={micro}"]) == 0
+
+
+def test_the_cpu_plan_measures_the_ram_a_run_can_have():
+    """`trainbox plan` measures this CPU by MemAvailable, the figure the pre-flight check holds a run to (MemTotal
+    counts the memory other processes hold); a given figure is taken as it is."""
+    from trainbox.train.memory import available
+    before = available(torch.device("cpu"))
+    if before is None:
+        pytest.skip("no /proc/meminfo here")
+    ram = local_cpu().memory
+    after = available(torch.device("cpu"))
+    assert min(before, after) - GiB // 4 <= ram <= max(before, after) + GiB // 4
+    assert local_cpu(3 * GiB).memory == 3 * GiB and local_cpu(3 * GiB).shared(2).memory == 3 * GiB // 2
+
+
+def test_cpu_plan_states_the_expert_split_per_process(capsys):
+    """A CPU plan's layout names the experts each process holds, as a GPU plan's names those of each GPU."""
+    from trainbox.cli import main
+    moe = ["model.family=moe", "optim.name=adamw", "model.n_layer=2", "model.n_embd=64", "model.moe.num_experts=4",
+           "--nproc", "2"]
+    main(["plan", "tiny", *moe, "model.moe.expert_parallel=2"])
+    assert "layout       ddp over 2 CPU processes; experts 1/2 per process\n" in capsys.readouterr().out
+    main(["plan", "tiny", *moe])
+    assert "layout       ddp over 2 CPU processes; every expert on every process\n" in capsys.readouterr().out

@@ -5,7 +5,8 @@ step time of each layout where the GPU's rates are known (plan/time.py), by whic
 
 One model of a run's memory, used by `trainbox plan`, `trainbox doctor RECIPE` and the pre-flight check of
 `trainbox train` (train/memory.py). Per GPU, for a layout (train.parallel ddp or fsdp over --nproc ranks,
-model.moe.expert_parallel):
+model.moe.expert_parallel); on a CPU per process, against its share of the host's available RAM, which the run's
+processes on the host share (plan/gpus.py):
 
     parameters     fp32 master weights (4 bytes each): whole under ddp, 1/N under fsdp; under expert
                    parallelism 1/E of the experts, whole, with either strategy (E ranks hold disjoint experts;
@@ -88,14 +89,15 @@ __all__ = ["BYTES", "CONTEXT", "FRAGMENTATION", "GPUS", "MARGIN", "MODES", "NCCL
 
 def make_plan(cfg: RunConfig, vocab: int, target: Target, nproc: int = 1, kernels: Kernels | None = None,
               flash: bool = False, suggest: bool = True, dtype: str | None = None,
-              side_stream_grads: bool | None = None) -> MemoryPlan:
+              side_stream_grads: bool | None = None, local_world: int | None = None) -> MemoryPlan:
     """The plan of `cfg` on `nproc` GPUs of one node like `target`, in the layout decide_layout gives it there
     (its train.micro_batch_size as it is: `trainbox plan --nproc N` applies the one train --nproc N picks first)
     (`kernels`: what runs, else assumed_kernels; `dtype`: bf16, fp16 or fp32 as the run resolved it, else from
     train.dtype and the target; `side_stream_grads`: whether FSDP's gradient shards keep a pool of their own,
-    else as this torch does)."""
+    else as this torch does). On a CPU target each process has its share of the host's RAM: it is shared by the
+    `local_world` processes of the run on this host (else `nproc`: all on one)."""
     t = cfg.train
-    target = target.limited(t.memory_limit_gib)
+    target = target.limited(t.memory_limit_gib).shared(local_world or nproc)
     spec = family(cfg.model.family)
     run = decide_layout(cfg, nproc, "cuda" if target.cuda else "cpu")
     ep = run.expert_parallel

@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 
 from trainbox.config import RunConfig
-from trainbox.model.build import build_model
+from trainbox.model.build import build_model, context_length
 from trainbox.model.moe.experts import GroupedLinear
 from trainbox.model.spec import family
 from trainbox.optim.muon import split_params
@@ -149,7 +149,7 @@ def build_meta(cfg: RunConfig, vocab: int) -> nn.Module:
     if own is not None:
         return own(run)
     with torch.device("meta"):
-        return build_model(model_cfg, vocab, model_cfg.block_size or cfg.data.seq_len, run=run)
+        return build_model(model_cfg, vocab, context_length(run), run=run)
 
 
 @functools.lru_cache(maxsize=32)

@@ -1,5 +1,9 @@
 """The devices a plan is made for: a table of GPUs by name, the local GPU, this machine's RAM, or a given size.
 
+A CPU's RAM is the host's available memory (MemAvailable of /proc/meminfo: free memory and the page cache the kernel
+can drop, what a run can have; the pre-flight check holds a run to the same figure), shared by the run's processes
+on the host: each one's share is the memory a plan holds a process to (`Target.shared`). A GPU is each process's own.
+
 Memory is what `torch.cuda.get_device_properties(i).total_memory` reports for the card (a little below the
 marketing figure: an "80 GB" H100 shows 79.1 GiB). `hopper` marks the cards where `trainbox[flash]` runs
 FlashAttention-4 and QuACK's kernels, `fp8` those with FP8 tensor cores, `lce` those where QuACK's linear
@@ -16,6 +20,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from trainbox.checkpoint.room import host_available
 from trainbox.errors import ConfigError
 
 GiB = 2**30
@@ -71,6 +76,8 @@ class Target:
     local: bool = False    # the device this process sees (kernels are then asked, not assumed)
     rates: Rates | None = None   # what the step-time model divides by; None: no time is predicted
     capped: bool = False         # memory is train.memory_limit_gib, below the card's
+    ram: int = 0           # a CPU: the host's available RAM, which its processes share
+    processes: int = 1     # a CPU: the run's processes on the host; `memory` is each one's share of `ram`
 
     def limited(self, gib: float) -> Target:
         """This GPU with its memory capped at `gib` GiB (train.memory_limit_gib; 0 or above the card's: as it is)."""
@@ -78,9 +85,21 @@ class Target:
             return self
         return replace(self, memory=int(gib * GiB), capped=True)
 
+    def shared(self, processes: int) -> Target:
+        """This CPU with its RAM shared by `processes` processes of one host, each one's share as the memory; a GPU
+        as it is (each process has one of its own)."""
+        if self.cuda:
+            return self
+        return replace(self, memory=self.ram // max(1, processes), processes=max(1, processes))
+
     @property
     def gib(self) -> float:
         return self.memory / GiB
+
+    @property
+    def each(self) -> str:
+        """What the memory is of: one GPU, or one process of a CPU."""
+        return "GPU" if self.cuda else "process"
 
 
 def _gpu(name: str, gib: float, hopper: bool = False, fp8: bool = False, lce: bool = False) -> Target:
@@ -138,14 +157,8 @@ def local_gpu() -> Target | None:
                   local=True, rates=rates_of(props.name))
 
 
-def local_cpu() -> Target:
-    """This machine's CPU, with its RAM (MemTotal) as the memory."""
-    total = 0
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    total = int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return Target("CPU (RAM)", total, cuda=False, local=True)
+def local_cpu(ram: int | None = None) -> Target:
+    """This machine's CPU, with the RAM a run can have (`ram` bytes, else MemAvailable now; 0 where unknown) for one
+    process: `Target.shared` splits it among more."""
+    ram = (host_available() or 0) if ram is None else ram
+    return Target("CPU (RAM)", ram, cuda=False, local=True, ram=ram)

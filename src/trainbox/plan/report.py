@@ -29,29 +29,41 @@ def _row(s: Suggestion, recipe: str | None, overrides) -> str:
 
 
 def layout_text(plan: MemoryPlan) -> str:
-    lay = plan.layout
-    if not plan.target.cuda:
-        return "one process on this CPU" if lay.nproc == 1 else f"{lay.parallel} over {lay.nproc} CPU processes"
-    text = f"{lay.parallel} over {lay.nproc} GPUs" if lay.nproc > 1 else "one GPU"
+    lay, each = plan.layout, plan.target.each
+    if plan.target.cuda:
+        text = f"{lay.parallel} over {lay.nproc} GPUs" if lay.nproc > 1 else "one GPU"
+    else:
+        text = f"{lay.parallel} over {lay.nproc} CPU processes" if lay.nproc > 1 else "one process on this CPU"
     if lay.parallel == "fsdp":
         dense = "dense " if plan.counts.expert and lay.expert_parallel > 1 else ""   # FSDP ignores the experts
-        text += f" ({dense}parameters, gradients and optimizer state 1/{lay.nproc} per GPU; " \
+        text += f" ({dense}parameters, gradients and optimizer state 1/{lay.nproc} per {each}; " \
                 f"reshard_after_forward={str(lay.reshard_after_forward).lower()}" \
                 f"{'; gradients reduced once a step' if lay.grad_reduce == 'step' else ''})"
     if plan.counts.expert:
-        text += f"; experts 1/{lay.expert_parallel} per GPU" if lay.expert_parallel > 1 else \
-            "; every expert on every GPU"
+        text += f"; experts 1/{lay.expert_parallel} per {each}" if lay.expert_parallel > 1 else \
+            f"; every expert on every {each}"
     return text
 
 
+def _device_text(plan: MemoryPlan) -> str:
+    """The header's device: the GPUs with each one's memory, or this CPU with the RAM each process has."""
+    t, n = plan.target, plan.layout.nproc
+    if t.cuda:
+        gpus = f"{n} x {t.name}" if n > 1 else t.name
+        origin = ("this machine" if t.local else "assumed") + (", capped by train.memory_limit_gib" if t.capped else "")
+        return f"{gpus} ({t.gib:.1f} GiB each, {origin})"
+    ram = f"{t.ram / GiB:.1f} GiB of RAM available to a run: MemAvailable"
+    if t.processes == 1:
+        return f"this CPU ({ram})"
+    here = " of this CPU" if t.processes == n else f", {t.processes} on this CPU"
+    return f"{n} processes{here} ({t.gib:.1f} GiB each of the {ram})"
+
+
 def format_plan(plan: MemoryPlan, overrides: list[str] | tuple[str, ...] = ()) -> str:
-    """The plan as a table per GPU, the verdict, and what would fit."""
+    """The plan as a table per GPU (on a CPU per process), the verdict, and what would fit."""
     t, c, mem, acts, k = plan.target, plan.counts, plan.memory, plan.activations, plan.kernels
-    lay = plan.layout
-    gpus = f"{lay.nproc} x {t.name}" if lay.nproc > 1 else t.name
-    origin = ("this machine" if t.local else "assumed") + (", capped by train.memory_limit_gib" if t.capped else "")
-    lines = [f"{plan.recipe or 'config'} on {gpus} ({t.gib:.1f} GiB each, {origin})" if t.cuda else
-             f"{plan.recipe or 'config'} on this CPU ({t.gib:.1f} GiB of RAM)",
+    lay, each = plan.layout, plan.target.each
+    lines = [f"{plan.recipe or 'config'} on {_device_text(plan)}",
              f"  layout       {layout_text(plan)}",
              f"  batch        micro-batch {plan.micro_batch}"
              + (f" {plan.unit} ({plan.micro_batch * plan.sequences} sequences)" if plan.sequences > 1 else "")
@@ -64,7 +76,7 @@ def format_plan(plan: MemoryPlan, overrides: list[str] | tuple[str, ...] = ()) -
                                                 if c.expert else "")
              + (f", {_m(c.trainable)} trainable" if c.frozen else ""),
              "",
-             f"  {'per GPU' if t.cuda else 'memory':<22}{'GiB':>8}"]
+             f"  {'per ' + each:<22}{'GiB':>8}"]
     comm = {"ddp": "DDP's gradient buckets", "fsdp": "gathered blocks, reduce-scatter buffers"}[lay.parallel]
     if lay.expert_parallel > 1:
         comm += ", all-to-all buffers"
@@ -96,13 +108,13 @@ def format_plan(plan: MemoryPlan, overrides: list[str] | tuple[str, ...] = ()) -
                                                   f"{_gib(mem.total).strip()} GiB), given back under pressure"))
     lines += [f"  {name:<22}{_gib(n):>8}   {note}".rstrip() for name, n, note in rows]
     verdict = "fits" if plan.fits else "does not fit"
-    lines += ["", f"{verdict}: {mem.needed / GiB:.1f} of {t.gib:.1f} GiB{' per GPU' if t.cuda else ''} "
+    lines += ["", f"{verdict}: {mem.needed / GiB:.1f} of {t.gib:.1f} GiB per {each} "
                   f"(the prediction aims at {MARGIN:.0%} of the measured peak)"]
     if plan.time is not None and plan.fits:
         lines += [f"step time: {time_text(plan.time)}", f"  (plan/time.py; rates of {t.name}: {t.rates.source})"]
     if plan.staged:
         n = lay.nproc
-        lines += [f"host memory: sharded checkpoints keep each {'GPU' if t.cuda else 'process'}'s parameters and "
+        lines += [f"host memory: sharded checkpoints keep each {each}'s parameters and "
                   f"optimizer state in host memory{' (pinned)' if t.cuda else ''} to write them in the background: "
                   f"{plan.staged / GiB:.1f} GiB each" + (f", {plan.staged * n / GiB:.1f} GiB where all {n} share "
                                                           f"one host" if n > 1 else "")]
@@ -112,7 +124,7 @@ def format_plan(plan: MemoryPlan, overrides: list[str] | tuple[str, ...] = ()) -
     if (f := plan.fewer_exchanges) is not None:
         lines += ["", f"expert parallelism: {plan.accumulation} micro-batches a step, each with an all-to-all "
                       "exchange per MoE layer, both ways (uneven: with a host read of its split sizes); fewer, "
-                      "larger ones exchange less often (GiB per GPU"
+                      f"larger ones exchange less often (GiB per {each}"
                   + (", predicted step time, tokens/s per GPU" if f.time else "") + "):",
                   _row(f, plan.recipe, overrides)]
     if (f := plan.kept_gathered) is not None:
@@ -121,23 +133,23 @@ def format_plan(plan: MemoryPlan, overrides: list[str] | tuple[str, ...] = ()) -
                       "hooks do less each micro-batch"
                   + ("; with the gradients reduce-scattered once a step (train.grad_reduce=step), less still"
                      if ONCE in f.overrides else "")
-                  + "; that fits (GiB per GPU, predicted step time, tokens/s per GPU):",
+                  + f"; that fits (GiB per {each}, predicted step time, tokens/s per GPU):",
                   _row(f, plan.recipe, overrides)]
     smaller = []
     if (f := plan.smaller_state) is not None:
         smaller = ["", "with AdamW's moments in bf16 (optim.state_dtype=bf16: 4 bytes a parameter instead of 8, "
                        "rounded stochastically; a change of numerics) a larger micro-batch fits"
                    + ("" if plan.fits else " in the first of these layouts")
-                   + " (GiB per GPU, predicted step time, tokens/s per GPU):", _row(f, plan.recipe, overrides)]
+                   + f" (GiB per {each}, predicted step time, tokens/s per GPU):", _row(f, plan.recipe, overrides)]
     if plan.fits:
         lines += smaller
     if plan.suggestions:
         timed = plan.suggestions[0].time is not None
-        lines += ["", "what would fit, fastest first (GiB per GPU, predicted step time, tokens/s per GPU):" if timed
-                  else "what would fit (GiB per GPU):"]
+        lines += ["", f"what would fit, fastest first (GiB per {each}, predicted step time, tokens/s per GPU):"
+                  if timed else f"what would fit (GiB per {each}):"]
         lines += [_row(s, plan.recipe, overrides) for s in plan.suggestions]
         lines += smaller
     elif not plan.fits:
         lines += ["", "nothing tried fits: a smaller model (model.n_layer, model.n_embd), a shorter data.seq_len, "
-                      "or a GPU with more memory"]
+                      + ("or a GPU with more memory" if t.cuda else "or fewer processes on this host")]
     return "\n".join(lines)

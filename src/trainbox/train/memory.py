@@ -1,10 +1,11 @@
 """The pre-flight memory check (`train.memory_check`): before any weight is allocated, the run's memory plan
 (trainbox.plan: parameters, gradients, optimizer state, activations, communication, overhead per device) is
-held against what the device has free: MemAvailable of /proc/meminfo on a CPU, torch.cuda.mem_get_info on a
-GPU. A run is refused when even the low end of the plan's error margin, needed x (1 - plan.MARGIN), exceeds
-it; the message says what would fit. A family built from its own description (`build_meta`: model.family=hf, a
-Hugging Face folder) is not checked here: its size is only known once its folder is read (`trainbox plan` counts
-it from its config).
+held against what the device has free: on a CPU each process's share of MemAvailable of /proc/meminfo (the
+run's processes on this host share its RAM; `trainbox plan` holds a run to the same figure), on a GPU
+torch.cuda.mem_get_info. A run is refused when even the low end of the plan's error margin, needed x
+(1 - plan.MARGIN), exceeds it; the message says what would fit. A family built from its own description
+(`build_meta`: model.family=hf, a Hugging Face folder) is not checked here: its size is only known once its
+folder is read (`trainbox plan` counts it from its config).
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from trainbox.config import RunConfig
 from trainbox.errors import ConfigError
 from trainbox.kernels.choice import choose
 from trainbox.model.spec import family
-from trainbox.plan import MARGIN, MemoryPlan, Target, make_plan
+from trainbox.plan import MARGIN, MemoryPlan, Target, local_cpu, make_plan
 from trainbox.plan.activations import Kernels
 from trainbox.plan.gpus import rates_of
 
@@ -33,9 +34,10 @@ def gib(n: float) -> str:
     return f"{n / 2**30:.1f} GiB"
 
 
-def device_plan(cfg: RunConfig, vocab: int, device: torch.device, dtype: torch.dtype, free: int, world: int = 1
-                ) -> MemoryPlan:
-    """The plan of this run on `device` (its kernels as kernels.choice picks them there), against `free` bytes."""
+def device_plan(cfg: RunConfig, vocab: int, device: torch.device, dtype: torch.dtype, free: int, world: int = 1,
+                local_world: int | None = None) -> MemoryPlan:
+    """The plan of this run on `device` (its kernels as kernels.choice picks them there), against `free` bytes: a
+    GPU's, or a CPU's RAM shared by the run's `local_world` processes on this host (else all `world`)."""
     cuda = device.type == "cuda"
     if cuda:
         props = torch.cuda.get_device_properties(device)
@@ -43,18 +45,19 @@ def device_plan(cfg: RunConfig, vocab: int, device: torch.device, dtype: torch.d
         target = Target(props.name, free, hopper=cap >= (9, 0), fp8=cap >= (8, 9), lce=cap == (9, 0), local=True,
                         rates=rates_of(props.name))   # the step time: where the host paces it (train/loop.py)
     else:
-        target = Target("CPU (RAM)", free, cuda=False, local=True)
+        target = local_cpu(free)
     k = choose(cfg.model, device, family(cfg.model.family))
     kernels = Kernels(k.attention, k.fused_loss, k.fused_mlp, k.fp8)
     # a CPU has no streams, so FSDP's gradient shards have no pool of their own there (asked of this torch on a GPU)
     return make_plan(cfg, vocab, target, world, kernels=kernels, dtype=DTYPES.get(dtype, "fp32"),
-                     side_stream_grads=False if not cuda else None)
+                     side_stream_grads=False if not cuda else None, local_world=local_world)
 
 
 def check_memory(cfg: RunConfig, vocab: int, device: torch.device, dtype: torch.dtype, free: int | None = None,
-                 world: int = 1) -> MemoryPlan | None:
+                 world: int = 1, local_world: int | None = None) -> MemoryPlan | None:
     """Raise ConfigError when the run's plan exceeds the device's free memory beyond the plan's margin (`free`:
-    measured if None; `world`: processes the run is spread over). Returns the plan, or None when not checked."""
+    measured if None, a GPU's or this host's RAM; `world`: processes the run is spread over; `local_world`: those
+    on this host, which share a CPU's RAM, else all of them). Returns the plan, or None when not checked."""
     if not cfg.train.memory_check or family(cfg.model.family).hook("build_meta") is not None:
         return None
     free = available(device) if free is None else free
@@ -62,12 +65,14 @@ def check_memory(cfg: RunConfig, vocab: int, device: torch.device, dtype: torch.
         return None
     if device.type == "cuda" and cfg.train.memory_limit_gib:   # the allocator's cap (train/device.py: use_device)
         free = min(free, int(cfg.train.memory_limit_gib * 2**30))
-    plan = device_plan(cfg, vocab, device, dtype, free, world)
-    mem = plan.memory
-    if mem.needed * (1 - MARGIN) <= free:
+    plan = device_plan(cfg, vocab, device, dtype, free, world, local_world)
+    mem, share = plan.memory, plan.target.memory   # a CPU: this process's share of the host's RAM
+    if mem.needed * (1 - MARGIN) <= share:
         return plan
     t = cfg.train
-    where = "this machine's available RAM" if device.type == "cpu" else f"free on {device}"
+    n = plan.target.processes
+    where = f"free on {device}" if device.type != "cpu" else "this machine's available RAM" if n == 1 else \
+        f"per process of this machine's available RAM ({gib(free)} shared by the run's {n} processes on it)"
     fixes = []
     for s in plan.suggestions:
         if s.what == "micro-batch":
@@ -87,7 +92,7 @@ def check_memory(cfg: RunConfig, vocab: int, device: torch.device, dtype: torch.
         f"{gib(mem.activations)} at train.micro_batch_size={t.micro_batch_size}, data.seq_len={cfg.data.seq_len}"
         + (f"; communication {gib(mem.comm)}" if mem.comm else "")
         + (f"; overhead {gib(mem.overhead)}" if mem.overhead else "")
-        + f"), more than the {gib(free)} {where}",
+        + f"), more than the {gib(share)} {where}",
         hint=f"{', or '.join(fixes)}, or data.seq_len, or a smaller model (model.n_layer, model.n_embd); "
              f"`trainbox plan {cfg.recipe or 'CONFIG'} ...` shows the whole plan; train.memory_check=false skips "
              "this check")
