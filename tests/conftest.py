@@ -48,7 +48,8 @@ TINY = [
 MODULE_SECONDS = {
     "test_faults_signals.py": 292, "test_expert_parallel.py": 150, "test_dpo_train.py": 116, "test_fsdp.py": 112,
     "test_reward.py": 110, "test_grpo.py": 95,
-    "test_faults_disk.py": 93, "test_optim_state.py": 81, "test_chat_export.py": 79, "test_eval.py": 71,
+    "test_faults_disk.py": 93, "test_data_identity.py": 45, "test_optim_state.py": 81, "test_chat_export.py": 79,
+    "test_eval.py": 71,
     "test_multinode.py": 69, "test_faults_nodes.py": 58, "test_run_management.py": 50, "test_readme_tour.py": 34,
     "test_eval_training.py": 33, "test_compile_cache.py": 33, "test_distributed.py": 32, "test_deploy_run.py": 32,
     "test_cli_train.py": 26, "test_lora.py": 26, "test_data_hub.py": 23, "test_fused_norm.py": 18, "test_runs.py": 17,

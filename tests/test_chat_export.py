@@ -17,6 +17,7 @@ import torch
 from conftest import run_cli
 
 from trainbox.chat import ChatSession, open_chat
+from trainbox.cli import main
 from trainbox.config import load_config
 from trainbox.data.chat import CHATML, template_for
 from trainbox.export import export
@@ -132,13 +133,75 @@ def test_chat_goes_on_in_a_template_that_renders_earlier_answers_again(runs):
     assert "<think>" not in tok.decode(kept.prompt_ids(asked))   # the first answer, no longer the last, has none
 
 
-def test_chat_drops_the_oldest_turns_at_the_context(runs, caplog):
-    session = open_chat(runs["sft"], "cpu", temperature=0, max_tokens=24)
+def test_a_model_trained_from_scratch_chats_and_generates_within_its_block_size(tmp_path, tiny, caplog):
+    """A model trained from scratch supports data.seq_len positions: a conversation longer drops its oldest turns,
+    and generate past it slides its window, each said in a warning."""
+    run = tiny_run(tmp_path, tiny, "gpt", "data.seq_len=64")
+    session = open_chat(run, "cpu", temperature=0, max_tokens=24)
+    assert session.limit == 64
     for q in QUESTIONS:
         "".join(session.turn(q))
         assert len(session.cached) < session.limit
-    assert "dropped its 1 oldest turn(s)" in caplog.text
-    assert [m["content"] for m in session.messages if m["role"] == "user"] == QUESTIONS[1:]
+    assert "exceeded the model's 64-token context: dropped its 1 oldest turn(s)" in caplog.text
+    asked = [m["content"] for m in session.messages if m["role"] == "user"]
+    assert asked == QUESTIONS[-len(asked):] and len(asked) < len(QUESTIONS)
+    assert main(["generate", str(run), "--prompt", " ".join(QUESTIONS * 3), "--max-tokens", "8",
+                 "--temperature", "0"]) == 0
+    assert "the prompt and the text exceed the model's 64-token context" in caplog.text
+
+
+def test_chat_caches_grow_with_the_conversation_up_to_a_long_context(tmp_path, tiny):
+    """A model of a long context (model.block_size=4096) chats in caches as long as its conversation (2,048
+    positions at first, then twice as many); a turn that outgrows them feeds the whole conversation again into new
+    ones, and the answers equal those of a session that encodes the whole conversation afresh every turn."""
+    run = tiny_run(tmp_path, tiny, "long", "model.block_size=4096")
+    system = " ".join(["what is the sum of one and two"] * 260)
+    kept = open_chat(run, "cpu", system=system, temperature=0, max_tokens=16)
+    fresh = open_chat(run, "cpu", system=system, temperature=0, max_tokens=16)
+    assert kept.limit == 4096 and kept.room == 0
+    rooms, reused = [], []
+    for q in QUESTIONS:
+        a = "".join(kept.turn(q))
+        fresh.cached = []
+        assert a == "".join(fresh.turn(q)) and kept.last.ids == fresh.last.ids
+        rooms.append(kept.room)
+        reused.append(kept.reused)
+    assert 2048 < rooms[0] < 4096 and rooms[1:] == [4096, 4096], rooms
+    assert reused[1] == 0 and reused[2] > rooms[0], reused   # grown: fed again; then kept
+
+
+def test_a_fine_tune_of_a_folder_generates_and_chats_in_the_folders_context(runs, sft_hf, caplog, capsys):
+    """A run fine-tuned from a Hugging Face folder (data.seq_len=64) supports the folder's 256 positions
+    (max_position_embeddings), not its seq_len: `trainbox generate` of a prompt longer than 64 tokens continues it
+    as transformers does the exported model, and a conversation past 64 tokens keeps every turn in one cache, its
+    answer transformers' over the same ids; the LoRA run's context is the folder's too."""
+    tok = transformers.AutoTokenizer.from_pretrained(sft_hf)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(sft_hf).eval()
+    prompt = tok.apply_chat_template([{"role": r, "content": q} for q in QUESTIONS for r in ("user", "assistant")]
+                                     + [{"role": "user", "content": QUESTIONS[0]}], add_generation_prompt=True,
+                                     tokenize=False)
+    ids = tok(prompt, add_special_tokens=False)["input_ids"]
+    assert len(ids) > 64
+    with torch.no_grad():
+        new = hf.generate(torch.tensor([ids]), max_new_tokens=40, do_sample=False, eos_token_id=tok.eos_token_id,
+                          attention_mask=torch.ones(1, len(ids), dtype=torch.long))[0, len(ids):].tolist()
+    new = new[:new.index(tok.eos_token_id)] if tok.eos_token_id in new else new
+    capsys.readouterr()
+    assert main(["generate", str(runs["sft"]), "--prompt", prompt, "--max-tokens", "40", "--temperature", "0"]) == 0
+    assert "context" not in caplog.text and capsys.readouterr().out == prompt + tok.decode(new) + "\n"
+
+    for run in ("sft", "lora"):
+        assert open_chat(runs[run], "cpu", temperature=0, max_tokens=24).limit == 256
+    session = open_chat(runs["sft"], "cpu", temperature=0, max_tokens=24)
+    for q in QUESTIONS:
+        asked = session.prompt_ids(session.messages + [{"role": "user", "content": q}])
+        "".join(session.turn(q))
+    assert len(session.cached) > 64 and "dropped" not in caplog.text
+    assert [m["content"] for m in session.messages if m["role"] == "user"] == QUESTIONS
+    with torch.no_grad():
+        full = hf.generate(torch.tensor([asked]), max_new_tokens=24, do_sample=False,
+                           attention_mask=torch.ones(1, len(asked), dtype=torch.long))[0, len(asked):].tolist()
+    assert session.last.stopped == "end_of_turn" and full == session.last.ids + [session.end_id], (full, session.last)
 
 
 def test_chat_stops_at_a_marker_of_several_tokens(tmp_path, tiny):

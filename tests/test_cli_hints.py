@@ -98,8 +98,8 @@ def test_inspect_refuses_counts_below_one(tmp_path, capsys, flag, value):
 
 def test_data_of_another_tokenizer_than_the_models_says_to_prepare_it_again(tmp_path):
     """Token data prepared with one model folder's tokenizer, trained with model.path of another whose vocabulary
-    is smaller: the hint is to prepare it again with this model's tokenizer, not to set data.tokenizer (which the
-    model's embedding cannot take)."""
+    is smaller: the hint is to prepare it again with this model's tokenizer (the command, from the set's manifest),
+    not to set data.tokenizer (which the model's embedding cannot take)."""
     import hf_tiny
 
     a, b = hf_tiny.make_model(tmp_path / "a", vocab_size=320), hf_tiny.make_model(tmp_path / "b", vocab_size=280)
@@ -109,5 +109,5 @@ def test_data_of_another_tokenizer_than_the_models_says_to_prepare_it_again(tmp_
                 "train.micro_batch_size=2", f"run.dir={tmp_path}", "monitor.port=0", "train.max_steps=1",
                 "train.sample_tokens=0", "train.threads=1", cwd=tmp_path, check=False)
     assert t.returncode == 1 and "data.tokenizer=" not in t.stderr, t.stderr
-    assert f"it was prepared with --tokenizer {a}, not with {b}, the model's own" in t.stderr, t.stderr
-    assert f"trainbox prepare ... --tokenizer {b} --overwrite" in t.stderr, t.stderr
+    assert f"data.path=p was prepared with the tokenizer {a} (p.manifest.json), not with {b}" in t.stderr, t.stderr
+    assert f"trainbox prepare t.txt --tokenizer {b} --out p --overwrite" in t.stderr, t.stderr

@@ -114,3 +114,43 @@ def test_a_missing_text_field_hint_names_options_the_verbs_have(tmp_path, verb):
     assert "--text-key" not in hint.replace("`prepare --text-key", "").replace("`tokenizer train --text-key", "")
     assert "data.text_key=[answer]" in hint
     run_cli("prepare", str(f), "--text-key", "answer", "--out", str(tmp_path / "followed"), "--quiet")
+
+
+@pytest.mark.parametrize("row", [{"text": "a plain line"}, {"prompt": "2 + 2 =", "chosen": " 4", "rejected": " 5"}])
+def test_a_gz_name_on_a_plain_file_says_it_is_not_gzip(tmp_path, row):
+    """A plain JSONL file renamed x.jsonl.gz: one message naming it, for prepare, train and every reader of JSONL;
+    renamed back as the hint says, it is read."""
+    from trainbox.data.readers import json_objects
+
+    f = tmp_path / "x.jsonl.gz"
+    f.write_text(json.dumps(row) + "\n")
+    said = f"{f}: not gzip-compressed, though its name ends in .gz (its first bytes are 7b 22, a gzip file's 1f 8b)"
+    msg, hint = _error(run_cli("prepare", str(f), "--out", str(tmp_path / "out"), "--quiet", check=False))
+    assert msg == f"trainbox prepare: {said}", msg
+    assert f"mv {f} {tmp_path / 'x.jsonl'}" in hint and "gzip" in hint
+    train = run_cli("train", "tiny", f"data.path={f}", f"run.dir={tmp_path / 'runs'}",
+                    f"data.cache_dir={tmp_path / 'cache'}", check=False)
+    _error(train)
+    assert [ln for ln in train.stderr.splitlines() if ln.startswith("trainbox train:")] == [f"trainbox train: {said}"]
+    with pytest.raises(DataError) as e:
+        list(json_objects(f))
+    assert e.value.message == said
+    f.rename(tmp_path / "x.jsonl")
+    run_cli("prepare", str(tmp_path / "x.jsonl"), "--out", str(tmp_path / "out"), "--quiet")
+
+
+@pytest.mark.parametrize("form", ["messages", "implicit"])
+def test_inspect_of_chat_preferences_without_a_template_names_its_own_option(tmp_path, form):
+    """Preference rows of messages under a tokenizer with no chat template (gpt2, inspect's default): the hint names
+    --chat-template for inspect, and inspect run with it counts the pairs."""
+    import hf_tiny
+
+    f = hf_tiny.make_preference_file(tmp_path / "prefs.jsonl", n=12, form=form)
+    env = {"HOME": str(tmp_path)}   # raw preference JSONL is prepared into ~/.cache/trainbox, as training does
+    msg, hint = _error(run_cli("inspect", str(f), env=env, check=False))
+    assert msg == f"trainbox inspect: {f}:1: message rows, but the tokenizer gpt2 has no chat template", msg
+    named = re.search(r"--chat-template (\S+) \(([^)]*)\)", hint)
+    assert named and "inspect" in named.group(2).split(", "), hint
+    assert "--chat-template" in _options("inspect")
+    r = json.loads(run_cli("inspect", str(f), "--chat-template", named.group(1), "--json", env=env).stdout)
+    assert (r["unit"], r["train"]["pairs"]) == ("pairs", 12)

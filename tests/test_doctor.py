@@ -63,7 +63,7 @@ def test_doctor_fails_when_the_recipe_needs_what_is_missing(tmp_path, monkeypatc
         fp8 = checks("tiny", "model.fp8_mlp=down", "model.fp8_head=true")["needs_fp8"]
         assert fp8.status == "fail" and "drop model.fp8_head and model.fp8_mlp" in fp8.fix
         # the recipes that turn FP8 on fall back to plain matmuls without it: a warning, not a failure
-        checked = checks("speedrun-124m")
+        checked = checks("speedrun-124m", "train.device=cpu")
         assert "needs_fp8" not in checked and checked["fp8"].status == "warn"
         assert "model.fp8_head and model.fp8_mlp run as plain matmuls" in checked["fp8"].value
         flash = checks("speedrun-124m", "model.attention=flash")["needs_flash_attention"]
@@ -73,6 +73,39 @@ def test_doctor_fails_when_the_recipe_needs_what_is_missing(tmp_path, monkeypatc
     # the CLI exits 1 and names the missing piece and its fix
     proc = run_cli("doctor", "gpt2-125m", "data.path=nowhere/x", "data.download=false", cwd=tmp_path, check=False)
     assert proc.returncode == 1 and "FAIL  needs_data" in proc.stdout and "-> trainbox data fineweb" in proc.stdout
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="what doctor says of FP8 on a machine without a GPU")
+def test_fp8_on_a_cpu_only_machine_is_said_to_need_a_cuda_gpu(tmp_path):
+    """`trainbox doctor` without a GPU: FP8 is not this machine's to offer, and each line that names it says what it
+    needs (a CUDA GPU of compute capability 8.9+) and that there is none here, in the words of the other CPU lines; the
+    fallback is float32, the CPU's dtype. A GPU recipe (already a failure here) says nothing of its FP8."""
+    gpus = "a CUDA GPU of compute capability 8.9+ (L4, L40S, H100, H200)"
+    none = "no GPU is visible here"
+
+    def doctor(*args: str) -> tuple[int, dict[str, tuple[str, str, str]]]:
+        """-> (exit code, {check: (status, value, fix)}) of the lines that name FP8, as printed."""
+        proc = run_cli("doctor", *args, cwd=tmp_path, check=False)
+        checks, name = {}, None
+        for line in proc.stdout.splitlines():
+            if line.startswith(" ") and name:
+                checks[name] = (*checks[name][:2], line.strip().removeprefix("-> "))
+                continue
+            status, name, value = line.split(None, 2)
+            checks[name] = (status, value, "")
+        return proc.returncode, {k: v for k, v in checks.items() if "fp8" in k or "float8" in k}
+
+    assert doctor() == (0, {})   # no GPU line names FP8 when there is no GPU
+    assert doctor("tiny", "model.fp8_head=true") == (1, {"needs_fp8": (
+        "FAIL", f"model.fp8_head needs {gpus} for FP8 matmuls, and {none}",
+        "drop model.fp8_head (the matmuls then run in float32 on the CPU), or set model.fp8_fallback=true")})
+    assert doctor("tiny", "model.fp8_head=true", "model.fp8_mlp=down", "model.fp8_fallback=true") == (0, {"fp8": (
+        "WARN", f"model.fp8_head and model.fp8_mlp run as plain matmuls, in float32 on the CPU (model.fp8_fallback): "
+        f"FP8 needs {gpus}, and {none}", "")})
+    assert doctor("tiny", "train.float8=true") == (1, {"needs_float8": (
+        "FAIL", f"train.float8=true needs {gpus} for FP8 matmuls, and {none}",
+        "drop train.float8 (the matmuls then run in float32 on the CPU)")})
+    assert doctor("speedrun-124m") == (1, {})
 
 
 def test_flash_extra_advice_names_its_cost_and_records():

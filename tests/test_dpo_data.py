@@ -356,9 +356,9 @@ def test_a_prompt_longer_than_seq_len_is_cut_as_the_docs_say_by_every_reader(tmp
 
 def test_a_prepared_set_is_refused_under_another_tokenizer(tmp_path, folder, tok):
     """The Mistral folder's ids fit the vocabulary of a set prepared with another tokenizer, so only the manifest can
-    tell: a run with that tokenizer is refused, naming both and the command that prepares the set again. The same
-    tokenizer given by a relative path, a copy of its folder, and an older manifest with no digest whose path
-    names the same folder are accepted."""
+    tell: a run with that tokenizer is refused, naming both and the command that prepares the set again (its inputs
+    and --val-docs, as its manifest records them). The same tokenizer given by a relative path, a copy of its folder,
+    and an older manifest with no digest whose path names the same folder are accepted."""
     import shutil
 
     from trainbox.data import manifest
@@ -375,7 +375,7 @@ def test_a_prepared_set_is_refused_under_another_tokenizer(tmp_path, folder, tok
     with pytest.raises(DataError) as e:
         open_pair_datasets(cfg.data, cfg.dpo, mistral, mistral.vocab_size)
     assert f"prepared with the tokenizer {folder.name}" in e.value.message and str(other) in e.value.message
-    assert f"trainbox prepare {src} --tokenizer {other} --out {out} --overwrite" in e.value.hint
+    assert f"trainbox prepare {src} --tokenizer {other} --out {out} --val-docs 4 --overwrite" in e.value.hint
     man = manifest.manifest_path(out)
     old = {k: v for k, v in json.loads(man.read_text()).items() if k != "tokenizer_sha256"}
     manifest.write_manifest(man, {**old, "tokenizer": str(folder)})

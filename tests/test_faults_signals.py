@@ -655,8 +655,9 @@ def _events(run_dir: Path, kind: str) -> list[dict]:
 
 def _end_done_again(root: Path, cache: Path, name: str, status_before: str) -> None:
     """The same command on a run whose final checkpoint is written but whose end is not: it does the end again
-    (the final evaluation, the sample, loss.png, status finished) without training a step, and the command after it
-    is told the run is finished and changes nothing."""
+    (the final evaluation, the sample, loss.png, status finished) without training a step, metrics.jsonl then holds
+    one final evaluation (that of the end done again, where the end cut short had logged one), and the command after
+    it is told the run is finished and changes nothing."""
     run_dir = root / name
     code, out = Segment(_args(root, cache, name, *RECIPE), root / f"{name}-again.log").wait()
     assert code == 0 and "stopped" not in out and "Traceback" not in out, out
@@ -665,7 +666,7 @@ def _end_done_again(root: Path, cache: Path, name: str, status_before: str) -> N
     status = _status(run_dir)
     assert status["phase"] == "finished" and status["step"] == 300 and status["val_bpb"] is not None, status
     assert [s for s, _ in _losses(run_dir)] == list(range(1, 301))   # no step trained again
-    assert _events(run_dir, "eval")[-1]["step"] == 300
+    assert [e["step"] for e in _events(run_dir, "eval")] == [300]
     assert (run_dir / "samples.txt").read_text().count("--- step 300\n") == 1
     assert (run_dir / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert [checkpoint.step_of(c) for c in checkpoint.list_complete(run_dir / "checkpoints")] == [300]
@@ -691,6 +692,30 @@ def test_a_stop_signal_during_the_final_evaluation_cuts_the_end_short_and_the_sa
     assert status["phase"] == "preempted" and status["step"] == 300 and status["last_checkpoint"] == "step_00000300"
     assert not _events(run_dir, "eval") and not (run_dir / "samples.txt").exists()
     _end_done_again(tmp_path, cache, "end", "preempted")
+
+
+def test_the_end_done_again_after_a_kill_during_the_final_sample_logs_one_final_evaluation(tmp_path, cache):
+    """A short run killed (SIGKILL) while its end-of-run sample is drawn, its final evaluation already in
+    metrics.jsonl, then the same command: the end done again replaces that evaluation's event, so metrics.jsonl
+    holds one eval event for the final step (the dashboard and `trainbox runs` read one), with the values of the
+    evaluation done again, and the event that was replaced lies in superseded/."""
+    run_dir, short = tmp_path / "short", ["train.max_steps=16", "train.eval_every=16", "train.checkpoint_every=16",
+                                          "train.sample_tokens=8"]
+    code, out = Segment(_args(tmp_path, cache, "short", *short), tmp_path / "short.log",
+                        hook=("SIGKILL", "sample", 16)).wait()
+    assert code == -signal.SIGKILL, out
+    first = _events(run_dir, "eval")
+    assert [e["step"] for e in first] == [16] and not (run_dir / "samples.txt").exists()
+    code, out = Segment(_args(tmp_path, cache, "short", *short), tmp_path / "short-again.log").wait()
+    assert code == 0 and "doing the end of the run again from it" in out, out
+    again = _events(run_dir, "eval")
+    assert [e["step"] for e in again] == [16] and again[0]["val_loss"] == first[0]["val_loss"], again
+    assert again[0]["time"] > first[0]["time"]   # the event of the end done again
+    assert _status(run_dir)["phase"] == "finished"
+    assert (run_dir / "samples.txt").read_text().count("--- step 16\n") == 1
+    moved = [e for f in (run_dir / "superseded").glob("*/metrics.jsonl") for e in map(json.loads, f.open())
+             if e["event"] == "eval"]
+    assert moved == first
 
 
 @pytest.mark.slow

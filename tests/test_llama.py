@@ -177,6 +177,38 @@ def test_folder_errors_name_the_setting(tmp_path):
         build_config({"required": ["model.nope"]})
 
 
+def test_a_vocabulary_too_small_for_the_tokenizer_is_said_as_the_user_set_it(tmp_path, data_cache, capsys):
+    """model.path with another data.tokenizer of more ids than the folder's vocab_size: the refusal names the
+    folder's vocab_size, never tells to drop a model.vocab_size the user did not give, nor one whose default (the
+    folder's) has too few ids too; the fix it names (model.vocab_size=NEED) trains. A from-scratch run's own
+    model.vocab_size is still the one to drop."""
+    base = hf_tiny.make_model(tmp_path / "base", "llama")
+    need = len(hf_tiny.make_tokenizer(tmp_path / "bigger", vocab_size=400))   # more ids than base's 320
+    chats = hf_tiny.make_chat_file(tmp_path / "chat.jsonl", n=16)
+    args = ["train", "sft", f"model.path={base}", f"data.path={chats}", f"data.tokenizer={tmp_path / 'bigger'}",
+            "data.seq_len=32", "train.global_batch_size=4", "train.micro_batch_size=4", "train.max_steps=1",
+            "train.sample_tokens=0", "monitor.enabled=false", "train.activation_checkpointing=none",
+            "train.threads=1", f"run.dir={tmp_path / 'runs'}", f"data.cache_dir={data_cache}"]
+
+    def refused(argv: list[str]) -> str:
+        capsys.readouterr()
+        assert main(argv) != 0
+        return capsys.readouterr().err
+
+    unset, given = refused(args), refused([*args, "model.vocab_size=330"])
+    assert f"the model's 320 ids (model.path={base}'s vocab_size) are fewer than the {need} ids of the tokenizer" \
+        in unset, unset
+    assert f"model.vocab_size=330 is smaller than the {need} ids" in given, given
+    for said in (unset, given):
+        assert "drop model.vocab_size" not in said and f"set model.vocab_size to at least {need}" in said, said
+        assert f"drop data.tokenizer to use model.path={base}'s own tokenizer" in said, said
+    assert f"(without it, model.path={base}'s vocab_size: 320, fewer too)" in given
+    assert main([*args, f"model.vocab_size={need}", "run.name=wider"]) == 0   # the fix named: the folder's rows
+    scratch = refused(["config", "validate", "tiny", "model.vocab_size=64"])
+    assert "model.vocab_size=64 is smaller" in scratch and "drop model.vocab_size (the default is 2,048" in scratch, \
+        scratch
+
+
 def test_recipes_have_the_llama_shapes():
     """Llama 3.2 1B and Llama 3.1 8B have 1,235,814,400 and 8,030,261,248 parameters with Llama 3's vocabulary."""
     for recipe, count in (("llama-1b", 1_235_814_400), ("llama-8b", 8_030_261_248)):

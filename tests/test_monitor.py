@@ -386,6 +386,27 @@ def test_tokens_per_second_and_the_eta_leave_out_validation_and_checkpoint_saves
     assert read_status(cfg.run_dir)["step_time_s"] == windows[-1][4][1]
 
 
+def _busy() -> None:
+    """A few milliseconds of work for a clock to measure."""
+    sum(i * i for i in range(200_000))
+
+
+def test_the_first_step_alone_shows_no_rate_rather_than_zero(tmp_path, data_cache):
+    """A logged window that holds the first step alone (monitor.log_every=1) has no other step to measure, and its
+    own time is mostly compilation: the console line says "tok/s ?" and metrics.jsonl has no rate, never "tok/s 0";
+    the next line has the rate and an ETA at the steps' pace."""
+    proc = run_cli("train", "tiny", *TINY, f"run.dir={tmp_path / 'runs'}", f"data.cache_dir={data_cache}",
+                   "run.name=first", "train.max_steps=3", "train.sample_tokens=0")
+    lines = {n: next(x for x in proc.stderr.splitlines() if f" step {n}/3 " in x) for n in (1, 2)}
+    first = re.search(r" tok/s (\S+) .*eta (\S+)$", lines[1]).groups()
+    assert first == ("?", "?"), lines[1]
+    rate, eta = re.search(r" tok/s (\S+) .*eta (\S+)$", lines[2]).groups()
+    events = {e["step"]: e for e in map(json.loads, (tmp_path / "runs" / "first" / "metrics.jsonl").read_text()
+                                        .splitlines()) if e["event"] == "train"}
+    assert events[1]["tokens_per_s"] is None and events[2]["tokens_per_s"] > 0
+    assert f"{events[2]['tokens_per_s']:,.0f}" == rate and eta != "?", lines[2]
+
+
 def test_non_loopback_without_token_warns(tmp_path, data_cache):
     from trainbox.monitor.console import log
     from trainbox.monitor.server import start_server

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import signal
 
 import pytest
@@ -12,7 +13,7 @@ import torch
 
 from trainbox import checkpoint
 from trainbox.config import load_config
-from trainbox.errors import CheckpointError
+from trainbox.errors import CheckpointError, ConfigError
 from trainbox.model.build import build_model
 from trainbox.monitor.console import ProgressBar
 from trainbox.train.loop import Trainer, train
@@ -108,14 +109,16 @@ def test_resume_is_bit_identical_and_meters_count_this_process(tiny):
     assert resumed_rates == [None]   # no rate before this process has a timed step
 
 
-def test_init_from_loads_weights_only(tiny, tmp_path):
+def test_init_from_loads_weights_only(tiny, tmp_path, caplog):
     tmp = tmp_path / "nothing-here"
     src = _cfg(tiny, "run.name=src", "train.max_steps=6")
     train(src)
     ckpt = checkpoint.latest(src.run_dir / "checkpoints")
     new = _cfg(tiny, "run.name=fresh", "train.max_steps=2", f"run.init_from={ckpt}")
     t = Trainer(new)
-    t.run()
+    with caplog.at_level(logging.INFO, logger="trainbox"):
+        t.run()
+    assert f"starting from the weights of {ckpt} (run.init_from={ckpt})" in caplog.messages
     # a new run: starts at step 0 with a fresh optimizer (AdamW's step count restarts)
     assert [s for s, _ in _train_losses(new.run_dir)] == [1, 2]
     opt_state = torch.load(checkpoint.latest(new.run_dir / "checkpoints") / "optimizer.pt", weights_only=False)
@@ -141,6 +144,72 @@ def test_init_from_loads_weights_only(tiny, tmp_path):
     assert e.value.message.startswith(f"run.init_from={ckpt}: checkpoint {ckpt} holds a differently shaped model (")
     assert e.value.message.endswith(" vs (192,))")   # c_attn's bias, 3 x 64; no resume's "changed since it was saved"
     assert e.value.hint.startswith("run.init_from loads a model of this run's shape") and "resume" not in e.value.hint
+
+
+def test_init_from_on_a_run_with_checkpoints_is_refused_unless_the_run_started_from_it(tiny, tmp_path, caplog,
+                                                                                       monkeypatch):
+    """run.init_from starts a new run from weights: on a run folder with checkpoints, where the start would resume
+    and drop it, it is refused in one message; the run's own run.init_from (the command that started it, again)
+    resumes, and run.resume=never starts the run over from those weights."""
+    donor = _cfg(tiny, "run.name=donor", "train.max_steps=4")
+    train(donor)
+    own = _cfg(tiny, "run.name=p1", "train.max_steps=2")
+    train(own)
+    for init_from in (donor.run_dir, own.run_dir.parent / "p1-other"):
+        with pytest.raises(ConfigError) as e:
+            train(_cfg(tiny, "run.name=p1", "train.max_steps=3", f"run.init_from={init_from}"))
+        assert e.value.message == (f"run.init_from={init_from} starts a new run from those weights, but run "
+                                   f"{own.run_dir} has checkpoints (it was not started from run.init_from) and would "
+                                   f"resume from {own.run_dir / 'checkpoints' / 'step_00000002'}")
+        assert e.value.hint == ("start a new run from those weights with run.name=NEW_NAME, or start this one over "
+                                "from them with run.resume=never (its files move to superseded/)")
+    assert [s for s, _ in _train_losses(own.run_dir)] == [1, 2] and not (own.run_dir / "superseded").exists()
+    # a run started from run.init_from: the same command resumes it (relative or absolute, the same path), after a
+    # resume without run.init_from too (trainer.json carries it); another run.init_from is refused naming it
+    started = _cfg(tiny, "run.name=p2", "train.max_steps=2", f"run.init_from={donor.run_dir}")
+    assert StopAfter(started, 1).run()["step"] == 1
+    train(_cfg(tiny, "run.name=p2", "train.max_steps=2"))
+    trainer = json.loads((started.run_dir / "checkpoints" / "step_00000002" / "trainer.json").read_text())
+    assert trainer["init_from"] == str(donor.run_dir) and trainer["config"]["run"]["init_from"] is None
+    caplog.clear()
+    monkeypatch.chdir(tmp_path)
+    again = _cfg(tiny, "run.name=p2", "train.max_steps=3", f"run.init_from={donor.run_dir.relative_to(tmp_path)}")
+    with caplog.at_level(logging.INFO, logger="trainbox"):
+        assert train(again)["step"] == 3
+    assert f"resuming from {started.run_dir / 'checkpoints' / 'step_00000002'} at step 2" in caplog.messages
+    assert not [m for m in caplog.messages if m.startswith("starting from the weights")]
+    with pytest.raises(ConfigError) as e:
+        train(_cfg(tiny, "run.name=p2", "train.max_steps=4", f"run.init_from={own.run_dir}"))
+    assert f"(it was started from run.init_from={donor.run_dir})" in e.value.message
+    # run.resume=never: a new start in the folder, from the donor's newest checkpoint
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="trainbox"):
+        train(_cfg(tiny, "run.name=p1", "train.max_steps=1", "run.resume=never", f"run.init_from={donor.run_dir}"))
+    assert (f"starting from the weights of {donor.run_dir / 'checkpoints' / 'step_00000004'} "
+            f"(run.init_from={donor.run_dir})") in caplog.messages
+    assert [s for s, _ in _train_losses(own.run_dir)] == [1]
+
+
+def test_a_resume_with_settings_that_change_no_maths_follows_the_uninterrupted_run(tiny):
+    """train.gc_every and data.download change no step's maths: a resume with them changed passes silently (no
+    `changed` in its start event) and its losses equal the uninterrupted run's bit for bit. train.cuda_graphs
+    (which a CPU run cannot switch on) passes the same comparison: a checkpoint of a run on one GPU, where auto is
+    on, resumes on another layout, where it is off."""
+    from trainbox.train.resume import compare
+
+    straight = _cfg(tiny, "run.name=straight", "train.max_steps=8")
+    train(straight)
+    cut = _cfg(tiny, "run.name=cut", "train.max_steps=8")
+    assert StopAfter(cut, 4).run()["step"] == 4
+    changed = _cfg(tiny, "run.name=cut", "train.max_steps=8", "train.gc_every=1", "data.download=false")
+    assert Trainer(changed).run()["step"] == 8
+    assert _train_losses(cut.run_dir) == _train_losses(straight.run_dir)
+    rows = [json.loads(line) for line in (cut.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [("changed" in r) for r in rows if r["event"] == "start"] == [False, False]
+    saved = json.loads((cut.run_dir / "checkpoints" / "step_00000004" / "trainer.json").read_text())["config"]
+    assert (saved["train"]["gc_every"], saved["data"]["download"]) == (50, True)
+    saved["train"].update(cuda_graphs=True, compile=True)
+    assert compare(saved, changed) == ({}, {})
 
 
 @pytest.mark.parametrize("umask", [0o022, 0o027])

@@ -55,6 +55,7 @@ def test_stalled_then_killed_run_is_never_shown_running(tmp_path, data_cache, ca
         assert read_status(live.run_dir)["phase"] in ("training", "evaluating", "checkpointing")  # stale file
         row = table(capsys, live.root)["victim"]
         assert row[1] == "crashed" and row[7] == "-"  # no ETA for a dead run
+        assert read_status(live.run_dir).get("eta_s") is not None and runs.run_info(live.run_dir)["eta_s"] is None
         p = run_cli("status", str(live.run_dir), check=False)  # once through a real process: the exit code
         code, line = p.returncode, p.stdout.strip()
         assert code == 1 and f"process {live.pid}" in line and "crashed" in line
@@ -62,6 +63,54 @@ def test_stalled_then_killed_run_is_never_shown_running(tmp_path, data_cache, ca
         if live.proc.poll() is None:
             live.proc.kill()
         live.stop()
+
+
+# `trainbox train ARGS` with SIGTERM sent to itself while the step that ends at step N runs (argv[1]): the run stops
+# at that step's boundary, as under tests/test_faults_signals.py's hook, with no timer
+SIGTERM_DURING_STEP = r"""
+import os, signal, sys
+import trainbox.train.loop as loop
+at = int(sys.argv[1])
+step = loop.Trainer.train_step
+loop.Trainer.train_step = lambda self, s: (os.kill(os.getpid(), signal.SIGTERM) if s + 1 == at else None,
+                                           step(self, s))[1]
+from trainbox.cli import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+def test_a_run_that_is_not_running_carries_no_eta(tiny, tmp_path, capsys):
+    """A run preempted by SIGTERM at step 5 (each step logged, each with an ETA until then), then finished by the same
+    command: status.json, `trainbox runs --json` and the dashboard's state show no ETA for either, nor for a failed
+    run (a NaN loss)."""
+    from trainbox.monitor.state import RunState
+
+    root = tmp_path / "runs"
+    args = ["train", *tiny, "run.name=p", "train.max_steps=8", "train.eval_every=0", "train.checkpoint_every=0"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    stopped = subprocess.run([sys.executable, "-c", SIGTERM_DURING_STEP, "5", *args], env=env, capture_output=True,
+                             text=True, timeout=300)
+    assert stopped.returncode == 0 and "stopped at step 5" in stopped.stderr, stopped.stderr
+    assert "eta 00:" in next(x for x in stopped.stderr.splitlines() if " step 5/8 " in x)   # had one while running
+    s = read_status(root / "p")
+    assert s["phase"] == "preempted" and s["step"] == 5 and s["eta_s"] is None, s
+    infos = {i["name"]: i for i in json.loads(main(capsys, "runs", root, "--json")[1])}
+    assert infos["p"]["state"] == "preempted" and infos["p"]["eta_s"] is None
+    # a status.json that holds its last step's ETA (as a run wrote it while it trained): the dashboard drops it
+    held = tmp_path / "held"
+    held.mkdir()
+    (held / "status.json").write_text(json.dumps({**s, "eta_s": 12.5}))
+    state = RunState("held", held)
+    state.load_files(held)
+    assert state.snapshot()["eta_s"] is None
+
+    run_cli(*args)   # the same command resumes it and finishes it
+    s = read_status(root / "p")
+    assert s["phase"] == "finished" and s["step"] == 8 and s["eta_s"] is None, s
+    nan = run_cli("train", *tiny, "run.name=nan", "optim.lr=1e30", "train.max_steps=8", check=False)
+    assert nan.returncode == 1 and "loss is nan" in nan.stderr, nan.stderr
+    s = read_status(root / "nan")
+    assert s["phase"] == "failed" and s["eta_s"] is None, s
 
 
 def test_pid_reuse_is_not_mistaken_for_the_run():

@@ -116,15 +116,34 @@ def test_greedy_span_filling_matches_hugging_face_generate(tmp_path):
     torch.manual_seed(4)
     text_vocab = VOCAB - 101 - 3          # three padding rows between the text ids and the decoder start
     ours = T5(ModelSection(**SHAPE, tie_embeddings=False), VOCAB, 64).eval()
-    hf = T5ForConditionalGeneration.from_pretrained(to_hf(ours, tmp_path / "hf", eos_token_id=2)).eval()
+    folder = to_hf(ours, tmp_path / "hf", eos_token_id=2, text_vocab=text_vocab)
+    hf = T5ForConditionalGeneration.from_pretrained(folder).eval()
     ids = [7, 9, VOCAB - 1, 11, 12, 3, VOCAB - 2, 2]
     mine = decode_seq2seq(ours, ids, 12, eot_id=2, text_vocab=text_vocab, temperature=0)
-    # use_cache=False: transformers 5 sizes its cache by the encoder depth (3 decoder layers here)
-    ref = hf.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, num_beams=1, use_cache=False,
-                      suppress_tokens=list(range(text_vocab, VOCAB - 100)))[0].tolist()
+    # generation_config.json suppresses the padding ids and the decoder start, and turns the cache off, which
+    # transformers 5 sizes by the encoder's depth (3 decoder layers here): generate's defaults decode as ours
+    assert json.loads((folder / "generation_config.json").read_text())["use_cache"] is False
+    ref = hf.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, num_beams=1)[0].tolist()
     assert ref[0] == ours.decoder_start_token_id
     ref = ref[1:]
     assert mine == (ref[:ref.index(2)] if 2 in ref else ref)
+
+
+def test_export_names_the_t5_ids_a_tokenizer_already_holds_apart_and_says_so():
+    """A tokenizer with its own <extra_id_K> or <pad> (ids below the model's) cannot have them at the model's
+    sentinels: those slots get names of their own, and the export's note says which names the folder uses."""
+    from trainbox.model.t5.hf import t5_token_names
+
+    model = T5(ModelSection(**SHAPE), VOCAB, 64)
+    names, notes = t5_token_names(model, 56, {"<extra_id_0>": 3, "<extra_id_1>": 4, "<pad>": 5})
+    assert sorted(names) == list(range(56, VOCAB))
+    assert [names[i] for i in (56, 58, 59, VOCAB - 1, VOCAB - 2, VOCAB - 3)] == [
+        "<unused_56>", "<unused_58>", "<decoder_start>", "<trainbox_extra_id_0>", "<trainbox_extra_id_1>",
+        "<extra_id_2>"]
+    assert notes == [f"note: the tokenizer has its own <extra_id_0>..<extra_id_1> tokens (ids 3..), which are not the "
+                     f"model's sentinels: in this folder the sentinels are <trainbox_extra_id_K> (<extra_id_0> is id "
+                     f"{VOCAB - 1}, counting down); write prompts with those names for transformers, or use `trainbox "
+                     "generate`, which reads <extra_id_K> as the sentinel"]
 
 
 def test_cached_decoding_equals_full_decoder_runs():
@@ -199,18 +218,38 @@ def test_t5_trains_resumes_exactly_runs_under_torchrun_and_fills_spans(tmp_path,
     assert sorted(two) == sorted(a) and all(abs(a[s] - two[s]) < 1e-5 for s in a)
     trainer = json.loads((run_a / "checkpoints" / "step_00000006" / "trainer.json").read_text())
     assert trainer["config"]["model"]["t5"]["sentinel_tokens"] == 100
-    # the trained checkpoint exports to a folder transformers loads with the same outputs
-    from transformers import T5ForConditionalGeneration
+    # `trainbox export` writes a folder transformers loads with the same outputs, and the run's tokenizer with T5's
+    # ids: AutoTokenizer encodes a prompt to the ids trainbox feeds the encoder, and generate decodes what ours does
+    from transformers import AutoTokenizer, T5ForConditionalGeneration
 
+    from trainbox.data.spans import encode_with_sentinels
+    from trainbox.export import export
+    from trainbox.generate import decode_seq2seq
     from trainbox.model.load import load_for_inference
     model, tok, _ = load_for_inference(run_a)
-    hf = T5ForConditionalGeneration.from_pretrained(to_hf(model, tmp_path / "hf", tok.eot_id)).eval()
+    lines = export(run_a, tmp_path / "hf")
+    assert lines == [f"wrote {tmp_path / 'hf'} (Hugging Face T5ForConditionalGeneration: config.json, "
+                     "model.safetensors, generation_config.json, the run's tokenizer with the sentinels <extra_id_N> "
+                     "and <pad> at the model's ids)"]
+    hf = T5ForConditionalGeneration.from_pretrained(tmp_path / "hf").eval()
     x, y = torch.randint(0, tok.vocab_size, (2, 32)), torch.randint(0, tok.vocab_size, (2, 9))
     assert (hf(input_ids=x, labels=y).logits - model.eval()(x, y).logits).abs().max().item() < 1e-4
-    out = run_cli("generate", str(run_a), "--prompt", "ROMEO: What <extra_id_0> lord <extra_id_1>.",
-                  "--temperature", "0", "--max-tokens", "12", cwd=tmp_path).stdout
+    hf_tok = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    V, S = model.vocab_size, model.sentinel_tokens
+    assert (len(hf_tok), hf_tok.eos_token_id, hf_tok.pad_token_id) == (V, tok.eot_id, model.decoder_start_token_id)
+    assert hf_tok.convert_tokens_to_ids(["<extra_id_0>", "<extra_id_99>"]) == [V - 1, V - S]
+    prompt = "ROMEO: What <extra_id_0> lord <extra_id_1>."
+    ids = encode_with_sentinels(tok, prompt, V, S) + [tok.eot_id]
+    assert hf_tok(prompt).input_ids == ids
+    mine = decode_seq2seq(model, ids, 12, tok.eot_id, tok.vocab_size, temperature=0)
+    ref = hf.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, num_beams=1)[0].tolist()
+    assert ref[0] == model.decoder_start_token_id and ref[1:1 + len(mine)] == mine
+    out = run_cli("generate", str(run_a), "--prompt", prompt, "--temperature", "0", "--max-tokens", "12",
+                  cwd=tmp_path).stdout
     lines = out.splitlines()
     assert lines[0].startswith("<extra_id_") and "--- filled ---" in lines
+    printed = out.split("--- filled ---")[0]   # each sentinel and its span, a line each, as the folder decodes them
+    assert hf_tok.decode(ref[1:1 + len(mine)]).replace("\n", "").endswith(printed.replace("\n", ""))
 
 
 def test_t5_batches_do_not_depend_on_world_size(tiny):
@@ -278,6 +317,43 @@ def test_inspect_of_a_t5_run_counts_the_samples_and_steps_its_log_states(tmp_pat
     assert (r["seq_len"], r["global_batch"]) == (32, 8)
     assert (r["train"]["samples"], r["steps_per_epoch"]) == (samples, per_epoch)
     assert r["run"]["epochs"] == round(1 / per_epoch, 4)
+
+
+def test_too_little_data_for_a_t5_run_is_counted_in_span_corruption_samples(tmp_path, tiny):
+    """The zero-steps error of a t5 run speaks of data.seq_len, each sample read from the longer raw window of span
+    corruption, and its advice is what the t5 loader counts: at the data.seq_len it names, one sample; above it, none.
+    With a sample but not a global batch of them, the samples are of data.seq_len, read from that window."""
+    from trainbox.data.formats import write_shard
+    from trainbox.data.loader import BatchOrder
+    from trainbox.data.sources import open_datasets
+    from trainbox.data.spans import span_lengths
+    from trainbox.data.tokenizer import get_tokenizer
+    from trainbox.errors import DataError
+    from trainbox.model.build import adapt_datasets
+
+    raw = span_lengths(32)[0]
+    assert raw > 33   # longer than a next-token window of data.seq_len=32
+    write_shard(tmp_path / "d_train_000001.bin", np.arange(raw - 4, dtype=np.uint16))   # short of raw + 1 tokens
+    write_shard(tmp_path / "d_val_000000.bin", np.arange(4 * raw, dtype=np.uint16))
+    res = run_cli("train", "tiny", *tiny, *T5_TINY, f"data.path={tmp_path / 'd'}", "run.name=few", check=False)
+    assert res.returncode != 0 and "Traceback" not in res.stderr and "unexpected" not in res.stderr, res.stderr
+    fits = max(s for s in range(8, 33) if span_lengths(s)[0] <= raw - 5)
+    assert (f"fewer than one sample of data.seq_len=32 tokens (each read from a window of {raw} (+1) tokens), so an "
+            f"epoch has 0 steps. Lower data.seq_len (at most {fits} here)") in res.stderr, res.stderr
+
+    def t5_train(seq_len: int):
+        cfg = load_config("tiny", [*tiny, *T5_TINY, f"data.path={tmp_path / 'd'}", f"data.seq_len={seq_len}"])
+        tok = get_tokenizer(cfg.data.tokenizer)
+        vocab = model_vocab_size(cfg.model, tok.vocab_size)
+        return adapt_datasets(cfg, tok, vocab, *open_datasets(cfg.data, tok, vocab))[0]
+
+    assert (t5_train(fits).num_samples, t5_train(fits + 1).num_samples) == (1, 0)
+    with pytest.raises(DataError) as e:
+        BatchOrder(t5_train(fits), global_batch=8, micro_batch=4).check_nonempty()
+    assert e.value.message == (f"{tmp_path / 'd'} (train): 1 samples of data.seq_len={fits} tokens (each read from a "
+                               f"window of {span_lengths(fits)[0]}) is fewer than one global batch of 8 sequences, so "
+                               "an epoch has 0 steps. Add more data, or lower train.global_batch_size (at most 1) or "
+                               "data.seq_len")
 
 
 @pytest.mark.gpu

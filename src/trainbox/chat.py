@@ -10,8 +10,10 @@ where the tokenizer has no single token for it) or at end-of-text, or after max_
 The KV cache is kept across turns, for every causal family: each turn renders the whole conversation and
 tokenizes it as SFT training does (each template span on its own), then feeds only the tokens past the longest
 prefix the cache already holds. The model's answer stays in the cache as it was generated wherever its
-re-tokenization equals it (the usual case), so a turn feeds its new user message and the template's markers. A
-conversation longer than the model's context drops its oldest turns, said once per turn it happens.
+re-tokenization equals it (the usual case), so a turn feeds its new user message and the template's markers. The
+caches grow with the conversation up to the model's context (model/build.py context_length: a model trained from
+scratch, its block size; a fine-tune of a Hugging Face folder, the folder's own), and a conversation longer than
+that drops its oldest turns, said once per turn it happens.
 """
 from __future__ import annotations
 
@@ -31,6 +33,8 @@ from trainbox.model.load import load_for_inference
 from trainbox.model.spec import family
 
 log = logging.getLogger("trainbox")
+
+FIRST_ROOM = 2048   # positions of a conversation's first caches, where the model's context is longer
 
 
 @dataclass
@@ -57,8 +61,10 @@ class ChatSession:
         self.end_id = token_of(tokenizer, self.end_text)
         self.stop = frozenset({tokenizer.eot_id} | ({self.end_id} if self.end_id is not None else set()))
         param = next(model.parameters())
-        self.limit = int(getattr(model, "block_size", 2048))
-        self.caches = model.make_caches(1, self.limit, param.dtype, param.device)
+        self.limit = int(getattr(model, "block_size", 2048))   # the model's context (model/build.py context_length)
+        self.dtype, self.device = param.dtype, param.device
+        self.room = 0                 # the positions the caches have: grown as the conversation needs (`_grow`)
+        self.caches = None
         self.gen = torch.Generator(device=param.device).manual_seed(seed)
         self.cached: list[int] = []   # the ids whose keys and values the caches hold, position by position
         self.reused = 0               # how many of them the last turn kept
@@ -86,10 +92,22 @@ class ChatSession:
                         f"{dropped} oldest turn(s)")
         return ids[-(self.limit - 1):]
 
+    def _grow(self, need: int) -> None:
+        """Caches of at least `need` positions: new ones where the current ones are shorter, of twice their length
+        (at least FIRST_ROOM, at most the model's context), which hold nothing yet. A model whose context is long
+        (a folder's tens of thousands of positions) gets caches as long as its conversation, not as its context."""
+        if need <= self.room:
+            return
+        self.room = min(self.limit, max(need, 2 * self.room, FIRST_ROOM))
+        self.caches = self.model.make_caches(1, self.room, self.dtype, self.device)
+        self.cached = []
+
     def turn(self, text: str) -> Iterator[str]:
         """Add a user message and stream the answer's text as it is generated; `self.last` is the Reply."""
         self.messages.append({"role": "user", "content": text})
         ids = self._fit()
+        budget = min(self.max_tokens, self.limit - len(ids))
+        self._grow(len(ids) + max(0, budget))
         common = 0
         for a, b in zip(self.cached, ids[:-1]):   # at least one id is fed: its logits give the first token
             if a != b:
@@ -99,7 +117,6 @@ class ChatSession:
         crop = getattr(self.caches, "crop", None)   # a cache that tracks its own length (transformers') is cut
         if crop is not None:
             crop(common)
-        budget = min(self.max_tokens, self.limit - len(ids))
         out: list[int] = []
         stopped, shown, fed = "max_tokens", "", 0   # fed: how many of `out` went through the model
         tokens = stream(self.model, ids[common:], self.caches, common, budget, self.tokenizer.vocab_size, self.gen,

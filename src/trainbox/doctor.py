@@ -113,8 +113,8 @@ def gpu_checks() -> list[Check]:
     out.append(Check("bf16", "ok" if bf16 else "warn", "yes" if bf16 else "no",
                      "" if bf16 else "this GPU has no bf16: use train.dtype=fp16 (loss scaling) or fp32"))
     fp8 = all(fp8_supported(torch.device("cuda", i)) for i in range(len(caps)))
-    out.append(Check("fp8", "ok", "yes (model.fp8_head, model.fp8_mlp)" if fp8 else
-                     "no: model.fp8_head and model.fp8_mlp need compute capability 8.9+ (L4, L40S, H100, H200)"))
+    out.append(Check("fp8", "ok", "yes (model.fp8_head, model.fp8_mlp, train.float8)" if fp8 else
+                     f"no: model.fp8_head, model.fp8_mlp and train.float8 need {FP8_GPUS}"))
     fast = flash_check(min(caps), flash_problem())
     if fast is not None:
         out.append(fast)
@@ -246,19 +246,8 @@ def recipe_checks(cfg: RunConfig) -> list[Check]:
                          "run on a GPU machine, or set train.device=auto"))
     if cfg.train.dtype == "bf16" and gpu and not torch.cuda.is_bf16_supported():
         out.append(Check("needs_bf16", "fail", "train.dtype=bf16 on a GPU without bf16", "set train.dtype=fp16"))
-    fp8 = [o.split("=")[0] for o in cfg.model.fp8_options]
-    if fp8:
-        if not (gpu and fp8_supported(torch.device("cuda"))):
-            where = "this GPU has none" if gpu else "no GPU is visible"
-            if cfg.model.fp8_fallback:
-                out.append(Check("fp8", "warn", f"{' and '.join(fp8)} run as plain matmuls here (model.fp8_fallback): "
-                                 f"FP8 tensor cores (compute capability 8.9+) are missing, {where}",
-                                 "an L4, L40S, H100 or H200 runs them in FP8"))
-            else:
-                out.append(Check("needs_fp8", "fail", f"{' and '.join(fp8)} need FP8 tensor cores (compute capability "
-                                 "8.9+: L4, L40S, H100, H200); " + where,
-                                 f"drop {' and '.join(fp8)} (the matmuls then run in bf16), "
-                                 "or set model.fp8_fallback=true"))
+    if not any(c.name == "needs_gpu" for c in out):   # a GPU recipe with no GPU here: FP8 is not this machine's
+        out += fp8_checks(cfg, gpu)
     spec = family(cfg.model.family)
     eligible = "flash" in spec.attention and (spec.flash_eligible is None or spec.flash_eligible(cfg.model))
     if cfg.model.attention == "flash" or (cfg.model.attention == "auto" and eligible):
@@ -281,7 +270,7 @@ def recipe_checks(cfg: RunConfig) -> list[Check]:
                          "pip install triton (it comes with the official torch wheels)"))
     packages = [*((pkg, extra, True) for pkg, extra in spec.packages),
                 ("transformers", "finetune", bool(cfg.model.path)),   # a Hugging Face folder: its tokenizer
-                ("bitsandbytes", "quant", cfg.quant.quantized),
+                ("bitsandbytes", "quant", cfg.quant.quantized), ("torchao", "float8", cfg.train.float8),
                 ("tensorboard", "tracking", cfg.monitor.tensorboard), ("wandb", "tracking", cfg.monitor.wandb)]
     for pkg, extra in dict.fromkeys((pkg, extra) for pkg, extra, needed in packages if needed):
         if importlib.util.find_spec(pkg) is None:
@@ -295,6 +284,34 @@ def recipe_checks(cfg: RunConfig) -> list[Check]:
         out.append(Check("recipe", "ok", f"{cfg.recipe or 'config'}: everything it needs is here"))
     out.append(kernel_check(cfg))
     return out + ([memory] if memory is not None and memory.status == "ok" else [])
+
+
+FP8_GPUS = "a CUDA GPU of compute capability 8.9+ (L4, L40S, H100, H200)"
+
+
+def fp8_checks(cfg: RunConfig, gpu: bool) -> list[Check]:
+    """The run's FP8 matmuls (model.fp8_head, model.fp8_mlp, train.float8) where this machine has no FP8: a GPU
+    without FP8 tensor cores, or no GPU at all (a run on the CPU is in float32). model.fp8_fallback runs the
+    model's as plain matmuls (a warning); otherwise each is a failure, as `trainbox train` refuses it."""
+    if gpu and fp8_supported(torch.device("cuda")):
+        return []
+    model = [o.split("=")[0] for o in cfg.model.fp8_options]
+    where, plain = ("this GPU is not one", "bf16") if gpu else ("no GPU is visible here", "float32 on the CPU")
+    out = []
+    if model:
+        names = " and ".join(model)
+        if cfg.model.fp8_fallback:
+            out.append(Check("fp8", "warn", f"{names} run as plain matmuls, in {plain} (model.fp8_fallback): FP8 "
+                             f"needs {FP8_GPUS}, and {where}", "an L4, L40S, H100 or H200 runs them in FP8"
+                             if gpu else ""))
+        else:
+            out.append(Check("needs_fp8", "fail", f"{names} {'need' if len(model) > 1 else 'needs'} {FP8_GPUS} for "
+                             f"FP8 matmuls, and {where}", f"drop {names} (the matmuls then run in {plain}), or set "
+                             "model.fp8_fallback=true"))
+    if cfg.train.float8:
+        out.append(Check("needs_float8", "fail", f"train.float8=true needs {FP8_GPUS} for FP8 matmuls, and {where}",
+                         f"drop train.float8 (the matmuls then run in {plain})"))
+    return out
 
 
 def data_checks(cfg: RunConfig) -> list[Check]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import io
 import pickle
+import warnings
 from pathlib import Path
 
 import torch
@@ -109,9 +110,14 @@ def load_state(ckpt: Path, model: nn.Module, optimizers: list | None, to_global=
     state = state_dict(model, optimizers)
     if to_global is not None:
         state = to_global(model, state)
+    one_process = not (tdist.is_available() and tdist.is_initialized())
     try:
-        dcp.load(state, checkpoint_id=str(ckpt / checkpoint.SHARDED_DIR), storage_reader=reader,
-                 planner=_SafePlanner(), no_dist=not (tdist.is_available() and tdist.is_initialized()))
+        with warnings.catch_warnings():
+            # one process reading every shard (export, generate, a resume on one process) is what trainbox means
+            # here: DCP's warning that it assumes so ("torch.distributed is disabled ...") tells the user nothing
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+            dcp.load(state, checkpoint_id=str(ckpt / checkpoint.SHARDED_DIR), storage_reader=reader,
+                     planner=_SafePlanner(), no_dist=one_process)
     except CheckpointError:
         raise
     except Exception as e:  # noqa: BLE001 - DCP's CheckpointException: missing keys, size mismatch, ...

@@ -126,12 +126,13 @@ def cmd_inspect(args) -> int:
         report = _inspect_preferences(args)
     elif run is None:
         report = inspection.inspect_data(args.path, args.seq_len or 1024, args.global_batch, args.epochs or 1.0,
-                                         args.tokenizer, data_format=args.format or "auto")
+                                         args.tokenizer, data_format=args.format or "auto",
+                                         chat_template=args.chat_template)
     elif run.train.objective in ("dpo", "reward"):   # its pairs (or examples) as the run reads them, its tokenizer
         from trainbox.model.build import build_tokenizer, resolve_model  # heavy: torch
 
-        data = run.data.model_copy(update={k: v for k, v in (("seq_len", args.seq_len), ("packing", args.packing))
-                                           if v is not None})
+        data = run.data.model_copy(update={k: v for k, v in (("seq_len", args.seq_len), ("packing", args.packing),
+                                                             ("chat_template", args.chat_template)) if v is not None})
         tok = get_tokenizer(args.tokenizer) if args.tokenizer else build_tokenizer(resolve_model(run))
         pairs = run.dpo if run.train.objective == "dpo" else \
             run.dpo.model_copy(update={"max_prompt_len": run.reward.max_prompt_len})   # the reward's truncation
@@ -156,7 +157,8 @@ def cmd_inspect(args) -> int:
         adapt = partial(adapt_datasets, windows, tok, model_vocab_size(run.model, tok.vocab_size))  # t5: its spans
         report = inspection.inspect_data(run.data.path, seq_len, batch, args.epochs or run.train.epochs or 1.0,
                                          args.tokenizer or run.data.tokenizer, run.data.cache_dir,
-                                         args.format or run.data.format, adapt=adapt)
+                                         args.format or run.data.format, adapt=adapt,
+                                         chat_template=args.chat_template or run.data.chat_template)
         steps = run.train.max_steps or (run.train.max_tokens // (batch * seq_len) if run.train.max_tokens else None)
         report["run"] = {"path": args.path, "data.path": run.data.path, "data.tokenizer": run.data.tokenizer,
                          "max_steps": steps, "epochs": round(steps / report["steps_per_epoch"], 4) if steps else None}
@@ -181,7 +183,8 @@ def _inspect_preferences(args) -> dict:
     from trainbox.data.inspect import inspect_preferences, preference_tokenizer  # heavy: numpy, torch
 
     spec = args.tokenizer or preference_tokenizer(args.path) or "gpt2"
-    data = DataSection(path=args.path, tokenizer=spec, seq_len=args.seq_len or 1024, packing=bool(args.packing))
+    data = DataSection(path=args.path, tokenizer=spec, seq_len=args.seq_len or 1024, packing=bool(args.packing),
+                       chat_template=args.chat_template)
     return inspect_preferences(data, DpoSection(), get_tokenizer(spec), args.global_batch, args.epochs or 1.0)
 
 

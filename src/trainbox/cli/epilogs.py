@@ -14,7 +14,9 @@ EPILOGS = {
           trainbox train tiny --detach                     # in the background: prints the run directory, the
                                                            # monitor URL and the logs / attach / stop commands
           torchrun --nproc_per_node 8 --signals-to-handle SIGTERM,SIGINT,SIGUSR1 -m trainbox train gpt2-125m
-                                                           # SIGUSR1 (Slurm --signal) also stops cleanly
+                                                           # on SIGTERM / SIGUSR1 (Slurm --signal) every rank saves
+                                                           # and exits 0; torchrun itself then exits 1 (its
+                                                           # SignalException); --nproc N exits 0
         """,
     "generate": """
         examples:
@@ -151,8 +153,14 @@ EPILOGS = {
     "dashboard": """
         the same page and endpoints (/status /history /metrics /health) as a live run's monitor, filled
         from the run's status.json and metrics.jsonl and refreshed when they change; Ctrl-C stops it.
+        A token protects it as monitor.token protects a live run: every endpoint but /health needs
+        'Authorization: Bearer TOKEN' (a browser opens /?token=TOKEN once). A run trained with monitor.token
+        is served only with one, on any host; its files do not record the run's token, so the token given is
+        the one asked for. TRAINBOX_OVERRIDES='monitor.token=TOKEN' gives it without showing it in the process
+        list, as it does for `trainbox train`.
         examples:
           trainbox dashboard tiny                          # http://127.0.0.1:8080/ (a free port if busy)
           trainbox dashboard runs/wider --port 8090
+          TRAINBOX_OVERRIDES='monitor.token=SECRET' trainbox dashboard guarded --host 0.0.0.0
         """,
 }

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -121,19 +122,41 @@ def cmd_doctor(args) -> int:
 # ----------------------------------------------------------------------------- dashboard
 
 
+def dashboard_token(option: str | None, env: dict) -> str | None:
+    """The token `trainbox dashboard` enforces: --token, else a monitor.token=... in TRAINBOX_OVERRIDES (where the
+    live server reads it too); None when neither gives one."""
+    if option:
+        return option
+    token = None
+    for arg in shlex.split(env.get("TRAINBOX_OVERRIDES", "")):
+        key, eq, value = arg.partition("=")
+        if eq and key.strip() == "monitor.token":
+            token = value or None   # the last one wins, as for overrides
+    return token
+
+
 def cmd_dashboard(args) -> int:
     """Serve a run's dashboard from its files (metrics.jsonl, status.json) with the live run's server and
-    page; the files are read again when they change, so a run still training elsewhere stays current."""
+    page; the files are read again when they change, so a run still training elsewhere stays current.
 
-
+    A run trained with monitor.token (config.yaml records it masked) is served only with a token, on any host: the
+    files do not hold the run's token, so the one given (`dashboard_token`) is the one every endpoint but /health
+    asks for, by the live server's rules."""
 
     run_dir = resolve_run(args.run, Path(args.root))
     try:
         mon = (yaml.safe_load((run_dir / "config.yaml").read_text()) or {}).get("monitor") or {}
     except (OSError, yaml.YAMLError):
         mon = {}
+    token = dashboard_token(args.token, dict(os.environ))
+    if mon.get("token") and not token:
+        raise ConfigError(f"{run_dir} was trained with monitor.token, so its dashboard is served only with a token "
+                          f"(its files do not record the run's)",
+                          hint="give the token: TRAINBOX_OVERRIDES='monitor.token=TOKEN' trainbox dashboard "
+                               f"{args.run} (or --token TOKEN, which other users of this machine can read in its "
+                               "process list)")
     settings = {"host": args.host, "log_every": int(mon.get("log_every") or 1),
-                "stall_after": mon.get("stall_after")}
+                "stall_after": mon.get("stall_after"), "token": token}
     if args.port is not None:  # asked for: a busy port is an error; by default 8080, else a free one
         settings["port"] = args.port
     cfg = MonitorSection(**settings)
@@ -154,8 +177,10 @@ def cmd_dashboard(args) -> int:
     state.load_files(run_dir)
     server = start_server(state, cfg)
     snap = state.snapshot()
+    access = (f"; token required: 'Authorization: Bearer TOKEN', or open {server.url}/?token=TOKEN in a browser"
+              if token else "")
     print(f"dashboard of {run_dir} ({snap['phase']}, step {snap['step']}/{snap['total_steps']}): {server.url}/ "
-          f"(Ctrl-C to stop)", flush=True)
+          f"(Ctrl-C to stop{access})", flush=True)
     try:
         while True:
             time.sleep(2.0)

@@ -187,6 +187,8 @@ def build_parser() -> argparse.ArgumentParser:
     ins.add_argument("--format", choices=["auto", "shard", "megatron", "flat"], default=None,
                      help="which token file format to accept, as data.format (default auto: detected by content; "
                           "or the run's data.format)")
+    ins.add_argument("--chat-template", default=None, help="chat and preference JSONL: chatml or a .jinja file, as "
+                     "data.chat_template renders them (default: the tokenizer's, or the run's data.chat_template)")
     ins.add_argument("--packing", action=argparse.BooleanOptionalAction, default=None,
                      help="preference pairs: packed into rows of 2 x seq_len, as data.packing=true trains them "
                           "(default: off, or the run's data.packing)")
@@ -323,6 +325,9 @@ def build_parser() -> argparse.ArgumentParser:
     db.add_argument("--port", type=int, default=None, help="port (default 8080, or a free one when it is busy; "
                     "0: a free one)")
     db.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    db.add_argument("--token", default=None, help="bearer token every endpoint but /health asks for, as monitor.token "
+                    "does for a live run (default: monitor.token=... in TRAINBOX_OVERRIDES); required for a run "
+                    "trained with monitor.token")
     db.add_argument("--root", default="runs", help="folder holding run directories (default runs)")
     db.set_defaults(func=_ops("cmd_dashboard"))
     return p

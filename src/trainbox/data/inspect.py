@@ -15,7 +15,7 @@ train.objective=dpo) is read as training reads it (data/pairs.py: the truncation
 partners of unpaired examples, packed rows): pairs or examples, tokens, what the truncation cuts, and the steps
 a global batch of them (of packed rows under data.packing) gives.
 
-Zero steps raise the loader's own error message (data/loader.py: zero_steps_message). Files are opened under
+Zero steps raise the loader's own error message (data/loader.py: zero_steps). Files are opened under
 the same data.format rule and the same output-set check (a `trainbox prepare` set whose manifest is not
 complete is refused) as for training. Scans are chunked, so a many-GB dataset is inspected in bounded memory.
 """
@@ -30,12 +30,12 @@ import numpy as np
 from trainbox.config import DataSection
 from trainbox.config.preference import UNPAIRED_LOSSES
 from trainbox.data import formats, manifest, megatron
-from trainbox.data.loader import TokenDataset, open_tokens, zero_steps_message
+from trainbox.data.loader import TokenDataset, open_tokens, zero_steps
 from trainbox.data.pairs import PackedPairs, open_pair_datasets
 from trainbox.data.preference import prepared_kind
 from trainbox.data.prompts import open_prompt_datasets
 from trainbox.data.readers import first_row_is_preference, first_row_is_unpaired
-from trainbox.data.sources import check_vocab, resolve
+from trainbox.data.sources import check_tokenizer, check_vocab, resolve
 from trainbox.data.tokenizer import get_tokenizer
 from trainbox.errors import DataError
 
@@ -79,15 +79,18 @@ def describe_file(path: Path, eot: int | None, vocab_size: int | None, data_form
 
 def inspect_data(path: str, seq_len: int, global_batch: int | None = None, epochs: float = 1.0,
                  tokenizer: str | None = None, cache_dir: str | None = None, data_format: str = "auto",
-                 adapt: Callable | None = None) -> dict:
-    """A report of the train (and val) files behind `path`; DataError when an epoch would have 0 steps. `adapt`:
-    the run's rule for its packed windows, adapt(train, val) -> (train, val) (model/build.py's adapt_datasets for
-    the run); samples and steps are those of the datasets it returns."""
+                 adapt: Callable | None = None, chat_template: str | None = None) -> dict:
+    """A report of the train (and val) files behind `path`; DataError when an epoch would have 0 steps, or, with a
+    `tokenizer`, when a prepared set was made with another one (as training refuses it). `adapt`: the run's rule for
+    its packed windows, adapt(train, val) -> (train, val) (model/build.py's adapt_datasets for the run); samples and
+    steps are those of the datasets it returns. `chat_template`: data.chat_template, for raw chat JSONL."""
 
     tok = get_tokenizer(tokenizer or "gpt2")
     cfg = DataSection(path=path, tokenizer=tokenizer or "gpt2", seq_len=max(8, seq_len), cache_dir=cache_dir,
-                      format=data_format)
+                      format=data_format, chat_template=chat_template)
     train_files, val_files = resolve(cfg, tok)
+    if tokenizer:
+        check_tokenizer(train_files + val_files, tok, "", path)
     vocab = tok.vocab_size if tokenizer else None
     report: dict = {"path": path, "seq_len": seq_len, "tokenizer": tokenizer or "gpt2 (for EOT only)"}
     datasets = [TokenDataset([open_tokens(f, data_format)[0] for f in files], seq_len, name=f"{path} ({split})")
@@ -110,7 +113,7 @@ def inspect_data(path: str, seq_len: int, global_batch: int | None = None, epoch
         samples = report["train"]["samples"]
         per_epoch = samples // global_batch
         if per_epoch == 0:
-            raise DataError(zero_steps_message(f"{path} (train)", samples, seq_len, global_batch))
+            raise DataError(zero_steps(datasets[0], global_batch))
         report["global_batch"], report["epochs"] = global_batch, epochs
         report["steps_per_epoch"] = per_epoch
         report["total_steps"] = max(1, int(math.ceil(epochs * per_epoch)))

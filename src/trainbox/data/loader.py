@@ -119,10 +119,7 @@ class BatchOrder:
 
     def check_nonempty(self) -> None:
         if self.steps_per_epoch == 0:
-            d = self.dataset
-            longest = max((len(a) for a in d.arrays), default=0)
-            raise DataError(zero_steps_message(d.name, d.num_samples, d.seq_len, self.global_batch,
-                                               tokens=d.num_tokens, longest=longest))
+            raise DataError(zero_steps(self.dataset, self.global_batch))
 
     def permutation(self, epoch: int) -> np.ndarray:
         if epoch != self._perm_epoch:
@@ -176,15 +173,31 @@ def unused_data(dataset: TokenDataset, global_batch: int) -> tuple[int, int, str
     return tails, skipped, f"{dataset.name}: not trained on: " + "; ".join(parts)
 
 
-def zero_steps_message(name: str, samples: int, seq_len: int, global_batch: int, tokens: int | None = None,
-                       longest: int | None = None) -> str:
+def zero_steps(dataset, global_batch: int) -> str:
+    """Why an epoch of `dataset` has no step of `global_batch` samples, in data.seq_len's terms: where a transform
+    makes the samples (t5's span corruption), data.seq_len is its length, and each sample reads a longer window."""
+    d, transform = dataset, getattr(dataset, "transform", None)
+    longest = max((len(a) for a in d.arrays), default=0)
+    if transform is not None and hasattr(transform, "seq_len_for"):
+        return zero_steps_message(d.name, d.num_samples, transform.seq_len, global_batch, d.num_tokens, longest,
+                                  window=d.seq_len, fits=transform.seq_len_for(longest - 1))
+    return zero_steps_message(d.name, d.num_samples, d.seq_len, global_batch, d.num_tokens, longest)
+
+
+def zero_steps_message(name: str, samples: int, seq_len: int, global_batch: int, tokens: int, longest: int,
+                       window: int | None = None, fits: int | None = None) -> str:
+    """The zero-steps error: `samples` of data.seq_len=`seq_len` in `tokens` (the longest file `longest`); `window`:
+    the tokens a sample reads (+1) where that is not seq_len, `fits`: the largest data.seq_len of one sample in the
+    longest file where that is not longest - 1."""
+    reads = f" tokens (each read from a window of {window} (+1) tokens)" if window is not None else " (+1) tokens"
     if samples == 0:   # not one window: the sequence length is the setting to change
-        held = f" holds {tokens:,} tokens" + (f" (the longest file {longest:,})" if longest is not None else "") \
-            if tokens is not None else " holds"
-        at_most = f" (at most {longest - 1} here)" if longest and longest > 8 else ""
-        return (f"{name}: the training data{held}, fewer than one sample of data.seq_len={seq_len} (+1) tokens, "
-                f"so an epoch has 0 steps. Lower data.seq_len{at_most}, or add more training data")
-    return (f"{name}: {samples} samples of data.seq_len={seq_len} tokens is fewer than one global batch of "
+        fits = longest - 1 if window is None else fits
+        at_most = f" (at most {fits} here)" if fits and fits >= 8 else ""
+        return (f"{name}: the training data holds {tokens:,} tokens (the longest file {longest:,}), fewer than one "
+                f"sample of data.seq_len={seq_len}{reads}, so an epoch has 0 steps. Lower data.seq_len"
+                f"{at_most}, or add more training data")
+    each = f" (each read from a window of {window})" if window is not None else ""
+    return (f"{name}: {samples} samples of data.seq_len={seq_len} tokens{each} is fewer than one global batch of "
             f"{global_batch} sequences, so an epoch has 0 steps. Add more data, or lower train.global_batch_size "
             f"(at most {samples}) or data.seq_len")
 

@@ -106,8 +106,9 @@ def check_output_sets(paths: list[Path]) -> None:
                                                f"to read the files as they are)")
 
 
-def prepared_with(path: str | Path) -> str | None:
-    """The --tokenizer of the complete prepare manifest that lists the token file of `path`, if any."""
+def listing(path: str | Path) -> tuple[Path, dict] | None:
+    """(path, contents) of the complete prepare manifest that lists the token file of `path`; None when no manifest
+    speaks for it."""
     f = token_file(path)
     for m in sorted(f.parent.glob(f"*{MANIFEST_SUFFIX}")):
         try:
@@ -115,5 +116,11 @@ def prepared_with(path: str | Path) -> str | None:
         except DataError:
             continue
         if d and d["state"] == "complete" and f.name in {e["name"] for e in d["files"]}:
-            return d.get("tokenizer")
+            return m, d
     return None
+
+
+def prepared_with(path: str | Path) -> str | None:
+    """The --tokenizer of the complete prepare manifest that lists the token file of `path`, if any."""
+    found = listing(path)
+    return found[1].get("tokenizer") if found else None

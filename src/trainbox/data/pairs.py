@@ -1,14 +1,13 @@
 """Preference data in training (train.objective=dpo): the token files of data/preference.py, memory-mapped and cut to
 data.seq_len by its truncation rule (`fit`), as the loop's batches of pairs (or of examples, dpo.loss=kto). A raw
 JSONL data.path is prepared first, into data.cache_dir, keyed by the file, the tokenizer and the chat template; a
-prepared set whose manifest names another tokenizer than the run's is refused."""
+prepared set whose manifest names another tokenizer than the run's is refused (data/identity.py)."""
 from __future__ import annotations
 
 import hashlib
 import json
 import logging
 import os
-import shlex
 import shutil
 from pathlib import Path
 
@@ -17,6 +16,7 @@ import torch
 
 from trainbox.config.preference import UNPAIRED_LOSSES
 from trainbox.data import manifest
+from trainbox.data.identity import check_prepared
 from trainbox.data.packing import first_fit_decreasing
 from trainbox.data.preference import (
     PARTS,
@@ -26,7 +26,6 @@ from trainbox.data.preference import (
     part_path,
     prepare_pairs,
     prepared_kind,
-    tokenizer_identity,
 )
 from trainbox.data.readers import JSONL_SUFFIXES
 from trainbox.data.sources import check_vocab, default_cache_dir
@@ -356,22 +355,11 @@ def _prefix(path: str, tok, data, label: str) -> Path:
 
 
 def _check_tokenizer(prefix: Path, tok, label: str, path: str) -> None:
-    """DataError when the manifest of the prepared set `prefix` names another tokenizer than the run's `tok`: by
-    their tokenizer.json's sha256 where both are known, else by name (preference.py tokenizer_identity)."""
+    """DataError when the manifest of the prepared set `prefix` names another tokenizer than the run's `tok`
+    (data/identity.py's rule)."""
     man = manifest.manifest_path(prefix)
-    m = manifest.read_manifest(man) if man.is_file() else {}
-    if not m.get("tokenizer"):
-        return
-    (name, digest), (was, was_digest) = tokenizer_identity(tok.name), tokenizer_identity(m["tokenizer"])
-    was_digest = m.get("tokenizer_sha256") or was_digest
-    if (digest == was_digest) if digest and was_digest else (name == was):
-        return
-    again = ["trainbox", "prepare", *m.get("sources", []), "--tokenizer", tok.name, "--out", str(prefix),
-             *(["--chat-template", m["chat_template"]] if m.get("chat_template") else []), "--overwrite"]
-    raise DataError(f"{label}={path} was prepared with the tokenizer {m['tokenizer']} ({man}), and this run's is "
-                    f"{tok.name}: its token ids stand for other text under this tokenizer",
-                    hint=f"prepare it again with this model's tokenizer: {shlex.join(again)} (with its --val-docs "
-                         f"or --val-fraction), or train with the model it was prepared for")
+    if man.is_file():
+        check_prepared(man, manifest.read_manifest(man), tok, label, path)
 
 
 def _kind(prefix: Path, label: str, path: str, examples: bool) -> str:
@@ -412,6 +400,6 @@ def open_pair_datasets(data, dpo, tok, vocab_size: int) -> tuple[PairDataset, Pa
         manifest.check_output_sets(files)
         cls = UnpairedDataset if examples else PairDataset
         ds = cls(prefix, split, data.seq_len, dpo.max_prompt_len, tok.eot_id, f"{prefix} ({label} {unit})", kind)
-        check_vocab(ds.tokens, files[0], min(vocab_size, tok.vocab_size), tokenizer=tok.name)
+        check_vocab(ds.tokens, files[0], tok.vocab_size, tokenizer=tok.name, model_vocab=vocab_size)
         sets.append(ds)
     return sets[0], sets[1]

@@ -43,7 +43,6 @@ reference log-probabilities of dpo.reference=precompute are stored beside a spli
 """
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 from array import array
@@ -62,9 +61,9 @@ from trainbox.data.chat import (
     render_spans,
     tools_of,
 )
+from trainbox.data.identity import recorded
 from trainbox.data.readers import first_row_is_unpaired, is_unpaired_row, json_objects, list_input_files
 from trainbox.data.sft import tokenize_spans
-from trainbox.data.tokenizer import asset_path
 from trainbox.errors import ConfigError, DataError, NoData
 
 log = logging.getLogger("trainbox")
@@ -204,8 +203,8 @@ def encode_response(row: Pair | Example, response, tok, template: ChatTemplate |
     if row.chat:
         if template is None:
             raise DataError(f"{where}: message rows, but the tokenizer {tok.name} has no chat template",
-                            hint=f"use a built-in one: data.chat_template={next(iter(BUILTIN))} (prepare: "
-                                 f"--chat-template {next(iter(BUILTIN))})")
+                            hint=f"use a built-in one: --chat-template {next(iter(BUILTIN))} (prepare, inspect), "
+                                 f"data.chat_template={next(iter(BUILTIN))} (train)")
         text, spans = render_spans(template, row.prompt + response, where, row.tools)
         ids, mask = tokenize_spans(tok, text, spans)
     else:
@@ -383,9 +382,9 @@ def prepare_pairs(inputs: list[str], out: str, tok, tokenizer_spec: str, chat_te
         outputs += [(_save_npy(part_path(out, split, k, kind), a), part_path(out, split, k, kind))
                     for k, a in arrays.items()]
     entries = [{"name": final.name, "bytes": tmp.stat().st_size} for tmp, final in outputs]
-    base = {"trainbox_prepare": 1, "out": Path(out).name, "format": kind, "tokenizer": tokenizer_spec,
-            "tokenizer_sha256": tokenizer_identity(tokenizer_spec)[1], "vocab_size": tok.vocab_size,
-            "chat_template": chat_template, "sources": [str(f) for f in files], "files": entries}
+    base = {"trainbox_prepare": 1, "out": Path(out).name, "format": kind, **recorded(tokenizer_spec, tok.vocab_size),
+            "chat_template": chat_template, "sources": [str(f) for f in files], "val_docs": val_docs,
+            "val_fraction": val_fraction, "files": entries}
     new = {final for _, final in outputs}
     manifest.write_manifest(man, {**base, "state": "committing", "replaces": [p.name for p in olds if p not in new]})
     for tmp, final in outputs:
@@ -396,19 +395,6 @@ def prepare_pairs(inputs: list[str], out: str, tok, tokenizer_spec: str, chat_te
     manifest.write_manifest(man, {**base, "state": "complete"})
     stats.files = [str(final) for _, final in outputs] + [str(man)]
     return stats
-
-
-def tokenizer_identity(spec: str) -> tuple[str, str | None]:
-    """(the tokenizer `spec` by a name: a local one's real path, so one folder given by different paths has one
-    name, else `spec` (gpt2, a hub id); the sha256 of its tokenizer.json, local or embedded, else None), as a
-    manifest records the tokenizer of its set ("tokenizer_sha256") and data/pairs.py compares a run's with it."""
-    if spec == "gpt2" or spec.startswith("embedded:"):   # data/tokenizer.py get_tokenizer's own names
-        file = asset_path(f"{spec.split(':', 1)[1]}.json") if spec != "gpt2" else None
-    else:
-        local = Path(spec).expanduser()
-        file = local / "tokenizer.json" if local.is_dir() else local
-        spec = os.path.realpath(file if file.is_file() else local) if local.exists() else spec
-    return spec, hashlib.sha256(file.read_bytes()).hexdigest() if file is not None and file.is_file() else None
 
 
 def describe(stats: PairStats) -> str:

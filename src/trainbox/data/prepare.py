@@ -17,9 +17,10 @@ Pipeline (one reader, N tokenizer processes, one writer):
   {out}.manifest.json is written with state "committing" (the new files and the old ones they replace),
   the temporaries are renamed into place, stale outputs of the previous set and leftover temporaries
   are removed, and the manifest is rewritten with state "complete": each file's name, size and token
-  count. Readers (data/sources.py, `trainbox inspect`) refuse a set whose manifest is not complete, so a
-  kill at any moment leaves either the previous whole set or a refused one; a rerun with --overwrite
-  replaces it. Existing outputs are replaced only with overwrite=True; an input is never opened for writing.
+  count, the tokenizer (data/identity.py: a run with another one is refused), the inputs and the options.
+  Readers (data/sources.py, `trainbox inspect`) refuse a set whose manifest is not complete, so a kill at
+  any moment leaves either the previous whole set or a refused one; a rerun with --overwrite replaces it.
+  Existing outputs are replaced only with overwrite=True; an input is never opened for writing.
 - An input with no tokens at all (no documents, or only empty ones) is a NoData error (exit code 2), and
   nothing is written.
 
@@ -43,6 +44,7 @@ import numpy as np
 from trainbox.data import formats, manifest, megatron
 from trainbox.data.chat import load_template
 from trainbox.data.encode import EncodePool, fast_encoder
+from trainbox.data.identity import recorded
 from trainbox.data.readers import (
     first_record_is_chat,
     is_jsonl,
@@ -303,7 +305,9 @@ def _commit(outputs: list[tuple[Path, Path, int | None]], opts: PrepareOptions, 
     new = {final for _, final, _ in outputs}
     old = [p for p in existing_outputs(opts) if p != man]
     base = {"trainbox_prepare": 1, "out": man.name.removesuffix(manifest.MANIFEST_SUFFIX), "format": opts.format,
-            "tokenizer": opts.tokenizer, "vocab_size": tok.vocab_size,
+            **recorded(opts.tokenizer, tok.vocab_size), "sources": list(opts.inputs), "text_keys": list(opts.text_keys),
+            "chat_template": opts.chat_template, "append_eod": opts.append_eod, "val_docs": opts.val_docs,
+            "val_fraction": opts.val_fraction,
             "files": [{"name": final.name, "bytes": tmp.stat().st_size, **({} if n is None else {"tokens": n})}
                       for tmp, final, n in outputs]}
     manifest.write_manifest(man, {**base, "state": "committing", "replaces": [p.name for p in old if p not in new]})

@@ -10,6 +10,7 @@ from __future__ import annotations
 import glob
 import gzip
 import json
+import shlex
 from pathlib import Path
 from typing import Iterator
 
@@ -20,6 +21,7 @@ from trainbox.errors import DataError
 
 TEXT_SUFFIXES = (".txt", ".md", ".text")
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".json.gz", ".ndjson")
+GZIP_MAGIC = b"\x1f\x8b"      # the first two bytes of every gzip file
 ITEM_BYTES = 1 << 20          # raw input bytes per work item sent to a tokenizer worker
 TXT_PIECE_BYTES = 8 << 20     # a .txt file larger than this is read and tokenized in pieces
 
@@ -51,8 +53,21 @@ def is_jsonl(path: Path) -> bool:
     return path.name.endswith(JSONL_SUFFIXES)
 
 
-def _open(path: Path):
-    return gzip.open(path, "rb") if path.name.endswith(".gz") else open(path, "rb")
+def _open(path: Path, mode: str = "rb"):
+    """`path` for reading (`mode` "rb" or "rt", UTF-8), through gzip when its name ends in .gz; a file so named that
+    is not gzip-compressed (a plain file renamed) is a DataError naming it. A pipe is not peeked at."""
+    if not path.name.endswith(".gz"):
+        return open(path, mode, **({"encoding": "utf-8"} if mode == "rt" else {}))
+    if path.is_file():
+        with open(path, "rb") as f:
+            head = f.read(2)
+        if head and head != GZIP_MAGIC:
+            was, plain = shlex.quote(str(path)), shlex.quote(str(path.with_name(path.name.removesuffix(".gz"))))
+            raise DataError(f"{path}: not gzip-compressed, though its name ends in .gz (its first bytes are "
+                            f"{head.hex(' ')}, a gzip file's {GZIP_MAGIC.hex(' ')})",
+                            hint=f"rename it, and it is read as the plain file it is: mv {was} {plain}; or compress "
+                                 f"it: mv {was} {plain} && gzip {plain}")
+    return gzip.open(path, mode, **({"encoding": "utf-8"} if mode == "rt" else {}))
 
 
 def mend_surrogates(value):
@@ -75,8 +90,7 @@ def _surrogate_escape(line: str | bytes) -> bool:
 
 def json_objects(path: Path) -> Iterator[tuple[dict, int]]:
     """(object, line number) of each non-empty line of a JSONL (.gz) file, or a DataError naming the line."""
-    opener = gzip.open if path.name.endswith(".gz") else open
-    with opener(path, "rt", encoding="utf-8") as f:
+    with _open(path, "rt") as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue

@@ -49,6 +49,7 @@ from trainbox.data.chat import (
     tokenizer_template,
     tools_of,
 )
+from trainbox.data.identity import beyond_model
 from trainbox.data.packing import ExampleDataset
 from trainbox.data.readers import json_objects
 from trainbox.data.sources import default_cache_dir
@@ -264,9 +265,8 @@ def open_sft_datasets(cfg: DataSection, tok, vocab_size: int) -> tuple[ExampleDa
             continue
         folder = prepare_sft(p, tok, cfg)
         arr = np.load(folder / "tokens.npy", mmap_mode="r")
-        if len(arr) and int(arr.max()) >= vocab_size:
-            raise DataError(f"{p}: token id {int(arr.max())} >= the model's vocab size {vocab_size}",
-                            hint="the tokenizer does not belong to the model; set data.tokenizer to match")
+        if len(arr) and int(arr.max()) >= vocab_size:   # the run's tokenizer has ids the model does not
+            raise beyond_model(p, int(arr.max()), vocab_size, tok.name, tok.vocab_size, inputs=p)
         data = ExampleDataset(arr, np.load(folder / "mask.npy", mmap_mode="r"), np.load(folder / "starts.npy"),
                               cfg.seq_len, tok.eot_id, cfg.packing, name=f"{p} ({split})",
                               report=json.loads((folder / "stats.json").read_text()))

@@ -20,8 +20,9 @@ Loss masks (`.mask` beside a shard, `PREFIX_mask` beside a Megatron prefix) are 
 data.format (auto | shard | megatron | flat) picks the reader of every token file; data/formats.py gives the
 rule of each, and auto's detection by content. Raw and embedded inputs become shards (auto or shard only).
 The files of a `trainbox prepare` output set are read only when its manifest says the set is whole
-(manifest.check_output_sets). Every token id is checked against the tokenizer's vocabulary (not the model's
-padded one) when a dataset is opened for training.
+(manifest.check_output_sets), and only under the tokenizer its manifest names (data/identity.py). Every token id
+is checked against the tokenizer's vocabulary (not the model's padded one) and the model's when a dataset is opened
+for training.
 """
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ import numpy as np
 from trainbox.config import DataSection
 from trainbox.data import embedded, formats, manifest, megatron
 from trainbox.data.formats import write_shard
+from trainbox.data.identity import beyond_model, check_prepared
 from trainbox.data.loader import TokenDataset, open_tokens
 from trainbox.data.prepare import PrepareOptions, prepare
 from trainbox.data.readers import JSONL_SUFFIXES, TEXT_SUFFIXES, list_input_files
@@ -207,19 +209,36 @@ def _val_files(cfg: DataSection) -> list[Path]:
 
 
 def open_datasets(cfg: DataSection, tokenizer: Tokenizer, vocab_size: int) -> tuple[TokenDataset, TokenDataset | None]:
-    """(train, val) of data.path for a model of `vocab_size` ids; token ids must be below the tokenizer's
-    vocabulary too (GPT-2: 50,257, not the padded 50,304)."""
+    """(train, val) of data.path for a model of `vocab_size` ids. A prepared set must be the run's tokenizer's
+    (`check_tokenizer`); token ids must be below the tokenizer's vocabulary (GPT-2: 50,257, not the padded 50,304)
+    and the model's (a Hugging Face model's own, which another data.tokenizer may exceed)."""
     train_files, val_files = resolve(cfg, tokenizer)
-    limit = min(vocab_size, getattr(tokenizer, "vocab_size", None) or vocab_size)
+    check_tokenizer(train_files, tokenizer, "data.path", cfg.path)
+    check_tokenizer(val_files, tokenizer, *(("data.val_path", cfg.val_path) if cfg.val_path else
+                                            ("data.path", cfg.path)))
+    limit = getattr(tokenizer, "vocab_size", None) or vocab_size
     name = getattr(tokenizer, "name", None) or cfg.tokenizer
-    train = open_dataset(train_files, cfg.seq_len, f"{cfg.path} (train)", limit, cfg.format, name)
-    val = open_dataset(val_files, cfg.seq_len, f"{cfg.path} (val)", limit, cfg.format, name) if val_files else None
+    train = open_dataset(train_files, cfg.seq_len, f"{cfg.path} (train)", limit, cfg.format, name, vocab_size)
+    val = open_dataset(val_files, cfg.seq_len, f"{cfg.path} (val)", limit, cfg.format, name, vocab_size) \
+        if val_files else None
     return train, val
 
 
+def check_tokenizer(files: list[Path], tokenizer: Tokenizer, label: str, path: str) -> None:
+    """DataError when a prepared set among `files` (its manifest) was made with another tokenizer than the run's
+    (data/identity.py); files no manifest lists carry no identity and pass."""
+    seen = set()
+    for f in files:
+        found = manifest.listing(f)
+        if found is not None and found[0] not in seen:
+            seen.add(found[0])
+            check_prepared(*found, tokenizer, label, path)
+
+
 def open_dataset(files: list[Path], seq_len: int, name: str, vocab_size: int | None = None, fmt: str = "auto",
-                 tokenizer: str | None = None) -> TokenDataset:
-    """Memory-map token files (and their masks) into one TokenDataset; check ids against the vocab."""
+                 tokenizer: str | None = None, model_vocab: int | None = None) -> TokenDataset:
+    """Memory-map token files (and their masks) into one TokenDataset; check ids against the tokenizer's vocabulary
+    `vocab_size` and the model's `model_vocab`."""
     opened = [open_tokens(f, fmt) for f in files]
     arrays, masks = [a for a, _ in opened], [m for _, m in opened]
     if sum(len(a) for a in arrays) == 0:
@@ -227,34 +246,50 @@ def open_dataset(files: list[Path], seq_len: int, name: str, vocab_size: int | N
                         hint="check the input of `trainbox prepare`")
     if vocab_size is not None:
         for arr, f in zip(arrays, files):
-            check_vocab(arr, formats.token_file(f), vocab_size, tokenizer=tokenizer)
+            check_vocab(arr, formats.token_file(f), vocab_size, tokenizer=tokenizer, model_vocab=model_vocab)
     return TokenDataset(arrays, seq_len, name=name, masks=masks)
 
 
-def check_vocab(arr: np.ndarray, path: Path, vocab_size: int, chunk: int = 1 << 24,
-                tokenizer: str | None = None) -> None:
-    """DataError naming the file, token index and byte offset of the first token id >= vocab_size.
-
-    One max() per chunk of the memory map; the position is searched for only in a chunk that fails."""
+def _first_at_or_above(arr: np.ndarray, limit: int, chunk: int) -> int | None:
+    """Index of the first token id >= limit: one max() per chunk of the memory map, the position searched for only in
+    a chunk that fails."""
     for start in range(0, len(arr), chunk):
         part = np.asarray(arr[start:start + chunk])
-        if len(part) and int(part.max()) >= vocab_size:
-            pos = start + int(np.argmax(part >= vocab_size))
-            off = _byte_offset(path, arr, pos)
-            used = manifest.prepared_with(path)
-            tok = f" of tokenizer {tokenizer}" if tokenizer else ""
-            was = f"it was prepared with --tokenizer {used}" if used and used != tokenizer else \
-                "the data was tokenized with another tokenizer"
-            if tokenizer and _is_model_tokenizer(tokenizer):   # the model's weights fix its vocabulary
-                hint = (f"{was}, not with {tokenizer}, the model's own; prepare it again with the model's tokenizer: "
-                        f"trainbox prepare ... --tokenizer {tokenizer} --overwrite (the same inputs and --out)")
-            elif used and used != tokenizer:
-                hint = f"{was}; set data.tokenizer={used}"
-            else:
-                hint = (f"{was} than {tokenizer or 'this one'}; set data.tokenizer to the one it was prepared with "
-                        "(`trainbox prepare --tokenizer`)")
-            raise DataError(f"{path}: token id {int(arr[pos])} at token {pos} (byte offset {off}) is >= the "
-                            f"vocab size {vocab_size}{tok}", hint=hint)
+        if len(part) and int(part.max()) >= limit:
+            return start + int(np.argmax(part >= limit))
+    return None
+
+
+def check_vocab(arr: np.ndarray, path: Path, vocab_size: int, chunk: int = 1 << 24,
+                tokenizer: str | None = None, model_vocab: int | None = None) -> None:
+    """DataError naming the file, token index and byte offset of the first token id >= vocab_size (the tokenizer's
+    ids: the data was tokenized with another tokenizer), or, where the model's `model_vocab` is smaller and every
+    id is the tokenizer's, of the data's largest id and the model's vocabulary (the tokenizer is not the model's)."""
+    limit = min(vocab_size, model_vocab or vocab_size)
+    pos = _first_at_or_above(arr, limit, chunk)
+    if pos is None:
+        return
+    if limit < vocab_size:
+        top = max(int(np.asarray(arr[s:s + chunk]).max()) for s in range(pos, len(arr), chunk))
+        if top < vocab_size:
+            first = f"the first id past it at token {pos}, byte offset {_byte_offset(path, arr, pos)}"
+            raise beyond_model(str(path), top, limit, tokenizer, vocab_size, manifest.listing(path), first=first)
+        pos = _first_at_or_above(arr, vocab_size, chunk)
+    off = _byte_offset(path, arr, pos)
+    used = manifest.prepared_with(path)
+    tok = f" of tokenizer {tokenizer}" if tokenizer else ""
+    was = f"it was prepared with --tokenizer {used}" if used and used != tokenizer else \
+        "the data was tokenized with another tokenizer"
+    if tokenizer and _is_model_tokenizer(tokenizer):   # the model's weights fix its vocabulary
+        hint = (f"{was}, not with {tokenizer}, the model's own; prepare it again with the model's tokenizer: "
+                f"trainbox prepare ... --tokenizer {tokenizer} --overwrite (the same inputs and --out)")
+    elif used and used != tokenizer:
+        hint = f"{was}; set data.tokenizer={used}"
+    else:
+        hint = (f"{was} than {tokenizer or 'this one'}; set data.tokenizer to the one it was prepared with "
+                "(`trainbox prepare --tokenizer`)")
+    raise DataError(f"{path}: token id {int(arr[pos])} at token {pos} (byte offset {off}) is >= the "
+                    f"vocab size {vocab_size}{tok}", hint=hint)
 
 
 def _is_model_tokenizer(spec: str) -> bool:

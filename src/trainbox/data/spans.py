@@ -48,12 +48,18 @@ def _lengths_for(raw_len: int, noise_density: float, mean_span: float) -> tuple[
     return raw_len - noise + spans + 1, noise + spans + 1
 
 
-def span_lengths(seq_len: int, noise_density: float = 0.15, mean_span: float = 3.0) -> tuple[int, int]:
-    """Encoder length -> (raw packed window length, decoder target length), as T5's random_spans_helper:
-    the largest raw length whose corrupted input is at most `seq_len` tokens."""
+def _raw_len(seq_len: int, noise_density: float, mean_span: float) -> int:
+    """The largest raw window length whose corrupted input is at most `seq_len` tokens (T5's random_spans_helper)."""
     raw = seq_len - 1
     while _lengths_for(raw + 1, noise_density, mean_span)[0] <= seq_len:
         raw += 1
+    return raw
+
+
+def span_lengths(seq_len: int, noise_density: float = 0.15, mean_span: float = 3.0) -> tuple[int, int]:
+    """Encoder length -> (raw packed window length, decoder target length), as T5's random_spans_helper:
+    the largest raw length whose corrupted input is at most `seq_len` tokens."""
+    raw = _raw_len(seq_len, noise_density, mean_span)
     inputs, targets = _lengths_for(raw, noise_density, mean_span)
     if inputs != seq_len:  # only extreme settings (half the tokens in 1-token spans) skip a length
         raise ConfigError(f"span corruption with noise density {noise_density} and mean span {mean_span} cannot "
@@ -160,6 +166,23 @@ class SpanCorruption:
             raise ConfigError(f"span corruption of {self.raw_len} tokens makes {spans} spans but only "
                               f"model.t5.sentinel_tokens={sentinel_tokens} sentinels exist",
                               hint=f"raise model.t5.sentinel_tokens to {spans}, or lower data.seq_len")
+
+    def seq_len_for(self, tokens: int) -> int | None:
+        """The largest data.seq_len (8 or more, up to this one) whose raw window fits in `tokens` tokens; None when
+        none does. What a file of `tokens` + 1 tokens holds one sample of (the window's extra token included)."""
+        lo, hi = 8, min(self.seq_len, tokens + 1)   # a raw window is never shorter than seq_len - 1
+        if hi < lo or _raw_len(lo, self.noise_density, self.mean_span) > tokens:
+            return None
+        while lo < hi:   # the raw length grows with seq_len
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if _raw_len(mid, self.noise_density, self.mean_span) <= tokens else (lo, mid - 1)
+        for s in range(lo, 7, -1):   # extreme settings skip an input length (span_lengths refuses it)
+            try:
+                span_lengths(s, self.noise_density, self.mean_span)
+                return s
+            except ConfigError:
+                continue
+        return None
 
     def target_count(self, indices) -> int:
         """Decoder targets that carry loss in the samples `indices`: all of them, `target_len` a sample."""

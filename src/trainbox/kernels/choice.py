@@ -126,7 +126,8 @@ def _fused_mlp(cfg, device: torch.device) -> str:
 def _fp8(cfg, device: torch.device) -> str:
     if not cfg.fp8_options:
         return "off"
-    return "fp8" if fp8_supported(device) else "bf16"
+    # where fp8 cannot run, the fp8 matmuls run in the compute dtype: bf16 under a GPU's autocast, fp32 on a CPU
+    return "fp8" if fp8_supported(device) else ("bf16" if device.type == "cuda" else "fp32")
 
 
 def choose(cfg, device: torch.device, spec, packed: bool = False) -> KernelChoice:

@@ -29,6 +29,16 @@ def resolve_model(run):
     return resolve(run) if resolve is not None else run
 
 
+def context_length(run) -> int:
+    """The positions the run's model supports: model.block_size where set, else the family's own (its `context`
+    hook: llama with model.path, the folder's max_position_embeddings, which a fine-tune's data.seq_len does not
+    limit), else data.seq_len. What the model is built with, so sampling, chat and lm-eval ask the model for it."""
+    if run.model.block_size:
+        return run.model.block_size
+    own = family(run.model.family).hook("context")
+    return (own(run) if own is not None else None) or run.data.seq_len
+
+
 def build_model(cfg, vocab_size: int, block_size: int, run=None):
     """`cfg` is the ModelSection; `run` the whole RunConfig, which some families read (hf: LoRA, quantisation). A
     reward model (train.objective=reward) gets a score head beside the family's (`scores`)."""
@@ -96,16 +106,38 @@ def model_vocab_size(cfg, tokenizer_vocab: int) -> int:
     return cfg.vocab_size or pad_vocab(vocab_needed(cfg, tokenizer_vocab))
 
 
-def check_vocab_size(cfg, tokenizer) -> None:
-    """Refuse a model.vocab_size smaller than the ids the model must embed (the run's pre-flight check)."""
+def check_vocab_size(cfg, tokenizer, run=None) -> None:
+    """Refuse a model vocabulary smaller than the ids the model must embed (the run's pre-flight check). `cfg` is the
+    resolved model section (resolve_model), `run` the config as given (None: `cfg` is as given). model.vocab_size is
+    the user's, or one the family's resolution took from elsewhere (llama with model.path: the folder's): the
+    message names which, and tells to drop model.vocab_size only where the user gave it and the model has enough ids
+    without it."""
     need = vocab_needed(cfg, tokenizer.vocab_size)
     if cfg.vocab_size is None or cfg.vocab_size >= need:
         return
     extra = need - tokenizer.vocab_size
-    raise ConfigError(f"model.vocab_size={cfg.vocab_size} is smaller than the {tokenizer.vocab_size:,} ids of the "
-                      f"tokenizer {tokenizer.name}" + (f" plus {extra} {cfg.family} extra ids" if extra else ""),
-                      hint=f"drop model.vocab_size (the default is {pad_vocab(need):,}: the ids padded to a multiple "
-                           f"of 64) or set it to at least {need:,}; or set data.tokenizer to the model's own")
+    ids = f"the {tokenizer.vocab_size:,} ids of the tokenizer {tokenizer.name}" + (
+        f" plus {extra} {cfg.family} extra ids" if extra else "")
+    origin = f"model.path={cfg.path}'s vocab_size" if cfg.path else f"model.family={cfg.family}'s"
+    if run is None or run.model.vocab_size is not None:
+        what = f"model.vocab_size={cfg.vocab_size} is smaller than {ids}"
+        unset = None if run is None else resolve_model(run.model_copy(update={
+            "model": run.model.model_copy(update={"vocab_size": None})})).model.vocab_size
+        if unset is None:
+            fix = (f"drop model.vocab_size (the default is {pad_vocab(need):,}: the ids padded to a multiple of 64) "
+                   f"or set it to at least {need:,}")
+        elif unset >= need:
+            fix = f"drop model.vocab_size (without it, {origin}: {unset:,}) or set it to at least {need:,}"
+        else:
+            fix = f"set model.vocab_size to at least {need:,} (without it, {origin}: {unset:,}, fewer too)"
+    else:
+        what = f"the model's {cfg.vocab_size:,} ids ({origin}) are fewer than {ids}"
+        fix = f"set model.vocab_size to at least {need:,}"
+    if not cfg.path:
+        fix += "; or set data.tokenizer to the model's own"
+    elif run is not None and run.data.tokenizer != "gpt2":   # gpt2, the default, stands for model.path's own
+        fix += f"; or drop data.tokenizer to use model.path={cfg.path}'s own tokenizer"
+    raise ConfigError(what, hint=fix)
 
 
 def packs_examples(run) -> bool:

@@ -11,7 +11,7 @@ from trainbox import checkpoint
 from trainbox.checkpoint import OtherShape
 from trainbox.config import RunConfig, build_config
 from trainbox.errors import BadInput, CheckpointError, ConfigError
-from trainbox.model.build import build_model, build_tokenizer, model_vocab_size
+from trainbox.model.build import build_model, build_tokenizer, context_length, model_vocab_size
 from trainbox.model.hf_folder import is_hf_folder
 from trainbox.model.spec import family
 
@@ -56,17 +56,17 @@ def load_verified(ckpt: Path, device: str | torch.device = "cpu", generates: boo
                                                f"{ckpt} --format hf --out FOLDER")
     tokenizer = build_tokenizer(cfg)
     vocab = model_vocab_size(cfg.model, tokenizer.vocab_size)
-    model = build_model(cfg.model, vocab, cfg.model.block_size or cfg.data.seq_len, run=cfg)
+    model = build_model(cfg.model, vocab, context_length(cfg), run=cfg)
     checkpoint.load_weights(ckpt, model)
     return model.to(device), tokenizer, cfg
 
 
-def load_init_weights(path: str | Path, model: nn.Module, cfg) -> None:
+def load_init_weights(path: str | Path, model: nn.Module, cfg) -> str:
     """`run.init_from`: a Hugging Face folder (the family's import_hf: GPT-2, Llama / Mistral / Qwen2 /
-    Qwen3) or one of our run directories / checkpoints."""
+    Qwen3) or one of our run directories / checkpoints. Returns what was read: the folder, or the checkpoint."""
     if is_hf_folder(path):
         family(cfg.family).hf().import_hf(path, model, cfg)
-        return
+        return f"the Hugging Face folder {path}"
     try:
         ckpt = checkpoint.resolve(path)
     except CheckpointError as e:
@@ -79,3 +79,4 @@ def load_init_weights(path: str | Path, model: nn.Module, cfg) -> None:
                               hint=f"run.init_from loads a model of this run's shape: give the run the model "
                                    f"settings of the run that saved {ckpt} (its config.yaml), or drop run.init_from"
                               ) from None
+    return str(ckpt)

@@ -14,7 +14,8 @@ A family's folder holds
                   max_len, dtype, device), the KV caches that sampling and lm-eval's adapter (eval/) feed; optional
                   hooks, used where present:
                   resolve(run) (complete the run config before anything is built), tokenizer(run) (the model's
-                  own), extra_ids(cfg) (ids above the tokenizer's), open_datasets(run, tokenizer, vocab) (its own
+                  own), extra_ids(cfg) (ids above the tokenizer's), context(run) (the positions the model supports
+                  where model.block_size is unset; None: data.seq_len), open_datasets(run, tokenizer, vocab) (its own
                   examples), adapt_dataset(cfg, tokenizer, dataset, vocab, split) (examples from packed windows),
                   build_meta(run) (the model on the meta device, for the plan), reads_examples(run) (data.path
                   is read as whole examples, data/sft.py, so data.packing applies). A family that scores

@@ -3,7 +3,8 @@ rule that /health, `trainbox status` and `trainbox runs` apply to it is rundir/s
 
 The loop calls `update(...)` at phase changes and logged steps; readers take `snapshot()`, a plain
 dict copied under the lock. Times are wall-clock seconds (time.time()); `heartbeat` is the time of the
-last update, i.e. the last observable progress.
+last update, i.e. the last observable progress. A run in an ending phase (ENDED: finished, failed, preempted)
+has no ETA: `eta_s` is None from then on.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ PREFERENCE_TRAIN = ("reward_chosen", "reward_rejected", "reward_margin", "reward
                     "logp_rejected", "kl")
 PREFERENCE_EVAL = ("val_reward_accuracy", "val_reward_margin", "val_kl")
 PREFERENCE = PREFERENCE_TRAIN + PREFERENCE_EVAL
+ENDED = ("finished", "failed", "preempted")   # the phases a process ends in: no step is coming, so no ETA
 
 
 class RunState:
@@ -46,9 +48,11 @@ class RunState:
             if "phase" in kw and kw["phase"] not in PHASES:
                 raise ValueError(f"unknown phase {kw['phase']}")
             now = time.time()
-            if kw.get("phase") in ("finished", "failed", "preempted") and self._s["finished_at"] is None:
+            if kw.get("phase") in ENDED and self._s["finished_at"] is None:
                 kw["finished_at"] = now
             self._s.update(kw)
+            if self._s["phase"] in ENDED:
+                self._s["eta_s"] = None
             self._s["heartbeat"] = now
 
     def add_point(self, point: dict) -> None:
@@ -96,6 +100,8 @@ class RunState:
                 points[(kind, step)] = {"step": step, "eval_tasks": ev["scores"]}
         with self._lock:
             self._s.update({k: v for k, v in status.items() if k in self._s})
+            if self._s["phase"] in ENDED:   # a status.json written with the ETA of its last step
+                self._s["eta_s"] = None
             self.history = []
         for _, point in sorted(points.items(), key=lambda kv: (kv[0][1], kv[0][0] != "train", kv[0][0])):
             self.add_point(point)

@@ -210,6 +210,8 @@ def run_info(run_dir: Path, now: float | None = None) -> dict:
             state = "running" if ok else "stalled"
     else:
         state = phase if phase in STATES else "crashed"
+    if state not in ("running", "stalled"):
+        s = {**s, "eta_s": None}   # a run that is not running has no time to go (a crashed one kept its last)
     return {**s, "state": state, "healthy": ok and state in HEALTHY_STATES, "reason": reason,
             "run_dir": str(run_dir), "name": s.get("run_name") or run_dir.name, "eval_tasks": latest_eval(run_dir)}
 

@@ -19,7 +19,7 @@ from trainbox.data.loader import BatchOrder
 from trainbox.errors import DataError
 from trainbox.kernels import float8
 from trainbox.kernels.choice import KernelChoice, choose
-from trainbox.model.build import build_model, build_tokenizer, model_vocab_size, packs_examples
+from trainbox.model.build import build_model, build_tokenizer, context_length, packs_examples
 from trainbox.model.load import load_init_weights
 from trainbox.model.spec import family
 from trainbox.objective import Objective, build_objective
@@ -28,6 +28,7 @@ from trainbox.parallel import expert
 from trainbox.parallel.ddp import DataParallel
 from trainbox.parallel.distributed import Dist
 from trainbox.parallel.fsdp import ShardedParallel
+from trainbox.plan import run_vocab
 from trainbox.train.recompute import apply_activation_checkpointing
 
 log = logging.getLogger("trainbox")  # the library logger
@@ -48,7 +49,7 @@ def plan_length(cfg: RunConfig, batches: BatchOrder) -> int:
 class RunData:
     cfg: RunConfig          # resolved: model.eot_id from the tokenizer where the family reads it and it is open
     tokenizer: object
-    vocab: int              # the model's vocabulary (the tokenizer's, plus the family's extra ids, padded)
+    vocab: int              # the model's vocabulary (plan.run_vocab: hf's own, else the tokenizer's and the extras)
     train: object
     val: object | None
     batches: BatchOrder
@@ -61,7 +62,7 @@ def build_data(cfg: RunConfig, layout: RunLayout, dist: Dist, objective: Objecti
     tokenizer = build_tokenizer(cfg)
     if cfg.model.eot_id is None and family(cfg.model.family).supports("eot_id"):   # documents split at EOT
         cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"eot_id": tokenizer.eot_id})})
-    vocab = model_vocab_size(cfg.model, tokenizer.vocab_size)
+    vocab = run_vocab(cfg)   # a Hugging Face model's own (hf), which another data.tokenizer's ids may exceed
     objective = objective or build_objective(cfg)
     train, val = objective.open_datasets(cfg, tokenizer, vocab)
     batches = BatchOrder(train, layout.global_batch, layout.micro_batch, layout.world, dist.rank, cfg.run.seed,
@@ -93,6 +94,7 @@ class RunModel:
     optimizers: list
     parallel: object        # DataParallel (parallel/ddp.py) or ShardedParallel (parallel/fsdp.py)
     reference: nn.Module | None = None   # a frozen copy of the initial model (the preference objective's reference)
+    init_source: str | None = None       # what run.init_from's weights were read from (load_init_weights)
 
 
 def build_model_side(cfg: RunConfig, layout: RunLayout, vocab: int, device: torch.device, dist: Dist,
@@ -111,9 +113,8 @@ def build_model_side(cfg: RunConfig, layout: RunLayout, vocab: int, device: torc
     split = sharded or layout.expert_parallel > 1
     on = device if split and device.type == "cuda" else torch.device("cpu")
     with on:
-        model = build_model(cfg.model, vocab, cfg.model.block_size or cfg.data.seq_len, run=cfg)
-    if init_weights and cfg.run.init_from:
-        load_init_weights(cfg.run.init_from, model, cfg.model)
+        model = build_model(cfg.model, vocab, context_length(cfg), run=cfg)
+    source = load_init_weights(cfg.run.init_from, model, cfg.model) if init_weights and cfg.run.init_from else None
     if layout.expert_parallel > 1:
         expert.shard_experts(model, layout, cfg.model.moe.num_experts, dist, device)   # this rank's experts, DDP told
     model = model.to(device)
@@ -144,7 +145,7 @@ def build_model_side(cfg: RunConfig, layout: RunLayout, vocab: int, device: torc
         for p in model.parameters():
             if p.requires_grad:
                 p.grad = torch.zeros_like(p)
-    return RunModel(model, kernels, optimizers, parallel, frozen)
+    return RunModel(model, kernels, optimizers, parallel, frozen, source)
 
 
 def keeps_gradients(cfg: RunConfig, accumulation: int) -> bool:

@@ -102,6 +102,8 @@ class Trainer(RunFiles, Checkpointing, Evaluations, Reporting, Ending):
         self.tokenizer = self.train_data = self.val_data = self.batches = None
         self.vocab = self.total = self.start_step = self.tokens_seen = 0
         self.changed: dict = {}
+        self.init_from = self.cfg.run.init_from    # what the run was started from (a resume: what its checkpoint says)
+        self.init_source: str | None = None   # a new start's run.init_from weights: what they were read from
         self.model = self.kernels = self.parallel = self.forward = self.reference = None
         self.optimizers: list = []
         self.last_saved_step: int | None = None
@@ -132,7 +134,8 @@ class Trainer(RunFiles, Checkpointing, Evaluations, Reporting, Ending):
         cfg = self.cfg = data.cfg
         self.tokenizer, self.vocab, self.train_data, self.val_data = data.tokenizer, data.vocab, data.train, data.val
         self.batches, self.total = data.batches, data.total
-        memory_plan = check_memory(cfg, self.vocab, self.device, self.dtype, world=d.world)   # before any weight exists
+        memory_plan = check_memory(cfg, self.vocab, self.device, self.dtype, world=d.world,
+                                   local_world=d.local_world)   # before any weight exists
         if memory_plan is not None and (f := memory_plan.fewer_exchanges) is not None and d.is_main:
             log.info(f"expert parallelism: {memory_plan.accumulation} micro-batches a step, each with its own "
                      f"all-to-all exchanges; {f.overrides[0]} fits by the memory plan ({f.needed / 2**30:.1f} GiB of "
@@ -153,6 +156,7 @@ class Trainer(RunFiles, Checkpointing, Evaluations, Reporting, Ending):
         if self.resume_from is not None:   # checked before any model is built
             trainer_state = checkpoint.load_trainer(self.resume_from)
             self.start_step = trainer_state["step"]
+            self.init_from = resume.check_init_from(trainer_state, cfg, self.resume_from)
             self.changed = resume.check_changes(trainer_state.get("config", {}), cfg, self.resume_from)
             resume.check_data(trainer_state.get("data"), self.data_identity(), self.resume_from, cfg)
             if self.start_step == self.total:   # the run's last checkpoint: is its end still to do?
@@ -166,6 +170,7 @@ class Trainer(RunFiles, Checkpointing, Evaluations, Reporting, Ending):
                                  dtype=self.dtype, reference=self.objective.frozen_copy(cfg))
         self.model, self.kernels, self.optimizers = built.model, built.kernels, built.optimizers
         self.parallel, self.forward, self.reference = built.parallel, built.parallel.forward, built.reference
+        self.init_source = built.init_source if self.resume_from is None else None
         self.objective.attach(self.runtime())   # before the checkpoint's weights replace the initial ones
         if self.parallel.sharded and cfg.train.checkpoints:
             from trainbox.parallel.dcp import AsyncSaver  # heavy: torch.distributed.checkpoint, sharded runs only

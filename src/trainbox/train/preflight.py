@@ -50,7 +50,7 @@ def preflight(cfg: RunConfig, world: int, local_rank: int = 0, adapt_micro_batch
     layout = decide_layout(resolved, world, device.type, adapt_micro_batch)
     resolved = graphs_resolved(layout.applied(resolved), layout)
     if resolved.model.vocab_size is not None:   # else the model's vocabulary is the tokenizer's
-        check_vocab_size(resolved.model, build_tokenizer(resolved))
+        check_vocab_size(resolved.model, build_tokenizer(resolved), cfg)
     check_eval_tasks(resolved)
     if serves_monitor and resolved.monitor.enabled:
         check_host(resolved.monitor)

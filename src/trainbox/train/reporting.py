@@ -72,8 +72,9 @@ class Reporting:
                 (f" kl {objective['kl']:.3f}" if "kl" in objective else "")
         if peaks:
             extra += f" mem {peaks['peak_mem_gib']:.1f}GiB peak"
+        rate = f"{tok_s:,.0f}" if tok_s is not None else "?"
         log.info(f"step {step}/{self.total} loss {losses[-1]:.4f}{f' lr {lr:.3g}' if lr is not None else ''}"
-                 f"{f' gnorm {gn:.3f}' if gn is not None else ''} tok/s {tok_s or 0:,.0f}{extra} "
+                 f"{f' gnorm {gn:.3f}' if gn is not None else ''} tok/s {rate}{extra} "
                  f"eta {fmt_duration(eta)}",
                  extra={"progress": True})
         self.progress.update(step, self.total, losses[-1], tok_s, eta, force=step == self.total)

@@ -8,14 +8,21 @@ start replaces.
     run.resume=PATH    that step folder (it must verify), or the newest that verifies under a run folder.
     run.resume=never   a new run in this folder.
 
+run.init_from on a run folder with checkpoints is refused (`check_init_from`), unless it is the one the run was
+started from (trainer.json's `init_from`): the command that started it, given again, resumes.
+
 A start replaces the history after its step: checkpoints newer than the resumed one and metrics.jsonl lines
 of later steps (all of them for a new start) move to RUN/superseded/<time>/, so keep-last-K never weighs the
-old run's higher steps against the new run's, metrics.jsonl holds each step once, and nothing is deleted.
+old run's higher steps against the new run's, metrics.jsonl holds each step once, and nothing is deleted. A start
+that does the end of the run again (at its final checkpoint, the end cut short by a stop, a crash or an error)
+moves the end's events of that step too (END_EVENTS: the final evaluation, lm-eval tasks), which the end logs anew:
+metrics.jsonl holds each event of a step once.
 
 Changed settings on resume (`compare`): those that change no maths (logging, intervals, kernels' memory
-layout, micro-batch size) pass silently; optimizer and schedule settings and the numerics switches apply
-from the resumed step on and are listed in the log and the run's `start` event; anything that defines the
-model, the data or the batch order is refused with the list of differences.
+layout, micro-batch size, compilation and CUDA graphs, garbage collection, downloads) pass silently; optimizer
+and schedule settings and the numerics switches apply from the resumed step on and are listed in the log and
+the run's `start` event; anything that defines the model, the data or the batch order is refused with the list
+of differences.
 """
 from __future__ import annotations
 
@@ -33,10 +40,12 @@ from trainbox.files import atomic_write_text
 from trainbox.monitor.console import log
 from trainbox.parallel import experts_sharded
 
-# keys that never change what a step computes
+# keys that never change what a step computes. train.cuda_graphs replays the compiled step's own kernels (the
+# gradients of several micro-batches summed into kept zeros, the same sums); train.gc_every times Python's garbage
+# collection; data.download only fetches a missing data.path (data_identity checks what was read)
 RUNTIME = ("recipe", "requires_gpu", "required", "run.name", "run.dir", "run.resume", "run.init_from", "monitor.",
-           "data.cache_dir", "data.num_workers", "train.device", "train.threads", "train.pg_timeout_s",
-           "train.collective_timeout",
+           "data.cache_dir", "data.num_workers", "data.download", "train.device", "train.threads",
+           "train.pg_timeout_s", "train.collective_timeout", "train.gc_every", "train.cuda_graphs",
            "train.sample_tokens", "train.sample_prompt", "train.compile", "train.peak_tflops", "train.memory_check",
            "train.memory_limit_gib",
            "train.eval_every", "train.eval_tokens", "train.eval_tasks", "train.eval_tasks_every",
@@ -52,6 +61,8 @@ APPLIED = ("optim.", "train.max_steps", "train.max_tokens", "train.epochs", "tra
            "model.fused_mlp", "model.fp8_head", "model.fp8_mlp", "model.fp8_fallback", "model.lowp_residual",
            "model.window_warmup_steps")
 REFUSED_ALWAYS = ("optim.name",)
+# the events the end of a run logs at its final step, after the final checkpoint (train/stop.py Ending)
+END_EVENTS = ("eval", "eval_tasks")
 
 
 def _flat(d: dict, prefix: str = "") -> dict:
@@ -98,6 +109,22 @@ def check_changes(saved: dict, cfg: RunConfig, ckpt: Path) -> dict:
     return applied
 
 
+def check_init_from(trainer_state: dict, cfg: RunConfig, ckpt: Path) -> str | None:
+    """Refuse run.init_from on a start that resumes `ckpt`: run.init_from starts a new run from weights, which a
+    resume would drop. The run.init_from the run was started from passes (the command that started the run, given
+    again, resumes it): trainer.json's `init_from`, carried from checkpoint to checkpoint (a resume may leave
+    run.init_from out), else the saved config's. Returns it."""
+    asked = cfg.run.init_from
+    was = trainer_state.get("init_from") or (trainer_state.get("config", {}).get("run") or {}).get("init_from")
+    if not asked or (was and (was == asked or Path(was).resolve() == Path(asked).resolve())):
+        return was
+    started = f"it was started from run.init_from={was}" if was else "it was not started from run.init_from"
+    raise ConfigError(f"run.init_from={asked} starts a new run from those weights, but run {cfg.run_dir} has "
+                      f"checkpoints ({started}) and would resume from {ckpt}",
+                      hint="start a new run from those weights with run.name=NEW_NAME, or start this one over from "
+                           "them with run.resume=never (its files move to superseded/)")
+
+
 def find_start(cfg: RunConfig, ckpt_root: Path) -> Path | None:
     """The checkpoint this run resumes from (None: a new start), by run.resume (see the module docstring)."""
     r = cfg.run.resume
@@ -114,24 +141,28 @@ def find_start(cfg: RunConfig, ckpt_root: Path) -> Path | None:
     return checkpoint.resolve(r, on_skip=skip)
 
 
-def _split_metrics(metrics: Path, after: int) -> str | None:
-    """The lines of metrics.jsonl that belong to the history up to step `after` (None: all of them do)."""
+def _split_metrics(metrics: Path, after: int, end_again: bool = False) -> str | None:
+    """The lines of metrics.jsonl that belong to the history up to step `after` (None: all of them do); with
+    `end_again`, without the end's events at step `after` (END_EVENTS)."""
     lines = metrics.read_text().splitlines(keepends=True)
     kept = []
     for line in lines:
         try:
-            step = json.loads(line).get("step")
+            event = json.loads(line)
         except ValueError:   # a line cut by a crash
             continue
-        if step is None or step <= after:
+        step = event.get("step")
+        if step is None or step < after or (step == after and not (end_again and event.get("event") in END_EVENTS)):
             kept.append(line)
     return None if len(kept) == len(lines) else "".join(kept)
 
 
-def supersede(run_dir: Path, ckpt_root: Path, start: Path | None) -> Path | None:
+def supersede(run_dir: Path, ckpt_root: Path, start: Path | None, end_again: bool = False) -> Path | None:
     """Move the history after `start` to run_dir/superseded/<time>/ and return that folder (None: nothing to
     move): the checkpoints of later steps, and metrics.jsonl when it holds later steps (a copy of the lines up
-    to the start stays in place). A new start (None) moves every checkpoint and the whole metrics.jsonl."""
+    to the start stays in place), or, with `end_again` (a start at the run's final checkpoint that does its end
+    again), the end's events of the start's step. A new start (None) moves every checkpoint and the whole
+    metrics.jsonl."""
     if start is None:
         after = 0
     elif start.parent == ckpt_root:
@@ -143,7 +174,7 @@ def supersede(run_dir: Path, ckpt_root: Path, start: Path | None) -> Path | None
     metrics = run_dir / "metrics.jsonl"
     kept = None
     if metrics.exists():
-        kept = "" if after <= 0 else _split_metrics(metrics, after)
+        kept = "" if after <= 0 else _split_metrics(metrics, after, end_again)
     if not doomed and kept is None:
         return None
     dest = run_dir / "superseded" / time.strftime("%Y%m%d-%H%M%S")

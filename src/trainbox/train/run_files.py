@@ -46,7 +46,8 @@ class RunFiles:
         self.server = None
         if d.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            moved = resume.supersede(self.run_dir, self.ckpt_root, self.resume_from)
+            moved = resume.supersede(self.run_dir, self.ckpt_root, self.resume_from,
+                                     end_again=self.end_again is not None)
             if moved is not None:
                 log.info(f"the earlier history of {self.run_dir} after this start moved to {moved}")
             atomic_write_text(self.run_dir / "config.yaml", dump_yaml(cfg), fsync=False)
@@ -83,6 +84,8 @@ class RunFiles:
                      + f" ({d.world // d.local_world} node(s) of {d.local_world})")
         if self.resume_from is not None:
             log.info(f"resuming from {self.resume_from} at step {self.start_step}")
+        elif self.init_source is not None:
+            log.info(f"starting from the weights of {self.init_source} (run.init_from={cfg.run.init_from})")
         for key, (old, new) in self.changed.items():
             log.info(f"changed since the checkpoint, applied from step {self.start_step}: {key} {old!r} -> {new!r}")
         self.sinks.log("start", step=self.start_step, total_steps=self.total, resumed_from=str(self.resume_from or ""),

@@ -75,7 +75,7 @@ class Checkpointing:
                 "world": self.dist.world, "finished": step >= self.total,
                 "restarts": self.state.snapshot()["restarts"], "wandb_id": self.sinks.wandb_id,
                 "config": public_dict(self.cfg), "versions": runs.versions(), "parallel": self.parallel.name,
-                "data": self.data_identity()}
+                "data": self.data_identity(), "init_from": self.init_from}
 
     def data_identity(self) -> dict:
         """What a resume checks its training set against (resume.check_data): its samples and tokens."""

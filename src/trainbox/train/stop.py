@@ -195,7 +195,8 @@ class Ending:
     def _end(self, step: int) -> dict:
         """The end of the run, after its final checkpoint: the final evaluation, lm-eval tasks and sample. A stop
         signal here, or one during the final steps, cuts it short (the run is preempted); the same command then does
-        the end again from the final checkpoint, as it does after a crash or an error here (setup's `end_again`)."""
+        the end again from the final checkpoint, as it does after a crash or an error here (setup's `end_again`), and
+        its events replace those the end cut short had logged (train/resume.py supersede)."""
         d, last_eval, sample = self.dist, None, None
         self.stop.announce = True   # (a run that does its end again has run no step)
         if self.end_again is not None and d.is_main:

@@ -19,6 +19,7 @@ Weights come from model.safetensors or a sharded model.safetensors.index.json.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import shutil
 from pathlib import Path
@@ -53,6 +54,8 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "
                  "qwen3": "Qwen3ForCausalLM"}
 ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
+log = logging.getLogger("trainbox")
+
 
 def read_config(folder: str | Path, key: str) -> dict:
     """FOLDER/config.json of a Llama, Mistral, Qwen2 or Qwen3 model; `key` names the setting that gave the folder."""
@@ -70,6 +73,18 @@ def read_config(folder: str | Path, key: str) -> dict:
                                "train with LoRA through transformers: add model.family=hf to this command "
                                "(as the lora recipe does: trainbox train lora model.path=...)")
     return hf
+
+
+def folder_context(folder: str | Path) -> int | None:
+    """The positions FOLDER's model supports: its config.json's max_position_embeddings (None where it gives none, or
+    where the folder is no longer there: a run whose weights are all in its checkpoints, which then samples within
+    data.seq_len, said in a warning)."""
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        log.warning(f"model.path={folder}: no config.json there to read the model's context from; sampling stays "
+                    "within data.seq_len")
+        return None
+    return json.loads(path.read_text()).get("max_position_embeddings")
 
 
 def shape(hf: dict, where: str) -> dict:
@@ -297,7 +312,7 @@ def export(path: str, out: str, merge: bool = False, force: bool = False, dtype:
     out = Path(out)
     check_out(out, force)
     model, tokenizer, cfg = load_for_inference(path, generates=False)
-    block = cfg.model.block_size or cfg.data.seq_len
+    block = model.block_size
     template = template_for(tokenizer, cfg.data.chat_template)
     with staged(out) as tmp:
         arch = write_hf(model, cfg.model, tmp, tokenizer.eot_id, block, dtype,

@@ -56,7 +56,7 @@ from trainbox.model.layers import (
     scaled_residual_init_,
 )
 from trainbox.model.llama.config import head_dim, intermediate_size, tokenizer_spec
-from trainbox.model.llama.hf import resolve_from_folder
+from trainbox.model.llama.hf import folder_context, resolve_from_folder
 from trainbox.model.spec import family
 
 
@@ -353,6 +353,12 @@ def build(cfg, vocab_size: int, block_size: int, run=None) -> Llama:
 def resolve(run):
     """With model.path: the run's shape, vocabulary and run.init_from from the folder (model/llama_hf.py)."""
     return resolve_from_folder(run) if run.model.path else run
+
+
+def context(run) -> int | None:
+    """With model.path: the folder's own context (its max_position_embeddings), which the fine-tune's data.seq_len
+    does not limit; else None (the model supports data.seq_len positions, or model.block_size)."""
+    return folder_context(run.model.path) if run.model.path else None
 
 
 def tokenizer(run):
