@@ -102,9 +102,8 @@ def run_ours(folder: Path, data: Path, a) -> dict:
 def profile_sampling(call: int, tokens: int, cuda: bool) -> dict:
     """Puts the `call`-th sampling of the run (objective/grpo.py's rollout) under torch.profiler; the dict returned
     is filled when it has run: its wall time, the GPU's busy time, and the kernels by kind and the top ones, in ms a
-    token (profile_step.py's accounting)."""
+    token (the GPU kernels' own time)."""
     import torch
-    from profile_step import kernel_times
     from torch.profiler import ProfilerActivity, profile
 
     import trainbox.objective.grpo as grpo
@@ -121,7 +120,10 @@ def profile_sampling(call: int, tokens: int, cuda: bool) -> dict:
             if cuda:
                 torch.cuda.synchronize()
             wall = time.perf_counter() - start
-        per_kind, kernels, _ = kernel_times(prof.key_averages(), tokens, cuda)
+        rows = [(e.self_device_time_total / 1e3 / tokens, e.count // tokens, e.key[:120]) for e in prof.key_averages()
+                if e.device_type == torch.autograd.DeviceType.CUDA and e.self_device_time_total > 0]
+        per_kind = {"kernels": sum(r[0] for r in rows)}
+        kernels = rows
         out.update(wall_ms_per_token=round(wall * 1e3 / tokens, 3),
                    gpu_busy_ms_per_token=round(sum(per_kind.values()), 3),
                    ms_per_token_by_kind={k: round(v, 3) for k, v in sorted(per_kind.items(), key=lambda kv: -kv[1])},
