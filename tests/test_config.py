@@ -183,7 +183,10 @@ def no_work(monkeypatch):
     def work(*args, **kwargs):
         raise AssertionError("work started after the pre-flight checks")
 
+    # the name each module calls: cli/train.py holds its own (from-import), which a patch of cli.data's alone would
+    # leave real, or, were cli/train.py first imported under the patch, leave patched for the rest of the process
     monkeypatch.setattr("trainbox.cli.data.fetch_run_data", work)
+    monkeypatch.setattr("trainbox.cli.train.fetch_run_data", work)
     monkeypatch.setattr("trainbox.cli.train._launch_torchrun", work)
     monkeypatch.setattr("trainbox.train.loop.Trainer.setup", work)
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")   # what `train` sets, kept as it was

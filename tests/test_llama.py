@@ -203,7 +203,7 @@ def test_a_vocabulary_too_small_for_the_tokenizer_is_said_as_the_user_set_it(tmp
         assert "drop model.vocab_size" not in said and f"set model.vocab_size to at least {need}" in said, said
         assert f"drop data.tokenizer to use model.path={base}'s own tokenizer" in said, said
     assert f"(without it, model.path={base}'s vocab_size: 320, fewer too)" in given
-    # the fix the message names (model.vocab_size=N) is not run here: it is refused later, see the session note
+    assert main([*args, f"model.vocab_size={need}", "run.name=wider"]) == 0   # the fix named: the folder's rows
     scratch = refused(["config", "validate", "tiny", "model.vocab_size=64"])
     assert "model.vocab_size=64 is smaller" in scratch and "drop model.vocab_size (the default is 2,048" in scratch, \
         scratch
